@@ -1,0 +1,81 @@
+"""Metrics records: JSON lines appended to ``$LAUNCHER_METRICS_FILE``, one file per rank.
+
+This module is the contract between what runs in a worker (the built-in trainer's meter, or a
+user script calling ``launcher.report``) and what reads the records (the node agent, which
+streams them to the launcher, and ``launcher.report.summary``). Standard library only.
+
+``$LAUNCHER_METRICS_FILE`` may contain ``{rank}``, replaced by the worker's ``RANK``.
+
+Record types (every record has ``type``, ``rank`` and ``time``, Unix seconds):
+
+``meta``   once at start: ``local_rank``, ``world_size``, ``host``, ``device`` ("cuda:0",
+           "cpu"), ``device_name``, ``params``, ``flops_per_token`` and ``peak_tflops``
+           (null where unknown), ``seq_len``, ``micro_batch``, ``grad_accum``.
+``step``   every ``log_every`` steps: ``step`` (optimizer steps done), ``tokens`` and
+           ``samples`` processed by this rank since the previous record, ``interval_s``
+           (wall seconds since the previous record), ``measured`` (false inside warm-up),
+           optional ``step_times_ms`` (each step in the interval), ``loss``, ``lr``,
+           ``data_wait_s``, ``peak_mem_gib``, ``gpu_util_pct``. A user script's
+           ``report()`` writes ``step`` records without ``interval_s``: readers derive it
+           from consecutive ``time`` values.
+``final``  once at the end of the built-in trainer: ``steps``, ``measured_steps``,
+           ``step_time_ms_p50``, ``step_time_ms_p95``, ``tokens_per_s``, ``samples_per_s``,
+           ``tflops``, ``mfu`` (fraction, null where the peak is unknown), ``peak_mem_gib``,
+           ``data_wait_pct``, ``gpu_util_pct``, ``loss``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+ENV_VAR = "LAUNCHER_METRICS_FILE"
+
+
+def metrics_path() -> str | None:
+    """This worker's metrics file, or None when the launcher did not ask for one."""
+    template = os.environ.get(ENV_VAR)
+    if not template:
+        return None
+    return template.replace("{rank}", os.environ.get("RANK", "0"))
+
+
+def write_record(record: dict[str, Any], path: str | None = None) -> None:
+    """Append one record (adds ``rank`` and ``time`` when missing); a no-op without a path."""
+    path = path or metrics_path()
+    if path is None:
+        return
+    record.setdefault("rank", int(os.environ.get("RANK", "0")))
+    record.setdefault("time", time.time())
+    line = json.dumps(record, separators=(",", ":"), default=_jsonable) + "\n"
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
+
+
+def report(*, step: int, tokens: int = 0, samples: int = 0, loss: float | None = None, **extra: Any) -> None:
+    """For user scripts: record progress since the previous call. A no-op outside the launcher.
+
+    ``tokens`` and ``samples`` count what this rank processed since its previous call.
+    """
+    write_record({"type": "step", "step": int(step), "tokens": int(tokens), "samples": int(samples),
+                  "loss": None if loss is None else float(loss), **extra})
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete records of one file (a torn last line from a killed worker is skipped)."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)

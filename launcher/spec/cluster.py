@@ -1,0 +1,114 @@
+"""The cluster spec: which nodes, how to reach them, which Ray, which parity rules."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from launcher.spec.base import EnvDict, Strict
+
+Policy = Literal["exact", "minor", "major", "warn", "ignore"]
+
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+def is_local_host(host: str) -> bool:
+    """True for localhost and this machine's own names: such nodes need no SSH."""
+    return host in LOCAL_HOSTS or host in {socket.gethostname(), socket.getfqdn()}
+
+
+class NodeSpec(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="pinned. Node name, unique; names log folders and table columns.")
+    host: str = Field(min_length=1, description="pinned. Address or hostname that the other nodes and the launcher reach it on; localhost means this machine (no SSH).")
+    port: int = Field(22, ge=1, le=65535, description="SSH port.")
+    user: str | None = Field(None, description="SSH user for this node; default ssh.user.")
+    python: str | None = Field(None, description="Python interpreter on the node with torch and the launcher installed; default: this interpreter for local nodes, python3 on remote ones.")
+    gpus: Literal["auto"] | int = Field("auto", description="GPUs on the node; auto asks the node (preflight).")
+    env: EnvDict = Field(default_factory=dict, description="Environment for this node's workers (e.g. NCCL_SOCKET_IFNAME).")
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_nonneg(cls, v: Literal["auto"] | int) -> Literal["auto"] | int:
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"gpus must be 'auto' or a count >= 0, not {v}")
+        return v
+
+    @field_validator("host")
+    @classmethod
+    def _plain_host(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9.:_-]+", v):
+            raise ValueError(f"host {v!r} is not a hostname or IP address")
+        return v
+
+    @property
+    def is_local(self) -> bool:
+        return is_local_host(self.host)
+
+
+class SSHSpec(Strict):
+    user: str | None = Field(None, description="pinned. SSH user; default: the current user.")
+    key: Path | None = Field(None, description="pinned. Private key file; default: ssh-agent and ~/.ssh defaults.")
+    known_hosts: Path = Field(Path("~/.ssh/known_hosts"), description="pinned. Host keys to verify nodes against.")
+    accept_unknown_host_keys: bool = Field(False, description="Accept (and record) host keys not in known_hosts. Off by default: an unknown key is refused.")
+    connect_timeout_s: float = Field(10.0, gt=0, le=300, description="pinned. Give up connecting to a node after this long.")
+    max_parallel: int = Field(32, ge=1, le=1024, description="Most SSH connections open at once during fan-out.")
+
+
+class RaySpec(Strict):
+    address: str | None = Field(None, description="pinned. null: the launcher decides (embedded when every node is local, else bootstrap over SSH); auto, host:port or ray://host:port: attach to a running cluster and never stop it.")
+    port: int = Field(6379, ge=1024, le=65535, description="GCS port when the launcher starts Ray on the head node.")
+    client_port: int = Field(10001, ge=1024, le=65535, description="Ray Client port on the head node; the launcher drives a bootstrapped cluster through it.")
+    dashboard: bool = Field(False, description="Start Ray's dashboard (on the head, bound to localhost).")
+    join_timeout_s: float = Field(60.0, gt=0, le=3600, description="How long to wait for every node to join a bootstrapped cluster.")
+
+    @field_validator("address")
+    @classmethod
+    def _address_form(cls, v: str | None) -> str | None:
+        if v is None or v == "auto":
+            return v
+        if not re.fullmatch(r"(ray://)?[A-Za-z0-9._-]+:\d{1,5}", v):
+            raise ValueError(f"address {v!r} must be null, auto, host:port or ray://host:port")
+        return v
+
+
+class ParitySpec(Strict):
+    packages: list[str] = Field(default_factory=list, description="pinned. Extra Python packages whose versions must agree across nodes.")
+    policies: dict[str, Policy] = Field(default_factory=dict, description="Per-field policy overriding the defaults: exact, minor, major, warn or ignore (e.g. {python: minor, driver: warn}).")
+
+
+class ClusterSpec(Strict):
+    nodes: list[NodeSpec] = Field(min_length=1, description="pinned. The nodes; the first is the head (node_rank 0, master address).")
+    ssh: SSHSpec = Field(default_factory=SSHSpec, description="pinned. How to reach remote nodes.")
+    ray: RaySpec = Field(default_factory=RaySpec, description="pinned. Which Ray cluster runs the node agents.")
+    parity: ParitySpec = Field(default_factory=ParitySpec, description="pinned. What must agree across nodes.")
+
+    @model_validator(mode="after")
+    def _unique(self) -> ClusterSpec:
+        for attr in ("name", "host"):
+            seen: dict[str, int] = {}
+            for i, node in enumerate(self.nodes):
+                value = getattr(node, attr)
+                if attr == "host" and node.is_local and len(self.nodes) > 1:
+                    raise ValueError(
+                        f"nodes[{i}] host {value!r} is this machine; a multi-node cluster needs "
+                        f"addresses the other nodes can reach (use this machine's IP)"
+                    )
+                if value in seen:
+                    raise ValueError(
+                        f"nodes[{i}] repeats {attr} {value!r} of nodes[{seen[value]}]; each node needs its own {attr}"
+                    )
+                seen[value] = i
+        return self
+
+    @property
+    def all_local(self) -> bool:
+        return all(n.is_local for n in self.nodes)
+
+    @staticmethod
+    def this_machine() -> ClusterSpec:
+        """The default cluster when no cluster.yaml exists: this machine alone."""
+        return ClusterSpec(nodes=[NodeSpec(name="local", host="localhost")])

@@ -1,0 +1,220 @@
+"""The job spec: what to train and how (one YAML file, ``jobs/*.yaml``).
+
+Keys that scripts and docs rely on are marked *pinned* in their descriptions; keep their
+names and meaning. Cross-field checks live in ``JobSpec._cross_checks`` and each names the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from launcher.spec.base import EnvDict, Strict
+
+Arch = Literal["bert", "gpt"]
+Size = Literal["tiny", "mini", "small", "base", "large"]
+
+# (layers, d_model, heads) per size; the same shapes for BERT and GPT (GPT "base" is GPT-2 124M).
+SIZE_PRESETS: dict[str, tuple[int, int, int]] = {
+    "tiny": (2, 128, 2),
+    "mini": (4, 256, 4),
+    "small": (4, 512, 8),
+    "base": (12, 768, 12),
+    "large": (24, 1024, 16),
+}
+ARCH_DEFAULTS: dict[str, dict[str, int]] = {
+    "bert": {"vocab_size": 30522, "max_positions": 512},
+    "gpt": {"vocab_size": 50304, "max_positions": 1024},
+}
+
+
+class ModelSpec(Strict):
+    arch: Arch = Field("bert", description="pinned. bert: post-LN encoder trained with masked-LM; gpt: pre-LN causal decoder.")
+    size: Size = Field("base", description="pinned. Preset shape: tiny (2x128), mini (4x256), small (4x512), base (12x768), large (24x1024). Explicit dims below override it.")
+    n_layers: int | None = Field(None, ge=1, le=256, description="Transformer blocks; overrides the preset.")
+    d_model: int | None = Field(None, ge=8, le=65536, description="Hidden size; overrides the preset. Must divide by n_heads.")
+    n_heads: int | None = Field(None, ge=1, le=512, description="Attention heads; overrides the preset.")
+    d_ff: int | None = Field(None, ge=8, description="Feed-forward inner size; default 4 x d_model.")
+    vocab_size: int | None = Field(None, ge=8, le=1_048_576, description="Vocabulary size; default 30522 (bert) or 50304 (gpt).")
+    max_positions: int | None = Field(None, ge=8, le=1_048_576, description="Learned positions; default 512 (bert) or 1024 (gpt). data.seq_len must not exceed it.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP outputs.")
+
+    def dims(self) -> dict[str, int]:
+        """The resolved shape: preset, arch defaults, then explicit overrides."""
+        layers, d_model, heads = SIZE_PRESETS[self.size]
+        out = {"n_layers": layers, "d_model": d_model, "n_heads": heads, **ARCH_DEFAULTS[self.arch]}
+        for key in ("n_layers", "d_model", "n_heads", "vocab_size", "max_positions"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        out["d_ff"] = self.d_ff if self.d_ff is not None else 4 * out["d_model"]
+        return out
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSpec:
+        d = self.dims()
+        if d["d_model"] % d["n_heads"]:
+            raise ValueError(
+                f"d_model {d['d_model']} is not divisible by n_heads {d['n_heads']}; "
+                f"choose n_heads among the divisors of {d['d_model']}"
+            )
+        return self
+
+
+class DataSpec(Strict):
+    source: Literal["synthetic", "tokens"] = Field("synthetic", description="pinned. synthetic: structured random tokens made on the device; tokens: a file of token ids.")
+    seq_len: int = Field(512, ge=8, le=1_048_576, description="pinned. Tokens per sample.")
+    path: Path | None = Field(None, description="Token file (.npy, or raw .bin of token ids) when source is tokens; relative paths are taken from the job file's folder.")
+    token_dtype: Literal["uint16", "int32", "int64"] = Field("uint16", description="Element type of a raw .bin token file (.npy files carry their own).")
+    mask_prob: float = Field(0.15, gt=0.0, lt=1.0, description="BERT: fraction of tokens masked for MLM (80% [MASK], 10% random, 10% kept).")
+
+    @model_validator(mode="after")
+    def _path_for_tokens(self) -> DataSpec:
+        if self.source == "tokens" and self.path is None:
+            raise ValueError("source 'tokens' needs data.path (a .npy or .bin file of token ids)")
+        if self.source == "synthetic" and self.path is not None:
+            raise ValueError("data.path is only read when source is 'tokens'; set source: tokens or remove path")
+        return self
+
+
+class CheckpointSpec(Strict):
+    dir: Path | None = Field(None, description="Checkpoint folder (torch.distributed.checkpoint); null disables checkpoints. On several nodes it must be a shared filesystem.")
+    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps (0: only at the end when dir is set).")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint in dir if there is one; never: always start fresh.")
+
+
+class TrainSpec(Strict):
+    steps: int = Field(200, ge=1, description="pinned. Optimizer steps to run.")
+    warmup_steps: int = Field(20, ge=0, description="Steps excluded from throughput (compilation, allocator and cuDNN warm-up).")
+    micro_batch: int = Field(32, ge=1, description="pinned. Samples per rank per forward/backward.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    lr: float = Field(1.0e-4, gt=0.0, le=10.0, description="Peak learning rate (AdamW).")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after the linear LR warm-up.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear LR warm-up from 0 to lr.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final LR as a fraction of lr (cosine and linear).")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (not applied to biases and norms).")
+    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this (0 disables clipping).")
+    compile: bool = Field(False, description="torch.compile the model.")
+    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
+    seed: int = Field(1234, ge=0, description="Seed for weights and synthetic data (data streams also differ per rank).")
+    log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Periodic checkpoints and resume.")
+
+
+class DDPSpec(Strict):
+    bucket_cap_mb: float = Field(100.0, gt=0, description="Gradient bucket size for all-reduce overlap.")
+    static_graph: bool = Field(True, description="The graph is the same every step (enables DDP's static optimisations).")
+    gradient_as_bucket_view: bool = Field(True, description="Gradients are views into the all-reduce buckets (saves a copy and memory).")
+    comm_hook: Literal["none", "bf16", "fp16"] = Field("none", description="Compress gradients to this dtype for all-reduce.")
+
+
+class FSDPSpec(Strict):
+    reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like, more memory).")
+    param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="Dtype of gathered parameters for compute; auto follows precision.dtype.")
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of gradient reduce-scatter.")
+    cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in host memory.")
+
+
+class ParallelSpec(Strict):
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="pinned. ddp: replicate and all-reduce gradients; fsdp: shard parameters, gradients and optimizer state (FSDP2).")
+    ddp: DDPSpec = Field(default_factory=DDPSpec, description="DDP settings (strategy ddp).")
+    fsdp: FSDPSpec = Field(default_factory=FSDPSpec, description="FSDP settings (strategy fsdp).")
+
+
+class PrecisionSpec(Strict):
+    dtype: Literal["fp32", "tf32", "bf16", "fp16"] = Field("bf16", description="pinned. fp32; tf32 (fp32 with TF32 matmul and cuDNN); bf16 autocast; fp16 autocast with a GradScaler.")
+
+
+class CudnnSpec(Strict):
+    benchmark: bool = Field(True, description="torch.backends.cudnn.benchmark: search the fastest algorithm per shape (good for fixed shapes).")
+    deterministic: bool = Field(False, description="Reproducible runs: cuDNN deterministic, torch.use_deterministic_algorithms, seeds everywhere, TF32 off (slower).")
+
+
+class NCCLSpec(Strict):
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="Process-group backend; auto: nccl on cuda, gloo on cpu.")
+    timeout_s: int = Field(600, ge=1, le=86400, description="Collective timeout in seconds.")
+    env: EnvDict = Field(default_factory=lambda: {"NCCL_DEBUG": "WARN"}, description="Environment for every worker (NCCL_* and others).")
+
+
+class ResourcesSpec(Strict):
+    nodes: Literal["all"] | int = Field("all", description="pinned. How many cluster nodes to use, from the first: all, or a count.")
+    nproc_per_node: Literal["auto"] | int = Field("auto", description="pinned. Workers per node; auto = the node's GPUs (cuda) or 1 (cpu).")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="pinned. Where workers compute.")
+
+    @model_validator(mode="after")
+    def _positive(self) -> ResourcesSpec:
+        if isinstance(self.nodes, int) and self.nodes < 1:
+            raise ValueError(f"nodes must be 'all' or a count >= 1, not {self.nodes}")
+        if isinstance(self.nproc_per_node, int) and not 1 <= self.nproc_per_node <= 1024:
+            raise ValueError(f"nproc_per_node must be 'auto' or 1..1024, not {self.nproc_per_node}")
+        return self
+
+
+class LaunchSpec(Strict):
+    max_restarts: int = Field(0, ge=0, le=100, description="torchrun --max-restarts: restart all workers of the job this many times after a failure.")
+    env: EnvDict = Field(default_factory=dict, description="Extra environment for every worker.")
+    master_port: int | None = Field(None, ge=1024, le=65535, description="Rendezvous port on the first node; null picks a free one there.")
+    hang_timeout_s: float | None = Field(None, gt=0, description="Fail the job when a rank writes no metrics record for this long (a hang watchdog); null disables it.")
+    stop_grace_s: float = Field(5.0, gt=0, le=120, description="Seconds between SIGTERM and SIGKILL when stopping workers.")
+
+
+class ScriptEntrypoint(Strict):
+    script: Path = Field(description="A torchrun-ready Python script; relative paths are taken from the job file's folder. It must exist at the same path on every node.")
+    args: list[str] = Field(default_factory=list, description="Arguments after the script.")
+
+
+class JobSpec(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="pinned. Job name (letters, digits, . _ -); names the run directory.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="pinned. The Transformer to train (built-in trainer).")
+    data: DataSpec = Field(default_factory=DataSpec, description="pinned. Where batches come from.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="Steps, batch, optimizer and loop settings.")
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="pinned. DDP or FSDP.")
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec, description="pinned. Numeric precision.")
+    cudnn: CudnnSpec = Field(default_factory=CudnnSpec, description="cuDNN settings.")
+    nccl: NCCLSpec = Field(default_factory=NCCLSpec, description="Collective backend settings.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="pinned. Nodes, workers per node and device.")
+    launch: LaunchSpec = Field(default_factory=LaunchSpec, description="torchrun and worker settings.")
+    entrypoint: Literal["builtin"] | ScriptEntrypoint = Field("builtin", description="pinned. builtin (the launcher's Transformer trainer) or {script: path.py, args: [...]}.")
+
+    @property
+    def backend(self) -> str:
+        """The process-group backend this job uses."""
+        if self.nccl.backend != "auto":
+            return self.nccl.backend
+        return "nccl" if self.resources.device == "cuda" else "gloo"
+
+    @property
+    def uses_builtin(self) -> bool:
+        return self.entrypoint == "builtin"
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobSpec:
+        dev = self.resources.device
+        if dev == "cpu" and self.precision.dtype == "fp16":
+            raise ValueError("fp16 on device cpu is not supported; use bf16 or fp32 (precision.dtype)")
+        if dev == "cpu" and self.precision.dtype == "tf32":
+            raise ValueError("tf32 is a GPU matmul mode; on device cpu use fp32 or bf16 (precision.dtype)")
+        if dev == "cpu" and self.nccl.backend == "nccl":
+            raise ValueError("the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto")
+        if self.uses_builtin:
+            max_pos = self.model.dims()["max_positions"]
+            if self.data.seq_len > max_pos:
+                raise ValueError(
+                    f"data.seq_len {self.data.seq_len} exceeds the model's {max_pos} positions; "
+                    f"lower data.seq_len or raise model.max_positions"
+                )
+            if self.train.warmup_steps >= self.train.steps:
+                raise ValueError(
+                    f"train.warmup_steps ({self.train.warmup_steps}) must be below train.steps "
+                    f"({self.train.steps}), or no step is measured"
+                )
+        if self.train.checkpoint.every_steps and self.train.checkpoint.dir is None:
+            raise ValueError("train.checkpoint.every_steps needs train.checkpoint.dir")
+        if self.cudnn.deterministic and self.cudnn.benchmark:
+            raise ValueError("cudnn.deterministic and cudnn.benchmark exclude each other; set cudnn.benchmark: false")
+        if self.cudnn.deterministic and self.precision.dtype == "tf32":
+            raise ValueError("cudnn.deterministic turns TF32 off; use precision.dtype fp32 or bf16")
+        if self.parallel.strategy == "fsdp" and self.parallel.ddp.comm_hook != "none":
+            raise ValueError("parallel.ddp.comm_hook applies to ddp; for fsdp use parallel.fsdp.reduce_dtype")
+        return self

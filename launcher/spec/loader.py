@@ -1,0 +1,278 @@
+"""YAML files and ``--set`` overrides in, validated specs out; every failure is a SpecError.
+
+Errors name the file, the dotted field path and the fix, suggest the closest known key for a
+typo, and report the line of broken YAML. They never carry a traceback to the user.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from launcher.errors import SpecError, UsageError
+from launcher.spec.cluster import ClusterSpec
+from launcher.spec.job import JobSpec
+
+DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
+
+
+def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
+    """Read a job file, apply ``--set KEY=VALUE`` overrides and validate."""
+    source = Path(path)
+    data = read_yaml(source)
+    data = apply_overrides(data, overrides)
+    job = validate(JobSpec, data, source=str(source), overrides=overrides)
+    return _resolve_job_paths(job, source)
+
+
+def load_cluster(path: str | os.PathLike[str] | None = None) -> ClusterSpec:
+    """Read a cluster file; with no path, ./cluster.yaml where it exists, else this machine."""
+    if path is None:
+        if not DEFAULT_CLUSTER_FILE.is_file():
+            return ClusterSpec.this_machine()
+        path = DEFAULT_CLUSTER_FILE
+    source = Path(path)
+    return validate(ClusterSpec, read_yaml(source), source=str(source))
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Parse one YAML mapping; a missing file or broken YAML names the file and line."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError("file not found; check the path", source=str(path)) from None
+    except OSError as err:
+        raise SpecError(f"cannot read the file ({err.strerror})", source=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecError(f"invalid YAML{where}: {problem}", source=str(path)) from None
+    if data is None:
+        raise SpecError("the file is empty; a job needs at least 'name'", source=str(path))
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"the top level must be a mapping of keys, not a {type(data).__name__}",
+            source=str(path),
+        )
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a copy of ``data``; values are parsed as YAML scalars."""
+    out = _deep_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise UsageError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set train.steps=50")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return out
+
+
+def validate(model: type[BaseModel], data: Any, *, source: str, overrides: Sequence[str] = ()) -> Any:
+    """Validate ``data`` into ``model``; all problems go into one SpecError paragraph."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        problems = _describe(model, err)
+        from_set = {o.partition("=")[0].strip() for o in overrides}
+        lines = [
+            f"field '{f}'{' (from --set)' if f in from_set else ''}: {msg}" if f else msg
+            for f, msg in problems
+        ]
+        count = "" if len(lines) == 1 else f" ({len(lines)} problems)"
+        raise SpecError(f"invalid {_kind(model)}{count}: " + "; ".join(lines), source=source) from err
+
+
+def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
+    """Checks between a job and a cluster that need no node: asking for more nodes than exist."""
+    if isinstance(job.resources.nodes, int) and job.resources.nodes > len(cluster.nodes):
+        names = ", ".join(n.name for n in cluster.nodes)
+        raise SpecError(
+            f"resources.nodes asks for {job.resources.nodes} nodes but the cluster has "
+            f"{len(cluster.nodes)} ({names}); lower resources.nodes or add nodes to cluster.yaml",
+            source=job_source,
+            field="resources.nodes",
+        )
+    for node in cluster.nodes[: job.resources.nodes if isinstance(job.resources.nodes, int) else None]:
+        if job.resources.device == "cuda" and node.gpus == 0:
+            raise SpecError(
+                f"device cuda needs GPUs but cluster node {node.name!r} declares gpus: 0; "
+                f"use resources.device cpu or fix the node's gpus",
+                source=job_source,
+                field="resources.device",
+            )
+
+
+# -- internals ------------------------------------------------------------------------------
+
+
+def _kind(model: type[BaseModel]) -> str:
+    return {"JobSpec": "job spec", "ClusterSpec": "cluster spec"}.get(model.__name__, model.__name__)
+
+
+def _describe(model: type[BaseModel], err: ValidationError) -> list[tuple[str, str]]:
+    """Turn pydantic's errors into (dotted field, message) pairs a person can act on."""
+    raw: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+    for e in err.errors(include_url=False):
+        raw.append((_field_path(model, e["loc"]), e))
+    # A union (e.g. entrypoint: builtin | {script, ...}) reports one error per branch; when a
+    # branch got further (a nested field is wrong), the shallow "expected X" error is noise.
+    paths = [p for p, _ in raw]
+    kept = [
+        (p, e) for p, e in raw
+        if not any(len(q) > len(p) and q[: len(p)] == p for q in paths)
+    ]
+    merged: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for p, e in kept:
+        merged.setdefault(p, []).append(e)
+    out = []
+    for path, errs in merged.items():
+        dotted = ".".join(path)
+        out.append((dotted, _message(model, path, errs)))
+    return out
+
+
+def _field_path(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, ...]:
+    """The user's dotted path for a pydantic loc: field names and indices, no union-branch tags."""
+    out: list[str] = []
+    current: Any = model
+    for part in loc:
+        current = _unwrap(current)
+        if isinstance(part, int):
+            if out:
+                out[-1] += f"[{part}]"
+            current = get_args(current)[0] if get_args(current) else None
+        elif _is_model(current):
+            if part in current.model_fields:
+                out.append(part)
+                current = current.model_fields[part].annotation
+            else:
+                out.append(part)  # an unknown key
+                current = None
+        elif get_origin(current) is dict:
+            out.append(part)
+            current = get_args(current)[1]
+        elif _union_args(current):
+            branch = next((a for a in _union_args(current) if getattr(a, "__name__", "") == part), None)
+            current = branch  # a tag like "literal['builtin']" or "int" matches no model: None
+        else:
+            out.append(part)
+            current = None
+    return tuple(out)
+
+
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
+
+
+def _union_args(annotation: Any) -> tuple[Any, ...]:
+    return get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ()
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Optional[X] / X | None -> X; Annotated[X, ...] -> X."""
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    args = _union_args(annotation)
+    non_none = [a for a in args if a is not type(None)]
+    if args and len(non_none) == 1:
+        return non_none[0]
+    return annotation
+
+
+def _model_at(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] | None:
+    """The model holding the last key of ``path`` (for did-you-mean suggestions)."""
+    current: Any = model
+    for part in path:
+        name = part.split("[")[0]
+        current = _unwrap(current)
+        if not _is_model(current) or name not in current.model_fields:
+            return None
+        current = _unwrap(current.model_fields[name].annotation)
+        if get_origin(current) is list:
+            current = _unwrap(get_args(current)[0])
+        models = [a for a in _union_args(current) if _is_model(a)]
+        if len(models) == 1:
+            current = models[0]
+    return current if _is_model(current) else None
+
+
+def _message(model: type[BaseModel], path: tuple[str, ...], errs: list[dict[str, Any]]) -> str:
+    first = errs[0]
+    if first["type"] == "extra_forbidden":
+        return _unknown_key(model, path)
+    if first["type"] == "missing":
+        return "required but missing; add it"
+    texts = []
+    for e in errs:
+        msg = e["msg"]
+        msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        texts.append(msg.removeprefix("Input should be ") if len(errs) > 1 else msg)
+    if len(errs) > 1:
+        return f"got {first.get('input')!r}; expected " + " or ".join(dict.fromkeys(texts))
+    if first["type"] in {"value_error", "assertion_error"}:
+        return texts[0]
+    return f"{texts[0]} (got {first.get('input')!r})"
+
+
+def _unknown_key(model: type[BaseModel], path: tuple[str, ...]) -> str:
+    key = path[-1]
+    parent = _model_at(model, path[:-1])
+    known = list(parent.model_fields) if parent is not None else []
+    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if hint:
+        return f"unknown key. Instead of '{key}', did you mean '{hint[0]}'?"
+    if known:
+        return f"unknown key '{key}'; known keys here: {', '.join(known)}"
+    return f"unknown key '{key}'"
+
+
+def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
+    """Relative data and script paths are taken from the job file's folder; scripts must exist."""
+    base = source.parent
+    updates: dict[str, Any] = {}
+    if job.data.path is not None and not job.data.path.is_absolute():
+        updates["data"] = job.data.model_copy(update={"path": (base / job.data.path).resolve()})
+    if job.train.checkpoint.dir is not None and not job.train.checkpoint.dir.is_absolute():
+        ckpt = job.train.checkpoint.model_copy(update={"dir": job.train.checkpoint.dir.resolve()})
+        updates["train"] = job.train.model_copy(update={"checkpoint": ckpt})
+    if not job.uses_builtin:
+        entry = job.entrypoint
+        script = entry.script if entry.script.is_absolute() else (base / entry.script).resolve()
+        if not script.is_file():
+            raise SpecError(
+                f"entrypoint.script {str(entry.script)!r} does not exist (looked for {script}); "
+                f"paths are relative to the job file's folder",
+                source=str(source),
+                field="entrypoint.script",
+            )
+        updates["entrypoint"] = entry.model_copy(update={"script": script})
+    return job.model_copy(update=updates) if updates else job
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
