@@ -1,0 +1,238 @@
+"""Scaling studies: adjust a job per point, aggregate repeats, write the table and plot.
+
+``launch scale`` runs one job at several world sizes (the driver lives in
+``launcher.orchestrate``); this module is the pure part around it:
+
+* ``scale_job`` adapts the job to a point's world size (weak or strong scaling);
+* ``build_table`` turns the measured points into the study table;
+* ``write_scaling`` saves ``scaling.json``, ``scaling.csv`` and ``scaling.png``.
+
+Definitions (N ranks, N0 the smallest measured point, T = tokens/s, the median over repeats):
+
+* speedup(N)    = T(N) / T(N0); ideal: N / N0.
+* efficiency(N) = (T(N) / N) / (T(N0) / N0), per-rank throughput relative to the base point.
+  Weak scaling keeps the per-rank batch, so this asks "does each rank stay as fast?".
+  Strong scaling keeps the global batch, so it reads as speedup / (N / N0), the usual
+  strong-scaling efficiency; the two expressions are the same ratio. It is stored as a
+  fraction (0.93) and shown as a percentage.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from launcher.errors import SpecError, UsageError
+from launcher.spec.job import JobSpec
+
+log = logging.getLogger(__name__)
+
+MODES = ("weak", "strong")
+POINT_KEYS = (
+    "nodes", "ranks", "global_batch", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_per_rank",
+    "speedup", "efficiency", "repeats", "failed_repeats", "run_dirs",
+)
+CSV_KEYS = POINT_KEYS[:8] + ("failed_repeats",)
+DASH = "–"
+
+
+def scale_job(job: JobSpec, world: int, base_world: int, mode: str) -> JobSpec:
+    """The job for one point of a study at ``world`` ranks, the base point having ``base_world``.
+
+    weak: unchanged (each rank keeps ``train.micro_batch``; the global batch grows with world).
+    strong: the global batch ``micro_batch x grad_accum x base_world`` is kept. The per-rank
+    share is split by keeping ``grad_accum`` and changing ``micro_batch`` where it divides,
+    else keeping ``micro_batch`` and changing ``grad_accum``, else taking the largest
+    micro-batch up to the current one that divides the share (so memory per step never grows).
+    """
+    if mode not in MODES:
+        raise UsageError(f"--mode {mode!r}: choose weak or strong")
+    if world < 1 or base_world < 1:
+        raise UsageError(f"world sizes must be >= 1 (got world {world}, base {base_world})")
+    if mode == "weak":
+        return job
+    mb, ga = job.train.micro_batch, job.train.grad_accum
+    global_batch = mb * ga * base_world
+    if global_batch % world:
+        divisors = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        shown = ", ".join(str(n) for n in divisors[:12]) + (", ..." if len(divisors) > 12 else "")
+        raise SpecError(
+            f"strong scaling keeps the base point's global batch (train.micro_batch {mb} x "
+            f"train.grad_accum {ga} x {base_world} ranks = {global_batch} samples), which does not "
+            f"split over {world} ranks; use world sizes that divide {global_batch} ({shown}) or "
+            f"change train.micro_batch / train.grad_accum",
+            field="train.micro_batch",
+        )
+    share = global_batch // world
+    if share % ga == 0:
+        new_mb, new_ga = share // ga, ga
+    elif share % mb == 0:
+        new_mb, new_ga = mb, share // mb
+    else:
+        new_mb = max(d for d in range(1, min(mb, share) + 1) if share % d == 0)
+        new_ga = share // new_mb
+    train = job.train.model_copy(update={"micro_batch": new_mb, "grad_accum": new_ga})
+    return job.model_copy(update={"train": train})
+
+
+def build_table(points: list[dict], *, job: str, mode: str) -> dict:
+    """The study table (the ``scaling.json`` dict) from measured points.
+
+    Each point: ``nodes``, ``ranks`` (world size), ``global_batch``, ``repeats`` (a list of
+    summary dicts from ``launcher.report.summary.summarize`` or plain tokens/s numbers) and
+    optionally ``run_dir`` / ``run_dirs``. A repeat without a measured tokens/s (a failed run)
+    counts in ``failed_repeats`` and not in the statistics.
+    """
+    if mode not in MODES:
+        raise UsageError(f"--mode {mode!r}: choose weak or strong")
+    rows = []
+    for point in sorted(points, key=lambda p: (int(p["ranks"]), int(p["nodes"]))):
+        values = [_tokens_per_s(r) for r in point.get("repeats", [])]
+        measured = [v for v in values if v is not None]
+        ranks = int(point["ranks"])
+        median = statistics.median(measured) if measured else None
+        run_dirs = point.get("run_dirs") or ([point["run_dir"]] if point.get("run_dir") else [])
+        rows.append({
+            "nodes": int(point["nodes"]),
+            "ranks": ranks,
+            "global_batch": point.get("global_batch"),
+            "tokens_per_s": median,
+            "tokens_per_s_min": min(measured) if measured else None,
+            "tokens_per_s_per_rank": median / ranks if median is not None else None,
+            "speedup": None,
+            "efficiency": None,
+            "repeats": measured,
+            "failed_repeats": len(values) - len(measured),
+            "run_dirs": [str(d) for d in run_dirs],
+        })
+    base = next((r for r in rows if r["tokens_per_s"]), None)
+    for row in rows:
+        if base is not None and row["tokens_per_s"] is not None:
+            row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+            row["efficiency"] = row["tokens_per_s_per_rank"] / base["tokens_per_s_per_rank"]
+    return {
+        "job": job,
+        "mode": mode,
+        "base_ranks": base["ranks"] if base is not None else None,
+        "points": rows,
+    }
+
+
+def render_scaling(table: dict) -> str:
+    """The study as a text table, with the definitions under it."""
+    headers = ["nodes", "ranks", "global batch", "tokens/s (median)", "tokens/s (min)",
+               "tokens/s per rank", "speedup", "efficiency %", "repeats"]
+    body = []
+    for p in table["points"]:
+        runs = len(p["repeats"]) + p["failed_repeats"]
+        body.append([
+            p["nodes"], p["ranks"], DASH if p["global_batch"] is None else p["global_batch"],
+            _num(p["tokens_per_s"]), _num(p["tokens_per_s_min"]), _num(p["tokens_per_s_per_rank"]),
+            DASH if p["speedup"] is None else f"{p['speedup']:.2f}x",
+            DASH if p["efficiency"] is None else f"{100 * p['efficiency']:.1f}",
+            f"{len(p['repeats'])}/{runs}" if p["failed_repeats"] else str(runs),
+        ])
+    grid = tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True,
+                    colalign=("right",) * len(headers))
+    base = table.get("base_ranks")
+    note = (f"Speedup and efficiency are relative to {base} rank{'s' if base != 1 else ''}; "
+            f"efficiency = per-rank tokens/s over the base point's "
+            f"({'= speedup / (N/N0)' if table['mode'] == 'strong' else 'weak scaling: per-rank batch kept'}).")
+    if base is None:
+        note = "No point measured a throughput; nothing to compare."
+    return f"{table['job']}: {table['mode']} scaling\n\n{grid}\n\n{note}\n"
+
+
+def write_scaling(out_dir: Path, table: dict) -> str:
+    """Write ``scaling.json``, ``scaling.csv`` and ``scaling.png`` (when matplotlib is
+    installed); return the text table."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "scaling.json").write_text(json.dumps(table, indent=2) + "\n")
+    (out_dir / "scaling.csv").write_text(to_csv(table))
+    try:
+        plot_scaling(table, out_dir / "scaling.png")
+    except ImportError:
+        log.warning("matplotlib is not installed: no scaling.png (pip install 'launcher[plot]')")
+    return render_scaling(table)
+
+
+def load_scaling(study_dir: Path) -> dict:
+    """A study's table from its ``scaling.json``."""
+    path = Path(study_dir) / "scaling.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{study_dir}: no scaling.json; give a directory made by 'launch scale'") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path}: not valid JSON (line {err.lineno}); the study directory is damaged") from None
+    if not isinstance(data, dict) or not isinstance(data.get("points"), list):
+        raise UsageError(f"{path}: not a scaling table (expected an object with 'points')")
+    return data
+
+
+def to_csv(table: dict) -> str:
+    """One row per point."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(CSV_KEYS), lineterminator="\n")
+    writer.writeheader()
+    for p in table["points"]:
+        writer.writerow({k: "" if p.get(k) is None else p.get(k) for k in CSV_KEYS})
+    return buf.getvalue()
+
+
+def plot_scaling(table: dict, path: Path) -> Path:
+    """Two panels against ranks: tokens/s with the ideal line, and efficiency with 100%."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in table["points"] if p["tokens_per_s"] is not None]
+    fig, (ax_tp, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.5))
+    try:
+        fig.suptitle(f"{table['job']}: {table['mode']} scaling")
+        ranks = [p["ranks"] for p in points]
+        if points:
+            base = points[0]
+            ideal = [base["tokens_per_s"] * n / base["ranks"] for n in ranks]
+            ax_tp.plot(ranks, ideal, "--", color="grey", label="ideal (linear)")
+            ax_tp.plot(ranks, [p["tokens_per_s"] for p in points], "o-", label="measured (median)")
+            ax_eff.axhline(100.0, linestyle="--", color="grey", label="ideal (100%)")
+            ax_eff.plot(ranks, [100 * p["efficiency"] for p in points], "o-", color="tab:orange",
+                        label="measured")
+        for ax in (ax_tp, ax_eff):
+            ax.set_xlabel("ranks (world size)")
+            if ranks:
+                ax.set_xticks(ranks)
+            ax.grid(True, alpha=0.3)
+            ax.legend(loc="best")
+        ax_tp.set_ylabel("tokens/s (all ranks)")
+        ax_tp.set_title("throughput")
+        ax_eff.set_ylabel("scaling efficiency (%)")
+        ax_eff.set_title(f"efficiency vs {table.get('base_ranks') or '?'} ranks")
+        ax_eff.set_ylim(bottom=0)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return Path(path)
+
+
+def _tokens_per_s(repeat: Any) -> float | None:
+    """tokens/s of one repeat: a number, or a summary dict's totals."""
+    if isinstance(repeat, dict):
+        value = (repeat.get("totals") or {}).get("tokens_per_s")
+        return None if value is None else float(value)
+    return None if repeat is None else float(repeat)
+
+
+def _num(value: float | None) -> str:
+    return DASH if value is None else f"{value:,.0f}"

@@ -1,0 +1,445 @@
+"""Per-rank, per-node and job throughput tables from every rank's metrics records.
+
+Input: the plan's rank layout and each rank's records (``launcher.metrics`` describes them).
+Output: the ``summary.json`` dict (its keys are a contract, see DESIGN.md), the text tables,
+and ``summary.{json,csv,txt}`` in the run directory.
+
+Two flavours of records reach this module:
+
+* the built-in trainer writes ``meta``, ``step`` records (``interval_s``, ``measured``,
+  ``step_times_ms``, ...) and a ``final`` record with ready statistics, which wins;
+* a user script calling ``launcher.report()`` writes only ``step`` records counting the
+  tokens/samples since its previous call; the interval is the gap between consecutive
+  ``time`` values, so the first record only starts the clock.
+
+A failed or interrupted run still gets a summary of what was measured: ranks without
+records keep their row with nulls ("–" in the tables).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from launcher.errors import UsageError
+from launcher.metrics import read_records
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("succeeded", "failed", "interrupted")
+STRAGGLER_THRESHOLD = 0.05  # a rank whose p50 step time exceeds the median by more than 5%
+
+RANK_KEYS = (
+    "rank", "node", "host", "local_rank", "device", "steps",
+    "step_time_ms_p50", "step_time_ms_p95", "samples_per_s", "tokens_per_s",
+    "tflops", "mfu", "peak_mem_gib", "data_wait_pct",
+)
+TOTAL_KEYS = ("tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks")
+FAILURE_KEYS = ("rank", "node", "host", "exit_code", "signal", "log_tail")
+DASH = "–"
+
+
+def summarize(
+    job: str,
+    ranks: list[dict],
+    records: dict[int, list[dict]],
+    *,
+    status: str,
+    failure: dict | None = None,
+) -> dict:
+    """Build the ``summary.json`` dict.
+
+    ``ranks`` is the plan's layout (``rank``, ``node``, ``host``, ``local_rank``, ``device``);
+    ``records`` maps a rank to its metrics records in file order (missing ranks: no records).
+    ``status`` is succeeded, failed or interrupted; ``failure`` names the failed rank.
+    """
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
+    rows = [_rank_row(layout, records.get(int(layout["rank"]), [])) for layout in
+            sorted(ranks, key=lambda r: int(r["rank"]))]
+    nodes = list(dict.fromkeys(r["node"] for r in rows))
+    return {
+        "job": job,
+        "status": status,
+        "world_size": len(rows),
+        "nodes": len(nodes),
+        "ranks": rows,
+        "totals": _totals(rows),
+        "failure": _failure(failure),
+    }
+
+
+def render(summary: dict) -> str:
+    """The text report: status line, per-rank, per-node and job tables, stragglers."""
+    parts = [_status_lines(summary), ""]
+    parts += ["Per rank", _rank_table(summary["ranks"]), ""]
+    parts += ["Per node", _node_table(summary["ranks"]), ""]
+    parts += ["Job", _totals_table(summary), ""]
+    parts.append(_straggler_line(summary))
+    return "\n".join(parts) + "\n"
+
+
+def write_summary(run_dir: Path, summary: dict) -> str:
+    """Write ``summary.json``, ``summary.csv`` and ``summary.txt``; return the text."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = render(summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / "summary.csv").write_text(to_csv(summary))
+    (run_dir / "summary.txt").write_text(text)
+    return text
+
+
+def load_run(run_dir: Path) -> dict:
+    """Rebuild a run's summary from ``plan.json`` and ``metrics/rank<R>.jsonl``.
+
+    Status and failure come from an existing ``summary.json``; without one the run never
+    finished writing it, so it counts as succeeded only when every rank wrote its ``final``
+    record, else as interrupted. Without ``plan.json`` the rank layout is taken from
+    ``summary.json``.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir}: no such directory; give a run directory (runs/<job>-<time>/)")
+    plan = _read_json(run_dir / "plan.json")
+    previous = _read_json(run_dir / "summary.json")
+    if plan is None and previous is None:
+        raise UsageError(
+            f"{run_dir} is not a run directory: it has neither plan.json nor summary.json; "
+            f"give a directory made by 'launch' (runs/<job>-<time>/)"
+        )
+    source = plan if plan is not None else previous
+    layout = [{k: r.get(k) for k in ("rank", "node", "host", "local_rank", "device")}
+              for r in source.get("ranks", [])]
+    records = load_records(run_dir / "metrics", (int(r["rank"]) for r in layout))
+    if previous is not None and previous.get("status") in STATUSES:
+        status, failure = previous["status"], previous.get("failure")
+    else:
+        done = all(any(rec.get("type") == "final" for rec in records.get(int(r["rank"]), []))
+                   for r in layout)
+        status, failure = ("succeeded" if layout and done else "interrupted"), None
+    return summarize(str(source.get("job", run_dir.name)), layout, records,
+                     status=status, failure=failure)
+
+
+def load_records(metrics_dir: Path, ranks: Iterable[int]) -> dict[int, list[dict]]:
+    """Each rank's records from ``metrics_dir/rank<R>.jsonl``; a missing file is no records."""
+    out: dict[int, list[dict]] = {}
+    for rank in ranks:
+        path = Path(metrics_dir) / f"rank{rank}.jsonl"
+        out[rank] = read_records(path) if path.is_file() else []
+    return out
+
+
+def report_command(path: str, *, fmt: str = "table") -> int:
+    """``launch report RUN_DIR [--format table|json|csv]``: print a finished run or study."""
+    from launcher.report import scaling
+
+    if fmt not in ("table", "json", "csv"):
+        raise UsageError(f"--format {fmt!r}: choose table, json or csv")
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise UsageError(f"{path}: no such directory; give a run directory (runs/<job>-<time>/) "
+                         f"or a scaling study directory")
+    if (run_dir / "scaling.json").is_file():
+        table = scaling.load_scaling(run_dir)
+        out = {"table": scaling.render_scaling, "json": _json_text,
+               "csv": scaling.to_csv}[fmt](table)
+    else:
+        summary = load_run(run_dir)
+        out = {"table": render, "json": _json_text, "csv": to_csv}[fmt](summary)
+    print(out, end="")
+    return 0
+
+
+def to_csv(summary: dict) -> str:
+    """One row per rank with the ``summary.json`` rank keys as columns (mfu as a fraction)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(RANK_KEYS), lineterminator="\n")
+    writer.writeheader()
+    for row in summary["ranks"]:
+        writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in RANK_KEYS})
+    return buf.getvalue()
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between order statistics."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> list[int]:
+    """Ranks whose p50 step time exceeds the median of all ranks' p50 by more than threshold."""
+    known = [r["step_time_ms_p50"] for r in rows if r.get("step_time_ms_p50") is not None]
+    if len(known) < 2:
+        return []
+    median = statistics.median(known)
+    return [int(r["rank"]) for r in rows
+            if r.get("step_time_ms_p50") is not None and r["step_time_ms_p50"] > median * (1 + threshold)]
+
+
+# -- one rank -------------------------------------------------------------------------------
+
+
+def _rank_row(layout: dict, records: list[dict]) -> dict:
+    row: dict[str, Any] = dict.fromkeys(RANK_KEYS)
+    meta = next((r for r in records if r.get("type") == "meta"), {})
+    row.update(
+        rank=int(layout["rank"]),
+        node=layout.get("node"),
+        host=layout.get("host") or meta.get("host"),
+        local_rank=layout.get("local_rank", meta.get("local_rank")),
+        device=meta.get("device") or layout.get("device"),
+    )
+    final = next((r for r in reversed(records) if r.get("type") == "final"), None)
+    stats = _from_final(final) if final is not None else _from_steps(records, meta)
+    row.update(stats)
+    return row
+
+
+def _from_final(final: dict) -> dict:
+    return {
+        "steps": final.get("steps"),
+        "step_time_ms_p50": final.get("step_time_ms_p50"),
+        "step_time_ms_p95": final.get("step_time_ms_p95"),
+        "samples_per_s": final.get("samples_per_s"),
+        "tokens_per_s": final.get("tokens_per_s"),
+        "tflops": final.get("tflops"),
+        "mfu": final.get("mfu"),
+        "peak_mem_gib": final.get("peak_mem_gib"),
+        "data_wait_pct": final.get("data_wait_pct"),
+    }
+
+
+def _from_steps(records: list[dict], meta: dict) -> dict:
+    """Statistics from ``step`` records: measured intervals only, intervals from ``time`` gaps
+    where ``interval_s`` is absent (the first such record only starts the clock)."""
+    steps = [r for r in records if r.get("type") == "step"]
+    if not steps:
+        return {}
+    intervals = []  # (record, interval seconds, optimizer steps in the interval)
+    prev: dict | None = None
+    for rec in steps:
+        if rec.get("interval_s") is not None:
+            span: float | None = float(rec["interval_s"])
+            prev_step = prev.get("step", 0) if prev is not None else 0
+        elif prev is not None and rec.get("time") is not None and prev.get("time") is not None:
+            span = float(rec["time"]) - float(prev["time"])
+            prev_step = prev.get("step", 0)
+        else:
+            span, prev_step = None, 0
+        if span is not None and span > 0 and rec.get("measured", True):
+            intervals.append((rec, span, (rec.get("step") or 0) - (prev_step or 0)))
+        prev = rec
+
+    out: dict[str, Any] = {"steps": max((r.get("step") or 0) for r in steps)}
+    peaks = [r["peak_mem_gib"] for r in steps if r.get("peak_mem_gib") is not None]
+    out["peak_mem_gib"] = max(peaks) if peaks else None
+    if not intervals:
+        return out
+
+    seconds = sum(span for _, span, _ in intervals)
+    tokens = sum(rec.get("tokens") or 0 for rec, _, _ in intervals)
+    samples = sum(rec.get("samples") or 0 for rec, _, _ in intervals)
+    out["tokens_per_s"] = tokens / seconds
+    out["samples_per_s"] = samples / seconds
+
+    step_ms = [float(t) for rec, _, _ in intervals for t in rec.get("step_times_ms") or ()]
+    if not step_ms:
+        step_ms = [span * 1000.0 / n for _, span, n in intervals if n > 0]
+    out["step_time_ms_p50"] = percentile(step_ms, 50)
+    out["step_time_ms_p95"] = percentile(step_ms, 95)
+
+    waits = [(rec["data_wait_s"], span) for rec, span, _ in intervals if rec.get("data_wait_s") is not None]
+    if waits:
+        out["data_wait_pct"] = 100.0 * sum(w for w, _ in waits) / sum(s for _, s in waits)
+
+    flops_per_token = meta.get("flops_per_token")
+    if flops_per_token:
+        out["tflops"] = out["tokens_per_s"] * float(flops_per_token) / 1e12
+        peak = meta.get("peak_tflops")
+        if peak:
+            out["mfu"] = out["tflops"] / float(peak)
+    return out
+
+
+# -- totals and failure ---------------------------------------------------------------------
+
+
+def _totals(rows: list[dict]) -> dict:
+    tokens = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s") is not None]
+    samples = [r["samples_per_s"] for r in rows if r.get("samples_per_s") is not None]
+    mfus = [r["mfu"] for r in rows if r.get("mfu") is not None]
+    return {
+        "tokens_per_s": sum(tokens) if tokens else None,
+        "samples_per_s": sum(samples) if samples else None,
+        # Per measured rank: a rank that died before measuring would otherwise dilute it.
+        "tokens_per_s_per_gpu": sum(tokens) / len(tokens) if tokens else None,
+        "mfu": statistics.fmean(mfus) if mfus else None,
+        "straggler_ranks": stragglers(rows),
+    }
+
+
+def _failure(failure: dict | None) -> dict | None:
+    if failure is None:
+        return None
+    return {k: failure.get(k) for k in FAILURE_KEYS}
+
+
+# -- text -----------------------------------------------------------------------------------
+
+
+def _status_lines(summary: dict) -> str:
+    nodes = summary["nodes"]
+    head = (f"job {summary['job']}: {summary['status'].upper()} — {summary['world_size']} "
+            f"rank{'s' if summary['world_size'] != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}")
+    lines = [head]
+    if summary["status"] != "succeeded":
+        lines.append("Partial results: the tables show what was measured before the run stopped; "
+                     f"'{DASH}' marks what no record reported.")
+    failure = summary.get("failure")
+    if failure:
+        how = []
+        if failure.get("exit_code") is not None:
+            how.append(f"exit code {failure['exit_code']}")
+        if failure.get("signal"):
+            how.append(f"signal {failure['signal']}")
+        where = f"rank {failure.get('rank', '?')} on node {failure.get('node', '?')} ({failure.get('host', '?')})"
+        lines.append(f"First failure: {where}" + (f", {', '.join(how)}" if how else ""))
+        tail = failure.get("log_tail")
+        if tail:
+            lines.append("Last lines of its log:")
+            lines += ["  | " + line for line in str(tail).rstrip("\n").splitlines()[-20:]]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, digits: int = 1, *, pct: bool = False, thousands: bool = False) -> str:
+    if value is None:
+        return DASH
+    if isinstance(value, str):
+        return value
+    if pct:
+        value = value * 100.0
+    if thousands:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def _rank_table(rows: list[dict]) -> str:
+    headers = ["rank", "node", "host", "device", "steps", "step ms p50", "step ms p95",
+               "samples/s", "tokens/s", "TFLOP/s", "MFU %", "peak mem GiB", "data wait %"]
+    body = [[
+        r["rank"], r["node"] or DASH, r["host"] or DASH, r["device"] or DASH,
+        DASH if r["steps"] is None else r["steps"],
+        _fmt(r["step_time_ms_p50"]), _fmt(r["step_time_ms_p95"]),
+        _fmt(r["samples_per_s"]), _fmt(r["tokens_per_s"], thousands=True),
+        _fmt(r["tflops"], 2), _fmt(r["mfu"], pct=True), _fmt(r["peak_mem_gib"], 2),
+        _fmt(r["data_wait_pct"]),
+    ] for r in rows]
+    return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True,
+                    colalign=("right", "left", "left", "left") + ("right",) * 9)
+
+
+def node_rows(rows: list[dict]) -> list[dict]:
+    """Per node: throughputs and TFLOP/s summed, step times and MFU averaged, memory max."""
+    out = []
+    for node in dict.fromkeys(r["node"] for r in rows):
+        mine = [r for r in rows if r["node"] == node]
+        out.append({
+            "node": node,
+            "host": mine[0]["host"],
+            "ranks": len(mine),
+            "ranks_measured": sum(r.get("tokens_per_s") is not None for r in mine),
+            "step_time_ms_p50": _mean(r["step_time_ms_p50"] for r in mine),
+            "samples_per_s": _sum(r["samples_per_s"] for r in mine),
+            "tokens_per_s": _sum(r["tokens_per_s"] for r in mine),
+            "tflops": _sum(r["tflops"] for r in mine),
+            "mfu": _mean(r["mfu"] for r in mine),
+            "peak_mem_gib": max((r["peak_mem_gib"] for r in mine if r["peak_mem_gib"] is not None), default=None),
+            "data_wait_pct": _mean(r["data_wait_pct"] for r in mine),
+        })
+    return out
+
+
+def _node_table(rows: list[dict]) -> str:
+    headers = ["node", "host", "ranks", "mean step ms p50", "samples/s", "tokens/s",
+               "TFLOP/s", "mean MFU %", "max peak mem GiB", "mean data wait %"]
+    body = [[
+        n["node"] or DASH, n["host"] or DASH,
+        f"{n['ranks_measured']}/{n['ranks']}" if n["ranks_measured"] != n["ranks"] else str(n["ranks"]),
+        _fmt(n["step_time_ms_p50"]), _fmt(n["samples_per_s"]), _fmt(n["tokens_per_s"], thousands=True),
+        _fmt(n["tflops"], 2), _fmt(n["mfu"], pct=True), _fmt(n["peak_mem_gib"], 2),
+        _fmt(n["data_wait_pct"]),
+    ] for n in node_rows(rows)]
+    return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True,
+                    colalign=("left", "left") + ("right",) * 8)
+
+
+def _totals_table(summary: dict) -> str:
+    t = summary["totals"]
+    measured = sum(r.get("tokens_per_s") is not None for r in summary["ranks"])
+    body = [
+        ["status", summary["status"]],
+        ["ranks measured", f"{measured} of {summary['world_size']}"],
+        ["tokens/s (all ranks)", _fmt(t["tokens_per_s"], thousands=True)],
+        ["samples/s (all ranks)", _fmt(t["samples_per_s"])],
+        ["tokens/s per GPU", _fmt(t["tokens_per_s_per_gpu"], thousands=True)],
+        ["MFU % (mean of ranks)", _fmt(t["mfu"], pct=True)],
+    ]
+    return tabulate(body, tablefmt="simple", disable_numparse=True, colalign=("left", "right"))
+
+
+def _straggler_line(summary: dict) -> str:
+    rows = summary["ranks"]
+    known = [r["step_time_ms_p50"] for r in rows if r.get("step_time_ms_p50") is not None]
+    if len(known) < 2:
+        return "Stragglers: not assessed (fewer than two ranks measured step times)."
+    median = statistics.median(known)
+    slow = [r for r in rows if r["rank"] in set(summary["totals"]["straggler_ranks"])]
+    if not slow:
+        return (f"Stragglers: none (every rank's p50 step time is within "
+                f"{STRAGGLER_THRESHOLD:.0%} of the median {median:.1f} ms).")
+    named = ", ".join(
+        f"rank {r['rank']} on {r['node']} ({r['step_time_ms_p50']:.1f} ms, "
+        f"+{100 * (r['step_time_ms_p50'] / median - 1):.1f}%)" for r in slow
+    )
+    return f"Stragglers (p50 step time > median {median:.1f} ms + {STRAGGLER_THRESHOLD:.0%}): {named}."
+
+
+def _sum(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path}: not valid JSON (line {err.lineno}); the run directory is damaged") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a JSON object; the run directory is damaged")
+    return data
+
+
+def _json_text(data: dict) -> str:
+    return json.dumps(data, indent=2) + "\n"
