@@ -1,0 +1,69 @@
+"""Shared fixtures. ``netns_cluster``: simulated multi-node clusters (see tests/netns.py)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from netns import NetnsCluster, missing_requirements  # noqa: E402
+
+ClusterFactory = Callable[..., NetnsCluster]
+
+
+@functools.cache
+def netns_unavailable() -> str | None:
+    """Why simulated clusters cannot run here (tools, root, kernel permissions), else None."""
+    reason = missing_requirements()
+    if reason:
+        return reason
+    probe = f"lnchchk{os.getpid():x}"[:15]
+    made = subprocess.run(["ip", "link", "add", probe, "type", "bridge"], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create network devices here: {made.stderr.strip()}"
+    subprocess.run(["ip", "link", "del", probe], capture_output=True)
+    made = subprocess.run(["unshare", "--mount", "--uts", "--net", "true"], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create namespaces here: {made.stderr.strip()}"
+    return None
+
+
+def _factory() -> Iterator[ClusterFactory]:
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(f"simulated multi-node cluster unavailable: {reason}")
+    clusters: list[NetnsCluster] = []
+
+    def make(n_nodes: int = 3, **kwargs: object) -> NetnsCluster:
+        cluster = NetnsCluster(n_nodes, **kwargs)  # type: ignore[arg-type]
+        cluster.__enter__()
+        clusters.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in reversed(clusters):
+            cluster.close()
+
+
+@pytest.fixture
+def netns_cluster() -> Iterator[ClusterFactory]:
+    """``make(n_nodes=3) -> NetnsCluster``: started clusters, torn down after the test.
+
+    Skips with the reason when not root or ``ip``/``sshd``/``unshare``/``nsenter`` are missing.
+    """
+    yield from _factory()
+
+
+@pytest.fixture(scope="module")
+def netns_cluster_module() -> Iterator[ClusterFactory]:
+    """Like ``netns_cluster`` but shared by a test module (clusters live until its end)."""
+    yield from _factory()

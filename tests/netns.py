@@ -1,0 +1,433 @@
+"""Simulated multi-node clusters on one machine: network namespaces with a real sshd each.
+
+The root namespace is the "login node" where the launcher runs. Each simulated node gets
+
+* its own network namespace (``lnch-<pid>-<n>-nodeI``) with a veth named ``eth0`` into a
+  bridge in the root namespace; the bridge has ``198.18.X.1/24``, node ``i`` has
+  ``198.18.X.(10+i)`` (198.18.0.0/15 is the benchmarking range, X is picked per cluster);
+* its own mount and UTS namespaces: its hostname is the node name and ``/tmp``, ``/dev/shm``
+  and ``/root/.ray`` are private tmpfs mounts, so nodes share nothing but the network and the
+  read-mostly filesystem, as real machines on a shared home directory would;
+* a real ``sshd`` with a generated host key, root login by key only.
+
+Keys, sshd configs and ``known_hosts`` live under ``/var/tmp/launcher-netns-<pid>-<n>/`` and
+never under ``/tmp`` (private inside each node). Every name (namespaces, bridge, veths,
+folders, the subnet) is unique per cluster, so parallel test sessions on one machine never
+collide. ``__exit__`` (and a failed ``__enter__``) kills every process in each namespace and
+removes namespaces, veths, the bridge and the folder; clusters left behind by a killed
+process are reaped by the next cluster created on the machine.
+
+Usage::
+
+    with NetnsCluster(3) as c:
+        c.cluster_yaml(tmp_path / "cluster.yaml")
+        c.exec("node1", "ip link set eth0 down")      # fault injection
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import ipaddress
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+NS_PREFIX = "lnch-"
+STATE_ROOT = Path("/var/tmp")
+DIR_PREFIX = "launcher-netns-"
+LOCK_FILE = STATE_ROOT / "launcher-netns.lock"
+SSHD = "/usr/sbin/sshd"
+REQUIRED_TOOLS = ("ip", "unshare", "nsenter", "ssh-keygen", SSHD)
+
+_counter = itertools.count()
+_alive: set[NetnsCluster] = set()
+
+
+def missing_requirements() -> str | None:
+    """Why simulated clusters cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run the tests as root)"
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"missing tools: {', '.join(missing)} (apt-get install iproute2 util-linux openssh-server)"
+    return None
+
+
+class NetnsError(RuntimeError):
+    """Setting up or tearing down a simulated cluster failed."""
+
+
+class NetnsCluster:
+    """``n_nodes`` simulated nodes, each a network namespace running sshd (see the module doc)."""
+
+    def __init__(self, n_nodes: int, *, node_prefix: str = "node", ready_timeout_s: float = 20.0):
+        if not 1 <= n_nodes <= 200:
+            raise ValueError(f"n_nodes must be 1..200, not {n_nodes}")
+        self.n_nodes = n_nodes
+        self.ready_timeout_s = ready_timeout_s
+        self.owner_pid = os.getpid()
+        count = next(_counter)
+        self.uid = f"{self.owner_pid}-{count}"
+        self.node_names = [f"{node_prefix}{i}" for i in range(n_nodes)]
+        self.dir = STATE_ROOT / f"{DIR_PREFIX}{self.uid}"
+        # Interface names are limited to 15 characters: pid and counter in hex keep them short.
+        short = f"{self.owner_pid:x}x{count:x}"
+        self.bridge = f"lnb{short}"
+        self._veth_prefix = f"lv{short}"
+        self.subnet: ipaddress.IPv4Network | None = None
+        self._sshd: dict[str, subprocess.Popen[bytes]] = {}
+        self._created_ns: list[str] = []
+        self._bridge_created = False
+
+    # -- names and addresses ------------------------------------------------------------------
+
+    def namespace(self, node: str) -> str:
+        """The ``ip netns`` name of a node."""
+        return f"{NS_PREFIX}{self.uid}-{node}"
+
+    def host(self, node: str | int) -> str:
+        """A node's address."""
+        return str(self._addr(10 + self._index(node)))
+
+    @property
+    def gateway(self) -> str:
+        """The root namespace's (the login node's) address on the bridge."""
+        return str(self._addr(1))
+
+    @property
+    def node_hosts(self) -> dict[str, str]:
+        """Node name → address."""
+        return {name: self.host(name) for name in self.node_names}
+
+    def unused_host(self) -> str:
+        """An address in the subnet with no node behind it (an unreachable host)."""
+        return str(self._addr(250))
+
+    @property
+    def ssh_key(self) -> Path:
+        """The private key every node accepts for root."""
+        return self.dir / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        """A known_hosts file holding every node's host key."""
+        return self.dir / "known_hosts"
+
+    def extra_key(self, name: str = "wrong") -> Path:
+        """A freshly generated private key that no node accepts."""
+        path = self.dir / f"{name}_ed25519"
+        if not path.exists():
+            _keygen(path)
+        return path
+
+    # -- the cluster file ---------------------------------------------------------------------
+
+    def cluster_dict(self, *, nodes: dict[str, dict[str, Any]] | None = None, **sections: Any) -> dict[str, Any]:
+        """A cluster spec for these nodes as a dict.
+
+        ``nodes`` maps node names to overrides merged into that node's entry; a name that is
+        not a node of this cluster adds a node (give it a ``host``). Other keyword arguments
+        are top-level sections (``ssh``, ``ray``, ``parity``) deep-merged into the defaults.
+        """
+        entries = {
+            name: {"name": name, "host": self.host(name), "port": 22, "python": sys.executable}
+            for name in self.node_names
+        }
+        for name, extra in (nodes or {}).items():
+            entries.setdefault(name, {"name": name, "port": 22, "python": sys.executable}).update(extra)
+        data: dict[str, Any] = {
+            "nodes": list(entries.values()),
+            "ssh": {
+                "user": "root",
+                "key": str(self.ssh_key),
+                "known_hosts": str(self.known_hosts),
+                "connect_timeout_s": 5,
+            },
+        }
+        return _deep_merge(data, sections)
+
+    def cluster_yaml(self, path: str | os.PathLike[str], **overrides: Any) -> Path:
+        """Write :meth:`cluster_dict` (same arguments) as YAML to ``path``; returns the path."""
+        out = Path(path)
+        out.write_text(yaml.safe_dump(self.cluster_dict(**overrides), sort_keys=False))
+        return out
+
+    # -- running things inside nodes ----------------------------------------------------------
+
+    def exec(self, node: str, cmd: str, *, timeout: float = 60.0, check: bool = False) -> subprocess.CompletedProcess[str]:
+        """Run ``sh -c cmd`` on a node: in its network, mount and UTS namespaces (as sshd sees them)."""
+        pid = self._sshd[node].pid
+        argv = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "sh", "-c", cmd]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=check)
+
+    def pids(self, node: str) -> list[int]:
+        """Every process running in a node's network namespace."""
+        return _ns_pids(self.namespace(node))
+
+    def sshd_log(self, node: str) -> str:
+        path = self.dir / f"{node}.sshd.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def __enter__(self) -> NetnsCluster:
+        reason = missing_requirements()
+        if reason:
+            raise NetnsError(reason)
+        _alive.add(self)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill every process in the namespaces, delete namespaces, veths, bridge and folder."""
+        for proc in self._sshd.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        for ns in self._created_ns:
+            _kill_ns(ns)
+        for proc in self._sshd.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        for ns in self._created_ns:
+            _run(["ip", "netns", "del", ns], check=False)
+        if self._bridge_created:
+            _run(["ip", "link", "del", self.bridge], check=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._sshd.clear()
+        self._created_ns.clear()
+        self._bridge_created = False
+        _alive.discard(self)
+
+    def _setup(self) -> None:
+        reap_stale()
+        self.dir.mkdir(mode=0o700, parents=True)
+        _keygen(self.ssh_key)
+        (self.dir / "authorized_keys").write_text(Path(f"{self.ssh_key}.pub").read_text())
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
+        with _machine_lock():
+            self.subnet = _free_subnet(self.owner_pid)
+            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            self._bridge_created = True
+            _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
+            _run(["ip", "link", "set", self.bridge, "up"])
+        known = []
+        for i, node in enumerate(self.node_names):
+            self._add_node(i, node)
+            pub = Path(f"{self.dir / node}_host_ed25519.pub").read_text().split()
+            known.append(f"{self.host(node)} {pub[0]} {pub[1]}\n")
+        self.known_hosts.write_text("".join(known))
+        deadline = time.monotonic() + self.ready_timeout_s
+        for node in self.node_names:
+            self._wait_ready(node, deadline)
+
+    def _add_node(self, i: int, node: str) -> None:
+        ns = self.namespace(node)
+        host_veth, node_veth = f"{self._veth_prefix}h{i}", f"{self._veth_prefix}n{i}"
+        _run(["ip", "netns", "add", ns])
+        self._created_ns.append(ns)
+        _run(["ip", "link", "add", host_veth, "type", "veth", "peer", "name", node_veth])
+        _run(["ip", "link", "set", node_veth, "netns", ns])  # deleting the namespace deletes the pair
+        _run(["ip", "link", "set", host_veth, "master", self.bridge, "up"])
+        _run(["ip", "-n", ns, "link", "set", node_veth, "name", "eth0"])
+        _run(["ip", "-n", ns, "addr", "add", f"{self.host(node)}/24", "dev", "eth0"])
+        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+        host_key = self.dir / f"{node}_host_ed25519"
+        _keygen(host_key)
+        config = self.dir / f"{node}.sshd_config"
+        config.write_text(
+            "\n".join(
+                [
+                    "Port 22",
+                    f"ListenAddress {self.host(node)}",
+                    f"HostKey {host_key}",
+                    f"AuthorizedKeysFile {self.dir / 'authorized_keys'}",
+                    "PermitRootLogin prohibit-password",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "UseDNS no",
+                    "PidFile none",
+                    "MaxStartups 200",
+                    "MaxSessions 100",
+                    "LogLevel ERROR",
+                    "",
+                ]
+            )
+        )
+        script = (
+            f"hostname {node} && mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs /dev/shm"
+            " && mkdir -p /root/.ray && mount -t tmpfs tmpfs /root/.ray"
+            f" && exec {SSHD} -f {config} -D -e"
+        )
+        argv = ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script]
+        with open(self.dir / f"{node}.sshd.log", "wb") as log:
+            self._sshd[node] = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def _wait_ready(self, node: str, deadline: float) -> None:
+        """Wait until the node's sshd sends its banner."""
+        proc = self._sshd[node]
+        while True:
+            if proc.poll() is not None:
+                raise NetnsError(f"sshd on {node} exited with {proc.returncode}: {self.sshd_log(node)[-2000:]}")
+            try:
+                with socket.create_connection((self.host(node), 22), timeout=1.0) as sock:
+                    if sock.recv(4).startswith(b"SSH-"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise NetnsError(f"sshd on {node} did not accept connections within {self.ready_timeout_s} s")
+            time.sleep(0.05)
+
+    def _index(self, node: str | int) -> int:
+        return node if isinstance(node, int) else self.node_names.index(node)
+
+    def _addr(self, last: int) -> ipaddress.IPv4Address:
+        assert self.subnet is not None, "the cluster is not started"
+        return self.subnet.network_address + last
+
+
+# -- machine-wide helpers -------------------------------------------------------------------------
+
+
+def reap_stale() -> list[str]:
+    """Remove clusters whose owning process is gone (a test session killed by SIGKILL)."""
+    reaped = []
+    for ns in _netns_names():
+        if not ns.startswith(NS_PREFIX):
+            continue
+        uid = "-".join(ns[len(NS_PREFIX) :].split("-")[:2])
+        pid = int(uid.split("-")[0]) if uid.split("-")[0].isdigit() else None
+        if pid is None or _pid_alive(pid):
+            continue
+        _kill_ns(ns)
+        _run(["ip", "netns", "del", ns], check=False)
+        reaped.append(ns)
+    live_pids = {int(n[len(NS_PREFIX) :].split("-")[0]) for n in _netns_names() if n.startswith(NS_PREFIX)}
+    for link in json.loads(_run(["ip", "-j", "link", "show", "type", "bridge"]).stdout or "[]"):
+        name = link.get("ifname", "")
+        if name.startswith("lnb") and "x" in name:
+            with contextlib.suppress(ValueError):
+                pid = int(name[3:].split("x")[0], 16)
+                if pid not in live_pids and not _pid_alive(pid):
+                    _run(["ip", "link", "del", name], check=False)
+                    reaped.append(name)
+    for path in STATE_ROOT.glob(f"{DIR_PREFIX}*"):
+        with contextlib.suppress(ValueError):
+            if not _pid_alive(int(path.name[len(DIR_PREFIX) :].split("-")[0])):
+                shutil.rmtree(path, ignore_errors=True)
+    return reaped
+
+
+def _free_subnet(seed: int) -> ipaddress.IPv4Network:
+    """A /24 of 198.18.0.0/15 that no interface on the machine uses (call under the lock)."""
+    used = set()
+    for link in json.loads(_run(["ip", "-j", "addr", "show"]).stdout or "[]"):
+        for addr in link.get("addr_info", []):
+            if addr.get("family") == "inet":
+                used.add(ipaddress.ip_network(f"{addr['local']}/24", strict=False))
+    space = list(ipaddress.ip_network("198.18.0.0/15").subnets(new_prefix=24))
+    start = seed % len(space)
+    for k in range(len(space)):
+        net = space[(start + k) % len(space)]
+        if net not in used:
+            return net
+    raise NetnsError("no free /24 left in 198.18.0.0/15")
+
+
+@contextlib.contextmanager
+def _machine_lock():
+    STATE_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(LOCK_FILE, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _keygen(path: Path) -> None:
+    _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)])
+
+
+def _netns_names() -> list[str]:
+    out = _run(["ip", "-j", "netns", "list"], check=False).stdout.strip()
+    return [entry["name"] for entry in json.loads(out or "[]")]
+
+
+def _ns_pids(ns: str) -> list[int]:
+    out = _run(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def _kill_ns(ns: str) -> None:
+    """SIGKILL every process in a namespace until none is left (forks included)."""
+    for _ in range(50):
+        pids = _ns_pids(ns)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if check and proc.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@atexit.register
+def _close_all() -> None:
+    for cluster in list(_alive):
+        if cluster.owner_pid == os.getpid():
+            cluster.close()
