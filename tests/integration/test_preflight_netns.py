@@ -42,4 +42,4 @@ def test_teardown_removes_everything(netns_cluster):
     assert links.returncode != 0
     assert not cluster.dir.exists()
     for pid in sshd_pids:
-        assert not subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
