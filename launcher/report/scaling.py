@@ -142,9 +142,10 @@ def render_scaling(table: dict) -> str:
     grid = tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True,
                     colalign=("right",) * len(headers))
     base = table.get("base_ranks")
-    note = (f"Speedup and efficiency are relative to {base} rank{'s' if base != 1 else ''}; "
-            f"efficiency = per-rank tokens/s over the base point's "
-            f"({'= speedup / (N/N0)' if table['mode'] == 'strong' else 'weak scaling: per-rank batch kept'}).")
+    definition = ("speedup / (N/N0), the global batch kept" if table["mode"] == "strong"
+                  else "per-rank tokens/s at N over that at N0, the per-rank batch kept")
+    note = (f"Speedup and efficiency are relative to N0 = {base} rank{'s' if base != 1 else ''}; "
+            f"efficiency = {definition}.")
     if base is None:
         note = "No point measured a throughput; nothing to compare."
     return f"{table['job']}: {table['mode']} scaling\n\n{grid}\n\n{note}\n"

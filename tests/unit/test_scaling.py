@@ -1,0 +1,220 @@
+"""Scaling studies: job adjustment per point, weak and strong efficiency, files and plot."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from launcher.errors import SpecError, UsageError
+from launcher.report import (
+    build_table,
+    load_scaling,
+    render_scaling,
+    report_command,
+    scale_job,
+    write_scaling,
+)
+from launcher.spec.job import JobSpec
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def job(micro_batch: int = 32, grad_accum: int = 1) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": "bert-ddp",
+        "train": {"steps": 50, "warmup_steps": 10, "micro_batch": micro_batch, "grad_accum": grad_accum},
+    })
+
+
+def summary_with(tokens_per_s: float | None) -> dict:
+    """A repeat as `launch scale` gets it: a summary dict (only totals matter here)."""
+    return {"job": "bert-ddp", "status": "succeeded" if tokens_per_s else "failed",
+            "totals": {"tokens_per_s": tokens_per_s}}
+
+
+# -- scale_job -------------------------------------------------------------------------------
+
+
+def test_weak_scaling_keeps_the_job():
+    j = job(32, 2)
+    assert scale_job(j, 8, 1, "weak") is j
+
+
+@pytest.mark.parametrize(
+    ("mb", "ga", "base", "world", "expect"),
+    [
+        (32, 1, 1, 1, (32, 1)),
+        (32, 1, 1, 2, (16, 1)),
+        (32, 1, 1, 8, (4, 1)),
+        (32, 1, 2, 8, (8, 1)),
+        (8, 4, 1, 4, (2, 4)),    # keep grad_accum, shrink micro_batch
+        (8, 4, 1, 8, (1, 4)),
+        (4, 4, 1, 2, (2, 4)),
+        (6, 4, 1, 8, (3, 1)),    # 3 per rank: neither ga 4 nor mb 6 divides; largest micro-batch that does
+        (16, 1, 4, 2, (32, 1)),  # fewer ranks than the base: the micro-batch grows
+        (6, 2, 2, 3, (4, 2)),
+    ],
+)
+def test_strong_scaling_keeps_the_global_batch(mb, ga, base, world, expect):
+    scaled = scale_job(job(mb, ga), world, base, "strong")
+    assert (scaled.train.micro_batch, scaled.train.grad_accum) == expect
+    assert scaled.train.micro_batch * scaled.train.grad_accum * world == mb * ga * base
+    assert scaled.name == "bert-ddp" and scaled.train.steps == 50
+
+
+def test_strong_scaling_prefers_grad_accum_over_a_larger_micro_batch():
+    # 12 samples per rank at ga 5 does not divide; micro_batch 4 kept with ga 3 does.
+    scaled = scale_job(job(4, 5), 5, 3, "strong")
+    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (4, 3)
+
+
+def test_strong_scaling_never_grows_the_micro_batch_when_splitting():
+    # 7 x 3 x 2 = 42 over 3 ranks = 14 per rank: ga 3 does not divide 14, mb 7 does: (7, 2).
+    scaled = scale_job(job(7, 3), 3, 2, "strong")
+    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (7, 2)
+    # 5 x 3 x 2 = 30 over 3 = 10 per rank: ga 3 does not divide 10, mb 5 does: (5, 2).
+    scaled = scale_job(job(5, 3), 3, 2, "strong")
+    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (5, 2)
+    # 4 x 3 x 3 = 36 over 2 = 18 per rank: ga 3 divides: (6, 3).
+    scaled = scale_job(job(4, 3), 2, 3, "strong")
+    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (6, 3)
+    # 4 x 4 x 5 = 80 over 8 = 10 per rank: 4 does not divide 10; the largest divisor <= 4 is 2.
+    scaled = scale_job(job(4, 4), 8, 5, "strong")
+    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (2, 5)
+
+
+@pytest.mark.parametrize(("mb", "ga", "base", "world"), [(32, 1, 1, 3), (8, 1, 1, 16), (6, 1, 1, 4), (3, 3, 1, 2)])
+def test_strong_scaling_indivisible_global_batch_is_a_spec_error(mb, ga, base, world):
+    with pytest.raises(SpecError) as err:
+        scale_job(job(mb, ga), world, base, "strong")
+    msg = str(err.value)
+    assert err.value.exit_code == 2
+    assert "train.micro_batch" in msg
+    assert f"{mb * ga * base} samples" in msg
+    assert f"over {world} ranks" in msg
+    assert "use world sizes that divide" in msg
+
+
+def test_scale_job_rejects_a_bad_mode_and_world():
+    with pytest.raises(UsageError, match="weak or strong"):
+        scale_job(job(), 2, 1, "diagonal")
+    with pytest.raises(UsageError, match=">= 1"):
+        scale_job(job(), 0, 1, "strong")
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def test_weak_efficiency_is_per_rank_throughput_over_the_base():
+    points = [
+        {"nodes": 2, "ranks": 8, "global_batch": 256, "repeats": [summary_with(28_000.0), summary_with(30_000.0),
+                                                                  summary_with(29_000.0)]},
+        {"nodes": 1, "ranks": 1, "global_batch": 32, "repeats": [4_000.0, 4_200.0, 3_900.0]},
+        {"nodes": 1, "ranks": 4, "global_batch": 128, "repeats": [15_000.0, 16_000.0]},
+    ]
+    t = build_table(points, job="bert-ddp", mode="weak")
+    assert [p["ranks"] for p in t["points"]] == [1, 4, 8]
+    assert t["base_ranks"] == 1
+    base, four, eight = t["points"]
+    assert base["tokens_per_s"] == 4_000.0 and base["tokens_per_s_min"] == 3_900.0
+    assert base["speedup"] == pytest.approx(1.0) and base["efficiency"] == pytest.approx(1.0)
+    assert four["tokens_per_s"] == pytest.approx(15_500.0)  # median of two
+    assert four["tokens_per_s_per_rank"] == pytest.approx(15_500.0 / 4)
+    assert four["efficiency"] == pytest.approx((15_500.0 / 4) / 4_000.0)
+    assert eight["tokens_per_s"] == 29_000.0 and eight["tokens_per_s_min"] == 28_000.0
+    assert eight["speedup"] == pytest.approx(29_000.0 / 4_000.0)
+    assert eight["efficiency"] == pytest.approx(29_000.0 / 8 / 4_000.0)
+
+
+def test_strong_efficiency_is_speedup_over_rank_ratio():
+    points = [{"nodes": 1, "ranks": n, "global_batch": 64, "repeats": [v]}
+              for n, v in [(2, 10_000.0), (4, 18_000.0), (8, 30_000.0)]]
+    t = build_table(points, job="j", mode="strong")
+    assert t["base_ranks"] == 2
+    for p in t["points"]:
+        assert p["efficiency"] == pytest.approx(p["speedup"] / (p["ranks"] / 2))
+    assert t["points"][2]["efficiency"] == pytest.approx(0.75)
+
+
+def test_failed_repeats_and_points_are_kept_but_not_counted():
+    points = [
+        {"nodes": 1, "ranks": 1, "global_batch": 32, "repeats": [summary_with(None)]},  # all failed
+        {"nodes": 1, "ranks": 2, "global_batch": 64, "repeats": [summary_with(7_000.0), summary_with(None)],
+         "run_dir": "runs/x-2"},
+        {"nodes": 1, "ranks": 4, "global_batch": 128, "repeats": [12_000.0]},
+    ]
+    t = build_table(points, job="j", mode="weak")
+    one, two, four = t["points"]
+    assert one["tokens_per_s"] is None and one["speedup"] is None and one["failed_repeats"] == 1
+    assert t["base_ranks"] == 2  # the smallest point that measured something
+    assert two["failed_repeats"] == 1 and two["repeats"] == [7_000.0] and two["run_dirs"] == ["runs/x-2"]
+    assert four["efficiency"] == pytest.approx((12_000.0 / 4) / (7_000.0 / 2))
+    text = render_scaling(t)
+    assert "1/2" in text and "–" in text and "relative to N0 = 2 ranks" in text
+
+
+def test_nothing_measured():
+    t = build_table([{"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": []}], job="j", mode="weak")
+    assert t["base_ranks"] is None
+    assert "nothing to compare" in render_scaling(t)
+
+
+def test_build_table_rejects_a_bad_mode():
+    with pytest.raises(UsageError):
+        build_table([], job="j", mode="both")
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+def study(tmp_path, mode: str = "weak"):
+    points = [{"nodes": max(1, n // 2), "ranks": n, "global_batch": 32 * n, "repeats": [v, v * 0.98],
+               "run_dirs": [str(tmp_path / f"r{n}a"), str(tmp_path / f"r{n}b")]}
+              for n, v in [(1, 4_000.0), (2, 7_800.0), (4, 15_000.0), (8, 28_000.0)]]
+    return build_table(points, job="bert-ddp", mode=mode)
+
+
+def test_write_scaling_files_and_valid_png(tmp_path):
+    t = study(tmp_path)
+    text = write_scaling(tmp_path, t)
+    assert "bert-ddp: weak scaling" in text
+    png = (tmp_path / "scaling.png").read_bytes()
+    assert len(png) > 0 and png.startswith(PNG_SIGNATURE)
+    assert png[12:16] == b"IHDR"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width > 400 and height > 200
+    data = json.loads((tmp_path / "scaling.json").read_text())
+    assert data == json.loads(json.dumps(t))
+    assert load_scaling(tmp_path) == data
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "scaling.csv").read_text())))
+    assert [int(r["ranks"]) for r in rows] == [1, 2, 4, 8]
+    assert {"nodes", "ranks", "global_batch", "tokens_per_s", "tokens_per_s_min",
+            "tokens_per_s_per_rank", "speedup", "efficiency"} <= set(rows[0])
+    assert float(rows[3]["efficiency"]) == pytest.approx(28_000.0 / 8 / 4_000.0)
+
+
+def test_plot_with_an_unmeasured_point(tmp_path):
+    t = build_table([{"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": [None]},
+                     {"nodes": 1, "ranks": 2, "global_batch": 16, "repeats": [10.0]}], job="j", mode="strong")
+    write_scaling(tmp_path, t)
+    assert (tmp_path / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_report_command_renders_a_study(tmp_path, capsys):
+    write_scaling(tmp_path, study(tmp_path, "strong"))
+    assert report_command(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "strong scaling" in out and "efficiency %" in out and "27,720" in out
+    assert report_command(str(tmp_path), fmt="csv") == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 5
+    assert report_command(str(tmp_path), fmt="json") == 0
+    assert json.loads(capsys.readouterr().out)["mode"] == "strong"
+
+
+def test_damaged_scaling_json(tmp_path):
+    (tmp_path / "scaling.json").write_text("[1, 2]")
+    with pytest.raises(UsageError, match="not a scaling table"):
+        report_command(str(tmp_path))
