@@ -218,8 +218,11 @@ def plot_scaling(table: dict, path: Path) -> Path:
         ax_tp.set_ylabel("tokens/s (all ranks)")
         ax_tp.set_title("throughput")
         ax_eff.set_ylabel("scaling efficiency (%)")
-        ax_eff.set_title(f"efficiency vs {table.get('base_ranks') or '?'} ranks")
-        ax_eff.set_ylim(bottom=0)
+        base_ranks = table.get("base_ranks")
+        ax_eff.set_title(f"efficiency relative to {base_ranks} rank{'s' if base_ranks != 1 else ''}"
+                         if base_ranks else "efficiency")
+        top = max([110.0] + [105.0 * p["efficiency"] for p in points])
+        ax_eff.set_ylim(0, top)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
     finally:
