@@ -1,0 +1,195 @@
+"""The ``launch`` command: parse, build, run, report. No logic of its own.
+
+Exit codes: 0 ok · 2 invalid input · 3 preflight failed · 4 job failed · 130 interrupted.
+User errors print one paragraph and no traceback; ``--debug`` shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from launcher import __version__
+from launcher.errors import EXIT_INTERRUPTED, EXIT_INVALID_INPUT, LauncherError, UsageError
+
+log = logging.getLogger("launcher")
+
+COMMANDS = ("run", "plan", "check", "scale", "report", "schema")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] not in COMMANDS and not args_list[0].startswith("-"):
+        args_list.insert(0, "run")  # `launch JOB.yaml` is `launch run JOB.yaml`
+    parser = _parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exit_:
+        return int(exit_.code or 0) and EXIT_INVALID_INPUT
+    _setup_logging(args.debug)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return int(args.func(args) or 0)
+    except LauncherError as err:
+        if args.debug:
+            log.exception("%s", type(err).__name__)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from launcher.orchestrate.run import dry_run, run
+
+    job, cluster = _load(args)
+    if args.dry_run:
+        print(dry_run(job, cluster, skip_parity=args.skip_parity))
+        return 0
+    run(job, cluster, run_dir=args.run_dir, skip_parity=args.skip_parity, keep_ray=args.keep_ray)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from launcher.orchestrate.run import dry_run
+
+    job, cluster = _load(args)
+    print(dry_run(job, cluster, skip_parity=args.skip_parity))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from launcher.preflight import check_command
+
+    return check_command(args.cluster, args.job, fast=args.fast, as_json=args.json)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from launcher.orchestrate.scale import scale
+
+    if bool(args.world) == bool(args.nodes):
+        raise UsageError("launch scale needs exactly one of --world 1,2,4 or --nodes 1,2")
+    job, cluster = _load(args)
+    scale(job, cluster, world=args.world, nodes=args.nodes, mode=args.mode, repeat=args.repeat,
+          out_dir=args.out, skip_parity=args.skip_parity)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from launcher.report import report_command
+
+    return report_command(args.run_dir, fmt=args.format)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from launcher.spec import ClusterSpec, JobSpec
+
+    model = JobSpec if args.which == "job" else ClusterSpec
+    print(json.dumps(model.model_json_schema(), indent=2))
+    return 0
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+
+def _load(args: argparse.Namespace):  # noqa: ANN202
+    from launcher.spec import check_fits, load_cluster, load_job
+
+    job = load_job(args.job, args.set)
+    cluster = load_cluster(args.cluster)
+    check_fits(job, cluster, job_source=args.job)
+    return job, cluster
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+
+    parser = argparse.ArgumentParser(
+        prog="launch", parents=[common],
+        description="Check environment parity on every node, then run torchrun everywhere "
+                    "through Ray and report per-rank throughput. `launch JOB.yaml` = `launch run JOB.yaml`.",
+    )
+    parser.add_argument("--version", action="version", version=f"launch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def job_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("job", help="job spec (YAML)")
+        p.add_argument("--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a job field, e.g. --set train.steps=50 (repeatable)")
+        p.add_argument("--skip-parity", action="store_true",
+                       help="skip the preflight parity check (GPU counts from cluster.yaml)")
+
+    p = sub.add_parser("run", parents=[common], help="preflight, then launch the job (the default)")
+    job_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
+    p.add_argument("--run-dir", type=Path, help="put this run's directory exactly here")
+    p.add_argument("--keep-ray", action="store_true", help="leave a Ray cluster the launcher started running")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("plan", parents=[common], help="preflight and the exact per-node commands; starts nothing")
+    job_args(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("check", parents=[common], help="environment parity table of the cluster's nodes")
+    p.add_argument("--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)")
+    p.add_argument("--job", help="also check what this job needs (GPUs, interfaces)")
+    p.add_argument("--fast", action="store_true", help="skip the torch/CUDA/cuDNN/NCCL checks")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("scale", parents=[common], help="scaling study: one run per point")
+    job_args(p)
+    p.add_argument("--world", type=_int_list, help="total ranks per point, e.g. 1,2,4,8")
+    p.add_argument("--nodes", type=_int_list, help="nodes per point, e.g. 1,2,4")
+    p.add_argument("--mode", choices=("weak", "strong"), default="weak",
+                   help="weak: keep the per-rank batch; strong: keep the global batch")
+    p.add_argument("--repeat", type=int, default=1, help="runs per point (median and min are reported)")
+    p.add_argument("--out", type=Path, help="study directory (default runs/<job>-scale-<time>)")
+    p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser("report", parents=[common], help="re-render a finished run's (or study's) tables")
+    p.add_argument("run_dir", help="a run directory or a scaling study directory")
+    p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("schema", parents=[common], help="JSON Schema of the job or cluster spec")
+    p.add_argument("which", choices=("job", "cluster"))
+    p.set_defaults(func=cmd_schema)
+    return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
+    return values
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s")
+    if not debug:
+        for noisy in ("ray", "paramiko", "fabric", "invoke", "torch"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""NodeAgent: the Ray actor on each node that runs that node's torchrun and reports back.
+
+The agent starts torchrun with the plan's argv and environment in a new session, splits
+torchrun's ``--tee`` output into per-rank logs (``[default<local_rank>]:`` prefixes), tails
+the workers' metrics files, and hands both to the driver on ``poll()``: no shared filesystem
+is assumed. ``stop()`` sends SIGTERM to torchrun and all its descendants, then SIGKILL after a
+grace period. If the agent process itself dies, the kernel sends torchrun SIGTERM
+(``PR_SET_PDEATHSIG``), so a lost driver or a killed Ray never leaves workers behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher.orchestrate.plan import NODE_PASSTHROUGH
+
+RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+TAIL_LINES = 40
+
+
+class NodeAgent:
+    """One per node, created by the driver inside that node's placement-group bundle."""
+
+    def __init__(self, node: str):
+        self.node = node
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._plan: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self._lines: list[tuple[int | None, str]] = []
+        self._records: list[tuple[int, dict[str, Any]]] = []
+        self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=TAIL_LINES))
+        self._offsets: dict[Path, int] = {}
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+
+    # -- facts ---------------------------------------------------------------------------
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def free_port(self) -> int:
+        """A TCP port free on this node now (the rendezvous port when this is node 0)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self, node_plan: dict[str, Any], files: dict[str, str]) -> int:
+        """Write the node's files (mode 0600) into its workdir and start torchrun; returns its pid."""
+        self._plan = node_plan
+        workdir = Path(node_plan["workdir"])
+        (workdir / "metrics").mkdir(parents=True, exist_ok=True)
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+        os.chmod(workdir, 0o700)
+        for name, text in files.items():
+            path = workdir / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+        env = {k: os.environ[k] for k in NODE_PASSTHROUGH if k in os.environ}
+        env.update(node_plan["env"])
+        self._proc = subprocess.Popen(
+            node_plan["argv"], env=env, cwd=workdir, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        for target in (self._read_output, self._tail_metrics):
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self._proc.pid
+
+    def poll(self) -> dict[str, Any]:
+        """New log lines and metrics records since the last poll, and the exit status if done."""
+        with self._lock:
+            lines, self._lines = self._lines, []
+            records, self._records = self._records, []
+        status = self._status()
+        if status is not None and any(t.is_alive() for t in self._threads):
+            status = None  # exited, but output is still being drained: report it next poll
+        return {"lines": lines, "records": records, "exit": status}
+
+    def stop(self, grace_s: float = 5.0) -> dict[str, Any] | None:
+        """SIGTERM torchrun and every descendant, SIGKILL what is left after ``grace_s``."""
+        self._stopping = True
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            family = [proc.pid, *_descendants(proc.pid)]
+            _signal_all(family, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(_alive(p) for p in family):
+                proc.poll()
+                time.sleep(0.1)
+            _signal_all([p for p in [proc.pid, *_descendants(proc.pid), *family] if _alive(p)],
+                        signal.SIGKILL)
+            proc.wait(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        return self._status()
+
+    def tail(self, local_rank: int | None, n: int = TAIL_LINES) -> list[str]:
+        """The last lines of one local rank's output (None: torchrun's own lines)."""
+        with self._lock:
+            return list(self._tails[local_rank])[-n:]
+
+    def cleanup(self) -> None:
+        """Remove the node's workdir (the driver holds copies of logs and metrics)."""
+        if self._plan is not None:
+            shutil.rmtree(self._plan["workdir"], ignore_errors=True)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _status(self) -> dict[str, Any] | None:
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        code = self._proc.returncode
+        sig = -code if code < 0 else None
+        return {"exit_code": code, "signal": signal.Signals(sig).name if sig else None,
+                "stopped": self._stopping}
+
+    def _read_output(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        logs = Path(self._plan["workdir"]) / "logs" if self._plan else None
+        files: dict[int | None, Any] = {}
+        try:
+            for raw in self._proc.stdout:
+                text = raw.decode("utf-8", "replace").rstrip("\n")
+                match = RANK_PREFIX.match(text)
+                local_rank = int(match.group(1)) if match else None
+                if match:
+                    text = match.group(2)
+                if logs is not None:
+                    fh = files.get(local_rank)
+                    if fh is None:
+                        name = "torchrun.log" if local_rank is None else f"local{local_rank}.log"
+                        fh = files[local_rank] = open(logs / name, "a", encoding="utf-8")  # noqa: SIM115
+                    fh.write(text + "\n")
+                    fh.flush()
+                with self._lock:
+                    self._lines.append((local_rank, text))
+                    self._tails[local_rank].append(text)
+        finally:
+            for fh in files.values():
+                fh.close()
+
+    def _tail_metrics(self) -> None:
+        assert self._proc is not None and self._plan is not None
+        folder = Path(self._plan["workdir"]) / "metrics"
+        while True:
+            done = self._proc.poll() is not None
+            self._drain_metrics(folder)
+            if done:
+                return
+            time.sleep(0.25)
+
+    def _drain_metrics(self, folder: Path) -> None:
+        for path in sorted(folder.glob("rank*.jsonl")):
+            rank = int(path.stem.removeprefix("rank"))
+            offset = self._offsets.get(path, 0)
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+            end = chunk.rfind(b"\n") + 1  # only complete lines; a torn tail waits
+            if not end:
+                continue
+            self._offsets[path] = offset + end
+            parsed = []
+            for line in chunk[:end].splitlines():
+                try:
+                    parsed.append((rank, json.loads(line)))
+                except ValueError:
+                    continue
+            with self._lock:
+                self._records.extend(parsed)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the agent dies (Linux prctl)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children[ppid].append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,253 @@
+"""The launch plan: a pure function from (job, cluster, node facts) to what runs where.
+
+Nothing here touches a node. ``plan()`` decides, for every node, its node rank, its global
+ranks, the exact torchrun argv (a list, quoted once when shown) and the exact environment of
+its workers, with the source of each variable. ``launch plan`` prints it; ``launch run`` hands
+each node's part to that node's agent unchanged.
+
+Worker environment, lowest precedence first:
+  1. the node's own basics (``NODE_PASSTHROUGH``: PATH, HOME, PYTHONPATH, ...; and
+     CUDA_VISIBLE_DEVICES as Ray assigned it) — taken on the node by its agent;
+  2. ``NCCL_*``, ``TORCH_*`` and ``NVSHMEM_*`` from the launcher's own environment;
+  3. the job's ``nccl.env``, then ``launch.env``, then the node's ``env`` from cluster.yaml;
+  4. the launcher's own: ``LAUNCHER_*`` and ``PYTHONUNBUFFERED``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from tabulate import tabulate
+
+from launcher.errors import PreflightError, SpecError
+from launcher.spec import ClusterSpec, JobSpec, NodeSpec
+
+DEFAULT_MASTER_PORT = 29500
+FORWARDED_PREFIXES = ("NCCL_", "TORCH_", "NVSHMEM_")
+NODE_PASSTHROUGH = (
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH",
+    "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES",
+)
+SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
+MASK = "****"
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the plan needs to know about a node that only the node can say."""
+
+    gpus: int
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    name: str
+    host: str
+    node_rank: int
+    nproc: int
+    ranks: list[int]
+    python: str
+    workdir: str
+    argv: list[str]
+    env: dict[str, str]
+    env_sources: dict[str, str] = field(repr=False)
+    is_local: bool = False
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    def rank_of(self, local_rank: int) -> int:
+        return self.ranks[local_rank]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    job: str
+    run_id: str
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str
+    device: str
+    nodes: list[NodePlan]
+
+    def ranks(self) -> list[dict[str, object]]:
+        """The rank layout: one entry per global rank."""
+        out = []
+        for node in self.nodes:
+            for local_rank, rank in enumerate(node.ranks):
+                device = f"cuda:{local_rank}" if self.device == "cuda" else "cpu"
+                out.append({"rank": rank, "node": node.name, "host": node.host,
+                            "local_rank": local_rank, "device": device})
+        return out
+
+    def to_json(self, *, masked: bool = True) -> dict[str, object]:
+        """plan.json: secrets masked unless asked otherwise."""
+        nodes = []
+        for node in self.nodes:
+            entry = asdict(node)
+            entry["env"] = mask_env(node.env) if masked else dict(node.env)
+            nodes.append(entry)
+        return {"job": self.job, "run_id": self.run_id, "world_size": self.world_size,
+                "master_addr": self.master_addr, "master_port": self.master_port,
+                "backend": self.backend, "device": self.device, "nodes": nodes,
+                "ranks": self.ranks()}
+
+
+def plan(
+    job: JobSpec,
+    cluster: ClusterSpec,
+    facts: Mapping[str, NodeFacts] | None = None,
+    *,
+    run_id: str,
+    master_port: int,
+    launcher_env: Mapping[str, str],
+    local_python: str = sys.executable,
+) -> LaunchPlan:
+    """Decide every node's ranks, torchrun argv and worker environment. Pure.
+
+    ``facts`` come from the preflight; without them (``--skip-parity``) GPU counts are the
+    ones cluster.yaml declares.
+    """
+    nodes = _selected_nodes(job, cluster)
+    counts = [_nproc(job, node, (facts or {}).get(node.name)) for node in nodes]
+    world = sum(counts)
+    head = nodes[0]
+    plans = []
+    first_rank = 0
+    for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
+        workdir = f"/tmp/launcher/{run_id}/{node.name}"
+        python = node.python or (local_python if node.is_local else "python3")
+        env, sources = _worker_env(job, node, launcher_env, run_id=run_id, workdir=workdir)
+        argv = [
+            python, "-m", "torch.distributed.run",
+            "--nnodes", str(len(nodes)),
+            "--node-rank", str(node_rank),
+            "--nproc-per-node", str(nproc),
+            "--master-addr", head.host,
+            "--master-port", str(master_port),
+            "--max-restarts", str(job.launch.max_restarts),
+            "--tee", "3",
+            "--log-dir", f"{workdir}/torchrun",
+            *_entry_argv(job, workdir),
+        ]
+        plans.append(NodePlan(
+            name=node.name, host=node.host, node_rank=node_rank, nproc=nproc,
+            ranks=list(range(first_rank, first_rank + nproc)), python=python, workdir=workdir,
+            argv=argv, env=env, env_sources=sources, is_local=node.is_local,
+        ))
+        first_rank += nproc
+    return LaunchPlan(job=job.name, run_id=run_id, world_size=world, master_addr=head.host,
+                      master_port=master_port, backend=job.backend,
+                      device=job.resources.device, nodes=plans)
+
+
+def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
+    """The plan for people: a node/rank table, then each node's command and environment."""
+    lp = launch_plan
+    head = (f"Plan for job '{lp.job}': {len(lp.nodes)} node(s), world size {lp.world_size}, "
+            f"backend {lp.backend}, master {lp.master_addr}:{lp.master_port}{port_note}")
+    table = tabulate(
+        [[n.node_rank, n.name, n.host, n.nproc, _span(n.ranks), n.python] for n in lp.nodes],
+        headers=["node_rank", "node", "host", "nproc", "ranks", "python"],
+    )
+    parts = [head, "", table]
+    for node in lp.nodes:
+        env_rows = [[k, v, node.env_sources.get(k, "")] for k, v in sorted(mask_env(node.env).items())]
+        parts += [
+            "",
+            f"[{node.name}] command (in {node.workdir}):",
+            "  " + node.command,
+            f"[{node.name}] worker environment (plus the node's own {', '.join(NODE_PASSTHROUGH[:4])}, ...):",
+            tabulate(env_rows, headers=["name", "value", "from"], tablefmt="plain"),
+        ]
+    return "\n".join(parts)
+
+
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Values of variables whose names look secret are replaced by ****."""
+    return {k: (MASK if is_secret(k) else v) for k, v in env.items()}
+
+
+def is_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(marker in upper for marker in SECRET_MARKERS)
+
+
+# -- internals ------------------------------------------------------------------------------
+
+
+def _selected_nodes(job: JobSpec, cluster: ClusterSpec) -> list[NodeSpec]:
+    want = job.resources.nodes
+    if want == "all":
+        return list(cluster.nodes)
+    if want > len(cluster.nodes):
+        raise SpecError(
+            f"resources.nodes asks for {want} nodes but the cluster has {len(cluster.nodes)}; "
+            f"lower resources.nodes or add nodes to cluster.yaml",
+            source="job", field="resources.nodes",
+        )
+    return list(cluster.nodes[:want])
+
+
+def _nproc(job: JobSpec, node: NodeSpec, facts: NodeFacts | None) -> int:
+    if job.resources.device == "cpu":
+        return 1 if job.resources.nproc_per_node == "auto" else job.resources.nproc_per_node
+    if facts is not None:
+        gpus, origin = facts.gpus, "the preflight found"
+    elif node.gpus != "auto":
+        gpus, origin = node.gpus, "cluster.yaml declares"
+    else:
+        raise SpecError(
+            f"node {node.name!r} has gpus: auto, which only the preflight can resolve; run "
+            f"without --skip-parity or declare the node's GPU count in cluster.yaml",
+            source="cluster.yaml", field=f"nodes.{node.name}.gpus",
+        )
+    want = gpus if job.resources.nproc_per_node == "auto" else job.resources.nproc_per_node
+    if want < 1 or want > gpus:
+        raise PreflightError(
+            f"node {node.name!r} ({node.host}): the job needs {max(want, 1)} GPU worker(s) "
+            f"but {origin} {gpus} GPU(s); lower resources.nproc_per_node or use other nodes"
+        )
+    return want
+
+
+def _entry_argv(job: JobSpec, workdir: str) -> list[str]:
+    if job.uses_builtin:
+        return ["-m", "launcher.train", "--job", f"{workdir}/job.yaml"]
+    entry = job.entrypoint
+    return [str(entry.script), *entry.args]
+
+
+def _worker_env(
+    job: JobSpec, node: NodeSpec, launcher_env: Mapping[str, str], *, run_id: str, workdir: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    env: dict[str, str] = {}
+    sources: dict[str, str] = {}
+
+    def put(items: Mapping[str, str], source: str) -> None:
+        for key, value in items.items():
+            env[key] = value
+            sources[key] = source
+
+    put({k: v for k, v in launcher_env.items() if k.startswith(FORWARDED_PREFIXES)}, "launcher env")
+    put(job.nccl.env, "job nccl.env")
+    put(job.launch.env, "job launch.env")
+    put(node.env, f"cluster nodes.{node.name}.env")
+    put({
+        "LAUNCHER_RUN_ID": run_id,
+        "LAUNCHER_NODE": node.name,
+        "LAUNCHER_METRICS_FILE": f"{workdir}/metrics/rank{{rank}}.jsonl",
+        "PYTHONUNBUFFERED": "1",
+    }, "launcher")
+    return env, sources
+
+
+def _span(ranks: list[int]) -> str:
+    if not ranks:
+        return "-"
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"

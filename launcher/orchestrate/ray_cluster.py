@@ -1,0 +1,265 @@
+"""Which Ray runs the node agents: embedded, attached, or bootstrapped over SSH.
+
+- **embedded** (``ray.address: null`` and every node local): ``ray.init()`` starts a private
+  Ray for this launch and ``close()`` stops it.
+- **attach** (``auto``, ``host:port`` or ``ray://host:port``): connect to a running cluster;
+  ``close()`` only disconnects. ``host:port`` needs the launcher to run on a Ray node; from a
+  login node use ``ray://head:10001``.
+- **bootstrap** (``ray.address: null`` with remote nodes): ``ray start --head`` on the first
+  node and ``ray start --address`` on the others over SSH, each bound to its address from
+  cluster.yaml; the head's auth token travels to the other nodes on SSH stdin into a 0600
+  file (never on a command line), and the launcher, which may sit outside the cluster,
+  drives it through Ray Client (``ray://head:client_port``) with the token in its own
+  environment. ``close()`` runs ``ray stop`` on those nodes unless ``keep_ray``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from launcher.errors import PreflightError
+from launcher.spec import ClusterSpec, NodeSpec
+
+log = logging.getLogger(__name__)
+
+TOKEN_FILE = "~/.ray/auth_token"
+
+
+@dataclass
+class RaySession:
+    """A connected Ray and what to undo at the end."""
+
+    mode: str
+    address: str
+    node_ips: dict[str, str]
+    _started_on: list[NodeSpec] = field(default_factory=list)
+    _token_written_on: list[NodeSpec] = field(default_factory=list)
+    _cluster: ClusterSpec | None = None
+    _closed: bool = False
+
+    def close(self, *, keep_ray: bool = False) -> None:
+        """Disconnect; stop the Ray this session started (embedded, or bootstrapped unless keep_ray)."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        if self._started_on and not keep_ray and self._cluster is not None:
+            _stop_ray(self._cluster, self._started_on, self._token_written_on)
+        elif self._started_on:
+            log.warning("Ray left running on %s (--keep-ray); stop it with `ray stop` there",
+                        ", ".join(n.name for n in self._started_on))
+
+
+def open_session(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
+    """Connect to (or start) the Ray that will host one agent per node in ``nodes``."""
+    address = cluster.ray.address
+    if address is not None:
+        return _attach(cluster, nodes, address)
+    if all(n.is_local for n in nodes):
+        return _embedded(cluster, nodes)
+    return _bootstrap(cluster, nodes)
+
+
+# -- modes ----------------------------------------------------------------------------------
+
+
+def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
+    import ray
+
+    log.info("Starting an embedded Ray on this machine")
+    ray.init(include_dashboard=cluster.ray.dashboard, dashboard_host="127.0.0.1",
+             log_to_driver=False, configure_logging=False)
+    ip = _alive_nodes()[0]["NodeManagerAddress"]
+    return RaySession(mode="embedded", address="local", node_ips={n.name: ip for n in nodes})
+
+
+def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str) -> RaySession:
+    import ray
+
+    log.info("Attaching to the running Ray at %s", address)
+    try:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
+        raise PreflightError(
+            f"cannot attach to Ray at {address!r}: {_first_line(err)}. Check that the cluster "
+            f"is running there (`ray status`); from outside the cluster use ray://HEAD:10001"
+        ) from err
+    alive = _alive_nodes()
+    ips = {}
+    missing = []
+    for node in nodes:
+        ip = _match(node, alive)
+        if ip is None:
+            missing.append(f"{node.name} ({node.host})")
+        else:
+            ips[node.name] = ip
+    if missing:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        known = ", ".join(sorted(n["NodeManagerAddress"] for n in alive))
+        raise PreflightError(
+            f"the Ray cluster at {address!r} has no node for {', '.join(missing)} (its nodes: "
+            f"{known}); start Ray there or fix the hosts in cluster.yaml"
+        )
+    return RaySession(mode="attach", address=address, node_ips=ips)
+
+
+def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
+    import ray
+
+    from launcher.preflight.runners import runner_for
+
+    head, others = nodes[0], nodes[1:]
+    ips = {n.name: _resolve(n.host) for n in nodes}
+    rc = cluster.ray
+    session = RaySession(mode="bootstrap", address=f"ray://{ips[head.name]}:{rc.client_port}",
+                         node_ips=ips, _cluster=cluster)
+    try:
+        log.info("Starting Ray head on %s (%s)", head.name, head.host)
+        head_cmd = [
+            "start", "--head", "--node-ip-address", ips[head.name], "--port", str(rc.port),
+            "--ray-client-server-port", str(rc.client_port), "--disable-usage-stats",
+            f"--include-dashboard={'true' if rc.dashboard else 'false'}",
+            "--dashboard-host", "127.0.0.1",
+        ]
+        session._started_on.append(head)
+        _ray_cli(cluster, head, head_cmd)
+        token = _read_token(cluster, head)
+
+        def join(node: NodeSpec) -> None:
+            runner = runner_for(node, cluster.ssh)
+            wrote = runner.run(
+                f"umask 077 && mkdir -p ~/.ray && test ! -e {TOKEN_FILE} && cat > {TOKEN_FILE}",
+                stdin=token, timeout=cluster.ssh.connect_timeout_s + 20,
+            )
+            if wrote.exit_code == 0:
+                session._token_written_on.append(node)
+            else:  # a token file already there: it must be this cluster's
+                runner.run(f"umask 077 && cat > {TOKEN_FILE}", stdin=token,
+                           timeout=cluster.ssh.connect_timeout_s + 20)
+            session._started_on.append(node)
+            _ray_cli(cluster, node, [
+                "start", "--address", f"{ips[head.name]}:{rc.port}",
+                "--node-ip-address", ips[node.name], "--disable-usage-stats",
+            ], env="RAY_AUTH_MODE=token ")
+
+        if others:
+            log.info("Joining %d node(s) to Ray: %s", len(others), ", ".join(n.name for n in others))
+            with ThreadPoolExecutor(max_workers=min(len(others), cluster.ssh.max_parallel)) as pool:
+                errors = [f.exception() for f in [pool.submit(join, n) for n in others]]
+            bad = [e for e in errors if e is not None]
+            if bad:
+                raise bad[0]
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = token
+        ray.init(address=session.address, log_to_driver=False)
+        _wait_for_nodes(nodes, ips, rc.join_timeout_s)
+        return session
+    except BaseException:
+        session.close()
+        raise
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str], env: str = "") -> str:
+    from launcher.preflight.runners import runner_for
+
+    python = node.python or "python3"
+    command = f"{env}{shlex.quote(python)} -m ray.scripts.scripts {shlex.join(args)}"
+    result = runner_for(node, cluster.ssh).run(command, timeout=cluster.ssh.connect_timeout_s + 90)
+    if result.exit_code != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise PreflightError(
+            f"`ray {args[0]}` failed on node {node.name!r} ({node.host}) with exit code "
+            f"{result.exit_code}: {' | '.join(tail) or 'no output'}. If Ray already runs there, "
+            f"stop it (`ray stop`) or attach to it with ray.address in cluster.yaml"
+        )
+    return result.stdout
+
+
+def _read_token(cluster: ClusterSpec, head: NodeSpec) -> str:
+    from launcher.preflight.runners import runner_for
+
+    result = runner_for(head, cluster.ssh).run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10)
+    token = result.stdout.strip()
+    if result.exit_code != 0 or not token:
+        raise PreflightError(
+            f"Ray started on {head.name!r} but wrote no auth token at {TOKEN_FILE}; check the "
+            f"node's Ray version (token authentication needs Ray >= 2.50)"
+        )
+    return token
+
+
+def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec], token_nodes: list[NodeSpec]) -> None:
+    from launcher.preflight.runners import runner_for
+
+    def stop(node: NodeSpec) -> None:
+        python = shlex.quote(node.python or "python3")
+        cleanup = f" ; rm -f {TOKEN_FILE}" if node in token_nodes else ""
+        with contextlib.suppress(Exception):
+            runner_for(node, cluster.ssh).run(
+                f"{python} -m ray.scripts.scripts stop --force{cleanup}",
+                timeout=cluster.ssh.connect_timeout_s + 60)
+
+    log.info("Stopping Ray on %s", ", ".join(n.name for n in nodes))
+    with ThreadPoolExecutor(max_workers=min(len(nodes), cluster.ssh.max_parallel)) as pool:
+        list(pool.map(stop, nodes))
+
+
+def _wait_for_nodes(nodes: list[NodeSpec], ips: dict[str, str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = {n["NodeManagerAddress"] for n in _alive_nodes()}
+        missing = [n for n in nodes if ips[n.name] not in alive]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise PreflightError(
+                f"nodes did not join the Ray cluster within {timeout_s:.0f} s: "
+                f"{', '.join(f'{n.name} ({n.host})' for n in missing)}; check that they reach "
+                f"the head's port and raise ray.join_timeout_s if they are slow"
+            )
+        time.sleep(0.5)
+
+
+def _alive_nodes() -> list[dict]:
+    import ray
+
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def _match(node: NodeSpec, alive: list[dict]) -> str | None:
+    if node.is_local and len(alive) == 1:
+        return alive[0]["NodeManagerAddress"]
+    wanted = {node.host, _resolve(node.host)}
+    if node.is_local:
+        wanted |= {socket.gethostname(), _resolve(socket.gethostname())}
+    for entry in alive:
+        if entry["NodeManagerAddress"] in wanted or entry.get("NodeManagerHostname") in wanted:
+            return entry["NodeManagerAddress"]
+    return None
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
