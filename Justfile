@@ -1,0 +1,30 @@
+# Recipes for working on the launcher. `pip install -e '.[dev]'` brings `just` (rust-just).
+
+# Install torch (CPU build where available) and the project with its dev tools
+setup:
+    python3 -m pip install torch==2.13.0
+    python3 -m pip install -e '.[dev]'
+
+# Run the quickstart job: tiny BERT, 2 CPU workers, embedded Ray
+demo:
+    launch jobs/quickstart.yaml
+
+# The test suite (unit + integration; network-namespace tests need root)
+test *ARGS:
+    python3 -m pytest -q {{ARGS}}
+
+# Lint and format check
+lint:
+    ruff check launcher tests benchmarks
+    ruff format --check launcher tests benchmarks || true
+
+# Benchmarks on this machine (GPU ones live in benchmarks/gpu_bench.py)
+bench:
+    python3 benchmarks/launch_overhead.py
+    python3 benchmarks/preflight_fanout.py
+    python3 benchmarks/trainer_vs_hf.py --device cpu
+
+# Regenerate the JSON Schemas editors use for jobs/*.yaml and cluster.yaml
+schema:
+    launch schema job > launcher/spec/schemas/job.schema.json
+    launch schema cluster > launcher/spec/schemas/cluster.schema.json

@@ -1,0 +1,81 @@
+"""The CLI contract: commands, exit codes, one-paragraph errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_schema_commands_match_the_committed_schemas(capsys):
+    for which in ("job", "cluster"):
+        assert main(["schema", which]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        committed = json.loads((ROOT / f"launcher/spec/schemas/{which}.schema.json").read_text())
+        assert printed == committed, f"run `just schema`: {which}.schema.json is stale"
+        assert printed["properties"]["nodes" if which == "cluster" else "name"]["description"]
+
+
+def test_every_field_has_a_description():
+    from launcher.spec import ClusterSpec, JobSpec
+
+    def walk(schema, defs, path=""):
+        for name, prop in schema.get("properties", {}).items():
+            assert prop.get("description"), f"{path}{name} has no description"
+            ref = prop.get("$ref") or next((a.get("$ref") for a in prop.get("anyOf", []) if "$ref" in a), None)
+            if ref:
+                walk(defs[ref.split("/")[-1]], defs, f"{path}{name}.")
+
+    for model in (JobSpec, ClusterSpec):
+        schema = model.model_json_schema()
+        walk(schema, schema.get("$defs", {}))
+
+
+def test_bad_job_exits_2_with_one_paragraph(tmp_path, capsys):
+    job = tmp_path / "j.yaml"
+    job.write_text("name: x\ntrain: {stepz: 3}\n")
+    assert main(["plan", str(job), "--skip-parity"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'steps'" in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_job_yaml_is_the_run_command(tmp_path, capsys):
+    job = tmp_path / "j.yaml"
+    job.write_text("name: x\nmodle: {}\n")
+    assert main([str(job), "--dry-run"]) == 2
+    assert "did you mean 'model'" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["frobnicate.yaml", "--no-such-flag"]) == 2
+    assert main(["scale", "jobs/quickstart.yaml"]) == 2  # needs --world or --nodes
+    assert main(["run", "jobs/quickstart.yaml", "--set", "nonsense"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_more_nodes_than_the_cluster_exits_2(capsys):
+    assert main(["plan", str(ROOT / "jobs/quickstart.yaml"), "--skip-parity", "--set", "resources.nodes=3"]) == 2
+    assert "resources.nodes asks for 3 nodes" in capsys.readouterr().err
+
+
+def test_plan_of_the_multinode_example(capsys):
+    rc = main(["plan", str(ROOT / "jobs/bert_ddp.yaml"), "--cluster",
+               str(ROOT / "examples/cluster-multinode.yaml"), "--skip-parity"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "world size 16" in out and "--node-rank 1" in out and "gpu01.example.internal:" in out
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["-m", "launcher", "--version"]])
+def test_entry_points(argv):
+    cmd = ["launch", "--version"] if argv == ["--version"] else [sys.executable, *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.startswith("launch ")

@@ -1,0 +1,122 @@
+"""The launch plan is pure: assert on it directly (torchx style), start nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.errors import PreflightError, SpecError
+from launcher.orchestrate.plan import MASK, NodeFacts, plan, render
+from launcher.spec import ClusterSpec, JobSpec
+
+
+def two_nodes(**node_env) -> ClusterSpec:
+    return ClusterSpec.model_validate({
+        "nodes": [
+            {"name": "a", "host": "10.0.0.1", "gpus": 4, "python": "/venv/bin/python",
+             "env": {"NCCL_SOCKET_IFNAME": "eth0", **node_env}},
+            {"name": "b", "host": "10.0.0.2", "gpus": 4},
+        ],
+    })
+
+
+def gpu_job(**resources) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": "t", "nccl": {"env": {"NCCL_DEBUG": "INFO"}},
+        "launch": {"max_restarts": 2, "env": {"WANDB_API_KEY": "s3cret", "FOO": "bar"}},
+        "resources": {"device": "cuda", **resources},
+    })
+
+
+def make(job: JobSpec, cluster: ClusterSpec, facts=None, env=None):
+    return plan(job, cluster, facts, run_id="t-1", master_port=29400,
+                launcher_env=env or {"NCCL_IB_HCA": "mlx5", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                                     "NVSHMEM_DISABLE_NVLS": "1", "HOME": "/root", "AWS_SECRET": "x"},
+                local_python="/usr/bin/python3")
+
+
+def test_two_node_ranks_master_and_argv():
+    p = make(gpu_job(), two_nodes())
+    assert p.world_size == 8 and p.master_addr == "10.0.0.1" and p.backend == "nccl"
+    a, b = p.nodes
+    assert (a.node_rank, a.ranks) == (0, [0, 1, 2, 3])
+    assert (b.node_rank, b.ranks) == (1, [4, 5, 6, 7])
+    assert a.argv[:3] == ["/venv/bin/python", "-m", "torch.distributed.run"]
+    assert b.argv[0] == "python3"  # remote node without a python: python3 on its PATH
+    flags = dict(zip(b.argv[3:19:2], b.argv[4:20:2], strict=True))
+    assert flags == {"--nnodes": "2", "--node-rank": "1", "--nproc-per-node": "4",
+                     "--master-addr": "10.0.0.1", "--master-port": "29400", "--max-restarts": "2",
+                     "--tee": "3", "--log-dir": "/tmp/launcher/t-1/b/torchrun"}
+    assert b.argv[-4:] == ["-m", "launcher.train", "--job", "/tmp/launcher/t-1/b/job.yaml"]
+    assert [r["rank"] for r in p.ranks()] == list(range(8))
+    assert p.ranks()[5] == {"rank": 5, "node": "b", "host": "10.0.0.2", "local_rank": 1, "device": "cuda:1"}
+
+
+def test_env_layers_and_sources():
+    p = make(gpu_job(), two_nodes(NCCL_DEBUG="WARN"))
+    a, b = p.nodes
+    # forwarded from the launcher: NCCL_*, TORCH_*, NVSHMEM_* only
+    assert a.env["NCCL_IB_HCA"] == "mlx5" and a.env_sources["NCCL_IB_HCA"] == "launcher env"
+    assert a.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert a.env["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert "HOME" not in a.env and "AWS_SECRET" not in a.env
+    # the node's env beats the job's, which beats the launcher's
+    assert a.env["NCCL_DEBUG"] == "WARN" and a.env_sources["NCCL_DEBUG"] == "cluster nodes.a.env"
+    assert b.env["NCCL_DEBUG"] == "INFO" and b.env_sources["NCCL_DEBUG"] == "job nccl.env"
+    assert a.env["NCCL_SOCKET_IFNAME"] == "eth0" and "NCCL_SOCKET_IFNAME" not in b.env
+    assert a.env["LAUNCHER_METRICS_FILE"] == "/tmp/launcher/t-1/a/metrics/rank{rank}.jsonl"
+    assert a.env["FOO"] == "bar"
+
+
+def test_secrets_masked_in_json_and_render_but_not_in_the_plan():
+    p = make(gpu_job(), two_nodes())
+    assert p.nodes[0].env["WANDB_API_KEY"] == "s3cret"  # the agent gets the real value
+    text = json.dumps(p.to_json()) + render(p)
+    assert "s3cret" not in text and MASK in text
+    assert json.loads(json.dumps(p.to_json(masked=False)))["nodes"][0]["env"]["WANDB_API_KEY"] == "s3cret"
+
+
+def test_facts_override_declared_gpus_and_nproc_limits():
+    p = make(gpu_job(), two_nodes(), facts={"a": NodeFacts(gpus=8), "b": NodeFacts(gpus=8)})
+    assert p.world_size == 16
+    p = make(gpu_job(nproc_per_node=2), two_nodes())
+    assert [n.ranks for n in p.nodes] == [[0, 1], [2, 3]]
+    with pytest.raises(PreflightError, match="needs 6 GPU worker"):
+        make(gpu_job(nproc_per_node=6), two_nodes())
+
+
+def test_uneven_gpu_counts_give_contiguous_ranks():
+    p = make(gpu_job(), two_nodes(), facts={"a": NodeFacts(gpus=2), "b": NodeFacts(gpus=3)})
+    assert [n.ranks for n in p.nodes] == [[0, 1], [2, 3, 4]]
+
+
+def test_auto_gpus_without_preflight_is_an_input_error():
+    cluster = ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "10.0.0.1"}]})
+    with pytest.raises(SpecError, match="gpus: auto") as info:
+        make(gpu_job(), cluster)
+    assert info.value.exit_code == 2
+
+
+def test_node_subset_and_cpu_workers():
+    job = JobSpec.model_validate({"name": "c", "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 3},
+                                  "precision": {"dtype": "fp32"}})
+    p = make(job, two_nodes())
+    assert len(p.nodes) == 1 and p.world_size == 3 and p.backend == "gloo"
+    assert p.ranks()[2]["device"] == "cpu"
+
+
+def test_script_entrypoint_argv(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    job = JobSpec.model_validate({"name": "s", "entrypoint": {"script": str(script), "args": ["--lr", "3e-4"]},
+                                  "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}})
+    p = make(job, ClusterSpec.this_machine())
+    assert p.nodes[0].argv[-3:] == [str(script), "--lr", "3e-4"]
+    assert p.nodes[0].argv[0] == "/usr/bin/python3"  # a local node runs the launcher's interpreter
+
+
+def test_render_shows_every_node_command():
+    text = render(make(gpu_job(), two_nodes()))
+    assert "--node-rank 0" in text and "--node-rank 1" in text
+    assert "world size 8" in text
