@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -21,6 +22,8 @@ from launcher.spec.cluster import ClusterSpec
 from launcher.spec.job import JobSpec
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # job and node names
+_MODEL_INPUT = re.compile(r"a valid dictionary or instance of (\w+)")
 
 
 def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
@@ -51,17 +54,21 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise SpecError(f"cannot read the file ({err.strerror})", source=str(path)) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader that also rejects duplicate keys
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError(f"invalid YAML{where}: {problem}", source=str(path)) from None
     if data is None:
-        raise SpecError("the file is empty; a job needs at least 'name'", source=str(path))
+        raise SpecError(
+            "the file is empty; a job file needs at least 'name', a cluster file at least 'nodes'",
+            source=str(path),
+        )
     if not isinstance(data, dict):
         raise SpecError(
-            f"the top level must be a mapping of keys, not a {type(data).__name__}",
+            f"the top level must be a mapping of keys, not a {type(data).__name__} "
+            f"('name: ...' and sections in a job file; a cluster file puts its node list under 'nodes:')",
             source=str(path),
         )
     return data
@@ -93,7 +100,7 @@ def validate(model: type[BaseModel], data: Any, *, source: str, overrides: Seque
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        problems = _describe(model, err)
+        problems = _describe(model, err, data)
         from_set = {o.partition("=")[0].strip() for o in overrides}
         lines = [
             f"field '{f}'{' (from --set)' if f in from_set else ''}: {msg}" if f else msg
@@ -130,10 +137,30 @@ def _kind(model: type[BaseModel]) -> str:
     return {"JobSpec": "job spec", "ClusterSpec": "cluster spec"}.get(model.__name__, model.__name__)
 
 
-def _describe(model: type[BaseModel], err: ValidationError) -> list[tuple[str, str]]:
+class _StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"key {key!r} appears twice in the same mapping; keep one",
+                    key_node.start_mark,
+                )
+            if isinstance(key, Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _describe(model: type[BaseModel], err: ValidationError, data: Any = None) -> list[tuple[str, str]]:
     """Turn pydantic's errors into (dotted field, message) pairs a person can act on."""
     raw: list[tuple[tuple[str, ...], dict[str, Any]]] = []
     for e in err.errors(include_url=False):
+        if e["type"] == "extra_forbidden":
+            e = {**e, "given": _keys_beside(data, e["loc"])}
         raw.append((_field_path(model, e["loc"]), e))
     # A union (e.g. entrypoint: builtin | {script, ...}) reports one error per branch; when a
     # branch got further (a nested field is wrong), the shallow "expected X" error is noise.
@@ -217,16 +244,31 @@ def _model_at(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] 
     return current if _is_model(current) else None
 
 
+def _keys_beside(data: Any, loc: tuple[Any, ...]) -> set[str]:
+    """The other keys the user gave next to the unknown key at ``loc`` (union tags skipped)."""
+    node = data
+    for part in loc[:-1]:
+        if isinstance(node, dict):
+            node = node.get(part, node)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+    return {str(k) for k in node if k != loc[-1]} if isinstance(node, dict) else set()
+
+
 def _message(model: type[BaseModel], path: tuple[str, ...], errs: list[dict[str, Any]]) -> str:
     first = errs[0]
     if first["type"] == "extra_forbidden":
-        return _unknown_key(model, path)
+        return _unknown_key(model, path, first.get("given", set()))
     if first["type"] == "missing":
         return "required but missing; add it"
+    if first["type"] == "string_pattern_mismatch" and first.get("ctx", {}).get("pattern") == NAME_PATTERN:
+        return (f"{first.get('input')!r} is not a valid name; use letters, digits, '.', '_' and '-' "
+                f"(at most 64, starting with a letter or digit)")
     texts = []
     for e in errs:
         msg = e["msg"]
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        msg = _MODEL_INPUT.sub(lambda m: _mapping_of(model, path, m.group(1)), msg)
         texts.append(msg.removeprefix("Input should be ") if len(errs) > 1 else msg)
     if len(errs) > 1:
         return f"got {first.get('input')!r}; expected " + " or ".join(dict.fromkeys(texts))
@@ -235,11 +277,25 @@ def _message(model: type[BaseModel], path: tuple[str, ...], errs: list[dict[str,
     return f"{texts[0]} (got {first.get('input')!r})"
 
 
-def _unknown_key(model: type[BaseModel], path: tuple[str, ...]) -> str:
+def _mapping_of(model: type[BaseModel], path: tuple[str, ...], name: str) -> str:
+    """'a valid dictionary or instance of DataSpec' -> 'a mapping with keys source, seq_len, ...'."""
+    target = _model_at(model, path)
+    if target is None or target.__name__ != name:
+        return "a mapping"
+    return f"a mapping with keys {', '.join(target.model_fields)}"
+
+
+def _unknown_key(model: type[BaseModel], path: tuple[str, ...], given: set[str] = frozenset()) -> str:
     key = path[-1]
     parent = _model_at(model, path[:-1])
     known = list(parent.model_fields) if parent is not None else []
-    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    # Keys not given yet are the likelier meaning ('hostname' beside 'name' means 'host'),
+    # then any close key, then a key the typo abbreviates ('nproc' for 'nproc_per_node').
+    not_given = [k for k in known if k not in given]
+    hint = (difflib.get_close_matches(key, not_given, n=1, cutoff=0.6)
+            or difflib.get_close_matches(key, known, n=1, cutoff=0.6))
+    if not hint and len(key) >= 3:
+        hint = [k for k in not_given if k.startswith(key) or key in k.split("_")][:1]
     if hint:
         return f"unknown key. Instead of '{key}', did you mean '{hint[0]}'?"
     if known:
@@ -251,8 +307,17 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     """Relative data and script paths are taken from the job file's folder; scripts must exist."""
     base = source.parent
     updates: dict[str, Any] = {}
-    if job.data.path is not None and not job.data.path.is_absolute():
-        updates["data"] = job.data.model_copy(update={"path": (base / job.data.path).resolve()})
+    if job.data.path is not None:
+        tokens = job.data.path if job.data.path.is_absolute() else (base / job.data.path).resolve()
+        if not tokens.is_file():
+            raise SpecError(
+                f"data.path {str(job.data.path)!r} does not exist (looked for {tokens}); give the "
+                f"token file (.npy or .bin) on a path every node sees; relative paths are taken "
+                f"from the job file's folder",
+                source=str(source),
+                field="data.path",
+            )
+        updates["data"] = job.data.model_copy(update={"path": tokens})
     if job.train.checkpoint.dir is not None and not job.train.checkpoint.dir.is_absolute():
         ckpt = job.train.checkpoint.model_copy(update={"dir": job.train.checkpoint.dir.resolve()})
         updates["train"] = job.train.model_copy(update={"checkpoint": ckpt})

@@ -1,0 +1,289 @@
+"""Specs: every shipped file validates; every file of the bad-input corpus fails with a
+SpecError (exit 2) whose one-paragraph message names the file and contains the substring
+of its first line (``# expect: ...``); ``--set`` overrides; job-vs-cluster checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.errors import SpecError, UsageError
+from launcher.spec import (
+    ClusterSpec,
+    JobSpec,
+    NodeSpec,
+    apply_overrides,
+    check_fits,
+    load_cluster,
+    load_job,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+BAD_JOBS = sorted((HERE / "bad_inputs" / "jobs").glob("*.yaml"))
+BAD_CLUSTERS = sorted((HERE / "bad_inputs" / "clusters").glob("*.yaml"))
+SHIPPED = sorted(
+    [*REPO.glob("jobs/*.yaml"), *REPO.glob("examples/**/*.yaml"), *REPO.glob("examples/**/*.yml"),
+     *REPO.glob("cluster.yaml")]
+)
+
+
+def is_cluster_file(path: Path) -> bool:
+    data = yaml.safe_load(path.read_text())
+    return isinstance(data, dict) and "nodes" in data and "name" not in data
+
+
+def expectation(path: Path) -> str:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# expect: "), f"{path.name}: first line must be '# expect: <substring>'"
+    return first.removeprefix("# expect: ").strip()
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- shipped files ---------------------------------------------------------------------------
+
+
+def test_shipped_files_exist():
+    assert any(p.parent.name == "jobs" for p in SHIPPED)
+    assert any(p.parent.name == "examples" for p in SHIPPED)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO)))
+def test_shipped_file_validates(path):
+    if is_cluster_file(path):
+        cluster = load_cluster(path)
+        assert cluster.nodes
+    else:
+        job = load_job(path)
+        assert job.name
+        assert job.backend in ("nccl", "gloo")
+
+
+# -- the bad-input corpus --------------------------------------------------------------------
+
+
+def test_corpus_is_large_enough():
+    assert len(BAD_JOBS) + len(BAD_CLUSTERS) >= 45
+    assert len(BAD_CLUSTERS) >= 15
+
+
+def assert_spec_error(err: pytest.ExceptionInfo[SpecError], path: Path) -> None:
+    message = str(err.value)
+    assert err.value.exit_code == 2
+    assert str(path) in message, "the error names the file"
+    assert "\n" not in message, "one paragraph"
+    assert "Traceback" not in message
+    expected = expectation(path)
+    assert expected in message, f"expected {expected!r} in: {message}"
+
+
+@pytest.mark.parametrize("path", BAD_JOBS, ids=lambda p: p.stem)
+def test_bad_job_file(path):
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert_spec_error(err, path)
+
+
+@pytest.mark.parametrize("path", BAD_CLUSTERS, ids=lambda p: p.stem)
+def test_bad_cluster_file(path):
+    with pytest.raises(SpecError) as err:
+        load_cluster(path)
+    assert_spec_error(err, path)
+
+
+def test_unknown_keys_suggest_the_intended_key():
+    did_you_mean = [p for p in [*BAD_JOBS, *BAD_CLUSTERS] if "did you mean" in expectation(p)]
+    assert len(did_you_mean) >= 8
+
+
+def test_broken_yaml_reports_the_line():
+    broken = [p for p in [*BAD_JOBS, *BAD_CLUSTERS] if p.stem.startswith("broken_yaml")]
+    assert len(broken) >= 4
+    for path in broken:
+        assert expectation(path).startswith("line ")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="file not found") as err:
+        load_job(tmp_path / "nope.yaml")
+    assert err.value.exit_code == 2
+    with pytest.raises(SpecError, match="file not found"):
+        load_cluster(tmp_path / "nope.yaml")
+
+
+def test_a_directory_is_not_a_job_file(tmp_path):
+    with pytest.raises(SpecError, match="cannot read the file"):
+        load_job(tmp_path)
+
+
+def test_duplicate_keys_in_nested_mappings(tmp_path):
+    path = write(tmp_path, "name: j\ntrain:\n  steps: 10\n  steps: 20\n")
+    with pytest.raises(SpecError, match=r"line 4, column 3: key 'steps' appears twice"):
+        load_job(path)
+
+
+# -- paths -----------------------------------------------------------------------------------
+
+
+def test_relative_paths_are_taken_from_the_job_folder(tmp_path, monkeypatch):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "train.py").write_text("print('hi')\n")
+    (jobs / "tokens.bin").write_bytes(b"\0" * 64)
+    monkeypatch.chdir(tmp_path)
+    job = load_job(write(jobs, "name: j\nentrypoint: {script: train.py, args: [--fast]}\n"
+                               "data: {source: tokens, path: tokens.bin}\nresources: {device: cpu}\n"))
+    assert job.entrypoint.script == (jobs / "train.py").resolve()
+    assert job.entrypoint.args == ["--fast"]
+    assert job.data.path == (jobs / "tokens.bin").resolve()
+    assert not job.uses_builtin
+
+
+def test_user_script_job_needs_only_name_entrypoint_resources(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    job = load_job(write(tmp_path, "name: mine\nentrypoint: {script: train.py}\n"
+                                   "resources: {nodes: 1, nproc_per_node: 2, device: cpu}\n"))
+    assert job.backend == "gloo" and job.resources.nproc_per_node == 2
+
+
+def test_default_cluster_is_this_machine(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cluster = load_cluster()
+    assert [n.name for n in cluster.nodes] == ["local"] and cluster.all_local
+
+
+# -- --set overrides -------------------------------------------------------------------------
+
+
+QUICK = "name: q\nmodel: {arch: bert, size: tiny}\ndata: {seq_len: 64}\n" \
+        "train: {steps: 30, warmup_steps: 5, micro_batch: 8}\nprecision: {dtype: fp32}\n" \
+        "cudnn: {benchmark: false}\nresources: {nodes: all, nproc_per_node: 2, device: cpu}\n"
+
+
+def test_set_typed_values(tmp_path):
+    job = load_job(write(tmp_path, QUICK), [
+        "train.steps=50", "train.lr=3e-4", "train.compile=true", "launch.hang_timeout_s=null",
+        "model.dropout=0.1", "name=renamed", "resources.nodes=1", "train.lr_schedule=linear",
+    ])
+    assert job.train.steps == 50 and isinstance(job.train.steps, int)
+    assert job.train.lr == pytest.approx(3e-4)
+    assert job.train.compile is True
+    assert job.launch.hang_timeout_s is None
+    assert job.model.dropout == pytest.approx(0.1)
+    assert job.name == "renamed"
+    assert job.resources.nodes == 1
+    assert job.train.lr_schedule == "linear"
+    assert job.train.micro_batch == 8  # untouched keys keep the file's value
+
+
+def test_set_dict_fields(tmp_path):
+    job = load_job(write(tmp_path, QUICK), [
+        "launch.env.MY_FLAG=1", "launch.env.OMP_NUM_THREADS=4", "nccl.env.NCCL_DEBUG=INFO",
+        "launch.env.EMPTY=",
+    ])
+    assert job.launch.env == {"MY_FLAG": "1", "OMP_NUM_THREADS": "4", "EMPTY": ""}
+    assert job.nccl.env["NCCL_DEBUG"] == "INFO"
+
+
+def test_set_value_with_equals_sign_and_list(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    job = load_job(write(tmp_path, QUICK.replace("name: q\n", "name: q\nentrypoint: {script: train.py}\n")),
+                   ["launch.env.OPTS=a=b", "entrypoint.args=[--x, '1']"])
+    assert job.launch.env["OPTS"] == "a=b"
+    assert job.entrypoint.args == ["--x", "1"]
+
+
+def test_set_does_not_mutate_the_input():
+    data = {"name": "j", "train": {"steps": 10}}
+    out = apply_overrides(data, ["train.steps=20", "launch.env.A=1"])
+    assert data == {"name": "j", "train": {"steps": 10}}
+    assert out["train"]["steps"] == 20 and out["launch"] == {"env": {"A": 1}}
+
+
+def test_set_unknown_key_says_from_set(tmp_path):
+    with pytest.raises(SpecError) as err:
+        load_job(write(tmp_path, QUICK), ["train.stepz=5"])
+    msg = str(err.value)
+    assert err.value.exit_code == 2
+    assert "field 'train.stepz' (from --set)" in msg
+    assert "did you mean 'steps'" in msg
+
+
+def test_set_bad_value_says_from_set(tmp_path):
+    with pytest.raises(SpecError) as err:
+        load_job(write(tmp_path, QUICK), ["train.micro_batch=lots"])
+    assert "field 'train.micro_batch' (from --set)" in str(err.value)
+
+
+def test_set_can_break_a_cross_check(tmp_path):
+    with pytest.raises(SpecError, match="fp16 on device cpu"):
+        load_job(write(tmp_path, QUICK), ["precision.dtype=fp16"])
+
+
+@pytest.mark.parametrize("item", ["foo", "=3", "train..steps=1", ".x=1", "train.=1", ""])
+def test_set_malformed(tmp_path, item):
+    with pytest.raises(UsageError) as err:
+        load_job(write(tmp_path, QUICK), [item])
+    assert err.value.exit_code == 2
+    assert "KEY=VALUE" in str(err.value)
+
+
+# -- job vs cluster --------------------------------------------------------------------------
+
+
+def two_nodes(gpus: int | str = "auto") -> ClusterSpec:
+    return ClusterSpec(nodes=[NodeSpec(name="node0", host="10.0.0.1", gpus=gpus),
+                              NodeSpec(name="node1", host="10.0.0.2", gpus=gpus)])
+
+
+def test_job_asking_for_more_nodes_than_the_cluster_has(tmp_path):
+    job = load_job(write(tmp_path, QUICK), ["resources.nodes=3"])
+    with pytest.raises(SpecError) as err:
+        check_fits(job, two_nodes(), job_source="jobs/q.yaml")
+    msg = str(err.value)
+    assert err.value.exit_code == 2
+    assert msg.startswith("jobs/q.yaml, field 'resources.nodes'")
+    assert "asks for 3 nodes but the cluster has 2 (node0, node1)" in msg
+    assert "lower resources.nodes" in msg
+
+
+def test_cuda_job_on_a_node_without_gpus(tmp_path):
+    job = load_job(write(tmp_path, "name: g\nresources: {device: cuda}\n"))
+    with pytest.raises(SpecError) as err:
+        check_fits(job, two_nodes(gpus=0))
+    assert err.value.exit_code == 2
+    assert "declares gpus: 0" in str(err.value) and "resources.device" in str(err.value)
+
+
+def test_cluster_file_with_gpus_zero_against_a_cuda_job(tmp_path):
+    cluster = load_cluster(write(tmp_path, "nodes:\n  - {name: n0, host: 10.0.0.1, gpus: 0}\n", "c.yaml"))
+    job = load_job(write(tmp_path, "name: g\n"))
+    with pytest.raises(SpecError, match="gpus: 0"):
+        check_fits(job, cluster)
+
+
+def test_fitting_jobs_pass(tmp_path):
+    check_fits(load_job(write(tmp_path, QUICK), ["resources.nodes=2"]), two_nodes(gpus=0))
+    check_fits(load_job(write(tmp_path, "name: g\nresources: {nodes: 1}\n")), two_nodes(gpus=8))
+    check_fits(load_job(write(tmp_path, "name: g\n")), two_nodes())  # gpus: auto, asked later
+
+
+def test_only_the_used_nodes_need_gpus(tmp_path):
+    cluster = ClusterSpec(nodes=[NodeSpec(name="node0", host="10.0.0.1", gpus=8),
+                                 NodeSpec(name="node1", host="10.0.0.2", gpus=0)])
+    check_fits(load_job(write(tmp_path, "name: g\nresources: {nodes: 1}\n")), cluster)
+    with pytest.raises(SpecError, match="node1"):
+        check_fits(load_job(write(tmp_path, "name: g\n")), cluster)
+
+
+def test_models_are_frozen():
+    job = JobSpec(name="j")
+    with pytest.raises(Exception, match="frozen"):
+        job.name = "k"  # type: ignore[misc]
