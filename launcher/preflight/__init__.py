@@ -1,0 +1,181 @@
+"""Preflight: probe every node in parallel, compare under parity policies, fail before any
+worker starts.
+
+    report = run_preflight(cluster, job)        # every node, deep probe (imports torch)
+    print(report.table())                       # fields × nodes, odd cells marked, verdict
+    report.save(run_dir / "preflight")          # <node>.json per node + parity.txt
+    report.raise_for_failure()                  # PreflightError (exit 3) naming every bad node
+
+The probe (``probe.py``) is sent to each node on stdin and run with that node's ``python``;
+``runners.py`` reaches the nodes (locally or over SSH) and ``parity.py`` judges the results.
+A node that cannot be reached or probed gets an error record in ``report.probes`` and its
+column says why; the other nodes are still probed and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import EXIT_OK, EXIT_PREFLIGHT
+from launcher.preflight.parity import PreflightReport, error_record, evaluate, resolve_policies
+from launcher.preflight.runners import (
+    BAD_JSON,
+    INTERNAL,
+    INTERPRETER_MISSING,
+    PROBE_CRASHED,
+    CommandResult,
+    NodeError,
+    fan_out,
+    runner_for,
+)
+from launcher.spec.cluster import ClusterSpec, NodeSpec
+from launcher.spec.job import JobSpec
+
+__all__ = ["PreflightReport", "check_command", "nodes_for_job", "run_preflight"]
+
+log = logging.getLogger(__name__)
+
+PROBE_SOURCE = (Path(__file__).parent / "probe.py").read_text()
+DEEP_TIMEOUT_S = 120.0
+COMMAND_MARGIN_S = 30.0
+
+
+def run_preflight(
+    cluster: ClusterSpec,
+    job: JobSpec | None = None,
+    *,
+    deep: bool = True,
+    nodes: list[NodeSpec] | None = None,
+) -> PreflightReport:
+    """Probe ``nodes`` (default: the nodes the job uses, else all) in parallel and judge them.
+
+    Never raises for a bad node (see ``PreflightReport.raise_for_failure``); raises SpecError
+    for an unknown field in ``parity.policies``.
+    """
+    targets = list(nodes) if nodes is not None else nodes_for_job(cluster, job)
+    packages = list(cluster.parity.packages)
+    policies = resolve_policies(dict(cluster.parity.policies), packages)
+    started = time.monotonic()
+
+    def probe(node: NodeSpec) -> dict[str, Any]:
+        return probe_node(node, cluster, job, deep=deep)
+
+    group = fan_out(targets, probe, max_parallel=cluster.ssh.max_parallel)
+    probes: dict[str, dict[str, Any]] = {}
+    for node in targets:
+        outcome = group[node.name]
+        if isinstance(outcome, NodeError):
+            probes[node.name] = error_record(node.name, node.host, outcome.kind, outcome.message)
+        elif isinstance(outcome, BaseException):
+            log.debug("probing %s raised", node.name, exc_info=outcome)
+            probes[node.name] = error_record(
+                node.name, node.host, INTERNAL, f"{type(outcome).__name__}: {outcome}"
+            )
+        else:
+            probes[node.name] = outcome
+    log.info("probed %d node(s) in %.2f s", len(targets), time.monotonic() - started)
+    return evaluate(probes, packages=packages, policies=policies, deep=deep)
+
+
+def probe_node(node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, deep: bool) -> dict[str, Any]:
+    """Run the probe on one node; raises NodeError with the reason when that fails."""
+    python = node.python or (sys.executable if node.is_local else "python3")
+    args = ["-"]
+    if deep:
+        args += ["--deep", "--deep-timeout", f"{DEEP_TIMEOUT_S:g}"]
+    if cluster.parity.packages:
+        args += ["--packages", ",".join(cluster.parity.packages)]
+    needed = gpus_needed(node, job)
+    if needed:
+        args += ["--gpus-needed", str(needed)]
+    ifname = worker_env(node, job).get("NCCL_SOCKET_IFNAME")
+    if ifname:
+        args += ["--nccl-socket-ifname", ifname]
+    command = " ".join(shlex.quote(a) for a in [python, *args])
+    timeout = cluster.ssh.connect_timeout_s + COMMAND_MARGIN_S + (DEEP_TIMEOUT_S if deep else 0)
+
+    started = time.monotonic()
+    with runner_for(node, cluster.ssh) as runner:
+        result = runner.run(command, stdin=PROBE_SOURCE, timeout=timeout)
+    received = time.time()
+    probe = parse_probe_output(result, python)
+    probe["node"] = node.name
+    probe["host"] = node.host
+    probe["probe_s"] = round(time.monotonic() - started, 3)
+    if isinstance(probe.get("time"), int | float):
+        probe["clock_skew_s"] = round(probe["time"] - received, 3)
+    return probe
+
+
+def parse_probe_output(result: CommandResult, python: str) -> dict[str, Any]:
+    """The probe's JSON document, or NodeError: interpreter missing, probe crashed, bad JSON."""
+    if result.exit_code in (126, 127) or (
+        result.exit_code != 0 and "No such file or directory" in result.stderr and python in result.stderr
+    ):
+        raise NodeError(
+            INTERPRETER_MISSING,
+            f"{python} cannot run there (exit {result.exit_code}: {result.stderr_tail(1)}); "
+            f"set nodes[].python to a Python with torch and the launcher installed",
+        )
+    if result.exit_code != 0:
+        raise NodeError(PROBE_CRASHED, f"exit {result.exit_code}: {result.stderr_tail() or 'no stderr'}")
+    # The document is the last line; login scripts may print before it.
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    try:
+        probe = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        shown = result.stdout.strip()[-200:]
+        raise NodeError(
+            BAD_JSON, f"the probe printed no JSON document (stdout: {shown!r}; stderr: {result.stderr_tail()!r})"
+        ) from None
+    if not isinstance(probe, dict):
+        raise NodeError(BAD_JSON, f"the probe printed {type(probe).__name__}, not a JSON object")
+    return probe
+
+
+def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None) -> list[NodeSpec]:
+    """The first ``job.resources.nodes`` nodes (all for ``all`` or without a job)."""
+    if job is None or job.resources.nodes == "all":
+        return list(cluster.nodes)
+    return list(cluster.nodes[: job.resources.nodes])
+
+
+def gpus_needed(node: NodeSpec, job: JobSpec | None) -> int:
+    """GPUs the node must have: what cluster.yaml declares, and what a cuda job runs on it."""
+    declared = node.gpus if isinstance(node.gpus, int) else 0
+    if job is None or job.resources.device != "cuda":
+        return declared
+    per_node = job.resources.nproc_per_node
+    return max(declared, per_node if isinstance(per_node, int) else 1)
+
+
+def worker_env(node: NodeSpec, job: JobSpec | None) -> dict[str, str]:
+    """The environment the node's workers get from the specs (node env wins over the job's)."""
+    env: dict[str, str] = {}
+    if job is not None:
+        env.update(job.nccl.env)
+        env.update(job.launch.env)
+    env.update(node.env)
+    return env
+
+
+def check_command(cluster_path: str | None, job_path: str | None, *, fast: bool, as_json: bool) -> int:
+    """``launch check``: print the parity table (or JSON); 0 when every node agrees, else 3."""
+    from launcher.spec import check_fits, load_cluster, load_job
+
+    cluster = load_cluster(cluster_path)
+    job = load_job(job_path) if job_path else None
+    if job is not None:
+        check_fits(job, cluster, job_source=str(job_path))
+    report = run_preflight(cluster, job, deep=not fast)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2, sort_keys=False, default=str))
+    else:
+        print(report.table())
+    return EXIT_OK if report.ok else EXIT_PREFLIGHT

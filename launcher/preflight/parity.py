@@ -1,0 +1,539 @@
+"""Judge node probes: compare fields under per-field policies, run the non-comparison checks,
+render the fields × nodes table and the one-line verdict.
+
+Pure: takes the probe documents (``probe.py``'s JSON, or an error record for a node that
+could not be probed) and returns a ``PreflightReport``; no I/O but ``save``.
+
+Policies, per field (defaults in ``FIELDS``, overridable in cluster.yaml ``parity.policies``):
+
+* ``exact``  the whole value must agree (``2.13.0+cu128``)
+* ``minor``  major.minor must agree (Python ``3.11.7`` and ``3.11.9`` agree)
+* ``major``  the major component must agree (driver ``550.54.15`` and ``550.90.07``)
+* ``warn``   differences are shown and named in the verdict, but do not fail
+* ``ignore`` informational: shown, never compared
+
+The odd cell is the one whose value differs from the majority (ties: the head node's).
+Checks that are not comparisons (cuDNN working, driver minimum, GPUs for the job, the NCCL
+interface, clock skew, a failed deep probe) have keys too: a policy of ``warn`` or ``ignore``
+downgrades them; any other value leaves them failing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import textwrap
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from launcher.errors import PreflightError, SpecError
+
+FAIL_MARK = "✗"
+WARN_MARK = "!"
+CELL_WIDTH = 30
+CLOCK_SKEW_WARN_S = 5.0
+CUDNN_MIN_SPEEDUP = 1.1
+# Minimum NVIDIA driver per CUDA major version of the torch build (NVIDIA's
+# minor-version-compatibility floors: CUDA 11.1-11.8, 12.x and 13.x).
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+NOT_INSTALLED = "not installed"
+POLICIES = ("exact", "minor", "major", "warn", "ignore")
+
+
+@dataclass(frozen=True)
+class FieldDef:
+    """A row of the table: how to read it from a probe and how to compare it."""
+
+    key: str
+    label: str
+    policy: str
+    extract: Callable[[dict[str, Any]], Any]
+    deep: bool = False
+
+
+@dataclass(frozen=True)
+class CheckDef:
+    key: str
+    description: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    node: str
+    key: str
+    severity: str  # "fail" | "warn"
+    message: str
+
+
+@dataclass
+class Row:
+    field: FieldDef
+    policy: str
+    values: dict[str, Any]  # node → value (reachable nodes)
+    marks: dict[str, str] = field(default_factory=dict)  # node → "fail" | "warn"
+    reference: Any = None
+
+
+def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
+    def extract(probe: dict[str, Any]) -> Any:
+        value: Any = probe
+        for part in path:
+            if not isinstance(value, dict) or "error" in value and part != "error":
+                return None
+            value = value.get(part)
+        return value
+
+    return extract
+
+
+def _package(name: str) -> Callable[[dict[str, Any]], Any]:
+    def extract(probe: dict[str, Any]) -> Any:
+        packages = probe.get("packages")
+        if not isinstance(packages, dict) or "error" in packages or name not in packages:
+            return None
+        return packages[name] if packages[name] is not None else NOT_INSTALLED
+
+    return extract
+
+
+def _gpu_models(probe: dict[str, Any]) -> str | None:
+    deep = probe.get("deep")
+    if isinstance(deep, dict) and deep.get("devices"):
+        names = [d["name"] for d in deep["devices"]]
+    else:
+        names = [g["name"] for g in (_get("nvidia", "gpus")(probe) or [])]
+    return " + ".join(sorted(set(names))) or None
+
+
+def _launcher_hash(probe: dict[str, Any]) -> str | None:
+    digest = _get("launcher", "hash")(probe)
+    return digest[:12] if digest else None
+
+
+def _disk(probe: dict[str, Any]) -> str | None:
+    free = _get("disk", "home", "free_gib")(probe)
+    return f"{free:g} GiB" if isinstance(free, int | float) else None
+
+
+def _skew(probe: dict[str, Any]) -> str | None:
+    skew = probe.get("clock_skew_s")
+    return f"{skew:+.2f} s" if isinstance(skew, int | float) else None
+
+
+FIELDS: tuple[FieldDef, ...] = (
+    FieldDef("hostname", "hostname", "ignore", _get("hostname")),
+    FieldDef("os", "os", "ignore", _get("os", "distro")),
+    FieldDef("kernel", "kernel", "ignore", _get("os", "kernel")),
+    FieldDef("python", "python", "minor", _get("python", "version")),
+    FieldDef("torch", "torch", "exact", _package("torch")),
+    FieldDef("cuda", "cuda (torch build)", "exact", _get("torch_build", "cuda")),
+    FieldDef("ray", "ray", "exact", _package("ray")),
+    FieldDef("launcher", "launcher", "exact", _package("launcher")),
+    FieldDef("launcher_hash", "launcher code", "exact", _launcher_hash),
+    FieldDef("driver", "driver", "major", _get("nvidia", "driver")),
+    FieldDef("gpu", "gpu model", "exact", _gpu_models),
+    FieldDef("gpus", "gpus", "ignore", lambda p: gpu_count(p)),
+    FieldDef("cuda_available", "cuda available", "exact", _get("deep", "cuda_available"), deep=True),
+    FieldDef("cudnn", "cudnn", "exact", _get("deep", "cudnn", "version"), deep=True),
+    FieldDef("nccl", "nccl", "exact", _get("deep", "nccl"), deep=True),
+    FieldDef("clock", "clock skew", "ignore", _skew),
+    FieldDef("disk", "free disk (home)", "ignore", _disk),
+)
+CHECKS: tuple[CheckDef, ...] = (
+    CheckDef("deep_probe", "the deep (torch) probe ran"),
+    CheckDef("launcher_importable", "the launcher is importable with the node's python"),
+    CheckDef("cudnn_working", "cuDNN is available, enabled, loaded and computes where CUDA is"),
+    CheckDef("cudnn_speedup", f"cuDNN is at least {CUDNN_MIN_SPEEDUP}x faster than native kernels"),
+    CheckDef("driver_min", "the driver is new enough for torch's CUDA build"),
+    CheckDef("gpus_needed", "the node has the GPUs the job (or cluster.yaml) asks for"),
+    CheckDef("nccl_socket_ifname", "NCCL_SOCKET_IFNAME names an interface of the node"),
+    CheckDef("clock_skew", f"the clock is within {CLOCK_SKEW_WARN_S:g} s of the launcher's (warns)"),
+)
+_CHECK_DEFAULTS = {"clock_skew": "warn"}
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PreflightReport:
+    """Every node's probe (or error record), judged. See ``evaluate``."""
+
+    probes: dict[str, dict[str, Any]]
+    rows: list[Row]
+    problems: list[Problem]
+    deep: bool
+    field_keys: frozenset[str] = frozenset()
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self.probes)
+
+    @property
+    def errors(self) -> dict[str, dict[str, str]]:
+        """Nodes that could not be probed → {kind, message}."""
+        return {n: p["error"] for n, p in self.probes.items() if is_error_record(p)}
+
+    @property
+    def failures(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "fail"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warn"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.failures
+
+    def gpus(self, node_name: str) -> int:
+        """GPUs the node reported (what torch sees after a deep probe); 0 on CPU or failed nodes."""
+        return gpu_count(self.probes[node_name])
+
+    @property
+    def bad_nodes(self) -> list[str]:
+        bad = set(self.errors) | {p.node for p in self.failures}
+        return [n for n in self.nodes if n in bad]
+
+    @property
+    def verdict(self) -> str:
+        """One line: ``parity OK: 3 nodes agree`` or ``parity FAILED: <every bad node, why>``."""
+        n = len(self.nodes)
+        if self.ok:
+            line = f"parity OK: {n} node{'s' if n != 1 else ''} agree" if n != 1 else "parity OK: 1 node checked"
+            if self.warnings:
+                line += " (warnings: " + "; ".join(self._node_summaries(self.warnings, with_errors=False)) + ")"
+            return line
+        return "parity FAILED: " + "; ".join(self._node_summaries(self.failures, with_errors=True))
+
+    def _node_summaries(self, problems: list[Problem], *, with_errors: bool) -> list[str]:
+        out = []
+        for node in self.nodes:
+            if with_errors and node in self.errors:
+                err = self.errors[node]
+                out.append(f"{node} {err['kind']}: {err['message']}")
+                continue
+            mine = [p for p in problems if p.node == node]
+            diffs = [p.message for p in mine if p.key in self.field_keys]
+            checks = [p.message for p in mine if p.key not in self.field_keys]
+            parts = []
+            if diffs:
+                parts.append("differs in " + ", ".join(diffs))
+            parts.extend(checks)
+            if parts:
+                out.append(f"{node} " + "; ".join(parts) if diffs else f"{node}: " + "; ".join(parts))
+        return out
+
+    def table(self) -> str:
+        """The fields × nodes table (odd cells marked), a legend, and the verdict line."""
+        headers = ["field", "policy", *self.nodes]
+        body: list[list[str]] = []
+        status = ["status", ""]
+        for node in self.nodes:
+            err = self.errors.get(node)
+            status.append(_wrap(f"{FAIL_MARK} {err['kind']}: {err['message']}") if err else "ok")
+        body.append(status)
+        for row in self.rows:
+            cells = [row.field.label, row.policy]
+            for node in self.nodes:
+                if node not in row.values:
+                    cells.append("")
+                    continue
+                text = _display(row.values[node])
+                mark = row.marks.get(node)
+                if mark:
+                    text += f" {FAIL_MARK if mark == 'fail' else WARN_MARK}"
+                cells.append(_wrap(text))
+            body.append(cells)
+        checks = ["checks", ""]
+        for node in self.nodes:
+            if node in self.errors:
+                checks.append("")
+                continue
+            mine = [p for p in self.problems if p.node == node and p.key not in self.field_keys]
+            lines = [_wrap(f"{FAIL_MARK if p.severity == 'fail' else WARN_MARK} {p.message}") for p in mine]
+            checks.append("\n".join(lines) or "ok")
+        body.append(checks)
+        legend = f"{FAIL_MARK} differs from the other nodes or fails a check · {WARN_MARK} warning only"
+        return "\n".join([tabulate(body, headers=headers, tablefmt="simple"), legend, self.verdict])
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything in the table, machine-readable: cells carry ``value`` and ``mark``."""
+        return {
+            "ok": self.ok,
+            "verdict": self.verdict,
+            "deep": self.deep,
+            "nodes": self.nodes,
+            "errors": self.errors,
+            "fields": [
+                {
+                    "field": row.field.key,
+                    "label": row.field.label,
+                    "policy": row.policy,
+                    "reference": row.reference,
+                    "cells": {n: {"value": row.values[n], "mark": row.marks.get(n)} for n in row.values},
+                }
+                for row in self.rows
+            ],
+            "problems": [p.__dict__ for p in self.problems],
+            "probes": self.probes,
+        }
+
+    def save(self, directory: Path) -> None:
+        """``directory/<node>.json`` per node and ``directory/parity.txt``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for node, probe in self.probes.items():
+            (directory / f"{node}.json").write_text(json.dumps(probe, indent=2, sort_keys=True) + "\n")
+        (directory / "parity.txt").write_text(self.table() + "\n")
+
+    def raise_for_failure(self) -> None:
+        """Raise PreflightError (exit 3) naming every bad node, unless all is well."""
+        if self.ok:
+            return
+        bad = self.bad_nodes
+        raise PreflightError(
+            f"Preflight failed on {len(bad)} of {len(self.nodes)} nodes ({', '.join(bad)}): "
+            + "; ".join(self._node_summaries(self.failures, with_errors=True))
+            + ". Fix those nodes, or relax a field's policy in cluster.yaml (parity.policies, "
+            "e.g. {torch: warn}), or launch with --skip-parity; `launch check` shows the full table."
+        )
+
+
+# -- evaluation -----------------------------------------------------------------------------------
+
+
+def evaluate(
+    probes: dict[str, dict[str, Any]],
+    *,
+    packages: Sequence[str] = (),
+    policies: dict[str, str] | None = None,
+    deep: bool = True,
+) -> PreflightReport:
+    """Compare the probes (node order = dict order, the head first) and run the checks."""
+    resolved = resolve_policies(policies or {}, packages)
+    fields = field_defs(packages)
+    reachable = {n: p for n, p in probes.items() if not is_error_record(p)}
+    rows: list[Row] = []
+    problems: list[Problem] = []
+    for fdef in fields:
+        if fdef.deep and not deep:
+            continue
+        values = {n: fdef.extract(p) for n, p in reachable.items()}
+        if values and all(v is None for v in values.values()):
+            continue  # e.g. GPU rows on a CPU cluster: nothing to compare
+        row = Row(fdef, resolved[fdef.key], values)
+        _mark_row(row, problems)
+        rows.append(row)
+    for node, probe in reachable.items():
+        problems.extend(_checks(node, probe, resolved, deep))
+    order = {n: i for i, n in enumerate(probes)}
+    problems.sort(key=lambda p: order[p.node])
+    return PreflightReport(probes, rows, problems, deep, frozenset(f.key for f in fields))
+
+
+def field_defs(packages: Sequence[str]) -> list[FieldDef]:
+    """The built-in fields, then one exact field per listed package (core packages skipped)."""
+    fields = list(FIELDS)
+    known = {f.key for f in fields}
+    for name in packages:
+        if name not in known:
+            fields.append(FieldDef(name, name, "exact", _package(name)))
+            known.add(name)
+    return fields
+
+
+def resolve_policies(overrides: dict[str, str], packages: Sequence[str] = ()) -> dict[str, str]:
+    """Defaults merged with cluster.yaml's ``parity.policies``; an unknown key is a SpecError."""
+    resolved = {f.key: f.policy for f in field_defs(packages)}
+    resolved.update({c.key: _CHECK_DEFAULTS.get(c.key, "exact") for c in CHECKS})
+    for key, policy in overrides.items():
+        if key not in resolved:
+            close = difflib.get_close_matches(key, list(resolved), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise SpecError(
+                f"parity.policies names unknown field {key!r}.{hint} Fields: {', '.join(resolved)}",
+                field="parity.policies",
+            )
+        if policy not in POLICIES:
+            raise SpecError(f"policy {policy!r} for {key!r} must be one of {', '.join(POLICIES)}", field="parity.policies")
+        resolved[key] = policy
+    return resolved
+
+
+def version_key(value: Any, policy: str) -> Any:
+    """What must be equal under ``policy``: the whole value, major.minor, or the major part."""
+    if value is None or policy not in ("minor", "major"):
+        return value
+    parts = str(value).split("+")[0].split(".")
+    return ".".join(parts[: 2 if policy == "minor" else 1])
+
+
+def _mark_row(row: Row, problems: list[Problem]) -> None:
+    if row.policy == "ignore" or len(row.values) < 2:
+        return
+    keys = {n: version_key(v, row.policy) for n, v in row.values.items()}
+    counts = Counter(keys.values())
+    head = next(iter(keys))
+    best = max(counts.values())
+    ref_key = keys[head] if counts[keys[head]] == best else next(k for k in keys.values() if counts[k] == best)
+    row.reference = next(row.values[n] for n, k in keys.items() if k == ref_key)
+    severity = "warn" if row.policy == "warn" else "fail"
+    for node, key in keys.items():
+        if key != ref_key:
+            row.marks[node] = severity
+            problems.append(
+                Problem(
+                    node,
+                    row.field.key,
+                    severity,
+                    f"{row.field.label} ({_display(row.values[node])} vs {_display(row.reference)})",
+                )
+            )
+
+
+def _checks(node: str, probe: dict[str, Any], policies: dict[str, str], deep: bool) -> list[Problem]:
+    found: list[tuple[str, str]] = []
+    request = probe.get("request") or {}
+    dp = probe.get("deep")
+    deep_ok = isinstance(dp, dict) and "error" not in dp
+    if deep and not deep_ok:
+        reason = dp.get("error") if isinstance(dp, dict) else "no deep section in the probe"
+        found.append(("deep_probe", f"deep probe failed: {reason}"))
+    if probe.get("launcher") is None:
+        python = _get("python", "executable")(probe) or "the node's python"
+        found.append(("launcher_importable", f"the launcher is not importable with {python}; install it there"))
+    if deep_ok and dp.get("cuda_available"):
+        found.extend(("cudnn_working", m) for m in _cudnn_problems(dp))
+        speedup = (dp.get("conv") or {}).get("speedup")
+        if isinstance(speedup, int | float) and speedup < CUDNN_MIN_SPEEDUP:
+            found.append(("cudnn_speedup", f"cuDNN gives no speed-up ({speedup:g}x over native kernels)"))
+    driver = _get("nvidia", "driver")(probe)
+    cuda = (dp.get("cuda_build") if deep_ok else None) or _get("torch_build", "cuda")(probe)
+    minimum = min_driver(cuda)
+    if driver and minimum and _vtuple(driver) < _vtuple(minimum):
+        found.append(
+            (
+                "driver_min",
+                f"driver {driver} is below {minimum}, the minimum for torch's CUDA {cuda}; "
+                f"update the driver or use a torch built for an older CUDA",
+            )
+        )
+    needed = request.get("gpus_needed") or 0
+    have = gpu_count(probe)
+    if needed and have < needed and (deep_ok or not deep):
+        found.append(("gpus_needed", f"needs {needed} GPU{'s' if needed != 1 else ''}, has {have}"))
+    ifname = request.get("nccl_socket_ifname")
+    interfaces = probe.get("interfaces")
+    if ifname and isinstance(interfaces, dict) and "error" not in interfaces and not nccl_ifname_matches(ifname, interfaces):
+        found.append(
+            (
+                "nccl_socket_ifname",
+                f"NCCL_SOCKET_IFNAME={ifname} names no interface here (has {', '.join(sorted(interfaces))})",
+            )
+        )
+    skew = probe.get("clock_skew_s")
+    if isinstance(skew, int | float) and abs(skew) > CLOCK_SKEW_WARN_S:
+        found.append(("clock_skew", f"clock is {skew:+.1f} s off the launcher's"))
+    problems = []
+    for key, message in found:
+        policy = policies.get(key, "exact")
+        if policy != "ignore":
+            problems.append(Problem(node, key, "warn" if policy == "warn" else "fail", message))
+    return problems
+
+
+def _cudnn_problems(dp: dict[str, Any]) -> list[str]:
+    cudnn = dp.get("cudnn") or {}
+    if not cudnn.get("available"):
+        return ["CUDA works but cuDNN is not available to torch"]
+    if not cudnn.get("enabled"):
+        return ["cuDNN is disabled (torch.backends.cudnn.enabled is False)"]
+    conv = dp.get("conv") or {}
+    if "error" in conv:
+        return [f"a cuDNN convolution failed: {conv['error']}"]
+    out = []
+    if not (dp.get("loaded_libs") or {}).get("libcudnn"):
+        out.append("no libcudnn was loaded after a convolution")
+    diff = conv.get("max_abs_diff")
+    if isinstance(diff, int | float) and diff > 1e-2:
+        out.append(f"cuDNN and native convolutions disagree (max abs diff {diff:g})")
+    return out
+
+
+# -- small pure helpers ------------------------------------------------------------------------
+
+
+def is_error_record(probe: dict[str, Any]) -> bool:
+    return isinstance(probe.get("error"), dict) and "kind" in probe["error"]
+
+
+def error_record(node: str, host: str, kind: str, message: str) -> dict[str, Any]:
+    """What ``probes`` holds for a node that could not be probed."""
+    return {"node": node, "host": host, "error": {"kind": kind, "message": message}}
+
+
+def gpu_count(probe: dict[str, Any]) -> int:
+    """GPUs usable on the node: torch's count after a deep probe, else nvidia-smi's; 0 if unknown."""
+    if is_error_record(probe):
+        return 0
+    dp = probe.get("deep")
+    if isinstance(dp, dict) and "error" not in dp:
+        return int(dp.get("device_count") or 0)
+    return len(_get("nvidia", "gpus")(probe) or [])
+
+
+def min_driver(cuda: str | None) -> str | None:
+    """The minimum driver for a CUDA version (``12.8`` → ``525.60.13``); None when unknown."""
+    if not cuda:
+        return None
+    try:
+        major, minor = (int(x) for x in str(cuda).split(".")[:2])
+    except ValueError:
+        return None
+    if major == 11 and minor == 0:
+        return "450.36.06"
+    return MIN_DRIVER.get(major)
+
+
+def nccl_ifname_matches(spec: str, interfaces: dict[str, Any]) -> bool:
+    """NCCL_SOCKET_IFNAME semantics: comma-separated prefixes, ``=`` exact, ``^`` excludes."""
+    exclude = spec.startswith("^")
+    body = spec[1:] if exclude else spec
+    exact = body.startswith("=")
+    body = body[1:] if exact else body
+    patterns = [p for p in body.split(",") if p]
+
+    def hit(name: str) -> bool:
+        return any(name == p if exact else name.startswith(p) for p in patterns)
+
+    if exclude:
+        return any(not hit(name) for name in interfaces if name != "lo")
+    return any(hit(name) for name in interfaces)
+
+
+def _vtuple(version: str) -> tuple[int, ...]:
+    out = []
+    for part in str(version).split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def _display(value: Any) -> str:
+    if value is None:
+        return "—"
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    return str(value)
+
+
+def _wrap(text: str) -> str:
+    return "\n".join(textwrap.wrap(text, CELL_WIDTH, break_long_words=True, break_on_hyphens=False)) or text

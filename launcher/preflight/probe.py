@@ -1,0 +1,394 @@
+"""The node probe: what this machine has, as one JSON document on stdout.
+
+Self-contained on purpose: the launcher sends this file over SSH on stdin and runs it with
+the node's own interpreter (``python - --deep --packages transformers``), so it imports only
+the standard library, plus torch in the deep part. It never imports the launcher, torch or
+Ray to learn their versions (``importlib.metadata`` / ``find_spec`` only): a broken install
+is reported, not crashed on.
+
+Torch-free part (fast, ~0.1 s): hostname, OS and kernel, Python, versions of torch, ray, the
+launcher (+ a hash of its .py files, to catch stale code) and the listed packages, driver and
+GPUs from ``nvidia-smi`` (or NVML), IPv4 interfaces, free disk, clock.
+
+Deep part (``--deep``, imports torch): CUDA build and availability, devices, cuDNN
+available/enabled/version and one real convolution timed with cuDNN on and off, the NCCL
+version, and which libcudnn/libnccl/libcudart files the process actually mapped. It runs in a
+thread under ``--deep-timeout``: a wedged driver yields an error record, never a hang.
+
+Every section that fails records ``{"error": ...}`` instead of aborting the probe. The
+launcher judges the facts (``launcher/preflight/parity.py``); the probe only reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PROBE_VERSION = 1
+CORE_PACKAGES = ("torch", "ray", "launcher")
+LOADED_LIB_PREFIXES = ("libcudnn", "libnccl", "libcudart")
+NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total", "uuid", "pci.bus_id")
+COMMAND_TIMEOUT_S = 15.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="probe", description="Report this node's environment as JSON.")
+    parser.add_argument("--deep", action="store_true", help="also import torch and exercise CUDA/cuDNN/NCCL")
+    parser.add_argument("--packages", default="", help="comma-separated extra packages to report versions of")
+    parser.add_argument("--deep-timeout", type=float, default=120.0, help="seconds the deep part may take")
+    parser.add_argument("--gpus-needed", type=int, default=0, help="GPUs the job needs on this node (recorded)")
+    parser.add_argument("--nccl-socket-ifname", default=None, help="the workers' NCCL_SOCKET_IFNAME (recorded)")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    packages = [p.strip() for p in args.packages.split(",") if p.strip()]
+
+    report: dict[str, Any] = {
+        "probe_version": PROBE_VERSION,
+        "request": {
+            "deep": args.deep,
+            "packages": packages,
+            "gpus_needed": args.gpus_needed,
+            "nccl_socket_ifname": args.nccl_socket_ifname,
+        },
+    }
+    report["hostname"] = _safe(socket.gethostname)
+    report["os"] = _safe(os_info)
+    report["python"] = _safe(python_info)
+    report["packages"] = _safe(lambda: package_versions([*CORE_PACKAGES, *packages]))
+    report["launcher"] = _safe(launcher_info)
+    report["torch_build"] = _safe(torch_build)
+    report["nvidia"] = _safe(nvidia_info)
+    report["interfaces"] = _safe(interfaces)
+    report["disk"] = _safe(disk_free)
+    report["deep"] = run_with_timeout(deep_info, args.deep_timeout) if args.deep else None
+    report["elapsed_s"] = round(time.monotonic() - started, 3)
+    report["time"] = time.time()  # last, so the launcher can measure clock skew on receipt
+    sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+# -- torch-free facts ------------------------------------------------------------------------
+
+
+def os_info() -> dict[str, Any]:
+    try:
+        pretty = platform.freedesktop_os_release().get("PRETTY_NAME")
+    except OSError:
+        pretty = None
+    return {
+        "system": platform.system(),
+        "kernel": platform.release(),
+        "distro": pretty,
+        "machine": platform.machine(),
+    }
+
+
+def python_info() -> dict[str, Any]:
+    return {
+        "version": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "executable": sys.executable,
+        "prefix": sys.prefix,
+        "venv": sys.prefix != sys.base_prefix,
+    }
+
+
+def package_versions(names: list[str]) -> dict[str, str | None]:
+    """Installed distribution versions; None where not installed. Nothing is imported."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def launcher_info() -> dict[str, Any] | None:
+    """Where ``import launcher`` would load from and a hash of its .py files (without importing it)."""
+    spec = importlib.util.find_spec("launcher")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return {"path": str(root), "hash": tree_hash(root)}
+
+
+def torch_build() -> dict[str, Any] | None:
+    """torch's build facts (CUDA version) read from torch/version.py without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    out: dict[str, Any] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id in ("__version__", "cuda", "hip", "git_version"):
+                    out[target.id.strip("_")] = node.value.value
+    return out
+
+
+def tree_hash(root: Path) -> str:
+    """sha256 over the sorted relative paths and contents of every .py file under ``root``."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def nvidia_info() -> dict[str, Any]:
+    """Driver version and GPUs from nvidia-smi, else NVML; empty on machines without NVIDIA GPUs."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = [smi, f"--query-gpu={','.join(NVIDIA_SMI_FIELDS)}", "--format=csv,noheader,nounits"]
+        proc = subprocess.run(query, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            return {"source": "nvidia-smi", "driver": None, "gpus": [], "error": tail[0]}
+        rows = [
+            dict(zip(NVIDIA_SMI_FIELDS, (c.strip() for c in line.split(",")), strict=False))
+            for line in proc.stdout.strip().splitlines()
+        ]
+        gpus = []
+        for row in rows:
+            gpus.append(
+                {
+                    "index": int(row["index"]),
+                    "name": row["name"],
+                    "memory_mib": _to_int(row.get("memory.total")),
+                    "uuid": row.get("uuid"),
+                    "bus_id": row.get("pci.bus_id"),
+                }
+            )
+        driver = rows[0].get("driver_version") if rows else None
+        return {"source": "nvidia-smi", "driver": driver, "gpus": gpus}
+    return _nvml_info()
+
+
+def _nvml_info() -> dict[str, Any]:
+    try:
+        import pynvml  # nvidia-ml-py, optional
+    except ImportError:
+        return {"source": None, "driver": None, "gpus": []}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:  # no NVIDIA driver: a CPU machine
+        return {"source": None, "driver": None, "gpus": []}
+    except pynvml.NVMLError as err:
+        return {"source": "nvml", "driver": None, "gpus": [], "error": str(err)}
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            gpus.append(
+                {
+                    "index": i,
+                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                    "memory_mib": pynvml.nvmlDeviceGetMemoryInfo(handle).total // 2**20,
+                    "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
+                    "bus_id": _text(pynvml.nvmlDeviceGetPciInfo(handle).busId),
+                }
+            )
+        return {"source": "nvml", "driver": driver, "gpus": gpus}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def interfaces() -> dict[str, list[str]]:
+    """Interface name → IPv4 addresses, from ``ip -j addr`` or, without iproute2, ioctls."""
+    ip = shutil.which("ip")
+    if ip:
+        proc = subprocess.run([ip, "-j", "addr"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        if proc.returncode == 0 and proc.stdout.strip():
+            out: dict[str, list[str]] = {}
+            for link in json.loads(proc.stdout):
+                addrs = [a["local"] for a in link.get("addr_info", []) if a.get("family") == "inet"]
+                out[link["ifname"]] = addrs
+            return out
+    return _interfaces_ioctl()
+
+
+def _interfaces_ioctl() -> dict[str, list[str]]:
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    out: dict[str, list[str]] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+                out[name] = [socket.inet_ntoa(packed[20:24])]
+            except OSError:
+                out[name] = []
+    return out
+
+
+def disk_free() -> dict[str, Any]:
+    out = {}
+    for label, path in (("home", os.path.expanduser("~")), ("tmp", tempfile.gettempdir())):
+        usage = shutil.disk_usage(path)
+        out[label] = {"path": path, "free_gib": round(usage.free / 2**30, 1)}
+    return out
+
+
+# -- the deep part (torch) ---------------------------------------------------------------------
+
+
+def deep_info(progress: dict[str, str]) -> dict[str, Any]:
+    """CUDA, cuDNN and NCCL as this interpreter's torch really sees them."""
+    progress["stage"] = "import torch"
+    started = time.monotonic()
+    import torch
+
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "import_s": round(time.monotonic() - started, 2),
+    }
+    progress["stage"] = "CUDA initialisation"
+    available = torch.cuda.is_available()
+    out["cuda_available"] = available
+    out["device_count"] = torch.cuda.device_count() if available else 0
+    out["devices"] = []
+    for i in range(out["device_count"]):
+        props = torch.cuda.get_device_properties(i)
+        out["devices"].append(
+            {
+                "name": props.name,
+                "capability": f"{props.major}.{props.minor}",
+                "memory_gib": round(props.total_memory / 2**30, 1),
+            }
+        )
+    progress["stage"] = "cuDNN"
+    cudnn_available = torch.backends.cudnn.is_available()
+    out["cudnn"] = {
+        "available": cudnn_available,
+        "enabled": torch.backends.cudnn.enabled,
+        "version": _version_int(torch.backends.cudnn.version()) if cudnn_available else None,
+    }
+    out["conv"] = _safe(lambda: _time_conv(torch)) if available else None
+    progress["stage"] = "NCCL"
+    out["nccl"] = _safe(lambda: ".".join(str(v) for v in torch.cuda.nccl.version())) if available else None
+    out["loaded_libs"] = loaded_libraries()
+    return out
+
+
+def _time_conv(torch: Any) -> dict[str, Any]:
+    """One 3x3 convolution, timed with cuDNN and with PyTorch's native kernels (fp32, no TF32)."""
+    x = torch.randn(16, 64, 56, 56, device="cuda")
+    w = torch.randn(64, 64, 3, 3, device="cuda")
+
+    def timed(enabled: bool) -> tuple[float, Any]:
+        with torch.backends.cudnn.flags(enabled=enabled, benchmark=False, deterministic=False, allow_tf32=False):
+            for _ in range(3):
+                y = torch.nn.functional.conv2d(x, w, padding=1)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(10):
+                y = torch.nn.functional.conv2d(x, w, padding=1)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) / 10, y
+
+    cudnn_s, y_cudnn = timed(True)
+    native_s, y_native = timed(False)
+    return {
+        "shape": "16x64x56x56 * 64x64x3x3",
+        "cudnn_ms": round(cudnn_s * 1e3, 3),
+        "native_ms": round(native_s * 1e3, 3),
+        "speedup": round(native_s / cudnn_s, 2) if cudnn_s > 0 else None,
+        "max_abs_diff": float((y_cudnn - y_native).abs().max()),
+    }
+
+
+def loaded_libraries() -> dict[str, list[str]]:
+    """The libcudnn/libnccl/libcudart files mapped into this process (from /proc/self/maps)."""
+    found: dict[str, set[str]] = {prefix: set() for prefix in LOADED_LIB_PREFIXES}
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return {prefix: [] for prefix in LOADED_LIB_PREFIXES}
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+        path = fields[5] if len(fields) == 6 else ""
+        base = os.path.basename(path)
+        for prefix in LOADED_LIB_PREFIXES:
+            if base.startswith(prefix):
+                found[prefix].add(path)
+    return {prefix: sorted(paths) for prefix, paths in found.items()}
+
+
+def run_with_timeout(fn: Callable[[dict[str, str]], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    """Run ``fn`` in a daemon thread; after ``timeout_s`` report where it was stuck instead."""
+    progress = {"stage": "start"}
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn(progress)
+        except BaseException as err:  # noqa: BLE001 - any failure becomes part of the report
+            result["value"] = {"error": f"{type(err).__name__}: {err}", "stage": progress["stage"]}
+
+    thread = threading.Thread(target=target, name="deep-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return {"error": f"timed out after {timeout_s:g} s during {progress['stage']}", "stage": progress["stage"]}
+    return result["value"]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - one broken section must not lose the others
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _version_int(v: int | None) -> str | None:
+    """cuDNN's integer version (90100, or 8902 before 9) as ``major.minor.patch``."""
+    if v is None:
+        return None
+    if v >= 90000:
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+    return f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+
+
+def _to_int(text: str | None) -> int | None:
+    try:
+        return int(float(text)) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+if __name__ == "__main__":
+    code = main()
+    # A deep-probe thread stuck in a driver call must not keep the process alive.
+    os._exit(code)

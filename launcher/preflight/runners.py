@@ -1,0 +1,434 @@
+"""Run commands on nodes: one interface for this machine and for SSH, plus a parallel fan-out.
+
+``runner_for(node, ssh)`` gives a ``LocalRunner`` (subprocess, no SSH) for nodes that are this
+machine and an ``SSHRunner`` (fabric, key auth only, verified host keys) for the others.
+Both expose ``run(command, stdin=, timeout=, env=) -> CommandResult``: a command that runs and
+exits non-zero is a result, not an exception; failing to reach the node, to authenticate or
+to verify its host key, or a command outliving its timeout raises ``NodeError`` whose
+``kind`` and one-line ``message`` say what happened and what to do.
+
+``fan_out(nodes, fn, max_parallel)`` calls ``fn(node)`` on every node in threads and collects
+each node's result *or* exception (like fabric's ``GroupResult``): it never stops at the
+first failure.
+
+Secrets (Ray's auth token) go through ``stdin``, never the command line or ``env`` (which an
+SSH runner inlines into the remote command line, visible in ``ps``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import getpass
+import io
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import fabric
+import invoke
+import paramiko
+
+from launcher.spec.cluster import NodeSpec, SSHSpec
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# NodeError kinds. The table shows the kind; the message says what to do.
+UNREACHABLE = "unreachable"
+AUTH_FAILED = "authentication failed"
+UNKNOWN_HOST_KEY = "unknown host key"
+HOST_KEY_MISMATCH = "HOST KEY MISMATCH"
+TIMEOUT = "timed out"
+SSH_ERROR = "ssh error"
+INTERPRETER_MISSING = "interpreter missing"
+PROBE_CRASHED = "probe crashed"
+BAD_JSON = "bad JSON"
+INTERNAL = "internal error"
+
+
+class NodeError(Exception):
+    """A node could not do what was asked; ``kind`` is one of the constants above."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    stdout: str
+    stderr: str
+    exit_code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def stderr_tail(self, lines: int = 3, chars: int = 400) -> str:
+        """The last lines of stderr, for messages."""
+        tail = " | ".join(line.strip() for line in self.stderr.strip().splitlines()[-lines:])
+        return tail[-chars:]
+
+
+class Runner(ABC):
+    """Runs shell commands on one node."""
+
+    def __init__(self, node: NodeSpec):
+        self.node = node
+
+    @abstractmethod
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: str | None = None,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> CommandResult:
+        """Run ``command`` with ``sh``; ``stdin`` is written then closed (EOF), None gives an
+        empty stdin. Raises NodeError when the node cannot be reached or ``timeout`` passes."""
+
+    @abstractmethod
+    def check_connection(self) -> None:
+        """Raise NodeError when the node cannot be reached (and authenticated to)."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """``node1 (root@10.0.0.2:22)``: for messages."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection, if any."""
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalRunner(Runner):
+    """This machine: a subprocess in its own process group (killed whole on timeout)."""
+
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: str | None = None,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> CommandResult:
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(stdin or "", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise NodeError(TIMEOUT, f"{_short(command)!r} did not finish within {timeout:g} s") from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        return CommandResult(out, err, proc.returncode)
+
+    def check_connection(self) -> None:
+        return None
+
+    def describe(self) -> str:
+        return f"{self.node.name} (this machine)"
+
+    def close(self) -> None:
+        return None
+
+
+class SSHRunner(Runner):
+    """A remote node over SSH (fabric/paramiko): key auth only, host keys verified.
+
+    One connection per runner, opened on first use and reused; a runner is meant for one
+    thread (fan-out gives each node its own).
+    """
+
+    def __init__(self, node: NodeSpec, ssh: SSHSpec):
+        super().__init__(node)
+        self.ssh = ssh
+        self.user = node.user or ssh.user or _local_user()
+        self.known_hosts = ssh.known_hosts.expanduser()
+        self._conn: fabric.Connection | None = None
+        self._lock = threading.Lock()
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        """Everything handed to paramiko's ``SSHClient.connect``, each option explained."""
+        key = self.ssh.key.expanduser() if self.ssh.key else None
+        timeout = self.ssh.connect_timeout_s
+        return {
+            # The configured key only, so a wrong key fails plainly instead of silently
+            # succeeding with some other identity; without one: ssh-agent, then ~/.ssh/id_*.
+            "key_filename": [str(key)] if key else None,
+            "look_for_keys": key is None,
+            "allow_agent": key is None,
+            # Key auth only: no password is ever sent and nothing prompts for one.
+            "password": None,
+            "gss_auth": False,
+            "gss_kex": False,
+            # Every phase of connecting is bounded by connect_timeout_s: the TCP connect
+            # (fabric's connect_timeout), the server's banner, and authentication.
+            "banner_timeout": timeout,
+            "auth_timeout": timeout,
+            "channel_timeout": timeout,
+            "compress": False,
+        }
+
+    def _client(self) -> paramiko.SSHClient:
+        """A client that knows ``ssh.known_hosts`` and refuses (or records, on opt-in) new keys."""
+        client = paramiko.SSHClient()
+        if self.known_hosts.is_file():
+            client.load_host_keys(str(self.known_hosts))
+        if self.ssh.accept_unknown_host_keys:
+            client.set_missing_host_key_policy(_RecordUnknownHostKey(self.known_hosts))
+        else:
+            client.set_missing_host_key_policy(_RefuseUnknownHostKey())
+        return client
+
+    def _connection(self) -> fabric.Connection:
+        with self._lock:
+            if self._conn is not None and self._conn.is_connected:
+                return self._conn
+            config = fabric.Config(
+                overrides={
+                    # cluster.yaml is the one source of hosts, users, ports and keys.
+                    "load_ssh_configs": False,
+                    # Output is returned, never echoed; a non-zero exit is a result.
+                    "run": {"hide": True, "warn": True, "pty": False},
+                    # Remote env is inlined as `export K=V && cmd`: sshd's AcceptEnv is not needed.
+                    "inline_ssh_env": True,
+                }
+            )
+            conn = fabric.Connection(
+                self.node.host,
+                user=self.user,
+                port=self.node.port,
+                config=config,
+                connect_timeout=self.ssh.connect_timeout_s,
+                connect_kwargs=self.connect_kwargs(),
+            )
+            conn.client = self._client()
+            started = time.monotonic()
+            try:
+                conn.open()
+            except Exception as err:
+                conn.close()
+                raise classify_ssh_error(err, self) from err
+            log.debug("connected to %s in %.2f s", self.describe(), time.monotonic() - started)
+            self._conn = conn
+            return conn
+
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: str | None = None,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> CommandResult:
+        conn = self._connection()
+        try:
+            result = conn.run(
+                command,
+                in_stream=io.StringIO(stdin or ""),  # never the launcher's own terminal
+                timeout=timeout,
+                env=env or {},
+            )
+        except invoke.CommandTimedOut:
+            self.close()
+            raise NodeError(TIMEOUT, f"{_short(command)!r} did not finish within {timeout:g} s") from None
+        except invoke.UnexpectedExit as err:  # only with warn=False; kept as a result anyway
+            result = err.result
+        except (paramiko.SSHException, OSError, EOFError) as err:
+            self.close()
+            raise NodeError(SSH_ERROR, f"the connection to {self.describe()} broke: {err}") from err
+        return CommandResult(result.stdout, result.stderr, result.exited)
+
+    def check_connection(self) -> None:
+        self._connection()
+
+    def describe(self) -> str:
+        return f"{self.node.name} ({self.user}@{self.node.host}:{self.node.port})"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def runner_for(node: NodeSpec, ssh_spec: SSHSpec) -> Runner:
+    """A LocalRunner for this machine (``NodeSpec.is_local``), else an SSHRunner."""
+    return LocalRunner(node) if node.is_local else SSHRunner(node, ssh_spec)
+
+
+class GroupResult(dict[str, Any], Generic[T]):
+    """Node name → ``fn``'s result or the exception it raised, in node order."""
+
+    @property
+    def succeeded(self) -> dict[str, T]:
+        return {k: v for k, v in self.items() if not isinstance(v, BaseException)}
+
+    @property
+    def failed(self) -> dict[str, BaseException]:
+        return {k: v for k, v in self.items() if isinstance(v, BaseException)}
+
+
+def fan_out(nodes: Sequence[NodeSpec], fn: Callable[[NodeSpec], T], max_parallel: int = 32) -> GroupResult[T]:
+    """``fn(node)`` for every node, at most ``max_parallel`` at once; every result or exception kept."""
+    results: GroupResult[T] = GroupResult()
+    if not nodes:
+        return results
+    pool = ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(nodes))), thread_name_prefix="fan-out")
+    try:
+        futures = [(node.name, pool.submit(fn, node)) for node in nodes]
+        for name, future in futures:
+            err = future.exception()
+            results[name] = err if err is not None else future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return results
+
+
+# -- error classification ------------------------------------------------------------------------
+
+
+class UnknownHostKeyError(paramiko.SSHException):
+    """The node's host key is not in known_hosts (and accepting new keys is off)."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey):
+        super().__init__(f"Server {hostname!r} not found in known_hosts")
+        self.hostname = hostname
+        self.key = key
+
+
+class _RefuseUnknownHostKey(paramiko.RejectPolicy):
+    """paramiko's RejectPolicy, raising an error that carries the key for a useful message."""
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        raise UnknownHostKeyError(hostname, key)
+
+
+class _RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
+    """Accept a new host key and append it to known_hosts (``ssh.accept_unknown_host_keys``).
+
+    Unlike paramiko's AutoAddPolicy + save, which rewrites the whole file from one client's
+    view, this appends one line under a lock, so a parallel fan-out loses no key.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line()
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a") as fh:
+                fh.write(line)
+        log.warning("accepted new host key for %s (%s %s) into %s", hostname, key.get_name(), key.fingerprint, self.path)
+
+
+def classify_ssh_error(err: BaseException, runner: SSHRunner) -> NodeError:
+    """Turn what paramiko/fabric raised while connecting into a short, actionable NodeError."""
+    node, ssh = runner.node, runner.ssh
+    where = f"{runner.user}@{node.host}:{node.port}"
+    timeout = ssh.connect_timeout_s
+    known = runner.known_hosts
+    if isinstance(err, paramiko.BadHostKeyException):
+        return NodeError(
+            HOST_KEY_MISMATCH,
+            f"{node.host} presented a {err.key.get_name()} key ({err.key.fingerprint}) that differs from "
+            f"the one in {known}: possibly a man-in-the-middle attack, or the node was reinstalled. "
+            f"It is never accepted automatically; if the change is expected, remove the old entry "
+            f"(ssh-keygen -R {_known_hosts_name(node)} -f {known}) and add the new key",
+        )
+    if isinstance(err, UnknownHostKeyError):
+        missing = "" if known.is_file() else f" ({known} does not exist)"
+        return NodeError(
+            UNKNOWN_HOST_KEY,
+            f"{node.host}'s {err.key.get_name()} key ({err.key.fingerprint}) is not in {known}{missing} and "
+            f"is refused. Verify it, then add it: ssh-keyscan -p {node.port} {node.host} >> {known}; "
+            f"or opt in with ssh.accept_unknown_host_keys: true",
+        )
+    if isinstance(err, paramiko.PasswordRequiredException):
+        return NodeError(AUTH_FAILED, f"key {ssh.key} is encrypted; load it into ssh-agent and leave ssh.key unset")
+    if isinstance(err, paramiko.AuthenticationException) or (
+        isinstance(err, paramiko.SSHException) and "No authentication methods" in str(err)
+    ):
+        offered = f"key {ssh.key}" if ssh.key else "ssh-agent and ~/.ssh default keys"
+        return NodeError(
+            AUTH_FAILED,
+            f"{where} did not accept {offered}; check ssh.key and the user (ssh.user / nodes[].user), "
+            f"or add the public key to the node's authorized_keys",
+        )
+    if isinstance(err, FileNotFoundError) and ssh.key and str(ssh.key.expanduser()) in str(err):
+        return NodeError(AUTH_FAILED, f"key file {ssh.key} not found; fix ssh.key in the cluster file")
+    if isinstance(err, socket.gaierror):
+        return NodeError(UNREACHABLE, f"cannot resolve host name {node.host!r} ({err.strerror}); check nodes[].host")
+    if isinstance(err, TimeoutError):
+        return NodeError(
+            UNREACHABLE,
+            f"no answer from {node.host}:{node.port} within {timeout:g} s (ssh.connect_timeout_s): "
+            f"host down, wrong address or a firewall",
+        )
+    if isinstance(err, paramiko.ssh_exception.NoValidConnectionsError):
+        codes = {e.errno for e in err.errors.values() if isinstance(e, OSError)}
+        if codes <= {errno.ECONNREFUSED}:
+            return NodeError(UNREACHABLE, f"{node.host} refused the connection on port {node.port}: is sshd running, is the port right?")
+        return NodeError(UNREACHABLE, f"cannot connect to {node.host}:{node.port}: {err}")
+    if isinstance(err, OSError) and err.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return NodeError(UNREACHABLE, f"no route to {node.host} ({err.strerror}): host down or wrong address")
+    if isinstance(err, OSError) and err.errno == errno.ECONNREFUSED:
+        return NodeError(UNREACHABLE, f"{node.host} refused the connection on port {node.port}: is sshd running, is the port right?")
+    if isinstance(err, paramiko.SSHException) and "banner" in str(err).lower():
+        return NodeError(UNREACHABLE, f"{node.host}:{node.port} did not speak SSH within {timeout:g} s: {err}")
+    return NodeError(SSH_ERROR, f"connecting to {where} failed: {type(err).__name__}: {err}")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _known_hosts_name(node: NodeSpec) -> str:
+    return node.host if node.port == 22 else f"'[{node.host}]:{node.port}'"
+
+
+def _local_user() -> str:
+    return getpass.getuser()
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)
+
+
+def _short(command: str, limit: int = 60) -> str:
+    return command if len(command) <= limit else command[: limit - 1] + "…"
