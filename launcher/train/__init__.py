@@ -1,0 +1,5 @@
+"""The built-in Transformer trainer (BERT masked-LM, GPT causal LM), run under torchrun.
+
+``python -m launcher.train --job JOB.yaml`` (see ``__main__``); ``loop.train(job)`` from code.
+Imports torch, the standard library, ``launcher.spec`` and ``launcher.metrics`` only.
+"""

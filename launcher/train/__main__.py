@@ -1,0 +1,55 @@
+"""The built-in trainer's entry point: parse → build → train → close.
+
+One process (world of one)::
+
+    python -m launcher.train --job jobs/quickstart.yaml --set train.steps=50
+
+Two workers on this machine, and two nodes of 8 GPUs (run on each node)::
+
+    torchrun --nproc-per-node 2 -m launcher.train --job jobs/quickstart.yaml
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HEAD:29500 -m launcher.train --job jobs/bert_ddp.yaml
+
+Metrics records go to ``$LAUNCHER_METRICS_FILE`` (see ``launcher.metrics``) when it is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from launcher.errors import LauncherError
+from launcher.spec import load_job
+from launcher.train.loop import Trainer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m launcher.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="job YAML file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a job field, e.g. --set train.steps=50 (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, stream=sys.stdout,
+                        format="%(message)s", force=True)
+    try:
+        job = load_job(args.job, args.overrides)
+    except LauncherError as err:
+        print(err, file=sys.stderr)
+        return err.exit_code
+    trainer = Trainer(job)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

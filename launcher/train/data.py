@@ -1,0 +1,227 @@
+"""Batches: synthetic (made on the device) or windows of a token file, with MLM masking.
+
+Determinism: every sample is a pure function of (seed, step, global sample index), so the
+data do not depend on how a step's global batch is split across ranks and micro-batches.
+Global index within a step, for rank ``r`` of ``W``, micro-batch ``a`` of ``A``, sample ``j``
+of ``m``::
+
+    index = a·(W·m) + r·m + j          (global batch per step G = W·m·A)
+
+so 2 ranks with micro-batch m see exactly the samples one process with micro-batch 2m sees
+(and one process with micro-batch m and grad_accum 2 sees them too).
+
+The random numbers come from an integer hash evaluated with tensor ops (no generator
+state), identical on CPU and CUDA and cheap: a few elementwise kernels per batch.
+
+Synthetic tokens follow a noisy deterministic chain: a sequence restarts at a random state
+with probability 10% per position, otherwise the state advances by one; a fixed
+permutation maps the state to a token. A model can learn the successor table (and the loss
+falls well below the uniform ln V), which makes the synthetic loss curve meaningful.
+"""
+
+from __future__ import annotations
+
+import abc
+import ast
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from launcher.spec.job import JobSpec
+
+_M32 = 0xFFFFFFFF
+# Salts keep the hash streams of different uses apart.
+_SALT_RESET, _SALT_START, _SALT_MASK, _SALT_ACTION, _SALT_RANDOM = 1, 2, 3, 4, 5
+RESET_PER_MILLE = 100
+MAX_STATES = 2048
+
+
+def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device) -> Batches:
+    """The batch source a job asks for."""
+    dims = job.model.dims()
+    common = dict(
+        arch=job.model.arch, vocab_size=dims["vocab_size"], seq_len=job.data.seq_len,
+        micro_batch=job.train.micro_batch, grad_accum=job.train.grad_accum,
+        mask_prob=job.data.mask_prob, seed=job.train.seed, rank=rank, world_size=world_size,
+        device=device,
+    )
+    if job.data.source == "tokens":
+        assert job.data.path is not None
+        return TokenFileBatches(path=job.data.path, token_dtype=job.data.token_dtype, **common)
+    return SyntheticBatches(**common)
+
+
+def mask_token_id(vocab_size: int) -> int:
+    """[MASK]: 103 as in BERT's uncased vocabulary, or the last id of a small vocabulary."""
+    return 103 if vocab_size > 103 else vocab_size - 1
+
+
+def hash_ints(*keys: torch.Tensor | int) -> torch.Tensor:
+    """A 32-bit integer hash of the keys (broadcast together), as int64 in [0, 2^32).
+
+    Each key is folded in with xor and mixed (a murmur-style finaliser). The multipliers are
+    below 2^31 and the state below 2^32, so products never overflow int64. At least one key
+    must be a tensor; the rest may be Python ints.
+    """
+    h: torch.Tensor | int = 0x2545F491
+    for key in keys:
+        h = _mix(h ^ (key & _M32))
+    assert isinstance(h, torch.Tensor), "hash_ints needs at least one tensor key"
+    return h
+
+
+def _mix(x):
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+    x = ((x ^ (x >> 15)) * 0x46CA68B5) & _M32
+    return x ^ (x >> 16)
+
+
+def global_indices(*, step: int, micro: int, rank: int, world_size: int, micro_batch: int,
+                   grad_accum: int) -> range:
+    """The within-step global sample indices of one rank's micro-batch (see the module doc)."""
+    assert 0 <= micro < grad_accum and 0 <= rank < world_size
+    start = micro * world_size * micro_batch + rank * micro_batch
+    return range(start, start + micro_batch)
+
+
+class Batches(abc.ABC):
+    """A rank's batches: ``batch(step, micro)`` → dict of ``input_ids``, ``labels`` and,
+    for BERT, ``mask_pos`` (the masked positions, ``n_mask`` per sequence, sorted)."""
+
+    def __init__(self, *, arch: str, vocab_size: int, seq_len: int, micro_batch: int,
+                 grad_accum: int, mask_prob: float, seed: int, rank: int, world_size: int,
+                 device: torch.device):
+        self.arch = arch
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self.grad_accum = grad_accum
+        self.mask_prob = mask_prob
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.n_mask = max(1, min(seq_len, round(mask_prob * seq_len)))
+        self.mask_id = mask_token_id(vocab_size)
+        self.positions = torch.arange(seq_len + 1, device=device)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
+        """Micro-batch ``micro`` of optimizer step ``step`` (1-based) for this rank."""
+        idx = global_indices(step=step, micro=micro, rank=self.rank, world_size=self.world_size,
+                             micro_batch=self.micro_batch, grad_accum=self.grad_accum)
+        sample = torch.arange(idx.start, idx.stop, device=self.device).unsqueeze(1)
+        tokens = self.tokens(step, idx, sample)
+        if self.arch == "gpt":
+            return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+        return self.mask(tokens[:, : self.seq_len], step, sample)
+
+    @abc.abstractmethod
+    def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
+        """(micro_batch, seq_len + 1) int64 token ids on the device."""
+
+    def mask(self, tokens: torch.Tensor, step: int, sample: torch.Tensor) -> dict[str, torch.Tensor]:
+        """BERT masking: n_mask distinct positions per sequence; 80% [MASK], 10% random, 10% kept."""
+        pos = self.positions[: self.seq_len]
+        # Unique keys (hash in the high bits, position in the low 20) make topk tie-free.
+        keys = (hash_ints(self.seed, _SALT_MASK, step, sample, pos) << 20) | pos
+        mask_pos = keys.topk(self.n_mask, dim=1).indices.sort(dim=1).values
+        labels = tokens.gather(1, mask_pos)
+        action = hash_ints(self.seed, _SALT_ACTION, step, sample, mask_pos) % 10
+        random_ids = hash_ints(self.seed, _SALT_RANDOM, step, sample, mask_pos) % self.vocab_size
+        new = torch.where(action < 8, torch.full_like(labels, self.mask_id),
+                          torch.where(action == 8, random_ids, labels))
+        return {"input_ids": tokens.scatter(1, mask_pos, new), "labels": labels, "mask_pos": mask_pos}
+
+
+class SyntheticBatches(Batches):
+    """Structured random tokens made on the device (see the module doc)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        special = 104 if self.vocab_size >= 104 + 8 else 0
+        usable = (self.vocab_size if special else self.mask_id) - special
+        self.first_token = special
+        self.n_states = 1 << (min(usable, MAX_STATES).bit_length() - 1)
+        self.stride = (0x9E3779B1 % self.n_states) | 1  # odd: a permutation of Z_{n_states}
+
+    def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
+        pos = self.positions
+        reset = (hash_ints(self.seed, _SALT_RESET, step, sample, pos) % 1000 < RESET_PER_MILLE) | (pos == 0)
+        start = hash_ints(self.seed, _SALT_START, step, sample, pos) % self.n_states
+        last_reset = torch.where(reset, pos, torch.zeros_like(pos)).cummax(dim=1).values
+        state = (start.gather(1, last_reset) + pos - last_reset) % self.n_states
+        return self.first_token + (state * self.stride) % self.n_states
+
+
+class TokenFileBatches(Batches):
+    """Windows of seq_len+1 tokens from a memory-mapped file of token ids (.npy or raw .bin).
+
+    Sample with global index g of step t reads window w = ((t-1)·G + g) mod n_windows, i.e.
+    the file is read front to back, each rank taking its own samples of every step (a
+    disjoint shard), wrapping around at the end.
+    """
+
+    def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, **kwargs):
+        super().__init__(**kwargs)
+        self.path = Path(path)
+        self.ids = open_token_file(self.path, token_dtype)
+        self.n_windows = (self.ids.numel() - 1) // self.seq_len
+        if self.n_windows < 1:
+            raise ValueError(
+                f"{self.path} holds {self.ids.numel()} tokens, fewer than data.seq_len + 1 = "
+                f"{self.seq_len + 1}; use a longer file or a shorter seq_len"
+            )
+        self.global_batch = self.world_size * self.micro_batch * self.grad_accum
+
+    def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
+        first = (step - 1) * self.global_batch
+        rows = [self.ids[s: s + self.seq_len + 1]
+                for s in (((first + g) % self.n_windows) * self.seq_len for g in idx)]
+        batch = torch.stack(rows).to(torch.int64)
+        top = int(batch.max())
+        if top >= self.vocab_size:
+            raise ValueError(
+                f"{self.path} holds token id {top}, outside the model's vocabulary of "
+                f"{self.vocab_size}; set model.vocab_size above it"
+            )
+        if self.device.type == "cuda":
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)
+
+
+_NPY_DTYPES = {"<u2": torch.uint16, "<i4": torch.int32, "<i8": torch.int64, "|u1": torch.uint8,
+               "<u4": torch.uint32}
+_RAW_DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "int64": torch.int64}
+
+
+def open_token_file(path: Path, token_dtype: str) -> torch.Tensor:
+    """A 1-D memory-mapped tensor of token ids (the file is not read into memory)."""
+    size = path.stat().st_size
+    offset, dtype = _npy_layout(path) if path.suffix == ".npy" else (0, _RAW_DTYPES[token_dtype])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = (size - offset) // itemsize
+    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    return raw[offset: offset + count * itemsize].view(dtype)
+
+
+def _npy_layout(path: Path) -> tuple[int, torch.dtype]:
+    """Data offset and dtype of a .npy file, read from its header (no numpy needed)."""
+    with open(path, "rb") as fh:
+        if fh.read(6) != b"\x93NUMPY":
+            raise ValueError(f"{path} is not a .npy file (bad magic); use .npy or a raw .bin")
+        major = fh.read(2)[0]
+        (length,) = struct.unpack("<H" if major == 1 else "<I", fh.read(2 if major == 1 else 4))
+        header = ast.literal_eval(fh.read(length).decode("latin1"))
+        offset = fh.tell()
+    if header.get("fortran_order") and len(header.get("shape", ())) > 1:
+        raise ValueError(f"{path} is Fortran-ordered; save the token ids as a C-ordered array")
+    descr = header.get("descr")
+    if descr not in _NPY_DTYPES:
+        raise ValueError(f"{path} holds dtype {descr!r}; token files must be uint16, int32 or int64")
+    return offset, _NPY_DTYPES[descr]

@@ -1,0 +1,295 @@
+"""The training loop, in named stages: init_distributed → configure_runtime → build_model →
+build_optimizer → build_data → (resume) → train (train_step per step) → close.
+
+``train(job, on_step=...)`` runs it all; ``Trainer`` exposes the stages to a wrapper (a test
+harness that injects a fault at step N or dumps the final parameters).
+
+Host–device synchronisation happens only on log steps (the meter) and at checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import socket
+from collections.abc import Callable
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launcher.metrics import write_record
+from launcher.spec.job import JobSpec, TrainSpec
+from launcher.train import parallel
+from launcher.train.checkpoint import Checkpointer
+from launcher.train.data import build_data
+from launcher.train.meter import (
+    CudaTimer,
+    GpuUtilization,
+    HostTimer,
+    Meter,
+    final_line,
+    peak_memory_gib,
+    peak_tflops,
+    progress_line,
+)
+from launcher.train.model import build_model, count_params, flops_per_token
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[int], None]
+
+
+def train(job: JobSpec, *, on_step: StepCallback | None = None) -> dict[str, Any]:
+    """Train ``job`` with the built-in trainer; returns this rank's ``final`` record.
+
+    ``on_step(step)`` is called after every optimizer step (and after that step's checkpoint,
+    when one is due), on every rank.
+    """
+    trainer = Trainer(job)
+    try:
+        return trainer.train(on_step=on_step)
+    finally:
+        trainer.close()
+
+
+def lr_factor(i: int, spec: TrainSpec) -> float:
+    """LR multiplier for optimizer step index ``i`` (0-based): linear warm-up from 1/W to 1
+    over ``lr_warmup_steps``, then cosine, linear or constant decay towards ``min_lr_ratio``
+    (reached at the last step for linear and cosine)."""
+    warm = spec.lr_warmup_steps
+    if i < warm:
+        return (i + 1) / warm
+    if spec.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (i - warm) / max(1, spec.steps - warm - 1))
+    lo = spec.min_lr_ratio
+    if spec.lr_schedule == "linear":
+        return 1.0 - (1.0 - lo) * progress
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (linear weights, embeddings); none on biases and norms."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    """One rank of a training job. Construction runs every stage up to the first step."""
+
+    def __init__(self, job: JobSpec):
+        self.job = job
+        self.gpu_util: GpuUtilization | None = None
+        try:
+            self.init_distributed()
+            self.configure_runtime()
+            self.build_model()
+            self.build_optimizer()
+            self.build_data()
+            self.checkpointer = Checkpointer(job.train.checkpoint, rank=self.rank)
+            self.start_step = self.checkpointer.maybe_resume(self.model, self.optimizer, self.scheduler)
+            self.build_meter()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- stages ------------------------------------------------------------------------
+
+    def init_distributed(self) -> None:
+        """Join the process group torchrun set up (or make a one-process group without it)."""
+        if "RANK" not in os.environ:  # plain `python -m launcher.train`: world of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        self.rank = int(os.environ["RANK"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        job = self.job
+        if job.resources.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("resources.device is cuda but torch sees no GPU; set resources.device: cpu")
+            if job.cudnn.deterministic:  # cuBLAS reads it when its handle is created
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1 with several workers
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        dist.init_process_group(
+            backend=job.backend,
+            timeout=timedelta(seconds=job.nccl.timeout_s),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+
+    def configure_runtime(self) -> None:
+        """Precision modes, cuDNN, determinism and seeds."""
+        job = self.job
+        dtype = job.precision.dtype
+        tf32 = dtype == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = job.cudnn.benchmark
+        torch.backends.cudnn.deterministic = job.cudnn.deterministic
+        if job.cudnn.deterministic:
+            torch.use_deterministic_algorithms(True)
+        seed = job.train.seed
+        random.seed(seed)
+        torch.manual_seed(seed)  # same weights on every rank (also seeds every CUDA device)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+
+    def build_model(self) -> None:
+        job = self.job
+        spec, seq_len, mask_prob = job.model, job.data.seq_len, job.data.mask_prob
+        with torch.device(self.device):
+            model = build_model(spec, seq_len=seq_len, mask_prob=mask_prob)
+        self.n_params = count_params(model)
+        self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
+        self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
+        self.model.train()
+
+    def build_optimizer(self) -> None:
+        t = self.job.train
+        on_gpu = self.device.type == "cuda" and not (
+            self.job.parallel.strategy == "fsdp" and self.job.parallel.fsdp.cpu_offload)
+        betas = (0.9, 0.95) if self.job.model.arch == "gpt" else (0.9, 0.999)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, t.weight_decay), lr=t.lr, betas=betas,
+            **({"fused": True} if on_gpu else {}))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: lr_factor(i, t))
+        self.scaler = None
+        if self.job.precision.dtype == "fp16":
+            if parallel.is_sharded(self.model):
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.scaler = ShardedGradScaler()  # all-reduces found-inf across shards
+            else:
+                self.scaler = torch.amp.GradScaler("cuda")
+
+    def build_data(self) -> None:
+        self.data = build_data(self.job, rank=self.rank, world_size=self.world_size, device=self.device)
+
+    def build_meter(self) -> None:
+        job, t = self.job, self.job.train
+        cuda = self.device.type == "cuda"
+        name = torch.cuda.get_device_name(self.device) if cuda else _cpu_name()
+        self.peak_tflops = peak_tflops(name, job.precision.dtype) if cuda else None
+        self.gpu_util = GpuUtilization(self.device)
+        tokens = t.micro_batch * t.grad_accum * job.data.seq_len
+        self.meter = Meter(
+            total_steps=t.steps, start_step=self.start_step, warmup_steps=t.warmup_steps,
+            log_every=t.log_every, tokens_per_step=tokens, samples_per_step=t.micro_batch * t.grad_accum,
+            flops_per_token=self.flops_per_token, peak_tflops=self.peak_tflops,
+            timer=CudaTimer() if cuda else HostTimer(),
+            sync=(lambda: torch.cuda.synchronize(self.device)) if cuda else (lambda: None),
+            reduce_loss=parallel.all_reduce_mean,
+            peak_mem_gib=lambda: peak_memory_gib(self.device), gpu_util_pct=self.gpu_util,
+        )
+        write_record({
+            "type": "meta", "local_rank": self.local_rank, "world_size": self.world_size,
+            "host": socket.gethostname(), "device": str(self.device), "device_name": name,
+            "params": self.n_params, "flops_per_token": self.flops_per_token,
+            "peak_tflops": self.peak_tflops, "seq_len": job.data.seq_len,
+            "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
+            "job": job.name, "arch": job.model.arch, "strategy": job.parallel.strategy,
+            "precision": job.precision.dtype, "start_step": self.start_step,
+            "peak_mem_source": "cuda_max_memory_allocated" if cuda else "host_peak_rss",
+        })
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def forward_backward(self, step: int, micro: int) -> torch.Tensor:
+        """One micro-batch: forward under autocast, loss scaled for accumulation, backward."""
+        accum = self.job.train.grad_accum
+        with self.meter.data_wait():
+            batch = self.data.batch(step, micro)
+        with parallel.gradient_sync(self.model, enabled=micro == accum - 1):
+            with self._autocast():
+                loss = self.model(**batch) / accum
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss.detach()
+
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step (all micro-batches); returns the loss on the device (no sync)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = sum(self.forward_backward(step, micro) for micro in range(self.job.train.grad_accum))
+        clip = self.job.train.grad_clip
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        assert isinstance(loss, torch.Tensor)
+        return loss
+
+    def train(self, *, on_step: StepCallback | None = None) -> dict[str, Any]:
+        """Run steps start_step+1 .. train.steps; returns this rank's ``final`` record."""
+        total = self.job.train.steps
+        if self.rank == 0:
+            log.info("training %s: %s %s, %.1fM params, world %d, %s, %s, steps %d..%d",
+                     self.job.name, self.job.model.arch, self.job.model.size, self.n_params / 1e6,
+                     self.world_size, self.job.parallel.strategy, self.job.precision.dtype,
+                     self.start_step + 1, total)
+        self.meter.start()
+        for step in range(self.start_step + 1, total + 1):
+            loss = self.train_step(step)
+            record = self.meter.step_end(step, loss)
+            if record is not None and self.rank == 0:
+                log.info(progress_line(record, total, self.flops_per_token, self.peak_tflops))
+            if self.checkpointer.due(step, total):
+                self.checkpointer.save(step, self.model, self.optimizer, self.scheduler)
+            if on_step is not None:
+                on_step(step)
+        final = self.meter.finish()
+        if self.rank == 0:
+            log.info(final_line(final, self.world_size))
+        return final
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded CPU copies of the parameters, on rank 0 (a collective under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
+
+    def close(self) -> None:
+        if self.gpu_util is not None:
+            self.gpu_util.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"

@@ -1,0 +1,310 @@
+"""Honest per-rank throughput: step times, tokens/s, TFLOP/s, MFU, memory, data wait.
+
+No device synchronisation except on log steps. Each step ends with a timer mark: a CUDA
+event recorded on the stream (asynchronous) on GPUs, ``time.perf_counter`` on the CPU. On a
+log step the meter synchronises once, resolves the marks into per-step times and writes a
+``step`` record (``launcher.metrics``). The loss is summed on the device and read (a
+host sync, the same one) only on log steps.
+
+Throughput excludes the warm-up: the first ``warmup_steps`` steps of this process
+(compilation, allocator and cuDNN warm-up). The meter also logs at the end of the warm-up,
+so every interval is either all warm-up or all measured, and ``final`` counts measured
+intervals only: ``tokens_per_s = measured tokens / measured wall seconds``, the wall
+seconds taken between synchronised log steps.
+
+TFLOP/s = ``flops_per_token`` × tokens/s, with ``flops_per_token`` from
+``model.flops_per_token`` (6·N + 12·L·d·S; N counts the weights a token multiplies by,
+embedding lookups excluded, BERT's MLM head only on the masked fraction; GPT's attention
+term halved for causality). MFU = TFLOP/s ÷ the device's dense peak for the precision
+(``PEAK_TFLOPS``), null where the device or precision is not in the table (e.g. CPU).
+
+Peak memory: ``torch.cuda.max_memory_allocated`` on GPUs; on the CPU the process's peak
+resident set size (``ru_maxrss``), which includes Python and libraries. Data wait: host
+seconds spent producing or fetching batches, as a share of wall time. GPU utilisation: NVML
+(``pynvml``) sampled on log steps, null where NVML is unavailable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import resource
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from launcher.metrics import write_record
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) peak TFLOP/s per precision, from the vendors' data sheets. Matched by
+# substring of the device name, first match wins (so "H100 PCIe" precedes "H100").
+PEAK_TFLOPS: list[tuple[str, dict[str, float | None]]] = [
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    ("A10G", {"bf16": 125.0, "fp16": 125.0, "tf32": None, "fp32": None}),
+    ("RTX 4090", {"bf16": 165.0, "fp16": 165.0, "tf32": 82.6, "fp32": 82.6}),
+    ("RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
+]
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The dense peak for this device and precision (fp32/tf32/bf16/fp16), or None."""
+    for key, peaks in PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return peaks.get(precision)
+    return None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+class HostTimer:
+    """Step marks from ``time.perf_counter`` (CPU work is synchronous)."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def elapsed_ms(start: float, end: float) -> float:
+        return (end - start) * 1e3
+
+
+class CudaTimer:
+    """Step marks as CUDA events recorded on the current stream; read after a sync."""
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def elapsed_ms(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA: max allocated by tensors. CPU: the process's peak RSS (ru_maxrss, KiB on Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class GpuUtilization:
+    """NVML utilisation of one GPU, or None where NVML (nvidia-ml-py) is not importable."""
+
+    def __init__(self, device: torch.device):
+        self._nvml: Any = None
+        self._handle: Any = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+            if uuid:
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(
+                    uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            else:
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            self._nvml = pynvml
+        except Exception as err:  # NVML missing or unusable: utilisation stays null
+            log.debug("NVML unavailable: %s", err)
+            self._nvml = None
+
+    def __call__(self) -> float | None:
+        if self._nvml is None:
+            return None
+        try:
+            return float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+            self._nvml = None
+
+
+class Meter:
+    """Per-rank meter. Call ``start()`` before the first step, ``step_end()`` after every
+    optimizer step (returns the record on log steps, else None), ``finish()`` at the end.
+
+    ``sync`` (``torch.cuda.synchronize`` on GPUs) is called only on log steps; ``reduce_loss``
+    may be a collective (it is called on the same steps on every rank).
+    """
+
+    def __init__(self, *, total_steps: int, warmup_steps: int, log_every: int,
+                 tokens_per_step: int, samples_per_step: int, flops_per_token: float,
+                 peak_tflops: float | None, timer: HostTimer | CudaTimer,
+                 sync: Callable[[], None], start_step: int = 0,
+                 reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                 peak_mem_gib: Callable[[], float | None] = lambda: None,
+                 gpu_util_pct: Callable[[], float | None] = lambda: None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 write: Callable[[dict[str, Any]], None] = write_record):
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.warmup_end = start_step + warmup_steps
+        self.log_every = log_every
+        self.tokens_per_step = tokens_per_step
+        self.samples_per_step = samples_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.timer = timer
+        self.sync = sync
+        self.reduce_loss = reduce_loss
+        self.peak_mem_gib = peak_mem_gib
+        self.gpu_util_pct = gpu_util_pct
+        self.clock = clock
+        self.write = write
+        self._marks: list[Any] = []
+        self._loss_sum: torch.Tensor | None = None
+        self._last_logged = start_step
+        self._last_time = 0.0
+        self._wait_s = 0.0
+        self._last_loss: float | None = None
+        self._measured = {"steps": 0, "tokens": 0, "samples": 0, "seconds": 0.0, "wait_s": 0.0}
+        self._measured_times: list[float] = []
+        self._util: list[float] = []
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.warmup_end or step == self.total_steps
+
+    def start(self) -> None:
+        """Start the clock (one sync, before the first step)."""
+        self.sync()
+        self._marks = [self.timer.mark()]
+        self._last_time = self.clock()
+
+    @contextlib.contextmanager
+    def data_wait(self) -> Iterator[None]:
+        """Time the host spends producing or waiting for a batch."""
+        began = self.clock()
+        try:
+            yield
+        finally:
+            self._wait_s += self.clock() - began
+
+    def step_end(self, step: int, loss: torch.Tensor) -> dict[str, Any] | None:
+        """Mark the end of optimizer step ``step``; log if it is a log step."""
+        self._marks.append(self.timer.mark())
+        loss = loss.detach()
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        return self._log(step) if self.is_log_step(step) else None
+
+    def _log(self, step: int) -> dict[str, Any]:
+        self.sync()  # the one host-device synchronisation of this interval
+        now = self.clock()
+        interval_s = now - self._last_time
+        times = [self.timer.elapsed_ms(a, b) for a, b in zip(self._marks, self._marks[1:])]
+        steps = step - self._last_logged
+        assert self._loss_sum is not None and steps == len(times)
+        # .item(): a host read; cheap here since the device was just synchronised.
+        loss = float(self.reduce_loss(self._loss_sum / steps).item())
+        measured = self._last_logged >= self.warmup_end
+        util = self.gpu_util_pct()
+        record = {
+            "type": "step", "step": step, "tokens": steps * self.tokens_per_step,
+            "samples": steps * self.samples_per_step, "interval_s": interval_s,
+            "measured": measured, "step_times_ms": [round(t, 4) for t in times], "loss": loss,
+            "data_wait_s": self._wait_s, "peak_mem_gib": self.peak_mem_gib(), "gpu_util_pct": util,
+        }
+        if measured:
+            m = self._measured
+            m["steps"] += steps
+            m["tokens"] += record["tokens"]
+            m["samples"] += record["samples"]
+            m["seconds"] += interval_s
+            m["wait_s"] += self._wait_s
+            self._measured_times.extend(times)
+            if util is not None:
+                self._util.append(util)
+        self.write(record)
+        self._marks = [self._marks[-1]]
+        self._loss_sum = None
+        self._last_logged = step
+        self._last_time = now
+        self._wait_s = 0.0
+        self._last_loss = loss
+        return record
+
+    def throughput(self, tokens: int, seconds: float) -> dict[str, float | None]:
+        """tokens/s, TFLOP/s and MFU for ``tokens`` processed in ``seconds``."""
+        if seconds <= 0:
+            return {"tokens_per_s": None, "tflops": None, "mfu": None}
+        tokens_per_s = tokens / seconds
+        tflops = tokens_per_s * self.flops_per_token / 1e12
+        return {"tokens_per_s": tokens_per_s, "tflops": tflops,
+                "mfu": tflops / self.peak_tflops if self.peak_tflops else None}
+
+    def finish(self) -> dict[str, Any]:
+        """Write and return the ``final`` record (measured steps only)."""
+        m = self._measured
+        rates = self.throughput(m["tokens"], m["seconds"])
+        record = {
+            "type": "final", "steps": self._last_logged, "measured_steps": m["steps"],
+            "step_time_ms_p50": percentile(self._measured_times, 50),
+            "step_time_ms_p95": percentile(self._measured_times, 95),
+            "tokens_per_s": rates["tokens_per_s"],
+            "samples_per_s": m["samples"] / m["seconds"] if m["seconds"] > 0 else None,
+            "tflops": rates["tflops"], "mfu": rates["mfu"], "peak_mem_gib": self.peak_mem_gib(),
+            "data_wait_pct": 100 * m["wait_s"] / m["seconds"] if m["seconds"] > 0 else None,
+            "gpu_util_pct": sum(self._util) / len(self._util) if self._util else None,
+            "loss": self._last_loss,
+        }
+        self.write(record)
+        return record
+
+
+def _si(value: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= div:
+            return f"{value / div:.1f}{suffix}"
+    return f"{value:.1f}"
+
+
+def progress_line(record: dict[str, Any], total_steps: int, flops_per_token: float,
+                  peak: float | None) -> str:
+    """``step 20/200 | loss 7.412 | 310.2k tok/s | 52.1 ms/step | mfu 41.3%`` (this rank)."""
+    times = record["step_times_ms"]
+    ms = sum(times) / len(times)
+    tok_s = record["tokens"] / record["interval_s"] if record["interval_s"] > 0 else 0.0
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.3f}",
+             f"{_si(tok_s)} tok/s", f"{ms:.1f} ms/step"]
+    if peak:
+        parts.append(f"mfu {100 * tok_s * flops_per_token / 1e12 / peak:.1f}%")
+    if not record["measured"]:
+        parts.append("(warm-up)")
+    return " | ".join(parts)
+
+
+def final_line(record: dict[str, Any], world_size: int) -> str:
+    """One-line summary of the ``final`` record (rank 0's numbers; tokens/s per rank)."""
+    def fmt(value: float | None, spec: str, unit: str = "") -> str:
+        return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+    mfu = record["mfu"]
+    return (
+        f"done: {record['steps']} steps ({record['measured_steps']} measured) | "
+        f"loss {fmt(record['loss'], '.3f')} | "
+        f"{'n/a' if record['tokens_per_s'] is None else _si(record['tokens_per_s'])} tok/s/rank x {world_size} | "
+        f"p50 {fmt(record['step_time_ms_p50'], '.1f', ' ms')} p95 {fmt(record['step_time_ms_p95'], '.1f', ' ms')} | "
+        f"{fmt(record['tflops'], '.2f')} TFLOP/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
+        f"peak mem {fmt(record['peak_mem_gib'], '.2f', ' GiB')} | data wait {fmt(record['data_wait_pct'], '.1f', '%')}"
+    )

@@ -1,0 +1,252 @@
+"""BERT (masked LM) and GPT (causal LM), written for throughput.
+
+Both models have the same three parts, so parallelisation treats them alike:
+``embed`` (token + position embeddings), ``blocks`` (a ModuleList of Transformer blocks)
+and ``head`` (the LM head and its loss). ``model(input_ids, labels, mask_pos)`` returns the
+mean cross-entropy, a 0-d tensor.
+
+What makes them fast:
+- one fused QKV projection per block and ``F.scaled_dot_product_attention`` (flash /
+  memory-efficient kernels on CUDA) without a materialised mask: there is no padding in
+  our batches, and GPT uses ``is_causal=True``;
+- BERT's MLM head (dense + GELU + LayerNorm, then the decoder tied to the word embedding,
+  plus a bias) runs only on the masked positions, gathered first: a fixed number per
+  sequence (``mask_count``), so shapes stay static for ``torch.compile``;
+- token types are all zero (single-segment batches), so their embedding is added as one
+  broadcast row instead of a lookup.
+
+Parameter counts match Hugging Face: bert-base (no pooler, tied decoder) has 109,514,298,
+exactly ``BertForMaskedLM``'s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from launcher.spec.job import ModelSpec
+
+BERT_LN_EPS = 1e-12
+GPT_LN_EPS = 1e-5
+INIT_STD = 0.02
+
+
+def build_model(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> nn.Module:
+    """The model a job asks for, initialised (call under ``torch.device(...)`` to place it)."""
+    dims = spec.dims()
+    if spec.arch == "bert":
+        return BertForMaskedLM(**dims, dropout=spec.dropout)
+    return GPT(**dims, dropout=spec.dropout)
+
+
+def mask_count(seq_len: int, mask_prob: float) -> int:
+    """Masked positions per BERT sequence: round(mask_prob * seq_len), at least 1."""
+    return max(1, min(seq_len, round(mask_prob * seq_len)))
+
+
+def count_params(model: nn.Module) -> int:
+    """Distinct parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def matmul_params_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> float:
+    """N in FLOPs/token = 6·N + attention: the weights each token multiplies by.
+
+    Per block: QKV and output projections (4·d²) and the MLP (2·d·d_ff). Embedding lookups
+    (word, position, token type) are not matmuls and are not counted. The LM head is a
+    real matmul: GPT multiplies every token by the tied V×d decoder; BERT runs its head
+    (d² transform + V×d decoder) only on the masked fraction ``mask_count/seq_len`` of the
+    tokens, so only that fraction is counted. Biases and norms (elementwise) are ignored.
+    """
+    d = spec.dims()
+    per_block = 4 * d["d_model"] ** 2 + 2 * d["d_model"] * d["d_ff"]
+    body = d["n_layers"] * per_block
+    if spec.arch == "gpt":
+        return float(body + d["vocab_size"] * d["d_model"])
+    frac = mask_count(seq_len, mask_prob) / seq_len
+    return body + frac * (d["d_model"] ** 2 + d["vocab_size"] * d["d_model"])
+
+
+def flops_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> float:
+    """Training FLOPs per token (forward + backward = 3× forward), model FLOPs only.
+
+    ``6·N + 12·L·d·S`` with N from ``matmul_params_per_token``. The attention term counts
+    QKᵀ and A·V (2·S·d multiply-adds each per token per layer, ×3 for backward). GPT is
+    causal and the flash kernels skip the masked half, so GPT counts half: ``6·L·d·S``.
+    Recomputation under activation checkpointing is not counted (this is MFU, not HFU).
+    """
+    d = spec.dims()
+    attn = 12 * d["n_layers"] * d["d_model"] * seq_len
+    if spec.arch == "gpt":
+        attn //= 2
+    return 6 * matmul_params_per_token(spec, seq_len=seq_len, mask_prob=mask_prob) + attn
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, causal: bool):
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.causal = causal
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = self.qkv(x).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, approximate: str):
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_ff)
+        self.proj = nn.Linear(d_ff, d_model)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+
+
+class Block(nn.Module):
+    """One Transformer block: post-LN (BERT) or pre-LN (GPT).
+
+    ``checkpoint_activations`` (set by ``parallel.apply_activation_checkpointing``) makes
+    the block recompute its activations in backward; it lives inside ``forward`` so that
+    ``torch.compile`` of the block sees it and parameter names do not change.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, *, pre_ln: bool):
+        super().__init__()
+        self.pre_ln = pre_ln
+        self.checkpoint_activations = False
+        eps = GPT_LN_EPS if pre_ln else BERT_LN_EPS
+        self.attn = Attention(d_model, n_heads, dropout, causal=pre_ln)
+        self.ln1 = nn.LayerNorm(d_model, eps=eps)
+        self.mlp = MLP(d_model, d_ff, approximate="tanh" if pre_ln else "none")
+        self.ln2 = nn.LayerNorm(d_model, eps=eps)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_ln:
+            x = x + self.drop(self.attn(self.ln1(x)))
+            return x + self.drop(self.mlp(self.ln2(x)))
+        x = self.ln1(x + self.drop(self.attn(x)))
+        return self.ln2(x + self.drop(self.mlp(x)))
+
+
+class Embeddings(nn.Module):
+    """Word + learned position (+ token type 0 for BERT), then LayerNorm for BERT."""
+
+    def __init__(self, vocab_size: int, max_positions: int, d_model: int, dropout: float, *, bert: bool):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_positions, d_model)
+        self.tok_type = nn.Embedding(2, d_model) if bert else None
+        self.ln = nn.LayerNorm(d_model, eps=BERT_LN_EPS) if bert else None
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(input_ids) + self.pos.weight[: input_ids.shape[1]]
+        if self.tok_type is not None:
+            x = x + self.tok_type.weight[0]
+        if self.ln is not None:
+            x = self.ln(x)
+        return self.drop(x)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head and loss on the masked positions only."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__()
+        self.dense = nn.Linear(d_model, d_model)
+        self.ln = nn.LayerNorm(d_model, eps=BERT_LN_EPS)
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor,
+                decoder: torch.Tensor) -> torch.Tensor:
+        d = hidden.shape[-1]
+        picked = hidden.gather(1, mask_pos.unsqueeze(-1).expand(-1, -1, d))
+        h = self.ln(F.gelu(self.dense(picked)))
+        logits = F.linear(h, decoder, self.bias)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+class LMHead(nn.Module):
+    """GPT's final LayerNorm, the decoder tied to the word embedding, and the loss."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model, eps=GPT_LN_EPS)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor | None,
+                decoder: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.ln(hidden), decoder)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+class _LM(nn.Module):
+    embed: Embeddings
+    head: nn.Module
+
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, dropout: float, *, pre_ln: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, d_ff, dropout, pre_ln=pre_ln) for _ in range(n_layers)
+        )
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                mask_pos: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, labels, mask_pos, self.embed.tok.weight)
+
+    def _init_weights(self, residual_std: float) -> None:
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(".proj") else INIT_STD
+                nn.init.normal_(module.weight, std=std)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=INIT_STD)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+
+class BertForMaskedLM(_LM):
+    """Post-LN encoder, learned positions and token types, GELU; MLM head on masked tokens."""
+
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, vocab_size: int,
+                 max_positions: int, dropout: float = 0.0):
+        super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=False)
+        self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=True)
+        self.head = MLMHead(d_model, vocab_size)
+        self._init_weights(INIT_STD)
+
+
+class GPT(_LM):
+    """Pre-LN causal decoder with learned positions and a tied LM head (GPT-2 shape)."""
+
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, vocab_size: int,
+                 max_positions: int, dropout: float = 0.0):
+        super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=True)
+        self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=False)
+        self.head = LMHead(d_model)
+        # GPT-2: scale the residual projections by 1/sqrt(2·layers).
+        self._init_weights(INIT_STD / math.sqrt(2 * n_layers))
