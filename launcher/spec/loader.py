@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -60,6 +60,12 @@ def read_yaml(path: Path) -> dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError(f"invalid YAML{where}: {problem}", source=str(path)) from None
+    if _has_cycle(data):
+        raise SpecError(
+            "invalid YAML: an alias (*name) refers to a mapping or list that contains it; "
+            "write the value out instead of the cycle",
+            source=str(path),
+        )
     if data is None:
         raise SpecError(
             "the file is empty; a job file needs at least 'name', a cluster file at least 'nodes'",
@@ -138,21 +144,39 @@ def _kind(model: type[BaseModel]) -> str:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """A SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+    """A SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last) and
+    keys that YAML reads as something other than text (``1:``, ``on:``, ``null:``)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
+        seen: set[str] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' keys merge, never repeat
+                continue
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, Hashable) and key in seen:
+            if not isinstance(key, str):
                 raise yaml.constructor.ConstructorError(
                     None, None,
-                    f"key {key!r} appears twice in the same mapping; keep one",
+                    f"key {key_node.value!r} is read as {type(key).__name__}, not text; quote it",
                     key_node.start_mark,
                 )
-            if isinstance(key, Hashable):
-                seen.add(key)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in the same mapping; keep one",
+                    key_node.start_mark,
+                )
+            seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def _has_cycle(data: Any, parents: frozenset[int] = frozenset()) -> bool:
+    """True when an alias makes a mapping or list contain itself (``a: &x [*x]``)."""
+    if not isinstance(data, dict | list):
+        return False
+    if id(data) in parents:
+        return True
+    inner = parents | {id(data)}
+    children = data.values() if isinstance(data, dict) else data
+    return any(_has_cycle(child, inner) for child in children)
 
 
 def _describe(model: type[BaseModel], err: ValidationError, data: Any = None) -> list[tuple[str, str]]:
@@ -307,6 +331,12 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     """Relative data and script paths are taken from the job file's folder; scripts must exist."""
     base = source.parent
     updates: dict[str, Any] = {}
+    script_path = None if job.uses_builtin else job.entrypoint.script
+    for field, value in (("data.path", job.data.path), ("train.checkpoint.dir", job.train.checkpoint.dir),
+                         ("entrypoint.script", script_path)):
+        if value is not None and "\x00" in str(value):
+            raise SpecError(f"{field} {str(value)!r} contains a NUL character; give a plain path",
+                            source=str(source), field=field)
     if job.data.path is not None:
         tokens = job.data.path if job.data.path.is_absolute() else (base / job.data.path).resolve()
         if not tokens.is_file():

@@ -129,6 +129,14 @@ def test_duplicate_keys_in_nested_mappings(tmp_path):
         load_job(path)
 
 
+def test_anchors_and_merge_keys_still_work(tmp_path):
+    path = write(tmp_path, "name: j\nlaunch:\n  env: &common {A: '1', B: '2'}\n"
+                           "nccl:\n  env:\n    <<: *common\n    B: '3'\n")
+    job = load_job(path)
+    assert job.launch.env == {"A": "1", "B": "2"}
+    assert job.nccl.env == {"A": "1", "B": "3"}
+
+
 # -- paths -----------------------------------------------------------------------------------
 
 
