@@ -104,11 +104,12 @@ def load_run(run_dir: Path) -> dict:
     Status and failure come from an existing ``summary.json``; without one the run never
     finished writing it, so it counts as succeeded only when every rank wrote its ``final``
     record, else as interrupted. Without ``plan.json`` the rank layout is taken from
-    ``summary.json``.
+    ``summary.json``, and without metrics either, ``summary.json`` is returned as it is.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise UsageError(f"{run_dir}: no such directory; give a run directory (runs/<job>-<time>/)")
+        what = "not a directory" if run_dir.exists() else "no such directory"
+        raise UsageError(f"{run_dir}: {what}; give a run directory (runs/<job>-<time>/)")
     plan = _read_json(run_dir / "plan.json")
     previous = _read_json(run_dir / "summary.json")
     if plan is None and previous is None:
@@ -116,6 +117,8 @@ def load_run(run_dir: Path) -> dict:
             f"{run_dir} is not a run directory: it has neither plan.json nor summary.json; "
             f"give a directory made by 'launch' (runs/<job>-<time>/)"
         )
+    if plan is None and not (run_dir / "metrics").is_dir():
+        return previous  # nothing to rebuild from: the summary as it was written
     source = plan if plan is not None else previous
     layout = [{k: r.get(k) for k in ("rank", "node", "host", "local_rank", "device")}
               for r in source.get("ranks", [])]
@@ -147,7 +150,8 @@ def report_command(path: str, *, fmt: str = "table") -> int:
         raise UsageError(f"--format {fmt!r}: choose table, json or csv")
     run_dir = Path(path)
     if not run_dir.is_dir():
-        raise UsageError(f"{path}: no such directory; give a run directory (runs/<job>-<time>/) "
+        what = "not a directory" if run_dir.exists() else "no such directory"
+        raise UsageError(f"{path}: {what}; give a run directory (runs/<job>-<time>/) "
                          f"or a scaling study directory")
     if (run_dir / "scaling.json").is_file():
         table = scaling.load_scaling(run_dir)

@@ -292,6 +292,13 @@ def test_load_run_takes_status_and_failure_from_summary_json(tmp_path):
     assert "signal SIGKILL" in render(s)
 
 
+def test_load_run_with_only_summary_json_returns_it(tmp_path):
+    s = summarize("j", layout(1, 2), {r: builtin_records(r, step_ms=100.0) for r in range(2)},
+                  status="succeeded")
+    write_summary(tmp_path, s)
+    assert load_run(tmp_path) == json.loads(json.dumps(s))
+
+
 def test_load_run_all_final_records_counts_as_succeeded(tmp_path):
     run = tmp_path / "run"
     write_run(run, "j", layout(1, 2), {r: builtin_records(r, step_ms=100.0, final=True) for r in range(2)})
