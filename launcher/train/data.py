@@ -35,7 +35,7 @@ _M32 = 0xFFFFFFFF
 # Salts keep the hash streams of different uses apart.
 _SALT_RESET, _SALT_START, _SALT_MASK, _SALT_ACTION, _SALT_RANDOM = 1, 2, 3, 4, 5
 RESET_PER_MILLE = 100
-MAX_STATES = 2048
+MAX_STATES = 256
 
 
 def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device) -> Batches:

@@ -27,6 +27,7 @@ seconds spent producing or fetching batches, as a share of wall time. GPU utilis
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import resource
@@ -212,7 +213,7 @@ class Meter:
         self.sync()  # the one host-device synchronisation of this interval
         now = self.clock()
         interval_s = now - self._last_time
-        times = [self.timer.elapsed_ms(a, b) for a, b in zip(self._marks, self._marks[1:])]
+        times = [self.timer.elapsed_ms(a, b) for a, b in itertools.pairwise(self._marks)]
         steps = step - self._last_logged
         assert self._loss_sum is not None and steps == len(times)
         # .item(): a host read; cheap here since the device was just synchronised.

@@ -82,7 +82,12 @@ def fsdp_param_dtype(job: JobSpec) -> torch.dtype | None:
 
 def apply_fsdp(model: nn.Module, job: JobSpec, *, device: torch.device, world_size: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     cfg = job.parallel.fsdp
     mesh = init_device_mesh(device.type, (world_size,))

@@ -1,0 +1,286 @@
+"""The built-in trainer for real: torchrun with 2 gloo workers on the CPU (and one process).
+
+Runs are shared between tests (module-scoped fixtures) to keep the set within a few
+minutes on a 2-core machine. Every process a run starts lives in its own session and is
+killed (the whole group) when the run ends, also on failure or timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.metrics import read_records
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = REPO / "tests" / "fixtures" / "train_harness.py"
+RUN_TIMEOUT_S = 240
+
+TINY_JOB = """\
+name: {name}
+model: {{arch: bert, size: tiny, vocab_size: 1024}}
+data: {{source: synthetic, seq_len: 32}}
+train:
+  steps: 50
+  warmup_steps: 2
+  micro_batch: 4
+  lr: 3.0e-3
+  lr_warmup_steps: 5
+  log_every: 5
+  checkpoint: {{dir: {ckpt}, every_steps: 25}}
+precision: {{dtype: fp32}}
+cudnn: {{benchmark: false, deterministic: true}}
+resources: {{nodes: all, nproc_per_node: 2, device: cpu}}
+"""
+
+
+@dataclass
+class Run:
+    dir: Path
+    returncode: int
+    output: str
+
+    def records(self, rank: int = 0, kind: str | None = None) -> list[dict]:
+        recs = read_records(self.dir / f"rank{rank}.jsonl")
+        return [r for r in recs if kind is None or r["type"] == kind]
+
+    def losses(self, rank: int = 0) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.records(rank, "step")}
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.dir / "params.pt")
+
+
+def write_job(path: Path, name: str, ckpt: Path) -> Path:
+    path.write_text(TINY_JOB.format(name=name, ckpt=ckpt))
+    return path
+
+
+def launch(run_dir: Path, args: list[str], *, nproc: int | None = 2, module: bool = False,
+           timeout: float = RUN_TIMEOUT_S) -> Run:
+    """Run the trainer (``-m launcher.train`` or the harness) under torchrun, or alone."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = ["-m", "launcher.train"] if module else [str(HARNESS)]
+    if nproc is None:
+        cmd = [sys.executable, *target, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", *target, *args]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "LAUNCHER_METRICS_FILE": str(run_dir / "rank{rank}.jsonl")}
+    proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the session: torchrun and its workers
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    (run_dir / "output.txt").write_text(out)
+    return Run(run_dir, proc.returncode, out)
+
+
+def ok(run: Run) -> Run:
+    assert run.returncode == 0, f"exit {run.returncode}:\n{run.output[-4000:]}"
+    return run
+
+
+def assert_loss_falls(run: Run, *, by: float = 0.5) -> None:
+    losses = list(run.losses().values())
+    assert len(losses) >= 5, losses
+    assert all(loss == loss for loss in losses), f"NaN loss: {losses}"
+    assert losses[-1] < losses[0] - by, f"loss did not fall by {by}: {losses}"
+
+
+def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert sorted(a) == sorted(b)
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= atol, f"parameters differ by up to {worst:.3g} (> {atol})"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def ddp_fp32(base: Path) -> Run:
+    """DDP, 2 ranks × micro-batch 4, fp32, deterministic, checkpoints at 25 and 50."""
+    job = write_job(base / "ddp.yaml", "ddp", base / "ckpt-ddp")
+    return ok(launch(base / "ddp", ["--job", str(job), "--params-out", "params.pt"]))
+
+
+@pytest.fixture(scope="module")
+def fsdp_fp32(base: Path) -> Run:
+    job = write_job(base / "fsdp.yaml", "fsdp", base / "ckpt-fsdp")
+    return ok(launch(base / "fsdp", ["--job", str(job), "--params-out", "params.pt",
+                                     "--set", "parallel.strategy=fsdp"]))
+
+
+def test_ddp_fp32_loss_falls_and_writes_the_metrics_contract(ddp_fp32: Run):
+    assert_loss_falls(ddp_fp32)
+    assert "step 50/50 | loss" in ddp_fp32.output and "done: 50 steps" in ddp_fp32.output
+    for rank in (0, 1):
+        kinds = [r["type"] for r in ddp_fp32.records(rank)]
+        assert kinds[0] == "meta" and kinds[-1] == "final" and kinds.count("step") == 11
+        meta = ddp_fp32.records(rank, "meta")[0]
+        assert meta["world_size"] == 2 and meta["rank"] == rank and meta["peak_tflops"] is None
+        final = ddp_fp32.records(rank, "final")[0]
+        assert final["steps"] == 50 and final["measured_steps"] == 48
+        assert final["tokens_per_s"] > 0 and final["mfu"] is None
+        assert final["step_time_ms_p50"] <= final["step_time_ms_p95"]
+    steps = ddp_fp32.records(0, "step")
+    assert [r["measured"] for r in steps[:2]] == [False, True]  # warm-up ends at step 2
+    assert all(r["tokens"] == (r["step"] - prev["step"]) * 4 * 32 for prev, r in itertools.pairwise(steps))
+
+
+def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(base: Path, ddp_fp32: Run):
+    job = write_job(base / "one.yaml", "one", base / "ckpt-one")
+    one = ok(launch(base / "one", ["--job", str(job), "--params-out", "params.pt",
+                                   "--set", "train.micro_batch=4", "--set", "train.grad_accum=2"],
+                    nproc=None))
+    assert_params_close(ddp_fp32.params(), one.params(), atol=1e-4)
+
+
+def test_fsdp_fp32_loss_falls_and_matches_ddp(fsdp_fp32: Run, ddp_fp32: Run):
+    assert_loss_falls(fsdp_fp32)
+    assert_params_close(ddp_fp32.params(), fsdp_fp32.params(), atol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_bf16_loss_falls(base: Path, strategy: str):
+    """bf16 autocast through the real entry point; FSDP also accumulates and recomputes."""
+    job = write_job(base / f"bf16-{strategy}.yaml", f"bf16-{strategy}", base / f"ckpt-bf16-{strategy}")
+    extra = ["--set", "train.checkpoint.dir=null", "--set", "train.checkpoint.every_steps=0",
+             "--set", "precision.dtype=bf16", "--set", f"parallel.strategy={strategy}"]
+    if strategy == "fsdp":
+        extra += ["--set", "train.micro_batch=2", "--set", "train.grad_accum=2",
+                  "--set", "train.activation_checkpointing=true"]
+    run = ok(launch(base / f"bf16-{strategy}", ["--job", str(job), *extra], module=True))
+    assert_loss_falls(run)
+
+
+@pytest.fixture(scope="module")
+def killed(base: Path) -> Run:
+    """The ddp_fp32 job again, rank 0 SIGKILLed right after step 30 (checkpoint at 25)."""
+    job = write_job(base / "resume.yaml", "resume", base / "ckpt-resume")
+    return launch(base / "killed", ["--job", str(job), "--kill-at-step", "30"])
+
+
+def test_deterministic_mode_gives_bitwise_identical_losses(killed: Run, ddp_fp32: Run):
+    """Two deterministic runs of one job (one later killed) log the same losses, bit for bit."""
+    first, second = ddp_fp32.losses(), killed.losses()
+    assert max(second) == 30 and {2, 5, 10, 15, 20, 25, 30} <= set(second)
+    assert all(first[s] == loss for s, loss in second.items()), (first, second)
+
+
+def test_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, killed: Run, ddp_fp32: Run):
+    """Resume from the step-25 checkpoint: the parameters at step 50 equal a run never killed."""
+    assert killed.returncode != 0
+    assert (base / "ckpt-resume" / "step_00000025" / "COMPLETE").is_file()
+    assert not (base / "ckpt-resume" / "step_00000050").exists()
+    resumed = ok(launch(base / "resumed", ["--job", str(base / "resume.yaml"), "--params-out", "params.pt"]))
+    assert "resumed from" in resumed.output and "steps 26..50" in resumed.output
+    assert resumed.records(0, "meta")[0]["start_step"] == 25
+    assert (base / "ckpt-resume" / "step_00000050" / "COMPLETE").is_file()
+    assert_params_close(ddp_fp32.params(), resumed.params(), atol=0.0)
+    reference = ddp_fp32.losses()
+    after = {s: loss for s, loss in resumed.losses().items() if s in reference}
+    assert {30, 35, 50} <= set(after) and all(reference[s] == loss for s, loss in after.items())
+
+
+def write_npy(path: Path, ids: torch.Tensor) -> None:
+    """A version-1.0 .npy file of int32 ids, written by hand (the header is a Python dict)."""
+    header = f"{{'descr': '<i4', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
+    header += " " * (-(10 + len(header) + 1) % 64) + "\n"
+    body = bytes(ids.to(torch.int32).contiguous().view(torch.uint8).tolist())
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body)
+
+
+def test_gpt_on_a_token_file_sharded_by_rank(base: Path):
+    """GPT reading a .npy token file (structured ids from the synthetic generator)."""
+    from launcher.train.data import SyntheticBatches
+
+    gen = SyntheticBatches(arch="gpt", vocab_size=1024, seq_len=256, micro_batch=64, grad_accum=1,
+                           mask_prob=0.15, seed=7, rank=0, world_size=1, device=torch.device("cpu"))
+    write_npy(base / "tokens.npy", gen.batch(1)["input_ids"].reshape(-1))
+    job = base / "gpt.yaml"
+    job.write_text(
+        "name: gpt-tokens\n"
+        "model: {arch: gpt, size: tiny, vocab_size: 1024}\n"
+        f"data: {{source: tokens, path: {base / 'tokens.npy'}, seq_len: 32}}\n"
+        "train: {steps: 30, warmup_steps: 2, micro_batch: 4, lr: 3.0e-3, log_every: 5}\n"
+        "precision: {dtype: fp32}\ncudnn: {benchmark: false}\n"
+        "resources: {nodes: all, nproc_per_node: 2, device: cpu}\n"
+    )
+    run = ok(launch(base / "gpt", ["--job", str(job)], module=True))
+    assert_loss_falls(run, by=1.0)
+    assert run.records(1, "meta")[0]["arch"] == "gpt"
+
+
+def test_quickstart_runs_as_one_process_without_torchrun(base: Path):
+    run = ok(launch(base / "quick", ["--job", str(REPO / "jobs" / "quickstart.yaml"),
+                                     "--set", "train.steps=6", "--set", "train.warmup_steps=2",
+                                     "--set", "train.log_every=3"], nproc=None, module=True))
+    assert "world 1" in run.output and "step 6/6" in run.output and "done: 6 steps" in run.output
+    assert [r["type"] for r in run.records()] == ["meta", "step", "step", "step", "final"]
+
+
+# -- GPUs (opt in: skipped with a reason where CUDA is absent) -------------------------------
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_gpus = {n: pytest.mark.skipif(n > GPUS, reason=f"needs {n} CUDA GPU(s); this machine has {GPUS}")
+              for n in (1, 2)}
+
+GPU_JOB = """\
+name: {name}
+model: {{arch: bert, size: mini, vocab_size: 4096}}
+data: {{source: synthetic, seq_len: 128}}
+train: {{steps: 50, warmup_steps: 5, micro_batch: 8, lr: 2.0e-3, lr_warmup_steps: 5, log_every: 10}}
+precision: {{dtype: fp32}}
+cudnn: {{benchmark: false}}
+resources: {{nodes: all, nproc_per_node: 1, device: cuda}}
+"""
+
+
+def gpu_job(base: Path, name: str) -> Path:
+    path = base / f"{name}.yaml"
+    path.write_text(GPU_JOB.format(name=name))
+    return path
+
+
+@pytest.mark.gpu
+@needs_gpus[2]
+def test_gpu_nccl_ddp_on_two_gpus_matches_one_gpu(base: Path):
+    job = gpu_job(base, "gpu-ddp")
+    two = ok(launch(base / "gpu-two", ["--job", str(job), "--params-out", "params.pt"]))
+    assert two.records(1, "meta")[0]["device"] == "cuda:1"
+    one = ok(launch(base / "gpu-one", ["--job", str(job), "--params-out", "params.pt",
+                                       "--set", "train.micro_batch=16"], nproc=1))
+    assert_params_close(two.params(), one.params(), atol=2e-4)
+
+
+@pytest.mark.gpu
+@needs_gpus[1]
+@pytest.mark.parametrize(("dtype", "strategy", "compile_"), [
+    ("bf16", "ddp", False), ("fp16", "ddp", False), ("bf16", "fsdp", True), ("fp16", "fsdp", False),
+    ("tf32", "ddp", True),
+])
+def test_gpu_precisions_run_and_the_loss_falls(base: Path, dtype: str, strategy: str, compile_: bool):
+    name = f"gpu-{dtype}-{strategy}"
+    run = ok(launch(base / name, ["--job", str(gpu_job(base, name)), "--set", f"precision.dtype={dtype}",
+                                  "--set", f"parallel.strategy={strategy}",
+                                  "--set", f"train.compile={str(compile_).lower()}"],
+                    nproc=min(GPUS, 2), module=True))
+    assert_loss_falls(run, by=1.0)
+    final = run.records(0, "final")[0]
+    assert final["peak_mem_gib"] > 0 and final["tokens_per_s"] > 0

@@ -1,0 +1,29 @@
+"""Which checkpoint resume picks, and when one is due (pure; DCP itself runs in integration)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.spec.job import CheckpointSpec
+from launcher.train.checkpoint import MARKER, Checkpointer, latest_checkpoint, step_dir
+
+
+def test_latest_complete_checkpoint_wins(tmp_path: Path):
+    assert latest_checkpoint(None) is None and latest_checkpoint(tmp_path / "absent") is None
+    for step, complete in [(10, True), (20, True), (30, False), (100, True)]:
+        path = step_dir(tmp_path, step)
+        path.mkdir()
+        if complete:
+            (path / MARKER).write_text(f"{step}\n")
+    (tmp_path / "step_junk").mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000100"
+    (tmp_path / "step_00000100" / MARKER).unlink()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000020"
+
+
+def test_checkpoints_are_due_every_n_steps_and_at_the_end(tmp_path: Path):
+    every = Checkpointer(CheckpointSpec(dir=tmp_path, every_steps=25), rank=0)
+    assert [s for s in range(1, 61) if every.due(s, 60)] == [25, 50, 60]
+    end_only = Checkpointer(CheckpointSpec(dir=tmp_path), rank=0)
+    assert [s for s in range(1, 61) if end_only.due(s, 60)] == [60]
+    assert not any(Checkpointer(CheckpointSpec(), rank=0).due(s, 60) for s in range(1, 61))

@@ -1,0 +1,146 @@
+"""Batches: determinism, rank/world equivalence, MLM masking, token files (pure, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from launcher.train.data import (
+    SyntheticBatches,
+    TokenFileBatches,
+    global_indices,
+    hash_ints,
+    mask_token_id,
+    open_token_file,
+)
+
+CPU = torch.device("cpu")
+
+
+def source(arch="bert", *, rank=0, world=1, micro=4, accum=1, seq=32, vocab=1024, seed=3, cls=SyntheticBatches, **kw):
+    return cls(arch=arch, vocab_size=vocab, seq_len=seq, micro_batch=micro, grad_accum=accum,
+               mask_prob=0.15, seed=seed, rank=rank, world_size=world, device=CPU, **kw)
+
+
+def step_samples(make, world: int, accum: int, step: int, key: str = "input_ids") -> torch.Tensor:
+    """Everything one step feeds, in global-index order."""
+    parts = [make(rank=r).batch(step, a)[key] for a in range(accum) for r in range(world)]
+    return torch.cat(parts)
+
+
+@given(world=st.integers(1, 4), micro=st.integers(1, 4), accum=st.integers(1, 3))
+@settings(max_examples=50, deadline=None)
+def test_global_indices_tile_the_step_without_overlap(world: int, micro: int, accum: int):
+    seen = [i for a in range(accum) for r in range(world)
+            for i in global_indices(step=1, micro=a, rank=r, world_size=world, micro_batch=micro, grad_accum=accum)]
+    assert seen == list(range(world * micro * accum))
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+@pytest.mark.parametrize("key", ["input_ids", "labels"])
+def test_two_ranks_see_what_one_process_sees(arch: str, key: str):
+    def make(world, micro, accum):
+        return lambda rank: source(arch, rank=rank, world=world, micro=micro, accum=accum)
+
+    for step in (1, 7):
+        one_big = step_samples(make(1, 8, 1), 1, 1, step, key)
+        two_ranks = step_samples(make(2, 4, 1), 2, 1, step, key)
+        accumulated = step_samples(make(1, 4, 2), 1, 2, step, key)
+        four_by_two = step_samples(make(2, 2, 2), 2, 2, step, key)
+        assert torch.equal(one_big, two_ranks) and torch.equal(one_big, accumulated)
+        assert torch.equal(one_big, four_by_two)
+
+
+def test_batches_are_deterministic_and_differ_by_step_and_seed():
+    a, b = source().batch(5), source().batch(5)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["input_ids"], source().batch(6)["input_ids"])
+    assert not torch.equal(a["input_ids"], source(seed=4).batch(5)["input_ids"])
+
+
+def test_hash_is_the_same_for_ints_and_tensors_and_stays_32_bit():
+    x = hash_ints(1, 2, torch.arange(1000))
+    assert x.dtype == torch.int64 and int(x.min()) >= 0 and int(x.max()) < 2**32
+    assert int(hash_ints(1, 2, torch.tensor(17))) == int(x[17])
+    assert len(set(x.tolist())) == 1000
+
+
+def test_synthetic_tokens_follow_a_noisy_chain():
+    gen = source("gpt", micro=16, seq=256)
+    ids = gen.batch(1)["input_ids"]
+    assert int(ids.min()) >= gen.first_token and int(ids.max()) < gen.first_token + gen.n_states
+    state = ((ids - gen.first_token) * pow(gen.stride, -1, gen.n_states)) % gen.n_states
+    follows = ((state[:, 1:] - state[:, :-1]) % gen.n_states == 1).float().mean().item()
+    assert 0.85 < follows < 0.95  # 10% restarts
+
+
+def test_gpt_labels_are_the_next_tokens():
+    batch = source("gpt").batch(2)
+    assert batch["input_ids"].shape == batch["labels"].shape == (4, 32)
+    assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+
+
+def test_mlm_masks_a_fixed_count_with_80_10_10():
+    gen = source(micro=64, seq=128, vocab=30522)
+    clean = gen.tokens(3, range(64), torch.arange(64).unsqueeze(1))[:, :128]
+    batch = gen.batch(3)
+    pos, labels, ids = batch["mask_pos"], batch["labels"], batch["input_ids"]
+    assert pos.shape == labels.shape == (64, round(0.15 * 128))
+    assert all(len(set(row.tolist())) == pos.shape[1] for row in pos)
+    assert torch.equal(pos, pos.sort(dim=1).values)
+    assert torch.equal(labels, clean.gather(1, pos))
+    unmasked = torch.ones_like(ids, dtype=torch.bool).scatter(1, pos, False)
+    assert torch.equal(ids[unmasked], clean[unmasked])
+    at = ids.gather(1, pos)
+    n = at.numel()
+    as_mask = (at == mask_token_id(30522)).sum().item() / n
+    kept = (at == labels).sum().item() / n
+    assert 0.76 < as_mask < 0.84 and 0.07 < kept < 0.14
+
+
+def write_npy(path: Path, ids: torch.Tensor, descr: str) -> None:
+    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
+    header += " " * (-(10 + len(header) + 1) % 64) + "\n"
+    body = bytes(ids.contiguous().view(torch.uint8).tolist())
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body)
+
+
+@pytest.mark.parametrize(("dtype", "descr"), [(torch.uint16, "<u2"), (torch.int32, "<i4"), (torch.int64, "<i8")])
+def test_npy_and_raw_token_files_are_memory_mapped(tmp_path: Path, dtype: torch.dtype, descr: str):
+    ids = torch.arange(1000, dtype=torch.int64).to(dtype)
+    write_npy(tmp_path / "t.npy", ids, descr)
+    (tmp_path / "t.bin").write_bytes(bytes(ids.view(torch.uint8).tolist()))
+    raw_name = {torch.uint16: "uint16", torch.int32: "int32", torch.int64: "int64"}[dtype]
+    for tokens in (open_token_file(tmp_path / "t.npy", "uint16"), open_token_file(tmp_path / "t.bin", raw_name)):
+        assert tokens.dtype == dtype and tokens.numel() == 1000
+        assert torch.equal(tokens.to(torch.int64), torch.arange(1000))
+
+
+def test_token_windows_are_sharded_by_rank_and_match_one_process(tmp_path: Path):
+    ids = torch.arange(10_000, dtype=torch.int32) % 1000
+    write_npy(tmp_path / "t.npy", ids, "<i4")
+
+    def make(rank: int, world: int = 2, micro: int = 4):
+        return source("gpt", rank=rank, world=world, micro=micro, seq=16, cls=TokenFileBatches,
+                      path=tmp_path / "t.npy", token_dtype="uint16")
+
+    r0, r1 = make(0).batch(1), make(1).batch(1)
+    assert torch.equal(r0["input_ids"][:, 0], torch.tensor([0, 16, 32, 48]))
+    assert torch.equal(r1["input_ids"][:, 0], torch.tensor([64, 80, 96, 112]))
+    one = make(0, world=1, micro=8).batch(1)["input_ids"]
+    assert torch.equal(one, torch.cat([r0["input_ids"], r1["input_ids"]]))
+    assert torch.equal(make(0).batch(2)["input_ids"][0, 0], torch.tensor(128))
+
+
+def test_token_file_errors_name_the_fix(tmp_path: Path):
+    write_npy(tmp_path / "short.npy", torch.arange(10, dtype=torch.int32), "<i4")
+    with pytest.raises(ValueError, match="shorter seq_len"):
+        source("gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "short.npy", token_dtype="uint16")
+    write_npy(tmp_path / "big.npy", torch.full((100,), 5000, dtype=torch.int32), "<i4")
+    big = source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "big.npy", token_dtype="uint16")
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        big.batch(1)

@@ -1,0 +1,139 @@
+"""The meter: syncs only on log steps, warm-up excluded, MFU arithmetic, record contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.train.meter import Meter, final_line, peak_tflops, percentile, progress_line
+
+STEP_KEYS = {"type", "step", "tokens", "samples", "interval_s", "measured", "step_times_ms", "loss",
+             "data_wait_s", "peak_mem_gib", "gpu_util_pct"}
+FINAL_KEYS = {"type", "steps", "measured_steps", "step_time_ms_p50", "step_time_ms_p95", "tokens_per_s",
+              "samples_per_s", "tflops", "mfu", "peak_mem_gib", "data_wait_pct", "gpu_util_pct", "loss"}
+
+
+class FakeClock:
+    """Time advances 0.1 s per step (``tick``) and 0.01 s per data fetch."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeTimer:
+    def __init__(self, clock: FakeClock):
+        self.clock = clock
+
+    def mark(self) -> float:
+        return self.clock.now
+
+    @staticmethod
+    def elapsed_ms(a: float, b: float) -> float:
+        return (b - a) * 1e3
+
+
+def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0):
+    clock = FakeClock()
+    calls = {"sync": 0, "reduce": 0}
+    records: list[dict] = []
+
+    def sync():
+        calls["sync"] += 1
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        calls["reduce"] += 1
+        return t
+
+    meter = Meter(total_steps=total, warmup_steps=warmup, log_every=log_every, tokens_per_step=1000,
+                  samples_per_step=10, flops_per_token=1e9, peak_tflops=peak, timer=FakeTimer(clock),
+                  sync=sync, reduce_loss=reduce, peak_mem_gib=lambda: 1.5, gpu_util_pct=lambda: 90.0,
+                  clock=clock, write=records.append)
+    return meter, clock, calls, records
+
+
+def run(meter: Meter, clock: FakeClock, steps: range, calls: dict, log_steps: list[int]):
+    for step in steps:
+        with meter.data_wait():
+            clock.now += 0.01
+        clock.now += 0.09
+        before = calls["sync"]
+        rec = meter.step_end(step, torch.tensor(float(step)))
+        assert (calls["sync"] > before) == (step in log_steps), step
+        assert (rec is not None) == (step in log_steps)
+
+
+def test_syncs_only_on_log_steps_and_the_warmup_boundary():
+    meter, clock, calls, records = make_meter()
+    meter.start()
+    assert calls["sync"] == 1
+    run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
+    assert calls["sync"] == 1 + 5 and calls["reduce"] == 5
+    assert [r["step"] for r in records] == [3, 5, 10, 15, 20]
+    assert [r["measured"] for r in records] == [False, True, True, True, True]
+    assert all(set(r) == STEP_KEYS for r in records)
+    assert records[1]["tokens"] == 2000 and records[2]["samples"] == 50
+    assert records[2]["step_times_ms"] == pytest.approx([100.0] * 5)
+    assert records[2]["loss"] == pytest.approx(sum(range(6, 11)) / 5)
+    assert records[2]["interval_s"] == pytest.approx(0.5) and records[2]["data_wait_s"] == pytest.approx(0.05)
+
+
+def test_final_counts_measured_steps_only_and_computes_mfu():
+    meter, clock, calls, records = make_meter()
+    meter.start()
+    run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
+    final = meter.finish()
+    assert set(final) == FINAL_KEYS and records[-1] is final
+    assert final["steps"] == 20 and final["measured_steps"] == 17
+    assert final["tokens_per_s"] == pytest.approx(1000 / 0.1)
+    assert final["samples_per_s"] == pytest.approx(100)
+    assert final["tflops"] == pytest.approx(1e4 * 1e9 / 1e12)  # 10 TFLOP/s
+    assert final["mfu"] == pytest.approx(0.1)
+    assert final["step_time_ms_p50"] == pytest.approx(100) and final["step_time_ms_p95"] == pytest.approx(100)
+    assert final["data_wait_pct"] == pytest.approx(10)
+    assert final["gpu_util_pct"] == 90.0 and final["peak_mem_gib"] == 1.5 and final["loss"] == 18.0
+    assert "mfu 10.0%" in final_line(final, world_size=2)
+
+
+def test_unknown_peak_gives_null_mfu():
+    meter, clock, calls, _ = make_meter(peak=None)
+    meter.start()
+    run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
+    final = meter.finish()
+    assert final["mfu"] is None and final["tflops"] == pytest.approx(10.0)
+    assert "mfu n/a" in final_line(final, world_size=1)
+
+
+def test_resumed_meter_counts_warmup_from_its_first_step():
+    clock = FakeClock()
+    records: list[dict] = []
+    meter = Meter(total_steps=30, start_step=20, warmup_steps=2, log_every=5, tokens_per_step=1,
+                  samples_per_step=1, flops_per_token=1.0, peak_tflops=None, timer=FakeTimer(clock),
+                  sync=lambda: None, clock=clock, write=records.append)
+    meter.start()
+    for step in range(21, 31):
+        clock.now += 0.1
+        meter.step_end(step, torch.tensor(1.0))
+    assert [(r["step"], r["measured"]) for r in records] == [(22, False), (25, True), (30, True)]
+    assert meter.finish()["measured_steps"] == 8
+
+
+def test_progress_line():
+    record = {"step": 20, "loss": 7.4123, "tokens": 3_102_000, "interval_s": 10.0,
+              "step_times_ms": [52.1] * 10, "measured": True}
+    line = progress_line(record, 200, flops_per_token=1e9, peak=750.0)
+    assert line == "step 20/200 | loss 7.412 | 310.2k tok/s | 52.1 ms/step | mfu 41.4%"
+
+
+def test_peak_table_and_percentiles():
+    assert peak_tflops("NVIDIA H200", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp16") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
+    assert peak_tflops("NVIDIA A10G", "tf32") is None
+    assert peak_tflops("Intel(R) Xeon(R)", "fp32") is None
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([float(i) for i in range(101)], 95) == 95.0

@@ -1,0 +1,109 @@
+"""Model shapes, parameter counts and the FLOPs formula (pure, on the meta device or tiny)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.spec.job import SIZE_PRESETS, ModelSpec
+from launcher.train.model import (
+    build_model,
+    count_params,
+    flops_per_token,
+    mask_count,
+    matmul_params_per_token,
+)
+
+HF_BERT_BASE_MLM = 109_514_298  # BertForMaskedLM, bert-base-uncased config, tied decoder, no pooler
+
+
+def meta_params(spec: ModelSpec) -> int:
+    with torch.device("meta"):
+        return count_params(build_model(spec, seq_len=128, mask_prob=0.15))
+
+
+def expected_params(arch: str, L: int, d: int, V: int, P: int, ff: int) -> int:
+    block = (3 * d * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d) + 2 * (2 * d)
+    if arch == "bert":  # word, position, token type, embedding LN; head dense + LN + decoder bias
+        return V * d + P * d + 2 * d + 2 * d + L * block + (d * d + d) + 2 * d + V
+    return V * d + P * d + L * block + 2 * d  # tied LM head, final LN
+
+
+def test_bert_base_matches_hugging_face():
+    n = meta_params(ModelSpec(arch="bert", size="base"))
+    assert abs(n - HF_BERT_BASE_MLM) / HF_BERT_BASE_MLM < 0.005
+    assert n == HF_BERT_BASE_MLM
+
+
+def test_gpt_base_is_gpt2_124m_with_a_padded_vocab():
+    assert meta_params(ModelSpec(arch="gpt", size="base")) == 124_475_904
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+@pytest.mark.parametrize("size", list(SIZE_PRESETS))
+def test_presets_match_the_formula(arch: str, size: str):
+    spec = ModelSpec(arch=arch, size=size)
+    d = spec.dims()
+    want = expected_params(arch, d["n_layers"], d["d_model"], d["vocab_size"], d["max_positions"], d["d_ff"])
+    assert meta_params(spec) == want
+
+
+def test_explicit_dims_override_the_preset():
+    spec = ModelSpec(arch="bert", size="tiny", n_layers=3, d_model=64, n_heads=4, d_ff=100, vocab_size=500)
+    assert meta_params(spec) == expected_params("bert", 3, 64, 500, 512, 100)
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+def test_forward_returns_a_scalar_loss_near_uniform(arch: str):
+    torch.manual_seed(0)
+    spec = ModelSpec(arch=arch, size="tiny", vocab_size=256)
+    model = build_model(spec, seq_len=16, mask_prob=0.25)
+    ids = torch.randint(0, 256, (2, 16))
+    if arch == "bert":
+        loss = model(ids, torch.randint(0, 256, (2, 4)), torch.tensor([[0, 3, 7, 9], [1, 2, 5, 15]]))
+    else:
+        loss = model(ids, torch.randint(0, 256, (2, 16)))
+    assert loss.shape == () and abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 1.0
+    loss.backward()
+    assert model.embed.tok.weight.grad is not None
+
+
+def test_bert_head_reads_only_the_masked_positions():
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=128), seq_len=8, mask_prob=0.25)
+    hidden = torch.randn(1, 8, 128, requires_grad=True)
+    mask_pos = torch.tensor([[2, 5]])
+    loss = model.head(hidden, torch.tensor([[3, 4]]), mask_pos, model.embed.tok.weight)
+    loss.backward()
+    touched = hidden.grad.abs().sum(-1)[0].nonzero().flatten().tolist()
+    assert touched == [2, 5]
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=64), seq_len=8, mask_prob=0.15).eval()
+    ids = torch.randint(0, 64, (1, 8))
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % 64
+    first = model.blocks[0](model.embed(ids))
+    second = model.blocks[0](model.embed(changed))
+    assert torch.equal(first[:, :-1], second[:, :-1]) and not torch.equal(first[:, -1], second[:, -1])
+
+
+def test_mask_count_is_fixed_per_sequence():
+    assert mask_count(512, 0.15) == 77
+    assert mask_count(8, 0.01) == 1
+
+
+def test_flops_per_token_bert_base_by_hand():
+    spec = ModelSpec(arch="bert", size="base")
+    body = 12 * (4 * 768**2 + 2 * 768 * 3072)
+    head = 77 / 512 * (768**2 + 30522 * 768)
+    assert matmul_params_per_token(spec, seq_len=512, mask_prob=0.15) == pytest.approx(body + head)
+    assert flops_per_token(spec, seq_len=512, mask_prob=0.15) == pytest.approx(6 * (body + head) + 12 * 12 * 768 * 512)
+
+
+def test_flops_per_token_gpt_counts_the_lm_head_and_half_the_attention():
+    spec = ModelSpec(arch="gpt", size="base")
+    n = 12 * (4 * 768**2 + 2 * 768 * 3072) + 50304 * 768
+    assert flops_per_token(spec, seq_len=1024, mask_prob=0.15) == pytest.approx(6 * n + 6 * 12 * 768 * 1024)

@@ -1,0 +1,44 @@
+"""LR schedule and optimizer parameter groups (pure)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from launcher.spec.job import TrainSpec
+from launcher.train.loop import lr_factor, param_groups
+
+
+def factors(**kw) -> list[float]:
+    spec = TrainSpec(**kw)
+    return [lr_factor(i, spec) for i in range(spec.steps)]
+
+
+def test_linear_warmup_then_cosine_to_the_floor():
+    f = factors(steps=100, lr_warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1, warmup_steps=0)
+    assert f[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
+    assert f[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(f[10:]))
+    assert f[-1] == pytest.approx(0.1)
+    assert f[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 89)))
+
+
+def test_linear_decay_and_constant():
+    lin = factors(steps=11, lr_schedule="linear", min_lr_ratio=0.0, warmup_steps=0)
+    assert lin == pytest.approx([1 - i / 10 for i in range(11)])
+    assert factors(steps=20, lr_warmup_steps=4, lr_schedule="constant", warmup_steps=0)[4:] == [1.0] * 16
+
+
+def test_no_warmup_starts_at_the_peak():
+    assert factors(steps=5, lr_warmup_steps=0, warmup_steps=0)[0] == 1.0
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Embedding(10, 4))
+    decay, no_decay = param_groups(model, 0.01)
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert {p.ndim for p in decay["params"]} == {2} and {p.ndim for p in no_decay["params"]} == {1}
+    assert len(decay["params"]) == 2 and len(no_decay["params"]) == 3
