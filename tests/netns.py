@@ -38,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,7 @@ class NetnsCluster:
         reason = missing_requirements()
         if reason:
             raise NetnsError(reason)
+        _exit_cleanly_on_sigterm()
         _alive.add(self)
         try:
             self._setup()
@@ -424,6 +426,16 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """Turn a plain SIGTERM (``timeout``, CI cancelling) into SystemExit so teardown runs."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @atexit.register

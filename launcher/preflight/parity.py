@@ -325,7 +325,7 @@ def evaluate(
         if fdef.deep and not deep:
             continue
         values = {n: fdef.extract(p) for n, p in reachable.items()}
-        if values and all(v is None for v in values.values()):
+        if all(v is None for v in values.values()):
             continue  # e.g. GPU rows on a CPU cluster: nothing to compare
         row = Row(fdef, resolved[fdef.key], values)
         _mark_row(row, problems)
@@ -357,11 +357,11 @@ def resolve_policies(overrides: dict[str, str], packages: Sequence[str] = ()) ->
             close = difflib.get_close_matches(key, list(resolved), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise SpecError(
-                f"parity.policies names unknown field {key!r}.{hint} Fields: {', '.join(resolved)}",
+                f"unknown field {key!r}.{hint} Known fields and checks: {', '.join(resolved)}",
                 field="parity.policies",
             )
         if policy not in POLICIES:
-            raise SpecError(f"policy {policy!r} for {key!r} must be one of {', '.join(POLICIES)}", field="parity.policies")
+            raise SpecError(f"{key}: {policy!r} is not a policy; use one of {', '.join(POLICIES)}", field="parity.policies")
         resolved[key] = policy
     return resolved
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import getpass
-import io
 import logging
 import os
+import re
+import select
+import shlex
 import signal
 import socket
 import subprocess
@@ -36,12 +38,13 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import fabric
-import invoke
 import paramiko
 
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
 log = logging.getLogger(__name__)
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 T = TypeVar("T")
 
@@ -187,8 +190,7 @@ class SSHRunner(Runner):
             "allow_agent": key is None,
             # Key auth only: no password is ever sent and nothing prompts for one.
             "password": None,
-            "gss_auth": False,
-            "gss_kex": False,
+            "passphrase": None,
             # Every phase of connecting is bounded by connect_timeout_s: the TCP connect
             # (fabric's connect_timeout), the server's banner, and authentication.
             "banner_timeout": timeout,
@@ -216,10 +218,6 @@ class SSHRunner(Runner):
                 overrides={
                     # cluster.yaml is the one source of hosts, users, ports and keys.
                     "load_ssh_configs": False,
-                    # Output is returned, never echoed; a non-zero exit is a result.
-                    "run": {"hide": True, "warn": True, "pty": False},
-                    # Remote env is inlined as `export K=V && cmd`: sshd's AcceptEnv is not needed.
-                    "inline_ssh_env": True,
                 }
             )
             conn = fabric.Connection(
@@ -234,7 +232,7 @@ class SSHRunner(Runner):
             started = time.monotonic()
             try:
                 conn.open()
-            except Exception as err:
+            except (paramiko.SSHException, OSError, EOFError) as err:
                 conn.close()
                 raise classify_ssh_error(err, self) from err
             log.debug("connected to %s in %.2f s", self.describe(), time.monotonic() - started)
@@ -249,23 +247,45 @@ class SSHRunner(Runner):
         timeout: float | None = None,
         env: dict[str, str] | None = None,
     ) -> CommandResult:
+        # One paramiko session channel on fabric's connection. Not ``Connection.run``: invoke
+        # feeds a non-terminal stdin one character per 10 ms, and a probe is 20 kB.
         conn = self._connection()
+        if env:
+            bad = [k for k in env if not _ENV_NAME.fullmatch(k)]
+            if bad:
+                raise ValueError(f"not environment variable names: {bad}")
+            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+            command = f"export {exports} && {command}"
         try:
-            result = conn.run(
-                command,
-                in_stream=io.StringIO(stdin or ""),  # never the launcher's own terminal
-                timeout=timeout,
-                env=env or {},
-            )
-        except invoke.CommandTimedOut:
-            self.close()
-            raise NodeError(TIMEOUT, f"{_short(command)!r} did not finish within {timeout:g} s") from None
-        except invoke.UnexpectedExit as err:  # only with warn=False; kept as a result anyway
-            result = err.result
+            return self._exec(conn.transport, command, stdin or "", timeout)
         except (paramiko.SSHException, OSError, EOFError) as err:
             self.close()
             raise NodeError(SSH_ERROR, f"the connection to {self.describe()} broke: {err}") from err
-        return CommandResult(result.stdout, result.stderr, result.exited)
+
+    def _exec(self, transport: paramiko.Transport, command: str, stdin: str, timeout: float | None) -> CommandResult:
+        chan = transport.open_session(timeout=self.ssh.connect_timeout_s)
+        try:
+            chan.exec_command(command)
+            feeder = threading.Thread(target=_feed, args=(chan, stdin.encode()), daemon=True, name="ssh-stdin")
+            feeder.start()
+            out, err = bytearray(), bytearray()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                done = chan.exit_status_ready()  # read before draining: no output can follow it
+                while chan.recv_ready():
+                    out += chan.recv(65536)
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                if done:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise NodeError(TIMEOUT, f"{_short(command)!r} did not finish within {timeout:g} s")
+                if not transport.is_active():
+                    raise EOFError("the SSH transport closed")
+                select.select([chan], [], [], 0.05)
+            return CommandResult(out.decode(errors="replace"), err.decode(errors="replace"), chan.recv_exit_status())
+        finally:
+            chan.close()
 
     def check_connection(self) -> None:
         self._connection()
@@ -400,19 +420,27 @@ def classify_ssh_error(err: BaseException, runner: SSHRunner) -> NodeError:
         )
     if isinstance(err, paramiko.ssh_exception.NoValidConnectionsError):
         codes = {e.errno for e in err.errors.values() if isinstance(e, OSError)}
-        if codes <= {errno.ECONNREFUSED}:
-            return NodeError(UNREACHABLE, f"{node.host} refused the connection on port {node.port}: is sshd running, is the port right?")
-        return NodeError(UNREACHABLE, f"cannot connect to {node.host}:{node.port}: {err}")
-    if isinstance(err, OSError) and err.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-        return NodeError(UNREACHABLE, f"no route to {node.host} ({err.strerror}): host down or wrong address")
+        err = OSError(next(iter(codes)) if len(codes) == 1 else None, str(err))
     if isinstance(err, OSError) and err.errno == errno.ECONNREFUSED:
         return NodeError(UNREACHABLE, f"{node.host} refused the connection on port {node.port}: is sshd running, is the port right?")
+    if isinstance(err, OSError) and err.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT):
+        return NodeError(UNREACHABLE, f"no route to {node.host}:{node.port} ({os.strerror(err.errno)}): host down or wrong address")
+    if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
+        return NodeError(UNREACHABLE, f"cannot connect to {node.host}:{node.port}: {err.strerror or err}")
     if isinstance(err, paramiko.SSHException) and "banner" in str(err).lower():
         return NodeError(UNREACHABLE, f"{node.host}:{node.port} did not speak SSH within {timeout:g} s: {err}")
     return NodeError(SSH_ERROR, f"connecting to {where} failed: {type(err).__name__}: {err}")
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _feed(chan: paramiko.Channel, data: bytes) -> None:
+    """Write stdin then EOF; a command that exits without reading it is not an error."""
+    with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+        if data:
+            chan.sendall(data)
+        chan.shutdown_write()
 
 
 def _known_hosts_name(node: NodeSpec) -> str:
