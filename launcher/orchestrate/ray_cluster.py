@@ -85,6 +85,10 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
 
 
 def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str) -> RaySession:
+    # Ray (>= 2.50) clusters require a token by default; the driver sends the one in
+    # ~/.ray/auth_token (or $RAY_AUTH_TOKEN) only in token mode, read when ray is imported.
+    # A cluster without authentication accepts it too.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     log.info("Attaching to the running Ray at %s", address)

@@ -171,7 +171,8 @@ class Launch:
         starts = []
         for agent, node_plan in zip(self._agents, self._plan.nodes, strict=True):
             agent.plan = node_plan
-            (self.run_dir / "logs" / node_plan.name).mkdir(parents=True, exist_ok=True)
+            for rank in node_plan.ranks:
+                self._log_file(node_plan.name, rank)  # every rank has a log, even a silent one
             payload = {"workdir": node_plan.workdir, "argv": node_plan.argv, "env": node_plan.env}
             starts.append(agent.handle.start.remote(payload, {"job.yaml": job_text}))
         ray.get(starts, timeout=120)
@@ -290,6 +291,7 @@ class Launch:
         key = (node, rank)
         if key not in self._logs:
             name = f"rank{rank}.log" if rank is not None else "torchrun.log"
+            (self.run_dir / "logs" / node).mkdir(parents=True, exist_ok=True)
             self._logs[key] = open(self.run_dir / "logs" / node / name, "a", encoding="utf-8")  # noqa: SIM115
         return self._logs[key]
 

@@ -1,0 +1,131 @@
+"""`launch` end to end on this machine: embedded and attached Ray, real torchrun (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from procs import assert_none_left, kill, matching
+
+ROOT = Path(__file__).resolve().parents[2]
+SUMMARY_RANK_KEYS = {"rank", "node", "host", "local_rank", "device", "steps", "step_time_ms_p50",
+                     "step_time_ms_p95", "samples_per_s", "tokens_per_s", "tflops", "mfu",
+                     "peak_mem_gib", "data_wait_pct"}
+
+
+def launch(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def custom_job(tmp_path: Path, *script_args: str, **extra) -> Path:
+    job = {"name": "custom", "resources": {"nproc_per_node": 2, "device": "cpu"},
+           "precision": {"dtype": "fp32"},
+           "entrypoint": {"script": str(ROOT / "examples/custom_train.py"), "args": list(script_args)},
+           **extra}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_quickstart_end_to_end(tmp_path):
+    before = matching()
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    result = launch(str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Per rank" in result.stdout
+    for name in ("job.yaml", "cluster.yaml", "plan.json", "preflight/parity.txt", "preflight/local.json",
+                 "logs/local/rank0.log", "logs/local/rank1.log", "metrics/rank0.jsonl",
+                 "metrics/rank1.jsonl", "summary.json", "summary.csv", "summary.txt"):
+        assert (run_dir / name).is_file(), name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["world_size"] == 2 and summary["nodes"] == 1
+    assert summary["failure"] is None
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    for row in summary["ranks"]:
+        assert set(row) >= SUMMARY_RANK_KEYS
+        assert row["tokens_per_s"] > 0 and row["steps"] == 30 and row["mfu"] is None
+    assert summary["totals"]["tokens_per_s"] > 0
+    assert oct((run_dir / "plan.json").stat().st_mode & 0o777) == "0o600"
+    assert_none_left(before, marker=run_dir.name)
+
+
+def test_failing_rank_stops_everything_and_is_named(tmp_path):
+    before = matching()
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    start = time.monotonic()
+    result = launch(str(custom_job(tmp_path, "--steps", "4000", "--fail-at", "30")),
+                    "--skip-parity", "--run-dir", str(run_dir), cwd=tmp_path)
+    took = time.monotonic() - start
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "rank 1 on node local" in result.stderr and "injected failure at step 30" in result.stderr
+    assert took < 60, f"fail-fast took {took:.0f} s"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["failure"]["rank"] == 1 and summary["failure"]["node"] == "local"
+    assert summary["failure"]["exit_code"] == 1
+    assert "injected failure" in summary["failure"]["log_tail"]
+    assert "injected failure" in (run_dir / "logs/local/rank1.log").read_text()
+    assert (run_dir / "metrics/rank0.jsonl").stat().st_size > 0
+    assert_none_left(before, marker=run_dir.name)
+
+
+def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
+    before = matching()
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", str(custom_job(tmp_path, "--steps", "100000")),
+                             "--skip-parity", "--run-dir", str(run_dir)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics/rank0.jsonl"
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out[-3000:]
+        assert time.monotonic() - sent < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert summary["ranks"][0]["steps"] > 0  # what was measured is kept
+    assert_none_left(before, marker=run_dir.name)
+
+
+def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
+    port = 6400 + os.getpid() % 500
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    before = matching()
+    started = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", str(port),
+                              "--include-dashboard=false", "--num-cpus", "3"],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert started.returncode == 0, started.stderr
+    ours = [pid for pid in matching() if pid not in before]
+    try:
+        cluster = tmp_path / "cluster.yaml"
+        ip = subprocess.run([sys.executable, "-c", "import ray._private.services as s; print(s.get_node_ip_address())"],
+                            capture_output=True, text=True, timeout=60).stdout.strip()
+        cluster.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost"}],
+                                           "ray": {"address": f"{ip}:{port}"}}))
+        run_dir = tmp_path / f"run-{tmp_path.name}"
+        result = launch(str(custom_job(tmp_path, "--steps", "10")), "--cluster", str(cluster),
+                        "--skip-parity", "--run-dir", str(run_dir), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Attaching to the running Ray" in result.stderr
+        status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", f"{ip}:{port}"],
+                                capture_output=True, text=True, timeout=60, env=env)
+        assert status.returncode == 0, "the attached cluster was stopped"
+        alive = matching()
+        assert any("raylet" in alive.get(pid, "") for pid in ours), "the attached cluster's raylet is gone"
+    finally:
+        kill(ours)  # only the Ray this test started (never `ray stop`: others may run Ray here)
