@@ -212,7 +212,11 @@ class Trainer:
         accum = self.job.train.grad_accum
         with self.meter.data_wait():
             batch = self.data.batch(step, micro)
-        with parallel.gradient_sync(self.model, enabled=micro == accum - 1):
+        # DDP with static_graph records the graph on its first backward and fails under
+        # no_sync there; syncing every micro-batch of the first step gives the same average.
+        ddp = self.job.parallel
+        first = step == self.start_step + 1 and ddp.strategy == "ddp" and ddp.ddp.static_graph
+        with parallel.gradient_sync(self.model, enabled=micro == accum - 1 or first):
             with self._autocast():
                 loss = self.model(**batch) / accum
             (self.scaler.scale(loss) if self.scaler else loss).backward()

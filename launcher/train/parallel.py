@@ -63,6 +63,8 @@ def apply_ddp(model: nn.Module, job: JobSpec, *, device: torch.device) -> nn.Mod
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
     )
+    if cfg.comm_hook == "bf16" and device.type != "cuda":
+        raise ValueError("parallel.ddp.comm_hook bf16 needs CUDA GPUs and NCCL; on the CPU use fp16 or none")
     if cfg.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -158,13 +158,16 @@ def test_fsdp_fp32_loss_falls_and_matches_ddp(fsdp_fp32: Run, ddp_fp32: Run):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_bf16_loss_falls(base: Path, strategy: str):
-    """bf16 autocast through the real entry point; FSDP also accumulates and recomputes."""
+    """bf16 autocast through the real entry point, accumulating 2 micro-batches (DDP's no_sync,
+    FSDP's deferred reduce-scatter); DDP also compresses gradients, FSDP also recomputes."""
     job = write_job(base / f"bf16-{strategy}.yaml", f"bf16-{strategy}", base / f"ckpt-bf16-{strategy}")
     extra = ["--set", "train.checkpoint.dir=null", "--set", "train.checkpoint.every_steps=0",
-             "--set", "precision.dtype=bf16", "--set", f"parallel.strategy={strategy}"]
-    if strategy == "fsdp":
-        extra += ["--set", "train.micro_batch=2", "--set", "train.grad_accum=2",
-                  "--set", "train.activation_checkpointing=true"]
+             "--set", "precision.dtype=bf16", "--set", f"parallel.strategy={strategy}",
+             "--set", "train.micro_batch=2", "--set", "train.grad_accum=2"]
+    if strategy == "ddp":
+        extra += ["--set", "parallel.ddp.comm_hook=fp16"]
+    else:
+        extra += ["--set", "train.activation_checkpointing=true"]
     run = ok(launch(base / f"bf16-{strategy}", ["--job", str(job), *extra], module=True))
     assert_loss_falls(run)
 
