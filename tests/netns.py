@@ -128,6 +128,10 @@ class NetnsCluster:
         """A known_hosts file holding every node's host key."""
         return self.dir / "known_hosts"
 
+    def authorized_keys(self, node: str) -> Path:
+        """The node's authorized_keys for root (``ssh_key``'s public key); rewrite it to refuse."""
+        return self.dir / f"{node}.authorized_keys"
+
     def extra_key(self, name: str = "wrong") -> Path:
         """A freshly generated private key that no node accepts."""
         path = self.dir / f"{name}_ed25519"
@@ -225,7 +229,6 @@ class NetnsCluster:
         reap_stale()
         self.dir.mkdir(mode=0o700, parents=True)
         _keygen(self.ssh_key)
-        (self.dir / "authorized_keys").write_text(Path(f"{self.ssh_key}.pub").read_text())
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
         with _machine_lock():
             self.subnet = _free_subnet(self.owner_pid)
@@ -258,6 +261,7 @@ class NetnsCluster:
 
         host_key = self.dir / f"{node}_host_ed25519"
         _keygen(host_key)
+        self.authorized_keys(node).write_text(Path(f"{self.ssh_key}.pub").read_text())
         config = self.dir / f"{node}.sshd_config"
         config.write_text(
             "\n".join(
@@ -265,7 +269,7 @@ class NetnsCluster:
                     "Port 22",
                     f"ListenAddress {self.host(node)}",
                     f"HostKey {host_key}",
-                    f"AuthorizedKeysFile {self.dir / 'authorized_keys'}",
+                    f"AuthorizedKeysFile {self.authorized_keys(node)}",
                     "PermitRootLogin prohibit-password",
                     "PubkeyAuthentication yes",
                     "PasswordAuthentication no",

@@ -1,0 +1,233 @@
+"""Runners without SSH: the local runner, fan-out, error classification, probe output parsing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import paramiko
+import pytest
+
+from launcher.preflight import (
+    PROBE_SOURCE,
+    gpus_needed,
+    nodes_for_job,
+    parse_probe_output,
+    worker_env,
+)
+from launcher.preflight.runners import (
+    AUTH_FAILED,
+    BAD_JSON,
+    HOST_KEY_MISMATCH,
+    INTERPRETER_MISSING,
+    PROBE_CRASHED,
+    TIMEOUT,
+    UNKNOWN_HOST_KEY,
+    UNREACHABLE,
+    CommandResult,
+    LocalRunner,
+    NodeError,
+    SSHRunner,
+    UnknownHostKeyError,
+    classify_ssh_error,
+    fan_out,
+    runner_for,
+)
+from launcher.spec.cluster import ClusterSpec, NodeSpec, SSHSpec
+from launcher.spec.job import JobSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+LOCAL = NodeSpec(name="local", host="localhost")
+
+
+def test_runner_for_picks_local_or_ssh() -> None:
+    assert isinstance(runner_for(LOCAL, SSHSpec()), LocalRunner)
+    assert isinstance(runner_for(NodeSpec(name="n", host="10.1.2.3"), SSHSpec()), SSHRunner)
+
+
+def test_local_runner_stdin_env_and_exit_code() -> None:
+    runner = LocalRunner(LOCAL)
+    result = runner.run("cat; echo $GREETING; echo oops >&2; exit 5", stdin="from stdin\n", env={"GREETING": "hi"})
+    assert result == CommandResult("from stdin\nhi\n", "oops\n", 5)
+    assert not result.ok and result.stderr_tail() == "oops"
+    assert runner.run("cat | wc -c").stdout.strip() == "0"  # no stdin: empty, never the terminal
+
+
+def test_local_runner_timeout_kills_the_whole_group() -> None:
+    runner = LocalRunner(LOCAL)
+    started = time.monotonic()
+    with pytest.raises(NodeError) as info:
+        runner.run("sleep 30 & sleep 30", timeout=0.5)
+    assert info.value.kind == TIMEOUT
+    assert time.monotonic() - started < 10
+
+
+def test_local_runner_runs_the_probe() -> None:
+    result = LocalRunner(LOCAL).run(f"{sys.executable} - --packages pytest", stdin=PROBE_SOURCE, timeout=60)
+    probe = parse_probe_output(result, sys.executable)
+    assert probe["packages"]["pytest"] == pytest.__version__
+    assert probe["deep"] is None and probe["python"]["executable"]
+
+
+def test_fan_out_keeps_every_result_and_exception_in_node_order() -> None:
+    nodes = [NodeSpec(name=f"n{i}", host=f"10.0.0.{i + 1}") for i in range(6)]
+
+    def work(node: NodeSpec) -> str:
+        if node.name in ("n1", "n4"):
+            raise NodeError(UNREACHABLE, f"{node.name} is down")
+        time.sleep(0.05 * (6 - int(node.name[1:])))  # finish in reverse order
+        return node.name.upper()
+
+    group = fan_out(nodes, work, max_parallel=3)
+    assert list(group) == [n.name for n in nodes]
+    assert group.succeeded == {"n0": "N0", "n2": "N2", "n3": "N3", "n5": "N5"}
+    assert sorted(group.failed) == ["n1", "n4"]
+    assert group.failed["n4"].message == "n4 is down"
+
+
+def test_fan_out_is_parallel_and_bounded() -> None:
+    nodes = [NodeSpec(name=f"n{i}", host=f"10.0.0.{i + 1}") for i in range(8)]
+    lock, running, peak = threading.Lock(), [0], [0]
+
+    def work(node: NodeSpec) -> None:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+
+    started = time.monotonic()
+    fan_out(nodes, work, max_parallel=4)
+    assert peak[0] == 4
+    assert time.monotonic() - started < 0.2 * 8 / 2
+
+
+# -- error classification --------------------------------------------------------------------
+
+
+@pytest.fixture
+def ssh_runner(tmp_path: Path) -> SSHRunner:
+    node = NodeSpec(name="node1", host="10.9.8.7", port=2222)
+    ssh = SSHSpec(user="ubuntu", key=tmp_path / "id", known_hosts=tmp_path / "known_hosts", connect_timeout_s=3)
+    return SSHRunner(node, ssh)
+
+
+def _key() -> paramiko.PKey:
+    return paramiko.RSAKey.generate(1024)
+
+
+def test_host_key_mismatch_is_never_accepted(ssh_runner: SSHRunner) -> None:
+    key, other = _key(), _key()
+    err = classify_ssh_error(paramiko.BadHostKeyException("[10.9.8.7]:2222", key, other), ssh_runner)
+    assert err.kind == HOST_KEY_MISMATCH
+    assert "man-in-the-middle" in err.message and "never accepted" in err.message
+    assert "ssh-keygen -R '[10.9.8.7]:2222'" in err.message
+
+
+def test_unknown_host_key_says_how_to_add_it(ssh_runner: SSHRunner) -> None:
+    err = classify_ssh_error(UnknownHostKeyError("[10.9.8.7]:2222", _key()), ssh_runner)
+    assert err.kind == UNKNOWN_HOST_KEY
+    assert f"ssh-keyscan -p 2222 10.9.8.7 >> {ssh_runner.known_hosts}" in err.message
+    assert "ssh.accept_unknown_host_keys: true" in err.message
+    assert "does not exist" in err.message
+
+
+def test_auth_failure_names_the_key(ssh_runner: SSHRunner) -> None:
+    err = classify_ssh_error(paramiko.AuthenticationException("Authentication failed."), ssh_runner)
+    assert err.kind == AUTH_FAILED
+    assert f"ubuntu@10.9.8.7:2222 did not accept key {ssh_runner.ssh.key}" in err.message
+
+
+@pytest.mark.parametrize(
+    ("exc", "fragment"),
+    [
+        (TimeoutError("timed out"), "no answer from 10.9.8.7:2222 within 3 s"),
+        (
+            paramiko.ssh_exception.NoValidConnectionsError({("10.9.8.7", 2222): ConnectionRefusedError(errno.ECONNREFUSED, "refused")}),
+            "refused the connection on port 2222",
+        ),
+        (
+            paramiko.ssh_exception.NoValidConnectionsError({("10.9.8.7", 2222): OSError(errno.EHOSTUNREACH, "no route")}),
+            "no route to 10.9.8.7:2222",
+        ),
+        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), "cannot resolve host name"),
+    ],
+)
+def test_unreachable_variants(ssh_runner: SSHRunner, exc: BaseException, fragment: str) -> None:
+    err = classify_ssh_error(exc, ssh_runner)
+    assert err.kind == UNREACHABLE
+    assert fragment in err.message
+
+
+def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
+    opts = ssh_runner.connect_kwargs()
+    assert opts["password"] is None and opts["look_for_keys"] is False and opts["allow_agent"] is False
+    assert opts["key_filename"] == [str(ssh_runner.ssh.key)]
+    assert opts["banner_timeout"] == opts["auth_timeout"] == 3
+    agent = SSHRunner(NodeSpec(name="n", host="10.0.0.1"), SSHSpec()).connect_kwargs()
+    assert agent["key_filename"] is None and agent["look_for_keys"] and agent["allow_agent"]
+
+
+# -- probe output --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("result", "kind"),
+    [
+        (CommandResult("", "sh: 1: /opt/venv/bin/python: not found", 127), INTERPRETER_MISSING),
+        (CommandResult("", "bash: line 1: /opt/py: No such file or directory", 127), INTERPRETER_MISSING),
+        (CommandResult("", "bash: /opt/py: Permission denied", 126), INTERPRETER_MISSING),
+        (CommandResult("", "Traceback...\nSyntaxError: invalid syntax", 1), PROBE_CRASHED),
+        (CommandResult("hello\n", "", 0), BAD_JSON),
+        (CommandResult("{not json\n", "", 0), BAD_JSON),
+    ],
+)
+def test_probe_output_failures(result: CommandResult, kind: str) -> None:
+    with pytest.raises(NodeError) as info:
+        parse_probe_output(result, "/opt/py")
+    assert info.value.kind == kind
+
+
+def test_probe_output_tolerates_login_noise() -> None:
+    doc = {"hostname": "n1", "time": 1.0}
+    out = "Welcome to n1\n" + json.dumps(doc) + "\n"
+    assert parse_probe_output(CommandResult(out, "", 0), "python3") == doc
+
+
+def test_crash_message_carries_the_stderr_tail() -> None:
+    with pytest.raises(NodeError, match="exit 1: .*ModuleNotFoundError: No module named 'x'"):
+        parse_probe_output(CommandResult("", "Traceback\n  File x\nModuleNotFoundError: No module named 'x'", 1), "py")
+
+
+# -- what the specs ask of each node ---------------------------------------------------------
+
+
+def test_nodes_gpus_and_env_for_a_job() -> None:
+    cluster = ClusterSpec(
+        nodes=[
+            NodeSpec(name="a", host="10.0.0.1", gpus=8, env={"NCCL_SOCKET_IFNAME": "ib0"}),
+            NodeSpec(name="b", host="10.0.0.2"),
+            NodeSpec(name="c", host="10.0.0.3"),
+        ]
+    )
+    job = JobSpec(
+        name="j",
+        resources={"nodes": 2, "nproc_per_node": 4, "device": "cuda"},
+        launch={"env": {"NCCL_SOCKET_IFNAME": "eth0"}},
+    )
+    assert [n.name for n in nodes_for_job(cluster, job)] == ["a", "b"]
+    assert [n.name for n in nodes_for_job(cluster, None)] == ["a", "b", "c"]
+    assert gpus_needed(cluster.nodes[0], job) == 8
+    assert gpus_needed(cluster.nodes[1], job) == 4
+    assert gpus_needed(cluster.nodes[1], None) == 0
+    cpu_job = JobSpec(name="j", resources={"device": "cpu"}, precision={"dtype": "fp32"})
+    assert gpus_needed(cluster.nodes[1], cpu_job) == 0
+    assert worker_env(cluster.nodes[0], job)["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert worker_env(cluster.nodes[1], job)["NCCL_SOCKET_IFNAME"] == "eth0"
