@@ -75,11 +75,16 @@ class NetnsError(RuntimeError):
 class NetnsCluster:
     """``n_nodes`` simulated nodes, each a network namespace running sshd (see the module doc)."""
 
-    def __init__(self, n_nodes: int, *, node_prefix: str = "node", ready_timeout_s: float = 20.0):
+    def __init__(
+        self, n_nodes: int, *, node_prefix: str = "node", ready_timeout_s: float = 20.0, bare_login: bool = False
+    ):
         if not 1 <= n_nodes <= 200:
             raise ValueError(f"n_nodes must be 1..200, not {n_nodes}")
         self.n_nodes = n_nodes
         self.ready_timeout_s = ready_timeout_s
+        # bare_login: hide ~/.bashrc inside the nodes (an empty file is bind-mounted over it), so
+        # a login costs no shell start-up work; for benchmarks that want the launcher's own cost.
+        self.bare_login = bare_login
         self.owner_pid = os.getpid()
         count = next(_counter)
         self.uid = f"{self.owner_pid}-{count}"
@@ -285,9 +290,14 @@ class NetnsCluster:
                 ]
             )
         )
+        bashrc = Path.home() / ".bashrc"
+        hide_rc = ""
+        if self.bare_login and bashrc.is_file():
+            (self.dir / "empty-bashrc").touch()
+            hide_rc = f" && mount --bind {self.dir / 'empty-bashrc'} {bashrc}"
         script = (
             f"hostname {node} && mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs /dev/shm"
-            " && mkdir -p /root/.ray && mount -t tmpfs tmpfs /root/.ray"
+            f" && mkdir -p /root/.ray && mount -t tmpfs tmpfs /root/.ray{hide_rc}"
             f" && exec {SSHD} -f {config} -D -e"
         )
         argv = ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script]

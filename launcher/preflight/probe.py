@@ -186,6 +186,8 @@ def nvidia_info() -> dict[str, Any]:
 
 
 def _nvml_info() -> dict[str, Any]:
+    if not os.path.exists("/proc/driver/nvidia"):  # no NVIDIA kernel driver loaded: a CPU machine
+        return {"source": None, "driver": None, "gpus": []}
     try:
         import pynvml  # nvidia-ml-py, optional
     except ImportError:
