@@ -11,7 +11,6 @@ model's parameter names and the plain ones, so a checkpoint does not depend on t
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import pickle
@@ -68,7 +67,9 @@ class Checkpointer:
             path.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd, "train": _train_state(step, scheduler),
+        # Non-tensor leaves are pickled by DCP; each rank's RNG state has its own key.
+        state = {"model": model_sd, "optim": optim_sd,
+                 "train": {"step": step, "scheduler": pickle.dumps(scheduler.state_dict())},
                  "rng": {f"rank{self.rank}": _rng_state()}}
         dcp.save(state, checkpoint_id=str(path))
         _barrier()
@@ -89,37 +90,31 @@ class Checkpointer:
         if path is None:
             return 0
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        train_state = io.BytesIO()
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": train_state}
+        # DCP loads tensors in place and replaces the non-tensor leaves of this dict.
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
+                                 "train": {"step": 0, "scheduler": b""}}
         rng_key = f"rank{self.rank}"
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        rng_state = io.BytesIO()
         has_rng = f"rng.{rng_key}" in saved
         if has_rng:
-            state["rng"] = {rng_key: rng_state}
+            state["rng"] = {rng_key: b""}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        train_state.seek(0)
-        extra = pickle.loads(train_state.read())
-        scheduler.load_state_dict(extra["scheduler"])
+        scheduler.load_state_dict(pickle.loads(state["train"]["scheduler"]))
         if has_rng:
-            rng_state.seek(0)
-            _set_rng_state(pickle.loads(rng_state.read()))
+            _set_rng_state(pickle.loads(state["rng"][rng_key]))
         else:
             log.warning("%s has no RNG state for %s (different world size); keeping fresh RNG", path, rng_key)
-        log.info("resumed from %s (step %d)", path, extra["step"])
-        return int(extra["step"])
+        step = int(state["train"]["step"])
+        log.info("resumed from %s (step %d)", path, step)
+        return step
 
 
-def _train_state(step: int, scheduler: torch.optim.lr_scheduler.LRScheduler) -> io.BytesIO:
-    return io.BytesIO(pickle.dumps({"step": step, "scheduler": scheduler.state_dict()}))
-
-
-def _rng_state() -> io.BytesIO:
+def _rng_state() -> bytes:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
-    return io.BytesIO(pickle.dumps(state))
+    return pickle.dumps(state)
 
 
 def _set_rng_state(state: dict[str, torch.Tensor]) -> None:

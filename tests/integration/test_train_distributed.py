@@ -175,8 +175,8 @@ def test_bf16_loss_falls(base: Path, strategy: str):
 @pytest.fixture(scope="module")
 def killed(base: Path) -> Run:
     """The ddp_fp32 job again, rank 0 SIGKILLed right after step 30 (checkpoint at 25)."""
-    job = write_job(base / "resume.yaml", "resume", base / "ckpt-resume")
-    return launch(base / "killed", ["--job", str(job), "--kill-at-step", "30"])
+    job = write_job(base / "resume-ddp.yaml", "resume-ddp", base / "ckpt-resume-ddp")
+    return launch(base / "killed-ddp", ["--job", str(job), "--kill-at-step", "30"])
 
 
 def test_deterministic_mode_gives_bitwise_identical_losses(killed: Run, ddp_fp32: Run):
@@ -186,19 +186,35 @@ def test_deterministic_mode_gives_bitwise_identical_losses(killed: Run, ddp_fp32
     assert all(first[s] == loss for s, loss in second.items()), (first, second)
 
 
-def test_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, killed: Run, ddp_fp32: Run):
-    """Resume from the step-25 checkpoint: the parameters at step 50 equal a run never killed."""
-    assert killed.returncode != 0
-    assert (base / "ckpt-resume" / "step_00000025" / "COMPLETE").is_file()
-    assert not (base / "ckpt-resume" / "step_00000050").exists()
-    resumed = ok(launch(base / "resumed", ["--job", str(base / "resume.yaml"), "--params-out", "params.pt"]))
+def resume(base: Path, strategy: str, killed: Run) -> Run:
+    ckpt = base / f"ckpt-resume-{strategy}"
+    assert killed.returncode != 0, killed.output[-2000:]
+    assert (ckpt / "step_00000025" / "COMPLETE").is_file()
+    assert not (ckpt / "step_00000050").exists()
+    resumed = ok(launch(base / f"resumed-{strategy}", ["--job", str(base / f"resume-{strategy}.yaml"),
+                                                       "--params-out", "params.pt"]))
     assert "resumed from" in resumed.output and "steps 26..50" in resumed.output
     assert resumed.records(0, "meta")[0]["start_step"] == 25
-    assert (base / "ckpt-resume" / "step_00000050" / "COMPLETE").is_file()
+    assert (ckpt / "step_00000050" / "COMPLETE").is_file()
+    return resumed
+
+
+def test_ddp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, killed: Run, ddp_fp32: Run):
+    """Resume from the step-25 checkpoint: step 50 equals the run never killed, bit for bit."""
+    resumed = resume(base, "ddp", killed)
     assert_params_close(ddp_fp32.params(), resumed.params(), atol=0.0)
     reference = ddp_fp32.losses()
     after = {s: loss for s, loss in resumed.losses().items() if s in reference}
     assert {30, 35, 50} <= set(after) and all(reference[s] == loss for s, loss in after.items())
+
+
+def test_fsdp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, fsdp_fp32: Run):
+    """The same under FSDP: sharded parameters and optimizer state round-trip through DCP."""
+    job = write_job(base / "resume-fsdp.yaml", "resume-fsdp", base / "ckpt-resume-fsdp")
+    job.write_text(job.read_text().replace("resources:", "parallel: {strategy: fsdp}\nresources:"))
+    killed = launch(base / "killed-fsdp", ["--job", str(job), "--kill-at-step", "30"])
+    resumed = resume(base, "fsdp", killed)
+    assert_params_close(fsdp_fp32.params(), resumed.params(), atol=0.0)
 
 
 def write_npy(path: Path, ids: torch.Tensor) -> None:
@@ -232,9 +248,9 @@ def test_gpt_on_a_token_file_sharded_by_rank(base: Path):
 
 def test_quickstart_runs_as_one_process_without_torchrun(base: Path):
     run = ok(launch(base / "quick", ["--job", str(REPO / "jobs" / "quickstart.yaml"),
-                                     "--set", "train.steps=6", "--set", "train.warmup_steps=2",
-                                     "--set", "train.log_every=3"], nproc=None, module=True))
-    assert "world 1" in run.output and "step 6/6" in run.output and "done: 6 steps" in run.output
+                                     "--set", "train.steps=4", "--set", "train.warmup_steps=1",
+                                     "--set", "train.log_every=2"], nproc=None, module=True))
+    assert "world 1" in run.output and "step 4/4" in run.output and "done: 4 steps" in run.output
     assert [r["type"] for r in run.records()] == ["meta", "step", "step", "step", "final"]
 
 
