@@ -52,6 +52,8 @@ def time_once(cluster_file: Path, cli: bool) -> tuple[float, float, bool]:
         return wall, sum(p.get("probe_s", 0.0) for p in doc["probes"].values()), proc.returncode == 0
     report = run_preflight(load_cluster(cluster_file), deep=False)
     wall = time.monotonic() - started
+    if not report.ok:
+        print(f"  (a run failed: {report.verdict})", file=sys.stderr)
     return wall, sum(p.get("probe_s", 0.0) for p in report.probes.values()), report.ok
 
 
