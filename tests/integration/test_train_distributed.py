@@ -203,9 +203,9 @@ def test_ddp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, kille
     """Resume from the step-25 checkpoint: step 50 equals the run never killed, bit for bit."""
     resumed = resume(base, "ddp", killed)
     assert_params_close(ddp_fp32.params(), resumed.params(), atol=0.0)
-    reference = ddp_fp32.losses()
-    after = {s: loss for s, loss in resumed.losses().items() if s in reference}
-    assert {30, 35, 50} <= set(after) and all(reference[s] == loss for s, loss in after.items())
+    reference = ddp_fp32.losses()  # logged intervals line up again after step 30
+    after = {s: loss for s, loss in resumed.losses().items() if s > 30}
+    assert set(after) == {35, 40, 45, 50} and all(reference[s] == loss for s, loss in after.items())
 
 
 def test_fsdp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, fsdp_fp32: Run):
