@@ -78,7 +78,8 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
     import ray
 
     log.info("Starting an embedded Ray on this machine")
-    ray.init(include_dashboard=cluster.ray.dashboard, dashboard_host="127.0.0.1",
+    # address="local": always a new private instance, never a Ray someone else runs here.
+    ray.init(address="local", include_dashboard=cluster.ray.dashboard, dashboard_host="127.0.0.1",
              log_to_driver=False, configure_logging=False)
     ip = _alive_nodes()[0]["NodeManagerAddress"]
     return RaySession(mode="embedded", address="local", node_ips={n.name: ip for n in nodes})
