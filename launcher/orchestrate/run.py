@@ -23,7 +23,14 @@ from typing import Any
 import yaml
 
 from launcher.errors import Interrupted, JobFailed, LauncherError
-from launcher.orchestrate.plan import DEFAULT_MASTER_PORT, LaunchPlan, NodeFacts, plan, render
+from launcher.orchestrate.plan import (
+    DEFAULT_MASTER_PORT,
+    LaunchPlan,
+    NodeFacts,
+    mask_env,
+    plan,
+    render,
+)
 from launcher.orchestrate.ray_cluster import RaySession, open_session
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec
 
@@ -72,6 +79,7 @@ class Launch:
     _plan: LaunchPlan | None = None
     _records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     _last_seen: dict[int, float] = field(default_factory=dict)
+    _last_step: dict[int, tuple[int, float]] = field(default_factory=dict)
     _logs: dict[tuple[str, int | None], Any] = field(default_factory=dict)
     _started_at: float = 0.0
 
@@ -112,7 +120,6 @@ class Launch:
             (self.run_dir / sub).mkdir(exist_ok=True)
         _write_private(self.run_dir / "job.yaml", _yaml(self.job))
         _write_private(self.run_dir / "cluster.yaml", _yaml(self.cluster))
-        self._started_at = time.monotonic()
 
     def preflight(self) -> dict[str, NodeFacts] | None:
         if self.skip_parity:
@@ -167,7 +174,7 @@ class Launch:
         self._plan = plan(self.job, self.cluster, self.facts, run_id=self.run_dir.name,
                           master_port=port, launcher_env=os.environ)
         _write_private(self.run_dir / "plan.json", json.dumps(self._plan.to_json(), indent=2) + "\n")
-        job_text = _yaml(self.job)
+        job_text = _yaml(self.job)  # env values masked: workers get them from the plan's env
         starts = []
         for agent, node_plan in zip(self._agents, self._plan.nodes, strict=True):
             agent.plan = node_plan
@@ -176,6 +183,8 @@ class Launch:
             payload = {"workdir": node_plan.workdir, "argv": node_plan.argv, "env": node_plan.env}
             starts.append(agent.handle.start.remote(payload, {"job.yaml": job_text}))
         ray.get(starts, timeout=120)
+        # The hang watchdog counts from here: preflight and Ray start-up are not a rank's silence.
+        self._started_at = time.monotonic()
         log.info("Started %d worker(s) on %d node(s): %s", self._plan.world_size, len(self.nodes),
                  ", ".join(f"{n.name} ranks {n.ranks[0]}-{n.ranks[-1]}" for n in self._plan.nodes))
 
@@ -283,6 +292,8 @@ class Launch:
         for rank, record in update["records"]:
             self._records.setdefault(rank, []).append(record)
             self._last_seen[rank] = now
+            if record.get("type") == "step" and isinstance(record.get("step"), int):
+                self._last_step[rank] = (record["step"], float(record.get("time") or 0.0))
             with open(self.run_dir / "metrics" / f"rank{rank}.jsonl", "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
             progress.update(rank, record)
@@ -343,15 +354,31 @@ class Launch:
         if not limit or self._plan is None:
             return None
         now = time.monotonic()
-        for entry in self._plan.ranks():
-            rank = entry["rank"]
-            last = self._last_seen.get(rank, self._started_at)
-            if now - last > limit:
-                return {"rank": rank, "node": entry["node"], "host": entry["host"], "exit_code": None,
-                        "signal": None, "log_tail": "",
-                        "reason": f"rank {rank} on node {entry['node']} made no progress (no metrics "
-                                  f"record) for {now - last:.0f} s > launch.hang_timeout_s={limit:g}"}
-        return None
+        silent = [e for e in self._plan.ranks()
+                  if now - self._last_seen.get(e["rank"], self._started_at) > limit]
+        # A hung rank stalls the others at their next collective, so several go silent at
+        # once: blame the one that got least far (lowest step, then the oldest record).
+        silent.sort(key=lambda e: self._last_step.get(e["rank"], (-1, 0.0)))
+        if not silent:
+            return None
+        entry = silent[0]
+        rank = entry["rank"]
+        quiet_s = now - self._last_seen.get(rank, self._started_at)
+        return {"rank": rank, "node": entry["node"], "host": entry["host"], "exit_code": None,
+                "signal": None, "log_tail": self._rank_tail(entry["node"], entry["local_rank"]),
+                "reason": f"rank {rank} on node {entry['node']} made no progress (no metrics "
+                          f"record) for {quiet_s:.0f} s > launch.hang_timeout_s={limit:g}"}
+
+    def _rank_tail(self, node: str, local_rank: int) -> str:
+        import ray
+
+        agent = next((a for a in self._agents if a.node.name == node), None)
+        if agent is None:
+            return ""
+        try:
+            return "\n".join(ray.get(agent.handle.tail.remote(local_rank, 20), timeout=10))
+        except Exception:  # a lost agent has no tail to give; the logs on disk remain
+            return ""
 
     def _fail(self, failure: dict[str, Any]) -> Outcome:
         log.error("%s; stopping every worker", failure["reason"])
@@ -465,7 +492,17 @@ def _summary_failure(failure: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _yaml(model: Any) -> str:
-    return yaml.safe_dump(model.model_dump(mode="json"), sort_keys=False)
+    """A spec as YAML for run records, every ``env`` mapping's secret-looking values masked."""
+    return yaml.safe_dump(_mask_envs(model.model_dump(mode="json")), sort_keys=False)
+
+
+def _mask_envs(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: (mask_env(v) if k == "env" and isinstance(v, dict) else _mask_envs(v))
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [_mask_envs(v) for v in data]
+    return data
 
 
 def _write_private(path: Path, text: str) -> None:
