@@ -1,0 +1,162 @@
+"""Faults on real processes (CPU, gloo): a SIGKILLed worker, a hung rank, a crash resumed from
+a checkpoint, SIGINT/SIGTERM in every phase of a launch. Each test checks the exit code, that
+the failing rank and node are named, that logs, metrics so far and a summary are kept, and
+that nothing the launch started is left running (tests/fixtures/launching.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from fixtures.launching import FIXTURES, Launcher, wait_for
+
+from launcher.metrics import read_records
+
+
+def write_job(tmp_path: Path, entry: dict, **extra) -> Path:
+    job = {"name": "rel", "resources": {"nproc_per_node": 2, "device": "cpu"},
+           "precision": {"dtype": "fp32"}, "entrypoint": entry, **extra}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def fault_job(tmp_path: Path, *args: str, **extra) -> Path:
+    return write_job(tmp_path, {"script": str(FIXTURES / "fault_train.py"), "args": list(args)}, **extra)
+
+
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_sigkilled_worker_is_named_and_the_job_stops(tmp_path):
+    run_dir = tmp_path / f"kill-{tmp_path.name}"
+    job = fault_job(tmp_path, "--steps", "100000")
+    with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        run.wait_file("metrics/rank1.jsonl")
+        victim = wait_for(lambda: run.workers().get(1), timeout=30, what="rank 1's worker process")
+        killed_at = time.monotonic()
+        os.kill(int(victim["PID"]), signal.SIGKILL)
+        assert run.wait(timeout=90) == 4, run.output[-3000:]
+        took = time.monotonic() - killed_at
+        out = run.output
+        run.assert_nothing_left()
+    assert took < 30, f"a killed worker took {took:.0f} s to stop the job"
+    assert "rank 1 on node local" in out and "SIGKILL" in out
+    summary = summary_of(run_dir)
+    assert summary["status"] == "failed"
+    failure = summary["failure"]
+    assert (failure["rank"], failure["node"], failure["signal"]) == (1, "local", "SIGKILL")
+    assert failure["exit_code"] == -9
+    assert (run_dir / "logs/local/rank1.log").is_file() and (run_dir / "logs/local/rank0.log").is_file()
+    records = read_records(run_dir / "metrics/rank1.jsonl")
+    assert records and records[-1]["type"] == "step"  # the metrics so far are kept
+    assert summary["ranks"][1]["steps"] > 0
+
+
+def test_hung_rank_is_caught_by_the_watchdog(tmp_path):
+    hang_timeout = 15  # above the workers' start-up (import torch, gloo init) on a loaded 2-core box
+    run_dir = tmp_path / f"hang-{tmp_path.name}"
+    job = fault_job(tmp_path, "--steps", "100000", "--hang-at", "20", "--hang-rank", "1",
+                    launch={"hang_timeout_s": hang_timeout, "stop_grace_s": 2})
+    with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        log1 = run.run_dir / "logs/local/rank1.log"
+        wait_for(lambda: log1.is_file() and "hangs after step 20" in log1.read_text(), timeout=180,
+                 what="rank 1 to hang", proc=run.proc)
+        hung_at = time.monotonic()
+        assert run.wait(timeout=120) == 4, run.output[-3000:]
+        took = time.monotonic() - hung_at
+        out = run.output
+        run.assert_nothing_left()
+    assert took < hang_timeout + 20, f"the hang was caught after {took:.0f} s"
+    assert "rank 1 on node local made no progress" in out and f"hang_timeout_s={hang_timeout}" in out
+    summary = summary_of(run_dir)
+    assert summary["status"] == "failed"
+    assert (summary["failure"]["rank"], summary["failure"]["node"]) == (1, "local")
+    assert "hangs after step 20" in summary["failure"]["log_tail"]
+    assert "hangs after step 20" in (run_dir / "logs/local/rank1.log").read_text()
+    steps1 = [r["step"] for r in read_records(run_dir / "metrics/rank1.jsonl") if r["type"] == "step"]
+    steps0 = [r["step"] for r in read_records(run_dir / "metrics/rank0.jsonl") if r["type"] == "step"]
+    assert steps1[-1] == 19 and steps0[-1] == 20
+
+
+def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
+    """max_restarts 1: rank 0 crashes after step 12 of 20; the restart resumes from step 10."""
+    ckpt = tmp_path / "ckpt"
+    run_dir = tmp_path / f"resume-{tmp_path.name}"
+    job = write_job(
+        tmp_path, {"script": str(FIXTURES / "crash_once_train.py"), "args": ["--crash-at", "12"]},
+        model={"arch": "bert", "size": "tiny"}, data={"source": "synthetic", "seq_len": 32},
+        train={"steps": 20, "warmup_steps": 2, "micro_batch": 4, "lr": 1.0e-3, "log_every": 5,
+               "checkpoint": {"dir": str(ckpt), "every_steps": 10, "resume": "auto"}},
+        cudnn={"benchmark": False}, launch={"max_restarts": 1})
+    with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        assert run.wait(timeout=300) == 0, run.output[-4000:]
+        run.assert_nothing_left()
+    assert "injected crash at step 12" in (run_dir / "logs/local/rank0.log").read_text()
+    assert summary_of(run_dir)["status"] == "succeeded"
+    for rank in (0, 1):
+        records = read_records(run_dir / f"metrics/rank{rank}.jsonl")
+        metas = [r for r in records if r["type"] == "meta"]
+        assert [m["start_step"] for m in metas] == [0, 10], metas  # two attempts, the second resumed
+        cut = records.index(metas[1])
+        first = [(r["step"], r["loss"]) for r in records[:cut] if r["type"] == "step"]
+        second = [(r["step"], r["loss"]) for r in records[cut:] if r["type"] == "step"]
+        assert [s for s, _ in first] == [5, 10], first
+        assert [s for s, _ in second] == [15, 20], second  # continues after the checkpoint's step
+        finals = [r for r in records if r["type"] == "final"]
+        assert len(finals) == 1 and finals[0]["steps"] == 20
+        # A continuous loss curve: the resumed run goes on from where the checkpoint left off
+        # instead of starting over (a fresh start would be back at the first interval's loss).
+        loss5, loss10, loss15 = first[0][1], first[1][1], second[0][1]
+        assert loss15 < loss5 and abs(loss15 - loss10) < abs(loss5 - loss10) + 0.5 * loss10, (first, second)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000010", "step_00000020"]
+
+
+# -- SIGINT / SIGTERM in each phase ------------------------------------------------------------
+
+PHASES = {
+    # phase → (how to know the launcher is in it, what must not have happened yet)
+    "preflight": (lambda run: run.wait_file("job.yaml"), "Starting an embedded Ray"),
+    "ray-start": (lambda run: run.wait_output("Starting an embedded Ray"), "Started 2 worker(s)"),
+    "startup": (lambda run: run.wait_output("Started 2 worker(s)"), None),
+    "training": (lambda run: run.wait_file("metrics/rank0.jsonl"), None),
+}
+
+
+@pytest.mark.parametrize(("phase", "sig"), [
+    ("preflight", signal.SIGINT), ("preflight", signal.SIGTERM),
+    ("ray-start", signal.SIGINT), ("ray-start", signal.SIGTERM),
+    ("startup", signal.SIGINT), ("startup", signal.SIGTERM),
+    ("training", signal.SIGTERM),  # SIGINT in training: test_launch_local.py
+])
+def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, sig):
+    run_dir = tmp_path / f"sig-{phase}-{sig.name}-{tmp_path.name}"
+    job = fault_job(tmp_path, "--steps", "100000")
+    args = [str(job)] if phase == "preflight" else [str(job), "--skip-parity"]
+    reached, not_yet = PHASES[phase]
+    with Launcher(*args, run_dir=run_dir, cwd=tmp_path) as run:
+        reached(run)
+        sent = time.monotonic()
+        run.proc.send_signal(sig)
+        code = run.wait(timeout=60)
+        took = time.monotonic() - sent
+        out = run.output
+        assert code == 130, out[-3000:]
+        run.assert_nothing_left()
+    assert took < 15, f"{sig.name} in {phase}: exit took {took:.0f} s"
+    if not_yet:
+        assert not_yet not in out, f"the signal came too late to test phase {phase}"
+    assert "Traceback" not in out, out[-3000:]
+    summary = summary_of(run_dir)
+    assert summary["status"] == "interrupted"
+    assert (run_dir / "job.yaml").is_file()
+    if phase == "training":
+        assert summary["ranks"][0]["steps"] > 0
+        assert (run_dir / "logs/local/rank0.log").stat().st_size > 0
+        assert read_records(run_dir / "metrics/rank0.jsonl")
