@@ -7,10 +7,11 @@
   login node use ``ray://head:10001``.
 - **bootstrap** (``ray.address: null`` with remote nodes): ``ray start --head`` on the first
   node and ``ray start --address`` on the others over SSH, each bound to its address from
-  cluster.yaml; the head's auth token travels to the other nodes on SSH stdin into a 0600
-  file (never on a command line), and the launcher, which may sit outside the cluster,
-  drives it through Ray Client (``ray://head:client_port``) with the token in its own
-  environment. ``close()`` runs ``ray stop`` on those nodes unless ``keep_ray``.
+  cluster.yaml. A fresh auth token for this cluster travels to every node on SSH stdin into
+  a 0600 file (never on a command line) that ``RAY_AUTH_TOKEN_PATH`` names; the launcher,
+  which may sit outside the cluster, drives it through Ray Client
+  (``ray://head:client_port``) with the token in its own environment only. ``close()`` runs
+  ``ray stop`` on those nodes and removes the token file unless ``keep_ray``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shlex
 import socket
 import time
@@ -29,7 +31,8 @@ from launcher.spec import ClusterSpec, NodeSpec
 
 log = logging.getLogger(__name__)
 
-TOKEN_FILE = "~/.ray/auth_token"
+TOKEN_FILE = "$HOME/.ray/launcher_auth_token"
+TOKEN_ENV = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} "
 
 
 @dataclass
@@ -40,7 +43,6 @@ class RaySession:
     address: str
     node_ips: dict[str, str]
     _started_on: list[NodeSpec] = field(default_factory=list)
-    _token_written_on: list[NodeSpec] = field(default_factory=list)
     _cluster: ClusterSpec | None = None
     _closed: bool = False
 
@@ -55,7 +57,7 @@ class RaySession:
             ray.shutdown()
         os.environ.pop("RAY_AUTH_TOKEN", None)
         if self._started_on and not keep_ray and self._cluster is not None:
-            _stop_ray(self._cluster, self._started_on, self._token_written_on)
+            _stop_ray(self._cluster, self._started_on)
         elif self._started_on:
             log.warning("Ray left running on %s (--keep-ray); stop it with `ray stop` there",
                         ", ".join(n.name for n in self._started_on))
@@ -121,54 +123,51 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str) -> RaySes
 
 
 def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
-    import ray
-
     from launcher.preflight.runners import runner_for
 
-    head, others = nodes[0], nodes[1:]
+    head = nodes[0]
     ips = {n.name: _resolve(n.host) for n in nodes}
     rc = cluster.ray
     session = RaySession(mode="bootstrap", address=f"ray://{ips[head.name]}:{rc.client_port}",
                          node_ips=ips, _cluster=cluster)
+    token = secrets.token_hex(32)
     try:
-        log.info("Starting Ray head on %s (%s)", head.name, head.host)
-        head_cmd = [
-            "start", "--head", "--node-ip-address", ips[head.name], "--port", str(rc.port),
-            "--ray-client-server-port", str(rc.client_port), "--disable-usage-stats",
-            f"--include-dashboard={'true' if rc.dashboard else 'false'}",
-            "--dashboard-host", "127.0.0.1",
-        ]
-        session._started_on.append(head)
-        _ray_cli(cluster, head, head_cmd)
-        token = _read_token(cluster, head)
-
-        def join(node: NodeSpec) -> None:
-            runner = runner_for(node, cluster.ssh)
-            wrote = runner.run(
-                f"umask 077 && mkdir -p ~/.ray && test ! -e {TOKEN_FILE} && cat > {TOKEN_FILE}",
-                stdin=token, timeout=cluster.ssh.connect_timeout_s + 20,
-            )
-            if wrote.exit_code == 0:
-                session._token_written_on.append(node)
-            else:  # a token file already there: it must be this cluster's
-                runner.run(f"umask 077 && cat > {TOKEN_FILE}", stdin=token,
-                           timeout=cluster.ssh.connect_timeout_s + 20)
+        def start(node: NodeSpec) -> None:
+            runner_for(node, cluster.ssh).run(
+                f"umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}",
+                stdin=token, timeout=cluster.ssh.connect_timeout_s + 20)
             session._started_on.append(node)
-            _ray_cli(cluster, node, [
-                "start", "--address", f"{ips[head.name]}:{rc.port}",
-                "--node-ip-address", ips[node.name], "--disable-usage-stats",
-            ], env="RAY_AUTH_MODE=token ")
+            if node is head:
+                args = ["start", "--head", "--port", str(rc.port),
+                        "--ray-client-server-port", str(rc.client_port),
+                        f"--include-dashboard={'true' if rc.dashboard else 'false'}",
+                        "--dashboard-host", "127.0.0.1"]
+            else:
+                args = ["start", "--address", f"{ips[head.name]}:{rc.port}"]
+            _ray_cli(cluster, node, [*args, "--node-ip-address", ips[node.name], "--disable-usage-stats"])
 
+        log.info("Starting Ray head on %s (%s)", head.name, head.host)
+        start(head)
+        others = nodes[1:]
         if others:
             log.info("Joining %d node(s) to Ray: %s", len(others), ", ".join(n.name for n in others))
             with ThreadPoolExecutor(max_workers=min(len(others), cluster.ssh.max_parallel)) as pool:
-                errors = [f.exception() for f in [pool.submit(join, n) for n in others]]
+                errors = [f.exception() for f in [pool.submit(start, n) for n in others]]
             bad = [e for e in errors if e is not None]
             if bad:
                 raise bad[0]
+        # Ray reads these when it is imported: set them first, in this process only.
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = token
-        ray.init(address=session.address, log_to_driver=False)
+
+        try:
+            _connect_client(session.address)
+        except Exception as err:
+            raise PreflightError(
+                f"Ray started on the nodes but the launcher cannot reach it at {session.address}: "
+                f"{_first_line(err)}. The launcher drives a bootstrapped cluster through Ray Client: "
+                f"port {rc.client_port} on {head.host} must be reachable from this machine"
+            ) from err
         _wait_for_nodes(nodes, ips, rc.join_timeout_s)
         return session
     except BaseException:
@@ -179,11 +178,29 @@ def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str], env: str = "") -> str:
+def _connect_client(address: str, attempts: int = 3) -> None:
+    """Ray Client connect, retried: a freshly started head's client server can fail its first
+    session (its per-client server process dies during start-up under load)."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, log_to_driver=False)
+            return
+        except Exception as err:
+            if attempt == attempts:
+                raise
+            log.warning("Ray Client connect to %s failed (%s); retrying", address, _first_line(err))
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            time.sleep(2.0 * attempt)
+
+
+def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
     from launcher.preflight.runners import runner_for
 
     python = node.python or "python3"
-    command = f"{env}{shlex.quote(python)} -m ray.scripts.scripts {shlex.join(args)}"
+    command = f"{TOKEN_ENV}{shlex.quote(python)} -m ray.scripts.scripts {shlex.join(args)}"
     result = runner_for(node, cluster.ssh).run(command, timeout=cluster.ssh.connect_timeout_s + 90)
     if result.exit_code != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
@@ -195,28 +212,14 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str], env: str = "
     return result.stdout
 
 
-def _read_token(cluster: ClusterSpec, head: NodeSpec) -> str:
-    from launcher.preflight.runners import runner_for
-
-    result = runner_for(head, cluster.ssh).run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10)
-    token = result.stdout.strip()
-    if result.exit_code != 0 or not token:
-        raise PreflightError(
-            f"Ray started on {head.name!r} but wrote no auth token at {TOKEN_FILE}; check the "
-            f"node's Ray version (token authentication needs Ray >= 2.50)"
-        )
-    return token
-
-
-def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec], token_nodes: list[NodeSpec]) -> None:
+def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> None:
     from launcher.preflight.runners import runner_for
 
     def stop(node: NodeSpec) -> None:
         python = shlex.quote(node.python or "python3")
-        cleanup = f" ; rm -f {TOKEN_FILE}" if node in token_nodes else ""
         with contextlib.suppress(Exception):
             runner_for(node, cluster.ssh).run(
-                f"{python} -m ray.scripts.scripts stop --force{cleanup}",
+                f"{python} -m ray.scripts.scripts stop --force ; rm -f {TOKEN_FILE}",
                 timeout=cluster.ssh.connect_timeout_s + 60)
 
     log.info("Stopping Ray on %s", ", ".join(n.name for n in nodes))

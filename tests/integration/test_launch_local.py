@@ -110,7 +110,8 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
                               "--include-dashboard=false", "--num-cpus", "3"],
                              capture_output=True, text=True, timeout=120, env=env)
     assert started.returncode == 0, started.stderr
-    ours = [pid for pid in matching() if pid not in before]
+    # only this test's Ray: every process of it names the port (never `ray stop`: others may run Ray here)
+    ours = [pid for pid, cmd in matching((str(port),)).items() if pid not in before and str(port) in cmd]
     try:
         cluster = tmp_path / "cluster.yaml"
         ip = subprocess.run([sys.executable, "-c", "import ray._private.services as s; print(s.get_node_ip_address())"],
@@ -128,4 +129,4 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
         alive = matching()
         assert any("raylet" in alive.get(pid, "") for pid in ours), "the attached cluster's raylet is gone"
     finally:
-        kill(ours)  # only the Ray this test started (never `ray stop`: others may run Ray here)
+        kill(ours)

@@ -1,0 +1,52 @@
+"""A real two-node launch: network namespaces with their own sshd, /tmp, /dev/shm, ~/.ray and
+hostname; Ray bootstrapped over SSH; the launcher outside the nodes, like a login node."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
+    cluster = netns_cluster(2)
+    cluster_file = cluster.cluster_yaml(
+        tmp_path / "cluster.yaml",
+        nodes={name: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for name in cluster.node_names},
+    )
+    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
+    job["resources"]["nproc_per_node"] = 1
+    job["train"].update(steps=8, warmup_steps=2, log_every=2)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+
+    result = subprocess.run([sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file),
+                             "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=420, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["nodes"] == 2 and summary["world_size"] == 2
+    hosts = {r["rank"]: r["host"] for r in summary["ranks"]}
+    assert hosts == {0: cluster.host(cluster.node_names[0]), 1: cluster.host(cluster.node_names[1])}
+    assert all(r["steps"] == 8 and r["tokens_per_s"] > 0 for r in summary["ranks"])
+    # logs and metrics of the remote nodes came back through Ray (no shared /tmp)
+    for rank, node in enumerate(cluster.node_names):
+        assert (run_dir / f"logs/{node}/rank{rank}.log").is_file()
+        assert (run_dir / f"metrics/rank{rank}.jsonl").stat().st_size > 0
+        assert (run_dir / f"preflight/{node}.json").is_file()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["master_addr"] == cluster.host(cluster.node_names[0])
+    # Ray was stopped on both nodes, its token file removed, nothing but sshd left in them
+    for node in cluster.node_names:
+        left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                for pid in cluster.pids(node)]
+        assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
+        assert "launcher_auth_token" not in cluster.exec(node, "ls -a $HOME/.ray").stdout
+    # the token never reached a command line or a run record
+    assert "RAY_AUTH_TOKEN=" not in result.stderr + result.stdout
