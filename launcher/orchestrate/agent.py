@@ -62,6 +62,12 @@ class NodeAgent:
 
     def start(self, node_plan: dict[str, Any], files: dict[str, str]) -> int:
         """Write the node's files (mode 0600) into its workdir and start torchrun; returns its pid."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"torchrun already runs on node {self.node} (pid {self._proc.pid}); stop it first")
+        for thread in self._threads:  # a restart: the previous attempt's readers are done
+            thread.join(timeout=5)
+        self._threads = []
+        self._stopping = False
         self._plan = node_plan
         workdir = Path(node_plan["workdir"])
         (workdir / "metrics").mkdir(parents=True, exist_ok=True)

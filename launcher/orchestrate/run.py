@@ -82,6 +82,7 @@ class Launch:
     _last_step: dict[int, tuple[int, float]] = field(default_factory=dict)
     _logs: dict[tuple[str, int | None], Any] = field(default_factory=dict)
     _started_at: float = 0.0
+    _attempt: int = 0
 
     @property
     def nodes(self) -> list[NodeSpec]:
@@ -174,19 +175,57 @@ class Launch:
         self._plan = plan(self.job, self.cluster, self.facts, run_id=self.run_dir.name,
                           master_port=port, launcher_env=os.environ)
         _write_private(self.run_dir / "plan.json", json.dumps(self._plan.to_json(), indent=2) + "\n")
-        job_text = _yaml(self.job)  # env values masked: workers get them from the plan's env
-        starts = []
         for agent, node_plan in zip(self._agents, self._plan.nodes, strict=True):
             agent.plan = node_plan
             for rank in node_plan.ranks:
                 self._log_file(node_plan.name, rank)  # every rank has a log, even a silent one
-            payload = {"workdir": node_plan.workdir, "argv": node_plan.argv, "env": node_plan.env}
+        self._start_workers(port)
+        log.info("Started %d worker(s) on %d node(s): %s", self._plan.world_size, len(self.nodes),
+                 ", ".join(f"{n.name} ranks {n.ranks[0]}-{n.ranks[-1]}" for n in self._plan.nodes))
+
+    def _start_workers(self, port: int) -> None:
+        """Start torchrun on every node (attempt ``self._attempt``, rendezvous on ``port``).
+
+        Restarts are the launcher's, not torchrun's: torchrun's own ``--max-restarts`` reuses its
+        rendezvous store, and the restarted workers read the previous attempt's addresses from
+        it (gloo: "connectFullMesh ... Connection refused"; torch 2.13, static and c10d
+        rendezvous alike). A fresh torchrun on a fresh port per attempt has no such state, and
+        restarts every node, not just the one whose worker failed.
+        """
+        import ray
+
+        assert self._plan is not None
+        job_text = _yaml(self.job)  # env values masked: workers get them from the plan's env
+        starts = []
+        for agent in self._agents:
+            node_plan = agent.plan
+            argv = _with_option(_with_option(node_plan.argv, "--max-restarts", "0"), "--master-port", str(port))
+            env = {**node_plan.env, "LAUNCHER_RESTART_COUNT": str(self._attempt)}
+            payload = {"workdir": node_plan.workdir, "argv": argv, "env": env}
             starts.append(agent.handle.start.remote(payload, {"job.yaml": job_text}))
+            agent.exit, agent.pending = None, None
         ray.get(starts, timeout=120)
         # The hang watchdog counts from here: preflight and Ray start-up are not a rank's silence.
         self._started_at = time.monotonic()
-        log.info("Started %d worker(s) on %d node(s): %s", self._plan.world_size, len(self.nodes),
-                 ", ".join(f"{n.name} ranks {n.ranks[0]}-{n.ranks[-1]}" for n in self._plan.nodes))
+        self._last_seen.clear()
+
+    def _restart(self, failure: dict[str, Any]) -> None:
+        """Stop every node's workers and start them again (the job resumes from its checkpoint)."""
+        import ray
+
+        self._attempt += 1
+        log.warning("%s; restarting every worker (restart %d of %d)", failure["reason"], self._attempt,
+                    self.job.launch.max_restarts)
+        grace = self.job.launch.stop_grace_s
+        for agent in self._agents:  # answers to polls already sent: the old attempt's last lines
+            if agent.pending is not None:
+                with contextlib.suppress(Exception):
+                    self._ingest(agent, ray.get(agent.pending, timeout=NODE_SILENCE_S), _Progress(self.job, disable=True))
+                agent.pending = None
+        ray.get([a.handle.stop.remote(grace) for a in self._agents], timeout=grace + 30)
+        self._drain_after_stop()
+        port = self.job.launch.master_port or ray.get(self._agents[0].handle.free_port.remote(), timeout=60)
+        self._start_workers(port)
 
     def watch(self) -> Outcome:
         import ray
@@ -214,9 +253,13 @@ class Launch:
                     if update["exit"] is not None:
                         agent.exit = update["exit"]
                         exits.append((agent, update["exit"]))
-                for agent, status in exits:
-                    if status["exit_code"] != 0:
-                        return self._fail(self._failure(agent, status))
+                failed = [(agent, status) for agent, status in exits if status["exit_code"] != 0]
+                if failed:
+                    failure = self._failure(*failed[0])
+                    if self._attempt >= self.job.launch.max_restarts:
+                        return self._fail(failure)
+                    self._restart(failure)
+                    continue
                 if all(a.exit is not None for a in self._agents):
                     return Outcome(status="succeeded", run_dir=self.run_dir)
                 silent = [a for a in self._agents
@@ -319,11 +362,9 @@ class Launch:
         node_plan = agent.plan
         lines = ray.get(agent.handle.tail.remote(None, 200), timeout=10)
         rank, local_rank, code = None, None, status["exit_code"]
-        in_root_cause = False
-        for line in lines:
-            in_root_cause = in_root_cause or "Root Cause" in line
-            if not in_root_cause:
-                continue
+        # The last "Root Cause" block: after a restart the tail still holds the earlier ones.
+        starts = [i for i, line in enumerate(lines) if "Root Cause" in line]
+        for line in lines[starts[-1]:] if starts else []:
             if (m := ROOT_CAUSE_RANK.search(line)) and rank is None:
                 rank, local_rank = int(m.group(1)), int(m.group(2))
             elif (m := ROOT_CAUSE_EXIT.search(line)) and rank is not None:
@@ -482,6 +523,14 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _with_option(argv: list[str], option: str, value: str) -> list[str]:
+    """``argv`` with ``option``'s value replaced (unchanged when the option is absent)."""
+    out = list(argv)
+    if option in out:
+        out[out.index(option) + 1] = value
+    return out
 
 
 def _summary_failure(failure: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -86,7 +86,8 @@ def test_hung_rank_is_caught_by_the_watchdog(tmp_path):
 
 
 def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
-    """max_restarts 1: rank 0 crashes after step 12 of 20; the restart resumes from step 10."""
+    """max_restarts 1: rank 0 crashes after step 12 of 20; every worker restarts and resumes from
+    the step-10 checkpoint; the run succeeds with 20 steps and one continuous loss curve."""
     ckpt = tmp_path / "ckpt"
     run_dir = tmp_path / f"resume-{tmp_path.name}"
     job = write_job(
@@ -97,9 +98,13 @@ def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
         cudnn={"benchmark": False}, launch={"max_restarts": 1})
     with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
         assert run.wait(timeout=300) == 0, run.output[-4000:]
+        out = run.output
         run.assert_nothing_left()
     assert "injected crash at step 12" in (run_dir / "logs/local/rank0.log").read_text()
-    assert summary_of(run_dir)["status"] == "succeeded"
+    summary = summary_of(run_dir)
+    assert summary["status"] == "succeeded" and summary["failure"] is None
+    assert [r["steps"] for r in summary["ranks"]] == [20, 20]
+    assert "restarting every worker (restart 1 of 1)" in out
     for rank in (0, 1):
         records = read_records(run_dir / f"metrics/rank{rank}.jsonl")
         metas = [r for r in records if r["type"] == "meta"]
@@ -107,14 +112,15 @@ def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
         cut = records.index(metas[1])
         first = [(r["step"], r["loss"]) for r in records[:cut] if r["type"] == "step"]
         second = [(r["step"], r["loss"]) for r in records[cut:] if r["type"] == "step"]
-        assert [s for s, _ in first] == [5, 10], first
-        assert [s for s, _ in second] == [15, 20], second  # continues after the checkpoint's step
+        # Records come every log_every=5 steps and at the end of the 2 warm-up steps of each attempt.
+        assert [s for s, _ in first] == [2, 5, 10], first  # the crash at 12 came before step 15's record
+        assert [s for s, _ in second] == [12, 15, 20], second  # continues after the checkpoint's step 10
         finals = [r for r in records if r["type"] == "final"]
         assert len(finals) == 1 and finals[0]["steps"] == 20
-        # A continuous loss curve: the resumed run goes on from where the checkpoint left off
-        # instead of starting over (a fresh start would be back at the first interval's loss).
-        loss5, loss10, loss15 = first[0][1], first[1][1], second[0][1]
-        assert loss15 < loss5 and abs(loss15 - loss10) < abs(loss5 - loss10) + 0.5 * loss10, (first, second)
+        # A continuous loss curve: the resumed attempt goes on from the checkpoint's weights and
+        # optimizer state (deterministic on CPU); a fresh start would jump back up to the first loss.
+        losses = [loss for _, loss in first + second]
+        assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000010", "step_00000020"]
 
 
