@@ -159,8 +159,11 @@ class Trainer:
 
     def build_optimizer(self) -> None:
         t = self.job.train
+        fsdp = self.job.parallel.strategy == "fsdp"
+        # Fused AdamW needs the parameters on the GPU, and rejects ShardedGradScaler's
+        # found-inf tensor (shape [1], fused wants []): fp16 under FSDP uses foreach AdamW.
         on_gpu = self.device.type == "cuda" and not (
-            self.job.parallel.strategy == "fsdp" and self.job.parallel.fsdp.cpu_offload)
+            fsdp and (self.job.parallel.fsdp.cpu_offload or self.job.precision.dtype == "fp16"))
         betas = (0.9, 0.95) if self.job.model.arch == "gpt" else (0.9, 0.999)
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=betas,
