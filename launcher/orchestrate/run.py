@@ -14,7 +14,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,9 +140,25 @@ class Launch:
         return {n.name: NodeFacts(gpus=report.gpus(n.name)) for n in self.nodes}
 
     def connect_ray(self) -> None:
-        if self.session is None:
+        if self.session is not None:
+            return
+        # ray.init() replaces the SIGTERM handler with one that calls sys.exit(15): SIGTERM
+        # would then skip the interrupted path (summary, exit 130). Keep ours, also mid-init.
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
             self.session = open_session(self.cluster, self.nodes)
             self._own_session = True
+        except SystemExit as exit_:
+            if exit_.code != signal.SIGTERM:
+                raise
+            _shutdown_ray()
+            raise KeyboardInterrupt("SIGTERM while Ray was starting") from None
+        except KeyboardInterrupt:
+            _shutdown_ray()  # a half-started Ray of ours: stop it now, not at interpreter exit
+            raise
+        finally:
+            if previous is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
 
     def start_agents(self) -> None:
         import ray
@@ -276,10 +294,13 @@ class Launch:
 
     def teardown(self) -> None:
         """Stop every agent's workers, remove the placement group, close what we opened."""
-        try:
-            import ray
-        except ImportError:  # pragma: no cover - ray is a dependency
+        if not self._agents and self._pg is None and self.session is None:
+            # Nothing of Ray's to undo (interrupted in the preflight: importing ray now could
+            # trip over a module that the interrupt left half-imported).
+            self._close_logs()
             return
+        import ray
+
         if self._agents and ray.is_initialized():
             grace = self.job.launch.stop_grace_s
             stops = [a.handle.stop.remote(grace) for a in self._agents]
@@ -301,19 +322,23 @@ class Launch:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._pg)
             self._pg = None
-        for fh in self._logs.values():
-            fh.close()
-        self._logs.clear()
+        self._close_logs()
         if self._own_session and self.session is not None:
             self.session.close(keep_ray=self.keep_ray)
             self.session = None
+
+    def _close_logs(self) -> None:
+        for fh in self._logs.values():
+            fh.close()
+        self._logs.clear()
 
     def write_summary(self, outcome: Outcome) -> None:
         from launcher.report.summary import render as render_summary
         from launcher.report.summary import summarize, write_summary
 
         ranks = self._plan.ranks() if self._plan else []
-        failure = _summary_failure(outcome.failure)
+        # An interruption is no rank's failure: the status says it all.
+        failure = None if outcome.status == "interrupted" else _summary_failure(outcome.failure)
         summary = summarize(self.job.name, ranks, self._records, status=outcome.status, failure=failure)
         write_summary(self.run_dir, summary)
         outcome.summary = summary
@@ -372,10 +397,8 @@ class Launch:
                 break
         signal_name = None
         if code is not None and code < 0:
-            import signal as _signal
-
             with contextlib.suppress(Exception):
-                signal_name = _signal.Signals(-code).name
+                signal_name = signal.Signals(-code).name
         tail = ray.get(agent.handle.tail.remote(local_rank, 20), timeout=10) if local_rank is not None else lines[-20:]
         return {"rank": rank, "node": node_plan.name, "host": node_plan.host, "exit_code": code,
                 "signal": signal_name or status.get("signal"), "log_tail": "\n".join(tail),
@@ -523,6 +546,13 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
 
 
 def _with_option(argv: list[str], option: str, value: str) -> list[str]:

@@ -206,6 +206,7 @@ class Trainer:
             "job": job.name, "arch": job.model.arch, "strategy": job.parallel.strategy,
             "precision": job.precision.dtype, "start_step": self.start_step,
             "peak_mem_source": "cuda_max_memory_allocated" if cuda else "host_peak_rss",
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         })
 
     # -- the loop ------------------------------------------------------------------------
