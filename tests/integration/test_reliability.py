@@ -5,6 +5,7 @@ that nothing the launch started is left running (tests/fixtures/launching.py).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -168,3 +169,39 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
         assert (run_dir / "logs/local/rank0.log").is_file() and (run_dir / "logs/local/rank1.log").is_file()
         assert (run_dir / "logs/local/torchrun.log").stat().st_size > 0
         assert read_records(run_dir / "metrics/rank0.jsonl")
+
+
+# -- a node lost mid-run (two simulated nodes, Ray bootstrapped over SSH) ---------------------
+
+
+def test_lost_node_is_detected_and_named(netns_cluster, tmp_path):
+    cluster = netns_cluster(2)
+    lost = cluster.node_names[1]
+    cluster_file = cluster.cluster_yaml(
+        tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
+    job = write_job(tmp_path, {"script": str(FIXTURES / "fault_train.py"), "args": ["--steps", "100000"]},
+                    resources={"nproc_per_node": 1, "device": "cpu"}, launch={"stop_grace_s": 2})
+    run_dir = tmp_path / f"lost-{tmp_path.name}"
+    with Launcher(str(job), "--cluster", str(cluster_file), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        run.wait_file("metrics/rank1.jsonl", timeout=300)
+        keep = cluster._sshd[lost].pid  # its sshd stays, so the launcher's `ray stop` there is quick
+        victims = [pid for pid in cluster.pids(lost) if pid != keep]
+        assert victims, f"nothing runs on {lost}"
+        lost_at = time.monotonic()
+        for pid in victims:  # the node's raylet, agent, torchrun and worker die at once
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert run.wait(timeout=180) == 4, run.output[-4000:]
+        took = time.monotonic() - lost_at
+        out = run.output
+        run.assert_nothing_left()
+    assert took < 60, f"the lost node was noticed after {took:.0f} s"
+    summary = summary_of(run_dir)
+    assert summary["status"] == "failed"
+    assert summary["failure"]["node"] == lost, summary["failure"]
+    assert f"node {lost}" in out and "was lost" in out
+    assert read_records(run_dir / "metrics/rank1.jsonl")  # what it reported before is kept
+    for node in cluster.node_names:  # nothing but sshd left on either node
+        left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                for pid in cluster.pids(node)]
+        assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
