@@ -32,7 +32,8 @@ from launcher.spec import ClusterSpec, NodeSpec
 log = logging.getLogger(__name__)
 
 TOKEN_FILE = "$HOME/.ray/launcher_auth_token"
-TOKEN_ENV = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} "
+NICENESS_ENV = "RAY_worker_niceness"
+TOKEN_ENV = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_ENV}=0 "
 
 
 @dataclass
@@ -81,6 +82,8 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
 
     log.info("Starting an embedded Ray on this machine")
     # address="local": always a new private instance, never a Ray someone else runs here.
+    # Ray runs its workers at niceness 15 unless told otherwise; training must not be niced.
+    os.environ.setdefault(NICENESS_ENV, "0")
     ray.init(address="local", include_dashboard=cluster.ray.dashboard, dashboard_host="127.0.0.1",
              log_to_driver=False, configure_logging=False)
     ip = _alive_nodes()[0]["NodeManagerAddress"]

@@ -88,6 +88,10 @@ def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
         while not (metrics.exists() and metrics.stat().st_size > 0):
             assert time.monotonic() < deadline and proc.poll() is None, "training never started"
             time.sleep(0.5)
+        workers = _workers_of(run_dir.name)
+        assert workers, "no worker process carries this run's LAUNCHER_RUN_ID"
+        for pid in workers:  # Ray runs its workers niced (15); training must not be
+            assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 0
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -130,3 +134,15 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
         assert any("raylet" in alive.get(pid, "") for pid in ours), "the attached cluster's raylet is gone"
     finally:
         kill(ours)
+
+
+def _workers_of(run_id: str) -> list[int]:
+    out = []
+    for pid in matching():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"LAUNCHER_RUN_ID={run_id}".encode() in environ and b"custom_train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            out.append(pid)
+    return out
