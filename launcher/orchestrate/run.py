@@ -273,6 +273,11 @@ class Launch:
                         exits.append((agent, update["exit"]))
                 failed = [(agent, status) for agent, status in exits if status["exit_code"] != 0]
                 if failed:
+                    # A lost node makes the ranks elsewhere fail too ("Connection reset by peer"),
+                    # sometimes before Ray reports its agent gone: name the node, not the echo.
+                    lost = self._unreachable(exclude=failed[0][0])
+                    if lost is not None:
+                        return self._fail(lost)
                     failure = self._failure(*failed[0])
                     if self._attempt >= self.job.launch.max_restarts:
                         return self._fail(failure)
@@ -405,6 +410,20 @@ class Launch:
                 "reason": f"rank {rank if rank is not None else '?'} on node {node_plan.name} "
                           f"({node_plan.host}) exited with "
                           + (f"signal {signal_name}" if signal_name else f"code {code}")}
+
+    def _unreachable(self, exclude: _Agent) -> dict[str, Any] | None:
+        """The first other agent that does not answer a trivial call within a few seconds, as a lost node."""
+        import ray
+
+        others = [a for a in self._agents if a is not exclude]
+        refs = [a.handle.hostname.remote() for a in others]
+        ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        for agent, ref in zip(others, refs, strict=True):
+            try:
+                ray.get(ref, timeout=0.1)
+            except Exception as err:
+                return self._lost(agent, err)
+        return None
 
     def _lost(self, agent: _Agent, err: BaseException) -> dict[str, Any]:
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
