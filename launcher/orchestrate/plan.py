@@ -74,6 +74,7 @@ class LaunchPlan:
     backend: str
     device: str
     nodes: list[NodePlan]
+    max_restarts: int = 0
 
     def ranks(self) -> list[dict[str, object]]:
         """The rank layout: one entry per global rank."""
@@ -94,7 +95,8 @@ class LaunchPlan:
             nodes.append(entry)
         return {"job": self.job, "run_id": self.run_id, "world_size": self.world_size,
                 "master_addr": self.master_addr, "master_port": self.master_port,
-                "backend": self.backend, "device": self.device, "nodes": nodes,
+                "backend": self.backend, "device": self.device, "max_restarts": self.max_restarts,
+                "nodes": nodes,
                 "ranks": self.ranks()}
 
 
@@ -130,7 +132,7 @@ def plan(
             "--nproc-per-node", str(nproc),
             "--master-addr", head.host,
             "--master-port", str(master_port),
-            "--max-restarts", str(job.launch.max_restarts),
+            "--max-restarts", "0",  # restarts are the launcher's (see run.Launch), not torchrun's
             "--tee", "3",
             "--log-dir", f"{workdir}/torchrun",
             *_entry_argv(job, workdir),
@@ -143,7 +145,7 @@ def plan(
         first_rank += nproc
     return LaunchPlan(job=job.name, run_id=run_id, world_size=world, master_addr=head.host,
                       master_port=master_port, backend=job.backend,
-                      device=job.resources.device, nodes=plans)
+                      device=job.resources.device, nodes=plans, max_restarts=job.launch.max_restarts)
 
 
 def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
@@ -151,6 +153,9 @@ def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
     lp = launch_plan
     head = (f"Plan for job '{lp.job}': {len(lp.nodes)} node(s), world size {lp.world_size}, "
             f"backend {lp.backend}, master {lp.master_addr}:{lp.master_port}{port_note}")
+    if lp.max_restarts:
+        head += (f"\nOn a failure the launcher restarts every node's torchrun up to {lp.max_restarts} "
+                 f"time(s), on a fresh port (LAUNCHER_RESTART_COUNT counts them)")
     table = tabulate(
         [[n.node_rank, n.name, n.host, n.nproc, _span(n.ranks), n.python] for n in lp.nodes],
         headers=["node_rank", "node", "host", "nproc", "ranks", "python"],

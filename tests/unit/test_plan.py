@@ -46,9 +46,10 @@ def test_two_node_ranks_master_and_argv():
     assert b.argv[0] == "python3"  # remote node without a python: python3 on its PATH
     flags = dict(zip(b.argv[3:19:2], b.argv[4:20:2], strict=True))
     assert flags == {"--nnodes": "2", "--node-rank": "1", "--nproc-per-node": "4",
-                     "--master-addr": "10.0.0.1", "--master-port": "29400", "--max-restarts": "2",
+                     "--master-addr": "10.0.0.1", "--master-port": "29400", "--max-restarts": "0",
                      "--tee": "3", "--log-dir": "/tmp/launcher/t-1/b/torchrun"}
     assert b.argv[-4:] == ["-m", "launcher.train", "--job", "/tmp/launcher/t-1/b/job.yaml"]
+    assert p.max_restarts == 2 and p.to_json()["max_restarts"] == 2  # the launcher restarts, not torchrun
     assert [r["rank"] for r in p.ranks()] == list(range(8))
     assert p.ranks()[5] == {"rank": 5, "node": "b", "host": "10.0.0.2", "local_rank": 1, "device": "cuda:1"}
 
