@@ -84,8 +84,16 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
     # address="local": always a new private instance, never a Ray someone else runs here.
     # Ray runs its workers at niceness 15 unless told otherwise; training must not be niced.
     os.environ.setdefault(NICENESS_ENV, "0")
-    ray.init(address="local", include_dashboard=cluster.ray.dashboard, dashboard_host="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    try:
+        ray.init(address="local", include_dashboard=cluster.ray.dashboard, dashboard_host="127.0.0.1",
+                 log_to_driver=False, configure_logging=False)
+    except Exception as err:  # Ray raises RuntimeError, ConnectionError, TimeoutError, ...
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        raise PreflightError(
+            f"could not start the embedded Ray on this machine: {_first_line(err)}. Check free "
+            f"memory and /tmp space; `--debug` shows Ray's traceback"
+        ) from err
     ip = _alive_nodes()[0]["NodeManagerAddress"]
     return RaySession(mode="embedded", address="local", node_ips={n.name: ip for n in nodes})
 
