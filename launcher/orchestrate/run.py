@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class Launch:
     _logs: dict[tuple[str, int | None], Any] = field(default_factory=dict)
     _started_at: float = 0.0
     _attempt: int = 0
+    _timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def nodes(self) -> list[NodeSpec]:
@@ -96,12 +98,17 @@ class Launch:
     def execute(self) -> Outcome:
         outcome = Outcome(status="failed", run_dir=self.run_dir)
         try:
-            self.prepare_run_dir()
+            with self._timed("run dir"):
+                self.prepare_run_dir()
             if self.facts is None:
-                self.facts = self.preflight()
-            self.connect_ray()
-            self.start_agents()
-            outcome = self.watch()
+                with self._timed("preflight"):
+                    self.facts = self.preflight()
+            with self._timed("ray"):
+                self.connect_ray()
+            with self._timed("agents"):
+                self.start_agents()
+            with self._timed("workers"):
+                outcome = self.watch()
         except KeyboardInterrupt:
             outcome = Outcome(status="interrupted", run_dir=self.run_dir,
                               failure={"reason": "interrupted (SIGINT/SIGTERM)"})
@@ -297,8 +304,20 @@ class Launch:
         finally:
             progress.close()
 
+    @contextlib.contextmanager
+    def _timed(self, stage: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self._timings[stage] = self._timings.get(stage, 0.0) + time.monotonic() - start
+
     def teardown(self) -> None:
         """Stop every agent's workers, remove the placement group, close what we opened."""
+        with self._timed("teardown"):
+            self._teardown()
+
+    def _teardown(self) -> None:
         if not self._agents and self._pg is None and self.session is None:
             # Nothing of Ray's to undo (interrupted in the preflight: importing ray now could
             # trip over a module that the interrupt left half-imported).
@@ -345,10 +364,13 @@ class Launch:
         # An interruption is no rank's failure: the status says it all.
         failure = None if outcome.status == "interrupted" else _summary_failure(outcome.failure)
         summary = summarize(self.job.name, ranks, self._records, status=outcome.status, failure=failure)
+        summary["launcher_timings_s"] = {k: round(v, 2) for k, v in self._timings.items()}
         write_summary(self.run_dir, summary)
         outcome.summary = summary
         if not self.quiet:
             print(render_summary(summary), flush=True)
+            print("Launcher time: " + " · ".join(f"{k} {v:.1f} s" for k, v in self._timings.items()),
+                  flush=True)
 
     # -- watch helpers ------------------------------------------------------------------------
 
