@@ -234,7 +234,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            parallel.clip_grad_norm_(self.model.parameters(), clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -10,6 +10,8 @@ in place keeps parameter names unchanged, which keeps checkpoints portable.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -99,8 +101,11 @@ def apply_fsdp(model: nn.Module, job: JobSpec, *, device: torch.device, world_si
         mp_policy=MixedPrecisionPolicy(param_dtype=fsdp_param_dtype(job), reduce_dtype=DTYPES[cfg.reduce_dtype]),
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     )
-    for block in model.blocks:
-        fully_shard(block, **options)
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):
+        # The last block's backward runs right after the head's: resharding it after forward
+        # would only all-gather it again at once (torchtitan does the same).
+        fully_shard(block, **{**options, "reshard_after_forward": options["reshard_after_forward"] and i < last})
     fully_shard(model, **options)
     return model
 
@@ -115,7 +120,11 @@ def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+        # The setter walks every module; call it only when the flag changes (never without
+        # gradient accumulation, where every backward syncs, FSDP's default).
+        if getattr(model, "_launcher_grad_sync", True) != enabled:
+            model.set_requires_gradient_sync(enabled)
+            model._launcher_grad_sync = enabled
         return nullcontext()
     if isinstance(model, DDP) and not enabled:
         return model.no_sync()
@@ -131,6 +140,75 @@ def is_sharded(model: nn.Module) -> bool:
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (FSDP2 modifies the model in place)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients to a total norm of ``max_norm``; returns the total norm before clipping.
+
+    Same result as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
+    clamped to 1, every gradient multiplied by it), but FSDP2's sharded gradients are handled
+    on their local shards: one foreach norm over the shards, one all-reduce of a scalar (the
+    sum of the p-th powers, or the max for the inf-norm) over the mesh, one foreach multiply.
+    Going through DTensor instead costs a sharding propagation and re-wrapping of every
+    gradient for each op, which is host time that grows with the parameter count.
+
+    Gradients that are not DTensors (plain or DDP, already identical on every rank) go to
+    torch's function. DTensor gradients sharded other than ``Shard`` on a 1-D mesh (replicas,
+    HSDP) also do, since summing over ranks would count a replicated gradient twice.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads: list[torch.Tensor] = [p.grad for p in params]
+    if not grads:
+        return torch.tensor(0.0)
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(grads[0], DTensor):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    mesh = grads[0].device_mesh
+    if mesh.ndim != 1 or not all(
+        isinstance(g, DTensor) and g.device_mesh == mesh and isinstance(g.placements[0], Shard) for g in grads
+    ):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    norm_type = float(norm_type)
+    local = [g.to_local() for g in grads]
+    # The local norm in fp32 (torch computes it in the gradients' dtype; with bf16 gradients
+    # fp32 is the more accurate choice and the reduced scalar must share one dtype anyway).
+    # Empty shards (a dim 0 smaller than the world) are left out: 0 is the identity of the
+    # max and of the sum, and the inf-norm kernel rejects empty tensors.
+    nonempty = [t for t in local if t.numel()]
+    if nonempty:
+        local_norm = torch.nn.utils.get_total_norm(nonempty, norm_type, foreach=_foreach_ok(nonempty))
+        local_norm = local_norm.to(device=local[0].device, dtype=torch.float32)
+    else:
+        local_norm = torch.zeros((), device=local[0].device)
+    group = mesh.get_group()
+    if math.isinf(norm_type):
+        total = local_norm.clone()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        total = local_norm**norm_type
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        total = total ** (1.0 / norm_type)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in local:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_grads in by_dtype.values():
+        if _foreach_ok(group_grads):
+            torch._foreach_mul_(group_grads, coef)
+        else:
+            for t in group_grads:
+                t.mul_(coef)
+    return total
+
+
+def _foreach_ok(tensors: list[torch.Tensor]) -> bool:
+    """Whether the foreach kernels apply: all tensors on one CPU or CUDA device."""
+    device = tensors[0].device
+    return device.type in ("cpu", "cuda") and all(t.device == device for t in tensors)
 
 
 def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""The sharded gradient clipping equals torch's ``clip_grad_norm_`` on the unsharded model
+(two gloo ranks on the CPU, FSDP2 with uneven shards)."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from launcher.train.parallel import clip_grad_norm_
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # 3 output rows: sharded 2 + 1 over two ranks (uneven); a bias of 5: 3 + 2.
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 5), nn.Linear(5, 1, bias=False))
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+        results = []
+        for norm_type, max_norm in [(2.0, 0.05), (2.0, 1e6), (1.0, 0.1), (math.inf, 0.01)]:
+            ref, sharded = _model(), _model()
+            fully_shard(sharded[2], mesh=init_device_mesh("cpu", (world,)))
+            fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)))
+            ref(x).square().sum().backward()
+            sharded(x).square().sum().backward()
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+            got = clip_grad_norm_(sharded.parameters(), max_norm, norm_type)
+            grads = [p.grad.full_tensor() for p in sharded.parameters()]
+            results.append((want, got, [p.grad for p in ref.parameters()], grads))
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_sharded_clip_matches_torch_on_the_full_model(tmp_path: Path):
+    out = tmp_path / "clip.pt"
+    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="fork")
+    for want, got, ref_grads, grads in torch.load(out):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for g_ref, g in zip(ref_grads, grads, strict=True):
+            torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-8)
+
+
+def test_plain_gradients_go_to_torch():
+    ref, model = _model(), _model()
+    for m in (ref, model):
+        m(torch.ones(2, 4)).sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    got = clip_grad_norm_(model.parameters(), 0.1)
+    assert torch.equal(got, want)
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
