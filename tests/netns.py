@@ -154,11 +154,11 @@ class NetnsCluster:
         are top-level sections (``ssh``, ``ray``, ``parity``) deep-merged into the defaults.
         """
         entries = {
-            name: {"name": name, "host": self.host(name), "port": 22, "python": sys.executable}
+            name: {"name": name, "host": self.host(name), "port": 22, "python": str(self.node_python())}
             for name in self.node_names
         }
         for name, extra in (nodes or {}).items():
-            entries.setdefault(name, {"name": name, "port": 22, "python": sys.executable}).update(extra)
+            entries.setdefault(name, {"name": name, "port": 22, "python": str(self.node_python())}).update(extra)
         data: dict[str, Any] = {
             "nodes": list(entries.values()),
             "ssh": {
@@ -169,6 +169,22 @@ class NetnsCluster:
             },
         }
         return _deep_merge(data, sections)
+
+    def node_python(self) -> Path:
+        """The nodes' interpreter: this one, with a copy of the launcher package first on its path.
+
+        Nodes see their own /tmp, so a checkout (or an editable install) under /tmp is invisible
+        to them, as code on a login node is to a real cluster; the copy under the cluster's folder
+        is what each node "has installed". Made once per cluster.
+        """
+        wrapper = self.dir / "node-python"
+        if not wrapper.exists():
+            root = self.dir / "node-site"
+            shutil.copytree(Path(__file__).resolve().parents[1] / "launcher", root / "launcher",
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} "$@"\n')
+            wrapper.chmod(0o755)
+        return wrapper
 
     def cluster_yaml(self, path: str | os.PathLike[str], **overrides: Any) -> Path:
         """Write :meth:`cluster_dict` (same arguments) as YAML to ``path``; returns the path."""
