@@ -39,6 +39,7 @@ class NodeAgent:
         self._proc: subprocess.Popen[bytes] | None = None
         self._plan: dict[str, Any] | None = None
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # new output, a record, or a thread ended
         self._lines: list[tuple[int | None, str]] = []
         self._records: list[tuple[int, dict[str, Any]]] = []
         self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
@@ -91,15 +92,28 @@ class NodeAgent:
             self._threads.append(thread)
         return self._proc.pid
 
-    def poll(self) -> dict[str, Any]:
-        """New log lines and metrics records since the last poll, and the exit status if done."""
-        with self._lock:
+    def poll(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """New log lines and metrics records since the last poll, and the exit status if done.
+
+        With ``wait_s`` it is a long poll: it returns as soon as there is something to report
+        (output, a record, the exit), or after ``wait_s`` with nothing.
+        """
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            while not (self._lines or self._records or self._drained()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                # short slices: a thread that just ended is seen within 50 ms
+                self._changed.wait(min(remaining, 0.05))
             lines, self._lines = self._lines, []
             records, self._records = self._records, []
-        status = self._status()
-        if status is not None and any(t.is_alive() for t in self._threads):
-            status = None  # exited, but output is still being drained: report it next poll
+        # exited, but output still being drained: report the exit on a later poll
+        status = self._status() if self._drained() else None
         return {"lines": lines, "records": records, "exit": status}
+
+    def _drained(self) -> bool:
+        return self._status() is not None and not any(t.is_alive() for t in self._threads)
 
     def stop(self, grace_s: float = 5.0) -> dict[str, Any] | None:
         """SIGTERM torchrun and every descendant, SIGKILL what is left after ``grace_s``."""
@@ -159,12 +173,14 @@ class NodeAgent:
                         fh = files[local_rank] = open(logs / name, "a", encoding="utf-8")  # noqa: SIM115
                     fh.write(text + "\n")
                     fh.flush()
-                with self._lock:
+                with self._changed:
                     self._lines.append((local_rank, text))
                     self._tails[local_rank].append(text)
+                    self._changed.notify_all()
         finally:
             for fh in files.values():
                 fh.close()
+
 
     def _tail_metrics(self) -> None:
         assert self._proc is not None and self._plan is not None
@@ -193,8 +209,9 @@ class NodeAgent:
                     parsed.append((rank, json.loads(line)))
                 except ValueError:
                     continue
-            with self._lock:
+            with self._changed:
                 self._records.extend(parsed)
+                self._changed.notify_all()
 
 
 def _prepare_child() -> None:

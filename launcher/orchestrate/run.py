@@ -261,9 +261,11 @@ class Launch:
                 now = time.monotonic()
                 for agent in self._agents:
                     if agent.pending is None and agent.exit is None:
-                        agent.pending, agent.pending_since = agent.handle.poll.remote(), now
+                        agent.pending, agent.pending_since = agent.handle.poll.remote(POLL_INTERVAL_S), now
                 pending = [a.pending for a in self._agents if a.pending is not None]
-                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_INTERVAL_S)
+                # Agents long-poll (answer at once when there is news): wait for the first answer.
+                ready, _ = (ray.wait(pending, num_returns=1, timeout=2 * POLL_INTERVAL_S)
+                            if pending else ([], []))
                 ready_set = set(ready)
                 exits: list[tuple[_Agent, dict[str, Any]]] = []
                 for agent in self._agents:
@@ -300,7 +302,6 @@ class Launch:
                 hung = self._hung_rank()
                 if hung is not None:
                     return self._fail(hung)
-                time.sleep(POLL_INTERVAL_S / 2)
         finally:
             progress.close()
 
