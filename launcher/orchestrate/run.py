@@ -224,7 +224,7 @@ class Launch:
         starts = []
         for agent in self._agents:
             node_plan = agent.plan
-            argv = _with_option(_with_option(node_plan.argv, "--max-restarts", "0"), "--master-port", str(port))
+            argv = _with_option(node_plan.argv, "--master-port", str(port))  # a fresh port per attempt
             env = {**node_plan.env, "LAUNCHER_RESTART_COUNT": str(self._attempt)}
             payload = {"workdir": node_plan.workdir, "argv": argv, "env": env}
             starts.append(agent.handle.start.remote(payload, {"job.yaml": job_text}))
