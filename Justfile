@@ -13,10 +13,9 @@ demo:
 test *ARGS:
     python3 -m pytest -q {{ARGS}}
 
-# Lint and format check
+# Lint
 lint:
-    ruff check launcher tests benchmarks
-    ruff format --check launcher tests benchmarks || true
+    ruff check launcher tests benchmarks examples
 
 # Benchmarks on this machine (GPU ones live in benchmarks/gpu_bench.py)
 bench:
