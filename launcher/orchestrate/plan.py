@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from tabulate import tabulate
 
 from launcher.errors import PreflightError, SpecError
-from launcher.spec import ClusterSpec, JobSpec, NodeSpec
+from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 
 DEFAULT_MASTER_PORT = 29500
 FORWARDED_PREFIXES = ("NCCL_", "TORCH_", "NVSHMEM_")
@@ -123,7 +123,7 @@ def plan(
     first_rank = 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
         workdir = f"/tmp/launcher/{run_id}/{node.name}"
-        python = node.python or (local_python if node.is_local else "python3")
+        python = node.interpreter(local_python)
         env, sources = _worker_env(job, node, launcher_env, run_id=run_id, workdir=workdir)
         argv = [
             python, "-m", "torch.distributed.run",
@@ -188,15 +188,13 @@ def is_secret(name: str) -> bool:
 
 def _selected_nodes(job: JobSpec, cluster: ClusterSpec) -> list[NodeSpec]:
     want = job.resources.nodes
-    if want == "all":
-        return list(cluster.nodes)
-    if want > len(cluster.nodes):
+    if want != "all" and want > len(cluster.nodes):
         raise SpecError(
             f"resources.nodes asks for {want} nodes but the cluster has {len(cluster.nodes)}; "
             f"lower resources.nodes or add nodes to cluster.yaml",
             source="job", field="resources.nodes",
         )
-    return list(cluster.nodes[:want])
+    return nodes_for_job(cluster, job)
 
 
 def _nproc(job: JobSpec, node: NodeSpec, facts: NodeFacts | None) -> int:

@@ -210,8 +210,7 @@ def _connect_client(address: str, attempts: int = 3) -> None:
 def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
     from launcher.preflight.runners import runner_for
 
-    python = node.python or "python3"
-    command = f"{TOKEN_ENV}{shlex.quote(python)} -m ray.scripts.scripts {shlex.join(args)}"
+    command = f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
     result = runner_for(node, cluster.ssh).run(command, timeout=cluster.ssh.connect_timeout_s + 90)
     if result.exit_code != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
@@ -227,7 +226,7 @@ def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> None:
     from launcher.preflight.runners import runner_for
 
     def stop(node: NodeSpec) -> None:
-        python = shlex.quote(node.python or "python3")
+        python = shlex.quote(node.interpreter())
         with contextlib.suppress(Exception):
             runner_for(node, cluster.ssh).run(
                 f"{python} -m ray.scripts.scripts stop --force ; rm -f {TOKEN_FILE}",

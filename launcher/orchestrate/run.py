@@ -35,7 +35,7 @@ from launcher.orchestrate.plan import (
     render,
 )
 from launcher.orchestrate.ray_cluster import RaySession, open_session
-from launcher.spec import ClusterSpec, JobSpec, NodeSpec
+from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ class Launch:
 
     @property
     def nodes(self) -> list[NodeSpec]:
-        want = self.job.resources.nodes
-        return list(self.cluster.nodes if want == "all" else self.cluster.nodes[:want])
+        return nodes_for_job(self.cluster, self.job)
 
     # -- the stages, in order ----------------------------------------------------------------
 
@@ -139,12 +138,12 @@ class Launch:
             return None
         from launcher.preflight import run_preflight
 
-        report = run_preflight(self.cluster, self.job, deep=True, nodes=self.nodes)
+        report = run_preflight(self.cluster, self.job, deep=True)
         report.save(self.run_dir / "preflight")
         if not self.quiet:
             print(report.table(), flush=True)
         report.raise_for_failure()
-        return {n.name: NodeFacts(gpus=report.gpus(n.name)) for n in self.nodes}
+        return _node_facts(report, self.nodes)
 
     def connect_ray(self) -> None:
         if self.session is not None:
@@ -524,8 +523,6 @@ def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip
 
 def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) -> str:
     """``launch plan``: preflight (unless skipped) and the exact per-node commands; starts nothing."""
-    want = job.resources.nodes
-    nodes = list(cluster.nodes if want == "all" else cluster.nodes[:want])
     facts = None
     parity = ""
     if skip_parity:
@@ -533,10 +530,10 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
     else:
         from launcher.preflight import run_preflight
 
-        report = run_preflight(cluster, job, deep=True, nodes=nodes)
+        report = run_preflight(cluster, job, deep=True)
         parity = report.table() + "\n\n"
         report.raise_for_failure()
-        facts = {n.name: NodeFacts(gpus=report.gpus(n.name)) for n in nodes}
+        facts = _node_facts(report, nodes_for_job(cluster, job))
     port = job.launch.master_port or DEFAULT_MASTER_PORT
     launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>", master_port=port,
                        launcher_env=os.environ)
@@ -603,6 +600,11 @@ def _with_option(argv: list[str], option: str, value: str) -> list[str]:
     if option in out:
         out[out.index(option) + 1] = value
     return out
+
+
+def _node_facts(report: Any, nodes: list[NodeSpec]) -> dict[str, NodeFacts]:
+    """What the plan needs from a passed preflight: each node's GPU count."""
+    return {n.name: NodeFacts(gpus=report.gpus(n.name)) for n in nodes}
 
 
 def _summary_failure(failure: dict[str, Any] | None) -> dict[str, Any] | None:

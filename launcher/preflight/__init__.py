@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,9 @@ from launcher.preflight.runners import (
 )
 from launcher.spec.cluster import ClusterSpec, NodeSpec
 from launcher.spec.job import JobSpec
+from launcher.spec.loader import nodes_for_job
 
-__all__ = ["PreflightReport", "check_command", "nodes_for_job", "run_preflight"]
+__all__ = ["PreflightReport", "check_command", "run_preflight"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def run_preflight(
 
 def probe_node(node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, deep: bool) -> dict[str, Any]:
     """Run the probe on one node; raises NodeError with the reason when that fails."""
-    python = node.python or (sys.executable if node.is_local else "python3")
+    python = node.interpreter()
     args = ["-"]
     if deep:
         args += ["--deep", "--deep-timeout", f"{DEEP_TIMEOUT_S:g}"]
@@ -137,13 +137,6 @@ def parse_probe_output(result: CommandResult, python: str) -> dict[str, Any]:
     if not isinstance(probe, dict):
         raise NodeError(BAD_JSON, f"the probe printed {type(probe).__name__}, not a JSON object")
     return probe
-
-
-def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None) -> list[NodeSpec]:
-    """The first ``job.resources.nodes`` nodes (all for ``all`` or without a job)."""
-    if job is None or job.resources.nodes == "all":
-        return list(cluster.nodes)
-    return list(cluster.nodes[: job.resources.nodes])
 
 
 def gpus_needed(node: NodeSpec, job: JobSpec | None) -> int:

@@ -19,8 +19,6 @@ Definitions (N ranks, N0 the smallest measured point, T = tokens/s, the median o
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 import statistics
@@ -30,6 +28,7 @@ from typing import Any
 from tabulate import tabulate
 
 from launcher.errors import SpecError, UsageError
+from launcher.report.summary import csv_text
 from launcher.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
@@ -181,12 +180,7 @@ def load_scaling(study_dir: Path) -> dict:
 
 def to_csv(table: dict) -> str:
     """One row per point."""
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(CSV_KEYS), lineterminator="\n")
-    writer.writeheader()
-    for p in table["points"]:
-        writer.writerow({k: "" if p.get(k) is None else p.get(k) for k in CSV_KEYS})
-    return buf.getvalue()
+    return csv_text(table["points"], CSV_KEYS)
 
 
 def plot_scaling(table: dict, path: Path) -> Path:

@@ -166,11 +166,16 @@ def report_command(path: str, *, fmt: str = "table") -> int:
 
 def to_csv(summary: dict) -> str:
     """One row per rank with the ``summary.json`` rank keys as columns (mfu as a fraction)."""
+    return csv_text(summary["ranks"], RANK_KEYS)
+
+
+def csv_text(rows: Iterable[dict], keys: Sequence[str]) -> str:
+    """CSV with ``keys`` as columns, one line per row; missing and null values are empty."""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(RANK_KEYS), lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=list(keys), lineterminator="\n")
     writer.writeheader()
-    for row in summary["ranks"]:
-        writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in RANK_KEYS})
+    for row in rows:
+        writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in keys})
     return buf.getvalue()
 
 

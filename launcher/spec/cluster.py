@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -47,6 +48,10 @@ class NodeSpec(Strict):
     @property
     def is_local(self) -> bool:
         return is_local_host(self.host)
+
+    def interpreter(self, local_python: str = sys.executable) -> str:
+        """The Python that runs the launcher's code on this node (probe, Ray, torchrun)."""
+        return self.python or (local_python if self.is_local else "python3")
 
 
 class SSHSpec(Strict):

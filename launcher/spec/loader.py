@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from launcher.errors import SpecError, UsageError
-from launcher.spec.cluster import ClusterSpec
+from launcher.spec.cluster import ClusterSpec, NodeSpec
 from launcher.spec.job import JobSpec
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
@@ -116,6 +116,13 @@ def validate(model: type[BaseModel], data: Any, *, source: str, overrides: Seque
         raise SpecError(f"invalid {_kind(model)}{count}: " + "; ".join(lines), source=source) from err
 
 
+def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None) -> list[NodeSpec]:
+    """The nodes a job runs on: the first ``resources.nodes`` (all for ``all`` or without a job)."""
+    if job is None or job.resources.nodes == "all":
+        return list(cluster.nodes)
+    return list(cluster.nodes[: job.resources.nodes])
+
+
 def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
     """Checks between a job and a cluster that need no node: asking for more nodes than exist."""
     if isinstance(job.resources.nodes, int) and job.resources.nodes > len(cluster.nodes):
@@ -126,7 +133,7 @@ def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -
             source=job_source,
             field="resources.nodes",
         )
-    for node in cluster.nodes[: job.resources.nodes if isinstance(job.resources.nodes, int) else None]:
+    for node in nodes_for_job(cluster, job):
         if job.resources.device == "cuda" and node.gpus == 0:
             raise SpecError(
                 f"device cuda needs GPUs but cluster node {node.name!r} declares gpus: 0; "

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import yaml
+from fixtures.launching import env_of
 from procs import assert_none_left, kill, matching
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,12 +138,5 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
 
 
 def _workers_of(run_id: str) -> list[int]:
-    out = []
-    for pid in matching():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"LAUNCHER_RUN_ID={run_id}".encode() in environ and b"custom_train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            out.append(pid)
-    return out
+    return [pid for pid, cmd in matching().items()
+            if "custom_train.py" in cmd and env_of(pid).get("LAUNCHER_RUN_ID") == run_id]
