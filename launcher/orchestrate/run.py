@@ -522,7 +522,10 @@ def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip
 
 
 def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) -> str:
-    """``launch plan``: preflight (unless skipped) and the exact per-node commands; starts nothing."""
+    """``launch plan``: preflight (unless skipped) and the exact per-node commands; starts nothing.
+
+    A failed preflight prints its parity table here and raises PreflightError (exit 3).
+    """
     facts = None
     parity = ""
     if skip_parity:
@@ -531,8 +534,10 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
         from launcher.preflight import run_preflight
 
         report = run_preflight(cluster, job, deep=True)
-        parity = report.table() + "\n\n"
+        if not report.ok:  # the table `launch check` prints, then main()'s error paragraph (exit 3)
+            print(report.table(), flush=True)
         report.raise_for_failure()
+        parity = report.table() + "\n\n"
         facts = _node_facts(report, nodes_for_job(cluster, job))
     port = job.launch.master_port or DEFAULT_MASTER_PORT
     launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>", master_port=port,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.cli import main
 from launcher.errors import PreflightError
 from launcher.preflight import check_command, run_preflight
 from launcher.spec import load_cluster, load_job
@@ -128,8 +129,8 @@ def test_deep_probe_over_ssh_and_the_nccl_interface(cluster, tmp_path):
     assert sorted(p.name for p in (tmp_path / "preflight").iterdir()) == ["node0.json", "node1.json", "node2.json", "parity.txt"]
 
 
-def test_gpu_job_on_cpu_nodes_and_first_k_nodes(cluster, tmp_path):
-    _, spec = write_cluster(cluster, tmp_path)
+def test_gpu_job_on_cpu_nodes_and_first_k_nodes(cluster, tmp_path, capsys):
+    path, spec = write_cluster(cluster, tmp_path)
     job_file = tmp_path / "job.yaml"
     job_file.write_text("name: j\nresources: {nodes: 2, device: cuda, nproc_per_node: 2}\n")
     report = run_preflight(spec, load_job(job_file), deep=False)
@@ -138,6 +139,17 @@ def test_gpu_job_on_cpu_nodes_and_first_k_nodes(cluster, tmp_path):
     with pytest.raises(PreflightError) as info:
         report.raise_for_failure()
     assert info.value.exit_code == 3
+
+    # `launch plan` (and --dry-run) show the fields × nodes table of `launch check`, then the error
+    capsys.readouterr()
+    for argv in (["plan", str(job_file)], [str(job_file), "--dry-run"]):
+        assert main([*argv, "--cluster", str(path)]) == 3
+        captured = capsys.readouterr()
+        header = next(line for line in captured.out.splitlines() if line.startswith("field"))
+        assert header.split() == ["field", "policy", "node0", "node1"]
+        assert "parity FAILED: node0: needs 2 GPUs, has 0; node1: needs 2 GPUs, has 0" in captured.out
+        assert "Plan for job" not in captured.out
+        assert "error: Preflight failed on 2 of 2 nodes (node0, node1)" in captured.err
 
 
 def test_listed_package_differs_on_a_venv_node(cluster, tmp_path, fixture_venvs, capsys):
