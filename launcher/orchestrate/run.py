@@ -244,7 +244,7 @@ class Launch:
         for agent in self._agents:  # answers to polls already sent: the old attempt's last lines
             if agent.pending is not None:
                 with contextlib.suppress(Exception):
-                    self._ingest(agent, ray.get(agent.pending, timeout=NODE_SILENCE_S), _Progress(self.job, disable=True))
+                    self._ingest(agent, ray.get(agent.pending, timeout=NODE_SILENCE_S))
                 agent.pending = None
         ray.get([a.handle.stop.remote(grace) for a in self._agents], timeout=grace + 30)
         self._drain_after_stop()
@@ -374,13 +374,22 @@ class Launch:
 
     # -- watch helpers ------------------------------------------------------------------------
 
-    def _ingest(self, agent: _Agent, update: dict[str, Any], progress: _Progress) -> None:
+    def _ingest(self, agent: _Agent, update: dict[str, Any], progress: _Progress | None = None) -> None:
+        """An agent's update into the run directory; rank 0's lines and errors shown.
+
+        ``progress`` is watch()'s bar. The drains after a stop have none: their lines are printed
+        plainly, as a disabled bar would, and their step records move no bar.
+        """
         node_plan = agent.plan
         for local_rank, text in update["lines"]:
             rank = node_plan.rank_of(local_rank) if local_rank is not None and local_rank < node_plan.nproc else None
             self._log_file(node_plan.name, rank).write(text + "\n")
             if not self.quiet and (rank == 0 or ERROR_LINE.search(text)):
-                progress.write(f"[{node_plan.name}/{'rank' + str(rank) if rank is not None else 'torchrun'}] {text}")
+                shown = f"[{node_plan.name}/{'rank' + str(rank) if rank is not None else 'torchrun'}] {text}"
+                if progress is not None:
+                    progress.write(shown)
+                else:
+                    print(shown, flush=True)
         for fh in self._logs.values():
             fh.flush()
         now = time.monotonic()
@@ -391,7 +400,8 @@ class Launch:
                 self._last_step[rank] = (record["step"], float(record.get("time") or 0.0))
             with open(self.run_dir / "metrics" / f"rank{rank}.jsonl", "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
-            progress.update(rank, record)
+            if progress is not None:
+                progress.update(rank, record)
 
     def _log_file(self, node: str, rank: int | None) -> Any:
         key = (node, rank)
@@ -406,7 +416,7 @@ class Launch:
 
         for agent in self._agents:
             with contextlib.suppress(Exception):
-                self._ingest(agent, ray.get(agent.handle.poll.remote(), timeout=10), _Progress(self.job, disable=True))
+                self._ingest(agent, ray.get(agent.handle.poll.remote(), timeout=10))
 
     def _failure(self, agent: _Agent, status: dict[str, Any]) -> dict[str, Any]:
         import ray
