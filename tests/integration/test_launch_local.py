@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import yaml
-from fixtures.launching import env_of
-from procs import assert_none_left, kill, matching
+from fixtures.launching import assert_none_left, env_of, kill, matching
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_RANK_KEYS = {"rank", "node", "host", "local_rank", "device", "steps", "step_time_ms_p50",
