@@ -116,16 +116,19 @@ class Batches(abc.ABC):
         idx = global_indices(step=step, micro=micro, rank=self.rank, world_size=self.world_size,
                              micro_batch=self.micro_batch, grad_accum=self.grad_accum)
         sample = torch.arange(idx.start, idx.stop, device=self.device).unsqueeze(1)
-        tokens = self.tokens(step, idx, sample)
-        if self.arch == "gpt":
-            return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-        return self.mask(tokens[:, : self.seq_len], step, sample)
+        return self.assemble(self.tokens(step, idx, sample), step, sample)
 
     @abc.abstractmethod
     def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
         """(micro_batch, seq_len + 1) int64 token ids on the device."""
 
-    def mask(self, tokens: torch.Tensor, step: int, sample: torch.Tensor) -> dict[str, torch.Tensor]:
+    def assemble(self, tokens: torch.Tensor, step: int | torch.Tensor, sample: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's inputs from rows of seq_len + 1 tokens: shifted pairs (GPT) or masked (BERT)."""
+        if self.arch == "gpt":
+            return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+        return self.mask(tokens[:, : self.seq_len], step, sample)
+
+    def mask(self, tokens: torch.Tensor, step: int | torch.Tensor, sample: torch.Tensor) -> dict[str, torch.Tensor]:
         """BERT masking: n_mask distinct positions per sequence; 80% [MASK], 10% random, 10% kept."""
         pos = self.positions[: self.seq_len]
         # Unique keys (hash in the high bits, position in the low 20) make topk tie-free.
@@ -140,7 +143,16 @@ class Batches(abc.ABC):
 
 
 class SyntheticBatches(Batches):
-    """Structured random tokens made on the device (see the module doc)."""
+    """Structured random tokens made on the device (see the module doc).
+
+    Made ahead, ``steps_ahead`` optimizer steps at a time: one batch costs some 150 small
+    kernels whatever its size, a few milliseconds of host time that a fast step cannot hide,
+    so the same kernels make the micro-batches of up to 16 steps at once (at most
+    ``CHUNK_TOKENS`` tokens) and ``batch`` hands out views. The hash takes the step as a
+    tensor then; the numbers are the same as one batch at a time.
+    """
+
+    CHUNK_TOKENS = 1 << 22
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -149,8 +161,30 @@ class SyntheticBatches(Batches):
         self.first_token = special
         self.n_states = 1 << (min(usable, MAX_STATES).bit_length() - 1)
         self.stride = (0x9E3779B1 % self.n_states) | 1  # odd: a permutation of Z_{n_states}
+        rows_per_step = self.grad_accum * self.micro_batch
+        self.steps_ahead = max(1, min(16, self.CHUNK_TOKENS // (rows_per_step * (self.seq_len + 1))))
+        self._chunk: dict[str, torch.Tensor] = {}
+        self._chunk_steps = range(0)
 
-    def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
+    def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
+        assert 0 <= micro < self.grad_accum
+        if step not in self._chunk_steps:
+            self._chunk_steps = range(step, step + self.steps_ahead)
+            self._chunk = self._make(self._chunk_steps)
+        first = ((step - self._chunk_steps.start) * self.grad_accum + micro) * self.micro_batch
+        return {key: value[first: first + self.micro_batch] for key, value in self._chunk.items()}
+
+    def _make(self, steps: range) -> dict[str, torch.Tensor]:
+        """Every micro-batch of this rank for ``steps``: rows ordered by (step, micro, sample)."""
+        m, accum, dev = self.micro_batch, self.grad_accum, self.device
+        per_step = accum * m
+        row = torch.arange(len(steps) * per_step, device=dev)
+        step = (steps.start + row // per_step).unsqueeze(1)
+        micro, j = (row % per_step) // m, row % m
+        sample = (micro * (self.world_size * m) + self.rank * m + j).unsqueeze(1)  # global_indices
+        return self.assemble(self.tokens(step, range(0), sample), step, sample)
+
+    def tokens(self, step: int | torch.Tensor, idx: range, sample: torch.Tensor) -> torch.Tensor:
         pos = self.positions
         reset = (hash_ints(self.seed, _SALT_RESET, step, sample, pos) % 1000 < RESET_PER_MILLE) | (pos == 0)
         start = hash_ints(self.seed, _SALT_START, step, sample, pos) % self.n_states

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launcher.train.data import (
+    Batches,
     SyntheticBatches,
     TokenFileBatches,
     global_indices,
@@ -144,3 +145,20 @@ def test_token_file_errors_name_the_fix(tmp_path: Path):
     big = source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "big.npy", token_dtype="uint16")
     with pytest.raises(ValueError, match="model.vocab_size"):
         big.batch(1)
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+def test_batches_made_ahead_equal_batches_made_one_at_a_time(arch: str):
+    ahead = source(arch, rank=1, world=2, accum=3)
+    assert ahead.steps_ahead == 16
+    # in order across a chunk boundary, then a jump back and a resume-like start mid-way;
+    # Batches.batch is the one-batch path (the step a Python int in the hash)
+    for step, micro in [(s, a) for s in range(1, 19) for a in range(3)] + [(5, 2), (40, 0), (41, 1)]:
+        got, want = ahead.batch(step, micro), Batches.batch(ahead, step, micro)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
+
+
+def test_steps_ahead_is_bounded_by_the_chunk_size():
+    assert source(micro=64, seq=8192).steps_ahead == 7
+    assert source(micro=1024, seq=8192).steps_ahead == 1
