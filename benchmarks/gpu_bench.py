@@ -8,7 +8,7 @@ Runs, side by side on this machine's GPUs:
 and prints one table plus the ratios the targets are stated in: ours/HF, DDP and FSDP
 scaling efficiency (per-GPU tokens/s at 2 over 1), launch/torchrun throughput.
 
-    python benchmarks/gpu_bench.py [--steps 120] [--only NAME,...] [--out DIR]
+    python benchmarks/gpu_bench.py [--steps 200] [--only NAME,...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ PAIRS = {"hf-vs-ours-eager": [], "hf-vs-ours-compiled": ["--compile"]}
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=120, help="optimizer steps per trainer run (30 are warm-up)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per trainer run (30 are warm-up)")
     p.add_argument("--only", default="", help="comma-separated run names (default: all)")
     p.add_argument("--out", type=Path, default=None, help="folder for results.json and run directories")
     args = p.parse_args()
