@@ -13,6 +13,11 @@ and ``--bare-login`` hides ~/.bashrc inside the nodes to measure the launcher's 
 
 ``--cli`` times ``python -m launcher check --fast`` as a subprocess (adds interpreter start-up
 and imports); the default times ``run_preflight(cluster, deep=False)`` in-process.
+
+CPU accounting per run (in-process mode): the launcher's own CPU time (``getrusage``, all its
+threads) and the whole machine's busy CPU time (``/proc/stat``), each per node. When the
+machine's busy CPU divided by its cores approaches the wall time, the fan-out is bound by the
+CPU the simulated nodes share, not by waiting on one another.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -39,8 +45,22 @@ from launcher.preflight.runners import fan_out, runner_for  # noqa: E402
 from launcher.spec import ClusterSpec, NodeSpec, load_cluster  # noqa: E402
 
 
-def time_once(cluster_file: Path, cli: bool) -> tuple[float, float, bool]:
-    """(wall seconds, sum of per-node probe seconds, all ok)."""
+def busy_cpu_s() -> float:
+    """Seconds of CPU time this machine has spent busy (all cores) since boot."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:8]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def time_once(cluster_file: Path, cli: bool) -> tuple[float, float, bool, float, float]:
+    """(wall seconds, sum of per-node probe seconds, all ok, launcher CPU s, machine busy CPU s)."""
+    own0, busy0 = own_cpu_s(), busy_cpu_s()
     started = time.monotonic()
     if cli:
         proc = subprocess.run(
@@ -49,12 +69,15 @@ def time_once(cluster_file: Path, cli: bool) -> tuple[float, float, bool]:
         )
         wall = time.monotonic() - started
         doc = json.loads(proc.stdout)
-        return wall, sum(p.get("probe_s", 0.0) for p in doc["probes"].values()), proc.returncode == 0
+        probes = sum(p.get("probe_s", 0.0) for p in doc["probes"].values())
+        # the launcher ran in a child process: its CPU is in the machine's busy time only
+        return wall, probes, proc.returncode == 0, float("nan"), busy_cpu_s() - busy0
     report = run_preflight(load_cluster(cluster_file), deep=False)
     wall = time.monotonic() - started
+    own, busy = own_cpu_s() - own0, busy_cpu_s() - busy0
     if not report.ok:
         print(f"  (a run failed: {report.verdict})", file=sys.stderr)
-    return wall, sum(p.get("probe_s", 0.0) for p in report.probes.values()), report.ok
+    return wall, sum(p.get("probe_s", 0.0) for p in report.probes.values()), report.ok, own, busy
 
 
 def ssh_true(cluster: ClusterSpec) -> float:
@@ -93,13 +116,17 @@ def main() -> int:
         walls = [r[0] for r in runs]
         wall = statistics.median(walls)
         serial = statistics.median(r[1] for r in runs)
+        own = statistics.median(r[3] for r in runs)
+        busy = statistics.median(r[4] for r in runs)
+        cores = os.cpu_count() or 1
         base = base if base is not None else wall
         rows.append(
             [n, f"{wall:.2f}", f"{min(walls):.2f}", f"{floor:.2f}", f"{serial:.2f}", f"{serial / wall:.1f}x",
-             f"{wall / base:.2f}x", "yes" if all(r[2] for r in runs) else "NO"]
+             f"{wall / base:.2f}x", f"{1e3 * own / n:.0f}", f"{1e3 * busy / n:.0f}", f"{busy / cores / wall:.0%}",
+             "yes" if all(r[2] for r in runs) else "NO"]
         )
     headers = ["nodes", "wall_s (median)", "wall_s (min)", "ssh true, all nodes", "sum of per-node probe_s",
-               "overlap", "vs 1 node", "all ok"]
+               "overlap", "vs 1 node", "launcher CPU ms/node", "machine CPU ms/node", "cores busy", "all ok"]
     mode = "python -m launcher check --fast" if args.cli else "run_preflight(deep=False)"
     login = "~/.bashrc hidden in nodes" if args.bare_login else "nodes run ~/.bashrc on login"
     print(f"{mode}, {args.repeat} runs per size after a warm-up; {login}; {os.cpu_count()} CPU cores")
