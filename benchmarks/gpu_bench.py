@@ -3,12 +3,17 @@
 Runs, side by side on this machine's GPUs:
   * Hugging Face ``BertForMaskedLM`` vs this trainer's BERT, eager and compiled, one process
     (benchmarks/trainer_vs_hf.py);
+  * a bare DDP loop (benchmarks/ddp_ref.py) with HF's model and ours on 1 and 2 GPUs: the
+    scaling this machine gives without the trainer;
   * the built-in trainer under bare ``torchrun -m launcher.train`` and under ``launch`` (Ray +
     agents + metering), BERT-base DDP and FSDP on 1 and 2 GPUs, GPT small and base;
 and prints one table plus the ratios the targets are stated in: ours/HF, DDP and FSDP
 scaling efficiency (per-GPU tokens/s at 2 over 1), launch/torchrun throughput.
 
-    python benchmarks/gpu_bench.py [--steps 200] [--only NAME,...] [--out DIR]
+    python benchmarks/gpu_bench.py [--steps 200] [--only NAME,...] [--repeat 3] [--out DIR]
+
+On a shared host the same run can differ by 20% from one start to the next; ``--repeat``
+runs every selected run that many times, interleaved, and takes each one's median round.
 """
 
 from __future__ import annotations
@@ -37,50 +42,90 @@ TRAINER_RUNS: dict[str, tuple[str, str, int, list[str]]] = {
     "gpt-base-fsdp-launch-1": ("launch", GPT_FSDP, 1, ["model.size=base"]),
 }
 PAIRS = {"hf-vs-ours-eager": [], "hf-vs-ours-compiled": ["--compile"]}
+# name -> (gpus, benchmarks/ddp_ref.py arguments): a bare DDP loop, the scaling reference
+REF_RUNS: dict[str, tuple[int, list[str]]] = {
+    "hf-ddp-ref-1": (1, ["--model", "hf"]),
+    "hf-ddp-ref-2": (2, ["--model", "hf"]),
+    "ours-ddp-ref-1": (1, ["--model", "ours", "--compile"]),
+    "ours-ddp-ref-2": (2, ["--model", "ours", "--compile"]),
+}
+ALL_RUNS = [*PAIRS, *REF_RUNS, *TRAINER_RUNS]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per trainer run (30 are warm-up)")
-    p.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    p.add_argument("--only", default="", help=f"comma-separated run names (default: all): {','.join(ALL_RUNS)}")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of all runs, interleaved (every other round in reverse order); each run "
+                        "reports its median round and the range")
     p.add_argument("--out", type=Path, default=None, help="folder for results.json and run directories")
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     only = {s for s in args.only.split(",") if s}
+    unknown = only - set(ALL_RUNS)
+    if unknown:
+        p.error(f"unknown run names {sorted(unknown)}; known: {', '.join(ALL_RUNS)}")
     gpus = _gpu_count()
-    results: dict[str, dict] = {}
-
-    for name, flags in PAIRS.items():
-        if only and name not in only:
-            continue
-        cmd = [sys.executable, str(ROOT / "benchmarks/trainer_vs_hf.py"), "--device", "cuda", "--size", "base",
-               "--seq", "512", "--micro-batch", "32", "--steps", "40", "--warmup", "15", "--json", *flags]
-        res = _run(cmd, out / f"{name}.log")
-        if res["ok"]:
-            data = json.loads(res["stdout"].strip().splitlines()[-1])
-            results[name] = {"ours_tokens_per_s": data["launcher"]["tokens_per_s"],
-                             "hf_tokens_per_s": data["hf"]["tokens_per_s"], "ratio": data["ratio"],
-                             "wall_s": res["wall_s"]}
-        else:
-            results[name] = {"error": res["tail"]}
-        _print_progress(name, results[name])
-
-    for name, (how, job, n, sets) in TRAINER_RUNS.items():
-        if only and name not in only:
-            continue
-        if n > gpus:
-            results[name] = {"skipped": f"needs {n} GPUs, this machine has {gpus}"}
-            continue
-        sets = [*sets, f"train.steps={args.steps}", "train.warmup_steps=30", "train.log_every=30"]
-        results[name] = _trainer_run(how, job, n, sets, out / name)
-        _print_progress(name, results[name])
+    names = [n for n in ALL_RUNS if not only or n in only]
+    rounds: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(args.repeat):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            folder = out / (name if args.repeat == 1 else f"{name}.{r}")
+            result = _one(name, args.steps, gpus, folder)
+            rounds[name].append(result)
+            _print_progress(name if args.repeat == 1 else f"{name} (round {r + 1})", result)
+    results = {name: _median_round(runs) for name, runs in rounds.items()}
 
     ratios = _ratios(results)
     (out / "results.json").write_text(json.dumps({"results": results, "ratios": ratios,
                                                   "env": _env()}, indent=2) + "\n")
     print(_table(results, ratios))
     print(f"\nresults: {out / 'results.json'}")
+
+
+def _one(name: str, steps: int, gpus: int, folder: Path) -> dict:
+    """One run of ``name``; a dict with its throughput, or ``error`` / ``skipped``."""
+    if name in PAIRS:
+        cmd = [sys.executable, str(ROOT / "benchmarks/trainer_vs_hf.py"), "--device", "cuda", "--size", "base",
+               "--seq", "512", "--micro-batch", "32", "--steps", "40", "--warmup", "15", "--json", *PAIRS[name]]
+        res = _run(cmd, Path(f"{folder}.log"))
+        if not res["ok"]:
+            return {"error": res["tail"]}
+        data = json.loads(res["stdout"].strip().splitlines()[-1])
+        return {"ours_tokens_per_s": data["launcher"]["tokens_per_s"], "hf_tokens_per_s": data["hf"]["tokens_per_s"],
+                "ratio": data["ratio"], "wall_s": res["wall_s"]}
+    n = REF_RUNS[name][0] if name in REF_RUNS else TRAINER_RUNS[name][2]
+    if n > gpus:
+        return {"skipped": f"needs {n} GPUs, this machine has {gpus}"}
+    if name in REF_RUNS:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+               str(ROOT / "benchmarks/ddp_ref.py"), *REF_RUNS[name][1]]
+        res = _run(cmd, Path(f"{folder}.log"))
+        if not res["ok"]:
+            return {"error": res["tail"]}
+        data = json.loads(res["stdout"].strip().splitlines()[-1])
+        per_gpu = data["tokens_per_s_per_gpu"]
+        return {"how": "ddp_ref", "gpus": n, "tokens_per_s": per_gpu * n, "tokens_per_s_per_gpu": per_gpu,
+                "mfu": None, "step_ms_p50": max(r["p50_ms"] for r in data["ranks"]), "wall_s": res["wall_s"]}
+    how, job, n, sets = TRAINER_RUNS[name]
+    sets = [*sets, f"train.steps={steps}", "train.warmup_steps=30", "train.log_every=30"]
+    return _trainer_run(how, job, n, sets, folder)
+
+
+def _median_round(runs: list[dict]) -> dict:
+    """The round with the median throughput (the lower middle of an even count), plus every
+    round's throughput; an error in any round is the result."""
+    failed = [r for r in runs if "tokens_per_s" not in r and "ratio" not in r]
+    if failed:
+        return failed[0]
+    key = "ratio" if "ratio" in runs[0] else "tokens_per_s"
+    ordered = sorted(runs, key=lambda r: r[key])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    if len(runs) > 1:
+        chosen["rounds"] = [round(r[key], 3 if key == "ratio" else 0) for r in runs]
+    return chosen
 
 
 def _trainer_run(how: str, job: str, n: int, sets: list[str], folder: Path) -> dict:
@@ -134,6 +179,9 @@ def _ratios(r: dict) -> dict:
         "fsdp_scaling_efficiency_2gpu": div(tps("bert-fsdp-launch-2"), tps("bert-fsdp-launch-1")),
         "launch_over_torchrun_1gpu": div(tps("bert-ddp-launch-1"), tps("bert-ddp-torchrun-1")),
         "launch_over_torchrun_2gpu": div(tps("bert-ddp-launch-2"), tps("bert-ddp-torchrun-2")),
+        "ddp_scaling_efficiency_2gpu_torchrun": div(tps("bert-ddp-torchrun-2"), tps("bert-ddp-torchrun-1")),
+        "hf_ddp_ref_scaling_efficiency_2gpu": div(tps("hf-ddp-ref-2"), tps("hf-ddp-ref-1")),
+        "ours_ddp_ref_scaling_efficiency_2gpu": div(tps("ours-ddp-ref-2"), tps("ours-ddp-ref-1")),
     }
 
 
@@ -143,16 +191,26 @@ def _table(results: dict, ratios: dict) -> str:
     rows = []
     for name, r in results.items():
         if "ratio" in r:
-            rows.append([name, "1", f"{r['ours_tokens_per_s']:,.0f} (HF {r['hf_tokens_per_s']:,.0f})", "", "", "", ""])
+            rows.append([name, "1", f"{r['ours_tokens_per_s']:,.0f} (HF {r['hf_tokens_per_s']:,.0f})", "", "", "", "",
+                         _span(r)])
         elif "tokens_per_s" in r:
             rows.append([name, r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                          f"{100 * r['mfu']:.1f}" if r.get("mfu") else "–", f"{r['step_ms_p50']:.1f}",
-                         f"{r['wall_s']:.0f}"])
+                         f"{r['wall_s']:.0f}", _span(r)])
         else:
-            rows.append([name, "", r.get("skipped") or "FAILED: " + r.get("error", "")[-200:], "", "", "", ""])
-    table = tabulate(rows, headers=["run", "GPUs", "tokens/s", "tokens/s/GPU", "MFU %", "step ms p50", "wall s"])
+            rows.append([name, "", r.get("skipped") or "FAILED: " + r.get("error", "")[-200:], "", "", "", "", ""])
+    table = tabulate(rows, headers=["run", "GPUs", "tokens/s", "tokens/s/GPU", "MFU %", "step ms p50", "wall s",
+                                    "rounds (min-max)"])
     lines = [f"{k}: {v:.3f}" for k, v in ratios.items() if v is not None]
     return table + "\n\n" + "\n".join(lines)
+
+
+def _span(r: dict) -> str:
+    rounds = r.get("rounds")
+    if not rounds:
+        return ""
+    fmt = "{:.2f}" if "ratio" in r else "{:,.0f}"
+    return f"{fmt.format(min(rounds))}-{fmt.format(max(rounds))}"
 
 
 def _run(cmd: list[str], log: Path, env: dict | None = None) -> dict:

@@ -1,0 +1,41 @@
+"""benchmarks/gpu_bench.py's bookkeeping: median rounds and the ratios (pure; no GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+gpu_bench = pytest.importorskip("gpu_bench")
+
+
+def test_the_median_round_is_reported_with_every_round():
+    got = gpu_bench._median_round([{"tokens_per_s": 3.0}, {"tokens_per_s": 1.0}, {"tokens_per_s": 2.0}])
+    assert got == {"tokens_per_s": 2.0, "rounds": [3.0, 1.0, 2.0]}
+    assert gpu_bench._median_round([{"ratio": 1.7}, {"ratio": 1.5}])["ratio"] == 1.5  # lower middle
+    assert gpu_bench._median_round([{"tokens_per_s": 5.0}]) == {"tokens_per_s": 5.0}
+
+
+def test_a_failed_round_is_the_result():
+    assert gpu_bench._median_round([{"tokens_per_s": 3.0}, {"error": "boom"}]) == {"error": "boom"}
+
+
+def test_ratios_are_per_gpu_and_missing_runs_give_none():
+    def run(per_gpu: float, gpus: int) -> dict:
+        return {"tokens_per_s": per_gpu * gpus, "tokens_per_s_per_gpu": per_gpu}
+
+    results = {
+        "hf-vs-ours-eager": {"hf_tokens_per_s": 300.0, "ours_tokens_per_s": 450.0, "ratio": 1.5},
+        "bert-ddp-launch-1": run(600.0, 1), "bert-ddp-launch-2": run(540.0, 2),
+        "bert-ddp-torchrun-1": run(600.0, 1), "bert-ddp-torchrun-2": run(570.0, 2),
+        "hf-ddp-ref-1": run(330.0, 1), "hf-ddp-ref-2": run(323.4, 2),
+    }
+    r = gpu_bench._ratios(results)
+    assert r["launch_1gpu_over_hf_eager"] == pytest.approx(2.0)
+    assert r["ddp_scaling_efficiency_2gpu"] == pytest.approx(0.9)
+    assert r["ddp_scaling_efficiency_2gpu_torchrun"] == pytest.approx(0.95)
+    assert r["launch_over_torchrun_2gpu"] == pytest.approx(540 / 570)
+    assert r["hf_ddp_ref_scaling_efficiency_2gpu"] == pytest.approx(0.98)
+    assert r["fsdp_scaling_efficiency_2gpu"] is None and r["ours_ddp_ref_scaling_efficiency_2gpu"] is None
