@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -122,7 +123,7 @@ def main() -> int:
         base = base if base is not None else wall
         rows.append(
             [n, f"{wall:.2f}", f"{min(walls):.2f}", f"{floor:.2f}", f"{serial:.2f}", f"{serial / wall:.1f}x",
-             f"{wall / base:.2f}x", "–" if own != own else f"{1e3 * own / n:.0f}", f"{1e3 * busy / n:.0f}", f"{busy / cores / wall:.0%}",
+             f"{wall / base:.2f}x", "–" if math.isnan(own) else f"{1e3 * own / n:.0f}", f"{1e3 * busy / n:.0f}", f"{busy / cores / wall:.0%}",
              "yes" if all(r[2] for r in runs) else "NO"]
         )
     headers = ["nodes", "wall_s (median)", "wall_s (min)", "ssh true, all nodes", "sum of per-node probe_s",
