@@ -140,6 +140,22 @@ class NodeAgent:
         with self._lock:
             return list(self._tails[local_rank])[-n:]
 
+    def collect(self, subdir: str, max_bytes: int = 256 << 20) -> dict[str, bytes]:
+        """The files under ``<workdir>/<subdir>`` (e.g. profiler traces), by relative path, before
+        ``cleanup`` removes them; files past ``max_bytes`` in total are left out."""
+        if self._plan is None:
+            return {}
+        root = Path(self._plan["workdir"]) / subdir
+        out: dict[str, bytes] = {}
+        total = 0
+        for path in sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []:
+            size = path.stat().st_size
+            if total + size > max_bytes:
+                continue
+            out[str(path.relative_to(root))] = path.read_bytes()
+            total += size
+        return out
+
     def cleanup(self) -> None:
         """Remove the node's workdir (the driver holds copies of logs and metrics)."""
         if self._plan is not None:

@@ -26,6 +26,7 @@ from launcher.errors import PreflightError, SpecError
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 
 DEFAULT_MASTER_PORT = 29500
+PROFILE_SUBDIR = "profile"  # train.profile output: <workdir>/profile on a node, <run dir>/profile/<node> after
 FORWARDED_PREFIXES = ("NCCL_", "TORCH_", "NVSHMEM_")
 NODE_PASSTHROUGH = (
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH",
@@ -247,6 +248,8 @@ def _worker_env(
         "LAUNCHER_METRICS_FILE": f"{workdir}/metrics/rank{{rank}}.jsonl",
         "PYTHONUNBUFFERED": "1",
     }, "launcher")
+    if job.uses_builtin and job.train.profile.start_step:
+        put({"LAUNCHER_PROFILE_DIR": f"{workdir}/{PROFILE_SUBDIR}"}, "launcher (train.profile)")
     return env, sources
 
 

@@ -28,6 +28,7 @@ import yaml
 from launcher.errors import Interrupted, JobFailed, LauncherError
 from launcher.orchestrate.plan import (
     DEFAULT_MASTER_PORT,
+    PROFILE_SUBDIR,
     LaunchPlan,
     NodeFacts,
     mask_env,
@@ -333,6 +334,8 @@ class Launch:
             except Exception as err:
                 log.warning("could not confirm that every agent stopped: %s", str(err).splitlines()[0])
             self._drain_after_stop()
+            if self.job.uses_builtin and self.job.train.profile.start_step:
+                self._collect(PROFILE_SUBDIR)
             cleanups = [a.handle.cleanup.remote() for a in self._agents]
             with contextlib.suppress(Exception):
                 ray.get(cleanups, timeout=15)
@@ -350,6 +353,21 @@ class Launch:
         if self._own_session and self.session is not None:
             self.session.close(keep_ray=self.keep_ray)
             self.session = None
+
+    def _collect(self, subdir: str) -> None:
+        """Copy each node's ``<workdir>/<subdir>`` into ``<run dir>/<subdir>/<node>/``."""
+        import ray
+
+        for agent in self._agents:
+            try:
+                files = ray.get(agent.handle.collect.remote(subdir), timeout=60)
+            except Exception as err:
+                log.warning("could not fetch %s/ from node %s: %s", subdir, agent.node.name, str(err).splitlines()[0])
+                continue
+            for name, data in files.items():
+                path = self.run_dir / subdir / agent.node.name / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
 
     def _close_logs(self) -> None:
         for fh in self._logs.values():

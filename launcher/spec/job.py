@@ -84,6 +84,12 @@ class CheckpointSpec(Strict):
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint in dir if there is one; never: always start fresh.")
 
 
+class ProfileSpec(Strict):
+    start_step: int = Field(0, ge=0, description="First optimizer step to record with torch.profiler (0: no profiling). Recorded steps run slower: do not quote a profiled run's throughput.")
+    steps: int = Field(5, ge=1, le=100, description="Optimizer steps to record.")
+    ranks: list[int] | Literal["all"] = Field(default_factory=lambda: [0], description="Global ranks that record (ranks beyond the world size are ignored), or all.")
+
+
 class TrainSpec(Strict):
     steps: int = Field(200, ge=1, description="pinned. Optimizer steps to run.")
     warmup_steps: int = Field(20, ge=0, description="Steps excluded from throughput (compilation, allocator and cuDNN warm-up).")
@@ -100,6 +106,7 @@ class TrainSpec(Strict):
     seed: int = Field(1234, ge=0, description="Seed for weights and synthetic data (data streams also differ per rank).")
     log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Periodic checkpoints and resume.")
+    profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler over a few steps: a Chrome/Perfetto trace and a table of the top operators per recording rank, in the run directory's profile/ folder.")
 
 
 class DDPSpec(Strict):
@@ -209,6 +216,14 @@ class JobSpec(Strict):
                     f"train.warmup_steps ({self.train.warmup_steps}) must be below train.steps "
                     f"({self.train.steps}), or no step is measured"
                 )
+        prof = self.train.profile
+        if prof.start_step and prof.start_step + prof.steps - 1 > self.train.steps:
+            raise ValueError(
+                f"train.profile records steps {prof.start_step}..{prof.start_step + prof.steps - 1}, past "
+                f"train.steps ({self.train.steps}); lower train.profile.start_step or steps"
+            )
+        if prof.start_step and not self.uses_builtin:
+            raise ValueError("train.profile works with the built-in trainer only; profile your own script inside it")
         if self.train.checkpoint.every_steps and self.train.checkpoint.dir is None:
             raise ValueError("train.checkpoint.every_steps needs train.checkpoint.dir")
         if self.cudnn.deterministic and self.cudnn.benchmark:

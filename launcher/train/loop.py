@@ -39,6 +39,7 @@ from launcher.train.meter import (
     progress_line,
 )
 from launcher.train.model import build_model, count_params, flops_per_token
+from launcher.train.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -252,20 +253,30 @@ class Trainer:
                      self.job.name, self.job.model.arch, self.job.model.size, self.n_params / 1e6,
                      self.world_size, self.job.parallel.strategy, self.job.precision.dtype,
                      self.start_step + 1, total)
+        profiler = StepProfiler(self.job.train.profile, rank=self.rank, device=self.device)
         self.meter.start()
-        for step in range(self.start_step + 1, total + 1):
-            loss = self.train_step(step)
-            record = self.meter.step_end(step, loss)
-            if record is not None and self.rank == 0:
-                log.info(progress_line(record, total, self.flops_per_token, self.peak_tflops))
-            if self.checkpointer.due(step, total):
-                self.checkpointer.save(step, self.model, self.optimizer, self.scheduler)
-            if on_step is not None:
-                on_step(step)
+        try:
+            for step in range(self.start_step + 1, total + 1):
+                profiler.before_step(step)
+                loss = self.train_step(step)
+                profiler.after_step(step)
+                self._after_step(step, loss, total, on_step)
+        finally:
+            profiler.close()
         final = self.meter.finish()
         if self.rank == 0:
             log.info(final_line(final, self.world_size))
         return final
+
+    def _after_step(self, step: int, loss: torch.Tensor, total: int, on_step: StepCallback | None) -> None:
+        """Meter (and log on log steps), checkpoint when due, then the caller's callback."""
+        record = self.meter.step_end(step, loss)
+        if record is not None and self.rank == 0:
+            log.info(progress_line(record, total, self.flops_per_token, self.peak_tflops))
+        if self.checkpointer.due(step, total):
+            self.checkpointer.save(step, self.model, self.optimizer, self.scheduler)
+        if on_step is not None:
+            on_step(step)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded CPU copies of the parameters, on rank 0 (a collective under FSDP)."""

@@ -21,7 +21,7 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
     )
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"]["nproc_per_node"] = 1
-    job["train"].update(steps=8, warmup_steps=2, log_every=2)
+    job["train"].update(steps=8, warmup_steps=2, log_every=2, profile={"start_step": 4, "steps": 2, "ranks": "all"})
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
@@ -40,6 +40,9 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
         assert (run_dir / f"logs/{node}/rank{rank}.log").is_file()
         assert (run_dir / f"metrics/rank{rank}.jsonl").stat().st_size > 0
         assert (run_dir / f"preflight/{node}.json").is_file()
+        # train.profile: written in the node's private /tmp, fetched before its workdir went
+        assert (run_dir / f"profile/{node}/rank{rank}.ops.txt").read_text().startswith(f"rank {rank}, steps 4..5:")
+        assert (run_dir / f"profile/{node}/rank{rank}.trace.json.gz").stat().st_size > 0
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["master_addr"] == cluster.host(cluster.node_names[0])
     # Ray was stopped on both nodes, its token file removed, nothing but sshd left in them

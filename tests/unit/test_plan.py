@@ -68,6 +68,15 @@ def test_env_layers_and_sources():
     assert a.env["NCCL_SOCKET_IFNAME"] == "eth0" and "NCCL_SOCKET_IFNAME" not in b.env
     assert a.env["LAUNCHER_METRICS_FILE"] == "/tmp/launcher/t-1/a/metrics/rank{rank}.jsonl"
     assert a.env["FOO"] == "bar"
+    assert "LAUNCHER_PROFILE_DIR" not in a.env  # only when train.profile records
+
+
+def test_profiling_gives_each_node_a_profile_folder():
+    job = JobSpec.model_validate({"name": "t", "train": {"profile": {"start_step": 5}},
+                                  "resources": {"device": "cuda"}})
+    a, b = make(job, two_nodes()).nodes
+    assert a.env["LAUNCHER_PROFILE_DIR"] == "/tmp/launcher/t-1/a/profile"
+    assert b.env_sources["LAUNCHER_PROFILE_DIR"] == "launcher (train.profile)"
 
 
 def test_secrets_masked_in_json_and_render_but_not_in_the_plan():
