@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher import __version__
+from launcher import __version__, signals
 from launcher.errors import EXIT_INTERRUPTED, EXIT_INVALID_INPUT, LauncherError, UsageError
 
 log = logging.getLogger("launcher")
@@ -32,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_INVALID_INPUT
     _setup_logging(args.debug)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signals.install()
     try:
         return int(args.func(args) or 0)
     except LauncherError as err:
@@ -185,10 +184,6 @@ def _setup_logging(debug: bool) -> None:
     if not debug:
         for noisy in ("ray", "paramiko", "fabric", "invoke", "torch"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from launcher import signals
 from launcher.errors import Interrupted, JobFailed, LauncherError
 from launcher.orchestrate.plan import (
     DEFAULT_MASTER_PORT,
@@ -144,17 +145,21 @@ class Launch:
         if not self.quiet:
             print(report.table(), flush=True)
         report.raise_for_failure()
+        signals.check()
         return _node_facts(report, self.nodes)
 
     def connect_ray(self) -> None:
         if self.session is not None:
             return
         # ray.init() replaces the SIGTERM handler with one that calls sys.exit(15): SIGTERM
-        # would then skip the interrupted path (summary, exit 130). Keep ours, also mid-init.
+        # would then skip the interrupted path (summary, exit 130). Keep ours, also mid-init
+        # (keep_handlers; where ours are not installed, put back whatever was there after).
         previous = signal.getsignal(signal.SIGTERM)
         try:
-            self.session = open_session(self.cluster, self.nodes)
+            with signals.keep_handlers():
+                self.session = open_session(self.cluster, self.nodes)
             self._own_session = True
+            signals.check()  # a signal whose exception Python dropped while Ray forked
         except SystemExit as exit_:
             if exit_.code != signal.SIGTERM:
                 raise
@@ -207,6 +212,7 @@ class Launch:
         self._start_workers(port)
         log.info("Started %d worker(s) on %d node(s): %s", self._plan.world_size, len(self.nodes),
                  ", ".join(f"{n.name} ranks {n.ranks[0]}-{n.ranks[-1]}" for n in self._plan.nodes))
+        signals.check()
 
     def _start_workers(self, port: int) -> None:
         """Start torchrun on every node (attempt ``self._attempt``, rendezvous on ``port``).
@@ -258,6 +264,7 @@ class Launch:
         progress = _Progress(self.job, disable=self.quiet)
         try:
             while True:
+                signals.check()
                 now = time.monotonic()
                 for agent in self._agents:
                     if agent.pending is None and agent.exit is None:

@@ -1,0 +1,69 @@
+"""SIGINT and SIGTERM stop the launch (exit 130), even when Python drops the exception.
+
+A signal handler's exception is raised wherever the main thread happens to be. Where that is
+an at-fork callback or a finaliser (Ray forks its processes while it starts), Python prints
+"Exception ignored in ..." and goes on: the interrupt is lost and the launcher would run on.
+So the handler also remembers the signal, and the launcher calls ``check()`` at every stage
+boundary and watch-loop turn, which raises it again.
+
+Third-party start-up code may install its own SIGTERM handler (``ray.init`` installs one
+that calls ``sys.exit``); ``keep_handlers()`` keeps ours in place around such calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+_pending: int | None = None
+
+
+def install() -> None:
+    """Route SIGINT and SIGTERM to :func:`_interrupt` (main thread only) and forget old ones."""
+    global _pending
+    _pending = None
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    global _pending
+    _pending = signum
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def pending() -> int | None:
+    """The signal received, if any."""
+    return _pending
+
+
+def check() -> None:
+    """Raise KeyboardInterrupt if a signal arrived (again, if its first raise was dropped)."""
+    if _pending is not None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(_pending).name}")
+
+
+@contextlib.contextmanager
+def keep_handlers() -> Iterator[None]:
+    """Within the block, attempts to replace the SIGINT/SIGTERM handlers are ignored (only
+    where ours are installed; elsewhere, e.g. under a test runner, nothing changes)."""
+    ours = threading.current_thread() is threading.main_thread() and all(
+        signal.getsignal(s) is _interrupt for s in (signal.SIGINT, signal.SIGTERM))
+    if not ours:
+        yield
+        return
+    original = signal.signal
+
+    def guarded(signalnum, handler):  # noqa: ANN001, ANN202 - signal.signal's signature
+        if signalnum in (signal.SIGINT, signal.SIGTERM):
+            return signal.getsignal(signalnum)
+        return original(signalnum, handler)
+
+    signal.signal = guarded  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = original  # type: ignore[assignment]

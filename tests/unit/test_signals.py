@@ -1,0 +1,69 @@
+"""launcher.signals: an interrupt is remembered even where Python drops its exception (real
+signals sent to this process; the test's own handlers are put back afterwards)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from launcher import signals
+
+
+@pytest.fixture
+def installed():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals.install()
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        signals._pending = None
+
+
+def test_a_signal_raises_and_is_remembered(installed):
+    assert signals.pending() is None
+    signals.check()  # nothing pending: no raise
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0)  # a bytecode boundary or two for the handler to run
+    assert signals.pending() == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        signals.check()
+
+
+def test_an_interrupt_python_dropped_is_raised_at_the_next_check(installed, monkeypatch):
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)  # Python's "Exception ignored in"
+
+    class Finalised:
+        def __del__(self):  # an exception raised in here is printed and dropped by Python
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):
+                pass
+
+    Finalised()  # collected at once: the handler runs inside __del__
+    assert [d.exc_type for d in dropped] == [KeyboardInterrupt]
+    assert signals.pending() == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        signals.check()
+
+
+def test_keep_handlers_refuses_replacements_only_while_ours_are_installed(installed):
+    def other(signum, frame):  # pragma: no cover - never called
+        pass
+
+    with signals.keep_handlers():
+        previous = signal.signal(signal.SIGTERM, other)  # what ray.init does
+        signal.signal(signal.SIGUSR1, other)  # other signals are left alone
+    assert previous is signals._interrupt
+    assert signal.getsignal(signal.SIGTERM) is signals._interrupt
+    assert signal.getsignal(signal.SIGUSR1) is other
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not ours any more: no guard
+    with signals.keep_handlers():
+        signal.signal(signal.SIGTERM, other)
+    assert signal.getsignal(signal.SIGTERM) is other
