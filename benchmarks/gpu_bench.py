@@ -60,6 +60,9 @@ def main() -> None:
                    help="rounds of all runs, interleaved (every other round in reverse order); each run "
                         "reports its median round and the range")
     p.add_argument("--out", type=Path, default=None, help="folder for results.json and run directories")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a job override for every trainer run, e.g. train.profile.start_step=100 "
+                        "(traces land in each run's folder: run/profile/ or profile/)")
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +76,7 @@ def main() -> None:
     for r in range(args.repeat):
         for name in (names if r % 2 == 0 else names[::-1]):
             folder = out / (name if args.repeat == 1 else f"{name}.{r}")
-            result = _one(name, args.steps, gpus, folder)
+            result = _one(name, args.steps, gpus, folder, args.sets)
             rounds[name].append(result)
             _print_progress(name if args.repeat == 1 else f"{name} (round {r + 1})", result)
     results = {name: _median_round(runs) for name, runs in rounds.items()}
@@ -85,7 +88,7 @@ def main() -> None:
     print(f"\nresults: {out / 'results.json'}")
 
 
-def _one(name: str, steps: int, gpus: int, folder: Path) -> dict:
+def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) -> dict:
     """One run of ``name``; a dict with its throughput, or ``error`` / ``skipped``."""
     if name in PAIRS:
         cmd = [sys.executable, str(ROOT / "benchmarks/trainer_vs_hf.py"), "--device", "cuda", "--size", "base",
@@ -110,7 +113,7 @@ def _one(name: str, steps: int, gpus: int, folder: Path) -> dict:
         return {"how": "ddp_ref", "gpus": n, "tokens_per_s": per_gpu * n, "tokens_per_s_per_gpu": per_gpu,
                 "mfu": None, "step_ms_p50": max(r["p50_ms"] for r in data["ranks"]), "wall_s": res["wall_s"]}
     how, job, n, sets = TRAINER_RUNS[name]
-    sets = [*sets, f"train.steps={steps}", "train.warmup_steps=30", "train.log_every=30"]
+    sets = [*sets, f"train.steps={steps}", "train.warmup_steps=30", "train.log_every=30", *extra_sets]
     return _trainer_run(how, job, n, sets, folder)
 
 
@@ -134,7 +137,8 @@ def _trainer_run(how: str, job: str, n: int, sets: list[str], folder: Path) -> d
     if how == "torchrun":
         metrics = folder / "metrics"
         metrics.mkdir(exist_ok=True)
-        env = {**os.environ, "LAUNCHER_METRICS_FILE": str(metrics / "rank{rank}.jsonl")}
+        env = {**os.environ, "LAUNCHER_METRICS_FILE": str(metrics / "rank{rank}.jsonl"),
+               "LAUNCHER_PROFILE_DIR": str(folder / "profile")}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
                "-m", "launcher.train", "--job", str(ROOT / job), *set_args]
         res = _run(cmd, folder / "torchrun.log", env=env)
