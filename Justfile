@@ -23,6 +23,10 @@ bench:
     python3 benchmarks/preflight_fanout.py
     python3 benchmarks/trainer_vs_hf.py --device cpu
 
+# The GPU comparison (README "Performance"): 3 interleaved rounds, medians and ranges
+gpu-bench *ARGS:
+    python3 benchmarks/gpu_bench.py --repeat 3 {{ARGS}}
+
 # Regenerate the JSON Schemas editors use for jobs/*.yaml and cluster.yaml
 schema:
     launch schema job > launcher/spec/schemas/job.schema.json
