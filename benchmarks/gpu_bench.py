@@ -93,10 +93,9 @@ def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) 
     if name in PAIRS:
         cmd = [sys.executable, str(ROOT / "benchmarks/trainer_vs_hf.py"), "--device", "cuda", "--size", "base",
                "--seq", "512", "--micro-batch", "32", "--steps", "40", "--warmup", "15", "--json", *PAIRS[name]]
-        res = _run(cmd, Path(f"{folder}.log"))
-        if not res["ok"]:
+        res, data = _run_json(cmd, Path(f"{folder}.log"))
+        if data is None:
             return {"error": res["tail"]}
-        data = json.loads(res["stdout"].strip().splitlines()[-1])
         return {"ours_tokens_per_s": data["launcher"]["tokens_per_s"], "hf_tokens_per_s": data["hf"]["tokens_per_s"],
                 "ratio": data["ratio"], "wall_s": res["wall_s"]}
     n = REF_RUNS[name][0] if name in REF_RUNS else TRAINER_RUNS[name][2]
@@ -105,10 +104,9 @@ def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) 
     if name in REF_RUNS:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                str(ROOT / "benchmarks/ddp_ref.py"), *REF_RUNS[name][1]]
-        res = _run(cmd, Path(f"{folder}.log"))
-        if not res["ok"]:
+        res, data = _run_json(cmd, Path(f"{folder}.log"))
+        if data is None:
             return {"error": res["tail"]}
-        data = json.loads(res["stdout"].strip().splitlines()[-1])
         per_gpu = data["tokens_per_s_per_gpu"]
         return {"how": "ddp_ref", "gpus": n, "tokens_per_s": per_gpu * n, "tokens_per_s_per_gpu": per_gpu,
                 "mfu": None, "step_ms_p50": max(r["p50_ms"] for r in data["ranks"]), "wall_s": res["wall_s"]}
@@ -215,6 +213,12 @@ def _span(r: dict) -> str:
         return ""
     fmt = "{:.2f}" if "ratio" in r else "{:,.0f}"
     return f"{fmt.format(min(rounds))}-{fmt.format(max(rounds))}"
+
+
+def _run_json(cmd: list[str], log: Path) -> tuple[dict, dict | None]:
+    """``_run``, and the JSON document the command printed last (None if it failed)."""
+    res = _run(cmd, log)
+    return res, json.loads(res["stdout"].strip().splitlines()[-1]) if res["ok"] else None
 
 
 def _run(cmd: list[str], log: Path, env: dict | None = None) -> dict:

@@ -148,7 +148,7 @@ class NodeAgent:
         root = Path(self._plan["workdir"]) / subdir
         out: dict[str, bytes] = {}
         total = 0
-        for path in sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []:
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):  # none if root is missing
             size = path.stat().st_size
             if total + size > max_bytes:
                 continue

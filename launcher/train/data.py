@@ -78,11 +78,16 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
+def global_index(micro, rank: int, j, *, world_size: int, micro_batch: int):
+    """``a·(W·m) + r·m + j`` (see the module doc), for ints or tensors of micro and j."""
+    return micro * (world_size * micro_batch) + rank * micro_batch + j
+
+
 def global_indices(*, step: int, micro: int, rank: int, world_size: int, micro_batch: int,
                    grad_accum: int) -> range:
     """The within-step global sample indices of one rank's micro-batch (see the module doc)."""
     assert 0 <= micro < grad_accum and 0 <= rank < world_size
-    start = micro * world_size * micro_batch + rank * micro_batch
+    start = global_index(micro, rank, 0, world_size=world_size, micro_batch=micro_batch)
     return range(start, start + micro_batch)
 
 
@@ -181,7 +186,7 @@ class SyntheticBatches(Batches):
         row = torch.arange(len(steps) * per_step, device=dev)
         step = (steps.start + row // per_step).unsqueeze(1)
         micro, j = (row % per_step) // m, row % m
-        sample = (micro * (self.world_size * m) + self.rank * m + j).unsqueeze(1)  # global_indices
+        sample = global_index(micro, self.rank, j, world_size=self.world_size, micro_batch=m).unsqueeze(1)
         return self.assemble(self.tokens(step, range(0), sample), step, sample)
 
     def tokens(self, step: int | torch.Tensor, idx: range, sample: torch.Tensor) -> torch.Tensor:
