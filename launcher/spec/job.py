@@ -121,6 +121,7 @@ class FSDPSpec(Strict):
     param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="Dtype of gathered parameters for compute; auto follows precision.dtype.")
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of gradient reduce-scatter.")
     cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in host memory.")
+    blocks_per_unit: int = Field(1, ge=1, description="Transformer blocks per FSDP unit (one all-gather and one reduce-scatter each): more blocks per unit cost less host time per step and more memory.")
 
 
 class ParallelSpec(Strict):

@@ -101,11 +101,15 @@ def apply_fsdp(model: nn.Module, job: JobSpec, *, device: torch.device, world_si
         mp_policy=MixedPrecisionPolicy(param_dtype=fsdp_param_dtype(job), reduce_dtype=DTYPES[cfg.reduce_dtype]),
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     )
-    last = len(model.blocks) - 1
-    for i, block in enumerate(model.blocks):
-        # The last block's backward runs right after the head's: resharding it after forward
+    blocks, per_unit = list(model.blocks), cfg.blocks_per_unit
+    units = [blocks[i:i + per_unit] for i in range(0, len(blocks), per_unit)]
+    for i, unit in enumerate(units):
+        # The last unit's backward runs right after the head's: resharding it after forward
         # would only all-gather it again at once (torchtitan does the same).
-        fully_shard(block, **{**options, "reshard_after_forward": options["reshard_after_forward"] and i < last})
+        reshard = options["reshard_after_forward"] and i < len(units) - 1
+        # A list is one unit: one all-gather, one reduce-scatter and one set of hooks for
+        # all its blocks (FSDP's per-unit host work is what a small model's step waits on).
+        fully_shard(unit if len(unit) > 1 else unit[0], **{**options, "reshard_after_forward": reshard})
     fully_shard(model, **options)
     return model
 

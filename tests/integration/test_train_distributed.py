@@ -156,6 +156,15 @@ def test_fsdp_fp32_loss_falls_and_matches_ddp(fsdp_fp32: Run, ddp_fp32: Run):
     assert_params_close(ddp_fp32.params(), fsdp_fp32.params(), atol=1e-4)
 
 
+def test_fsdp_with_several_blocks_per_unit_matches_ddp(base: Path, ddp_fp32: Run):
+    """Two blocks in one FSDP unit (one all-gather, one reduce-scatter): the same training."""
+    job = write_job(base / "fsdp-units.yaml", "fsdp-units", base / "ckpt-fsdp-units")
+    run = ok(launch(base / "fsdp-units", ["--job", str(job), "--params-out", "params.pt",
+                                          "--set", "parallel.strategy=fsdp",
+                                          "--set", "parallel.fsdp.blocks_per_unit=2"]))
+    assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_bf16_loss_falls(base: Path, strategy: str):
     """bf16 autocast through the real entry point, accumulating 2 micro-batches (DDP's no_sync,

@@ -1,0 +1,49 @@
+"""``parallel.fsdp.blocks_per_unit``: consecutive blocks share one FSDP unit (one parameter
+group: one all-gather, one reduce-scatter), parameter names unchanged (one gloo process)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher.spec.job import JobSpec
+from launcher.train.model import build_model
+from launcher.train.parallel import parallelize
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("per_unit", "units"), [(1, 4), (2, 2), (3, 2), (4, 1), (8, 1)])
+def test_blocks_are_grouped_into_units(one_process_group, per_unit: int, units: int):
+    job = JobSpec.model_validate({
+        "name": "units", "model": {"arch": "bert", "size": "mini", "vocab_size": 512},
+        "data": {"source": "synthetic", "seq_len": 16},
+        "parallel": {"strategy": "fsdp", "fsdp": {"blocks_per_unit": per_unit}},
+        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
+    })
+    model = build_model(job.model, seq_len=16, mask_prob=0.15)
+    names = [n for n, _ in model.named_parameters()]
+    model = parallelize(model, job, device=torch.device("cpu"), world_size=1)
+    groups = [b._get_fsdp_state()._fsdp_param_group for b in model.blocks]
+    assert len({id(g) for g in groups}) == units
+    # every block's parameters are in its unit's group, and no parameter was renamed
+    for block, group in zip(model.blocks, groups, strict=True):
+        managed = {id(p.sharded_param) for p in group.fsdp_params}
+        assert all(id(p) in managed for p in block.parameters())
+    assert [n for n, _ in model.named_parameters()] == names
