@@ -6,10 +6,11 @@ time of 16 nodes close to that of one (target: within 3x); a serial one would be
 
     sudo python benchmarks/preflight_fanout.py [--nodes 1,4,16] [--repeat 3] [--cli]
 
-On this machine every login runs ~/.bashrc (pyenv init: ~0.4 s of CPU), and all simulated
-nodes share its cores, so a large fan-out becomes CPU-bound on the *nodes'* side. The table
-therefore also shows the floor any SSH fan-out pays here (``ssh true`` on every node at once),
-and ``--bare-login`` hides ~/.bashrc inside the nodes to measure the launcher's own cost.
+All simulated nodes share this machine's cores: each costs 120-280 ms of CPU (sshd, login
+shell, Python, probe), so on 2 cores 16 nodes are CPU-bound on the *nodes'* side (4.7-6.7x of
+one), while on 32 cores they take 1.7-1.8x (README "Preflight fan-out"). The table therefore
+also shows the floor any SSH fan-out pays here (``ssh true`` on every node at once), and
+``--bare-login`` hides ~/.bashrc inside the nodes (a login that runs none).
 
 ``--cli`` times ``python -m launcher check --fast`` as a subprocess (adds interpreter start-up
 and imports); the default times ``run_preflight(cluster, deep=False)`` in-process.
