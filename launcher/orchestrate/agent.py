@@ -197,7 +197,6 @@ class NodeAgent:
             for fh in files.values():
                 fh.close()
 
-
     def _tail_metrics(self) -> None:
         assert self._proc is not None and self._plan is not None
         folder = Path(self._plan["workdir"]) / "metrics"

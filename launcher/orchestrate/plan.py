@@ -116,7 +116,7 @@ def plan(
     ``facts`` come from the preflight; without them (``--skip-parity``) GPU counts are the
     ones cluster.yaml declares.
     """
-    nodes = _selected_nodes(job, cluster)
+    nodes = nodes_for_job(cluster, job)
     counts = [_nproc(job, node, (facts or {}).get(node.name)) for node in nodes]
     world = sum(counts)
     head = nodes[0]
@@ -185,17 +185,6 @@ def is_secret(name: str) -> bool:
 
 
 # -- internals ------------------------------------------------------------------------------
-
-
-def _selected_nodes(job: JobSpec, cluster: ClusterSpec) -> list[NodeSpec]:
-    want = job.resources.nodes
-    if want != "all" and want > len(cluster.nodes):
-        raise SpecError(
-            f"resources.nodes asks for {want} nodes but the cluster has {len(cluster.nodes)}; "
-            f"lower resources.nodes or add nodes to cluster.yaml",
-            source="job", field="resources.nodes",
-        )
-    return nodes_for_job(cluster, job)
 
 
 def _nproc(job: JobSpec, node: NodeSpec, facts: NodeFacts | None) -> int:

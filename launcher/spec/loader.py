@@ -116,16 +116,14 @@ def validate(model: type[BaseModel], data: Any, *, source: str, overrides: Seque
         raise SpecError(f"invalid {_kind(model)}{count}: " + "; ".join(lines), source=source) from err
 
 
-def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None) -> list[NodeSpec]:
-    """The nodes a job runs on: the first ``resources.nodes`` (all for ``all`` or without a job)."""
+def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None, *, job_source: str = "job") -> list[NodeSpec]:
+    """The nodes a job runs on: the first ``resources.nodes`` (all for ``all`` or without a job).
+
+    Raises SpecError when the job asks for more nodes than the cluster has.
+    """
     if job is None or job.resources.nodes == "all":
         return list(cluster.nodes)
-    return list(cluster.nodes[: job.resources.nodes])
-
-
-def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
-    """Checks between a job and a cluster that need no node: asking for more nodes than exist."""
-    if isinstance(job.resources.nodes, int) and job.resources.nodes > len(cluster.nodes):
+    if job.resources.nodes > len(cluster.nodes):
         names = ", ".join(n.name for n in cluster.nodes)
         raise SpecError(
             f"resources.nodes asks for {job.resources.nodes} nodes but the cluster has "
@@ -133,7 +131,13 @@ def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -
             source=job_source,
             field="resources.nodes",
         )
-    for node in nodes_for_job(cluster, job):
+    return list(cluster.nodes[: job.resources.nodes])
+
+
+def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
+    """Checks between a job and a cluster that need no node: asking for more nodes than exist,
+    a cuda job on a node that declares no GPUs."""
+    for node in nodes_for_job(cluster, job, job_source=job_source):
         if job.resources.device == "cuda" and node.gpus == 0:
             raise SpecError(
                 f"device cuda needs GPUs but cluster node {node.name!r} declares gpus: 0; "
