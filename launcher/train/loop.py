@@ -221,6 +221,8 @@ class Trainer:
         # no_sync there; syncing every micro-batch of the first step gives the same average.
         ddp = self.job.parallel
         first = step == self.start_step + 1 and ddp.strategy == "ddp" and ddp.ddp.static_graph
+        if self.job.train.cuda_graphs:  # a new replay generation: the last one's outputs are done
+            torch.compiler.cudagraph_mark_step_begin()
         with parallel.gradient_sync(self.model, enabled=micro == accum - 1 or first):
             with self._autocast():
                 loss = self.model(**batch) / accum

@@ -28,7 +28,7 @@ def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_s
     if job.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if job.train.compile:
-        apply_compile(model)
+        apply_compile(model, cuda_graphs=job.train.cuda_graphs)
     if job.parallel.strategy == "fsdp":
         return apply_fsdp(model, job, device=device, world_size=world_size)
     if world_size > 1:
@@ -42,16 +42,22 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.checkpoint_activations = True
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, *, cuda_graphs: bool = False) -> None:
     """Compile the embeddings, each block and the head, in place (names unchanged).
 
     Per block rather than whole-model: every block has the same shapes, so one compiled
     graph is reused L times, and FSDP's per-block hooks sit between graphs.
+
+    ``cuda_graphs`` (inductor's reduce-overhead mode) records each compiled forward and
+    backward once and replays it: one launch instead of dozens of kernel launches. DDP's
+    gradient hooks run between the graphs, so the all-reduce still overlaps the backward.
+    The trainer marks each micro-batch's start (``cudagraph_mark_step_begin``).
     """
-    model.embed.compile()
+    options = {"mode": "reduce-overhead"} if cuda_graphs else {}
+    model.embed.compile(**options)
     for block in model.blocks:
-        block.compile()
-    model.head.compile()
+        block.compile(**options)
+    model.head.compile(**options)
 
 
 def apply_ddp(model: nn.Module, job: JobSpec, *, device: torch.device) -> nn.Module:

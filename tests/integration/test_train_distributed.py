@@ -298,16 +298,32 @@ def test_gpu_nccl_ddp_on_two_gpus_matches_one_gpu(base: Path):
 
 
 @pytest.mark.gpu
+@needs_gpus[2]
+def test_gpu_cuda_graphs_on_two_gpus_match_compiled_one_gpu(base: Path):
+    """Replayed graphs with DDP's hooks between them train the same model as launches."""
+    job = gpu_job(base, "gpu-graphs")
+    compiled = ["--set", "train.compile=true"]
+    two = ok(launch(base / "gpu-graphs-two", ["--job", str(job), "--params-out", "params.pt", *compiled,
+                                              "--set", "train.cuda_graphs=true"]))
+    one = ok(launch(base / "gpu-graphs-one", ["--job", str(job), "--params-out", "params.pt", *compiled,
+                                              "--set", "train.micro_batch=16"], nproc=1))
+    assert_loss_falls(two, by=1.0)
+    assert_params_close(two.params(), one.params(), atol=5e-4)
+
+
+@pytest.mark.gpu
 @needs_gpus[1]
 @pytest.mark.parametrize(("dtype", "strategy", "compile_"), [
     ("bf16", "ddp", False), ("fp16", "ddp", False), ("bf16", "fsdp", True), ("fp16", "fsdp", False),
-    ("tf32", "ddp", True),
+    ("tf32", "ddp", True), ("bf16", "ddp", "graphs"), ("fp16", "ddp", "graphs"),
 ])
-def test_gpu_precisions_run_and_the_loss_falls(base: Path, dtype: str, strategy: str, compile_: bool):
-    name = f"gpu-{dtype}-{strategy}"
+def test_gpu_precisions_run_and_the_loss_falls(base: Path, dtype: str, strategy: str, compile_: bool | str):
+    """compile_ "graphs": compiled and replayed as CUDA graphs."""
+    name = f"gpu-{dtype}-{strategy}-{compile_}"
     run = ok(launch(base / name, ["--job", str(gpu_job(base, name)), "--set", f"precision.dtype={dtype}",
                                   "--set", f"parallel.strategy={strategy}",
-                                  "--set", f"train.compile={str(compile_).lower()}"],
+                                  "--set", f"train.compile={str(bool(compile_)).lower()}",
+                                  "--set", f"train.cuda_graphs={str(compile_ == 'graphs').lower()}"],
                     nproc=min(GPUS, 2), module=True))
     assert_loss_falls(run, by=1.0)
     final = run.records(0, "final")[0]
