@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -66,10 +67,10 @@ def write_job(path: Path, name: str, ckpt: Path) -> Path:
 
 
 def launch(run_dir: Path, args: list[str], *, nproc: int | None = 2, module: bool = False,
-           timeout: float = RUN_TIMEOUT_S) -> Run:
-    """Run the trainer (``-m launcher.train`` or the harness) under torchrun, or alone."""
+           script: Path = HARNESS, timeout: float = RUN_TIMEOUT_S) -> Run:
+    """Run the trainer (``-m launcher.train``, the harness or another script) under torchrun, or alone."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = ["-m", "launcher.train"] if module else [str(HARNESS)]
+    target = ["-m", "launcher.train"] if module else [str(script)]
     if nproc is None:
         cmd = [sys.executable, *target, *args]
     else:
@@ -261,6 +262,18 @@ def test_quickstart_runs_as_one_process_without_torchrun(base: Path):
                                      "--set", "train.log_every=2"], nproc=None, module=True))
     assert "world 1" in run.output and "step 4/4" in run.output and "done: 4 steps" in run.output
     assert [r["type"] for r in run.records()] == ["meta", "step", "step", "step", "final"]
+
+
+def test_the_host_bound_benchmark_reports_issue_and_synced_time_per_rank(base: Path):
+    run = ok(launch(base / "host-bound", [str(REPO / "jobs/quickstart.yaml"), "--warmup", "1", "--probe", "2",
+                                          "--steps", "2", "--set", "model.n_layers=1"],
+                    script=REPO / "benchmarks/host_bound.py"))
+    [line] = [x for x in run.output.splitlines() if x.startswith('{"job"')]
+    result = json.loads(line)
+    assert result["world_size"] == 2 and [r["rank"] for r in result["ranks"]] == [0, 1]
+    for r in result["ranks"]:
+        assert 0 < r["issue_ms"] <= r["synced_ms"] and r["tokens_per_s"] > 0 and r["step_ms"] > 0
+    assert result["tokens_per_s_per_rank"] == min(r["tokens_per_s"] for r in result["ranks"])
 
 
 # -- GPUs (opt in: skipped with a reason where CUDA is absent) -------------------------------

@@ -1,0 +1,100 @@
+"""Does the trainer's step wait on the host? Host issue time against device time, per rank.
+
+Runs the built-in trainer's optimizer steps (``Trainer.train_step``, nothing else) under
+torchrun and measures on every rank:
+
+* ``issue_ms``: host time to enqueue one step that starts on an idle device (synchronised
+  and barriered before), median of ``--probe`` steps;
+* ``synced_ms``: the same steps until the device has finished them;
+* ``tokens_per_s`` and ``step_ms``: ``--steps`` steps back to back, synchronised at the end.
+
+A step whose issue time reaches its synced time is host-bound: the GPU waits for launches,
+and anything else on the host (a second rank, the launcher) takes throughput away. With
+headroom (issue well below synced), the host runs ahead and the GPU sets the pace.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/host_bound.py jobs/bert_ddp.yaml \\
+        [--set train.cuda_graphs=false ...]
+
+Rank 0 prints one JSON line: the slowest rank's tokens/s and every rank's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from launcher.spec import load_job
+from launcher.train.loop import Trainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("job", help="a job file (the built-in trainer)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a job override, as for launch")
+    p.add_argument("--warmup", type=int, default=30, help="untimed steps first (compilation, graph recording)")
+    p.add_argument("--probe", type=int, default=10, help="steps timed one at a time from an idle device")
+    p.add_argument("--steps", type=int, default=120, help="steps timed back to back")
+    args = p.parse_args()
+    if min(args.probe, args.steps) < 1 or args.warmup < 0:
+        p.error("--probe and --steps must be at least 1, --warmup at least 0")
+    total = args.warmup + args.probe + args.steps
+    job = load_job(args.job, [f"train.steps={total}", "train.warmup_steps=0", *args.sets])
+    trainer = Trainer(job)
+    try:
+        result = measure(trainer, args.warmup, args.probe, args.steps)
+        every: list[dict] = [{} for _ in range(trainer.world_size)]
+        dist.all_gather_object(every, result)
+        if trainer.rank == 0:
+            print(json.dumps({"job": job.name, "sets": args.sets, "world_size": trainer.world_size,
+                              "tokens_per_s_per_rank": min(r["tokens_per_s"] for r in every),
+                              "ranks": every}))
+    finally:
+        trainer.close()
+
+
+def measure(trainer: Trainer, warmup: int, probe: int, steps: int) -> dict:
+    cuda = trainer.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+
+    t = trainer.job.train
+    tokens = t.micro_batch * t.grad_accum * trainer.job.data.seq_len
+    step = 0
+    for _ in range(warmup):
+        step += 1
+        trainer.train_step(step)
+    issue, synced = [], []
+    for _ in range(probe):
+        step += 1
+        sync()
+        dist.barrier()
+        began = time.perf_counter()
+        trainer.train_step(step)
+        issued = time.perf_counter()
+        sync()
+        done = time.perf_counter()
+        issue.append((issued - began) * 1e3)
+        synced.append((done - began) * 1e3)
+    sync()
+    dist.barrier()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step += 1
+        loss = trainer.train_step(step)
+    sync()
+    seconds = time.perf_counter() - began
+    return {"rank": trainer.rank, "tokens_per_s": steps * tokens / seconds, "step_ms": seconds * 1e3 / steps,
+            "issue_ms": statistics.median(issue), "synced_ms": statistics.median(synced),
+            "loss": float(loss)}
+
+
+if __name__ == "__main__":
+    main()
