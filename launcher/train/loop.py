@@ -221,8 +221,6 @@ class Trainer:
         # no_sync there; syncing every micro-batch of the first step gives the same average.
         ddp = self.job.parallel
         first = step == self.start_step + 1 and ddp.strategy == "ddp" and ddp.ddp.static_graph
-        if self.job.train.cuda_graphs:  # a new replay generation: the last one's outputs are done
-            torch.compiler.cudagraph_mark_step_begin()
         with parallel.gradient_sync(self.model, enabled=micro == accum - 1 or first):
             with self._autocast():
                 loss = self.model(**batch) / accum
@@ -232,6 +230,8 @@ class Trainer:
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step (all micro-batches); returns the loss on the device (no sync)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.job.train.cuda_graphs:  # a new replay generation: the last step's outputs are done
+            torch.compiler.cudagraph_mark_step_begin()
         loss = sum(self.forward_backward(step, micro) for micro in range(self.job.train.grad_accum))
         clip = self.job.train.grad_clip
         if self.scaler is not None:
