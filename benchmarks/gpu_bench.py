@@ -13,7 +13,8 @@ scaling efficiency (per-GPU tokens/s at 2 over 1), launch/torchrun throughput.
     python benchmarks/gpu_bench.py [--steps 200] [--only NAME,...] [--repeat 3] [--out DIR]
 
 On a shared host the same run can differ by 20% from one start to the next; ``--repeat``
-runs every selected run that many times, interleaved, and takes each one's median round.
+runs every selected run that many times, interleaved, and takes each one's median round; the
+ratios are also given within each round (``ratios_by_round``), where runs ran back to back.
 """
 
 from __future__ import annotations
@@ -81,10 +82,10 @@ def main() -> None:
             _print_progress(name if args.repeat == 1 else f"{name} (round {r + 1})", result)
     results = {name: _median_round(runs) for name, runs in rounds.items()}
 
-    ratios = _ratios(results)
+    ratios, by_round = _ratios(results), _ratios_by_round(rounds)
     (out / "results.json").write_text(json.dumps({"results": results, "ratios": ratios,
-                                                  "env": _env()}, indent=2) + "\n")
-    print(_table(results, ratios))
+                                                  "ratios_by_round": by_round, "env": _env()}, indent=2) + "\n")
+    print(_table(results, ratios, by_round))
     print(f"\nresults: {out / 'results.json'}")
 
 
@@ -187,7 +188,15 @@ def _ratios(r: dict) -> dict:
     }
 
 
-def _table(results: dict, ratios: dict) -> str:
+def _ratios_by_round(rounds: dict[str, list[dict]]) -> list[dict]:
+    """The ratios within each round. A round's runs ran back to back, so these compare like
+    with like; the median rounds of two runs may come from different rounds (one stalled run
+    then skews a ratio that no round shows)."""
+    count = min((len(runs) for runs in rounds.values()), default=0)
+    return [_ratios({name: runs[i] for name, runs in rounds.items()}) for i in range(count)]
+
+
+def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> str:
     from tabulate import tabulate
 
     rows = []
@@ -203,7 +212,13 @@ def _table(results: dict, ratios: dict) -> str:
             rows.append([name, "", r.get("skipped") or "FAILED: " + r.get("error", "")[-200:], "", "", "", "", ""])
     table = tabulate(rows, headers=["run", "GPUs", "tokens/s", "tokens/s/GPU", "MFU %", "step ms p50", "wall s",
                                     "rounds (min-max)"])
-    lines = [f"{k}: {v:.3f}" for k, v in ratios.items() if v is not None]
+    lines = []
+    for k, v in ratios.items():
+        if v is None:
+            continue
+        per_round = [r[k] for r in by_round or [] if r.get(k) is not None]
+        lines.append(f"{k}: {v:.3f}" + (f" (by round: {', '.join(f'{x:.3f}' for x in per_round)})"
+                                        if len(by_round or []) > 1 else ""))
     return table + "\n\n" + "\n".join(lines)
 
 

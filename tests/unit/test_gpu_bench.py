@@ -39,3 +39,22 @@ def test_ratios_are_per_gpu_and_missing_runs_give_none():
     assert r["launch_over_torchrun_2gpu"] == pytest.approx(540 / 570)
     assert r["hf_ddp_ref_scaling_efficiency_2gpu"] == pytest.approx(0.98)
     assert r["fsdp_scaling_efficiency_2gpu"] is None and r["ours_ddp_ref_scaling_efficiency_2gpu"] is None
+
+
+def test_ratios_by_round_pair_the_runs_of_one_round():
+    def run(per_gpu: float, gpus: int) -> dict:
+        return {"gpus": gpus, "tokens_per_s": per_gpu * gpus, "tokens_per_s_per_gpu": per_gpu, "mfu": 0.3,
+                "step_ms_p50": 27.0, "wall_s": 30.0}
+
+    rounds = {  # round 1 of launch-1 stalled: the median rounds would pair 560 (round 1) with 560
+        "bert-ddp-launch-1": [run(560.0, 1), run(610.0, 1)],
+        "bert-ddp-launch-2": [run(560.0, 2), run(565.0, 2)],
+    }
+    by_round = gpu_bench._ratios_by_round(rounds)
+    assert [r["ddp_scaling_efficiency_2gpu"] for r in by_round] == pytest.approx([1.0, 565 / 610])
+    medians = {name: gpu_bench._median_round(runs) for name, runs in rounds.items()}
+    assert gpu_bench._ratios(medians)["ddp_scaling_efficiency_2gpu"] == pytest.approx(1.0)
+    rounds["bert-ddp-launch-2"][1] = {"error": "boom"}  # a failed run leaves that round's ratio empty
+    assert gpu_bench._ratios_by_round(rounds)[1]["ddp_scaling_efficiency_2gpu"] is None
+    text = gpu_bench._table(medians, gpu_bench._ratios(medians), by_round)
+    assert "ddp_scaling_efficiency_2gpu: 1.000 (by round: 1.000, 0.926)" in text
