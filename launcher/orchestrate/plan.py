@@ -237,7 +237,7 @@ def _worker_env(
         "LAUNCHER_METRICS_FILE": f"{workdir}/metrics/rank{{rank}}.jsonl",
         "PYTHONUNBUFFERED": "1",
     }, "launcher")
-    if job.uses_builtin and job.train.profile.start_step:
+    if job.records_profile:
         put({"LAUNCHER_PROFILE_DIR": f"{workdir}/{PROFILE_SUBDIR}"}, "launcher (train.profile)")
     return env, sources
 

@@ -341,7 +341,7 @@ class Launch:
             except Exception as err:
                 log.warning("could not confirm that every agent stopped: %s", str(err).splitlines()[0])
             self._drain_after_stop()
-            if self.job.uses_builtin and self.job.train.profile.start_step:
+            if self.job.records_profile:
                 self._collect(PROFILE_SUBDIR)
             cleanups = [a.handle.cleanup.remote() for a in self._agents]
             with contextlib.suppress(Exception):

@@ -197,6 +197,11 @@ class JobSpec(Strict):
     def uses_builtin(self) -> bool:
         return self.entrypoint == "builtin"
 
+    @property
+    def records_profile(self) -> bool:
+        """train.profile is on (the cross-checks allow it with the built-in trainer only)."""
+        return self.train.profile.start_step > 0
+
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
         dev = self.resources.device
