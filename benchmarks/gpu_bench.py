@@ -199,6 +199,7 @@ def _ratios_by_round(rounds: dict[str, list[dict]]) -> list[dict]:
 def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> str:
     from tabulate import tabulate
 
+    by_round = by_round or []
     rows = []
     for name, r in results.items():
         if "ratio" in r:
@@ -216,9 +217,9 @@ def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> s
     for k, v in ratios.items():
         if v is None:
             continue
-        per_round = [r[k] for r in by_round or [] if r.get(k) is not None]
+        per_round = [r[k] for r in by_round if r.get(k) is not None]
         lines.append(f"{k}: {v:.3f}" + (f" (by round: {', '.join(f'{x:.3f}' for x in per_round)})"
-                                        if len(by_round or []) > 1 else ""))
+                                        if len(by_round) > 1 else ""))
     return table + "\n\n" + "\n".join(lines)
 
 

@@ -65,8 +65,7 @@ def measure(trainer: Trainer, warmup: int, probe: int, steps: int) -> dict:
         if cuda:
             torch.cuda.synchronize(trainer.device)
 
-    t = trainer.job.train
-    tokens = t.micro_batch * t.grad_accum * trainer.job.data.seq_len
+    tokens = trainer.meter.tokens_per_step
     step = 0
     for _ in range(warmup):
         step += 1
