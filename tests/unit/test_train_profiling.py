@@ -6,10 +6,11 @@ import gzip
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from launcher.spec.job import ProfileSpec
-from launcher.train.profiling import StepProfiler
+from launcher.train.profiling import StepProfiler, device_timeline, timeline_line
 
 CPU = torch.device("cpu")
 
@@ -34,6 +35,7 @@ def test_the_chosen_window_is_written_as_a_trace_and_a_table(tmp_path: Path):
     assert "aten::mm" in names and "aten::tanh" in names
     table = (tmp_path / "rank0.ops.txt").read_text()
     assert table.startswith("rank 0, steps 2..4:") and "aten::mm" in table
+    assert "device timeline" not in table  # no device activity on the CPU
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.ops.txt", "rank0.trace.json.gz"]
 
 
@@ -54,3 +56,37 @@ def test_a_recording_cut_short_writes_nothing(tmp_path: Path):
     assert not any(tmp_path.iterdir())
     assert run_steps(StepProfiler(ProfileSpec(start_step=2, steps=1), rank=0, device=CPU,
                                   out_dir=tmp_path / "again"), 2)  # the profiler is usable again
+
+
+def kernel(name: str, start: float, end: float, device: int = 0, cat: str = "kernel") -> dict:
+    return {"cat": cat, "name": name, "ts": start, "dur": end - start, "args": {"device": device, "stream": 7}}
+
+
+def test_the_device_timeline_splits_compute_communication_and_idle():
+    # Two steps (µs): compute 0-10 and 12-20, 30-40 and 40-44 (touching); an all-reduce 15-25
+    # (5 µs under compute) and 42-50 (2 µs under); a copy 26-28. Another device's and host
+    # events are ignored.
+    events = [kernel("sm90_gemm", 0, 10), kernel("triton_poi_fused", 12, 20),
+              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 15, 25),
+              kernel("Memcpy DtoD", 26, 28, cat="gpu_memcpy"),
+              kernel("sm90_gemm", 30, 40), kernel("multi_tensor_apply_kernel", 40, 44),
+              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 42, 50),
+              kernel("sm90_gemm", 0, 1000, device=1),
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900}]
+    t = device_timeline(events, steps=2, device=0)
+    assert t is not None
+    assert t["span_ms"] == pytest.approx(50e-3 / 2)
+    assert t["compute_ms"] == pytest.approx((10 + 8 + 2 + 14) * 1e-3 / 2)
+    assert t["comm_ms"] == pytest.approx((10 + 8) * 1e-3 / 2)
+    assert t["comm_exposed_ms"] == pytest.approx((5 + 6) * 1e-3 / 2)
+    assert t["idle_ms"] == pytest.approx((2 + 1 + 2) * 1e-3 / 2)  # 10-12, 25-26, 28-30
+    assert t["kernels"] == 3.5
+    line = timeline_line(t)
+    assert line.startswith("device timeline per step: span 0.03 ms, compute 0.02 ms, communication 0.01 ms")
+
+
+def test_a_trace_without_device_activity_has_no_timeline():
+    assert device_timeline([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1) is None
+    # every device counts when none is named
+    t = device_timeline([kernel("a", 0, 4), kernel("b", 2, 6, device=1)], steps=1)
+    assert t is not None and t["compute_ms"] == pytest.approx(6e-3) and t["idle_ms"] == 0
