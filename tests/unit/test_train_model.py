@@ -107,3 +107,16 @@ def test_flops_per_token_gpt_counts_the_lm_head_and_half_the_attention():
     spec = ModelSpec(arch="gpt", size="base")
     n = 12 * (4 * 768**2 + 2 * 768 * 3072) + 50304 * 768
     assert flops_per_token(spec, seq_len=1024, mask_prob=0.15) == pytest.approx(6 * n + 6 * 12 * 768 * 1024)
+
+
+def test_compile_is_per_block_and_keeps_each_block_whole_under_ddp():
+    """Dynamo's DDP optimizer would split each compiled block at gradient-bucket boundaries."""
+    from launcher.train.parallel import apply_compile
+
+    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=256), seq_len=16, mask_prob=0.25)
+    with torch._dynamo.config.patch(optimize_ddp=True):
+        apply_compile(model)
+        assert torch._dynamo.config.optimize_ddp is False
+    compiled = [model.embed, *model.blocks, model.head]
+    assert all(m._compiled_call_impl is not None for m in compiled)
+    assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged
