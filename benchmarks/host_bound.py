@@ -25,7 +25,6 @@ import json
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
 
 from launcher.spec import load_job
@@ -59,12 +58,7 @@ def main() -> None:
 
 
 def measure(trainer: Trainer, warmup: int, probe: int, steps: int) -> dict:
-    cuda = trainer.device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(trainer.device)
-
+    sync = trainer.meter.sync  # the trainer's device synchronisation (a no-op on the CPU)
     tokens = trainer.meter.tokens_per_step
     step = 0
     for _ in range(warmup):
