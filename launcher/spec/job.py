@@ -102,7 +102,7 @@ class TrainSpec(Strict):
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (not applied to biases and norms).")
     grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this (0 disables clipping).")
     compile: bool = Field(False, description="torch.compile the model.")
-    cuda_graphs: bool = Field(False, description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda, strategy ddp and grad_accum 1.")
+    cuda_graphs: bool = Field(False, description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda and strategy ddp.")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
     seed: int = Field(1234, ge=0, description="Seed for weights and synthetic data (data streams also differ per rank).")
     log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
@@ -245,10 +245,6 @@ class JobSpec(Strict):
             if self.parallel.strategy != "ddp":
                 raise ValueError("train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
                                  "parameters between graphs (set train.cuda_graphs: false)")
-            if self.train.grad_accum > 1:
-                raise ValueError("train.cuda_graphs works with grad_accum 1: accumulated gradients would "
-                                 "live in graph memory the next micro-batch's replay reuses (raise "
-                                 "train.micro_batch instead, or set train.cuda_graphs: false)")
         if self.parallel.strategy == "fsdp" and self.parallel.ddp.comm_hook != "none":
             raise ValueError("parallel.ddp.comm_hook applies to ddp; for fsdp use parallel.fsdp.reduce_dtype")
         return self

@@ -157,6 +157,15 @@ class Trainer:
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
         self.model.train()
+        # A replayed backward graph writes its gradients into memory that the next replay
+        # reuses. Taking them as .grad (what zero_grad(set_to_none=True) leads to) is right when
+        # one backward per step is consumed by the optimizer before the next. Accumulating over
+        # micro-batches instead adds each one into gradients that keep their own memory.
+        self.grads_in_place = job.train.cuda_graphs and job.train.grad_accum > 1
+        if self.grads_in_place:
+            for p in self.model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     def build_optimizer(self) -> None:
         t = self.job.train
@@ -217,6 +226,8 @@ class Trainer:
         accum = self.job.train.grad_accum
         with self.meter.data_wait():
             batch = self.data.batch(step, micro)
+        if self.job.train.cuda_graphs:  # a new replay generation: the last micro-batch's outputs are done
+            torch.compiler.cudagraph_mark_step_begin()
         # DDP with static_graph records the graph on its first backward and fails under
         # no_sync there; syncing every micro-batch of the first step gives the same average.
         ddp = self.job.parallel
@@ -229,9 +240,9 @@ class Trainer:
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step (all micro-batches); returns the loss on the device (no sync)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.job.train.cuda_graphs:  # a new replay generation: the last step's outputs are done
-            torch.compiler.cudagraph_mark_step_begin()
+        self.optimizer.zero_grad(set_to_none=not self.grads_in_place)
+        # Summed into a fresh tensor as each micro-batch ends, before any replay can reuse the
+        # graph memory that holds a micro-batch's loss.
         loss = sum(self.forward_backward(step, micro) for micro in range(self.job.train.grad_accum))
         clip = self.job.train.grad_clip
         if self.scaler is not None:

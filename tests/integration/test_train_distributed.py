@@ -325,6 +325,24 @@ def test_gpu_cuda_graphs_on_two_gpus_match_compiled_one_gpu(base: Path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=needs_gpus[1]), pytest.param(2, marks=needs_gpus[2])])
+def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(base: Path, nproc: int):
+    """Graphs replayed twice per step (grad_accum 2; under DDP with 2 GPUs) train the same model
+    as one compiled GPU taking the 16 samples at once: no micro-batch's gradients are lost to
+    the next replay."""
+    job = gpu_job(base, f"gpu-accum-{nproc}")
+    compiled = ["--set", "train.compile=true"]
+    accum = ok(launch(base / f"gpu-accum-graphs-{nproc}", [
+        "--job", str(job), "--params-out", "params.pt", *compiled, "--set", "train.cuda_graphs=true",
+        "--set", "train.grad_accum=2", "--set", f"train.micro_batch={16 // (2 * nproc)}"], nproc=nproc))
+    one = ok(launch(base / f"gpu-accum-one-{nproc}", ["--job", str(job), "--params-out", "params.pt",
+                                                      *compiled, "--set", "train.micro_batch=16"], nproc=1))
+    assert accum.records(0, "meta")[0]["grad_accum"] == 2
+    assert_loss_falls(accum, by=1.0)
+    assert_params_close(accum.params(), one.params(), atol=5e-4)
+
+
+@pytest.mark.gpu
 @needs_gpus[1]
 @pytest.mark.parametrize(("dtype", "strategy", "compile_"), [
     ("bf16", "ddp", False), ("fp16", "ddp", False), ("bf16", "fsdp", True), ("fp16", "fsdp", False),
