@@ -118,7 +118,7 @@ class DDPSpec(Strict):
 
 
 class FSDPSpec(Strict):
-    reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like, more memory).")
+    reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like, more memory) and, with grad_accum above 1, until the last micro-batch's backward (one all-gather per step).")
     param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="Dtype of gathered parameters for compute; auto follows precision.dtype.")
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of gradient reduce-scatter.")
     cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in host memory.")

@@ -230,9 +230,10 @@ class Trainer:
             torch.compiler.cudagraph_mark_step_begin()
         # DDP with static_graph records the graph on its first backward and fails under
         # no_sync there; syncing every micro-batch of the first step gives the same average.
-        ddp = self.job.parallel
-        first = step == self.start_step + 1 and ddp.strategy == "ddp" and ddp.ddp.static_graph
-        with parallel.gradient_sync(self.model, enabled=micro == accum - 1 or first):
+        par = self.job.parallel
+        first = step == self.start_step + 1 and par.strategy == "ddp" and par.ddp.static_graph
+        sync = micro == accum - 1 or first
+        with parallel.gradient_sync(self.model, sync, keep_gathered=not par.fsdp.reshard_after_forward):
             with self._autocast():
                 loss = self.model(**batch) / accum
             (self.scaler.scale(loss) if self.scaler else loss).backward()

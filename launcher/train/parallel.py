@@ -127,20 +127,27 @@ def apply_fsdp(model: nn.Module, job: JobSpec, *, device: torch.device, world_si
     return model
 
 
-def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager:
+def gradient_sync(model: nn.Module, enabled: bool, *, keep_gathered: bool = False) -> AbstractContextManager:
     """Skip the gradient all-reduce / reduce-scatter on non-final micro-batches.
 
     DDP: ``no_sync()`` while accumulating. FSDP2: ``set_requires_gradient_sync`` (gradients
-    stay unsharded and unreduced until the last micro-batch). Plain modules: nothing to do.
+    stay unsharded and unreduced until the last micro-batch). With ``keep_gathered`` (for
+    jobs whose gathered parameters stay gathered from forward to backward anyway,
+    ``reshard_after_forward: false``, so the peak memory is the same), FSDP2 also keeps them
+    gathered from one micro-batch's backward to the next one's forward
+    (``set_reshard_after_backward``): one all-gather per optimizer step instead of one per
+    micro-batch. Plain modules: nothing to do.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if isinstance(model, FSDPModule):
-        # The setter walks every module; call it only when the flag changes (never without
-        # gradient accumulation, where every backward syncs, FSDP's default).
+        # The setters walk every module; call them only when the flag changes (never without
+        # gradient accumulation, where every backward syncs and reshards, FSDP's default).
         if getattr(model, "_launcher_grad_sync", True) != enabled:
             model.set_requires_gradient_sync(enabled)
+            if keep_gathered:
+                model.set_reshard_after_backward(enabled)
             model._launcher_grad_sync = enabled
         return nullcontext()
     if isinstance(model, DDP) and not enabled:

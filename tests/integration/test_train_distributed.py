@@ -166,6 +166,18 @@ def test_fsdp_with_several_blocks_per_unit_matches_ddp(base: Path, ddp_fp32: Run
     assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
 
 
+def test_fsdp_accumulating_with_parameters_kept_gathered_matches_ddp(base: Path, ddp_fp32: Run):
+    """Two micro-batches per step, the gathered parameters kept from the first backward to the
+    second forward (one all-gather per step): the same training as DDP with micro-batches of 4."""
+    job = write_job(base / "fsdp-accum.yaml", "fsdp-accum", base / "ckpt-fsdp-accum")
+    run = ok(launch(base / "fsdp-accum", ["--job", str(job), "--params-out", "params.pt",
+                                          "--set", "parallel.strategy=fsdp",
+                                          "--set", "parallel.fsdp.reshard_after_forward=false",
+                                          "--set", "train.micro_batch=2", "--set", "train.grad_accum=2"]))
+    assert run.records(0, "meta")[0]["grad_accum"] == 2
+    assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_bf16_loss_falls(base: Path, strategy: str):
     """bf16 autocast through the real entry point, accumulating 2 micro-batches (DDP's no_sync,

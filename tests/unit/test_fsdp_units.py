@@ -47,3 +47,37 @@ def test_blocks_are_grouped_into_units(one_process_group, per_unit: int, units: 
         managed = {id(p.sharded_param) for p in group.fsdp_params}
         assert all(id(p) in managed for p in block.parameters())
     assert [n for n, _ in model.named_parameters()] == names
+
+
+@pytest.mark.parametrize("reshard_after_forward", [False, True])
+def test_accumulation_keeps_parameters_gathered_only_when_the_step_does_anyway(
+        one_process_group, reshard_after_forward: bool):
+    """With ``reshard_after_forward: false`` a micro-batch that does not sync leaves its blocks
+    gathered for the next one (one all-gather per step); the syncing micro-batch reshards.
+    With resharding after forward (memory first) every backward reshards, as FSDP does."""
+    from torch.distributed.tensor import DTensor
+
+    from launcher.train.data import build_data
+    from launcher.train.parallel import gradient_sync
+
+    job = JobSpec.model_validate({
+        "name": "accum", "model": {"arch": "bert", "size": "mini", "vocab_size": 512},
+        "data": {"source": "synthetic", "seq_len": 16},
+        "train": {"micro_batch": 2, "grad_accum": 2},
+        "parallel": {"strategy": "fsdp", "fsdp": {"reshard_after_forward": reshard_after_forward}},
+        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
+    })
+    cpu = torch.device("cpu")
+    model = parallelize(build_model(job.model, seq_len=16, mask_prob=0.15), job, device=cpu, world_size=1)
+    data = build_data(job, rank=0, world_size=1, device=cpu)
+
+    def gathered() -> list[bool]:
+        return [not isinstance(next(b.parameters()), DTensor) for b in model.blocks]
+
+    assert gathered() == [False] * len(model.blocks)
+    for micro in range(2):
+        with gradient_sync(model, micro == 1, keep_gathered=not reshard_after_forward):
+            model(**data.batch(1, micro)).backward()
+        expect = micro == 0 and not reshard_after_forward
+        assert gathered() == [expect] * len(model.blocks), micro
+    assert all(isinstance(p.grad, DTensor) for p in model.parameters())
