@@ -74,19 +74,28 @@ def main() -> None:
     gpus = _gpu_count()
     names = [n for n in ALL_RUNS if not only or n in only]
     rounds: dict[str, list[dict]] = {n: [] for n in names}
+    env, planned = _env(), len(names) * args.repeat
     for r in range(args.repeat):
         for name in (names if r % 2 == 0 else names[::-1]):
             folder = out / (name if args.repeat == 1 else f"{name}.{r}")
             result = _one(name, args.steps, gpus, folder, args.sets)
             rounds[name].append(result)
             _print_progress(name if args.repeat == 1 else f"{name} (round {r + 1})", result)
-    results = {name: _median_round(runs) for name, runs in rounds.items()}
-
-    ratios, by_round = _ratios(results), _ratios_by_round(rounds)
-    (out / "results.json").write_text(json.dumps({"results": results, "ratios": ratios,
-                                                  "ratios_by_round": by_round, "env": _env()}, indent=2) + "\n")
-    print(_table(results, ratios, by_round))
+            # Rewritten after every run: a bench stopped part-way keeps what it measured.
+            summary = _summary(rounds, planned, env)
+            (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(_table(summary["results"], summary["ratios"], summary["ratios_by_round"]))
     print(f"\nresults: {out / 'results.json'}")
+
+
+def _summary(rounds: dict[str, list[dict]], planned: int, env: dict) -> dict:
+    """results.json: each run's median round, the ratios, the ratios by round, and how many of
+    the planned runs are in it (runs not yet made are left out)."""
+    done = {name: runs for name, runs in rounds.items() if runs}
+    results = {name: _median_round(runs) for name, runs in done.items()}
+    runs = sum(len(r) for r in done.values())
+    return {"results": results, "ratios": _ratios(results), "ratios_by_round": _ratios_by_round(done),
+            "runs": runs, "runs_planned": planned, "complete": runs == planned, "env": env}
 
 
 def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) -> dict:
@@ -191,9 +200,10 @@ def _ratios(r: dict) -> dict:
 def _ratios_by_round(rounds: dict[str, list[dict]]) -> list[dict]:
     """The ratios within each round. A round's runs ran back to back, so these compare like
     with like; the median rounds of two runs may come from different rounds (one stalled run
-    then skews a ratio that no round shows)."""
-    count = min((len(runs) for runs in rounds.values()), default=0)
-    return [_ratios({name: runs[i] for name, runs in rounds.items()}) for i in range(count)]
+    then skews a ratio that no round shows). A round cut short gives the ratios of the runs it
+    made (None for the others)."""
+    count = max((len(runs) for runs in rounds.values()), default=0)
+    return [_ratios({name: runs[i] for name, runs in rounds.items() if i < len(runs)}) for i in range(count)]
 
 
 def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> str:

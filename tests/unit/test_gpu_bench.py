@@ -58,3 +58,27 @@ def test_ratios_by_round_pair_the_runs_of_one_round():
     assert gpu_bench._ratios_by_round(rounds)[1]["ddp_scaling_efficiency_2gpu"] is None
     text = gpu_bench._table(medians, gpu_bench._ratios(medians), by_round)
     assert "ddp_scaling_efficiency_2gpu: 1.000 (by round: 1.000, 0.926)" in text
+
+
+def test_a_bench_stopped_part_way_keeps_what_it_measured():
+    """results.json after each run: the runs made so far, their ratios, and a round cut short
+    paired within itself (round 2 lost its last run here)."""
+    def run(per_gpu: float, gpus: int) -> dict:
+        return {"gpus": gpus, "tokens_per_s": per_gpu * gpus, "tokens_per_s_per_gpu": per_gpu}
+
+    rounds = {
+        "bert-ddp-torchrun-1": [run(660.0, 1)],
+        "bert-ddp-launch-1": [run(659.0, 1), run(661.0, 1)],
+        "bert-ddp-launch-2": [run(641.0, 2), run(640.0, 2)],
+        "bert-fsdp-launch-1": [],
+    }
+    got = gpu_bench._summary(rounds, planned=8, env={"gpus": []})
+    assert (got["runs"], got["runs_planned"], got["complete"]) == (5, 8, False)
+    assert sorted(got["results"]) == ["bert-ddp-launch-1", "bert-ddp-launch-2", "bert-ddp-torchrun-1"]
+    by_round = got["ratios_by_round"]
+    assert [r["ddp_scaling_efficiency_2gpu"] for r in by_round] == pytest.approx([641 / 659, 640 / 661])
+    assert by_round[0]["launch_over_torchrun_1gpu"] == pytest.approx(659 / 660)
+    assert by_round[1]["launch_over_torchrun_1gpu"] is None
+    rounds["bert-ddp-torchrun-1"].append(run(660.0, 1))
+    rounds["bert-fsdp-launch-1"] = [run(600.0, 1), run(590.0, 1)]
+    assert gpu_bench._summary(rounds, planned=8, env={})["complete"]
