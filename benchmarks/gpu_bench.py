@@ -65,6 +65,8 @@ def main() -> None:
                    help="a job override for every trainer run, e.g. train.profile.start_step=100 "
                         "(traces land in each run's folder: run/profile/ or profile/)")
     args = p.parse_args()
+    if args.repeat < 1 or args.steps <= 30:
+        p.error("--repeat must be at least 1 and --steps above 30 (the warm-up)")
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     only = {s for s in args.only.split(",") if s}
