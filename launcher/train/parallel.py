@@ -51,7 +51,7 @@ def apply_compile(model: nn.Module, *, cuda_graphs: bool = False) -> None:
     ``cuda_graphs`` (inductor's reduce-overhead mode) records each compiled forward and
     backward once and replays it: one launch instead of dozens of kernel launches. DDP's
     gradient hooks run between the graphs, so the all-reduce still overlaps the backward.
-    The trainer marks each optimizer step's start (``cudagraph_mark_step_begin``).
+    The trainer marks each micro-batch's start (``cudagraph_mark_step_begin``).
 
     Dynamo's DDP optimizer is turned off: it splits every graph compiled under DDP at
     gradient-bucket boundaries, so that a whole-model graph still overlaps its all-reduce.

@@ -19,7 +19,6 @@ import gzip
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -89,14 +88,15 @@ class StepProfiler:
         stem = self.out_dir / f"rank{self.rank}"
         raw = stem.with_suffix(".trace.json")
         prof.export_chrome_trace(str(raw))
+        data = raw.read_bytes()  # read once: gzipped here, and parsed for the device timeline
+        trace = stem.with_suffix(".trace.json.gz")
+        with gzip.open(trace, "wb", compresslevel=6) as dst:
+            dst.write(data)
+        raw.unlink()
         timeline = None
         if self.device.type == "cuda":
-            events = json.loads(raw.read_text(encoding="utf-8")).get("traceEvents", [])
+            events = json.loads(data).get("traceEvents", [])
             timeline = device_timeline(events, steps=self.last - self.first + 1, device=self.device.index)
-        trace = stem.with_suffix(".trace.json.gz")
-        with open(raw, "rb") as src, gzip.open(trace, "wb", compresslevel=6) as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
         sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=70)
         header = (f"rank {self.rank}, steps {self.first}..{self.last}: {wall_ms:.1f} ms per step "
