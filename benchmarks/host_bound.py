@@ -6,7 +6,8 @@ torchrun and measures on every rank:
 * ``issue_ms``: host time to enqueue one step that starts on an idle device (synchronised
   and barriered before), median of ``--probe`` steps;
 * ``synced_ms``: the same steps until the device has finished them;
-* ``tokens_per_s`` and ``step_ms``: ``--steps`` steps back to back, synchronised at the end.
+* ``tokens_per_s`` and ``step_ms``: ``--steps`` steps back to back, synchronised at the end;
+* ``peak_mem_gib``: the peak memory of the run (CUDA: allocated by tensors; CPU: peak RSS).
 
 A step whose issue time reaches its synced time is host-bound: the GPU waits for launches,
 and anything else on the host (a second rank, the launcher) takes throughput away. With
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from launcher.spec import load_job
 from launcher.train.loop import Trainer
+from launcher.train.meter import peak_memory_gib
 
 
 def main() -> None:
@@ -86,7 +88,7 @@ def measure(trainer: Trainer, warmup: int, probe: int, steps: int) -> dict:
     seconds = time.perf_counter() - began
     return {"rank": trainer.rank, "tokens_per_s": steps * tokens / seconds, "step_ms": seconds * 1e3 / steps,
             "issue_ms": statistics.median(issue), "synced_ms": statistics.median(synced),
-            "loss": float(loss)}
+            "loss": float(loss), "peak_mem_gib": peak_memory_gib(trainer.device)}
 
 
 if __name__ == "__main__":
