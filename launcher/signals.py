@@ -4,7 +4,9 @@ A signal handler's exception is raised wherever the main thread happens to be. W
 an at-fork callback or a finaliser (Ray forks its processes while it starts), Python prints
 "Exception ignored in ..." and goes on: the interrupt is lost and the launcher would run on.
 So the handler also remembers the signal, and the launcher calls ``check()`` at every stage
-boundary and watch-loop turn, which raises it again.
+boundary and watch-loop turn, which raises it again. The dropped exception is kept out of the
+user's terminal too: a ``sys.unraisablehook`` swallows exactly that KeyboardInterrupt (nothing
+else) instead of printing its traceback.
 
 Third-party start-up code may install its own SIGTERM handler (``ray.init`` installs one
 that calls ``sys.exit``); ``keep_handlers()`` keeps ours in place around such calls.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -27,12 +30,28 @@ def install() -> None:
     _pending = None
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+    if not getattr(sys.unraisablehook, "_keeps_interrupts_quiet", False):
+        sys.unraisablehook = _quiet_dropped_interrupt(sys.unraisablehook)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     global _pending
     _pending = signum
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def _quiet_dropped_interrupt(previous):  # noqa: ANN001, ANN202 - sys.unraisablehook's signature
+    """A hook that drops our own interrupt silently (``check()`` raises it again) and hands
+    everything else to ``previous``."""
+
+    def hook(unraisable) -> None:  # noqa: ANN001 - sys.UnraisableHookArgs
+        dropped = unraisable.exc_type
+        if _pending is not None and dropped is not None and issubclass(dropped, KeyboardInterrupt):
+            return
+        previous(unraisable)
+
+    hook._keeps_interrupts_quiet = True  # type: ignore[attr-defined]
+    return hook
 
 
 def pending() -> int | None:

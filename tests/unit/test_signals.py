@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -15,12 +17,14 @@ from launcher import signals
 @pytest.fixture
 def installed():
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    hook = sys.unraisablehook
     signals.install()
     try:
         yield
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+        sys.unraisablehook = hook
         signals._pending = None
 
 
@@ -50,6 +54,42 @@ def test_an_interrupt_python_dropped_is_raised_at_the_next_check(installed, monk
     assert signals.pending() == signal.SIGINT
     with pytest.raises(KeyboardInterrupt, match="SIGINT"):
         signals.check()
+
+
+def test_a_dropped_interrupt_prints_no_traceback_but_other_dropped_errors_still_do():
+    # A fresh interpreter, so its stderr is exactly what a user of `launch` would see.
+    child = textwrap.dedent("""
+        import os, signal, sys
+        from launcher import signals
+
+        class Finalised:
+            def __init__(self, act):
+                self.act = act
+
+            def __del__(self):
+                self.act()
+
+        def fail():
+            raise ValueError("an unrelated error in a finaliser")
+
+        def stop():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):
+                pass
+
+        signals.install()
+        signals.install()  # installing twice does not stack hooks
+        Finalised(fail)  # not ours: printed as Python always does
+        Finalised(stop)  # the handler runs inside __del__; Python drops its exception
+        print("pending", signals.pending(), flush=True)
+        signals.check()
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == f"pending {int(signal.SIGTERM)}", proc.stderr
+    assert proc.returncode == -signal.SIGINT  # check() raised it again; Python exits "by SIGINT"
+    dropped = [line for line in proc.stderr.splitlines() if line.startswith("Exception ignored in")]
+    assert len(dropped) == 1 and "ValueError: an unrelated error" in proc.stderr, proc.stderr
+    assert "KeyboardInterrupt: signal SIGTERM" in proc.stderr.splitlines()[-1]  # check()'s own
 
 
 def test_keep_handlers_refuses_replacements_only_while_ours_are_installed(installed):
