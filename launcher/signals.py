@@ -22,16 +22,18 @@ from collections.abc import Iterator
 from types import FrameType
 
 _pending: int | None = None
+_previous_unraisablehook = sys.unraisablehook
 
 
 def install() -> None:
     """Route SIGINT and SIGTERM to :func:`_interrupt` (main thread only) and forget old ones."""
-    global _pending
+    global _pending, _previous_unraisablehook
     _pending = None
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    if not getattr(sys.unraisablehook, "_keeps_interrupts_quiet", False):
-        sys.unraisablehook = _quiet_dropped_interrupt(sys.unraisablehook)
+    if sys.unraisablehook is not _unraisable:
+        _previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _unraisable
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -40,18 +42,13 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
-def _quiet_dropped_interrupt(previous):  # noqa: ANN001, ANN202 - sys.unraisablehook's signature
-    """A hook that drops our own interrupt silently (``check()`` raises it again) and hands
-    everything else to ``previous``."""
-
-    def hook(unraisable) -> None:  # noqa: ANN001 - sys.UnraisableHookArgs
-        dropped = unraisable.exc_type
-        if _pending is not None and dropped is not None and issubclass(dropped, KeyboardInterrupt):
-            return
-        previous(unraisable)
-
-    hook._keeps_interrupts_quiet = True  # type: ignore[attr-defined]
-    return hook
+def _unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """Drop our own interrupt silently (``check()`` raises it again); everything else goes to
+    the hook that was there before."""
+    dropped = unraisable.exc_type
+    if _pending is not None and dropped is not None and issubclass(dropped, KeyboardInterrupt):
+        return
+    _previous_unraisablehook(unraisable)
 
 
 def pending() -> int | None:
