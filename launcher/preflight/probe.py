@@ -138,11 +138,21 @@ def package_versions(names: list[str]) -> dict[str, str | None]:
 
 
 def launcher_info() -> dict[str, Any] | None:
-    """Where ``import launcher`` would load from and a hash of its .py files (without importing it)."""
-    spec = importlib.util.find_spec("launcher")
-    if spec is None or not spec.submodule_search_locations:
+    """Where ``import launcher`` would load from and a hash of its .py files (without importing it).
+
+    The probe runs as ``python -``, which puts the current directory first on ``sys.path``: a
+    folder there named ``launcher`` (``/tmp/launcher`` holds the nodes' run folders) would pass
+    for the package as an empty namespace. Only the installed package counts.
+    """
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+    try:
+        spec = importlib.util.find_spec("launcher")
+    finally:
+        sys.path[:] = saved
+    if spec is None or not spec.origin or not spec.origin.endswith("__init__.py"):
         return None
-    root = Path(next(iter(spec.submodule_search_locations)))
+    root = Path(spec.origin).parent
     return {"path": str(root), "hash": tree_hash(root)}
 
 
