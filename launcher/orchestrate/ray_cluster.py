@@ -22,12 +22,15 @@ import os
 import secrets
 import shlex
 import shutil
+import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher import signals
 from launcher.errors import PreflightError
 from launcher.orchestrate.code import CodePlan, stage
 from launcher.spec import ClusterSpec, NodeSpec
@@ -70,7 +73,8 @@ class RaySession:
 def open_session(cluster: ClusterSpec, nodes: list[NodeSpec], code: CodePlan | None = None) -> RaySession:
     """Connect to (or start) the Ray that will host one agent per node in ``nodes``.
 
-    With a ``code`` that travels, the session ships its snapshot to every node.
+    With a ``code`` that travels, the session ships its snapshot to every node. SIGINT and
+    SIGTERM during start-up raise KeyboardInterrupt, with a half-started Ray of ours stopped.
     """
     snapshot = stage(code) if code is not None and code.travels else None
     runtime_env: dict[str, Any] = {"working_dir": str(snapshot)} if snapshot else {}
@@ -78,15 +82,50 @@ def open_session(cluster: ClusterSpec, nodes: list[NodeSpec], code: CodePlan | N
         # The excludes are applied already: Ray must not drop files a .gitignore lists.
         os.environ["RAY_RUNTIME_ENV_IGNORE_GITIGNORE"] = "1"
     try:
-        address = cluster.ray.address
-        if address is not None:
-            return _attach(cluster, nodes, address, runtime_env)
-        if all(n.is_local for n in nodes):
-            return _embedded(cluster, nodes, runtime_env)
-        return _bootstrap(cluster, nodes, runtime_env)
+        with _signals_kept():
+            return _open(cluster, nodes, runtime_env)
     finally:
         if snapshot:  # uploaded by ray.init, or nothing was started
             shutil.rmtree(snapshot, ignore_errors=True)
+
+
+def _open(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
+    address = cluster.ray.address
+    if address is not None:
+        return _attach(cluster, nodes, address, runtime_env)
+    if all(n.is_local for n in nodes):
+        return _embedded(cluster, nodes, runtime_env)
+    return _bootstrap(cluster, nodes, runtime_env)
+
+
+@contextlib.contextmanager
+def _signals_kept():  # noqa: ANN202 - a context manager
+    """``ray.init()`` replaces the SIGTERM handler with one that calls ``sys.exit(15)``: SIGTERM
+    would then skip the interrupted path (summary, exit 130). Keep ours, also mid-init
+    (``keep_handlers``; where ours are not installed, put back whatever was there after)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with signals.keep_handlers():
+            yield
+        signals.check()  # a signal whose exception Python dropped while Ray forked
+    except SystemExit as exit_:
+        if exit_.code != signal.SIGTERM:
+            raise
+        _shutdown()
+        raise KeyboardInterrupt("SIGTERM while Ray was starting") from None
+    except KeyboardInterrupt:
+        _shutdown()  # a half-started Ray of ours: stop it now, not at interpreter exit
+        raise
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _shutdown() -> None:
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
 
 
 # -- modes ----------------------------------------------------------------------------------

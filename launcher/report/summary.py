@@ -43,7 +43,7 @@ RANK_KEYS = (
     "tflops", "mfu", "peak_mem_gib", "data_wait_pct",
 )
 TOTAL_KEYS = ("tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks")
-FAILURE_KEYS = ("rank", "node", "host", "exit_code", "signal", "log_tail")
+FAILURE_KEYS = ("rank", "node", "host", "exit_code", "signal", "log_tail", "reason")
 DASH = "–"
 
 
@@ -328,6 +328,8 @@ def _status_lines(summary: dict) -> str:
             how.append(f"signal {failure['signal']}")
         where = f"rank {failure.get('rank', '?')} on node {failure.get('node', '?')} ({failure.get('host', '?')})"
         lines.append(f"First failure: {where}" + (f", {', '.join(how)}" if how else ""))
+        if failure.get("reason"):
+            lines.append(f"Reason: {failure['reason']}")
         tail = failure.get("log_tail")
         if tail:
             lines.append("Last lines of its log:")

@@ -13,13 +13,9 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from launcher.preflight import (
-    PROBE_SOURCE,
-    gpus_needed,
-    nodes_for_job,
-    parse_probe_output,
-    worker_env,
-)
+from launcher.orchestrate.plan import gpus_needed
+from launcher.orchestrate.plan import spec_env as worker_env
+from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output
 from launcher.preflight.runners import (
     AUTH_FAILED,
     BAD_JSON,
