@@ -1,4 +1,5 @@
-"""Batches: synthetic (made on the device) or windows of a token file, with MLM masking.
+"""Batches: synthetic (made on the device), windows of a token file or of tokenized text
+(``launcher.train.text``), with MLM masking.
 
 Determinism: every sample is a pure function of (seed, step, global sample index), so the
 data do not depend on how a step's global batch is split across ranks and micro-batches.
@@ -50,6 +51,10 @@ def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device
     if job.data.source == "tokens":
         assert job.data.path is not None
         return TokenFileBatches(path=job.data.path, token_dtype=job.data.token_dtype, **common)
+    if job.data.source == "text":
+        from launcher.train.text import TextBatches, prepare
+
+        return TextBatches(meta=prepare(job.data, job.model.arch), **common)
     return SyntheticBatches(**common)
 
 
@@ -110,6 +115,8 @@ class Batches(abc.ABC):
         self.device = device
         self.n_mask = max(1, min(seq_len, round(mask_prob * seq_len)))
         self.mask_id = mask_token_id(vocab_size)
+        self.random_vocab = vocab_size  # BERT's random replacements: ids below this
+        self.never_mask: torch.Tensor | None = None  # ids never picked for masking ([CLS], [SEP])
         self.positions = torch.arange(seq_len + 1, device=device)
 
     @property
@@ -138,10 +145,12 @@ class Batches(abc.ABC):
         pos = self.positions[: self.seq_len]
         # Unique keys (hash in the high bits, position in the low 20) make topk tie-free.
         keys = (hash_ints(self.seed, _SALT_MASK, step, sample, pos) << 20) | pos
+        if self.never_mask is not None:  # below every other key: picked only if nothing else is left
+            keys = torch.where(torch.isin(tokens, self.never_mask), keys - (1 << 53), keys)
         mask_pos = keys.topk(self.n_mask, dim=1).indices.sort(dim=1).values
         labels = tokens.gather(1, mask_pos)
         action = hash_ints(self.seed, _SALT_ACTION, step, sample, mask_pos) % 10
-        random_ids = hash_ints(self.seed, _SALT_RANDOM, step, sample, mask_pos) % self.vocab_size
+        random_ids = hash_ints(self.seed, _SALT_RANDOM, step, sample, mask_pos) % self.random_vocab
         new = torch.where(action < 8, torch.full_like(labels, self.mask_id),
                           torch.where(action == 8, random_ids, labels))
         return {"input_ids": tokens.scatter(1, mask_pos, new), "labels": labels, "mask_pos": mask_pos}
@@ -203,25 +212,30 @@ class TokenFileBatches(Batches):
 
     Sample with global index g of step t reads window w = ((t-1)·G + g) mod n_windows, i.e.
     the file is read front to back, each rank taking its own samples of every step (a
-    disjoint shard), wrapping around at the end.
+    disjoint shard), wrapping around at the end. Windows start every seq_len tokens and
+    overlap by one (GPT's labels are its inputs shifted by one); ``row_len`` makes them
+    ``row_len`` tokens long, back to back, instead.
     """
 
-    def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, **kwargs):
+    def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, row_len: int | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.path = Path(path)
         self.ids = open_token_file(self.path, token_dtype)
-        self.n_windows = (self.ids.numel() - 1) // self.seq_len
-        if self.n_windows < 1:
+        self.row_len = row_len or self.seq_len + 1
+        self.stride = row_len or self.seq_len
+        self.n_windows = (self.ids.numel() - self.row_len) // self.stride + 1
+        if self.ids.numel() < self.row_len:
             raise ValueError(
-                f"{self.path} holds {self.ids.numel()} tokens, fewer than data.seq_len + 1 = "
-                f"{self.seq_len + 1}; use a longer file or a shorter seq_len"
+                f"{self.path} holds {self.ids.numel()} tokens, fewer than the {self.row_len} of one "
+                f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len"
             )
         self.global_batch = self.world_size * self.micro_batch * self.grad_accum
 
     def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
         first = (step - 1) * self.global_batch
-        rows = [self.ids[s: s + self.seq_len + 1]
-                for s in (((first + g) % self.n_windows) * self.seq_len for g in idx)]
+        rows = [self.ids[s: s + self.row_len]
+                for s in (((first + g) % self.n_windows) * self.stride for g in idx)]
         batch = torch.stack(rows).to(torch.int64)
         top = int(batch.max())
         if top >= self.vocab_size:
