@@ -12,6 +12,7 @@ one (``data.tokenizer``, else the ``init_from`` folder's), so that
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 from launcher.errors import SpecError, UsageError
@@ -60,7 +61,9 @@ def read_model_state(path: Path) -> dict:
             state[key.removeprefix("model.")] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     if not state:
         raise SpecError("the checkpoint holds no model tensors", source=str(path))
-    dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
     return state
 
 
