@@ -1,5 +1,6 @@
 """The built-in Transformer trainer (BERT masked-LM, GPT causal LM), run under torchrun.
 
 ``python -m launcher.train --job JOB.yaml`` (see ``__main__``); ``loop.train(job)`` from code.
-Imports torch, the standard library, ``launcher.spec`` and ``launcher.metrics`` only.
+Imports torch, the standard library, ``launcher.spec`` and ``launcher.metrics`` only; the
+``hf`` extra (safetensors, tokenizers) where Hugging Face folders or text are read, lazily.
 """
