@@ -148,11 +148,25 @@ def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
         if path.suffix == ".safetensors":
             shapes.update(_safetensors_shapes(path))
         else:
-            import torch
-
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            shapes.update({k: tuple(v.shape) for k, v in state.items()})
+            shapes.update({k: tuple(v.shape) for k, v in load_bin(path).items()})
     return shapes
+
+
+def load_bin(path: Path) -> dict[str, Any]:
+    """A ``pytorch_model.bin``'s tensors on the CPU (tensors only: ``weights_only``),
+    memory-mapped where the file is torch's zip format; files from before it (2018's
+    bert-base-uncased) are read whole."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as err:
+        if "mmap" not in str(err):
+            raise FolderError(f"cannot read {path}: {err}") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, ValueError) as err:
+        raise FolderError(f"cannot read {path}: {err}") from None
 
 
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -2,5 +2,6 @@
 
 ``python -m launcher.train --job JOB.yaml`` (see ``__main__``); ``loop.train(job)`` from code.
 Imports torch, the standard library, ``launcher.spec`` and ``launcher.metrics`` only; the
-``hf`` extra (safetensors, tokenizers) where Hugging Face folders or text are read, lazily.
+``hf`` extra (safetensors, tokenizers) and tqdm where Hugging Face folders or text are read,
+lazily.
 """

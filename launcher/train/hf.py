@@ -36,15 +36,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.txt", "vocab.json", "merges.txt")
 
 
-def load_pretrained(model: nn.Module, spec: ModelSpec, *, device: torch.device) -> None:
+def load_pretrained(model: nn.Module, spec: ModelSpec, *, device: torch.device,
+                    every_rank: bool = False) -> None:
     """Fill ``model`` (plain, DDP or FSDP; parameters may be on the meta device) from
-    ``spec.init_from``. A collective when a process group is up: call it on every rank."""
+    ``spec.init_from``: read on rank 0 and broadcast (a collective when a process group is
+    up: call it on every rank), or, with ``every_rank``, read by each rank for its own
+    unwrapped model (FSDP with CPU offload, before sharding)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     assert spec.init_from is not None
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = dist.is_available() and dist.is_initialized() and not every_rank
     rank0 = not distributed or dist.get_rank() == 0
     state = hf_state_dict(spec.init_from, spec) if rank0 else {}
     if not distributed:
@@ -94,7 +97,7 @@ def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
                                       f"{fmt.INSTALL_HINT}") from None
             out.update(load_file(str(path), device="cpu"))
         else:
-            out.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            out.update(fmt.load_bin(path))
     return out
 
 

@@ -11,6 +11,7 @@ own bf16 error. In fp32 on the GPU the two agree to 1e-4 (kernels differ from th
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,39 @@ def test_gpt2_124m_matches_hugging_face_in_bf16(tmp_path):
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     check(compare(tmp_path / "gpt2", hf, arch="gpt", seq=1023))
+
+
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_fsdp_on_the_gpu_loads_the_folder_exactly(tmp_path, monkeypatch, cpu_offload):
+    """The trainer's own path (one rank, NCCL): FSDP from the meta device with the broadcast,
+    or, with CPU offload, loaded on the CPU before sharding; the parameters equal the folder's."""
+    import yaml
+    from fixtures.hf_assets import save_bert
+
+    from launcher.spec import load_job
+    from launcher.train.hf import hf_state_dict
+    from launcher.train.loop import Trainer
+
+    save_bert(tmp_path / "bert")
+    file = tmp_path / "job.yaml"
+    file.write_text(yaml.safe_dump({
+        "name": "gpu-load", "model": {"init_from": str(tmp_path / "bert")}, "data": {"seq_len": 16},
+        "train": {"steps": 2, "warmup_steps": 1},
+        "parallel": {"strategy": "fsdp", "fsdp": {"cpu_offload": cpu_offload}},
+        "resources": {"device": "cuda", "nproc_per_node": 1}}))
+    job = load_job(file)
+    with socket.socket() as sock:  # a world of one in this process, restored afterwards
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    trainer = Trainer(job)
+    try:
+        got = trainer.full_state_dict()
+    finally:
+        trainer.close()
+    want = hf_state_dict(tmp_path / "bert", job.model)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert torch.equal(got[key].cpu(), value), key

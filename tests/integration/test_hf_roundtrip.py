@@ -1,5 +1,6 @@
 """HF folder -> model.init_from under DDP and FSDP (torchrun, 2 gloo ranks) -> DCP checkpoint ->
-``launch export`` -> the same tensors, bit for bit; only rank 0 reads the folder."""
+``launch export`` -> the same tensors, bit for bit; only rank 0 reads the folder. (FSDP's CPU
+offload needs a GPU: tests/integration/test_gpu_hf_parity.py.)"""
 
 from __future__ import annotations
 

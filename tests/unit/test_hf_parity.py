@@ -90,8 +90,9 @@ def test_a_bert_model_folder_loads_the_encoder_and_starts_the_head_fresh(tmp_pat
 
 
 def test_older_file_layouts_load_the_same_weights(tmp_path):
-    """pytorch_model.bin without the model prefix, LayerNorm gamma/beta, the stored tied decoder,
-    BERT's pooler and next-sentence head, GPT-2's mask buffers."""
+    """pytorch_model.bin (also torch's pre-zip format) without the model prefix, LayerNorm
+    gamma/beta, the stored tied decoder, BERT's pooler and next-sentence head, GPT-2's mask
+    buffers."""
     save_bert(tmp_path / "bert")
     new = hf_state_dict(tmp_path / "bert", built_in(tmp_path, tmp_path / "bert")[0])
     tensors = load_file(tmp_path / "bert/model.safetensors")
@@ -104,7 +105,7 @@ def test_older_file_layouts_load_the_same_weights(tmp_path):
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / "config.json").write_text((tmp_path / "bert/config.json").read_text())
-    torch.save(old, legacy / "pytorch_model.bin")
+    torch.save(old, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)  # 2018 format
     spec, _ = built_in(tmp_path, legacy)
     assert {k: v.tolist() for k, v in hf_state_dict(legacy, spec).items()} == {k: v.tolist() for k, v in new.items()}
 
