@@ -156,25 +156,20 @@ class Batches(abc.ABC):
         return {"input_ids": tokens.scatter(1, mask_pos, new), "labels": labels, "mask_pos": mask_pos}
 
 
-class SyntheticBatches(Batches):
-    """Structured random tokens made on the device (see the module doc).
+class MadeAhead(Batches):
+    """Batches made ahead, ``steps_ahead`` optimizer steps at a time.
 
-    Made ahead, ``steps_ahead`` optimizer steps at a time: one batch costs some 150 small
-    kernels whatever its size, a few milliseconds of host time that a fast step cannot hide,
+    One batch costs some 150 small kernels whatever its size (the masking hash, and for
+    synthetic data the tokens), a few milliseconds of host time that a fast step cannot hide,
     so the same kernels make the micro-batches of up to 16 steps at once (at most
     ``CHUNK_TOKENS`` tokens) and ``batch`` hands out views. The hash takes the step as a
-    tensor then; the numbers are the same as one batch at a time.
+    tensor then; the numbers are the same as one batch at a time (``Batches.batch``).
     """
 
     CHUNK_TOKENS = 1 << 22
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        special = 104 if self.vocab_size >= 104 + 8 else 0
-        usable = (self.vocab_size if special else self.mask_id) - special
-        self.first_token = special
-        self.n_states = 1 << (min(usable, MAX_STATES).bit_length() - 1)
-        self.stride = (0x9E3779B1 % self.n_states) | 1  # odd: a permutation of Z_{n_states}
         rows_per_step = self.grad_accum * self.micro_batch
         self.steps_ahead = max(1, min(16, self.CHUNK_TOKENS // (rows_per_step * (self.seq_len + 1))))
         self._chunk: dict[str, torch.Tensor] = {}
@@ -188,14 +183,34 @@ class SyntheticBatches(Batches):
         first = ((step - self._chunk_steps.start) * self.grad_accum + micro) * self.micro_batch
         return {key: value[first: first + self.micro_batch] for key, value in self._chunk.items()}
 
+    @abc.abstractmethod
     def _make(self, steps: range) -> dict[str, torch.Tensor]:
         """Every micro-batch of this rank for ``steps``: rows ordered by (step, micro, sample)."""
-        m, accum, dev = self.micro_batch, self.grad_accum, self.device
-        per_step = accum * m
-        row = torch.arange(len(steps) * per_step, device=dev)
+
+    def _keys_ahead(self, steps: range, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step, global sample index within the step) of each row of ``_make``, as columns."""
+        m = self.micro_batch
+        per_step = self.grad_accum * m
+        row = torch.arange(len(steps) * per_step, device=device)
         step = (steps.start + row // per_step).unsqueeze(1)
         micro, j = (row % per_step) // m, row % m
         sample = global_index(micro, self.rank, j, world_size=self.world_size, micro_batch=m).unsqueeze(1)
+        return step, sample
+
+
+class SyntheticBatches(MadeAhead):
+    """Structured random tokens made on the device (see the module doc), made ahead."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        special = 104 if self.vocab_size >= 104 + 8 else 0
+        usable = (self.vocab_size if special else self.mask_id) - special
+        self.first_token = special
+        self.n_states = 1 << (min(usable, MAX_STATES).bit_length() - 1)
+        self.stride = (0x9E3779B1 % self.n_states) | 1  # odd: a permutation of Z_{n_states}
+
+    def _make(self, steps: range) -> dict[str, torch.Tensor]:
+        step, sample = self._keys_ahead(steps, self.device)
         return self.assemble(self.tokens(step, range(0), sample), step, sample)
 
     def tokens(self, step: int | torch.Tensor, idx: range, sample: torch.Tensor) -> torch.Tensor:
@@ -207,14 +222,16 @@ class SyntheticBatches(Batches):
         return self.first_token + (state * self.stride) % self.n_states
 
 
-class TokenFileBatches(Batches):
+class TokenFileBatches(MadeAhead):
     """Windows of seq_len+1 tokens from a memory-mapped file of token ids (.npy or raw .bin).
 
     Sample with global index g of step t reads window w = ((t-1)·G + g) mod n_windows, i.e.
     the file is read front to back, each rank taking its own samples of every step (a
     disjoint shard), wrapping around at the end. Windows start every seq_len tokens and
     overlap by one (GPT's labels are its inputs shifted by one); ``row_len`` makes them
-    ``row_len`` tokens long, back to back, instead.
+    ``row_len`` tokens long, back to back, instead. Made ahead (``MadeAhead``): the rows of
+    several steps are gathered from the file in one indexing op on the host, copied to the
+    device in one transfer (pinned, asynchronous) and masked there in one go.
     """
 
     def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, row_len: int | None = None,
@@ -231,12 +248,21 @@ class TokenFileBatches(Batches):
                 f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len"
             )
         self.global_batch = self.world_size * self.micro_batch * self.grad_accum
+        self._offsets = torch.arange(self.row_len)
 
     def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
-        first = (step - 1) * self.global_batch
-        rows = [self.ids[s: s + self.row_len]
-                for s in (((first + g) % self.n_windows) * self.stride for g in idx)]
-        batch = torch.stack(rows).to(torch.int64)
+        return self._rows((step - 1) * self.global_batch + torch.arange(idx.start, idx.stop))
+
+    def _make(self, steps: range) -> dict[str, torch.Tensor]:
+        step, sample = self._keys_ahead(steps, torch.device("cpu"))  # file indices, on the host
+        tokens = self._rows(((step - 1) * self.global_batch + sample).view(-1))
+        step, sample = self._keys_ahead(steps, self.device)  # the same keys for the masks, made there
+        return self.assemble(tokens, step, sample)
+
+    def _rows(self, windows: torch.Tensor) -> torch.Tensor:
+        """The rows of the given window numbers (any, wrapped around), on the device."""
+        starts = (windows % self.n_windows) * self.stride
+        batch = self.frame(self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64))
         top = int(batch.max())
         if top >= self.vocab_size:
             raise ValueError(
@@ -246,6 +272,10 @@ class TokenFileBatches(Batches):
         if self.device.type == "cuda":
             batch = batch.pin_memory()
         return batch.to(self.device, non_blocking=True)
+
+    def frame(self, rows: torch.Tensor) -> torch.Tensor:
+        """The samples made of rows read from the file (on the host): the rows themselves."""
+        return rows
 
 
 _NPY_DTYPES = {"<u2": torch.uint16, "<i4": torch.int32, "<i8": torch.int64, "|u1": torch.uint8,

@@ -231,20 +231,19 @@ class TextBatches(TokenFileBatches):
             raise TextError(
                 f"the tokenizer has {meta['vocab_size']} tokens, more than the model's vocabulary "
                 f"of {self.vocab_size}; set model.vocab_size: {meta['vocab_size']} (or more)")
-        special = meta["special"]
+        self.special = meta["special"]
         self.random_vocab = meta["vocab_size"]
         if bert:
-            self.mask_id = special["mask"]
-            self.never_mask = torch.tensor([special["cls"], special["sep"]], device=self.device)
-            m = self.micro_batch
-            self._cls = torch.full((m, 1), special["cls"], dtype=torch.int64, device=self.device)
-            self._sep = torch.full((m, 1), special["sep"], dtype=torch.int64, device=self.device)
+            self.mask_id = self.special["mask"]
+            self.never_mask = torch.tensor([self.special["cls"], self.special["sep"]], device=self.device)
 
-    def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
-        body = super().tokens(step, idx, sample)
+    def frame(self, rows: torch.Tensor) -> torch.Tensor:
         if self.arch != "bert":
-            return body
-        return torch.cat([self._cls, body, self._sep], dim=1)
+            return rows
+        n = rows.shape[0]
+        cls = torch.full((n, 1), self.special["cls"], dtype=rows.dtype)
+        sep = torch.full((n, 1), self.special["sep"], dtype=rows.dtype)
+        return torch.cat([cls, rows, sep], dim=1)
 
 
 def tokenize_command(job: JobSpec, *, source: str) -> int:

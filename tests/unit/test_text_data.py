@@ -21,7 +21,7 @@ from launcher.errors import SpecError  # noqa: E402
 from launcher.spec import load_job  # noqa: E402
 from launcher.spec.hf import load_tokenizer  # noqa: E402
 from launcher.train import text  # noqa: E402
-from launcher.train.data import build_data  # noqa: E402
+from launcher.train.data import Batches, build_data  # noqa: E402
 
 SEQ = 32
 
@@ -131,6 +131,14 @@ def test_bert_samples_are_framed_and_never_mask_specials(tmp_path, assets):
             assert not ((pos == 0) | (pos == SEQ - 1)).any()
             assert (ids.gather(1, pos) == mask).float().mean() > 0.5  # 80% [MASK]
             assert int(ids.max()) < meta["vocab_size"]
+
+
+def test_text_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path, assets):
+    data = build_data(job(tmp_path, assets), rank=0, world_size=2, device=torch.device("cpu"))
+    assert data.steps_ahead == 16
+    for step, micro in [(s, a) for s in range(1, 20) for a in range(2)] + [(2, 0)]:
+        got, want = data.batch(step, micro), Batches.batch(data, step, micro)
+        assert all(torch.equal(got[k], want[k]) for k in ("input_ids", "labels", "mask_pos")), (step, micro)
 
 
 def test_gpt_windows_shift_by_one_over_eos_separated_text(tmp_path, assets):
