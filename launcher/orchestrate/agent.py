@@ -1,6 +1,8 @@
 """NodeAgent: the Ray actor on each node that runs that node's torchrun and reports back.
 
-The agent starts torchrun with the plan's argv and environment in a new session, splits
+The agent starts torchrun with the plan's argv and environment in a new session, in the
+plan's directory (or, for a workdir that Ray ships, in the copy Ray unpacked for this agent:
+its own current directory at start-up), splits
 torchrun's ``--tee`` output into per-rank logs (``[default<local_rank>]:`` prefixes), tails
 the workers' metrics files, and hands both to the driver on ``poll()``: no shared filesystem
 is assumed. ``stop()`` sends SIGTERM to torchrun and all its descendants, then SIGKILL after a
@@ -36,6 +38,7 @@ class NodeAgent:
 
     def __init__(self, node: str):
         self.node = node
+        self._home = os.getcwd()  # with a runtime_env working_dir: Ray's copy of it on this node
         self._proc: subprocess.Popen[bytes] | None = None
         self._plan: dict[str, Any] | None = None
         self._lock = threading.Lock()
@@ -62,7 +65,11 @@ class NodeAgent:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self, node_plan: dict[str, Any], files: dict[str, str]) -> int:
-        """Write the node's files (mode 0600) into its workdir and start torchrun; returns its pid."""
+        """Write the node's files (mode 0600) into its node dir and start torchrun; returns its pid.
+
+        ``node_plan``: ``node_dir``, ``cwd`` (None: the copy of the workdir Ray made here),
+        ``argv`` and ``env``.
+        """
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"torchrun already runs on node {self.node} (pid {self._proc.pid}); stop it first")
         for thread in self._threads:  # a restart: the previous attempt's readers are done
@@ -70,19 +77,19 @@ class NodeAgent:
         self._threads = []
         self._stopping = False
         self._plan = node_plan
-        workdir = Path(node_plan["workdir"])
-        (workdir / "metrics").mkdir(parents=True, exist_ok=True)
-        (workdir / "logs").mkdir(parents=True, exist_ok=True)
-        os.chmod(workdir, 0o700)
+        node_dir = Path(node_plan["node_dir"])
+        (node_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        (node_dir / "logs").mkdir(parents=True, exist_ok=True)
+        os.chmod(node_dir, 0o700)
         for name, text in files.items():
-            path = workdir / name
+            path = node_dir / name
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
         env = {k: os.environ[k] for k in NODE_PASSTHROUGH if k in os.environ}
         env.update(node_plan["env"])
         self._proc = subprocess.Popen(
-            node_plan["argv"], env=env, cwd=workdir, stdin=subprocess.DEVNULL,
+            node_plan["argv"], env=env, cwd=node_plan["cwd"] or self._home, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=_prepare_child,
         )
@@ -141,11 +148,11 @@ class NodeAgent:
             return list(self._tails[local_rank])[-n:]
 
     def collect(self, subdir: str, max_bytes: int = 256 << 20) -> dict[str, bytes]:
-        """The files under ``<workdir>/<subdir>`` (e.g. profiler traces), by relative path, before
+        """The files under ``<node dir>/<subdir>`` (e.g. profiler traces), by relative path, before
         ``cleanup`` removes them; files past ``max_bytes`` in total are left out."""
         if self._plan is None:
             return {}
-        root = Path(self._plan["workdir"]) / subdir
+        root = Path(self._plan["node_dir"]) / subdir
         out: dict[str, bytes] = {}
         total = 0
         for path in sorted(p for p in root.rglob("*") if p.is_file()):  # none if root is missing
@@ -157,9 +164,9 @@ class NodeAgent:
         return out
 
     def cleanup(self) -> None:
-        """Remove the node's workdir (the driver holds copies of logs and metrics)."""
+        """Remove the node dir (the driver holds copies of logs and metrics)."""
         if self._plan is not None:
-            shutil.rmtree(self._plan["workdir"], ignore_errors=True)
+            shutil.rmtree(self._plan["node_dir"], ignore_errors=True)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -173,7 +180,7 @@ class NodeAgent:
 
     def _read_output(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
-        logs = Path(self._plan["workdir"]) / "logs" if self._plan else None
+        logs = Path(self._plan["node_dir"]) / "logs" if self._plan else None
         files: dict[int | None, Any] = {}
         try:
             for raw in self._proc.stdout:
@@ -199,7 +206,7 @@ class NodeAgent:
 
     def _tail_metrics(self) -> None:
         assert self._proc is not None and self._plan is not None
-        folder = Path(self._plan["workdir"]) / "metrics"
+        folder = Path(self._plan["node_dir"]) / "metrics"
         while True:
             done = self._proc.poll() is not None
             self._drain_metrics(folder)

@@ -2,7 +2,11 @@
 
 Nothing here touches a node. ``plan()`` decides, for every node, its node rank, its global
 ranks, the exact torchrun argv (a list, quoted once when shown) and the exact environment of
-its workers, with the source of each variable. ``launch plan`` prints it; ``launch run`` hands
+its workers, with the source of each variable, and where they run: a script's workdir
+(``code.CodePlan``: in place, a shared path, or the copy Ray ships) or, for the built-in
+trainer, the node's own folder. The launcher's per-node files (job.yaml, metrics, torchrun
+logs, profiles) live in that node folder, reached through absolute paths and ``LAUNCHER_*``
+variables, never in the user's folder. ``launch plan`` prints the plan; ``launch run`` hands
 each node's part to that node's agent unchanged.
 
 Worker environment, lowest precedence first:
@@ -23,10 +27,11 @@ from dataclasses import asdict, dataclass, field
 from tabulate import tabulate
 
 from launcher.errors import PreflightError, SpecError
+from launcher.orchestrate.code import CodePlan, describe
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 
 DEFAULT_MASTER_PORT = 29500
-PROFILE_SUBDIR = "profile"  # train.profile output: <workdir>/profile on a node, <run dir>/profile/<node> after
+PROFILE_SUBDIR = "profile"  # train.profile output: <node dir>/profile on a node, <run dir>/profile/<node> after
 FORWARDED_PREFIXES = ("NCCL_", "TORCH_", "NVSHMEM_")
 NODE_PASSTHROUGH = (
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH",
@@ -51,7 +56,8 @@ class NodePlan:
     nproc: int
     ranks: list[int]
     python: str
-    workdir: str
+    node_dir: str  # the launcher's files on the node: job.yaml, metrics/, torchrun/, profile/
+    cwd: str | None  # the workers' current directory; None: the copy of the workdir Ray made there
     argv: list[str]
     env: dict[str, str]
     env_sources: dict[str, str] = field(repr=False)
@@ -76,6 +82,7 @@ class LaunchPlan:
     device: str
     nodes: list[NodePlan]
     max_restarts: int = 0
+    code: CodePlan | None = None
 
     def ranks(self) -> list[dict[str, object]]:
         """The rank layout: one entry per global rank."""
@@ -97,7 +104,7 @@ class LaunchPlan:
         return {"job": self.job, "run_id": self.run_id, "world_size": self.world_size,
                 "master_addr": self.master_addr, "master_port": self.master_port,
                 "backend": self.backend, "device": self.device, "max_restarts": self.max_restarts,
-                "nodes": nodes,
+                "code": self.code.to_json() if self.code else None, "nodes": nodes,
                 "ranks": self.ranks()}
 
 
@@ -109,12 +116,13 @@ def plan(
     run_id: str,
     master_port: int,
     launcher_env: Mapping[str, str],
+    code: CodePlan | None = None,
     local_python: str = sys.executable,
 ) -> LaunchPlan:
-    """Decide every node's ranks, torchrun argv and worker environment. Pure.
+    """Decide every node's ranks, torchrun argv, worker environment and directory. Pure.
 
     ``facts`` come from the preflight; without them (``--skip-parity``) GPU counts are the
-    ones cluster.yaml declares.
+    ones cluster.yaml declares. ``code`` is a script job's workdir (``code.plan_code``).
     """
     nodes = nodes_for_job(cluster, job)
     counts = [_nproc(job, node, (facts or {}).get(node.name)) for node in nodes]
@@ -123,9 +131,9 @@ def plan(
     plans = []
     first_rank = 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
-        workdir = f"/tmp/launcher/{run_id}/{node.name}"
+        node_dir = f"/tmp/launcher/{run_id}/{node.name}"
         python = node.interpreter(local_python)
-        env, sources = _worker_env(job, node, launcher_env, run_id=run_id, workdir=workdir)
+        env, sources = _worker_env(job, node, launcher_env, run_id=run_id, node_dir=node_dir)
         argv = [
             python, "-m", "torch.distributed.run",
             "--nnodes", str(len(nodes)),
@@ -135,18 +143,20 @@ def plan(
             "--master-port", str(master_port),
             "--max-restarts", "0",  # restarts are the launcher's (see run.Launch), not torchrun's
             "--tee", "3",
-            "--log-dir", f"{workdir}/torchrun",
-            *_entry_argv(job, workdir),
+            "--log-dir", f"{node_dir}/torchrun",
+            *_entry_argv(job, code, node_dir),
         ]
         plans.append(NodePlan(
             name=node.name, host=node.host, node_rank=node_rank, nproc=nproc,
-            ranks=list(range(first_rank, first_rank + nproc)), python=python, workdir=workdir,
-            argv=argv, env=env, env_sources=sources, is_local=node.is_local,
+            ranks=list(range(first_rank, first_rank + nproc)), python=python, node_dir=node_dir,
+            cwd=code.cwd() if code else node_dir, argv=argv, env=env, env_sources=sources,
+            is_local=node.is_local,
         ))
         first_rank += nproc
     return LaunchPlan(job=job.name, run_id=run_id, world_size=world, master_addr=head.host,
                       master_port=master_port, backend=job.backend,
-                      device=job.resources.device, nodes=plans, max_restarts=job.launch.max_restarts)
+                      device=job.resources.device, nodes=plans, max_restarts=job.launch.max_restarts,
+                      code=code)
 
 
 def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
@@ -161,12 +171,13 @@ def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
         [[n.node_rank, n.name, n.host, n.nproc, _span(n.ranks), n.python] for n in lp.nodes],
         headers=["node_rank", "node", "host", "nproc", "ranks", "python"],
     )
-    parts = [head, "", table]
+    parts = [head, *([describe(lp.code)] if lp.code else []), "", table]
     for node in lp.nodes:
         env_rows = [[k, v, node.env_sources.get(k, "")] for k, v in sorted(mask_env(node.env).items())]
+        where = node.cwd or f"the copy of {lp.code.workdir if lp.code else 'the workdir'} Ray makes on the node"
         parts += [
             "",
-            f"[{node.name}] command (in {node.workdir}):",
+            f"[{node.name}] command (in {where}):",
             "  " + node.command,
             f"[{node.name}] worker environment (plus the node's own {', '.join(NODE_PASSTHROUGH[:4])}, ...):",
             tabulate(env_rows, headers=["name", "value", "from"], tablefmt="plain"),
@@ -209,15 +220,16 @@ def _nproc(job: JobSpec, node: NodeSpec, facts: NodeFacts | None) -> int:
     return want
 
 
-def _entry_argv(job: JobSpec, workdir: str) -> list[str]:
+def _entry_argv(job: JobSpec, code: CodePlan | None, node_dir: str) -> list[str]:
     if job.uses_builtin:
-        return ["-m", "launcher.train", "--job", f"{workdir}/job.yaml"]
-    entry = job.entrypoint
-    return [str(entry.script), *entry.args]
+        return ["-m", "launcher.train", "--job", f"{node_dir}/job.yaml"]
+    if code is None:
+        raise ValueError("a script entrypoint needs its CodePlan (code.plan_code)")
+    return [code.script, *job.entrypoint.args]
 
 
 def _worker_env(
-    job: JobSpec, node: NodeSpec, launcher_env: Mapping[str, str], *, run_id: str, workdir: str
+    job: JobSpec, node: NodeSpec, launcher_env: Mapping[str, str], *, run_id: str, node_dir: str
 ) -> tuple[dict[str, str], dict[str, str]]:
     env: dict[str, str] = {}
     sources: dict[str, str] = {}
@@ -234,11 +246,11 @@ def _worker_env(
     put({
         "LAUNCHER_RUN_ID": run_id,
         "LAUNCHER_NODE": node.name,
-        "LAUNCHER_METRICS_FILE": f"{workdir}/metrics/rank{{rank}}.jsonl",
+        "LAUNCHER_METRICS_FILE": f"{node_dir}/metrics/rank{{rank}}.jsonl",
         "PYTHONUNBUFFERED": "1",
     }, "launcher")
     if job.records_profile:
-        put({"LAUNCHER_PROFILE_DIR": f"{workdir}/{PROFILE_SUBDIR}"}, "launcher (train.profile)")
+        put({"LAUNCHER_PROFILE_DIR": f"{node_dir}/{PROFILE_SUBDIR}"}, "launcher (train.profile)")
     return env, sources
 
 

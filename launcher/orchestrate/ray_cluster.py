@@ -21,12 +21,15 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from launcher.errors import PreflightError
+from launcher.orchestrate.code import CodePlan, stage
 from launcher.spec import ClusterSpec, NodeSpec
 
 log = logging.getLogger(__name__)
@@ -64,20 +67,32 @@ class RaySession:
                         ", ".join(n.name for n in self._started_on))
 
 
-def open_session(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
-    """Connect to (or start) the Ray that will host one agent per node in ``nodes``."""
-    address = cluster.ray.address
-    if address is not None:
-        return _attach(cluster, nodes, address)
-    if all(n.is_local for n in nodes):
-        return _embedded(cluster, nodes)
-    return _bootstrap(cluster, nodes)
+def open_session(cluster: ClusterSpec, nodes: list[NodeSpec], code: CodePlan | None = None) -> RaySession:
+    """Connect to (or start) the Ray that will host one agent per node in ``nodes``.
+
+    With a ``code`` that travels, the session ships its snapshot to every node.
+    """
+    snapshot = stage(code) if code is not None and code.travels else None
+    runtime_env: dict[str, Any] = {"working_dir": str(snapshot)} if snapshot else {}
+    if snapshot:
+        # The excludes are applied already: Ray must not drop files a .gitignore lists.
+        os.environ["RAY_RUNTIME_ENV_IGNORE_GITIGNORE"] = "1"
+    try:
+        address = cluster.ray.address
+        if address is not None:
+            return _attach(cluster, nodes, address, runtime_env)
+        if all(n.is_local for n in nodes):
+            return _embedded(cluster, nodes, runtime_env)
+        return _bootstrap(cluster, nodes, runtime_env)
+    finally:
+        if snapshot:  # uploaded by ray.init, or nothing was started
+            shutil.rmtree(snapshot, ignore_errors=True)
 
 
 # -- modes ----------------------------------------------------------------------------------
 
 
-def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
+def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
     import ray
 
     log.info("Starting an embedded Ray on this machine")
@@ -86,7 +101,7 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
     os.environ.setdefault(NICENESS_ENV, "0")
     try:
         ray.init(address="local", include_dashboard=cluster.ray.dashboard, dashboard_host="127.0.0.1",
-                 log_to_driver=False, configure_logging=False)
+                 log_to_driver=False, configure_logging=False, runtime_env=runtime_env or None)
     except Exception as err:  # Ray raises RuntimeError, ConnectionError, TimeoutError, ...
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -98,7 +113,8 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
     return RaySession(mode="embedded", address="local", node_ips={n.name: ip for n in nodes})
 
 
-def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str) -> RaySession:
+def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
+            runtime_env: dict[str, Any]) -> RaySession:
     # Ray (>= 2.50) clusters require a token by default; the driver sends the one in
     # ~/.ray/auth_token (or $RAY_AUTH_TOKEN) only in token mode, read when ray is imported.
     # A cluster without authentication accepts it too.
@@ -107,7 +123,8 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str) -> RaySes
 
     log.info("Attaching to the running Ray at %s", address)
     try:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        ray.init(address=address, log_to_driver=False, configure_logging=False,
+                 runtime_env=runtime_env or None)
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
         raise PreflightError(
             f"cannot attach to Ray at {address!r}: {_first_line(err)}. Check that the cluster "
@@ -133,7 +150,7 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str) -> RaySes
     return RaySession(mode="attach", address=address, node_ips=ips)
 
 
-def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
+def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
     from launcher.preflight.runners import runner_for
 
     head = nodes[0]
@@ -172,7 +189,7 @@ def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
         os.environ["RAY_AUTH_TOKEN"] = token
 
         try:
-            _connect_client(session.address)
+            _connect_client(session.address, runtime_env)
         except Exception as err:
             raise PreflightError(
                 f"Ray started on the nodes but the launcher cannot reach it at {session.address}: "
@@ -189,14 +206,14 @@ def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec]) -> RaySession:
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _connect_client(address: str, attempts: int = 3) -> None:
+def _connect_client(address: str, runtime_env: dict[str, Any], attempts: int = 3) -> None:
     """Ray Client connect, retried: a freshly started head's client server can fail its first
     session (its per-client server process dies during start-up under load)."""
     import ray
 
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(address=address, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env or None)
             return
         except Exception as err:
             if attempt == attempts:

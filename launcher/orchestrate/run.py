@@ -27,6 +27,7 @@ import yaml
 
 from launcher import signals
 from launcher.errors import Interrupted, JobFailed, LauncherError
+from launcher.orchestrate.code import CodePlan, plan_code
 from launcher.orchestrate.plan import (
     DEFAULT_MASTER_PORT,
     PROFILE_SUBDIR,
@@ -68,11 +69,15 @@ class _Agent:
 
 @dataclass
 class Launch:
-    """One launch of one job. Reusable pieces (a Ray session, a preflight) may be passed in."""
+    """One launch of one job. Reusable pieces (a Ray session, a preflight) may be passed in.
+
+    ``code`` is a script job's workdir plan (``code.plan_code``); the built-in trainer has none.
+    """
 
     job: JobSpec
     cluster: ClusterSpec
     run_dir: Path
+    code: CodePlan | None = None
     skip_parity: bool = False
     keep_ray: bool = False
     session: RaySession | None = None
@@ -157,7 +162,7 @@ class Launch:
         previous = signal.getsignal(signal.SIGTERM)
         try:
             with signals.keep_handlers():
-                self.session = open_session(self.cluster, self.nodes)
+                self.session = open_session(self.cluster, self.nodes, self.code)
             self._own_session = True
             signals.check()  # a signal whose exception Python dropped while Ray forked
         except SystemExit as exit_:
@@ -203,7 +208,7 @@ class Launch:
             self._agents.append(_Agent(node=node, handle=handle))
         port = self.job.launch.master_port or ray.get(self._agents[0].handle.free_port.remote(), timeout=60)
         self._plan = plan(self.job, self.cluster, self.facts, run_id=self.run_dir.name,
-                          master_port=port, launcher_env=os.environ)
+                          master_port=port, launcher_env=os.environ, code=self.code)
         _write_private(self.run_dir / "plan.json", json.dumps(self._plan.to_json(), indent=2) + "\n")
         for agent, node_plan in zip(self._agents, self._plan.nodes, strict=True):
             agent.plan = node_plan
@@ -232,7 +237,7 @@ class Launch:
             node_plan = agent.plan
             argv = _with_option(node_plan.argv, "--master-port", str(port))  # a fresh port per attempt
             env = {**node_plan.env, "LAUNCHER_RESTART_COUNT": str(self._attempt)}
-            payload = {"workdir": node_plan.workdir, "argv": argv, "env": env}
+            payload = {"node_dir": node_plan.node_dir, "cwd": node_plan.cwd, "argv": argv, "env": env}
             starts.append(agent.handle.start.remote(payload, {"job.yaml": job_text}))
             agent.exit, agent.pending = None, None
         ray.get(starts, timeout=120)
@@ -362,7 +367,7 @@ class Launch:
             self.session = None
 
     def _collect(self, subdir: str) -> None:
-        """Copy each node's ``<workdir>/<subdir>`` into ``<run dir>/<subdir>/<node>/``."""
+        """Copy each node's ``<node dir>/<subdir>`` into ``<run dir>/<subdir>/<node>/``."""
         import ray
 
         for agent in self._agents:
@@ -537,9 +542,13 @@ class Launch:
 
 def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip_parity: bool = False,
         keep_ray: bool = False) -> Outcome:
-    """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary."""
+    """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary.
+
+    A workdir that cannot travel raises SpecError (exit 2) before anything is made or started.
+    """
+    code = plan_code(job, nodes_for_job(cluster, job))
     launch = Launch(job=job, cluster=cluster, run_dir=run_dir or default_run_dir(job.name),
-                    skip_parity=skip_parity, keep_ray=keep_ray)
+                    code=code, skip_parity=skip_parity, keep_ray=keep_ray)
     outcome = launch.execute()
     print(f"Run directory: {outcome.run_dir}", flush=True)
     if outcome.status == "interrupted":
@@ -561,6 +570,7 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
 
     A failed preflight prints its parity table here and raises PreflightError (exit 3).
     """
+    code = plan_code(job, nodes_for_job(cluster, job))
     facts = None
     parity = ""
     if skip_parity:
@@ -576,7 +586,7 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
         facts = _node_facts(report, nodes_for_job(cluster, job))
     port = job.launch.master_port or DEFAULT_MASTER_PORT
     launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>", master_port=port,
-                       launcher_env=os.environ)
+                       launcher_env=os.environ, code=code)
     note = "" if job.launch.master_port else " (a free port on the first node is picked at launch)"
     return parity + render(launch_plan, port_note=note)
 

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from launcher.errors import Interrupted, JobFailed, UsageError
+from launcher.orchestrate.code import plan_code
 from launcher.orchestrate.ray_cluster import open_session
 from launcher.orchestrate.run import Launch
 from launcher.report.scaling import build_table, scale_job, write_scaling
@@ -30,12 +31,13 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
     widest = max(n for n, _ in points)
     used = cluster.nodes[:widest]
     base_world = points[0][0] * points[0][1]
+    code = plan_code(job, list(used))
 
     facts = None
     probe_job = job.model_copy(update={"resources": job.resources.model_copy(update={"nodes": widest})})
     if not skip_parity:
         facts = Launch(job=probe_job, cluster=cluster, run_dir=out_dir, quiet=True).preflight()
-    session = open_session(cluster, list(used))
+    session = open_session(cluster, list(used), code)
     measured: list[dict] = []
     failed = 0
     try:
@@ -53,7 +55,7 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
                 log.info("Scaling point: %d node(s) x %d = %d rank(s), repeat %d/%d",
                          n_nodes, nproc, world_size, i + 1, repeat)
                 outcome = Launch(job=point_job, cluster=cluster, run_dir=run_dir, session=session,
-                                 facts=facts, skip_parity=skip_parity, quiet=True).execute()
+                                 code=code, facts=facts, skip_parity=skip_parity, quiet=True).execute()
                 if outcome.status == "interrupted":
                     raise KeyboardInterrupt
                 if outcome.status != "succeeded":

@@ -97,6 +97,7 @@ def probe_node(node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, dee
     ifname = worker_env(node, job).get("NCCL_SOCKET_IFNAME")
     if ifname:
         args += ["--nccl-socket-ifname", ifname]
+    args += shared_code_args(job)
     command = " ".join(shlex.quote(a) for a in [python, *args])
     timeout = cluster.ssh.connect_timeout_s + COMMAND_MARGIN_S + (DEEP_TIMEOUT_S if deep else 0)
 
@@ -137,6 +138,17 @@ def parse_probe_output(result: CommandResult, python: str) -> dict[str, Any]:
     if not isinstance(probe, dict):
         raise NodeError(BAD_JSON, f"the probe printed {type(probe).__name__}, not a JSON object")
     return probe
+
+
+def shared_code_args(job: JobSpec | None) -> list[str]:
+    """Probe arguments that check and hash the job's workdir on a shared filesystem (sync: false)."""
+    if job is None or job.uses_builtin or job.entrypoint.sync is not False:
+        return []
+    entry = job.entrypoint
+    script = Path(entry.script)
+    relative = script.relative_to(entry.workdir) if script.is_relative_to(entry.workdir) else script
+    return ["--workdir", str(entry.workdir), "--script", str(relative),
+            "--exclude", json.dumps(list(entry.exclude))]
 
 
 def gpus_needed(node: NodeSpec, job: JobSpec | None) -> int:

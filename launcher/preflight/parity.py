@@ -115,6 +115,14 @@ def _launcher_hash(probe: dict[str, Any]) -> str | None:
     return digest[:12] if digest else None
 
 
+def _user_code(probe: dict[str, Any]) -> str | None:
+    """The hash of the job's workdir (``entrypoint.sync: false``), or why there is none."""
+    code = probe.get("user_code")
+    if not isinstance(code, dict) or "error" in code:
+        return None
+    return code["code_hash"][:12] if code.get("exists") else "missing"
+
+
 def _disk(probe: dict[str, Any]) -> str | None:
     free = _get("disk", "home", "free_gib")(probe)
     return f"{free:g} GiB" if isinstance(free, int | float) else None
@@ -135,6 +143,7 @@ FIELDS: tuple[FieldDef, ...] = (
     FieldDef("ray", "ray", "exact", _package("ray")),
     FieldDef("launcher", "launcher", "exact", _package("launcher")),
     FieldDef("launcher_hash", "launcher code", "exact", _launcher_hash),
+    FieldDef("user_code", "user code (workdir)", "exact", _user_code),
     FieldDef("driver", "driver", "major", _get("nvidia", "driver")),
     FieldDef("gpu", "gpu model", "exact", _gpu_models),
     FieldDef("gpus", "gpus", "ignore", lambda p: gpu_count(p)),
@@ -147,6 +156,7 @@ FIELDS: tuple[FieldDef, ...] = (
 CHECKS: tuple[CheckDef, ...] = (
     CheckDef("deep_probe", "the deep (torch) probe ran"),
     CheckDef("launcher_importable", "the launcher is importable with the node's python"),
+    CheckDef("user_code_present", "the job's workdir and script exist on the node (sync: false)"),
     CheckDef("cudnn_working", "cuDNN is available, enabled, loaded and computes where CUDA is"),
     CheckDef("cudnn_speedup", f"cuDNN is at least {CUDNN_MIN_SPEEDUP}x faster than native kernels"),
     CheckDef("driver_min", "the driver is new enough for torch's CUDA build"),
@@ -408,6 +418,15 @@ def _checks(node: str, probe: dict[str, Any], policies: dict[str, str], deep: bo
     if probe.get("launcher") is None:
         python = _get("python", "executable")(probe) or "the node's python"
         found.append(("launcher_importable", f"the launcher is not importable with {python}; install it there"))
+    code = probe.get("user_code")
+    if isinstance(code, dict):
+        if "error" in code:
+            found.append(("user_code_present", f"could not read the workdir: {code['error']}"))
+        elif not code.get("exists"):
+            found.append(("user_code_present", f"workdir {code['workdir']} does not exist here; put the "
+                                               f"code on the shared filesystem or use entrypoint.sync: auto"))
+        elif code.get("script") and not code.get("script_exists"):
+            found.append(("user_code_present", f"script {code['script']} is missing from {code['workdir']} here"))
     if deep_ok and dp.get("cuda_available"):
         found.extend(("cudnn_working", m) for m in _cudnn_problems(dp))
         speedup = (dp.get("conv") or {}).get("speedup")

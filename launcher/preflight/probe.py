@@ -10,6 +10,12 @@ Torch-free part (fast, ~0.1 s): hostname, OS and kernel, Python, versions of tor
 launcher (+ a hash of its .py files, to catch stale code) and the listed packages, driver and
 GPUs from ``nvidia-smi`` (or NVML), IPv4 interfaces, free disk, clock.
 
+User code (``--workdir DIR --script PATH [--exclude JSON]``, for ``entrypoint.sync: false``):
+whether the job's working directory and script exist on this node, and a hash of its code
+files after the job's excludes. The gitignore-style matcher and the hash live here, in the one
+self-contained file, and the launcher imports them too: the node and the launcher walk a tree
+by the same rules.
+
 Deep part (``--deep``, imports torch): CUDA build and availability, devices, cuDNN
 available/enabled/version and one real convolution timed with cuDNN on and off, the NCCL
 version, and which libcudnn/libnccl/libcudart files the process actually mapped. It runs in a
@@ -29,6 +35,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -45,6 +52,9 @@ CORE_PACKAGES = ("torch", "ray", "launcher")
 LOADED_LIB_PREFIXES = ("libcudnn", "libnccl", "libcudart")
 NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total", "uuid", "pci.bus_id")
 COMMAND_TIMEOUT_S = 15.0
+# What counts as code when the user's working directory is hashed (data files are not read).
+CODE_SUFFIXES = (".py", ".pyi", ".pyx", ".pxd", ".sh", ".yaml", ".yml", ".toml", ".json", ".cfg",
+                 ".ini", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deep-timeout", type=float, default=120.0, help="seconds the deep part may take")
     parser.add_argument("--gpus-needed", type=int, default=0, help="GPUs the job needs on this node (recorded)")
     parser.add_argument("--nccl-socket-ifname", default=None, help="the workers' NCCL_SOCKET_IFNAME (recorded)")
+    parser.add_argument("--workdir", default=None, help="the user's working directory: report and hash it")
+    parser.add_argument("--script", default=None, help="the user's script, relative to --workdir")
+    parser.add_argument("--exclude", default="[]", help="gitignore-style patterns (a JSON list) left out of the hash")
     args = parser.parse_args(argv)
     started = time.monotonic()
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
@@ -76,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     report["nvidia"] = _safe(nvidia_info)
     report["interfaces"] = _safe(interfaces)
     report["disk"] = _safe(disk_free)
+    if args.workdir:
+        patterns = json.loads(args.exclude)
+        report["user_code"] = _safe(lambda: user_code_info(Path(args.workdir), args.script, patterns))
     report["deep"] = run_with_timeout(deep_info, args.deep_timeout) if args.deep else None
     report["elapsed_s"] = round(time.monotonic() - started, 3)
     report["time"] = time.time()  # last, so the launcher can measure clock skew on receipt
@@ -122,11 +138,21 @@ def package_versions(names: list[str]) -> dict[str, str | None]:
 
 
 def launcher_info() -> dict[str, Any] | None:
-    """Where ``import launcher`` would load from and a hash of its .py files (without importing it)."""
-    spec = importlib.util.find_spec("launcher")
-    if spec is None or not spec.submodule_search_locations:
+    """Where ``import launcher`` would load from and a hash of its .py files (without importing it).
+
+    The probe runs as ``python -``, which puts the current directory first on ``sys.path``: a
+    folder there named ``launcher`` (``/tmp/launcher`` holds the nodes' run folders) would pass
+    for the package as an empty namespace. Only the installed package counts.
+    """
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+    try:
+        spec = importlib.util.find_spec("launcher")
+    finally:
+        sys.path[:] = saved
+    if spec is None or not spec.origin or not spec.origin.endswith("__init__.py"):
         return None
-    root = Path(next(iter(spec.submodule_search_locations)))
+    root = Path(spec.origin).parent
     return {"path": str(root), "hash": tree_hash(root)}
 
 
@@ -154,6 +180,96 @@ def tree_hash(root: Path) -> str:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def user_code_info(workdir: Path, script: str | None, exclude: list[str]) -> dict[str, Any]:
+    """Whether the workdir and script exist here, and the hash of the workdir's code files."""
+    out: dict[str, Any] = {"workdir": str(workdir), "exists": workdir.is_dir(), "script": script}
+    if script is not None:
+        out["script_exists"] = (workdir / script).is_file()
+    if out["exists"]:
+        code = [rel for rel, _ in walk_tree(workdir, exclude) if rel.endswith(CODE_SUFFIXES)]
+        out["code_files"] = len(code)
+        out["code_hash"] = files_hash(workdir, code)
+    return out
+
+
+def walk_tree(root: Path, exclude: list[str]) -> list[tuple[str, int]]:
+    """(relative POSIX path, size) of every file under ``root`` that ``exclude`` keeps, sorted.
+
+    Excluded folders are not entered; links to folders are not followed (links to files are
+    read as the files they point to).
+    """
+    excluded = exclude_matcher(exclude)
+    out: list[tuple[str, int]] = []
+    for folder, dirs, files in os.walk(root):
+        rel_folder = Path(folder).relative_to(root).as_posix()
+        prefix = "" if rel_folder == "." else rel_folder + "/"
+        dirs[:] = sorted(d for d in dirs if not excluded(prefix + d, True))
+        for name in files:
+            rel = prefix + name
+            path = Path(folder) / name
+            if excluded(rel, False) or not path.is_file():
+                continue
+            out.append((rel, path.stat().st_size))
+    return sorted(out)
+
+
+def files_hash(root: Path, relpaths: list[str]) -> str:
+    """sha256 over the given files' relative paths and contents, in sorted order."""
+    digest = hashlib.sha256()
+    for rel in sorted(relpaths):
+        digest.update(rel.encode() + b"\0")
+        digest.update((root / rel).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def exclude_matcher(patterns: list[str]) -> Callable[[str, bool], bool]:
+    """``excluded(relative_posix_path, is_dir)`` for gitignore-style ``patterns``.
+
+    As in .gitignore: a pattern without a slash matches a name at any depth (``__pycache__``,
+    ``*.pt``); one with a slash is anchored at the root (``data/raw``, ``/build``); a trailing
+    slash matches folders only (``runs/``); ``*`` and ``?`` stay within a name, ``**`` crosses
+    folders (``**/cache``, ``logs/**``). A file inside an excluded folder is excluded with it.
+    """
+    compiled = []
+    for pattern in patterns:
+        dir_only = pattern.endswith("/")
+        body = pattern.rstrip("/")
+        anchored = "/" in body
+        regex = _glob_regex(body.lstrip("/"))
+        compiled.append((re.compile(("^" if anchored else "^(?:.*/)?") + regex + "$"), dir_only))
+
+    def excluded(rel: str, is_dir: bool) -> bool:
+        return any(rx.match(rel) and (is_dir or not dir_only) for rx, dir_only in compiled)
+
+    return excluded
+
+
+def _glob_regex(glob: str) -> str:
+    out, i = [], 0
+    while i < len(glob):
+        if glob.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif glob.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif glob[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif glob[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif glob[i] == "[" and "]" in glob[i + 1:]:
+            end = glob.index("]", i + 1)
+            inner = glob[i + 1:end]
+            out.append("[" + ("^" + inner[1:] if inner.startswith("!") else inner).replace("\\", "\\\\") + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(glob[i]))
+            i += 1
+    return "".join(out)
 
 
 def nvidia_info() -> dict[str, Any]:

@@ -177,9 +177,26 @@ class LaunchSpec(Strict):
     stop_grace_s: float = Field(5.0, gt=0, le=120, description="Seconds between SIGTERM and SIGKILL when stopping workers.")
 
 
+DEFAULT_EXCLUDE = (".git", "__pycache__", "*.pyc", ".venv/", "runs/", "checkpoints/", "ckpt/",
+                   "*.pt", "*.pth", "*.ckpt", "*.safetensors")
+
+
 class ScriptEntrypoint(Strict):
-    script: Path = Field(description="A torchrun-ready Python script; relative paths are taken from the job file's folder. It must exist at the same path on every node.")
+    script: Path = Field(description="A torchrun-ready Python script, relative to workdir (or absolute). Where the workdir travels to other nodes, the script must lie inside it.")
     args: list[str] = Field(default_factory=list, description="Arguments after the script.")
+    workdir: Path | None = Field(None, description="The script's current directory on every node, as `cd workdir && torchrun ... script` would have it (relative open(), imports next to the script, relative output folders). Default: the job file's folder; relative paths are taken from the job file's folder.")
+    sync: Literal["auto", True, False] = Field("auto", description="How the workdir reaches the nodes. auto: nothing is copied when every node is this machine, else the workdir travels to every node through Ray (runtime_env working_dir) and the script runs in that copy; true: always run in a copy taken at launch; false: a shared filesystem: the preflight checks that the workdir and script exist on every node and that their code files hash the same.")
+    exclude: list[str] = Field(default_factory=lambda: list(DEFAULT_EXCLUDE), description="gitignore-style patterns left out of the copy and the code hash (name patterns match at any depth, a slash anchors at the workdir, a trailing slash means folders only). Replaces the default list. .gitignore files are not read.")
+
+    @model_validator(mode="after")
+    def _patterns(self) -> ScriptEntrypoint:
+        for pattern in self.exclude:
+            if not pattern.strip("/").strip():
+                raise ValueError(f"entrypoint.exclude has an empty pattern {pattern!r}; remove it")
+            if pattern.startswith("!"):
+                raise ValueError(f"entrypoint.exclude pattern {pattern!r}: re-including with '!' is not "
+                                 f"supported; narrow the pattern that excludes it instead")
+        return self
 
 
 class JobSpec(Strict):
@@ -193,7 +210,7 @@ class JobSpec(Strict):
     nccl: NCCLSpec = Field(default_factory=NCCLSpec, description="Collective backend settings.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="pinned. Nodes, workers per node and device.")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="torchrun and worker settings.")
-    entrypoint: Literal["builtin"] | ScriptEntrypoint = Field("builtin", description="pinned. builtin (the launcher's Transformer trainer) or {script: path.py, args: [...]}.")
+    entrypoint: Literal["builtin"] | ScriptEntrypoint = Field("builtin", description="pinned. builtin (the launcher's Transformer trainer) or {script: path.py, args: [...], workdir: ., sync: auto, exclude: [...]}.")
 
     @property
     def backend(self) -> str:

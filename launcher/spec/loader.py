@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from launcher.errors import SpecError, UsageError
 from launcher.spec.cluster import ClusterSpec, NodeSpec
-from launcher.spec.job import SIZE_PRESETS, JobSpec
+from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # job and node names
@@ -389,9 +389,10 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     """Relative data and script paths are taken from the job file's folder; scripts must exist."""
     base = source.parent
     updates: dict[str, Any] = {}
-    script_path = None if job.uses_builtin else job.entrypoint.script
+    entry = None if job.uses_builtin else job.entrypoint
     for field, value in (("data.path", job.data.path), ("train.checkpoint.dir", job.train.checkpoint.dir),
-                         ("entrypoint.script", script_path), ("model.init_from", job.model.init_from),
+                         ("entrypoint.script", entry and entry.script),
+                         ("entrypoint.workdir", entry and entry.workdir), ("model.init_from", job.model.init_from),
                          ("data.tokenizer", job.data.tokenizer), ("data.cache_dir", job.data.cache_dir)):
         if value is not None and "\x00" in str(value):
             raise SpecError(f"{field} {str(value)!r} contains a NUL character; give a plain path",
@@ -413,16 +414,7 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
         ckpt = job.train.checkpoint.model_copy(update={"dir": job.train.checkpoint.dir.resolve()})
         updates["train"] = job.train.model_copy(update={"checkpoint": ckpt})
     if not job.uses_builtin:
-        entry = job.entrypoint
-        script = entry.script if entry.script.is_absolute() else (base / entry.script).resolve()
-        if not script.is_file():
-            raise SpecError(
-                f"entrypoint.script {str(entry.script)!r} does not exist (looked for {script}); "
-                f"paths are relative to the job file's folder",
-                source=str(source),
-                field="entrypoint.script",
-            )
-        updates["entrypoint"] = entry.model_copy(update={"script": script})
+        updates["entrypoint"] = _resolve_script(job.entrypoint, base, source)
     return job.model_copy(update=updates) if updates else job
 
 
@@ -456,6 +448,26 @@ def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
     if data.cache_dir is not None and not data.cache_dir.is_absolute():
         update["cache_dir"] = (base / data.cache_dir).resolve()
     return data.model_copy(update=update)
+
+
+def _resolve_script(entry: ScriptEntrypoint, base: Path, source: Path) -> ScriptEntrypoint:
+    """The workdir from the job file's folder (default: that folder), the script from the workdir."""
+    workdir = (base / entry.workdir).resolve() if entry.workdir is not None else base.resolve()
+    if not workdir.is_dir():
+        raise SpecError(
+            f"entrypoint.workdir {str(entry.workdir)!r} is not a folder (looked for {workdir}); give the "
+            f"folder your script runs in, relative to the job file's folder, or leave it out to use "
+            f"that folder",
+            source=str(source), field="entrypoint.workdir",
+        )
+    script = (workdir / entry.script).resolve()
+    if not script.is_file():
+        raise SpecError(
+            f"entrypoint.script {str(entry.script)!r} does not exist (looked for {script}); the script "
+            f"is taken relative to entrypoint.workdir ({workdir})",
+            source=str(source), field="entrypoint.script",
+        )
+    return entry.model_copy(update={"workdir": workdir, "script": script})
 
 
 def _deep_copy(data: Any) -> Any:

@@ -180,9 +180,10 @@ def test_lost_node_is_detected_and_named(netns_cluster, tmp_path):
     lost = cluster.node_names[1]
     cluster_file = cluster.cluster_yaml(
         tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
-    # The script must exist on every node at the same path: the nodes' /tmp is their own.
-    script = shutil.copy(FIXTURES / "fault_train.py", cluster.dir / "fault_train.py")
-    job = write_job(tmp_path, {"script": str(script), "args": ["--steps", "100000"]},
+    # The nodes' /tmp is their own: the script reaches them in its workdir, through Ray.
+    (tmp_path / "code").mkdir()
+    shutil.copy(FIXTURES / "fault_train.py", tmp_path / "code/fault_train.py")
+    job = write_job(tmp_path, {"script": "fault_train.py", "workdir": "code", "args": ["--steps", "100000"]},
                     resources={"nproc_per_node": 1, "device": "cpu"}, launch={"stop_grace_s": 2})
     run_dir = tmp_path / f"lost-{tmp_path.name}"
     with Launcher(str(job), "--cluster", str(cluster_file), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from launcher.errors import PreflightError, SpecError
+from launcher.orchestrate.code import plan_code
 from launcher.orchestrate.plan import MASK, NodeFacts, plan, render
 from launcher.spec import ClusterSpec, JobSpec
 
@@ -29,8 +30,8 @@ def gpu_job(**resources) -> JobSpec:
     })
 
 
-def make(job: JobSpec, cluster: ClusterSpec, facts=None, env=None):
-    return plan(job, cluster, facts, run_id="t-1", master_port=29400,
+def make(job: JobSpec, cluster: ClusterSpec, facts=None, env=None, code=None):
+    return plan(job, cluster, facts, run_id="t-1", master_port=29400, code=code,
                 launcher_env=env or {"NCCL_IB_HCA": "mlx5", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                                      "NVSHMEM_DISABLE_NVLS": "1", "HOME": "/root", "AWS_SECRET": "x"},
                 local_python="/usr/bin/python3")
@@ -119,9 +120,11 @@ def test_node_subset_and_cpu_workers():
 def test_script_entrypoint_argv(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    job = JobSpec.model_validate({"name": "s", "entrypoint": {"script": str(script), "args": ["--lr", "3e-4"]},
+    job = JobSpec.model_validate({"name": "s", "entrypoint": {"script": str(script), "args": ["--lr", "3e-4"],
+                                                              "workdir": str(tmp_path)},
                                   "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}})
-    p = make(job, ClusterSpec.this_machine())
+    cluster = ClusterSpec.this_machine()
+    p = make(job, cluster, code=plan_code(job, cluster.nodes))
     assert p.nodes[0].argv[-3:] == [str(script), "--lr", "3e-4"]
     assert p.nodes[0].argv[0] == "/usr/bin/python3"  # a local node runs the launcher's interpreter
 

@@ -1,0 +1,147 @@
+"""The user's code on every node: where a script entrypoint runs and how its folder gets there.
+
+A script runs with ``entrypoint.workdir`` as its current directory, as ``cd workdir &&
+torchrun ... script.py`` would. ``plan_code`` decides how that folder reaches each node
+(``CodePlan.mode``):
+
+- ``local``: every node is this machine (``sync: auto``): the script runs in the folder itself.
+- ``ray``: the folder, less ``entrypoint.exclude``, is copied into a snapshot (``stage``) that
+  Ray ships as the job's ``runtime_env`` ``working_dir``; every node's agent starts torchrun in
+  the copy Ray unpacks on that node (``sync: auto`` with remote nodes, or ``sync: true``).
+- ``shared``: ``sync: false``, a shared filesystem: the same path on every node. The preflight
+  checks that it exists there and that its code files hash the same on each node.
+
+The folder is walked and hashed by the probe's own functions (``launcher/preflight/probe.py``),
+so the launcher and the nodes apply the excludes by the same rules.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from launcher.errors import SpecError
+from launcher.preflight.probe import CODE_SUFFIXES, files_hash, walk_tree
+from launcher.spec import JobSpec, NodeSpec
+
+SYNC_LIMIT_BYTES = 100 * 2**20  # what Ray ships through its object store to every node
+STAGE_PREFIX = "launcher-code-"
+
+
+@dataclass(frozen=True)
+class CodePlan:
+    """The user's workdir as the launch sees it (``plan.json``'s ``code``)."""
+
+    workdir: str
+    script: str  # as torchrun gets it: relative to the copy when the workdir travels, else absolute
+    mode: str  # local | ray | shared
+    files: int
+    size_bytes: int
+    code_hash: str  # sha256 of the code files (CODE_SUFFIXES) after excludes
+    exclude: tuple[str, ...]
+
+    @property
+    def travels(self) -> bool:
+        return self.mode == "ray"
+
+    def cwd(self) -> str | None:
+        """The workers' current directory on a node; None: the copy Ray unpacked there."""
+        return None if self.travels else self.workdir
+
+    def how(self) -> str:
+        return {
+            "local": "used in place (every node is this machine)",
+            "ray": "copied to every node by Ray (runtime_env working_dir); the script runs in that copy",
+            "shared": "the same path on every node (sync: false); the preflight hashes it on each",
+        }[self.mode]
+
+    def to_json(self) -> dict[str, object]:
+        return {**asdict(self), "exclude": list(self.exclude)}
+
+
+def plan_code(job: JobSpec, nodes: list[NodeSpec]) -> CodePlan | None:
+    """How a script job's workdir reaches ``nodes``; None for the built-in trainer.
+
+    Raises SpecError (exit 2) for a script outside a workdir that travels and for a workdir
+    over ``SYNC_LIMIT_BYTES`` after excludes, naming its largest folders.
+    """
+    if job.uses_builtin:
+        return None
+    entry = job.entrypoint
+    # The loader resolves workdir (default: the job file's folder); a spec built in code without
+    # one runs in its script's folder.
+    workdir = Path(entry.workdir) if entry.workdir is not None else Path(entry.script).parent
+    if entry.sync is False:
+        mode = "shared"
+    elif entry.sync is True or not all(n.is_local for n in nodes):
+        mode = "ray"
+    else:
+        mode = "local"
+    script = Path(entry.script)
+    inside = script.is_relative_to(workdir)
+    if mode == "ray" and not inside:
+        raise SpecError(
+            f"entrypoint.script {script} lies outside entrypoint.workdir {workdir}, which travels to "
+            f"the nodes; move the script into the workdir, set workdir to a folder that holds it, or "
+            f"use sync: false on a shared filesystem",
+            source="job", field="entrypoint.script",
+        )
+    files = walk_tree(workdir, list(entry.exclude))
+    size = sum(n for _, n in files)
+    if mode == "ray" and size > SYNC_LIMIT_BYTES:
+        raise SpecError(
+            f"entrypoint.workdir {workdir} holds {_mib(size)} after excludes, over the "
+            f"{_mib(SYNC_LIMIT_BYTES)} that can travel to the nodes; largest: "
+            f"{', '.join(f'{name} ({_mib(n)})' for name, n in _largest(files))}. Add them to "
+            f"entrypoint.exclude (data and checkpoints belong on storage the nodes share), or use "
+            f"sync: false on a shared filesystem",
+            source="job", field="entrypoint.workdir",
+        )
+    code = [rel for rel, _ in files if rel.endswith(CODE_SUFFIXES)]
+    return CodePlan(
+        workdir=str(workdir), script=str(script.relative_to(workdir)) if mode == "ray" else str(script),
+        mode=mode, files=len(files), size_bytes=size, code_hash=files_hash(workdir, code),
+        exclude=tuple(entry.exclude),
+    )
+
+
+def stage(code: CodePlan) -> Path:
+    """A snapshot of the workdir (less excludes) in a new temporary folder, for Ray to ship.
+
+    The caller removes it once Ray has uploaded it (``ray.init`` does so before it returns).
+    """
+    root = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX))
+    source = Path(code.workdir)
+    try:
+        for rel, _ in walk_tree(source, list(code.exclude)):
+            target = root / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / rel, target)
+        os.chmod(root, 0o755)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return root
+
+
+def describe(code: CodePlan) -> str:
+    """One line for ``launch plan``."""
+    return (f"User code: {code.workdir} ({code.files} files, {_mib(code.size_bytes)} after excludes, "
+            f"code hash {code.code_hash[:12]}): {code.how()}")
+
+
+def _largest(files: list[tuple[str, int]], n: int = 3) -> list[tuple[str, int]]:
+    """The top-level entries of the walked tree that weigh most."""
+    totals: dict[str, int] = {}
+    for rel, size in files:
+        head, sep, _ = rel.partition("/")
+        key = head + "/" if sep else head
+        totals[key] = totals.get(key, 0) + size
+    return sorted(totals.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,147 @@
+"""The user's code on every node: a research-style script that uses relative paths runs as
+under `cd workdir && torchrun`, here and on nodes that cannot see the launcher's files, and a
+shared filesystem whose copies differ stops the launch.
+
+``tests/fixtures/user_project`` execs a config file, imports a helper next to it, reads a data
+file and writes into an output folder, all by relative paths.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import yaml
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+LINE = re.compile(r"rank=(\d+) cwd=(\S+) greeting=(\S+) helper=(\S+) data=(\S+) total=(\d+)")
+
+
+def launch(*args: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def project(root: Path, **entrypoint: object) -> Path:
+    """A copy of the fixture project under ``root``; returns its job file."""
+    dest = root / "project"
+    shutil.copytree(FIXTURES / "user_project", dest)
+    job_file = dest / "job.yaml"
+    job = yaml.safe_load(job_file.read_text())
+    job["entrypoint"].update(entrypoint)
+    job_file.write_text(yaml.safe_dump(job))
+    return job_file
+
+
+def rank_lines(run_dir: Path) -> dict[int, tuple[str, ...]]:
+    """rank → (cwd, greeting, helper, data, total) from every rank log of the run."""
+    out = {}
+    for log in run_dir.glob("logs/*/rank*.log"):
+        for match in LINE.finditer(log.read_text()):
+            out[int(match.group(1))] = match.groups()[1:]
+    return out
+
+
+def test_script_runs_in_its_workdir_here(tmp_path):
+    """Every node is this machine: no copy; relative reads and writes happen in the folder itself."""
+    job_file = project(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir = tmp_path / "run"
+    result = launch(str(job_file), "--set", "resources.nproc_per_node=2", "--run-dir", str(run_dir),
+                    cwd=elsewhere)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    workdir = job_file.parent
+    lines = rank_lines(run_dir)
+    assert set(lines) == {0, 1}
+    for cwd, greeting, helper, data, total in lines.values():
+        assert (cwd, greeting, helper, data) == (str(workdir), "configured", "helper-v1", "relative-data")
+        assert total == str(2 * len("relative-data"))
+    assert sorted(p.name for p in (workdir / "out").iterdir()) == ["rank0.txt", "rank1.txt"]
+    assert not list(elsewhere.iterdir())  # nothing written where the launcher was started
+    code = json.loads((run_dir / "plan.json").read_text())["code"]
+    assert code["mode"] == "local" and code["workdir"] == str(workdir)
+
+
+def test_workdir_travels_to_nodes_that_cannot_see_it(netns_cluster, tmp_path):
+    """The project lies under the launcher's /tmp, which the nodes' private /tmp hides: Ray
+    ships it, and each rank runs in its node's copy."""
+    cluster = netns_cluster(2)
+    cluster_file = cluster.cluster_yaml(
+        tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
+    job_file = project(tmp_path)
+    workdir = job_file.parent
+    (workdir / "checkpoints").mkdir()
+    (workdir / "checkpoints/big.bin").write_bytes(b"x" * 1024)  # excluded by default: stays here
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir = tmp_path / "run"
+    result = launch(str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=elsewhere)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["world_size"] == 2
+    assert {r["host"] for r in summary["ranks"]} == {cluster.host(n) for n in cluster.node_names}
+    lines = rank_lines(run_dir)
+    assert set(lines) == {0, 1}
+    for cwd, greeting, helper, data, total in lines.values():
+        assert cwd != str(workdir)  # a copy: the original is invisible to the node
+        assert (greeting, helper, data, total) == ("configured", "helper-v1", "relative-data", str(2 * 13))
+    code = json.loads((run_dir / "plan.json").read_text())["code"]
+    assert code["mode"] == "ray" and code["script"] == "train.py"
+    assert code["files"] == 5  # train, configurator, helper, job.yaml, data/input.txt; not checkpoints/
+    assert not (workdir / "out").exists()  # outputs stay in the node's copy
+    for node in cluster.node_names:  # the workdir never existed on the nodes
+        assert cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
+
+
+def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
+    """sync: false: a node whose copy of a helper differs stops the launch (exit 3, its cell marked)."""
+    cluster = netns_cluster(2)
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    shared = Path("/var/tmp") / f"launcher-shared-{uuid.uuid4().hex[:8]}"  # every node sees /var/tmp
+    try:
+        shared.mkdir()
+        job_file = project(shared, sync=False)
+        helper = job_file.parent / "helper.py"
+        stale = shared / "helper-stale.py"
+        stale.write_text('VALUE = "helper-v0"\n')
+        odd = cluster.node_names[1]
+        # Only that node sees the stale helper (its mount namespace is its own).
+        cluster.exec(odd, f"mount --bind {stale} {helper}", check=True)
+
+        result = launch("check", "--job", str(job_file), "--cluster", str(cluster_file), "--fast", "--json",
+                        cwd=tmp_path)
+        assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+        row = next(f for f in json.loads(result.stdout)["fields"] if f["field"] == "user_code")
+        assert {n: c["mark"] for n, c in row["cells"].items()} == {cluster.node_names[0]: None, odd: "fail"}
+        result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
+        assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+        assert odd in result.stderr and "user code" in result.stderr
+
+        cluster.exec(odd, f"umount {helper}", check=True)
+        result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "the same path on every node" in result.stdout
+        row = next(line for line in result.stdout.splitlines() if line.startswith("user code (workdir)"))
+        assert "✗" not in row
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_shared_workdir_missing_on_a_node(netns_cluster, tmp_path):
+    """sync: false with the workdir under the launcher's /tmp: the nodes do not have it (exit 3)."""
+    cluster = netns_cluster(2)
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    job_file = project(tmp_path, sync=False)
+    result = launch("plan", str(job_file), "--cluster", str(cluster_file), "--set", "entrypoint.sync=false",
+                    cwd=tmp_path)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    for node in cluster.node_names:
+        assert node in result.stderr
+    assert "does not exist here" in result.stdout + result.stderr
