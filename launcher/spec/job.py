@@ -40,6 +40,7 @@ class ModelSpec(Strict):
     vocab_size: int | None = Field(None, ge=8, le=1_048_576, description="Vocabulary size; default 30522 (bert) or 50304 (gpt).")
     max_positions: int | None = Field(None, ge=8, le=1_048_576, description="Learned positions; default 512 (bert) or 1024 (gpt). data.seq_len must not exceed it.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP outputs.")
+    init_from: Path | None = Field(None, description="Start from a local Hugging Face model folder (config.json + model.safetensors or pytorch_model.bin) of BertForMaskedLM/BertModel or GPT2LMHeadModel: arch and dims come from its config.json (any given here must agree), the weights from its files. Relative paths are taken from the job file's folder; every node reads it at the same path; nothing is downloaded. Needs the hf extra.")
 
     def dims(self) -> dict[str, int]:
         """The resolved shape: preset, arch defaults, then explicit overrides."""
@@ -63,18 +64,26 @@ class ModelSpec(Strict):
 
 
 class DataSpec(Strict):
-    source: Literal["synthetic", "tokens"] = Field("synthetic", description="pinned. synthetic: structured random tokens made on the device; tokens: a file of token ids.")
+    source: Literal["synthetic", "tokens", "text"] = Field("synthetic", description="pinned. synthetic: structured random tokens made on the device; tokens: a file of token ids; text: text files, tokenized once into a cached token file.")
     seq_len: int = Field(512, ge=8, le=1_048_576, description="pinned. Tokens per sample.")
-    path: Path | None = Field(None, description="Token file (.npy, or raw .bin of token ids) when source is tokens; relative paths are taken from the job file's folder.")
+    path: Path | None = Field(None, description="source tokens: the token file (.npy, or raw .bin of token ids); source text: a .txt or .jsonl file, or a folder of them (searched recursively). Relative paths are taken from the job file's folder.")
     token_dtype: Literal["uint16", "int32", "int64"] = Field("uint16", description="Element type of a raw .bin token file (.npy files carry their own).")
     mask_prob: float = Field(0.15, gt=0.0, lt=1.0, description="BERT: fraction of tokens masked for MLM (80% [MASK], 10% random, 10% kept).")
+    tokenizer: Path | None = Field(None, description="source text: a local tokenizer folder holding tokenizer.json (read with the tokenizers library; special tokens from its tokenizer_config.json). Relative paths are taken from the job file's folder. Needs the hf extra.")
+    text_field: str = Field("text", min_length=1, description="source text: the key of each .jsonl line's text.")
+    cache_dir: Path | None = Field(None, description="source text: where tokenized text is cached (keyed by the text files' and the tokenizer's hashes); default ~/.cache/launcher/tokens. On several nodes a shared folder tokenizes once.")
 
     @model_validator(mode="after")
     def _path_for_tokens(self) -> DataSpec:
         if self.source == "tokens" and self.path is None:
             raise ValueError("source 'tokens' needs data.path (a .npy or .bin file of token ids)")
+        if self.source == "text" and (self.path is None or self.tokenizer is None):
+            raise ValueError("source 'text' needs data.path (a .txt or .jsonl file, or a folder of them) "
+                             "and data.tokenizer (a local tokenizer folder)")
         if self.source == "synthetic" and self.path is not None:
-            raise ValueError("data.path is only read when source is 'tokens'; set source: tokens or remove path")
+            raise ValueError("data.path is only read when source is 'tokens' or 'text'; set the source or remove path")
+        if self.source != "text" and self.tokenizer is not None:
+            raise ValueError("data.tokenizer is only read when source is 'text'; set source: text or remove tokenizer")
         return self
 
 
