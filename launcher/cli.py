@@ -18,7 +18,8 @@ from launcher.errors import EXIT_INTERRUPTED, EXIT_INVALID_INPUT, LauncherError,
 
 log = logging.getLogger("launcher")
 
-COMMANDS = ("run", "plan", "check", "scale", "report", "schema", "export", "tokenize")
+COMMANDS = ("run", "plan", "check", "scale", "report", "schema", "export", "tokenize",
+            "submit", "status", "logs", "stop", "list", "fetch", "down")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,8 +55,64 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dry_run(job, cluster, skip_parity=args.skip_parity))
         return 0
+    if args.detach:
+        return cmd_submit(args)
     run(job, cluster, run_dir=args.run_dir, skip_parity=args.skip_parity, keep_ray=args.keep_ray)
     return 0
+
+
+# -- detached jobs (launcher/jobs) --------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from launcher.jobs.commands import submit
+    from launcher.orchestrate.run import dry_run
+
+    job, cluster = _load(args)
+    if args.dry_run:
+        print(dry_run(job, cluster, skip_parity=args.skip_parity))
+        return 0
+    cluster_file = args.cluster or ("cluster.yaml" if Path("cluster.yaml").is_file() else None)
+    submit(job, cluster, cluster_file=cluster_file, run_dir=args.run_dir,
+           skip_parity=args.skip_parity, as_json=args.json)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from launcher.jobs.commands import status
+
+    return status(_load_cluster(args), args.job_id, as_json=args.json)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from launcher.jobs.commands import list_jobs
+
+    return list_jobs(_load_cluster(args), as_json=args.json)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from launcher.jobs.commands import logs
+
+    return logs(_load_cluster(args), args.job_id, follow=args.follow)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from launcher.jobs.commands import stop
+
+    return stop(_load_cluster(args), args.job_id)
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from launcher.jobs.commands import fetch
+
+    fetch(_load_cluster(args), args.job_id, to=args.to)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from launcher.jobs.commands import down
+
+    return down(_load_cluster(args), yes=args.yes)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -124,6 +181,12 @@ def _load(args: argparse.Namespace):  # noqa: ANN202
     return job, cluster
 
 
+def _load_cluster(args: argparse.Namespace):  # noqa: ANN202
+    from launcher.spec import load_cluster
+
+    return load_cluster(args.cluster)
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -149,7 +212,54 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
     p.add_argument("--run-dir", type=Path, help="put this run's directory exactly here")
     p.add_argument("--keep-ray", action="store_true", help="leave a Ray cluster the launcher started running")
+    p.add_argument("--detach", action="store_true", help="submit it as a detached job (= launch submit)")
+    p.add_argument("--json", action="store_true", help="with --detach: print {job_id, name, cluster, run_dir}")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("submit", parents=[common],
+                       help="preflight here, then run the job detached on the cluster's Ray Jobs")
+    job_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and submit nothing")
+    p.add_argument("--run-dir", type=Path, help="the run directory on the head (default runs/<job id>)")
+    p.add_argument("--json", action="store_true", help="print {job_id, name, cluster, run_dir}")
+    p.set_defaults(func=cmd_submit)
+
+    def cluster_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)")
+
+    p = sub.add_parser("status", parents=[common], help="a detached job's state (all jobs without ID)")
+    p.add_argument("job_id", nargs="?", help="the job id `launch submit` printed")
+    cluster_arg(p)
+    p.add_argument("--json", action="store_true", help="print the state as JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("list", parents=[common], help="the launcher's detached jobs, newest first")
+    cluster_arg(p)
+    p.add_argument("--json", action="store_true", help="print the jobs as JSON")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("logs", parents=[common], help="a detached job's driver output")
+    p.add_argument("job_id")
+    cluster_arg(p)
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="stream until the job ends (Ctrl-C stops following, not the job)")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("stop", parents=[common], help="stop a detached job as Ctrl-C stops a foreground run")
+    p.add_argument("job_id")
+    cluster_arg(p)
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("fetch", parents=[common], help="copy a detached job's run directory from the head here")
+    p.add_argument("job_id")
+    cluster_arg(p)
+    p.add_argument("--to", type=Path, help="where to put it (default runs/<job id>)")
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("down", parents=[common], help="stop the Ray the launcher started for detached jobs")
+    cluster_arg(p)
+    p.add_argument("--yes", action="store_true", help="also stop jobs that still run")
+    p.set_defaults(func=cmd_down)
 
     p = sub.add_parser("plan", parents=[common], help="preflight and the exact per-node commands; starts nothing")
     job_args(p)

@@ -208,7 +208,7 @@ def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[st
                 args = ["start", "--head", "--port", str(rc.port),
                         "--ray-client-server-port", str(rc.client_port),
                         f"--include-dashboard={'true' if rc.dashboard else 'false'}",
-                        "--dashboard-host", "127.0.0.1"]
+                        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(rc.dashboard_port)]
             else:
                 args = ["start", "--address", f"{ips[head.name]}:{rc.port}"]
             _ray_cli(cluster, node, [*args, "--node-ip-address", ips[node.name], "--disable-usage-stats"])

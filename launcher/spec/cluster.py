@@ -67,7 +67,9 @@ class RaySpec(Strict):
     address: str | None = Field(None, description="pinned. null: the launcher decides (embedded when every node is local, else bootstrap over SSH); auto, host:port or ray://host:port: attach to a running cluster and never stop it.")
     port: int = Field(6379, ge=1024, le=65535, description="GCS port when the launcher starts Ray on the head node.")
     client_port: int = Field(10001, ge=1024, le=65535, description="Ray Client port on the head node; the launcher drives a bootstrapped cluster through it.")
-    dashboard: bool = Field(False, description="Start Ray's dashboard (on the head, bound to localhost).")
+    dashboard: bool = Field(False, description="Start Ray's dashboard (on the head, bound to localhost). Detached jobs (launch submit) always start it: it serves the Jobs API.")
+    dashboard_port: int = Field(8265, ge=1024, le=65535, description="The dashboard and Jobs API port on the head (bound to its 127.0.0.1); detached-job commands reach it through an SSH tunnel to the head.")
+    jobs_address: str | None = Field(None, description="Jobs API address of an attached cluster (ray.address set), e.g. http://ray-head.example:8265 for a Ray cluster on Kubernetes; null: the head's 127.0.0.1:dashboard_port, directly when the head is this machine, else through an SSH tunnel to nodes[0]. The token is Ray's own ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).")
     join_timeout_s: float = Field(60.0, gt=0, le=3600, description="How long to wait for every node to join a bootstrapped cluster.")
 
     @field_validator("address")
@@ -77,6 +79,13 @@ class RaySpec(Strict):
             return v
         if not re.fullmatch(r"(ray://)?[A-Za-z0-9._-]+:\d{1,5}", v):
             raise ValueError(f"address {v!r} must be null, auto, host:port or ray://host:port")
+        return v
+
+    @field_validator("jobs_address")
+    @classmethod
+    def _jobs_address_form(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[A-Za-z0-9._-]+(:\d{1,5})?/?", v):
+            raise ValueError(f"jobs_address {v!r} must be http://host:port or https://host:port")
         return v
 
 
@@ -107,6 +116,16 @@ class ClusterSpec(Strict):
                         f"nodes[{i}] repeats {attr} {value!r} of nodes[{seen[value]}]; each node needs its own {attr}"
                     )
                 seen[value] = i
+        return self
+
+    @model_validator(mode="after")
+    def _jobs_address_needs_attach(self) -> ClusterSpec:
+        if self.ray.jobs_address is not None and self.ray.address is None:
+            raise ValueError(
+                "ray.jobs_address is for a cluster the launcher attaches to: set ray.address too "
+                "(auto, host:port or ray://host:port), or drop jobs_address and let the launcher "
+                "start Ray (it reaches its own Jobs API itself)"
+            )
         return self
 
     @property

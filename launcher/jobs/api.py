@@ -1,0 +1,225 @@
+"""Reaching a cluster's Jobs API, and the launcher's jobs on it.
+
+``connect(cluster, start=...)`` yields a ``JobsCluster``: a ``JobSubmissionClient`` that sends
+the cluster's token, and where the head (the node the drivers run on) is. Which Jobs API:
+
+- **this machine alone** (``ray.address: null``, every node local): the launcher's own head
+  (``head.py``), started by the first ``launch submit`` and reused after;
+- **bootstrapped** (``ray.address: null``, remote nodes): ``launch submit`` bootstraps Ray over
+  SSH as a foreground run does, with the dashboard on the head's 127.0.0.1, and leaves it up
+  for its jobs (``launch down`` stops it). Every command reaches it through an SSH tunnel
+  (paramiko port forwarding on the cluster's SSH settings) to the head's 127.0.0.1
+  ``ray.dashboard_port``, with the token read from the head over that same connection;
+- **attached** (``ray.address`` set): used as it is, at ``ray.jobs_address`` where given
+  (e.g. a Ray cluster on Kubernetes), else at the head's 127.0.0.1 dashboard port, directly
+  when the head is this machine, otherwise through the SSH tunnel. The token is Ray's own
+  (``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``).
+
+No port of ours listens beyond 127.0.0.1, and the token travels only in the HTTP header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from launcher.errors import LauncherError, PreflightError, UsageError
+from launcher.jobs import head as heads
+from launcher.orchestrate.ray_cluster import TOKEN_FILE
+from launcher.spec import ClusterSpec, NodeSpec
+from launcher.util import first_line, free_port
+
+log = logging.getLogger(__name__)
+
+META_KEY = "launcher"  # Ray Job metadata: the launcher's version; marks the launcher's jobs
+ACTIVE = ("PENDING", "RUNNING")
+TUNNEL_READY_S = 5.0
+
+
+class NoJobs(LauncherError):
+    """No launcher-started Ray for this cluster: nothing was ever submitted (exit 0)."""
+
+    exit_code = 0
+
+    def __init__(self) -> None:
+        super().__init__("no jobs: nothing was submitted on this cluster")
+
+
+@dataclass
+class JobsCluster:
+    """A cluster's Jobs API, as the job commands use it."""
+
+    kind: str  # local | bootstrap | attach
+    cluster: ClusterSpec
+    client: Any  # ray.job_submission.JobSubmissionClient
+    url: str
+    local_head: heads.LocalHead | None = None
+
+    @property
+    def head(self) -> NodeSpec:
+        return self.cluster.nodes[0]
+
+    @property
+    def head_is_local(self) -> bool:
+        """The drivers (and run directories) are on this machine."""
+        return self.kind == "local" or self.head.is_local
+
+    def jobs(self) -> list[Any]:
+        """The launcher's jobs on the cluster, newest first (``JobDetails``)."""
+        ours = [j for j in self.client.list_jobs() if META_KEY in (j.metadata or {})]
+        return sorted(ours, key=lambda j: (j.start_time or 0, j.submission_id), reverse=True)
+
+    def job(self, job_id: str) -> Any:
+        """One of the launcher's jobs; UsageError (exit 2) naming the known ids otherwise."""
+        jobs = self.jobs()
+        for details in jobs:
+            if details.submission_id == job_id:
+                return details
+        known = ", ".join(j.submission_id for j in jobs) or "none"
+        raise UsageError(f"no job {job_id!r} on this cluster; known job ids: {known} "
+                         f"(`launch list` shows them)")
+
+    def logs(self, job_id: str) -> str:
+        return self.client.get_job_logs(job_id)
+
+
+@contextlib.contextmanager
+def connect(cluster: ClusterSpec, *, start: bool = False) -> Iterator[JobsCluster]:
+    """The cluster's Jobs API; ``start`` starts (or bootstraps) the launcher's Ray when none
+    runs, else NoJobs is raised for a cluster without one."""
+    if cluster.ray.address is not None:
+        with _attached(cluster) as jobs:
+            yield jobs
+    elif cluster.all_local:
+        head = heads.local_head(start=start)
+        if head is None:
+            raise NoJobs()
+        yield JobsCluster("local", cluster, _client(head.jobs_url, head.token()), head.jobs_url, head)
+    else:
+        with _bootstrapped(cluster, start=start) as jobs:
+            yield jobs
+
+
+# -- the three kinds -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _attached(cluster: ClusterSpec) -> Iterator[JobsCluster]:
+    rc = cluster.ray
+    # Ray adds the token it finds to each request in token mode; a cluster without
+    # authentication ignores it.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if rc.jobs_address or cluster.nodes[0].is_local:
+        url = (rc.jobs_address or f"http://127.0.0.1:{rc.dashboard_port}").rstrip("/")
+        yield JobsCluster("attach", cluster, _client(url, None), url)
+        return
+    with _tunnel(cluster) as (url, _):
+        yield JobsCluster("attach", cluster, _client(url, None), url)
+
+
+@contextlib.contextmanager
+def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]:
+    saved = heads.saved_cluster(cluster)
+    if saved is None and not start:
+        raise NoJobs()
+    if saved is None:
+        saved = _bootstrap(cluster)
+    with contextlib.ExitStack() as stack:
+        try:
+            url, token = stack.enter_context(_tunnel(saved, token=True))
+        except (PreflightError, OSError) as err:
+            if not start:
+                raise PreflightError(
+                    f"the Ray the launcher started on {saved.nodes[0].name} ({saved.nodes[0].host}) "
+                    f"does not answer: {first_line(err)}. It may have been stopped; `launch down` "
+                    f"forgets it, the next `launch submit` starts it again") from err
+            log.warning("the launcher's Ray on %s is gone (%s); starting it again",
+                        saved.nodes[0].name, first_line(err))
+            heads.forget_cluster(saved)
+            saved = _bootstrap(cluster)
+            url, token = stack.enter_context(_tunnel(saved, token=True))
+        yield JobsCluster("bootstrap", saved, _client(url, token), url)
+
+
+def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
+    """Start Ray on every node of the cluster as a foreground run does, dashboard on, and
+    leave it running for detached jobs; remember it (``head.save_cluster``)."""
+    import ray
+
+    from launcher.orchestrate.ray_cluster import open_session
+
+    spec = cluster.model_copy(update={"ray": cluster.ray.model_copy(update={"dashboard": True})})
+    open_session(spec, list(spec.nodes))
+    # Disconnect only: the cluster stays up for its jobs (this is session.close(keep_ray=True)
+    # without its warning, which speaks of --keep-ray).
+    ray.shutdown()
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    heads.save_cluster(spec)
+    return spec
+
+
+# -- the SSH tunnel ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str, str | None]]:
+    """A local port forwarded over SSH to the head's 127.0.0.1 dashboard port: (url, token).
+
+    With ``token``, the launcher's token file is read from the head on the same connection.
+    """
+    from launcher.jobs.ssh import SSHRunner, paramiko_connection
+
+    head = cluster.nodes[0]
+    runner = SSHRunner(head, cluster.ssh)
+    try:
+        secret = None
+        if token:
+            result = runner.run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10)
+            if not result.ok or not result.stdout.strip():
+                raise PreflightError(f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
+                                     f"is missing): Ray is not running there")
+            secret = result.stdout.strip()
+        local_port = free_port()
+        with paramiko_connection(runner).forward_local(
+                local_port, remote_port=cluster.ray.dashboard_port, remote_host="127.0.0.1",
+                local_host="127.0.0.1"):
+            _wait_listening(local_port)
+            yield f"http://127.0.0.1:{local_port}", secret
+    finally:
+        runner.close()
+
+
+def _wait_listening(port: int) -> None:
+    """The tunnel's listener starts in a thread: wait until it accepts."""
+    deadline = time.monotonic() + TUNNEL_READY_S
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _client(url: str, token: str | None) -> Any:
+    from ray.job_submission import JobSubmissionClient
+
+    # Ray logs "Uploading package ..." at INFO on every submit (these loggers set their own level).
+    for name in ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:
+        return JobSubmissionClient(url, headers=headers)
+    except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
+        raise PreflightError(
+            f"cannot reach the Ray Jobs API at {url}: {first_line(err)}. Check that the cluster "
+            f"runs, its dashboard is on (ray[default] installed there) and the token is right"
+        ) from err

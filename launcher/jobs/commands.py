@@ -1,0 +1,248 @@
+"""``launch submit | status | logs | stop | list | fetch | down``: detached jobs on Ray Jobs.
+
+``submit`` validates and runs the preflight here, on the launcher's machine, exactly as a
+foreground run does (a failed preflight submits nothing, exit 3), then hands the job to the
+cluster's Ray as a Ray Job whose entrypoint is the launch driver (``driver.py``) on the head,
+and returns once Ray has it. The other commands ask the cluster's Jobs API (``api.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from launcher import __version__
+from launcher.errors import UsageError
+from launcher.jobs import state as job_state
+from launcher.jobs.api import ACTIVE, META_KEY, JobsCluster, NoJobs, connect
+from launcher.spec import ClusterSpec, JobSpec, nodes_for_job
+from launcher.util import utc_stamp, write_private
+
+STOP_WAIT_MIN_S = 30  # RAY_JOB_STOP_WAIT_TIME_S: SIGINT, then this long to tear down, then SIGKILL
+POLL_S = 0.5
+
+
+def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_dir: Path | None,
+           skip_parity: bool, as_json: bool) -> dict[str, Any]:
+    """Preflight here, then the job to the cluster's Ray Jobs; returns ``{job_id, name, cluster,
+    run_dir}`` once Ray has it."""
+    from launcher.jobs.driver import CODE_DIR, SUBMISSION_FILE
+    from launcher.orchestrate.code import plan_code, stage
+    from launcher.orchestrate.plan import worker_counts
+    from launcher.orchestrate.run import preflight_facts
+    from launcher.orchestrate.rundir import RunDir
+
+    nodes = nodes_for_job(cluster, job)
+    code = plan_code(job, nodes)
+    job_id = f"{job.name}-{utc_stamp()}-{secrets.token_hex(2)}"
+    with tempfile.TemporaryDirectory(prefix="launcher-submit-") as tmp:
+        upload = Path(tmp)
+        facts = preflight_facts(job, cluster, skip=skip_parity, run_dir=RunDir(upload), show=not as_json)
+        workers = worker_counts(job, nodes, facts)
+        with connect(cluster, start=True) as jobs:
+            if jobs.head_is_local:
+                where = str((run_dir or Path("runs") / job_id).resolve())
+            else:  # a path on the head; relative ones are under its home directory
+                where = str(run_dir or Path("runs") / job_id)
+            if code is not None and code.travels and not jobs.head_is_local:
+                snapshot = stage(code)  # the head cannot see this machine's workdir
+                snapshot.rename(upload / CODE_DIR)
+            write_private(upload / SUBMISSION_FILE, json.dumps({
+                "job_id": job_id, "job": job.model_dump(mode="json"),
+                "cluster": jobs.cluster.model_dump(mode="json"),
+                "facts": {n: f.gpus for n, f in facts.items()} if facts is not None else None,
+                "skip_parity": skip_parity, "run_dir": where}) + "\n")
+            python = sys.executable if jobs.head_is_local else jobs.head.interpreter()
+            stop_wait = max(STOP_WAIT_MIN_S, int(job.launch.stop_grace_s) + 20)
+            jobs.client.submit_job(
+                entrypoint=f"exec {shlex.quote(python)} -m launcher.jobs.driver {SUBMISSION_FILE}",
+                submission_id=job_id,
+                runtime_env={"working_dir": str(upload), "env_vars": {
+                    "RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait)}},
+                metadata={META_KEY: __version__, "name": job.name, "run_id": job_id,
+                          "world_size": str(sum(workers.values())), "nodes": str(len(nodes)),
+                          "node_names": ",".join(n.name for n in nodes), "run_dir": where})
+    where_cluster = cluster_file or "this machine"
+    out = {"job_id": job_id, "name": job.name, "cluster": where_cluster, "run_dir": where}
+    if as_json:
+        print(json.dumps(out), flush=True)
+    else:
+        flag = f" --cluster {shlex.quote(cluster_file)}" if cluster_file else ""
+        print(f"Submitted job {job_id} ({sum(workers.values())} rank(s) on {len(nodes)} node(s)); "
+              f"run directory {where}{'' if jobs.head_is_local else ' on ' + jobs.head.name}\n"
+              f"Follow it:\n"
+              f"  launch status {job_id}{flag}\n"
+              f"  launch logs {job_id} --follow{flag}\n"
+              f"  launch stop {job_id}{flag}\n"
+              f"  launch fetch {job_id}{flag}   # the run directory, here", flush=True)
+    return out
+
+
+def status(cluster: ClusterSpec, job_id: str | None, *, as_json: bool) -> int:
+    """One job's state, or every job's (as ``list``)."""
+    if job_id is None:
+        return list_jobs(cluster, as_json=as_json)
+    with _connect_for(cluster, job_id) as jobs:
+        details = jobs.job(job_id)
+        row = job_state.row(details, jobs.logs(job_id))
+    print(json.dumps(job_state.to_json(row)) if as_json else job_state.render_one(row), flush=True)
+    return 0
+
+
+def list_jobs(cluster: ClusterSpec, *, as_json: bool) -> int:
+    try:
+        with connect(cluster) as jobs:
+            rows = [job_state.row(d, jobs.logs(d.submission_id)) for d in jobs.jobs()]
+    except NoJobs as none:
+        print("[]" if as_json else str(none), flush=True)
+        return 0
+    if as_json:
+        print(json.dumps([job_state.to_json(r) for r in rows]), flush=True)
+    else:
+        print(job_state.render_table(rows) if rows else "no jobs: nothing was submitted on this cluster",
+              flush=True)
+    return 0
+
+
+def logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
+    """The driver's output; with ``follow``, streamed until the job ends (Ctrl-C stops
+    following only)."""
+    with _connect_for(cluster, job_id) as jobs:
+        details = jobs.job(job_id)
+        if not follow or _status(details) not in ACTIVE:
+            sys.stdout.write(job_state.strip(jobs.logs(job_id)))
+            if follow:
+                print(f"job {job_id} has ended ({_shown(jobs, details)}); nothing to follow", flush=True)
+            return 0
+        try:
+            asyncio.run(_tail(jobs, job_id))
+        except KeyboardInterrupt:
+            print(f"\nstopped following; job {job_id} goes on (`launch stop {job_id}` stops it)",
+                  file=sys.stderr, flush=True)
+            return 0
+        print(f"job {job_id} ended: {_shown(jobs, jobs.job(job_id))}", flush=True)
+    return 0
+
+
+def stop(cluster: ClusterSpec, job_id: str) -> int:
+    """SIGINT to the driver (as Ctrl-C to a foreground run); waits until the job has ended."""
+    with _connect_for(cluster, job_id) as jobs:
+        details = jobs.job(job_id)
+        if _status(details) not in ACTIVE:
+            print(f"job {job_id} has already ended ({_shown(jobs, details)}); nothing to stop", flush=True)
+            return 0
+        jobs.client.stop_job(job_id)
+        print(f"Stopping job {job_id}: its driver stops every worker and writes its summary", flush=True)
+        wait = float((details.runtime_env or {}).get("env_vars", {}).get("RAY_JOB_STOP_WAIT_TIME_S",
+                                                                         STOP_WAIT_MIN_S))
+        details = _wait_ended(jobs, job_id, timeout_s=wait + 15)
+        print(f"job {job_id}: {_shown(jobs, details)}", flush=True)
+    return 0
+
+
+def fetch(cluster: ClusterSpec, job_id: str, *, to: Path | None) -> Path:
+    """The job's run directory from the head into ``to`` (default ``runs/<job id>``)."""
+    from launcher.jobs.ssh import copy_dir
+
+    with _connect_for(cluster, job_id) as jobs:
+        details = jobs.job(job_id)
+        source = (details.metadata or {})["run_dir"]
+        dest = (to or Path("runs") / job_id).resolve()
+        if jobs.head_is_local and Path(source).resolve() == dest:
+            print(f"{dest} is the run directory itself (the head is this machine)", flush=True)
+            return dest
+        copy_dir(jobs.head, jobs.cluster.ssh, source, dest)
+        note = " (a snapshot: the job is still running)" if _status(details) in ACTIVE else ""
+        print(f"Fetched {source} from {jobs.head.name} into {dest}{note}\n"
+              f"  launch report {shlex.quote(str(dest))}", flush=True)
+    return dest
+
+
+def down(cluster: ClusterSpec, *, yes: bool) -> int:
+    """Stop the Ray the launcher started for detached jobs (never one it attached to)."""
+    if cluster.ray.address is not None:
+        print(f"the Ray at ray.address {cluster.ray.address} is not the launcher's: `launch down` "
+              f"stops only a Ray the launcher started; nothing stopped", flush=True)
+        return 0
+    try:
+        with connect(cluster) as jobs:
+            active = [d for d in jobs.jobs() if _status(d) in ACTIVE]
+            if active and not yes:
+                raise UsageError(
+                    f"{len(active)} job(s) still running: {', '.join(d.submission_id for d in active)}; "
+                    f"stop them first (`launch stop ID`) or pass --yes to stop them and Ray")
+            for details in active:
+                jobs.client.stop_job(details.submission_id)
+            for details in active:
+                _wait_ended(jobs, details.submission_id, timeout_s=STOP_WAIT_MIN_S + 15)
+            kind, spec, local = jobs.kind, jobs.cluster, jobs.local_head
+    except NoJobs:
+        print("no Ray started by the launcher for this cluster; nothing to stop", flush=True)
+        return 0
+    if kind == "local":
+        from launcher.jobs.head import stop_local_head
+
+        assert local is not None
+        stop_local_head(local)
+        print("Stopped the launcher's Ray head on this machine", flush=True)
+    else:
+        from launcher.jobs.head import forget_cluster
+        from launcher.orchestrate.ray_cluster import _stop_ray
+
+        _stop_ray(spec, list(spec.nodes))
+        forget_cluster(spec)
+        print(f"Stopped the launcher's Ray on {', '.join(n.name for n in spec.nodes)}", flush=True)
+    return 0
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _connect_for(cluster: ClusterSpec, job_id: str) -> Iterator[JobsCluster]:
+    """``connect(cluster)`` for a command about one job: no launcher Ray means an unknown id."""
+    try:
+        with connect(cluster) as jobs:
+            yield jobs
+    except NoJobs:
+        raise UsageError(f"no job {job_id!r}: nothing was submitted on this cluster "
+                         f"(known job ids: none)") from None
+
+
+async def _tail(jobs: JobsCluster, job_id: str) -> None:
+    pending = ""
+    async for chunk in jobs.client.tail_job_logs(job_id):
+        pending += chunk
+        *lines, pending = pending.split("\n")
+        for text in lines:
+            if not text.startswith(job_state.MARK):
+                print(text, flush=True)
+    if pending and not pending.startswith(job_state.MARK):
+        print(pending, flush=True)
+
+
+def _wait_ended(jobs: JobsCluster, job_id: str, *, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        details = jobs.job(job_id)
+        if _status(details) not in ACTIVE or time.monotonic() > deadline:
+            return details
+        time.sleep(POLL_S)
+
+
+def _status(details: Any) -> str:
+    return str(details.status.value)
+
+
+def _shown(jobs: JobsCluster, details: Any) -> str:
+    """The status as ``launch status`` shows it."""
+    return job_state.row(details, jobs.logs(details.submission_id))["status"]

@@ -1,0 +1,260 @@
+"""A detached job's driver: the Ray Job's entrypoint, on the head node.
+
+``python -m launcher.jobs.driver submission.json`` runs in the job's working_dir, which Ray
+unpacked from what ``launch submit`` uploaded: ``submission.json`` (the validated job and
+cluster specs, the preflight's GPU counts, the run directory, the job id), ``preflight/``
+(the report made on the launcher's machine) and, for a script whose workdir travels, its
+snapshot in ``code/``. Then, in order:
+
+1. attach to this node's Ray (the cluster's ``ray.address`` becomes ``auto``: Ray Jobs
+   tells the driver where its GCS is) and take its turn in the queue (``queue.py``);
+2. run ``Launch`` as a foreground run does, with the preflight's facts: the same agents,
+   watch loop, teardown and summary. Its console output is the job's log;
+3. write the job's state into that log as it goes (``state.py``).
+
+``launch stop`` gets SIGINT here (``RAY_JOB_STOP_SIGNAL``): the foreground's interrupted path
+stops every worker, removes the placement group and writes a summary marked interrupted;
+exit 130. Exit codes as ``launch``: 0 succeeded, 4 failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launcher import signals
+from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, LauncherError
+from launcher.jobs import queue
+from launcher.jobs import state as job_state
+from launcher.jobs.api import ACTIVE, META_KEY
+from launcher.orchestrate.code import plan_code
+from launcher.orchestrate.plan import NodeFacts, worker_counts
+from launcher.orchestrate.ray_cluster import open_session
+from launcher.orchestrate.records import Status
+from launcher.orchestrate.run import Launch
+from launcher.orchestrate.rundir import RunDir
+from launcher.orchestrate.runlog import RunLog
+from launcher.spec import ClusterSpec, JobSpec, nodes_for_job
+
+log = logging.getLogger(__name__)
+
+SUBMISSION_FILE = "submission.json"
+CODE_DIR = "code"
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+STATE_EVERY_S = 2.0  # running-state lines at most this often
+EXIT_CODES = {Status.SUCCEEDED: 0, Status.FAILED: EXIT_JOB_FAILED, Status.INTERRUPTED: EXIT_INTERRUPTED}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from launcher.cli import _setup_logging
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    _setup_logging(debug="--debug" in args)
+    signals.install()
+    submission = json.loads(Path(args[0]).read_text())
+    run_dir = RunDir(_on_this_node(submission["run_dir"]))
+    job = JobSpec.model_validate(submission["job"])
+    try:
+        return Driver(submission, job, run_dir).run()
+    except LauncherError as err:
+        print(f"error: {err}", flush=True)
+        _final(job, run_dir, Status.FAILED, reason=str(err))
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted (launch stop): nothing of the job is left running", flush=True)
+        _final(job, run_dir, Status.INTERRUPTED)
+        return EXIT_INTERRUPTED
+
+
+@dataclass
+class Driver:
+    submission: dict[str, Any]
+    job: JobSpec
+    run_dir: RunDir
+
+    def run(self) -> int:
+        sub = self.submission
+        emit({"state": "starting"})
+        _leave_upload_out()
+        cluster = ClusterSpec.model_validate(sub["cluster"])
+        job = _with_shipped_code(self.job, Path.cwd() / CODE_DIR)
+        facts = {n: NodeFacts(gpus=g) for n, g in sub["facts"].items()} if sub["facts"] is not None else None
+        # Attach to the Ray this driver runs on; Ray Jobs sets RAY_ADDRESS for it.
+        attached = cluster.model_copy(update={"ray": cluster.ray.model_copy(update={"address": "auto"})})
+        nodes = nodes_for_job(cluster, job)
+        code = plan_code(job, nodes)
+        self.run_dir.prepare(job, cluster)
+        if Path("preflight").is_dir():
+            shutil.copytree("preflight", self.run_dir.preflight, dirs_exist_ok=True)
+        print(f"Job {sub['job_id']}: run directory {self.run_dir.root} on {os.uname().nodename}",
+              flush=True)
+        session = open_session(attached, nodes, code)
+        board = None
+        try:
+            ticket = queue.Ticket(
+                job_id=sub["job_id"], name=job.name,
+                demand=_demand(job, nodes, facts, session.node_ips),
+                node_names={ip: name for name, ip in session.node_ips.items()})
+            board = queue.wait_turn(ticket, alive=_alive_jobs, capacity=_capacity(),
+                                    on_wait=_waiting)
+            emit({"state": "running", "step": None, "tokens_per_s": None})
+            outcome = DetachedLaunch(job=job, cluster=cluster, run_dir=self.run_dir, code=code,
+                                     skip_parity=sub["skip_parity"], session=session,
+                                     facts=facts).execute()
+        finally:
+            if board is not None:
+                _quietly(lambda: _ray_get(board.end.remote(sub["job_id"])))
+            session.close()
+        summary = outcome.summary or {}
+        emit(_done(outcome.status, summary))
+        print(f"Run directory: {self.run_dir.root}", flush=True)
+        return EXIT_CODES[outcome.status]
+
+
+class StateLog(RunLog):
+    """The run log, also saying the latest step and aggregate tokens/s in state lines."""
+
+    def __init__(self, run_dir: RunDir, *, quiet: bool = False):
+        super().__init__(run_dir, quiet=quiet)
+        self._rates: dict[int, float] = {}
+        self._step: int | None = None
+        self._said_at = 0.0
+        self._said: tuple[int | None, float | None] = (None, None)
+
+    def ingest(self, node: Any, update: Any) -> None:
+        super().ingest(node, update)
+        for rank, record in update.records:
+            if record.get("type") != "step":
+                continue
+            if record.get("interval_s"):
+                self._rates[rank] = record.get("tokens", 0) / record["interval_s"]
+            if rank == 0 and "step" in record:
+                self._step = int(record["step"])
+        now = time.monotonic()
+        news = (self._step, round(sum(self._rates.values()), 1) if self._rates else None)
+        if self._step is not None and news != self._said and now - self._said_at >= STATE_EVERY_S:
+            self._said_at, self._said = now, news
+            emit({"state": "running", "step": news[0], "tokens_per_s": news[1]})
+
+
+@dataclass
+class DetachedLaunch(Launch):
+    """``Launch`` with the run log that writes state lines."""
+
+    def __post_init__(self) -> None:
+        self.log = StateLog(self.run_dir, quiet=self.quiet)
+
+
+def emit(state: dict[str, Any]) -> None:
+    """One state line into the job's log (a single write: no other line lands inside it)."""
+    sys.stdout.write(job_state.line(state) + "\n")
+    sys.stdout.flush()
+
+
+# -- the queue's inputs ----------------------------------------------------------------------
+
+
+def _demand(job: JobSpec, nodes: list, facts: dict[str, NodeFacts] | None,
+            node_ips: dict[str, str]) -> dict[str, dict[str, float]]:
+    """GPUs per node on cuda, worker processes (CPU slots) per node on cpu; by node address."""
+    resource = "GPU" if job.resources.device == "cuda" else "CPU"
+    return {node_ips[name]: {resource: float(n)} for name, n in worker_counts(job, nodes, facts).items()}
+
+
+def _capacity() -> dict[str, dict[str, float]]:
+    import ray
+
+    return {n["NodeManagerAddress"]: {r: float(n["Resources"].get(r, 0.0)) for r in ("CPU", "GPU")}
+            for n in ray.nodes() if n.get("Alive")}
+
+
+def _alive_jobs() -> list[queue.Alive]:
+    """The launcher's jobs Ray Jobs reports PENDING or RUNNING (from this node's Jobs API)."""
+    from ray.job_submission import JobSubmissionClient
+
+    jobs = JobSubmissionClient("auto").list_jobs()
+    return [queue.Alive(j.submission_id, (j.metadata or {}).get("name", ""), j.start_time or 0)
+            for j in jobs if META_KEY in (j.metadata or {}) and str(j.status.value) in ACTIVE]
+
+
+def _waiting(reason: str) -> None:
+    print(f"Waiting: {reason}", flush=True)
+    emit({"state": "pending", "reason": reason})
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _on_this_node(run_dir: str) -> Path:
+    """A run directory given relative (a remote head's default) is under the home directory."""
+    path = Path(run_dir).expanduser()
+    return path if path.is_absolute() else Path.home() / path
+
+
+def _leave_upload_out() -> None:
+    """The uploaded folder is the driver's alone: the agents and workers must not get it as
+    their working_dir (a script's own workdir is shipped by ``open_session``, and two
+    working_dirs would clash). Ray hands the job's runtime_env to the driver in
+    ``$RAY_JOB_CONFIG_JSON_ENV_VAR`` (that is the variable's name), read by ``ray.init``."""
+    raw = os.environ.get(JOB_CONFIG_ENV)
+    if raw:
+        config = json.loads(raw)
+        (config.get("runtime_env") or {}).pop("working_dir", None)
+        os.environ[JOB_CONFIG_ENV] = json.dumps(config)
+
+
+def _with_shipped_code(job: JobSpec, shipped: Path) -> JobSpec:
+    """A script job whose workdir travelled with the submission runs from that copy."""
+    if job.uses_builtin or not shipped.is_dir():
+        return job
+    entry = job.entrypoint
+    workdir = Path(entry.workdir) if entry.workdir is not None else Path(entry.script).parent
+    script = shipped / Path(entry.script).relative_to(workdir)
+    return job.model_copy(update={"entrypoint": entry.model_copy(
+        update={"workdir": str(shipped), "script": str(script)})})
+
+
+def _done(status: Status, summary: dict[str, Any]) -> dict[str, Any]:
+    totals = summary.get("totals") or {}
+    return {"state": "done", "status": status.value, "tokens_per_s": totals.get("tokens_per_s"),
+            "mfu": totals.get("mfu"), "failure": summary.get("failure")}
+
+
+def _final(job: JobSpec, run_dir: RunDir, status: Status, reason: str | None = None) -> None:
+    """A job that ended before ``Launch`` wrote its summary (stopped while waiting, Ray not
+    reachable): a summary with no ranks that says so, and the final state line."""
+    from launcher.report.summary import summarize, write_summary
+
+    summary = None
+    if not (run_dir.root / "summary.json").is_file():
+        failure = {"reason": reason} if reason else None
+        summary = summarize(job.name, [], {}, status=status.value, failure=failure)
+        _quietly(lambda: write_summary(run_dir.root, summary))
+    else:
+        summary = json.loads((run_dir.root / "summary.json").read_text())
+    emit(_done(status, summary))
+
+
+def _ray_get(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=10)
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except Exception as err:  # the end of a run: report, never mask what happened
+        log.warning("%s", err)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

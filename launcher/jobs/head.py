@@ -1,0 +1,258 @@
+"""The Ray that the launcher starts for detached jobs, and the private files that find it again.
+
+State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, else
+``~/.local/state/launcher``), a 0700 folder:
+
+- ``local/``: this machine's head. ``head.json`` (the pid of ``ray start --head --block``,
+  its ports and temp dir), ``auth_token`` (0600; Ray reads it through ``RAY_AUTH_TOKEN_PATH``,
+  it is never on a command line), ``head.log`` (Ray's start-up output). The head runs in a
+  session of its own, so it outlives the ``launch submit`` that started it; every later
+  command finds it through ``head.json``, and ``launch down`` stops exactly it.
+- ``clusters/<head host>-<gcs port>.json``: a cluster bootstrapped over SSH that stays up for
+  its jobs: its resolved cluster spec, so ``launch down`` stops Ray on exactly those nodes.
+  Its token stays on the nodes (``$HOME/.ray/launcher_auth_token``); commands read it over
+  SSH when they open the tunnel to the head.
+
+The local head binds its dashboard and Jobs API to 127.0.0.1 and needs the token for every
+request (``RAY_AUTH_MODE=token``); its other ports are free ports picked at start (Ray's
+defaults, such as the client server's 10001, would clash with a Ray someone else runs here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from launcher.errors import PreflightError
+from launcher.orchestrate.ray_cluster import NICENESS_ENV
+from launcher.spec import ClusterSpec
+from launcher.util import free_port, write_private
+
+log = logging.getLogger(__name__)
+
+STATE_ENV = "LAUNCHER_STATE_DIR"
+START_TIMEOUT_S = 120.0  # `ray start` with the dashboard takes ~8 s on a 2-core machine
+STOP_TIMEOUT_S = 20.0
+
+
+def state_dir() -> Path:
+    """The launcher's private state folder (created 0700)."""
+    root = os.environ.get(STATE_ENV) or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "launcher")
+    path = Path(root)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+@dataclass(frozen=True)
+class LocalHead:
+    """The launcher's Ray head on this machine."""
+
+    pid: int  # `ray start --head --block`: the head's processes end with it
+    gcs_port: int
+    dashboard_port: int
+    temp_dir: str
+    token_file: str
+
+    @property
+    def jobs_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def token(self) -> str:
+        return Path(self.token_file).read_text().strip()
+
+    def answers(self) -> bool:
+        """The process lives and its Jobs API answers an authenticated request."""
+        return _pid_alive(self.pid) and api_status(self.jobs_url, self.token()) == 200
+
+
+def local_head(*, start: bool) -> LocalHead | None:
+    """The running local head; with ``start``, one is started when none runs (else None)."""
+    folder = _local_folder()
+    with _locked(folder):
+        head = _load(folder)
+        if head is not None and head.answers():
+            return head
+        if head is not None:  # left by a crash or a reboot: clear what remains of it
+            _stop(head)
+            (folder / "head.json").unlink(missing_ok=True)
+        return _start(folder) if start else None
+
+
+def stop_local_head(head: LocalHead) -> None:
+    """Stop the local head and everything it started; forget it."""
+    folder = _local_folder()
+    with _locked(folder):
+        _stop(head)
+        for name in ("head.json", "auth_token"):
+            (folder / name).unlink(missing_ok=True)
+
+
+# -- bootstrapped clusters kept up for their jobs -------------------------------------------------
+
+
+def cluster_record(cluster: ClusterSpec) -> Path:
+    head = cluster.nodes[0]
+    folder = state_dir() / "clusters"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder / f"{head.host}-{cluster.ray.port}.json"
+
+
+def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:
+    """The spec a bootstrapped cluster with this head was started with, if the launcher keeps one."""
+    path = cluster_record(cluster)
+    if not path.is_file():
+        return None
+    return ClusterSpec.model_validate(json.loads(path.read_text()))
+
+
+def save_cluster(cluster: ClusterSpec) -> None:
+    write_private(cluster_record(cluster), json.dumps(cluster.model_dump(mode="json"), indent=2) + "\n")
+
+
+def forget_cluster(cluster: ClusterSpec) -> None:
+    cluster_record(cluster).unlink(missing_ok=True)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _local_folder() -> Path:
+    folder = state_dir() / "local"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """One process at a time starts or stops the head (two submits at once share one head)."""
+    with open(folder / ".lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _load(folder: Path) -> LocalHead | None:
+    path = folder / "head.json"
+    if not path.is_file():
+        return None
+    try:
+        return LocalHead(**json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        return None
+
+
+def _start(folder: Path) -> LocalHead:
+    token_file = folder / "auth_token"
+    write_private(token_file, secrets.token_hex(32) + "\n")
+    # Ray's Unix socket paths live under the temp dir and must stay under ~107 characters.
+    digest = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:8]
+    temp_dir = f"/tmp/launcher-ray-{os.getuid()}-{digest}"
+    head = LocalHead(pid=0, gcs_port=free_port(), dashboard_port=free_port(), temp_dir=temp_dir,
+                     token_file=str(token_file))
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),
+           "RAY_USAGE_STATS_ENABLED": "0", NICENESS_ENV: "0"}
+    for name in ("RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # this head's token and address, no one else's
+        env.pop(name, None)
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+            "--port", str(head.gcs_port), "--include-dashboard", "true",
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(head.dashboard_port),
+            "--ray-client-server-port", str(free_port()),
+            "--dashboard-agent-listen-port", str(free_port()),
+            "--temp-dir", temp_dir, "--disable-usage-stats"]
+    log.info("Starting the launcher's Ray head on this machine for detached jobs")
+    with open(folder / "head.log", "wb") as out:
+        proc = subprocess.Popen(argv, env=env, cwd=folder, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    head = LocalHead(**{**asdict(head), "pid": proc.pid})
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not head.answers():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(head)
+            tail = (folder / "head.log").read_text(errors="replace").strip().splitlines()[-3:]
+            raise PreflightError(
+                f"could not start the launcher's Ray head on this machine "
+                f"({'it exited' if proc.returncode is not None else 'no answer'} after "
+                f"{START_TIMEOUT_S - max(0.0, deadline - time.monotonic()):.0f} s): "
+                f"{' | '.join(tail) or 'no output'}. Its log is {folder / 'head.log'}; check free "
+                f"memory and /tmp space")
+        time.sleep(0.25)
+    write_private(folder / "head.json", json.dumps(asdict(head)) + "\n")
+    return head
+
+
+def _stop(head: LocalHead) -> None:
+    """SIGTERM to ``ray start --block`` (it stops the processes it started), then SIGKILL to
+    whatever of the head is left: its process group and any process under its temp dir."""
+    if head.pid and _pid_alive(head.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(head.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while _pid_alive(head.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    if head.pid:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(head.pid, signal.SIGKILL)
+    for pid in _processes_under(head.temp_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _pid_alive(head.pid)  # reaps it when this process started it
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def _processes_under(temp_dir: str) -> list[int]:
+    """Processes whose command line names the head's temp dir (Ray's own, each one)."""
+    needle = temp_dir.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if needle in fh.read():
+                    found.append(int(entry))
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child that has exited
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def api_status(url: str, token: str | None) -> int | None:
+    """The HTTP status of a Jobs API's version route, with the token or without (None: nothing
+    answers there)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"{url}/api/version", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,163 @@
+"""A detached job's state as its driver tells it, and the status row the commands show.
+
+The Jobs API gives a job's Ray status, metadata and the driver's log, nothing more; so the
+driver writes its own state into that log as single lines ``::launcher-state:: {json}``:
+
+- ``{"state": "starting"}``: the driver runs, Ray is being attached;
+- ``{"state": "pending", "reason": "waiting for 2 CPU slots on local, held by job …"}``;
+- ``{"state": "running", "step": 40, "tokens_per_s": 51234.0}``: every few seconds as it moves;
+- ``{"state": "done", "status": "succeeded"|"failed"|"interrupted", "tokens_per_s", "mfu",
+  "failure"}``: from the run's summary.
+
+``status``/``list`` read the last such line; ``launch logs`` leaves them out. Ray's status
+says whether the driver runs; the state line says what it does: a RUNNING driver that waits
+for its turn is PENDING here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+MARK = "::launcher-state:: "
+STATUSES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED")
+JSON_KEYS = ("job_id", "name", "status", "world_size", "step", "tokens_per_s", "mfu", "run_dir", "failure")
+
+
+def line(state: dict[str, Any]) -> str:
+    return MARK + json.dumps(state, separators=(",", ":"))
+
+
+def last_state(logs: str) -> dict[str, Any] | None:
+    """The last state line of a driver's log, if any."""
+    for text in reversed(logs.splitlines()):
+        if text.startswith(MARK):
+            try:
+                return json.loads(text[len(MARK):])
+            except ValueError:
+                continue
+    return None
+
+
+def strip(logs: str) -> str:
+    """The log as a user reads it: without the state lines."""
+    return "".join(t for t in logs.splitlines(keepends=True) if not t.startswith(MARK))
+
+
+def status_of(ray_status: str, state: dict[str, Any] | None) -> str:
+    """PENDING / RUNNING / SUCCEEDED / FAILED / STOPPED from Ray's status and the driver's state."""
+    if ray_status == "RUNNING":
+        running = state is not None and state.get("state") in ("running", "done")
+        return "RUNNING" if running else "PENDING"
+    return ray_status if ray_status in STATUSES else "FAILED"
+
+
+def row(details: Any, logs: str) -> dict[str, Any]:
+    """What ``launch status`` says of one job (``JobDetails`` and its driver's log)."""
+    meta = details.metadata or {}
+    state = last_state(logs) or {}
+    status = status_of(str(details.status.value if hasattr(details.status, "value") else details.status),
+                       state or None)
+    failure = state.get("failure") if state.get("state") == "done" else None
+    if status == "FAILED" and failure is None:
+        # The driver died before it could say (killed, out of memory): Ray's word for it.
+        message = _first_line(details.message or "the driver exited without a summary")
+        failure = {"reason": message.split(", last available logs")[0]}
+    return {
+        "job_id": details.submission_id,
+        "name": meta.get("name"),
+        "status": status,
+        "world_size": _int(meta.get("world_size")),
+        "nodes": _int(meta.get("nodes")),
+        "step": state.get("step"),
+        "tokens_per_s": state.get("tokens_per_s"),
+        "mfu": state.get("mfu"),
+        "run_dir": meta.get("run_dir"),
+        "failure": failure,
+        "reason": state.get("reason") if status == "PENDING" else None,
+        "summary": state.get("status") if state.get("state") == "done" else None,
+        "started": _seconds(details.start_time),
+        "ended": _seconds(details.end_time),
+    }
+
+
+def render_one(r: dict[str, Any]) -> str:
+    """``launch status ID``: a few lines."""
+    lines = [f"job {r['job_id']} ({r['name']}): {r['status']}"
+             + (f" — {r['reason']}" if r["reason"] else "")]
+    when = f"started {_clock(r['started'])}"
+    if r["ended"]:
+        when += f", ended {_clock(r['ended'])} ({_duration(r)})"
+    elif r["started"]:
+        when += f", {_duration(r)} so far"
+    lines.append("  " + when)
+    lines.append(f"  {r['nodes']} node(s), world size {r['world_size']}")
+    if r["step"] is not None or r["tokens_per_s"] is not None:
+        figures = []
+        if r["step"] is not None:
+            figures.append(f"step {r['step']}")
+        if r["tokens_per_s"] is not None:
+            figures.append(f"{r['tokens_per_s']:,.0f} tokens/s")
+        if r["mfu"] is not None:
+            figures.append(f"MFU {100 * r['mfu']:.1f}%")
+        lines.append("  " + ", ".join(figures))
+    if r["summary"]:
+        lines.append(f"  summary: {r['summary']}")
+    if r["failure"]:
+        f = r["failure"]
+        where = f"rank {f['rank']} on {f.get('node')}: " if f.get("rank") is not None else ""
+        lines.append(f"  failure: {where}{f.get('reason')}")
+    lines.append(f"  run dir: {r['run_dir']}")
+    return "\n".join(lines)
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    """``launch list``: newest first."""
+    from tabulate import tabulate
+
+    table = [[r["job_id"], r["name"], r["status"], f"{r['nodes']} × {_per_node(r)}",
+              f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "–",
+              f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "–",
+              _clock(r["started"]), _duration(r)] for r in rows]
+    return tabulate(table, headers=["job id", "name", "status", "nodes × ranks", "tokens/s", "MFU",
+                                    "started", "duration"])
+
+
+def to_json(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: r[k] for k in JSON_KEYS}
+
+
+def _per_node(r: dict[str, Any]) -> str:
+    if r["world_size"] and r["nodes"]:
+        return str(r["world_size"] // r["nodes"]) if r["world_size"] % r["nodes"] == 0 else "?"
+    return "?"
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _seconds(ms: int | None) -> float | None:
+    return ms / 1000 if ms else None
+
+
+def _clock(ts: float | None) -> str:
+    if not ts:
+        return "–"
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _duration(r: dict[str, Any]) -> str:
+    if not r["started"]:
+        return "–"
+    end = r["ended"] or dt.datetime.now(dt.timezone.utc).timestamp()
+    s = max(0, int(end - r["started"]))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _first_line(text: str) -> str:
+    return next((t.strip() for t in text.splitlines() if t.strip()), text)
