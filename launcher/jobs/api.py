@@ -32,7 +32,6 @@ from typing import Any
 
 from launcher.errors import LauncherError, PreflightError, UsageError
 from launcher.jobs import head as heads
-from launcher.orchestrate.ray_cluster import TOKEN_FILE
 from launcher.spec import ClusterSpec, NodeSpec
 from launcher.util import first_line, free_port
 
@@ -175,6 +174,7 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
     With ``token``, the launcher's token file is read from the head on the same connection.
     """
     from launcher.jobs.ssh import SSHRunner, paramiko_connection
+    from launcher.orchestrate.ray_cluster import TOKEN_FILE
 
     head = cluster.nodes[0]
     runner = SSHRunner(head, cluster.ssh)

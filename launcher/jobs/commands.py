@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import secrets
 import shlex
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +43,8 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
     from launcher.orchestrate.run import preflight_facts
     from launcher.orchestrate.rundir import RunDir
 
+    # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs.
+    threading.Thread(target=importlib.import_module, args=("ray.job_submission",), daemon=True).start()
     nodes = nodes_for_job(cluster, job)
     code = plan_code(job, nodes)
     job_id = f"{job.name}-{utc_stamp()}-{secrets.token_hex(2)}"

@@ -29,6 +29,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,7 +40,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from launcher.errors import PreflightError
-from launcher.orchestrate.ray_cluster import NICENESS_ENV
 from launcher.spec import ClusterSpec
 from launcher.util import free_port, write_private
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 STATE_ENV = "LAUNCHER_STATE_DIR"
 START_TIMEOUT_S = 120.0  # `ray start` with the dashboard takes ~8 s on a 2-core machine
 STOP_TIMEOUT_S = 20.0
+KILL_CHILDREN_ENV = "RAY_kill_child_processes_on_worker_exit"
 
 
 def state_dir() -> Path:
@@ -66,6 +67,7 @@ class LocalHead:
     pid: int  # `ray start --head --block`: the head's processes end with it
     gcs_port: int
     dashboard_port: int
+    agent_port: int  # the head's dashboard agent: Ray Jobs hands every submission to it
     temp_dir: str
     token_file: str
 
@@ -160,22 +162,29 @@ def _load(folder: Path) -> LocalHead | None:
 
 
 def _start(folder: Path) -> LocalHead:
+    from launcher.orchestrate.ray_cluster import NICENESS_ENV
+
     token_file = folder / "auth_token"
     write_private(token_file, secrets.token_hex(32) + "\n")
     # Ray's Unix socket paths live under the temp dir and must stay under ~107 characters.
     digest = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:8]
     temp_dir = f"/tmp/launcher-ray-{os.getuid()}-{digest}"
-    head = LocalHead(pid=0, gcs_port=free_port(), dashboard_port=free_port(), temp_dir=temp_dir,
-                     token_file=str(token_file))
+    head = LocalHead(pid=0, gcs_port=free_port(), dashboard_port=free_port(), agent_port=free_port(),
+                     temp_dir=temp_dir, token_file=str(token_file))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),
-           "RAY_USAGE_STATS_ENABLED": "0", NICENESS_ENV: "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", NICENESS_ENV: "0",
+           # When an agent's process dies (its driver was killed), the raylet would SIGKILL the
+           # agent's children, torchrun among them, and torchrun's workers (each in a session
+           # of its own) would live on. Without that, torchrun gets the agent's death signal
+           # (PR_SET_PDEATHSIG: SIGTERM) and stops its workers itself.
+           KILL_CHILDREN_ENV: "0"}
     for name in ("RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # this head's token and address, no one else's
         env.pop(name, None)
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             "--port", str(head.gcs_port), "--include-dashboard", "true",
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(head.dashboard_port),
             "--ray-client-server-port", str(free_port()),
-            "--dashboard-agent-listen-port", str(free_port()),
+            "--dashboard-agent-listen-port", str(head.agent_port),
             "--temp-dir", temp_dir, "--disable-usage-stats"]
     log.info("Starting the launcher's Ray head on this machine for detached jobs")
     with open(folder / "head.log", "wb") as out:
@@ -183,7 +192,9 @@ def _start(folder: Path) -> LocalHead:
                                 stderr=subprocess.STDOUT, start_new_session=True)
     head = LocalHead(**{**asdict(head), "pid": proc.pid})
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not head.answers():
+    # Ready once the Jobs API answers and the agent listens (else the first submission waits
+    # for the agent, ~7 s on 2 cores).
+    while not (head.answers() and _listening(head.agent_port)):
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop(head)
             tail = (folder / "head.log").read_text(errors="replace").strip().splitlines()[-3:]
@@ -215,6 +226,14 @@ def _stop(head: LocalHead) -> None:
             os.kill(pid, signal.SIGKILL)
     _pid_alive(head.pid)  # reaps it when this process started it
     shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def _processes_under(temp_dir: str) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from launcher.errors import PreflightError
 from launcher.preflight.runners import NodeError, SSHRunner, runner_for
-from launcher.spec import NodeSpec, SSHSpec
+from launcher.spec.cluster import NodeSpec, SSHSpec
 
 __all__ = ["SSHRunner", "copy_dir", "paramiko_connection"]
 

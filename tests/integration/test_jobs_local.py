@@ -1,0 +1,241 @@
+"""Detached jobs end to end on this machine: the launcher's own Ray head, real Ray Jobs,
+real torchrun (gloo, CPU). One head serves the module (starting one costs ~8 s on 2 cores);
+its state dir and temp dir are the module's own (``LAUNCHER_STATE_DIR``), never a user's,
+and ``launch down`` stops it at the end. Every test waits until its jobs have ended."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from fixtures.launching import env_of, kill, processes, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ("--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.log_every=2",
+         "--set", "train.lr_warmup_steps=2")
+SLOW = ("--set", "train.steps=100000", "--set", "train.warmup_steps=2", "--set", "train.log_every=1",
+        "--set", "train.lr_warmup_steps=2")
+
+
+class Jobs:
+    """``python -m launcher`` against the module's head, from fresh processes each time."""
+
+    def __init__(self, state: Path, cwd: Path):
+        self.cwd = cwd
+        self.mark = uuid.uuid4().hex
+        self.env = {**os.environ, "LAUNCHER_STATE_DIR": str(state), "RAY_USAGE_STATS_ENABLED": "0",
+                    "PYTHONUNBUFFERED": "1", "LAUNCHER_TEST_MARK": self.mark,
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=self.cwd, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def submit(self, *args: str) -> dict:
+        result = self.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--json", *args)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    def status(self, job_id: str) -> dict:
+        result = self.run("status", job_id, "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        return json.loads(result.stdout)
+
+    def wait_status(self, job_id: str, wanted: set[str], timeout: float, seen: list | None = None) -> dict:
+        def check():
+            state = self.status(job_id)
+            if seen is not None:
+                seen.append(state["status"])
+            return state if state["status"] in wanted else None
+
+        return wait_for(check, timeout=timeout, what=f"job {job_id} to be {wanted}", poll=0.5)
+
+    def head(self) -> dict:
+        path = Path(self.env["LAUNCHER_STATE_DIR"]) / "local/head.json"
+        return json.loads(path.read_text())
+
+
+def job_processes(job_id: str) -> dict[int, str]:
+    """The job's driver and workers (the driver's environment names the job id)."""
+    out = {}
+    for pid, cmd in processes().items():
+        env = env_of(pid)
+        if env.get("LAUNCHER_RUN_ID") == job_id or job_id in env.get("RAY_JOB_CONFIG_JSON_ENV_VAR", ""):
+            out[pid] = cmd
+    return out
+
+
+def assert_job_gone(job_id: str, wait_s: float = 20.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"left running by job {job_id}: {left}"
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jobs")
+    runner = Jobs(root / "state", root)
+    started = subprocess.run([sys.executable, "-c", "from launcher.jobs.head import local_head; "
+                              "local_head(start=True)"], env=runner.env, capture_output=True, text=True,
+                             timeout=180)
+    try:
+        assert started.returncode == 0, started.stderr[-3000:]
+        yield runner
+    finally:
+        down = runner.run("down", "--yes", timeout=120)
+        head = runner.head() if (root / "state/local/head.json").exists() else None
+        # Ray's per-job watcher (`while kill -s 0 <supervisor>; do sleep 1; ...`) ends within 1 s.
+        deadline = time.monotonic() + 10
+        while (left := {pid: cmd for pid, cmd in processes().items()
+                        if env_of(pid).get("LAUNCHER_TEST_MARK") == runner.mark}) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        kill(list(left))
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert head is None, f"launch down left its head: {head}"
+        assert not left, f"left running after launch down: {left}"
+
+
+def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
+    # The submitter is SIGKILLed as soon as it has printed the job id: the job does not need it.
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(ROOT / "jobs/quickstart.yaml"),
+                             "--json", "--skip-parity", *QUICK], cwd=jobs.cwd, env=jobs.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = time.monotonic()
+    first = proc.stdout.readline()
+    took = time.monotonic() - started
+    proc.kill()
+    proc.wait(timeout=10)
+    submitted = json.loads(first)
+    assert set(submitted) == {"job_id", "name", "cluster", "run_dir"} and submitted["name"] == "quickstart"
+    assert took < 5.0, f"the job id came after {took:.1f} s"
+    job_id = submitted["job_id"]
+
+    seen: list[str] = []
+    done = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=180, seen=seen)
+    assert done["status"] == "SUCCEEDED", done
+    assert set(seen) <= {"PENDING", "RUNNING", "SUCCEEDED"}, seen
+    assert done["world_size"] == 2 and done["tokens_per_s"] > 0 and done["failure"] is None
+    assert done["run_dir"] == submitted["run_dir"]
+
+    logs = jobs.run("logs", job_id)
+    assert logs.returncode == 0
+    assert "[local/rank0] step 6/6" in logs.stdout and "Per rank" in logs.stdout and "Job" in logs.stdout
+    assert "::launcher-state::" not in logs.stdout
+    listed = json.loads(jobs.run("list", "--json").stdout)
+    mine = next(r for r in listed if r["job_id"] == job_id)
+    assert mine["status"] == "SUCCEEDED" and mine["tokens_per_s"] == done["tokens_per_s"]
+    table = jobs.run("list").stdout
+    assert job_id in table and f"{done['tokens_per_s']:,.0f}" in table
+
+    # finished job: following or stopping it says so and exits 0
+    follow = jobs.run("logs", job_id, "--follow")
+    assert follow.returncode == 0 and "has ended (SUCCEEDED); nothing to follow" in follow.stdout
+    stop = jobs.run("stop", job_id)
+    assert stop.returncode == 0 and "has already ended (SUCCEEDED); nothing to stop" in stop.stdout
+
+    fetched = tmp_path / "fetched"
+    result = jobs.run("fetch", job_id, "--to", str(fetched))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((fetched / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["world_size"] == 2
+    assert (fetched / "preflight/parity.txt").read_text().startswith("skipped")
+    report = jobs.run("report", str(fetched))
+    assert report.returncode == 0 and "Per rank" in report.stdout and "SUCCEEDED" in report.stdout
+
+
+def test_stop_tears_down_within_15_s(jobs):
+    job_id = jobs.submit(*SLOW)["job_id"]  # with the preflight, as a real submit
+    wait_for(lambda: jobs.status(job_id)["step"], timeout=180, what="the slow job's first step", poll=0.5)
+    assert job_processes(job_id), "no worker of the job found while it runs"
+
+    busy = jobs.run("down")  # a running job: down refuses without --yes
+    assert busy.returncode == 2 and job_id in busy.stderr
+
+    started = time.monotonic()
+    stopped = jobs.run("stop", job_id, timeout=60)
+    assert stopped.returncode == 0, stopped.stderr
+    state = jobs.wait_status(job_id, {"STOPPED", "FAILED", "SUCCEEDED"}, timeout=20)
+    took = time.monotonic() - started
+    assert state["status"] == "STOPPED" and took <= 15.0, (state, took)
+    assert_job_gone(job_id, wait_s=5)
+    summary = json.loads((Path(state["run_dir"]) / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["ranks"], summary["status"]
+    assert "interrupted" in jobs.run("logs", job_id).stdout
+
+
+def test_two_all_cpu_jobs_run_one_after_the_other(jobs):
+    # Each job's workers take every CPU slot Ray counts on this machine.
+    nproc = ("--set", f"resources.nproc_per_node={os.cpu_count()}")
+    first = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
+    second = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
+
+    def second_waits() -> bool:
+        return jobs.status(second)["status"] == "PENDING" and jobs.status(first)["status"] == "RUNNING"
+
+    wait_for(second_waits, timeout=120, what="the second job pending while the first runs", poll=0.5)
+    reason = jobs.run("status", second).stdout
+    assert f"held by job {first}" in reason and "CPU slot" in reason, reason
+
+    for job_id in (first, second):
+        state = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=240)
+        assert state["status"] == "SUCCEEDED", state
+    one, two = (Path(jobs.status(j)["run_dir"]) for j in (first, second))
+    # the second one's workers started after the first one's summary was written
+    assert (two / "plan.json").stat().st_mtime >= (one / "summary.json").stat().st_mtime
+
+
+def test_driver_killed_fails_within_30_s_and_leaves_no_worker(jobs):
+    job_id = jobs.submit("--skip-parity", *SLOW)["job_id"]
+    wait_for(lambda: jobs.status(job_id)["step"], timeout=180, what="the slow job's first step", poll=0.5)
+    drivers = [pid for pid, cmd in job_processes(job_id).items() if "launcher.jobs.driver" in cmd]
+    assert len(drivers) == 1, job_processes(job_id)
+    os.kill(drivers[0], signal.SIGKILL)
+    killed = time.monotonic()
+    state = jobs.wait_status(job_id, {"FAILED", "STOPPED", "SUCCEEDED"}, timeout=30)
+    assert state["status"] == "FAILED" and time.monotonic() - killed <= 30
+    assert "exit code -9" in state["failure"]["reason"], state["failure"]
+    assert_job_gone(job_id, wait_s=30)
+
+
+def test_bad_input(jobs, tmp_path):
+    unknown = jobs.run("status", "no-such-job")
+    assert unknown.returncode == 2 and "no job 'no-such-job'" in unknown.stderr
+    assert "known job ids:" in unknown.stderr
+    # no launcher Ray at all (another state dir): status says so and exits 0
+    empty = Jobs(tmp_path / "empty-state", tmp_path)
+    result = empty.run("status")
+    assert result.returncode == 0 and "no jobs: nothing was submitted on this cluster" in result.stdout
+    assert empty.run("logs", "x").returncode == 2
+    assert "nothing to stop" in empty.run("down").stdout
+    # a failed preflight submits nothing (exit 3): a node with 4 GPUs declared, none found
+    cluster = tmp_path / "gpu-cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost", "gpus": 4}]}))
+    before = {r["job_id"] for r in json.loads(jobs.run("list", "--json").stdout)}
+    failed = jobs.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--cluster", str(cluster))
+    assert failed.returncode == 3, failed.stdout[-2000:] + failed.stderr[-2000:]
+    assert {r["job_id"] for r in json.loads(jobs.run("list", "--json").stdout)} == before
+
+
+def test_jobs_api_needs_the_token(jobs):
+    from launcher.jobs.head import api_status
+
+    head = jobs.head()
+    url = f"http://127.0.0.1:{head['dashboard_port']}"
+    token = Path(head["token_file"]).read_text().strip()
+    assert api_status(url, None) == 401
+    assert api_status(url, "0" * 64) in (401, 403)
+    assert api_status(url, token) == 200
+    assert oct(Path(head["token_file"]).stat().st_mode & 0o777) == "0o600"
+    # bound to 127.0.0.1 only
+    listening = subprocess.run(["ss", "-ltnH", f"sport = :{head['dashboard_port']}"], capture_output=True,
+                               text=True).stdout
+    assert listening and all("127.0.0.1:" in line for line in listening.splitlines()), listening
