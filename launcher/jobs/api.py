@@ -150,12 +150,12 @@ def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]
 def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
     """Start Ray on every node of the cluster as a foreground run does, dashboard on, and
     leave it running for detached jobs; remember it (``head.save_cluster``)."""
-    import ray
-
     from launcher.orchestrate.ray_cluster import open_session
 
     spec = cluster.model_copy(update={"ray": cluster.ray.model_copy(update={"dashboard": True})})
     open_session(spec, list(spec.nodes))
+    import ray  # only now: Ray reads the token that open_session set when it is first imported
+
     # Disconnect only: the cluster stays up for its jobs (this is session.close(keep_ray=True)
     # without its warning, which speaks of --keep-ray).
     ray.shutdown()

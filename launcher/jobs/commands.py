@@ -43,8 +43,11 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
     from launcher.orchestrate.run import preflight_facts
     from launcher.orchestrate.rundir import RunDir
 
-    # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs.
-    threading.Thread(target=importlib.import_module, args=("ray.job_submission",), daemon=True).start()
+    if cluster.all_local and cluster.ray.address is None:
+        # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs. Only
+        # for the local head, whose token goes in a header: Ray reads its auth settings when it
+        # is imported, and a bootstrap sets them first.
+        threading.Thread(target=importlib.import_module, args=("ray.job_submission",), daemon=True).start()
     nodes = nodes_for_job(cluster, job)
     code = plan_code(job, nodes)
     job_id = f"{job.name}-{utc_stamp()}-{secrets.token_hex(2)}"

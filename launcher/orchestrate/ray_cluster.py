@@ -39,7 +39,10 @@ log = logging.getLogger(__name__)
 
 TOKEN_FILE = "$HOME/.ray/launcher_auth_token"
 NICENESS_ENV = "RAY_worker_niceness"
-TOKEN_ENV = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_ENV}=0 "
+# RAY_kill_child_processes_on_worker_exit=0: a dead agent's torchrun gets its death signal
+# (SIGTERM) and stops its workers, instead of a SIGKILL from the raylet that orphans them.
+TOKEN_ENV = (f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_ENV}=0 "
+             "RAY_kill_child_processes_on_worker_exit=0 ")
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""Detached jobs on two simulated nodes (network namespaces with their own sshd, /tmp, ~/.ray):
+the launcher outside them submits, follows the logs and fetches the run directory through an
+SSH tunnel to the head's 127.0.0.1 Jobs API, which refuses requests without the token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
+    cluster = netns_cluster(2)
+    cluster_file = cluster.cluster_yaml(
+        tmp_path / "cluster.yaml",
+        nodes={name: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for name in cluster.node_names})
+    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
+    job["resources"]["nproc_per_node"] = 1
+    job["train"].update(steps=6, warmup_steps=2, log_every=2, lr_warmup_steps=2)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+    def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "launcher", *args, "--cluster", str(cluster_file)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+    head = cluster.node_names[0]
+    try:
+        # The run directory lies in the head's private /tmp: only the SSH fetch can bring it here.
+        submitted = launch("submit", str(job_file), "--run-dir", "/tmp/jobrun", "--json")
+        assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+        job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
+
+        follow = launch("logs", job_id, "--follow")
+        assert follow.returncode == 0, follow.stderr[-3000:]
+        assert f"[{head}/rank0] step 6/6" in follow.stdout and "Per rank" in follow.stdout
+        assert f"job {job_id} ended: SUCCEEDED" in follow.stdout
+        state = json.loads(launch("status", job_id, "--json").stdout)
+        assert state["status"] == "SUCCEEDED" and state["world_size"] == 2 and state["tokens_per_s"] > 0
+
+        assert not (Path("/tmp/jobrun")).exists()
+        fetched = tmp_path / "fetched"
+        result = launch("fetch", job_id, "--to", str(fetched))
+        assert result.returncode == 0, result.stderr[-2000:]
+        summary = json.loads((fetched / "summary.json").read_text())
+        assert summary["status"] == "succeeded" and summary["nodes"] == 2
+        assert {r["host"] for r in summary["ranks"]} == {cluster.host(n) for n in cluster.node_names}
+        for rank, node in enumerate(cluster.node_names):
+            assert (fetched / f"logs/{node}/rank{rank}.log").stat().st_size > 0
+            assert (fetched / f"preflight/{node}.json").is_file()  # the preflight made outside
+        report = subprocess.run([sys.executable, "-m", "launcher", "report", str(fetched)], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert report.returncode == 0 and "Per node" in report.stdout
+
+        # The Jobs API listens on the head's 127.0.0.1 only, and wants the token.
+        check = subprocess.run([sys.executable, "-c", (
+            "import sys; from launcher.jobs.api import connect; from launcher.jobs.head import api_status;"
+            "from launcher.spec import load_cluster\n"
+            f"with connect(load_cluster({str(cluster_file)!r})) as jobs:\n"
+            "    print(api_status(jobs.url, None), api_status(jobs.url, '0' * 64))")],
+            env=env, capture_output=True, text=True, timeout=60)
+        assert check.stdout.split()[0] == "401" and check.stdout.split()[1] in ("401", "403"), check.stderr
+        bound = cluster.exec(head, "ss -ltnH 'sport = :8265'").stdout
+        assert bound and all("127.0.0.1:8265" in line for line in bound.splitlines()), bound
+        # the token never reached a command line or the launcher's output
+        assert "RAY_AUTH_TOKEN=" not in submitted.stdout + submitted.stderr + follow.stdout
+    finally:
+        down = launch("down", "--yes")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not list((tmp_path / "state/clusters").glob("*.json"))
+    for node in cluster.node_names:
+        left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                for pid in cluster.pids(node)]
+        assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
