@@ -51,12 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from launcher.orchestrate.run import dry_run, run
 
+    if args.detach:
+        return cmd_submit(args)
     job, cluster = _load(args)
     if args.dry_run:
         print(dry_run(job, cluster, skip_parity=args.skip_parity))
         return 0
-    if args.detach:
-        return cmd_submit(args)
     run(job, cluster, run_dir=args.run_dir, skip_parity=args.skip_parity, keep_ray=args.keep_ray)
     return 0
 
