@@ -85,8 +85,12 @@ class JobsCluster:
         raise UsageError(f"no job {job_id!r} on this cluster; known job ids: {known} "
                          f"(`launch list` shows them)")
 
-    def logs(self, job_id: str) -> str:
-        return self.client.get_job_logs(job_id)
+    def logs(self, details: Any) -> str:
+        """The driver's log so far ("" while Ray has not started the driver: the log request
+        goes to the driver's node, which a PENDING job does not have yet)."""
+        if str(details.status.value) == "PENDING":
+            return ""
+        return self.client.get_job_logs(details.submission_id)
 
 
 @contextlib.contextmanager

@@ -100,7 +100,7 @@ def status(cluster: ClusterSpec, job_id: str | None, *, as_json: bool) -> int:
         return list_jobs(cluster, as_json=as_json)
     with _connect_for(cluster, job_id) as jobs:
         details = jobs.job(job_id)
-        row = job_state.row(details, jobs.logs(job_id))
+        row = job_state.row(details, jobs.logs(details))
     print(json.dumps(job_state.to_json(row)) if as_json else job_state.render_one(row), flush=True)
     return 0
 
@@ -108,7 +108,7 @@ def status(cluster: ClusterSpec, job_id: str | None, *, as_json: bool) -> int:
 def list_jobs(cluster: ClusterSpec, *, as_json: bool) -> int:
     try:
         with connect(cluster) as jobs:
-            rows = [job_state.row(d, jobs.logs(d.submission_id)) for d in jobs.jobs()]
+            rows = [job_state.row(d, jobs.logs(d)) for d in jobs.jobs()]
     except NoJobs as none:
         print("[]" if as_json else str(none), flush=True)
         return 0
@@ -126,7 +126,7 @@ def logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
     with _connect_for(cluster, job_id) as jobs:
         details = jobs.job(job_id)
         if not follow or _status(details) not in ACTIVE:
-            sys.stdout.write(job_state.strip(jobs.logs(job_id)))
+            sys.stdout.write(job_state.strip(jobs.logs(details)))
             if follow:
                 print(f"job {job_id} has ended ({_shown(jobs, details)}); nothing to follow", flush=True)
             return 0
@@ -252,4 +252,4 @@ def _status(details: Any) -> str:
 
 def _shown(jobs: JobsCluster, details: Any) -> str:
     """The status as ``launch status`` shows it."""
-    return job_state.row(details, jobs.logs(details.submission_id))["status"]
+    return job_state.row(details, jobs.logs(details))["status"]
