@@ -16,13 +16,15 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from launcher import signals
 from launcher.errors import Interrupted, JobFailed, LauncherError
+from launcher.orchestrate import elastic
 from launcher.orchestrate.agents import AgentGroup
 from launcher.orchestrate.code import CodePlan, plan_code
+from launcher.orchestrate.elastic import Restart, RestartRefused
 from launcher.orchestrate.plan import (
     DEFAULT_MASTER_PORT,
     PROFILE_SUBDIR,
@@ -31,6 +33,7 @@ from launcher.orchestrate.plan import (
     gpus_per_node,
     plan,
     render,
+    worker_counts,
 )
 from launcher.orchestrate.ray_cluster import RaySession, open_session
 from launcher.orchestrate.records import Failure, FailureKind, Outcome, Status
@@ -62,6 +65,10 @@ class Launch:
     plan: LaunchPlan | None = field(default=None, init=False)
     log: RunLog = field(init=False)
     timings: dict[str, float] = field(default_factory=dict, init=False)
+    plans: list[LaunchPlan] = field(default_factory=list, init=False)  # one per attempt
+    restarts: list[Restart] = field(default_factory=list, init=False)
+    _used: set[str] = field(default_factory=set, init=False)  # nodes any attempt ran on
+    _first_world: int = field(default=0, init=False)
     _own_session: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -115,27 +122,74 @@ class Launch:
         return agents
 
     def run_attempts(self, agents: AgentGroup) -> Outcome:
-        """Plan, start and watch attempts until one succeeds or a failure may not be restarted."""
-        attempt = 0
+        """Plan, start and watch attempts until one succeeds or a failure may not be restarted.
+
+        Not elastic: a failed rank restarts on the same nodes; a lost node or a hang end the
+        job. Elastic (``JobSpec.elastic``): any failure leaves its node out (``reshape``).
+        """
+        attempt, nodes, job = 0, self.nodes, self.job
         while True:
-            self.plan = self.start_attempt(agents, attempt)
-            self.log.start_progress(self.job.train.steps)
-            try:
-                failure = Watcher(agents, self.plan, on_update=self.log.ingest,
-                                  hang_timeout_s=self.job.launch.hang_timeout_s).run()
-            finally:
-                self.log.stop_progress()
+            self.plan = self.start_attempt(agents, attempt, nodes=nodes, job=job)
+            if self.restarts:
+                self.restarts[-1] = replace(self.restarts[-1], world_size=self.plan.world_size)
+            failure = self._watch(agents)
             if failure is None:
                 return Outcome(Status.SUCCEEDED, self.run_dir.root)
-            if not failure.restartable or attempt >= self.job.launch.max_restarts:
-                log.error("%s; stopping every worker", failure.reason)
-                return Outcome(Status.FAILED, self.run_dir.root, failure)
+            if attempt >= self.job.launch.max_restarts or not (failure.restartable or self.job.elastic):
+                return self._failed(failure)
             attempt += 1
             log.warning("%s; restarting every worker (restart %d of %d)", failure.reason, attempt,
                         self.job.launch.max_restarts)
             self._ingest(agents.stop(self.job.launch.stop_grace_s))
+            if self.job.elastic:
+                try:
+                    nodes, job = self.reshape(failure, nodes)
+                except RestartRefused as err:
+                    return self._failed(replace(failure, reason=str(err)))
+                agents = self.agents = self.replace_agents(agents, nodes, job, attempt)
+            self.restarts.append(Restart(attempt=attempt, reason=failure.reason, failed_node=failure.node,
+                                         nodes=[n.name for n in nodes], world_size=0))
 
-    def start_attempt(self, agents: AgentGroup, attempt: int) -> LaunchPlan:
+    def reshape(self, failure: Failure, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], JobSpec]:
+        """The next attempt's nodes (the failed one out, a spare in if one passes) and job."""
+        left = elastic.survivors(nodes, failure.node)
+        for spare in elastic.spares(self.cluster, self._used):
+            self._used.add(spare.name)
+            if self.admit(spare, left):
+                left.append(spare)
+                break
+        elastic.check_enough(self.job, left, failure.reason)
+        world = sum(worker_counts(self.job, left, self.facts).values())
+        job = elastic.job_for_world(self.job, self.job, self._first_world, world)
+        if job.train.grad_accum != self.job.train.grad_accum:
+            log.warning("world size %d -> %d: grad_accum %d -> %d keeps the global batch", self._first_world,
+                        world, self.job.train.grad_accum, job.train.grad_accum)
+        return left, job
+
+    def admit(self, spare: NodeSpec, nodes: list[NodeSpec]) -> bool:
+        """A spare joins when it passes the preflight beside ``nodes`` and joins this Ray."""
+        try:
+            facts = preflight_facts(self.job, self.cluster, skip=self.skip_parity, show=not self.quiet,
+                                    nodes=[*nodes, spare])
+            assert self.session is not None
+            self.session.add_node(spare)
+        except LauncherError as err:
+            log.warning("spare node %s was not taken: %s", spare.name, err)
+            return False
+        if facts is not None:
+            self.facts = {**(self.facts or {}), **facts}
+        log.warning("spare node %s (%s) takes the failed node's place", spare.name, spare.host)
+        return True
+
+    def replace_agents(self, agents: AgentGroup, nodes: list[NodeSpec], job: JobSpec, attempt: int) -> AgentGroup:
+        """The agents of the nodes that go on (a new placement group: one bundle per node)."""
+        agents.close()
+        assert self.session is not None
+        return AgentGroup.place(self.session, nodes, gpus_per_node(job, nodes, self.facts),
+                                name=f"launcher-{self.run_dir.name}-{attempt}")
+
+    def start_attempt(self, agents: AgentGroup, attempt: int, *, nodes: list[NodeSpec] | None = None,
+                      job: JobSpec | None = None) -> LaunchPlan:
         """Plan attempt ``attempt`` on a fresh port, record it, start torchrun on every node.
 
         Restarts are the launcher's, not torchrun's: torchrun's own ``--max-restarts`` reuses its
@@ -144,13 +198,17 @@ class Launch:
         rendezvous alike). A fresh torchrun on a fresh port per attempt has no such state, and
         restarts every node, not just the one whose worker failed.
         """
-        port = self.job.launch.master_port or agents.free_port()
-        launch_plan = plan(self.job, self.cluster, self.facts, run_id=self.run_dir.name, attempt=attempt,
-                           master_port=port, launcher_env=os.environ, code=self.code)
+        job = job or self.job
+        port = job.launch.master_port or agents.free_port()
+        launch_plan = plan(job, self.cluster, self.facts, run_id=self.run_dir.name, attempt=attempt,
+                           master_port=port, launcher_env=os.environ, code=self.code, nodes=nodes)
         self.run_dir.write_plan(launch_plan)
+        self.plans.append(launch_plan)
+        self._first_world = self._first_world or launch_plan.world_size
+        self._used.update(n.name for n in launch_plan.nodes)
         self.log.open(launch_plan)
         # job.yaml on the nodes has env values masked: workers get them from the plan's env.
-        agents.start(launch_plan, {"job.yaml": spec_yaml(self.job)})
+        agents.start(launch_plan, {"job.yaml": spec_yaml(job)})
         log.info("Started %d worker(s) on %d node(s): %s", launch_plan.world_size, len(launch_plan.nodes),
                  ", ".join(f"{n.name} ranks {n.ranks[0]}-{n.ranks[-1]}" for n in launch_plan.nodes))
         signals.check()
@@ -199,6 +257,19 @@ class Launch:
             yield
         finally:
             self.timings[stage] = self.timings.get(stage, 0.0) + time.monotonic() - start
+
+    def _watch(self, agents: AgentGroup) -> Failure | None:
+        assert self.plan is not None
+        self.log.start_progress(self.job.train.steps)
+        try:
+            return Watcher(agents, self.plan, on_update=self.log.ingest,
+                           hang_timeout_s=self.job.launch.hang_timeout_s).run()
+        finally:
+            self.log.stop_progress()
+
+    def _failed(self, failure: Failure) -> Outcome:
+        log.error("%s; stopping every worker", failure.reason)
+        return Outcome(Status.FAILED, self.run_dir.root, failure)
 
     def _ingest(self, owed: list) -> None:
         """Updates that came after an attempt was judged (its last lines and records)."""

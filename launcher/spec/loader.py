@@ -139,7 +139,12 @@ def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None, *, job_source: str 
 def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
     """Checks between a job and a cluster that need no node: asking for more nodes than exist,
     a cuda job on a node that declares no GPUs."""
-    for node in nodes_for_job(cluster, job, job_source=job_source):
+    nodes = nodes_for_job(cluster, job, job_source=job_source)
+    if job.resources.min_nodes is not None and job.resources.min_nodes > len(nodes):
+        raise SpecError(
+            f"resources.min_nodes {job.resources.min_nodes} is more than the {len(nodes)} node(s) the "
+            f"job runs on; lower resources.min_nodes or add nodes", source=job_source, field="resources.min_nodes")
+    for node in nodes:
         if job.resources.device == "cuda" and node.gpus == 0:
             raise SpecError(
                 f"device cuda needs GPUs but cluster node {node.name!r} declares gpus: 0; "
