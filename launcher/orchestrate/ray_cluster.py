@@ -30,6 +30,7 @@ from typing import Any
 
 from launcher.errors import PreflightError
 from launcher.orchestrate.code import CodePlan, stage
+from launcher.remote import runner_for
 from launcher.spec import ClusterSpec, NodeSpec
 
 log = logging.getLogger(__name__)
@@ -151,8 +152,6 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
 
 
 def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
-    from launcher.preflight.runners import runner_for
-
     head = nodes[0]
     ips = {n.name: _resolve(n.host) for n in nodes}
     rc = cluster.ray
@@ -225,8 +224,6 @@ def _connect_client(address: str, runtime_env: dict[str, Any], attempts: int = 3
 
 
 def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
-    from launcher.preflight.runners import runner_for
-
     command = f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
     result = runner_for(node, cluster.ssh).run(command, timeout=cluster.ssh.connect_timeout_s + 90)
     if result.exit_code != 0:
@@ -240,8 +237,6 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
 
 
 def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> None:
-    from launcher.preflight.runners import runner_for
-
     def stop(node: NodeSpec) -> None:
         python = shlex.quote(node.interpreter())
         with contextlib.suppress(Exception):

@@ -1,4 +1,5 @@
-"""Runners without SSH: the local runner, fan-out, error classification, probe output parsing."""
+"""The remote-command layer without SSH: the local runner, fan-out, error classification, probe
+output parsing."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from launcher.preflight import (
     parse_probe_output,
     worker_env,
 )
-from launcher.preflight.runners import (
+from launcher.remote import (
     AUTH_FAILED,
     BAD_JSON,
     HOST_KEY_MISMATCH,
