@@ -2,7 +2,7 @@
 
 This module is the contract between what runs in a worker (the built-in trainer's meter, or a
 user script calling ``launcher.report``) and what reads the records (the node agent, which
-streams them to the launcher, and ``launcher.report.summary``). Standard library only.
+streams them to the launcher, and ``launcher.results.summary``). Standard library only.
 
 ``$LAUNCHER_METRICS_FILE`` may contain ``{rank}``, replaced by the worker's ``RANK``.
 

@@ -144,7 +144,7 @@ def load_records(metrics_dir: Path, ranks: Iterable[int]) -> dict[int, list[dict
 
 def report_command(path: str, *, fmt: str = "table") -> int:
     """``launch report RUN_DIR [--format table|json|csv]``: print a finished run or study."""
-    from launcher.report import scaling
+    from launcher.results import scaling
 
     if fmt not in ("table", "json", "csv"):
         raise UsageError(f"--format {fmt!r}: choose table, json or csv")
