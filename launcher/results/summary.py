@@ -31,6 +31,7 @@ from tabulate import tabulate
 
 from launcher.errors import UsageError
 from launcher.metrics import read_records
+from launcher.util import percentile
 
 log = logging.getLogger(__name__)
 
@@ -177,17 +178,6 @@ def csv_text(rows: Iterable[dict], keys: Sequence[str]) -> str:
     for row in rows:
         writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in keys})
     return buf.getvalue()
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between order statistics."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> list[int]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from launcher.metrics import write_record
+from launcher.util import percentile
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,6 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
         if key.lower() in device_name.lower():
             return peaks.get(precision)
     return None
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 class HostTimer:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.train.meter import Meter, final_line, peak_tflops, percentile, progress_line
+from launcher.train.meter import Meter, final_line, peak_tflops, progress_line
+from launcher.util import percentile
 
 STEP_KEYS = {"type", "step", "tokens", "samples", "interval_s", "measured", "step_times_ms", "loss",
              "data_wait_s", "peak_mem_gib", "gpu_util_pct"}
