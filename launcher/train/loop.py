@@ -207,6 +207,7 @@ class Trainer:
             sync=(lambda: torch.cuda.synchronize(self.device)) if cuda else (lambda: None),
             reduce_loss=parallel.all_reduce_mean,
             peak_mem_gib=lambda: peak_memory_gib(self.device), gpu_util_pct=self.gpu_util,
+            lr=lambda step: t.lr * lr_factor(step - 1, t),  # the scheduler's rule (LambdaLR)
         )
         write_record({
             "type": "meta", "local_rank": self.local_rank, "world_size": self.world_size,

@@ -147,6 +147,7 @@ class Meter:
                  reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                  peak_mem_gib: Callable[[], float | None] = lambda: None,
                  gpu_util_pct: Callable[[], float | None] = lambda: None,
+                 lr: Callable[[int], float | None] = lambda step: None,
                  clock: Callable[[], float] = time.perf_counter,
                  write: Callable[[dict[str, Any]], None] = write_record):
         self.total_steps = total_steps
@@ -162,6 +163,7 @@ class Meter:
         self.reduce_loss = reduce_loss
         self.peak_mem_gib = peak_mem_gib
         self.gpu_util_pct = gpu_util_pct
+        self.lr = lr  # step -> the learning rate that optimizer step used
         self.clock = clock
         self.write = write
         self._marks: list[Any] = []
@@ -214,6 +216,7 @@ class Meter:
             "type": "step", "step": step, "tokens": steps * self.tokens_per_step,
             "samples": steps * self.samples_per_step, "interval_s": interval_s,
             "measured": measured, "step_times_ms": [round(t, 4) for t in times], "loss": loss,
+            "lr": self.lr(step),
             "data_wait_s": self._wait_s, "peak_mem_gib": self.peak_mem_gib(), "gpu_util_pct": util,
         }
         if measured:
