@@ -33,7 +33,9 @@ from typing import Any
 from launcher import signals
 from launcher.errors import PreflightError
 from launcher.orchestrate.code import CodePlan, stage
+from launcher.remote import runner_for
 from launcher.spec import ClusterSpec, NodeSpec
+from launcher.util import first_line
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +147,7 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str
         with contextlib.suppress(Exception):
             ray.shutdown()
         raise PreflightError(
-            f"could not start the embedded Ray on this machine: {_first_line(err)}. Check free "
+            f"could not start the embedded Ray on this machine: {first_line(err)}. Check free "
             f"memory and /tmp space; `--debug` shows Ray's traceback"
         ) from err
     ip = _alive_nodes()[0]["NodeManagerAddress"]
@@ -166,7 +168,7 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
                  runtime_env=runtime_env or None)
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
         raise PreflightError(
-            f"cannot attach to Ray at {address!r}: {_first_line(err)}. Check that the cluster "
+            f"cannot attach to Ray at {address!r}: {first_line(err)}. Check that the cluster "
             f"is running there (`ray status`); from outside the cluster use ray://HEAD:10001"
         ) from err
     alive = _alive_nodes()
@@ -190,8 +192,6 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
 
 
 def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
-    from launcher.preflight.runners import runner_for
-
     head = nodes[0]
     ips = {n.name: _resolve(n.host) for n in nodes}
     rc = cluster.ray
@@ -232,7 +232,7 @@ def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[st
         except Exception as err:
             raise PreflightError(
                 f"Ray started on the nodes but the launcher cannot reach it at {session.address}: "
-                f"{_first_line(err)}. The launcher drives a bootstrapped cluster through Ray Client: "
+                f"{first_line(err)}. The launcher drives a bootstrapped cluster through Ray Client: "
                 f"port {rc.client_port} on {head.host} must be reachable from this machine"
             ) from err
         _wait_for_nodes(nodes, ips, rc.join_timeout_s)
@@ -257,15 +257,13 @@ def _connect_client(address: str, runtime_env: dict[str, Any], attempts: int = 3
         except Exception as err:
             if attempt == attempts:
                 raise
-            log.warning("Ray Client connect to %s failed (%s); retrying", address, _first_line(err))
+            log.warning("Ray Client connect to %s failed (%s); retrying", address, first_line(err))
             with contextlib.suppress(Exception):
                 ray.shutdown()
             time.sleep(2.0 * attempt)
 
 
 def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
-    from launcher.preflight.runners import runner_for
-
     command = f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
     result = runner_for(node, cluster.ssh).run(command, timeout=cluster.ssh.connect_timeout_s + 90)
     if result.exit_code != 0:
@@ -279,8 +277,6 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
 
 
 def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> None:
-    from launcher.preflight.runners import runner_for
-
     def stop(node: NodeSpec) -> None:
         python = shlex.quote(node.interpreter())
         with contextlib.suppress(Exception):
@@ -332,8 +328,3 @@ def _resolve(host: str) -> str:
         return socket.gethostbyname(host)
     except OSError:
         return host
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -234,8 +234,8 @@ class Launch:
             self.session = None
 
     def write_summary(self, outcome: Outcome) -> None:
-        from launcher.report.summary import render as render_summary
-        from launcher.report.summary import summarize, write_summary
+        from launcher.results.summary import render as render_summary
+        from launcher.results.summary import summarize, write_summary
 
         ranks = self.plan.ranks() if self.plan else []
         # An interruption is no rank's failure: the status says it all.

@@ -16,7 +16,7 @@ from launcher.orchestrate.ray_cluster import RaySession, open_session
 from launcher.orchestrate.records import Status
 from launcher.orchestrate.run import Launch, preflight_facts
 from launcher.orchestrate.rundir import RunDir
-from launcher.report.scaling import build_table, scale_job, write_scaling
+from launcher.results.scaling import build_table, scale_job, write_scaling
 from launcher.spec import ClusterSpec, JobSpec
 from launcher.util import utc_stamp
 

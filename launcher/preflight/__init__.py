@@ -7,7 +7,7 @@ worker starts.
     report.raise_for_failure()                  # PreflightError (exit 3) naming every bad node
 
 The probe (``probe.py``) is sent to each node on stdin and run with that node's ``python``;
-``runners.py`` reaches the nodes (locally or over SSH) and ``parity.py`` judges the results.
+``launcher.remote`` reaches the nodes (locally or over SSH) and ``parity.py`` judges the results.
 A node that cannot be reached or probed gets an error record in ``report.probes`` and its
 column says why; the other nodes are still probed and reported.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from launcher.errors import EXIT_OK, EXIT_PREFLIGHT
 from launcher.preflight.parity import PreflightReport, error_record, evaluate, resolve_policies
-from launcher.preflight.runners import (
+from launcher.remote import (
     BAD_JSON,
     INTERNAL,
     INTERPRETER_MISSING,

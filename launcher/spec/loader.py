@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from launcher.errors import SpecError, UsageError
 from launcher.spec.cluster import ClusterSpec, NodeSpec
 from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
+from launcher.util import first_line
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # job and node names
@@ -60,7 +61,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        problem = getattr(err, "problem", None) or first_line(err)
         raise SpecError(f"invalid YAML{where}: {problem}", source=str(path)) from None
     if _has_cycle(data):
         raise SpecError(

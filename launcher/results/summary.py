@@ -31,6 +31,7 @@ from tabulate import tabulate
 
 from launcher.errors import UsageError
 from launcher.metrics import read_records
+from launcher.util import percentile
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def load_records(metrics_dir: Path, ranks: Iterable[int]) -> dict[int, list[dict
 
 def report_command(path: str, *, fmt: str = "table") -> int:
     """``launch report RUN_DIR [--format table|json|csv]``: print a finished run or study."""
-    from launcher.report import scaling
+    from launcher.results import scaling
 
     if fmt not in ("table", "json", "csv"):
         raise UsageError(f"--format {fmt!r}: choose table, json or csv")
@@ -177,17 +178,6 @@ def csv_text(rows: Iterable[dict], keys: Sequence[str]) -> str:
     for row in rows:
         writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in keys})
     return buf.getvalue()
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between order statistics."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> list[int]:
