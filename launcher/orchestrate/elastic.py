@@ -13,7 +13,8 @@ Pure: the run stage (``run.py``) probes spares and places agents; this module on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec
 
@@ -78,3 +79,27 @@ def job_for_world(job: JobSpec, first: JobSpec, first_world: int, world: int) ->
     if accum == job.train.grad_accum:
         return job
     return job.model_copy(update={"train": job.train.model_copy(update={"grad_accum": accum})})
+
+
+def with_steps(restarts: list[Restart], by_attempt: dict[int, dict[int, list[dict[str, Any]]]]) -> list[Restart]:
+    """Each restart with the step it resumed from (the new attempt's ``meta`` record) and the
+    steps it lost (the failed attempt's furthest step past that), where the records tell."""
+    out = []
+    for restart in restarts:
+        resumed = _start_step(by_attempt.get(restart.attempt, {}))
+        reached = _last_step(by_attempt.get(restart.attempt - 1, {}))
+        lost = max(reached - resumed, 0) if resumed is not None and reached is not None else None
+        out.append(replace(restart, resumed_from_step=resumed, lost_steps=lost))
+    return out
+
+
+def _start_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
+    starts = [r.get("start_step") for rs in records.values() for r in rs if r.get("type") == "meta"]
+    starts = [s for s in starts if isinstance(s, int)]
+    return min(starts) if starts else None
+
+
+def _last_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
+    steps = [r["step"] for rs in records.values() for r in rs
+             if r.get("type") == "step" and isinstance(r.get("step"), int)]
+    return max(steps) if steps else None

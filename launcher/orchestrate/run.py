@@ -234,13 +234,22 @@ class Launch:
             self.session = None
 
     def write_summary(self, outcome: Outcome) -> None:
+        """summary.{json,csv,txt}: the last attempt's ranks, every restart, each attempt's totals."""
         from launcher.results.summary import render as render_summary
         from launcher.results.summary import summarize, write_summary
 
-        ranks = self.plan.ranks() if self.plan else []
         # An interruption is no rank's failure: the status says it all.
         failure = outcome.failure.to_json() if outcome.failure and outcome.status is Status.FAILED else None
-        summary = summarize(self.job.name, ranks, self.log.records, status=outcome.status.value, failure=failure)
+        last = self.plans[-1] if self.plans else None
+        records = self.log.by_attempt.get(last.attempt, {}) if last else {}
+        summary = summarize(self.job.name, last.ranks() if last else [], records, status=outcome.status.value,
+                            failure=failure)
+        summary["restarts"] = [r.to_json() for r in elastic.with_steps(self.restarts, self.log.by_attempt)]
+        if len(self.plans) > 1:
+            summary["attempts"] = [
+                {"attempt": p.attempt, "nodes": [n.name for n in p.nodes], "world_size": p.world_size,
+                 **summarize(self.job.name, p.ranks(), self.log.by_attempt.get(p.attempt, {}),
+                             status=outcome.status.value)["totals"]} for p in self.plans]
         summary["launcher_timings_s"] = {k: round(v, 2) for k, v in self.timings.items()}
         write_summary(self.run_dir.root, summary)
         outcome.summary = summary
