@@ -390,14 +390,14 @@ FP8_OK, FP8_WHY = _has_fp8()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not FP8_OK, reason=FP8_WHY or "fp8 available")
-@pytest.mark.parametrize(("recipe", "compile_"), [("tensorwise", True), ("rowwise", False)])
-def test_gpu_fp8_loss_falls_and_tracks_bf16(base: Path, recipe: str, compile_: bool):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_gpu_fp8_loss_falls_and_tracks_bf16(base: Path, recipe: str):
     """torchao's float8 layers (every block linear: the mini model is below torchao's size
-    filter) train like bf16: the loss falls, and after 50 steps it is within 2% of bf16's."""
+    filter) train like bf16: the loss falls, and after 50 steps it is within 2% of bf16's.
+    Eager, to keep the test short (the compiled path is what the benchmarks run)."""
     def run(dtype: str, *sets: str) -> Run:
         name = f"gpu-fp8-{recipe}-{dtype}"
-        return ok(launch(base / name, ["--job", str(gpu_job(base, name)), "--set", f"precision.dtype={dtype}",
-                                       "--set", f"train.compile={str(compile_).lower()}", *sets],
+        return ok(launch(base / name, ["--job", str(gpu_job(base, name)), "--set", f"precision.dtype={dtype}", *sets],
                          nproc=1, module=True))
 
     fp8 = run("fp8", "--set", f"precision.fp8_recipe={recipe}", "--set", "precision.fp8_layers=all")
