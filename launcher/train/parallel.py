@@ -1,9 +1,10 @@
 """Float8 layers, activation checkpointing, torch.compile, then DDP or FSDP2 — in that order.
 
 The order follows torchtitan: float8 first (it swaps the blocks' linear layers for torchao's
-``Float8Linear``, which the rest then wraps like any layer), then activation checkpointing (it changes what a block's
-forward does), then ``torch.compile`` per block (so the compiled graph includes the
-recomputation and DDP/FSDP hooks stay outside it), then the data-parallel wrapper (DDP
+``Float8Linear``, which the rest then wraps like any layer), then activation checkpointing
+(it changes what a block's forward does), then ``torch.compile`` per block (so the compiled
+graph includes the recomputation and DDP/FSDP hooks stay outside it; a single process
+compiles the whole model instead), then the data-parallel wrapper (DDP
 around the whole model, or FSDP2's ``fully_shard`` per block and then at the root so the
 embeddings and the tied head form the root's group). Compiling with ``Module.compile()``
 in place keeps parameter names unchanged, which keeps checkpoints portable.
@@ -48,6 +49,8 @@ def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_s
             scope = "block" if data_parallel else "model"
         apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=scope == "model")
     if not data_parallel:
+        if job.parallel.strategy == "fsdp":
+            log.info("fsdp on one process: nothing to shard, the model trains unwrapped")
         return model
     if job.parallel.strategy == "fsdp":
         return apply_fsdp(model, job, device=device, world_size=world_size)
