@@ -120,3 +120,56 @@ def test_compile_is_per_block_and_keeps_each_block_whole_under_ddp():
     compiled = [model.embed, *model.blocks, model.head]
     assert all(m._compiled_call_impl is not None for m in compiled)
     assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged
+
+
+def test_compile_scope_model_compiles_the_whole_model_once():
+    from launcher.train.parallel import apply_compile
+
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256), seq_len=16, mask_prob=0.25)
+    apply_compile(model, whole=True)
+    assert model._compiled_call_impl is not None
+    assert all(m._compiled_call_impl is None for m in [model.embed, *model.blocks, model.head])
+    assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged
+
+
+@pytest.mark.parametrize(("scope", "world", "strategy", "whole"), [
+    ("auto", 1, "ddp", True), ("auto", 2, "ddp", False), ("auto", 1, "fsdp", True),
+    ("block", 1, "ddp", False), ("model", 1, "ddp", True),
+])
+def test_compile_scope_auto_is_the_whole_model_for_one_process(monkeypatch, scope, world, strategy, whole):
+    from launcher.spec.job import JobSpec
+    from launcher.train import parallel
+
+    seen = {}
+    monkeypatch.setattr(parallel, "apply_compile", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr(parallel, "apply_ddp", lambda model, job, device: model)
+    monkeypatch.setattr(parallel, "apply_fsdp", lambda model, job, device, world_size: model)
+    job = JobSpec.model_validate({
+        "name": "scope", "model": {"arch": "gpt", "size": "tiny", "vocab_size": 256},
+        "data": {"source": "synthetic", "seq_len": 16}, "train": {"compile": True, "compile_scope": scope},
+        "parallel": {"strategy": strategy}, "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
+    })
+    model = build_model(job.model, seq_len=16, mask_prob=0.25)
+    parallel.parallelize(model, job, device=torch.device("cpu"), world_size=world)
+    assert seen == {"cuda_graphs": False, "whole": whole}
+
+
+def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
+    import sys
+
+    from launcher.errors import SpecError
+    from launcher.train.parallel import apply_float8
+
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256), seq_len=16, mask_prob=0.25)
+    with pytest.raises(SpecError, match=r"precision.dtype.*FP8 tensor cores.*the CPU has compute capability none"):
+        apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cpu"))
+    # An H100 without torchao installed: the error names the package and the way out.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(SpecError, match=r"torchao is not importable.*set precision.dtype: bf16"):
+        apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(SpecError, match=r"A100-SXM4-80GB has compute capability 8.0"):
+        apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cuda", 0))
