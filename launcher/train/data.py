@@ -112,10 +112,6 @@ class Batches(abc.ABC):
         self.mask_id = mask_token_id(vocab_size)
         self.positions = torch.arange(seq_len + 1, device=device)
 
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.micro_batch * self.seq_len
-
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         """Micro-batch ``micro`` of optimizer step ``step`` (1-based) for this rank."""
         idx = global_indices(step=step, micro=micro, rank=self.rank, world_size=self.world_size,

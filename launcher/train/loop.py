@@ -153,7 +153,7 @@ class Trainer:
         job = self.job
         spec, seq_len, mask_prob = job.model, job.data.seq_len, job.data.mask_prob
         with torch.device(self.device):
-            model = build_model(spec, seq_len=seq_len, mask_prob=mask_prob)
+            model = build_model(spec)
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
