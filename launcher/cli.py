@@ -18,7 +18,7 @@ from launcher.errors import EXIT_INTERRUPTED, EXIT_INVALID_INPUT, LauncherError,
 
 log = logging.getLogger("launcher")
 
-COMMANDS = ("run", "plan", "check", "scale", "report", "schema")
+COMMANDS = ("run", "plan", "check", "scale", "report", "schema", "export", "tokenize")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,6 +87,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     from launcher.results import report_command
 
     return report_command(args.run_dir, fmt=args.format)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from launcher.export import export_run
+
+    for path in export_run(args.run_dir, out=args.out, step=args.step):
+        print(path)
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from launcher.spec import load_job
+    from launcher.train.text import tokenize_command
+
+    return tokenize_command(load_job(args.job, args.set), source=args.job)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -161,6 +176,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a run directory or a scaling study directory")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("export", parents=[common], help="a run's checkpoint as a Hugging Face model folder")
+    p.add_argument("run_dir", type=Path, help="the run directory (holds job.yaml)")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
+    p.add_argument("--out", type=Path, required=True, help="the folder to write config.json and model.safetensors to")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("tokenize", parents=[common], help="tokenize a job's text data into the cache, ahead of a run")
+    p.add_argument("job", help="job spec (YAML) with data.source text")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a job field, e.g. --set data.path=more.txt (repeatable)")
+    p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("schema", parents=[common], help="JSON Schema of the job or cluster spec")
     p.add_argument("which", choices=("job", "cluster"))

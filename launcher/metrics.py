@@ -32,6 +32,20 @@ import time
 from typing import Any
 
 ENV_VAR = "LAUNCHER_METRICS_FILE"
+SUBDIR = "metrics"  # on a node (under its node dir) and in the run directory alike
+FILE_PATTERN = "rank*.jsonl"
+
+
+def file_name(rank: int | str) -> str:
+    """``rank<R>.jsonl``; ``file_name("{rank}")`` is the template ``$LAUNCHER_METRICS_FILE`` ends in."""
+    return f"rank{rank}.jsonl"
+
+
+def rank_of(name: str) -> int | None:
+    """The rank a metrics file is named after, or None for another file."""
+    stem = name.removesuffix(".jsonl")
+    digits = stem.removeprefix("rank")
+    return int(digits) if stem != name and digits != stem and digits.isdigit() else None
 
 
 def metrics_path() -> str | None:

@@ -45,7 +45,7 @@ RANK_KEYS = (
     "tflops", "mfu", "peak_mem_gib", "data_wait_pct",
 )
 TOTAL_KEYS = ("tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks")
-FAILURE_KEYS = ("rank", "node", "host", "exit_code", "signal", "log_tail")
+FAILURE_KEYS = ("rank", "node", "host", "exit_code", "signal", "log_tail", "reason")
 DASH = "–"
 
 
@@ -319,10 +319,17 @@ def _status_lines(summary: dict) -> str:
             how.append(f"signal {failure['signal']}")
         where = f"rank {failure.get('rank', '?')} on node {failure.get('node', '?')} ({failure.get('host', '?')})"
         lines.append(f"First failure: {where}" + (f", {', '.join(how)}" if how else ""))
+        if failure.get("reason"):
+            lines.append(f"Reason: {failure['reason']}")
         tail = failure.get("log_tail")
         if tail:
             lines.append("Last lines of its log:")
             lines += ["  | " + line for line in str(tail).rstrip("\n").splitlines()[-20:]]
+    for r in summary.get("restarts") or []:
+        resumed = "" if r.get("resumed_from_step") is None else f", resumed from step {r['resumed_from_step']}"
+        lost = "" if r.get("lost_steps") is None else f" ({r['lost_steps']} step(s) redone)"
+        lines.append(f"Restart {r['attempt']}: {r['reason']}; went on with {len(r['nodes'])} node(s) "
+                     f"({', '.join(r['nodes'])}), world size {r['world_size']}{resumed}{lost}")
     return "\n".join(lines)
 
 

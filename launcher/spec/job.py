@@ -40,6 +40,7 @@ class ModelSpec(Strict):
     vocab_size: int | None = Field(None, ge=8, le=1_048_576, description="Vocabulary size; default 30522 (bert) or 50304 (gpt).")
     max_positions: int | None = Field(None, ge=8, le=1_048_576, description="Learned positions; default 512 (bert) or 1024 (gpt). data.seq_len must not exceed it.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP outputs.")
+    init_from: Path | None = Field(None, description="Start from a local Hugging Face model folder (config.json + model.safetensors or pytorch_model.bin) of BertForMaskedLM/BertModel or GPT2LMHeadModel: arch and dims come from its config.json (any given here must agree), the weights from its files. Relative paths are taken from the job file's folder; every node reads it at the same path; nothing is downloaded. Needs the hf extra.")
 
     def dims(self) -> dict[str, int]:
         """The resolved shape: preset, arch defaults, then explicit overrides."""
@@ -63,18 +64,26 @@ class ModelSpec(Strict):
 
 
 class DataSpec(Strict):
-    source: Literal["synthetic", "tokens"] = Field("synthetic", description="pinned. synthetic: structured random tokens made on the device; tokens: a file of token ids.")
+    source: Literal["synthetic", "tokens", "text"] = Field("synthetic", description="pinned. synthetic: structured random tokens made on the device; tokens: a file of token ids; text: text files, tokenized once into a cached token file.")
     seq_len: int = Field(512, ge=8, le=1_048_576, description="pinned. Tokens per sample.")
-    path: Path | None = Field(None, description="Token file (.npy, or raw .bin of token ids) when source is tokens; relative paths are taken from the job file's folder.")
+    path: Path | None = Field(None, description="source tokens: the token file (.npy, or raw .bin of token ids); source text: a .txt or .jsonl file, or a folder of them (searched recursively). Relative paths are taken from the job file's folder.")
     token_dtype: Literal["uint16", "int32", "int64"] = Field("uint16", description="Element type of a raw .bin token file (.npy files carry their own).")
     mask_prob: float = Field(0.15, gt=0.0, lt=1.0, description="BERT: fraction of tokens masked for MLM (80% [MASK], 10% random, 10% kept).")
+    tokenizer: Path | None = Field(None, description="source text: a local tokenizer folder holding tokenizer.json (read with the tokenizers library; special tokens from its tokenizer_config.json). Relative paths are taken from the job file's folder. Needs the hf extra.")
+    text_field: str = Field("text", min_length=1, description="source text: the key of each .jsonl line's text.")
+    cache_dir: Path | None = Field(None, description="source text: where tokenized text is cached (keyed by the text files' and the tokenizer's hashes); default ~/.cache/launcher/tokens. On several nodes a shared folder tokenizes once.")
 
     @model_validator(mode="after")
     def _path_for_tokens(self) -> DataSpec:
         if self.source == "tokens" and self.path is None:
             raise ValueError("source 'tokens' needs data.path (a .npy or .bin file of token ids)")
+        if self.source == "text" and (self.path is None or self.tokenizer is None):
+            raise ValueError("source 'text' needs data.path (a .txt or .jsonl file, or a folder of them) "
+                             "and data.tokenizer (a local tokenizer folder)")
         if self.source == "synthetic" and self.path is not None:
-            raise ValueError("data.path is only read when source is 'tokens'; set source: tokens or remove path")
+            raise ValueError("data.path is only read when source is 'tokens' or 'text'; set the source or remove path")
+        if self.source != "text" and self.tokenizer is not None:
+            raise ValueError("data.tokenizer is only read when source is 'text'; set source: text or remove tokenizer")
         return self
 
 
@@ -106,6 +115,7 @@ class TrainSpec(Strict):
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
     seed: int = Field(1234, ge=0, description="Seed for weights and synthetic data (data streams also differ per rank).")
     log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
+    elastic_batch: Literal["keep", "scale"] = Field("keep", description="An elastic restart at a different world size: keep the global batch (grad_accum is raised or lowered for the new world size; a world size it does not divide over refuses the restart) or scale it with the world size (grad_accum kept, the learning-rate schedule unchanged).")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Periodic checkpoints and resume.")
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler over a few steps: a Chrome/Perfetto trace and a table of the top operators per recording rank, in the run directory's profile/ folder.")
 
@@ -150,6 +160,7 @@ class ResourcesSpec(Strict):
     nodes: Literal["all"] | int = Field("all", description="pinned. How many cluster nodes to use, from the first: all, or a count.")
     nproc_per_node: Literal["auto"] | int = Field("auto", description="pinned. Workers per node; auto = the node's GPUs (cuda) or 1 (cpu).")
     device: Literal["cuda", "cpu"] = Field("cuda", description="pinned. Where workers compute.")
+    min_nodes: int | None = Field(None, ge=1, description="Elastic restarts: with launch.max_restarts above 0, a lost node (or one whose ranks fail) is left out, a spare cluster node the job was not using takes its place if one passes the preflight, and the job restarts from its last checkpoint on the nodes it has, never fewer than this. Unset: not elastic (a failed rank restarts on the same nodes, a lost node ends the job).")
 
     @model_validator(mode="after")
     def _positive(self) -> ResourcesSpec:
@@ -157,6 +168,9 @@ class ResourcesSpec(Strict):
             raise ValueError(f"nodes must be 'all' or a count >= 1, not {self.nodes}")
         if isinstance(self.nproc_per_node, int) and not 1 <= self.nproc_per_node <= 1024:
             raise ValueError(f"nproc_per_node must be 'auto' or 1..1024, not {self.nproc_per_node}")
+        if isinstance(self.nodes, int) and self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is more than the job's {self.nodes} node(s); "
+                             f"lower resources.min_nodes or raise resources.nodes")
         return self
 
 
@@ -211,6 +225,11 @@ class JobSpec(Strict):
         return "nccl" if self.resources.device == "cuda" else "gloo"
 
     @property
+    def elastic(self) -> bool:
+        """A restart may leave a failed node out (resources.min_nodes set, launch.max_restarts above 0)."""
+        return self.launch.max_restarts > 0 and self.resources.min_nodes is not None
+
+    @property
     def uses_builtin(self) -> bool:
         return self.entrypoint == "builtin"
 
@@ -248,6 +267,10 @@ class JobSpec(Strict):
             )
         if prof.start_step and not self.uses_builtin:
             raise ValueError("train.profile works with the built-in trainer only; profile your own script inside it")
+        if self.elastic and self.uses_builtin and self.train.checkpoint.dir is None:
+            raise ValueError("an elastic job (resources.min_nodes with launch.max_restarts above 0) "
+                             "restarts from its last checkpoint: set train.checkpoint.dir to a folder every "
+                             "node sees, and train.checkpoint.every_steps")
         if self.train.checkpoint.every_steps and self.train.checkpoint.dir is None:
             raise ValueError("train.checkpoint.every_steps needs train.checkpoint.dir")
         if self.cudnn.deterministic and self.cudnn.benchmark:

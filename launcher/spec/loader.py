@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from launcher.errors import SpecError, UsageError
 from launcher.spec.cluster import ClusterSpec, NodeSpec
-from launcher.spec.job import JobSpec, ScriptEntrypoint
+from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
 from launcher.util import first_line
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
@@ -33,6 +33,8 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Job
     data = read_yaml(source)
     data = apply_overrides(data, overrides)
     job = validate(JobSpec, data, source=str(source), overrides=overrides)
+    if job.model.init_from is not None:
+        job = _with_pretrained_shape(job, source, overrides)
     return _resolve_job_paths(job, source)
 
 
@@ -138,7 +140,12 @@ def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None, *, job_source: str 
 def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
     """Checks between a job and a cluster that need no node: asking for more nodes than exist,
     a cuda job on a node that declares no GPUs."""
-    for node in nodes_for_job(cluster, job, job_source=job_source):
+    nodes = nodes_for_job(cluster, job, job_source=job_source)
+    if job.resources.min_nodes is not None and job.resources.min_nodes > len(nodes):
+        raise SpecError(
+            f"resources.min_nodes {job.resources.min_nodes} is more than the {len(nodes)} node(s) the "
+            f"job runs on; lower resources.min_nodes or add nodes", source=job_source, field="resources.min_nodes")
+    for node in nodes:
         if job.resources.device == "cuda" and node.gpus == 0:
             raise SpecError(
                 f"device cuda needs GPUs but cluster node {node.name!r} declares gpus: 0; "
@@ -339,6 +346,51 @@ def _unknown_key(model: type[BaseModel], path: tuple[str, ...], given: set[str] 
     return f"unknown key '{key}'"
 
 
+def _with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str]) -> JobSpec:
+    """model.init_from: arch and dims come from the folder's config.json, its tensors are checked
+    against them (names and shapes), and any arch, size or dim the job gives must agree."""
+    from launcher.spec.hf import FolderError, check_folder
+
+    folder = _local_folder(job.model.init_from, source.parent, "model.init_from", "model weights", source)
+    try:
+        arch, dims = check_folder(folder)
+    except FolderError as err:
+        raise SpecError(str(err), source=str(source), field=err.field) from None
+    model, given = job.model, job.model.model_fields_set
+    conflicts = [f"model.arch {model.arch} (the folder holds a {arch})"] if "arch" in given and model.arch != arch else []
+    conflicts += [f"model.{k} {getattr(model, k)} (config.json: {v})" for k, v in dims.items()
+                  if k in given and getattr(model, k) != v]
+    # A size preset decides only the dims the job does not give explicitly.
+    if "size" in given:
+        preset = dict(zip(("n_layers", "d_model", "n_heads"), SIZE_PRESETS[model.size], strict=True))
+        wrong = [k for k, v in preset.items() if k not in given and v != dims[k]]
+        if wrong:
+            shape = "x".join(str(dims[k]) for k in preset)
+            conflicts.append(f"model.size {model.size} (config.json: {shape} layers x d_model x heads)")
+    if conflicts:
+        raise SpecError(
+            f"model.init_from {str(folder)!r} gives the model's shape, and the job disagrees: "
+            f"{'; '.join(conflicts)}. Remove these keys (the folder's config.json decides) or "
+            f"point init_from at the model you meant", source=str(source), field="model")
+    data = job.model_dump(mode="json", exclude_unset=True)
+    shape = (dims["n_layers"], dims["d_model"], dims["n_heads"])
+    size = next((name for name, preset in SIZE_PRESETS.items() if preset == shape), None)
+    data["model"] = {**data.get("model", {}), "arch": arch, **dims, "init_from": str(folder),
+                     **({"size": size} if size and "size" not in given else {})}
+    return validate(JobSpec, data, source=str(source), overrides=overrides)
+
+
+def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) -> Path:
+    """A folder on this machine (relative to the job file's folder), or the download hint."""
+    folder = value if value.is_absolute() else (base / value).resolve()
+    if not folder.is_dir():
+        from launcher.spec.hf import not_a_folder
+
+        raise SpecError(str(not_a_folder(field, str(value), folder, what)), source=str(source),
+                        field=field)
+    return folder
+
+
 def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     """Relative data and script paths are taken from the job file's folder; scripts must exist."""
     base = source.parent
@@ -346,11 +398,14 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     entry = None if job.uses_builtin else job.entrypoint
     for field, value in (("data.path", job.data.path), ("train.checkpoint.dir", job.train.checkpoint.dir),
                          ("entrypoint.script", entry and entry.script),
-                         ("entrypoint.workdir", entry and entry.workdir)):
+                         ("entrypoint.workdir", entry and entry.workdir), ("model.init_from", job.model.init_from),
+                         ("data.tokenizer", job.data.tokenizer), ("data.cache_dir", job.data.cache_dir)):
         if value is not None and "\x00" in str(value):
             raise SpecError(f"{field} {str(value)!r} contains a NUL character; give a plain path",
                             source=str(source), field=field)
-    if job.data.path is not None:
+    if job.data.source == "text":
+        updates["data"] = _resolve_text_paths(job, source)
+    elif job.data.path is not None:
         tokens = job.data.path if job.data.path.is_absolute() else (base / job.data.path).resolve()
         if not tokens.is_file():
             raise SpecError(
@@ -367,6 +422,38 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     if not job.uses_builtin:
         updates["entrypoint"] = _resolve_script(job.entrypoint, base, source)
     return job.model_copy(update=updates) if updates else job
+
+
+def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
+    """data.source text: the text (a .txt/.jsonl file or a folder of them), the tokenizer folder
+    (with tokenizer.json) and the cache folder, taken from the job file's folder."""
+    from launcher.spec.hf import FolderError, check_tokenizer, require
+
+    data, base = job.data, source.parent
+    assert data.path is not None and data.tokenizer is not None
+    text = data.path if data.path.is_absolute() else (base / data.path).resolve()
+    if not (text.is_file() and text.suffix in (".txt", ".jsonl")
+            or text.is_dir() and any(p.suffix in (".txt", ".jsonl") for p in text.rglob("*"))):
+        raise SpecError(
+            f"data.path {str(data.path)!r} (looked for {text}) is neither a .txt or .jsonl file nor "
+            f"a folder holding some; give the text on a path every node sees", source=str(source),
+            field="data.path")
+    tokenizer = _local_folder(data.tokenizer, base, "data.tokenizer", "the tokenizer", source)
+    if not (tokenizer / "tokenizer.json").is_file():
+        raise SpecError(
+            f"data.tokenizer {str(tokenizer)!r} has no tokenizer.json; save the tokenizer with the "
+            f"tokenizers library (tokenizer.save) or with transformers "
+            f"(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))", source=str(source),
+            field="data.tokenizer")
+    try:
+        require("tokenizers", "data.source text", "data.tokenizer")
+        check_tokenizer(tokenizer, job.model.arch, job.model.dims()["vocab_size"])
+    except FolderError as err:
+        raise SpecError(str(err), source=str(source), field=err.field) from None
+    update: dict[str, Any] = {"path": text, "tokenizer": tokenizer}
+    if data.cache_dir is not None and not data.cache_dir.is_absolute():
+        update["cache_dir"] = (base / data.cache_dir).resolve()
+    return data.model_copy(update=update)
 
 
 def _resolve_script(entry: ScriptEntrypoint, base: Path, source: Path) -> ScriptEntrypoint:

@@ -1,4 +1,5 @@
-"""Batches: synthetic (made on the device) or windows of a token file, with MLM masking.
+"""Batches: synthetic (made on the device), windows of a token file or of tokenized text
+(``launcher.train.text``), with MLM masking.
 
 Determinism: every sample is a pure function of (seed, step, global sample index), so the
 data do not depend on how a step's global batch is split across ranks and micro-batches.
@@ -50,6 +51,10 @@ def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device
     if job.data.source == "tokens":
         assert job.data.path is not None
         return TokenFileBatches(path=job.data.path, token_dtype=job.data.token_dtype, **common)
+    if job.data.source == "text":
+        from launcher.train.text import TextBatches, prepare
+
+        return TextBatches(meta=prepare(job.data, job.model.arch), **common)
     return SyntheticBatches(**common)
 
 
@@ -110,6 +115,8 @@ class Batches(abc.ABC):
         self.device = device
         self.n_mask = max(1, min(seq_len, round(mask_prob * seq_len)))
         self.mask_id = mask_token_id(vocab_size)
+        self.random_vocab = vocab_size  # BERT's random replacements: ids below this
+        self.never_mask: torch.Tensor | None = None  # ids never picked for masking ([CLS], [SEP])
         self.positions = torch.arange(seq_len + 1, device=device)
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
@@ -134,34 +141,31 @@ class Batches(abc.ABC):
         pos = self.positions[: self.seq_len]
         # Unique keys (hash in the high bits, position in the low 20) make topk tie-free.
         keys = (hash_ints(self.seed, _SALT_MASK, step, sample, pos) << 20) | pos
+        if self.never_mask is not None:  # below every other key: picked only if nothing else is left
+            keys = torch.where(torch.isin(tokens, self.never_mask), keys - (1 << 53), keys)
         mask_pos = keys.topk(self.n_mask, dim=1).indices.sort(dim=1).values
         labels = tokens.gather(1, mask_pos)
         action = hash_ints(self.seed, _SALT_ACTION, step, sample, mask_pos) % 10
-        random_ids = hash_ints(self.seed, _SALT_RANDOM, step, sample, mask_pos) % self.vocab_size
+        random_ids = hash_ints(self.seed, _SALT_RANDOM, step, sample, mask_pos) % self.random_vocab
         new = torch.where(action < 8, torch.full_like(labels, self.mask_id),
                           torch.where(action == 8, random_ids, labels))
         return {"input_ids": tokens.scatter(1, mask_pos, new), "labels": labels, "mask_pos": mask_pos}
 
 
-class SyntheticBatches(Batches):
-    """Structured random tokens made on the device (see the module doc).
+class MadeAhead(Batches):
+    """Batches made ahead, ``steps_ahead`` optimizer steps at a time.
 
-    Made ahead, ``steps_ahead`` optimizer steps at a time: one batch costs some 150 small
-    kernels whatever its size, a few milliseconds of host time that a fast step cannot hide,
+    One batch costs some 150 small kernels whatever its size (the masking hash, and for
+    synthetic data the tokens), a few milliseconds of host time that a fast step cannot hide,
     so the same kernels make the micro-batches of up to 16 steps at once (at most
     ``CHUNK_TOKENS`` tokens) and ``batch`` hands out views. The hash takes the step as a
-    tensor then; the numbers are the same as one batch at a time.
+    tensor then; the numbers are the same as one batch at a time (``Batches.batch``).
     """
 
     CHUNK_TOKENS = 1 << 22
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        special = 104 if self.vocab_size >= 104 + 8 else 0
-        usable = (self.vocab_size if special else self.mask_id) - special
-        self.first_token = special
-        self.n_states = 1 << (min(usable, MAX_STATES).bit_length() - 1)
-        self.stride = (0x9E3779B1 % self.n_states) | 1  # odd: a permutation of Z_{n_states}
         rows_per_step = self.grad_accum * self.micro_batch
         self.steps_ahead = max(1, min(16, self.CHUNK_TOKENS // (rows_per_step * (self.seq_len + 1))))
         self._chunk: dict[str, torch.Tensor] = {}
@@ -175,14 +179,34 @@ class SyntheticBatches(Batches):
         first = ((step - self._chunk_steps.start) * self.grad_accum + micro) * self.micro_batch
         return {key: value[first: first + self.micro_batch] for key, value in self._chunk.items()}
 
+    @abc.abstractmethod
     def _make(self, steps: range) -> dict[str, torch.Tensor]:
         """Every micro-batch of this rank for ``steps``: rows ordered by (step, micro, sample)."""
-        m, accum, dev = self.micro_batch, self.grad_accum, self.device
-        per_step = accum * m
-        row = torch.arange(len(steps) * per_step, device=dev)
+
+    def _keys_ahead(self, steps: range, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step, global sample index within the step) of each row of ``_make``, as columns."""
+        m = self.micro_batch
+        per_step = self.grad_accum * m
+        row = torch.arange(len(steps) * per_step, device=device)
         step = (steps.start + row // per_step).unsqueeze(1)
         micro, j = (row % per_step) // m, row % m
         sample = global_index(micro, self.rank, j, world_size=self.world_size, micro_batch=m).unsqueeze(1)
+        return step, sample
+
+
+class SyntheticBatches(MadeAhead):
+    """Structured random tokens made on the device (see the module doc), made ahead."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        special = 104 if self.vocab_size >= 104 + 8 else 0
+        usable = (self.vocab_size if special else self.mask_id) - special
+        self.first_token = special
+        self.n_states = 1 << (min(usable, MAX_STATES).bit_length() - 1)
+        self.stride = (0x9E3779B1 % self.n_states) | 1  # odd: a permutation of Z_{n_states}
+
+    def _make(self, steps: range) -> dict[str, torch.Tensor]:
+        step, sample = self._keys_ahead(steps, self.device)
         return self.assemble(self.tokens(step, range(0), sample), step, sample)
 
     def tokens(self, step: int | torch.Tensor, idx: range, sample: torch.Tensor) -> torch.Tensor:
@@ -194,31 +218,47 @@ class SyntheticBatches(Batches):
         return self.first_token + (state * self.stride) % self.n_states
 
 
-class TokenFileBatches(Batches):
+class TokenFileBatches(MadeAhead):
     """Windows of seq_len+1 tokens from a memory-mapped file of token ids (.npy or raw .bin).
 
     Sample with global index g of step t reads window w = ((t-1)·G + g) mod n_windows, i.e.
     the file is read front to back, each rank taking its own samples of every step (a
-    disjoint shard), wrapping around at the end.
+    disjoint shard), wrapping around at the end. Windows start every seq_len tokens and
+    overlap by one (GPT's labels are its inputs shifted by one); ``row_len`` makes them
+    ``row_len`` tokens long, back to back, instead. Made ahead (``MadeAhead``): the rows of
+    several steps are gathered from the file in one indexing op on the host, copied to the
+    device in one transfer (pinned, asynchronous) and masked there in one go.
     """
 
-    def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, **kwargs):
+    def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, row_len: int | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.path = Path(path)
         self.ids = open_token_file(self.path, token_dtype)
-        self.n_windows = (self.ids.numel() - 1) // self.seq_len
-        if self.n_windows < 1:
+        self.row_len = row_len or self.seq_len + 1
+        self.stride = row_len or self.seq_len
+        self.n_windows = (self.ids.numel() - self.row_len) // self.stride + 1
+        if self.ids.numel() < self.row_len:
             raise ValueError(
-                f"{self.path} holds {self.ids.numel()} tokens, fewer than data.seq_len + 1 = "
-                f"{self.seq_len + 1}; use a longer file or a shorter seq_len"
+                f"{self.path} holds {self.ids.numel()} tokens, fewer than the {self.row_len} of one "
+                f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len"
             )
         self.global_batch = self.world_size * self.micro_batch * self.grad_accum
+        self._offsets = torch.arange(self.row_len)
 
     def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
-        first = (step - 1) * self.global_batch
-        rows = [self.ids[s: s + self.seq_len + 1]
-                for s in (((first + g) % self.n_windows) * self.seq_len for g in idx)]
-        batch = torch.stack(rows).to(torch.int64)
+        return self._rows((step - 1) * self.global_batch + torch.arange(idx.start, idx.stop))
+
+    def _make(self, steps: range) -> dict[str, torch.Tensor]:
+        step, sample = self._keys_ahead(steps, torch.device("cpu"))  # file indices, on the host
+        tokens = self._rows(((step - 1) * self.global_batch + sample).view(-1))
+        step, sample = self._keys_ahead(steps, self.device)  # the same keys for the masks, made there
+        return self.assemble(tokens, step, sample)
+
+    def _rows(self, windows: torch.Tensor) -> torch.Tensor:
+        """The rows of the given window numbers (any, wrapped around), on the device."""
+        starts = (windows % self.n_windows) * self.stride
+        batch = self.frame(self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64))
         top = int(batch.max())
         if top >= self.vocab_size:
             raise ValueError(
@@ -228,6 +268,10 @@ class TokenFileBatches(Batches):
         if self.device.type == "cuda":
             batch = batch.pin_memory()
         return batch.to(self.device, non_blocking=True)
+
+    def frame(self, rows: torch.Tensor) -> torch.Tensor:
+        """The samples made of rows read from the file (on the host): the rows themselves."""
+        return rows
 
 
 _NPY_DTYPES = {"<u2": torch.uint16, "<i4": torch.int32, "<i8": torch.int64, "|u1": torch.uint8,

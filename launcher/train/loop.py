@@ -152,11 +152,25 @@ class Trainer:
     def build_model(self) -> None:
         job = self.job
         spec, seq_len, mask_prob = job.model, job.data.seq_len, job.data.mask_prob
-        with torch.device(self.device):
+        # Weights from a folder under FSDP: built on the meta device, sharded, then filled
+        # from rank 0's copy one tensor at a time, so no rank holds the whole model on its GPU.
+        # With cpu_offload the shards live on the CPU: every rank loads there, then shards.
+        init, fsdp = spec.init_from is not None, job.parallel.strategy == "fsdp"
+        offload = fsdp and job.parallel.fsdp.cpu_offload
+        where = ("cpu" if offload else "meta" if fsdp else self.device) if init else self.device
+        with torch.device(where):
             model = build_model(spec)
+        if init and offload:
+            from launcher.train.hf import load_pretrained
+
+            load_pretrained(model, spec, device=torch.device("cpu"), every_rank=True)
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
+        if init and not offload:
+            from launcher.train.hf import load_pretrained
+
+            load_pretrained(self.model, spec, device=self.device)
         self.model.train()
         # A replayed backward graph writes its gradients into memory that the next replay
         # reuses. Taking them as .grad (what zero_grad(set_to_none=True) leads to) is right when

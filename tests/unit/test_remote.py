@@ -15,14 +15,9 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from launcher.preflight import (
-    PROBE_SOURCE,
-    gpus_needed,
-    nodes_for_job,
-    parse_probe_output,
-    probe_node,
-    worker_env,
-)
+from launcher.orchestrate.plan import gpus_needed
+from launcher.orchestrate.plan import spec_env as worker_env
+from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output, probe_node
 from launcher.remote import (
     AUTH_FAILED,
     BAD_JSON,

@@ -162,3 +162,16 @@ def test_batches_made_ahead_equal_batches_made_one_at_a_time(arch: str):
 def test_steps_ahead_is_bounded_by_the_chunk_size():
     assert source(micro=64, seq=8192).steps_ahead == 7
     assert source(micro=1024, seq=8192).steps_ahead == 1
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+def test_token_file_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path: Path, arch: str):
+    write_npy(tmp_path / "t.npy", torch.arange(5_000, dtype=torch.int32) % 1000, "<i4")
+    ahead = source(arch, rank=1, world=2, accum=2, seq=16, cls=TokenFileBatches, path=tmp_path / "t.npy",
+                   token_dtype="uint16")
+    assert ahead.steps_ahead == 16
+    # across a chunk boundary and past the file's end (windows wrap around), then a jump back
+    for step, micro in [(s, a) for s in range(1, 40) for a in range(2)] + [(3, 1)]:
+        got, want = ahead.batch(step, micro), Batches.batch(ahead, step, micro)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
