@@ -124,7 +124,7 @@ class TrainSpec(Strict):
 
 class DDPSpec(Strict):
     bucket_cap_mb: float = Field(25.0, gt=0, description="Gradient bucket size for all-reduce overlap (smaller buckets start sooner and leave less exposed at the end of backward).")
-    static_graph: bool = Field(False, description="The graph is the same every step (DDP's static-graph mode; slower than the default on 2 H200s with the compiled BERT, see README).")
+    static_graph: bool = Field(False, description="The graph is the same every step: DDP's static-graph mode (static_graph=True). Measure before turning it on: the README's Performance section compares it with the default.")
     gradient_as_bucket_view: bool = Field(True, description="Gradients are views into the all-reduce buckets (saves a copy and memory).")
     comm_hook: Literal["none", "bf16", "fp16"] = Field("none", description="Compress gradients to this dtype for all-reduce.")
 
@@ -179,7 +179,7 @@ class ResourcesSpec(Strict):
 
 
 class LaunchSpec(Strict):
-    max_restarts: int = Field(0, ge=0, le=100, description="torchrun --max-restarts: restart all workers of the job this many times after a failure.")
+    max_restarts: int = Field(0, ge=0, le=100, description="Restart the job this many times after a failure: the launcher stops every node's torchrun and starts fresh ones on a new rendezvous port (torchrun's own --max-restarts stays 0); the built-in trainer resumes from its last checkpoint when train.checkpoint saves one.")
     env: EnvDict = Field(default_factory=dict, description="Extra environment for every worker.")
     master_port: int | None = Field(None, ge=1024, le=65535, description="Rendezvous port on the first node; null picks a free one there.")
     hang_timeout_s: float | None = Field(None, gt=0, description="Fail the job when a rank writes no metrics record for this long (a hang watchdog); null disables it.")

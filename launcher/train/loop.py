@@ -168,7 +168,7 @@ class Trainer:
         offload = fsdp and job.parallel.fsdp.cpu_offload
         where = ("cpu" if offload else "meta" if fsdp else self.device) if init else self.device
         with torch.device(where):
-            model = build_model(spec, seq_len=seq_len, mask_prob=mask_prob)
+            model = build_model(spec)
         if init and offload:
             from launcher.train.hf import load_pretrained
 

@@ -31,7 +31,7 @@ def test_blocks_are_grouped_into_units(one_process_group, per_unit: int, units: 
         "parallel": {"strategy": "fsdp", "fsdp": {"blocks_per_unit": per_unit}},
         "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
     })
-    model = build_model(job.model, seq_len=16, mask_prob=0.15)
+    model = build_model(job.model)
     names = [n for n, _ in model.named_parameters()]
     model = apply_fsdp(model, job, device=torch.device("cpu"), world_size=1)
     groups = [b._get_fsdp_state()._fsdp_param_group for b in model.blocks]
@@ -62,7 +62,7 @@ def test_accumulation_keeps_parameters_gathered_only_when_the_step_does_anyway(
         "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
     })
     cpu = torch.device("cpu")
-    model = apply_fsdp(build_model(job.model, seq_len=16, mask_prob=0.15), job, device=cpu, world_size=1)
+    model = apply_fsdp(build_model(job.model), job, device=cpu, world_size=1)
     data = build_data(job, rank=0, world_size=1, device=cpu)
 
     def gathered() -> list[bool]:
@@ -88,7 +88,7 @@ def test_fsdp_on_one_process_trains_the_model_unwrapped_unless_it_offloads():
             "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
         })
 
-    model = build_model(job().model, seq_len=16, mask_prob=0.25)
+    model = build_model(job().model)
     assert parallelize(model, job(), device=torch.device("cpu"), world_size=1) is model
     assert not isinstance(model, FSDPModule) and not shards_alone(job())
     assert shards_alone(job(cpu_offload=True))

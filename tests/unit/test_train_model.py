@@ -19,7 +19,7 @@ HF_BERT_BASE_MLM = 109_514_298  # BertForMaskedLM, bert-base-uncased config, tie
 
 def meta_params(spec: ModelSpec) -> int:
     with torch.device("meta"):
-        return count_params(build_model(spec, seq_len=128, mask_prob=0.15))
+        return count_params(build_model(spec))
 
 
 def expected_params(arch: str, L: int, d: int, V: int, P: int, ff: int) -> int:
@@ -57,7 +57,7 @@ def test_explicit_dims_override_the_preset():
 def test_forward_returns_a_scalar_loss_near_uniform(arch: str):
     torch.manual_seed(0)
     spec = ModelSpec(arch=arch, size="tiny", vocab_size=256)
-    model = build_model(spec, seq_len=16, mask_prob=0.25)
+    model = build_model(spec)
     ids = torch.randint(0, 256, (2, 16))
     if arch == "bert":
         loss = model(ids, torch.randint(0, 256, (2, 4)), torch.tensor([[0, 3, 7, 9], [1, 2, 5, 15]]))
@@ -70,7 +70,7 @@ def test_forward_returns_a_scalar_loss_near_uniform(arch: str):
 
 def test_bert_head_reads_only_the_masked_positions():
     torch.manual_seed(0)
-    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=128), seq_len=8, mask_prob=0.25)
+    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=128))
     hidden = torch.randn(1, 8, 128, requires_grad=True)
     mask_pos = torch.tensor([[2, 5]])
     loss = model.head(hidden, torch.tensor([[3, 4]]), mask_pos, model.embed.tok.weight)
@@ -81,7 +81,7 @@ def test_bert_head_reads_only_the_masked_positions():
 
 def test_gpt_is_causal():
     torch.manual_seed(0)
-    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=64), seq_len=8, mask_prob=0.15).eval()
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=64)).eval()
     ids = torch.randint(0, 64, (1, 8))
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % 64
@@ -113,7 +113,7 @@ def test_compile_is_per_block_and_keeps_each_block_whole_under_ddp():
     """Dynamo's DDP optimizer would split each compiled block at gradient-bucket boundaries."""
     from launcher.train.parallel import apply_compile
 
-    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=256), seq_len=16, mask_prob=0.25)
+    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=256))
     with torch._dynamo.config.patch(optimize_ddp=True):
         apply_compile(model)
         assert torch._dynamo.config.optimize_ddp is False
@@ -125,7 +125,7 @@ def test_compile_is_per_block_and_keeps_each_block_whole_under_ddp():
 def test_compile_scope_model_compiles_the_whole_model_once():
     from launcher.train.parallel import apply_compile
 
-    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256), seq_len=16, mask_prob=0.25)
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256))
     apply_compile(model, whole=True)
     assert model._compiled_call_impl is not None
     assert all(m._compiled_call_impl is None for m in [model.embed, *model.blocks, model.head])
@@ -149,7 +149,7 @@ def test_compile_scope_auto_is_the_whole_model_for_one_process(monkeypatch, scop
         "data": {"source": "synthetic", "seq_len": 16}, "train": {"compile": True, "compile_scope": scope},
         "parallel": {"strategy": strategy}, "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
     })
-    model = build_model(job.model, seq_len=16, mask_prob=0.25)
+    model = build_model(job.model)
     parallel.parallelize(model, job, device=torch.device("cpu"), world_size=world)
     assert seen == {"cuda_graphs": False, "whole": whole}
 
@@ -160,7 +160,7 @@ def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
     from launcher.errors import SpecError
     from launcher.train.parallel import apply_float8
 
-    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256), seq_len=16, mask_prob=0.25)
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256))
     with pytest.raises(SpecError, match=r"precision.dtype.*FP8 tensor cores.*the CPU has compute capability none"):
         apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cpu"))
     # An H100 without torchao installed: the error names the package and the way out.
