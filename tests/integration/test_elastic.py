@@ -77,17 +77,29 @@ def assert_continuous(run_dir: Path) -> None:
     assert after < first_loss - 0.5 * (first_loss - before), curve
 
 
-def test_a_lost_node_shrinks_the_job_and_it_finishes(netns_cluster, tmp_path, shared_dir):
-    cluster = netns_cluster(3)
+def run_and_lose_node3(netns_cluster, tmp_path: Path, ckpt: Path, *, n_nodes: int, min_nodes: int,
+                       expect: int, skip_parity: bool = True) -> tuple[object, Path, float]:
+    """Launch a 3-node elastic job on ``n_nodes`` simulated nodes, kill node 3 mid-run; returns
+    (cluster, run dir, seconds from the kill to the exit) once it exited ``expect``."""
+    cluster = netns_cluster(n_nodes)
     cluster_file = cluster.cluster_yaml(
         tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
-    job = elastic_job(tmp_path, shared_dir / "ckpt", nodes=3, min_nodes=2)
+    job = elastic_job(tmp_path, ckpt, nodes=3, min_nodes=min_nodes)
     run_dir = tmp_path / f"elastic-{tmp_path.name}"
-    victim = cluster.node_names[2]
-    with Launcher(str(job), "--cluster", str(cluster_file), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
-        kill_node_mid_run(cluster, victim, run, rank=2)
-        assert run.wait(timeout=400) == 0, run.output[-4000:]
+    args = [str(job), "--cluster", str(cluster_file), *(["--skip-parity"] if skip_parity else [])]
+    with Launcher(*args, run_dir=run_dir, cwd=tmp_path) as run:
+        kill_node_mid_run(cluster, cluster.node_names[2], run, rank=2)
+        killed = time.monotonic()
+        assert run.wait(timeout=400) == expect, run.output[-4000:]
+        took = time.monotonic() - killed
         run.assert_nothing_left()
+    return cluster, run_dir, took
+
+
+def test_a_lost_node_shrinks_the_job_and_it_finishes(netns_cluster, tmp_path, shared_dir):
+    cluster, run_dir, _ = run_and_lose_node3(netns_cluster, tmp_path, shared_dir / "ckpt", n_nodes=3,
+                                             min_nodes=2, expect=0)
+    victim = cluster.node_names[2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 2
     [restart] = summary["restarts"]
@@ -102,16 +114,10 @@ def test_a_lost_node_shrinks_the_job_and_it_finishes(netns_cluster, tmp_path, sh
 
 
 def test_a_spare_takes_the_lost_nodes_place(netns_cluster, tmp_path, shared_dir):
-    cluster = netns_cluster(4)
-    cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
-    job = elastic_job(tmp_path, shared_dir / "ckpt", nodes=3, min_nodes=2)
-    run_dir = tmp_path / f"spare-{tmp_path.name}"
+    """The spare passes the preflight (the whole launch runs it) and joins the bootstrapped Ray."""
+    cluster, run_dir, _ = run_and_lose_node3(netns_cluster, tmp_path, shared_dir / "ckpt", n_nodes=4,
+                                             min_nodes=2, expect=0, skip_parity=False)
     victim, spare = cluster.node_names[2], cluster.node_names[3]
-    with Launcher(str(job), "--cluster", str(cluster_file), run_dir=run_dir, cwd=tmp_path) as run:
-        kill_node_mid_run(cluster, victim, run, rank=2)
-        assert run.wait(timeout=400) == 0, run.output[-4000:]
-        run.assert_nothing_left()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 3
     [restart] = summary["restarts"]
@@ -122,18 +128,9 @@ def test_a_spare_takes_the_lost_nodes_place(netns_cluster, tmp_path, shared_dir)
 
 
 def test_without_room_to_shrink_a_lost_node_ends_the_job(netns_cluster, tmp_path, shared_dir):
-    cluster = netns_cluster(3)
-    cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
-    job = elastic_job(tmp_path, shared_dir / "ckpt", nodes=3, min_nodes=3)
-    run_dir = tmp_path / f"full-{tmp_path.name}"
+    cluster, run_dir, took = run_and_lose_node3(netns_cluster, tmp_path, shared_dir / "ckpt", n_nodes=3,
+                                                min_nodes=3, expect=4)
     victim = cluster.node_names[2]
-    with Launcher(str(job), "--cluster", str(cluster_file), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
-        kill_node_mid_run(cluster, victim, run, rank=2)
-        lost_at = time.monotonic()
-        assert run.wait(timeout=180) == 4, run.output[-4000:]
-        took = time.monotonic() - lost_at
-        run.assert_nothing_left()
     assert took < 60, f"the lost node was noticed after {took:.0f} s"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failure"]["node"] == victim

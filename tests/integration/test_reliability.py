@@ -158,6 +158,22 @@ PHASES = {
 }
 
 
+def interrupt(run: Launcher, sig: signal.Signals, *, what: str) -> str:
+    """Send ``sig``; the launcher exits 130 within 15 s in one clean paragraph, nothing left running."""
+    sent = time.monotonic()
+    run.proc.send_signal(sig)
+    code = run.wait(timeout=60)
+    took = time.monotonic() - sent
+    out = run.output
+    assert code == 130, out[-3000:]
+    run.assert_nothing_left()
+    assert took < 15, f"{what}: exit took {took:.0f} s"
+    own = [line for line in out.splitlines() if not line.startswith("[")]  # not a worker's line
+    # one clean paragraph: no traceback, no Ray "SIGTERM received" dump
+    assert not any("Traceback" in line or "SIGTERM received" in line for line in own), out[-3000:]
+    return out
+
+
 @pytest.mark.parametrize(("phase", "sig"), [
     ("preflight", signal.SIGINT), ("preflight", signal.SIGTERM),
     ("ray-start", signal.SIGINT), ("ray-start", signal.SIGTERM),
@@ -171,18 +187,9 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
     reached, not_yet = PHASES[phase]
     with Launcher(*args, run_dir=run_dir, cwd=tmp_path) as run:
         reached(run)
-        sent = time.monotonic()
-        run.proc.send_signal(sig)
-        code = run.wait(timeout=60)
-        took = time.monotonic() - sent
-        out = run.output
-        assert code == 130, out[-3000:]
-        run.assert_nothing_left()
-    assert took < 15, f"{sig.name} in {phase}: exit took {took:.0f} s"
+        out = interrupt(run, sig, what=f"{sig.name} in {phase}")
     if not_yet:
         assert not_yet not in out, f"the signal came too late to test phase {phase}"
-    own = [line for line in out.splitlines() if not line.startswith("[")]  # not a worker's line
-    assert not any("Traceback" in line for line in own), out[-3000:]  # one clean paragraph
     summary = summary_of(run_dir)
     assert summary["status"] == "interrupted" and summary["failure"] is None
     assert (run_dir / "job.yaml").is_file()
@@ -203,16 +210,7 @@ def test_sigterm_during_a_scaling_study_exits_130_and_keeps_what_was_measured(tm
             run.wait_output("Starting an embedded Ray")
         else:
             run.wait_file("w1-n1/r0/metrics/rank0.jsonl")
-        sent = time.monotonic()
-        run.proc.send_signal(signal.SIGTERM)
-        code = run.wait(timeout=60)
-        took = time.monotonic() - sent
-        out = run.output
-        assert code == 130, out[-3000:]
-        run.assert_nothing_left()
-    assert took < 15, f"SIGTERM in the study's {phase}: exit took {took:.0f} s"
-    own = [line for line in out.splitlines() if not line.startswith("[")]
-    assert not any("Traceback" in line or "SIGTERM received" in line for line in own), out[-3000:]
+        out = interrupt(run, signal.SIGTERM, what=f"SIGTERM in the study's {phase}")
     assert "scaling study interrupted" in out
     assert (study / "scaling.json").is_file()  # the points measured so far (none yet)
     if phase == "training":
