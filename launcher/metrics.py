@@ -2,7 +2,7 @@
 
 This module is the contract between what runs in a worker (the built-in trainer's meter, or a
 user script calling ``launcher.report``) and what reads the records (the node agent, which
-streams them to the launcher, and ``launcher.report.summary``). Standard library only.
+streams them to the launcher, and ``launcher.results.summary``). Standard library only.
 
 ``$LAUNCHER_METRICS_FILE`` may contain ``{rank}``, replaced by the worker's ``RANK``.
 
@@ -14,10 +14,10 @@ Record types (every record has ``type``, ``rank`` and ``time``, Unix seconds):
 ``step``   every ``log_every`` steps: ``step`` (optimizer steps done), ``tokens`` and
            ``samples`` processed by this rank since the previous record, ``interval_s``
            (wall seconds since the previous record), ``measured`` (false inside warm-up),
-           optional ``step_times_ms`` (each step in the interval), ``loss``, ``lr``,
-           ``data_wait_s``, ``peak_mem_gib``, ``gpu_util_pct``. A user script's
-           ``report()`` writes ``step`` records without ``interval_s``: readers derive it
-           from consecutive ``time`` values.
+           optional ``step_times_ms`` (each step in the interval), ``loss``, ``lr`` (the
+           learning rate the record's step used), ``data_wait_s``, ``peak_mem_gib``,
+           ``gpu_util_pct``. A user script's ``report()`` writes ``step`` records without
+           ``interval_s``: readers derive it from consecutive ``time`` values.
 ``final``  once at the end of the built-in trainer: ``steps``, ``measured_steps``,
            ``step_time_ms_p50``, ``step_time_ms_p95``, ``tokens_per_s``, ``samples_per_s``,
            ``tflops``, ``mfu`` (fraction, null where the peak is unknown), ``peak_mem_gib``,
@@ -32,6 +32,20 @@ import time
 from typing import Any
 
 ENV_VAR = "LAUNCHER_METRICS_FILE"
+SUBDIR = "metrics"  # on a node (under its node dir) and in the run directory alike
+FILE_PATTERN = "rank*.jsonl"
+
+
+def file_name(rank: int | str) -> str:
+    """``rank<R>.jsonl``; ``file_name("{rank}")`` is the template ``$LAUNCHER_METRICS_FILE`` ends in."""
+    return f"rank{rank}.jsonl"
+
+
+def rank_of(name: str) -> int | None:
+    """The rank a metrics file is named after, or None for another file."""
+    stem = name.removesuffix(".jsonl")
+    digits = stem.removeprefix("rank")
+    return int(digits) if stem != name and digits != stem and digits.isdigit() else None
 
 
 def metrics_path() -> str | None:

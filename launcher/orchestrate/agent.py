@@ -27,10 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launcher import metrics
 from launcher.orchestrate.plan import NODE_PASSTHROUGH
+from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
+from launcher.util import free_port
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
-TAIL_LINES = 40
+RANK_TAIL_LINES = 40  # per local rank: a failure's log tail
+TORCHRUN_TAIL_LINES = 200  # torchrun's own lines: its failure report can be long
 
 
 class NodeAgent:
@@ -45,10 +49,11 @@ class NodeAgent:
         self._changed = threading.Condition(self._lock)  # new output, a record, or a thread ended
         self._lines: list[tuple[int | None, str]] = []
         self._records: list[tuple[int, dict[str, Any]]] = []
-        self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=TAIL_LINES))
+        self._tails: dict[int | None, collections.deque[str]] = {
+            None: collections.deque(maxlen=TORCHRUN_TAIL_LINES)}
         self._offsets: dict[Path, int] = {}
         self._stopping = False
+        self._started_at = 0.0
         self._threads: list[threading.Thread] = []
 
     # -- facts ---------------------------------------------------------------------------
@@ -58,9 +63,7 @@ class NodeAgent:
 
     def free_port(self) -> int:
         """A TCP port free on this node now (the rendezvous port when this is node 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
+        return free_port()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -77,9 +80,9 @@ class NodeAgent:
         self._threads = []
         self._stopping = False
         self._plan = node_plan
+        self._started_at = time.time()
         node_dir = Path(node_plan["node_dir"])
-        (node_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        (node_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (node_dir / metrics.SUBDIR).mkdir(parents=True, exist_ok=True)
         os.chmod(node_dir, 0o700)
         for name, text in files.items():
             path = node_dir / name
@@ -99,7 +102,7 @@ class NodeAgent:
             self._threads.append(thread)
         return self._proc.pid
 
-    def poll(self, wait_s: float = 0.0) -> dict[str, Any]:
+    def poll(self, wait_s: float = 0.0) -> AgentUpdate:
         """New log lines and metrics records since the last poll, and the exit status if done.
 
         With ``wait_s`` it is a long poll: it returns as soon as there is something to report
@@ -116,13 +119,12 @@ class NodeAgent:
             lines, self._lines = self._lines, []
             records, self._records = self._records, []
         # exited, but output still being drained: report the exit on a later poll
-        status = self._status() if self._drained() else None
-        return {"lines": lines, "records": records, "exit": status}
+        return AgentUpdate(lines=lines, records=records, exit=self._status() if self._drained() else None)
 
     def _drained(self) -> bool:
         return self._status() is not None and not any(t.is_alive() for t in self._threads)
 
-    def stop(self, grace_s: float = 5.0) -> dict[str, Any] | None:
+    def stop(self, grace_s: float = 5.0) -> ExitStatus | None:
         """SIGTERM torchrun and every descendant, SIGKILL what is left after ``grace_s``."""
         self._stopping = True
         proc = self._proc
@@ -142,10 +144,21 @@ class NodeAgent:
             thread.join(timeout=5)
         return self._status()
 
-    def tail(self, local_rank: int | None, n: int = TAIL_LINES) -> list[str]:
+    def tail(self, local_rank: int | None, n: int = RANK_TAIL_LINES) -> list[str]:
         """The last lines of one local rank's output (None: torchrun's own lines)."""
         with self._lock:
-            return list(self._tails[local_rank])[-n:]
+            return list(self._tails.get(local_rank, ()))[-n:]
+
+    def errors(self) -> list[RankError]:
+        """This attempt's per-rank error files (``@record``), earliest first."""
+        if self._plan is None:
+            return []
+        found = []
+        for path in (Path(self._plan["node_dir"]) / "torchrun").rglob("error.json"):
+            with contextlib.suppress(OSError, ValueError):
+                if path.stat().st_mtime >= self._started_at - 1 and path.parent.name.isdigit():
+                    found.append(_rank_error(int(path.parent.name), json.loads(path.read_text())))
+        return sorted(found, key=lambda e: e.timestamp)
 
     def collect(self, subdir: str, max_bytes: int = 256 << 20) -> dict[str, bytes]:
         """The files under ``<node dir>/<subdir>`` (e.g. profiler traces), by relative path, before
@@ -170,43 +183,30 @@ class NodeAgent:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _status(self) -> dict[str, Any] | None:
+    def _status(self) -> ExitStatus | None:
         if self._proc is None or self._proc.poll() is None:
             return None
         code = self._proc.returncode
-        sig = -code if code < 0 else None
-        return {"exit_code": code, "signal": signal.Signals(sig).name if sig else None,
-                "stopped": self._stopping}
+        return ExitStatus(exit_code=code, signal=signal.Signals(-code).name if code < 0 else None,
+                          stopped=self._stopping)
 
     def _read_output(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
-        logs = Path(self._plan["node_dir"]) / "logs" if self._plan else None
-        files: dict[int | None, Any] = {}
-        try:
-            for raw in self._proc.stdout:
-                text = raw.decode("utf-8", "replace").rstrip("\n")
-                match = RANK_PREFIX.match(text)
-                local_rank = int(match.group(1)) if match else None
-                if match:
-                    text = match.group(2)
-                if logs is not None:
-                    fh = files.get(local_rank)
-                    if fh is None:
-                        name = "torchrun.log" if local_rank is None else f"local{local_rank}.log"
-                        fh = files[local_rank] = open(logs / name, "a", encoding="utf-8")  # noqa: SIM115
-                    fh.write(text + "\n")
-                    fh.flush()
-                with self._changed:
-                    self._lines.append((local_rank, text))
-                    self._tails[local_rank].append(text)
-                    self._changed.notify_all()
-        finally:
-            for fh in files.values():
-                fh.close()
+        for raw in self._proc.stdout:
+            text = raw.decode("utf-8", "replace").rstrip("\n")
+            match = RANK_PREFIX.match(text)
+            local_rank = int(match.group(1)) if match else None
+            if match:
+                text = match.group(2)
+            with self._changed:
+                self._lines.append((local_rank, text))
+                tail = self._tails.setdefault(local_rank, collections.deque(maxlen=RANK_TAIL_LINES))
+                tail.append(text)
+                self._changed.notify_all()
 
     def _tail_metrics(self) -> None:
         assert self._proc is not None and self._plan is not None
-        folder = Path(self._plan["node_dir"]) / "metrics"
+        folder = Path(self._plan["node_dir"]) / metrics.SUBDIR
         while True:
             done = self._proc.poll() is not None
             self._drain_metrics(folder)
@@ -215,8 +215,10 @@ class NodeAgent:
             time.sleep(0.25)
 
     def _drain_metrics(self, folder: Path) -> None:
-        for path in sorted(folder.glob("rank*.jsonl")):
-            rank = int(path.stem.removeprefix("rank"))
+        for path in sorted(folder.glob(metrics.FILE_PATTERN)):
+            rank = metrics.rank_of(path.name)
+            if rank is None:
+                continue
             offset = self._offsets.get(path, 0)
             with open(path, "rb") as fh:
                 fh.seek(offset)
@@ -234,6 +236,20 @@ class NodeAgent:
             with self._changed:
                 self._records.extend(parsed)
                 self._changed.notify_all()
+
+
+def _rank_error(local_rank: int, data: dict[str, Any]) -> RankError:
+    """torchelastic's error file: ``{"message": {"message", "extraInfo": {"py_callstack", "timestamp"}}}``."""
+    message = data.get("message")
+    if not isinstance(message, dict):
+        return RankError(local_rank=local_rank, message=str(message or "unknown error"))
+    extra = message.get("extraInfo") or {}
+    try:
+        timestamp = float(extra.get("timestamp") or 0)
+    except (TypeError, ValueError):
+        timestamp = 0.0
+    return RankError(local_rank=local_rank, message=str(message.get("message") or "unknown error"),
+                     traceback=str(extra.get("py_callstack") or ""), timestamp=timestamp)
 
 
 def _prepare_child() -> None:

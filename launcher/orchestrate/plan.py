@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
 
+from launcher import metrics
 from launcher.errors import PreflightError, SpecError
 from launcher.orchestrate.code import CodePlan, describe
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
@@ -83,6 +84,7 @@ class LaunchPlan:
     nodes: list[NodePlan]
     max_restarts: int = 0
     code: CodePlan | None = None
+    attempt: int = 0
 
     def ranks(self) -> list[dict[str, object]]:
         """The rank layout: one entry per global rank."""
@@ -101,7 +103,7 @@ class LaunchPlan:
             entry = asdict(node)
             entry["env"] = mask_env(node.env) if masked else dict(node.env)
             nodes.append(entry)
-        return {"job": self.job, "run_id": self.run_id, "world_size": self.world_size,
+        return {"job": self.job, "run_id": self.run_id, "attempt": self.attempt, "world_size": self.world_size,
                 "master_addr": self.master_addr, "master_port": self.master_port,
                 "backend": self.backend, "device": self.device, "max_restarts": self.max_restarts,
                 "code": self.code.to_json() if self.code else None, "nodes": nodes,
@@ -116,36 +118,33 @@ def plan(
     run_id: str,
     master_port: int,
     launcher_env: Mapping[str, str],
+    attempt: int = 0,
     code: CodePlan | None = None,
+    nodes: list[NodeSpec] | None = None,
     local_python: str = sys.executable,
 ) -> LaunchPlan:
     """Decide every node's ranks, torchrun argv, worker environment and directory. Pure.
 
+    Called once per attempt (``attempt`` 0 is the first run, then one per restart, each on
+    its own ``master_port``): the plan is the record of what ran, never edited afterwards.
     ``facts`` come from the preflight; without them (``--skip-parity``) GPU counts are the
     ones cluster.yaml declares. ``code`` is a script job's workdir (``code.plan_code``).
+    ``nodes`` (default: the job's, ``nodes_for_job``) is an elastic restart's node set.
     """
-    nodes = nodes_for_job(cluster, job)
-    counts = [_nproc(job, node, (facts or {}).get(node.name)) for node in nodes]
-    world = sum(counts)
-    head = nodes[0]
-    plans = []
-    first_rank = 0
+    nodes = nodes if nodes is not None else nodes_for_job(cluster, job)
+    counts = list(worker_counts(job, nodes, facts).values())
+    plans, first_rank = [], 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
         node_dir = f"/tmp/launcher/{run_id}/{node.name}"
+        env, sources = _worker_env(job, node, launcher_env, run_id=run_id, node_dir=node_dir,
+                                   attempt=attempt)
         python = node.interpreter(local_python)
-        env, sources = _worker_env(job, node, launcher_env, run_id=run_id, node_dir=node_dir)
-        argv = [
-            python, "-m", "torch.distributed.run",
-            "--nnodes", str(len(nodes)),
-            "--node-rank", str(node_rank),
-            "--nproc-per-node", str(nproc),
-            "--master-addr", head.host,
-            "--master-port", str(master_port),
-            "--max-restarts", "0",  # restarts are the launcher's (see run.Launch), not torchrun's
-            "--tee", "3",
-            "--log-dir", f"{node_dir}/torchrun",
-            *_entry_argv(job, code, node_dir),
-        ]
+        torchrun = {"--nnodes": len(nodes), "--node-rank": node_rank, "--nproc-per-node": nproc,
+                    "--master-addr": nodes[0].host, "--master-port": master_port,
+                    "--max-restarts": 0,  # restarts are the launcher's (see run.py), not torchrun's
+                    "--tee": 3, "--log-dir": f"{node_dir}/torchrun"}
+        argv = [python, "-m", "torch.distributed.run", *(str(x) for kv in torchrun.items() for x in kv),
+                *_entry_argv(job, code, node_dir)]
         plans.append(NodePlan(
             name=node.name, host=node.host, node_rank=node_rank, nproc=nproc,
             ranks=list(range(first_rank, first_rank + nproc)), python=python, node_dir=node_dir,
@@ -153,20 +152,20 @@ def plan(
             is_local=node.is_local,
         ))
         first_rank += nproc
-    return LaunchPlan(job=job.name, run_id=run_id, world_size=world, master_addr=head.host,
-                      master_port=master_port, backend=job.backend,
-                      device=job.resources.device, nodes=plans, max_restarts=job.launch.max_restarts,
-                      code=code)
+    return LaunchPlan(job=job.name, run_id=run_id, world_size=first_rank, master_addr=nodes[0].host,
+                      master_port=master_port, backend=job.backend, device=job.resources.device,
+                      nodes=plans, max_restarts=job.launch.max_restarts, code=code, attempt=attempt)
 
 
 def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
     """The plan for people: a node/rank table, then each node's command and environment."""
     lp = launch_plan
-    head = (f"Plan for job '{lp.job}': {len(lp.nodes)} node(s), world size {lp.world_size}, "
+    head = (f"Plan for job '{lp.job}'{f' (restart {lp.attempt})' if lp.attempt else ''}: "
+            f"{len(lp.nodes)} node(s), world size {lp.world_size}, "
             f"backend {lp.backend}, master {lp.master_addr}:{lp.master_port}{port_note}")
     if lp.max_restarts:
         head += (f"\nOn a failure the launcher restarts every node's torchrun up to {lp.max_restarts} "
-                 f"time(s), on a fresh port (LAUNCHER_RESTART_COUNT counts them)")
+                 f"time(s), each restart planned anew on a fresh port (LAUNCHER_RESTART_COUNT counts them)")
     table = tabulate(
         [[n.node_rank, n.name, n.host, n.nproc, _span(n.ranks), n.python] for n in lp.nodes],
         headers=["node_rank", "node", "host", "nproc", "ranks", "python"],
@@ -193,6 +192,59 @@ def mask_env(env: Mapping[str, str]) -> dict[str, str]:
 def is_secret(name: str) -> bool:
     upper = name.upper()
     return any(marker in upper for marker in SECRET_MARKERS)
+
+
+def worker_counts(job: JobSpec, nodes: list[NodeSpec],
+                  facts: Mapping[str, NodeFacts] | None = None) -> dict[str, int]:
+    """Workers (torchrun's nproc) per node: the preflight's GPU counts, else cluster.yaml's.
+
+    Raises PreflightError for a node with fewer GPUs than the job asks for, and SpecError
+    where only the preflight could tell (``gpus: auto`` with ``--skip-parity``).
+    """
+    return {node.name: _nproc(job, node, (facts or {}).get(node.name)) for node in nodes}
+
+
+def gpus_per_node(job: JobSpec, nodes: list[NodeSpec],
+                  facts: Mapping[str, NodeFacts] | None = None) -> dict[str, int]:
+    """GPUs each node's agent reserves in Ray: one per worker on cuda, none on cpu."""
+    if job.resources.device == "cpu":
+        return {node.name: 0 for node in nodes}
+    return worker_counts(job, nodes, facts)
+
+
+def declared_workers(job: JobSpec, node: NodeSpec) -> int | None:
+    """Workers per node known without probing it, or None where only the preflight can tell."""
+    per_node = job.resources.nproc_per_node
+    if isinstance(per_node, int):
+        return per_node
+    if job.resources.device == "cpu":
+        return 1
+    return node.gpus if isinstance(node.gpus, int) else None
+
+
+def gpus_needed(node: NodeSpec, job: JobSpec | None) -> int:
+    """GPUs the preflight requires of a node: what cluster.yaml declares, and what a cuda job runs there."""
+    declared = node.gpus if isinstance(node.gpus, int) else 0
+    if job is None or job.resources.device != "cuda":
+        return declared
+    per_node = job.resources.nproc_per_node
+    return max(declared, per_node if isinstance(per_node, int) else 1)
+
+
+def spec_env(node: NodeSpec, job: JobSpec | None) -> dict[str, str]:
+    """The worker environment the specs set (the later layer wins)."""
+    env: dict[str, str] = {}
+    for _, items in _spec_layers(job, node):
+        env.update(items)
+    return env
+
+
+def _spec_layers(job: JobSpec | None, node: NodeSpec) -> list[tuple[str, Mapping[str, str]]]:
+    """(source, variables) in precedence order, lowest first: nccl.env, launch.env, the node's env."""
+    layers: list[tuple[str, Mapping[str, str]]] = []
+    if job is not None:
+        layers += [("job nccl.env", job.nccl.env), ("job launch.env", job.launch.env)]
+    return [*layers, (f"cluster nodes.{node.name}.env", node.env)]
 
 
 # -- internals ------------------------------------------------------------------------------
@@ -229,7 +281,8 @@ def _entry_argv(job: JobSpec, code: CodePlan | None, node_dir: str) -> list[str]
 
 
 def _worker_env(
-    job: JobSpec, node: NodeSpec, launcher_env: Mapping[str, str], *, run_id: str, node_dir: str
+    job: JobSpec, node: NodeSpec, launcher_env: Mapping[str, str], *, run_id: str, node_dir: str,
+    attempt: int,
 ) -> tuple[dict[str, str], dict[str, str]]:
     env: dict[str, str] = {}
     sources: dict[str, str] = {}
@@ -240,13 +293,13 @@ def _worker_env(
             sources[key] = source
 
     put({k: v for k, v in launcher_env.items() if k.startswith(FORWARDED_PREFIXES)}, "launcher env")
-    put(job.nccl.env, "job nccl.env")
-    put(job.launch.env, "job launch.env")
-    put(node.env, f"cluster nodes.{node.name}.env")
+    for source, items in _spec_layers(job, node):
+        put(items, source)
     put({
         "LAUNCHER_RUN_ID": run_id,
         "LAUNCHER_NODE": node.name,
-        "LAUNCHER_METRICS_FILE": f"{node_dir}/metrics/rank{{rank}}.jsonl",
+        "LAUNCHER_RESTART_COUNT": str(attempt),
+        metrics.ENV_VAR: f"{node_dir}/{metrics.SUBDIR}/{metrics.file_name('{rank}')}",
         "PYTHONUNBUFFERED": "1",
     }, "launcher")
     if job.records_profile:

@@ -7,7 +7,7 @@ worker starts.
     report.raise_for_failure()                  # PreflightError (exit 3) naming every bad node
 
 The probe (``probe.py``) is sent to each node on stdin and run with that node's ``python``;
-``runners.py`` reaches the nodes (locally or over SSH) and ``parity.py`` judges the results.
+``launcher.remote`` reaches the nodes (locally or over SSH) and ``parity.py`` judges the results.
 A node that cannot be reached or probed gets an error record in ``report.probes`` and its
 column says why; the other nodes are still probed and reported.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from launcher.errors import EXIT_OK, EXIT_PREFLIGHT
 from launcher.preflight.parity import PreflightReport, error_record, evaluate, resolve_policies
-from launcher.preflight.runners import (
+from launcher.remote import (
     BAD_JSON,
     INTERNAL,
     INTERPRETER_MISSING,
@@ -91,10 +91,12 @@ def probe_node(node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, dee
         args += ["--deep", "--deep-timeout", f"{DEEP_TIMEOUT_S:g}"]
     if cluster.parity.packages:
         args += ["--packages", ",".join(cluster.parity.packages)]
+    from launcher.orchestrate.plan import gpus_needed, spec_env  # noqa: I001 - lazy: plan imports preflight
+
     needed = gpus_needed(node, job)
     if needed:
         args += ["--gpus-needed", str(needed)]
-    ifname = worker_env(node, job).get("NCCL_SOCKET_IFNAME")
+    ifname = spec_env(node, job).get("NCCL_SOCKET_IFNAME")
     if ifname:
         args += ["--nccl-socket-ifname", ifname]
     args += shared_code_args(job)
@@ -149,25 +151,6 @@ def shared_code_args(job: JobSpec | None) -> list[str]:
     relative = script.relative_to(entry.workdir) if script.is_relative_to(entry.workdir) else script
     return ["--workdir", str(entry.workdir), "--script", str(relative),
             "--exclude", json.dumps(list(entry.exclude))]
-
-
-def gpus_needed(node: NodeSpec, job: JobSpec | None) -> int:
-    """GPUs the node must have: what cluster.yaml declares, and what a cuda job runs on it."""
-    declared = node.gpus if isinstance(node.gpus, int) else 0
-    if job is None or job.resources.device != "cuda":
-        return declared
-    per_node = job.resources.nproc_per_node
-    return max(declared, per_node if isinstance(per_node, int) else 1)
-
-
-def worker_env(node: NodeSpec, job: JobSpec | None) -> dict[str, str]:
-    """The environment the node's workers get from the specs (node env wins over the job's)."""
-    env: dict[str, str] = {}
-    if job is not None:
-        env.update(job.nccl.env)
-        env.update(job.launch.env)
-    env.update(node.env)
-    return env
 
 
 def check_command(cluster_path: str | None, job_path: str | None, *, fast: bool, as_json: bool) -> int:

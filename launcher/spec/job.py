@@ -115,6 +115,7 @@ class TrainSpec(Strict):
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
     seed: int = Field(1234, ge=0, description="Seed for weights and synthetic data (data streams also differ per rank).")
     log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
+    elastic_batch: Literal["keep", "scale"] = Field("keep", description="An elastic restart at a different world size: keep the global batch (grad_accum is raised or lowered for the new world size; a world size it does not divide over refuses the restart) or scale it with the world size (grad_accum kept, the learning-rate schedule unchanged).")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Periodic checkpoints and resume.")
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler over a few steps: a Chrome/Perfetto trace and a table of the top operators per recording rank, in the run directory's profile/ folder.")
 
@@ -159,6 +160,7 @@ class ResourcesSpec(Strict):
     nodes: Literal["all"] | int = Field("all", description="pinned. How many cluster nodes to use, from the first: all, or a count.")
     nproc_per_node: Literal["auto"] | int = Field("auto", description="pinned. Workers per node; auto = the node's GPUs (cuda) or 1 (cpu).")
     device: Literal["cuda", "cpu"] = Field("cuda", description="pinned. Where workers compute.")
+    min_nodes: int | None = Field(None, ge=1, description="Elastic restarts: with launch.max_restarts above 0, a lost node (or one whose ranks fail) is left out, a spare cluster node the job was not using takes its place if one passes the preflight, and the job restarts from its last checkpoint on the nodes it has, never fewer than this. Unset: not elastic (a failed rank restarts on the same nodes, a lost node ends the job).")
 
     @model_validator(mode="after")
     def _positive(self) -> ResourcesSpec:
@@ -166,6 +168,9 @@ class ResourcesSpec(Strict):
             raise ValueError(f"nodes must be 'all' or a count >= 1, not {self.nodes}")
         if isinstance(self.nproc_per_node, int) and not 1 <= self.nproc_per_node <= 1024:
             raise ValueError(f"nproc_per_node must be 'auto' or 1..1024, not {self.nproc_per_node}")
+        if isinstance(self.nodes, int) and self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is more than the job's {self.nodes} node(s); "
+                             f"lower resources.min_nodes or raise resources.nodes")
         return self
 
 
@@ -220,6 +225,11 @@ class JobSpec(Strict):
         return "nccl" if self.resources.device == "cuda" else "gloo"
 
     @property
+    def elastic(self) -> bool:
+        """A restart may leave a failed node out (resources.min_nodes set, launch.max_restarts above 0)."""
+        return self.launch.max_restarts > 0 and self.resources.min_nodes is not None
+
+    @property
     def uses_builtin(self) -> bool:
         return self.entrypoint == "builtin"
 
@@ -257,6 +267,10 @@ class JobSpec(Strict):
             )
         if prof.start_step and not self.uses_builtin:
             raise ValueError("train.profile works with the built-in trainer only; profile your own script inside it")
+        if self.elastic and self.uses_builtin and self.train.checkpoint.dir is None:
+            raise ValueError("an elastic job (resources.min_nodes with launch.max_restarts above 0) "
+                             "restarts from its last checkpoint: set train.checkpoint.dir to a folder every "
+                             "node sees, and train.checkpoint.every_steps")
         if self.train.checkpoint.every_steps and self.train.checkpoint.dir is None:
             raise ValueError("train.checkpoint.every_steps needs train.checkpoint.dir")
         if self.cudnn.deterministic and self.cudnn.benchmark:

@@ -11,6 +11,8 @@ Two workers on this machine, and two nodes of 8 GPUs (run on each node)::
         --rdzv-endpoint HEAD:29500 -m launcher.train --job jobs/bert_ddp.yaml
 
 Metrics records go to ``$LAUNCHER_METRICS_FILE`` (see ``launcher.metrics``) when it is set.
+``main`` is wrapped in torchelastic's ``@record``: an uncaught exception is written to the error
+file torchrun names for each worker, which the launcher reads to name the failed rank.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import argparse
 import logging
 import os
 import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from launcher.errors import LauncherError
 from launcher.spec import load_job
@@ -33,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"

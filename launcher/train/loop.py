@@ -40,6 +40,7 @@ from launcher.train.meter import (
 )
 from launcher.train.model import build_model, count_params, flops_per_token
 from launcher.train.profiling import StepProfiler
+from launcher.util import free_port
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class Trainer:
         """Join the process group torchrun set up (or make a one-process group without it)."""
         if "RANK" not in os.environ:  # plain `python -m launcher.train`: world of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         self.rank = int(os.environ["RANK"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ["WORLD_SIZE"])
@@ -220,6 +221,7 @@ class Trainer:
             sync=(lambda: torch.cuda.synchronize(self.device)) if cuda else (lambda: None),
             reduce_loss=parallel.all_reduce_mean,
             peak_mem_gib=lambda: peak_memory_gib(self.device), gpu_util_pct=self.gpu_util,
+            lr=lambda step: t.lr * lr_factor(step - 1, t),  # the scheduler's rule (LambdaLR)
         )
         write_record({
             "type": "meta", "local_rank": self.local_rank, "world_size": self.world_size,
@@ -323,12 +325,6 @@ class Trainer:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_name() -> str:

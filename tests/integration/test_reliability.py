@@ -172,6 +172,32 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
         assert read_records(run_dir / "metrics/rank0.jsonl")
 
 
+@pytest.mark.parametrize("phase", ["ray-start", "training"])
+def test_sigterm_during_a_scaling_study_exits_130_and_keeps_what_was_measured(tmp_path, phase):
+    study = tmp_path / f"study-{phase}-{tmp_path.name}"
+    job = fault_job(tmp_path, "--steps", "100000")
+    with Launcher("scale", str(job), "--world", "1,2", "--skip-parity", run_dir=study, cwd=tmp_path,
+                  dir_flag="--out") as run:
+        if phase == "ray-start":
+            run.wait_output("Starting an embedded Ray")
+        else:
+            run.wait_file("w1-n1/r0/metrics/rank0.jsonl")
+        sent = time.monotonic()
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.wait(timeout=60)
+        took = time.monotonic() - sent
+        out = run.output
+        assert code == 130, out[-3000:]
+        run.assert_nothing_left()
+    assert took < 15, f"SIGTERM in the study's {phase}: exit took {took:.0f} s"
+    own = [line for line in out.splitlines() if not line.startswith("[")]
+    assert not any("Traceback" in line or "SIGTERM received" in line for line in own), out[-3000:]
+    assert "scaling study interrupted" in out
+    assert (study / "scaling.json").is_file()  # the points measured so far (none yet)
+    if phase == "training":
+        assert summary_of(study / "w1-n1/r0")["status"] == "interrupted"
+
+
 # -- a node lost mid-run (two simulated nodes, Ray bootstrapped over SSH) ---------------------
 
 

@@ -4,7 +4,6 @@ group: one all-gather, one reduce-scatter), parameter names unchanged (one gloo 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,17 +12,12 @@ import torch.distributed as dist
 from launcher.spec.job import JobSpec
 from launcher.train.model import build_model
 from launcher.train.parallel import parallelize
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launcher.util import free_port
 
 
 @pytest.fixture(scope="module")
 def one_process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

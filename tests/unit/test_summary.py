@@ -11,15 +11,16 @@ import pytest
 
 from launcher.errors import UsageError
 from launcher.metrics import read_records, write_record
-from launcher.report import load_run, render, report_command, summarize, write_summary
-from launcher.report.summary import percentile, stragglers
+from launcher.results import load_run, render, report_command, summarize, write_summary
+from launcher.results.summary import stragglers
+from launcher.util import percentile
 
 SCHEMA_TOP = {"job", "status", "world_size", "nodes", "ranks", "totals", "failure"}
 SCHEMA_RANK = {"rank", "node", "host", "local_rank", "device", "steps", "step_time_ms_p50",
                "step_time_ms_p95", "samples_per_s", "tokens_per_s", "tflops", "mfu",
                "peak_mem_gib", "data_wait_pct"}
 SCHEMA_TOTALS = {"tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks"}
-SCHEMA_FAILURE = {"rank", "node", "host", "exit_code", "signal", "log_tail"}
+SCHEMA_FAILURE = {"rank", "node", "host", "exit_code", "signal", "log_tail", "reason"}  # DESIGN.md
 
 SEQ = 128
 MB = 8
@@ -284,7 +285,7 @@ def test_load_run_takes_status_and_failure_from_summary_json(tmp_path):
     ranks = layout(1, 2)
     write_run(run, "j", ranks, {0: builtin_records(0, step_ms=100.0)})
     failure = {"rank": 1, "node": "node0", "host": "10.0.0.1", "exit_code": None, "signal": "SIGKILL",
-               "log_tail": "killed"}
+               "log_tail": "killed", "reason": "rank 1 on node node0 (10.0.0.1) exited with signal SIGKILL"}
     write_summary(run, summarize("j", ranks, {}, status="failed", failure=failure))
     s = load_run(run)
     assert s["status"] == "failed" and s["failure"] == failure

@@ -1,4 +1,5 @@
-"""Runners without SSH: the local runner, fan-out, error classification, probe output parsing."""
+"""The remote-command layer without SSH: the local runner, fan-out, error classification, probe
+output parsing."""
 
 from __future__ import annotations
 
@@ -13,14 +14,10 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from launcher.preflight import (
-    PROBE_SOURCE,
-    gpus_needed,
-    nodes_for_job,
-    parse_probe_output,
-    worker_env,
-)
-from launcher.preflight.runners import (
+from launcher.orchestrate.plan import gpus_needed
+from launcher.orchestrate.plan import spec_env as worker_env
+from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output
+from launcher.remote import (
     AUTH_FAILED,
     BAD_JSON,
     HOST_KEY_MISMATCH,

@@ -1,0 +1,187 @@
+"""The node agents as one group: one ``NodeAgent`` actor per node, placed by a placement group.
+
+Bundle ``i`` is pinned to node ``i`` (a ``node:<ip>`` resource; STRICT_SPREAD across nodes), so
+agent ``i`` runs node rank ``i``. The group is the only code that talks to the actors; the
+watch loop (``watch.py``) and diagnosis (``diagnose.py``) see it through these methods, which
+unit tests replace with a fake that needs no Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from launcher.errors import JobFailed
+from launcher.orchestrate.plan import LaunchPlan
+from launcher.orchestrate.ray_cluster import RaySession
+from launcher.orchestrate.records import AgentUpdate, RankError
+from launcher.spec import NodeSpec
+from launcher.util import first_line
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0
+CALL_TIMEOUT_S = 60.0
+REACH_TIMEOUT_S = 5.0  # a trivial call that takes longer: the node is unreachable
+
+
+class AgentGroup:
+    def __init__(self, handles: list[Any], placement: Any = None):
+        self.handles = handles
+        self._placement = placement
+        self._pending: dict[int, tuple[Any, float]] = {}  # agent → (poll in flight, sent at)
+        self._exited: set[int] = set()
+
+    @classmethod
+    def place(cls, session: RaySession, nodes: list[NodeSpec], gpus: dict[str, int], name: str) -> AgentGroup:
+        """One bundle and one agent per node; JobFailed (exit 4) when Ray cannot place them."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from launcher.orchestrate.agent import NodeAgent
+
+        bundles = [{"CPU": 1, f"node:{session.node_ips[n.name]}": 0.001,
+                    **({"GPU": gpus[n.name]} if gpus[n.name] else {})} for n in nodes]
+        pg = placement_group(bundles, strategy="STRICT_SPREAD" if len(bundles) > 1 else "PACK", name=name)
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except Exception as err:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+            raise JobFailed(
+                f"Ray could not place one agent per node (bundles {bundles}) within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s: {first_line(err)}. Check `ray status`: every node needs "
+                f"a free CPU and its GPUs") from err
+        actor = ray.remote(NodeAgent)
+        handles = [actor.options(num_cpus=1, num_gpus=gpus[node.name], scheduling_strategy=(
+            PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))).remote(node.name)
+            for i, node in enumerate(nodes)]
+        return cls(handles, pg)
+
+    # -- one attempt --------------------------------------------------------------------------
+
+    def free_port(self) -> int:
+        """A free port on the first node (the rendezvous port)."""
+        import ray
+
+        return ray.get(self.handles[0].free_port.remote(), timeout=CALL_TIMEOUT_S)
+
+    def start(self, launch_plan: LaunchPlan, files: dict[str, str]) -> None:
+        """Start every node's torchrun as the plan says."""
+        import ray
+
+        starts = [handle.start.remote({"node_dir": n.node_dir, "cwd": n.cwd, "argv": n.argv, "env": n.env}, files)
+                  for handle, n in zip(self.handles, launch_plan.nodes, strict=True)]
+        self._pending.clear()
+        self._exited.clear()
+        ray.get(starts, timeout=2 * CALL_TIMEOUT_S)
+
+    def poll(self, wait_s: float) -> list[tuple[int, AgentUpdate | BaseException]]:
+        """Long-poll every running agent; the answers that came within about ``2 * wait_s``.
+
+        An agent whose answer carries its exit is not polled again this attempt; an answer
+        that is an exception means the agent (its node) is gone.
+        """
+        import ray
+
+        now = time.monotonic()
+        for i, handle in enumerate(self.handles):
+            if i not in self._pending and i not in self._exited:
+                self._pending[i] = (handle.poll.remote(wait_s), now)
+        refs = {ref: i for i, (ref, _) in self._pending.items()}
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=2 * wait_s) if refs else ([], [])
+        answers: list[tuple[int, AgentUpdate | BaseException]] = []
+        for ref in ready:
+            i = refs[ref]
+            del self._pending[i]
+            try:
+                update = ray.get(ref)
+            except Exception as err:
+                answers.append((i, err))
+                continue
+            if update.exit is not None:
+                self._exited.add(i)
+            answers.append((i, update))
+        return sorted(answers, key=lambda a: a[0])
+
+    def silent(self, limit_s: float) -> int | None:
+        """An agent whose poll has gone unanswered for ``limit_s``, if any."""
+        now = time.monotonic()
+        return next((i for i, (_, sent) in sorted(self._pending.items()) if now - sent > limit_s), None)
+
+    def unreachable(self, exclude: int) -> tuple[int, BaseException] | None:
+        """The first other agent that does not answer a trivial call within a few seconds."""
+        import ray
+
+        others = [i for i in range(len(self.handles)) if i != exclude]
+        refs = [self.handles[i].hostname.remote() for i in others]
+        ray.wait(refs, num_returns=len(refs), timeout=REACH_TIMEOUT_S)
+        for i, ref in zip(others, refs, strict=True):
+            try:
+                ray.get(ref, timeout=0.1)
+            except Exception as err:
+                return i, err
+        return None
+
+    def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
+        import ray
+
+        return ray.get(self.handles[i].tail.remote(local_rank, n), timeout=10)
+
+    def errors(self, i: int) -> list[RankError]:
+        import ray
+
+        return ray.get(self.handles[i].errors.remote(), timeout=10)
+
+    def stop(self, grace_s: float) -> list[tuple[int, AgentUpdate]]:
+        """Stop every node's workers; the updates still owed (polls in flight, then a last drain)."""
+        import ray
+
+        owed: list[tuple[int, AgentUpdate]] = []
+        for i, (ref, _) in sorted(self._pending.items()):
+            with contextlib.suppress(Exception):
+                owed.append((i, ray.get(ref, timeout=REACH_TIMEOUT_S)))
+        self._pending.clear()
+        stops = [h.stop.remote(grace_s) for h in self.handles]
+        ray.wait(stops, num_returns=len(stops), timeout=grace_s + 15)  # every agent, a dead one too
+        for i, ref in enumerate(stops):
+            try:
+                ray.get(ref, timeout=0.1)
+            except Exception as err:
+                log.warning("could not confirm that agent %d stopped: %s", i, first_line(err))
+        for i, handle in enumerate(self.handles):
+            with contextlib.suppress(Exception):
+                owed.append((i, ray.get(handle.poll.remote(), timeout=10)))
+        return owed
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def collect(self, subdir: str) -> dict[int, dict[str, bytes]]:
+        """Each agent's ``<node dir>/<subdir>`` files (e.g. profiles), before ``close`` removes them."""
+        import ray
+
+        out = {}
+        for i, handle in enumerate(self.handles):
+            try:
+                out[i] = ray.get(handle.collect.remote(subdir), timeout=CALL_TIMEOUT_S)
+            except Exception as err:
+                log.warning("could not fetch %s/ from agent %d: %s", subdir, i, first_line(err))
+        return out
+
+    def close(self) -> None:
+        """Remove the node dirs, end the actors, remove the placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            ray.get([h.cleanup.remote() for h in self.handles], timeout=15)
+        for handle in self.handles:
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+        if self._placement is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._placement)
+        self.handles, self._placement = [], None

@@ -1,0 +1,93 @@
+"""Typed records of a launch: what an agent reports, how a run failed, how it ended.
+
+They travel between the node agents and the driver (Ray pickles them) and are what the
+summary is written from: ``Failure.to_json()`` is ``summary.json``'s ``failure``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    """How a run ended (``summary.json``'s ``status``)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a node's torchrun ended."""
+
+    exit_code: int
+    signal: str | None = None  # the signal that ended torchrun itself, if one did
+    stopped: bool = False  # the launcher stopped it
+
+
+@dataclass(frozen=True)
+class RankError:
+    """One worker's uncaught exception, from the error file torchrun asks it to write.
+
+    Workers whose entry point is wrapped in torchelastic's ``@record`` (the built-in trainer)
+    write it; a user script that is not wrapped writes none, and its failure is read from
+    torchrun's own report instead.
+    """
+
+    local_rank: int
+    message: str
+    traceback: str = ""
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
+class AgentUpdate:
+    """One poll of a node agent: output lines since the last poll, metrics records, the exit."""
+
+    lines: list[tuple[int | None, str]] = field(default_factory=list)  # (local rank or None, text)
+    records: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (global rank, record)
+    exit: ExitStatus | None = None
+
+
+class FailureKind(str, enum.Enum):
+    RANK = "rank"  # a worker exited non-zero or was killed
+    LOST_NODE = "lost_node"  # a node's agent stopped answering
+    HANG = "hang"  # a rank wrote no record for launch.hang_timeout_s
+    LAUNCHER = "launcher"  # the launch itself failed (placement, Ray)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first failure of a run: who, how, and the sentence that says it."""
+
+    kind: FailureKind
+    reason: str
+    rank: int | None = None
+    node: str | None = None
+    host: str | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    log_tail: str = ""
+
+    @property
+    def restartable(self) -> bool:
+        """A failed rank may be restarted (``launch.max_restarts``); a lost node or a hang stop the job."""
+        return self.kind is FailureKind.RANK
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node": self.node, "host": self.host, "exit_code": self.exit_code,
+                "signal": self.signal, "log_tail": self.log_tail, "reason": self.reason}
+
+
+@dataclass
+class Outcome:
+    """How a launch ended, and where its record is."""
+
+    status: Status
+    run_dir: Path
+    failure: Failure | None = None
+    summary: dict[str, Any] | None = None

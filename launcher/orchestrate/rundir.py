@@ -1,0 +1,97 @@
+"""A run's directory: every path in it, and every write of a file that holds environment values.
+
+Layout (DESIGN.md): ``job.yaml``, ``cluster.yaml``, ``plan.json`` (then ``plan.attempt<N>.json``
+per restart), ``preflight/<node>.json``, ``preflight/parity.txt``, ``logs/<node>/rank<R>.log``
+(+ ``torchrun.log``), ``metrics/rank<R>.jsonl``, ``summary.{json,csv,txt}``; ``profile/<node>/``
+with ``train.profile``. The spec copies and plans are mode 0600 with secret-looking values
+masked: workers get the real values from the plan's environment, never from these files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from launcher import metrics
+from launcher.orchestrate.plan import LaunchPlan, mask_env
+from launcher.util import utc_stamp, write_private
+
+DEFAULT_BASE = Path("runs")
+
+
+class RunDir:
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+
+    @classmethod
+    def new(cls, job_name: str, base: Path = DEFAULT_BASE) -> RunDir:
+        """``runs/<job>-<UTC yyyymmdd-HHMMSS>``, with ``-2``, ``-3``, ... where that is taken."""
+        stem = f"{job_name}-{utc_stamp()}"
+        path, n = base / stem, 1
+        while path.exists():
+            n += 1
+            path = base / f"{stem}-{n}"
+        return cls(path)
+
+    @property
+    def name(self) -> str:
+        """The run id (``LAUNCHER_RUN_ID``)."""
+        return self.root.name
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    # -- paths ------------------------------------------------------------------------------
+
+    @property
+    def preflight(self) -> Path:
+        return self.root / "preflight"
+
+    def plan_file(self, attempt: int) -> Path:
+        return self.root / ("plan.json" if attempt == 0 else f"plan.attempt{attempt}.json")
+
+    def rank_log(self, node: str, rank: int | None) -> Path:
+        """A rank's log, or (``rank`` None) the node's torchrun lines."""
+        return self.root / "logs" / node / (f"rank{rank}.log" if rank is not None else "torchrun.log")
+
+    def metrics_file(self, rank: int) -> Path:
+        return self.root / metrics.SUBDIR / metrics.file_name(rank)
+
+    def node_files(self, subdir: str, node: str) -> Path:
+        """Where files fetched from a node's ``<node dir>/<subdir>`` land (e.g. profile/<node>)."""
+        return self.root / subdir / node
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def prepare(self, job: Any, cluster: Any) -> None:
+        """Make the folders and record the specs (masked, 0600)."""
+        for sub in ("logs", metrics.SUBDIR, "preflight"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        write_private(self.root / "job.yaml", spec_yaml(job))
+        write_private(self.root / "cluster.yaml", spec_yaml(cluster))
+
+    def write_plan(self, launch_plan: LaunchPlan) -> Path:
+        path = self.plan_file(launch_plan.attempt)
+        write_private(path, json.dumps(launch_plan.to_json(), indent=2) + "\n")
+        return path
+
+    def note_skipped_preflight(self) -> None:
+        self.preflight.mkdir(parents=True, exist_ok=True)
+        (self.preflight / "parity.txt").write_text("skipped (--skip-parity)\n")
+
+
+def spec_yaml(model: Any) -> str:
+    """A spec as YAML for run records, every ``env`` mapping's secret-looking values masked."""
+    return yaml.safe_dump(_mask_envs(model.model_dump(mode="json")), sort_keys=False)
+
+
+def _mask_envs(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: (mask_env(v) if k == "env" and isinstance(v, dict) else _mask_envs(v))
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [_mask_envs(v) for v in data]
+    return data

@@ -1,0 +1,108 @@
+"""What the node agents report, into the run directory and onto the console.
+
+Every output line goes to its rank's log (``logs/<node>/rank<R>.log``; torchrun's own lines to
+``torchrun.log``), every metrics record to ``metrics/rank<R>.jsonl``. The console shows rank 0's
+lines and any line that looks like an error, above a progress bar when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Any, TextIO
+
+from launcher.orchestrate.plan import LaunchPlan, NodePlan
+from launcher.orchestrate.records import AgentUpdate
+from launcher.orchestrate.rundir import RunDir
+
+ERROR_LINE = re.compile(r"Traceback|Error|Exception|FAILED|Signal \d+", re.IGNORECASE)
+
+
+class RunLog:
+    def __init__(self, run_dir: RunDir, *, quiet: bool = False):
+        self.run_dir = run_dir
+        self.quiet = quiet
+        self.attempt = 0  # the attempt whose updates come in now
+        self.by_attempt: dict[int, dict[int, list[dict[str, Any]]]] = {}  # attempt → rank → records
+        self._files: dict[tuple[str, int | None], TextIO] = {}
+        self._progress: Progress | None = None
+
+    def open(self, launch_plan: LaunchPlan) -> None:
+        """A new attempt: every rank gets its log file, even one that never prints."""
+        self.attempt = launch_plan.attempt
+        for node in launch_plan.nodes:
+            for rank in node.ranks:
+                self._file(node.name, rank)
+
+    def ingest(self, node: NodePlan, update: AgentUpdate) -> None:
+        for local_rank, text in update.lines:
+            known = local_rank is not None and local_rank < node.nproc
+            rank = node.rank_of(local_rank) if known else None
+            self._file(node.name, rank).write(text + "\n")
+            if not self.quiet and (rank == 0 or ERROR_LINE.search(text)):
+                self.show(f"[{node.name}/{'rank' + str(rank) if rank is not None else 'torchrun'}] {text}")
+        for fh in self._files.values():
+            fh.flush()
+        for rank, record in update.records:
+            self.by_attempt.setdefault(self.attempt, {}).setdefault(rank, []).append(record)
+            with open(self.run_dir.metrics_file(rank), "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+            if self._progress is not None:
+                self._progress.update(rank, record)
+
+    def show(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.write(text)
+        elif not self.quiet:
+            print(text, flush=True)
+
+    def start_progress(self, total_steps: int) -> None:
+        if not self.quiet and sys.stderr.isatty():
+            self._progress = Progress(total_steps)
+
+    def stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+
+    def close(self) -> None:
+        self.stop_progress()
+        for fh in self._files.values():
+            fh.close()
+        self._files.clear()
+
+    def _file(self, node: str, rank: int | None) -> TextIO:
+        key = (node, rank)
+        if key not in self._files:
+            path = self.run_dir.rank_log(node, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._files[key] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        return self._files[key]
+
+
+class Progress:
+    """A live bar: rank 0's step of total, aggregate tokens/s over ranks."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.total = total
+        self.rates: dict[int, float] = {}
+        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
+
+    def update(self, rank: int, record: dict[str, Any]) -> None:
+        if record.get("type") != "step":
+            return
+        interval = record.get("interval_s")
+        if interval:
+            self.rates[rank] = record.get("tokens", 0) / interval
+        if rank == 0 and "step" in record:
+            self.bar.n = min(record["step"], self.total)
+            self.bar.set_postfix_str(f"{sum(self.rates.values()) / 1e3:,.1f}k tok/s")
+
+    def write(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,116 @@
+"""One attempt's watch loop: poll the agents until every node's torchrun is done or one fails.
+
+Each round long-polls the agents (an agent answers at once when it has news), hands every
+update to the run log, and then judges:
+
+- an agent that answers with an exception is a lost node;
+- a torchrun that exited non-zero is a failed rank, unless another agent no longer answers:
+  a lost node makes the ranks elsewhere fail too ("Connection reset by peer"), sometimes
+  before Ray reports its agent gone, so the node is named, not the echo;
+- every torchrun exited 0: success;
+- an agent silent for ``NODE_SILENCE_S`` is a lost node; a rank that wrote no metrics record
+  for ``launch.hang_timeout_s`` is a hang (of several silent ranks, the one that got least far).
+
+Restarts are not decided here: ``run.py`` restarts an attempt whose failure is restartable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from launcher import signals
+from launcher.orchestrate.diagnose import Tails, hung_rank, lost_node, rank_failure
+from launcher.orchestrate.plan import LaunchPlan, NodePlan
+from launcher.orchestrate.records import AgentUpdate, ExitStatus, Failure
+
+POLL_INTERVAL_S = 0.5
+NODE_SILENCE_S = 30.0  # an agent that answers no poll for this long is a lost node
+
+
+class Agents(Tails, Protocol):
+    """What the watch loop asks of the agents (``agents.AgentGroup``, or a fake in tests)."""
+
+    def poll(self, wait_s: float) -> list[tuple[int, AgentUpdate | BaseException]]: ...
+
+    def silent(self, limit_s: float) -> int | None: ...
+
+    def unreachable(self, exclude: int) -> tuple[int, BaseException] | None: ...
+
+
+class Watcher:
+    def __init__(self, agents: Agents, launch_plan: LaunchPlan, *,
+                 on_update: Callable[[NodePlan, AgentUpdate], None], hang_timeout_s: float | None,
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_INTERVAL_S,
+                 silence_s: float = NODE_SILENCE_S):
+        self.agents = agents
+        self.plan = launch_plan
+        self.on_update = on_update
+        self.hang_timeout_s = hang_timeout_s
+        self.clock = clock
+        self.poll_s = poll_s
+        self.silence_s = silence_s
+        self._started = clock()  # the hang watchdog counts from the workers' start
+        self._last_seen: dict[int, float] = {}
+        self._last_step: dict[int, tuple[int, float]] = {}
+        self._exited: dict[int, ExitStatus] = {}
+
+    def run(self) -> Failure | None:
+        """Until the attempt ends: None when every node's torchrun exited 0, else the failure."""
+        while True:
+            signals.check()
+            done, failure = self.step()
+            if done:
+                return failure
+
+    def step(self) -> tuple[bool, Failure | None]:
+        """One round: (whether the attempt is over, its failure)."""
+        nodes = self.plan.nodes
+        for i, answer in self.agents.poll(self.poll_s):
+            if isinstance(answer, BaseException):
+                return True, lost_node(nodes[i], answer)
+            self._take(nodes[i], answer)
+            if answer.exit is not None:
+                self._exited[i] = answer.exit
+        failed = [(i, status) for i, status in self._exited.items() if status.exit_code != 0]
+        if failed:
+            i, status = failed[0]
+            lost = self.agents.unreachable(exclude=i)
+            if lost is not None:
+                return True, lost_node(nodes[lost[0]], lost[1])
+            return True, rank_failure(self.agents, i, nodes[i], status)
+        if len(self._exited) == len(nodes):
+            return True, None
+        silent = self.agents.silent(self.silence_s)
+        if silent is not None:
+            return True, lost_node(nodes[silent], TimeoutError(f"no answer for {self.silence_s:.0f} s"))
+        hung = self._hung()
+        return hung is not None, hung
+
+    def _take(self, node: NodePlan, update: AgentUpdate) -> None:
+        self.on_update(node, update)
+        now = self.clock()
+        for rank, record in update.records:
+            self._last_seen[rank] = now
+            if record.get("type") == "step" and isinstance(record.get("step"), int):
+                self._last_step[rank] = (record["step"], float(record.get("time") or 0.0))
+
+    def _hung(self) -> Failure | None:
+        limit = self.hang_timeout_s
+        if not limit:
+            return None
+        now = self.clock()
+        silent = [e for e in self.plan.ranks() if now - self._last_seen.get(e["rank"], self._started) > limit]
+        if not silent:
+            return None
+        # A hung rank stalls the others at their next collective, so several go silent at
+        # once: blame the one that got least far (lowest step, then the oldest record).
+        entry = min(silent, key=lambda e: self._last_step.get(e["rank"], (-1, 0.0)))
+        i = next(i for i, n in enumerate(self.plan.nodes) if n.name == entry["node"])
+        tail: list[str] = []
+        with contextlib.suppress(Exception):  # a lost agent has no tail to give; the logs remain
+            tail = self.agents.tail(i, entry["local_rank"], 20)
+        quiet_s = now - self._last_seen.get(entry["rank"], self._started)
+        return hung_rank(self.plan.nodes[i], entry["rank"], quiet_s, limit, tail)

@@ -1,0 +1,333 @@
+"""The run logic without Ray: fake agents that answer with typed updates drive the watch loop
+(exit triage, a lost node against its echo, agent silence, the hang watchdog, success) and the
+restart policy of ``Launch.run_attempts``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import pytest
+import yaml
+
+from launcher.orchestrate.plan import plan
+from launcher.orchestrate.records import AgentUpdate, ExitStatus, FailureKind, RankError, Status
+from launcher.orchestrate.run import Launch
+from launcher.orchestrate.rundir import RunDir
+from launcher.orchestrate.watch import Watcher
+from launcher.spec import ClusterSpec, JobSpec
+
+ROOT_CAUSE = [
+    "Root Cause (first observed failure):",
+    "[0]:",
+    "  rank      : 1 (local_rank: 0)",
+    "  exitcode  : 1 (pid: 4242)",
+]
+
+
+def job(**launch: object) -> JobSpec:
+    return JobSpec.model_validate({"name": "w", "resources": {"device": "cpu", "nproc_per_node": 1},
+                                   "precision": {"dtype": "fp32"}, "train": {"steps": 10, "warmup_steps": 1},
+                                   "launch": launch})
+
+
+def two_nodes() -> ClusterSpec:
+    return ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "198.18.0.10"},
+                                                 {"name": "b", "host": "198.18.0.11"}]})
+
+
+def step(rank: int, n: int) -> tuple[int, dict]:
+    return rank, {"type": "step", "step": n, "time": float(n), "tokens": 10}
+
+
+class FakeAgents:
+    """Answers each poll with the next scripted round: {agent: AgentUpdate | exception}."""
+
+    def __init__(self, rounds: Iterable[dict], *, unreachable: int | None = None, silent: int | None = None,
+                 tails: dict | None = None, errors: dict | None = None):
+        self.rounds = list(rounds)
+        self._unreachable = unreachable
+        self._silent = silent
+        self.tails = tails or {}
+        self.error_files = errors or {}
+        self.started: list = []
+        self.stops = 0
+        self.ports = iter(range(30000, 30100))
+
+    def poll(self, wait_s: float) -> list:
+        answers = self.rounds.pop(0) if self.rounds else {}
+        return sorted(answers.items())
+
+    def silent(self, limit_s: float) -> int | None:
+        return self._silent if not self.rounds else None
+
+    def unreachable(self, exclude: int):
+        return (self._unreachable, ConnectionError("actor died")) if self._unreachable is not None else None
+
+    def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
+        return self.tails.get((i, local_rank), [])[-n:]
+
+    def errors(self, i: int) -> list[RankError]:
+        return self.error_files.get(i, [])
+
+    # what Launch.run_attempts needs besides
+    def free_port(self) -> int:
+        return next(self.ports)
+
+    def start(self, launch_plan, files) -> None:
+        self.started.append(launch_plan)
+        self.files = files
+
+    def stop(self, grace_s: float) -> list:
+        self.stops += 1
+        return []
+
+
+def watch(agents: FakeAgents, *, hang_timeout_s=None, clock=None, **launch):
+    lp = plan(job(**launch), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
+    seen = []
+    kwargs = {"clock": clock} if clock else {}
+    watcher = Watcher(agents, lp, on_update=lambda node, update: seen.append((node.name, update)),
+                      hang_timeout_s=hang_timeout_s, **kwargs)
+    return watcher.run(), seen
+
+
+def test_every_node_exiting_0_is_success_and_every_update_is_handed_on():
+    rounds = [{0: AgentUpdate(lines=[(0, "hello")], records=[step(0, 5)]), 1: AgentUpdate(records=[step(1, 5)])},
+              {0: AgentUpdate(exit=ExitStatus(0))},
+              {1: AgentUpdate(lines=[(0, "bye")], exit=ExitStatus(0))}]
+    failure, seen = watch(FakeAgents(rounds))
+    assert failure is None
+    assert [name for name, _ in seen] == ["a", "b", "a", "b"]
+
+
+def test_a_failed_rank_is_named_from_torchruns_root_cause():
+    agents = FakeAgents([{1: AgentUpdate(exit=ExitStatus(1))}],
+                        tails={(1, None): ["noise", *ROOT_CAUSE], (1, 0): ["Traceback", "RuntimeError: x"]})
+    failure, _ = watch(agents)
+    assert failure.kind is FailureKind.RANK and failure.restartable
+    assert (failure.rank, failure.node, failure.exit_code, failure.signal) == (1, "b", 1, None)
+    assert failure.reason == "rank 1 on node b (198.18.0.11) exited with code 1"
+    assert failure.log_tail == "Traceback\nRuntimeError: x"
+
+
+def test_the_structured_error_file_names_the_rank_and_its_exception():
+    error = RankError(local_rank=0, message="ValueError: bad batch", traceback="Traceback ...\nValueError: bad batch",
+                      timestamp=1.0)
+    agents = FakeAgents([{0: AgentUpdate(exit=ExitStatus(1))}], errors={0: [error]},
+                        tails={(0, 0): ["step 3", "[rank0]: something went wrong"]})
+    failure, _ = watch(agents)
+    assert (failure.rank, failure.node) == (0, "a")
+    assert failure.reason == "rank 0 on node a (198.18.0.10) raised ValueError: bad batch"
+    assert failure.log_tail.endswith("ValueError: bad batch")  # the traceback, as the rank's lines hold none
+
+
+def test_a_signal_is_read_from_the_exit_code():
+    agents = FakeAgents([{1: AgentUpdate(exit=ExitStatus(1))}],
+                        tails={(1, None): ROOT_CAUSE[:3] + ["  exitcode  : -9 (pid: 1)"]})
+    failure, _ = watch(agents)
+    assert (failure.exit_code, failure.signal) == (-9, "SIGKILL") and "signal SIGKILL" in failure.reason
+
+
+def test_a_lost_node_is_named_not_its_echo():
+    """Node a's ranks fail with 'Connection reset' because node b is gone: blame b."""
+    agents = FakeAgents([{0: AgentUpdate(lines=[(0, "Connection reset by peer")], exit=ExitStatus(1))}],
+                        unreachable=1)
+    failure, _ = watch(agents)
+    assert failure.kind is FailureKind.LOST_NODE and not failure.restartable
+    assert failure.node == "b" and "node b (198.18.0.11) was lost" in failure.reason
+
+
+def test_an_agent_answering_with_an_exception_is_a_lost_node():
+    failure, _ = watch(FakeAgents([{1: RuntimeError("The actor died unexpectedly")}]))
+    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "b")
+    assert "The actor died unexpectedly" in failure.reason
+
+
+def test_a_silent_agent_is_a_lost_node():
+    failure, _ = watch(FakeAgents([{0: AgentUpdate(records=[step(0, 1)])}], silent=0))
+    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "a") and "no answer for 30 s" in failure.reason
+
+
+def test_the_hang_watchdog_blames_the_rank_that_got_least_far():
+    """Both ranks go quiet (rank 1 hangs, rank 0 waits for it in a collective): rank 1 got least far."""
+    rounds = [{0: AgentUpdate(records=[step(0, 8)]), 1: AgentUpdate(records=[step(1, 5)])}] + [{}] * 10
+    agents = FakeAgents(rounds, tails={(1, 0): ["step 5", "sleeping"]})
+    now = [0.0]
+    poll = agents.poll
+
+    def ten_seconds_a_round(wait_s: float) -> list:
+        now[0] += 10.0
+        return poll(wait_s)
+
+    agents.poll = ten_seconds_a_round
+    failure, _ = watch(agents, hang_timeout_s=25.0, clock=lambda: now[0])
+    assert failure.kind is FailureKind.HANG and failure.rank == 1 and failure.node == "b"
+    assert "launch.hang_timeout_s=25" in failure.reason and failure.log_tail == "step 5\nsleeping"
+
+
+def test_no_hang_without_the_watchdog():
+    rounds = [{0: AgentUpdate(records=[step(0, 1)])}, {}, {}, {0: AgentUpdate(exit=ExitStatus(0)),
+                                                               1: AgentUpdate(exit=ExitStatus(0))}]
+    assert watch(FakeAgents(rounds), clock=iter(range(0, 10**6, 1000)).__next__)[0] is None
+
+
+# -- the restart policy -----------------------------------------------------------------------
+
+
+def attempts(tmp_path, agents: FakeAgents, **launch):
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.prepare(job(**launch), two_nodes())
+    launcher = Launch(job=job(**launch), cluster=two_nodes(), run_dir=run_dir, quiet=True)
+    return launcher.run_attempts(agents), run_dir
+
+
+def failing_round() -> dict:
+    return {1: AgentUpdate(exit=ExitStatus(1))}
+
+
+def done_round() -> dict:
+    return {0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}
+
+
+def test_a_failed_rank_restarts_every_node_with_a_new_plan(tmp_path):
+    agents = FakeAgents([failing_round(), done_round()], tails={(1, None): ROOT_CAUSE})
+    outcome, run_dir = attempts(tmp_path, agents, max_restarts=1)
+    assert outcome.status is Status.SUCCEEDED and agents.stops == 1
+    assert [p.attempt for p in agents.started] == [0, 1]
+    first, second = (json.loads(run_dir.plan_file(a).read_text()) for a in (0, 1))
+    assert first["master_port"] != second["master_port"]  # a fresh port per attempt
+    assert [n["env"]["LAUNCHER_RESTART_COUNT"] for n in second["nodes"]] == ["1", "1"]
+    assert all(f"--master-port {second['master_port']}" in " ".join(n["argv"]) for n in second["nodes"])
+
+
+def test_restarts_run_out(tmp_path):
+    agents = FakeAgents([failing_round(), failing_round(), done_round()], tails={(1, None): ROOT_CAUSE})
+    outcome, run_dir = attempts(tmp_path, agents, max_restarts=1)
+    assert outcome.status is Status.FAILED and outcome.failure.rank == 1
+    assert len(agents.started) == 2 and not run_dir.plan_file(2).exists()
+
+
+@pytest.mark.parametrize("script", [
+    [{1: RuntimeError("gone")}],                                   # a lost node
+    [{0: AgentUpdate(records=[step(0, 1)])}],                       # a silent agent
+])
+def test_a_lost_node_is_not_restarted(tmp_path, script):
+    agents = FakeAgents(script, silent=1)
+    outcome, _ = attempts(tmp_path, agents, max_restarts=3)
+    assert outcome.status is Status.FAILED and outcome.failure.kind is FailureKind.LOST_NODE
+    assert len(agents.started) == 1
+
+
+# -- elastic restarts -------------------------------------------------------------------------
+
+
+def three_nodes_and_a_spare() -> ClusterSpec:
+    return ClusterSpec.model_validate({"nodes": [{"name": f"n{i}", "host": f"198.18.0.{10 + i}"} for i in range(4)]})
+
+
+def elastic_job(**train: object) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": "e", "precision": {"dtype": "fp32"},
+        "resources": {"device": "cpu", "nproc_per_node": 1, "nodes": 3, "min_nodes": 2},
+        "train": {"steps": 10, "warmup_steps": 1, "micro_batch": 4, "grad_accum": 2,
+                  "checkpoint": {"dir": "/shared/ckpt", "every_steps": 2}, **train},
+        "launch": {"max_restarts": 1}})
+
+
+class FakeSession:
+    def __init__(self, refuse: set[str] = frozenset()):
+        self.node_ips = {f"n{i}": f"198.18.0.{10 + i}" for i in range(4)}
+        self.refuse, self.added = refuse, []
+
+    def add_node(self, node) -> None:
+        if node.name in self.refuse:
+            from launcher.errors import PreflightError
+
+            raise PreflightError(f"{node.name} cannot join")
+        self.added.append(node.name)
+
+
+def elastic_run(tmp_path, monkeypatch, job: JobSpec, cluster: ClusterSpec, rounds_per_attempt, session):
+    """Run attempts where each attempt's agents are a new FakeAgents with the next script."""
+    from launcher.orchestrate import run as run_mod
+
+    scripts = iter(rounds_per_attempt)
+    placed = []
+
+    def place(session_, nodes, gpus, name):
+        placed.append([n.name for n in nodes])
+        agents = FakeAgents(next(scripts))
+        placed_agents.append(agents)
+        return agents
+
+    monkeypatch.setattr(run_mod.AgentGroup, "place", staticmethod(place))
+    placed_agents = []
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.prepare(job, cluster)
+    launcher = Launch(job=job, cluster=cluster, run_dir=run_dir, quiet=True, skip_parity=True)
+    launcher.session = session
+    first = FakeAgents(next(scripts))
+    first.close = lambda: None
+    launcher.placed_agents = placed_agents
+    return launcher, launcher.run_attempts(first), placed
+
+
+def lost(i: int) -> dict:
+    return {i: RuntimeError("actor died")}
+
+
+def test_a_lost_node_is_replaced_by_the_spare(tmp_path, monkeypatch):
+    session = FakeSession()
+    launcher, outcome, placed = elastic_run(tmp_path, monkeypatch, elastic_job(), three_nodes_and_a_spare(),
+                                            [[lost(2)], [{i: AgentUpdate(exit=ExitStatus(0)) for i in range(3)}]],
+                                            session)
+    assert outcome.status is Status.SUCCEEDED
+    assert placed == [["n0", "n1", "n3"]] and session.added == ["n3"]
+    assert [p.world_size for p in launcher.plans] == [3, 3]
+    [restart] = launcher.restarts
+    assert (restart.attempt, restart.failed_node, restart.nodes, restart.world_size) == (1, "n2", ["n0", "n1", "n3"], 3)
+
+
+def test_without_a_spare_the_job_goes_on_smaller_with_the_same_global_batch(tmp_path, monkeypatch):
+    session = FakeSession(refuse={"n3"})  # the spare does not join
+    launcher, outcome, placed = elastic_run(tmp_path, monkeypatch, elastic_job(micro_batch=4, grad_accum=2),
+                                            three_nodes_and_a_spare(),
+                                            [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)),
+                                                          1: AgentUpdate(exit=ExitStatus(0))}]], session)
+    assert outcome.status is Status.SUCCEEDED and placed == [["n0", "n1"]]
+    assert [p.world_size for p in launcher.plans] == [3, 2]
+    # 4 x 2 x 3 = 24 samples per step; on 2 ranks of 4: 3 micro-batches
+    assert json.loads(launcher.run_dir.plan_file(1).read_text())["world_size"] == 2
+    assert yaml.safe_load(launcher.placed_agents[0].files["job.yaml"])["train"]["grad_accum"] == 3
+    assert launcher.restarts[0].world_size == 2
+
+
+def test_a_global_batch_that_does_not_divide_refuses_the_restart(tmp_path, monkeypatch):
+    session = FakeSession(refuse={"n3"})
+    job = elastic_job(micro_batch=4, grad_accum=1)  # 12 samples over 2 ranks of 4: no
+    _, outcome, placed = elastic_run(tmp_path, monkeypatch, job, three_nodes_and_a_spare(), [[lost(2)]], session)
+    assert outcome.status is Status.FAILED and placed == []
+    assert "does not divide" in outcome.failure.reason and "elastic_batch: scale" in outcome.failure.reason
+    scaled = elastic_job(micro_batch=4, grad_accum=1, elastic_batch="scale")
+    _, outcome, _ = elastic_run(tmp_path / "s", monkeypatch, scaled, three_nodes_and_a_spare(),
+                                [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
+                                FakeSession(refuse={"n3"}))
+    assert outcome.status is Status.SUCCEEDED
+
+
+def test_fewer_than_min_nodes_ends_the_job(tmp_path, monkeypatch):
+    job = elastic_job().model_copy(update={"resources": elastic_job().resources.model_copy(update={"min_nodes": 3})})
+    _, outcome, placed = elastic_run(tmp_path, monkeypatch, job, three_nodes_and_a_spare(), [[lost(1)]],
+                                     FakeSession(refuse={"n3"}))
+    assert outcome.status is Status.FAILED and placed == []
+    assert "fewer than resources.min_nodes=3" in outcome.failure.reason
+
+
+def test_the_new_attempts_job_file_carries_the_raised_grad_accum():
+    from launcher.orchestrate.elastic import job_for_world
+
+    first = elastic_job(micro_batch=4, grad_accum=2)
+    assert job_for_world(first, first, 3, 2).train.grad_accum == 3
+    assert job_for_world(first, first, 3, 6).train.grad_accum == 1
+    assert job_for_world(first, first, 3, 3) is first
