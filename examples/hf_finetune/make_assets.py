@@ -94,7 +94,7 @@ def make_bert(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     spec = ModelSpec(arch="bert", n_layers=2, d_model=64, n_heads=2, d_ff=256,
                      vocab_size=vocab_size, max_positions=128)
     torch.manual_seed(seed)
-    model = build_model(spec, seq_len=128, mask_prob=0.15)
+    model = build_model(spec)
     save_pretrained(model.state_dict(), spec, out)
     return out
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from launcher.errors import SpecError
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec
+
+NODE_LOCAL_ROOTS = ("/tmp", "/dev/shm", "/run", "/var/run")  # private to each machine
 
 
 class RestartRefused(Exception):
@@ -39,6 +42,19 @@ class Restart:
         return {"attempt": self.attempt, "reason": self.reason, "failed_node": self.failed_node,
                 "nodes": self.nodes, "world_size": self.world_size,
                 "resumed_from_step": self.resumed_from_step, "lost_steps": self.lost_steps}
+
+
+def check_shared_checkpoints(job: JobSpec, nodes: list[NodeSpec]) -> None:
+    """An elastic built-in job on other machines resumes from checkpoints every node must read:
+    refuse (exit 2) a checkpoint folder that is private to each machine by nature."""
+    ckpt = job.train.checkpoint.dir
+    if not job.elastic or not job.uses_builtin or ckpt is None or all(n.is_local for n in nodes):
+        return
+    if any(str(ckpt) == root or str(ckpt).startswith(root + "/") for root in NODE_LOCAL_ROOTS):
+        raise SpecError(
+            f"train.checkpoint.dir {ckpt} is private to each machine, but an elastic job resumes on "
+            f"other nodes from its last checkpoint: put it on a filesystem every node sees (NFS, "
+            f"Lustre, a shared home)", source="job", field="train.checkpoint.dir")
 
 
 def survivors(current: list[NodeSpec], failed_node: str | None) -> list[NodeSpec]:

@@ -328,6 +328,7 @@ def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip
     A workdir that cannot travel raises SpecError (exit 2) before anything is made or started.
     """
     code = plan_code(job, nodes_for_job(cluster, job))
+    elastic.check_shared_checkpoints(job, nodes_for_job(cluster, job))
     where = RunDir(run_dir) if run_dir else RunDir.new(job.name)
     outcome = Launch(job=job, cluster=cluster, run_dir=where, code=code, skip_parity=skip_parity,
                      keep_ray=keep_ray).execute()
@@ -351,6 +352,7 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
     A failed preflight prints its parity table here and raises PreflightError (exit 3).
     """
     code = plan_code(job, nodes_for_job(cluster, job))
+    elastic.check_shared_checkpoints(job, nodes_for_job(cluster, job))
     facts = preflight_facts(job, cluster, skip=skip_parity)
     port = job.launch.master_port or DEFAULT_MASTER_PORT
     launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>", master_port=port,

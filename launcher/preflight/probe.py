@@ -23,6 +23,9 @@ thread under ``--deep-timeout``: a wedged driver yields an error record, never a
 
 Every section that fails records ``{"error": ...}`` instead of aborting the probe. The
 launcher judges the facts (``launcher/preflight/parity.py``); the probe only reports them.
+The document carries no format version: every node runs the file the launcher sends, so the
+launcher always reads what its own probe wrote (a different launcher installed on a node
+shows in the ``launcher`` and ``launcher code`` rows).
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROBE_VERSION = 1
 CORE_PACKAGES = ("torch", "ray", "launcher")
 LOADED_LIB_PREFIXES = ("libcudnn", "libnccl", "libcudart")
 NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total", "uuid", "pci.bus_id")
@@ -72,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
 
     report: dict[str, Any] = {
-        "probe_version": PROBE_VERSION,
         "request": {
             "deep": args.deep,
             "packages": packages,

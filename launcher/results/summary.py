@@ -1,8 +1,9 @@
 """Per-rank, per-node and job throughput tables from every rank's metrics records.
 
 Input: the plan's rank layout and each rank's records (``launcher.metrics`` describes them).
-Output: the ``summary.json`` dict (its keys are a contract, see DESIGN.md), the text tables,
-and ``summary.{json,csv,txt}`` in the run directory.
+Output: the ``summary.json`` dict, the text tables, and ``summary.{json,csv,txt}`` in the run
+directory. The keys of ``summary.json`` (``summarize`` below, with ``RANK_KEYS``, ``TOTAL_KEYS``
+and ``FAILURE_KEYS``) are a contract other tools read: keep their names and meaning.
 
 Two flavours of records reach this module:
 

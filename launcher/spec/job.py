@@ -111,7 +111,9 @@ class TrainSpec(Strict):
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (not applied to biases and norms).")
     grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this (0 disables clipping).")
     compile: bool = Field(False, description="torch.compile the model.")
+    compile_scope: Literal["auto", "block", "model"] = Field("auto", description="What train.compile compiles as one graph. block: the embeddings, each block and the head apart (one graph reused by every block; DDP's all-reduce and FSDP's gathers run between graphs); model: the whole model at once (fewer graph boundaries and launches, longer compilation, no overlap of DDP's all-reduce with the backward); auto: model for a single process, block under DDP or FSDP of several.")
     cuda_graphs: bool = Field(False, description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda and strategy ddp.")
+    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field("auto", description="The scaled_dot_product_attention kernel on GPUs. auto: torch's own choice (cuDNN's fused attention for the built-in models on an H200 with torch 2.11, as its profile shows); cudnn: cuDNN's fused attention; efficient: memory-efficient attention; math: the unfused reference. A kernel that cannot run a shape fails the run instead of falling back.")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
     seed: int = Field(1234, ge=0, description="Seed for weights and synthetic data (data streams also differ per rank).")
     log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
@@ -122,7 +124,7 @@ class TrainSpec(Strict):
 
 class DDPSpec(Strict):
     bucket_cap_mb: float = Field(25.0, gt=0, description="Gradient bucket size for all-reduce overlap (smaller buckets start sooner and leave less exposed at the end of backward).")
-    static_graph: bool = Field(False, description="The graph is the same every step (DDP's static-graph mode; slower than the default on 2 H200s with the compiled BERT, see README).")
+    static_graph: bool = Field(False, description="The graph is the same every step: DDP's static-graph mode (static_graph=True). Measure before turning it on: the README's Performance section compares it with the default.")
     gradient_as_bucket_view: bool = Field(True, description="Gradients are views into the all-reduce buckets (saves a copy and memory).")
     comm_hook: Literal["none", "bf16", "fp16"] = Field("none", description="Compress gradients to this dtype for all-reduce.")
 
@@ -142,7 +144,9 @@ class ParallelSpec(Strict):
 
 
 class PrecisionSpec(Strict):
-    dtype: Literal["fp32", "tf32", "bf16", "fp16"] = Field("bf16", description="pinned. fp32; tf32 (fp32 with TF32 matmul and cuDNN); bf16 autocast; fp16 autocast with a GradScaler.")
+    dtype: Literal["fp32", "tf32", "bf16", "fp16", "fp8"] = Field("bf16", description="pinned. fp32; tf32 (fp32 with TF32 matmul and cuDNN); bf16 autocast; fp16 autocast with a GradScaler; fp8: the Transformer blocks' linear layers in float8 through torchao's float8 training, bf16 autocast elsewhere (needs GPUs with FP8 tensor cores, compute capability 8.9 or above: Ada, Hopper, Blackwell, and the torchao package).")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="Read with dtype fp8 only: torchao's scaling recipe. tensorwise: one dynamic scale per tensor (cuBLAS, the fastest); rowwise: one scale per row (CUTLASS, more accurate).")
+    fp8_layers: Literal["auto", "all"] = Field("auto", description="Read with dtype fp8 only: which of the blocks' linear layers run in float8. auto: those torchao's size filter for the recipe expects to gain (small layers stay bf16); all: every one whose dims divide by 16. The embeddings and the tied LM head stay bf16 either way, as torchao advises for the first and last layers.")
 
 
 class CudnnSpec(Strict):
@@ -175,7 +179,7 @@ class ResourcesSpec(Strict):
 
 
 class LaunchSpec(Strict):
-    max_restarts: int = Field(0, ge=0, le=100, description="torchrun --max-restarts: restart all workers of the job this many times after a failure.")
+    max_restarts: int = Field(0, ge=0, le=100, description="Restart the job this many times after a failure: the launcher stops every node's torchrun and starts fresh ones on a new rendezvous port (torchrun's own --max-restarts stays 0); the built-in trainer resumes from its last checkpoint when train.checkpoint saves one.")
     env: EnvDict = Field(default_factory=dict, description="Extra environment for every worker.")
     master_port: int | None = Field(None, ge=1024, le=65535, description="Rendezvous port on the first node; null picks a free one there.")
     hang_timeout_s: float | None = Field(None, gt=0, description="Fail the job when a rank writes no metrics record for this long (a hang watchdog); null disables it.")
@@ -245,6 +249,11 @@ class JobSpec(Strict):
             raise ValueError("fp16 on device cpu is not supported; use bf16 or fp32 (precision.dtype)")
         if dev == "cpu" and self.precision.dtype == "tf32":
             raise ValueError("tf32 is a GPU matmul mode; on device cpu use fp32 or bf16 (precision.dtype)")
+        if dev == "cpu" and self.precision.dtype == "fp8":
+            raise ValueError("fp8 needs GPUs with FP8 tensor cores (compute capability 8.9 or above); "
+                             "on device cpu use bf16 or fp32 (precision.dtype)")
+        if dev == "cpu" and self.train.attention not in ("auto", "math"):
+            raise ValueError(f"train.attention {self.train.attention} is a GPU kernel; on device cpu use auto or math")
         if dev == "cpu" and self.nccl.backend == "nccl":
             raise ValueError("the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto")
         if self.uses_builtin:

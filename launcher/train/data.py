@@ -119,10 +119,6 @@ class Batches(abc.ABC):
         self.never_mask: torch.Tensor | None = None  # ids never picked for masking ([CLS], [SEP])
         self.positions = torch.arange(seq_len + 1, device=device)
 
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.micro_batch * self.seq_len
-
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         """Micro-batch ``micro`` of optimizer step ``step`` (1-based) for this rank."""
         idx = global_indices(step=step, micro=micro, rank=self.rank, world_size=self.world_size,

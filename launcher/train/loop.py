@@ -15,7 +15,7 @@ import os
 import random
 import socket
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -91,6 +91,7 @@ class Trainer:
     def __init__(self, job: JobSpec):
         self.job = job
         self.gpu_util: GpuUtilization | None = None
+        self._contexts = ExitStack()  # process-wide settings held for the trainer's lifetime
         try:
             self.init_distributed()
             self.configure_runtime()
@@ -147,7 +148,15 @@ class Trainer:
         seed = job.train.seed
         random.seed(seed)
         torch.manual_seed(seed)  # same weights on every rank (also seeds every CUDA device)
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+        # fp8: torchao's float8 layers take bf16 inputs; everything else runs in bf16.
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(dtype)
+        if job.train.attention != "auto" and self.device.type == "cuda":
+            # Set before anything compiles: torch.compile picks the kernel when it traces.
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[job.train.attention]
+            self._contexts.enter_context(sdpa_kernel([backend]))
 
     def build_model(self) -> None:
         job = self.job
@@ -159,7 +168,7 @@ class Trainer:
         offload = fsdp and job.parallel.fsdp.cpu_offload
         where = ("cpu" if offload else "meta" if fsdp else self.device) if init else self.device
         with torch.device(where):
-            model = build_model(spec, seq_len=seq_len, mask_prob=mask_prob)
+            model = build_model(spec)
         if init and offload:
             from launcher.train.hf import load_pretrained
 
@@ -210,7 +219,10 @@ class Trainer:
         job, t = self.job, self.job.train
         cuda = self.device.type == "cuda"
         name = torch.cuda.get_device_name(self.device) if cuda else _cpu_name()
-        self.peak_tflops = peak_tflops(name, job.precision.dtype) if cuda else None
+        # fp8 against the bf16 peak: only some matmuls run in float8, and the same peak for both
+        # makes an fp8 run's MFU over a bf16 run's MFU its speed-up.
+        peak_dtype = "bf16" if job.precision.dtype == "fp8" else job.precision.dtype
+        self.peak_tflops = peak_tflops(name, peak_dtype) if cuda else None
         self.gpu_util = GpuUtilization(self.device)
         tokens = t.micro_batch * t.grad_accum * job.data.seq_len
         self.meter = Meter(
@@ -316,6 +328,7 @@ class Trainer:
         return get_model_state_dict(self.model, options=options)
 
     def close(self) -> None:
+        self._contexts.close()
         if self.gpu_util is not None:
             self.gpu_util.close()
         if dist.is_initialized():

@@ -16,7 +16,9 @@ TFLOP/s = ``flops_per_token`` × tokens/s, with ``flops_per_token`` from
 ``model.flops_per_token`` (6·N + 12·L·d·S; N counts the weights a token multiplies by,
 embedding lookups excluded, BERT's MLM head only on the masked fraction; GPT's attention
 term halved for causality). MFU = TFLOP/s ÷ the device's dense peak for the precision
-(``PEAK_TFLOPS``), null where the device or precision is not in the table (e.g. CPU).
+(``PEAK_TFLOPS``), null where the device or precision is not in the table (e.g. CPU). fp8
+runs are divided by the bf16 peak (the trainer asks for it): only some matmuls run in
+float8, and one peak for both makes an fp8 run's MFU over a bf16 run's its speed-up.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPUs; on the CPU the process's peak
 resident set size (``ru_maxrss``), which includes Python and libraries. Data wait: host

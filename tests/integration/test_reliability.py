@@ -126,6 +126,27 @@ def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000010", "step_00000020"]
 
 
+def test_a_rank_failing_on_every_attempt_exhausts_the_restarts(tmp_path):
+    """max_restarts 2 and a rank that fails at step 5 each time: exit 4, all three attempts on record."""
+    run_dir = tmp_path / f"exhaust-{tmp_path.name}"
+    script = Path(__file__).resolve().parents[2] / "examples/custom_train.py"
+    job = write_job(tmp_path, {"script": str(script), "args": ["--steps", "4000", "--fail-at", "5"]},
+                    launch={"max_restarts": 2, "stop_grace_s": 2})
+    with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        assert run.wait(timeout=300) == 4, run.output[-4000:]
+        out = run.output
+        run.assert_nothing_left()
+    summary = summary_of(run_dir)
+    assert summary["status"] == "failed" and summary["failure"]["rank"] == 1
+    assert [r["attempt"] for r in summary["restarts"]] == [1, 2]
+    assert all("rank 1 on node local" in r["reason"] for r in summary["restarts"])
+    assert [a["attempt"] for a in summary["attempts"]] == [0, 1, 2]
+    ports = [json.loads((run_dir / name).read_text())["master_port"]
+             for name in ("plan.json", "plan.attempt1.json", "plan.attempt2.json")]
+    assert len(set(ports)) == 3
+    assert out.count("restarting every worker") == 2
+
+
 # -- SIGINT / SIGTERM in each phase ------------------------------------------------------------
 
 PHASES = {

@@ -38,7 +38,7 @@ def built_in(tmp_path: Path, folder: Path, **model):
     """The job's model spec (shape from config.json) and the built-in model loaded from ``folder``."""
     spec = load_job(job_file(tmp_path, {"init_from": str(folder), **model})).model
     torch.manual_seed(1)
-    ours = build_model(spec, seq_len=SEQ, mask_prob=0.15)
+    ours = build_model(spec)
     load_pretrained(ours, spec, device=torch.device("cpu"))
     return spec, ours.eval()
 

@@ -331,3 +331,15 @@ def test_the_new_attempts_job_file_carries_the_raised_grad_accum():
     assert job_for_world(first, first, 3, 2).train.grad_accum == 3
     assert job_for_world(first, first, 3, 6).train.grad_accum == 1
     assert job_for_world(first, first, 3, 3) is first
+
+
+def test_an_elastic_job_on_other_machines_needs_shared_checkpoints():
+    from launcher.errors import SpecError
+    from launcher.orchestrate.elastic import check_shared_checkpoints
+
+    nodes = three_nodes_and_a_spare().nodes[:3]
+    check_shared_checkpoints(elastic_job(), nodes)  # /shared/ckpt
+    private = elastic_job(checkpoint={"dir": "/tmp/ckpt", "every_steps": 2})
+    with pytest.raises(SpecError, match="private to each machine"):
+        check_shared_checkpoints(private, nodes)
+    check_shared_checkpoints(private, ClusterSpec.this_machine().nodes)  # one machine: fine
