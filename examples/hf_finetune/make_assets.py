@@ -102,8 +102,9 @@ def make_bert(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "assets", help="where to write (default: %(default)s)")
+    parser.add_argument("--text-mb", type=float, default=0.3, help="size of the corpus (default: %(default)s MB)")
     args = parser.parse_args()
-    text = write_text(args.out / "text" / "corpus.txt")
+    text = write_text(args.out / "text" / "corpus.txt", n_bytes=int(args.text_mb * 1e6))
     tokenizer = train_tokenizer([text], args.out / "tokenizer", vocab_size=1024)
     from tokenizers import Tokenizer
 

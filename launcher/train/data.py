@@ -245,6 +245,11 @@ class TokenFileBatches(MadeAhead):
             )
         self.global_batch = self.world_size * self.micro_batch * self.grad_accum
         self._offsets = torch.arange(self.row_len)
+        # uint16 has few kernels in torch (indexing among the newer ones): read uint16 files
+        # through an int16 view and take the low 16 bits back after widening.
+        self._unsigned16 = self.ids.dtype == torch.uint16
+        if self._unsigned16:
+            self.ids = self.ids.view(torch.int16)
 
     def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
         return self._rows((step - 1) * self.global_batch + torch.arange(idx.start, idx.stop))
@@ -258,7 +263,8 @@ class TokenFileBatches(MadeAhead):
     def _rows(self, windows: torch.Tensor) -> torch.Tensor:
         """The rows of the given window numbers (any, wrapped around), on the device."""
         starts = (windows % self.n_windows) * self.stride
-        batch = self.frame(self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64))
+        batch = self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64)
+        batch = self.frame(batch & 0xFFFF if self._unsigned16 else batch)
         top = int(batch.max())
         if top >= self.vocab_size:
             raise ValueError(

@@ -175,3 +175,13 @@ def test_token_file_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path
         got, want = ahead.batch(step, micro), Batches.batch(ahead, step, micro)
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
+
+
+def test_uint16_token_ids_above_int16_read_back_exactly(tmp_path: Path):
+    ids = (torch.arange(2_000, dtype=torch.int64) * 37 + 30_000) % 65_536
+    write_npy(tmp_path / "t.npy", ids.to(torch.uint16), "<u2")
+    batches = source("gpt", seq=16, micro=2, vocab=65_536, cls=TokenFileBatches, path=tmp_path / "t.npy",
+                     token_dtype="uint16")
+    b = batches.batch(1)
+    assert torch.equal(b["input_ids"], torch.stack([ids[0:16], ids[16:32]]))
+    assert int(ids.max()) > 32_767
