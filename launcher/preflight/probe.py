@@ -141,12 +141,14 @@ def package_versions(names: list[str]) -> dict[str, str | None]:
 def launcher_info() -> dict[str, Any] | None:
     """Where ``import launcher`` would load from and a hash of its .py files (without importing it).
 
-    The probe runs as ``python -``, which puts the current directory first on ``sys.path``: a
-    folder there named ``launcher`` (``/tmp/launcher`` holds the nodes' run folders) would pass
-    for the package as an empty namespace. Only the installed package counts.
+    The probe runs as ``python -``, which puts the current directory first on ``sys.path`` (as
+    ``""``): a folder there named ``launcher`` (``/tmp/launcher`` holds the nodes' run folders)
+    would pass for the package as an empty namespace. That entry is left out; a folder named on
+    ``PYTHONPATH`` on purpose still counts.
     """
     saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+    if sys.path and sys.path[0] == "":  # the current directory that ``python -`` put first
+        del sys.path[0]
     try:
         spec = importlib.util.find_spec("launcher")
     finally:
