@@ -40,6 +40,7 @@ from launcher.orchestrate.records import Failure, FailureKind, Outcome, Status
 from launcher.orchestrate.rundir import RunDir, spec_yaml
 from launcher.orchestrate.runlog import RunLog
 from launcher.orchestrate.watch import Watcher
+from launcher.preflight import preflight_facts
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 
 log = logging.getLogger(__name__)
@@ -294,31 +295,6 @@ class Launch:
                 path = self.run_dir.node_files(subdir, self.plan.nodes[i].name) / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
-
-
-def preflight_facts(job: JobSpec, cluster: ClusterSpec, *, skip: bool, run_dir: RunDir | None = None,
-                    show: bool = True, nodes: list[NodeSpec] | None = None) -> dict[str, NodeFacts] | None:
-    """The preflight (unless skipped) and what the plan needs of it: each node's GPU count.
-
-    Prints the parity table (always when the preflight fails) and raises PreflightError (exit 3)
-    for a failed one; saves the report into ``run_dir`` when given.
-    """
-    if skip:
-        log.warning("PARITY CHECK SKIPPED (--skip-parity): nodes are not probed; GPU counts come "
-                    "from cluster.yaml and a mismatched node will not be caught")
-        if run_dir is not None:
-            run_dir.note_skipped_preflight()
-        return None
-    from launcher.preflight import run_preflight
-
-    report = run_preflight(cluster, job, deep=True, nodes=nodes)
-    if run_dir is not None:
-        report.save(run_dir.preflight)
-    if show or not report.ok:
-        print(report.table(), flush=True)
-    report.raise_for_failure()
-    signals.check()
-    return {n: NodeFacts(gpus=report.gpus(n)) for n in report.nodes}
 
 
 def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip_parity: bool = False,
