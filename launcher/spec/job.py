@@ -113,9 +113,9 @@ class TrainSpec(Strict):
     compile: bool = Field(False, description="torch.compile the model.")
     cuda_graphs: bool = Field(False, description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda and strategy ddp.")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
-    seed: int = Field(1234, ge=0, description="Seed for weights and synthetic data (data streams also differ per rank).")
+    seed: int = Field(1234, ge=0, description="Seed for weights and data (synthetic tokens and MLM masks are a function of the seed and the global sample index, so they do not depend on the world size).")
     log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
-    elastic_batch: Literal["keep", "scale"] = Field("keep", description="An elastic restart at a different world size: keep the global batch (grad_accum is raised or lowered for the new world size; a world size it does not divide over refuses the restart) or scale it with the world size (grad_accum kept, the learning-rate schedule unchanged).")
+    elastic_batch: Literal["keep", "scale"] = Field("keep", description="An elastic restart at a different world size: keep the global batch (grad_accum is raised or lowered for the new world size; a world size it does not divide over refuses the restart) or scale it with the world size (grad_accum kept, the learning-rate schedule unchanged). Either way the data go on at the next global sample. The built-in trainer refuses to resume under keep from a checkpoint written at another global batch.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Periodic checkpoints and resume.")
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler over a few steps: a Chrome/Perfetto trace and a table of the top operators per recording rank, in the run directory's profile/ folder.")
 
