@@ -10,7 +10,14 @@ Record types (every record has ``type``, ``rank`` and ``time``, Unix seconds):
 
 ``meta``   once at start: ``local_rank``, ``world_size``, ``host``, ``device`` ("cuda:0",
            "cpu"), ``device_name``, ``params``, ``flops_per_token`` and ``peak_tflops``
-           (null where unknown), ``seq_len``, ``micro_batch``, ``grad_accum``.
+           (null where unknown), ``seq_len``, ``micro_batch``, ``grad_accum``. The built-in
+           trainer adds where this attempt starts: ``start_step`` (the step of the
+           checkpoint it resumed from, 0 when fresh), ``global_batch`` (micro_batch x
+           grad_accum x world_size), ``start_sample`` (the global index of its first sample),
+           ``resumed_from_step``, ``resumed_world_size`` and ``resumed_global_batch`` (the
+           checkpoint's step, and the world size and global batch it was written at; null
+           when fresh, the last two also for a checkpoint that predates them) and
+           ``restart_count`` (``$LAUNCHER_RESTART_COUNT``, 0 when unset).
 ``step``   every ``log_every`` steps: ``step`` (optimizer steps done), ``tokens`` and
            ``samples`` processed by this rank since the previous record, ``interval_s``
            (wall seconds since the previous record), ``measured`` (false inside warm-up),

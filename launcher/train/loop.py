@@ -98,7 +98,8 @@ class Trainer:
             self.build_model()
             self.build_optimizer()
             self.build_data()
-            self.checkpointer = Checkpointer(job.train.checkpoint, rank=self.rank)
+            self.checkpointer = Checkpointer(job.train.checkpoint, rank=self.rank, data=self.data,
+                                             elastic_batch=job.train.elastic_batch)
             self.start_step = self.checkpointer.maybe_resume(self.model, self.optimizer, self.scheduler)
             self.build_meter()
         except BaseException:
@@ -243,6 +244,10 @@ class Trainer:
             "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
             "job": job.name, "arch": job.model.arch, "strategy": job.parallel.strategy,
             "precision": job.precision.dtype, "start_step": self.start_step,
+            # Where this attempt starts (an elastic restart may change the world size).
+            "global_batch": self.data.global_batch, "start_sample": self.data.first_sample(self.start_step + 1),
+            **self.checkpointer.record(),
+            "restart_count": int(os.environ.get("LAUNCHER_RESTART_COUNT") or 0),
             "peak_mem_source": "cuda_max_memory_allocated" if cuda else "host_peak_rss",
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         })
