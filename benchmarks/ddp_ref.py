@@ -61,7 +61,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.model == "ours":
         with torch.device(device):
-            model = build_model(spec, seq_len=args.seq, mask_prob=0.15)
+            model = build_model(spec)
         if args.compile:
             apply_compile(model)
     else:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from netns import NetnsCluster, missing_requirements  # noqa: E402
 
 from launcher.preflight import run_preflight  # noqa: E402
-from launcher.preflight.runners import fan_out, runner_for  # noqa: E402
+from launcher.remote import fan_out, runner_for  # noqa: E402
 from launcher.spec import ClusterSpec, NodeSpec, load_cluster  # noqa: E402
 
 

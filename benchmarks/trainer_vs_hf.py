@@ -121,7 +121,7 @@ def main() -> None:
     def measure_ours() -> dict:  # a function, so the model is freed before HF is built
         torch.manual_seed(0)
         with torch.device(device):
-            ours = build_model(spec, seq_len=args.seq, mask_prob=args.mask_prob)
+            ours = build_model(spec)
         if args.compile:
             apply_compile(ours)
         return measure(ours, lambda b: ours(b["input_ids"], b["labels"], b["mask_pos"]))

@@ -141,7 +141,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from launcher.report import report_command
+    from launcher.results import report_command
 
     return report_command(args.run_dir, fmt=args.format)
 

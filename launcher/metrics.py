@@ -2,7 +2,7 @@
 
 This module is the contract between what runs in a worker (the built-in trainer's meter, or a
 user script calling ``launcher.report``) and what reads the records (the node agent, which
-streams them to the launcher, and ``launcher.report.summary``). Standard library only.
+streams them to the launcher, and ``launcher.results.summary``). Standard library only.
 
 ``$LAUNCHER_METRICS_FILE`` may contain ``{rank}``, replaced by the worker's ``RANK``.
 
@@ -10,14 +10,21 @@ Record types (every record has ``type``, ``rank`` and ``time``, Unix seconds):
 
 ``meta``   once at start: ``local_rank``, ``world_size``, ``host``, ``device`` ("cuda:0",
            "cpu"), ``device_name``, ``params``, ``flops_per_token`` and ``peak_tflops``
-           (null where unknown), ``seq_len``, ``micro_batch``, ``grad_accum``.
+           (null where unknown), ``seq_len``, ``micro_batch``, ``grad_accum``. The built-in
+           trainer adds where this attempt starts: ``start_step`` (the step of the
+           checkpoint it resumed from, 0 when fresh), ``global_batch`` (micro_batch x
+           grad_accum x world_size), ``start_sample`` (the global index of its first sample),
+           ``resumed_from_step``, ``resumed_world_size`` and ``resumed_global_batch`` (the
+           checkpoint's step, and the world size and global batch it was written at; null
+           when fresh, the last two also for a checkpoint that predates them) and
+           ``restart_count`` (``$LAUNCHER_RESTART_COUNT``, 0 when unset).
 ``step``   every ``log_every`` steps: ``step`` (optimizer steps done), ``tokens`` and
            ``samples`` processed by this rank since the previous record, ``interval_s``
            (wall seconds since the previous record), ``measured`` (false inside warm-up),
-           optional ``step_times_ms`` (each step in the interval), ``loss``, ``lr``,
-           ``data_wait_s``, ``peak_mem_gib``, ``gpu_util_pct``. A user script's
-           ``report()`` writes ``step`` records without ``interval_s``: readers derive it
-           from consecutive ``time`` values.
+           optional ``step_times_ms`` (each step in the interval), ``loss``, ``lr`` (the
+           learning rate the record's step used), ``data_wait_s``, ``peak_mem_gib``,
+           ``gpu_util_pct``. A user script's ``report()`` writes ``step`` records without
+           ``interval_s``: readers derive it from consecutive ``time`` values.
 ``final``  once at the end of the built-in trainer: ``steps``, ``measured_steps``,
            ``step_time_ms_p50``, ``step_time_ms_p95``, ``tokens_per_s``, ``samples_per_s``,
            ``tflops``, ``mfu`` (fraction, null where the peak is unknown), ``peak_mem_gib``,

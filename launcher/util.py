@@ -1,35 +1,61 @@
-"""Small helpers the launcher's modules share. Standard library only."""
+"""Small helpers that several stages need, each written once. Standard library only: the
+trainer (torch + stdlib) and the node agent import it too."""
 
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import socket
-from pathlib import Path
+from collections.abc import Sequence
+
+__all__ = ["first_line", "free_port", "percentile", "utc_stamp", "write_private"]
 
 
 def first_line(err: BaseException) -> str:
-    """An exception's first non-empty line, or its type's name when it has no message."""
+    """The first non-empty line of an error's message, for one-paragraph messages and logs.
+
+    Never raises: an exception without a message (``TimeoutError()``) gives its type's name.
+    """
     for line in str(err).splitlines():
         if line.strip():
             return line.strip()
     return type(err).__name__
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (files that hold environment values)."""
+def write_private(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (0600): for files that hold
+    environment values, which may be secrets. An existing file is truncated and set to 0600
+    before anything is written."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode applies only to a new file
         fh.write(text)
 
 
 def utc_stamp() -> str:
-    """``yyyymmdd-HHMMSS`` in UTC: the suffix of run and study directory names."""
+    """Now in UTC as run and study directories are named: ``20261201-084500``."""
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (q in 0..100), linearly interpolated between order statistics;
+    None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
 def free_port() -> int:
-    """A TCP port free on this machine now."""
+    """A TCP port that is free on every interface of this machine now.
+
+    Bound on all interfaces, so the port also serves a rendezvous other nodes connect to.
+    Another process may take it before it is used; callers that bind it soon after accept
+    that small race, as torchrun's own ``--master-port`` choice does.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]

@@ -94,7 +94,7 @@ def make_bert(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     spec = ModelSpec(arch="bert", n_layers=2, d_model=64, n_heads=2, d_ff=256,
                      vocab_size=vocab_size, max_positions=128)
     torch.manual_seed(seed)
-    model = build_model(spec, seq_len=128, mask_prob=0.15)
+    model = build_model(spec)
     save_pretrained(model.state_dict(), spec, out)
     return out
 
@@ -102,8 +102,9 @@ def make_bert(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "assets", help="where to write (default: %(default)s)")
+    parser.add_argument("--text-mb", type=float, default=0.3, help="size of the corpus (default: %(default)s MB)")
     args = parser.parse_args()
-    text = write_text(args.out / "text" / "corpus.txt")
+    text = write_text(args.out / "text" / "corpus.txt", n_bytes=int(args.text_mb * 1e6))
     tokenizer = train_tokenizer([text], args.out / "tokenizer", vocab_size=1024)
     from tokenizers import Tokenizer
 

@@ -40,8 +40,8 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
     from launcher.jobs.driver import CODE_DIR, SUBMISSION_FILE
     from launcher.orchestrate.code import plan_code, stage
     from launcher.orchestrate.plan import worker_counts
-    from launcher.orchestrate.run import preflight_facts
     from launcher.orchestrate.rundir import RunDir
+    from launcher.preflight import preflight_facts
 
     if cluster.all_local and cluster.ray.address is None:
         # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs. Only

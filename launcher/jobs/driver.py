@@ -231,7 +231,7 @@ def _done(status: Status, summary: dict[str, Any]) -> dict[str, Any]:
 def _final(job: JobSpec, run_dir: RunDir, status: Status, reason: str | None = None) -> None:
     """A job that ended before ``Launch`` wrote its summary (stopped while waiting, Ray not
     reachable): a summary with no ranks that says so, and the final state line."""
-    from launcher.report.summary import summarize, write_summary
+    from launcher.results.summary import summarize, write_summary
 
     summary = None
     if not (run_dir.root / "summary.json").is_file():

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import PreflightError
-from launcher.preflight.runners import NodeError, SSHRunner, runner_for
+from launcher.remote import NodeError, SSHRunner, runner_for
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
 __all__ = ["SSHRunner", "copy_dir", "paramiko_connection"]

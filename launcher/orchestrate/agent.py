@@ -30,7 +30,7 @@ from typing import Any
 from launcher import metrics
 from launcher.orchestrate.plan import NODE_PASSTHROUGH
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
-from launcher.util import free_port
+from launcher.util import free_port, write_private
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 RANK_TAIL_LINES = 40  # per local rank: a failure's log tail
@@ -85,10 +85,7 @@ class NodeAgent:
         (node_dir / metrics.SUBDIR).mkdir(parents=True, exist_ok=True)
         os.chmod(node_dir, 0o700)
         for name, text in files.items():
-            path = node_dir / name
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
+            write_private(node_dir / name, text)
         env = {k: os.environ[k] for k in NODE_PASSTHROUGH if k in os.environ}
         env.update(node_plan["env"])
         self._proc = subprocess.Popen(

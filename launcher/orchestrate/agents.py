@@ -38,7 +38,7 @@ class AgentGroup:
     def place(cls, session: RaySession, nodes: list[NodeSpec], gpus: dict[str, int], name: str) -> AgentGroup:
         """One bundle and one agent per node; JobFailed (exit 4) when Ray cannot place them."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from launcher.orchestrate.agent import NodeAgent
@@ -50,7 +50,7 @@ class AgentGroup:
             ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except Exception as err:
             with contextlib.suppress(Exception):
-                ray.util.remove_placement_group(pg)
+                remove_placement_group(pg)
             raise JobFailed(
                 f"Ray could not place one agent per node (bundles {bundles}) within "
                 f"{PLACEMENT_TIMEOUT_S:.0f} s: {first_line(err)}. Check `ray status`: every node needs "
@@ -145,10 +145,13 @@ class AgentGroup:
             with contextlib.suppress(Exception):
                 owed.append((i, ray.get(ref, timeout=REACH_TIMEOUT_S)))
         self._pending.clear()
-        try:
-            ray.get([h.stop.remote(grace_s) for h in self.handles], timeout=grace_s + 15)
-        except Exception as err:
-            log.warning("could not confirm that every agent stopped: %s", first_line(err))
+        stops = [h.stop.remote(grace_s) for h in self.handles]
+        ray.wait(stops, num_returns=len(stops), timeout=grace_s + 15)  # every agent, a dead one too
+        for i, ref in enumerate(stops):
+            try:
+                ray.get(ref, timeout=0.1)
+            except Exception as err:
+                log.warning("could not confirm that agent %d stopped: %s", i, first_line(err))
         for i, handle in enumerate(self.handles):
             with contextlib.suppress(Exception):
                 owed.append((i, ray.get(handle.poll.remote(), timeout=10)))

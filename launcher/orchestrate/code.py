@@ -74,12 +74,7 @@ def plan_code(job: JobSpec, nodes: list[NodeSpec]) -> CodePlan | None:
     # The loader resolves workdir (default: the job file's folder); a spec built in code without
     # one runs in its script's folder.
     workdir = Path(entry.workdir) if entry.workdir is not None else Path(entry.script).parent
-    if entry.sync is False:
-        mode = "shared"
-    elif entry.sync is True or not all(n.is_local for n in nodes):
-        mode = "ray"
-    else:
-        mode = "local"
+    mode = _mode(entry.sync, nodes)
     script = Path(entry.script)
     inside = script.is_relative_to(workdir)
     if mode == "ray" and not inside:
@@ -106,6 +101,14 @@ def plan_code(job: JobSpec, nodes: list[NodeSpec]) -> CodePlan | None:
         mode=mode, files=len(files), size_bytes=size, code_hash=files_hash(workdir, code),
         exclude=tuple(entry.exclude),
     )
+
+
+def _mode(sync: object, nodes: list[NodeSpec]) -> str:
+    if sync is False:
+        return "shared"
+    if sync is True or not all(n.is_local for n in nodes):
+        return "ray"
+    return "local"
 
 
 def stage(code: CodePlan) -> Path:

@@ -120,6 +120,7 @@ def plan(
     launcher_env: Mapping[str, str],
     attempt: int = 0,
     code: CodePlan | None = None,
+    nodes: list[NodeSpec] | None = None,
     local_python: str = sys.executable,
 ) -> LaunchPlan:
     """Decide every node's ranks, torchrun argv, worker environment and directory. Pure.
@@ -128,8 +129,9 @@ def plan(
     its own ``master_port``): the plan is the record of what ran, never edited afterwards.
     ``facts`` come from the preflight; without them (``--skip-parity``) GPU counts are the
     ones cluster.yaml declares. ``code`` is a script job's workdir (``code.plan_code``).
+    ``nodes`` (default: the job's, ``nodes_for_job``) is an elastic restart's node set.
     """
-    nodes = nodes_for_job(cluster, job)
+    nodes = nodes if nodes is not None else nodes_for_job(cluster, job)
     counts = list(worker_counts(job, nodes, facts).values())
     plans, first_rank = [], 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):

@@ -33,7 +33,9 @@ from typing import Any
 from launcher import signals
 from launcher.errors import PreflightError
 from launcher.orchestrate.code import CodePlan, stage
+from launcher.remote import runner_for
 from launcher.spec import ClusterSpec, NodeSpec
+from launcher.util import first_line
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,40 @@ class RaySession:
     node_ips: dict[str, str]
     _started_on: list[NodeSpec] = field(default_factory=list)
     _cluster: ClusterSpec | None = None
+    _head_ip: str | None = None  # bootstrap: where the others join
+    _token: str | None = field(default=None, repr=False)  # bootstrap: this cluster's auth token
     _closed: bool = False
+
+    def add_node(self, node: NodeSpec) -> None:
+        """Bring ``node`` into this Ray (an elastic restart's spare): started over SSH when the
+        session bootstrapped Ray, else it must already be a node of it. PreflightError if not."""
+        if self.mode == "bootstrap":
+            self.node_ips[node.name] = _resolve(node.host)
+            self._start_ray(node)
+            assert self._cluster is not None
+            _wait_for_nodes([node], self.node_ips, self._cluster.ray.join_timeout_s)
+            return
+        ip = _match(node, _alive_nodes()) if self.mode == "attach" else next(iter(self.node_ips.values()))
+        if ip is None:
+            raise PreflightError(f"node {node.name} ({node.host}) is not a node of the Ray cluster at "
+                                 f"{self.address}; start Ray there to use it as a spare")
+        self.node_ips[node.name] = ip
+
+    def _start_ray(self, node: NodeSpec, *, head: bool = False) -> None:
+        """``ray start`` on a node over SSH, with this cluster's token in a 0600 file first."""
+        assert self._cluster is not None and self._token is not None
+        cluster, rc = self._cluster, self._cluster.ray
+        runner_for(node, cluster.ssh).run(f"umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}",
+                                          stdin=self._token, timeout=cluster.ssh.connect_timeout_s + 20)
+        self._started_on.append(node)
+        if head:
+            args = ["start", "--head", "--port", str(rc.port), "--ray-client-server-port", str(rc.client_port),
+                    f"--include-dashboard={'true' if rc.dashboard else 'false'}", "--dashboard-host", "127.0.0.1",
+                    "--dashboard-port", str(rc.dashboard_port)]
+        else:
+            args = ["start", "--address", f"{self._head_ip}:{rc.port}"]
+        ip = self.node_ips.get(node.name) or _resolve(node.host)
+        _ray_cli(cluster, node, [*args, "--node-ip-address", ip, "--disable-usage-stats"])
 
     def close(self, *, keep_ray: bool = False) -> None:
         """Disconnect; stop the Ray this session started (embedded, or bootstrapped unless keep_ray)."""
@@ -148,7 +183,7 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str
         with contextlib.suppress(Exception):
             ray.shutdown()
         raise PreflightError(
-            f"could not start the embedded Ray on this machine: {_first_line(err)}. Check free "
+            f"could not start the embedded Ray on this machine: {first_line(err)}. Check free "
             f"memory and /tmp space; `--debug` shows Ray's traceback"
         ) from err
     ip = _alive_nodes()[0]["NodeManagerAddress"]
@@ -169,7 +204,7 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
                  runtime_env=runtime_env or None)
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
         raise PreflightError(
-            f"cannot attach to Ray at {address!r}: {_first_line(err)}. Check that the cluster "
+            f"cannot attach to Ray at {address!r}: {first_line(err)}. Check that the cluster "
             f"is running there (`ray status`); from outside the cluster use ray://HEAD:10001"
         ) from err
     alive = _alive_nodes()
@@ -193,49 +228,31 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
 
 
 def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
-    from launcher.preflight.runners import runner_for
-
     head = nodes[0]
     ips = {n.name: _resolve(n.host) for n in nodes}
     rc = cluster.ray
     session = RaySession(mode="bootstrap", address=f"ray://{ips[head.name]}:{rc.client_port}",
-                         node_ips=ips, _cluster=cluster)
-    token = secrets.token_hex(32)
+                         node_ips=ips, _cluster=cluster, _head_ip=ips[head.name], _token=secrets.token_hex(32))
     try:
-        def start(node: NodeSpec) -> None:
-            runner_for(node, cluster.ssh).run(
-                f"umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}",
-                stdin=token, timeout=cluster.ssh.connect_timeout_s + 20)
-            session._started_on.append(node)
-            if node is head:
-                args = ["start", "--head", "--port", str(rc.port),
-                        "--ray-client-server-port", str(rc.client_port),
-                        f"--include-dashboard={'true' if rc.dashboard else 'false'}",
-                        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(rc.dashboard_port)]
-            else:
-                args = ["start", "--address", f"{ips[head.name]}:{rc.port}"]
-            _ray_cli(cluster, node, [*args, "--node-ip-address", ips[node.name], "--disable-usage-stats"])
-
         log.info("Starting Ray head on %s (%s)", head.name, head.host)
-        start(head)
+        session._start_ray(head, head=True)
         others = nodes[1:]
         if others:
             log.info("Joining %d node(s) to Ray: %s", len(others), ", ".join(n.name for n in others))
             with ThreadPoolExecutor(max_workers=min(len(others), cluster.ssh.max_parallel)) as pool:
-                errors = [f.exception() for f in [pool.submit(start, n) for n in others]]
+                errors = [f.exception() for f in [pool.submit(session._start_ray, n) for n in others]]
             bad = [e for e in errors if e is not None]
             if bad:
                 raise bad[0]
         # Ray reads these when it is imported: set them first, in this process only.
         os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN"] = token
-
+        os.environ["RAY_AUTH_TOKEN"] = session._token
         try:
             _connect_client(session.address, runtime_env)
         except Exception as err:
             raise PreflightError(
                 f"Ray started on the nodes but the launcher cannot reach it at {session.address}: "
-                f"{_first_line(err)}. The launcher drives a bootstrapped cluster through Ray Client: "
+                f"{first_line(err)}. The launcher drives a bootstrapped cluster through Ray Client: "
                 f"port {rc.client_port} on {head.host} must be reachable from this machine"
             ) from err
         _wait_for_nodes(nodes, ips, rc.join_timeout_s)
@@ -260,15 +277,13 @@ def _connect_client(address: str, runtime_env: dict[str, Any], attempts: int = 3
         except Exception as err:
             if attempt == attempts:
                 raise
-            log.warning("Ray Client connect to %s failed (%s); retrying", address, _first_line(err))
+            log.warning("Ray Client connect to %s failed (%s); retrying", address, first_line(err))
             with contextlib.suppress(Exception):
                 ray.shutdown()
             time.sleep(2.0 * attempt)
 
 
 def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
-    from launcher.preflight.runners import runner_for
-
     command = f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
     result = runner_for(node, cluster.ssh).run(command, timeout=cluster.ssh.connect_timeout_s + 90)
     if result.exit_code != 0:
@@ -282,8 +297,6 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
 
 
 def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> None:
-    from launcher.preflight.runners import runner_for
-
     def stop(node: NodeSpec) -> None:
         python = shlex.quote(node.interpreter())
         with contextlib.suppress(Exception):
@@ -335,8 +348,3 @@ def _resolve(host: str) -> str:
         return socket.gethostbyname(host)
     except OSError:
         return host
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -16,13 +16,15 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from launcher import signals
 from launcher.errors import Interrupted, JobFailed, LauncherError
+from launcher.orchestrate import elastic
 from launcher.orchestrate.agents import AgentGroup
 from launcher.orchestrate.code import CodePlan, plan_code
+from launcher.orchestrate.elastic import Restart, RestartRefused
 from launcher.orchestrate.plan import (
     DEFAULT_MASTER_PORT,
     PROFILE_SUBDIR,
@@ -31,12 +33,14 @@ from launcher.orchestrate.plan import (
     gpus_per_node,
     plan,
     render,
+    worker_counts,
 )
 from launcher.orchestrate.ray_cluster import RaySession, open_session
 from launcher.orchestrate.records import Failure, FailureKind, Outcome, Status
 from launcher.orchestrate.rundir import RunDir, spec_yaml
 from launcher.orchestrate.runlog import RunLog
 from launcher.orchestrate.watch import Watcher
+from launcher.preflight import preflight_facts
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,10 @@ class Launch:
     plan: LaunchPlan | None = field(default=None, init=False)
     log: RunLog = field(init=False)
     timings: dict[str, float] = field(default_factory=dict, init=False)
+    plans: list[LaunchPlan] = field(default_factory=list, init=False)  # one per attempt
+    restarts: list[Restart] = field(default_factory=list, init=False)
+    _used: set[str] = field(default_factory=set, init=False)  # nodes any attempt ran on
+    _first_world: int = field(default=0, init=False)
     _own_session: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -115,27 +123,74 @@ class Launch:
         return agents
 
     def run_attempts(self, agents: AgentGroup) -> Outcome:
-        """Plan, start and watch attempts until one succeeds or a failure may not be restarted."""
-        attempt = 0
+        """Plan, start and watch attempts until one succeeds or a failure may not be restarted.
+
+        Not elastic: a failed rank restarts on the same nodes; a lost node or a hang end the
+        job. Elastic (``JobSpec.elastic``): any failure leaves its node out (``reshape``).
+        """
+        attempt, nodes, job = 0, self.nodes, self.job
         while True:
-            self.plan = self.start_attempt(agents, attempt)
-            self.log.start_progress(self.job.train.steps)
-            try:
-                failure = Watcher(agents, self.plan, on_update=self.log.ingest,
-                                  hang_timeout_s=self.job.launch.hang_timeout_s).run()
-            finally:
-                self.log.stop_progress()
+            self.plan = self.start_attempt(agents, attempt, nodes=nodes, job=job)
+            if self.restarts:
+                self.restarts[-1] = replace(self.restarts[-1], world_size=self.plan.world_size)
+            failure = self._watch(agents)
             if failure is None:
                 return Outcome(Status.SUCCEEDED, self.run_dir.root)
-            if not failure.restartable or attempt >= self.job.launch.max_restarts:
-                log.error("%s; stopping every worker", failure.reason)
-                return Outcome(Status.FAILED, self.run_dir.root, failure)
+            if attempt >= self.job.launch.max_restarts or not (failure.restartable or self.job.elastic):
+                return self._failed(failure)
             attempt += 1
             log.warning("%s; restarting every worker (restart %d of %d)", failure.reason, attempt,
                         self.job.launch.max_restarts)
             self._ingest(agents.stop(self.job.launch.stop_grace_s))
+            if self.job.elastic:
+                try:
+                    nodes, job = self.reshape(failure, nodes)
+                except RestartRefused as err:
+                    return self._failed(replace(failure, reason=str(err)))
+                agents = self.agents = self.replace_agents(agents, nodes, job, attempt)
+            self.restarts.append(Restart(attempt=attempt, reason=failure.reason, failed_node=failure.node,
+                                         nodes=[n.name for n in nodes], world_size=0))
 
-    def start_attempt(self, agents: AgentGroup, attempt: int) -> LaunchPlan:
+    def reshape(self, failure: Failure, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], JobSpec]:
+        """The next attempt's nodes (the failed one out, a spare in if one passes) and job."""
+        left = elastic.survivors(nodes, failure.node)
+        for spare in elastic.spares(self.cluster, self._used):
+            self._used.add(spare.name)
+            if self.admit(spare, left):
+                left.append(spare)
+                break
+        elastic.check_enough(self.job, left, failure.reason)
+        world = sum(worker_counts(self.job, left, self.facts).values())
+        job = elastic.job_for_world(self.job, self.job, self._first_world, world)
+        if job.train.grad_accum != self.job.train.grad_accum:
+            log.warning("world size %d -> %d: grad_accum %d -> %d keeps the global batch", self._first_world,
+                        world, self.job.train.grad_accum, job.train.grad_accum)
+        return left, job
+
+    def admit(self, spare: NodeSpec, nodes: list[NodeSpec]) -> bool:
+        """A spare joins when it passes the preflight beside ``nodes`` and joins this Ray."""
+        try:
+            facts = preflight_facts(self.job, self.cluster, skip=self.skip_parity, show=not self.quiet,
+                                    nodes=[*nodes, spare])
+            assert self.session is not None
+            self.session.add_node(spare)
+        except LauncherError as err:
+            log.warning("spare node %s was not taken: %s", spare.name, err)
+            return False
+        if facts is not None:
+            self.facts = {**(self.facts or {}), **facts}
+        log.warning("spare node %s (%s) takes the failed node's place", spare.name, spare.host)
+        return True
+
+    def replace_agents(self, agents: AgentGroup, nodes: list[NodeSpec], job: JobSpec, attempt: int) -> AgentGroup:
+        """The agents of the nodes that go on (a new placement group: one bundle per node)."""
+        agents.close()
+        assert self.session is not None
+        return AgentGroup.place(self.session, nodes, gpus_per_node(job, nodes, self.facts),
+                                name=f"launcher-{self.run_dir.name}-{attempt}")
+
+    def start_attempt(self, agents: AgentGroup, attempt: int, *, nodes: list[NodeSpec] | None = None,
+                      job: JobSpec | None = None) -> LaunchPlan:
         """Plan attempt ``attempt`` on a fresh port, record it, start torchrun on every node.
 
         Restarts are the launcher's, not torchrun's: torchrun's own ``--max-restarts`` reuses its
@@ -144,13 +199,17 @@ class Launch:
         rendezvous alike). A fresh torchrun on a fresh port per attempt has no such state, and
         restarts every node, not just the one whose worker failed.
         """
-        port = self.job.launch.master_port or agents.free_port()
-        launch_plan = plan(self.job, self.cluster, self.facts, run_id=self.run_dir.name, attempt=attempt,
-                           master_port=port, launcher_env=os.environ, code=self.code)
+        job = job or self.job
+        port = job.launch.master_port or agents.free_port()
+        launch_plan = plan(job, self.cluster, self.facts, run_id=self.run_dir.name, attempt=attempt,
+                           master_port=port, launcher_env=os.environ, code=self.code, nodes=nodes)
         self.run_dir.write_plan(launch_plan)
+        self.plans.append(launch_plan)
+        self._first_world = self._first_world or launch_plan.world_size
+        self._used.update(n.name for n in launch_plan.nodes)
         self.log.open(launch_plan)
         # job.yaml on the nodes has env values masked: workers get them from the plan's env.
-        agents.start(launch_plan, {"job.yaml": spec_yaml(self.job)})
+        agents.start(launch_plan, {"job.yaml": spec_yaml(job)})
         log.info("Started %d worker(s) on %d node(s): %s", launch_plan.world_size, len(launch_plan.nodes),
                  ", ".join(f"{n.name} ranks {n.ranks[0]}-{n.ranks[-1]}" for n in launch_plan.nodes))
         signals.check()
@@ -176,13 +235,22 @@ class Launch:
             self.session = None
 
     def write_summary(self, outcome: Outcome) -> None:
-        from launcher.report.summary import render as render_summary
-        from launcher.report.summary import summarize, write_summary
+        """summary.{json,csv,txt}: the last attempt's ranks, every restart, each attempt's totals."""
+        from launcher.results.summary import render as render_summary
+        from launcher.results.summary import summarize, write_summary
 
-        ranks = self.plan.ranks() if self.plan else []
         # An interruption is no rank's failure: the status says it all.
         failure = outcome.failure.to_json() if outcome.failure and outcome.status is Status.FAILED else None
-        summary = summarize(self.job.name, ranks, self.log.records, status=outcome.status.value, failure=failure)
+        last = self.plans[-1] if self.plans else None
+        records = self.log.by_attempt.get(last.attempt, {}) if last else {}
+        summary = summarize(self.job.name, last.ranks() if last else [], records, status=outcome.status.value,
+                            failure=failure)
+        summary["restarts"] = [r.to_json() for r in elastic.with_steps(self.restarts, self.log.by_attempt)]
+        if len(self.plans) > 1:
+            summary["attempts"] = [
+                {"attempt": p.attempt, "nodes": [n.name for n in p.nodes], "world_size": p.world_size,
+                 **summarize(self.job.name, p.ranks(), self.log.by_attempt.get(p.attempt, {}),
+                             status=outcome.status.value)["totals"]} for p in self.plans]
         summary["launcher_timings_s"] = {k: round(v, 2) for k, v in self.timings.items()}
         write_summary(self.run_dir.root, summary)
         outcome.summary = summary
@@ -200,6 +268,19 @@ class Launch:
         finally:
             self.timings[stage] = self.timings.get(stage, 0.0) + time.monotonic() - start
 
+    def _watch(self, agents: AgentGroup) -> Failure | None:
+        assert self.plan is not None
+        self.log.start_progress(self.job.train.steps)
+        try:
+            return Watcher(agents, self.plan, on_update=self.log.ingest,
+                           hang_timeout_s=self.job.launch.hang_timeout_s).run()
+        finally:
+            self.log.stop_progress()
+
+    def _failed(self, failure: Failure) -> Outcome:
+        log.error("%s; stopping every worker", failure.reason)
+        return Outcome(Status.FAILED, self.run_dir.root, failure)
+
     def _ingest(self, owed: list) -> None:
         """Updates that came after an attempt was judged (its last lines and records)."""
         if self.plan is not None:
@@ -216,31 +297,6 @@ class Launch:
                 path.write_bytes(data)
 
 
-def preflight_facts(job: JobSpec, cluster: ClusterSpec, *, skip: bool, run_dir: RunDir | None = None,
-                    show: bool = True, nodes: list[NodeSpec] | None = None) -> dict[str, NodeFacts] | None:
-    """The preflight (unless skipped) and what the plan needs of it: each node's GPU count.
-
-    Prints the parity table (always when the preflight fails) and raises PreflightError (exit 3)
-    for a failed one; saves the report into ``run_dir`` when given.
-    """
-    if skip:
-        log.warning("PARITY CHECK SKIPPED (--skip-parity): nodes are not probed; GPU counts come "
-                    "from cluster.yaml and a mismatched node will not be caught")
-        if run_dir is not None:
-            run_dir.note_skipped_preflight()
-        return None
-    from launcher.preflight import run_preflight
-
-    report = run_preflight(cluster, job, deep=True, nodes=nodes)
-    if run_dir is not None:
-        report.save(run_dir.preflight)
-    if show or not report.ok:
-        print(report.table(), flush=True)
-    report.raise_for_failure()
-    signals.check()
-    return {n: NodeFacts(gpus=report.gpus(n)) for n in report.nodes}
-
-
 def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip_parity: bool = False,
         keep_ray: bool = False) -> Outcome:
     """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary.
@@ -248,6 +304,7 @@ def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip
     A workdir that cannot travel raises SpecError (exit 2) before anything is made or started.
     """
     code = plan_code(job, nodes_for_job(cluster, job))
+    elastic.check_shared_checkpoints(job, nodes_for_job(cluster, job))
     where = RunDir(run_dir) if run_dir else RunDir.new(job.name)
     outcome = Launch(job=job, cluster=cluster, run_dir=where, code=code, skip_parity=skip_parity,
                      keep_ray=keep_ray).execute()
@@ -271,6 +328,7 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
     A failed preflight prints its parity table here and raises PreflightError (exit 3).
     """
     code = plan_code(job, nodes_for_job(cluster, job))
+    elastic.check_shared_checkpoints(job, nodes_for_job(cluster, job))
     facts = preflight_facts(job, cluster, skip=skip_parity)
     port = job.launch.master_port or DEFAULT_MASTER_PORT
     launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>", master_port=port,

@@ -23,12 +23,14 @@ class RunLog:
     def __init__(self, run_dir: RunDir, *, quiet: bool = False):
         self.run_dir = run_dir
         self.quiet = quiet
-        self.records: dict[int, list[dict[str, Any]]] = {}
+        self.attempt = 0  # the attempt whose updates come in now
+        self.by_attempt: dict[int, dict[int, list[dict[str, Any]]]] = {}  # attempt → rank → records
         self._files: dict[tuple[str, int | None], TextIO] = {}
         self._progress: Progress | None = None
 
     def open(self, launch_plan: LaunchPlan) -> None:
-        """Every rank gets its log file, even one that never prints."""
+        """A new attempt: every rank gets its log file, even one that never prints."""
+        self.attempt = launch_plan.attempt
         for node in launch_plan.nodes:
             for rank in node.ranks:
                 self._file(node.name, rank)
@@ -43,7 +45,7 @@ class RunLog:
         for fh in self._files.values():
             fh.flush()
         for rank, record in update.records:
-            self.records.setdefault(rank, []).append(record)
+            self.by_attempt.setdefault(self.attempt, {}).setdefault(rank, []).append(record)
             with open(self.run_dir.metrics_file(rank), "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
             if self._progress is not None:

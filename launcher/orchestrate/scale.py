@@ -14,9 +14,10 @@ from launcher.orchestrate.code import CodePlan, plan_code
 from launcher.orchestrate.plan import NodeFacts, declared_workers
 from launcher.orchestrate.ray_cluster import RaySession, open_session
 from launcher.orchestrate.records import Status
-from launcher.orchestrate.run import Launch, preflight_facts
+from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
-from launcher.report.scaling import build_table, scale_job, write_scaling
+from launcher.preflight import preflight_facts
+from launcher.results.scaling import build_table, scale_job, write_scaling
 from launcher.spec import ClusterSpec, JobSpec
 from launcher.util import utc_stamp
 

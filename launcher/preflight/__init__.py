@@ -7,7 +7,7 @@ worker starts.
     report.raise_for_failure()                  # PreflightError (exit 3) naming every bad node
 
 The probe (``probe.py``) is sent to each node on stdin and run with that node's ``python``;
-``runners.py`` reaches the nodes (locally or over SSH) and ``parity.py`` judges the results.
+``launcher.remote`` reaches the nodes (locally or over SSH) and ``parity.py`` judges the results.
 A node that cannot be reached or probed gets an error record in ``report.probes`` and its
 column says why; the other nodes are still probed and reported.
 """
@@ -19,11 +19,12 @@ import logging
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from launcher import signals
 from launcher.errors import EXIT_OK, EXIT_PREFLIGHT
 from launcher.preflight.parity import PreflightReport, error_record, evaluate, resolve_policies
-from launcher.preflight.runners import (
+from launcher.remote import (
     BAD_JSON,
     INTERNAL,
     INTERPRETER_MISSING,
@@ -37,7 +38,11 @@ from launcher.spec.cluster import ClusterSpec, NodeSpec
 from launcher.spec.job import JobSpec
 from launcher.spec.loader import nodes_for_job
 
-__all__ = ["PreflightReport", "check_command", "run_preflight"]
+if TYPE_CHECKING:  # the plan and the run directory import the preflight, not the other way
+    from launcher.orchestrate.plan import NodeFacts
+    from launcher.orchestrate.rundir import RunDir
+
+__all__ = ["PreflightReport", "check_command", "preflight_facts", "run_preflight"]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +156,31 @@ def shared_code_args(job: JobSpec | None) -> list[str]:
     relative = script.relative_to(entry.workdir) if script.is_relative_to(entry.workdir) else script
     return ["--workdir", str(entry.workdir), "--script", str(relative),
             "--exclude", json.dumps(list(entry.exclude))]
+
+
+def preflight_facts(job: JobSpec, cluster: ClusterSpec, *, skip: bool, run_dir: RunDir | None = None,
+                    show: bool = True, nodes: list[NodeSpec] | None = None) -> dict[str, NodeFacts] | None:
+    """The preflight (unless skipped) and what the plan needs of it: each node's GPU count.
+
+    Prints the parity table (always when the preflight fails) and raises PreflightError (exit 3)
+    for a failed one; saves the report into ``run_dir`` when given.
+    """
+    if skip:
+        log.warning("PARITY CHECK SKIPPED (--skip-parity): nodes are not probed; GPU counts come "
+                    "from cluster.yaml and a mismatched node will not be caught")
+        if run_dir is not None:
+            run_dir.note_skipped_preflight()
+        return None
+    from launcher.orchestrate.plan import NodeFacts  # noqa: F811 - at run time, lazily
+
+    report = run_preflight(cluster, job, deep=True, nodes=nodes)
+    if run_dir is not None:
+        report.save(run_dir.preflight)
+    if show or not report.ok:
+        print(report.table(), flush=True)
+    report.raise_for_failure()
+    signals.check()
+    return {n: NodeFacts(gpus=report.gpus(n)) for n in report.nodes}
 
 
 def check_command(cluster_path: str | None, job_path: str | None, *, fast: bool, as_json: bool) -> int:

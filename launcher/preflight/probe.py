@@ -23,6 +23,9 @@ thread under ``--deep-timeout``: a wedged driver yields an error record, never a
 
 Every section that fails records ``{"error": ...}`` instead of aborting the probe. The
 launcher judges the facts (``launcher/preflight/parity.py``); the probe only reports them.
+The document carries no format version: every node runs the file the launcher sends, so the
+launcher always reads what its own probe wrote (a different launcher installed on a node
+shows in the ``launcher`` and ``launcher code`` rows).
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROBE_VERSION = 1
 CORE_PACKAGES = ("torch", "ray", "launcher")
 LOADED_LIB_PREFIXES = ("libcudnn", "libnccl", "libcudart")
 NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total", "uuid", "pci.bus_id")
@@ -72,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
 
     report: dict[str, Any] = {
-        "probe_version": PROBE_VERSION,
         "request": {
             "deep": args.deep,
             "packages": packages,
@@ -140,12 +141,14 @@ def package_versions(names: list[str]) -> dict[str, str | None]:
 def launcher_info() -> dict[str, Any] | None:
     """Where ``import launcher`` would load from and a hash of its .py files (without importing it).
 
-    The probe runs as ``python -``, which puts the current directory first on ``sys.path``: a
-    folder there named ``launcher`` (``/tmp/launcher`` holds the nodes' run folders) would pass
-    for the package as an empty namespace. Only the installed package counts.
+    The probe runs as ``python -``, which puts the current directory first on ``sys.path`` (as
+    ``""``): a folder there named ``launcher`` (``/tmp/launcher`` holds the nodes' run folders)
+    would pass for the package as an empty namespace. That entry is left out; a folder named on
+    ``PYTHONPATH`` on purpose still counts.
     """
     saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+    if sys.path and sys.path[0] == "":  # the current directory that ``python -`` put first
+        del sys.path[0]
     try:
         spec = importlib.util.find_spec("launcher")
     finally:

@@ -55,7 +55,7 @@ def require(module: str, purpose: str, field_name: str) -> None:
     """A clear error when an optional package of the ``hf`` extra is missing."""
     if importlib.util.find_spec(module) is None:
         raise FolderError(f"{purpose} needs the {module!r} package, which is not installed; "
-                        f"install the hf extra: {INSTALL_HINT}", field=field_name)
+                          f"install the hf extra: {INSTALL_HINT}", field=field_name)
 
 
 # -- config.json ----------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def read_config(folder: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         raise FolderError(f"{folder} has no {CONFIG}; a Hugging Face model folder holds config.json "
-                        f"and model.safetensors (or pytorch_model.bin)", field=FIELD) from None
+                          f"and model.safetensors (or pytorch_model.bin)", field=FIELD) from None
     except (OSError, ValueError) as err:
         raise FolderError(f"cannot read {path}: {err}", field=FIELD) from None
     if not isinstance(config, dict):
@@ -97,24 +97,24 @@ def shape_from_config(folder: Path) -> tuple[str, dict[str, int]]:
         act = config.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise FolderError(f"{folder / CONFIG} has activation_function {act!r}; the built-in GPT "
-                            f"uses GELU's tanh approximation (gelu_new)", field=FIELD)
+                              f"uses GELU's tanh approximation (gelu_new)", field=FIELD)
     else:
         raise FolderError(f"{folder / CONFIG} has model_type {kind!r}; model.init_from loads BERT "
-                        f"(model_type bert) and GPT-2 (model_type gpt2) folders", field=FIELD)
+                          f"(model_type bert) and GPT-2 (model_type gpt2) folders", field=FIELD)
     for key, want in must.items():
         if key in config and config[key] != want:
             raise FolderError(f"{folder / CONFIG} has {key} {config[key]!r}; the built-in {arch.upper()} "
-                            f"has {want!r} and would compute a different function", field=FIELD)
+                              f"has {want!r} and would compute a different function", field=FIELD)
     dims: dict[str, int] = {}
     for ours, theirs in keys.items():
         value = config.get(theirs)
-        if ours == "d_ff" and value is None and arch == "gpt":
-            value = 4 * int(config.get("n_embd", 0))  # GPT-2's n_inner: null means 4 x n_embd
+        if ours == "d_ff" and value is None and arch == "gpt" and isinstance(config.get("n_embd"), int):
+            value = 4 * config["n_embd"]  # GPT-2's n_inner: null means 4 x n_embd
         if ours == "max_positions" and value is None and arch == "gpt":
             value = config.get("n_ctx")  # older GPT-2 configs
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise FolderError(f"{folder / CONFIG} needs a positive integer {theirs}, has {value!r}",
-                            field=FIELD)
+                              field=FIELD)
         dims[ours] = value
     return arch, dims
 
@@ -136,7 +136,7 @@ def weight_files(folder: Path) -> list[Path]:
             raise FolderError(f"cannot read the shard index {path}: {err!r}", field=FIELD) from None
         return [folder / shard for shard in sorted(set(weight_map.values()))]
     raise FolderError(f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}",
-                    field=FIELD)
+                      field=FIELD)
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
@@ -310,9 +310,9 @@ def match_tensors(arch: str, dims: dict[str, int], shapes: dict[str, tuple[int, 
     problems.extend(wrong)
     if problems:
         raise FolderError(f"{folder} does not fit the {arch.upper()} its config.json describes: "
-                        + "; ".join(problems) + ". Check that the folder's weights and config.json "
-                        "belong together (a task head such as a classifier is not supported)",
-                        field=FIELD)
+                          + "; ".join(problems) + ". Check that the folder's weights and config.json "
+                          "belong together (a task head such as a classifier is not supported)",
+                          field=FIELD)
     return Matched(source={n: by_name[n] for n in expected}, fresh_head=fresh_head, tied=tied,
                    ignored=[by_name[n] for n in ignored])
 

@@ -111,17 +111,20 @@ class TrainSpec(Strict):
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (not applied to biases and norms).")
     grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this (0 disables clipping).")
     compile: bool = Field(False, description="torch.compile the model.")
+    compile_scope: Literal["auto", "block", "model"] = Field("auto", description="What train.compile compiles as one graph. block: the embeddings, each block and the head apart (one graph reused by every block; DDP's all-reduce and FSDP's gathers run between graphs); model: the whole model at once (fewer graph boundaries and launches, longer compilation, no overlap of DDP's all-reduce with the backward); auto: model for a single process, block under DDP or FSDP of several.")
     cuda_graphs: bool = Field(False, description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda and strategy ddp.")
+    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field("auto", description="The scaled_dot_product_attention kernel on GPUs. auto: torch's own choice (cuDNN's fused attention for the built-in models on an H200 with torch 2.11, as its profile shows); cudnn: cuDNN's fused attention; efficient: memory-efficient attention; math: the unfused reference. A kernel that cannot run a shape fails the run instead of falling back.")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
-    seed: int = Field(1234, ge=0, description="Seed for weights and synthetic data (data streams also differ per rank).")
+    seed: int = Field(1234, ge=0, description="Seed for weights and data (synthetic tokens and MLM masks are a function of the seed and the global sample index, so they do not depend on the world size).")
     log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
+    elastic_batch: Literal["keep", "scale"] = Field("keep", description="An elastic restart at a different world size: keep the global batch (grad_accum is raised or lowered for the new world size; a world size it does not divide over refuses the restart) or scale it with the world size (grad_accum kept, the learning-rate schedule unchanged). Either way the data go on at the next global sample. The built-in trainer refuses to resume under keep from a checkpoint written at another global batch.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Periodic checkpoints and resume.")
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler over a few steps: a Chrome/Perfetto trace and a table of the top operators per recording rank, in the run directory's profile/ folder.")
 
 
 class DDPSpec(Strict):
     bucket_cap_mb: float = Field(25.0, gt=0, description="Gradient bucket size for all-reduce overlap (smaller buckets start sooner and leave less exposed at the end of backward).")
-    static_graph: bool = Field(False, description="The graph is the same every step (DDP's static-graph mode; slower than the default on 2 H200s with the compiled BERT, see README).")
+    static_graph: bool = Field(False, description="The graph is the same every step: DDP's static-graph mode (static_graph=True). Measure before turning it on: the README's Performance section compares it with the default.")
     gradient_as_bucket_view: bool = Field(True, description="Gradients are views into the all-reduce buckets (saves a copy and memory).")
     comm_hook: Literal["none", "bf16", "fp16"] = Field("none", description="Compress gradients to this dtype for all-reduce.")
 
@@ -141,7 +144,9 @@ class ParallelSpec(Strict):
 
 
 class PrecisionSpec(Strict):
-    dtype: Literal["fp32", "tf32", "bf16", "fp16"] = Field("bf16", description="pinned. fp32; tf32 (fp32 with TF32 matmul and cuDNN); bf16 autocast; fp16 autocast with a GradScaler.")
+    dtype: Literal["fp32", "tf32", "bf16", "fp16", "fp8"] = Field("bf16", description="pinned. fp32; tf32 (fp32 with TF32 matmul and cuDNN); bf16 autocast; fp16 autocast with a GradScaler; fp8: the Transformer blocks' linear layers in float8 through torchao's float8 training, bf16 autocast elsewhere (needs GPUs with FP8 tensor cores, compute capability 8.9 or above: Ada, Hopper, Blackwell, and the torchao package).")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="Read with dtype fp8 only: torchao's scaling recipe. tensorwise: one dynamic scale per tensor (cuBLAS, the fastest); rowwise: one scale per row (CUTLASS, more accurate).")
+    fp8_layers: Literal["auto", "all"] = Field("auto", description="Read with dtype fp8 only: which of the blocks' linear layers run in float8. auto: those torchao's size filter for the recipe expects to gain (small layers stay bf16); all: every one whose dims divide by 16. The embeddings and the tied LM head stay bf16 either way, as torchao advises for the first and last layers.")
 
 
 class CudnnSpec(Strict):
@@ -159,6 +164,7 @@ class ResourcesSpec(Strict):
     nodes: Literal["all"] | int = Field("all", description="pinned. How many cluster nodes to use, from the first: all, or a count.")
     nproc_per_node: Literal["auto"] | int = Field("auto", description="pinned. Workers per node; auto = the node's GPUs (cuda) or 1 (cpu).")
     device: Literal["cuda", "cpu"] = Field("cuda", description="pinned. Where workers compute.")
+    min_nodes: int | None = Field(None, ge=1, description="Elastic restarts: with launch.max_restarts above 0, a lost node (or one whose ranks fail) is left out, a spare cluster node the job was not using takes its place if one passes the preflight, and the job restarts from its last checkpoint on the nodes it has, never fewer than this. Unset: not elastic (a failed rank restarts on the same nodes, a lost node ends the job).")
 
     @model_validator(mode="after")
     def _positive(self) -> ResourcesSpec:
@@ -166,11 +172,14 @@ class ResourcesSpec(Strict):
             raise ValueError(f"nodes must be 'all' or a count >= 1, not {self.nodes}")
         if isinstance(self.nproc_per_node, int) and not 1 <= self.nproc_per_node <= 1024:
             raise ValueError(f"nproc_per_node must be 'auto' or 1..1024, not {self.nproc_per_node}")
+        if isinstance(self.nodes, int) and self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is more than the job's {self.nodes} node(s); "
+                             f"lower resources.min_nodes or raise resources.nodes")
         return self
 
 
 class LaunchSpec(Strict):
-    max_restarts: int = Field(0, ge=0, le=100, description="torchrun --max-restarts: restart all workers of the job this many times after a failure.")
+    max_restarts: int = Field(0, ge=0, le=100, description="Restart the job this many times after a failure: the launcher stops every node's torchrun and starts fresh ones on a new rendezvous port (torchrun's own --max-restarts stays 0); the built-in trainer resumes from its last checkpoint when train.checkpoint saves one.")
     env: EnvDict = Field(default_factory=dict, description="Extra environment for every worker.")
     master_port: int | None = Field(None, ge=1024, le=65535, description="Rendezvous port on the first node; null picks a free one there.")
     hang_timeout_s: float | None = Field(None, gt=0, description="Fail the job when a rank writes no metrics record for this long (a hang watchdog); null disables it.")
@@ -220,6 +229,11 @@ class JobSpec(Strict):
         return "nccl" if self.resources.device == "cuda" else "gloo"
 
     @property
+    def elastic(self) -> bool:
+        """A restart may leave a failed node out (resources.min_nodes set, launch.max_restarts above 0)."""
+        return self.launch.max_restarts > 0 and self.resources.min_nodes is not None
+
+    @property
     def uses_builtin(self) -> bool:
         return self.entrypoint == "builtin"
 
@@ -235,6 +249,11 @@ class JobSpec(Strict):
             raise ValueError("fp16 on device cpu is not supported; use bf16 or fp32 (precision.dtype)")
         if dev == "cpu" and self.precision.dtype == "tf32":
             raise ValueError("tf32 is a GPU matmul mode; on device cpu use fp32 or bf16 (precision.dtype)")
+        if dev == "cpu" and self.precision.dtype == "fp8":
+            raise ValueError("fp8 needs GPUs with FP8 tensor cores (compute capability 8.9 or above); "
+                             "on device cpu use bf16 or fp32 (precision.dtype)")
+        if dev == "cpu" and self.train.attention not in ("auto", "math"):
+            raise ValueError(f"train.attention {self.train.attention} is a GPU kernel; on device cpu use auto or math")
         if dev == "cpu" and self.nccl.backend == "nccl":
             raise ValueError("the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto")
         if self.uses_builtin:
@@ -257,6 +276,10 @@ class JobSpec(Strict):
             )
         if prof.start_step and not self.uses_builtin:
             raise ValueError("train.profile works with the built-in trainer only; profile your own script inside it")
+        if self.elastic and self.uses_builtin and self.train.checkpoint.dir is None:
+            raise ValueError("an elastic job (resources.min_nodes with launch.max_restarts above 0) "
+                             "restarts from its last checkpoint: set train.checkpoint.dir to a folder every "
+                             "node sees, and train.checkpoint.every_steps")
         if self.train.checkpoint.every_steps and self.train.checkpoint.dir is None:
             raise ValueError("train.checkpoint.every_steps needs train.checkpoint.dir")
         if self.cudnn.deterministic and self.cudnn.benchmark:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from launcher.errors import SpecError, UsageError
 from launcher.spec.cluster import ClusterSpec, NodeSpec
 from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
+from launcher.util import first_line
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # job and node names
@@ -60,7 +61,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        problem = getattr(err, "problem", None) or first_line(err)
         raise SpecError(f"invalid YAML{where}: {problem}", source=str(path)) from None
     if _has_cycle(data):
         raise SpecError(
@@ -139,7 +140,12 @@ def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None, *, job_source: str 
 def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
     """Checks between a job and a cluster that need no node: asking for more nodes than exist,
     a cuda job on a node that declares no GPUs."""
-    for node in nodes_for_job(cluster, job, job_source=job_source):
+    nodes = nodes_for_job(cluster, job, job_source=job_source)
+    if job.resources.min_nodes is not None and job.resources.min_nodes > len(nodes):
+        raise SpecError(
+            f"resources.min_nodes {job.resources.min_nodes} is more than the {len(nodes)} node(s) the "
+            f"job runs on; lower resources.min_nodes or add nodes", source=job_source, field="resources.min_nodes")
+    for node in nodes:
         if job.resources.device == "cuda" and node.gpus == 0:
             raise SpecError(
                 f"device cuda needs GPUs but cluster node {node.name!r} declares gpus: 0; "

@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     except LauncherError as err:
         print(err, file=sys.stderr)
         return err.exit_code
-    trainer = Trainer(job)
+    try:
+        trainer = Trainer(job)
+    except LauncherError as err:  # e.g. fp8 asked of a GPU without FP8 tensor cores
+        print(err, file=sys.stderr)
+        return err.exit_code
     try:
         trainer.train()
     finally:

@@ -1,5 +1,5 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, LR scheduler,
-step and each rank's RNG state.
+step, the data position and each rank's RNG state.
 
 Layout: ``<dir>/step_00000100/`` holds DCP's files; ``COMPLETE`` is written there last, by
 rank 0, after every rank finished writing (a barrier). Resume picks the highest step folder
@@ -7,6 +7,17 @@ with the marker, so a checkpoint cut short by a crash is never loaded. DCP write
 shard in parallel and works alike under DDP (replicated state, written once) and FSDP
 (sharded DTensors); ``get_state_dict``/``set_state_dict`` translate between the wrapped
 model's parameter names and the plain ones, so a checkpoint does not depend on the wrapper.
+
+Resuming at a different world size (an elastic restart on fewer or other nodes): DCP's
+metadata records every tensor's global shape and which slice each file holds, so each rank
+of the new world reads exactly its new shard (FSDP) or the whole replicated tensor (DDP) —
+parameters and AdamW moments alike, written by 3 ranks and read by 2 or the other way
+round. The step (and with it the LR schedule, which goes by optimizer step) continues
+unchanged. The data continue at the next global sample: the checkpoint records how many
+samples the run had used (``train.samples``) and the global batch and world size it ran at;
+``Batches.continue_at`` takes it from there (see ``launcher.train.data``). Under
+``train.elastic_batch: keep`` a resume at another global batch is refused (it would not be
+the same training); ``scale`` accepts it and logs the change.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import logging
 import os
 import pickle
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from launcher.spec.job import CheckpointSpec
+from launcher.train.data import Batches
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +56,46 @@ def latest_checkpoint(root: Path | None) -> Path | None:
     return max(done, key=lambda p: int(p.name[5:]), default=None)
 
 
-class Checkpointer:
-    """Saves every ``every_steps`` and at the end; resumes from the latest complete one."""
+class ResumeError(ValueError):
+    """A checkpoint this job cannot go on from as configured (the message names the fix)."""
 
-    def __init__(self, spec: CheckpointSpec, *, rank: int):
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run picked up: the checkpoint, its step, the global samples used
+    through that step, and the world size and global batch it was written at (None for a
+    checkpoint from before they were recorded)."""
+
+    path: Path
+    step: int
+    samples: int
+    world_size: int | None
+    global_batch: int | None
+
+
+# The data position a checkpoint's "train" entry holds besides the step and the scheduler.
+POSITION = ("samples", "world_size", "global_batch")
+
+
+class Checkpointer:
+    """Saves every ``every_steps`` and at the end; resumes from the latest complete one, at
+    any world size. ``data`` is this rank's batch source: its position is saved and restored."""
+
+    def __init__(self, spec: CheckpointSpec, *, rank: int, data: Batches, elastic_batch: str):
         self.spec = spec
         self.root = Path(spec.dir) if spec.dir is not None else None
         self.rank = rank
+        self.data = data
+        self.elastic_batch = elastic_batch
+        self.resumed: Resumed | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The ``meta`` record's resume fields: null for a fresh start."""
+        r = self.resumed
+        if r is None:
+            return {"resumed_from_step": None, "resumed_world_size": None, "resumed_global_batch": None}
+        return {"resumed_from_step": r.step, "resumed_world_size": r.world_size,
+                "resumed_global_batch": r.global_batch}
 
     def due(self, step: int, total_steps: int) -> bool:
         if self.root is None:
@@ -68,8 +114,10 @@ class Checkpointer:
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         # Non-tensor leaves are pickled by DCP; each rank's RNG state has its own key.
-        state = {"model": model_sd, "optim": optim_sd,
-                 "train": {"step": step, "scheduler": pickle.dumps(scheduler.state_dict())},
+        data = self.data
+        train = {"step": step, "samples": data.first_sample(step + 1), "world_size": data.world_size,
+                 "global_batch": data.global_batch, "scheduler": pickle.dumps(scheduler.state_dict())}
+        state = {"model": model_sd, "optim": optim_sd, "train": train,
                  "rng": {f"rank{self.rank}": _rng_state()}}
         dcp.save(state, checkpoint_id=str(path))
         _barrier()
@@ -83,18 +131,22 @@ class Checkpointer:
 
     def maybe_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                      scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
-        """Load the latest complete checkpoint when resume is auto; the step it ends (or 0)."""
+        """Load the latest complete checkpoint when resume is auto, resharded for this world
+        size, and put the data at the next sample; the step it ends (or 0). ``self.resumed``
+        says where it picked up."""
         if self.spec.resume != "auto":
             return 0
         path = latest_checkpoint(self.root)
         if path is None:
             return 0
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        # DCP loads tensors in place and replaces the non-tensor leaves of this dict.
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
-                                 "train": {"step": 0, "scheduler": b""}}
-        rng_key = f"rank{self.rank}"
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        # DCP loads tensors in place and replaces the non-tensor leaves of this dict. The data
+        # position came later than the step: an older checkpoint has none.
+        train: dict[str, Any] = {"step": 0, "scheduler": b""}
+        train.update({key: 0 for key in POSITION if f"train.{key}" in saved})
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": train}
+        rng_key = f"rank{self.rank}"
         has_rng = f"rng.{rng_key}" in saved
         if has_rng:
             state["rng"] = {rng_key: b""}
@@ -104,10 +156,38 @@ class Checkpointer:
         if has_rng:
             _set_rng_state(pickle.loads(state["rng"][rng_key]))
         else:
-            log.warning("%s has no RNG state for %s (different world size); keeping fresh RNG", path, rng_key)
-        step = int(state["train"]["step"])
-        log.info("resumed from %s (step %d)", path, step)
-        return step
+            log.warning("%s has no RNG state for %s (written by fewer ranks); keeping fresh RNG", path, rng_key)
+        self.resumed = self._continue_data(path, state["train"])
+        return self.resumed.step
+
+    def _continue_data(self, path: Path, train: dict[str, Any]) -> Resumed:
+        """Check the global batch against ``elastic_batch`` and move the data to the next sample."""
+        data = self.data
+        step = int(train["step"])
+        if "samples" in train:
+            resumed = Resumed(path, step, int(train["samples"]), int(train["world_size"]),
+                              int(train["global_batch"]))
+        else:  # written with this job's global batch, which the data order was then tied to
+            resumed = Resumed(path, step, step * data.global_batch, None, None)
+        old, new = resumed.global_batch, data.global_batch
+        if old is not None and old != new:
+            if self.elastic_batch == "keep":
+                per_rank = data.micro_batch * data.world_size
+                fix = (f"set train.grad_accum: {old // per_rank} to keep it" if old % per_rank == 0
+                       else "choose a micro_batch and grad_accum whose product with the world size equals it")
+                raise ResumeError(
+                    f"checkpoint {path} was written at a global batch of {old} samples "
+                    f"({resumed.world_size} ranks); this run's is {new} (micro_batch "
+                    f"{data.micro_batch} x grad_accum {data.grad_accum} x {data.world_size} ranks) "
+                    f"and train.elastic_batch is keep: {fix}, or set train.elastic_batch: scale "
+                    f"to let the global batch change")
+            log.warning("global batch %d -> %d samples after step %d (train.elastic_batch: scale); "
+                        "the learning-rate schedule is unchanged", old, new, step)
+        data.continue_at(step, resumed.samples)
+        was = f", written by {resumed.world_size} ranks" if resumed.world_size not in (None, data.world_size) else ""
+        log.info("resumed from %s (step %d%s); the data go on at sample %d", path, step, was, resumed.samples)
+        return resumed
+
 
 
 def _rng_state() -> bytes:

@@ -1,15 +1,28 @@
 """Batches: synthetic (made on the device), windows of a token file or of tokenized text
 (``launcher.train.text``), with MLM masking.
 
-Determinism: every sample is a pure function of (seed, step, global sample index), so the
-data do not depend on how a step's global batch is split across ranks and micro-batches.
-Global index within a step, for rank ``r`` of ``W``, micro-batch ``a`` of ``A``, sample ``j``
-of ``m``::
+Data order: one sequence of samples for the whole run, numbered by a global sample index
+n = 0, 1, 2, ... Sample n is a pure function of (seed, n): its synthetic tokens and its MLM
+mask are hashed from them, and a token file's sample n is window n (mod the windows in the
+file). Optimizer step t (1-based) takes the G samples (global batch G = W·m·A: world size,
+micro-batch, grad_accum)::
 
-    index = a·(W·m) + r·m + j          (global batch per step G = W·m·A)
+    first(t) … first(t) + G − 1,     first(t) = start_sample + (t − start_step − 1)·G
 
-so 2 ranks with micro-batch m see exactly the samples one process with micro-batch 2m sees
-(and one process with micro-batch m and grad_accum 2 sees them too).
+where a fresh run has start_step = start_sample = 0, so first(t) = (t − 1)·G; a resumed one
+continues after its checkpoint's step at the next sample the checkpoint's run had not used
+(``Batches.continue_at``), whatever world size and global batch it ran at. Within a step,
+rank ``r`` of ``W``, micro-batch ``a`` of ``A``, sample ``j`` of ``m`` takes the sample at
+offset::
+
+    g = a·(W·m) + r·m + j          (0 ≤ g < G)
+
+so the set of samples (and their order) in a step depends on G only, not on how G is split
+over ranks and micro-batches: 2 ranks with micro-batch m see exactly the samples one process
+with micro-batch 2m sees, or one process with micro-batch m and grad_accum 2, or 3 ranks
+that ran the steps before. A restart at a new world size that keeps G (grad_accum raised or
+lowered) trains on exactly the samples an uninterrupted run would have; one that changes G
+(``train.elastic_batch: scale``) repeats and skips none either.
 
 The random numbers come from an integer hash evaluated with tensor ops (no generator
 state), identical on CPU and CUDA and cheap: a few elementwise kernels per batch.
@@ -84,13 +97,14 @@ def _mix(x):
 
 
 def global_index(micro, rank: int, j, *, world_size: int, micro_batch: int):
-    """``a·(W·m) + r·m + j`` (see the module doc), for ints or tensors of micro and j."""
+    """``g = a·(W·m) + r·m + j``, a sample's offset in its step (see the module doc), for
+    ints or tensors of micro and j."""
     return micro * (world_size * micro_batch) + rank * micro_batch + j
 
 
 def global_indices(*, step: int, micro: int, rank: int, world_size: int, micro_batch: int,
                    grad_accum: int) -> range:
-    """The within-step global sample indices of one rank's micro-batch (see the module doc)."""
+    """The offsets in the step (``g``) of one rank's micro-batch's samples (see the module doc)."""
     assert 0 <= micro < grad_accum and 0 <= rank < world_size
     start = global_index(micro, rank, 0, world_size=world_size, micro_batch=micro_batch)
     return range(start, start + micro_batch)
@@ -113,44 +127,58 @@ class Batches(abc.ABC):
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.global_batch = world_size * micro_batch * grad_accum
+        # The data go on after step start_step at global sample start_sample (continue_at).
+        self.start_step = self.start_sample = 0
         self.n_mask = max(1, min(seq_len, round(mask_prob * seq_len)))
         self.mask_id = mask_token_id(vocab_size)
         self.random_vocab = vocab_size  # BERT's random replacements: ids below this
         self.never_mask: torch.Tensor | None = None  # ids never picked for masking ([CLS], [SEP])
         self.positions = torch.arange(seq_len + 1, device=device)
 
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.micro_batch * self.seq_len
+    def continue_at(self, step: int, sample: int) -> None:
+        """Resume after optimizer step ``step`` at global sample ``sample``: the samples the
+        run that wrote the checkpoint used through ``step``, at whatever global batch it ran."""
+        self.start_step, self.start_sample = step, sample
+
+    def first_sample(self, step: int) -> int:
+        """The global index of the first sample of optimizer step ``step`` (1-based)."""
+        return self.start_sample + (step - self.start_step - 1) * self.global_batch
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         """Micro-batch ``micro`` of optimizer step ``step`` (1-based) for this rank."""
         idx = global_indices(step=step, micro=micro, rank=self.rank, world_size=self.world_size,
                              micro_batch=self.micro_batch, grad_accum=self.grad_accum)
-        sample = torch.arange(idx.start, idx.stop, device=self.device).unsqueeze(1)
-        return self.assemble(self.tokens(step, idx, sample), step, sample)
+        first = self.first_sample(step)
+        sample = torch.arange(first + idx.start, first + idx.stop, device=self.device).unsqueeze(1)
+        return self.assemble(self.tokens(sample), sample)
 
     @abc.abstractmethod
-    def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
-        """(micro_batch, seq_len + 1) int64 token ids on the device."""
+    def tokens(self, sample: torch.Tensor) -> torch.Tensor:
+        """(rows, seq_len + 1) int64 token ids on the device for a column of global sample indices."""
 
-    def assemble(self, tokens: torch.Tensor, step: int | torch.Tensor, sample: torch.Tensor) -> dict[str, torch.Tensor]:
+    def assemble(self, tokens: torch.Tensor, sample: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's inputs from rows of seq_len + 1 tokens: shifted pairs (GPT) or masked (BERT)."""
         if self.arch == "gpt":
             return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-        return self.mask(tokens[:, : self.seq_len], step, sample)
+        return self.mask(tokens[:, : self.seq_len], sample)
 
-    def mask(self, tokens: torch.Tensor, step: int | torch.Tensor, sample: torch.Tensor) -> dict[str, torch.Tensor]:
+    def hash(self, salt: int, sample: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The hash of (seed, salt, global sample index, position); the index's high 32 bits
+        are a key of their own, so samples 2^32 apart differ."""
+        return hash_ints(self.seed, salt, sample >> 32, sample, pos)
+
+    def mask(self, tokens: torch.Tensor, sample: torch.Tensor) -> dict[str, torch.Tensor]:
         """BERT masking: n_mask distinct positions per sequence; 80% [MASK], 10% random, 10% kept."""
         pos = self.positions[: self.seq_len]
         # Unique keys (hash in the high bits, position in the low 20) make topk tie-free.
-        keys = (hash_ints(self.seed, _SALT_MASK, step, sample, pos) << 20) | pos
+        keys = (self.hash(_SALT_MASK, sample, pos) << 20) | pos
         if self.never_mask is not None:  # below every other key: picked only if nothing else is left
             keys = torch.where(torch.isin(tokens, self.never_mask), keys - (1 << 53), keys)
         mask_pos = keys.topk(self.n_mask, dim=1).indices.sort(dim=1).values
         labels = tokens.gather(1, mask_pos)
-        action = hash_ints(self.seed, _SALT_ACTION, step, sample, mask_pos) % 10
-        random_ids = hash_ints(self.seed, _SALT_RANDOM, step, sample, mask_pos) % self.random_vocab
+        action = self.hash(_SALT_ACTION, sample, mask_pos) % 10
+        random_ids = self.hash(_SALT_RANDOM, sample, mask_pos) % self.random_vocab
         new = torch.where(action < 8, torch.full_like(labels, self.mask_id),
                           torch.where(action == 8, random_ids, labels))
         return {"input_ids": tokens.scatter(1, mask_pos, new), "labels": labels, "mask_pos": mask_pos}
@@ -162,8 +190,8 @@ class MadeAhead(Batches):
     One batch costs some 150 small kernels whatever its size (the masking hash, and for
     synthetic data the tokens), a few milliseconds of host time that a fast step cannot hide,
     so the same kernels make the micro-batches of up to 16 steps at once (at most
-    ``CHUNK_TOKENS`` tokens) and ``batch`` hands out views. The hash takes the step as a
-    tensor then; the numbers are the same as one batch at a time (``Batches.batch``).
+    ``CHUNK_TOKENS`` tokens) and ``batch`` hands out views. The numbers are the same as one
+    batch at a time (``Batches.batch``).
     """
 
     CHUNK_TOKENS = 1 << 22
@@ -174,6 +202,10 @@ class MadeAhead(Batches):
         self.steps_ahead = max(1, min(16, self.CHUNK_TOKENS // (rows_per_step * (self.seq_len + 1))))
         self._chunk: dict[str, torch.Tensor] = {}
         self._chunk_steps = range(0)
+
+    def continue_at(self, step: int, sample: int) -> None:
+        super().continue_at(step, sample)
+        self._chunk_steps = range(0)  # made for the old position
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         assert 0 <= micro < self.grad_accum
@@ -187,15 +219,16 @@ class MadeAhead(Batches):
     def _make(self, steps: range) -> dict[str, torch.Tensor]:
         """Every micro-batch of this rank for ``steps``: rows ordered by (step, micro, sample)."""
 
-    def _keys_ahead(self, steps: range, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(step, global sample index within the step) of each row of ``_make``, as columns."""
+    def _samples_ahead(self, steps: range, device: torch.device) -> torch.Tensor:
+        """The global sample index of each row of ``_make``, as a column."""
         m = self.micro_batch
         per_step = self.grad_accum * m
         row = torch.arange(len(steps) * per_step, device=device)
-        step = (steps.start + row // per_step).unsqueeze(1)
         micro, j = (row % per_step) // m, row % m
-        sample = global_index(micro, self.rank, j, world_size=self.world_size, micro_batch=m).unsqueeze(1)
-        return step, sample
+        offset = global_index(micro, self.rank, j, world_size=self.world_size, micro_batch=m)
+        # first_sample(steps.start + k) = first_sample(steps.start) + k·G
+        sample = self.first_sample(steps.start) + (row // per_step) * self.global_batch + offset
+        return sample.unsqueeze(1)
 
 
 class SyntheticBatches(MadeAhead):
@@ -210,13 +243,13 @@ class SyntheticBatches(MadeAhead):
         self.stride = (0x9E3779B1 % self.n_states) | 1  # odd: a permutation of Z_{n_states}
 
     def _make(self, steps: range) -> dict[str, torch.Tensor]:
-        step, sample = self._keys_ahead(steps, self.device)
-        return self.assemble(self.tokens(step, range(0), sample), step, sample)
+        sample = self._samples_ahead(steps, self.device)
+        return self.assemble(self.tokens(sample), sample)
 
-    def tokens(self, step: int | torch.Tensor, idx: range, sample: torch.Tensor) -> torch.Tensor:
+    def tokens(self, sample: torch.Tensor) -> torch.Tensor:
         pos = self.positions
-        reset = (hash_ints(self.seed, _SALT_RESET, step, sample, pos) % 1000 < RESET_PER_MILLE) | (pos == 0)
-        start = hash_ints(self.seed, _SALT_START, step, sample, pos) % self.n_states
+        reset = (self.hash(_SALT_RESET, sample, pos) % 1000 < RESET_PER_MILLE) | (pos == 0)
+        start = self.hash(_SALT_START, sample, pos) % self.n_states
         last_reset = torch.where(reset, pos, torch.zeros_like(pos)).cummax(dim=1).values
         state = (start.gather(1, last_reset) + pos - last_reset) % self.n_states
         return self.first_token + (state * self.stride) % self.n_states
@@ -225,9 +258,9 @@ class SyntheticBatches(MadeAhead):
 class TokenFileBatches(MadeAhead):
     """Windows of seq_len+1 tokens from a memory-mapped file of token ids (.npy or raw .bin).
 
-    Sample with global index g of step t reads window w = ((t-1)·G + g) mod n_windows, i.e.
-    the file is read front to back, each rank taking its own samples of every step (a
-    disjoint shard), wrapping around at the end. Windows start every seq_len tokens and
+    Global sample n (see the module doc) reads window n mod n_windows, i.e. the file is read
+    front to back, each rank taking its own samples of every step (a disjoint shard),
+    wrapping around at the end. Windows start every seq_len tokens and
     overlap by one (GPT's labels are its inputs shifted by one); ``row_len`` makes them
     ``row_len`` tokens long, back to back, instead. Made ahead (``MadeAhead``): the rows of
     several steps are gathered from the file in one indexing op on the host, copied to the
@@ -247,22 +280,26 @@ class TokenFileBatches(MadeAhead):
                 f"{self.path} holds {self.ids.numel()} tokens, fewer than the {self.row_len} of one "
                 f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len"
             )
-        self.global_batch = self.world_size * self.micro_batch * self.grad_accum
         self._offsets = torch.arange(self.row_len)
+        # uint16 has few kernels in torch (indexing among the newer ones): read uint16 files
+        # through an int16 view and take the low 16 bits back after widening.
+        self._unsigned16 = self.ids.dtype == torch.uint16
+        if self._unsigned16:
+            self.ids = self.ids.view(torch.int16)
 
-    def tokens(self, step: int, idx: range, sample: torch.Tensor) -> torch.Tensor:
-        return self._rows((step - 1) * self.global_batch + torch.arange(idx.start, idx.stop))
+    def tokens(self, sample: torch.Tensor) -> torch.Tensor:
+        return self._rows(sample.view(-1).cpu())  # the one-batch path; _make stays on the host
 
     def _make(self, steps: range) -> dict[str, torch.Tensor]:
-        step, sample = self._keys_ahead(steps, torch.device("cpu"))  # file indices, on the host
-        tokens = self._rows(((step - 1) * self.global_batch + sample).view(-1))
-        step, sample = self._keys_ahead(steps, self.device)  # the same keys for the masks, made there
-        return self.assemble(tokens, step, sample)
+        tokens = self._rows(self._samples_ahead(steps, torch.device("cpu")).view(-1))  # file rows, on the host
+        sample = self._samples_ahead(steps, self.device)  # the same indices for the masks, made there
+        return self.assemble(tokens, sample)
 
     def _rows(self, windows: torch.Tensor) -> torch.Tensor:
         """The rows of the given window numbers (any, wrapped around), on the device."""
         starts = (windows % self.n_windows) * self.stride
-        batch = self.frame(self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64))
+        batch = self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64)
+        batch = self.frame(batch & 0xFFFF if self._unsigned16 else batch)
         top = int(batch.max())
         if top >= self.vocab_size:
             raise ValueError(

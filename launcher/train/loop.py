@@ -15,7 +15,7 @@ import os
 import random
 import socket
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +40,7 @@ from launcher.train.meter import (
 )
 from launcher.train.model import build_model, count_params, flops_per_token
 from launcher.train.profiling import StepProfiler
+from launcher.util import free_port
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +91,15 @@ class Trainer:
     def __init__(self, job: JobSpec):
         self.job = job
         self.gpu_util: GpuUtilization | None = None
+        self._contexts = ExitStack()  # process-wide settings held for the trainer's lifetime
         try:
             self.init_distributed()
             self.configure_runtime()
             self.build_model()
             self.build_optimizer()
             self.build_data()
-            self.checkpointer = Checkpointer(job.train.checkpoint, rank=self.rank)
+            self.checkpointer = Checkpointer(job.train.checkpoint, rank=self.rank, data=self.data,
+                                             elastic_batch=job.train.elastic_batch)
             self.start_step = self.checkpointer.maybe_resume(self.model, self.optimizer, self.scheduler)
             self.build_meter()
         except BaseException:
@@ -109,7 +112,7 @@ class Trainer:
         """Join the process group torchrun set up (or make a one-process group without it)."""
         if "RANK" not in os.environ:  # plain `python -m launcher.train`: world of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         self.rank = int(os.environ["RANK"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ["WORLD_SIZE"])
@@ -146,7 +149,15 @@ class Trainer:
         seed = job.train.seed
         random.seed(seed)
         torch.manual_seed(seed)  # same weights on every rank (also seeds every CUDA device)
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+        # fp8: torchao's float8 layers take bf16 inputs; everything else runs in bf16.
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(dtype)
+        if job.train.attention != "auto" and self.device.type == "cuda":
+            # Set before anything compiles: torch.compile picks the kernel when it traces.
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[job.train.attention]
+            self._contexts.enter_context(sdpa_kernel([backend]))
 
     def build_model(self) -> None:
         job = self.job
@@ -158,7 +169,7 @@ class Trainer:
         offload = fsdp and job.parallel.fsdp.cpu_offload
         where = ("cpu" if offload else "meta" if fsdp else self.device) if init else self.device
         with torch.device(where):
-            model = build_model(spec, seq_len=seq_len, mask_prob=mask_prob)
+            model = build_model(spec)
         if init and offload:
             from launcher.train.hf import load_pretrained
 
@@ -209,7 +220,10 @@ class Trainer:
         job, t = self.job, self.job.train
         cuda = self.device.type == "cuda"
         name = torch.cuda.get_device_name(self.device) if cuda else _cpu_name()
-        self.peak_tflops = peak_tflops(name, job.precision.dtype) if cuda else None
+        # fp8 against the bf16 peak: only some matmuls run in float8, and the same peak for both
+        # makes an fp8 run's MFU over a bf16 run's MFU its speed-up.
+        peak_dtype = "bf16" if job.precision.dtype == "fp8" else job.precision.dtype
+        self.peak_tflops = peak_tflops(name, peak_dtype) if cuda else None
         self.gpu_util = GpuUtilization(self.device)
         tokens = t.micro_batch * t.grad_accum * job.data.seq_len
         self.meter = Meter(
@@ -220,6 +234,7 @@ class Trainer:
             sync=(lambda: torch.cuda.synchronize(self.device)) if cuda else (lambda: None),
             reduce_loss=parallel.all_reduce_mean,
             peak_mem_gib=lambda: peak_memory_gib(self.device), gpu_util_pct=self.gpu_util,
+            lr=lambda step: t.lr * lr_factor(step - 1, t),  # the scheduler's rule (LambdaLR)
         )
         write_record({
             "type": "meta", "local_rank": self.local_rank, "world_size": self.world_size,
@@ -229,6 +244,10 @@ class Trainer:
             "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
             "job": job.name, "arch": job.model.arch, "strategy": job.parallel.strategy,
             "precision": job.precision.dtype, "start_step": self.start_step,
+            # Where this attempt starts (an elastic restart may change the world size).
+            "global_batch": self.data.global_batch, "start_sample": self.data.first_sample(self.start_step + 1),
+            **self.checkpointer.record(),
+            "restart_count": int(os.environ.get("LAUNCHER_RESTART_COUNT") or 0),
             "peak_mem_source": "cuda_max_memory_allocated" if cuda else "host_peak_rss",
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         })
@@ -314,6 +333,7 @@ class Trainer:
         return get_model_state_dict(self.model, options=options)
 
     def close(self) -> None:
+        self._contexts.close()
         if self.gpu_util is not None:
             self.gpu_util.close()
         if dist.is_initialized():
@@ -323,12 +343,6 @@ class Trainer:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_name() -> str:

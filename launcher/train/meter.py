@@ -16,7 +16,9 @@ TFLOP/s = ``flops_per_token`` × tokens/s, with ``flops_per_token`` from
 ``model.flops_per_token`` (6·N + 12·L·d·S; N counts the weights a token multiplies by,
 embedding lookups excluded, BERT's MLM head only on the masked fraction; GPT's attention
 term halved for causality). MFU = TFLOP/s ÷ the device's dense peak for the precision
-(``PEAK_TFLOPS``), null where the device or precision is not in the table (e.g. CPU).
+(``PEAK_TFLOPS``), null where the device or precision is not in the table (e.g. CPU). fp8
+runs are divided by the bf16 peak (the trainer asks for it): only some matmuls run in
+float8, and one peak for both makes an fp8 run's MFU over a bf16 run's its speed-up.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPUs; on the CPU the process's peak
 resident set size (``ru_maxrss``), which includes Python and libraries. Data wait: host
@@ -29,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from launcher.metrics import write_record
+from launcher.util import percentile
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +63,6 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
         if key.lower() in device_name.lower():
             return peaks.get(precision)
     return None
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 class HostTimer:
@@ -157,6 +149,7 @@ class Meter:
                  reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                  peak_mem_gib: Callable[[], float | None] = lambda: None,
                  gpu_util_pct: Callable[[], float | None] = lambda: None,
+                 lr: Callable[[int], float | None] = lambda step: None,
                  clock: Callable[[], float] = time.perf_counter,
                  write: Callable[[dict[str, Any]], None] = write_record):
         self.total_steps = total_steps
@@ -172,6 +165,7 @@ class Meter:
         self.reduce_loss = reduce_loss
         self.peak_mem_gib = peak_mem_gib
         self.gpu_util_pct = gpu_util_pct
+        self.lr = lr  # step -> the learning rate that optimizer step used
         self.clock = clock
         self.write = write
         self._marks: list[Any] = []
@@ -224,6 +218,7 @@ class Meter:
             "type": "step", "step": step, "tokens": steps * self.tokens_per_step,
             "samples": steps * self.samples_per_step, "interval_s": interval_s,
             "measured": measured, "step_times_ms": [round(t, 4) for t in times], "loss": loss,
+            "lr": self.lr(step),
             "data_wait_s": self._wait_s, "peak_mem_gib": self.peak_mem_gib(), "gpu_util_pct": util,
         }
         if measured:

@@ -38,7 +38,7 @@ GPT_LN_EPS = 1e-5
 INIT_STD = 0.02
 
 
-def build_model(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> nn.Module:
+def build_model(spec: ModelSpec) -> nn.Module:
     """The model a job asks for, initialised (call under ``torch.device(...)`` to place it)."""
     dims = spec.dims()
     if spec.arch == "bert":

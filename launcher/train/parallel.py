@@ -1,8 +1,10 @@
-"""Activation checkpointing, torch.compile, then DDP or FSDP2 — in that order.
+"""Float8 layers, activation checkpointing, torch.compile, then DDP or FSDP2 — in that order.
 
-The order follows torchtitan: activation checkpointing first (it changes what a block's
-forward does), then ``torch.compile`` per block (so the compiled graph includes the
-recomputation and DDP/FSDP hooks stay outside it), then the data-parallel wrapper (DDP
+The order follows torchtitan: float8 first (it swaps the blocks' linear layers for torchao's
+``Float8Linear``, which the rest then wraps like any layer), then activation checkpointing
+(it changes what a block's forward does), then ``torch.compile`` per block (so the compiled
+graph includes the recomputation and DDP/FSDP hooks stay outside it; a single process
+compiles the whole model instead), then the data-parallel wrapper (DDP
 around the whole model, or FSDP2's ``fully_shard`` per block and then at the root so the
 embeddings and the tied head form the root's group). Compiling with ``Module.compile()``
 in place keeps parameter names unchanged, which keeps checkpoints portable.
@@ -10,6 +12,7 @@ in place keeps parameter names unchanged, which keeps checkpoints portable.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -20,20 +23,99 @@ from torch import nn
 
 from launcher.spec.job import JobSpec
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger(__name__)
+
+# The dtype each precision computes in outside float8 matmuls (fp8 runs the rest in bf16).
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}
 
 
 def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_size: int) -> nn.Module:
-    """Apply AC → compile → FSDP/DDP as the job asks; returns the module to train."""
+    """Apply float8 → AC → compile → FSDP/DDP as the job asks; returns the module to train."""
+    if job.precision.dtype == "fp8":
+        p = job.precision
+        n = apply_float8(model, recipe=p.fp8_recipe, layers=p.fp8_layers, device=device)
+        if n == 0:
+            log.warning("fp8: no linear layer of this model passes torchao's %s size filter; all stay bf16 "
+                        "(precision.fp8_layers: all converts them anyway)", p.fp8_recipe)
+        else:
+            log.info("fp8: %d linear layers in float8 (%s scaling, layers %s)", n, p.fp8_recipe, p.fp8_layers)
     if job.train.activation_checkpointing:
         apply_activation_checkpointing(model)
+    data_parallel = world_size > 1 or shards_alone(job)
     if job.train.compile:
-        apply_compile(model, cuda_graphs=job.train.cuda_graphs)
+        scope = job.train.compile_scope
+        if scope == "auto":
+            scope = "block" if data_parallel else "model"
+        apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=scope == "model")
+    if not data_parallel:
+        if job.parallel.strategy == "fsdp":
+            log.info("fsdp on one process: nothing to shard, the model trains unwrapped")
+        return model
     if job.parallel.strategy == "fsdp":
         return apply_fsdp(model, job, device=device, world_size=world_size)
-    if world_size > 1:
-        return apply_ddp(model, job, device=device)
-    return model
+    return apply_ddp(model, job, device=device)
+
+
+def shards_alone(job: JobSpec) -> bool:
+    """Whether FSDP applies to a world of one process.
+
+    One process has nothing to shard or reduce: like DDP there, the model trains unwrapped
+    (FSDP's per-unit hooks and DTensor parameters cost host time that one GPU waits on:
+    264k against 490k tokens/s for GPT-2 124M on one H200, README "Performance"). The
+    exception is ``parallel.fsdp.cpu_offload``, which one process uses for its memory.
+    """
+    return job.parallel.strategy == "fsdp" and job.parallel.fsdp.cpu_offload
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
+
+
+def apply_float8(model: nn.Module, *, recipe: str, layers: str, device: torch.device) -> int:
+    """Swap the blocks' linear layers for torchao's float8 training layers; returns how many.
+
+    Only ``blocks.*`` is converted: the embeddings are lookups and the LM head is the tied
+    embedding matrix (``F.linear``, not an ``nn.Linear``), the first and last layers that
+    torchao advises to keep in high precision. ``layers="auto"`` keeps the layers torchao's
+    size filter for ``recipe`` expects to lose time in float8 (the casts cost more than the
+    faster matmul saves on small shapes); ``"all"`` converts every layer whose dims divide by
+    16 (a float8 matmul requirement). Raises SpecError without FP8 hardware or torchao.
+    """
+    from launcher.errors import SpecError
+
+    field = "precision.dtype"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        what = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else "none"
+        raise SpecError(
+            f"fp8 needs FP8 tensor cores (compute capability 8.9 or above: Ada, Hopper, Blackwell); "
+            f"{what} has compute capability {cap}. Set precision.dtype: bf16.", field=field)
+    try:
+        from torchao.float8 import (
+            Float8LinearConfig,
+            _auto_filter_for_recipe,
+            convert_to_float8_training,
+        )
+    except ImportError as err:
+        raise SpecError(
+            f"fp8 trains through torchao's float8 layers, and torchao is not importable here ({err}); "
+            "install it on every node (pip install 'torchao>=0.17', or the project's fp8 extra) "
+            "or set precision.dtype: bf16.", field=field) from err
+    size_ok = _auto_filter_for_recipe(recipe, filter_fqns=[]) if layers == "auto" else None
+
+    def wanted(module: nn.Module, fqn: str) -> bool:
+        if not (fqn.startswith("blocks.") and isinstance(module, nn.Linear)):
+            return False
+        if size_ok is not None:
+            return size_ok(module, fqn)
+        out_features, in_features = module.weight.shape
+        return out_features % 16 == 0 and in_features % 16 == 0
+
+    chosen = [name for name, m in model.named_modules() if wanted(m, name)]
+    if chosen:
+        convert_to_float8_training(model, module_filter_fn=wanted,
+                                   config=Float8LinearConfig.from_recipe_name(recipe))
+    return len(chosen)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -42,11 +124,14 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.checkpoint_activations = True
 
 
-def apply_compile(model: nn.Module, *, cuda_graphs: bool = False) -> None:
-    """Compile the embeddings, each block and the head, in place (names unchanged).
+def apply_compile(model: nn.Module, *, cuda_graphs: bool = False, whole: bool = False) -> None:
+    """Compile the embeddings, each block and the head (or, ``whole``, the model), in place
+    (names unchanged).
 
-    Per block rather than whole-model: every block has the same shapes, so one compiled
-    graph is reused L times, and FSDP's per-block hooks sit between graphs.
+    Per block: every block has the same shapes, so one compiled graph is reused L times,
+    and DDP's and FSDP's per-block hooks sit between graphs. Whole: one forward and one
+    backward graph for the model, which a single process prefers (fewer launches and graph
+    boundaries, fusion across blocks) at the cost of a longer compilation.
 
     ``cuda_graphs`` (inductor's reduce-overhead mode) records each compiled forward and
     backward once and replays it: one launch instead of dozens of kernel launches. DDP's
@@ -61,6 +146,9 @@ def apply_compile(model: nn.Module, *, cuda_graphs: bool = False) -> None:
     """
     torch._dynamo.config.optimize_ddp = False
     options = {"mode": "reduce-overhead"} if cuda_graphs else {}
+    if whole:
+        model.compile(**options)
+        return
     model.embed.compile(**options)
     for block in model.blocks:
         block.compile(**options)

@@ -11,7 +11,6 @@ own bf16 error. In fp32 on the GPU the two agree to 1e-4 (kernels differ from th
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from launcher.spec.job import ModelSpec  # noqa: E402
 from launcher.train.data import SyntheticBatches  # noqa: E402
 from launcher.train.hf import load_pretrained  # noqa: E402
 from launcher.train.model import build_model  # noqa: E402
+from launcher.util import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -43,7 +43,7 @@ def compare(folder: Path, hf: torch.nn.Module, *, arch: str, seq: int, batch: in
     assert arch_read == arch
     spec = ModelSpec(arch=arch, **dims, init_from=folder)
     with torch.device(dev):
-        ours = build_model(spec, seq_len=seq, mask_prob=0.15)
+        ours = build_model(spec)
     load_pretrained(ours, spec, device=dev)
     ours.eval()
     hf = hf.to(dev).eval()
@@ -116,11 +116,9 @@ def test_fsdp_on_the_gpu_loads_the_folder_exactly(tmp_path, monkeypatch, cpu_off
         "parallel": {"strategy": "fsdp", "fsdp": {"cpu_offload": cpu_offload}},
         "resources": {"device": "cuda", "nproc_per_node": 1}}))
     job = load_job(file)
-    with socket.socket() as sock:  # a world of one in this process, restored afterwards
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # A world of one in this process, restored afterwards.
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
     trainer = Trainer(job)
     try:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures.launching import assert_none_left, matching
+from fixtures.launching import Launcher
 
 from launcher.metrics import read_records
 
@@ -31,13 +31,14 @@ def run(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProc
 def test_the_example_fine_tunes_a_local_bert_folder_and_exports_it(tmp_path):
     shutil.copy(EXAMPLE / "job.yaml", tmp_path / "job.yaml")
     run(str(EXAMPLE / "make_assets.py"), "--out", str(tmp_path / "assets"), cwd=tmp_path)
-    before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
     began = time.monotonic()
-    run("-m", "launcher", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir), cwd=tmp_path)
-    took = time.monotonic() - began
+    with Launcher(str(tmp_path / "job.yaml"), run_dir=run_dir, cwd=tmp_path) as launch:
+        code = launch.wait(timeout=240)
+        took = time.monotonic() - began
+        assert code == 0, launch.output[-3000:]
+        launch.assert_nothing_left()
     assert took < 60, f"the example took {took:.0f} s"
-    assert_none_left(before, marker=run_dir.name)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 2
     assert all(r["data_wait_pct"] is not None and r["steps"] == 40 for r in summary["ranks"])

@@ -67,24 +67,22 @@ def make_script(path: Path, body: str) -> Path:
 
 @pytest.fixture(scope="module")
 def fixture_venvs(cluster) -> dict[str, str]:
-    """Two venvs (--system-site-packages) with parity-fixture 1.0 and 2.0, built offline."""
+    """Two venvs (--system-site-packages) with parity-fixture 1.0 and 2.0 installed.
+
+    Installed by hand as pip would leave them (the package and its .dist-info), so no build
+    tooling (setuptools, wheel) is needed: a fresh venv has none that can build.
+    """
     pythons = {}
     for version in ("1.0", "2.0"):
-        src = cluster.dir / f"parity-fixture-{version}"
-        (src / "parity_fixture").mkdir(parents=True)
-        (src / "parity_fixture" / "__init__.py").write_text(f'__version__ = "{version}"\n')
-        (src / "pyproject.toml").write_text(
-            "[build-system]\nrequires = ['setuptools']\nbuild-backend = 'setuptools.build_meta'\n"
-            f"[project]\nname = 'parity-fixture'\nversion = '{version}'\n"
-            "[tool.setuptools]\npackages = ['parity_fixture']\n"
-        )
         venv = cluster.dir / f"venv-{version}"
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
-             "--no-deps", "--no-build-isolation", "--no-index", str(src)],
-            check=True, capture_output=True,
-        )
+        site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        (site / "parity_fixture").mkdir(parents=True)
+        (site / "parity_fixture" / "__init__.py").write_text(f'__version__ = "{version}"\n')
+        dist = site / f"parity_fixture-{version}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: parity-fixture\nVersion: {version}\n")
+        (dist / "INSTALLER").write_text("tests\n")
         pythons[version] = str(venv / "bin" / "python")
     return pythons
 

@@ -126,6 +126,27 @@ def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000010", "step_00000020"]
 
 
+def test_a_rank_failing_on_every_attempt_exhausts_the_restarts(tmp_path):
+    """max_restarts 2 and a rank that fails at step 5 each time: exit 4, all three attempts on record."""
+    run_dir = tmp_path / f"exhaust-{tmp_path.name}"
+    script = Path(__file__).resolve().parents[2] / "examples/custom_train.py"
+    job = write_job(tmp_path, {"script": str(script), "args": ["--steps", "4000", "--fail-at", "5"]},
+                    launch={"max_restarts": 2, "stop_grace_s": 2})
+    with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        assert run.wait(timeout=300) == 4, run.output[-4000:]
+        out = run.output
+        run.assert_nothing_left()
+    summary = summary_of(run_dir)
+    assert summary["status"] == "failed" and summary["failure"]["rank"] == 1
+    assert [r["attempt"] for r in summary["restarts"]] == [1, 2]
+    assert all("rank 1 on node local" in r["reason"] for r in summary["restarts"])
+    assert [a["attempt"] for a in summary["attempts"]] == [0, 1, 2]
+    ports = [json.loads((run_dir / name).read_text())["master_port"]
+             for name in ("plan.json", "plan.attempt1.json", "plan.attempt2.json")]
+    assert len(set(ports)) == 3
+    assert out.count("restarting every worker") == 2
+
+
 # -- SIGINT / SIGTERM in each phase ------------------------------------------------------------
 
 PHASES = {
@@ -135,6 +156,22 @@ PHASES = {
     "startup": (lambda run: run.wait_output("Started 2 worker(s)"), None),
     "training": (lambda run: run.wait_file("metrics/rank0.jsonl"), None),
 }
+
+
+def interrupt(run: Launcher, sig: signal.Signals, *, what: str) -> str:
+    """Send ``sig``; the launcher exits 130 within 15 s in one clean paragraph, nothing left running."""
+    sent = time.monotonic()
+    run.proc.send_signal(sig)
+    code = run.wait(timeout=60)
+    took = time.monotonic() - sent
+    out = run.output
+    assert code == 130, out[-3000:]
+    run.assert_nothing_left()
+    assert took < 15, f"{what}: exit took {took:.0f} s"
+    own = [line for line in out.splitlines() if not line.startswith("[")]  # not a worker's line
+    # one clean paragraph: no traceback, no Ray "SIGTERM received" dump
+    assert not any("Traceback" in line or "SIGTERM received" in line for line in own), out[-3000:]
+    return out
 
 
 @pytest.mark.parametrize(("phase", "sig"), [
@@ -150,18 +187,9 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
     reached, not_yet = PHASES[phase]
     with Launcher(*args, run_dir=run_dir, cwd=tmp_path) as run:
         reached(run)
-        sent = time.monotonic()
-        run.proc.send_signal(sig)
-        code = run.wait(timeout=60)
-        took = time.monotonic() - sent
-        out = run.output
-        assert code == 130, out[-3000:]
-        run.assert_nothing_left()
-    assert took < 15, f"{sig.name} in {phase}: exit took {took:.0f} s"
+        out = interrupt(run, sig, what=f"{sig.name} in {phase}")
     if not_yet:
         assert not_yet not in out, f"the signal came too late to test phase {phase}"
-    own = [line for line in out.splitlines() if not line.startswith("[")]  # not a worker's line
-    assert not any("Traceback" in line for line in own), out[-3000:]  # one clean paragraph
     summary = summary_of(run_dir)
     assert summary["status"] == "interrupted" and summary["failure"] is None
     assert (run_dir / "job.yaml").is_file()
@@ -182,16 +210,7 @@ def test_sigterm_during_a_scaling_study_exits_130_and_keeps_what_was_measured(tm
             run.wait_output("Starting an embedded Ray")
         else:
             run.wait_file("w1-n1/r0/metrics/rank0.jsonl")
-        sent = time.monotonic()
-        run.proc.send_signal(signal.SIGTERM)
-        code = run.wait(timeout=60)
-        took = time.monotonic() - sent
-        out = run.output
-        assert code == 130, out[-3000:]
-        run.assert_nothing_left()
-    assert took < 15, f"SIGTERM in the study's {phase}: exit took {took:.0f} s"
-    own = [line for line in out.splitlines() if not line.startswith("[")]
-    assert not any("Traceback" in line or "SIGTERM received" in line for line in own), out[-3000:]
+        out = interrupt(run, signal.SIGTERM, what=f"SIGTERM in the study's {phase}")
     assert "scaling study interrupted" in out
     assert (study / "scaling.json").is_file()  # the points measured so far (none yet)
     if phase == "training":

@@ -183,3 +183,14 @@ def test_the_probe_reports_the_installed_launcher_not_a_folder_named_launcher(tm
     assert report["launcher"]["path"] != str(tmp_path / "launcher")
     assert Path(report["launcher"]["path"], "__init__.py").is_file()
     assert report["user_code"]["exists"] and report["user_code"]["code_files"] == 0
+
+
+def test_the_probe_still_finds_a_launcher_named_on_pythonpath_in_the_current_folder(tmp_path):
+    """A checkout on PYTHONPATH, run from that checkout, as on a machine without an install
+    (``-S``: no site-packages, so no installed launcher to fall back on)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-S", "-"], input=PROBE.read_text(), capture_output=True, text=True,
+                         cwd=root, env=env, timeout=60, check=True)
+    report = json.loads(out.stdout.splitlines()[-1])
+    assert report["launcher"]["path"] == str(root / "launcher")

@@ -34,7 +34,7 @@ def run_dir(tmp_path: Path, steps: tuple[int, ...] = (5, 10), checkpoint: bool =
     job = load_job(source)
     for step in steps:
         torch.manual_seed(step)
-        model = build_model(job.model, seq_len=16, mask_prob=0.15)
+        model = build_model(job.model)
         path = step_dir(ckpt, step)
         dcp.save({"model": model.state_dict(), "train": {"step": step}}, checkpoint_id=str(path), no_dist=True)
         (path / MARKER).write_text(f"{step}\n")

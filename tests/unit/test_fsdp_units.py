@@ -4,7 +4,6 @@ group: one all-gather, one reduce-scatter), parameter names unchanged (one gloo 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,18 +11,13 @@ import torch.distributed as dist
 
 from launcher.spec.job import JobSpec
 from launcher.train.model import build_model
-from launcher.train.parallel import parallelize
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launcher.train.parallel import apply_fsdp, parallelize, shards_alone
+from launcher.util import free_port
 
 
 @pytest.fixture(scope="module")
 def one_process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -37,9 +31,9 @@ def test_blocks_are_grouped_into_units(one_process_group, per_unit: int, units: 
         "parallel": {"strategy": "fsdp", "fsdp": {"blocks_per_unit": per_unit}},
         "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
     })
-    model = build_model(job.model, seq_len=16, mask_prob=0.15)
+    model = build_model(job.model)
     names = [n for n, _ in model.named_parameters()]
-    model = parallelize(model, job, device=torch.device("cpu"), world_size=1)
+    model = apply_fsdp(model, job, device=torch.device("cpu"), world_size=1)
     groups = [b._get_fsdp_state()._fsdp_param_group for b in model.blocks]
     assert len({id(g) for g in groups}) == units
     # every block's parameters are in its unit's group, and no parameter was renamed
@@ -68,7 +62,7 @@ def test_accumulation_keeps_parameters_gathered_only_when_the_step_does_anyway(
         "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
     })
     cpu = torch.device("cpu")
-    model = parallelize(build_model(job.model, seq_len=16, mask_prob=0.15), job, device=cpu, world_size=1)
+    model = apply_fsdp(build_model(job.model), job, device=cpu, world_size=1)
     data = build_data(job, rank=0, world_size=1, device=cpu)
 
     def gathered() -> list[bool]:
@@ -81,3 +75,20 @@ def test_accumulation_keeps_parameters_gathered_only_when_the_step_does_anyway(
         expect = micro == 0 and not reshard_after_forward
         assert gathered() == [expect] * len(model.blocks), micro
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+
+
+def test_fsdp_on_one_process_trains_the_model_unwrapped_unless_it_offloads():
+    """One process has nothing to shard: parallelize leaves the model plain, as DDP does."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def job(**fsdp) -> JobSpec:
+        return JobSpec.model_validate({
+            "name": "one", "model": {"arch": "bert", "size": "tiny", "vocab_size": 256},
+            "data": {"source": "synthetic", "seq_len": 16}, "parallel": {"strategy": "fsdp", "fsdp": fsdp},
+            "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
+        })
+
+    model = build_model(job().model)
+    assert parallelize(model, job(), device=torch.device("cpu"), world_size=1) is model
+    assert not isinstance(model, FSDPModule) and not shards_alone(job())
+    assert shards_alone(job(cpu_offload=True))

@@ -38,7 +38,7 @@ def built_in(tmp_path: Path, folder: Path, **model):
     """The job's model spec (shape from config.json) and the built-in model loaded from ``folder``."""
     spec = load_job(job_file(tmp_path, {"init_from": str(folder), **model})).model
     torch.manual_seed(1)
-    ours = build_model(spec, seq_len=SEQ, mask_prob=0.15)
+    ours = build_model(spec)
     load_pretrained(ours, spec, device=torch.device("cpu"))
     return spec, ours.eval()
 
@@ -118,6 +118,22 @@ def test_older_file_layouts_load_the_same_weights(tmp_path):
     torch.save(old, tmp_path / "gpt2/pytorch_model.bin")
     spec, ours = built_in(tmp_path, tmp_path / "gpt2")
     assert torch.equal(ours.blocks[0].attn.qkv.weight, tensors["transformer.h.0.attn.c_attn.weight"].t())
+
+
+def test_a_folder_of_shards_loads_like_one_file(tmp_path):
+    save_gpt2(tmp_path / "gpt2")
+    spec, ours = built_in(tmp_path, tmp_path / "gpt2")
+    tensors = load_file(tmp_path / "gpt2/model.safetensors")
+    (tmp_path / "gpt2/model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, tmp_path / "gpt2" / file)
+    index = {"metadata": {}, "weight_map": {k: file for file, part in shards.items() for k in part}}
+    (tmp_path / "gpt2/model.safetensors.index.json").write_text(json.dumps(index))
+    _, sharded = built_in(tmp_path, tmp_path / "gpt2")
+    for (name, a), b in zip(ours.state_dict().items(), sharded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_export_writes_the_hugging_face_tensors_back_exactly(tmp_path):

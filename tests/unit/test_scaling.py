@@ -9,7 +9,7 @@ import json
 import pytest
 
 from launcher.errors import SpecError, UsageError
-from launcher.report import (
+from launcher.results import (
     build_table,
     load_scaling,
     render_scaling,

@@ -11,8 +11,9 @@ import pytest
 
 from launcher.errors import UsageError
 from launcher.metrics import read_records, write_record
-from launcher.report import load_run, render, report_command, summarize, write_summary
-from launcher.report.summary import percentile, stragglers
+from launcher.results import load_run, render, report_command, summarize, write_summary
+from launcher.results.summary import stragglers
+from launcher.util import percentile
 
 SCHEMA_TOP = {"job", "status", "world_size", "nodes", "ranks", "totals", "failure"}
 SCHEMA_RANK = {"rank", "node", "host", "local_rank", "device", "steps", "step_time_ms_p50",

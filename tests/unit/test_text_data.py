@@ -203,3 +203,23 @@ def test_launch_tokenize_fills_the_cache_and_prints_where(tmp_path, assets, caps
     assert meta_path.is_file() and f"{bin_path}: " in capsys.readouterr().out
     file.write_text(file.read_text().replace("source: text", "source: synthetic").replace("tokenizer:", "x:"))
     assert cli_main(["tokenize", str(file)]) == 2
+
+
+def test_text_goes_on_at_the_next_sample_after_a_restart_at_another_world_size(tmp_path, assets):
+    """BERT on text: 2 ranks x grad_accum 2 for 3 steps, then 1 rank x grad_accum 4 resumed
+    after step 3: every step's samples (words and masks) are an uninterrupted 1-rank run's."""
+    def samples(world: int, accum: int, steps: range, resume: bool = False) -> torch.Tensor:
+        j = job(tmp_path, assets)
+        j = j.model_copy(update={"train": j.train.model_copy(update={"grad_accum": accum})})
+        parts = []
+        for rank in range(world):
+            data = build_data(j, rank=rank, world_size=world, device=torch.device("cpu"))
+            if resume:
+                data.continue_at(steps.start - 1, (steps.start - 1) * 16)
+            parts.append([data.batch(s, a)["input_ids"] for s in steps for a in range(accum)])
+        # global order: step, micro-batch, rank
+        return torch.cat([parts[r][i] for i in range(len(steps) * accum) for r in range(world)])
+
+    uninterrupted = samples(1, 4, range(1, 7))
+    restarted = torch.cat([samples(2, 2, range(1, 4)), samples(1, 4, range(4, 7), resume=True)])
+    assert torch.equal(restarted, uninterrupted)

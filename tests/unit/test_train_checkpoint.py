@@ -1,11 +1,22 @@
-"""Which checkpoint resume picks, and when one is due (pure; DCP itself runs in integration)."""
+"""Which checkpoint resume picks, and when one is due (pure; DCP itself runs in integration and
+in test_train_elastic)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from launcher.spec.job import CheckpointSpec
-from launcher.train.checkpoint import MARKER, Checkpointer, latest_checkpoint, step_dir
+from launcher.train.checkpoint import MARKER, Checkpointer, ResumeError, latest_checkpoint, step_dir
+from launcher.train.data import SyntheticBatches
+
+
+def checkpointer(spec: CheckpointSpec, *, world: int = 1, accum: int = 1, elastic_batch: str = "keep") -> Checkpointer:
+    data = SyntheticBatches(arch="gpt", vocab_size=64, seq_len=8, micro_batch=2, grad_accum=accum, mask_prob=0.15,
+                            seed=0, rank=0, world_size=world, device=torch.device("cpu"))
+    return Checkpointer(spec, rank=0, data=data, elastic_batch=elastic_batch)
 
 
 def test_latest_complete_checkpoint_wins(tmp_path: Path):
@@ -22,8 +33,27 @@ def test_latest_complete_checkpoint_wins(tmp_path: Path):
 
 
 def test_checkpoints_are_due_every_n_steps_and_at_the_end(tmp_path: Path):
-    every = Checkpointer(CheckpointSpec(dir=tmp_path, every_steps=25), rank=0)
+    every = checkpointer(CheckpointSpec(dir=tmp_path, every_steps=25))
     assert [s for s in range(1, 61) if every.due(s, 60)] == [25, 50, 60]
-    end_only = Checkpointer(CheckpointSpec(dir=tmp_path), rank=0)
+    end_only = checkpointer(CheckpointSpec(dir=tmp_path))
     assert [s for s in range(1, 61) if end_only.due(s, 60)] == [60]
-    assert not any(Checkpointer(CheckpointSpec(), rank=0).due(s, 60) for s in range(1, 61))
+    assert not any(checkpointer(CheckpointSpec()).due(s, 60) for s in range(1, 61))
+
+
+def test_resume_puts_the_data_at_the_next_sample_and_checks_the_global_batch(tmp_path: Path):
+    """``train`` as DCP hands it back (the model and optimizer load is integration's)."""
+    keep = checkpointer(CheckpointSpec(dir=tmp_path), world=2, accum=3)  # global batch 12
+    written = {"step": 5, "samples": 60, "world_size": 3, "global_batch": 12}
+    resumed = keep._continue_data(tmp_path, written)
+    assert (resumed.step, resumed.samples, resumed.world_size) == (5, 60, 3)
+    assert keep.data.first_sample(6) == 60 and keep.data.first_sample(7) == 72
+    # a checkpoint from before the data position was saved: it ran at this job's global batch
+    old = keep._continue_data(tmp_path, {"step": 5})
+    assert (old.samples, old.world_size, old.global_batch) == (60, None, None)
+    with pytest.raises(ResumeError, match=r"global batch of 12 samples \(3 ranks\).*train.grad_accum: 6"):
+        checkpointer(CheckpointSpec(dir=tmp_path), world=1)._continue_data(tmp_path, written)
+    with pytest.raises(ResumeError, match="whose product with the world size equals it"):
+        checkpointer(CheckpointSpec(dir=tmp_path), world=5)._continue_data(tmp_path, written)
+    scaled = checkpointer(CheckpointSpec(dir=tmp_path), world=2, accum=1, elastic_batch="scale")
+    scaled._continue_data(tmp_path, written)  # global batch 4 from here on
+    assert scaled.data.first_sample(6) == 60 and scaled.data.first_sample(7) == 64

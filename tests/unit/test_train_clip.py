@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from launcher.train.parallel import clip_grad_norm_
+from launcher.util import free_port
 
 
 def _model() -> nn.Module:
@@ -48,16 +48,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_sharded_clip_matches_torch_on_the_full_model(tmp_path: Path):
     out = tmp_path / "clip.pt"
-    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="fork")
+    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="fork")
     for want, got, ref_grads, grads in torch.load(out):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         for g_ref, g in zip(ref_grads, grads, strict=True):

@@ -87,7 +87,7 @@ def test_gpt_labels_are_the_next_tokens():
 
 def test_mlm_masks_a_fixed_count_with_80_10_10():
     gen = source(micro=64, seq=128, vocab=30522)
-    clean = gen.tokens(3, range(64), torch.arange(64).unsqueeze(1))[:, :128]
+    clean = gen.tokens(gen.first_sample(3) + torch.arange(64).unsqueeze(1))[:, :128]
     batch = gen.batch(3)
     pos, labels, ids = batch["mask_pos"], batch["labels"], batch["input_ids"]
     assert pos.shape == labels.shape == (64, round(0.15 * 128))
@@ -175,3 +175,75 @@ def test_token_file_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path
         got, want = ahead.batch(step, micro), Batches.batch(ahead, step, micro)
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
+
+
+def test_uint16_token_ids_above_int16_read_back_exactly(tmp_path: Path):
+    ids = (torch.arange(2_000, dtype=torch.int64) * 37 + 30_000) % 65_536
+    write_npy(tmp_path / "t.npy", ids.to(torch.uint16), "<u2")
+    batches = source("gpt", seq=16, micro=2, vocab=65_536, cls=TokenFileBatches, path=tmp_path / "t.npy",
+                     token_dtype="uint16")
+    b = batches.batch(1)
+    assert torch.equal(b["input_ids"], torch.stack([ids[0:16], ids[16:32]]))
+    assert int(ids.max()) > 32_767
+
+
+def run_samples(make, world: int, accum: int, steps: range, key: str = "input_ids") -> torch.Tensor:
+    """Every sample of ``steps``, in global order, from ``world`` ranks made by ``make(rank)``."""
+    return torch.cat([step_samples(make, world, accum, step, key) for step in steps])
+
+
+def resumed(make, rank: int, after_step: int, at_sample: int):
+    data = make(rank=rank)
+    data.continue_at(after_step, at_sample)
+    return data
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+@pytest.mark.parametrize("key", ["input_ids", "labels"])
+def test_a_restart_at_a_new_world_size_and_the_same_global_batch_sees_the_uninterrupted_samples(
+        arch: str, key: str):
+    """3 ranks for 4 steps, then 2 ranks (grad_accum 3 instead of 2) for 4 more: the samples of
+    every step are those of one uninterrupted process, in the same order."""
+    def make(world, accum):
+        return lambda rank: source(arch, rank=rank, world=world, micro=2, accum=accum)
+
+    uninterrupted = run_samples(make(1, 6), 1, 6, range(1, 9), key)
+    before = run_samples(make(3, 2), 3, 2, range(1, 5), key)
+    after = run_samples(lambda rank: resumed(make(2, 3), rank, 4, 4 * 12), 2, 3, range(5, 9), key)
+    assert torch.equal(torch.cat([before, after]), uninterrupted)
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+def test_a_restart_that_scales_the_global_batch_repeats_and_skips_no_sample(arch: str):
+    """3 ranks x 4 for 3 steps (12 samples a step), then 2 ranks x 4 (8 a step) for 3 more: the
+    36 + 24 samples are samples 0..59 of the run, each once, in order (a one-sample-per-step
+    source yields sample n at step n + 1)."""
+    one = source(arch, micro=1)
+    every = torch.cat([one.batch(n + 1)["input_ids"] for n in range(60)])
+    before = run_samples(lambda rank: source(arch, rank=rank, world=3), 3, 1, range(1, 4))
+    after = run_samples(lambda rank: resumed(lambda rank: source(arch, rank=rank, world=2), rank, 3, 36),
+                        2, 1, range(4, 7))
+    assert torch.equal(torch.cat([before, after]), every)
+
+
+def test_a_restarted_token_file_reads_on_from_the_next_window(tmp_path: Path):
+    """Window n is global sample n, whatever the world size before and after."""
+    write_npy(tmp_path / "t.npy", torch.arange(10_000, dtype=torch.int32) % 1000, "<i4")
+
+    def make(world: int, rank: int):
+        return source("gpt", rank=rank, world=world, micro=2, seq=16, cls=TokenFileBatches,
+                      path=tmp_path / "t.npy", token_dtype="uint16")
+
+    before = run_samples(lambda rank: make(3, rank), 3, 1, range(1, 3))  # 2 steps of 6 samples
+    after = run_samples(lambda rank: resumed(lambda rank: make(2, rank), rank, 2, 12), 2, 1, range(3, 6))
+    starts = torch.cat([before, after])[:, 0]
+    assert torch.equal(starts, torch.arange(12 + 3 * 4) * 16)
+
+
+def test_sample_indices_above_two_to_the_32_stay_distinct():
+    """The index's high bits are hashed too: samples 2^32 apart are different samples."""
+    late = source()
+    late.continue_at(0, 1 << 32)
+    assert not torch.equal(late.batch(1)["input_ids"], source().batch(1)["input_ids"])
+    ahead = late.batch(1)
+    assert all(torch.equal(ahead[k], Batches.batch(late, 1)[k]) for k in ahead)

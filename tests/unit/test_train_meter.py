@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.train.meter import Meter, final_line, peak_tflops, percentile, progress_line
+from launcher.train.meter import Meter, final_line, peak_tflops, progress_line
+from launcher.util import percentile
 
 STEP_KEYS = {"type", "step", "tokens", "samples", "interval_s", "measured", "step_times_ms", "loss",
-             "data_wait_s", "peak_mem_gib", "gpu_util_pct"}
+             "lr", "data_wait_s", "peak_mem_gib", "gpu_util_pct"}
 FINAL_KEYS = {"type", "steps", "measured_steps", "step_time_ms_p50", "step_time_ms_p95", "tokens_per_s",
               "samples_per_s", "tflops", "mfu", "peak_mem_gib", "data_wait_pct", "gpu_util_pct", "loss"}
 
@@ -50,7 +51,7 @@ def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0):
     meter = Meter(total_steps=total, warmup_steps=warmup, log_every=log_every, tokens_per_step=1000,
                   samples_per_step=10, flops_per_token=1e9, peak_tflops=peak, timer=FakeTimer(clock),
                   sync=sync, reduce_loss=reduce, peak_mem_gib=lambda: 1.5, gpu_util_pct=lambda: 90.0,
-                  clock=clock, write=records.append)
+                  lr=lambda step: step / 1000, clock=clock, write=records.append)
     return meter, clock, calls, records
 
 
@@ -74,6 +75,7 @@ def test_syncs_only_on_log_steps_and_the_warmup_boundary():
     assert [r["step"] for r in records] == [3, 5, 10, 15, 20]
     assert [r["measured"] for r in records] == [False, True, True, True, True]
     assert all(set(r) == STEP_KEYS for r in records)
+    assert [r["lr"] for r in records] == [0.003, 0.005, 0.01, 0.015, 0.02]  # the log step's own
     assert records[1]["tokens"] == 2000 and records[2]["samples"] == 50
     assert records[2]["step_times_ms"] == pytest.approx([100.0] * 5)
     assert records[2]["loss"] == pytest.approx(sum(range(6, 11)) / 5)

@@ -19,7 +19,7 @@ HF_BERT_BASE_MLM = 109_514_298  # BertForMaskedLM, bert-base-uncased config, tie
 
 def meta_params(spec: ModelSpec) -> int:
     with torch.device("meta"):
-        return count_params(build_model(spec, seq_len=128, mask_prob=0.15))
+        return count_params(build_model(spec))
 
 
 def expected_params(arch: str, L: int, d: int, V: int, P: int, ff: int) -> int:
@@ -57,7 +57,7 @@ def test_explicit_dims_override_the_preset():
 def test_forward_returns_a_scalar_loss_near_uniform(arch: str):
     torch.manual_seed(0)
     spec = ModelSpec(arch=arch, size="tiny", vocab_size=256)
-    model = build_model(spec, seq_len=16, mask_prob=0.25)
+    model = build_model(spec)
     ids = torch.randint(0, 256, (2, 16))
     if arch == "bert":
         loss = model(ids, torch.randint(0, 256, (2, 4)), torch.tensor([[0, 3, 7, 9], [1, 2, 5, 15]]))
@@ -70,7 +70,7 @@ def test_forward_returns_a_scalar_loss_near_uniform(arch: str):
 
 def test_bert_head_reads_only_the_masked_positions():
     torch.manual_seed(0)
-    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=128), seq_len=8, mask_prob=0.25)
+    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=128))
     hidden = torch.randn(1, 8, 128, requires_grad=True)
     mask_pos = torch.tensor([[2, 5]])
     loss = model.head(hidden, torch.tensor([[3, 4]]), mask_pos, model.embed.tok.weight)
@@ -81,7 +81,7 @@ def test_bert_head_reads_only_the_masked_positions():
 
 def test_gpt_is_causal():
     torch.manual_seed(0)
-    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=64), seq_len=8, mask_prob=0.15).eval()
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=64)).eval()
     ids = torch.randint(0, 64, (1, 8))
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % 64
@@ -113,10 +113,63 @@ def test_compile_is_per_block_and_keeps_each_block_whole_under_ddp():
     """Dynamo's DDP optimizer would split each compiled block at gradient-bucket boundaries."""
     from launcher.train.parallel import apply_compile
 
-    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=256), seq_len=16, mask_prob=0.25)
+    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=256))
     with torch._dynamo.config.patch(optimize_ddp=True):
         apply_compile(model)
         assert torch._dynamo.config.optimize_ddp is False
     compiled = [model.embed, *model.blocks, model.head]
     assert all(m._compiled_call_impl is not None for m in compiled)
     assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged
+
+
+def test_compile_scope_model_compiles_the_whole_model_once():
+    from launcher.train.parallel import apply_compile
+
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256))
+    apply_compile(model, whole=True)
+    assert model._compiled_call_impl is not None
+    assert all(m._compiled_call_impl is None for m in [model.embed, *model.blocks, model.head])
+    assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged
+
+
+@pytest.mark.parametrize(("scope", "world", "strategy", "whole"), [
+    ("auto", 1, "ddp", True), ("auto", 2, "ddp", False), ("auto", 1, "fsdp", True),
+    ("block", 1, "ddp", False), ("model", 1, "ddp", True),
+])
+def test_compile_scope_auto_is_the_whole_model_for_one_process(monkeypatch, scope, world, strategy, whole):
+    from launcher.spec.job import JobSpec
+    from launcher.train import parallel
+
+    seen = {}
+    monkeypatch.setattr(parallel, "apply_compile", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr(parallel, "apply_ddp", lambda model, job, device: model)
+    monkeypatch.setattr(parallel, "apply_fsdp", lambda model, job, device, world_size: model)
+    job = JobSpec.model_validate({
+        "name": "scope", "model": {"arch": "gpt", "size": "tiny", "vocab_size": 256},
+        "data": {"source": "synthetic", "seq_len": 16}, "train": {"compile": True, "compile_scope": scope},
+        "parallel": {"strategy": strategy}, "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
+    })
+    model = build_model(job.model)
+    parallel.parallelize(model, job, device=torch.device("cpu"), world_size=world)
+    assert seen == {"cuda_graphs": False, "whole": whole}
+
+
+def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
+    import sys
+
+    from launcher.errors import SpecError
+    from launcher.train.parallel import apply_float8
+
+    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256))
+    with pytest.raises(SpecError, match=r"precision.dtype.*FP8 tensor cores.*the CPU has compute capability none"):
+        apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cpu"))
+    # An H100 without torchao installed: the error names the package and the way out.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(SpecError, match=r"torchao is not importable.*set precision.dtype: bf16"):
+        apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(SpecError, match=r"A100-SXM4-80GB has compute capability 8.0"):
+        apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cuda", 0))

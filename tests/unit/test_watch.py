@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterable
 
 import pytest
+import yaml
 
 from launcher.orchestrate.plan import plan
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, FailureKind, RankError, Status
@@ -75,6 +76,7 @@ class FakeAgents:
 
     def start(self, launch_plan, files) -> None:
         self.started.append(launch_plan)
+        self.files = files
 
     def stop(self, grace_s: float) -> list:
         self.stops += 1
@@ -215,3 +217,129 @@ def test_a_lost_node_is_not_restarted(tmp_path, script):
     outcome, _ = attempts(tmp_path, agents, max_restarts=3)
     assert outcome.status is Status.FAILED and outcome.failure.kind is FailureKind.LOST_NODE
     assert len(agents.started) == 1
+
+
+# -- elastic restarts -------------------------------------------------------------------------
+
+
+def three_nodes_and_a_spare() -> ClusterSpec:
+    return ClusterSpec.model_validate({"nodes": [{"name": f"n{i}", "host": f"198.18.0.{10 + i}"} for i in range(4)]})
+
+
+def elastic_job(**train: object) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": "e", "precision": {"dtype": "fp32"},
+        "resources": {"device": "cpu", "nproc_per_node": 1, "nodes": 3, "min_nodes": 2},
+        "train": {"steps": 10, "warmup_steps": 1, "micro_batch": 4, "grad_accum": 2,
+                  "checkpoint": {"dir": "/shared/ckpt", "every_steps": 2}, **train},
+        "launch": {"max_restarts": 1}})
+
+
+class FakeSession:
+    def __init__(self, refuse: set[str] = frozenset()):
+        self.node_ips = {f"n{i}": f"198.18.0.{10 + i}" for i in range(4)}
+        self.refuse, self.added = refuse, []
+
+    def add_node(self, node) -> None:
+        if node.name in self.refuse:
+            from launcher.errors import PreflightError
+
+            raise PreflightError(f"{node.name} cannot join")
+        self.added.append(node.name)
+
+
+def elastic_run(tmp_path, monkeypatch, job: JobSpec, cluster: ClusterSpec, rounds_per_attempt, session):
+    """Run attempts where each attempt's agents are a new FakeAgents with the next script."""
+    from launcher.orchestrate import run as run_mod
+
+    scripts = iter(rounds_per_attempt)
+    placed = []
+
+    def place(session_, nodes, gpus, name):
+        placed.append([n.name for n in nodes])
+        agents = FakeAgents(next(scripts))
+        placed_agents.append(agents)
+        return agents
+
+    monkeypatch.setattr(run_mod.AgentGroup, "place", staticmethod(place))
+    placed_agents = []
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.prepare(job, cluster)
+    launcher = Launch(job=job, cluster=cluster, run_dir=run_dir, quiet=True, skip_parity=True)
+    launcher.session = session
+    first = FakeAgents(next(scripts))
+    first.close = lambda: None
+    launcher.placed_agents = placed_agents
+    return launcher, launcher.run_attempts(first), placed
+
+
+def lost(i: int) -> dict:
+    return {i: RuntimeError("actor died")}
+
+
+def test_a_lost_node_is_replaced_by_the_spare(tmp_path, monkeypatch):
+    session = FakeSession()
+    launcher, outcome, placed = elastic_run(tmp_path, monkeypatch, elastic_job(), three_nodes_and_a_spare(),
+                                            [[lost(2)], [{i: AgentUpdate(exit=ExitStatus(0)) for i in range(3)}]],
+                                            session)
+    assert outcome.status is Status.SUCCEEDED
+    assert placed == [["n0", "n1", "n3"]] and session.added == ["n3"]
+    assert [p.world_size for p in launcher.plans] == [3, 3]
+    [restart] = launcher.restarts
+    assert (restart.attempt, restart.failed_node, restart.nodes, restart.world_size) == (1, "n2", ["n0", "n1", "n3"], 3)
+
+
+def test_without_a_spare_the_job_goes_on_smaller_with_the_same_global_batch(tmp_path, monkeypatch):
+    session = FakeSession(refuse={"n3"})  # the spare does not join
+    launcher, outcome, placed = elastic_run(tmp_path, monkeypatch, elastic_job(micro_batch=4, grad_accum=2),
+                                            three_nodes_and_a_spare(),
+                                            [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)),
+                                                          1: AgentUpdate(exit=ExitStatus(0))}]], session)
+    assert outcome.status is Status.SUCCEEDED and placed == [["n0", "n1"]]
+    assert [p.world_size for p in launcher.plans] == [3, 2]
+    # 4 x 2 x 3 = 24 samples per step; on 2 ranks of 4: 3 micro-batches
+    assert json.loads(launcher.run_dir.plan_file(1).read_text())["world_size"] == 2
+    assert yaml.safe_load(launcher.placed_agents[0].files["job.yaml"])["train"]["grad_accum"] == 3
+    assert launcher.restarts[0].world_size == 2
+
+
+def test_a_global_batch_that_does_not_divide_refuses_the_restart(tmp_path, monkeypatch):
+    session = FakeSession(refuse={"n3"})
+    job = elastic_job(micro_batch=4, grad_accum=1)  # 12 samples over 2 ranks of 4: no
+    _, outcome, placed = elastic_run(tmp_path, monkeypatch, job, three_nodes_and_a_spare(), [[lost(2)]], session)
+    assert outcome.status is Status.FAILED and placed == []
+    assert "does not divide" in outcome.failure.reason and "elastic_batch: scale" in outcome.failure.reason
+    scaled = elastic_job(micro_batch=4, grad_accum=1, elastic_batch="scale")
+    _, outcome, _ = elastic_run(tmp_path / "s", monkeypatch, scaled, three_nodes_and_a_spare(),
+                                [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
+                                FakeSession(refuse={"n3"}))
+    assert outcome.status is Status.SUCCEEDED
+
+
+def test_fewer_than_min_nodes_ends_the_job(tmp_path, monkeypatch):
+    job = elastic_job().model_copy(update={"resources": elastic_job().resources.model_copy(update={"min_nodes": 3})})
+    _, outcome, placed = elastic_run(tmp_path, monkeypatch, job, three_nodes_and_a_spare(), [[lost(1)]],
+                                     FakeSession(refuse={"n3"}))
+    assert outcome.status is Status.FAILED and placed == []
+    assert "fewer than resources.min_nodes=3" in outcome.failure.reason
+
+
+def test_the_new_attempts_job_file_carries_the_raised_grad_accum():
+    from launcher.orchestrate.elastic import job_for_world
+
+    first = elastic_job(micro_batch=4, grad_accum=2)
+    assert job_for_world(first, first, 3, 2).train.grad_accum == 3
+    assert job_for_world(first, first, 3, 6).train.grad_accum == 1
+    assert job_for_world(first, first, 3, 3) is first
+
+
+def test_an_elastic_job_on_other_machines_needs_shared_checkpoints():
+    from launcher.errors import SpecError
+    from launcher.orchestrate.elastic import check_shared_checkpoints
+
+    nodes = three_nodes_and_a_spare().nodes[:3]
+    check_shared_checkpoints(elastic_job(), nodes)  # /shared/ckpt
+    private = elastic_job(checkpoint={"dir": "/tmp/ckpt", "every_steps": 2})
+    with pytest.raises(SpecError, match="private to each machine"):
+        check_shared_checkpoints(private, nodes)
+    check_shared_checkpoints(private, ClusterSpec.this_machine().nodes)  # one machine: fine

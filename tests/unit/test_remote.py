@@ -1,9 +1,11 @@
-"""Runners without SSH: the local runner, fan-out, error classification, probe output parsing."""
+"""The remote-command layer without SSH: the local runner, fan-out, error classification, probe
+output parsing."""
 
 from __future__ import annotations
 
 import errno
 import json
+import shlex
 import socket
 import sys
 import threading
@@ -15,8 +17,8 @@ import pytest
 
 from launcher.orchestrate.plan import gpus_needed
 from launcher.orchestrate.plan import spec_env as worker_env
-from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output
-from launcher.preflight.runners import (
+from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output, probe_node
+from launcher.remote import (
     AUTH_FAILED,
     BAD_JSON,
     HOST_KEY_MISMATCH,
@@ -69,6 +71,27 @@ def test_local_runner_runs_the_probe() -> None:
     probe = parse_probe_output(result, sys.executable)
     assert probe["packages"]["pytest"] == pytest.__version__
     assert probe["deep"] is None and probe["python"]["executable"]
+
+
+def test_every_node_runs_the_launchers_own_probe(monkeypatch) -> None:
+    """The probe's source goes on stdin to ``python -``: no node runs a probe of its own, so
+    the document needs no format version to be read right."""
+    import launcher.preflight
+    import launcher.preflight.probe
+
+    sent: dict[str, str | None] = {}
+
+    class Recording(LocalRunner):
+        def run(self, command, *, stdin=None, timeout=None, env=None):
+            sent.update(command=command, stdin=stdin)
+            return super().run(command, stdin=stdin, timeout=timeout, env=env)
+
+    monkeypatch.setattr(launcher.preflight, "runner_for", lambda node, ssh: Recording(node))
+    cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
+    probe = probe_node(cluster.nodes[0], cluster, None, deep=False)
+    assert sent["stdin"] == Path(launcher.preflight.probe.__file__).read_text()
+    assert shlex.split(sent["command"] or "")[1] == "-"
+    assert probe["node"] == "local" and "probe_version" not in probe
 
 
 def test_fan_out_keeps_every_result_and_exception_in_node_order() -> None:

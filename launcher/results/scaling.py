@@ -28,7 +28,7 @@ from typing import Any
 from tabulate import tabulate
 
 from launcher.errors import SpecError, UsageError
-from launcher.report.summary import csv_text
+from launcher.results.summary import csv_text
 from launcher.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def build_table(points: list[dict], *, job: str, mode: str) -> dict:
     """The study table (the ``scaling.json`` dict) from measured points.
 
     Each point: ``nodes``, ``ranks`` (world size), ``global_batch``, ``repeats`` (a list of
-    summary dicts from ``launcher.report.summary.summarize`` or plain tokens/s numbers) and
+    summary dicts from ``launcher.results.summary.summarize`` or plain tokens/s numbers) and
     optionally ``run_dir`` / ``run_dirs``. A repeat without a measured tokens/s (a failed run)
     counts in ``failed_repeats`` and not in the statistics.
     """

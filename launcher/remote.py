@@ -1,5 +1,8 @@
 """Run commands on nodes: one interface for this machine and for SSH, plus a parallel fan-out.
 
+The one remote-command layer: preflight probes nodes with it and the Ray bootstrap starts and
+stops Ray with it.
+
 ``runner_for(node, ssh)`` gives a ``LocalRunner`` (subprocess, no SSH) for nodes that are this
 machine and an ``SSHRunner`` (fabric, key auth only, verified host keys) for the others.
 Both expose ``run(command, stdin=, timeout=, env=) -> CommandResult``: a command that runs and
@@ -105,10 +108,6 @@ class Runner(ABC):
         empty stdin. Raises NodeError when the node cannot be reached or ``timeout`` passes."""
 
     @abstractmethod
-    def check_connection(self) -> None:
-        """Raise NodeError when the node cannot be reached (and authenticated to)."""
-
-    @abstractmethod
     def describe(self) -> str:
         """``node1 (root@10.0.0.2:22)``: for messages."""
 
@@ -152,9 +151,6 @@ class LocalRunner(Runner):
             _kill_group(proc)
             raise
         return CommandResult(out, err, proc.returncode)
-
-    def check_connection(self) -> None:
-        return None
 
     def describe(self) -> str:
         return f"{self.node.name} (this machine)"
@@ -286,9 +282,6 @@ class SSHRunner(Runner):
             return CommandResult(out.decode(errors="replace"), err.decode(errors="replace"), chan.recv_exit_status())
         finally:
             chan.close()
-
-    def check_connection(self) -> None:
-        self._connection()
 
     def describe(self) -> str:
         return f"{self.node.name} ({self.user}@{self.node.host}:{self.node.port})"

@@ -1,8 +1,9 @@
 """Per-rank, per-node and job throughput tables from every rank's metrics records.
 
 Input: the plan's rank layout and each rank's records (``launcher.metrics`` describes them).
-Output: the ``summary.json`` dict (its keys are a contract, see DESIGN.md), the text tables,
-and ``summary.{json,csv,txt}`` in the run directory.
+Output: the ``summary.json`` dict, the text tables, and ``summary.{json,csv,txt}`` in the run
+directory. The keys of ``summary.json`` (``summarize`` below, with ``RANK_KEYS``, ``TOTAL_KEYS``
+and ``FAILURE_KEYS``) are a contract other tools read: keep their names and meaning.
 
 Two flavours of records reach this module:
 
@@ -31,6 +32,7 @@ from tabulate import tabulate
 
 from launcher.errors import UsageError
 from launcher.metrics import read_records
+from launcher.util import percentile
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ def load_records(metrics_dir: Path, ranks: Iterable[int]) -> dict[int, list[dict
 
 def report_command(path: str, *, fmt: str = "table") -> int:
     """``launch report RUN_DIR [--format table|json|csv]``: print a finished run or study."""
-    from launcher.report import scaling
+    from launcher.results import scaling
 
     if fmt not in ("table", "json", "csv"):
         raise UsageError(f"--format {fmt!r}: choose table, json or csv")
@@ -177,17 +179,6 @@ def csv_text(rows: Iterable[dict], keys: Sequence[str]) -> str:
     for row in rows:
         writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in keys})
     return buf.getvalue()
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between order statistics."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> list[int]:
@@ -334,6 +325,11 @@ def _status_lines(summary: dict) -> str:
         if tail:
             lines.append("Last lines of its log:")
             lines += ["  | " + line for line in str(tail).rstrip("\n").splitlines()[-20:]]
+    for r in summary.get("restarts") or []:
+        resumed = "" if r.get("resumed_from_step") is None else f", resumed from step {r['resumed_from_step']}"
+        lost = "" if r.get("lost_steps") is None else f" ({r['lost_steps']} step(s) redone)"
+        lines.append(f"Restart {r['attempt']}: {r['reason']}; went on with {len(r['nodes'])} node(s) "
+                     f"({', '.join(r['nodes'])}), world size {r['world_size']}{resumed}{lost}")
     return "\n".join(lines)
 
 

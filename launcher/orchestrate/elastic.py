@@ -1,0 +1,121 @@
+"""Elastic restarts: which nodes the next attempt runs on, and the batch it runs with.
+
+With ``resources.min_nodes`` set and ``launch.max_restarts`` above 0 (``JobSpec.elastic``), a
+failed attempt's node (lost, or whose ranks failed) is left out; a spare node from cluster.yaml
+that the job never used takes its place when one passes the preflight; and the job goes on
+from its last checkpoint on what it has, never fewer than ``min_nodes``. The built-in trainer
+keeps the global batch (micro_batch × grad_accum × world size) by raising or lowering
+``grad_accum`` for the new world size; where that does not divide, the restart is refused
+unless ``train.elastic_batch: scale`` lets the global batch change.
+
+Pure: the run stage (``run.py``) probes spares and places agents; this module only decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from launcher.errors import SpecError
+from launcher.spec import ClusterSpec, JobSpec, NodeSpec
+
+NODE_LOCAL_ROOTS = ("/tmp", "/dev/shm", "/run", "/var/run")  # private to each machine
+
+
+class RestartRefused(Exception):
+    """The next attempt cannot run; the message says why (the job ends with exit 4)."""
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One restart, as ``summary.json``'s ``restarts`` records it (the step fields filled later)."""
+
+    attempt: int
+    reason: str
+    failed_node: str | None
+    nodes: list[str]
+    world_size: int
+    resumed_from_step: int | None = None
+    lost_steps: int | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"attempt": self.attempt, "reason": self.reason, "failed_node": self.failed_node,
+                "nodes": self.nodes, "world_size": self.world_size,
+                "resumed_from_step": self.resumed_from_step, "lost_steps": self.lost_steps}
+
+
+def check_shared_checkpoints(job: JobSpec, nodes: list[NodeSpec]) -> None:
+    """An elastic built-in job on other machines resumes from checkpoints every node must read:
+    refuse (exit 2) a checkpoint folder that is private to each machine by nature."""
+    ckpt = job.train.checkpoint.dir
+    if not job.elastic or not job.uses_builtin or ckpt is None or all(n.is_local for n in nodes):
+        return
+    if any(str(ckpt) == root or str(ckpt).startswith(root + "/") for root in NODE_LOCAL_ROOTS):
+        raise SpecError(
+            f"train.checkpoint.dir {ckpt} is private to each machine, but an elastic job resumes on "
+            f"other nodes from its last checkpoint: put it on a filesystem every node sees (NFS, "
+            f"Lustre, a shared home)", source="job", field="train.checkpoint.dir")
+
+
+def survivors(current: list[NodeSpec], failed_node: str | None) -> list[NodeSpec]:
+    """The nodes of the failed attempt less the one that failed."""
+    return [n for n in current if n.name != failed_node]
+
+
+def spares(cluster: ClusterSpec, used: set[str]) -> list[NodeSpec]:
+    """cluster.yaml's nodes that no attempt of this job has run on, in file order."""
+    return [n for n in cluster.nodes if n.name not in used]
+
+
+def check_enough(job: JobSpec, nodes: list[NodeSpec], reason: str) -> None:
+    minimum = job.resources.min_nodes or 0
+    if len(nodes) < minimum:
+        raise RestartRefused(
+            f"{reason}; {len(nodes)} node(s) left ({', '.join(n.name for n in nodes) or 'none'}), fewer than "
+            f"resources.min_nodes={minimum}: the job cannot go on")
+
+
+def job_for_world(job: JobSpec, first: JobSpec, first_world: int, world: int) -> JobSpec:
+    """``job`` with the grad_accum that keeps the first attempt's global batch at ``world`` ranks.
+
+    Script entrypoints are returned unchanged: their batch is theirs (they get the new
+    ``WORLD_SIZE``). Raises RestartRefused where the global batch does not divide.
+    """
+    if not job.uses_builtin or job.train.elastic_batch == "scale":
+        return job
+    micro = first.train.micro_batch
+    global_batch = micro * first.train.grad_accum * first_world
+    if global_batch % (micro * world):
+        raise RestartRefused(
+            f"the global batch of {global_batch} samples (micro_batch {micro} x grad_accum "
+            f"{first.train.grad_accum} x {first_world} ranks) does not divide over {world} ranks of "
+            f"micro-batch {micro}; set train.elastic_batch: scale to let it change, or choose a "
+            f"micro_batch that divides it")
+    accum = global_batch // (micro * world)
+    if accum == job.train.grad_accum:
+        return job
+    return job.model_copy(update={"train": job.train.model_copy(update={"grad_accum": accum})})
+
+
+def with_steps(restarts: list[Restart], by_attempt: dict[int, dict[int, list[dict[str, Any]]]]) -> list[Restart]:
+    """Each restart with the step it resumed from (the new attempt's ``meta`` record) and the
+    steps it lost (the failed attempt's furthest step past that), where the records tell."""
+    out = []
+    for restart in restarts:
+        resumed = _start_step(by_attempt.get(restart.attempt, {}))
+        reached = _last_step(by_attempt.get(restart.attempt - 1, {}))
+        lost = max(reached - resumed, 0) if resumed is not None and reached is not None else None
+        out.append(replace(restart, resumed_from_step=resumed, lost_steps=lost))
+    return out
+
+
+def _start_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
+    starts = [r.get("start_step") for rs in records.values() for r in rs if r.get("type") == "meta"]
+    starts = [s for s in starts if isinstance(s, int)]
+    return min(starts) if starts else None
+
+
+def _last_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
+    steps = [r["step"] for rs in records.values() for r in rs
+             if r.get("type") == "step" and isinstance(r.get("step"), int)]
+    return max(steps) if steps else None

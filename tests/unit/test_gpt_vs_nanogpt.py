@@ -1,0 +1,43 @@
+"""benchmarks/gpt_vs_nanogpt.py's bookkeeping: nanoGPT's log lines, the token file, the ratios."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import gpt_vs_nanogpt as bench  # noqa: E402
+
+
+def test_nanogpt_iteration_lines_are_parsed():
+    m = bench.ITER_RE.match("iter 199: loss 10.8393, time 34.18ms, mfu 38.47%")
+    assert m and (int(m[1]), float(m[2]), float(m[3])) == (199, 10.8393, 34.18)
+    assert bench.ITER_RE.match("step 0: train loss 10.9, val loss 10.9") is None
+
+
+def test_the_token_file_holds_gpt2_ids_as_uint16(tmp_path: Path):
+    path = tmp_path / "tokens.bin"
+    bench.write_random_tokens(path, 10_000)
+    ids = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint16).to(torch.int32)
+    assert ids.numel() == 10_000 and int(ids.min()) >= 0 and int(ids.max()) < bench.GPT2_TOKENS
+    assert len(ids.unique()) > 5_000  # spread over the vocabulary, not a constant
+
+
+def test_flops_per_token_is_the_trainers_formula_for_gpt2_124m():
+    n = 12 * (4 * 768**2 + 2 * 768 * 3072) + 50304 * 768
+    assert bench.flops_per_token() == pytest.approx(6 * n + 6 * 12 * 768 * 1024)
+
+
+def test_ratios_are_against_nanogpt_and_skip_failed_rows():
+    row = {"mfu": 0.4, "step_ms_p50": 30.0}
+    results = {"nanogpt": {"tokens_per_s": 400.0, "loss": 10.0, **row},
+               "ours": {"tokens_per_s": 500.0, "loss": 10.1, **row}, "ours-fp8": {"error": "boom"}}
+    r = bench.ratios(results)
+    assert set(r) == {"ours"}
+    assert r["ours"]["speed"] == pytest.approx(1.25) and r["ours"]["loss_rel_diff"] == pytest.approx(0.01)
+    assert bench.ratios({"ours": {"tokens_per_s": 1.0, "loss": 1.0}}) == {}
+    table = bench.table(results)
+    assert "FAILED: boom" in table and "1.250x" in table and "+1.00" in table
