@@ -224,40 +224,30 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print {job_id, name, cluster, run_dir}")
     p.set_defaults(func=cmd_submit)
 
-    def cluster_arg(p: argparse.ArgumentParser) -> None:
+    def jobs_parser(name: str, help: str, *, job_id: str = "required") -> argparse.ArgumentParser:
+        """A job command: the job id (``required``, ``optional`` or ``none``) and --cluster."""
+        p = sub.add_parser(name, parents=[common], help=help)
+        if job_id != "none":
+            p.add_argument("job_id", nargs="?" if job_id == "optional" else None,
+                           help="the job id `launch submit` printed")
         p.add_argument("--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)")
+        return p
 
-    p = sub.add_parser("status", parents=[common], help="a detached job's state (all jobs without ID)")
-    p.add_argument("job_id", nargs="?", help="the job id `launch submit` printed")
-    cluster_arg(p)
+    p = jobs_parser("status", "a detached job's state (all jobs without ID)", job_id="optional")
     p.add_argument("--json", action="store_true", help="print the state as JSON")
     p.set_defaults(func=cmd_status)
-
-    p = sub.add_parser("list", parents=[common], help="the launcher's detached jobs, newest first")
-    cluster_arg(p)
+    p = jobs_parser("list", "the launcher's detached jobs, newest first", job_id="none")
     p.add_argument("--json", action="store_true", help="print the jobs as JSON")
     p.set_defaults(func=cmd_list)
-
-    p = sub.add_parser("logs", parents=[common], help="a detached job's driver output")
-    p.add_argument("job_id")
-    cluster_arg(p)
+    p = jobs_parser("logs", "a detached job's driver output")
     p.add_argument("--follow", "-f", action="store_true",
                    help="stream until the job ends (Ctrl-C stops following, not the job)")
     p.set_defaults(func=cmd_logs)
-
-    p = sub.add_parser("stop", parents=[common], help="stop a detached job as Ctrl-C stops a foreground run")
-    p.add_argument("job_id")
-    cluster_arg(p)
-    p.set_defaults(func=cmd_stop)
-
-    p = sub.add_parser("fetch", parents=[common], help="copy a detached job's run directory from the head here")
-    p.add_argument("job_id")
-    cluster_arg(p)
+    jobs_parser("stop", "stop a detached job as Ctrl-C stops a foreground run").set_defaults(func=cmd_stop)
+    p = jobs_parser("fetch", "copy a detached job's run directory from the head here")
     p.add_argument("--to", type=Path, help="where to put it (default runs/<job id>)")
     p.set_defaults(func=cmd_fetch)
-
-    p = sub.add_parser("down", parents=[common], help="stop the Ray the launcher started for detached jobs")
-    cluster_arg(p)
+    p = jobs_parser("down", "stop the Ray the launcher started for detached jobs", job_id="none")
     p.add_argument("--yes", action="store_true", help="also stop jobs that still run")
     p.set_defaults(func=cmd_down)
 

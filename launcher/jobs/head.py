@@ -249,18 +249,13 @@ def _processes_under(temp_dir: str) -> list[int]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Linux: the process exists (an exited child of this process is reaped, and is gone)."""
     if pid <= 0:
         return False
     with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child that has exited
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return Path(f"/proc/{pid}").exists()
 
 
 def api_status(url: str, token: str | None) -> int | None:

@@ -1,7 +1,7 @@
 """What the job commands need of the SSH layer: the tunnel's connection and copying a folder.
 
-The runners (``LocalRunner`` / ``SSHRunner``: key auth only, verified host keys, the
-cluster's SSH settings) are imported here and nowhere else in ``launcher.jobs``.
+The runners of ``launcher.remote`` (``LocalRunner`` / ``SSHRunner``: key auth only, verified
+host keys, the cluster's SSH settings) are imported here and nowhere else in ``launcher.jobs``.
 """
 
 from __future__ import annotations
