@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import __version__
-from launcher.errors import UsageError
+from launcher.errors import PreflightError, UsageError
 from launcher.jobs import state as job_state
 from launcher.jobs.api import ACTIVE, META_KEY, JobsCluster, NoJobs, connect
 from launcher.spec import ClusterSpec, JobSpec, nodes_for_job
@@ -195,6 +195,13 @@ def down(cluster: ClusterSpec, *, yes: bool) -> int:
     except NoJobs:
         print("no Ray started by the launcher for this cluster; nothing to stop", flush=True)
         return 0
+    except PreflightError:
+        from launcher.jobs.head import recorded_local_head
+
+        local = recorded_local_head() if cluster.all_local else None
+        if not (yes and local):
+            raise
+        kind, spec = "local", cluster  # a head that does not answer: --yes stops it unasked
     if kind == "local":
         from launcher.jobs.head import stop_local_head
 

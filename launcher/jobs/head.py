@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 STATE_ENV = "LAUNCHER_STATE_DIR"
 START_TIMEOUT_S = 120.0  # `ray start` with the dashboard takes ~8 s on a 2-core machine
 STOP_TIMEOUT_S = 20.0
+ANSWER_WAIT_S = 30.0  # a head busy starting jobs on 2 cores can take seconds to answer
 KILL_CHILDREN_ENV = "RAY_kill_child_processes_on_worker_exit"
 
 
@@ -84,16 +85,34 @@ class LocalHead:
 
 
 def local_head(*, start: bool) -> LocalHead | None:
-    """The running local head; with ``start``, one is started when none runs (else None)."""
+    """The running local head; with ``start``, one is started when none runs (else None).
+
+    A head whose process lives is never replaced: a busy one may answer late (it is given
+    ``ANSWER_WAIT_S``), and one that does not answer raises PreflightError; ``launch down
+    --yes`` stops it. Only a head whose process is gone (a crash, a reboot) is cleared.
+    """
     folder = _local_folder()
     with _locked(folder):
         head = _load(folder)
-        if head is not None and head.answers():
+        if head is not None and _pid_alive(head.pid):
+            deadline = time.monotonic() + ANSWER_WAIT_S
+            while not head.answers():
+                if time.monotonic() > deadline:
+                    raise PreflightError(
+                        f"the launcher's Ray head on this machine (pid {head.pid}) does not answer at "
+                        f"{head.jobs_url} within {ANSWER_WAIT_S:.0f} s; try again, or stop it with "
+                        f"`launch down --yes` (its start-up log: {folder / 'head.log'})")
+                time.sleep(0.5)
             return head
-        if head is not None:  # left by a crash or a reboot: clear what remains of it
+        if head is not None:  # its process is gone: clear what remains of it
             _stop(head)
             (folder / "head.json").unlink(missing_ok=True)
         return _start(folder) if start else None
+
+
+def recorded_local_head() -> LocalHead | None:
+    """The local head's record, whether it answers or not (for ``launch down --yes``)."""
+    return _load(_local_folder())
 
 
 def stop_local_head(head: LocalHead) -> None:
@@ -264,7 +283,7 @@ def api_status(url: str, token: str | None) -> int | None:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(f"{url}/api/version", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=2) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             return response.status
     except urllib.error.HTTPError as err:
         return err.code
