@@ -12,4 +12,5 @@
 - ``driver.py``: the Ray Job's entrypoint on the head: waits its turn, then runs the same
   ``Launch`` as a foreground run, attached to that node's Ray.
 - ``commands.py``: submit, status, logs, stop, list, fetch, down.
+- ``ssh.py``: the SSH layer's part in this (the tunnel's connection, copying a run directory).
 """

@@ -184,6 +184,14 @@ def test_two_all_cpu_jobs_run_one_after_the_other(jobs):
     wait_for(second_waits, timeout=120, what="the second job pending while the first runs", poll=0.5)
     reason = jobs.run("status", second).stdout
     assert f"held by job {first}" in reason and "CPU slot" in reason, reason
+    # A third one queues behind the second; stopped while it waits, it ends STOPPED at once.
+    third = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
+    wait_for(lambda: "queued behind job " + second in jobs.run("status", third).stdout, timeout=60,
+             what="the third job queued behind the second", poll=0.5)
+    assert jobs.run("stop", third, timeout=60).returncode == 0
+    assert jobs.status(third)["status"] == "STOPPED"
+    waited = json.loads((Path(jobs.status(third)["run_dir"]) / "summary.json").read_text())
+    assert waited["status"] == "interrupted" and waited["ranks"] == []
 
     for job_id in (first, second):
         state = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=240)
