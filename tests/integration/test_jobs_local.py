@@ -247,3 +247,30 @@ def test_jobs_api_needs_the_token(jobs):
     listening = subprocess.run(["ss", "-ltnH", f"sport = :{head['dashboard_port']}"], capture_output=True,
                                text=True).stdout
     assert listening and all("127.0.0.1:" in line for line in listening.splitlines()), listening
+
+
+def test_attached_cluster_at_its_jobs_address(jobs, tmp_path):
+    # A Ray the launcher did not start (here: the module's head, reached as a user's cluster):
+    # ray.address and ray.jobs_address given, Ray's own token from RAY_AUTH_TOKEN_PATH.
+    head = jobs.head()
+    cluster = tmp_path / "attached.yaml"
+    cluster.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost"}], "ray": {
+        "address": f"127.0.0.1:{head['gcs_port']}", "jobs_address": f"http://127.0.0.1:{head['dashboard_port']}"}}))
+    attached = Jobs(tmp_path / "no-state", tmp_path)  # no launcher state: nothing of ours is used
+    attached.env["RAY_AUTH_TOKEN_PATH"] = head["token_file"]
+    result = attached.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--cluster", str(cluster), "--json",
+                          "--skip-parity", *QUICK)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    job_id = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
+    def ended() -> dict | None:
+        state = json.loads(attached.run("status", job_id, "--cluster", str(cluster), "--json").stdout)
+        return state if state["status"] in ("SUCCEEDED", "FAILED", "STOPPED") else None
+
+    state = wait_for(ended, timeout=180, what="the attached job to end", poll=1.0)
+    assert state["status"] == "SUCCEEDED" and state["tokens_per_s"] > 0, state
+    down = attached.run("down", "--cluster", str(cluster))
+    assert down.returncode == 0 and "is not the launcher's" in down.stdout
+    assert jobs.head()["pid"] == head["pid"]  # used as it is: still running
+    del attached.env["RAY_AUTH_TOKEN_PATH"]  # without the token the Jobs API refuses
+    refused = attached.run("status", "--cluster", str(cluster))
+    assert refused.returncode != 0 and job_id not in refused.stdout
