@@ -142,7 +142,12 @@ class StateLog(RunLog):
         news = (self._step, round(sum(self._rates.values()), 1) if self._rates else None)
         if self._step is not None and news != self._said and now - self._said_at >= STATE_EVERY_S:
             self._said_at, self._said = now, news
-            emit({"state": "running", "step": news[0], "tokens_per_s": news[1]})
+            emit({"state": "running", "step": news[0], "tokens_per_s": news[1], "attempt": self.attempt})
+
+    def open(self, launch_plan: Any) -> None:
+        if launch_plan.attempt != self.attempt:  # a restart: other ranks, perhaps fewer
+            self._rates.clear()
+        super().open(launch_plan)
 
 
 @dataclass
@@ -225,7 +230,8 @@ def _with_shipped_code(job: JobSpec, shipped: Path) -> JobSpec:
 def _done(status: Status, summary: dict[str, Any]) -> dict[str, Any]:
     totals = summary.get("totals") or {}
     return {"state": "done", "status": status.value, "tokens_per_s": totals.get("tokens_per_s"),
-            "mfu": totals.get("mfu"), "failure": summary.get("failure")}
+            "mfu": totals.get("mfu"), "failure": summary.get("failure"),
+            "attempt": len(summary.get("restarts") or []), "world_size": summary.get("world_size")}
 
 
 def _final(job: JobSpec, run_dir: RunDir, status: Status, reason: str | None = None) -> None:

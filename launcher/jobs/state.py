@@ -68,7 +68,8 @@ def row(details: Any, logs: str) -> dict[str, Any]:
         "job_id": details.submission_id,
         "name": meta.get("name"),
         "status": status,
-        "world_size": _int(meta.get("world_size")),
+        "world_size": _int(state.get("world_size")) or _int(meta.get("world_size")),
+        "attempt": _int(state.get("attempt")) or 0,  # 0: the first; N: after N restarts
         "nodes": _int(meta.get("nodes")),
         "step": state.get("step"),
         "tokens_per_s": state.get("tokens_per_s"),
@@ -92,7 +93,8 @@ def render_one(r: dict[str, Any]) -> str:
     elif r["started"]:
         when += f", {_duration(r)} so far"
     lines.append("  " + when)
-    lines.append(f"  {r['nodes']} node(s), world size {r['world_size']}")
+    lines.append(f"  {r['nodes']} node(s), world size {r['world_size']}"
+                 + (f", attempt {r['attempt']} (after {r['attempt']} restart(s))" if r.get("attempt") else ""))
     if r["step"] is not None or r["tokens_per_s"] is not None:
         figures = []
         if r["step"] is not None:

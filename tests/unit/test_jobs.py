@@ -122,6 +122,16 @@ def test_row_of_a_finished_job_has_the_summary_figures_and_failure():
     assert "1 × 2" in state.render_table([row])
 
 
+def test_a_restarted_job_shows_its_attempt():
+    logs = state.line({"state": "running", "step": 30, "tokens_per_s": 10.0, "attempt": 1})
+    row = state.row(details("RUNNING"), logs)
+    assert row["attempt"] == 1 and "attempt 1 (after 1 restart(s))" in state.render_one(row)
+    done = state.row(details("SUCCEEDED"), state.line({"state": "done", "status": "succeeded",
+                                                         "attempt": 1, "world_size": 1}))
+    assert (done["attempt"], done["world_size"]) == (1, 1)  # the last attempt's world, not the first's
+    assert "attempt" not in state.render_one(state.row(details("RUNNING"), state.line({"state": "running"})))
+
+
 def test_a_killed_driver_is_failed_with_rays_reason():
     message = "Job entrypoint command failed with exit code -9, last available logs (truncated):\n..."
     row = state.row(details("FAILED", message), state.line({"state": "running", "step": 3}))
