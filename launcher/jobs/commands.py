@@ -38,8 +38,9 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
     """Preflight here, then the job to the cluster's Ray Jobs; returns ``{job_id, name, cluster,
     run_dir}`` once Ray has it."""
     from launcher.jobs.driver import CODE_DIR, SUBMISSION_FILE
-    from launcher.orchestrate.code import plan_code, stage
+    from launcher.orchestrate.code import stage
     from launcher.orchestrate.plan import worker_counts
+    from launcher.orchestrate.run import checked_code
     from launcher.orchestrate.rundir import RunDir
     from launcher.preflight import preflight_facts
 
@@ -49,7 +50,7 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
         # is imported, and a bootstrap sets them first.
         threading.Thread(target=importlib.import_module, args=("ray.job_submission",), daemon=True).start()
     nodes = nodes_for_job(cluster, job)
-    code = plan_code(job, nodes)
+    code = checked_code(job, cluster)  # what a foreground run refuses, submit refuses too
     job_id = f"{job.name}-{utc_stamp()}-{secrets.token_hex(2)}"
     with tempfile.TemporaryDirectory(prefix="launcher-submit-") as tmp:
         upload = Path(tmp)

@@ -75,20 +75,21 @@ def check_enough(job: JobSpec, nodes: list[NodeSpec], reason: str) -> None:
             f"resources.min_nodes={minimum}: the job cannot go on")
 
 
-def job_for_world(job: JobSpec, first: JobSpec, first_world: int, world: int) -> JobSpec:
-    """``job`` with the grad_accum that keeps the first attempt's global batch at ``world`` ranks.
+def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
+    """``job`` (as the first attempt ran it, on ``first_world`` ranks) with the grad_accum that
+    keeps its global batch at ``world`` ranks.
 
     Script entrypoints are returned unchanged: their batch is theirs (they get the new
     ``WORLD_SIZE``). Raises RestartRefused where the global batch does not divide.
     """
     if not job.uses_builtin or job.train.elastic_batch == "scale":
         return job
-    micro = first.train.micro_batch
-    global_batch = micro * first.train.grad_accum * first_world
+    micro = job.train.micro_batch
+    global_batch = micro * job.train.grad_accum * first_world
     if global_batch % (micro * world):
         raise RestartRefused(
             f"the global batch of {global_batch} samples (micro_batch {micro} x grad_accum "
-            f"{first.train.grad_accum} x {first_world} ranks) does not divide over {world} ranks of "
+            f"{job.train.grad_accum} x {first_world} ranks) does not divide over {world} ranks of "
             f"micro-batch {micro}; set train.elastic_batch: scale to let it change, or choose a "
             f"micro_batch that divides it")
     accum = global_batch // (micro * world)

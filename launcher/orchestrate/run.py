@@ -128,11 +128,13 @@ class Launch:
         Not elastic: a failed rank restarts on the same nodes; a lost node or a hang end the
         job. Elastic (``JobSpec.elastic``): any failure leaves its node out (``reshape``).
         """
-        attempt, nodes, job = 0, self.nodes, self.job
+        attempt, nodes, job, restarted_after = 0, self.nodes, self.job, None
         while True:
             self.plan = self.start_attempt(agents, attempt, nodes=nodes, job=job)
-            if self.restarts:
-                self.restarts[-1] = replace(self.restarts[-1], world_size=self.plan.world_size)
+            if restarted_after is not None:
+                self.restarts.append(Restart(
+                    attempt=attempt, reason=restarted_after.reason, failed_node=restarted_after.node,
+                    nodes=[n.name for n in self.plan.nodes], world_size=self.plan.world_size))
             failure = self._watch(agents)
             if failure is None:
                 return Outcome(Status.SUCCEEDED, self.run_dir.root)
@@ -148,8 +150,7 @@ class Launch:
                 except RestartRefused as err:
                     return self._failed(replace(failure, reason=str(err)))
                 agents = self.agents = self.replace_agents(agents, nodes, job, attempt)
-            self.restarts.append(Restart(attempt=attempt, reason=failure.reason, failed_node=failure.node,
-                                         nodes=[n.name for n in nodes], world_size=0))
+            restarted_after = failure
 
     def reshape(self, failure: Failure, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], JobSpec]:
         """The next attempt's nodes (the failed one out, a spare in if one passes) and job."""
@@ -161,7 +162,7 @@ class Launch:
                 break
         elastic.check_enough(self.job, left, failure.reason)
         world = sum(worker_counts(self.job, left, self.facts).values())
-        job = elastic.job_for_world(self.job, self.job, self._first_world, world)
+        job = elastic.job_for_world(self.job, self._first_world, world)
         if job.train.grad_accum != self.job.train.grad_accum:
             log.warning("world size %d -> %d: grad_accum %d -> %d keeps the global batch", self._first_world,
                         world, self.job.train.grad_accum, job.train.grad_accum)
@@ -297,14 +298,22 @@ class Launch:
                 path.write_bytes(data)
 
 
+def checked_code(job: JobSpec, cluster: ClusterSpec) -> CodePlan | None:
+    """What ``run``, ``dry_run`` and ``launch submit`` check before anything: the workdir can travel (exit 2), an
+    elastic job's checkpoints are not private to each machine (exit 2). The workdir's plan."""
+    nodes = nodes_for_job(cluster, job)
+    code = plan_code(job, nodes)
+    elastic.check_shared_checkpoints(job, nodes)
+    return code
+
+
 def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip_parity: bool = False,
         keep_ray: bool = False) -> Outcome:
     """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary.
 
     A workdir that cannot travel raises SpecError (exit 2) before anything is made or started.
     """
-    code = plan_code(job, nodes_for_job(cluster, job))
-    elastic.check_shared_checkpoints(job, nodes_for_job(cluster, job))
+    code = checked_code(job, cluster)
     where = RunDir(run_dir) if run_dir else RunDir.new(job.name)
     outcome = Launch(job=job, cluster=cluster, run_dir=where, code=code, skip_parity=skip_parity,
                      keep_ray=keep_ray).execute()
@@ -327,8 +336,7 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
 
     A failed preflight prints its parity table here and raises PreflightError (exit 3).
     """
-    code = plan_code(job, nodes_for_job(cluster, job))
-    elastic.check_shared_checkpoints(job, nodes_for_job(cluster, job))
+    code = checked_code(job, cluster)
     facts = preflight_facts(job, cluster, skip=skip_parity)
     port = job.launch.master_port or DEFAULT_MASTER_PORT
     launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>", master_port=port,

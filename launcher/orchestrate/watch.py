@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from launcher import signals
-from launcher.orchestrate.diagnose import Tails, hung_rank, lost_node, rank_failure
+from launcher.orchestrate.diagnose import TAIL_LINES, Tails, hung_rank, lost_node, rank_failure
 from launcher.orchestrate.plan import LaunchPlan, NodePlan
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, Failure
 
@@ -111,6 +111,6 @@ class Watcher:
         i = next(i for i, n in enumerate(self.plan.nodes) if n.name == entry["node"])
         tail: list[str] = []
         with contextlib.suppress(Exception):  # a lost agent has no tail to give; the logs remain
-            tail = self.agents.tail(i, entry["local_rank"], 20)
+            tail = self.agents.tail(i, entry["local_rank"], TAIL_LINES)
         quiet_s = now - self._last_seen.get(entry["rank"], self._started)
         return hung_rank(self.plan.nodes[i], entry["rank"], quiet_s, limit, tail)

@@ -328,9 +328,9 @@ def test_the_new_attempts_job_file_carries_the_raised_grad_accum():
     from launcher.orchestrate.elastic import job_for_world
 
     first = elastic_job(micro_batch=4, grad_accum=2)
-    assert job_for_world(first, first, 3, 2).train.grad_accum == 3
-    assert job_for_world(first, first, 3, 6).train.grad_accum == 1
-    assert job_for_world(first, first, 3, 3) is first
+    assert job_for_world(first, 3, 2).train.grad_accum == 3
+    assert job_for_world(first, 3, 6).train.grad_accum == 1
+    assert job_for_world(first, 3, 3) is first
 
 
 def test_an_elastic_job_on_other_machines_needs_shared_checkpoints():
