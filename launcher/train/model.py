@@ -89,6 +89,19 @@ def flops_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> float
     return 6 * matmul_params_per_token(spec, seq_len=seq_len, mask_prob=mask_prob) + attn
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` whose output has its input's dtype.
+
+    Autocast runs LayerNorm in fp32 and returns fp32, so without this the hidden states of a
+    bf16 run turn fp32 at the first norm (BERT's residual stream is a norm's output). With it,
+    the statistics are still fp32 and the states stay in the dtype the embeddings give them
+    (``Embeddings.out_dtype``); for fp32 inputs it is ``nn.LayerNorm``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float, causal: bool):
         super().__init__()
@@ -133,9 +146,9 @@ class Block(nn.Module):
         self.checkpoint_activations = False
         eps = GPT_LN_EPS if pre_ln else BERT_LN_EPS
         self.attn = Attention(d_model, n_heads, dropout, causal=pre_ln)
-        self.ln1 = nn.LayerNorm(d_model, eps=eps)
+        self.ln1 = LayerNorm(d_model, eps=eps)
         self.mlp = MLP(d_model, d_ff, approximate="tanh" if pre_ln else "none")
-        self.ln2 = nn.LayerNorm(d_model, eps=eps)
+        self.ln2 = LayerNorm(d_model, eps=eps)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,20 +165,28 @@ class Block(nn.Module):
 
 
 class Embeddings(nn.Module):
-    """Word + learned position (+ token type 0 for BERT), then LayerNorm for BERT."""
+    """Word + learned position (+ token type 0 for BERT), then LayerNorm for BERT.
+
+    ``out_dtype`` (set by the trainer from ``precision.activations``; None: the weights'
+    dtype) is the dtype of the hidden states from here to the head: bf16 under bf16
+    autocast halves the bytes every elementwise kernel between the matmuls moves.
+    """
 
     def __init__(self, vocab_size: int, max_positions: int, d_model: int, dropout: float, *, bert: bool):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(max_positions, d_model)
         self.tok_type = nn.Embedding(2, d_model) if bert else None
-        self.ln = nn.LayerNorm(d_model, eps=BERT_LN_EPS) if bert else None
+        self.ln = LayerNorm(d_model, eps=BERT_LN_EPS) if bert else None
         self.drop = nn.Dropout(dropout)
+        self.out_dtype: torch.dtype | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(input_ids) + self.pos.weight[: input_ids.shape[1]]
         if self.tok_type is not None:
             x = x + self.tok_type.weight[0]
+        if self.out_dtype is not None:
+            x = x.to(self.out_dtype)
         if self.ln is not None:
             x = self.ln(x)
         return self.drop(x)
@@ -177,7 +198,7 @@ class MLMHead(nn.Module):
     def __init__(self, d_model: int, vocab_size: int):
         super().__init__()
         self.dense = nn.Linear(d_model, d_model)
-        self.ln = nn.LayerNorm(d_model, eps=BERT_LN_EPS)
+        self.ln = LayerNorm(d_model, eps=BERT_LN_EPS)
         self.bias = nn.Parameter(torch.zeros(vocab_size))
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor,
@@ -196,7 +217,7 @@ class LMHead(nn.Module):
 
     def __init__(self, d_model: int):
         super().__init__()
-        self.ln = nn.LayerNorm(d_model, eps=GPT_LN_EPS)
+        self.ln = LayerNorm(d_model, eps=GPT_LN_EPS)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor | None,
                 decoder: torch.Tensor) -> torch.Tensor:
