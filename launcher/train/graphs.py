@@ -22,6 +22,10 @@ import torch
 Batch = dict[str, torch.Tensor]
 StepBody = Callable[[list[Batch]], torch.Tensor]
 
+class CaptureError(RuntimeError):
+    """The step did not capture (an operation in it is not allowed in a CUDA graph)."""
+
+
 WARMUP_STEPS = 3  # eager steps before the capture: compilation, the optimizer's state, cuBLAS workspaces
 
 
@@ -47,23 +51,26 @@ class StepGraph:
 
     def __call__(self, batches: list[Batch]) -> torch.Tensor:
         """One optimizer step on ``batches``; returns its loss (a tensor of its own)."""
-        if self.graph is None and self.eager_steps < self.warmup:
-            self.eager_steps += 1
-            with self._side_stream():
-                return self.body(batches)
-        if self.graph is None:
-            self._capture(batches)
-        assert self.graph is not None and self.loss is not None
+        # The eager steps read the same buffers as the graph: torch.compile traces once, for
+        # these (contiguous) tensors, and never again during the capture.
+        if not self.inputs:
+            self.inputs = [{key: value.contiguous().clone() for key, value in batch.items()} for batch in batches]
         for static, batch in zip(self.inputs, batches, strict=True):
             for key, value in batch.items():
                 static[key].copy_(value)
+        if self.graph is None and self.eager_steps < self.warmup:
+            self.eager_steps += 1
+            with self._side_stream():
+                return self.body(self.inputs)
+        if self.graph is None:
+            self._capture()
+        assert self.graph is not None and self.loss is not None
         for lr, group in zip(self.lrs, self.optimizer.param_groups, strict=True):
             lr.fill_(group["lr"])
         self.graph.replay()
         return self.loss.clone()  # the next replay overwrites self.loss
 
-    def _capture(self, batches: list[Batch]) -> None:
-        self.inputs = [{key: value.clone() for key, value in batch.items()} for batch in batches]
+    def _capture(self) -> None:
         groups = self.optimizer.param_groups
         floats = [group["lr"] for group in groups]
         for group, lr in zip(groups, self.lrs, strict=True):
@@ -73,6 +80,12 @@ class StepGraph:
             # thread_local: the data thread may pin host memory meanwhile (global mode forbids it).
             with self._side_stream(), torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 self.loss = self.body(self.inputs)
+        except RuntimeError as err:
+            raise CaptureError(
+                f"train.cuda_graphs step: the optimizer step could not be captured as a CUDA graph "
+                f"({str(err).splitlines()[0]}); something in it synchronises with the host or "
+                f"allocates outside the graph. Set train.cuda_graphs: true (each compiled graph) or false."
+            ) from err
         finally:
             for group, lr in zip(groups, floats, strict=True):
                 group["lr"] = lr

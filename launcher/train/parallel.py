@@ -16,7 +16,6 @@ import logging
 import math
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
-
 from typing import Literal
 
 import torch

@@ -322,6 +322,15 @@ def test_gpu_nccl_ddp_on_two_gpus_matches_one_gpu(base: Path):
     assert_params_close(two.params(), one.params(), atol=2e-4)
 
 
+@pytest.fixture(scope="module")
+def compiled_one_gpu(base: Path) -> Run:
+    """The GPU job compiled, one GPU, one micro-batch of 16 per step, kernels launched one by one:
+    the reference the CUDA-graph runs must reproduce."""
+    job = gpu_job(base, "gpu-compiled-one")
+    return ok(launch(base / "gpu-compiled-one", ["--job", str(job), "--params-out", "params.pt",
+                                                 "--set", "train.compile=true", "--set", "train.micro_batch=16"], nproc=1))
+
+
 @pytest.mark.gpu
 @needs_gpus[2]
 def test_gpu_cuda_graphs_on_two_gpus_match_compiled_one_gpu(base: Path):
@@ -338,7 +347,7 @@ def test_gpu_cuda_graphs_on_two_gpus_match_compiled_one_gpu(base: Path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("nproc", [pytest.param(1, marks=needs_gpus[1]), pytest.param(2, marks=needs_gpus[2])])
-def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(base: Path, nproc: int):
+def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(base: Path, nproc: int, compiled_one_gpu: Run):
     """Graphs replayed twice per step (grad_accum 2; under DDP with 2 GPUs) train the same model
     as one compiled GPU taking the 16 samples at once: no micro-batch's gradients are lost to
     the next replay."""
@@ -347,49 +356,56 @@ def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(base: Path, 
     accum = ok(launch(base / f"gpu-accum-graphs-{nproc}", [
         "--job", str(job), "--params-out", "params.pt", *compiled, "--set", "train.cuda_graphs=true",
         "--set", "train.grad_accum=2", "--set", f"train.micro_batch={16 // (2 * nproc)}"], nproc=nproc))
-    one = ok(launch(base / f"gpu-accum-one-{nproc}", ["--job", str(job), "--params-out", "params.pt",
-                                                      *compiled, "--set", "train.micro_batch=16"], nproc=1))
     assert accum.records(0, "meta")[0]["grad_accum"] == 2
     assert_loss_falls(accum, by=1.0)
-    assert_params_close(accum.params(), one.params(), atol=5e-4)
+    assert_params_close(accum.params(), compiled_one_gpu.params(), atol=5e-4)
+
+
+STEP_GRAPH = ["--set", "train.compile=true", "--set", "train.cuda_graphs=step"]
+
+
+@pytest.fixture(scope="module")
+def step_graph_one_batch(base: Path) -> Run:
+    job = gpu_job(base, "gpu-step-graph-1")
+    return ok(launch(base / "gpu-step-graph-1", ["--job", str(job), "--params-out", "params.pt", *STEP_GRAPH,
+                                                 "--set", "train.micro_batch=16"], nproc=1))
 
 
 @pytest.mark.gpu
 @needs_gpus[1]
 @pytest.mark.parametrize("accum", [1, 2])
-def test_gpu_step_graph_trains_the_model_eager_steps_train(base: Path, accum: int):
+def test_gpu_step_graph_trains_the_model_compiled_steps_train(base: Path, accum: int, compiled_one_gpu: Run,
+                                                              step_graph_one_batch: Run):
     """The whole step captured once and replayed (train.cuda_graphs step: micro-batches, clipping,
     AdamW with its learning rate read from the device) trains the same model as compiled steps
-    launched one kernel at a time, with one micro-batch of 16 or two of 8."""
-    job = gpu_job(base, f"gpu-step-graph-{accum}")
-    compiled = ["--set", "train.compile=true"]
-    graphed = ok(launch(base / f"gpu-step-graph-{accum}", [
-        "--job", str(job), "--params-out", "params.pt", *compiled, "--set", "train.cuda_graphs=step",
-        "--set", f"train.grad_accum={accum}", "--set", f"train.micro_batch={16 // accum}"], nproc=1))
-    eager = ok(launch(base / f"gpu-step-eager-{accum}", ["--job", str(job), "--params-out", "params.pt",
-                                                         *compiled, "--set", "train.micro_batch=16"], nproc=1))
+    launched one kernel at a time, with one micro-batch of 16 or two of 8. The capture is at
+    step 4, inside the LR warm-up: a rate frozen there would not match."""
+    if accum == 1:
+        graphed = step_graph_one_batch
+    else:
+        job = gpu_job(base, "gpu-step-graph-2")
+        graphed = ok(launch(base / "gpu-step-graph-2", ["--job", str(job), "--params-out", "params.pt", *STEP_GRAPH,
+                                                        "--set", "train.grad_accum=2", "--set", "train.micro_batch=8"],
+                            nproc=1))
     assert_loss_falls(graphed, by=1.0)
-    # The capture is at step 4, inside the LR warm-up: a rate frozen there would not match.
-    assert_params_close(graphed.params(), eager.params(), atol=5e-4)
+    assert_params_close(graphed.params(), compiled_one_gpu.params(), atol=5e-4)
 
 
 @pytest.mark.gpu
 @needs_gpus[1]
-def test_gpu_step_graph_resumes_from_a_checkpoint_as_the_uninterrupted_run(base: Path):
+def test_gpu_step_graph_resumes_from_a_checkpoint_as_the_uninterrupted_run(base: Path, step_graph_one_batch: Run):
     """Killed after step 30 with a checkpoint at 25, a step-graph run resumes (the optimizer
-    state and the learning rate come back into a new capture) and ends where it would have."""
+    state and the learning rate come back into a new capture) and ends where the run never
+    killed ended."""
     job = base / "gpu-step-resume.yaml"
-    text = GPU_JOB.format(name="gpu-step-resume").replace(
-        "log_every: 10}", f"log_every: 10, checkpoint: {{dir: {base / 'ckpt-gpu-step'}, every_steps: 25}}}}")
-    job.write_text(text)
-    sets = ["--set", "train.compile=true", "--set", "train.cuda_graphs=step"]
-    whole = ok(launch(base / "gpu-step-whole", ["--job", str(job), "--params-out", "params.pt", *sets,
-                                                "--set", f"train.checkpoint.dir={base / 'ckpt-gpu-whole'}"], nproc=1))
+    ckpt = f"checkpoint: {{dir: {base / 'ckpt-gpu-step'}, every_steps: 25}}"
+    job.write_text(GPU_JOB.format(name="gpu-step-resume").replace("log_every: 10}", f"log_every: 10, {ckpt}}}"))
+    sets = [*STEP_GRAPH, "--set", "train.micro_batch=16"]
     killed = launch(base / "gpu-step-killed", ["--job", str(job), "--kill-at-step", "30", *sets], nproc=1)
     assert killed.returncode != 0
     resumed = ok(launch(base / "gpu-step-resumed", ["--job", str(job), "--params-out", "params.pt", *sets], nproc=1))
     assert "steps 26..50" in resumed.output
-    assert_params_close(whole.params(), resumed.params(), atol=5e-4)
+    assert_params_close(resumed.params(), step_graph_one_batch.params(), atol=5e-4)
 
 
 @pytest.mark.gpu
