@@ -112,7 +112,7 @@ class TrainSpec(Strict):
     grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this (0 disables clipping).")
     compile: bool = Field(False, description="torch.compile the model.")
     compile_scope: Literal["auto", "block", "model"] = Field("auto", description="What train.compile compiles as one graph. block: the embeddings, each block and the head apart (one graph reused by every block; DDP's all-reduce and FSDP's gathers run between graphs); model: the whole model at once (fewer graph boundaries and launches, longer compilation, no overlap of DDP's all-reduce with the backward); auto: model for a single process, block under DDP or FSDP of several.")
-    cuda_graphs: Literal["step"] | bool = Field(False, description="CUDA graphs: far less host work per step. true: replay each compiled graph (the blocks' forward and backward; torch.compile mode reduce-overhead), which keeps multi-GPU DDP GPU-bound; needs train.compile and strategy ddp. step: capture the whole optimizer step (every micro-batch's forward and backward, clipping, AdamW) as one graph and replay it, where one process trains (one GPU); with several, ddp falls back to true and fsdp to none. Both need device cuda; step does not take fp16 (its GradScaler reads the overflow flag on the host each step).")
+    cuda_graphs: bool = Field(False, description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda and strategy ddp.")
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field("auto", description="The scaled_dot_product_attention kernel on GPUs. auto: torch's own choice (cuDNN's fused attention for the built-in models on an H200 with torch 2.11, as its profile shows); cudnn: cuDNN's fused attention; efficient: memory-efficient attention; math: the unfused reference. A kernel that cannot run a shape fails the run instead of falling back.")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
     seed: int = Field(1234, ge=0, description="Seed for weights and data (synthetic tokens and MLM masks are a function of the seed and the global sample index, so they do not depend on the world size).")
@@ -288,15 +288,10 @@ class JobSpec(Strict):
         if self.cudnn.deterministic and self.precision.dtype == "tf32":
             raise ValueError("cudnn.deterministic turns TF32 off; use precision.dtype fp32 or bf16")
         if self.train.cuda_graphs:
-            if dev != "cuda":
-                raise ValueError("train.cuda_graphs needs resources.device cuda")
-            if self.train.cuda_graphs == "step" and self.precision.dtype == "fp16":
-                raise ValueError("train.cuda_graphs step captures the optimizer step, and fp16's GradScaler "
-                                 "reads its overflow flag on the host each step; use precision.dtype bf16 or "
-                                 "train.cuda_graphs: true")
-        if self.train.cuda_graphs is True:
             if not self.train.compile:
                 raise ValueError("train.cuda_graphs replays compiled graphs; set train.compile: true")
+            if dev != "cuda":
+                raise ValueError("train.cuda_graphs needs resources.device cuda")
             if self.parallel.strategy != "ddp":
                 raise ValueError("train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
                                  "parameters between graphs (set train.cuda_graphs: false)")

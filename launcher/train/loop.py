@@ -28,7 +28,6 @@ from launcher.spec.job import JobSpec, TrainSpec
 from launcher.train import parallel
 from launcher.train.checkpoint import Checkpointer
 from launcher.train.data import build_data
-from launcher.train.graphs import StepGraph
 from launcher.train.meter import (
     CudaTimer,
     GpuUtilization,
@@ -192,8 +191,7 @@ class Trainer:
         # reuses. Taking them as .grad (what zero_grad(set_to_none=True) leads to) is right when
         # one backward per step is consumed by the optimizer before the next. Accumulating over
         # micro-batches instead adds each one into gradients that keep their own memory.
-        self.graph_mode = parallel.cuda_graph_mode(job, self.world_size)
-        self.grads_in_place = self.graph_mode == "compiled" and job.train.grad_accum > 1
+        self.grads_in_place = job.train.cuda_graphs and job.train.grad_accum > 1
         if self.grads_in_place:
             for p in self.model.parameters():
                 if p.requires_grad and p.grad is None:
@@ -207,11 +205,9 @@ class Trainer:
         on_gpu = self.device.type == "cuda" and not (
             fsdp and (self.job.parallel.fsdp.cpu_offload or self.job.precision.dtype == "fp16"))
         betas = (0.9, 0.95) if self.job.model.arch == "gpt" else (0.9, 0.999)
-        step_graph = self.graph_mode == "step"
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=betas,
-            **({"fused": True} if on_gpu else {}), **({"capturable": True} if step_graph else {}))
-        self.step_graph = StepGraph(self.optimizer_step, self.optimizer, device=self.device) if step_graph else None
+            **({"fused": True} if on_gpu else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: lr_factor(i, t))
         self.scaler = None
         if self.job.precision.dtype == "fp16":
@@ -263,31 +259,30 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------
 
+    def forward_backward(self, step: int, micro: int) -> torch.Tensor:
+        """One micro-batch: forward under autocast, loss scaled for accumulation, backward."""
+        accum = self.job.train.grad_accum
+        with self.meter.data_wait():
+            batch = self.data.batch(step, micro)
+        if self.job.train.cuda_graphs:  # a new replay generation: the last micro-batch's outputs are done
+            torch.compiler.cudagraph_mark_step_begin()
+        # DDP with static_graph records the graph on its first backward and fails under
+        # no_sync there; syncing every micro-batch of the first step gives the same average.
+        par = self.job.parallel
+        first = step == self.start_step + 1 and par.strategy == "ddp" and par.ddp.static_graph
+        sync = micro == accum - 1 or first
+        with parallel.gradient_sync(self.model, sync, keep_gathered=not par.fsdp.reshard_after_forward):
+            with self._autocast():
+                loss = self.model(**batch) / accum
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss.detach()
+
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step (all micro-batches); returns the loss on the device (no sync)."""
-        with self.meter.data_wait():
-            batches = [self.data.batch(step, micro) for micro in range(self.job.train.grad_accum)]
-        if self.step_graph is not None:
-            loss = self.step_graph(batches)
-        else:
-            # DDP with static_graph records the graph on its first backward and fails under
-            # no_sync there; syncing every micro-batch of the first step gives the same average.
-            par = self.job.parallel
-            first = step == self.start_step + 1 and par.strategy == "ddp" and par.ddp.static_graph
-            loss = self.optimizer_step(batches, sync_every=first)
-        self.scheduler.step()
-        return loss
-
-    def optimizer_step(self, batches: list[dict[str, torch.Tensor]], *, sync_every: bool = False) -> torch.Tensor:
-        """The device work of one optimizer step: gradients cleared, forward and backward of each
-        micro-batch, clipping, the update. Returns the summed loss (no sync). Host work is only
-        launches, so ``StepGraph`` can capture it."""
         self.optimizer.zero_grad(set_to_none=not self.grads_in_place)
         # Summed into a fresh tensor as each micro-batch ends, before any replay can reuse the
         # graph memory that holds a micro-batch's loss.
-        last = len(batches) - 1
-        loss = sum(self.forward_backward(batch, sync=sync_every or micro == last)
-                   for micro, batch in enumerate(batches))
+        loss = sum(self.forward_backward(step, micro) for micro in range(self.job.train.grad_accum))
         clip = self.job.train.grad_clip
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
@@ -298,20 +293,9 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.scheduler.step()
         assert isinstance(loss, torch.Tensor)
         return loss
-
-    def forward_backward(self, batch: dict[str, torch.Tensor], *, sync: bool) -> torch.Tensor:
-        """One micro-batch: forward under autocast, loss scaled for accumulation, backward;
-        ``sync``: reduce the gradients (the step's last micro-batch)."""
-        if self.graph_mode == "compiled":  # a new replay generation: the last micro-batch's outputs are done
-            torch.compiler.cudagraph_mark_step_begin()
-        keep = not self.job.parallel.fsdp.reshard_after_forward
-        with parallel.gradient_sync(self.model, sync, keep_gathered=keep):
-            with self._autocast():
-                loss = self.model(**batch) / self.job.train.grad_accum
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-        return loss.detach()
 
     def train(self, *, on_step: StepCallback | None = None) -> dict[str, Any]:
         """Run steps start_step+1 .. train.steps; returns this rank's ``final`` record."""

@@ -16,7 +16,6 @@ import logging
 import math
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -48,7 +47,7 @@ def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_s
         scope = job.train.compile_scope
         if scope == "auto":
             scope = "block" if data_parallel else "model"
-        apply_compile(model, cuda_graphs=cuda_graph_mode(job, world_size) == "compiled", whole=scope == "model")
+        apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=scope == "model")
     if not data_parallel:
         if job.parallel.strategy == "fsdp":
             log.info("fsdp on one process: nothing to shard, the model trains unwrapped")
@@ -56,24 +55,6 @@ def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_s
     if job.parallel.strategy == "fsdp":
         return apply_fsdp(model, job, device=device, world_size=world_size)
     return apply_ddp(model, job, device=device)
-
-
-def cuda_graph_mode(job: JobSpec, world_size: int) -> Literal["step", "compiled"] | None:
-    """How this run uses CUDA graphs (``train.cuda_graphs``).
-
-    ``step``: the whole optimizer step (``launcher.train.graphs``), where one process trains
-    the model unwrapped (no collectives in the step). ``compiled``: each compiled graph
-    replayed (reduce-overhead) under DDP, which is also what ``step`` falls back to there;
-    under FSDP of several processes, none.
-    """
-    graphs = job.train.cuda_graphs
-    if not graphs:
-        return None
-    if graphs == "step" and not (world_size > 1 or shards_alone(job)):
-        return "step"
-    if job.parallel.strategy == "ddp" and job.train.compile:
-        return "compiled"
-    return None
 
 
 def shards_alone(job: JobSpec) -> bool:

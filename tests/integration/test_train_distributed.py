@@ -361,53 +361,6 @@ def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(base: Path, 
     assert_params_close(accum.params(), compiled_one_gpu.params(), atol=5e-4)
 
 
-STEP_GRAPH = ["--set", "train.compile=true", "--set", "train.cuda_graphs=step"]
-
-
-@pytest.fixture(scope="module")
-def step_graph_one_batch(base: Path) -> Run:
-    job = gpu_job(base, "gpu-step-graph-1")
-    return ok(launch(base / "gpu-step-graph-1", ["--job", str(job), "--params-out", "params.pt", *STEP_GRAPH,
-                                                 "--set", "train.micro_batch=16"], nproc=1))
-
-
-@pytest.mark.gpu
-@needs_gpus[1]
-@pytest.mark.parametrize("accum", [1, 2])
-def test_gpu_step_graph_trains_the_model_compiled_steps_train(base: Path, accum: int, compiled_one_gpu: Run,
-                                                              step_graph_one_batch: Run):
-    """The whole step captured once and replayed (train.cuda_graphs step: micro-batches, clipping,
-    AdamW with its learning rate read from the device) trains the same model as compiled steps
-    launched one kernel at a time, with one micro-batch of 16 or two of 8. The capture is at
-    step 4, inside the LR warm-up: a rate frozen there would not match."""
-    if accum == 1:
-        graphed = step_graph_one_batch
-    else:
-        job = gpu_job(base, "gpu-step-graph-2")
-        graphed = ok(launch(base / "gpu-step-graph-2", ["--job", str(job), "--params-out", "params.pt", *STEP_GRAPH,
-                                                        "--set", "train.grad_accum=2", "--set", "train.micro_batch=8"],
-                            nproc=1))
-    assert_loss_falls(graphed, by=1.0)
-    assert_params_close(graphed.params(), compiled_one_gpu.params(), atol=5e-4)
-
-
-@pytest.mark.gpu
-@needs_gpus[1]
-def test_gpu_step_graph_resumes_from_a_checkpoint_as_the_uninterrupted_run(base: Path, step_graph_one_batch: Run):
-    """Killed after step 30 with a checkpoint at 25, a step-graph run resumes (the optimizer
-    state and the learning rate come back into a new capture) and ends where the run never
-    killed ended."""
-    job = base / "gpu-step-resume.yaml"
-    ckpt = f"checkpoint: {{dir: {base / 'ckpt-gpu-step'}, every_steps: 25}}"
-    job.write_text(GPU_JOB.format(name="gpu-step-resume").replace("log_every: 10}", f"log_every: 10, {ckpt}}}"))
-    sets = [*STEP_GRAPH, "--set", "train.micro_batch=16"]
-    killed = launch(base / "gpu-step-killed", ["--job", str(job), "--kill-at-step", "30", *sets], nproc=1)
-    assert killed.returncode != 0
-    resumed = ok(launch(base / "gpu-step-resumed", ["--job", str(job), "--params-out", "params.pt", *sets], nproc=1))
-    assert "steps 26..50" in resumed.output
-    assert_params_close(resumed.params(), step_graph_one_batch.params(), atol=5e-4)
-
-
 @pytest.mark.gpu
 @needs_gpus[1]
 @pytest.mark.parametrize(("dtype", "strategy", "compile_"), [

@@ -175,37 +175,6 @@ def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
         apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cuda", 0))
 
 
-def graph_job(graphs, strategy: str = "ddp", **extra):
-    from launcher.spec.job import JobSpec
-
-    return JobSpec.model_validate({
-        "name": "graphs", "model": {"arch": "gpt", "size": "tiny", "vocab_size": 256},
-        "data": {"source": "synthetic", "seq_len": 16},
-        "train": {"compile": True, "cuda_graphs": graphs, **extra.pop("train", {})},
-        "parallel": {"strategy": strategy}, "resources": {"device": "cuda"}, **extra,
-    })
-
-
-@pytest.mark.parametrize(("graphs", "strategy", "world", "mode"), [
-    (False, "ddp", 1, None), (True, "ddp", 1, "compiled"), (True, "ddp", 2, "compiled"),
-    ("step", "ddp", 1, "step"), ("step", "fsdp", 1, "step"),  # one process trains unwrapped
-    ("step", "ddp", 2, "compiled"), ("step", "fsdp", 2, None),  # several: DDP's per-graph replay, FSDP none
-])
-def test_cuda_graph_mode_captures_the_step_only_where_one_process_trains(graphs, strategy, world, mode):
-    from launcher.train.parallel import cuda_graph_mode
-
-    assert cuda_graph_mode(graph_job(graphs, strategy), world) == mode
-
-
-def test_step_graphs_refuse_fp16_and_cpu():
-    from pydantic import ValidationError
-
-    with pytest.raises(ValidationError, match="fp16's GradScaler reads its overflow flag on the host"):
-        graph_job("step", precision={"dtype": "fp16"})
-    with pytest.raises(ValidationError, match="train.cuda_graphs needs resources.device cuda"):
-        graph_job("step", resources={"device": "cpu"})
-    assert graph_job("step", train={"compile": False}).train.cuda_graphs == "step"  # eager capture is allowed
-
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
 def test_bf16_hidden_states_stay_bf16_and_give_the_fp32_states_loss(arch: str):
