@@ -30,7 +30,8 @@ state), identical on CPU and CUDA and cheap: a few elementwise ops per batch.
 Where batches are made: on the host. Every op of a batch (synthetic tokens, the rows of a
 token file, the masking) runs on CPU tensors and the finished tensors go to the device. On a
 GPU the same ops would be some 150 kernel launches per chunk from the training thread, which
-block it whenever the GPU's launch queue is full.
+block it whenever the GPU's launch queue is full; on the host they run in a background thread
+(``MadeAhead``) while the GPU trains on the steps before.
 
 Synthetic tokens follow a noisy deterministic chain: a sequence restarts at a random state
 with probability 10% per position, otherwise the state advances by one; a fixed
@@ -44,6 +45,7 @@ import abc
 import ast
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -159,6 +161,9 @@ class Batches(abc.ABC):
         batch = self.assemble(self.tokens(sample), sample)
         return {key: value.to(self.device) for key, value in batch.items()}
 
+    def close(self) -> None:  # noqa: B027 (optional to override: most sources hold nothing)
+        """Release what making batches holds (nothing here)."""
+
     @abc.abstractmethod
     def tokens(self, sample: torch.Tensor) -> torch.Tensor:
         """(rows, seq_len + 1) int64 token ids on the host for a column of global sample indices."""
@@ -191,12 +196,19 @@ class Batches(abc.ABC):
 
 
 class MadeAhead(Batches):
-    """Batches made ahead, ``steps_ahead`` optimizer steps at a time.
+    """Batches made ahead, ``steps_ahead`` optimizer steps at a time, in a background thread.
 
     A chunk holds every micro-batch of this rank for up to 16 steps (at most ``CHUNK_TOKENS``
     tokens), made by the ops of one batch applied to all its rows at once: some 150 torch ops
     whatever its size, as many as one batch takes, and the numbers of ``Batches.batch``.
-    ``batch`` hands out views of it. For a GPU it is pinned and copied there asynchronously.
+    ``batch`` hands out views of it.
+
+    As soon as the training thread takes a chunk, a worker thread (``launcher-data``) starts
+    making the next one and, for a GPU, pins it; taking it over then costs the training thread
+    one asynchronous copy per tensor (pinned memory is not reused by torch's host allocator
+    before its copy is done). A step in neither chunk (the first, the first after
+    ``continue_at``, one asked out of order) is made in the training thread. An error in the
+    worker is raised by the ``batch`` call that needs its chunk. ``close`` stops the worker.
     """
 
     CHUNK_TOKENS = 1 << 22
@@ -207,19 +219,48 @@ class MadeAhead(Batches):
         self.steps_ahead = max(1, min(16, self.CHUNK_TOKENS // (rows_per_step * (self.seq_len + 1))))
         self._chunk: dict[str, torch.Tensor] = {}
         self._chunk_steps = range(0)
+        self._next: Future[dict[str, torch.Tensor]] | None = None  # the chunk after _chunk
+        self._next_steps = range(0)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher-data",
+                                        **_worker_setup(self.device))
 
     def continue_at(self, step: int, sample: int) -> None:
         super().continue_at(step, sample)
-        self._chunk_steps = range(0)  # made for the old position
+        self._chunk_steps = range(0)  # made for the old position, and so is the next chunk
+        self._drop_next()
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         assert 0 <= micro < self.grad_accum
         if step not in self._chunk_steps:
-            self._chunk_steps = range(step, step + self.steps_ahead)
-            chunk = self._made(self._chunk_steps)
-            self._chunk = {key: value.to(self.device, non_blocking=True) for key, value in chunk.items()}
+            self._take_chunk(step)
         first = ((step - self._chunk_steps.start) * self.grad_accum + micro) * self.micro_batch
         return {key: value[first: first + self.micro_batch] for key, value in self._chunk.items()}
+
+    def close(self) -> None:
+        """Stop the worker (no batches are asked for after this); a chunk it is making is left
+        to finish, not waited for."""
+        self._drop_next()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _take_chunk(self, step: int) -> None:
+        """Make the chunk holding ``step`` the current one and start making the one after it."""
+        if step in self._next_steps:
+            assert self._next is not None
+            steps, chunk = self._next_steps, self._next.result()  # re-raises the worker's error
+        else:
+            steps = range(step, step + self.steps_ahead)
+            chunk = self._made(steps)
+        self._drop_next()
+        self._chunk_steps = steps
+        self._chunk = {key: value.to(self.device, non_blocking=True) for key, value in chunk.items()}
+        self._next_steps = range(steps.stop, steps.stop + self.steps_ahead)
+        self._next = self._pool.submit(self._made, self._next_steps)
+
+    def _drop_next(self) -> None:
+        """Forget the next chunk (cancelled if the worker has not begun it)."""
+        if self._next is not None:
+            self._next.cancel()
+        self._next, self._next_steps = None, range(0)
 
     def _made(self, steps: range) -> dict[str, torch.Tensor]:
         """``_make(steps)``, pinned for an asynchronous copy when the device is a GPU."""
@@ -246,6 +287,15 @@ class MadeAhead(Batches):
         # first_sample(steps.start + k) = first_sample(steps.start) + k·G
         sample = self.first_sample(steps.start) + (row // per_step) * self.global_batch + offset
         return sample.unsqueeze(1)
+
+
+def _worker_setup(device: torch.device) -> dict:
+    """The worker thread's initializer: on a GPU, make the training thread's device current
+    there too, or pinning from the new thread would create a context on GPU 0 on every rank."""
+    if device.type != "cuda":
+        return {}
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return {"initializer": torch.cuda.set_device, "initargs": (index,)}
 
 
 class SyntheticBatches(MadeAhead):
