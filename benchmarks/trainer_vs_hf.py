@@ -106,6 +106,7 @@ def main() -> None:
                             seed=0, rank=0, world_size=1, device=device)
     n_batches = 4  # a few distinct batches, made up front so data generation is not timed
     batches = [data.batch(i + 1) for i in range(n_batches)]
+    data.close()  # no more chunks: the one being made ahead ends in the untimed warm-up
     for b in batches:  # HF's labels: the masked tokens in place, -100 elsewhere
         b["hf_labels"] = torch.full_like(b["input_ids"], -100).scatter(1, b["mask_pos"], b["labels"])
     tokens = args.steps * args.micro_batch * args.seq

@@ -1,5 +1,5 @@
-"""Batches: synthetic (made on the device), windows of a token file or of tokenized text
-(``launcher.train.text``), with MLM masking.
+"""Batches: synthetic, windows of a token file or of tokenized text (``launcher.train.text``),
+with MLM masking, made on the host ahead of the steps that use them.
 
 Data order: one sequence of samples for the whole run, numbered by a global sample index
 n = 0, 1, 2, ... Sample n is a pure function of (seed, n): its synthetic tokens and its MLM
@@ -25,7 +25,13 @@ lowered) trains on exactly the samples an uninterrupted run would have; one that
 (``train.elastic_batch: scale``) repeats and skips none either.
 
 The random numbers come from an integer hash evaluated with tensor ops (no generator
-state), identical on CPU and CUDA and cheap: a few elementwise kernels per batch.
+state), identical on CPU and CUDA and cheap: a few elementwise ops per batch.
+
+Where batches are made: on the host. Every op of a batch (synthetic tokens, the rows of a
+token file, the masking) runs on CPU tensors and the finished tensors go to the device. On a
+GPU the same ops would be some 150 kernel launches per chunk from the training thread, which
+block it whenever the GPU's launch queue is full; on the host they run in a background thread
+(``MadeAhead``) while the GPU trains on the steps before.
 
 Synthetic tokens follow a noisy deterministic chain: a sequence restarts at a random state
 with probability 10% per position, otherwise the state advances by one; a fixed
@@ -39,6 +45,7 @@ import abc
 import ast
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -134,7 +141,7 @@ class Batches(abc.ABC):
         self.mask_id = mask_token_id(vocab_size)
         self.random_vocab = vocab_size  # BERT's random replacements: ids below this
         self.never_mask: torch.Tensor | None = None  # ids never picked for masking ([CLS], [SEP])
-        self.positions = torch.arange(seq_len + 1, device=device)
+        self.positions = torch.arange(seq_len + 1)
 
     def continue_at(self, step: int, sample: int) -> None:
         """Resume after optimizer step ``step`` at global sample ``sample``: the samples the
@@ -150,12 +157,16 @@ class Batches(abc.ABC):
         idx = global_indices(step=step, micro=micro, rank=self.rank, world_size=self.world_size,
                              micro_batch=self.micro_batch, grad_accum=self.grad_accum)
         first = self.first_sample(step)
-        sample = torch.arange(first + idx.start, first + idx.stop, device=self.device).unsqueeze(1)
-        return self.assemble(self.tokens(sample), sample)
+        sample = torch.arange(first + idx.start, first + idx.stop).unsqueeze(1)
+        batch = self.assemble(self.tokens(sample), sample)
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+    def close(self) -> None:  # noqa: B027 (optional to override: most sources hold nothing)
+        """Release what making batches holds (nothing here)."""
 
     @abc.abstractmethod
     def tokens(self, sample: torch.Tensor) -> torch.Tensor:
-        """(rows, seq_len + 1) int64 token ids on the device for a column of global sample indices."""
+        """(rows, seq_len + 1) int64 token ids on the host for a column of global sample indices."""
 
     def assemble(self, tokens: torch.Tensor, sample: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's inputs from rows of seq_len + 1 tokens: shifted pairs (GPT) or masked (BERT)."""
@@ -185,13 +196,19 @@ class Batches(abc.ABC):
 
 
 class MadeAhead(Batches):
-    """Batches made ahead, ``steps_ahead`` optimizer steps at a time.
+    """Batches made ahead, ``steps_ahead`` optimizer steps at a time, in a background thread.
 
-    One batch costs some 150 small kernels whatever its size (the masking hash, and for
-    synthetic data the tokens), a few milliseconds of host time that a fast step cannot hide,
-    so the same kernels make the micro-batches of up to 16 steps at once (at most
-    ``CHUNK_TOKENS`` tokens) and ``batch`` hands out views. The numbers are the same as one
-    batch at a time (``Batches.batch``).
+    A chunk holds every micro-batch of this rank for up to 16 steps (at most ``CHUNK_TOKENS``
+    tokens), made by the ops of one batch applied to all its rows at once: some 150 torch ops
+    whatever its size, as many as one batch takes, and the numbers of ``Batches.batch``.
+    ``batch`` hands out views of it.
+
+    As soon as the training thread takes a chunk, a worker thread (``launcher-data``) starts
+    making the next one and, for a GPU, pins it; taking it over then costs the training thread
+    one asynchronous copy per tensor (pinned memory is not reused by torch's host allocator
+    before its copy is done). A step in neither chunk (the first, the first after
+    ``continue_at``, one asked out of order) is made in the training thread. An error in the
+    worker is raised by the ``batch`` call that needs its chunk. ``close`` stops the worker.
     """
 
     CHUNK_TOKENS = 1 << 22
@@ -202,28 +219,69 @@ class MadeAhead(Batches):
         self.steps_ahead = max(1, min(16, self.CHUNK_TOKENS // (rows_per_step * (self.seq_len + 1))))
         self._chunk: dict[str, torch.Tensor] = {}
         self._chunk_steps = range(0)
+        self._next: Future[dict[str, torch.Tensor]] | None = None  # the chunk after _chunk
+        self._next_steps = range(0)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher-data",
+                                        **_worker_setup(self.device))
 
     def continue_at(self, step: int, sample: int) -> None:
         super().continue_at(step, sample)
-        self._chunk_steps = range(0)  # made for the old position
+        self._chunk_steps = range(0)  # made for the old position, and so is the next chunk
+        self._drop_next()
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         assert 0 <= micro < self.grad_accum
         if step not in self._chunk_steps:
-            self._chunk_steps = range(step, step + self.steps_ahead)
-            self._chunk = self._make(self._chunk_steps)
+            self._take_chunk(step)
         first = ((step - self._chunk_steps.start) * self.grad_accum + micro) * self.micro_batch
         return {key: value[first: first + self.micro_batch] for key, value in self._chunk.items()}
 
-    @abc.abstractmethod
-    def _make(self, steps: range) -> dict[str, torch.Tensor]:
-        """Every micro-batch of this rank for ``steps``: rows ordered by (step, micro, sample)."""
+    def close(self) -> None:
+        """Stop the worker (no batches are asked for after this); a chunk it is making is left
+        to finish, not waited for."""
+        self._drop_next()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _samples_ahead(self, steps: range, device: torch.device) -> torch.Tensor:
+    def _take_chunk(self, step: int) -> None:
+        """Make the chunk holding ``step`` the current one and start making the one after it."""
+        if step in self._next_steps:
+            assert self._next is not None
+            steps, chunk = self._next_steps, self._next.result()  # re-raises the worker's error
+        else:
+            steps = range(step, step + self.steps_ahead)
+            chunk = self._made(steps)
+        self._drop_next()
+        self._chunk_steps = steps
+        self._chunk = {key: value.to(self.device, non_blocking=True) for key, value in chunk.items()}
+        self._next_steps = range(steps.stop, steps.stop + self.steps_ahead)
+        self._next = self._pool.submit(self._made, self._next_steps)
+
+    def _drop_next(self) -> None:
+        """Forget the next chunk (cancelled if the worker has not begun it)."""
+        if self._next is not None:
+            self._next.cancel()
+        self._next, self._next_steps = None, range(0)
+
+    def _made(self, steps: range) -> dict[str, torch.Tensor]:
+        """``_make(steps)``, pinned for an asynchronous copy when the device is a GPU."""
+        chunk = self._make(steps)
+        if self.device.type == "cuda":
+            # contiguous first: a strided view (GPT's shifted pairs) would be copied to the
+            # device through a pageable, synchronous staging copy
+            chunk = {key: value.contiguous().pin_memory() for key, value in chunk.items()}
+        return chunk
+
+    def _make(self, steps: range) -> dict[str, torch.Tensor]:
+        """Every micro-batch of this rank for ``steps``, on the host: rows ordered by (step,
+        micro, sample)."""
+        sample = self._samples_ahead(steps)
+        return self.assemble(self.tokens(sample), sample)
+
+    def _samples_ahead(self, steps: range) -> torch.Tensor:
         """The global sample index of each row of ``_make``, as a column."""
         m = self.micro_batch
         per_step = self.grad_accum * m
-        row = torch.arange(len(steps) * per_step, device=device)
+        row = torch.arange(len(steps) * per_step)
         micro, j = (row % per_step) // m, row % m
         offset = global_index(micro, self.rank, j, world_size=self.world_size, micro_batch=m)
         # first_sample(steps.start + k) = first_sample(steps.start) + k·G
@@ -231,8 +289,17 @@ class MadeAhead(Batches):
         return sample.unsqueeze(1)
 
 
+def _worker_setup(device: torch.device) -> dict:
+    """The worker thread's initializer: on a GPU, make the training thread's device current
+    there too, or pinning from the new thread would create a context on GPU 0 on every rank."""
+    if device.type != "cuda":
+        return {}
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return {"initializer": torch.cuda.set_device, "initargs": (index,)}
+
+
 class SyntheticBatches(MadeAhead):
-    """Structured random tokens made on the device (see the module doc), made ahead."""
+    """Structured random tokens (see the module doc), made ahead."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -241,10 +308,6 @@ class SyntheticBatches(MadeAhead):
         self.first_token = special
         self.n_states = 1 << (min(usable, MAX_STATES).bit_length() - 1)
         self.stride = (0x9E3779B1 % self.n_states) | 1  # odd: a permutation of Z_{n_states}
-
-    def _make(self, steps: range) -> dict[str, torch.Tensor]:
-        sample = self._samples_ahead(steps, self.device)
-        return self.assemble(self.tokens(sample), sample)
 
     def tokens(self, sample: torch.Tensor) -> torch.Tensor:
         pos = self.positions
@@ -263,8 +326,7 @@ class TokenFileBatches(MadeAhead):
     wrapping around at the end. Windows start every seq_len tokens and
     overlap by one (GPT's labels are its inputs shifted by one); ``row_len`` makes them
     ``row_len`` tokens long, back to back, instead. Made ahead (``MadeAhead``): the rows of
-    several steps are gathered from the file in one indexing op on the host, copied to the
-    device in one transfer (pinned, asynchronous) and masked there in one go.
+    several steps are gathered from the file in one indexing op and masked in one go.
     """
 
     def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, row_len: int | None = None,
@@ -288,15 +350,10 @@ class TokenFileBatches(MadeAhead):
             self.ids = self.ids.view(torch.int16)
 
     def tokens(self, sample: torch.Tensor) -> torch.Tensor:
-        return self._rows(sample.view(-1).cpu())  # the one-batch path; _make stays on the host
-
-    def _make(self, steps: range) -> dict[str, torch.Tensor]:
-        tokens = self._rows(self._samples_ahead(steps, torch.device("cpu")).view(-1))  # file rows, on the host
-        sample = self._samples_ahead(steps, self.device)  # the same indices for the masks, made there
-        return self.assemble(tokens, sample)
+        return self._rows(sample.view(-1))
 
     def _rows(self, windows: torch.Tensor) -> torch.Tensor:
-        """The rows of the given window numbers (any, wrapped around), on the device."""
+        """The rows of the given window numbers (any, wrapped around)."""
         starts = (windows % self.n_windows) * self.stride
         batch = self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64)
         batch = self.frame(batch & 0xFFFF if self._unsigned16 else batch)
@@ -306,9 +363,7 @@ class TokenFileBatches(MadeAhead):
                 f"{self.path} holds token id {top}, outside the model's vocabulary of "
                 f"{self.vocab_size}; set model.vocab_size above it"
             )
-        if self.device.type == "cuda":
-            batch = batch.pin_memory()
-        return batch.to(self.device, non_blocking=True)
+        return batch
 
     def frame(self, rows: torch.Tensor) -> torch.Tensor:
         """The samples made of rows read from the file (on the host): the rows themselves."""

@@ -338,6 +338,8 @@ class Trainer:
         return get_model_state_dict(self.model, options=options)
 
     def close(self) -> None:
+        if hasattr(self, "data"):  # not there when construction failed before build_data
+            self.data.close()
         self._contexts.close()
         if self.gpu_util is not None:
             self.gpu_util.close()

@@ -22,8 +22,11 @@ float8, and one peak for both makes an fp8 run's MFU over a bf16 run's its speed
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPUs; on the CPU the process's peak
 resident set size (``ru_maxrss``), which includes Python and libraries. Data wait: host
-seconds spent producing or fetching batches, as a share of wall time. GPU utilisation: NVML
-(``pynvml``) sampled on log steps, null where NVML is unavailable.
+seconds the training loop spends waiting for or handing over its next batch, as a share of
+wall time. The batches are made ahead in a background thread (``launcher.train.data``), so
+this is the time a chunk of them was not ready yet, or had to be made in the training thread
+(the first, one after a resume), and its hand-over (starting its copy to the device). GPU
+utilisation: NVML (``pynvml``) sampled on log steps, null where NVML is unavailable.
 """
 
 from __future__ import annotations
@@ -189,7 +192,7 @@ class Meter:
 
     @contextlib.contextmanager
     def data_wait(self) -> Iterator[None]:
-        """Time the host spends producing or waiting for a batch."""
+        """Time the training loop spends waiting for or handing over its next batch."""
         began = self.clock()
         try:
             yield

@@ -235,7 +235,7 @@ class TextBatches(TokenFileBatches):
         self.random_vocab = meta["vocab_size"]
         if bert:
             self.mask_id = self.special["mask"]
-            self.never_mask = torch.tensor([self.special["cls"], self.special["sep"]], device=self.device)
+            self.never_mask = torch.tensor([self.special["cls"], self.special["sep"]])
 
     def frame(self, rows: torch.Tensor) -> torch.Tensor:
         if self.arch != "bert":

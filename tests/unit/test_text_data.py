@@ -141,6 +141,24 @@ def test_text_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path, asse
         assert all(torch.equal(got[k], want[k]) for k in ("input_ids", "labels", "mask_pos")), (step, micro)
 
 
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+def test_text_chunks_made_by_the_worker_thread_equal_batches_made_one_at_a_time(tmp_path, assets, arch):
+    data = build_data(job(tmp_path, assets, arch), rank=1, world_size=2, device=torch.device("cpu"))
+    threads, make = [], data._make
+
+    def make_and_record(steps: range):
+        threads.append(threading.current_thread().name)
+        return make(steps)
+
+    data._make = make_and_record
+    for step, micro in [(s, a) for s in range(1, 16 * 3 + 1) for a in range(2)]:
+        got, want = data.batch(step, micro), Batches.batch(data, step, micro)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
+    assert threads[0] == "MainThread" and all(t.startswith("launcher-data") for t in threads[1:3])
+    data.close()
+
+
 def test_gpt_windows_shift_by_one_over_eos_separated_text(tmp_path, assets):
     j = job(tmp_path, assets, arch="gpt")
     meta = text.tokenize(j.data, "gpt", progress=False)

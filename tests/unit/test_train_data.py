@@ -1,7 +1,10 @@
-"""Batches: determinism, rank/world equivalence, MLM masking, token files (pure, CPU)."""
+"""Batches: determinism, rank/world equivalence, MLM masking, token files, the worker thread
+that makes them ahead (CPU)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +25,10 @@ from launcher.train.data import (
 CPU = torch.device("cpu")
 
 
-def source(arch="bert", *, rank=0, world=1, micro=4, accum=1, seq=32, vocab=1024, seed=3, cls=SyntheticBatches, **kw):
+def source(arch="bert", *, rank=0, world=1, micro=4, accum=1, seq=32, vocab=1024, seed=3, cls=SyntheticBatches,
+           device=CPU, **kw):
     return cls(arch=arch, vocab_size=vocab, seq_len=seq, micro_batch=micro, grad_accum=accum,
-               mask_prob=0.15, seed=seed, rank=rank, world_size=world, device=CPU, **kw)
+               mask_prob=0.15, seed=seed, rank=rank, world_size=world, device=device, **kw)
 
 
 def step_samples(make, world: int, accum: int, step: int, key: str = "input_ids") -> torch.Tensor:
@@ -247,3 +251,129 @@ def test_sample_indices_above_two_to_the_32_stay_distinct():
     assert not torch.equal(late.batch(1)["input_ids"], source().batch(1)["input_ids"])
     ahead = late.batch(1)
     assert all(torch.equal(ahead[k], Batches.batch(late, 1)[k]) for k in ahead)
+
+
+def recording(data):
+    """Patch ``data._make`` to record (first step, thread) of every chunk it makes."""
+    made, make = [], data._make
+
+    def make_and_record(steps: range):
+        made.append((steps.start, threading.current_thread()))
+        return make(steps)
+
+    data._make = make_and_record
+    return made
+
+
+def equals_one_at_a_time(data, step: int, micro: int = 0) -> bool:
+    got, want = data.batch(step, micro), Batches.batch(data, step, micro)
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt"])
+def test_chunks_made_by_the_worker_thread_equal_batches_made_one_at_a_time(arch: str):
+    data = source(arch, rank=1, world=2, accum=2)
+    made = recording(data)
+    assert all(equals_one_at_a_time(data, s, a) for s in range(1, 16 * 4 + 1) for a in range(2))
+    assert [start for start, _ in made[:4]] == [1, 17, 33, 49]
+    assert made[0][1] is threading.main_thread()  # the first chunk: nothing was made ahead
+    assert {thread.name.split("_")[0] for _, thread in made[1:4]} == {"launcher-data"}
+    data.close()
+
+
+def test_continue_at_drops_the_chunk_made_ahead_for_the_old_position():
+    data = source("gpt")
+    made = recording(data)
+    data.batch(1)  # the worker makes steps 17-32 at the old position
+    data.continue_at(16, 5000)
+    assert all(equals_one_at_a_time(data, step) for step in range(17, 40))
+    assert made[2] == (17, threading.main_thread())  # made again, for the new position
+    data.close()
+
+
+def test_an_error_in_the_worker_is_raised_by_the_batch_that_needs_its_chunk(tmp_path: Path):
+    ids = torch.arange(2_000, dtype=torch.int32) % 1000
+    ids[20 * 16 + 3] = 5000  # in window 20: step 21's sample with one sample a step
+    write_npy(tmp_path / "t.npy", ids, "<i4")
+    data = source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "t.npy", token_dtype="uint16")
+    made = recording(data)
+    for step in range(1, 17):
+        data.batch(step)
+    with pytest.raises(ValueError) as worker_error:
+        data.batch(17)
+    assert made[1][1] is not threading.main_thread()
+    with pytest.raises(ValueError) as one_at_a_time:
+        Batches.batch(data, 21)
+    assert str(worker_error.value) == str(one_at_a_time.value)
+    assert "outside the model's vocabulary" in str(worker_error.value)
+    data.close()
+
+
+def test_close_stops_the_worker_without_waiting_for_its_chunk():
+    data = source("gpt")
+    started, release = threading.Event(), threading.Event()
+    workers, make = [], data._make
+
+    def slow_make(steps: range):
+        if threading.current_thread() is not threading.main_thread():
+            workers.append(threading.current_thread())
+            started.set()
+            release.wait(30)
+        return make(steps)
+
+    data._make = slow_make
+    data.batch(1)
+    assert started.wait(10)
+    began = time.monotonic()
+    data.close()
+    data.close()  # twice is fine
+    assert time.monotonic() - began < 5
+    release.set()
+    workers[0].join(5)
+    assert not workers[0].is_alive()
+
+
+def test_for_a_gpu_the_worker_sets_the_device_then_pins_the_chunk(monkeypatch):
+    """No GPU here: set_device and pin_memory are recorded; the chunk is made, not moved."""
+    calls = []
+
+    def record(*call):
+        calls.append((*call, threading.current_thread().name.split("_")[0]))
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: record("set_device", index))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: record("pin", t.is_contiguous()) or t)
+    data = source("gpt", device=torch.device("cuda", 1))
+    chunk = data._pool.submit(data._made, range(1, 17)).result()
+    assert calls == [("set_device", 1, "launcher-data")] + [("pin", True, "launcher-data")] * len(chunk)
+    data.close()
+
+
+def test_a_closed_trainer_leaves_no_data_thread_running(tmp_path: Path, monkeypatch):
+    from launcher.spec.job import JobSpec
+    from launcher.train.loop import Trainer
+    from launcher.util import free_port
+
+    monkeypatch.setenv("LAUNCHER_METRICS_FILE", str(tmp_path / "rank{rank}.jsonl"))
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    job = JobSpec.model_validate({
+        "name": "close", "model": {"arch": "bert", "size": "tiny"}, "data": {"seq_len": 16},
+        "train": {"steps": 3, "warmup_steps": 0, "micro_batch": 2, "compile": False},
+        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+    })
+    before = set(threading.enumerate())
+    started: set[threading.Thread] = set()
+
+    def note_data_threads(step: int) -> None:
+        started.update(t for t in threading.enumerate() if t.name.startswith("launcher-data") and t not in before)
+
+    trainer = Trainer(job)
+    try:
+        trainer.train(on_step=note_data_threads)
+    finally:
+        trainer.close()
+    assert started  # step 1 set the worker making steps 17-32
+    for thread in started:
+        thread.join(5)
+    assert not any(thread.is_alive() for thread in started)
