@@ -13,7 +13,10 @@ What makes them fast:
   plus a bias) runs only on the masked positions, gathered first: a fixed number per
   sequence (``mask_count``), so shapes stay static for ``torch.compile``;
 - token types are all zero (single-segment batches), so their embedding is added as one
-  broadcast row instead of a lookup.
+  broadcast row instead of a lookup;
+- the hidden states can stay bf16 under autocast (``Embeddings.out_dtype``, and LayerNorms
+  that return their input's dtype): half the bytes for every elementwise kernel between the
+  matmuls.
 
 Parameter counts match Hugging Face: bert-base (no pooler, tied decoder) has 109,514,298,
 exactly ``BertForMaskedLM``'s. So does the function: loaded from a Hugging Face folder
