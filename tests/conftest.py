@@ -67,3 +67,17 @@ def netns_cluster() -> Iterator[ClusterFactory]:
 def netns_cluster_module() -> Iterator[ClusterFactory]:
     """Like ``netns_cluster`` but shared by a test module (clusters live until its end)."""
     yield from _factory()
+
+
+@pytest.fixture
+def one_process_trainer_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The environment torchrun gives a world of one, and a metrics file under ``tmp_path``
+    (returned), for tests that build ``launcher.train.loop.Trainer`` in this process."""
+    from launcher.util import free_port
+
+    metrics = tmp_path / "rank{rank}.jsonl"
+    monkeypatch.setenv("LAUNCHER_METRICS_FILE", str(metrics))
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    return metrics

@@ -348,15 +348,10 @@ def test_for_a_gpu_the_worker_sets_the_device_then_pins_the_chunk(monkeypatch):
     data.close()
 
 
-def test_a_closed_trainer_leaves_no_data_thread_running(tmp_path: Path, monkeypatch):
+def test_a_closed_trainer_leaves_no_data_thread_running(one_process_trainer_env: Path):
     from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
-    from launcher.util import free_port
 
-    monkeypatch.setenv("LAUNCHER_METRICS_FILE", str(tmp_path / "rank{rank}.jsonl"))
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(name, value)
     job = JobSpec.model_validate({
         "name": "close", "model": {"arch": "bert", "size": "tiny"}, "data": {"seq_len": 16},
         "train": {"steps": 3, "warmup_steps": 0, "micro_batch": 2, "compile": False},

@@ -44,17 +44,12 @@ def test_no_weight_decay_on_biases_and_norms():
     assert len(decay["params"]) == 2 and len(no_decay["params"]) == 3
 
 
-def test_step_records_carry_the_lr_each_step_used(tmp_path, monkeypatch):
+def test_step_records_carry_the_lr_each_step_used(one_process_trainer_env):
     """``lr`` in a step record is what the optimizer used for that step (read back from it)."""
     from launcher.metrics import read_records
     from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
-    from launcher.util import free_port
 
-    monkeypatch.setenv("LAUNCHER_METRICS_FILE", str(tmp_path / "rank{rank}.jsonl"))
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(name, value)
     job = JobSpec.model_validate({
         "name": "lr", "model": {"arch": "gpt", "size": "tiny"}, "data": {"seq_len": 16},
         "train": {"steps": 6, "warmup_steps": 0, "micro_batch": 2, "lr": 1e-3, "lr_warmup_steps": 3,
@@ -67,7 +62,7 @@ def test_step_records_carry_the_lr_each_step_used(tmp_path, monkeypatch):
         trainer.train(on_step=lambda step: used.__setitem__(step + 1, trainer.optimizer.param_groups[0]["lr"]))
     finally:
         trainer.close()
-    steps = [r for r in read_records(tmp_path / "rank0.jsonl") if r["type"] == "step"]
+    steps = [r for r in read_records(one_process_trainer_env.with_name("rank0.jsonl")) if r["type"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert [r["lr"] for r in steps] == pytest.approx([used[s] for s in range(1, 7)])
     assert steps[0]["lr"] == pytest.approx(1e-3 / 3) and steps[2]["lr"] == pytest.approx(1e-3)
