@@ -48,6 +48,7 @@ from launcher.spec.cluster import NodeSpec, SSHSpec
 log = logging.getLogger(__name__)
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+EXIT_DRAIN_S = 5.0  # output read after a remote command exited without its channel's EOF
 
 T = TypeVar("T")
 
@@ -266,14 +267,21 @@ class SSHRunner(Runner):
             feeder.start()
             out, err = bytearray(), bytearray()
             deadline = None if timeout is None else time.monotonic() + timeout
+            exited_at = None
             while True:
-                done = chan.exit_status_ready()  # read before draining: no output can follow it
+                # sshd may report the exit status before the last of the output; the end of the
+                # output is the channel's EOF (read before draining: no data can follow it). A
+                # daemon the command started may keep the output open: then the exit status
+                # and EXIT_DRAIN_S without EOF end the read.
+                eof = chan.eof_received
                 while chan.recv_ready():
                     out += chan.recv(65536)
                 while chan.recv_stderr_ready():
                     err += chan.recv_stderr(65536)
-                if done:
-                    break
+                if chan.exit_status_ready():
+                    exited_at = exited_at or time.monotonic()
+                    if eof or time.monotonic() - exited_at > EXIT_DRAIN_S:
+                        break
                 if deadline is not None and time.monotonic() > deadline:
                     raise NodeError(TIMEOUT, f"{_short(command)!r} did not finish within {timeout:g} s")
                 if not transport.is_active():

@@ -11,6 +11,7 @@ from launcher.orchestrate.agent import NodeAgent
 
 SCRIPT = '''
 import os
+import pathlib
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -18,7 +19,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 @record
 def main():
     print("about to fail", flush=True)
+    said = pathlib.Path(os.environ["SAID_DIR"])
+    (said / os.environ["LOCAL_RANK"]).touch()
     if os.environ["LOCAL_RANK"] == "1":
+        # Fail once rank 0 has printed too: torchrun stops rank 0 when rank 1 fails, and a
+        # slow start (a fresh venv's first imports) could otherwise stop it before its line.
+        deadline = time.monotonic() + 60
+        while not (said / "0").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise ValueError("bad batch at step 3")
     time.sleep(60)  # torchrun stops this one when rank 1 fails
 
@@ -45,7 +53,7 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
     agent = NodeAgent("local")
     try:
         agent.start({"node_dir": str(node_dir), "cwd": str(tmp_path), "argv": argv,
-                     "env": {"PYTHONUNBUFFERED": "1"}}, {"job.yaml": "name: x\n"})
+                     "env": {"PYTHONUNBUFFERED": "1", "SAID_DIR": str(tmp_path)}}, {"job.yaml": "name: x\n"})
         updates = run_to_exit(agent)
         assert updates[-1].exit.exit_code != 0 and not updates[-1].exit.stopped
         lines = [line for update in updates for line in update.lines]
