@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+PROJECT = ROOT / "tests/fixtures/user_project"  # a research-style script (tests/integration/test_user_code.py)
+RANK_LINE = re.compile(r"rank=(\d+) cwd=(\S+) greeting=(\S+) helper=(\S+) data=(\S+) total=(\d+)")
 
 
 def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
@@ -72,6 +76,8 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         assert bound and all("127.0.0.1:8265" in line for line in bound.splitlines()), bound
         # the token never reached a command line or the launcher's output
         assert "RAY_AUTH_TOKEN=" not in submitted.stdout + submitted.stderr + follow.stdout
+
+        submit_a_script_whose_workdir_travels(launch, cluster, tmp_path)
     finally:
         down = launch("down", "--yes")
     assert down.returncode == 0, down.stdout + down.stderr
@@ -80,3 +86,29 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
                 for pid in cluster.pids(node)]
         assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
+
+
+def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> None:
+    """The user's script, in a folder under this machine's /tmp that the head cannot see: submit
+    ships a snapshot with the submission, and each rank runs in its node's copy of it."""
+    workdir = tmp_path / "project"
+    shutil.copytree(PROJECT, workdir)
+    submitted = launch("submit", str(workdir / "job.yaml"), "--run-dir", "/tmp/scriptrun", "--json")
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
+    follow = launch("logs", job_id, "--follow")
+    assert follow.returncode == 0 and f"job {job_id} ended: SUCCEEDED" in follow.stdout, follow.stdout[-3000:]
+    fetched = tmp_path / "fetched-script"
+    assert launch("fetch", job_id, "--to", str(fetched)).returncode == 0
+    lines = {}
+    for log in fetched.glob("logs/*/rank*.log"):
+        for match in RANK_LINE.finditer(log.read_text()):
+            lines[int(match.group(1))] = match.groups()[1:]
+    assert set(lines) == {0, 1}, follow.stdout[-3000:]
+    for cwd, greeting, helper, data, total in lines.values():
+        assert cwd != str(workdir)  # a copy on the node
+        assert (greeting, helper, data, total) == ("configured", "helper-v1", "relative-data", str(2 * 13))
+    assert json.loads((fetched / "plan.json").read_text())["code"]["mode"] == "ray"
+    assert not (workdir / "out").exists()  # the outputs stay in the nodes' copies
+    for node in cluster.node_names:
+        assert cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
