@@ -27,7 +27,7 @@ from launcher.metrics import write_record
 from launcher.spec.job import JobSpec, TrainSpec
 from launcher.train import parallel
 from launcher.train.checkpoint import Checkpointer
-from launcher.train.data import build_data
+from launcher.train.data import Batches, build_data
 from launcher.train.meter import (
     CudaTimer,
     GpuUtilization,
@@ -91,6 +91,7 @@ class Trainer:
     def __init__(self, job: JobSpec):
         self.job = job
         self.gpu_util: GpuUtilization | None = None
+        self.data: Batches | None = None
         self._contexts = ExitStack()  # process-wide settings held for the trainer's lifetime
         try:
             self.init_distributed()
@@ -338,7 +339,7 @@ class Trainer:
         return get_model_state_dict(self.model, options=options)
 
     def close(self) -> None:
-        if hasattr(self, "data"):  # not there when construction failed before build_data
+        if self.data is not None:
             self.data.close()
         self._contexts.close()
         if self.gpu_util is not None:

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+from fixtures.user_code import project, rank_lines
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT = ROOT / "tests/fixtures/user_project"  # a research-style script (tests/integration/test_user_code.py)
-RANK_LINE = re.compile(r"rank=(\d+) cwd=(\S+) greeting=(\S+) helper=(\S+) data=(\S+) total=(\d+)")
 
 
 def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
@@ -91,19 +88,16 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
 def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> None:
     """The user's script, in a folder under this machine's /tmp that the head cannot see: submit
     ships a snapshot with the submission, and each rank runs in its node's copy of it."""
-    workdir = tmp_path / "project"
-    shutil.copytree(PROJECT, workdir)
-    submitted = launch("submit", str(workdir / "job.yaml"), "--run-dir", "/tmp/scriptrun", "--json")
+    job_file = project(tmp_path)
+    workdir = job_file.parent
+    submitted = launch("submit", str(job_file), "--run-dir", "/tmp/scriptrun", "--json")
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
     follow = launch("logs", job_id, "--follow")
     assert follow.returncode == 0 and f"job {job_id} ended: SUCCEEDED" in follow.stdout, follow.stdout[-3000:]
     fetched = tmp_path / "fetched-script"
     assert launch("fetch", job_id, "--to", str(fetched)).returncode == 0
-    lines = {}
-    for log in fetched.glob("logs/*/rank*.log"):
-        for match in RANK_LINE.finditer(log.read_text()):
-            lines[int(match.group(1))] = match.groups()[1:]
+    lines = rank_lines(fetched)
     assert set(lines) == {0, 1}, follow.stdout[-3000:]
     for cwd, greeting, helper, data, total in lines.values():
         assert cwd != str(workdir)  # a copy on the node

@@ -9,42 +9,18 @@ file and writes into an output folder, all by relative paths.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
-import yaml
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-LINE = re.compile(r"rank=(\d+) cwd=(\S+) greeting=(\S+) helper=(\S+) data=(\S+) total=(\d+)")
+from fixtures.user_code import project, rank_lines
 
 
 def launch(*args: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
-
-
-def project(root: Path, **entrypoint: object) -> Path:
-    """A copy of the fixture project under ``root``; returns its job file."""
-    dest = root / "project"
-    shutil.copytree(FIXTURES / "user_project", dest)
-    job_file = dest / "job.yaml"
-    job = yaml.safe_load(job_file.read_text())
-    job["entrypoint"].update(entrypoint)
-    job_file.write_text(yaml.safe_dump(job))
-    return job_file
-
-
-def rank_lines(run_dir: Path) -> dict[int, tuple[str, ...]]:
-    """rank → (cwd, greeting, helper, data, total) from every rank log of the run."""
-    out = {}
-    for log in run_dir.glob("logs/*/rank*.log"):
-        for match in LINE.finditer(log.read_text()):
-            out[int(match.group(1))] = match.groups()[1:]
-    return out
 
 
 def test_script_runs_in_its_workdir_here(tmp_path):
