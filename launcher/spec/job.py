@@ -40,6 +40,7 @@ class ModelSpec(Strict):
     vocab_size: int | None = Field(None, ge=8, le=1_048_576, description="Vocabulary size; default 30522 (bert) or 50304 (gpt).")
     max_positions: int | None = Field(None, ge=8, le=1_048_576, description="Learned positions; default 512 (bert) or 1024 (gpt). data.seq_len must not exceed it.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP outputs.")
+    bias: bool = Field(True, description="Biases in every linear layer and LayerNorm, as BERT and GPT-2 have them. false: none (nanoGPT's default, and most recent decoders'): fewer elementwise kernels and bias gradients. A Hugging Face folder's weights (init_from) have biases and need true; a model exported without them gets zero biases.")
     init_from: Path | None = Field(None, description="Start from a local Hugging Face model folder (config.json + model.safetensors or pytorch_model.bin) of BertForMaskedLM/BertModel or GPT2LMHeadModel: arch and dims come from its config.json (any given here must agree), the weights from its files. Relative paths are taken from the job file's folder; every node reads it at the same path; nothing is downloaded. Needs the hf extra.")
 
     def dims(self) -> dict[str, int]:

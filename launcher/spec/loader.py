@@ -360,6 +360,8 @@ def _with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str])
     conflicts = [f"model.arch {model.arch} (the folder holds a {arch})"] if "arch" in given and model.arch != arch else []
     conflicts += [f"model.{k} {getattr(model, k)} (config.json: {v})" for k, v in dims.items()
                   if k in given and getattr(model, k) != v]
+    if not model.bias:
+        conflicts.append("model.bias false (the folder's weights have biases)")
     # A size preset decides only the dims the job does not give explicitly.
     if "size" in given:
         preset = dict(zip(("n_layers", "d_model", "n_heads"), SIZE_PRESETS[model.size], strict=True))

@@ -114,9 +114,13 @@ def _fresh_mlm_head(d_model: int, vocab_size: int) -> dict[str, torch.Tensor]:
 
 def to_hf(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors (``BertForMaskedLM`` / ``GPT2LMHeadModel`` names) of the
-    built-in parameters ``state`` (plain names)."""
+    built-in parameters ``state`` (plain names); zeros for the biases of a ``model.bias:
+    false`` model, which Hugging Face's classes always have."""
     dims = spec.dims()
     table = fmt.rules(spec.arch, dims)
+    if not spec.bias:  # a model without biases is one whose biases are zero
+        state = {**state, **{r.ours: torch.zeros(len(r.hf) * r.shape[0]) for r in table
+                             if r.ours.endswith("bias") and r.ours not in state}}
     names = {r.ours for r in table}
     if set(state) != names:
         missing, extra = sorted(names - set(state)), sorted(set(state) - names)

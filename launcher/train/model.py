@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from launcher.spec.job import ModelSpec
+from launcher.train.loss import linear_cross_entropy
 
 BERT_LN_EPS = 1e-12
 GPT_LN_EPS = 1e-5
@@ -45,8 +46,8 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """The model a job asks for, initialised (call under ``torch.device(...)`` to place it)."""
     dims = spec.dims()
     if spec.arch == "bert":
-        return BertForMaskedLM(**dims, dropout=spec.dropout)
-    return GPT(**dims, dropout=spec.dropout)
+        return BertForMaskedLM(**dims, dropout=spec.dropout, bias=spec.bias)
+    return GPT(**dims, dropout=spec.dropout, bias=spec.bias)
 
 
 def mask_count(seq_len: int, mask_prob: float) -> int:
@@ -106,13 +107,13 @@ class LayerNorm(nn.LayerNorm):
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float, causal: bool):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, causal: bool, bias: bool = True):
         super().__init__()
         self.n_heads = n_heads
         self.dropout = dropout
         self.causal = causal
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -125,10 +126,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, approximate: str):
+    def __init__(self, d_model: int, d_ff: int, approximate: str, bias: bool = True):
         super().__init__()
-        self.fc = nn.Linear(d_model, d_ff)
-        self.proj = nn.Linear(d_ff, d_model)
+        self.fc = nn.Linear(d_model, d_ff, bias=bias)
+        self.proj = nn.Linear(d_ff, d_model, bias=bias)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,15 +144,16 @@ class Block(nn.Module):
     ``torch.compile`` of the block sees it and parameter names do not change.
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, *, pre_ln: bool):
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, *, pre_ln: bool,
+                 bias: bool = True):
         super().__init__()
         self.pre_ln = pre_ln
         self.checkpoint_activations = False
         eps = GPT_LN_EPS if pre_ln else BERT_LN_EPS
-        self.attn = Attention(d_model, n_heads, dropout, causal=pre_ln)
-        self.ln1 = LayerNorm(d_model, eps=eps)
-        self.mlp = MLP(d_model, d_ff, approximate="tanh" if pre_ln else "none")
-        self.ln2 = LayerNorm(d_model, eps=eps)
+        self.attn = Attention(d_model, n_heads, dropout, causal=pre_ln, bias=bias)
+        self.ln1 = LayerNorm(d_model, eps=eps, bias=bias)
+        self.mlp = MLP(d_model, d_ff, approximate="tanh" if pre_ln else "none", bias=bias)
+        self.ln2 = LayerNorm(d_model, eps=eps, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,12 +177,13 @@ class Embeddings(nn.Module):
     autocast halves the bytes every elementwise kernel between the matmuls moves.
     """
 
-    def __init__(self, vocab_size: int, max_positions: int, d_model: int, dropout: float, *, bert: bool):
+    def __init__(self, vocab_size: int, max_positions: int, d_model: int, dropout: float, *, bert: bool,
+                 bias: bool = True):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(max_positions, d_model)
         self.tok_type = nn.Embedding(2, d_model) if bert else None
-        self.ln = LayerNorm(d_model, eps=BERT_LN_EPS) if bert else None
+        self.ln = LayerNorm(d_model, eps=BERT_LN_EPS, bias=bias) if bert else None
         self.drop = nn.Dropout(dropout)
         self.out_dtype: torch.dtype | None = None
 
@@ -198,34 +201,35 @@ class Embeddings(nn.Module):
 class MLMHead(nn.Module):
     """BERT's MLM head and loss on the masked positions only."""
 
-    def __init__(self, d_model: int, vocab_size: int):
+    def __init__(self, d_model: int, vocab_size: int, bias: bool = True):
         super().__init__()
-        self.dense = nn.Linear(d_model, d_model)
-        self.ln = LayerNorm(d_model, eps=BERT_LN_EPS)
-        self.bias = nn.Parameter(torch.zeros(vocab_size))
+        self.dense = nn.Linear(d_model, d_model, bias=bias)
+        self.ln = LayerNorm(d_model, eps=BERT_LN_EPS, bias=bias)
+        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor,
                 decoder: torch.Tensor) -> torch.Tensor:
         d = hidden.shape[-1]
         picked = hidden.gather(1, mask_pos.unsqueeze(-1).expand(-1, -1, d))
-        logits = self.logits(picked, decoder)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        return linear_cross_entropy(self.transform(picked), decoder, self.bias, labels)
+
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ln(F.gelu(self.dense(hidden)))
 
     def logits(self, hidden: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ln(F.gelu(self.dense(hidden))), decoder, self.bias)
+        return F.linear(self.transform(hidden), decoder, self.bias)
 
 
 class LMHead(nn.Module):
     """GPT's final LayerNorm, the decoder tied to the word embedding, and the loss."""
 
-    def __init__(self, d_model: int):
+    def __init__(self, d_model: int, bias: bool = True):
         super().__init__()
-        self.ln = LayerNorm(d_model, eps=GPT_LN_EPS)
+        self.ln = LayerNorm(d_model, eps=GPT_LN_EPS, bias=bias)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor | None,
                 decoder: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(hidden, decoder)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        return linear_cross_entropy(self.ln(hidden), decoder, None, labels)
 
     def logits(self, hidden: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
         return F.linear(self.ln(hidden), decoder)
@@ -235,10 +239,11 @@ class _LM(nn.Module):
     embed: Embeddings
     head: nn.Module
 
-    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, dropout: float, *, pre_ln: bool):
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, dropout: float, *, pre_ln: bool,
+                 bias: bool = True):
         super().__init__()
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, d_ff, dropout, pre_ln=pre_ln) for _ in range(n_layers)
+            Block(d_model, n_heads, d_ff, dropout, pre_ln=pre_ln, bias=bias) for _ in range(n_layers)
         )
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -262,11 +267,11 @@ class _LM(nn.Module):
             if isinstance(module, nn.Linear):
                 std = residual_std if name.endswith(".proj") else INIT_STD
                 nn.init.normal_(module.weight, std=std)
-                nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=INIT_STD)
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
+            if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
 
@@ -274,10 +279,10 @@ class BertForMaskedLM(_LM):
     """Post-LN encoder, learned positions and token types, GELU; MLM head on masked tokens."""
 
     def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, vocab_size: int,
-                 max_positions: int, dropout: float = 0.0):
-        super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=False)
-        self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=True)
-        self.head = MLMHead(d_model, vocab_size)
+                 max_positions: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=False, bias=bias)
+        self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=True, bias=bias)
+        self.head = MLMHead(d_model, vocab_size, bias=bias)
         self._init_weights(INIT_STD)
 
 
@@ -285,9 +290,9 @@ class GPT(_LM):
     """Pre-LN causal decoder with learned positions and a tied LM head (GPT-2 shape)."""
 
     def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, vocab_size: int,
-                 max_positions: int, dropout: float = 0.0):
-        super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=True)
+                 max_positions: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=True, bias=bias)
         self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=False)
-        self.head = LMHead(d_model)
+        self.head = LMHead(d_model, bias=bias)
         # GPT-2: scale the residual projections by 1/sqrt(2·layers).
         self._init_weights(INIT_STD / math.sqrt(2 * n_layers))

@@ -258,30 +258,60 @@ def unwrap(model: nn.Module) -> nn.Module:
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients to a total norm of ``max_norm``; returns the total norm before clipping.
 
-    Same result as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
-    clamped to 1, every gradient multiplied by it), but FSDP2's sharded gradients are handled
-    on their local shards: one foreach norm over the shards, one all-reduce of a scalar (the
-    sum of the p-th powers, or the max for the inf-norm) over the mesh, one foreach multiply.
-    Going through DTensor instead costs a sharding propagation and re-wrapping of every
-    gradient for each op, which is host time that grows with the parameter count.
-
-    Gradients that are not DTensors (plain or DDP, already identical on every rank) go to
-    torch's function. DTensor gradients sharded other than ``Shard`` on a 1-D mesh (replicas,
-    HSDP) also do, since summing over ranks would count a replicated gradient twice.
+    Same result as ``torch.nn.utils.clip_grad_norm_``: every gradient multiplied by
+    ``clip_coefficient`` (``max_norm / (norm + 1e-6)`` clamped to 1), with the norm from
+    ``grad_norm`` (FSDP2's sharded gradients handled on their local shards).
     """
     params = [p for p in parameters if p.grad is not None]
-    grads: list[torch.Tensor] = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.tensor(0.0)
+    total = grad_norm(params, norm_type)
+    coef = clip_coefficient(total, max_norm)
+    local = [_local(p.grad) for p in params]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in local:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_grads in by_dtype.values():
+        if _foreach_ok(group_grads):
+            torch._foreach_mul_(group_grads, coef.to(group_grads[0].device))
+        else:
+            for t in group_grads:
+                t.mul_(coef.to(t.device))
+    return total
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``max_norm / (total_norm + 1e-6)`` clamped to 1, torch's clipping rule (a tensor: no sync)."""
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
+@torch.no_grad()
+def grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+    """The total norm of all gradients, a 0-d tensor on their device (no host sync).
+
+    FSDP2's sharded gradients are handled on their local shards: one foreach norm over the
+    shards, one all-reduce of a scalar (the sum of the p-th powers, or the max for the
+    inf-norm) over the mesh. Going through DTensor instead costs a sharding propagation and
+    re-wrapping of every gradient for each op, which is host time that grows with the
+    parameter count.
+
+    Gradients that are not DTensors (plain or DDP, already identical on every rank) go to
+    torch's ``get_total_norm``. DTensor gradients sharded other than ``Shard`` on a 1-D mesh
+    (replicas, HSDP) also do, since summing over ranks would count a replicated gradient twice.
+    """
     from torch.distributed.tensor import DTensor, Shard
 
+    grads: list[torch.Tensor] = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
     if not isinstance(grads[0], DTensor):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return torch.nn.utils.get_total_norm(grads, norm_type)
     mesh = grads[0].device_mesh
     if mesh.ndim != 1 or not all(
         isinstance(g, DTensor) and g.device_mesh == mesh and isinstance(g.placements[0], Shard) for g in grads
     ):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        return total.full_tensor() if isinstance(total, DTensor) else total
     norm_type = float(norm_type)
     local = [g.to_local() for g in grads]
     # The local norm in fp32 (torch computes it in the gradients' dtype; with bf16 gradients
@@ -299,22 +329,17 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
         total = local_norm.clone()
         if dist.get_world_size(group) > 1:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-    else:
-        total = local_norm**norm_type
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        total = total ** (1.0 / norm_type)
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in local:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group_grads in by_dtype.values():
-        if _foreach_ok(group_grads):
-            torch._foreach_mul_(group_grads, coef)
-        else:
-            for t in group_grads:
-                t.mul_(coef)
-    return total
+        return total
+    total = local_norm**norm_type
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total ** (1.0 / norm_type)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _foreach_ok(tensors: list[torch.Tensor]) -> bool:

@@ -213,3 +213,27 @@ def test_a_name_that_is_not_a_local_folder_says_to_download_it_first(tmp_path):
     text = str(err.value)
     assert err.value.exit_code == 2 and "is not a local folder" in text
     assert "hf download bert-base-uncased --local-dir" in text and "never downloads" in text
+
+
+def test_a_model_without_biases_exports_zero_biases_and_the_same_function(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    spec = load_job(job_file(tmp_path, {"arch": "gpt", "size": "tiny", "bias": False, "vocab_size": 96,
+                                        "max_positions": 40})).model
+    torch.manual_seed(4)
+    ours = build_model(spec).eval()
+    assert not [n for n, _ in ours.named_parameters() if n.endswith("bias")]
+    save_pretrained(ours.state_dict(), spec, tmp_path / "out")
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    biases = {k: v for k, v in theirs.state_dict().items() if k.endswith(".bias") and ".attn.bias" not in k}
+    assert biases and all(not v.any() for v in biases.values())
+    ids = batch("gpt")["input_ids"][:, :16]
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(ids), theirs(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_weights_from_a_folder_need_biases(tmp_path):
+    save_gpt2(tmp_path / "gpt2")
+    with pytest.raises(SpecError) as err:
+        load_job(job_file(tmp_path, {"init_from": str(tmp_path / "gpt2"), "bias": False}))
+    assert err.value.exit_code == 2 and "model.bias false (the folder's weights have biases)" in str(err.value)

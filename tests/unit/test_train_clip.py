@@ -67,3 +67,31 @@ def test_plain_gradients_go_to_torch():
     assert torch.equal(got, want)
     for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def _clipped_adamw_steps(fold: bool | None, max_norm: float = 0.5) -> list[torch.Tensor]:
+    """Five fused AdamW steps on a loss large enough to clip; ``fold``: the clipping handed to
+    the optimizer as its grad_scale (the trainer's way), False: gradients multiplied in place,
+    None: no clipping."""
+    from launcher.train.parallel import clip_coefficient, grad_norm
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for i in range(5):
+        opt.zero_grad()
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+        (model(x).square().sum() * 100).backward()
+        if fold:
+            opt.grad_scale = clip_coefficient(grad_norm(model.parameters()), max_norm).reciprocal()
+        elif fold is False:
+            clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_clipping_folded_into_fused_adamw_matches_clipping_in_place():
+    folded, in_place, unclipped = (_clipped_adamw_steps(f) for f in (True, False, None))
+    for a, b in zip(folded, in_place, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # The comparison can fail: these steps do clip.
+    assert max((a - b).abs().max().item() for a, b in zip(folded, unclipped, strict=True)) > 1e-4
