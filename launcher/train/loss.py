@@ -24,6 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# One chunk's logits: about half of an H100's or H200's 50 MB L2, so that the loss's pass
+# reads the product's output from the cache instead of from memory.
+CHUNK_BYTES = 24 << 20
+
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          labels: torch.Tensor) -> torch.Tensor:
@@ -39,22 +43,23 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def loss_and_dlogits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean cross-entropy (fp32) and ``softmax(logits) - onehot(labels)`` in the logits'
-    dtype, both computed in fp32 from one read of the logits."""
+    """The summed cross-entropy (fp32) of the rows and ``softmax(logits) - onehot(labels)`` in
+    the logits' dtype, both computed in fp32."""
     z = logits.float()
-    # Spelled as softmax is (max, exp of the difference, sum), not as logsumexp: inductor
-    # recognises this pattern and computes the max and the sum in one pass over the row
-    # (online softmax), so a compiled head reads the logits twice, not three times.
-    zmax = z.amax(dim=-1, keepdim=True)
-    e = torch.exp(z - zmax)
-    total = e.sum(dim=-1, keepdim=True)
-    dlogits = e.div_(total).to(logits.dtype)
-    lse = zmax + torch.log(total)
+    # logsumexp, not softmax's spelling (max, exp, sum), which inductor turns into an online
+    # softmax: that kernel took 1.81 ms against this one's 1.70 on GPT-2's logits (one H200).
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
     target = z.gather(1, labels.unsqueeze(1))
-    loss = (lse - target).mean()
+    loss = (lse - target).sum()
+    dlogits = torch.exp(z - lse).to(logits.dtype)
     # The label's entry, p - 1, computed in fp32 and rounded once like the others.
     dlogits.scatter_(1, labels.unsqueeze(1), (torch.exp(target - lse) - 1).to(logits.dtype))
     return loss, dlogits
+
+
+def row_chunks(rows: int, vocab: int, itemsize: int) -> int:
+    """Rows per chunk: as many as keep one chunk's logits within ``CHUNK_BYTES``."""
+    return max(1, min(rows, CHUNK_BYTES // (vocab * itemsize)))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -64,9 +69,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # product without it so that the backward, which runs outside autocast, matches.
         xc, wc = x.to(dtype), weight.to(dtype)
         bc = None if bias is None else bias.to(dtype)
+        rows = xc.shape[0]
+        step = row_chunks(rows, wc.shape[0], wc.element_size())
+        losses, grads = [], []
         with torch.autocast(x.device.type, enabled=False):
-            loss, dlogits = loss_and_dlogits(F.linear(xc, wc, bc), labels)
+            for start in range(0, rows, step):
+                loss, dlogits = loss_and_dlogits(F.linear(xc[start:start + step], wc, bc), labels[start:start + step])
+                losses.append(loss)
+                grads.append(dlogits)
+        dlogits = grads[0] if len(grads) == 1 else torch.cat(grads)
         ctx.save_for_backward(xc, wc, dlogits)
+        loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) / rows
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
