@@ -6,9 +6,10 @@ logits in the autocast dtype, the softmax and the loss in fp32. It differs in wh
 happens. Plain autograd reads the logits three times: once in the forward (their log-sum-exp),
 twice in the backward (to form ``softmax - onehot`` and write it). Here the forward forms that
 gradient right away, in the pass that reads the logits for the loss, and keeps it instead of
-the logits; the backward only multiplies by it. For GPT-2's 16k × 50304 logits in bf16 that is
-one 1.6 GB read less per step, and a compiled head makes the reduction and the gradient one
-kernel.
+the logits; the backward only multiplies by it. Compiled, the log-sum-exp and the gradient
+are one kernel: for GPT-2's 16k × 50304 bf16 logits 1.70 ms a step on one H200, against 2.1 ms
+(1.1 forward, 1.0 backward) for plain autograd's. Splitting the rows into chunks whose logits
+fit in L2 measured slower (inductor then splits each chunk's reduction into three kernels).
 
 The loss's own gradient (1/rows, times whatever scales the loss: accumulation, a loss scaler)
 is applied to the two products' outputs, (rows × d) and (vocab × d), not to the logits. So the
@@ -23,10 +24,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-# One chunk's logits: about half of an H100's or H200's 50 MB L2, so that the loss's pass
-# reads the product's output from the cache instead of from memory.
-CHUNK_BYTES = 24 << 20
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -43,23 +40,18 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def loss_and_dlogits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed cross-entropy (fp32) of the rows and ``softmax(logits) - onehot(labels)`` in
-    the logits' dtype, both computed in fp32."""
+    """The mean cross-entropy (fp32) and ``softmax(logits) - onehot(labels)`` in the logits'
+    dtype, both computed in fp32 (one kernel when compiled)."""
     z = logits.float()
     # logsumexp, not softmax's spelling (max, exp, sum), which inductor turns into an online
     # softmax: that kernel took 1.81 ms against this one's 1.70 on GPT-2's logits (one H200).
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     target = z.gather(1, labels.unsqueeze(1))
-    loss = (lse - target).sum()
+    loss = (lse - target).mean()
     dlogits = torch.exp(z - lse).to(logits.dtype)
     # The label's entry, p - 1, computed in fp32 and rounded once like the others.
     dlogits.scatter_(1, labels.unsqueeze(1), (torch.exp(target - lse) - 1).to(logits.dtype))
     return loss, dlogits
-
-
-def row_chunks(rows: int, vocab: int, itemsize: int) -> int:
-    """Rows per chunk: as many as keep one chunk's logits within ``CHUNK_BYTES``."""
-    return max(1, min(rows, CHUNK_BYTES // (vocab * itemsize)))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -69,17 +61,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # product without it so that the backward, which runs outside autocast, matches.
         xc, wc = x.to(dtype), weight.to(dtype)
         bc = None if bias is None else bias.to(dtype)
-        rows = xc.shape[0]
-        step = row_chunks(rows, wc.shape[0], wc.element_size())
-        losses, grads = [], []
         with torch.autocast(x.device.type, enabled=False):
-            for start in range(0, rows, step):
-                loss, dlogits = loss_and_dlogits(F.linear(xc[start:start + step], wc, bc), labels[start:start + step])
-                losses.append(loss)
-                grads.append(dlogits)
-        dlogits = grads[0] if len(grads) == 1 else torch.cat(grads)
+            loss, dlogits = loss_and_dlogits(F.linear(xc, wc, bc), labels)
         ctx.save_for_backward(xc, wc, dlogits)
-        loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) / rows
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 

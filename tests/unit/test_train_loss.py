@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launcher.train import loss as loss_module
 from launcher.train.loss import linear_cross_entropy, loss_and_dlogits
 
 ROWS, D, VOCAB = 48, 16, 101  # rows not a power of two: the 1/rows scale is not exact
@@ -40,12 +39,7 @@ def reference(x, w, b, labels):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("dtype", "tol"), [(None, 1e-6), (torch.bfloat16, 8e-3)])
-@pytest.mark.parametrize("chunk_rows", [None, 7])  # one chunk; chunks of 7 rows, the last of 6
-def test_loss_and_gradients_match_plain_autograd(bias: bool, dtype, tol: float, chunk_rows, monkeypatch):
-    if chunk_rows:
-        itemsize = 2 if dtype else 4
-        monkeypatch.setattr(loss_module, "CHUNK_BYTES", chunk_rows * VOCAB * itemsize)
-        assert loss_module.row_chunks(ROWS, VOCAB, itemsize) == chunk_rows
+def test_loss_and_gradients_match_plain_autograd(bias: bool, dtype, tol: float):
     x, w, b, labels = inputs(bias)
     want = loss_and_grads(reference, x, w, b, labels, dtype)
     got = loss_and_grads(linear_cross_entropy, x, w, b, labels, dtype)
@@ -55,8 +49,7 @@ def test_loss_and_gradients_match_plain_autograd(bias: bool, dtype, tol: float, 
         assert (g - r).abs().max().item() <= tol * max(scale, 1.0), (name, (g - r).abs().max().item(), scale)
 
 
-def test_the_compiled_head_matches_eager(monkeypatch):
-    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 20 * VOCAB * 4)  # 3 chunks: 20, 20, 8 rows
+def test_the_compiled_head_matches_eager():
     x, w, b, labels = inputs(bias=True, seed=1)
     compiled = torch.compile(linear_cross_entropy)
     want = loss_and_grads(linear_cross_entropy, x, w, b, labels, None)
@@ -73,7 +66,7 @@ def test_dlogits_is_softmax_minus_onehot_rounded_once():
     exact = torch.softmax(logits.float(), -1) - F.one_hot(labels, 33).float()
     assert dlogits.dtype == torch.bfloat16
     torch.testing.assert_close(dlogits.float(), exact, rtol=2**-8, atol=1e-6)  # one bf16 rounding
-    torch.testing.assert_close(loss / 8, F.cross_entropy(logits.float(), labels), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.float(), labels), rtol=1e-6, atol=1e-6)
 
 
 def test_fp16_takes_the_plain_path():
