@@ -14,12 +14,16 @@ What makes them fast:
   sequence (``mask_count``), so shapes stay static for ``torch.compile``;
 - token types are all zero (single-segment batches), so their embedding is added as one
   broadcast row instead of a lookup;
+- the LM head's product and its cross-entropy run as one autograd step
+  (``launcher.train.loss``): the gradient of the logits is formed in the forward's one pass
+  over them, instead of two more passes in the backward;
+- ``bias=False`` (``model.bias``) drops every linear and LayerNorm bias, as nanoGPT does;
 - the hidden states can stay bf16 under autocast (``Embeddings.out_dtype``, and LayerNorms
   that return their input's dtype): half the bytes for every elementwise kernel between the
   matmuls.
 
-Parameter counts match Hugging Face: bert-base (no pooler, tied decoder) has 109,514,298,
-exactly ``BertForMaskedLM``'s. So does the function: loaded from a Hugging Face folder
+With biases (the default), parameter counts match Hugging Face: bert-base (no pooler, tied
+decoder) has 109,514,298, exactly ``BertForMaskedLM``'s. So does the function: loaded from a Hugging Face folder
 (``launcher.train.hf``), ``logits`` equals ``BertForMaskedLM``'s and ``GPT2LMHeadModel``'s
 within 1e-5 in fp32 (tests/unit/test_hf_parity.py): the same exact-erf GELU (BERT) and tanh
 GELU (GPT-2), LayerNorm epsilons 1e-12 and 1e-5, and token type 0.
