@@ -210,10 +210,6 @@ class Trainer:
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=betas,
             **({"fused": True} if on_gpu else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: lr_factor(i, t))
-        # Clipping folded into the fused kernel (clip_gradients); GradScaler owns that slot when
-        # there is one, and sharded gradients keep the in-place multiply.
-        self.clip_in_optimizer = (on_gpu and self.job.precision.dtype != "fp16"
-                                  and not parallel.is_sharded(self.model))
         self.scaler = None
         if self.job.precision.dtype == "fp16":
             if parallel.is_sharded(self.model):
@@ -222,6 +218,9 @@ class Trainer:
                 self.scaler = ShardedGradScaler()  # all-reduces found-inf across shards
             else:
                 self.scaler = torch.amp.GradScaler("cuda")
+        # Clipping folded into the fused kernel (clip_gradients); a GradScaler owns that slot
+        # when there is one, and sharded gradients keep the in-place multiply.
+        self.clip_in_optimizer = on_gpu and self.scaler is None and not parallel.is_sharded(self.model)
 
     def build_data(self) -> None:
         self.data = build_data(self.job, rank=self.rank, world_size=self.world_size, device=self.device)
@@ -304,16 +303,13 @@ class Trainer:
     def clip_gradients(self) -> None:
         """Clip the gradients' global norm to ``train.grad_clip`` (torch's rule).
 
-        A fused AdamW without a loss scaler gets the clipping folded into its kernel: it takes
-        a ``grad_scale`` tensor (the slot ``GradScaler`` uses to unscale) and divides every
-        gradient by it as it reads them, so the divisor 1 / coefficient replaces the separate
-        multiply over all gradients, one read and write of them less per step. Otherwise
-        the gradients are multiplied in place (``parallel.clip_grad_norm_``).
+        A fused AdamW without a loss scaler gets the clipping folded into its kernel
+        (``parallel.clip_in_fused_optimizer``): one read and write of all gradients less per
+        step. Otherwise the gradients are multiplied in place (``parallel.clip_grad_norm_``).
         """
         clip = self.job.train.grad_clip
         if self.clip_in_optimizer:
-            coef = parallel.clip_coefficient(parallel.grad_norm(self.model.parameters()), clip)
-            self.optimizer.grad_scale = coef.reciprocal()
+            parallel.clip_in_fused_optimizer(self.optimizer, self.model.parameters(), clip)
         else:
             parallel.clip_grad_norm_(self.model.parameters(), clip)
 

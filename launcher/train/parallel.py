@@ -280,6 +280,16 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     return total
 
 
+@torch.no_grad()
+def clip_in_fused_optimizer(optimizer: torch.optim.Optimizer, parameters: Iterable[nn.Parameter],
+                            max_norm: float) -> None:
+    """Clip as ``clip_grad_norm_`` does, inside the next step of a fused Adam/AdamW: its
+    ``grad_scale`` slot (the one ``GradScaler`` unscales through) gets 1 / the coefficient,
+    and the kernel divides every gradient by it as it reads them. No pass over the gradients
+    of its own; not for an optimizer that a ``GradScaler`` drives, which owns that slot."""
+    optimizer.grad_scale = clip_coefficient(grad_norm(parameters), max_norm).reciprocal()
+
+
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``max_norm / (total_norm + 1e-6)`` clamped to 1, torch's clipping rule (a tensor: no sync)."""
     return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)

@@ -58,7 +58,7 @@ def test_sharded_clip_matches_torch_on_the_full_model(tmp_path: Path):
             torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-8)
 
 
-def test_plain_gradients_go_to_torch():
+def test_plain_gradients_clip_as_torch_clips_them():
     ref, model = _model(), _model()
     for m in (ref, model):
         m(torch.ones(2, 4)).sum().backward()
@@ -73,7 +73,7 @@ def _clipped_adamw_steps(fold: bool | None, max_norm: float = 0.5) -> list[torch
     """Five fused AdamW steps on a loss large enough to clip; ``fold``: the clipping handed to
     the optimizer as its grad_scale (the trainer's way), False: gradients multiplied in place,
     None: no clipping."""
-    from launcher.train.parallel import clip_coefficient, grad_norm
+    from launcher.train.parallel import clip_in_fused_optimizer
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -82,7 +82,7 @@ def _clipped_adamw_steps(fold: bool | None, max_norm: float = 0.5) -> list[torch
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
         (model(x).square().sum() * 100).backward()
         if fold:
-            opt.grad_scale = clip_coefficient(grad_norm(model.parameters()), max_norm).reciprocal()
+            clip_in_fused_optimizer(opt, model.parameters(), max_norm)
         elif fold is False:
             clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
