@@ -1,6 +1,7 @@
 """``linear_cross_entropy`` (the LM head's product and loss as one autograd step) equals
 ``F.cross_entropy(F.linear(...).float(), labels)``: loss and every gradient, eager and compiled,
-fp32 and bf16 autocast, with and without a bias (CPU)."""
+fp32 and bf16 autocast, with and without a bias, with a vocabulary the step pads and one it
+does not (CPU)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import torch.nn.functional as F
 
 from launcher.train.loss import linear_cross_entropy, loss_and_dlogits
 
-ROWS, D, VOCAB = 48, 16, 101  # rows not a power of two: the 1/rows scale is not exact
+ROWS, D, VOCAB = 48, 16, 101  # rows not a power of two: the 1/rows scale is not exact; 101 is padded
 
 
-def inputs(bias: bool, seed: int = 0):
+def inputs(bias: bool, seed: int = 0, vocab: int = VOCAB):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, ROWS // 3, D, generator=g).requires_grad_()
-    w = (torch.randn(VOCAB, D, generator=g) * 0.5).requires_grad_()
-    b = torch.randn(VOCAB, generator=g).requires_grad_() if bias else None
-    labels = torch.randint(0, VOCAB, (3, ROWS // 3), generator=g)
+    w = (torch.randn(vocab, D, generator=g) * 0.5).requires_grad_()
+    b = torch.randn(vocab, generator=g).requires_grad_() if bias else None
+    labels = torch.randint(0, vocab, (3, ROWS // 3), generator=g)
     return x, w, b, labels
 
 
@@ -34,13 +35,14 @@ def loss_and_grads(fn, x, w, b, labels, dtype):
 
 def reference(x, w, b, labels):
     logits = F.linear(x, w, b)
-    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, 128])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("dtype", "tol"), [(None, 1e-6), (torch.bfloat16, 8e-3)])
-def test_loss_and_gradients_match_plain_autograd(bias: bool, dtype, tol: float):
-    x, w, b, labels = inputs(bias)
+def test_loss_and_gradients_match_plain_autograd(bias: bool, dtype, tol: float, vocab: int):
+    x, w, b, labels = inputs(bias, vocab=vocab)
     want = loss_and_grads(reference, x, w, b, labels, dtype)
     got = loss_and_grads(linear_cross_entropy, x, w, b, labels, dtype)
     for name, g, r in zip(["loss", "x", "weight", "bias"], got, want, strict=False):
@@ -67,6 +69,19 @@ def test_dlogits_is_softmax_minus_onehot_rounded_once():
     assert dlogits.dtype == torch.bfloat16
     torch.testing.assert_close(dlogits.float(), exact, rtol=2**-8, atol=1e-6)  # one bf16 rounding
     torch.testing.assert_close(loss, F.cross_entropy(logits.float(), labels), rtol=1e-6, atol=1e-6)
+
+
+def test_padded_columns_are_no_classes():
+    """Columns past ``classes`` (the padding up to a multiple of 64) have probability 0: the
+    loss is the unpadded one and their gradient is exactly 0."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 40, generator=g) * 4
+    labels = torch.randint(0, 33, (8,), generator=g)
+    loss, dlogits = loss_and_dlogits(logits, labels, classes=33)
+    want, want_grad = loss_and_dlogits(logits[:, :33], labels)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dlogits[:, :33], want_grad, rtol=1e-6, atol=1e-6)
+    assert torch.equal(dlogits[:, 33:], torch.zeros(8, 7))
 
 
 def test_fp16_takes_the_plain_path():
