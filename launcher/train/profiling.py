@@ -6,7 +6,8 @@ under bare torchrun):
 
 * ``rank<R>.trace.json.gz``: the Chrome/Perfetto trace (open it in https://ui.perfetto.dev);
 * ``rank<R>.ops.txt``: the recorded steps' wall time; on GPUs the device timeline per step
-  (``device_timeline``: compute, communication and how much of it no compute hides, idle);
+  (``device_timeline``: compute, communication and how much of it no compute hides, idle),
+  the device time per step by kind of kernel and the top kernels (``kernel_breakdown``);
   then the top operators by self device time (self CPU time on the CPU).
 
 The profiler starts before step ``start_step`` and stops after ``start_step + steps - 1``,
@@ -93,16 +94,20 @@ class StepProfiler:
         with gzip.open(trace, "wb", compresslevel=6) as dst:
             dst.write(data)
         raw.unlink()
-        timeline = None
+        timeline = kinds = None
         if self.device.type == "cuda":
             events = json.loads(data).get("traceEvents", [])
-            timeline = device_timeline(events, steps=self.last - self.first + 1, device=self.device.index)
+            steps = self.last - self.first + 1
+            timeline = device_timeline(events, steps=steps, device=self.device.index)
+            kinds = kernel_breakdown(events, steps=steps, device=self.device.index)
         sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=70)
         header = (f"rank {self.rank}, steps {self.first}..{self.last}: {wall_ms:.1f} ms per step "
                   f"under the profiler, sorted by {sort_by}\n")
         if timeline is not None:
             header += timeline_line(timeline) + "\n"
+        if kinds is not None:
+            header += "\n" + breakdown_table(kinds) + "\n\n"
         stem.with_suffix(".ops.txt").write_text(header + table + "\n", encoding="utf-8")
         log.warning("profile of steps %d..%d written to %s (%.1f ms per step while recording)",
                     self.first, self.last, trace, wall_ms)
@@ -155,6 +160,70 @@ def timeline_line(t: dict[str, float]) -> str:
     return (f"device timeline per step: span {t['span_ms']:.2f} ms, compute {t['compute_ms']:.2f} ms, "
             f"communication {t['comm_ms']:.2f} ms ({t['comm_exposed_ms']:.2f} ms not overlapped by compute), "
             f"idle {t['idle_ms']:.2f} ms, {t['kernels']:.0f} kernels")
+
+
+# Kinds of kernels, by name: the first kind with a matching pattern (lower case) wins, so
+# cuDNN's attention kernels (whose names also say wgmma and sm90) are attention, and fused
+# Triton kernels (whose names list every op fused, ``_to_copy`` in most) are named for their
+# most telling op. Kernels that match nothing are "other" (elementwise and reductions).
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl",)),
+    ("attention", ("fmha", "flash", "sdpa", "attention", "attn", "cudnn::fusion")),
+    ("matrix products", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_", "ampere_")),
+    ("optimizer and gradient norm", ("adam", "sgd", "fusedoptimizer", "lpnorm", "multi_tensor_apply")),
+    ("normalization", ("layer_norm", "rms_norm", "batch_norm", "group_norm")),
+    ("activation", ("gelu", "silu", "relu", "tanh", "sigmoid")),
+    ("loss", ("logsumexp", "cross_entropy", "nll_loss", "log_softmax")),
+    ("copies, casts, memsets", ("memcpy", "memset", "copy", "clone", "cat", "stack", "permute", "transpose")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, patterns in KERNEL_KINDS if any(p in lower for p in patterns)), "other")
+
+
+def kernel_breakdown(events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None,
+                     top: int = 15) -> dict[str, Any] | None:
+    """Device time per step by kind of kernel (``KERNEL_KINDS``) and the ``top`` kernels.
+
+    Times are the kernels' own durations summed (kernels on concurrent streams both count),
+    in ms per recorded step; counts are launches per step. None without device activity.
+    """
+    per_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") not in DEVICE_CATEGORIES or "dur" not in e:
+            continue
+        if device is not None and e.get("args", {}).get("device", device) != device:
+            continue
+        entry = per_name.setdefault(str(e.get("name", "")), [0.0, 0])
+        entry[0] += float(e["dur"])
+        entry[1] += 1
+    if not per_name:
+        return None
+    per_step_ms = 1e-3 / steps
+    kinds: dict[str, float] = {}
+    for name, (us, _) in per_name.items():
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + us * per_step_ms
+    busiest = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "total_ms": sum(kinds.values()),
+        "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top": [{"name": name, "kind": kernel_kind(name), "ms": us * per_step_ms, "launches": n / steps}
+                for name, (us, n) in busiest],
+    }
+
+
+def breakdown_table(b: dict[str, Any], name_width: int = 90) -> str:
+    from tabulate import tabulate
+
+    total = b["total_ms"] or 1.0
+    kinds = tabulate([(kind, f"{ms:.2f}", f"{100 * ms / total:.1f}") for kind, ms in b["kinds"].items()],
+                     headers=["kernels by kind", "ms per step", "% of kernel time"], disable_numparse=True)
+    top = tabulate([(f"{k['ms']:.3f}", f"{k['launches']:g}", k["kind"], k["name"][:name_width]) for k in b["top"]],
+                   headers=["ms per step", "launches per step", "kind", "kernel"], disable_numparse=True)
+    return f"{kinds}\n\n{top}"
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

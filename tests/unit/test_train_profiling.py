@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from launcher.spec.job import ProfileSpec
-from launcher.train.profiling import StepProfiler, device_timeline, timeline_line
+from launcher.train.profiling import (
+    StepProfiler,
+    breakdown_table,
+    device_timeline,
+    kernel_breakdown,
+    kernel_kind,
+    timeline_line,
+)
 
 CPU = torch.device("cpu")
 
@@ -90,3 +97,47 @@ def test_a_trace_without_device_activity_has_no_timeline():
     # every device counts when none is named
     t = device_timeline([kernel("a", 0, 4), kernel("b", 2, 6, device=1)], steps=1)
     assert t is not None and t["compute_ms"] == pytest.approx(6e-3) and t["idle_ms"] == 0
+
+
+# Kernel names as they appear in an H200 trace of the built-in GPT and BERT steps (torch 2.11).
+NAMED = {
+    "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matrix products",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "matrix products",
+    "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_128x128_64x3_nt_align8>": "matrix products",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64": "attention",
+    "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)": "attention",
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+    "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>":
+        "optimizer and gradient norm",
+    "triton_per_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_view_3": "normalization",
+    "triton_poi_fused__unsafe_view_gelu_gelu_backward_view_2": "activation",
+    "triton_red_fused__to_copy_exp_gather_logsumexp_scatter_sub_unsqueeze_view_7": "loss",
+    "triton_poi_fused_clone_permute_stack_5": "copies, casts, memsets",
+    "triton_poi_fused__to_copy_t_4": "copies, casts, memsets",
+    "Memset (Unknown)": "copies, casts, memsets",
+    "void at::native::reduce_kernel<128, 4, ReduceOp<float, sum_functor<float>>>": "other",
+}
+
+
+@pytest.mark.parametrize(("name", "kind"), NAMED.items())
+def test_kernels_are_named_for_what_they_do(name: str, kind: str):
+    assert kernel_kind(name) == kind
+
+
+def test_the_breakdown_sums_each_kind_and_ranks_the_busiest_kernels():
+    # Two steps (µs): two products of 6 and one of 4, an attention kernel twice, a memset;
+    # the other device's kernel and the host event are left out.
+    gemm, attn = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "cudnn_generated_fort_native_sdpa_sm90_flash"
+    events = [kernel(gemm, 0, 6), kernel(gemm, 10, 16), kernel("sm90_xmma_gemm_bf16", 20, 24),
+              kernel(attn, 30, 33), kernel(attn, 40, 43), kernel("Memset (Unknown)", 50, 51, cat="gpu_memset"),
+              kernel(gemm, 0, 500, device=1), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900}]
+    b = kernel_breakdown(events, steps=2, device=0, top=2)
+    assert b is not None
+    assert b["kinds"] == pytest.approx({"matrix products": 8e-3, "attention": 3e-3, "copies, casts, memsets": 0.5e-3})
+    assert list(b["kinds"]) == ["matrix products", "attention", "copies, casts, memsets"]  # busiest first
+    assert b["total_ms"] == pytest.approx(11.5e-3)
+    assert [(k["name"], k["launches"]) for k in b["top"]] == [(gemm, 1.0), (attn, 1.0)]
+    assert b["top"][0]["ms"] == pytest.approx(6e-3)
+    table = breakdown_table(b)
+    assert "matrix products" in table and "69.6" in table  # 8 of 11.5
+    assert kernel_breakdown([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1) is None
