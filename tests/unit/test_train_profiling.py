@@ -141,3 +141,32 @@ def test_the_breakdown_sums_each_kind_and_ranks_the_busiest_kernels():
     table = breakdown_table(b)
     assert "matrix products" in table and "69.6" in table  # 8 of 11.5
     assert kernel_breakdown([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1) is None
+
+
+class _RecordedOnAGPU:
+    """What ``_write`` asks of a stopped ``torch.profiler.profile``, with a GPU step's kernels."""
+
+    def __init__(self, events: list[dict]):
+        self.events = events
+
+    def export_chrome_trace(self, path: str) -> None:
+        Path(path).write_text(json.dumps({"traceEvents": self.events}))
+
+    def key_averages(self):
+        class Table:
+            def table(self, **_kw) -> str:
+                return "(operator table)"
+        return Table()
+
+
+def test_a_gpu_profile_writes_the_timeline_and_the_breakdown(tmp_path: Path):
+    profiler = StepProfiler(ProfileSpec(start_step=3, steps=2), rank=1, device=torch.device("cuda", 0),
+                            out_dir=tmp_path)
+    events = [kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 30),
+              kernel("triton_poi_fused__unsafe_view_gelu_5", 30, 40)]
+    assert profiler._write(_RecordedOnAGPU(events), wall_ms=25.0) == tmp_path / "rank1.trace.json.gz"
+    text = (tmp_path / "rank1.ops.txt").read_text()
+    assert text.startswith("rank 1, steps 3..4: 25.0 ms per step")
+    assert "device timeline per step: span 0.02 ms" in text
+    kinds = text[text.index("kernels by kind"):text.index("(operator table)")]
+    assert "matrix products" in kinds and "75.0" in kinds and "activation" in kinds and "25.0" in kinds
