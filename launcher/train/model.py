@@ -16,7 +16,8 @@ What makes them fast:
   broadcast row instead of a lookup;
 - the LM head's product and its cross-entropy run as one autograd step
   (``launcher.train.loss``): the gradient of the logits is formed in the forward's one pass
-  over them, instead of two more passes in the backward;
+  over them, instead of two more passes in the backward, and a vocabulary that is not a
+  multiple of 64 (BERT's 30522) is padded there so that the products get aligned rows;
 - ``bias=False`` (``model.bias``) drops every linear and LayerNorm bias, as nanoGPT does;
 - the hidden states can stay bf16 under autocast (``Embeddings.out_dtype``, and LayerNorms
   that return their input's dtype): half the bytes for every elementwise kernel between the
