@@ -33,6 +33,10 @@ class AgentGroup:
         self._placement = placement
         self._pending: dict[int, tuple[Any, float]] = {}  # agent → (poll in flight, sent at)
         self._exited: set[int] = set()
+        # Agents taken for lost (a call raised, or no answer): the end of an attempt does not
+        # wait on them. A lost agent's torchrun dies with it (PR_SET_PDEATHSIG, agent.py), and
+        # ``close`` kills every actor, so not waiting leaves nothing running.
+        self._lost: set[int] = set()
 
     @classmethod
     def place(cls, session: RaySession, nodes: list[NodeSpec], gpus: dict[str, int], name: str) -> AgentGroup:
@@ -100,6 +104,7 @@ class AgentGroup:
             try:
                 update = ray.get(ref)
             except Exception as err:
+                self._lost.add(i)
                 answers.append((i, err))
                 continue
             if update.exit is not None:
@@ -110,7 +115,10 @@ class AgentGroup:
     def silent(self, limit_s: float) -> int | None:
         """An agent whose poll has gone unanswered for ``limit_s``, if any."""
         now = time.monotonic()
-        return next((i for i, (_, sent) in sorted(self._pending.items()) if now - sent > limit_s), None)
+        silent = next((i for i, (_, sent) in sorted(self._pending.items()) if now - sent > limit_s), None)
+        if silent is not None:
+            self._lost.add(silent)
+        return silent
 
     def unreachable(self, exclude: int) -> tuple[int, BaseException] | None:
         """The first other agent that does not answer a trivial call within a few seconds."""
@@ -123,6 +131,7 @@ class AgentGroup:
             try:
                 ray.get(ref, timeout=0.1)
             except Exception as err:
+                self._lost.add(i)
                 return i, err
         return None
 
@@ -137,24 +146,31 @@ class AgentGroup:
         return ray.get(self.handles[i].errors.remote(), timeout=10)
 
     def stop(self, grace_s: float) -> list[tuple[int, AgentUpdate]]:
-        """Stop every node's workers; the updates still owed (polls in flight, then a last drain)."""
+        """Stop every node's workers; the updates still owed (polls in flight, then a last drain).
+
+        Every agent is asked, a lost one too (it may only have been slow); only the others are
+        waited for, so that a dead node's timeouts do not delay the restart or the summary.
+        """
         import ray
 
+        live = [i for i in range(len(self.handles)) if i not in self._lost]
         owed: list[tuple[int, AgentUpdate]] = []
         for i, (ref, _) in sorted(self._pending.items()):
+            if i in self._lost:
+                continue
             with contextlib.suppress(Exception):
                 owed.append((i, ray.get(ref, timeout=REACH_TIMEOUT_S)))
         self._pending.clear()
         stops = [h.stop.remote(grace_s) for h in self.handles]
-        ray.wait(stops, num_returns=len(stops), timeout=grace_s + 15)  # every agent, a dead one too
-        for i, ref in enumerate(stops):
+        ray.wait([stops[i] for i in live], num_returns=len(live), timeout=grace_s + 15)
+        for i in live:
             try:
-                ray.get(ref, timeout=0.1)
+                ray.get(stops[i], timeout=0.1)
             except Exception as err:
                 log.warning("could not confirm that agent %d stopped: %s", i, first_line(err))
-        for i, handle in enumerate(self.handles):
+        for i in live:
             with contextlib.suppress(Exception):
-                owed.append((i, ray.get(handle.poll.remote(), timeout=10)))
+                owed.append((i, ray.get(self.handles[i].poll.remote(), timeout=10)))
         return owed
 
     # -- the end ------------------------------------------------------------------------------
@@ -165,6 +181,8 @@ class AgentGroup:
 
         out = {}
         for i, handle in enumerate(self.handles):
+            if i in self._lost:
+                continue
             try:
                 out[i] = ray.get(handle.collect.remote(subdir), timeout=CALL_TIMEOUT_S)
             except Exception as err:
@@ -176,8 +194,9 @@ class AgentGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        cleanups = [h.cleanup.remote() for h in self.handles]
         with contextlib.suppress(Exception):
-            ray.get([h.cleanup.remote() for h in self.handles], timeout=15)
+            ray.get([ref for i, ref in enumerate(cleanups) if i not in self._lost], timeout=15)
         for handle in self.handles:
             with contextlib.suppress(Exception):
                 ray.kill(handle)
