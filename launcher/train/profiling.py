@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,14 @@ class StepProfiler:
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
 
+def device_events(events: Iterable[dict[str, Any]], device: int | None) -> Iterator[dict[str, Any]]:
+    """The trace's kernels, copies and memsets on ``device`` (on every device when None)."""
+    for e in events:
+        if e.get("cat") in DEVICE_CATEGORIES and "dur" in e and (
+                device is None or e.get("args", {}).get("device", device) == device):
+            yield e
+
+
 def device_timeline(events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None) -> dict[str, float] | None:
     """Where a recorded step's device time goes, in ms per step, from Chrome-trace events.
 
@@ -133,11 +141,7 @@ def device_timeline(events: Iterable[dict[str, Any]], *, steps: int, device: int
     """
     compute: list[tuple[float, float]] = []
     comm: list[tuple[float, float]] = []
-    for e in events:
-        if e.get("cat") not in DEVICE_CATEGORIES or "dur" not in e:
-            continue
-        if device is not None and e.get("args", {}).get("device", device) != device:
-            continue
+    for e in device_events(events, device):
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
         (comm if "nccl" in str(e.get("name", "")).lower() else compute).append((start, end))
     if not compute and not comm:
@@ -191,11 +195,7 @@ def kernel_breakdown(events: Iterable[dict[str, Any]], *, steps: int, device: in
     in ms per recorded step; counts are launches per step. None without device activity.
     """
     per_name: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("cat") not in DEVICE_CATEGORIES or "dur" not in e:
-            continue
-        if device is not None and e.get("args", {}).get("device", device) != device:
-            continue
+    for e in device_events(events, device):
         entry = per_name.setdefault(str(e.get("name", "")), [0.0, 0])
         entry[0] += float(e["dur"])
         entry[1] += 1
