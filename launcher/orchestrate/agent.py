@@ -7,7 +7,9 @@ torchrun's ``--tee`` output into per-rank logs (``[default<local_rank>]:`` prefi
 the workers' metrics files, and hands both to the driver on ``poll()``: no shared filesystem
 is assumed. ``stop()`` sends SIGTERM to torchrun and all its descendants, then SIGKILL after a
 grace period. If the agent process itself dies, the kernel sends torchrun SIGTERM
-(``PR_SET_PDEATHSIG``), so a lost driver or a killed Ray never leaves workers behind.
+(``PR_SET_PDEATHSIG``), and a reaper started beside it (``reaper.py``) SIGKILLs whatever of
+torchrun's family is left ``REAPER_GRACE_S`` later, so a lost driver or a killed Ray never
+leaves workers behind.
 """
 
 from __future__ import annotations
@@ -22,19 +24,23 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from launcher import metrics
+from launcher.orchestrate import reaper
 from launcher.orchestrate.plan import NODE_PASSTHROUGH
+from launcher.orchestrate.reaper import alive, descendants, signal_all
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
 from launcher.util import free_port, write_private
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 RANK_TAIL_LINES = 40  # per local rank: a failure's log tail
 TORCHRUN_TAIL_LINES = 200  # torchrun's own lines: its failure report can be long
+REAPER_GRACE_S = 10.0  # after the agent's death: torchrun's own SIGTERM handling, then SIGKILL
 
 
 class NodeAgent:
@@ -44,6 +50,7 @@ class NodeAgent:
         self.node = node
         self._home = os.getcwd()  # with a runtime_env working_dir: Ray's copy of it on this node
         self._proc: subprocess.Popen[bytes] | None = None
+        self._reaper: subprocess.Popen[bytes] | None = None
         self._plan: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # new output, a record, or a thread ended
@@ -93,6 +100,7 @@ class NodeAgent:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=_prepare_child,
         )
+        self._start_reaper(self._proc.pid)
         for target in (self._read_output, self._tail_metrics):
             thread = threading.Thread(target=target, daemon=True)
             thread.start()
@@ -128,13 +136,13 @@ class NodeAgent:
         if proc is None:
             return None
         if proc.poll() is None:
-            family = [proc.pid, *_descendants(proc.pid)]
-            _signal_all(family, signal.SIGTERM)
+            family = [proc.pid, *descendants(proc.pid)]
+            signal_all(family, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and any(_alive(p) for p in family):
+            while time.monotonic() < deadline and any(alive(p) for p in family):
                 proc.poll()
                 time.sleep(0.1)
-            _signal_all([p for p in [proc.pid, *_descendants(proc.pid), *family] if _alive(p)],
+            signal_all([p for p in [proc.pid, *descendants(proc.pid), *family] if alive(p)],
                         signal.SIGKILL)
             proc.wait(timeout=10)
         for thread in self._threads:
@@ -179,6 +187,15 @@ class NodeAgent:
             shutil.rmtree(self._plan["node_dir"], ignore_errors=True)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _start_reaper(self, pid: int) -> None:
+        if self._reaper is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._reaper.wait(timeout=5)  # the last attempt's: gone with its torchrun
+        self._reaper = subprocess.Popen(
+            [sys.executable, reaper.__file__, str(pid), str(REAPER_GRACE_S)], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_prepare_child)
 
     def _status(self) -> ExitStatus | None:
         if self._proc is None or self._proc.poll() is None:
@@ -250,7 +267,7 @@ def _rank_error(local_rank: int, data: dict[str, Any]) -> RankError:
 
 
 def _prepare_child() -> None:
-    """In torchrun's process before exec.
+    """In torchrun's process (and its reaper's) before exec.
 
     - Get SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``).
     - Undo Ray's worker niceness (15 by default): training processes niced to 15 lose CPU
@@ -263,38 +280,3 @@ def _prepare_child() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, 0)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (torchrun's workers run in sessions of their own)."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children[ppid].append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _signal_all(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

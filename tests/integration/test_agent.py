@@ -67,3 +67,59 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         agent.stop(1.0)
         agent.cleanup()
     assert not node_dir.exists()
+
+
+HUNG_TORCHRUN = '''
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a torchrun that hangs in its SIGTERM handling
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+    start_new_session=True)  # a worker, in a session of its own as torchrun's are
+print(f"pids {os.getpid()} {child.pid}", flush=True)
+time.sleep(600)
+'''
+
+AGENT = '''
+import sys, time
+from launcher.orchestrate.agent import NodeAgent
+agent = NodeAgent("local")
+argv = [sys.executable, sys.argv[1]]
+agent.start({"node_dir": sys.argv[2], "cwd": sys.argv[2], "argv": argv, "env": {}}, {})
+while True:
+    for _, line in agent.poll(0.5).lines:
+        print(line, flush=True)
+'''
+
+
+def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path):
+    """The agent is SIGKILLed (as Ray kills it when the driver dies); its torchrun ignores the
+    SIGTERM of its death signal, and so does its worker: the reaper SIGKILLs both."""
+    import os
+    import signal
+    import subprocess
+
+    from launcher.orchestrate.agent import REAPER_GRACE_S
+    from launcher.orchestrate.reaper import alive
+
+    (tmp_path / "torchrun.py").write_text(HUNG_TORCHRUN)
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path / "torchrun.py"), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pids: list[int] = []
+    try:
+        line = agent.stdout.readline()
+        assert line.startswith("pids "), line
+        pids = [int(p) for p in line.split()[1:]]
+        assert all(alive(p) for p in pids)
+        agent.kill()
+        agent.wait(timeout=10)
+        time.sleep(2)
+        assert all(alive(p) for p in pids), "the grace period: torchrun may still shut down itself"
+        deadline = time.monotonic() + REAPER_GRACE_S + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if alive(p)], "torchrun or its worker outlived the agent"
+    finally:
+        agent.kill()
+        for pid in pids:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,88 @@
+"""Ends a node's torchrun and its workers when the agent that started them is gone.
+
+The agent (``agent.py``) stops torchrun itself while it lives. If the agent dies (a killed
+driver, a killed Ray), the kernel sends torchrun SIGTERM (``PR_SET_PDEATHSIG``), and torchrun
+forwards it to its workers. Nobody is left to send SIGKILL if torchrun then hangs: it was
+seen once, the workers exited and torchrun waited on a lock for good. So the agent also
+starts this reaper, in its own session, with the same death signal:
+
+    python reaper.py TORCHRUN_PID GRACE_S
+
+It exits as soon as torchrun does. When the agent dies (SIGTERM, or its parent process
+changes), it waits ``GRACE_S`` for torchrun and every descendant to exit, then SIGKILLs what
+is left. Standard library only, and run by its file path: it needs nothing importable.
+The /proc helpers here are also the agent's.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import sys
+import time
+
+POLL_S = 0.2
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children[ppid].append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_after(pid: int, grace_s: float) -> None:
+    """Give ``pid`` and its descendants ``grace_s`` to exit, then SIGKILL every one left."""
+    family = [pid, *descendants(pid)]
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p) for p in family):
+        time.sleep(POLL_S / 2)
+    signal_all([p for p in [pid, *descendants(pid), *family] if alive(p)], signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    pid, grace_s = int(argv[0]), float(argv[1])
+    parent = os.getppid()
+    agent_gone: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: agent_gone.append(signum))
+    while alive(pid):
+        if agent_gone or os.getppid() != parent:
+            kill_after(pid, grace_s)
+            return 0
+        time.sleep(POLL_S)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
