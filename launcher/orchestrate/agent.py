@@ -33,7 +33,7 @@ from typing import Any
 from launcher import metrics
 from launcher.orchestrate import reaper
 from launcher.orchestrate.plan import NODE_PASSTHROUGH
-from launcher.orchestrate.reaper import alive, descendants, signal_all
+from launcher.orchestrate.reaper import descendants, kill_after, signal_all
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
 from launcher.util import free_port, write_private
 
@@ -138,12 +138,7 @@ class NodeAgent:
         if proc.poll() is None:
             family = [proc.pid, *descendants(proc.pid)]
             signal_all(family, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and any(alive(p) for p in family):
-                proc.poll()
-                time.sleep(0.1)
-            signal_all([p for p in [proc.pid, *descendants(proc.pid), *family] if alive(p)],
-                        signal.SIGKILL)
+            kill_after(proc.pid, grace_s, family)
             proc.wait(timeout=10)
         for thread in self._threads:
             thread.join(timeout=5)
@@ -193,9 +188,9 @@ class NodeAgent:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._reaper.wait(timeout=5)  # the last attempt's: gone with its torchrun
         self._reaper = subprocess.Popen(
-            [sys.executable, reaper.__file__, str(pid), str(REAPER_GRACE_S)], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=_prepare_child)
+            [sys.executable, reaper.__file__, str(pid), str(REAPER_GRACE_S), str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_prepare_reaper)
 
     def _status(self) -> ExitStatus | None:
         if self._proc is None or self._proc.poll() is None:
@@ -264,6 +259,14 @@ def _rank_error(local_rank: int, data: dict[str, Any]) -> RankError:
         timestamp = 0.0
     return RankError(local_rank=local_rank, message=str(message.get("message") or "unknown error"),
                      traceback=str(extra.get("py_callstack") or ""), timestamp=timestamp)
+
+
+def _prepare_reaper() -> None:
+    """In the reaper's process before exec: ``_prepare_child``, and SIGTERM ignored until the
+    reaper sets its handler (an ignored signal stays ignored across exec)."""
+    _prepare_child()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).signal(signal.SIGTERM, ctypes.c_void_p(1))  # SIG_IGN
 
 
 def _prepare_child() -> None:

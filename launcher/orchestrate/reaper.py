@@ -6,11 +6,13 @@ forwards it to its workers. Nobody is left to send SIGKILL if torchrun then hang
 seen once, the workers exited and torchrun waited on a lock for good. So the agent also
 starts this reaper, in its own session, with the same death signal:
 
-    python reaper.py TORCHRUN_PID GRACE_S
+    python reaper.py TORCHRUN_PID GRACE_S AGENT_PID
 
-It exits as soon as torchrun does. When the agent dies (SIGTERM, or its parent process
-changes), it waits ``GRACE_S`` for torchrun and every descendant to exit, then SIGKILLs what
-is left. Standard library only, and run by its file path: it needs nothing importable.
+It exits as soon as torchrun does. When the agent dies (SIGTERM, or its parent is no longer
+the agent), it waits ``GRACE_S`` for torchrun and every descendant to exit, then SIGKILLs what
+is left. The agent starts it with SIGTERM ignored, which survives the exec: a death signal
+that comes before the handler is set cannot kill it, and the parent check still sees the
+agent gone. Standard library only, and run by its file path: it needs nothing importable.
 The /proc helpers here are also the agent's.
 """
 
@@ -62,9 +64,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_after(pid: int, grace_s: float) -> None:
-    """Give ``pid`` and its descendants ``grace_s`` to exit, then SIGKILL every one left."""
-    family = [pid, *descendants(pid)]
+def kill_after(pid: int, grace_s: float, family: list[int] | None = None) -> None:
+    """Give ``pid`` and its descendants (and ``family``, those seen before: a worker whose
+    torchrun has exited is no descendant any more) ``grace_s`` to exit, then SIGKILL every one left."""
+    family = family or [pid, *descendants(pid)]
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(alive(p) for p in family):
         time.sleep(POLL_S / 2)
@@ -72,12 +75,11 @@ def kill_after(pid: int, grace_s: float) -> None:
 
 
 def main(argv: list[str]) -> int:
-    pid, grace_s = int(argv[0]), float(argv[1])
-    parent = os.getppid()
+    pid, grace_s, agent = int(argv[0]), float(argv[1]), int(argv[2])
     agent_gone: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: agent_gone.append(signum))
     while alive(pid):
-        if agent_gone or os.getppid() != parent:
+        if agent_gone or os.getppid() != agent:
             kill_after(pid, grace_s)
             return 0
         time.sleep(POLL_S)
