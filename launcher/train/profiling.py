@@ -131,8 +131,8 @@ def device_timeline(events: Iterable[dict[str, Any]], *, steps: int, device: int
     """Where a recorded step's device time goes, in ms per step, from Chrome-trace events.
 
     Kernels (and copies, memsets) on every stream of ``device`` (all devices when None) are
-    merged into busy intervals. Communication is any kernel whose name contains "nccl", the
-    rest is compute. ``comm_exposed`` is communication time that no compute overlaps: with
+    merged into busy intervals. Communication is any kernel ``kernel_kind`` names so (NCCL's),
+    the rest is compute. ``comm_exposed`` is communication time that no compute overlaps: with
     DDP, the all-reduce the backward did not hide. ``comm`` also counts a collective's wait
     for a slower rank, which is why it can differ between ranks. ``idle`` is time with nothing
     running in the span from the first kernel's start to the last one's end: on a GPU-bound
@@ -143,7 +143,7 @@ def device_timeline(events: Iterable[dict[str, Any]], *, steps: int, device: int
     comm: list[tuple[float, float]] = []
     for e in device_events(events, device):
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-        (comm if "nccl" in str(e.get("name", "")).lower() else compute).append((start, end))
+        (comm if kernel_kind(str(e.get("name", ""))) == "communication" else compute).append((start, end))
     if not compute and not comm:
         return None
     every = _union(compute + comm)
@@ -202,15 +202,15 @@ def kernel_breakdown(events: Iterable[dict[str, Any]], *, steps: int, device: in
     if not per_name:
         return None
     per_step_ms = 1e-3 / steps
+    kind_of = {name: kernel_kind(name) for name in per_name}
     kinds: dict[str, float] = {}
     for name, (us, _) in per_name.items():
-        kind = kernel_kind(name)
-        kinds[kind] = kinds.get(kind, 0.0) + us * per_step_ms
+        kinds[kind_of[name]] = kinds.get(kind_of[name], 0.0) + us * per_step_ms
     busiest = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "total_ms": sum(kinds.values()),
         "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-        "top": [{"name": name, "kind": kernel_kind(name), "ms": us * per_step_ms, "launches": n / steps}
+        "top": [{"name": name, "kind": kind_of[name], "ms": us * per_step_ms, "launches": n / steps}
                 for name, (us, n) in busiest],
     }
 
