@@ -3,11 +3,16 @@ error files of workers wrapped in torchelastic's ``@record``."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from launcher.orchestrate.agent import NodeAgent
+from launcher.orchestrate.agent import REAPER_GRACE_S, NodeAgent
+from launcher.orchestrate.reaper import alive
 
 SCRIPT = '''
 import os
@@ -94,13 +99,6 @@ while True:
 def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path):
     """The agent is SIGKILLed (as Ray kills it when the driver dies); its torchrun ignores the
     SIGTERM of its death signal, and so does its worker: the reaper SIGKILLs both."""
-    import os
-    import signal
-    import subprocess
-
-    from launcher.orchestrate.agent import REAPER_GRACE_S
-    from launcher.orchestrate.reaper import alive
-
     (tmp_path / "torchrun.py").write_text(HUNG_TORCHRUN)
     agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path / "torchrun.py"), str(tmp_path)],
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -121,5 +119,5 @@ def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path)
     finally:
         agent.kill()
         for pid in pids:
-            with __import__("contextlib").suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
