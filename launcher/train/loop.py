@@ -38,7 +38,7 @@ from launcher.train.meter import (
     peak_tflops,
     progress_line,
 )
-from launcher.train.model import build_model, count_params, flops_per_token
+from launcher.train.model import MLP, build_model, count_params, flops_per_token
 from launcher.train.profiling import StepProfiler
 from launcher.util import free_port
 
@@ -180,6 +180,9 @@ class Trainer:
 
             load_pretrained(model, spec, device=torch.device("cpu"), every_rank=True)
         model.embed.out_dtype = self.activation_dtype
+        for module in model.modules():
+            if isinstance(module, MLP):
+                module.fused = job.train.kernels == "auto"
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)

@@ -18,6 +18,8 @@ What makes them fast:
   (``launcher.train.loss``): the gradient of the logits is formed in the forward's one pass
   over them, instead of two more passes in the backward, and a vocabulary that is not a
   multiple of 64 (BERT's 30522) is padded there so that the products get aligned rows;
+- on CUDA the MLP's fc bias and GELU run as two Triton kernels (``launcher.train.fused``,
+  ``train.kernels``): one pass forward, one pass backward that also sums the bias gradient;
 - ``bias=False`` (``model.bias``) drops every linear and LayerNorm bias, as nanoGPT does;
 - the hidden states can stay bf16 under autocast (``Embeddings.out_dtype``, and LayerNorms
   that return their input's dtype): half the bytes for every elementwise kernel between the
@@ -40,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from launcher.spec.job import ModelSpec
+from launcher.train import fused
 from launcher.train.loss import linear_cross_entropy
 
 BERT_LN_EPS = 1e-12
@@ -131,14 +134,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """fc, GELU, proj. With ``fused`` (the trainer sets it from ``train.kernels``) and on CUDA,
+    the fc's bias and the GELU run as ``launcher.train.fused.bias_gelu``'s Triton kernels. An
+    fc that is not a plain ``nn.Linear`` (torchao's float8 layer) keeps its own forward."""
+
     def __init__(self, d_model: int, d_ff: int, approximate: str, bias: bool = True):
         super().__init__()
         self.fc = nn.Linear(d_model, d_ff, bias=bias)
         self.proj = nn.Linear(d_ff, d_model, bias=bias)
         self.approximate = approximate
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+        if self.fused and fused.available(x) and type(self.fc) is nn.Linear:
+            h = fused.bias_gelu(F.linear(x, self.fc.weight), self.fc.bias, self.approximate)
+        else:
+            h = F.gelu(self.fc(x), approximate=self.approximate)
+        return self.proj(h)
 
 
 class Block(nn.Module):

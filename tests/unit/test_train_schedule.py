@@ -66,3 +66,26 @@ def test_step_records_carry_the_lr_each_step_used(one_process_trainer_env):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert [r["lr"] for r in steps] == pytest.approx([used[s] for s in range(1, 7)])
     assert steps[0]["lr"] == pytest.approx(1e-3 / 3) and steps[2]["lr"] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_train_kernels_sets_every_mlp(one_process_trainer_env, kernels):
+    """``train.kernels`` reaches every block's MLP (``MLP.fused``); on CPU both compute the same."""
+    from launcher.spec.job import JobSpec
+    from launcher.train.loop import Trainer
+    from launcher.train.model import MLP
+
+    job = JobSpec.model_validate({
+        "name": "k", "model": {"arch": "bert", "size": "tiny"}, "data": {"seq_len": 16},
+        "train": {"steps": 1, "warmup_steps": 0, "micro_batch": 2, "compile": False, "kernels": kernels},
+        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+    })
+    trainer = Trainer(job)
+    try:
+        mlps = [m for m in trainer.model.modules() if isinstance(m, MLP)]
+        assert mlps and {m.fused for m in mlps} == {kernels == "auto"}
+        x = torch.randn(3, 5, mlps[0].fc.in_features)
+        torch.testing.assert_close(mlps[0](x), mlps[0].proj(torch.nn.functional.gelu(mlps[0].fc(x))),
+                                   rtol=0, atol=0)
+    finally:
+        trainer.close()

@@ -1,0 +1,179 @@
+"""The MLP's bias and GELU as two Triton kernels on CUDA: ``bias_gelu(y, bias, approximate)``.
+
+``bias_gelu(y, b, a)`` is ``F.gelu(y + b, approximate=a)`` for the fc product's output ``y``
+(rows × d_ff), with the same gradients. What changes is the memory traffic and the work per
+element:
+
+- **The forward** reads ``y`` once, adds the bias and writes the activation, as inductor's
+  kernel does, but with a cheaper exact GELU: ``Φ(-|x|) = erfc(|x|/√2)/2`` is a Chebyshev fit
+  (Numerical Recipes' ``erfcc``: relative error under 1.2e-7, fp32's rounding, tails
+  included) with one reciprocal and one exponential, where libdevice's ``erf`` branches. The
+  tanh approximation is ``x·sigmoid(2u)``. Neither forms ``1 + erf`` or ``1 + tanh``, which
+  cancel for negative ``x``.
+- **The backward** reads ``y`` and the incoming gradient and writes the gradient of ``y``;
+  the same pass sums that gradient over each tile's rows in fp32 (the bias gradient, from
+  per-tile partial sums: deterministic, no atomics). Inductor's backward also writes the
+  activation again (its partitioner recomputes it for the proj product's weight gradient
+  rather than keep it) and sums the bias gradient in a pass of its own. Here the proj product
+  keeps the forward's activation, as eager PyTorch does: one rows × d_ff tensor per block
+  stays alive until the backward.
+
+At BERT-base's fc shape on one H200 (128 × 512 rows × 3072, bf16, exact GELU with its bias;
+``.device`` sweep, 2026-12-01): forward 0.246 ms against inductor's 0.299, backward with the
+bias gradient 0.427 against 0.544.
+
+On CPU or without Triton, ``bias_gelu`` is ``F.gelu(y + b)``: the reference the GPU tests
+compare against (tests/integration/test_gpu_fused.py).
+"""
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path below
+    triton = None
+
+# Tiles (rows × columns of y) and warps per program, the fastest of a sweep at BERT-base's and
+# GPT-2's fc shapes on an H200 (.., 3072). A backward tile's column sums are one row of the
+# bias gradient's partial sums: (rows / 32) × d_ff fp32, 6% of y's bytes.
+FWD = {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4}
+BWD = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the kernels run for this tensor (CUDA, Triton importable)."""
+    return triton is not None and t.is_cuda
+
+
+def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    """``F.gelu(y + bias, approximate=approximate)``, through the kernels where they run.
+
+    ``bias`` (d_ff,) may be fp32 while ``y`` is bf16 (autocast): the sum is taken in fp32 and
+    the bias's gradient is summed in fp32 and returned in its dtype."""
+    if not available(y) or y.dim() < 2:
+        return _reference(y, bias, approximate)
+    shape = y.shape
+    out = torch.ops.launcher.bias_gelu(y.reshape(-1, shape[-1]), bias, approximate == "tanh")
+    return out.view(shape)
+
+
+def _reference(y: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return F.gelu(y, approximate=approximate)
+
+
+if triton is not None:
+    # Constants are literals in the kernels: 0.35355339 = 1/(2√2), 0.39894228 = 1/√(2π); the
+    # tanh approximation is tanh(k·(x + c·x³)), k = √(2/π), c = 0.044715: 1.59576912 = 2k and
+    # 0.21406445 = 2k·3c.
+
+    @triton.jit
+    def _erfc_scaled(z):
+        """erfc(|z|/√2) = t·exp(-z²/2 + P(t)), t = 1/(1 + |z|/(2√2)): Numerical Recipes' erfcc,
+        a Chebyshev fit with a relative error under 1.2e-7 everywhere (tails included)."""
+        t = 1.0 / (1.0 + 0.35355339059327373 * tl.abs(z))
+        p = 0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))
+        p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * p))))
+        return t * tl.exp(p - 0.5 * z * z)
+
+    @triton.jit
+    def _phi(z, TANH: tl.constexpr):
+        """Φ(z), GELU's gate: GELU(z) = z·Φ(z)."""
+        if TANH:  # 0.5·(1 + tanh(u)) = sigmoid(2u): no cancellation for negative u
+            phi = 1.0 / (1.0 + tl.exp(-1.5957691216057308 * (z + 0.044715 * z * z * z)))
+        else:
+            half_tail = 0.5 * _erfc_scaled(z)  # Φ(-|z|), without 1 + erf's cancellation
+            phi = tl.where(z < 0.0, half_tail, 1.0 - half_tail)
+        return phi
+
+    @triton.jit
+    def _gelu_grad(z, TANH: tl.constexpr):
+        """dGELU/dz = Φ(z) + z·Φ'(z)."""
+        phi = _phi(z, TANH)
+        if TANH:
+            grad = phi + z * (1.5957691216057308 + 0.21406444881780076 * z * z) * phi * (1.0 - phi)
+        else:
+            grad = phi + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+        return grad
+
+    @triton.jit
+    def _fwd_kernel(Y, B, H, M, N, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None] * N + cols[None, :]
+        z = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(H + offs, (z * _phi(z, TANH)).to(H.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bwd_kernel(DH, Y, B, DY, DB_PART, M, N, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None] * N + cols[None, :]
+        z = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        dz = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32) * _gelu_grad(z, TANH)  # 0 where masked
+        tl.store(DY + offs, dz.to(DY.dtype.element_ty), mask=mask)
+        if HAS_BIAS:  # this tile's column sums; the launcher adds the tiles' rows
+            tl.store(DB_PART + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(dz, axis=0), mask=cols < N)
+
+    def _grid(m: int, n: int, config: dict[str, int]) -> tuple[int, int]:
+        return triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"])
+
+    def _launch_fwd(y: torch.Tensor, bias: torch.Tensor | None, tanh: bool) -> torch.Tensor:
+        m, n = y.shape
+        h = torch.empty_like(y)
+        _fwd_kernel[_grid(m, n, FWD)](y, y if bias is None else bias, h, m, n, HAS_BIAS=bias is not None,
+                                      TANH=tanh, **FWD)
+        return h
+
+    def _launch_bwd(dh: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
+                    tanh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m, n = y.shape
+        dy = torch.empty_like(y)
+        grid = _grid(m, n, BWD)
+        part = dy if bias is None else torch.empty((grid[0], n), device=y.device, dtype=torch.float32)
+        _bwd_kernel[grid](dh, y, y if bias is None else bias, dy, part, m, n, HAS_BIAS=bias is not None,
+                          TANH=tanh, **BWD)
+        return dy, None if bias is None else part.sum(0).to(bias.dtype)
+
+    @torch.library.custom_op("launcher::bias_gelu", mutates_args=())
+    def _bias_gelu_op(y: torch.Tensor, bias: torch.Tensor | None, tanh: bool) -> torch.Tensor:
+        return _launch_fwd(y.contiguous(), bias, tanh)
+
+    @_bias_gelu_op.register_fake
+    def _(y, bias, tanh):
+        return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op("launcher::bias_gelu_backward", mutates_args=())
+    def _bias_gelu_backward_op(dh: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
+                               tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        dy, db = _launch_bwd(dh.contiguous(), y.contiguous(), bias, tanh)
+        # custom ops return tensors, not None: an empty one stands for "no bias"
+        return dy, db if db is not None else dy.new_empty(0)
+
+    @_bias_gelu_backward_op.register_fake
+    def _(dh, y, bias, tanh):
+        db = torch.empty_like(bias) if bias is not None else y.new_empty(0)
+        return torch.empty_like(y, memory_format=torch.contiguous_format), db
+
+    def _setup_context(ctx, inputs, output):
+        y, bias, tanh = inputs
+        ctx.save_for_backward(y, bias)
+        ctx.tanh = tanh
+
+    def _backward(ctx, dh):
+        y, bias = ctx.saved_tensors
+        dy, db = torch.ops.launcher.bias_gelu_backward(dh, y, bias, ctx.tanh)
+        return dy, (db if bias is not None else None), None
+
+    _bias_gelu_op.register_autograd(_backward, setup_context=_setup_context)
