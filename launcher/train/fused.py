@@ -43,8 +43,15 @@ BWD = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
 
 
 def available(t: torch.Tensor) -> bool:
-    """Whether the kernels run for this tensor (CUDA, Triton importable)."""
+    """Whether the kernels run for this tensor: Triton importable and the tensor on CUDA (a
+    test that ``torch.compile`` traces without a graph break)."""
     return triton is not None and t.is_cuda
+
+
+def supported(device: torch.device) -> bool:
+    """Whether to turn the kernels on for a device (the trainer asks once, eagerly): CUDA
+    with Triton, compute capability 8.0 or above (Ampere and later, where they were tested)."""
+    return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:

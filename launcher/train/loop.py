@@ -25,7 +25,7 @@ from torch import nn
 
 from launcher.metrics import write_record
 from launcher.spec.job import JobSpec, TrainSpec
-from launcher.train import parallel
+from launcher.train import fused, parallel
 from launcher.train.checkpoint import Checkpointer
 from launcher.train.data import Batches, build_data
 from launcher.train.meter import (
@@ -180,9 +180,10 @@ class Trainer:
 
             load_pretrained(model, spec, device=torch.device("cpu"), every_rank=True)
         model.embed.out_dtype = self.activation_dtype
+        use_kernels = job.train.kernels == "auto" and fused.supported(self.device)
         for module in model.modules():
             if isinstance(module, MLP):
-                module.fused = job.train.kernels == "auto"
+                module.fused = use_kernels
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)

@@ -68,13 +68,18 @@ def test_step_records_carry_the_lr_each_step_used(one_process_trainer_env):
     assert steps[0]["lr"] == pytest.approx(1e-3 / 3) and steps[2]["lr"] == pytest.approx(1e-3)
 
 
-@pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_train_kernels_sets_every_mlp(one_process_trainer_env, kernels):
-    """``train.kernels`` reaches every block's MLP (``MLP.fused``); on CPU both compute the same."""
+@pytest.mark.parametrize(("kernels", "supported", "on"),
+                         [("auto", True, True), ("torch", True, False), ("auto", False, False)])
+def test_train_kernels_sets_every_mlp(one_process_trainer_env, monkeypatch, kernels, supported, on):
+    """``train.kernels`` reaches every block's MLP (``MLP.fused``) where the device supports the
+    kernels (``fused.supported``, stood in for: this machine has no GPU); the MLP still computes
+    the plain fc, GELU, proj on the CPU, where the kernels do not run."""
     from launcher.spec.job import JobSpec
+    from launcher.train import fused
     from launcher.train.loop import Trainer
     from launcher.train.model import MLP
 
+    monkeypatch.setattr(fused, "supported", lambda device: supported)
     job = JobSpec.model_validate({
         "name": "k", "model": {"arch": "bert", "size": "tiny"}, "data": {"seq_len": 16},
         "train": {"steps": 1, "warmup_steps": 0, "micro_batch": 2, "compile": False, "kernels": kernels},
@@ -83,7 +88,7 @@ def test_train_kernels_sets_every_mlp(one_process_trainer_env, kernels):
     trainer = Trainer(job)
     try:
         mlps = [m for m in trainer.model.modules() if isinstance(m, MLP)]
-        assert mlps and {m.fused for m in mlps} == {kernels == "auto"}
+        assert mlps and {m.fused for m in mlps} == {on}
         x = torch.randn(3, 5, mlps[0].fc.in_features)
         torch.testing.assert_close(mlps[0](x), mlps[0].proj(torch.nn.functional.gelu(mlps[0].fc(x))),
                                    rtol=0, atol=0)
