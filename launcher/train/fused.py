@@ -50,7 +50,7 @@ def available(t: torch.Tensor) -> bool:
 
 def supported(device: torch.device) -> bool:
     """Whether to turn the kernels on for a device (the trainer asks once, eagerly): CUDA
-    with Triton, compute capability 8.0 or above (Ampere and later, where they were tested)."""
+    with Triton, compute capability 8.0 or above (Ampere and later; measured and tested on Hopper)."""
     return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
