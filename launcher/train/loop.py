@@ -197,9 +197,10 @@ class Trainer:
         # one backward per step is consumed by the optimizer before the next. Accumulating over
         # micro-batches instead adds each one into gradients that keep their own memory.
         self.grads_in_place = job.train.cuda_graphs and job.train.grad_accum > 1
+        self.trained_params = [p for p in self.model.parameters() if p.requires_grad]
         if self.grads_in_place:
-            for p in self.model.parameters():
-                if p.requires_grad and p.grad is None:
+            for p in self.trained_params:
+                if p.grad is None:
                     p.grad = torch.zeros_like(p)
 
     def build_optimizer(self) -> None:
@@ -274,20 +275,58 @@ class Trainer:
             batch = self.data.batch(step, micro)
         if self.job.train.cuda_graphs:  # a new replay generation: the last micro-batch's outputs are done
             torch.compiler.cudagraph_mark_step_begin()
-        # DDP with static_graph records the graph on its first backward and fails under
-        # no_sync there; syncing every micro-batch of the first step gives the same average.
-        par = self.job.parallel
-        first = step == self.start_step + 1 and par.strategy == "ddp" and par.ddp.static_graph
-        sync = micro == accum - 1 or first
-        with parallel.gradient_sync(self.model, sync, keep_gathered=not par.fsdp.reshard_after_forward):
+        sync = self.syncs(step, micro)
+        keep = not self.job.parallel.fsdp.reshard_after_forward
+        with parallel.gradient_sync(self.model, sync, keep_gathered=keep):
             with self._autocast():
                 loss = self.model(**batch) / accum
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            self.backward(self.scaler.scale(loss) if self.scaler else loss, micro, sync)
         return loss.detach()
+
+    def syncs(self, step: int, micro: int) -> bool:
+        """Whether this micro-batch's backward reduces the gradients across ranks: the last
+        one of a step. DDP with static_graph records the graph on its first backward and fails
+        under no_sync there; syncing every micro-batch of the first step gives the same average."""
+        par = self.job.parallel
+        first = step == self.start_step + 1 and par.strategy == "ddp" and par.ddp.static_graph
+        return micro == self.job.train.grad_accum - 1 or first
+
+    def by_autograd_grad(self, sync: bool) -> bool:
+        """Whether this micro-batch's gradients are accumulated by ``backward``'s foreach ops
+        instead of autograd's accumulation (see ``backward``)."""
+        return self.job.train.grad_accum > 1 and not parallel.needs_backward(self.model, sync)
+
+    def backward(self, loss: torch.Tensor, micro: int, sync: bool) -> None:
+        """The micro-batch's backward, its gradients summed into ``.grad``.
+
+        With gradient accumulation, autograd's own accumulation is one add per parameter, each
+        a kernel launch (308 a step for BERT-base's 154 tensors over 2 micro-batches). Where no
+        DDP or FSDP hook needs to see it (``parallel.needs_backward``), the gradients come from
+        ``torch.autograd.grad`` instead and are summed with foreach ops: the first micro-batch's
+        are taken as ``.grad`` (copied into the gradients' own memory when a replayed graph
+        would reuse theirs), the later ones added, a few kernels each. The sums are the same.
+        """
+        if not self.by_autograd_grad(sync):
+            loss.backward()
+            return
+        grads = torch.autograd.grad(loss, self.trained_params, allow_unused=True)
+        into, new = [], []
+        for p, g in zip(self.trained_params, grads, strict=True):
+            if g is None:  # a parameter this micro-batch did not use
+                if micro == 0:  # no zero_grad ran before this step's first backward
+                    p.grad = p.grad.zero_() if self.grads_in_place else None
+            elif p.grad is None or (micro == 0 and not self.grads_in_place):
+                p.grad = g
+            else:
+                into.append(p.grad)
+                new.append(g)
+        if into:
+            (torch._foreach_add_ if micro > 0 else torch._foreach_copy_)(into, new)
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step (all micro-batches); returns the loss on the device (no sync)."""
-        self.optimizer.zero_grad(set_to_none=not self.grads_in_place)
+        if not self.by_autograd_grad(self.syncs(step, 0)):  # else the first backward sets .grad
+            self.optimizer.zero_grad(set_to_none=not self.grads_in_place)
         # Summed into a fresh tensor as each micro-batch ends, before any replay can reuse the
         # graph memory that holds a micro-batch's loss.
         loss = sum(self.forward_backward(step, micro) for micro in range(self.job.train.grad_accum))
