@@ -316,7 +316,8 @@ class Trainer:
                 if micro == 0:  # no zero_grad ran before this step's first backward
                     p.grad = p.grad.zero_() if self.grads_in_place else None
             elif p.grad is None or (micro == 0 and not self.grads_in_place):
-                p.grad = g
+                # autograd's layout rule for .grad: the parameter's strides (no expanded views)
+                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
             else:
                 into.append(p.grad)
                 new.append(g)
