@@ -152,6 +152,21 @@ def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(base: Path, 
     assert_params_close(ddp_fp32.params(), one.params(), atol=1e-4)
 
 
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_ddp_accumulating_micro_batches_matches_one_batch_per_rank(base: Path, ddp_fp32: Run, static_graph: bool):
+    """DDP over 2 ranks with 2 micro-batches of 2 per step: the first micro-batch's gradients
+    come from ``torch.autograd.grad`` under ``no_sync`` and the second from ``backward`` with
+    DDP's hooks (``Trainer.backward``); with a static graph the first step syncs both. The same
+    training as micro-batches of 4."""
+    name = f"ddp-accum-{'static' if static_graph else 'dynamic'}"
+    job = write_job(base / f"{name}.yaml", name, base / f"ckpt-{name}")
+    run = ok(launch(base / name, ["--job", str(job), "--params-out", "params.pt",
+                                  "--set", f"parallel.ddp.static_graph={str(static_graph).lower()}",
+                                  "--set", "train.micro_batch=2", "--set", "train.grad_accum=2"]))
+    assert run.records(0, "meta")[0]["grad_accum"] == 2
+    assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
+
+
 def test_fsdp_fp32_loss_falls_and_matches_ddp(fsdp_fp32: Run, ddp_fp32: Run):
     assert_loss_falls(fsdp_fp32)
     assert_params_close(ddp_fp32.params(), fsdp_fp32.params(), atol=1e-4)
