@@ -1,0 +1,45 @@
+"""benchmarks/ab.py for real: a revision exported next to this tree, a command run in both."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+AB = REPO / "benchmarks" / "ab.py"
+
+pytestmark = pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs a git checkout (the tool exports a revision)")
+
+
+def ab(tmp_path: Path, *command: str) -> dict:
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, str(AB), "--base", "HEAD", "--rounds", "1", "--out", str(out), "--", *command],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def test_a_process_started_elsewhere_imports_its_trees_launcher(tmp_path: Path):
+    """What the built-in trainer's workers under ``launch`` do: they start in another folder and
+    find ``launcher`` through PYTHONPATH, which must name the run's own tree."""
+    result = ab(tmp_path, "sh", "-c", f"cd {tmp_path} && {sys.executable} -c 'import launcher; print(launcher.__file__)'")
+    base, this = result["runs"]
+    assert (base["tree"], this["tree"]) == ("base", "this tree")
+    base_file = Path(base["log"]).read_text().strip()
+    this_file = Path(this["log"]).read_text().strip()
+    assert base_file == base["launcher"] and this_file == this["launcher"]
+    assert not base_file.startswith(str(REPO)) and base_file.endswith("tree/launcher/__init__.py")
+    assert this_file == str(REPO / "launcher" / "__init__.py")
+
+
+def test_the_trainer_in_both_trees_and_its_ratio(tmp_path: Path):
+    result = ab(tmp_path, sys.executable, "-m", "launcher.train", "--job", "jobs/quickstart.yaml",
+                "--set", "train.steps=4", "--set", "train.warmup_steps=1")
+    assert [r["returncode"] for r in result["runs"]] == [0, 0]
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in result["runs"])  # no MFU on a CPU
+    base, this = result["runs"]
+    assert result["median_ratio"] == pytest.approx(this["tokens_per_s"] / base["tokens_per_s"])
