@@ -1,6 +1,6 @@
 """The same training command on another revision and on this tree, interleaved, in one run.
 
-    python benchmarks/ab.py --base REV [--rounds 2] [--out ab.json] -- COMMAND [ARGS ...]
+    python benchmarks/ab.py --base REV [--rounds 2] [--out ab.json] [--work DIR] -- COMMAND [ARGS ...]
 
 e.g. ``python benchmarks/ab.py --base main~1 -- python -m launcher.train --job jobs/bert_ddp.yaml``
 or ``... -- launch jobs/bert_ddp.yaml --set train.steps=120``. Machines lent at different times
@@ -15,7 +15,8 @@ the tool asks the same environment where ``launcher`` comes from, and records it
 
 Each run's result is its last ``done: ...`` line (what the trainer and ``launch`` print at the
 end): tokens/s per rank (as printed, 4 significant digits) and MFU. The table gives each round's
-ratio (this tree over the base) and the median of the rounds.
+ratio (this tree over the base) and the median of the rounds. The exported tree and every
+run's log stay in ``--work`` (a new temporary folder by default, printed at the end).
 """
 
 from __future__ import annotations
@@ -84,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True, help="the revision to compare against (e.g. main~1)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="write the runs as JSON here")
+    parser.add_argument("--work", help="where the exported tree and the logs go (default: a new temporary folder)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run in each tree")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command after --")
-    work = Path(tempfile.mkdtemp(prefix="launcher-ab-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="launcher-ab-"))
+    work.mkdir(parents=True, exist_ok=True)
     trees = {"base": export(args.base, work), "this tree": ROOT}
     runs = []
     for i in range(args.rounds):
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     print(tabulate(rows, headers=["round", f"{args.base} tokens/s", "MFU", "this tree tokens/s", "MFU",
                                   "this tree / base"], floatfmt=".4g"))
     median = statistics.median(ratios) if ratios else None
-    print(f"median ratio: {median}")
+    print(f"median ratio: {median}; the exported tree and the logs: {work}")
     if args.out:
         Path(args.out).write_text(json.dumps({"base": args.base, "command": command, "runs": runs,
                                               "median_ratio": median}, indent=1))

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs a gi
 
 def ab(tmp_path: Path, *command: str) -> dict:
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, str(AB), "--base", "HEAD", "--rounds", "1", "--out", str(out), "--", *command],
+    proc = subprocess.run([sys.executable, str(AB), "--base", "HEAD", "--rounds", "1", "--out", str(out),
+                           "--work", str(tmp_path / "work"), "--", *command],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(out.read_text())
@@ -32,7 +33,7 @@ def test_a_process_started_elsewhere_imports_its_trees_launcher(tmp_path: Path):
     base_file = Path(base["log"]).read_text().strip()
     this_file = Path(this["log"]).read_text().strip()
     assert base_file == base["launcher"] and this_file == this["launcher"]
-    assert not base_file.startswith(str(REPO)) and base_file.endswith("tree/launcher/__init__.py")
+    assert base_file == str(tmp_path / "work" / "tree" / "launcher" / "__init__.py")
     assert this_file == str(REPO / "launcher" / "__init__.py")
 
 
