@@ -248,10 +248,9 @@ def needs_backward(model: nn.Module, sync: bool) -> bool:
     FSDP2 (always) and DDP (on a syncing micro-batch) put on the gradients' accumulation run
     only there. Otherwise ``torch.autograd.grad`` may take them and the trainer accumulates
     them itself (``Trainer.backward``)."""
-    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return isinstance(model, FSDPModule) or (sync and isinstance(model, DDP))
+    return is_sharded(model) or (sync and isinstance(model, DDP))
 
 
 def is_sharded(model: nn.Module) -> bool:
