@@ -7,7 +7,9 @@ or ``... -- launch jobs/bert_ddp.yaml --set train.steps=120``. Machines lent at 
 differ by several percent, so a change is only measured against its base on the same machine,
 in alternating runs (base, this tree, base, this tree, ...).
 
-REV's tracked files are exported (``git archive``) into a temporary folder. Each run starts in
+REV's tracked files are exported (``git archive``) into a temporary folder; a REV that is a
+folder is taken as the base tree itself (one exported before, e.g. where this tree has no
+``.git``, as on a machine that got a copy of the files). Each run starts in
 its tree's folder with that folder first on ``PYTHONPATH``: the built-in trainer's workers run
 in the run's node folder, not the tree, and find ``launcher`` through ``PYTHONPATH``, so
 without it a base run through ``launch`` would train with this tree's trainer. Before each run
@@ -82,7 +84,8 @@ def run_once(name: str, tree: Path, command: list[str], log: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, help="the revision to compare against (e.g. main~1)")
+    parser.add_argument("--base", required=True,
+                        help="the revision to compare against (e.g. main~1), or a folder that holds its tree")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="write the runs as JSON here")
     parser.add_argument("--work", help="where the exported tree and the logs go (default: a new temporary folder)")
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the command after --")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="launcher-ab-"))
     work.mkdir(parents=True, exist_ok=True)
-    trees = {"base": export(args.base, work), "this tree": ROOT}
+    base = Path(args.base).resolve() if Path(args.base).is_dir() else export(args.base, work)
+    trees = {"base": base, "this tree": ROOT}
     runs = []
     for i in range(args.rounds):
         for name, tree in trees.items():

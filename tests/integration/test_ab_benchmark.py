@@ -15,9 +15,9 @@ AB = REPO / "benchmarks" / "ab.py"
 pytestmark = pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs a git checkout (the tool exports a revision)")
 
 
-def ab(tmp_path: Path, *command: str) -> dict:
+def ab(tmp_path: Path, *command: str, base: str = "HEAD") -> dict:
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, str(AB), "--base", "HEAD", "--rounds", "1", "--out", str(out),
+    proc = subprocess.run([sys.executable, str(AB), "--base", base, "--rounds", "1", "--out", str(out),
                            "--work", str(tmp_path / "work"), "--", *command],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -44,3 +44,16 @@ def test_the_trainer_in_both_trees_and_its_ratio(tmp_path: Path):
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in result["runs"])  # no MFU on a CPU
     base, this = result["runs"]
     assert result["median_ratio"] == pytest.approx(this["tokens_per_s"] / base["tokens_per_s"])
+
+
+def test_a_folder_as_the_base_is_run_as_it_is(tmp_path: Path):
+    """Where this tree has no .git (a machine that got a copy of the files), the base is a tree
+    exported before: it runs from that folder, with that folder first on PYTHONPATH."""
+    tree = tmp_path / "base-tree" / "launcher"
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("")
+    result = ab(tmp_path, sys.executable, "-c", "import launcher; print(launcher.__file__)", base=str(tree.parent))
+    base, this = result["runs"]
+    assert Path(base["log"]).read_text().strip() == str(tree / "__init__.py") == base["launcher"]
+    assert Path(this["log"]).read_text().strip() == str(REPO / "launcher" / "__init__.py")
+    assert not (tmp_path / "work" / "tree").exists()  # nothing exported
