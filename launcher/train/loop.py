@@ -38,7 +38,14 @@ from launcher.train.meter import (
     peak_tflops,
     progress_line,
 )
-from launcher.train.model import MLP, build_model, count_params, flops_per_token
+from launcher.train.model import (
+    MLP,
+    LMHead,
+    MLMHead,
+    build_model,
+    count_params,
+    flops_per_token,
+)
 from launcher.train.profiling import StepProfiler
 from launcher.util import free_port
 
@@ -182,7 +189,7 @@ class Trainer:
         model.embed.out_dtype = self.activation_dtype
         use_kernels = job.train.kernels == "auto" and fused.supported(self.device)
         for module in model.modules():
-            if isinstance(module, MLP):
+            if isinstance(module, (MLP, MLMHead, LMHead)):
                 module.fused = use_kernels
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)

@@ -16,8 +16,9 @@ What makes them fast:
   broadcast row instead of a lookup;
 - the LM head's product and its cross-entropy run as one autograd step
   (``launcher.train.loss``): the gradient of the logits is formed in the forward's one pass
-  over them, instead of two more passes in the backward, and a vocabulary that is not a
-  multiple of 64 (BERT's 30522) is padded there so that the products get aligned rows;
+  over them (on CUDA a Triton kernel that writes it over the logits), instead of two more
+  passes in the backward, and a vocabulary that is not a multiple of 64 (BERT's 30522) is
+  padded there so that the products get aligned rows;
 - on CUDA the MLP's fc bias and GELU run as two Triton kernels (``launcher.train.fused``,
   ``train.kernels``): one pass forward, one pass backward that also sums the bias gradient;
 - ``bias=False`` (``model.bias``) drops every linear and LayerNorm bias, as nanoGPT does;
@@ -223,12 +224,13 @@ class MLMHead(nn.Module):
         self.dense = nn.Linear(d_model, d_model, bias=bias)
         self.ln = LayerNorm(d_model, eps=BERT_LN_EPS, bias=bias)
         self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+        self.fused = True
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor,
                 decoder: torch.Tensor) -> torch.Tensor:
         d = hidden.shape[-1]
         picked = hidden.gather(1, mask_pos.unsqueeze(-1).expand(-1, -1, d))
-        return linear_cross_entropy(self.transform(picked), decoder, self.bias, labels)
+        return linear_cross_entropy(self.transform(picked), decoder, self.bias, labels, self.fused)
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ln(F.gelu(self.dense(hidden)))
@@ -243,10 +245,11 @@ class LMHead(nn.Module):
     def __init__(self, d_model: int, bias: bool = True):
         super().__init__()
         self.ln = LayerNorm(d_model, eps=GPT_LN_EPS, bias=bias)
+        self.fused = True
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor | None,
                 decoder: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(self.ln(hidden), decoder, None, labels)
+        return linear_cross_entropy(self.ln(hidden), decoder, None, labels, self.fused)
 
     def logits(self, hidden: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
         return F.linear(self.ln(hidden), decoder)

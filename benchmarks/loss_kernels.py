@@ -1,0 +1,113 @@
+"""The LM head's loss on the GPU: the launcher's Triton kernel against inductor's.
+
+    python benchmarks/loss_kernels.py [--sweep] [--out results.json]
+
+Two shapes, one micro-batch each, bf16 logits: GPT-2 124M's (16 × 1024 rows × 50304 columns)
+and BERT-base's (the 128 × 77 masked rows of a micro-batch × 30528, 30522 of them classes).
+For each:
+
+- the loss and ``softmax - onehot`` from the logits alone: inductor's compiled
+  ``launcher.train.loss.loss_and_dlogits`` (which writes a new tensor) and
+  ``launcher.train.fused.softmax_xent_`` (which writes over the logits);
+- the whole head step compiled, forward and backward (``linear_cross_entropy``: the product,
+  the loss, the two products of the backward), with ``kernels`` off and on.
+
+Everything is captured as a CUDA graph and replayed (``mlp_kernels.replayed_ms``). GB/s counts
+one read and one write of the logits. ``--sweep`` also times the kernel's configurations:
+the whole row in registers at several warp counts, and chunked rows (two passes over each
+row, the second from L2 where the row is still there).
+"""
+
+import argparse
+import json
+
+import torch
+from mlp_kernels import replayed_ms
+from tabulate import tabulate
+
+from launcher.train import fused
+from launcher.train.loss import linear_cross_entropy, loss_and_dlogits
+
+SHAPES = {  # name: (rows, columns, classes, d_model)
+    "gpt2-124m": (16 * 1024, 50304, 50304, 768),
+    "bert-base": (128 * 77, 30528, 30522, 768),
+}
+SWEEP = [{"BLOCK": None, "num_warps": w} for w in (8, 16, 32)] + [
+    {"BLOCK": b, "num_warps": w} for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+
+
+def measure(rows: int, cols: int, classes: int, d: int, sweep: bool) -> dict:
+    z = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 4
+    labels = torch.randint(0, classes, (rows,), device="cuda")
+    limit = classes if classes < cols else None
+    inductor = torch.compile(loss_and_dlogits)
+    work = z.clone()
+    out = {"bytes": 2 * z.numel() * 2}
+    with torch.no_grad():
+        out["inductor_ms"] = replayed_ms(lambda: inductor(z, labels, limit))
+        out["triton_ms"] = replayed_ms(lambda: fused.softmax_xent_(work, labels, classes))
+        ref_loss, ref_dz = loss_and_dlogits(z, labels, limit)
+        work.copy_(z)
+        loss = fused.softmax_xent_(work, labels, classes).mean()
+        out["loss_diff"] = abs(float(loss - ref_loss))
+        out["dlogits_max_diff"] = float((work.float() - ref_dz.float()).abs().max())
+        out["dlogits_differing"] = float((work != ref_dz).float().mean())
+    if sweep:
+        out["sweep"] = []
+        for cfg in SWEEP:
+            with torch.no_grad():
+                ms = replayed_ms(lambda cfg=cfg: fused._launch_xent(work, labels, classes, work, cfg))
+                ms_new = replayed_ms(lambda cfg=cfg: fused._launch_xent(z, labels, classes, torch.empty_like(z), cfg))
+            out["sweep"].append({**cfg, "in_place_ms": ms, "new_tensor_ms": ms_new})
+    x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(classes, d, device="cuda") * 0.02).requires_grad_()
+    for kernels in (False, True):
+        step = torch.compile(lambda kernels=kernels: linear_cross_entropy(x, w, None, labels, kernels))
+
+        def fwd_bwd(step=step):
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = step()
+            return torch.autograd.grad(loss, (x, w))
+
+        out[f"head_step_ms_kernels_{kernels}"] = replayed_ms(fwd_bwd)
+        out[f"head_peak_gib_kernels_{kernels}"] = peak_gib(fwd_bwd)
+    return out
+
+
+def peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help="also time the kernel's configurations")
+    p.add_argument("--out", help="write the figures as JSON here")
+    args = p.parse_args()
+    if not fused.available(torch.empty(0, device="cuda")):
+        raise SystemExit("needs a CUDA GPU and Triton")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": dict(fused.XENT)}
+    table = []
+    for name, shape in SHAPES.items():
+        r = results[name] = measure(*shape, sweep=args.sweep)
+        for s in r.get("sweep", []):
+            print(f"{name} BLOCK={s['BLOCK']} num_warps={s['num_warps']}: in place {s['in_place_ms']:.4f} ms, "
+                  f"new tensor {s['new_tensor_ms']:.4f} ms")
+        table.append([name, f"{r['inductor_ms']:.3f}", f"{r['bytes'] / r['inductor_ms'] / 1e6:.0f}",
+                      f"{r['triton_ms']:.3f}", f"{r['bytes'] / r['triton_ms'] / 1e6:.0f}",
+                      f"{r['head_step_ms_kernels_False']:.3f}", f"{r['head_step_ms_kernels_True']:.3f}",
+                      f"{r['head_peak_gib_kernels_False']:.2f} / {r['head_peak_gib_kernels_True']:.2f}",
+                      f"{r['loss_diff']:.1e}", f"{r['dlogits_max_diff']:.1e}"])
+    print(tabulate(table, headers=["shape", "inductor ms", "GB/s", "triton ms", "GB/s", "head step ms (inductor)",
+                                   "head step ms (triton)", "head peak GiB", "loss diff", "dlogits max diff"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
