@@ -18,11 +18,10 @@ the whole row in registers at several warp counts, and chunked rows (two passes 
 row, the second from L2 where the row is still there).
 """
 
-import argparse
 import json
 
 import torch
-from mlp_kernels import replayed_ms
+from mlp_kernels import kernel_bench_args, replayed_ms
 from tabulate import tabulate
 
 from launcher.train import fused
@@ -84,12 +83,7 @@ def peak_gib(fn) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sweep", action="store_true", help="also time the kernel's configurations")
-    p.add_argument("--out", help="write the figures as JSON here")
-    args = p.parse_args()
-    if not fused.available(torch.empty(0, device="cuda")):
-        raise SystemExit("needs a CUDA GPU and Triton")
+    args = kernel_bench_args(__doc__, "also time the kernel's configurations")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": dict(fused.XENT)}
     table = []
     for name, shape in SHAPES.items():

@@ -85,13 +85,19 @@ def measure(rows: int, d_ff: int, approximate: str, bias: bool, sweep: bool) -> 
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sweep", action="store_true", help="also time the kernels' tile configurations")
+def kernel_bench_args(doc: str, sweep_help: str) -> argparse.Namespace:
+    """--sweep and --out, for a benchmark of the Triton kernels; exits where they cannot run."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help=sweep_help)
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args()
-    if not fused.available(torch.empty(0, device="cuda")):
+    if not torch.cuda.is_available() or not fused.available(torch.empty(0, device="cuda")):
         raise SystemExit("needs a CUDA GPU and Triton")
+    return args
+
+
+def main() -> None:
+    args = kernel_bench_args(__doc__, "also time the kernels' tile configurations")
     results, table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}, []
     for name, shape in SHAPES.items():
         r = results[name] = measure(*shape, sweep=args.sweep)
