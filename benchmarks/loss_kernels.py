@@ -15,7 +15,7 @@ For each:
 Everything is captured as a CUDA graph and replayed (``mlp_kernels.replayed_ms``). GB/s counts
 one read and one write of the logits. ``--sweep`` also times the kernel's configurations:
 the whole row in registers at several warp counts, and chunked rows (two passes over each
-row, the second from L2 where the row is still there).
+row: an online max and sum, then the gradient).
 """
 
 import json

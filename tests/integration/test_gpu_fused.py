@@ -14,17 +14,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures.numerics import ulp_bf16
 
 from launcher.train import fused
 from launcher.train.model import MLP
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def ulp_bf16(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bf16 values around x (8 significant bits)."""
-    return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp_min(1e-30))[1] - 8)
 
 
 def gelu64(y, b, approximate):

@@ -25,10 +25,9 @@ import torch, torch.nn.functional as F
 from launcher.train import fused
 from launcher.train.loss import linear_cross_entropy, loss_and_dlogits
 
-torch.manual_seed(0)
+from fixtures.numerics import ulp_bf16
 
-def ulp_bf16(x):
-    return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp_min(1e-30))[1] - 8)
+torch.manual_seed(0)
 
 # the loss kernel: both forms, padded and unpadded, fp32 (tight) and bf16 (one step)
 for rows, cols, classes in [(5, 300, 300), (7, 320, 301), (3, 1000, 1000)]:
@@ -84,7 +83,7 @@ print("ok")
 
 
 def test_the_kernels_interpreted_match_their_references(tmp_path: Path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO),
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
