@@ -1,25 +1,30 @@
-"""The models' attention on the GPU, forward and backward, by SDPA kernel.
+"""The models' attention on the GPU, forward and backward, by kernel.
 
     python benchmarks/attention_kernels.py [--out results.json]
 
 Two shapes, one micro-batch each, bf16, q, k and v as the models make them (views of one
 (batch, seq, 3, heads, 64) projection): GPT-2 124M's (16 × 1024, 12 heads, causal) and
 BERT-base's (128 × 512, 12 heads). Kernels: cuDNN's fused attention (torch's choice on an
-H200), torch's own flash attention (FA2), and FlashAttention-4's CuTe kernels where the
-``flash_attn.cute`` package is installed (``torch.nn.attention.activate_flash_attention_impl``
-routes torch's flash kernels to them). Times are the kernels' own, from the profiler over 20
-calls (not the host's launch costs, which differ between the kernels' glue); the backward's
-include the copy that stacks dq, dk and dv into the projection's gradient, as in training. The
-outputs and gradients are compared with cuDNN's.
+H200), torch's own flash attention (FA2), and where the ``flash_attn.cute`` package is
+installed, the trainer's ``cudnn-fa4`` pair (cuDNN's forward, FA4's backward written into the
+packed gradient: ``launcher.train.attention``) and FlashAttention-4's CuTe kernels both ways
+(``torch.nn.attention.activate_flash_attention_impl`` routes torch's flash kernels to them).
+Times are the kernels' own, from the profiler over 20 calls (not the host's launch costs,
+which differ between the kernels' glue); the backward's include the copy that stacks dq, dk
+and dv into the projection's gradient, as in training (the pair has none: its gradient is the
+packed tensor). The outputs and gradients are compared with cuDNN's.
 """
 
 import argparse
 import json
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from launcher.train.attention import fa4_import_error, packed_attention
 
 SHAPES = {  # name: (batch, seq, heads, head dim, causal)
     "gpt2-124m": (16, 1024, 12, 64, True),
@@ -40,18 +45,21 @@ def kernel_ms(fn, rounds: int = 20) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / rounds
 
 
-def measure(batch: int, seq: int, heads: int, dim: int, causal: bool, backend: SDPBackend) -> dict:
-    """One kernel at one shape, and its output and gradient (to compare with the others')."""
+def measure(batch: int, seq: int, heads: int, dim: int, causal: bool, backend: SDPBackend | None) -> dict:
+    """One kernel at one shape, and its output and gradient (to compare with the others').
+    ``backend`` None: the trainer's ``cudnn-fa4`` pair (``launcher.train.attention``)."""
     torch.manual_seed(0)
     qkv = torch.randn(batch, seq, 3, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
 
     def attend():
+        if backend is None:  # (batch, seq, heads, dim) out: SDPA's tensor, transposed
+            return packed_attention(qkv, causal).transpose(1, 2)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     flop = 4 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)  # forward; backward 2.5×
-    with sdpa_kernel(backend):
+    with sdpa_kernel(backend) if backend is not None else nullcontext():
         y = attend()
         (dqkv,) = torch.autograd.grad(y, qkv, grad)
         with torch.no_grad():
@@ -91,6 +99,8 @@ def main() -> None:
     backends = {"cudnn": (SDPBackend.CUDNN_ATTENTION, None), "flash (FA2)": (SDPBackend.FLASH_ATTENTION, None)}
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "impls": getattr(attention, "list_flash_attention_impls", list)()}
+    if fa4_import_error() is None:
+        backends["cudnn-fa4 (packed)"] = (None, None)
     try:
         backends["FA4"] = (SDPBackend.FLASH_ATTENTION, fa4_activator())
     except Exception as e:  # noqa: BLE001

@@ -25,7 +25,7 @@ from torch import nn
 
 from launcher.metrics import write_record
 from launcher.spec.job import JobSpec, TrainSpec
-from launcher.train import fused, parallel
+from launcher.train import attention, fused, parallel
 from launcher.train.checkpoint import Checkpointer
 from launcher.train.data import Batches, build_data
 from launcher.train.meter import (
@@ -40,6 +40,7 @@ from launcher.train.meter import (
 )
 from launcher.train.model import (
     MLP,
+    Attention,
     LMHead,
     MLMHead,
     build_model,
@@ -163,12 +164,15 @@ class Trainer:
         bf16_states = self.autocast_dtype == torch.bfloat16 and job.precision.activations == "auto"
         self.activation_dtype = None if self.autocast_dtype is None else (
             torch.bfloat16 if bf16_states else torch.float32)
-        if job.train.attention != "auto" and self.device.type == "cuda":
+        # auto resolved: cudnn-fa4 where FlashAttention-4 can run (launcher.train.attention)
+        self.attention = attention.choose(job.train.attention, device=self.device, dtype=self.autocast_dtype,
+                                          dropout=job.model.dropout)
+        if self.attention not in ("auto", "cudnn-fa4") and self.device.type == "cuda":
             # Set before anything compiles: torch.compile picks the kernel when it traces.
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[job.train.attention]
+                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[self.attention]
             self._contexts.enter_context(sdpa_kernel([backend]))
 
     def build_model(self) -> None:
@@ -191,6 +195,8 @@ class Trainer:
         for module in model.modules():
             if isinstance(module, (MLP, MLMHead, LMHead)):
                 module.fused = use_kernels
+            elif isinstance(module, Attention):
+                module.packed = self.attention == "cudnn-fa4"
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
@@ -264,7 +270,7 @@ class Trainer:
             "peak_tflops": self.peak_tflops, "seq_len": job.data.seq_len,
             "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
             "job": job.name, "arch": job.model.arch, "strategy": job.parallel.strategy,
-            "precision": job.precision.dtype, "start_step": self.start_step,
+            "precision": job.precision.dtype, "attention": self.attention, "start_step": self.start_step,
             # Where this attempt starts (an elastic restart may change the world size).
             "global_batch": self.data.global_batch, "start_sample": self.data.first_sample(self.start_step + 1),
             **self.checkpointer.record(),
@@ -368,10 +374,10 @@ class Trainer:
         """Run steps start_step+1 .. train.steps; returns this rank's ``final`` record."""
         total = self.job.train.steps
         if self.rank == 0:
-            log.info("training %s: %s %s, %.1fM params, world %d, %s, %s, steps %d..%d",
+            log.info("training %s: %s %s, %.1fM params, world %d, %s, %s, attention %s, steps %d..%d",
                      self.job.name, self.job.model.arch, self.job.model.size, self.n_params / 1e6,
                      self.world_size, self.job.parallel.strategy, self.job.precision.dtype,
-                     self.start_step + 1, total)
+                     self.attention, self.start_step + 1, total)
         profiler = StepProfiler(self.job.train.profile, rank=self.rank, device=self.device)
         self.meter.start()
         try:

@@ -8,7 +8,9 @@ mean cross-entropy, a 0-d tensor.
 What makes them fast:
 - one fused QKV projection per block and ``F.scaled_dot_product_attention`` (flash /
   memory-efficient kernels on CUDA) without a materialised mask: there is no padding in
-  our batches, and GPT uses ``is_causal=True``;
+  our batches, and GPT uses ``is_causal=True``; with ``packed`` (``train.attention:
+  cudnn-fa4``) cuDNN's forward and FlashAttention-4's backward, which writes the packed QKV
+  gradient directly (``launcher.train.attention``);
 - BERT's MLM head (dense + GELU + LayerNorm, then the decoder tied to the word embedding,
   plus a bias) runs only on the masked positions, gathered first: a fixed number per
   sequence (``mask_count``), so shapes stay static for ``torch.compile``;
@@ -44,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from launcher.spec.job import ModelSpec
 from launcher.train import fused
+from launcher.train.attention import packed_attention
 from launcher.train.loss import linear_cross_entropy
 
 BERT_LN_EPS = 1e-12
@@ -123,11 +126,14 @@ class Attention(nn.Module):
         self.causal = causal
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.packed = False  # the trainer sets it from train.attention (cudnn-fa4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        qkv = self.qkv(x).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        qkv = self.qkv(x).view(b, s, 3, self.n_heads, d // self.n_heads)
+        if self.packed and not (self.training and self.dropout > 0):
+            return self.proj(packed_attention(qkv, self.causal).reshape(b, s, d))
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
         )

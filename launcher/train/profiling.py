@@ -177,7 +177,7 @@ KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("optimizer and gradient norm", ("adam", "sgd", "fusedoptimizer", "lpnorm", "multi_tensor_apply")),
     ("normalization", ("layer_norm", "rms_norm", "batch_norm", "group_norm")),
     ("activation", ("gelu", "silu", "relu", "tanh", "sigmoid")),
-    ("loss", ("logsumexp", "cross_entropy", "nll_loss", "log_softmax")),
+    ("loss", ("logsumexp", "cross_entropy", "nll_loss", "log_softmax", "xent")),
     ("copies, casts, memsets", ("memcpy", "memset", "copy", "clone", "cat", "stack", "permute", "transpose")),
 )
 

@@ -112,6 +112,7 @@ NAMED = {
     "triton_per_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_view_3": "normalization",
     "triton_poi_fused__unsafe_view_gelu_gelu_backward_view_2": "activation",
     "triton_red_fused__to_copy_exp_gather_logsumexp_scatter_sub_unsqueeze_view_7": "loss",
+    "_xent_kernel": "loss",  # launcher.train.fused.softmax_xent_
     "triton_poi_fused_clone_permute_stack_5": "copies, casts, memsets",
     "triton_poi_fused__to_copy_t_4": "copies, casts, memsets",
     "Memset (Unknown)": "copies, casts, memsets",

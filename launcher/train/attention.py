@@ -1,0 +1,190 @@
+"""Attention on the packed QKV projection: cuDNN's forward, FlashAttention-4's backward.
+
+``packed_attention(qkv, causal)`` is ``F.scaled_dot_product_attention`` for the models' one
+QKV projection, ``qkv`` (batch, seq, 3, heads, head_dim): it returns the attention output as
+(batch, seq, heads, head_dim) (the layout the output projection reads), and its backward
+returns the gradient of ``qkv`` as one packed tensor of the same layout.
+
+Why (``train.attention: cudnn-fa4``, the choice of ``auto`` where it applies): on one H200,
+cuDNN's fused attention has the fastest forward at the models' shapes and FlashAttention-4's
+CuTe kernels (the ``flash-attn-4`` package) the fastest backward, by 13% at GPT-2's shape and
+11% at BERT's (``benchmarks/attention_kernels.py``, README "Performance"). The backward also
+writes dq, dk and dv straight into the packed gradient (FA4 takes output buffers), where
+torch's path stacks three separate gradients into it, one more read and write of it per
+layer. The forward's log-sum-exp (cuDNN's softmax statistics) is what FA4's backward reads.
+
+The two halves are ``torch.library`` custom ops, so ``torch.compile`` and CUDA graphs treat
+each as one opaque call. On the CPU they run a plain reference of the same function (the
+scores, their log-sum-exp, and FlashAttention's backward formulas from them), which is what
+the CPU tests check the packing and the autograd wiring with; the trainer uses the ops on GPUs
+only. FA4 is imported on the first backward, and compiles its kernels on their first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from launcher.errors import SpecError
+
+FA4_MIN_CAPABILITY = (9, 0)  # FA4's backward: Hopper (sm90) and newer
+FIELD = "train.attention"
+
+
+@functools.cache
+def fa4_import_error() -> str | None:
+    """Why FlashAttention-4's backward cannot be imported here, or None when it can."""
+    try:
+        from flash_attn.cute.interface import _flash_attn_bwd  # noqa: F401
+    except Exception as err:  # noqa: BLE001 (an ImportError, or a broken install's error)
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def choose(requested: str, *, device: torch.device, dtype: torch.dtype | None, dropout: float) -> str:
+    """The attention a job runs: ``requested`` (``train.attention``), with ``auto`` resolved.
+
+    ``auto`` is ``cudnn-fa4`` on a GPU of compute capability 9.0 or above, in bf16 or fp16,
+    without attention dropout, where FlashAttention-4 imports; otherwise torch's own choice
+    (``auto`` stays). ``cudnn-fa4`` asked for where it cannot run raises SpecError naming the
+    reason and the fix.
+    """
+    if requested not in ("auto", "cudnn-fa4"):
+        return requested
+    reasons = []
+    if device.type != "cuda":
+        reasons.append("it runs on GPUs only")
+    elif torch.cuda.get_device_capability(device) < FA4_MIN_CAPABILITY:
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        reasons.append(f"FlashAttention-4 needs compute capability 9.0 or above (Hopper, Blackwell); "
+                       f"{torch.cuda.get_device_name(device)} has {cap}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        reasons.append("FlashAttention-4 takes bf16 or fp16 inputs (precision.dtype bf16, fp16 or fp8)")
+    if dropout > 0:
+        reasons.append("neither kernel pair applies attention dropout here (model.dropout must be 0)")
+    if not reasons and fa4_import_error() is not None:
+        reasons.append(f"flash_attn.cute (the flash-attn-4 package) is not importable "
+                       f"({fa4_import_error()}); install it on every node: pip install 'launcher[fa4]'")
+    if not reasons:
+        return "cudnn-fa4"
+    if requested == "auto":
+        return "auto"
+    raise SpecError("cudnn-fa4 (cuDNN's forward, FlashAttention-4's backward) cannot run this job: "
+                    + "; ".join(reasons) + ". Set train.attention: auto.", field=FIELD)
+
+
+def packed_attention(qkv: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Attention over ``qkv`` (batch, seq, 3, heads, head_dim), scale 1/sqrt(head_dim); returns
+    (batch, seq, heads, head_dim). Under ``torch.use_deterministic_algorithms`` (the trainer's
+    ``cudnn.deterministic``) FA4's backward sums dq in a fixed order; otherwise by atomic adds,
+    whose order varies from run to run."""
+    out, _ = torch.ops.launcher.attention_fwd(qkv, causal)
+    return out
+
+
+# -- the forward: cuDNN's fused attention, keeping its log-sum-exp -------------------------------
+
+@torch.library.custom_op("launcher::attention_fwd", mutates_args=())
+def _attention_fwd(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    b, s, _, h, _ = qkv.shape
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (batch, heads, seq, head_dim) views
+    if qkv.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
+    else:
+        out, lse = _reference_fwd(q, k, v, causal)
+    # torch lays cuDNN's output out as (batch, seq, heads, head_dim): the transpose is free then
+    return out.transpose(1, 2).contiguous(), lse.reshape(b, h, s).contiguous()
+
+
+@_attention_fwd.register_fake
+def _(qkv, causal):
+    b, s, _, h, d = qkv.shape
+    return qkv.new_empty(b, s, h, d), qkv.new_empty(b, h, s, dtype=torch.float32)
+
+
+# -- the backward: FlashAttention-4's kernels, written into the packed gradient -----------------
+
+@torch.library.custom_op("launcher::attention_bwd", mutates_args=())
+def _attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   causal: bool, deterministic: bool) -> torch.Tensor:
+    dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+    q, k, v = qkv.unbind(2)  # (batch, seq, heads, head_dim) views, FA4's layout
+    dq, dk, dv = dqkv.unbind(2)
+    if qkv.is_cuda:
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        _flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=deterministic,
+                        dq=dq, dk=dk, dv=dv)
+    else:
+        _reference_bwd(q, k, v, out, dout, lse, causal, dq, dk, dv)
+    return dqkv
+
+
+@_attention_bwd.register_fake
+def _(dout, qkv, out, lse, causal, deterministic):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    qkv, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse)
+    ctx.causal = causal
+    ctx.deterministic = torch.are_deterministic_algorithms_enabled()
+
+
+def _backward(ctx, dout, _dlse):
+    qkv, out, lse = ctx.saved_tensors
+    return torch.ops.launcher.attention_bwd(dout.contiguous(), qkv, out, lse, ctx.causal, ctx.deterministic), None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the CPU reference ---------------------------------------------------------------------------
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the reference's accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Scaled scores in fp32 (fp64 for fp64), (batch, heads, seq_q, seq_k), the causal mask applied."""
+    s = (_acc(q) @ _acc(k).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _reference_fwd(q, k, v, causal):
+    """(batch, heads, seq, head_dim) inputs: the output (input dtype) and log-sum-exp (fp32)."""
+    s = _scores(q, k, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ _acc(v)
+    return out.to(q.dtype), lse.float()
+
+
+def _reference_bwd(q, k, v, out, dout, lse, causal, dq, dk, dv):
+    """FlashAttention's backward from the saved log-sum-exp, on (batch, seq, heads, head_dim)
+    tensors, into ``dq``, ``dk`` and ``dv``: P = exp(S - lse), dV = Pᵀ·dO, dP = dO·Vᵀ,
+    dS = P ∘ (dP - rowsum(dO ∘ O)), dQ = dS·K·scale, dK = dSᵀ·Q·scale."""
+    q, k, v, out, dout = (_acc(t.transpose(1, 2)) for t in (q, k, v, out, dout))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
+    dp = dout @ v.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    for into, grad in ((dv, p.transpose(-1, -2) @ dout), (dq, ds @ k * scale),
+                       (dk, ds.transpose(-1, -2) @ q * scale)):
+        into.copy_(grad.transpose(1, 2))
+
+
+def reference(qkv: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on the packed layout, returning (batch, seq, heads,
+    head_dim): what ``packed_attention`` computes, through torch's own kernels."""
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)

@@ -1,0 +1,119 @@
+"""The packed attention ops (``launcher.train.attention``) on the CPU, and ``choose``'s rules.
+
+On the CPU the two custom ops run their reference (scores, log-sum-exp, FlashAttention's
+backward formulas from them): these tests check that function and its plumbing (the packed
+layouts in and out, the gradient written into one packed tensor, the autograd registration,
+the fake kernels under ``torch.compile``) against torch's own attention and autograd. The GPU
+kernels themselves (cuDNN's forward, FA4's backward) are checked against torch's cuDNN
+attention in tests/integration/test_gpu_attention.py.
+"""
+
+import pytest
+import torch
+
+from launcher.errors import SpecError
+from launcher.train import attention
+from launcher.train.model import GPT, BertForMaskedLM
+
+
+def _qkv(b=2, s=9, h=3, d=8, dtype=torch.float64):
+    return torch.randn(b, s, 3, h, d, dtype=dtype, requires_grad=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_matches_sdpa_and_its_gradient(causal):
+    torch.manual_seed(0)
+    qkv = _qkv()
+    dout = torch.randn(2, 9, 3, 8, dtype=torch.float64)
+    out = attention.packed_attention(qkv, causal)
+    assert out.shape == (2, 9, 3, 8) and out.is_contiguous()
+    (grad,) = torch.autograd.grad(out, qkv, dout)
+
+    ref_in = qkv.detach().clone().requires_grad_()
+    ref = attention.reference(ref_in, causal)
+    (ref_grad,) = torch.autograd.grad(ref, ref_in, dout)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    # the log-sum-exp is kept in fp32 (what FA4 reads): the backward's P is exact to fp32's rounding
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert grad.shape == qkv.shape and grad.is_contiguous()
+
+
+def test_log_sum_exp_is_the_scaled_scores():
+    """The forward's second output is what FA4's backward reads: logsumexp of q·kᵀ/√d per
+    (batch, head, query), causal mask applied."""
+    torch.manual_seed(1)
+    qkv = _qkv(b=1, s=5, h=2, d=4).detach()
+    _, lse = torch.ops.launcher.attention_fwd(qkv, True)
+    q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+    scores = q @ k.transpose(-1, -2) / 2.0
+    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    assert lse.shape == (1, 2, 5) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float())
+
+
+def test_compiled_matches_eager():
+    torch.manual_seed(2)
+    qkv = _qkv(dtype=torch.float32)
+    dout = torch.randn(2, 9, 3, 8)
+
+    def f(x):
+        return attention.packed_attention(x * 1.0, True)
+
+    want = torch.autograd.grad(f(qkv), qkv, dout)[0]
+    got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(qkv), qkv, dout)[0]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("model_cls", [GPT, BertForMaskedLM])
+def test_models_packed_equal_sdpa(model_cls):
+    """A model with ``packed`` attention gives the loss and gradients of its SDPA version."""
+    torch.manual_seed(3)
+    model = model_cls(n_layers=2, d_model=32, n_heads=4, d_ff=64, vocab_size=96, max_positions=16).double()
+    ids = torch.randint(0, 96, (2, 16))
+    kwargs = {"mask_pos": torch.tensor([[1, 5], [2, 9]]), "labels": torch.randint(0, 96, (2, 2))} \
+        if model_cls is BertForMaskedLM else {"labels": torch.randint(0, 96, (2, 16))}
+    grads = []
+    for packed in (False, True):
+        for m in model.modules():
+            if isinstance(m, type(model.blocks[0].attn)):
+                m.packed = packed
+        model.zero_grad()
+        loss = model(ids, **kwargs)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads[1][1], grads[0][1], strict=True):  # fp32 log-sum-exp, as above
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_choose_on_cpu():
+    cpu = torch.device("cpu")
+    assert attention.choose("auto", device=cpu, dtype=torch.bfloat16, dropout=0.0) == "auto"
+    assert attention.choose("cudnn", device=cpu, dtype=None, dropout=0.0) == "cudnn"
+    with pytest.raises(SpecError, match="train.attention.*GPUs only.*Set train.attention: auto"):
+        attention.choose("cudnn-fa4", device=cpu, dtype=torch.bfloat16, dropout=0.0)
+    with pytest.raises(SpecError, match="bf16 or fp16.*dropout"):
+        attention.choose("cudnn-fa4", device=cpu, dtype=None, dropout=0.1)
+
+
+def test_choose_on_gpus(monkeypatch):
+    """The rules on GPUs, the device queries replaced (pure logic: no GPU here)."""
+    gpu = torch.device("cuda", 0)
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["value"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    missing = {"value": None}
+    monkeypatch.setattr(attention, "fa4_import_error", lambda: missing["value"])
+
+    assert attention.choose("auto", device=gpu, dtype=torch.bfloat16, dropout=0.0) == "cudnn-fa4"
+    assert attention.choose("cudnn-fa4", device=gpu, dtype=torch.float16, dropout=0.0) == "cudnn-fa4"
+    assert attention.choose("auto", device=gpu, dtype=None, dropout=0.0) == "auto"  # fp32
+    assert attention.choose("auto", device=gpu, dtype=torch.bfloat16, dropout=0.1) == "auto"
+    missing["value"] = "ModuleNotFoundError: No module named 'flash_attn'"
+    assert attention.choose("auto", device=gpu, dtype=torch.bfloat16, dropout=0.0) == "auto"
+    with pytest.raises(SpecError, match=r"not importable .*flash_attn.*launcher\[fa4\]"):
+        attention.choose("cudnn-fa4", device=gpu, dtype=torch.bfloat16, dropout=0.0)
+    missing["value"], cap["value"] = None, (8, 0)
+    assert attention.choose("auto", device=gpu, dtype=torch.bfloat16, dropout=0.0) == "auto"
+    with pytest.raises(SpecError, match="compute capability 9.0.*Some GPU has 8.0"):
+        attention.choose("cudnn-fa4", device=gpu, dtype=torch.bfloat16, dropout=0.0)
