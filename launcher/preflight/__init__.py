@@ -64,7 +64,7 @@ def run_preflight(
     for an unknown field in ``parity.policies``.
     """
     targets = list(nodes) if nodes is not None else nodes_for_job(cluster, job)
-    packages = list(cluster.parity.packages)
+    packages = parity_packages(cluster, job)
     policies = resolve_policies(dict(cluster.parity.policies), packages)
     started = time.monotonic()
 
@@ -88,14 +88,22 @@ def run_preflight(
     return evaluate(probes, packages=packages, policies=policies, deep=deep)
 
 
+def parity_packages(cluster: ClusterSpec, job: JobSpec | None) -> list[str]:
+    """The packages whose versions must agree across nodes: cluster.yaml's ``parity.packages``,
+    then those that decide the built-in trainer's kernels for this job (``JobSpec.kernel_packages``)."""
+    extra = job.kernel_packages if job is not None else []
+    return list(dict.fromkeys([*cluster.parity.packages, *extra]))
+
+
 def probe_node(node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, deep: bool) -> dict[str, Any]:
     """Run the probe on one node; raises NodeError with the reason when that fails."""
     python = node.interpreter()
     args = ["-"]
     if deep:
         args += ["--deep", "--deep-timeout", f"{DEEP_TIMEOUT_S:g}"]
-    if cluster.parity.packages:
-        args += ["--packages", ",".join(cluster.parity.packages)]
+    packages = parity_packages(cluster, job)
+    if packages:
+        args += ["--packages", ",".join(packages)]
     from launcher.orchestrate.plan import gpus_needed, spec_env  # noqa: I001 - lazy: plan imports preflight
 
     needed = gpus_needed(node, job)

@@ -241,6 +241,16 @@ class JobSpec(Strict):
         return self.entrypoint == "builtin"
 
     @property
+    def kernel_packages(self) -> list[str]:
+        """Optional packages whose presence changes the kernels the built-in trainer runs, so
+        preflight checks that every node has the same version of each (or none): flash-attn-4
+        where ``train.attention`` may pick FlashAttention-4 (auto, cudnn-fa4), torchao for fp8."""
+        if not self.uses_builtin or self.resources.device != "cuda":
+            return []
+        wanted = ["flash-attn-4"] if self.train.attention in ("auto", "cudnn-fa4") else []
+        return wanted + (["torchao"] if self.precision.dtype == "fp8" else [])
+
+    @property
     def records_profile(self) -> bool:
         """train.profile is on (the cross-checks allow it with the built-in trainer only)."""
         return self.train.profile.start_step > 0

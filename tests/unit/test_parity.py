@@ -290,3 +290,27 @@ def test_all_fixtures_side_by_side_differ_where_they_should() -> None:
     if len(probes) > 1:
         assert not report.ok
     assert len(report.table().splitlines()[0].split()) == 2 + len(probes)
+
+
+def test_kernel_packages_join_the_parity_check(gpu) -> None:
+    """A GPU job whose attention may pick FlashAttention-4 (and an fp8 one, torchao) has those
+    packages compared on every node without cluster.yaml listing them; a CPU job does not."""
+    from launcher.preflight import parity_packages
+    from launcher.spec import ClusterSpec, JobSpec
+
+    cluster = ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}],
+                                          "parity": {"packages": ["numpy"]}})
+    base = {"name": "j", "model": {"arch": "gpt"}, "resources": {"device": "cuda"}}
+    gpu_job = JobSpec.model_validate(base)
+    assert parity_packages(cluster, gpu_job) == ["numpy", "flash-attn-4"]
+    fp8 = JobSpec.model_validate({**base, "precision": {"dtype": "fp8"}, "train": {"attention": "cudnn"}})
+    assert parity_packages(cluster, fp8) == ["numpy", "torchao"]
+    cpu_job = JobSpec.model_validate({**base, "resources": {"device": "cpu"}})
+    assert parity_packages(cluster, cpu_job) == ["numpy"]
+    assert parity_packages(cluster, None) == ["numpy"]
+
+    probes = cluster_of(gpu, n=2)
+    probes["node0"]["packages"]["flash-attn-4"] = "4.0.0b36"
+    probes["node1"]["packages"]["flash-attn-4"] = None
+    report = evaluate(probes, packages=parity_packages(cluster, gpu_job))
+    assert not report.ok and "flash-attn-4" in report.verdict
