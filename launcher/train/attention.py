@@ -44,17 +44,21 @@ def fa4_import_error() -> str | None:
     return None
 
 
-def choose(requested: str, *, device: torch.device, dtype: torch.dtype | None, dropout: float) -> str:
+def choose(requested: str, *, device: torch.device, dtype: torch.dtype | None, dropout: float,
+           head_dim: int) -> str:
     """The attention a job runs: ``requested`` (``train.attention``), with ``auto`` resolved.
 
     ``auto`` is ``cudnn-fa4`` on a GPU of compute capability 9.0 or above, in bf16 or fp16,
-    without attention dropout, where FlashAttention-4 imports; otherwise torch's own choice
-    (``auto`` stays). ``cudnn-fa4`` asked for where it cannot run raises SpecError naming the
-    reason and the fix.
+    without attention dropout, with a head dimension both kernels take (a multiple of 8 up to
+    128), where FlashAttention-4 imports; otherwise torch's own choice (``auto`` stays).
+    ``cudnn-fa4`` asked for where it cannot run raises SpecError naming the reason and the fix.
     """
     if requested not in ("auto", "cudnn-fa4"):
         return requested
     reasons = []
+    if head_dim % 8 or head_dim > 128:
+        reasons.append(f"the head dimension (d_model / n_heads) is {head_dim}, and cuDNN's and FA4's kernels "
+                       "here take multiples of 8 up to 128")
     if device.type != "cuda":
         reasons.append("it runs on GPUs only")
     elif torch.cuda.get_device_capability(device) < FA4_MIN_CAPABILITY:

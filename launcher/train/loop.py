@@ -165,8 +165,9 @@ class Trainer:
         self.activation_dtype = None if self.autocast_dtype is None else (
             torch.bfloat16 if bf16_states else torch.float32)
         # auto resolved: cudnn-fa4 where FlashAttention-4 can run (launcher.train.attention)
+        dims = job.model.dims()
         self.attention = attention.choose(job.train.attention, device=self.device, dtype=self.autocast_dtype,
-                                          dropout=job.model.dropout)
+                                          dropout=job.model.dropout, head_dim=dims["d_model"] // dims["n_heads"])
         if self.attention not in ("auto", "cudnn-fa4") and self.device.type == "cuda":
             # Set before anything compiles: torch.compile picks the kernel when it traces.
             from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -86,14 +86,18 @@ def test_models_packed_equal_sdpa(model_cls):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
+def _choose(requested, device, dtype=torch.bfloat16, dropout=0.0, head_dim=64):
+    return attention.choose(requested, device=device, dtype=dtype, dropout=dropout, head_dim=head_dim)
+
+
 def test_choose_on_cpu():
     cpu = torch.device("cpu")
-    assert attention.choose("auto", device=cpu, dtype=torch.bfloat16, dropout=0.0) == "auto"
-    assert attention.choose("cudnn", device=cpu, dtype=None, dropout=0.0) == "cudnn"
+    assert _choose("auto", cpu) == "auto"
+    assert _choose("cudnn", cpu, dtype=None) == "cudnn"
     with pytest.raises(SpecError, match="train.attention.*GPUs only.*Set train.attention: auto"):
-        attention.choose("cudnn-fa4", device=cpu, dtype=torch.bfloat16, dropout=0.0)
+        _choose("cudnn-fa4", cpu)
     with pytest.raises(SpecError, match="bf16 or fp16.*dropout"):
-        attention.choose("cudnn-fa4", device=cpu, dtype=None, dropout=0.1)
+        _choose("cudnn-fa4", cpu, dtype=None, dropout=0.1)
 
 
 def test_choose_on_gpus(monkeypatch):
@@ -105,15 +109,20 @@ def test_choose_on_gpus(monkeypatch):
     missing = {"value": None}
     monkeypatch.setattr(attention, "fa4_import_error", lambda: missing["value"])
 
-    assert attention.choose("auto", device=gpu, dtype=torch.bfloat16, dropout=0.0) == "cudnn-fa4"
-    assert attention.choose("cudnn-fa4", device=gpu, dtype=torch.float16, dropout=0.0) == "cudnn-fa4"
-    assert attention.choose("auto", device=gpu, dtype=None, dropout=0.0) == "auto"  # fp32
-    assert attention.choose("auto", device=gpu, dtype=torch.bfloat16, dropout=0.1) == "auto"
+    assert _choose("auto", gpu) == "cudnn-fa4"
+    assert _choose("cudnn-fa4", gpu, dtype=torch.float16) == "cudnn-fa4"
+    assert _choose("auto", gpu, dtype=None) == "auto"  # fp32
+    assert _choose("auto", gpu, dropout=0.1) == "auto"
+    assert _choose("auto", gpu, head_dim=128) == "cudnn-fa4"
+    for head_dim in (36, 256):
+        assert _choose("auto", gpu, head_dim=head_dim) == "auto"
+        with pytest.raises(SpecError, match=f"head dimension .* is {head_dim}"):
+            _choose("cudnn-fa4", gpu, head_dim=head_dim)
     missing["value"] = "ModuleNotFoundError: No module named 'flash_attn'"
-    assert attention.choose("auto", device=gpu, dtype=torch.bfloat16, dropout=0.0) == "auto"
+    assert _choose("auto", gpu) == "auto"
     with pytest.raises(SpecError, match=r"not importable .*flash_attn.*launcher\[fa4\]"):
-        attention.choose("cudnn-fa4", device=gpu, dtype=torch.bfloat16, dropout=0.0)
+        _choose("cudnn-fa4", gpu)
     missing["value"], cap["value"] = None, (8, 0)
-    assert attention.choose("auto", device=gpu, dtype=torch.bfloat16, dropout=0.0) == "auto"
+    assert _choose("auto", gpu) == "auto"
     with pytest.raises(SpecError, match="compute capability 9.0.*Some GPU has 8.0"):
-        attention.choose("cudnn-fa4", device=gpu, dtype=torch.bfloat16, dropout=0.0)
+        _choose("cudnn-fa4", gpu)
