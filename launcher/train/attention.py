@@ -18,7 +18,7 @@ The two halves are ``torch.library`` custom ops, so ``torch.compile`` and CUDA g
 each as one opaque call. On the CPU they run a plain reference of the same function (the
 scores, their log-sum-exp, and FlashAttention's backward formulas from them), which is what
 the CPU tests check the packing and the autograd wiring with; the trainer uses the ops on GPUs
-only. FA4 compiles its kernels on their first call (about 20 s, in the first step).
+only. FA4 compiles its kernels on their first call and caches them on disk.
 """
 
 from __future__ import annotations
