@@ -188,8 +188,9 @@ def _reference_bwd(q, k, v, out, dout, lse, causal, dq, dk, dv):
         into.copy_(grad.transpose(1, 2))
 
 
-def reference(qkv: torch.Tensor, causal: bool) -> torch.Tensor:
+def sdpa_attention(qkv: torch.Tensor, causal: bool, dropout_p: float = 0.0) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on the packed layout, returning (batch, seq, heads,
-    head_dim): what ``packed_attention`` computes, through torch's own kernels."""
+    head_dim) like ``packed_attention``, through torch's own kernels: the models' path when
+    ``packed`` is off, and the tests' reference for the pair."""
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal).transpose(1, 2)

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from launcher.spec.job import ModelSpec
 from launcher.train import fused
-from launcher.train.attention import packed_attention
+from launcher.train.attention import packed_attention, sdpa_attention
 from launcher.train.loss import linear_cross_entropy
 
 BERT_LN_EPS = 1e-12
@@ -131,13 +131,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.n_heads, d // self.n_heads)
-        if self.packed and not (self.training and self.dropout > 0):
-            return self.proj(packed_attention(qkv, self.causal).reshape(b, s, d))
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
-        )
-        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+        dropout = self.dropout if self.training else 0.0
+        if self.packed and dropout == 0:
+            y = packed_attention(qkv, self.causal)
+        else:
+            y = sdpa_attention(qkv, self.causal, dropout)
+        return self.proj(y.reshape(b, s, d))  # y: (batch, seq, heads, head_dim)
 
 
 class MLP(nn.Module):
