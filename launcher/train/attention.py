@@ -62,17 +62,16 @@ def choose(requested: str, *, device: torch.device, dtype: torch.dtype | None, d
                        "here take multiples of 8 up to 128")
     if device.type != "cuda":
         reasons.append("it runs on GPUs only")
-    elif torch.cuda.get_device_capability(device) < FA4_MIN_CAPABILITY:
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    elif (cap := torch.cuda.get_device_capability(device)) < FA4_MIN_CAPABILITY:
         reasons.append(f"FlashAttention-4 needs compute capability 9.0 or above (Hopper, Blackwell); "
-                       f"{torch.cuda.get_device_name(device)} has {cap}")
+                       f"{torch.cuda.get_device_name(device)} has {'.'.join(map(str, cap))}")
     if dtype not in (torch.bfloat16, torch.float16):
         reasons.append("FlashAttention-4 takes bf16 or fp16 inputs (precision.dtype bf16, fp16 or fp8)")
     if dropout > 0:
         reasons.append("neither kernel pair applies attention dropout here (model.dropout must be 0)")
-    if not reasons and fa4_import_error() is not None:
+    if not reasons and (missing := fa4_import_error()) is not None:
         reasons.append(f"flash_attn.cute (the flash-attn-4 package) is not importable "
-                       f"({fa4_import_error()}); install it on every node: pip install 'launcher[fa4]'")
+                       f"({missing}); install it on every node: pip install 'launcher[fa4]'")
     if not reasons:
         return "cudnn-fa4"
     if requested == "auto":
