@@ -150,6 +150,7 @@ class PrecisionSpec(Strict):
     fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="Read with dtype fp8 only: torchao's scaling recipe. tensorwise: one dynamic scale per tensor (cuBLAS, the fastest); rowwise: one scale per row (CUTLASS, more accurate).")
     fp8_layers: Literal["auto", "all"] = Field("auto", description="Read with dtype fp8 only: which of the blocks' linear layers run in float8. auto: those torchao's size filter for the recipe expects to gain (small layers stay bf16); all: every one whose dims divide by 16. The embeddings and the tied LM head stay bf16 either way, as torchao advises for the first and last layers.")
     activations: Literal["auto", "fp32"] = Field("auto", description="The dtype of the hidden states between the layers (the residual stream, LayerNorm outputs) under bf16 and fp8 autocast. auto: bf16, half the memory traffic of the elementwise work around the matmuls (LayerNorm statistics, the loss, gradients of the weights and the master weights stay fp32, as under FSDP's bf16 parameters); fp32: fp32, as plain autocast leaves them. fp16 keeps them fp32 either way (its range is too narrow for the residual stream); fp32 and tf32 have no autocast.")
+    weights: Literal["auto", "bf16", "fp32"] = Field("auto", description="The model's weights under bf16. bf16: the weights are bf16 and the optimizer keeps their fp32 masters, updating them with AdamW's fp32 arithmetic in one fused kernel per parameter group (Triton, on CUDA) that also writes the new bf16 weights: no weight casts in the forward, no gradient casts in the backward, bf16 gradients (DDP all-reduces them in fp32 unless parallel.ddp.comm_hook says otherwise); checkpoints hold the fp32 masters. Needs dtype bf16, train.grad_accum 1 (bf16 gradients are not summed over micro-batches) and no FSDP sharding (FSDP on one process trains unwrapped and may use it). fp32: fp32 weights that autocast casts to bf16 in every forward. auto: bf16 where it applies on a CUDA GPU with Triton, else fp32.")
 
 
 class CudnnSpec(Strict):
@@ -307,6 +308,17 @@ class JobSpec(Strict):
             if self.parallel.strategy != "ddp":
                 raise ValueError("train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
                                  "parameters between graphs (set train.cuda_graphs: false)")
+        if self.precision.weights == "bf16":
+            if self.precision.dtype != "bf16":
+                raise ValueError(f"precision.weights bf16 keeps fp32 masters for bf16 training; with precision.dtype "
+                                 f"{self.precision.dtype} set precision.weights to auto or fp32")
+            if self.train.grad_accum != 1:
+                raise ValueError(f"precision.weights bf16 needs train.grad_accum 1 (bf16 gradients are not summed "
+                                 f"over micro-batches), not {self.train.grad_accum}; set precision.weights to auto "
+                                 f"or fp32, or raise train.micro_batch instead")
+            if self.parallel.strategy == "fsdp" and self.parallel.fsdp.cpu_offload:
+                raise ValueError("precision.weights bf16 does not apply to sharded FSDP (its mixed precision keeps "
+                                 "fp32 shards); set precision.weights to auto or fp32")
         if self.parallel.strategy == "fsdp" and self.parallel.ddp.comm_hook != "none":
             raise ValueError("parallel.ddp.comm_hook applies to ddp; for fsdp use parallel.fsdp.reduce_dtype")
         return self

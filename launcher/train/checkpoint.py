@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from launcher.spec.job import CheckpointSpec
 from launcher.train.data import Batches
+from launcher.train.optim import substitute_masters
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class Checkpointer:
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler) -> Path:
+        """Save step ``step``'s state (a collective). bf16 weights are saved as the fp32 masters
+        their optimizer (``MasterAdamW``) keeps."""
         assert self.root is not None
         path = step_dir(self.root, step)
         if self.rank == 0:
@@ -113,6 +116,7 @@ class Checkpointer:
             path.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd = substitute_masters(model_sd, getattr(optimizer, "masters", None))
         # Non-tensor leaves are pickled by DCP; each rank's RNG state has its own key.
         data = self.data
         train = {"step": step, "samples": data.first_sample(step + 1), "world_size": data.world_size,
@@ -133,13 +137,15 @@ class Checkpointer:
                      scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
         """Load the latest complete checkpoint when resume is auto, resharded for this world
         size, and put the data at the next sample; the step it ends (or 0). ``self.resumed``
-        says where it picked up."""
+        says where it picked up. With bf16 weights the saved weights load into the fp32
+        masters their optimizer keeps, and the bf16 weights are rounded from them."""
         if self.spec.resume != "auto":
             return 0
         path = latest_checkpoint(self.root)
         if path is None:
             return 0
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd = substitute_masters(model_sd, getattr(optimizer, "masters", None))
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         # DCP loads tensors in place and replaces the non-tensor leaves of this dict. The data
         # position came later than the step: an older checkpoint has none.

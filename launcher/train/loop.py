@@ -47,6 +47,7 @@ from launcher.train.model import (
     count_params,
     flops_per_token,
 )
+from launcher.train.optim import MasterAdamW, MasterWeights, choose_weights, substitute_masters
 from launcher.train.profiling import StepProfiler
 from launcher.util import free_port
 
@@ -168,6 +169,10 @@ class Trainer:
         dims = job.model.dims()
         self.attention = attention.choose(job.train.attention, device=self.device, dtype=self.autocast_dtype,
                                           dropout=job.model.dropout, head_dim=dims["d_model"] // dims["n_heads"])
+        # auto resolved: bf16 weights with fp32 masters where they apply (launcher.train.optim)
+        sharded = job.parallel.strategy == "fsdp" and (self.world_size > 1 or parallel.shards_alone(job))
+        self.weights = choose_weights(job.precision.weights, dtype=job.precision.dtype, device=self.device,
+                                      grad_accum=job.train.grad_accum, sharded=sharded)
         if self.attention not in ("auto", "cudnn-fa4") and self.device.type == "cuda":
             # Set before anything compiles: torch.compile picks the kernel when it traces.
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -179,18 +184,19 @@ class Trainer:
     def build_model(self) -> None:
         job = self.job
         spec, seq_len, mask_prob = job.model, job.data.seq_len, job.data.mask_prob
-        # Weights from a folder under FSDP: built on the meta device, sharded, then filled
-        # from rank 0's copy one tensor at a time, so no rank holds the whole model on its GPU.
-        # With cpu_offload the shards live on the CPU: every rank loads there, then shards.
+        # Weights from a folder go into the plain model before anything wraps it (rank 0 reads,
+        # the others receive). Under FSDP it is built on the meta device, sharded, then filled
+        # from rank 0's copy one tensor at a time, so no rank holds the whole model on its GPU;
+        # with cpu_offload the shards live on the CPU: every rank loads there, then shards.
         init, fsdp = spec.init_from is not None, job.parallel.strategy == "fsdp"
         offload = fsdp and job.parallel.fsdp.cpu_offload
         where = ("cpu" if offload else "meta" if fsdp else self.device) if init else self.device
         with torch.device(where):
             model = build_model(spec)
-        if init and offload:
+        if init and not (fsdp and not offload):  # a plain module on its device (or on the CPU for offload)
             from launcher.train.hf import load_pretrained
 
-            load_pretrained(model, spec, device=torch.device("cpu"), every_rank=True)
+            load_pretrained(model, spec, device=torch.device("cpu") if offload else self.device, every_rank=offload)
         model.embed.out_dtype = self.activation_dtype
         use_kernels = job.train.kernels == "auto" and fused.supported(self.device)
         for module in model.modules():
@@ -200,8 +206,12 @@ class Trainer:
                 module.packed = self.attention == "cudnn-fa4"
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
+        # bf16 weights: fp32 masters taken from the weights as built or loaded, before DDP
+        # wraps the model (its buckets take the parameters' dtype).
+        self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad]) \
+            if self.weights == "bf16" else None
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
-        if init and not offload:
+        if init and fsdp and not offload:  # sharded on the meta device, filled from rank 0's copy
             from launcher.train.hf import load_pretrained
 
             load_pretrained(self.model, spec, device=self.device)
@@ -225,9 +235,11 @@ class Trainer:
         on_gpu = self.device.type == "cuda" and not (
             fsdp and (self.job.parallel.fsdp.cpu_offload or self.job.precision.dtype == "fp16"))
         betas = (0.9, 0.95) if self.job.model.arch == "gpt" else (0.9, 0.999)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, t.weight_decay), lr=t.lr, betas=betas,
-            **({"fused": True} if on_gpu else {}))
+        groups = param_groups(self.model, t.weight_decay)
+        if self.masters is not None:  # bf16 weights: AdamW on their fp32 masters, one kernel a group
+            self.optimizer = MasterAdamW(groups, self.masters, lr=t.lr, betas=betas)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=betas, **({"fused": True} if on_gpu else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: lr_factor(i, t))
         self.scaler = None
         if self.job.precision.dtype == "fp16":
@@ -239,7 +251,8 @@ class Trainer:
                 self.scaler = torch.amp.GradScaler("cuda")
         # Clipping folded into the fused kernel (clip_gradients); a GradScaler owns that slot
         # when there is one, and sharded gradients keep the in-place multiply.
-        self.clip_in_optimizer = on_gpu and self.scaler is None and not parallel.is_sharded(self.model)
+        self.clip_in_optimizer = self.masters is not None or (
+            on_gpu and self.scaler is None and not parallel.is_sharded(self.model))
 
     def build_data(self) -> None:
         self.data = build_data(self.job, rank=self.rank, world_size=self.world_size, device=self.device)
@@ -271,7 +284,8 @@ class Trainer:
             "peak_tflops": self.peak_tflops, "seq_len": job.data.seq_len,
             "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
             "job": job.name, "arch": job.model.arch, "strategy": job.parallel.strategy,
-            "precision": job.precision.dtype, "attention": self.attention, "start_step": self.start_step,
+            "precision": job.precision.dtype, "weights": self.weights, "attention": self.attention,
+            "start_step": self.start_step,
             # Where this attempt starts (an elastic restart may change the world size).
             "global_batch": self.data.global_batch, "start_sample": self.data.first_sample(self.start_step + 1),
             **self.checkpointer.record(),
@@ -362,11 +376,14 @@ class Trainer:
         """Clip the gradients' global norm to ``train.grad_clip`` (torch's rule).
 
         A fused AdamW without a loss scaler gets the clipping folded into its kernel
-        (``parallel.clip_in_fused_optimizer``): one read and write of all gradients less per
-        step. Otherwise the gradients are multiplied in place (``parallel.clip_grad_norm_``).
+        (``parallel.clip_in_fused_optimizer``; ``MasterAdamW.clip_grad_norm_``): one read and
+        write of all gradients less per step. Otherwise the gradients are multiplied in place
+        (``parallel.clip_grad_norm_``).
         """
         clip = self.job.train.grad_clip
-        if self.clip_in_optimizer:
+        if isinstance(self.optimizer, MasterAdamW):
+            self.optimizer.clip_grad_norm_(clip)
+        elif self.clip_in_optimizer:
             parallel.clip_in_fused_optimizer(self.optimizer, self.model.parameters(), clip)
         else:
             parallel.clip_grad_norm_(self.model.parameters(), clip)
@@ -375,9 +392,9 @@ class Trainer:
         """Run steps start_step+1 .. train.steps; returns this rank's ``final`` record."""
         total = self.job.train.steps
         if self.rank == 0:
-            log.info("training %s: %s %s, %.1fM params, world %d, %s, %s, attention %s, steps %d..%d",
+            log.info("training %s: %s %s, %.1fM params, world %d, %s, %s, %s weights, attention %s, steps %d..%d",
                      self.job.name, self.job.model.arch, self.job.model.size, self.n_params / 1e6,
-                     self.world_size, self.job.parallel.strategy, self.job.precision.dtype,
+                     self.world_size, self.job.parallel.strategy, self.job.precision.dtype, self.weights,
                      self.attention, self.start_step + 1, total)
         profiler = StepProfiler(self.job.train.profile, rank=self.rank, device=self.device)
         self.meter.start()
@@ -405,9 +422,13 @@ class Trainer:
             on_step(step)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU copies of the parameters, on rank 0 (a collective under FSDP)."""
+        """Unsharded CPU copies of the parameters (the fp32 masters of bf16 weights), on rank 0
+        (a collective under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.masters is not None:  # never sharded: the local state is the whole model
+            state = substitute_masters(get_model_state_dict(self.model), self.masters)
+            return {k: v.detach().cpu() for k, v in state.items()}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 

@@ -173,7 +173,24 @@ def apply_ddp(model: nn.Module, job: JobSpec, *, device: torch.device) -> nn.Mod
 
         hook = default_hooks.bf16_compress_hook if cfg.comm_hook == "bf16" else default_hooks.fp16_compress_hook
         ddp.register_comm_hook(state=None, hook=hook)
+    elif any(p.dtype == torch.bfloat16 for p in model.parameters()):  # precision.weights bf16
+        ddp.register_comm_hook(state=None, hook=allreduce_in_fp32)
     return ddp
+
+
+def allreduce_in_fp32(group, bucket):  # no annotations: DDP compares them to its own types
+    """A DDP comm hook for bf16 gradients (``precision.weights: bf16``): the bucket
+    (``dist.GradBucket``) is averaged in fp32, as fp32 gradients are, and rounded to bf16
+    once, after the sum."""
+    group = group or dist.group.WORLD
+    buffer = bucket.buffer()
+    wide = buffer.to(torch.float32).div_(dist.get_world_size(group))
+
+    def narrow(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return dist.all_reduce(wide, group=group, async_op=True).get_future().then(narrow)
 
 
 def fsdp_param_dtype(job: JobSpec) -> torch.dtype | None:

@@ -1,0 +1,124 @@
+"""The optimizer step on the GPU: bf16 weights with fp32 masters against fp32 weights.
+
+    python benchmarks/optimizer_step.py [--sweep] [--out results.json]
+
+GPT-2 124M's trained tensors (the shapes ``jobs/gpt.yaml`` builds, no biases), two parameter
+groups, clipping at 1.0, as the trainer steps them (eagerly, after the backward):
+
+- ``fp32 weights``: torch's fused AdamW with the clipping folded into its ``grad_scale``
+  (``parallel.clip_in_fused_optimizer``: torch's foreach norm, then the fused kernel), plus
+  the casts plain autocast adds around it: each weight to bf16 in the forward, each bf16
+  weight gradient to fp32 in the backward (one kernel a tensor each);
+- ``bf16 weights``: ``MasterAdamW.clip_grad_norm_`` then ``step`` (``launcher.train.optim``):
+  three Triton launches and one per parameter group, no casts.
+
+GPU time per step from CUDA events over 50 steps (median of 5 rounds), and the bytes each moves.
+``--sweep`` times the update kernel's block sizes and warp counts.
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+from tabulate import tabulate
+
+from launcher.spec.job import ModelSpec
+from launcher.train import optim, parallel
+from launcher.train.loop import param_groups
+from launcher.train.model import build_model
+
+
+def timed_ms(fn, rounds: int = 5, steps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return statistics.median(times)
+
+
+def gpt2_model() -> torch.nn.Module:
+    with torch.device("cuda"):
+        model = build_model(ModelSpec(arch="gpt", size="base", bias=False))
+    return model
+
+
+def fill_grads(params, dtype) -> None:
+    for p in params:
+        p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-3).to(dtype)
+
+
+def fp32_step(model) -> tuple[float, int]:
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=True)
+    fill_grads(params, torch.float32)
+    matrices = [p for p in params if p.ndim >= 2]
+    bf16_grads = [torch.empty_like(p, dtype=torch.bfloat16) for p in matrices]
+
+    def step():
+        for p in matrices:  # autocast's forward cast of each weight
+            p.to(torch.bfloat16)
+        for p, g in zip(matrices, bf16_grads, strict=True):  # the backward's cast of each gradient
+            p.grad.copy_(g)
+        parallel.clip_in_fused_optimizer(opt, params, 1.0)
+        opt.step()
+
+    n = sum(p.numel() for p in params)
+    m = sum(p.numel() for p in matrices)
+    return timed_ms(step), 28 * n + 4 * n + 12 * m  # AdamW's 28 B, the norm's 4, the casts' 6 + 6
+
+
+def bf16_step(model, block: int | None = None, warps: int | None = None) -> tuple[float, int]:
+    saved = optim.BLOCK, optim.NUM_WARPS
+    optim.BLOCK, optim.NUM_WARPS = block or saved[0], warps or saved[1]
+    try:
+        params = list(model.parameters())
+        masters = optim.MasterWeights(params)
+        opt = optim.MasterAdamW(param_groups(model, 0.1), masters, lr=6e-4, betas=(0.9, 0.95))
+        fill_grads(params, torch.bfloat16)
+
+        def step():
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+
+        ms = timed_ms(step)
+    finally:
+        optim.BLOCK, optim.NUM_WARPS = saved
+    n = sum(p.numel() for p in params)
+    return ms, 28 * n + 2 * n  # AdamW's 28 B (bf16 gradient and fp32 state in, fp32 state and bf16 weight out), the norm's 2
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help="also time the update's block sizes and warps")
+    p.add_argument("--out", help="write the figures as JSON here")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or optim.triton is None:
+        raise SystemExit("needs a CUDA GPU and Triton")
+    rows, out = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name, fn in (("fp32 weights (fused AdamW + casts)", fp32_step), ("bf16 weights (MasterAdamW)", bf16_step)):
+        ms, nbytes = fn(gpt2_model())
+        out[name] = {"ms": ms, "bytes": nbytes}
+        rows.append([name, f"{ms:.3f}", f"{nbytes / ms / 1e9:.2f}"])
+    if args.sweep:
+        out["sweep"] = []
+        for block in (512, 1024, 2048, 4096):
+            for warps in (2, 4, 8):
+                ms, nbytes = bf16_step(gpt2_model(), block, warps)
+                out["sweep"].append({"BLOCK": block, "num_warps": warps, "ms": ms})
+                rows.append([f"  MasterAdamW BLOCK={block} warps={warps}", f"{ms:.3f}", f"{nbytes / ms / 1e9:.2f}"])
+    print(tabulate(rows, headers=["GPT-2 124M optimizer step", "ms", "TB/s"]))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""bf16 working weights with fp32 master weights (``precision.weights: bf16``).
+
+Under plain autocast the model's weights are fp32: every forward casts each weight matrix to
+bf16 (a read of 4 bytes and a write of 2 a parameter, one kernel a tensor), and every backward
+casts each weight gradient, which the bf16 product made, back to fp32 (2 and 4 bytes, another
+kernel). Here the model's parameters are bf16 and stay bf16: the products read them as they are
+and their gradients land in bf16. The fp32 truth lives beside them:
+
+- ``MasterWeights`` holds the fp32 master copy of every trained parameter in one flat buffer and
+  makes the parameters bf16 views into a second one, each tensor's slice padded to ``BLOCK``
+  elements so that a program of the kernels below touches one tensor only.
+- ``MasterAdamW`` is torch's AdamW (decoupled weight decay, bias correction, fp32 moments in
+  flat buffers laid out like the masters). On CUDA one Triton kernel a parameter group reads
+  every bf16 gradient through a table of their addresses (they live wherever autograd or a
+  replayed CUDA graph put them), applies the clipping coefficient, updates master weight and
+  moments in fp32 and writes the new bf16 weight. The gradients' global norm for clipping
+  takes two more kernels, and nothing waits on the host. Elsewhere (the CPU) the same arithmetic
+  runs as torch ops: the reference the kernel is tested against.
+
+With one micro-batch a step the bf16 weight gradients are the values the products produced
+(plain autocast casts the same bf16 values to fp32); LayerNorm and embedding gradients are
+summed in fp32 and rounded once. Gradients are not summed over micro-batches in bf16: the
+trainer uses this for ``grad_accum: 1`` only. Checkpoints hold the fp32 masters as the model's
+weights (``substitute_masters``); the optimizer's own state is its moments and step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from launcher.errors import SpecError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference
+    triton = None
+
+BLOCK = 1024  # elements a program; each tensor's slice of the flat buffers is padded to it
+NUM_WARPS = 4
+FIELD = "precision.weights"
+
+
+def choose_weights(requested: str, *, dtype: str, grad_accum: int, sharded: bool, device: torch.device) -> str:
+    """The weights a run trains (``precision.weights``), ``auto`` resolved: ``bf16`` (bf16 weights,
+    fp32 masters in ``MasterAdamW``) for bf16 training with one micro-batch a step, unsharded,
+    on a CUDA GPU with Triton; otherwise ``fp32``. ``bf16`` asked for where it cannot apply
+    raises SpecError with the reason and the fix; on the CPU it runs the torch reference."""
+    if requested == "fp32":
+        return "fp32"
+    reasons = []
+    if dtype != "bf16":
+        reasons.append(f"it keeps fp32 masters for bf16 training, and precision.dtype is {dtype}")
+    if grad_accum != 1:
+        reasons.append(f"bf16 gradients are not summed over micro-batches, and train.grad_accum is {grad_accum}")
+    if sharded:
+        reasons.append("FSDP shards the weights here (its mixed precision keeps fp32 shards)")
+    if requested == "auto":
+        return "bf16" if not reasons and triton is not None and device.type == "cuda" else "fp32"
+    if reasons:
+        raise SpecError("bf16 weights with fp32 masters cannot apply to this run: " + "; ".join(reasons)
+                        + ". Set precision.weights: auto.", field=FIELD)
+    return "bf16"
+
+
+class MasterWeights:
+    """The fp32 masters of ``params`` and the parameters made bf16 views into one flat buffer.
+
+    ``params`` are trained parameters in fp32 (or any float dtype): their values become the
+    masters, and each ``p.data`` is replaced by a bf16 view (the same ``nn.Parameter`` objects,
+    so modules, optimizers and DDP built afterwards see bf16 weights). Build it before DDP
+    wraps the model, after any pretrained weights are loaded.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype = torch.bfloat16):
+        params = list(params)
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("MasterWeights: a parameter is listed twice")
+        if not params:
+            raise ValueError("MasterWeights: no parameters")
+        device = params[0].device
+        self.params = params
+        self.dtype = dtype
+        self.numels = [p.numel() for p in params]
+        self.starts = []
+        total = 0
+        for n in self.numels:
+            self.starts.append(total)
+            total += -(-n // BLOCK) * BLOCK
+        self.master = torch.zeros(total, device=device, dtype=torch.float32)
+        self.flat = torch.zeros(total, device=device, dtype=dtype)
+        self._index = {}
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if p.device != device:
+                    raise ValueError(f"MasterWeights: parameters on {device} and {p.device}")
+                self.view(self.master, i).copy_(p.detach())
+                p.data = self.view(self.flat, i).copy_(p.detach())
+                self._index[id(p)] = i
+        self.device = device
+        # Per tensor, on the device: first element in the flat buffers, element count.
+        self.starts_t = torch.tensor(self.starts, device=device, dtype=torch.int64)
+        self.numels_t = torch.tensor(self.numels, device=device, dtype=torch.int64)
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Tensor ``i``'s slice of a flat buffer laid out like the masters, shaped like it."""
+        start = self.starts[i]
+        return flat[start:start + self.numels[i]].view(self.params[i].shape)
+
+    def index(self, p: torch.Tensor) -> int:
+        return self._index[id(p)]
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        return self.view(self.master, self.index(p))
+
+    def blocks(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table of tensors ``indices``: each block's tensor index (int32) and its
+        first element within that tensor (int64), on the device."""
+        tensor, first = [], []
+        for i in indices:
+            n = -(-self.numels[i] // BLOCK)
+            tensor += [i] * n
+            first += range(0, n * BLOCK, BLOCK)
+        return (torch.tensor(tensor, dtype=torch.int32).to(self.device),
+                torch.tensor(first, dtype=torch.int64).to(self.device))
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Write every bf16 weight from its master (after masters are loaded)."""
+        self.flat.copy_(self.master)
+
+
+def substitute_masters(state_dict: dict[str, Any], masters: MasterWeights | None) -> dict[str, Any]:
+    """``state_dict`` (a model's, its tensors sharing the parameters' storage) with each bf16
+    parameter replaced by its fp32 master: what a checkpoint saves, and the tensors a load fills."""
+    if masters is None:
+        return state_dict
+    by_ptr = {p.data_ptr(): masters.view(masters.master, i) for i, p in enumerate(masters.params)}
+    return {k: by_ptr.get(v.data_ptr(), v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW on bf16 parameters whose fp32 masters ``masters`` holds (see the module's doc).
+
+    Param groups, ``lr``, ``betas``, ``eps`` and ``weight_decay`` mean what they mean for
+    ``torch.optim.AdamW``, and the update is its arithmetic in fp32. ``clip_grad_norm_`` before
+    ``step`` folds the clipping into the update. ``state_dict`` holds the moments and the step
+    (the masters are the model's weights in a checkpoint); ``load_state_dict`` copies into the
+    optimizer's own buffers.
+    """
+
+    def __init__(self, params: Any, masters: MasterWeights, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.masters = masters
+        self.exp_avg = torch.zeros_like(masters.master)
+        self.exp_avg_sq = torch.zeros_like(masters.master)
+        self._step = torch.zeros((), dtype=torch.float32)  # shared by every parameter's state
+        self._coef: torch.Tensor | None = None
+        self._tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grad_ptrs: tuple[tuple[int, ...], torch.Tensor] | None = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                i = masters.index(p)
+                self.state[p] = {"step": self._step, "exp_avg": masters.view(self.exp_avg, i),
+                                 "exp_avg_sq": masters.view(self.exp_avg_sq, i)}
+        self.kernels = triton is not None and masters.device.type == "cuda"
+
+    # -- state ---------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Hyperparameters from ``state_dict``'s groups; moments and step copied into this
+        optimizer's buffers (torch's own load would replace them with new tensors)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(groups)} parameter groups, this one {len(self.param_groups)}")
+        ids = [i for g in groups for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(ids) != len(params):
+            raise ValueError(f"optimizer state has {len(ids)} parameters, this one {len(params)}")
+        by_id = dict(zip(ids, params, strict=True))
+        with torch.no_grad():
+            for i, saved in state_dict["state"].items():
+                mine = self.state[by_id[i]]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    mine[key].copy_(saved[key])
+                self._step.fill_(float(saved["step"]))
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+
+    # -- clipping ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The gradients' global 2-norm (a 0-d tensor, no host sync); the next ``step``
+        multiplies them by ``max_norm / (norm + 1e-6)`` clamped to 1, torch's clipping rule."""
+        params = self._with_grads()
+        if not params:
+            return torch.zeros((), device=self.masters.device)
+        if self.kernels:
+            norm, self._coef = _launch_norm(self.masters, self._table(params), self._grad_table(params),
+                                            float(max_norm))
+            return norm
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        self._coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        return norm
+
+    # -- the update ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("MasterAdamW.step takes no closure")
+        self._step += 1
+        step = int(self._step.item())
+        coef, self._coef = self._coef, None
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), beta1=beta1,
+                         beta2=beta2, eps=float(group["eps"]), bias_correction1=1 - beta1**step,
+                         bias_correction2=1 - beta2**step)
+            if self.kernels:
+                _launch_adamw(self, self._table(params), self._grad_table(params), coef, **hyper)
+            else:
+                for p in params:
+                    self._reference_update(p, coef, **hyper)
+
+    def _reference_update(self, p: torch.Tensor, coef: torch.Tensor | None, *, lr: float, weight_decay: float,
+                          beta1: float, beta2: float, eps: float, bias_correction1: float,
+                          bias_correction2: float) -> None:
+        """``torch.optim.AdamW``'s update of one parameter, on its master, in fp32."""
+        g = p.grad.float()
+        if coef is not None:
+            g = g * coef
+        state, master = self.state[p], self.masters.master_of(p)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        master.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        master.addcdiv_(m, denom, value=-lr / bias_correction1)
+        p.copy_(master)
+
+    # -- tables for the kernels ------------------------------------------------------------
+
+    def _with_grads(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _table(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table of these parameters (cached: the set rarely changes)."""
+        key = tuple(self.masters.index(p) for p in params)
+        if key not in self._tables:
+            self._tables[key] = self.masters.blocks(key)
+        return self._tables[key]
+
+    def _grad_table(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Every gradient's address, by tensor index, on the device. Gradients stay where a
+        replayed CUDA graph (or the caching allocator, step after step) puts them, so the
+        table is uploaded again only when an address changes."""
+        ptrs = [0] * len(self.masters.params)
+        for p in params:
+            g = p.grad
+            if g.dtype != self.masters.dtype or not g.is_contiguous() or g.device != self.masters.device:
+                raise RuntimeError(f"MasterAdamW: a gradient is {g.dtype}, contiguous={g.is_contiguous()}, on "
+                                   f"{g.device}; the fused update reads contiguous {self.masters.dtype} gradients "
+                                   f"on {self.masters.device}")
+            ptrs[self.masters.index(p)] = g.data_ptr()
+        key = tuple(ptrs)
+        if self._grad_ptrs is None or self._grad_ptrs[0] != key:
+            self._grad_ptrs = (key, torch.tensor(ptrs, dtype=torch.int64).to(self.masters.device))
+        return self._grad_ptrs[1]
+
+
+def _launch_norm(masters: MasterWeights, table: tuple[torch.Tensor, torch.Tensor], grads: torch.Tensor,
+                 max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    block_tensor, block_first = table
+    partial = torch.empty(block_tensor.numel(), device=masters.device, dtype=torch.float32)
+    _sumsq_kernel[(block_tensor.numel(),)](grads, block_tensor, block_first, masters.numels_t, partial,
+                                           BLOCK=BLOCK, num_warps=NUM_WARPS)
+    out = torch.empty(2, device=masters.device, dtype=torch.float32)
+    _norm_kernel[(1,)](partial, partial.numel(), out, max_norm, BLOCK=4096, num_warps=8)
+    return out[0], out[1]
+
+
+def _launch_adamw(opt: MasterAdamW, table: tuple[torch.Tensor, torch.Tensor], grads: torch.Tensor,
+                  coef: torch.Tensor | None, *, lr: float, weight_decay: float, beta1: float, beta2: float,
+                  eps: float, bias_correction1: float, bias_correction2: float) -> None:
+    masters = opt.masters
+    block_tensor, block_first = table
+    _adamw_kernel[(block_tensor.numel(),)](
+        grads, block_tensor, block_first, masters.numels_t, masters.starts_t,
+        masters.master, opt.exp_avg, opt.exp_avg_sq, masters.flat, grads if coef is None else coef,
+        lr, weight_decay, beta1, beta2, eps, lr / bias_correction1, math.sqrt(bias_correction2),
+        HAS_COEF=coef is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grad_block(GRADS, BLOCK_TENSOR, BLOCK_FIRST, NUMELS, BLOCK: tl.constexpr):
+        """This program's block of one gradient: tensor index, offsets within it, mask, values (fp32)."""
+        b = tl.program_id(0)
+        t = tl.load(BLOCK_TENSOR + b)
+        local = tl.load(BLOCK_FIRST + b) + tl.arange(0, BLOCK)
+        mask = local < tl.load(NUMELS + t)
+        g_ptr = tl.load(GRADS + t).to(tl.pointer_type(tl.bfloat16))
+        g = tl.load(g_ptr + local, mask=mask, other=0.0).to(tl.float32)
+        return t, local, mask, g
+
+    @triton.jit
+    def _sumsq_kernel(GRADS, BLOCK_TENSOR, BLOCK_FIRST, NUMELS, PARTIAL, BLOCK: tl.constexpr):
+        _, _, _, g = _grad_block(GRADS, BLOCK_TENSOR, BLOCK_FIRST, NUMELS, BLOCK)
+        tl.store(PARTIAL + tl.program_id(0), tl.sum(g * g, axis=0))
+
+    @triton.jit
+    def _norm_kernel(PARTIAL, N, OUT, max_norm, BLOCK: tl.constexpr):
+        """OUT[0] = sqrt(sum(PARTIAL)), OUT[1] = the clipping coefficient (torch's rule)."""
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, N, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            acc += tl.load(PARTIAL + i, mask=i < N, other=0.0)
+        norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+        tl.store(OUT, norm)
+        tl.store(OUT + 1, tl.minimum(max_norm / (norm + 1e-6), 1.0))
+
+    @triton.jit
+    def _adamw_kernel(GRADS, BLOCK_TENSOR, BLOCK_FIRST, NUMELS, STARTS, MASTER, EXP_AVG, EXP_AVG_SQ, WEIGHT,
+                      COEF, lr, weight_decay, beta1, beta2, eps, step_size, sqrt_bias_correction2,
+                      HAS_COEF: tl.constexpr, BLOCK: tl.constexpr):
+        """torch's AdamW on one block: fp32 master, moments and arithmetic; the bf16 weight written."""
+        t, local, mask, g = _grad_block(GRADS, BLOCK_TENSOR, BLOCK_FIRST, NUMELS, BLOCK)
+        if HAS_COEF:
+            g = g * tl.load(COEF)
+        flat = tl.load(STARTS + t) + local
+        p = tl.load(MASTER + flat, mask=mask)
+        m = tl.load(EXP_AVG + flat, mask=mask)
+        v = tl.load(EXP_AVG_SQ + flat, mask=mask)
+        p = p * (1.0 - lr * weight_decay)
+        m = m + (1.0 - beta1) * (g - m)
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias_correction2) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        tl.store(MASTER + flat, p, mask=mask)
+        tl.store(EXP_AVG + flat, m, mask=mask)
+        tl.store(EXP_AVG_SQ + flat, v, mask=mask)
+        tl.store(WEIGHT + flat, p.to(WEIGHT.dtype.element_ty), mask=mask)

@@ -1,0 +1,90 @@
+"""bf16 weights with fp32 masters (``launcher.train.optim``) on a GPU.
+
+    python -m pytest -m gpu tests/integration/test_gpu_optim.py
+
+The Triton update against the torch reference of the same arithmetic and against torch's own
+fused AdamW on fp32 weights given the same gradients (masters within fp32 rounding, bf16
+weights the masters rounded), with clipping and two parameter groups; the gradients' table
+following addresses that change. The trainer with bf16 weights under CUDA graphs:
+tests/integration/test_train_distributed.py.
+"""
+
+import pytest
+import torch
+
+from launcher.train.optim import MasterAdamW, MasterWeights
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPES = [(50304, 64), (768,), (3, 1030), (2304, 768), (7,)]
+
+
+def make(kernels: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
+    masters = MasterWeights(params)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = MasterAdamW(groups, masters, lr=6e-4, betas=(0.9, 0.95))
+    opt.kernels = kernels
+    return params, masters, opt
+
+
+def grads(step: int):
+    g = torch.Generator(device="cuda").manual_seed(100 + step)
+    return [(torch.randn(s, device="cuda", generator=g) * (10 if step == 1 else 0.01)).bfloat16() for s in SHAPES]
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_kernel_matches_the_reference_and_torch_adamw(clip):
+    params, masters, opt = make(kernels=True)
+    ref_params, ref_masters, ref_opt = make(kernels=False)
+    torch.manual_seed(0)
+    fp32 = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
+    torch_opt = torch.optim.AdamW(
+        [{"params": [p for p in fp32 if p.ndim >= 2], "weight_decay": 0.1},
+         {"params": [p for p in fp32 if p.ndim < 2], "weight_decay": 0.0}], lr=6e-4, betas=(0.9, 0.95), fused=True)
+    for step in range(1, 6):
+        for group in (params, ref_params, fp32):
+            for p, g in zip(group, grads(step), strict=True):
+                p.grad = g.to(p.dtype)
+        if clip:
+            norm = opt.clip_grad_norm_(clip)
+            ref_norm = ref_opt.clip_grad_norm_(clip)
+            torch_norm = torch.nn.utils.clip_grad_norm_(fp32, clip)
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+            torch.testing.assert_close(norm, torch_norm, rtol=1e-5, atol=0)
+        opt.step()
+        ref_opt.step()
+        torch_opt.step()
+        for p, q, r in zip(params, ref_params, fp32, strict=True):
+            torch.testing.assert_close(masters.master_of(p), ref_masters.master_of(q), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(masters.master_of(p), r.detach(), rtol=1e-5, atol=1e-6)
+            assert torch.equal(p.detach(), masters.master_of(p).bfloat16())  # rounded to nearest
+            assert p.dtype == torch.bfloat16
+    # the first step's clipped gradients (norm far above 1) moved every weight
+    assert opt.state[params[0]]["step"] == 5
+
+
+def test_gradient_table_follows_new_addresses():
+    params, masters, opt = make(kernels=True)
+    ref_params, ref_masters, ref_opt = make(kernels=False)
+    for step in range(1, 4):
+        for group in (params, ref_params):
+            for p, g in zip(group, grads(step), strict=True):
+                p.grad = g.clone()  # fresh memory each step
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(masters.master_of(p), ref_masters.master_of(q), rtol=1e-6, atol=1e-7)
+
+
+def test_noncontiguous_gradient_is_refused():
+    params, _, opt = make(kernels=True)
+    for p, g in zip(params, grads(1), strict=True):
+        p.grad = g
+    params[3].grad = params[3].grad.t().contiguous().t()
+    with pytest.raises(RuntimeError, match="contiguous"):
+        opt.step()
+
