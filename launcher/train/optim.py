@@ -21,7 +21,11 @@ With one micro-batch a step the bf16 weight gradients are the values the product
 (plain autocast casts the same bf16 values to fp32); LayerNorm and embedding gradients are
 summed in fp32 and rounded once. Gradients are not summed over micro-batches in bf16: the
 trainer uses this for ``grad_accum: 1`` only. Checkpoints hold the fp32 masters as the model's
-weights (``substitute_masters``); the optimizer's own state is its moments and step.
+weights (``substitute_masters``); the optimizer's own state is its moments and step, in torch
+AdamW's format.
+
+GPT-2 124M on one H200 (README "Performance"): 2.6% more tokens/s than fp32 weights, 93 fewer
+kernel launches a step; the update runs at about 4 TB/s (28 bytes a parameter).
 """
 
 from __future__ import annotations
@@ -151,7 +155,9 @@ class MasterAdamW(torch.optim.Optimizer):
     ``torch.optim.AdamW``, and the update is its arithmetic in fp32. ``clip_grad_norm_`` before
     ``step`` folds the clipping into the update. ``state_dict`` holds the moments and the step
     (the masters are the model's weights in a checkpoint); ``load_state_dict`` copies into the
-    optimizer's own buffers.
+    optimizer's own buffers. One step count serves every parameter (the trainer steps them all
+    together): a parameter without a gradient keeps its weight and moments, but unlike torch's
+    AdamW its bias correction later follows the shared count.
     """
 
     def __init__(self, params: Any, masters: MasterWeights, lr: float = 1e-3,
@@ -164,7 +170,8 @@ class MasterAdamW(torch.optim.Optimizer):
         self._step = torch.zeros((), dtype=torch.float32)  # shared by every parameter's state
         self._coef: torch.Tensor | None = None
         self._tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._grad_ptrs: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._grad_tables: dict[tuple[int, ...], torch.Tensor] = {}
+        self._group_indices = [tuple(masters.index(p) for p in g["params"]) for g in self.param_groups]
         for group in self.param_groups:
             for p in group["params"]:
                 i = masters.index(p)
@@ -200,13 +207,16 @@ class MasterAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The gradients' global 2-norm (a 0-d tensor, no host sync); the next ``step``
         multiplies them by ``max_norm / (norm + 1e-6)`` clamped to 1, torch's clipping rule."""
-        params = self._with_grads()
+        if self.kernels:
+            grads, present = self._gradients()
+            indices = tuple(i for group in present for i in group)
+            if not indices:
+                return torch.zeros((), device=self.masters.device)
+            norm, self._coef = _launch_norm(self.masters, self._blocks(indices), grads, float(max_norm))
+            return norm
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.masters.device)
-        if self.kernels:
-            norm, self._coef = _launch_norm(self.masters, self._table(params), self._grad_table(params),
-                                            float(max_norm))
-            return norm
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
         self._coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
         return norm
@@ -220,18 +230,18 @@ class MasterAdamW(torch.optim.Optimizer):
         self._step += 1
         step = int(self._step.item())
         coef, self._coef = self._coef, None
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        grads, present = self._gradients() if self.kernels else (None, [()] * len(self.param_groups))
+        for group, indices in zip(self.param_groups, present, strict=True):
             beta1, beta2 = group["betas"]
             hyper = dict(lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), beta1=beta1,
                          beta2=beta2, eps=float(group["eps"]), bias_correction1=1 - beta1**step,
                          bias_correction2=1 - beta2**step)
             if self.kernels:
-                _launch_adamw(self, self._table(params), self._grad_table(params), coef, **hyper)
-            else:
-                for p in params:
+                if indices:
+                    _launch_adamw(self, self._blocks(indices), grads, coef, **hyper)
+                continue
+            for p in group["params"]:
+                if p.grad is not None:
                     self._reference_update(p, coef, **hyper)
 
     def _reference_update(self, p: torch.Tensor, coef: torch.Tensor | None, *, lr: float, weight_decay: float,
@@ -252,32 +262,46 @@ class MasterAdamW(torch.optim.Optimizer):
 
     # -- tables for the kernels ------------------------------------------------------------
 
-    def _with_grads(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def _gradients(self) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+        """The gradients' addresses on the device, by tensor index (one table for the norm and
+        every group's update), and per group the indices of the tensors that have a gradient.
 
-    def _table(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block table of these parameters (cached: the set rarely changes)."""
-        key = tuple(self.masters.index(p) for p in params)
-        if key not in self._tables:
-            self._tables[key] = self.masters.blocks(key)
-        return self._tables[key]
-
-    def _grad_table(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """Every gradient's address, by tensor index, on the device. Gradients stay where a
-        replayed CUDA graph (or the caching allocator, step after step) puts them, so the
-        table is uploaded again only when an address changes."""
+        Gradients stay where a replayed CUDA graph (or the caching allocator, step after step)
+        puts them: a table is checked and uploaded when its addresses are new, through pinned
+        memory without the host waiting, and kept for the next steps."""
         ptrs = [0] * len(self.masters.params)
-        for p in params:
-            g = p.grad
-            if g.dtype != self.masters.dtype or not g.is_contiguous() or g.device != self.masters.device:
-                raise RuntimeError(f"MasterAdamW: a gradient is {g.dtype}, contiguous={g.is_contiguous()}, on "
-                                   f"{g.device}; the fused update reads contiguous {self.masters.dtype} gradients "
-                                   f"on {self.masters.device}")
-            ptrs[self.masters.index(p)] = g.data_ptr()
+        present = []
+        for group, indices in zip(self.param_groups, self._group_indices, strict=True):
+            have = []
+            for p, i in zip(group["params"], indices, strict=True):
+                if p.grad is not None:
+                    ptrs[i] = p.grad.data_ptr()
+                    have.append(i)
+            present.append(tuple(have))
         key = tuple(ptrs)
-        if self._grad_ptrs is None or self._grad_ptrs[0] != key:
-            self._grad_ptrs = (key, torch.tensor(ptrs, dtype=torch.int64).to(self.masters.device))
-        return self._grad_ptrs[1]
+        table = self._grad_tables.get(key)
+        if table is None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    g = p.grad
+                    if g is not None and (g.dtype != self.masters.dtype or not g.is_contiguous()
+                                          or g.device != self.masters.device):
+                        raise RuntimeError(
+                            f"MasterAdamW: a gradient is {g.dtype}, contiguous={g.is_contiguous()}, on {g.device}; "
+                            f"the fused update reads contiguous {self.masters.dtype} gradients on {self.masters.device}")
+            host = torch.tensor(ptrs, dtype=torch.int64)
+            cuda = self.masters.device.type == "cuda"
+            table = (host.pin_memory() if cuda else host).to(self.masters.device, non_blocking=cuda)
+            if len(self._grad_tables) >= 4:  # addresses that moved for good
+                self._grad_tables.clear()
+            self._grad_tables[key] = table
+        return table, present
+
+    def _blocks(self, indices: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table of these tensors (cached: the set rarely changes)."""
+        if indices not in self._tables:
+            self._tables[indices] = self.masters.blocks(indices)
+        return self._tables[indices]
 
 
 def _launch_norm(masters: MasterWeights, table: tuple[torch.Tensor, torch.Tensor], grads: torch.Tensor,

@@ -254,6 +254,82 @@ def test_fsdp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, fsdp
     assert_params_close(fsdp_fp32.params(), resumed.params(), atol=0.0)
 
 
+# -- bf16 weights with fp32 masters (precision.weights: bf16) on the CPU ----------------------
+
+
+def write_weights_job(base: Path, name: str, weights: str) -> Path:
+    """TINY_JOB under bf16 autocast with ``precision.weights`` set; checkpoints in ckpt-NAME."""
+    job = write_job(base / f"{name}.yaml", name, base / f"ckpt-{name}")
+    text = job.read_text()
+    assert "precision: {dtype: fp32}" in text
+    job.write_text(text.replace("precision: {dtype: fp32}", f"precision: {{dtype: bf16, weights: {weights}}}"))
+    return job
+
+
+@pytest.fixture(scope="module")
+def ddp_bf16_weights(base: Path) -> Run:
+    """DDP, 2 ranks, bf16 weights (MasterAdamW's torch reference on the CPU, gradients averaged
+    in fp32 by the comm hook), deterministic, checkpoints at 25 and 50."""
+    job = write_weights_job(base, "bf16-weights", "bf16")
+    return ok(launch(base / "bf16-weights", ["--job", str(job), "--params-out", "params.pt"]))
+
+
+def test_ddp_bf16_weights_loss_falls_and_the_parameters_out_are_the_fp32_masters(ddp_bf16_weights: Run):
+    assert_loss_falls(ddp_bf16_weights)
+    assert "bf16 weights" in ddp_bf16_weights.output
+    for rank in (0, 1):
+        meta = ddp_bf16_weights.records(rank, "meta")[0]
+        assert meta["weights"] == "bf16" and meta["precision"] == "bf16"
+    params = ddp_bf16_weights.params()
+    assert params and all(t.dtype == torch.float32 for t in params.values()), {k: t.dtype for k, t in params.items()}
+    # the masters hold what bf16 cannot: not the bf16 weights widened
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in params.values())
+
+
+def test_ddp_bf16_weights_track_fp32_weights(base: Path, ddp_bf16_weights: Run):
+    """The same bf16 training with fp32 weights (autocast casting them): the loss ends within 3%."""
+    job = write_weights_job(base, "fp32-weights", "fp32")
+    fp32 = ok(launch(base / "fp32-weights", ["--job", str(job), "--params-out", "params.pt"]))
+    assert fp32.records(0, "meta")[0]["weights"] == "fp32"
+    assert sorted(fp32.params()) == sorted(ddp_bf16_weights.params())
+    ours, theirs = ddp_bf16_weights.losses()[50], fp32.losses()[50]
+    assert abs(ours - theirs) <= 0.03 * theirs, (ddp_bf16_weights.losses(), fp32.losses())
+
+
+@pytest.fixture(scope="module")
+def killed_bf16_weights(base: Path) -> Run:
+    """The ddp_bf16_weights job again, rank 0 SIGKILLed right after step 30 (checkpoint at 25)."""
+    job = write_weights_job(base, "resume-bf16-weights", "bf16")
+    return launch(base / "killed-bf16-weights", ["--job", str(job), "--kill-at-step", "30"])
+
+
+def model_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
+    """The model entries' dtypes in a DCP checkpoint's metadata (keys ``model.<name>``)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {k: v.properties.dtype for k, v in saved.items() if k.startswith("model.")}
+
+
+def test_ddp_bf16_weights_resume_after_a_kill_matches_the_uninterrupted_run(
+        base: Path, killed_bf16_weights: Run, ddp_bf16_weights: Run):
+    """The step-25 checkpoint holds the fp32 masters and the moments; resumed from it, step 50
+    equals the run never killed, bit for bit (the bf16 weights are rounded from the masters)."""
+    first, second = ddp_bf16_weights.losses(), killed_bf16_weights.losses()
+    assert max(second) == 30 and all(first[s] == loss for s, loss in second.items()), (first, second)
+    resumed = resume(base, "bf16-weights", killed_bf16_weights)
+    assert resumed.records(0, "meta")[0]["weights"] == "bf16"
+    assert_params_close(ddp_bf16_weights.params(), resumed.params(), atol=0.0)
+    after = {s: loss for s, loss in resumed.losses().items() if s > 30}
+    assert set(after) == {35, 40, 45, 50} and all(first[s] == loss for s, loss in after.items())
+    ckpt = base / "ckpt-resume-bf16-weights"
+    for step in (25, 50):
+        dtypes = model_dtypes(ckpt / f"step_{step:08d}")
+        names = {f"model.{k}" for k in ddp_bf16_weights.params()}
+        assert names <= set(dtypes), (sorted(names - set(dtypes)), sorted(dtypes))
+        assert all(dtypes[k] == torch.float32 for k in names), dtypes
+
+
 def write_npy(path: Path, ids: torch.Tensor) -> None:
     """A version-1.0 .npy file of int32 ids, written by hand (the header is a Python dict)."""
     header = f"{{'descr': '<i4', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
@@ -441,3 +517,22 @@ def test_gpu_fp8_without_fp8_tensor_cores_fails_with_a_clear_error(base: Path):
                  nproc=1, module=True)
     assert run.returncode == 2
     assert "fp8 needs FP8 tensor cores (compute capability 8.9 or above" in run.output
+
+
+@pytest.mark.gpu
+@needs_gpus[1]
+def test_gpu_bf16_weights_under_cuda_graphs_track_fp32_weights(base: Path):
+    """bf16 weights (fp32 masters, the Triton update reading gradients a replayed graph wrote)
+    train the compiled GPU job as fp32 weights do: the loss falls and ends within 2%."""
+    runs = {}
+    for weights in ("bf16", "fp32"):
+        job = gpu_job(base, f"gpu-weights-{weights}")
+        runs[weights] = ok(launch(base / f"gpu-weights-{weights}", [
+            "--job", str(job), "--params-out", "params.pt", "--set", "precision.dtype=bf16",
+            "--set", f"precision.weights={weights}", "--set", "train.compile=true",
+            "--set", "train.cuda_graphs=true", "--set", "train.micro_batch=16"], nproc=1))
+        assert runs[weights].records(0, "meta")[0]["weights"] == weights
+    assert_loss_falls(runs["bf16"], by=1.0)
+    ours, theirs = runs["bf16"].losses()[50], runs["fp32"].losses()[50]
+    assert abs(ours - theirs) <= 0.02 * theirs, (runs["bf16"].losses(), runs["fp32"].losses())
+    assert all(t.dtype == torch.float32 for t in runs["bf16"].params().values())  # the masters

@@ -1,12 +1,15 @@
-"""The Triton kernels (``launcher.train.fused``) run by Triton's interpreter on the CPU.
+"""The Triton kernels (``launcher.train.fused``, ``launcher.train.optim``) run by Triton's
+interpreter on the CPU.
 
 The kernels' GPU tests (tests/integration/test_gpu_fused.py, test_gpu_loss_kernel.py) need a
 GPU; this runs the same kernels' programs on CPU tensors with ``TRITON_INTERPRET=1`` (numpy
 underneath), in a subprocess since the variable must be set before Triton is imported. It
 checks the kernels' logic: tiles and masks at ragged shapes, the padded vocabulary, the
 in-place gradient, the bias gradient's partial sums, and the custom ops inside the LM head's
-autograd step, eager and compiled. fp32 is compared to fp32 rounding; the interpreter's casts
-to bf16 truncate instead of rounding to nearest, so bf16 results are compared to one bf16 step.
+autograd step, eager and compiled; for bf16 weights (``launcher.train.optim``), the
+gradients' norm read through a table of their addresses and the AdamW update of the fp32
+masters. fp32 is compared to fp32 rounding; the interpreter's casts to bf16 truncate instead of
+rounding to nearest, so bf16 results are compared to one bf16 step.
 """
 
 import os
@@ -78,6 +81,44 @@ want = head(False, False)
 for compiled in (False, True):
     for name, a, b in zip(("loss", "dx", "dw"), head(True, compiled), want):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3, msg=name)
+
+# bf16 weights' AdamW (launcher.train.optim): the gradients' norm (_sumsq_kernel, _norm_kernel)
+# and the update (_adamw_kernel, a pointer table of bf16 gradients) against the torch reference;
+# ragged shapes (partial last blocks), two groups, clipped and unclipped steps
+from launcher.train.optim import MasterAdamW, MasterWeights
+shapes = [(37, 5), (2000,), (3, 1030), (7,)]
+def master_adamw(kernels):
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+    masters = MasterWeights(params)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = MasterAdamW(groups, masters, lr=6e-3, betas=(0.9, 0.95))
+    opt.kernels = kernels
+    return params, masters, opt
+params, masters, opt = master_adamw(True)
+ref_params, ref_masters, ref_opt = master_adamw(False)
+initial = masters.master.clone()
+for step in range(1, 4):
+    gen = torch.Generator().manual_seed(200 + step)
+    grads = [(torch.randn(s, generator=gen) * (10 if step == 1 else 0.005)).bfloat16() for s in shapes]
+    for p, q, g in zip(params, ref_params, grads):
+        p.grad, q.grad = g, g.clone()
+    norm, ref_norm = opt.clip_grad_norm_(1.0), ref_opt.clip_grad_norm_(1.0)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    assert (norm > 1) == (step == 1), norm
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(params, ref_params):
+        master = masters.master_of(p)
+        torch.testing.assert_close(master, ref_masters.master_of(q), rtol=1e-6, atol=1e-7)
+        assert ((p.detach().float() - master).abs() <= ulp_bf16(master)).all()
+        torch.testing.assert_close(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+    assert (masters.master[masters.starts[-1] + 7:] == 0).all()  # the padding is never written
+    assert (opt.exp_avg[masters.starts[-1] + 7:] == 0).all()
+for i, p in enumerate(params):  # every weight moved (every block of every tensor was updated)
+    assert (masters.master_of(p) != masters.view(initial, i)).all()
 print("ok")
 '''
 
