@@ -90,12 +90,13 @@ class MasterWeights:
         device = params[0].device
         self.params = params
         self.dtype = dtype
+        self.block = BLOCK  # the kernels' block for these buffers (BLOCK when they were laid out)
         self.numels = [p.numel() for p in params]
         self.starts = []
         total = 0
         for n in self.numels:
             self.starts.append(total)
-            total += -(-n // BLOCK) * BLOCK
+            total += -(-n // self.block) * self.block
         self.master = torch.zeros(total, device=device, dtype=torch.float32)
         self.flat = torch.zeros(total, device=device, dtype=dtype)
         self._index = {}
@@ -127,16 +128,11 @@ class MasterWeights:
         first element within that tensor (int64), on the device."""
         tensor, first = [], []
         for i in indices:
-            n = -(-self.numels[i] // BLOCK)
+            n = -(-self.numels[i] // self.block)
             tensor += [i] * n
-            first += range(0, n * BLOCK, BLOCK)
+            first += range(0, n * self.block, self.block)
         return (torch.tensor(tensor, dtype=torch.int32).to(self.device),
                 torch.tensor(first, dtype=torch.int64).to(self.device))
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Write every bf16 weight from its master (after masters are loaded)."""
-        self.flat.copy_(self.master)
 
 
 def substitute_masters(state_dict: dict[str, Any], masters: MasterWeights | None) -> dict[str, Any]:
@@ -309,7 +305,7 @@ def _launch_norm(masters: MasterWeights, table: tuple[torch.Tensor, torch.Tensor
     block_tensor, block_first = table
     partial = torch.empty(block_tensor.numel(), device=masters.device, dtype=torch.float32)
     _sumsq_kernel[(block_tensor.numel(),)](grads, block_tensor, block_first, masters.numels_t, partial,
-                                           BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                           BLOCK=masters.block, num_warps=NUM_WARPS)
     out = torch.empty(2, device=masters.device, dtype=torch.float32)
     _norm_kernel[(1,)](partial, partial.numel(), out, max_norm, BLOCK=4096, num_warps=8)
     return out[0], out[1]
@@ -324,7 +320,7 @@ def _launch_adamw(opt: MasterAdamW, table: tuple[torch.Tensor, torch.Tensor], gr
         grads, block_tensor, block_first, masters.numels_t, masters.starts_t,
         masters.master, opt.exp_avg, opt.exp_avg_sq, masters.flat, grads if coef is None else coef,
         lr, weight_decay, beta1, beta2, eps, lr / bias_correction1, math.sqrt(bias_correction2),
-        HAS_COEF=coef is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        HAS_COEF=coef is not None, BLOCK=masters.block, num_warps=NUM_WARPS)
 
 
 if triton is not None:
