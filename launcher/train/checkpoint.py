@@ -43,6 +43,8 @@ from launcher.train.optim import substitute_masters
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+# An optimizer's group settings that say how it runs rather than what it computes.
+RUN_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -157,7 +159,13 @@ class Checkpointer:
         if has_rng:
             state["rng"] = {rng_key: b""}
         dcp.load(state, checkpoint_id=str(path))
+        # How the optimizer runs is this run's choice, not the checkpoint's: the groups of a run
+        # with bf16 weights (MasterAdamW) carry hyperparameters only, and torch's load would take
+        # a fused AdamW's missing "fused" for None (foreach, which refuses the folded clipping).
+        flags = [{k: g[k] for k in RUN_FLAGS if k in g} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group, kept in zip(optimizer.param_groups, flags, strict=True):
+            group.update(kept)
         scheduler.load_state_dict(pickle.loads(state["train"]["scheduler"]))
         if has_rng:
             _set_rng_state(pickle.loads(state["rng"][rng_key]))

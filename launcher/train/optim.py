@@ -30,6 +30,7 @@ kernel launches a step; the update runs at about 4 TB/s (28 bytes a parameter).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -144,6 +145,15 @@ def substitute_masters(state_dict: dict[str, Any], masters: MasterWeights | None
     return {k: by_ptr.get(v.data_ptr(), v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
 
 
+@functools.cache
+def torch_adamw_settings() -> dict[str, Any]:
+    """The group settings of torch's AdamW (amsgrad, fused, ...) at their defaults: MasterAdamW's
+    groups carry them too, so that a checkpoint loads into either optimizer (DCP asks for every
+    key of the groups it fills)."""
+    return {k: v for k, v in torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults.items()
+            if k not in ("lr", "betas", "eps", "weight_decay")}
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW on bf16 parameters whose fp32 masters ``masters`` holds (see the module's doc).
 
@@ -151,14 +161,16 @@ class MasterAdamW(torch.optim.Optimizer):
     ``torch.optim.AdamW``, and the update is its arithmetic in fp32. ``clip_grad_norm_`` before
     ``step`` folds the clipping into the update. ``state_dict`` holds the moments and the step
     (the masters are the model's weights in a checkpoint); ``load_state_dict`` copies into the
-    optimizer's own buffers. One step count serves every parameter (the trainer steps them all
-    together): a parameter without a gradient keeps its weight and moments, but unlike torch's
-    AdamW its bias correction later follows the shared count.
+    optimizer's own buffers. Its groups carry torch AdamW's settings at their defaults
+    (``torch_adamw_settings``), so a checkpoint loads into either. One step count serves every
+    parameter (the trainer steps them all together): a parameter without a gradient keeps its
+    weight and moments, but unlike torch's AdamW its bias correction later follows the shared
+    count.
     """
 
     def __init__(self, params: Any, masters: MasterWeights, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = dict(torch_adamw_settings(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.masters = masters
         self.exp_avg = torch.zeros_like(masters.master)

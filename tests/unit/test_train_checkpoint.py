@@ -57,3 +57,47 @@ def test_resume_puts_the_data_at_the_next_sample_and_checks_the_global_batch(tmp
     scaled = checkpointer(CheckpointSpec(dir=tmp_path), world=2, accum=1, elastic_batch="scale")
     scaled._continue_data(tmp_path, written)  # global batch 4 from here on
     assert scaled.data.first_sample(6) == 60 and scaled.data.first_sample(7) == 64
+
+
+def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_path: Path):
+    """DCP in one process: a run with bf16 weights saves its fp32 masters as the model's weights
+    and AdamW's moments in torch's format; a run with fp32 weights (torch's fused AdamW) resumes
+    from it exactly and stays fused, and so does another run with bf16 weights."""
+    from launcher.train.loop import param_groups
+    from launcher.train.optim import MasterAdamW, MasterWeights
+
+    def build(weights: str):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        groups = param_groups(model, 0.1)
+        if weights == "bf16":
+            opt = MasterAdamW(groups, MasterWeights(list(model.parameters())), lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(groups, lr=1e-2, fused=True)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+
+    model, opt, sched = build("bf16")
+    for step in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(p.dtype)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        sched.step()
+    ckpt = checkpointer(CheckpointSpec(dir=tmp_path, resume="auto"))
+    ckpt.save(3, model, opt, sched)
+    masters = {i: opt.masters.master_of(p).clone() for i, p in enumerate(model.parameters())}
+    moments = {i: opt.state[p]["exp_avg_sq"].clone() for i, p in enumerate(model.parameters())}
+
+    fp32, fused, fused_sched = build("fp32")
+    assert checkpointer(CheckpointSpec(dir=tmp_path, resume="auto")).maybe_resume(fp32, fused, fused_sched) == 3
+    for i, p in enumerate(fp32.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[i])
+        assert torch.equal(fused.state[p]["exp_avg_sq"], moments[i]) and float(fused.state[p]["step"]) == 3
+    assert all(g["fused"] is True for g in fused.param_groups)
+
+    bf16, again, again_sched = build("bf16")
+    assert checkpointer(CheckpointSpec(dir=tmp_path, resume="auto")).maybe_resume(bf16, again, again_sched) == 3
+    for i, p in enumerate(bf16.parameters()):
+        assert torch.equal(again.masters.master_of(p), masters[i])
+        assert torch.equal(p.detach(), masters[i].bfloat16())
+        assert torch.equal(again.state[p]["exp_avg_sq"], moments[i]) and int(again._step) == 3
