@@ -170,9 +170,10 @@ class Trainer:
         self.attention = attention.choose(job.train.attention, device=self.device, dtype=self.autocast_dtype,
                                           dropout=job.model.dropout, head_dim=dims["d_model"] // dims["n_heads"])
         # auto resolved: bf16 weights with fp32 masters where they apply (launcher.train.optim)
-        sharded = job.parallel.strategy == "fsdp" and (self.world_size > 1 or parallel.shards_alone(job))
+        # FSDP wraps the model only where there is something to shard (parallel.parallelize).
+        self.sharded = job.parallel.strategy == "fsdp" and (self.world_size > 1 or parallel.shards_alone(job))
         self.weights = choose_weights(job.precision.weights, dtype=job.precision.dtype, device=self.device,
-                                      grad_accum=job.train.grad_accum, sharded=sharded)
+                                      grad_accum=job.train.grad_accum, sharded=self.sharded)
         if self.attention not in ("auto", "cudnn-fa4") and self.device.type == "cuda":
             # Set before anything compiles: torch.compile picks the kernel when it traces.
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -185,15 +186,15 @@ class Trainer:
         job = self.job
         spec, seq_len, mask_prob = job.model, job.data.seq_len, job.data.mask_prob
         # Weights from a folder go into the plain model before anything wraps it (rank 0 reads,
-        # the others receive). Under FSDP it is built on the meta device, sharded, then filled
+        # the others receive). Sharded by FSDP it is built on the meta device, sharded, then filled
         # from rank 0's copy one tensor at a time, so no rank holds the whole model on its GPU;
         # with cpu_offload the shards live on the CPU: every rank loads there, then shards.
-        init, fsdp = spec.init_from is not None, job.parallel.strategy == "fsdp"
-        offload = fsdp and job.parallel.fsdp.cpu_offload
-        where = ("cpu" if offload else "meta" if fsdp else self.device) if init else self.device
+        init, sharded = spec.init_from is not None, self.sharded
+        offload = sharded and job.parallel.fsdp.cpu_offload
+        where = ("cpu" if offload else "meta" if sharded else self.device) if init else self.device
         with torch.device(where):
             model = build_model(spec)
-        if init and not (fsdp and not offload):  # a plain module on its device (or on the CPU for offload)
+        if init and not (sharded and not offload):  # a plain module on its device (or on the CPU for offload)
             from launcher.train.hf import load_pretrained
 
             load_pretrained(model, spec, device=torch.device("cpu") if offload else self.device, every_rank=offload)
@@ -211,7 +212,7 @@ class Trainer:
         self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad]) \
             if self.weights == "bf16" else None
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
-        if init and fsdp and not offload:  # sharded on the meta device, filled from rank 0's copy
+        if init and sharded and not offload:  # sharded on the meta device, filled from rank 0's copy
             from launcher.train.hf import load_pretrained
 
             load_pretrained(self.model, spec, device=self.device)
