@@ -10,7 +10,7 @@ groups, clipping at 1.0, as the trainer steps them (eagerly, after the backward)
   the casts plain autocast adds around it: each weight to bf16 in the forward, each bf16
   weight gradient to fp32 in the backward (one kernel a tensor each);
 - ``bf16 weights``: ``MasterAdamW.clip_grad_norm_`` then ``step`` (``launcher.train.optim``):
-  three Triton launches and one per parameter group, no casts.
+  two Triton launches for the norm and one per parameter group, no casts.
 
 GPU time per step from CUDA events over 50 steps (median of 5 rounds), and the bytes each moves.
 ``--sweep`` times the update kernel's block sizes and warp counts.

@@ -11,8 +11,7 @@ tests/integration/test_train_distributed.py.
 
 import pytest
 import torch
-
-from launcher.train.optim import MasterAdamW, MasterWeights
+from fixtures.optim_cases import BETAS, LR, bf16_grads, build, fp32_params, groups
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -20,31 +19,20 @@ pytestmark = [pytest.mark.gpu,
 SHAPES = [(50304, 64), (768,), (3, 1030), (2304, 768), (7,)]
 
 
-def make(kernels: bool, seed: int = 0):
-    torch.manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
-    masters = MasterWeights(params)
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = MasterAdamW(groups, masters, lr=6e-4, betas=(0.9, 0.95))
-    opt.kernels = kernels
-    return params, masters, opt
+def make(kernels: bool):
+    return build(SHAPES, device="cuda", kernels=kernels)
 
 
 def grads(step: int):
-    g = torch.Generator(device="cuda").manual_seed(100 + step)
-    return [(torch.randn(s, device="cuda", generator=g) * (10 if step == 1 else 0.01)).bfloat16() for s in SHAPES]
+    return bf16_grads(SHAPES, step, device="cuda")
 
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_kernel_matches_the_reference_and_torch_adamw(clip):
     params, masters, opt = make(kernels=True)
     ref_params, ref_masters, ref_opt = make(kernels=False)
-    torch.manual_seed(0)
-    fp32 = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.1) for s in SHAPES]
-    torch_opt = torch.optim.AdamW(
-        [{"params": [p for p in fp32 if p.ndim >= 2], "weight_decay": 0.1},
-         {"params": [p for p in fp32 if p.ndim < 2], "weight_decay": 0.0}], lr=6e-4, betas=(0.9, 0.95), fused=True)
+    fp32 = fp32_params(SHAPES, device="cuda")  # the same initial values, trained by torch's fused AdamW
+    torch_opt = torch.optim.AdamW(groups(fp32), lr=LR, betas=BETAS, fused=True)
     for step in range(1, 6):
         for group in (params, ref_params, fp32):
             for p, g in zip(group, grads(step), strict=True):
@@ -63,7 +51,6 @@ def test_kernel_matches_the_reference_and_torch_adamw(clip):
             torch.testing.assert_close(masters.master_of(p), r.detach(), rtol=1e-5, atol=1e-6)
             assert torch.equal(p.detach(), masters.master_of(p).bfloat16())  # rounded to nearest
             assert p.dtype == torch.bfloat16
-    # the first step's clipped gradients (norm far above 1) moved every weight
     assert opt.state[params[0]]["step"] == 5
 
 

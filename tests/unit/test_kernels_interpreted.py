@@ -85,24 +85,13 @@ for compiled in (False, True):
 # bf16 weights' AdamW (launcher.train.optim): the gradients' norm (_sumsq_kernel, _norm_kernel)
 # and the update (_adamw_kernel, a pointer table of bf16 gradients) against the torch reference;
 # ragged shapes (partial last blocks), two groups, clipped and unclipped steps
-from launcher.train.optim import MasterAdamW, MasterWeights
+from fixtures.optim_cases import bf16_grads, build
 shapes = [(37, 5), (2000,), (3, 1030), (7,)]
-def master_adamw(kernels):
-    torch.manual_seed(1)
-    params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
-    masters = MasterWeights(params)
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = MasterAdamW(groups, masters, lr=6e-3, betas=(0.9, 0.95))
-    opt.kernels = kernels
-    return params, masters, opt
-params, masters, opt = master_adamw(True)
-ref_params, ref_masters, ref_opt = master_adamw(False)
+params, masters, opt = build(shapes, seed=1, kernels=True)
+ref_params, ref_masters, ref_opt = build(shapes, seed=1, kernels=False)
 initial = masters.master.clone()
 for step in range(1, 4):
-    gen = torch.Generator().manual_seed(200 + step)
-    grads = [(torch.randn(s, generator=gen) * (10 if step == 1 else 0.005)).bfloat16() for s in shapes]
-    for p, q, g in zip(params, ref_params, grads):
+    for p, q, g in zip(params, ref_params, bf16_grads(shapes, step)):
         p.grad, q.grad = g, g.clone()
     norm, ref_norm = opt.clip_grad_norm_(1.0), ref_opt.clip_grad_norm_(1.0)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import optim_cases as cases
+from fixtures.optim_cases import BETAS, LR, groups
 from torch import nn
 
 from launcher.errors import SpecError
@@ -29,33 +31,20 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 
 SHAPES = [(37, 5), (2000,), (3, 1030), (7,), (64, 64)]
-LR, BETAS = 6e-3, (0.9, 0.95)
 
 
 def fp32_params(seed: int = 0) -> list[nn.Parameter]:
-    torch.manual_seed(seed)
-    return [nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
-
-
-def groups(params: list[nn.Parameter]) -> list[dict]:
-    """The trainer's groups: weight decay on matrices, none on vectors."""
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return cases.fp32_params(SHAPES, seed=seed)
 
 
 def make(seed: int = 0) -> tuple[list[nn.Parameter], MasterWeights, MasterAdamW]:
-    params = fp32_params(seed)
-    masters = MasterWeights(params)
-    opt = MasterAdamW(groups(params), masters, lr=LR, betas=BETAS)
+    params, masters, opt = cases.build(SHAPES, seed=seed)
     assert opt.kernels is False  # the CPU: the torch reference
     return params, masters, opt
 
 
 def bf16_grads(step: int) -> list[torch.Tensor]:
-    """bf16 gradients; the first step's far above a norm of 1 (clipped), the later ones below."""
-    g = torch.Generator().manual_seed(100 + step)
-    scale = 10.0 if step == 1 else 0.005
-    return [(torch.randn(s, generator=g) * scale).bfloat16() for s in SHAPES]
+    return cases.bf16_grads(SHAPES, step)
 
 
 # -- MasterWeights ---------------------------------------------------------------------------
