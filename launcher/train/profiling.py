@@ -7,6 +7,8 @@ under bare torchrun):
 * ``rank<R>.trace.json.gz``: the Chrome/Perfetto trace (open it in https://ui.perfetto.dev);
 * ``rank<R>.ops.txt``: the recorded steps' wall time; on GPUs the device timeline per step
   (``device_timeline``: compute, communication and how much of it no compute hides, idle),
+  where the idle time lies (``idle_gaps``: short gaps from one kernel to the next against
+  longer ones, the device waiting for the host, the longest with the kernels around them),
   the device time per step by kind of kernel and the top kernels (``kernel_breakdown``);
   then the top operators by self device time (self CPU time on the CPU).
 
@@ -94,18 +96,21 @@ class StepProfiler:
         with gzip.open(trace, "wb", compresslevel=6) as dst:
             dst.write(data)
         raw.unlink()
-        timeline = kinds = None
+        timeline = kinds = gaps = None
         if self.device.type == "cuda":
             events = json.loads(data).get("traceEvents", [])
             steps = self.last - self.first + 1
             timeline = device_timeline(events, steps=steps, device=self.device.index)
             kinds = kernel_breakdown(events, steps=steps, device=self.device.index)
+            gaps = idle_gaps(events, steps=steps, device=self.device.index)
         sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=70)
         header = (f"rank {self.rank}, steps {self.first}..{self.last}: {wall_ms:.1f} ms per step "
                   f"under the profiler, sorted by {sort_by}\n")
         if timeline is not None:
             header += timeline_line(timeline) + "\n"
+        if gaps is not None:
+            header += gaps_text(gaps) + "\n"
         if kinds is not None:
             header += "\n" + breakdown_table(kinds) + "\n\n"
         stem.with_suffix(".ops.txt").write_text(header + table + "\n", encoding="utf-8")
@@ -164,6 +169,47 @@ def timeline_line(t: dict[str, float]) -> str:
     return (f"device timeline per step: span {t['span_ms']:.2f} ms, compute {t['compute_ms']:.2f} ms, "
             f"communication {t['comm_ms']:.2f} ms ({t['comm_exposed_ms']:.2f} ms not overlapped by compute), "
             f"idle {t['idle_ms']:.2f} ms, {t['kernels']:.0f} kernels")
+
+
+SHORT_GAP_US = 5.0  # from one kernel to the next in a queue the host keeps full (launch latency)
+
+
+def idle_gaps(events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None,
+              top: int = 5) -> dict[str, Any] | None:
+    """Where the device sat idle, in ms per step: gaps under ``SHORT_GAP_US`` (one kernel's end
+    to the next one's start, what fewer kernels or programmatic dependent launch would
+    shorten) and longer ones (the device waiting for the host: a synchronisation, a slow
+    launch), with the ``top`` longest and the device activity on either side. Every stream
+    of ``device`` counts as one timeline (a gap is time with nothing running on any).
+    None without device activity."""
+    found = sorted(device_events(events, device), key=lambda e: float(e["ts"]))
+    if not found:
+        return None
+    gaps: list[tuple[float, str, str]] = []
+    busy_until, last = float(found[0]["ts"]) + float(found[0]["dur"]), str(found[0].get("name", ""))
+    for e in found[1:]:
+        start, end, name = float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", ""))
+        if start > busy_until:
+            gaps.append((start - busy_until, last, name))
+        if end > busy_until:
+            busy_until, last = end, name
+    short = [g for g in gaps if g[0] < SHORT_GAP_US]
+    long = sorted((g for g in gaps if g[0] >= SHORT_GAP_US), reverse=True)
+    per_step_ms = 1e-3 / steps
+    return {
+        "short_ms": sum(g[0] for g in short) * per_step_ms, "short": len(short) / steps,
+        "long_ms": sum(g[0] for g in long) * per_step_ms, "long": len(long) / steps,
+        "longest": [{"us": us, "after": after, "before": before} for us, after, before in long[:top]],
+    }
+
+
+def gaps_text(g: dict[str, Any], name_width: int = 60) -> str:
+    lines = [f"idle per step: {g['short_ms']:.2f} ms in {g['short']:g} gaps under {SHORT_GAP_US:g} us "
+             f"(kernel to kernel), {g['long_ms']:.2f} ms in {g['long']:g} longer ones (the device waiting "
+             f"for the host)"]
+    lines += [f"  {x['us']:9.1f} us after {x['after'][:name_width]}, before {x['before'][:name_width]}"
+              for x in g["longest"]]
+    return "\n".join(lines)
 
 
 # Kinds of kernels, by name: the first kind with a matching pattern (lower case) wins, so

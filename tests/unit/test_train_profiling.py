@@ -14,6 +14,8 @@ from launcher.train.profiling import (
     StepProfiler,
     breakdown_table,
     device_timeline,
+    gaps_text,
+    idle_gaps,
     kernel_breakdown,
     kernel_kind,
     timeline_line,
@@ -171,3 +173,22 @@ def test_a_gpu_profile_writes_the_timeline_and_the_breakdown(tmp_path: Path):
     assert "device timeline per step: span 0.02 ms" in text
     kinds = text[text.index("kernels by kind"):text.index("(operator table)")]
     assert "matrix products" in kinds and "75.0" in kinds and "activation" in kinds and "25.0" in kinds
+
+
+def test_idle_gaps_split_kernel_to_kernel_gaps_from_waits_for_the_host():
+    """Two steps on two streams: 2 µs gaps between kernels, one 400 µs wait on the host, and a
+    kernel on a second stream that covers a gap of the first (no idle time there)."""
+    def k(name, ts, dur, device=0):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"device": device}}
+
+    events = [k("a", 0, 10), k("b", 12, 10), k("side", 20, 15), k("c", 35, 10),  # b..c covered by side
+              k("d", 47, 10), k("sync-wait-after", 457, 10), k("e", 469, 10),
+              k("other-gpu", 100, 300, device=1), {"cat": "cpu_op", "name": "aten::mm", "ts": 60, "dur": 5}]
+    g = idle_gaps(events, steps=2, device=0)
+    # a→b, c→d and wait→e are 2 µs apart; side runs from b's end to c's start: no gap there
+    assert g["short"] == 1.5 and g["short_ms"] == pytest.approx(3 * 2e-3 / 2)
+    assert g["long"] == 0.5 and g["long_ms"] == pytest.approx(400e-3 / 2)
+    assert g["longest"] == [{"us": 400.0, "after": "d", "before": "sync-wait-after"}]
+    text = gaps_text(g)
+    assert "in 1.5 gaps under 5 us" in text and "400.0 us after d, before sync-wait-after" in text
+    assert idle_gaps([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}], steps=1) is None
