@@ -90,7 +90,7 @@ class RaySpec(Strict):
 
 
 class ParitySpec(Strict):
-    packages: list[str] = Field(default_factory=list, description="pinned. Extra Python packages whose versions must agree across nodes (a job's own kernel packages are added to them: flash-attn-4 where train.attention may pick FlashAttention-4, torchao for fp8).")
+    packages: list[str] = Field(default_factory=list, description="pinned. Extra Python packages whose versions must agree across nodes (a job's own kernel packages are added to them: flash-attn-4 where train.attention may pick FlashAttention-4, triton where train.kernels or precision.weights may use it, torchao for fp8).")
     policies: dict[str, Policy] = Field(default_factory=dict, description="Per-field policy overriding the defaults: exact, minor, major, warn or ignore (e.g. {python: minor, driver: warn}).")
 
 

@@ -245,10 +245,15 @@ class JobSpec(Strict):
     def kernel_packages(self) -> list[str]:
         """Optional packages whose presence changes the kernels the built-in trainer runs, so
         preflight checks that every node has the same version of each (or none): flash-attn-4
-        where ``train.attention`` may pick FlashAttention-4 (auto, cudnn-fa4), torchao for fp8."""
+        where ``train.attention`` may pick FlashAttention-4 (auto, cudnn-fa4); Triton where the
+        trainer's own kernels (``train.kernels: auto``) or bf16 weights (``precision.weights``
+        auto or bf16: without Triton ``auto`` trains fp32 weights, and DDP needs one dtype on
+        every rank) may run; torchao for fp8."""
         if not self.uses_builtin or self.resources.device != "cuda":
             return []
         wanted = ["flash-attn-4"] if self.train.attention in ("auto", "cudnn-fa4") else []
+        if self.train.kernels == "auto" or self.precision.weights != "fp32":
+            wanted.append("triton")
         return wanted + (["torchao"] if self.precision.dtype == "fp8" else [])
 
     @property

@@ -293,8 +293,9 @@ def test_all_fixtures_side_by_side_differ_where_they_should() -> None:
 
 
 def test_kernel_packages_join_the_parity_check(gpu) -> None:
-    """A GPU job whose attention may pick FlashAttention-4 (and an fp8 one, torchao) has those
-    packages compared on every node without cluster.yaml listing them; a CPU job does not."""
+    """A GPU job whose attention may pick FlashAttention-4, whose kernels or weights may need
+    Triton (and an fp8 one, torchao) has those packages compared on every node without
+    cluster.yaml listing them; a CPU job does not."""
     from launcher.preflight import parity_packages
     from launcher.spec import ClusterSpec, JobSpec
 
@@ -302,9 +303,12 @@ def test_kernel_packages_join_the_parity_check(gpu) -> None:
                                           "parity": {"packages": ["numpy"]}})
     base = {"name": "j", "model": {"arch": "gpt"}, "resources": {"device": "cuda"}}
     gpu_job = JobSpec.model_validate(base)
-    assert parity_packages(cluster, gpu_job) == ["numpy", "flash-attn-4"]
+    assert parity_packages(cluster, gpu_job) == ["numpy", "flash-attn-4", "triton"]
     fp8 = JobSpec.model_validate({**base, "precision": {"dtype": "fp8"}, "train": {"attention": "cudnn"}})
-    assert parity_packages(cluster, fp8) == ["numpy", "torchao"]
+    assert parity_packages(cluster, fp8) == ["numpy", "triton", "torchao"]
+    plain = JobSpec.model_validate({**base, "precision": {"weights": "fp32"},
+                                    "train": {"attention": "cudnn", "kernels": "torch"}})
+    assert parity_packages(cluster, plain) == ["numpy"]
     cpu_job = JobSpec.model_validate({**base, "resources": {"device": "cpu"}})
     assert parity_packages(cluster, cpu_job) == ["numpy"]
     assert parity_packages(cluster, None) == ["numpy"]
