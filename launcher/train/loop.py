@@ -174,6 +174,11 @@ class Trainer:
         self.sharded = job.parallel.strategy == "fsdp" and (self.world_size > 1 or parallel.shards_alone(job))
         self.weights = choose_weights(job.precision.weights, dtype=job.precision.dtype, device=self.device,
                                       grad_accum=job.train.grad_accum, sharded=self.sharded)
+        if self.world_size > 1:  # DDP needs one weight dtype on every rank: rank 0's choice
+            # (a rank without Triton updates bf16 weights with the torch reference, slower but alike)
+            choice = [self.weights]
+            dist.broadcast_object_list(choice, src=0)
+            self.weights = choice[0]
         if self.attention not in ("auto", "cudnn-fa4") and self.device.type == "cuda":
             # Set before anything compiles: torch.compile picks the kernel when it traces.
             from torch.nn.attention import SDPBackend, sdpa_kernel
