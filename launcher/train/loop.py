@@ -255,10 +255,9 @@ class Trainer:
                 self.scaler = ShardedGradScaler()  # all-reduces found-inf across shards
             else:
                 self.scaler = torch.amp.GradScaler("cuda")
-        # Clipping folded into the fused kernel (clip_gradients); a GradScaler owns that slot
-        # when there is one, and sharded gradients keep the in-place multiply.
-        self.clip_in_optimizer = self.masters is not None or (
-            on_gpu and self.scaler is None and not parallel.is_sharded(self.model))
+        # Clipping folded into the fused kernel (clip_gradients; MasterAdamW always folds it); a
+        # GradScaler owns that slot when there is one, and sharded gradients keep the in-place multiply.
+        self.clip_in_optimizer = on_gpu and self.scaler is None and not parallel.is_sharded(self.model)
 
     def build_data(self) -> None:
         self.data = build_data(self.job, rank=self.rank, world_size=self.world_size, device=self.device)
