@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from launcher.errors import SpecError
+from launcher.train import parallel
 
 try:
     import triton
@@ -225,8 +226,8 @@ class MasterAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.masters.device)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
-        self._coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        norm = torch.nn.utils.get_total_norm([p.grad.float() for p in params])  # fp32, not bf16
+        self._coef = parallel.clip_coefficient(norm, max_norm)
         return norm
 
     # -- the update ----------------------------------------------------------------------
