@@ -15,7 +15,8 @@ For each:
 Everything is captured as a CUDA graph and replayed (``mlp_kernels.replayed_ms``). GB/s counts
 one read and one write of the logits. ``--sweep`` also times the kernel's configurations:
 the whole row in registers at several warp counts, and chunked rows (two passes over each
-row: an online max and sum, then the gradient).
+row: an online max and sum, then the gradient), the second pass forwards without cache hints
+or (``L2``) backwards with them.
 """
 
 import json
@@ -31,8 +32,8 @@ SHAPES = {  # name: (rows, columns, classes, d_model)
     "gpt2-124m": (16 * 1024, 50304, 50304, 768),
     "bert-base": (128 * 77, 30528, 30522, 768),
 }
-SWEEP = [{"BLOCK": None, "num_warps": w} for w in (8, 16, 32)] + [
-    {"BLOCK": b, "num_warps": w} for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+SWEEP = [{"BLOCK": None, "num_warps": w} for w in (16, 32)] + [
+    {"BLOCK": b, "num_warps": w, "L2": l2} for b in (2048, 4096, 8192) for w in (4, 8, 16) for l2 in (False, True)]
 
 
 def measure(rows: int, cols: int, classes: int, d: int, sweep: bool) -> dict:
@@ -89,7 +90,8 @@ def main() -> None:
     for name, shape in SHAPES.items():
         r = results[name] = measure(*shape, sweep=args.sweep)
         for s in r.get("sweep", []):
-            print(f"{name} BLOCK={s['BLOCK']} num_warps={s['num_warps']}: in place {s['in_place_ms']:.4f} ms, "
+            print(f"{name} BLOCK={s['BLOCK']} num_warps={s['num_warps']} L2={s.get('L2')}: "
+                  f"in place {s['in_place_ms']:.4f} ms, "
                   f"new tensor {s['new_tensor_ms']:.4f} ms")
         table.append([name, f"{r['inductor_ms']:.3f}", f"{r['bytes'] / r['inductor_ms'] / 1e6:.0f}",
                       f"{r['triton_ms']:.3f}", f"{r['bytes'] / r['triton_ms'] / 1e6:.0f}",

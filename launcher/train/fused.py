@@ -31,13 +31,18 @@ compare against (tests/integration/test_gpu_fused.py).
 **softmax_xent_.** ``softmax_xent_(logits, labels, classes)`` returns each row's cross-entropy
 and writes ``softmax - onehot(labels)`` over the logits, the gradient that
 ``launcher.train.loss`` keeps for the LM head's backward. One program a row: an online max and
-sum over chunks of 4096 columns, then a second pass that reads the row again and writes its
-gradient in place. Inductor's kernel for the same function (``loss.loss_and_dlogits``, the
-reference) writes a new tensor: on GPT-2's 16k × 50304 bf16 logits it took 1.73 ms against this
-kernel's 1.18 (2.8 TB/s), on BERT-base's masked rows 0.88 ms against 0.50, and it kept the
-logits and their gradient alive together (1.5 GiB more at GPT-2's peak). Keeping the whole row
-in registers (``BLOCK=None``) measured slower (1.50 ms at 16 warps: too few rows in flight), and
-so did a grid of a few programs an SM looping over rows to keep them in L2 (1.24 ms at best).
+sum over chunks of 4096 columns, then a second pass that reads the row again, backwards (its
+first chunks are the likeliest still in L2), and writes its gradient in place. Inductor's
+kernel for the same function (``loss.loss_and_dlogits``, the reference) writes a new tensor: on
+GPT-2's 16k × 50304 bf16 logits it took 1.73 ms against this kernel's 1.18 (2.8 TB/s) in its
+first form (second pass forwards, no cache hints), on BERT-base's masked rows 0.88 ms against
+0.50, and it kept the logits and their gradient alive together (1.5 GiB more at GPT-2's peak).
+The backward second pass with L2 hints (``L2``) took 1.07 ms against 1.19 for the first form,
+timed side by side (3.1 TB/s; ``python benchmarks/loss_kernels.py --sweep``; "l2_order" in
+benchmarks/results/loss-kernel-1xh200.json). Keeping the
+whole row in registers (``BLOCK=None``) measured slower (1.50 ms at 16 and 32 warps: too few
+rows in flight), and so did a grid of a few programs an SM looping over rows to keep them in
+L2 (1.24 ms at best).
 Tests: tests/integration/test_gpu_loss_kernel.py.
 """
 
@@ -56,7 +61,8 @@ except ImportError:  # CPU-only installs: the reference path below
 FWD = {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4}
 BWD = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
 # The loss kernel's chunk of columns and warps (``python benchmarks/loss_kernels.py --sweep``).
-XENT = {"BLOCK": 4096, "num_warps": 8}  # BLOCK None: the whole row in registers
+# L2: the second pass backwards, with cache hints (see ``_xent_kernel``).
+XENT = {"BLOCK": 4096, "num_warps": 8, "L2": True}  # BLOCK None: the whole row in registers
 
 
 def available(t: torch.Tensor) -> bool:
@@ -179,7 +185,8 @@ if triton is not None:
         return dy, None if bias is None else part.sum(0).to(bias.dtype)
 
     @triton.jit
-    def _xent_kernel(Z, LABELS, DZ, LOSS, N, CLASSES, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    def _xent_kernel(Z, LABELS, DZ, LOSS, N, CLASSES, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                     L2: tl.constexpr):
         """One row of logits a program: its loss (log-sum-exp minus the label's logit) and
         ``softmax - onehot`` in place of the logits (DZ may be Z: each element is read before
         it is written). Columns from CLASSES to N are padding: probability 0, gradient 0."""
@@ -197,21 +204,28 @@ if triton is not None:
             tl.store(dz_row + cols, tl.where(cols == label, p - 1.0, p).to(DZ.dtype.element_ty), mask=cols < N)
             lse = m + tl.log(s)
         else:  # an online max and sum over chunks, then a second pass that reads the row again
+            # L2: the second pass goes backwards, so its first reads are the chunks the first
+            # pass read last, the likeliest still in L2; the first pass asks L2 to keep the
+            # row, the second to drop it, and the gradient is stored streaming.
             m = tl.full([], float("-inf"), tl.float32)
             s = tl.zeros([], tl.float32)
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                z = tl.load(z_row + cols, mask=cols < CLASSES, other=float("-inf")).to(tl.float32)
+                z = tl.load(z_row + cols, mask=cols < CLASSES, other=float("-inf"),
+                            eviction_policy="evict_last" if L2 else "").to(tl.float32)
                 m_new = tl.maximum(m, tl.max(z, axis=0))
                 s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
                 m = m_new
             lse = m + tl.log(s)
-            for start in range(0, N, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                z = tl.load(z_row + cols, mask=cols < CLASSES, other=float("-inf")).to(tl.float32)
+            chunks = tl.cdiv(N, BLOCK)
+            for i in range(0, chunks):
+                chunk = chunks - 1 - i if L2 else i
+                cols = chunk * BLOCK + tl.arange(0, BLOCK)
+                z = tl.load(z_row + cols, mask=cols < CLASSES, other=float("-inf"),
+                            eviction_policy="evict_first" if L2 else "").to(tl.float32)
                 p = tl.exp(z - lse)
                 tl.store(dz_row + cols, tl.where(cols == label, p - 1.0, p).to(DZ.dtype.element_ty),
-                         mask=cols < N)
+                         mask=cols < N, cache_modifier=".cs" if L2 else "")
         tl.store(LOSS + row, lse - target)
 
     def _launch_xent(z: torch.Tensor, labels: torch.Tensor, classes: int, dz: torch.Tensor,
@@ -220,6 +234,7 @@ if triton is not None:
         loss = torch.empty(m, device=z.device, dtype=torch.float32)
         config = dict(config or XENT)
         block = config.pop("BLOCK", None) or triton.next_power_of_2(n)
+        config.setdefault("L2", True)
         _xent_kernel[(m,)](z, labels, dz, loss, n, classes, BLOCK=block, ONE_PASS=block >= n, **config)
         return loss
 

@@ -281,6 +281,7 @@ class Trainer:
             reduce_loss=parallel.all_reduce_mean,
             peak_mem_gib=lambda: peak_memory_gib(self.device), gpu_util_pct=self.gpu_util,
             lr=lambda step: t.lr * lr_factor(step - 1, t),  # the scheduler's rule (LambdaLR)
+            read_late=cuda,  # the GPU runs the next step while the host logs
         )
         write_record({
             "type": "meta", "local_rank": self.local_rank, "world_size": self.world_size,
@@ -411,20 +412,24 @@ class Trainer:
                 self._after_step(step, loss, total, on_step)
         finally:
             profiler.close()
+        self._progress(self.meter.flush())
         final = self.meter.finish()
         if self.rank == 0:
             log.info(final_line(final, self.world_size))
         return final
 
     def _after_step(self, step: int, loss: torch.Tensor, total: int, on_step: StepCallback | None) -> None:
-        """Meter (and log on log steps), checkpoint when due, then the caller's callback."""
-        record = self.meter.step_end(step, loss)
-        if record is not None and self.rank == 0:
-            log.info(progress_line(record, total, self.flops_per_token, self.peak_tflops))
+        """Meter (and log the last log step's record, read now), checkpoint when due, then the
+        caller's callback."""
+        self._progress(self.meter.step_end(step, loss))
         if self.checkpointer.due(step, total):
             self.checkpointer.save(step, self.model, self.optimizer, self.scheduler)
         if on_step is not None:
             on_step(step)
+
+    def _progress(self, record: dict[str, Any] | None) -> None:
+        if record is not None and self.rank == 0:
+            log.info(progress_line(record, self.job.train.steps, self.flops_per_token, self.peak_tflops))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded CPU copies of the parameters (the fp32 masters of bf16 weights), on rank 0

@@ -1,4 +1,5 @@
-"""The meter: syncs only on log steps, warm-up excluded, MFU arithmetic, record contract."""
+"""The meter: no device sync in the loop (a log step is read one step later), warm-up excluded,
+MFU arithmetic, record contract."""
 
 from __future__ import annotations
 
@@ -27,16 +28,20 @@ class FakeClock:
 class FakeTimer:
     def __init__(self, clock: FakeClock):
         self.clock = clock
+        self.waited: list[float] = []
 
     def mark(self) -> float:
         return self.clock.now
+
+    def wait(self, mark: float) -> None:
+        self.waited.append(mark)
 
     @staticmethod
     def elapsed_ms(a: float, b: float) -> float:
         return (b - a) * 1e3
 
 
-def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0):
+def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False):
     clock = FakeClock()
     calls = {"sync": 0, "reduce": 0}
     records: list[dict] = []
@@ -51,39 +56,52 @@ def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0):
     meter = Meter(total_steps=total, warmup_steps=warmup, log_every=log_every, tokens_per_step=1000,
                   samples_per_step=10, flops_per_token=1e9, peak_tflops=peak, timer=FakeTimer(clock),
                   sync=sync, reduce_loss=reduce, peak_mem_gib=lambda: 1.5, gpu_util_pct=lambda: 90.0,
-                  lr=lambda step: step / 1000, clock=clock, write=records.append)
+                  lr=lambda step: step / 1000, clock=clock, write=records.append, read_late=late)
     return meter, clock, calls, records
 
 
 def run(meter: Meter, clock: FakeClock, steps: range, calls: dict, log_steps: list[int]):
+    """No sync in the loop; the loss is reduced (queued) at each log step, whose record comes
+    from that step's step_end, or the next one's with ``read_late``."""
     for step in steps:
         with meter.data_wait():
             clock.now += 0.01
         clock.now += 0.09
-        before = calls["sync"]
+        syncs, reduces = calls["sync"], calls["reduce"]
         rec = meter.step_end(step, torch.tensor(float(step)))
-        assert (calls["sync"] > before) == (step in log_steps), step
-        assert (rec is not None) == (step in log_steps)
+        assert calls["sync"] == syncs, step
+        assert calls["reduce"] == reduces + (step in log_steps), step
+        read = step - 1 if meter.read_late else step
+        assert (rec is not None) == (read in log_steps), step
+        assert rec is None or rec["step"] == read
 
 
-def test_syncs_only_on_log_steps_and_the_warmup_boundary():
-    meter, clock, calls, records = make_meter()
+@pytest.mark.parametrize("late", [False, True])
+def test_log_records_without_a_sync_in_the_loop(late: bool):
+    meter, clock, calls, records = make_meter(late=late)
     meter.start()
     assert calls["sync"] == 1
     run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
-    assert calls["sync"] == 1 + 5 and calls["reduce"] == 5
-    assert [r["step"] for r in records] == [3, 5, 10, 15, 20]
+    assert [r["step"] for r in records] == ([3, 5, 10, 15] if late else [3, 5, 10, 15, 20])
+    last = meter.flush()  # reads step 20's record if it waits, after a sync
+    assert (last is records[-1] and last["step"] == 20) if late else last is None
+    assert calls["sync"] == 1 + late and meter.flush() is None
+    assert calls["reduce"] == 5
+    assert meter.timer.waited == pytest.approx([0.3, 0.5, 1.0, 1.5, 2.0])  # each log step's own end
     assert [r["measured"] for r in records] == [False, True, True, True, True]
     assert all(set(r) == STEP_KEYS for r in records)
     assert [r["lr"] for r in records] == [0.003, 0.005, 0.01, 0.015, 0.02]  # the log step's own
     assert records[1]["tokens"] == 2000 and records[2]["samples"] == 50
     assert records[2]["step_times_ms"] == pytest.approx([100.0] * 5)
-    assert records[2]["loss"] == pytest.approx(sum(range(6, 11)) / 5)
+    assert records[2]["loss"] == pytest.approx(sum(range(6, 11)) / 5)  # its own steps only
+    # the interval between the log steps' marks, and the data wait of its own steps
     assert records[2]["interval_s"] == pytest.approx(0.5) and records[2]["data_wait_s"] == pytest.approx(0.05)
+    assert records[0]["interval_s"] == pytest.approx(0.3) and records[4]["interval_s"] == pytest.approx(0.5)
 
 
-def test_final_counts_measured_steps_only_and_computes_mfu():
-    meter, clock, calls, records = make_meter()
+@pytest.mark.parametrize("late", [False, True])
+def test_final_counts_measured_steps_only_and_computes_mfu(late: bool):
+    meter, clock, calls, records = make_meter(late=late)
     meter.start()
     run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
     final = meter.finish()
