@@ -27,6 +27,7 @@ from launcher.metrics import write_record
 from launcher.spec.job import JobSpec, TrainSpec
 from launcher.train import attention, fused, parallel
 from launcher.train.checkpoint import Checkpointer
+from launcher.train.collector import ManualCollector
 from launcher.train.data import Batches, build_data
 from launcher.train.meter import (
     CudaTimer,
@@ -403,6 +404,10 @@ class Trainer:
                      self.world_size, self.job.parallel.strategy, self.job.precision.dtype, self.weights,
                      self.attention, self.start_step + 1, total)
         profiler = StepProfiler(self.job.train.profile, rank=self.rank, device=self.device)
+        # On GPUs, Python's collector runs on log steps only, with the warm-up's objects frozen
+        # (launcher.train.collector); the freeze falls in the warm-up's last step.
+        self.collector = ManualCollector(enabled=self.device.type == "cuda",
+                                         freeze_at=max(self.start_step + 1, self.meter.warmup_end - 1))
         self.meter.start()
         try:
             for step in range(self.start_step + 1, total + 1):
@@ -412,6 +417,7 @@ class Trainer:
                 self._after_step(step, loss, total, on_step)
         finally:
             profiler.close()
+            self.collector.close()
         self._progress(self.meter.flush())
         final = self.meter.finish()
         if self.rank == 0:
@@ -421,7 +427,9 @@ class Trainer:
     def _after_step(self, step: int, loss: torch.Tensor, total: int, on_step: StepCallback | None) -> None:
         """Meter (and log the last log step's record, read now), checkpoint when due, then the
         caller's callback."""
-        self._progress(self.meter.step_end(step, loss))
+        record = self.meter.step_end(step, loss)
+        self._progress(record)
+        self.collector.after_step(step, logged=record is not None)
         if self.checkpointer.due(step, total):
             self.checkpointer.save(step, self.model, self.optimizer, self.scheduler)
         if on_step is not None:
