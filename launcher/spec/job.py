@@ -153,6 +153,28 @@ class PrecisionSpec(Strict):
     weights: Literal["auto", "bf16", "fp32"] = Field("auto", description="The model's weights under bf16. bf16: the weights are bf16 and the optimizer keeps their fp32 masters, updating them with AdamW's fp32 arithmetic in one fused kernel per parameter group (Triton, on CUDA) that also writes the new bf16 weights: no weight casts in the forward, no gradient casts in the backward, bf16 gradients (DDP all-reduces them in fp32 unless parallel.ddp.comm_hook says otherwise); checkpoints hold the fp32 masters. Needs dtype bf16, train.grad_accum 1 (bf16 gradients are not summed over micro-batches) and no FSDP sharding (FSDP on one process trains unwrapped and may use it). fp32: fp32 weights that autocast casts to bf16 in every forward. auto: bf16 where it applies on a CUDA GPU with Triton, else fp32.")
 
 
+def bf16_weights_obstacles(*, dtype: str, grad_accum: int, sharded: bool) -> list[str]:
+    """Why bf16 weights with fp32 masters (``precision.weights: bf16``) cannot apply to a run;
+    empty where they can. The job's cross-checks ask with what the spec alone tells (FSDP with
+    CPU offload shards even on one process); the trainer asks again at start with the world
+    size (``launcher.train.optim.choose_weights``)."""
+    reasons = []
+    if dtype != "bf16":
+        reasons.append(f"they keep fp32 masters for bf16 training, and precision.dtype is {dtype}")
+    if grad_accum != 1:
+        reasons.append(f"bf16 gradients are not summed over micro-batches, and train.grad_accum is {grad_accum} "
+                       f"(raise train.micro_batch instead)")
+    if sharded:
+        reasons.append("FSDP shards the weights here (its mixed precision keeps fp32 shards)")
+    return reasons
+
+
+def bf16_weights_refusal(reasons: list[str]) -> str:
+    """The one-paragraph error for ``precision.weights: bf16`` where it cannot apply."""
+    return ("precision.weights bf16 (bf16 weights with fp32 masters) cannot apply to this run: "
+            + "; ".join(reasons) + ". Set precision.weights to auto or fp32.")
+
+
 class CudnnSpec(Strict):
     benchmark: bool = Field(True, description="torch.backends.cudnn.benchmark: search the fastest algorithm per shape (good for fixed shapes).")
     deterministic: bool = Field(False, description="Reproducible runs: cuDNN deterministic, torch.use_deterministic_algorithms, seeds everywhere, TF32 off (slower).")
@@ -314,16 +336,11 @@ class JobSpec(Strict):
                 raise ValueError("train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
                                  "parameters between graphs (set train.cuda_graphs: false)")
         if self.precision.weights == "bf16":
-            if self.precision.dtype != "bf16":
-                raise ValueError(f"precision.weights bf16 keeps fp32 masters for bf16 training; with precision.dtype "
-                                 f"{self.precision.dtype} set precision.weights to auto or fp32")
-            if self.train.grad_accum != 1:
-                raise ValueError(f"precision.weights bf16 needs train.grad_accum 1 (bf16 gradients are not summed "
-                                 f"over micro-batches), not {self.train.grad_accum}; set precision.weights to auto "
-                                 f"or fp32, or raise train.micro_batch instead")
-            if self.parallel.strategy == "fsdp" and self.parallel.fsdp.cpu_offload:
-                raise ValueError("precision.weights bf16 does not apply to sharded FSDP (its mixed precision keeps "
-                                 "fp32 shards); set precision.weights to auto or fp32")
+            offload = self.parallel.strategy == "fsdp" and self.parallel.fsdp.cpu_offload
+            reasons = bf16_weights_obstacles(dtype=self.precision.dtype, grad_accum=self.train.grad_accum,
+                                             sharded=offload)
+            if reasons:
+                raise ValueError(bf16_weights_refusal(reasons))
         if self.parallel.strategy == "fsdp" and self.parallel.ddp.comm_hook != "none":
             raise ValueError("parallel.ddp.comm_hook applies to ddp; for fsdp use parallel.fsdp.reduce_dtype")
         return self

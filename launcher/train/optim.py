@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from launcher.errors import SpecError
+from launcher.spec.job import bf16_weights_obstacles, bf16_weights_refusal
 from launcher.train import parallel
 
 try:
@@ -59,18 +60,11 @@ def choose_weights(requested: str, *, dtype: str, grad_accum: int, sharded: bool
     raises SpecError with the reason and the fix; on the CPU it runs the torch reference."""
     if requested == "fp32":
         return "fp32"
-    reasons = []
-    if dtype != "bf16":
-        reasons.append(f"it keeps fp32 masters for bf16 training, and precision.dtype is {dtype}")
-    if grad_accum != 1:
-        reasons.append(f"bf16 gradients are not summed over micro-batches, and train.grad_accum is {grad_accum}")
-    if sharded:
-        reasons.append("FSDP shards the weights here (its mixed precision keeps fp32 shards)")
+    reasons = bf16_weights_obstacles(dtype=dtype, grad_accum=grad_accum, sharded=sharded)
     if requested == "auto":
         return "bf16" if not reasons and triton is not None and device.type == "cuda" else "fp32"
     if reasons:
-        raise SpecError("bf16 weights with fp32 masters cannot apply to this run: " + "; ".join(reasons)
-                        + ". Set precision.weights: auto.", field=FIELD)
+        raise SpecError(bf16_weights_refusal(reasons), field=FIELD)
     return "bf16"
 
 

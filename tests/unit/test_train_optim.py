@@ -298,7 +298,7 @@ def test_choose_weights_refuses_bf16_where_it_cannot_apply(kwargs: dict, reason:
         choose("bf16", **kwargs)
     message = str(err.value)
     assert err.value.exit_code == 2 and err.value.field == "precision.weights"
-    assert reason in message and "Set precision.weights: auto" in message
+    assert reason in message and "Set precision.weights to auto or fp32" in message
 
 
 def test_choose_weights_names_every_reason():
@@ -315,12 +315,11 @@ def test_the_job_spec_takes_bf16_weights_with_bf16_training():
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
-    (["resources.device=cuda", "precision.dtype=fp16"], "precision.weights bf16 keeps fp32 masters for bf16 "
-                                                         "training; with precision.dtype fp16"),
-    (["precision.dtype=fp32"], "with precision.dtype fp32 set precision.weights to auto or fp32"),
-    (["precision.dtype=bf16", "train.grad_accum=2"], "precision.weights bf16 needs train.grad_accum 1"),
+    (["resources.device=cuda", "precision.dtype=fp16"], "precision.dtype is fp16"),
+    (["precision.dtype=fp32"], "precision.dtype is fp32"),
+    (["precision.dtype=bf16", "train.grad_accum=2"], "train.grad_accum is 2 (raise train.micro_batch instead)"),
     (["precision.dtype=bf16", "parallel.strategy=fsdp", "parallel.fsdp.cpu_offload=true"],
-     "precision.weights bf16 does not apply to sharded FSDP"),
+     "FSDP shards the weights here"),
 ])
 def test_the_job_spec_refuses_bf16_weights_where_they_cannot_apply(overrides: list[str], expected: str):
     with pytest.raises(SpecError) as err:
@@ -330,3 +329,6 @@ def test_the_job_spec_refuses_bf16_weights_where_they_cannot_apply(overrides: li
     assert str(QUICKSTART) in message, "the error names the file"
     assert "\n" not in message and "Traceback" not in message
     assert expected in message, message
+    # the trainer's refusal (choose_weights) and the spec's are one paragraph, worded alike
+    assert "precision.weights bf16 (bf16 weights with fp32 masters) cannot apply to this run: " in message
+    assert "Set precision.weights to auto or fp32." in message
