@@ -2,8 +2,12 @@
 
 A failed rank is named from the structured error file torchrun has each worker write
 (``@record``: exception, message, traceback, timestamp; the built-in trainer's entry is wrapped).
-Scripts that write none are named from torchrun's own "Root Cause" report, the fallback. A
-lost node and a hung rank are named by the watch loop and described here.
+Scripts that write none are named from torchrun's own "Root Cause" report, the fallback. That
+report times failures to the second and names the lowest rank on a tie, so when one rank
+crashes and its peers fail on the broken connection within the same second, it may name an
+echo. Among the ranks its report lists with the root cause's second, the first whose log does
+not end in a peer's failure ("Connection closed by peer", ...) is named instead. A lost node and
+a hung rank are named by the watch loop and described here.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from launcher.util import first_line
 
 ROOT_CAUSE_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 ROOT_CAUSE_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+REPORT_TIME = re.compile(r"^\s*time\s*:\s*(\S+)")
+# What a rank's last lines say when it failed because a peer did (gloo, NCCL, sockets).
+PEER_FAILED = re.compile(r"Connection (closed|reset) by peer|caused by a remote worker crashing|"
+                         r"remote process exited|ncclRemoteError|Broken pipe", re.IGNORECASE)
 TORCHRUN_LINES = 200
 TAIL_LINES = 20
 
@@ -35,6 +43,8 @@ def rank_failure(agents: Tails, i: int, node: NodePlan, status: ExitStatus) -> F
     """Agent ``i``'s torchrun exited non-zero: name the rank that failed first."""
     report = agents.tail(i, None, TORCHRUN_LINES)
     rank, local_rank, code = _root_cause(report)
+    if rank is not None and local_rank is not None:
+        rank, local_rank, code = _not_an_echo(agents, i, _failures(report), (rank, local_rank, code))
     errors = [e for e in agents.errors(i) if e.local_rank < node.nproc]
     first = errors[0] if errors else None  # the structured record wins over the text
     if first is not None:
@@ -77,6 +87,41 @@ def _root_cause(lines: list[str]) -> tuple[int | None, int | None, int | None]:
             code = int(m.group(1))
             break
     return rank, local_rank, code
+
+
+def _failures(lines: list[str]) -> list[tuple[str | None, int, int, int | None]]:
+    """(time, rank, local rank, exit code) of every failure in torchrun's last report, the root
+    cause last."""
+    starts = [i for i, line in enumerate(lines) if "Failures:" in line]
+    entries: list[list] = []
+    for line in lines[starts[-1]:] if starts else []:
+        if re.match(r"^\s*\[\d+\]:\s*$", line):
+            entries.append([None, None, None, None])
+        elif entries and (m := REPORT_TIME.search(line)):
+            entries[-1][0] = m.group(1)
+        elif entries and (m := ROOT_CAUSE_RANK.search(line)):
+            entries[-1][1], entries[-1][2] = int(m.group(1)), int(m.group(2))
+        elif entries and (m := ROOT_CAUSE_EXIT.search(line)):
+            entries[-1][3] = int(m.group(1))
+    return [(t, r, lr, c) for t, r, lr, c in entries if r is not None]
+
+
+def _not_an_echo(agents: Tails, i: int, failures: list[tuple[str | None, int, int, int | None]],
+                 root: tuple[int, int, int | None]) -> tuple[int, int, int | None]:
+    """The root cause (rank, local rank, exit code), or, where its log shows a peer's failure,
+    the first rank torchrun saw fail in the same second whose log does not."""
+    times = [when for when, _, local_rank, _ in failures if local_rank == root[1]]
+    if not times or times[-1] is None:
+        return root
+
+    def echo(local_rank: int) -> bool:
+        return any(PEER_FAILED.search(line) for line in agents.tail(i, local_rank, TAIL_LINES))
+
+    tied = [(rank, local_rank, code) for when, rank, local_rank, code in failures
+            if when == times[-1] and local_rank != root[1]]
+    if tied and echo(root[1]):
+        return next((f for f in tied if not echo(f[1])), root)
+    return root
 
 
 def _signal_name(code: int | None) -> str | None:

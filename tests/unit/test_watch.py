@@ -4,12 +4,14 @@ restart policy of ``Launch.run_attempts``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 
 import pytest
 import yaml
 
+from launcher.orchestrate.diagnose import rank_failure
 from launcher.orchestrate.plan import plan
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, FailureKind, RankError, Status
 from launcher.orchestrate.run import Launch
@@ -120,6 +122,40 @@ def test_the_structured_error_file_names_the_rank_and_its_exception():
     assert (failure.rank, failure.node) == (0, "a")
     assert failure.reason == "rank 0 on node a (198.18.0.10) raised ValueError: bad batch"
     assert failure.log_tail.endswith("ValueError: bad batch")  # the traceback, as the rank's lines hold none
+
+
+def torchrun_report(failures: list[tuple[str, int, int]], root: tuple[str, int, int]) -> list[str]:
+    """torchrun's failure report: (time, rank, exit code) of the other failures and the root cause."""
+    def entry(i: int, when: str, rank: int, code: int) -> list[str]:
+        return [f"[{i}]:", f"  time      : 2026-12-02_08:10:{when}", "  host      : h",
+                f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {code} (pid: 1)"]
+    lines = ["script.py FAILED", "-" * 20, "Failures:"]
+    for i, f in enumerate(failures, start=1):
+        lines += entry(i, *f)
+    return [*lines, "-" * 20, "Root Cause (first observed failure):", *entry(0, *root), "=" * 20]
+
+
+PEER = ["[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:931. This is typically "
+        "caused by a remote worker crashing.", "terminate called without an active exception"]
+OWN = ["Traceback (most recent call last):", "RuntimeError: injected failure at step 30"]
+
+
+@pytest.mark.parametrize(("other_second", "root_tail", "named"), [
+    ("52", PEER, 1),  # the same second, and the root cause's log shows its peer's failure: the other rank
+    ("53", PEER, 0),  # a later second: torchrun's order stands
+    ("52", OWN, 0),   # the root cause failed on its own: it stands
+])
+def test_a_rank_failing_on_its_peer_in_the_same_second_is_not_named(other_second, root_tail, named):
+    """torchrun names the lowest rank of failures within one second: rank 0 when it died on the
+    broken connection that rank 1's crash left."""
+    report = torchrun_report([(other_second, 1, 1)], root=("52", 0, -6))
+    agents = FakeAgents([{0: AgentUpdate(exit=ExitStatus(1))}],
+                        tails={(0, None): report, (0, 0): root_tail, (0, 1): OWN})
+    lp = plan(job(), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
+    node = dataclasses.replace(lp.nodes[0], nproc=2, ranks=[0, 1])
+    failure = rank_failure(agents, 0, node, ExitStatus(1))
+    assert failure.rank == named
+    assert failure.exit_code == (1 if named == 1 else -6)
 
 
 def test_a_signal_is_read_from_the_exit_code():
