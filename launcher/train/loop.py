@@ -31,7 +31,7 @@ from launcher.train.collector import ManualCollector
 from launcher.train.data import Batches, build_data
 from launcher.train.meter import (
     CudaTimer,
-    GpuUtilization,
+    GpuMonitor,
     HostTimer,
     Meter,
     final_line,
@@ -100,7 +100,7 @@ class Trainer:
 
     def __init__(self, job: JobSpec):
         self.job = job
-        self.gpu_util: GpuUtilization | None = None
+        self.gpu: GpuMonitor | None = None
         self.data: Batches | None = None
         self._contexts = ExitStack()  # process-wide settings held for the trainer's lifetime
         try:
@@ -271,7 +271,7 @@ class Trainer:
         # makes an fp8 run's MFU over a bf16 run's MFU its speed-up.
         peak_dtype = "bf16" if job.precision.dtype == "fp8" else job.precision.dtype
         self.peak_tflops = peak_tflops(name, peak_dtype) if cuda else None
-        self.gpu_util = GpuUtilization(self.device)
+        self.gpu = GpuMonitor(self.device)
         tokens = t.micro_batch * t.grad_accum * job.data.seq_len
         self.meter = Meter(
             total_steps=t.steps, start_step=self.start_step, warmup_steps=t.warmup_steps,
@@ -280,7 +280,7 @@ class Trainer:
             timer=CudaTimer() if cuda else HostTimer(),
             sync=(lambda: torch.cuda.synchronize(self.device)) if cuda else (lambda: None),
             reduce_loss=parallel.all_reduce_mean,
-            peak_mem_gib=lambda: peak_memory_gib(self.device), gpu_util_pct=self.gpu_util,
+            peak_mem_gib=lambda: peak_memory_gib(self.device), gpu=self.gpu,
             lr=lambda step: t.lr * lr_factor(step - 1, t),  # the scheduler's rule (LambdaLR)
             read_late=cuda,  # the GPU runs the next step while the host logs
         )
@@ -454,8 +454,8 @@ class Trainer:
         if self.data is not None:
             self.data.close()
         self._contexts.close()
-        if self.gpu_util is not None:
-            self.gpu_util.close()
+        if self.gpu is not None:
+            self.gpu.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -31,8 +31,13 @@ resident set size (``ru_maxrss``), which includes Python and libraries. Data wai
 seconds the training loop spends waiting for or handing over its next batch, as a share of
 wall time. The batches are made ahead in a background thread (``launcher.train.data``), so
 this is the time a chunk of them was not ready yet, or had to be made in the training thread
-(the first, one after a resume), and its hand-over (starting its copy to the device). GPU
-utilisation: NVML (``pynvml``) sampled on log steps, null where NVML is unavailable.
+(the first, one after a resume), and its hand-over (starting its copy to the device). The
+GPU (``GpuMonitor``, NVML through ``pynvml``), sampled as each log step's record is read:
+utilisation, SM clock, board power and what limits the clock (``clock_limits``: "power cap",
+"hw slowdown", "sw thermal", "hw thermal", "power brake"); ``final`` averages the measured
+samples and gives the share of them with a limit (``clock_limited_pct``). A GPU held below its
+clock by power or heat runs the same kernels slower, which step times alone do not tell
+apart from the host. Null where NVML is unavailable.
 """
 
 from __future__ import annotations
@@ -115,8 +120,20 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-class GpuUtilization:
-    """NVML utilisation of one GPU, or None where NVML (nvidia-ml-py) is not importable."""
+# NVML's clock event (throttle) reasons that hold the SM clock below what the load asks for.
+CLOCK_LIMITS = {0x4: "power cap", 0x8: "hw slowdown", 0x20: "sw thermal", 0x40: "hw thermal",
+                0x80: "power brake"}
+NO_GPU_SAMPLE: dict[str, Any] = {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None}
+
+
+def clock_limits(reasons: int) -> list[str]:
+    """The names of the limiting reasons set in an NVML clock-event bit mask."""
+    return [name for bit, name in CLOCK_LIMITS.items() if reasons & bit]
+
+
+class GpuMonitor:
+    """One GPU through NVML: utilisation, SM clock, board power and what limits the clock; every
+    value None where NVML (nvidia-ml-py) is not importable or does not answer."""
 
     def __init__(self, device: torch.device):
         self._nvml: Any = None
@@ -134,17 +151,28 @@ class GpuUtilization:
             else:
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
             self._nvml = pynvml
-        except Exception as err:  # NVML missing or unusable: utilisation stays null
+        except Exception as err:  # NVML missing or unusable: every value stays null
             log.debug("NVML unavailable: %s", err)
             self._nvml = None
 
-    def __call__(self) -> float | None:
-        if self._nvml is None:
-            return None
-        try:
-            return float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-        except Exception:
-            return None
+    def __call__(self) -> dict[str, Any]:
+        """``gpu_util_pct``, ``sm_clock_mhz``, ``power_w`` and ``clock_limits`` (names) now."""
+        nvml = self._nvml
+        if nvml is None:
+            return dict(NO_GPU_SAMPLE)
+        sample = dict(NO_GPU_SAMPLE)
+        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        reads = {
+            "gpu_util_pct": lambda: float(nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu),
+            "sm_clock_mhz": lambda: float(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)),
+            "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0,
+            "clock_limits": lambda: clock_limits(int(reasons(self._handle))) if reasons else None,
+        }
+        for key, read in reads.items():
+            with contextlib.suppress(Exception):
+                sample[key] = read()
+        return sample
 
     def close(self) -> None:
         if self._nvml is not None:
@@ -182,7 +210,7 @@ class Meter:
                  sync: Callable[[], None], start_step: int = 0,
                  reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                  peak_mem_gib: Callable[[], float | None] = lambda: None,
-                 gpu_util_pct: Callable[[], float | None] = lambda: None,
+                 gpu: Callable[[], dict[str, Any]] = lambda: dict(NO_GPU_SAMPLE),
                  lr: Callable[[int], float | None] = lambda step: None,
                  clock: Callable[[], float] = time.perf_counter,
                  write: Callable[[dict[str, Any]], None] = write_record, read_late: bool = False):
@@ -198,7 +226,7 @@ class Meter:
         self.sync = sync
         self.reduce_loss = reduce_loss
         self.peak_mem_gib = peak_mem_gib
-        self.gpu_util_pct = gpu_util_pct
+        self.gpu = gpu  # -> GpuMonitor's sample (keys of NO_GPU_SAMPLE)
         self.lr = lr  # step -> the learning rate that optimizer step used
         self.clock = clock
         self.write = write
@@ -211,7 +239,7 @@ class Meter:
         self._last_loss: float | None = None
         self._measured = {"steps": 0, "tokens": 0, "samples": 0, "seconds": 0.0, "wait_s": 0.0}
         self._measured_times: list[float] = []
-        self._util: list[float] = []
+        self._gpu_samples: list[dict[str, Any]] = []
 
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.warmup_end or step == self.total_steps
@@ -270,13 +298,13 @@ class Meter:
         times = [self.timer.elapsed_ms(a, b) for a, b in itertools.pairwise(p.marks)]
         interval_s = self.timer.elapsed_ms(p.marks[0], p.marks[-1]) / 1e3
         loss = float(p.loss.item())
-        util = self.gpu_util_pct()
+        gpu = self.gpu()
         record = {
             "type": "step", "step": p.step, "tokens": p.steps * self.tokens_per_step,
             "samples": p.steps * self.samples_per_step, "interval_s": interval_s,
             "measured": p.measured, "step_times_ms": [round(t, 4) for t in times], "loss": loss,
             "lr": self.lr(p.step),
-            "data_wait_s": p.data_wait_s, "peak_mem_gib": self.peak_mem_gib(), "gpu_util_pct": util,
+            "data_wait_s": p.data_wait_s, "peak_mem_gib": self.peak_mem_gib(), **gpu,
         }
         if p.measured:
             m = self._measured
@@ -286,8 +314,7 @@ class Meter:
             m["seconds"] += interval_s
             m["wait_s"] += p.data_wait_s
             self._measured_times.extend(times)
-            if util is not None:
-                self._util.append(util)
+            self._gpu_samples.append(gpu)
         self.write(record)
         self._last_loss = loss
         return record
@@ -314,11 +341,23 @@ class Meter:
             "samples_per_s": m["samples"] / m["seconds"] if m["seconds"] > 0 else None,
             "tflops": rates["tflops"], "mfu": rates["mfu"], "peak_mem_gib": self.peak_mem_gib(),
             "data_wait_pct": 100 * m["wait_s"] / m["seconds"] if m["seconds"] > 0 else None,
-            "gpu_util_pct": sum(self._util) / len(self._util) if self._util else None,
+            **self._gpu_summary(),
             "loss": self._last_loss,
         }
         self.write(record)
         return record
+
+
+    def _gpu_summary(self) -> dict[str, float | None]:
+        """Over the measured log steps' samples: mean utilisation and SM clock, and the share of
+        samples whose clock something limited (power, heat)."""
+        def mean(key: str) -> float | None:
+            values = [g[key] for g in self._gpu_samples if g.get(key) is not None]
+            return sum(values) / len(values) if values else None
+
+        limits = [g["clock_limits"] for g in self._gpu_samples if g.get("clock_limits") is not None]
+        return {"gpu_util_pct": mean("gpu_util_pct"), "sm_clock_mhz": mean("sm_clock_mhz"),
+                "clock_limited_pct": 100 * sum(1 for x in limits if x) / len(limits) if limits else None}
 
 
 def _si(value: float) -> str:
@@ -349,6 +388,10 @@ def final_line(record: dict[str, Any], world_size: int) -> str:
         return "n/a" if value is None else f"{value:{spec}}{unit}"
 
     mfu = record["mfu"]
+    clock = ""
+    if record.get("sm_clock_mhz") is not None:
+        limited = record.get("clock_limited_pct")
+        clock = f" | sm clock {record['sm_clock_mhz']:.0f} MHz" + (f", limited {limited:.0f}%" if limited else "")
     return (
         f"done: {record['steps']} steps ({record['measured_steps']} measured) | "
         f"loss {fmt(record['loss'], '.3f')} | "
@@ -356,4 +399,5 @@ def final_line(record: dict[str, Any], world_size: int) -> str:
         f"p50 {fmt(record['step_time_ms_p50'], '.1f', ' ms')} p95 {fmt(record['step_time_ms_p95'], '.1f', ' ms')} | "
         f"{fmt(record['tflops'], '.2f')} TFLOP/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
         f"peak mem {fmt(record['peak_mem_gib'], '.2f', ' GiB')} | data wait {fmt(record['data_wait_pct'], '.1f', '%')}"
+        f"{clock}"
     )

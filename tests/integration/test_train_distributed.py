@@ -8,6 +8,7 @@ killed (the whole group) when the run ends, also on failure or timeout.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -469,6 +470,11 @@ def test_gpu_precisions_run_and_the_loss_falls(base: Path, dtype: str, strategy:
     assert_loss_falls(run, by=1.0)
     final = run.records(0, "final")[0]
     assert final["peak_mem_gib"] > 0 and final["tokens_per_s"] > 0
+    if importlib.util.find_spec("pynvml") is not None:  # the GPU's clock and power, read through NVML
+        steps = run.records(0, "step")
+        assert all(r["sm_clock_mhz"] > 0 and r["power_w"] > 0 and isinstance(r["clock_limits"], list)
+                   for r in steps), steps
+        assert final["sm_clock_mhz"] > 0 and 0 <= final["clock_limited_pct"] <= 100
 
 
 def _has_fp8() -> tuple[bool, str]:

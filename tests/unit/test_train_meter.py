@@ -6,13 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.train.meter import Meter, final_line, peak_tflops, progress_line
+from launcher.train.meter import (
+    GpuMonitor,
+    Meter,
+    clock_limits,
+    final_line,
+    peak_tflops,
+    progress_line,
+)
 from launcher.util import percentile
 
 STEP_KEYS = {"type", "step", "tokens", "samples", "interval_s", "measured", "step_times_ms", "loss",
-             "lr", "data_wait_s", "peak_mem_gib", "gpu_util_pct"}
+             "lr", "data_wait_s", "peak_mem_gib", "gpu_util_pct", "sm_clock_mhz", "power_w", "clock_limits"}
 FINAL_KEYS = {"type", "steps", "measured_steps", "step_time_ms_p50", "step_time_ms_p95", "tokens_per_s",
-              "samples_per_s", "tflops", "mfu", "peak_mem_gib", "data_wait_pct", "gpu_util_pct", "loss"}
+              "samples_per_s", "tflops", "mfu", "peak_mem_gib", "data_wait_pct", "gpu_util_pct", "sm_clock_mhz",
+              "clock_limited_pct", "loss"}
 
 
 class FakeClock:
@@ -53,9 +61,16 @@ def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False):
         calls["reduce"] += 1
         return t
 
+    samples = iter([None, None] + [1980.0, 1980.0, 1755.0] * 9)  # the SM clock at each read
+
+    def gpu() -> dict:
+        mhz = next(samples)
+        return {"gpu_util_pct": 90.0, "sm_clock_mhz": mhz, "power_w": None if mhz is None else 650.0,
+                "clock_limits": None if mhz is None else (["power cap"] if mhz < 1900 else [])}
+
     meter = Meter(total_steps=total, warmup_steps=warmup, log_every=log_every, tokens_per_step=1000,
                   samples_per_step=10, flops_per_token=1e9, peak_tflops=peak, timer=FakeTimer(clock),
-                  sync=sync, reduce_loss=reduce, peak_mem_gib=lambda: 1.5, gpu_util_pct=lambda: 90.0,
+                  sync=sync, reduce_loss=reduce, peak_mem_gib=lambda: 1.5, gpu=gpu,
                   lr=lambda step: step / 1000, clock=clock, write=records.append, read_late=late)
     return meter, clock, calls, records
 
@@ -114,6 +129,12 @@ def test_final_counts_measured_steps_only_and_computes_mfu(late: bool):
     assert final["step_time_ms_p50"] == pytest.approx(100) and final["step_time_ms_p95"] == pytest.approx(100)
     assert final["data_wait_pct"] == pytest.approx(10)
     assert final["gpu_util_pct"] == 90.0 and final["peak_mem_gib"] == 1.5 and final["loss"] == 18.0
+    # measured records' GPU samples: step 5's had no NVML answer, then 1980, 1980, 1755 MHz (power cap)
+    assert [r["sm_clock_mhz"] for r in records[:-1]] == [None, None, 1980.0, 1980.0, 1755.0]
+    assert records[4]["clock_limits"] == ["power cap"] and records[4]["power_w"] == 650.0
+    assert final["sm_clock_mhz"] == pytest.approx((1980 + 1980 + 1755) / 3)
+    assert final["clock_limited_pct"] == pytest.approx(100 / 3)
+    assert final_line(final, world_size=1).endswith("| sm clock 1905 MHz, limited 33%")
     assert "mfu 10.0%" in final_line(final, world_size=2)
 
 
@@ -157,3 +178,16 @@ def test_peak_table_and_percentiles():
     assert percentile([], 50) is None
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([float(i) for i in range(101)], 95) == 95.0
+
+
+def test_clock_limits_name_the_limiting_bits_only():
+    assert clock_limits(0) == []
+    assert clock_limits(0x1 | 0x2 | 0x10 | 0x100) == []  # idle, application clocks, sync boost, display
+    assert clock_limits(0x4) == ["power cap"]
+    assert clock_limits(0x4 | 0x40 | 0x80) == ["power cap", "hw thermal", "power brake"]
+
+
+def test_the_gpu_monitor_of_a_cpu_run_answers_nulls():
+    monitor = GpuMonitor(torch.device("cpu"))
+    assert monitor() == {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None}
+    monitor.close()
