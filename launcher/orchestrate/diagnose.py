@@ -23,7 +23,8 @@ from launcher.util import first_line
 
 ROOT_CAUSE_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 ROOT_CAUSE_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
-REPORT_TIME = re.compile(r"^\s*time\s*:\s*(\S+)")
+REPORT_ENTRY = re.compile(r"\[\d+\]:\s*$")  # "[1]:" opens a failure's block in torchrun's report
+REPORT_TIME = re.compile(r"\btime\s*:\s*(\S+)")
 # What a rank's last lines say when it failed because a peer did (gloo, NCCL, sockets).
 PEER_FAILED = re.compile(r"Connection (closed|reset) by peer|caused by a remote worker crashing|"
                          r"remote process exited|ncclRemoteError|Broken pipe", re.IGNORECASE)
@@ -95,7 +96,7 @@ def _failures(lines: list[str]) -> list[tuple[str | None, int, int, int | None]]
     starts = [i for i, line in enumerate(lines) if "Failures:" in line]
     entries: list[list] = []
     for line in lines[starts[-1]:] if starts else []:
-        if re.match(r"^\s*\[\d+\]:\s*$", line):
+        if REPORT_ENTRY.search(line):
             entries.append([None, None, None, None])
         elif entries and (m := REPORT_TIME.search(line)):
             entries[-1][0] = m.group(1)
