@@ -43,9 +43,10 @@ class Tails(Protocol):
 def rank_failure(agents: Tails, i: int, node: NodePlan, status: ExitStatus) -> Failure:
     """Agent ``i``'s torchrun exited non-zero: name the rank that failed first."""
     report = agents.tail(i, None, TORCHRUN_LINES)
-    rank, local_rank, code = _root_cause(report)
-    if rank is not None and local_rank is not None:
-        rank, local_rank, code = _not_an_echo(agents, i, _failures(report), (rank, local_rank, code))
+    others, root = _report(report)
+    rank = local_rank = code = None
+    if root is not None:
+        _, rank, local_rank, code = _not_an_echo(agents, i, others, root)
     errors = [e for e in agents.errors(i) if e.local_rank < node.nproc]
     first = errors[0] if errors else None  # the structured record wins over the text
     if first is not None:
@@ -77,51 +78,48 @@ def hung_rank(node: NodePlan, rank: int, quiet_s: float, limit_s: float, tail: l
                           f"{quiet_s:.0f} s > launch.hang_timeout_s={limit_s:g}")
 
 
-def _root_cause(lines: list[str]) -> tuple[int | None, int | None, int | None]:
-    """(rank, local rank, exit code) from torchrun's last "Root Cause" block, where there is one."""
-    starts = [i for i, line in enumerate(lines) if "Root Cause" in line]
-    rank = local_rank = code = None
-    for line in lines[starts[-1]:] if starts else []:  # after a restart the tail holds earlier blocks
-        if (m := ROOT_CAUSE_RANK.search(line)) and rank is None:
-            rank, local_rank = int(m.group(1)), int(m.group(2))
-        elif (m := ROOT_CAUSE_EXIT.search(line)) and rank is not None:
-            code = int(m.group(1))
-            break
-    return rank, local_rank, code
+Entry = tuple[str | None, int, int, int | None]  # a failure in torchrun's report: time, rank, local rank, exit code
 
 
-def _failures(lines: list[str]) -> list[tuple[str | None, int, int, int | None]]:
-    """(time, rank, local rank, exit code) of every failure in torchrun's last report, the root
-    cause last."""
-    starts = [i for i, line in enumerate(lines) if "Failures:" in line]
+def _report(lines: list[str]) -> tuple[list[Entry], Entry | None]:
+    """The other failures and the root cause of torchrun's last report (after a restart the
+    tail holds earlier ones), where there is one."""
+    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
+    if not roots:
+        return [], None
+    at = roots[-1]
+    others_at = max((i for i in range(at) if "Failures:" in lines[i]), default=at)
+    root = _entries(lines[at:])[:1]
+    return _entries(lines[others_at:at]), (root[0] if root else None)
+
+
+def _entries(lines: list[str]) -> list[Entry]:
+    """The failure blocks in these lines of the report, in order ("[1]:" opens one, where it
+    is printed; a second rank line opens the next)."""
     entries: list[list] = []
-    for line in lines[starts[-1]:] if starts else []:
+    for line in lines:
         if REPORT_ENTRY.search(line):
             entries.append([None, None, None, None])
         elif entries and (m := REPORT_TIME.search(line)):
             entries[-1][0] = m.group(1)
-        elif entries and (m := ROOT_CAUSE_RANK.search(line)):
+        elif m := ROOT_CAUSE_RANK.search(line):
+            if not entries or entries[-1][1] is not None:
+                entries.append([None, None, None, None])
             entries[-1][1], entries[-1][2] = int(m.group(1)), int(m.group(2))
-        elif entries and (m := ROOT_CAUSE_EXIT.search(line)):
+        elif entries and entries[-1][1] is not None and entries[-1][3] is None and (m := ROOT_CAUSE_EXIT.search(line)):
             entries[-1][3] = int(m.group(1))
     return [(t, r, lr, c) for t, r, lr, c in entries if r is not None]
 
 
-def _not_an_echo(agents: Tails, i: int, failures: list[tuple[str | None, int, int, int | None]],
-                 root: tuple[int, int, int | None]) -> tuple[int, int, int | None]:
-    """The root cause (rank, local rank, exit code), or, where its log shows a peer's failure,
-    the first rank torchrun saw fail in the same second whose log does not."""
-    times = [when for when, _, local_rank, _ in failures if local_rank == root[1]]
-    if not times or times[-1] is None:
-        return root
-
+def _not_an_echo(agents: Tails, i: int, others: list[Entry], root: Entry) -> Entry:
+    """The root cause, or, where its log shows a peer's failure, the first other rank torchrun
+    saw fail in the same second whose log does not."""
     def echo(local_rank: int) -> bool:
         return any(PEER_FAILED.search(line) for line in agents.tail(i, local_rank, TAIL_LINES))
 
-    tied = [(rank, local_rank, code) for when, rank, local_rank, code in failures
-            if when == times[-1] and local_rank != root[1]]
-    if tied and echo(root[1]):
-        return next((f for f in tied if not echo(f[1])), root)
+    tied = [f for f in others if root[0] is not None and f[0] == root[0] and f[2] != root[2]]
+    if tied and echo(root[2]):
+        return next((f for f in tied if not echo(f[2])), root)
     return root
 
 
