@@ -195,12 +195,13 @@ class Trainer:
         # the others receive). Sharded by FSDP it is built on the meta device, sharded, then filled
         # from rank 0's copy one tensor at a time, so no rank holds the whole model on its GPU;
         # with cpu_offload the shards live on the CPU: every rank loads there, then shards.
-        init, sharded = spec.init_from is not None, self.sharded
-        offload = sharded and job.parallel.fsdp.cpu_offload
-        where = ("cpu" if offload else "meta" if sharded else self.device) if init else self.device
+        init = spec.init_from is not None
+        offload = self.sharded and job.parallel.fsdp.cpu_offload
+        fill_shards = init and self.sharded and not offload  # built on meta, filled after sharding
+        where = "cpu" if init and offload else "meta" if fill_shards else self.device
         with torch.device(where):
             model = build_model(spec)
-        if init and not (sharded and not offload):  # a plain module on its device (or on the CPU for offload)
+        if init and not fill_shards:  # a plain module on its device (or on the CPU for offload)
             from launcher.train.hf import load_pretrained
 
             load_pretrained(model, spec, device=torch.device("cpu") if offload else self.device, every_rank=offload)
@@ -218,7 +219,7 @@ class Trainer:
         self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad]) \
             if self.weights == "bf16" else None
         self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
-        if init and sharded and not offload:  # sharded on the meta device, filled from rank 0's copy
+        if fill_shards:  # sharded on the meta device, filled from rank 0's copy
             from launcher.train.hf import load_pretrained
 
             load_pretrained(self.model, spec, device=self.device)
