@@ -33,11 +33,15 @@ wall time. The batches are made ahead in a background thread (``launcher.train.d
 this is the time a chunk of them was not ready yet, or had to be made in the training thread
 (the first, one after a resume), and its hand-over (starting its copy to the device). The
 GPU (``GpuMonitor``, NVML through ``pynvml``), sampled as each log step's record is read:
-utilisation, SM clock, board power and what limits the clock (``clock_limits``: "power cap",
-"hw slowdown", "sw thermal", "hw thermal", "power brake"); ``final`` averages the measured
-samples and gives the share of them with a limit (``clock_limited_pct``). A GPU held below its
-clock by power or heat runs the same kernels slower, which step times alone do not tell
-apart from the host. Null where NVML is unavailable.
+utilisation, SM clock, what limits the clock (``clock_limits``: "power cap", "hw slowdown",
+"sw thermal", "hw thermal", "power brake") and the GPU's energy counter, whose difference
+between reads is the record's ``energy_j`` and, over its interval, its ``power_w`` (NVML's
+power reading where the counter is missing). ``final`` averages the measured samples, gives
+the share of them with a limit (``clock_limited_pct``) and the measured steps' energy, mean
+power and energy per token. A GPU held below its clock by power or heat runs the same kernels
+slower, which step times alone do not tell apart from the host; at its power cap (an H200 at
+700 W runs GPT-2 124M at 1.6-1.8 GHz of its 1.98) its speed is set by the energy a step takes.
+Null where NVML is unavailable.
 """
 
 from __future__ import annotations
@@ -123,7 +127,8 @@ def peak_memory_gib(device: torch.device) -> float:
 # NVML's clock event (throttle) reasons that hold the SM clock below what the load asks for.
 CLOCK_LIMITS = {0x4: "power cap", 0x8: "hw slowdown", 0x20: "sw thermal", 0x40: "hw thermal",
                 0x80: "power brake"}
-NO_GPU_SAMPLE: dict[str, Any] = {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None}
+NO_GPU_SAMPLE: dict[str, Any] = {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None,
+                                  "energy_counter_j": None}
 
 
 def clock_limits(reasons: int) -> list[str]:
@@ -156,7 +161,8 @@ class GpuMonitor:
             self._nvml = None
 
     def __call__(self) -> dict[str, Any]:
-        """``gpu_util_pct``, ``sm_clock_mhz``, ``power_w`` and ``clock_limits`` (names) now."""
+        """``gpu_util_pct``, ``sm_clock_mhz``, ``power_w``, ``clock_limits`` (names) and
+        ``energy_counter_j`` (the GPU's energy since the driver loaded) now."""
         nvml = self._nvml
         if nvml is None:
             return dict(NO_GPU_SAMPLE)
@@ -168,6 +174,7 @@ class GpuMonitor:
             "sm_clock_mhz": lambda: float(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)),
             "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0,
             "clock_limits": lambda: clock_limits(int(reasons(self._handle))) if reasons else None,
+            "energy_counter_j": lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0,
         }
         for key, read in reads.items():
             with contextlib.suppress(Exception):
@@ -240,6 +247,7 @@ class Meter:
         self._measured = {"steps": 0, "tokens": 0, "samples": 0, "seconds": 0.0, "wait_s": 0.0}
         self._measured_times: list[float] = []
         self._gpu_samples: list[dict[str, Any]] = []
+        self._energy_at: float | None = None  # the GPU's energy counter at the last read
 
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.warmup_end or step == self.total_steps
@@ -248,6 +256,7 @@ class Meter:
         """Start the clock (one sync, before the first step)."""
         self.sync()
         self._marks = [self.timer.mark()]
+        self._energy_at = self.gpu().get("energy_counter_j")
 
     @contextlib.contextmanager
     def data_wait(self) -> Iterator[None]:
@@ -298,7 +307,7 @@ class Meter:
         times = [self.timer.elapsed_ms(a, b) for a, b in itertools.pairwise(p.marks)]
         interval_s = self.timer.elapsed_ms(p.marks[0], p.marks[-1]) / 1e3
         loss = float(p.loss.item())
-        gpu = self.gpu()
+        gpu = self._gpu_sample(interval_s)
         record = {
             "type": "step", "step": p.step, "tokens": p.steps * self.tokens_per_step,
             "samples": p.steps * self.samples_per_step, "interval_s": interval_s,
@@ -318,6 +327,18 @@ class Meter:
         self.write(record)
         self._last_loss = loss
         return record
+
+    def _gpu_sample(self, interval_s: float) -> dict[str, Any]:
+        """The GPU's sample for a record: its energy counter read becomes the energy used since
+        the previous read (``energy_j``), and ``power_w`` that energy over the interval."""
+        gpu = self.gpu()
+        counter = gpu.pop("energy_counter_j", None)
+        energy = None if counter is None or self._energy_at is None else counter - self._energy_at
+        self._energy_at = counter
+        gpu["energy_j"] = energy
+        if energy is not None and interval_s > 0:
+            gpu["power_w"] = energy / interval_s
+        return gpu
 
     def throughput(self, tokens: int, seconds: float) -> dict[str, float | None]:
         """tokens/s, TFLOP/s and MFU for ``tokens`` processed in ``seconds``."""
@@ -349,15 +370,22 @@ class Meter:
 
 
     def _gpu_summary(self) -> dict[str, float | None]:
-        """Over the measured log steps' samples: mean utilisation and SM clock, and the share of
-        samples whose clock something limited (power, heat)."""
+        """Over the measured log steps' samples: mean utilisation and SM clock, the share of
+        samples whose clock something limited (power, heat), and the energy: in all, as mean
+        board power, and per token (null unless every measured record has it)."""
         def mean(key: str) -> float | None:
             values = [g[key] for g in self._gpu_samples if g.get(key) is not None]
             return sum(values) / len(values) if values else None
 
         limits = [g["clock_limits"] for g in self._gpu_samples if g.get("clock_limits") is not None]
+        energies = [g.get("energy_j") for g in self._gpu_samples]
+        energy = sum(energies) if energies and None not in energies else None  # type: ignore[arg-type]
+        m = self._measured
         return {"gpu_util_pct": mean("gpu_util_pct"), "sm_clock_mhz": mean("sm_clock_mhz"),
-                "clock_limited_pct": 100 * sum(1 for x in limits if x) / len(limits) if limits else None}
+                "clock_limited_pct": 100 * sum(1 for x in limits if x) / len(limits) if limits else None,
+                "energy_j": energy,
+                "power_w": energy / m["seconds"] if energy is not None and m["seconds"] > 0 else None,
+                "energy_mj_per_token": 1e3 * energy / m["tokens"] if energy is not None and m["tokens"] else None}
 
 
 def _si(value: float) -> str:
@@ -392,6 +420,8 @@ def final_line(record: dict[str, Any], world_size: int) -> str:
     if record.get("sm_clock_mhz") is not None:
         limited = record.get("clock_limited_pct")
         clock = f" | sm clock {record['sm_clock_mhz']:.0f} MHz" + (f", limited {limited:.0f}%" if limited else "")
+    if record.get("energy_mj_per_token") is not None:
+        clock += f" | {record['power_w']:.0f} W, {record['energy_mj_per_token']:.3f} mJ/token"
     return (
         f"done: {record['steps']} steps ({record['measured_steps']} measured) | "
         f"loss {fmt(record['loss'], '.3f')} | "

@@ -475,6 +475,8 @@ def test_gpu_precisions_run_and_the_loss_falls(base: Path, dtype: str, strategy:
         assert all(r["sm_clock_mhz"] > 0 and r["power_w"] > 0 and isinstance(r["clock_limits"], list)
                    for r in steps), steps
         assert final["sm_clock_mhz"] > 0 and 0 <= final["clock_limited_pct"] <= 100
+        # the energy counter (Volta and newer): the measured steps' energy, per token and as power
+        assert final["energy_j"] > 0 and 0 < final["power_w"] < 2000 and final["energy_mj_per_token"] > 0
 
 
 def _has_fp8() -> tuple[bool, str]:

@@ -17,10 +17,11 @@ from launcher.train.meter import (
 from launcher.util import percentile
 
 STEP_KEYS = {"type", "step", "tokens", "samples", "interval_s", "measured", "step_times_ms", "loss",
-             "lr", "data_wait_s", "peak_mem_gib", "gpu_util_pct", "sm_clock_mhz", "power_w", "clock_limits"}
+             "lr", "data_wait_s", "peak_mem_gib", "gpu_util_pct", "sm_clock_mhz", "power_w", "clock_limits",
+             "energy_j"}
 FINAL_KEYS = {"type", "steps", "measured_steps", "step_time_ms_p50", "step_time_ms_p95", "tokens_per_s",
               "samples_per_s", "tflops", "mfu", "peak_mem_gib", "data_wait_pct", "gpu_util_pct", "sm_clock_mhz",
-              "clock_limited_pct", "loss"}
+              "clock_limited_pct", "energy_j", "power_w", "energy_mj_per_token", "loss"}
 
 
 class FakeClock:
@@ -49,7 +50,7 @@ class FakeTimer:
         return (b - a) * 1e3
 
 
-def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False):
+def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False, watts=650.0):
     clock = FakeClock()
     calls = {"sync": 0, "reduce": 0}
     records: list[dict] = []
@@ -61,12 +62,14 @@ def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False):
         calls["reduce"] += 1
         return t
 
-    samples = iter([None, None] + [1980.0, 1980.0, 1755.0] * 9)  # the SM clock at each read
+    # the SM clock at each read: start()'s, then each record's
+    samples = iter([None, None, None] + [1980.0, 1980.0, 1755.0] * 9)
 
-    def gpu() -> dict:
+    def gpu() -> dict:  # a GPU drawing ``watts`` throughout (None: no energy counter)
         mhz = next(samples)
-        return {"gpu_util_pct": 90.0, "sm_clock_mhz": mhz, "power_w": None if mhz is None else 650.0,
-                "clock_limits": None if mhz is None else (["power cap"] if mhz < 1900 else [])}
+        return {"gpu_util_pct": 90.0, "sm_clock_mhz": mhz, "power_w": None if mhz is None else 600.0,
+                "clock_limits": None if mhz is None else (["power cap"] if mhz < 1900 else []),
+                "energy_counter_j": None if watts is None else 1e4 + watts * clock.now}
 
     meter = Meter(total_steps=total, warmup_steps=warmup, log_every=log_every, tokens_per_step=1000,
                   samples_per_step=10, flops_per_token=1e9, peak_tflops=peak, timer=FakeTimer(clock),
@@ -131,11 +134,32 @@ def test_final_counts_measured_steps_only_and_computes_mfu(late: bool):
     assert final["gpu_util_pct"] == 90.0 and final["peak_mem_gib"] == 1.5 and final["loss"] == 18.0
     # measured records' GPU samples: step 5's had no NVML answer, then 1980, 1980, 1755 MHz (power cap)
     assert [r["sm_clock_mhz"] for r in records[:-1]] == [None, None, 1980.0, 1980.0, 1755.0]
-    assert records[4]["clock_limits"] == ["power cap"] and records[4]["power_w"] == 650.0
+    assert records[4]["clock_limits"] == ["power cap"]
+    # Energy between the reads, power over the interval. A GPU's reads follow its marks closely
+    # (the host waits for the mark first). The fake's host reads a step after the mark with
+    # read_late (at 0.4, 0.6, 1.1, 1.6 s), and at 2.0 s for the last (flush), so that one
+    # interval's energy looks 0.4 s long.
+    seconds = 1.6 if late else 1.7
+    assert [r["power_w"] for r in records[1:-1]] == pytest.approx([650.0] * 3 + [520.0 if late else 650.0])
+    assert records[2]["energy_j"] == pytest.approx(650 * 0.5)
+    assert final["energy_j"] == pytest.approx(650 * seconds) and final["power_w"] == pytest.approx(650 * seconds / 1.7)
+    assert final["energy_mj_per_token"] == pytest.approx(1e3 * 650 * seconds / 17_000)
     assert final["sm_clock_mhz"] == pytest.approx((1980 + 1980 + 1755) / 3)
     assert final["clock_limited_pct"] == pytest.approx(100 / 3)
-    assert final_line(final, world_size=1).endswith("| sm clock 1905 MHz, limited 33%")
+    assert final_line(final, world_size=1).endswith(
+        "| sm clock 1905 MHz, limited 33% | " + ("612 W, 61.176" if late else "650 W, 65.000") + " mJ/token")
     assert "mfu 10.0%" in final_line(final, world_size=2)
+
+
+def test_without_an_energy_counter_power_is_nvmls_reading_and_energy_null():
+    meter, clock, calls, records = make_meter(watts=None)
+    meter.start()
+    run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
+    final = meter.finish()
+    assert [r["power_w"] for r in records[:-1]] == [None, None, 600.0, 600.0, 600.0]
+    assert all(r["energy_j"] is None for r in records)
+    assert final["power_w"] is None and final["energy_mj_per_token"] is None
+    assert final_line(final, world_size=1).endswith("limited 33%")
 
 
 def test_unknown_peak_gives_null_mfu():
@@ -189,5 +213,6 @@ def test_clock_limits_name_the_limiting_bits_only():
 
 def test_the_gpu_monitor_of_a_cpu_run_answers_nulls():
     monitor = GpuMonitor(torch.device("cpu"))
-    assert monitor() == {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None}
+    assert monitor() == {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None,
+                         "energy_counter_j": None}
     monitor.close()
