@@ -22,7 +22,11 @@ Throughput: tokens per step × steps over those steps' seconds, after ``--warmup
 nanoGPT's printed per-iteration times, summed; ours the trainer's measured interval (the
 wall time between synchronised log steps). MFU = 6·N + 6·L·d·S FLOPs per token (N the
 matmul weights incl. the tied head; README "Performance") over 989 TFLOP/s, for both.
-Loss: the mean over the last 20 steps on both sides.
+Loss: the mean over the last 20 steps on both sides. The GPU (NVML, sampled every 50 ms by
+this process) over each side's timed steps: mean SM clock, the share of samples held down by
+the power cap, mean power and energy per token from the GPU's energy counter. A GPU at its power
+cap (an H200 at 700 W here) runs each side at the clock its power allows, so the speed ratio is
+then the ratio of energy per token ("per joule").
 
     python benchmarks/gpt_vs_nanogpt.py [--steps 200] [--fp8] [--out DIR]
 
@@ -32,6 +36,7 @@ Prints one table and writes ``results.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -39,6 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -95,6 +101,7 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     env = environment()
+    gpu = GpuSampler()
 
     def save() -> None:  # after every row: a bench cut short keeps what it measured
         doc = {"setup": vars(args) | {"out": str(out), "nanogpt": str(args.nanogpt), "job": args.job},
@@ -102,13 +109,14 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
     if not args.skip_nanogpt:
-        results["nanogpt"] = run_nanogpt(args, tokens, out / "nanogpt")
+        results["nanogpt"] = run_nanogpt(args, tokens, out / "nanogpt", gpu)
         report("nanogpt", results["nanogpt"])
         save()
     for name, sets in rows.items():
-        results[name] = run_ours(args, tokens, out / name, [*args.sets, *sets])
+        results[name] = run_ours(args, tokens, out / name, [*args.sets, *sets], gpu)
         report(name, results[name])
         save()
+    gpu.close()
     print(table(results))
     print(f"\nresults: {out / 'results.json'}")
 
@@ -130,7 +138,64 @@ def flops_per_token() -> float:
     return fpt(ModelSpec(arch="gpt", size="base", vocab_size=VOCAB), seq_len=SEQ, mask_prob=0.15)
 
 
-def run_nanogpt(args: argparse.Namespace, tokens: Path, folder: Path) -> dict:
+class GpuSampler:
+    """The first visible GPU through NVML (``launcher.train.meter.GpuMonitor``), sampled every
+    ``period`` seconds in a thread: wall time, energy counter, SM clock, clock limits."""
+
+    def __init__(self, period: float = 0.05):
+        import torch
+
+        from launcher.train.meter import GpuMonitor
+
+        self.samples: list[tuple[float, dict]] = []
+        self._monitor = GpuMonitor(torch.device("cuda", 0)) if torch.cuda.is_available() else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
+        if self._monitor is not None:
+            self._thread.start()
+
+    def _run(self, period: float) -> None:
+        while not self._stop.wait(period):
+            self.samples.append((time.time(), self._monitor()))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._monitor is not None:
+            self._thread.join()
+            self._monitor.close()
+
+    def window(self, t0: float, t1: float) -> dict:
+        """The GPU between wall times t0 and t1: mean SM clock, the share of samples at the
+        power cap, and (from the energy counter, interpolated at both ends) energy and power."""
+        inside = [g for t, g in self.samples if t0 <= t <= t1]
+        clocks = [g["sm_clock_mhz"] for g in inside if g["sm_clock_mhz"] is not None]
+        limits = [g["clock_limits"] for g in inside if g["clock_limits"] is not None]
+        energy = None
+        counter = [(t, g["energy_counter_j"]) for t, g in self.samples if g["energy_counter_j"] is not None]
+        if counter and counter[0][0] <= t0 and counter[-1][0] >= t1 and t1 > t0:
+            energy = _interpolate(counter, t1) - _interpolate(counter, t0)
+        return {"sm_clock_mhz": sum(clocks) / len(clocks) if clocks else None,
+                "power_capped_pct": 100 * sum("power cap" in x for x in limits) / len(limits) if limits else None,
+                "energy_j": energy, "power_w": None if energy is None else energy / (t1 - t0),
+                "seconds": t1 - t0, "samples": len(inside)}
+
+
+def _interpolate(points: list[tuple[float, float]], t: float) -> float:
+    """Linear interpolation of the (time, value) points, ordered by time, at t inside them."""
+    for (ta, va), (tb, vb) in itertools.pairwise(points):
+        if ta <= t <= tb:
+            return va if tb == ta else va + (vb - va) * (t - ta) / (tb - ta)
+    return points[-1][1]
+
+
+def with_energy(result: dict, gpu: GpuSampler, t0: float, t1: float, tokens: int) -> dict:
+    """``result`` with the GPU's window over the timed steps and the energy per token."""
+    window = gpu.window(t0, t1)
+    energy = window["energy_j"]
+    return result | {"gpu": window, "energy_mj_per_token": None if energy is None else 1e3 * energy / tokens}
+
+
+def run_nanogpt(args: argparse.Namespace, tokens: Path, folder: Path, gpu: GpuSampler) -> dict:
     """nanoGPT's train.py from a scratch copy of its folder; throughput from its printed times."""
     if folder.exists():
         shutil.rmtree(folder)
@@ -152,23 +217,25 @@ def run_nanogpt(args: argparse.Namespace, tokens: Path, folder: Path) -> dict:
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if args.nanogpt_torchrun else []
     cmd = [sys.executable, *launcher, "train.py", *config]
     res = run(cmd, folder / "train.log", cwd=folder)
-    iters = {}
-    for line in res["output"].splitlines():
+    iters, printed = {}, {}
+    for at, line in res["lines"]:
         m = ITER_RE.match(line.strip())
         if m:
             iters[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
+            printed[int(m.group(1))] = at  # it prints an iteration after reading its loss (a sync)
     if not res["ok"] or len(iters) < args.steps:
         return {"error": res["tail"], "cmd": cmd}
     timed = [iters[i][1] for i in range(args.warmup, args.steps)]
     step_tokens = args.micro_batch * args.grad_accum * SEQ
     tps = step_tokens * len(timed) / (sum(timed) / 1e3)
     losses = [iters[i][0] for i in range(args.steps - LOSS_WINDOW, args.steps)]
-    return {"tokens_per_s": tps, "mfu": tps * flops_per_token() / 1e12 / PEAK_TFLOPS,
-            "step_ms_p50": sorted(timed)[len(timed) // 2], "loss": sum(losses) / len(losses),
-            "steps": args.steps, "wall_s": res["wall_s"], "cmd": cmd}
+    result = {"tokens_per_s": tps, "mfu": tps * flops_per_token() / 1e12 / PEAK_TFLOPS,
+              "step_ms_p50": sorted(timed)[len(timed) // 2], "loss": sum(losses) / len(losses),
+              "steps": args.steps, "wall_s": res["wall_s"], "cmd": cmd}
+    return with_energy(result, gpu, printed[args.warmup - 1], printed[args.steps - 1], step_tokens * len(timed))
 
 
-def run_ours(args: argparse.Namespace, tokens: Path, folder: Path, sets: list[str]) -> dict:
+def run_ours(args: argparse.Namespace, tokens: Path, folder: Path, sets: list[str], gpu: GpuSampler) -> dict:
     """``launch JOB`` on the token file; throughput and loss from the run directory."""
     if folder.exists():
         shutil.rmtree(folder)
@@ -199,10 +266,15 @@ def run_ours(args: argparse.Namespace, tokens: Path, folder: Path, sets: list[st
     meta = next(r for r in records if r.get("type") == "meta")
     # launch's summary.json totals add the ranks' final records: one rank, the same number.
     tps = final["tokens_per_s"]
-    return {"tokens_per_s": tps, "mfu": tps * flops_per_token() / 1e12 / PEAK_TFLOPS,
+    # the timed steps' window: from the warm-up's last record (read as the device passed it)
+    # to the final record (written after a device sync)
+    start = next(r for r in records if r.get("type") == "step" and r["step"] == args.warmup)
+    result = {"tokens_per_s": tps, "mfu": tps * flops_per_token() / 1e12 / PEAK_TFLOPS,
             "step_ms_p50": final["step_time_ms_p50"], "loss": final["loss"], "steps": final["steps"],
             "peak_mem_gib": final["peak_mem_gib"], "precision": meta["precision"], "sets": sets,
             "wall_s": res["wall_s"]}
+    tokens_timed = (final["steps"] - args.warmup) * args.micro_batch * args.grad_accum * SEQ
+    return with_energy(result, gpu, start["time"], final["time"], tokens_timed)
 
 
 def ratios(results: dict) -> dict:
@@ -212,14 +284,17 @@ def ratios(results: dict) -> dict:
     for name, r in results.items():
         if name == "nanogpt" or "tokens_per_s" not in r or "tokens_per_s" not in ref:
             continue
+        mj, ref_mj = r.get("energy_mj_per_token"), ref.get("energy_mj_per_token")
         out[name] = {"speed": r["tokens_per_s"] / ref["tokens_per_s"],
+                     "per_joule": ref_mj / mj if mj and ref_mj else None,
                      "loss_rel_diff": (r["loss"] - ref["loss"]) / ref["loss"]}
     return out
 
 
 def table(results: dict) -> str:
     rel = ratios(results)
-    lines = [f"{'run':<24}{'tokens/s':>12}{'vs nanoGPT':>12}{'MFU %':>8}{'step ms p50':>13}{'loss':>9}{'Δloss %':>9}"]
+    lines = [f"{'run':<24}{'tokens/s':>12}{'vs nanoGPT':>12}{'MFU %':>8}{'step ms p50':>13}{'loss':>9}{'Δloss %':>9}"
+             f"{'SM MHz':>8}{'capped %':>10}{'W':>6}{'mJ/token':>10}{'per J':>8}"]
     for name, r in results.items():
         if "tokens_per_s" not in r:
             lines.append(f"{name:<24}FAILED: {r.get('error', '')[-300:]}")
@@ -227,9 +302,17 @@ def table(results: dict) -> str:
         q = rel.get(name)
         speed = f"{q['speed']:.3f}x" if q else ("1.000x" if name == "nanogpt" else "")
         dloss = f"{100 * q['loss_rel_diff']:+.2f}" if q else ""
+        g = r.get("gpu") or {}
+        per_joule = f"{q['per_joule']:.3f}x" if q and q["per_joule"] else ("1.000x" if name == "nanogpt" and r.get("energy_mj_per_token") else "")
         lines.append(f"{name:<24}{r['tokens_per_s']:>12,.0f}{speed:>12}{100 * r['mfu']:>8.1f}"
-                     f"{r['step_ms_p50']:>13.2f}{r['loss']:>9.4f}{dloss:>9}")
+                     f"{r['step_ms_p50']:>13.2f}{r['loss']:>9.4f}{dloss:>9}"
+                     f"{_num(g.get('sm_clock_mhz'), '.0f'):>8}{_num(g.get('power_capped_pct'), '.0f'):>10}"
+                     f"{_num(g.get('power_w'), '.0f'):>6}{_num(r.get('energy_mj_per_token'), '.3f'):>10}{per_joule:>8}")
     return "\n".join(lines)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "" if value is None else f"{value:{spec}}"
 
 
 def report(name: str, r: dict) -> None:
@@ -237,15 +320,28 @@ def report(name: str, r: dict) -> None:
     print(f"[{name}] {brief}" + (f"\n  error: {r['error'][-1500:]}" if "error" in r else ""), flush=True)
 
 
-def run(cmd: list[str], log: Path, *, cwd: Path, env: dict[str, str] | None = None) -> dict:
+def run(cmd: list[str], log: Path, *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 1200) -> dict:
+    """Run ``cmd``; its stdout lines with the wall time each arrived (``lines``), stderr after
+    them in ``log``; killed after ``timeout`` seconds."""
     start = time.monotonic()
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
-    output = proc.stdout + proc.stderr
-    log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    tail = "\n".join(output.strip().splitlines()[-20:])
-    return {"ok": proc.returncode == 0, "output": proc.stdout, "tail": tail, "wall_s": time.monotonic() - start}
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "PYTHONPATH": path, **(env or {})})
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            assert proc.stdout is not None
+            lines = [(time.time(), line.rstrip("\n")) for line in proc.stdout]
+            proc.wait()
+        finally:
+            killer.cancel()
+        err.seek(0)
+        stderr = err.read()
+    stdout = "\n".join(line for _, line in lines)
+    log.write_text(stdout + "\n--- stderr ---\n" + stderr)
+    tail = "\n".join((stdout + "\n" + stderr).strip().splitlines()[-20:])
+    return {"ok": proc.returncode == 0, "lines": lines, "tail": tail, "wall_s": time.monotonic() - start}
 
 
 def environment() -> dict:
