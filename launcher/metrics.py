@@ -23,11 +23,11 @@ Record types (every record has ``type``, ``rank`` and ``time``, Unix seconds):
            (wall seconds since the previous record), ``measured`` (false inside warm-up),
            optional ``step_times_ms`` (each step in the interval), ``loss``, ``lr`` (the
            learning rate the record's step used), ``data_wait_s``, ``peak_mem_gib``,
-           ``gpu_util_pct``, ``sm_clock_mhz``, ``clock_limits`` (what held the GPU's clock
-           down when sampled: a list of "power cap", "hw slowdown", "sw thermal", "hw
-           thermal", "power brake"), ``energy_j`` (the GPU's energy since the previous
-           record), ``power_w`` (that energy over ``interval_s``; NVML's reading where the
-           GPU has no energy counter; the GPU values null where NVML is unavailable). A user script's ``report()`` writes ``step`` records without
+           ``gpu_util_pct``, ``sm_clock_mhz``, ``power_w``, ``clock_limits`` (what held the
+           GPU's clock down when sampled: a list of "power cap", "hw slowdown", "sw
+           thermal", "hw thermal", "power brake"), ``energy_j`` (the GPU's energy since the
+           previous record, from a counter that advances every few tens of milliseconds;
+           the GPU values null where NVML is unavailable). A user script's ``report()`` writes ``step`` records without
            ``interval_s``: readers derive it from consecutive ``time`` values.
 ``final``  once at the end of the built-in trainer: ``steps``, ``measured_steps``,
            ``step_time_ms_p50``, ``step_time_ms_p95``, ``tokens_per_s``, ``samples_per_s``,

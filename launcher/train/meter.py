@@ -34,11 +34,11 @@ this is the time a chunk of them was not ready yet, or had to be made in the tra
 (the first, one after a resume), and its hand-over (starting its copy to the device). The
 GPU (``GpuMonitor``, NVML through ``pynvml``), sampled as each log step's record is read:
 utilisation, SM clock, what limits the clock (``clock_limits``: "power cap", "hw slowdown",
-"sw thermal", "hw thermal", "power brake") and the GPU's energy counter, whose difference
-between reads is the record's ``energy_j`` and, over its interval, its ``power_w`` (NVML's
-power reading where the counter is missing). ``final`` averages the measured samples, gives
-the share of them with a limit (``clock_limited_pct``) and the measured steps' energy, mean
-power and energy per token. A GPU held below its clock by power or heat runs the same kernels
+"sw thermal", "hw thermal", "power brake"), board power, and the GPU's energy counter, whose
+difference between reads is the record's ``energy_j`` (the counter advances in steps of tens
+of milliseconds: short intervals read 0 or a step's worth). ``final`` averages the measured
+samples, gives the share of them with a limit (``clock_limited_pct``), and the measured steps'
+energy, as mean power (``power_w``) and per token. A GPU held below its clock by power or heat runs the same kernels
 slower, which step times alone do not tell apart from the host; at its power cap (an H200 at
 700 W runs GPT-2 124M at 1.6-1.8 GHz of its 1.98) its speed is set by the energy a step takes.
 Null where NVML is unavailable.
@@ -307,7 +307,7 @@ class Meter:
         times = [self.timer.elapsed_ms(a, b) for a, b in itertools.pairwise(p.marks)]
         interval_s = self.timer.elapsed_ms(p.marks[0], p.marks[-1]) / 1e3
         loss = float(p.loss.item())
-        gpu = self._gpu_sample(interval_s)
+        gpu = self._gpu_sample()
         record = {
             "type": "step", "step": p.step, "tokens": p.steps * self.tokens_per_step,
             "samples": p.steps * self.samples_per_step, "interval_s": interval_s,
@@ -328,16 +328,13 @@ class Meter:
         self._last_loss = loss
         return record
 
-    def _gpu_sample(self, interval_s: float) -> dict[str, Any]:
+    def _gpu_sample(self) -> dict[str, Any]:
         """The GPU's sample for a record: its energy counter read becomes the energy used since
-        the previous read (``energy_j``), and ``power_w`` that energy over the interval."""
+        the previous read (``energy_j``)."""
         gpu = self.gpu()
         counter = gpu.pop("energy_counter_j", None)
-        energy = None if counter is None or self._energy_at is None else counter - self._energy_at
+        gpu["energy_j"] = None if counter is None or self._energy_at is None else counter - self._energy_at
         self._energy_at = counter
-        gpu["energy_j"] = energy
-        if energy is not None and interval_s > 0:
-            gpu["power_w"] = energy / interval_s
         return gpu
 
     def throughput(self, tokens: int, seconds: float) -> dict[str, float | None]:
