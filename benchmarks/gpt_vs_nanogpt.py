@@ -303,7 +303,10 @@ def table(results: dict) -> str:
         speed = f"{q['speed']:.3f}x" if q else ("1.000x" if name == "nanogpt" else "")
         dloss = f"{100 * q['loss_rel_diff']:+.2f}" if q else ""
         g = r.get("gpu") or {}
-        per_joule = f"{q['per_joule']:.3f}x" if q and q["per_joule"] else ("1.000x" if name == "nanogpt" and r.get("energy_mj_per_token") else "")
+        if q and q["per_joule"]:
+            per_joule = f"{q['per_joule']:.3f}x"
+        else:
+            per_joule = "1.000x" if name == "nanogpt" and r.get("energy_mj_per_token") else ""
         lines.append(f"{name:<24}{r['tokens_per_s']:>12,.0f}{speed:>12}{100 * r['mfu']:>8.1f}"
                      f"{r['step_ms_p50']:>13.2f}{r['loss']:>9.4f}{dloss:>9}"
                      f"{_num(g.get('sm_clock_mhz'), '.0f'):>8}{_num(g.get('power_capped_pct'), '.0f'):>10}"
