@@ -104,6 +104,25 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return out
 
 
+def gpu_summary(records: list[dict[str, Any]], *, seconds: float, tokens: int) -> dict[str, float | None]:
+    """The GPU over measured ``step`` records that took ``seconds`` for ``tokens``: mean
+    utilisation and SM clock, the share of records whose clock something limited (power,
+    heat), and the energy, in all, as mean power and per token (null unless every record has
+    it). The keys are the ``final`` record's."""
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in records if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    limits = [r["clock_limits"] for r in records if r.get("clock_limits") is not None]
+    energies = [r.get("energy_j") for r in records]
+    energy = sum(energies) if energies and None not in energies else None  # type: ignore[arg-type]
+    return {"gpu_util_pct": mean("gpu_util_pct"), "sm_clock_mhz": mean("sm_clock_mhz"),
+            "clock_limited_pct": 100 * sum(1 for x in limits if x) / len(limits) if limits else None,
+            "energy_j": energy,
+            "power_w": energy / seconds if energy is not None and seconds > 0 else None,
+            "energy_mj_per_token": 1e3 * energy / tokens if energy is not None and tokens else None}
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()

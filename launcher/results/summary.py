@@ -31,7 +31,7 @@ from typing import Any
 from tabulate import tabulate
 
 from launcher.errors import UsageError
-from launcher.metrics import read_records
+from launcher.metrics import gpu_summary, read_records
 from launcher.util import percentile
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,9 @@ RANK_KEYS = (
     "rank", "node", "host", "local_rank", "device", "steps",
     "step_time_ms_p50", "step_time_ms_p95", "samples_per_s", "tokens_per_s",
     "tflops", "mfu", "peak_mem_gib", "data_wait_pct",
+    "sm_clock_mhz", "clock_limited_pct", "power_w", "energy_mj_per_token",
 )
+GPU_KEYS = RANK_KEYS[-4:]  # from NVML (launcher.metrics.gpu_summary); null without it
 TOTAL_KEYS = ("tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks")
 FAILURE_KEYS = ("rank", "node", "host", "exit_code", "signal", "log_tail", "reason")
 DASH = "–"
@@ -221,6 +223,7 @@ def _from_final(final: dict) -> dict:
         "mfu": final.get("mfu"),
         "peak_mem_gib": final.get("peak_mem_gib"),
         "data_wait_pct": final.get("data_wait_pct"),
+        **{k: final.get(k) for k in GPU_KEYS},
     }
 
 
@@ -256,6 +259,8 @@ def _from_steps(records: list[dict], meta: dict) -> dict:
     samples = sum(rec.get("samples") or 0 for rec, _, _ in intervals)
     out["tokens_per_s"] = tokens / seconds
     out["samples_per_s"] = samples / seconds
+    gpu = gpu_summary([rec for rec, _, _ in intervals], seconds=seconds, tokens=tokens)
+    out.update({k: gpu[k] for k in GPU_KEYS})
 
     step_ms = [float(t) for rec, _, _ in intervals for t in rec.get("step_times_ms") or ()]
     if not step_ms:
@@ -346,8 +351,12 @@ def _fmt(value: Any, digits: int = 1, *, pct: bool = False, thousands: bool = Fa
 
 
 def _rank_table(rows: list[dict]) -> str:
+    """One line per rank; where any rank read its GPU's clock, the SM clock and the share of
+    time something (power, heat) held it down, the first thing to see of a slow GPU."""
+    clocks = any(r.get("sm_clock_mhz") is not None for r in rows)
     headers = ["rank", "node", "host", "device", "steps", "step ms p50", "step ms p95",
                "samples/s", "tokens/s", "TFLOP/s", "MFU %", "peak mem GiB", "data wait %"]
+    headers += ["SM MHz", "clock limited %"] if clocks else []
     body = [[
         r["rank"], r["node"] or DASH, r["host"] or DASH, r["device"] or DASH,
         DASH if r["steps"] is None else r["steps"],
@@ -355,9 +364,10 @@ def _rank_table(rows: list[dict]) -> str:
         _fmt(r["samples_per_s"]), _fmt(r["tokens_per_s"], thousands=True),
         _fmt(r["tflops"], 2), _fmt(r["mfu"], pct=True), _fmt(r["peak_mem_gib"], 2),
         _fmt(r["data_wait_pct"]),
-    ] for r in rows]
+    ] + ([_fmt(r.get("sm_clock_mhz"), 0), _fmt(r.get("clock_limited_pct"), 0)] if clocks else [])
+        for r in rows]
     return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True,
-                    colalign=("right", "left", "left", "left") + ("right",) * 9)
+                    colalign=("right", "left", "left", "left") + ("right",) * (len(headers) - 4))
 
 
 def node_rows(rows: list[dict]) -> list[dict]:
@@ -419,9 +429,18 @@ def _straggler_line(summary: dict) -> str:
     if not slow:
         return (f"Stragglers: none (every rank's p50 step time is within "
                 f"{STRAGGLER_THRESHOLD:.0%} of the median {median:.1f} ms).")
+    clocks = [r["sm_clock_mhz"] for r in rows if r.get("sm_clock_mhz") is not None]
+
+    def clock(r: dict) -> str:  # a GPU held below the others' clock explains a slow rank
+        if r.get("sm_clock_mhz") is None or len(clocks) < 2:
+            return ""
+        limited = r.get("clock_limited_pct")
+        return (f", SM clock {r['sm_clock_mhz']:.0f} MHz against a median {statistics.median(clocks):.0f}"
+                + (f", limited {limited:.0f}% of the time" if limited else ""))
+
     named = ", ".join(
         f"rank {r['rank']} on {r['node']} ({r['step_time_ms_p50']:.1f} ms, "
-        f"+{100 * (r['step_time_ms_p50'] / median - 1):.1f}%)" for r in slow
+        f"+{100 * (r['step_time_ms_p50'] / median - 1):.1f}%{clock(r)})" for r in slow
     )
     return f"Stragglers (p50 step time > median {median:.1f} ms + {STRAGGLER_THRESHOLD:.0%}): {named}."
 

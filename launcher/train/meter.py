@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from launcher.metrics import write_record
+from launcher.metrics import gpu_summary, write_record
 from launcher.util import percentile
 
 log = logging.getLogger(__name__)
@@ -359,30 +359,11 @@ class Meter:
             "samples_per_s": m["samples"] / m["seconds"] if m["seconds"] > 0 else None,
             "tflops": rates["tflops"], "mfu": rates["mfu"], "peak_mem_gib": self.peak_mem_gib(),
             "data_wait_pct": 100 * m["wait_s"] / m["seconds"] if m["seconds"] > 0 else None,
-            **self._gpu_summary(),
+            **gpu_summary(self._gpu_samples, seconds=m["seconds"], tokens=m["tokens"]),
             "loss": self._last_loss,
         }
         self.write(record)
         return record
-
-
-    def _gpu_summary(self) -> dict[str, float | None]:
-        """Over the measured log steps' samples: mean utilisation and SM clock, the share of
-        samples whose clock something limited (power, heat), and the energy: in all, as mean
-        board power, and per token (null unless every measured record has it)."""
-        def mean(key: str) -> float | None:
-            values = [g[key] for g in self._gpu_samples if g.get(key) is not None]
-            return sum(values) / len(values) if values else None
-
-        limits = [g["clock_limits"] for g in self._gpu_samples if g.get("clock_limits") is not None]
-        energies = [g.get("energy_j") for g in self._gpu_samples]
-        energy = sum(energies) if energies and None not in energies else None  # type: ignore[arg-type]
-        m = self._measured
-        return {"gpu_util_pct": mean("gpu_util_pct"), "sm_clock_mhz": mean("sm_clock_mhz"),
-                "clock_limited_pct": 100 * sum(1 for x in limits if x) / len(limits) if limits else None,
-                "energy_j": energy,
-                "power_w": energy / m["seconds"] if energy is not None and m["seconds"] > 0 else None,
-                "energy_mj_per_token": 1e3 * energy / m["tokens"] if energy is not None and m["tokens"] else None}
 
 
 def _si(value: float) -> str:

@@ -18,7 +18,8 @@ from launcher.util import percentile
 SCHEMA_TOP = {"job", "status", "world_size", "nodes", "ranks", "totals", "failure"}
 SCHEMA_RANK = {"rank", "node", "host", "local_rank", "device", "steps", "step_time_ms_p50",
                "step_time_ms_p95", "samples_per_s", "tokens_per_s", "tflops", "mfu",
-               "peak_mem_gib", "data_wait_pct"}
+               "peak_mem_gib", "data_wait_pct",  # DESIGN.md's, then the GPU's (NVML; null without it)
+               "sm_clock_mhz", "clock_limited_pct", "power_w", "energy_mj_per_token"}
 SCHEMA_TOTALS = {"tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks"}
 SCHEMA_FAILURE = {"rank", "node", "host", "exit_code", "signal", "log_tail", "reason"}  # DESIGN.md
 
@@ -38,8 +39,9 @@ def layout(nodes: int = 2, per_node: int = 2, device: str = "cuda") -> list[dict
 
 def builtin_records(rank: int, *, step_ms: float, steps: int = 40, log_every: int = 10,
                     warmup: int = 10, peak_tflops: float | None = 989.0,
-                    final: bool = False) -> list[dict]:
-    """What the built-in trainer writes: meta, step records every log_every, maybe final."""
+                    final: bool = False, mhz: float | None = None) -> list[dict]:
+    """What the built-in trainer writes: meta, step records every log_every, maybe final; with
+    ``mhz``, the GPU's clock (power-capped below 1900 MHz) and 500 W of energy."""
     recs = [{"type": "meta", "rank": rank, "time": T0, "local_rank": rank % 2, "world_size": 4,
              "host": "ignored-when-plan-has-it", "device": f"cuda:{rank % 2}", "device_name": "H200",
              "params": 110_000_000, "flops_per_token": 6.6e8, "peak_tflops": peak_tflops,
@@ -54,6 +56,9 @@ def builtin_records(rank: int, *, step_ms: float, steps: int = 40, log_every: in
                      "interval_s": interval, "measured": step > warmup, "step_times_ms": times,
                      "loss": 7.0, "lr": 1e-4, "data_wait_s": 0.02 * interval,
                      "peak_mem_gib": 10.0 + rank})
+        if mhz is not None:
+            recs[-1] |= {"gpu_util_pct": 99.0, "sm_clock_mhz": mhz, "power_w": 480.0, "energy_j": 500.0 * interval,
+                         "clock_limits": ["power cap"] if mhz < 1900 else []}
     if final:
         recs.append({"type": "final", "rank": rank, "time": t, "steps": steps, "measured_steps": steps - warmup,
                      "step_time_ms_p50": 123.0, "step_time_ms_p95": 150.0, "tokens_per_s": 9000.0,
@@ -173,6 +178,36 @@ def test_stragglers_and_totals():
     assert s["world_size"] == 4 and s["nodes"] == 2
     text = render(s)
     assert "rank 3 on node1" in text and "Stragglers" in text
+
+
+def test_gpu_clock_in_the_tables_and_the_straggler_line():
+    """A rank whose GPU the power cap holds at a lower clock is the straggler, and says so."""
+    step_ms = {0: 100.0, 1: 101.0, 2: 100.0, 3: 120.0}
+    mhz = {0: 1980.0, 1: 1980.0, 2: 1965.0, 3: 1650.0}
+    recs = {r: builtin_records(r, step_ms=ms, mhz=mhz[r]) for r, ms in step_ms.items()}
+    s = summarize("j", layout(2, 2), recs, status="succeeded")
+    assert_schema(s)
+    r3 = s["ranks"][3]
+    assert r3["sm_clock_mhz"] == 1650.0 and r3["clock_limited_pct"] == 100.0
+    assert s["ranks"][0]["clock_limited_pct"] == 0.0
+    assert r3["power_w"] == pytest.approx(500.0)  # energy over the measured intervals' time
+    assert r3["energy_mj_per_token"] == pytest.approx(1e3 * 500.0 / r3["tokens_per_s"])
+    text = render(s)
+    assert "SM MHz" in text and "clock limited %" in text
+    assert "rank 3 on node1 (121.0 ms, +19.2%, SM clock 1650 MHz against a median 1972, limited 100% of the time)" in text
+    # from final records: the trainer's own figures
+    fin = {r: builtin_records(r, step_ms=100.0, final=True) for r in range(2)}
+    fin[0][-1] |= {"sm_clock_mhz": 1700.0, "clock_limited_pct": 90.0, "power_w": 690.0, "energy_mj_per_token": 1.2}
+    rows = summarize("j", layout(1, 2), fin, status="succeeded")["ranks"]
+    assert (rows[0]["sm_clock_mhz"], rows[0]["power_w"], rows[0]["energy_mj_per_token"]) == (1700.0, 690.0, 1.2)
+    assert rows[1]["sm_clock_mhz"] is None
+
+
+def test_cpu_runs_have_no_clock_columns():
+    recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
+    s = summarize("j", layout(1, 2, device="cpu"), recs, status="succeeded")
+    assert all(r["sm_clock_mhz"] is None and r["energy_mj_per_token"] is None for r in s["ranks"])
+    assert "SM MHz" not in render(s)
 
 
 def test_stragglers_need_two_measured_ranks():
