@@ -26,9 +26,9 @@ Record types (every record has ``type``, ``rank`` and ``time``, Unix seconds):
            ``gpu_util_pct``, ``sm_clock_mhz``, ``power_w``, ``clock_limits`` (what held the
            GPU's clock down when sampled: a list of "power cap", "hw slowdown", "sw
            thermal", "hw thermal", "power brake"), ``energy_j`` (the GPU's energy since the
-           previous record, from a counter that advances every few tens of milliseconds;
-           the GPU values null where NVML is unavailable). A user script's ``report()`` writes ``step`` records without
-           ``interval_s``: readers derive it from consecutive ``time`` values.
+           previous record, from a counter that moves in coarse steps; the GPU values null
+           where NVML is unavailable). A user script's ``report()`` writes ``step`` records
+           without ``interval_s``: readers derive it from consecutive ``time`` values.
 ``final``  once at the end of the built-in trainer: ``steps``, ``measured_steps``,
            ``step_time_ms_p50``, ``step_time_ms_p95``, ``tokens_per_s``, ``samples_per_s``,
            ``tflops``, ``mfu`` (fraction, null where the peak is unknown), ``peak_mem_gib``,

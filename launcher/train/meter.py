@@ -35,13 +35,14 @@ this is the time a chunk of them was not ready yet, or had to be made in the tra
 GPU (``GpuMonitor``, NVML through ``pynvml``), sampled as each log step's record is read:
 utilisation, SM clock, what limits the clock (``clock_limits``: "power cap", "hw slowdown",
 "sw thermal", "hw thermal", "power brake"), board power, and the GPU's energy counter, whose
-difference between reads is the record's ``energy_j`` (the counter advances in steps of tens
-of milliseconds: short intervals read 0 or a step's worth). ``final`` averages the measured
-samples, gives the share of them with a limit (``clock_limited_pct``), and the measured steps'
-energy, as mean power (``power_w``) and per token. A GPU held below its clock by power or heat runs the same kernels
-slower, which step times alone do not tell apart from the host; at its power cap (an H200 at
-700 W runs GPT-2 124M at 1.6-1.8 GHz of its 1.98) its speed is set by the energy a step takes.
-Null where NVML is unavailable.
+difference between reads is the record's ``energy_j``. The counter moves in coarse steps (it
+read no change over the GPU tests' short records), so only long spans are meaningful:
+``final`` averages the measured samples, gives the share of them with a limit
+(``clock_limited_pct``), and the measured steps' energy, as mean power (``power_w``) and per
+token. A GPU held below its clock by power or heat runs the same kernels slower, which step
+times alone do not tell apart from the host; at its power cap (an H200 at 700 W runs GPT-2
+124M at 1.6-1.8 GHz of its 1.98) its speed is set by the energy a step takes. Null where NVML
+is unavailable.
 """
 
 from __future__ import annotations
