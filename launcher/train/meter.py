@@ -395,12 +395,12 @@ def final_line(record: dict[str, Any], world_size: int) -> str:
         return "n/a" if value is None else f"{value:{spec}}{unit}"
 
     mfu = record["mfu"]
-    clock = ""
+    gpu = ""  # the GPU's clock, then its power and energy, where NVML read them
     if record.get("sm_clock_mhz") is not None:
         limited = record.get("clock_limited_pct")
-        clock = f" | sm clock {record['sm_clock_mhz']:.0f} MHz" + (f", limited {limited:.0f}%" if limited else "")
+        gpu = f" | sm clock {record['sm_clock_mhz']:.0f} MHz" + (f", limited {limited:.0f}%" if limited else "")
     if record.get("energy_mj_per_token") is not None:
-        clock += f" | {record['power_w']:.0f} W, {record['energy_mj_per_token']:.3f} mJ/token"
+        gpu += f" | {record['power_w']:.0f} W, {record['energy_mj_per_token']:.3f} mJ/token"
     return (
         f"done: {record['steps']} steps ({record['measured_steps']} measured) | "
         f"loss {fmt(record['loss'], '.3f')} | "
@@ -408,5 +408,5 @@ def final_line(record: dict[str, Any], world_size: int) -> str:
         f"p50 {fmt(record['step_time_ms_p50'], '.1f', ' ms')} p95 {fmt(record['step_time_ms_p95'], '.1f', ' ms')} | "
         f"{fmt(record['tflops'], '.2f')} TFLOP/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
         f"peak mem {fmt(record['peak_mem_gib'], '.2f', ' GiB')} | data wait {fmt(record['data_wait_pct'], '.1f', '%')}"
-        f"{clock}"
+        f"{gpu}"
     )
