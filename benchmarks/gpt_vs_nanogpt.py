@@ -273,7 +273,7 @@ def run_ours(args: argparse.Namespace, tokens: Path, folder: Path, sets: list[st
             "step_ms_p50": final["step_time_ms_p50"], "loss": final["loss"], "steps": final["steps"],
             "peak_mem_gib": final["peak_mem_gib"], "precision": meta["precision"], "sets": sets,
             "wall_s": res["wall_s"]}
-    tokens_timed = (final["steps"] - args.warmup) * args.micro_batch * args.grad_accum * SEQ
+    tokens_timed = final["measured_steps"] * args.micro_batch * args.grad_accum * SEQ
     return with_energy(result, gpu, start["time"], final["time"], tokens_timed)
 
 
