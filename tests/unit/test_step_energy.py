@@ -1,0 +1,62 @@
+"""benchmarks/step_energy.py's bookkeeping: the parts of a GPT step, per-step sums, the trainer's step."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.spec.job import ModelSpec
+from launcher.train.model import flops_per_token
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import step_energy as bench  # noqa: E402
+
+
+def test_the_parts_hold_the_model_flops_mfu_counts():
+    parts = bench.plan()
+    per_token = sum(p.flops * p.count for p in parts) / bench.TOKENS
+    spec = ModelSpec(arch="gpt", size="base", bias=False)
+    assert per_token == pytest.approx(flops_per_token(spec, seq_len=bench.SEQ, mask_prob=0.15))
+    assert {p.group for p in parts} == set(bench.GROUPS)
+    assert len({p.name for p in parts}) == len(parts)
+
+
+def test_only_keeps_the_named_groups():
+    parts = bench.plan({"gemm"})
+    assert len(parts) == 15 and {p.group for p in parts} == {"gemm"}
+    head = [p for p in parts if p.name.startswith("head")]
+    assert [p.count for p in head] == [1, 1, 1]
+
+
+def test_each_part_is_counted_as_often_as_a_step_calls_it():
+    part = bench.Part("fc forward", "gemm", 12, 2e9)
+    row = bench.per_step(part, {"ms": 0.5, "mj": 300.0})
+    assert row["ms_per_step"] == pytest.approx(6.0) and row["j_per_step"] == pytest.approx(3.6)
+    assert row["tflops"] == pytest.approx(4.0) and row["pj_per_flop"] == pytest.approx(150.0)
+    assert "tflops" not in bench.per_step(bench.Part("GELU forward", "gelu", 12), {"ms": 0.1, "mj": 30.0})
+
+
+def test_groups_sum_their_parts_and_share_the_joules():
+    rows = [{"group": "gemm", "ms_per_step": 10.0, "j_per_step": 6.0},
+            {"group": "gemm", "ms_per_step": 2.0, "j_per_step": 1.5},
+            {"group": "loss", "ms_per_step": 1.0, "j_per_step": 0.5}]
+    groups = bench.by_group(rows)
+    assert groups["gemm"] == {"ms_per_step": 12.0, "j_per_step": 7.5, "share": pytest.approx(0.9375)}
+    assert groups["loss"]["share"] == pytest.approx(0.0625)
+    text = bench.table([], groups, None)
+    assert "sum of the parts" in text and "93.8%" in text
+
+
+def test_the_whole_step_comes_from_the_final_record(tmp_path: Path):
+    metrics = tmp_path / "rank0.jsonl"
+    records = [{"type": "step", "step": 20}, {"type": "final", "tokens_per_s": 16384 / 0.028,
+                                               "energy_mj_per_token": 1.2, "power_w": 700.0, "sm_clock_mhz": 1660.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    whole = bench.whole_step(metrics)
+    assert whole["ms_per_step"] == pytest.approx(28.0) and whole["j_per_step"] == pytest.approx(16384 * 1.2e-3)
+    metrics.write_text(json.dumps({"type": "final", "tokens_per_s": 1.0, "energy_mj_per_token": None}) + "\n")
+    with pytest.raises(SystemExit, match="energy_mj_per_token"):
+        bench.whole_step(metrics)
