@@ -52,12 +52,11 @@ def plan(only: set[str] | None = None) -> list[Part]:
         flops = 2.0 * TOKENS * k * n
         parts += [Part(f"{name} forward", "gemm", count, flops), Part(f"{name} input grad", "gemm", count, flops),
                   Part(f"{name} weight grad", "gemm", count, flops)]
-    # QKᵀ and PV, causal (half the square); the backward counted as twice the forward, as MFU
-    # counts model FLOPs (the kernel also recomputes QKᵀ)
-    attn = 4.0 * TOKENS * SEQ * D / 2
-    parts += [Part("attention forward", "attention", LAYERS, attn),
-              Part("attention backward", "attention", LAYERS, 2 * attn),
-              Part("GELU forward", "gelu", LAYERS), Part("GELU backward", "gelu", LAYERS),
+    # QKᵀ and PV, causal (half the square), forward and backward as MFU counts model FLOPs
+    # (the backward twice the forward; the kernel also recomputes QKᵀ)
+    attn = 3 * 4.0 * TOKENS * SEQ * D / 2
+    parts += [Part("attention forward + backward", "attention", LAYERS, attn),
+              Part("GELU forward + backward", "gelu", LAYERS),
               Part("LayerNorm forward + backward", "layernorm", 2 * LAYERS + 1),
               Part("loss and logits' gradient", "loss", 1),
               Part("embeddings forward + backward", "embedding", 1),
@@ -190,31 +189,22 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
 
     packed = attention.fa4_import_error() is None
 
-    def attn(backward: bool):
-        def build():
-            qkv = torch.randn(TOKENS // SEQ, SEQ, 3, HEADS, D // HEADS, **bf16).requires_grad_()
-            if not backward:
-                if packed:
-                    return lambda: torch.ops.launcher.attention_fwd(qkv, True)
-                return lambda: attention.sdpa_attention(qkv, True)
-            y = attention.packed_attention(qkv, True) if packed else attention.sdpa_attention(qkv, True)
-            dy = torch.randn_like(y)
-            return lambda: torch.autograd.grad(y, qkv, dy, retain_graph=True)
-        return build
+    # Autograd runs a backward on the stream of its forward, so a part with a backward runs
+    # its forward in the same call: both are then captured on the capture's stream.
+    def attn():
+        qkv = torch.randn(TOKENS // SEQ, SEQ, 3, HEADS, D // HEADS, **bf16).requires_grad_()
+        dy = torch.randn(TOKENS // SEQ, SEQ, HEADS, D // HEADS, **bf16)
+        fn = attention.packed_attention if packed else attention.sdpa_attention
+        return lambda: torch.autograd.grad(fn(qkv, True), qkv, dy)
 
-    out["attention forward"], out["attention backward"] = attn(False), attn(True)
+    out["attention forward + backward"] = attn
 
-    def gelu(backward: bool):
-        def build():
-            y = torch.randn(TOKENS, 4 * D, **bf16).requires_grad_(backward)
-            if not backward:
-                return lambda: fused.bias_gelu(y, None, "tanh")
-            h = fused.bias_gelu(y, None, "tanh")
-            dh = torch.randn_like(h)
-            return lambda: torch.autograd.grad(h, y, dh, retain_graph=True)
-        return build
+    def gelu():
+        y = torch.randn(TOKENS, 4 * D, **bf16).requires_grad_()
+        dh = torch.randn_like(y)
+        return lambda: torch.autograd.grad(fused.bias_gelu(y, None, "tanh"), y, dh)
 
-    out["GELU forward"], out["GELU backward"] = gelu(False), gelu(True)
+    out["GELU forward + backward"] = gelu
 
     def layernorm():
         x = torch.randn(TOKENS, D, **bf16).requires_grad_()
@@ -318,9 +308,13 @@ def main() -> None:
         raise SystemExit("NVML's energy counter does not answer on this GPU (nvidia-ml-py installed?)")
     whole = whole_step(args.step_metrics) if args.step_metrics else None
     build = builders(device)
-    rows = []
-    failed = {}
+    rows: list[dict] = []
+    broken = ""  # a capture that failed part-way leaves the process's CUDA state unusable
+    failed: dict[str, str] = {}
     for part in plan(only):
+        if broken:
+            failed[part.name] = f"not run: {broken}"
+            continue
         try:
             fn = build[part.name]()
             m = measure(fn, args.seconds, gpu)
@@ -331,6 +325,8 @@ def main() -> None:
         finally:
             fn = None
             torch.cuda.empty_cache()
+        if not m["graph"]:
+            broken = f"the capture of {part.name!r} failed"
         row = {"name": part.name, "group": part.group, "count": part.count, **m, **per_step(part, m)}
         rows.append(row)
         print(f"{part.name}: {m['ms']:.4f} ms, {m['mj']:.3f} mJ a call at {m['power_w']:.0f} W, "

@@ -36,7 +36,7 @@ def test_each_part_is_counted_as_often_as_a_step_calls_it():
     row = bench.per_step(part, {"ms": 0.5, "mj": 300.0})
     assert row["ms_per_step"] == pytest.approx(6.0) and row["j_per_step"] == pytest.approx(3.6)
     assert row["tflops"] == pytest.approx(4.0) and row["pj_per_flop"] == pytest.approx(150.0)
-    assert "tflops" not in bench.per_step(bench.Part("GELU forward", "gelu", 12), {"ms": 0.1, "mj": 30.0})
+    assert "tflops" not in bench.per_step(bench.Part("GELU forward + backward", "gelu", 12), {"ms": 0.1, "mj": 30.0})
 
 
 def test_groups_sum_their_parts_and_share_the_joules():
