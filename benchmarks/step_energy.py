@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from launcher.metrics import read_records
+
 TOKENS, SEQ, D, LAYERS, VOCAB, CLASSES = 16 * 1024, 1024, 768, 12, 50304, 50257
 HEADS = 12
 # the model's linear layers: name -> (in, out, per step)
@@ -89,11 +91,7 @@ def by_group(rows: list[dict]) -> dict[str, dict[str, float]]:
 def whole_step(metrics: Path) -> dict:
     """The trainer's step from its metrics file's ``final`` record: mean ms (from tokens/s), the
     joules (from its energy per token), W and the SM clock."""
-    final = None
-    for line in metrics.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("type") == "final":
-            final = record
+    final = next((r for r in reversed(read_records(metrics)) if r.get("type") == "final"), None)
     if final is None or final.get("energy_mj_per_token") is None:
         raise SystemExit(f"{metrics}: no final record with energy_mj_per_token (a GPU run with NVML)")
     return {"ms_per_step": TOKENS / final["tokens_per_s"] * 1e3, "j_per_step": final["energy_mj_per_token"] * TOKENS / 1e3,
@@ -236,18 +234,17 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
     out["embeddings forward + backward"] = embedding
 
     def optimizer():
-        from launcher.spec.job import ModelSpec
+        # the model and gradients of benchmarks/optimizer_step.py, which times this step alone
+        from optimizer_step import fill_grads, gpt2_model
+
         from launcher.train import optim
         from launcher.train.loop import param_groups
-        from launcher.train.model import build_model
 
-        with torch.device(device):
-            model = build_model(ModelSpec(arch="gpt", size="base", bias=False))
+        model = gpt2_model()
         params = list(model.parameters())
         masters = optim.MasterWeights(params)
         opt = optim.MasterAdamW(param_groups(model, 0.1), masters, lr=6e-4, betas=(0.9, 0.95))
-        for p in params:
-            p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-3).to(torch.bfloat16)
+        fill_grads(params, torch.bfloat16)
 
         def step():
             opt.clip_grad_norm_(1.0)
