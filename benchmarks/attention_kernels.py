@@ -1,6 +1,7 @@
 """The models' attention on the GPU, forward and backward, by kernel.
 
     python benchmarks/attention_kernels.py [--out results.json]
+    python benchmarks/attention_kernels.py --fa4-bwd-tiles [--out results.json]
 
 Two shapes, one micro-batch each, bf16, q, k and v as the models make them (views of one
 (batch, seq, 3, heads, 64) projection): GPT-2 124M's (16 × 1024, 12 heads, causal) and
@@ -13,11 +14,18 @@ Times are the kernels' own, from the profiler over 20 calls (not the host's laun
 which differ between the kernels' glue); the backward's include the copy that stacks dq, dk
 and dv into the projection's gradient, as in training (the pair has none: its gradient is the
 packed tensor). The outputs and gradients are compared with cuDNN's.
+
+``--fa4-bwd-tiles`` times the ``cudnn-fa4`` pair's backward at GPT-2's shape with each of
+FlashAttention-4's feasible Hopper tilings for head dimension 64 (its own
+``sm90_config_search``: the best-ranked configuration of each tile shape), against the one
+FA4 picks (C++ FA3's, tuned on an H100), each in a process of its own, and compares each
+gradient with cuDNN's.
 """
 
 import argparse
 import json
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -89,10 +97,100 @@ def fa4_activator():
     return lambda: handles or handles.append(_fa4.register_flash_attention_fa4(shim.__name__))
 
 
+def fa4_bwd_tilings(head_dim: int = 64) -> dict[str, dict | None]:
+    """Hopper backward configurations to try: FA4's pick (None) and, per tile shape, the first
+    of its config search's feasible ones (a variant of the pick's shape where that one is the pick)."""
+    from flash_attn.cute import sm90_config_search
+
+    fields = {"tile_m": "m_block_size", "tile_n": "n_block_size", "Q_stage": "num_stages_Q",
+              "dO_stage": "num_stages_dO", "PdS_stage": "num_stages_PdS", "SdP_swapAB": "SdP_swapAB",
+              "dKV_swapAB": "dKV_swapAB", "dQ_swapAB": "dQ_swapAB", "AtomLayoutMSdP": "AtomLayoutMSdP",
+              "AtomLayoutNdKV": "AtomLayoutNdKV", "AtomLayoutMdQ": "AtomLayoutMdQ", "num_wg": "num_wg"}
+    out: dict[str, dict | None] = {"FA4's pick": None}
+    for found in sm90_config_search.find_feasible_bwd_configs(head_dim, head_dim):
+        cfg = {ours: found[theirs] for theirs, ours in fields.items()}
+        name = f"{cfg['m_block_size']}x{cfg['n_block_size']}"
+        if name == "128x128" and not cfg["dQ_swapAB"]:
+            continue  # the pick's shape: FA4's own pick stands for it, try the dQ-swapped variant
+        out.setdefault(name, cfg)
+    return out
+
+
+def fa4_bwd_tiling(name: str) -> dict:
+    """The pair's backward at GPT-2's shape under one tiling of ``fa4_bwd_tilings``, its
+    gradient compared with cuDNN's."""
+    import time
+
+    from flash_attn.cute import interface
+
+    cfg = fa4_bwd_tilings()[name]
+    if cfg is not None:
+        interface._tile_size_bwd_sm90 = lambda *a, **k: interface.BwdConfig(**cfg)
+    t0 = time.monotonic()
+    row, (_, dqkv) = measure(*SHAPES["gpt2-124m"], backend=None)
+    first = time.monotonic() - t0
+    _, (_, ref) = measure(*SHAPES["gpt2-124m"], backend=SDPBackend.CUDNN_ATTENTION)
+    return {**row, "config": cfg, "grad_max_diff_vs_cudnn": float((dqkv - ref).abs().max()), "first_call_s": first}
+
+
+def _failure(proc) -> str:
+    """A failed child's exit (a signal by name) and its last line of stderr that is not a warning."""
+    import signal
+
+    code = proc.returncode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln and "exe_args" not in ln]
+    return f"{how}: {lines[-1].strip()[:300]}" if lines else how
+
+
+def fa4_bwd_tiles(budget_s: float) -> dict:
+    """Each tiling in a process of its own (a tiling that does not compile may abort the
+    process), until ``budget_s`` runs out; prints a row as each one ends."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    results, start = {}, time.monotonic()
+    print(f"{'tiling (m x n)':>16} {'bwd ms':>8} {'TFLOP/s':>8} {'grad diff':>10} {'s':>5}", flush=True)
+    for name in fa4_bwd_tilings():
+        left = budget_s - (time.monotonic() - start)
+        if left < 20:
+            results[name] = {"skipped": "time budget"}
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--fa4-bwd-tiling", name, "--out", f.name],
+                                      capture_output=True, text=True, timeout=left)
+                row = json.loads(Path(f.name).read_text()) if proc.returncode == 0 else {"error": _failure(proc)}
+            except subprocess.TimeoutExpired:
+                row = {"error": "time budget ran out while it ran"}
+        results[name] = row
+        if "error" in row:
+            print(f"{name:>16} {row['error']}", flush=True)
+        else:
+            print(f"{name:>16} {row['bwd_ms']:8.4f} {row['bwd_tflops']:8.0f} {row['grad_max_diff_vs_cudnn']:10.1e} "
+                  f"{row['first_call_s']:5.0f}", flush=True)
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write the figures as JSON here")
+    p.add_argument("--fa4-bwd-tiles", action="store_true", help="only: the pair's backward under FA4's Hopper tilings")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds for --fa4-bwd-tiles (compilation included)")
+    p.add_argument("--fa4-bwd-tiling", help=argparse.SUPPRESS)  # one tiling, in the sweep's child process
     args = p.parse_args()
+    if args.fa4_bwd_tiling:
+        Path(args.out).write_text(json.dumps(fa4_bwd_tiling(args.fa4_bwd_tiling)))
+        return
+    if args.fa4_bwd_tiles:
+        results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "fa4_bwd_tiles": fa4_bwd_tiles(args.budget)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     from torch.nn import attention
 
     # FA4 comes last: once activated, torch's flash kernels stay routed to it
