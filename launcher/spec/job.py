@@ -126,7 +126,7 @@ class TrainSpec(Strict):
 
 class DDPSpec(Strict):
     bucket_cap_mb: float = Field(25.0, gt=0, description="Gradient bucket size for all-reduce overlap (smaller buckets start sooner and leave less exposed at the end of backward).")
-    static_graph: bool = Field(False, description="The graph is the same every step: DDP's static-graph mode (static_graph=True). Measure before turning it on: the README's Performance section compares it with the default.")
+    static_graph: bool = Field(False, description="The graph is the same every step: DDP's static-graph mode (static_graph=True). Measure before turning it on: benchmarks/RESULTS.md compares it with the default.")
     gradient_as_bucket_view: bool = Field(True, description="Gradients are views into the all-reduce buckets (saves a copy and memory).")
     comm_hook: Literal["none", "bf16", "fp16"] = Field("none", description="Compress gradients to this dtype for all-reduce.")
 

@@ -12,7 +12,7 @@ dv straight into the packed gradient (it takes output buffers), where torch's pa
 three separate gradients into it, one more read and write of it per layer. The forward's
 log-sum-exp (cuDNN's softmax statistics) is what FA4's backward reads. The backward per layer:
 0.422 → 0.255 ms at GPT-2's shape, 1.476 → 0.894 ms at BERT's; both models train 3.5% faster
-(``benchmarks/attention_kernels.py``, README "Performance").
+(``benchmarks/attention_kernels.py``; ``benchmarks/RESULTS.md``, calls 37–39).
 
 The two halves are ``torch.library`` custom ops, so ``torch.compile`` and CUDA graphs treat
 each as one opaque call. On the CPU they run a plain reference of the same function (the

@@ -23,7 +23,7 @@ element:
 At BERT-base's fc shape on one H200 (128 × 512 rows × 3072, bf16, exact GELU with its bias;
 ``python benchmarks/mlp_kernels.py``, 2026-12-01): forward 0.240 ms against inductor's 0.294,
 backward with the bias gradient 0.418 against 0.527; BERT-base trains 1.6% faster through
-``launch`` (README "Performance").
+``launch`` (``benchmarks/RESULTS.md``, calls 20–25).
 
 On CPU or without Triton, ``bias_gelu`` is ``F.gelu(y + b)``: the reference the GPU tests
 compare against (tests/integration/test_gpu_fused.py).

@@ -24,7 +24,7 @@ trainer uses this for ``grad_accum: 1`` only. Checkpoints hold the fp32 masters 
 weights (``substitute_masters``); the optimizer's own state is its moments and step, in torch
 AdamW's format.
 
-GPT-2 124M on one H200 (README "Performance"): 2.6% more tokens/s than fp32 weights, 93 fewer
+GPT-2 124M on one H200 (`benchmarks/RESULTS.md`, calls 40–42): 2.6% more tokens/s than fp32 weights, 93 fewer
 kernel launches a step; the update runs at about 4 TB/s (28 bytes a parameter).
 """
 

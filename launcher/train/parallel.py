@@ -62,7 +62,7 @@ def shards_alone(job: JobSpec) -> bool:
 
     One process has nothing to shard or reduce: like DDP there, the model trains unwrapped
     (FSDP's per-unit hooks and DTensor parameters cost host time that one GPU waits on:
-    264k against 490k tokens/s for GPT-2 124M on one H200, README "Performance"). The
+    264k against 490k tokens/s for GPT-2 124M on one H200, ``benchmarks/RESULTS.md``). The
     exception is ``parallel.fsdp.cpu_offload``, which one process uses for its memory.
     """
     return job.parallel.strategy == "fsdp" and job.parallel.fsdp.cpu_offload
@@ -142,7 +142,7 @@ def apply_compile(model: nn.Module, *, cuda_graphs: bool = False, whole: bool = 
     gradient-bucket boundaries, so that a whole-model graph still overlaps its all-reduce.
     A block is already the unit of overlap here, and splitting it (28 MB of parameters
     against 25 MB buckets) doubled the compiled graphs run per step: 28 backward graphs
-    instead of 14, measured on 2 H200s (README "Performance").
+    instead of 14, measured on 2 H200s (``benchmarks/RESULTS.md``).
     """
     torch._dynamo.config.optimize_ddp = False
     options = {"mode": "reduce-overhead"} if cuda_graphs else {}
