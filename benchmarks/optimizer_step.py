@@ -75,23 +75,27 @@ def fp32_step(model) -> tuple[float, int]:
     return timed_ms(step), 28 * n + 4 * n + 12 * m  # AdamW's 28 B, the norm's 4, the casts' 6 + 6
 
 
+def master_adamw_step(model):
+    """The trainer's step on bf16 weights: fp32 masters, the gradients' norm, then MasterAdamW
+    (clipping at 1.0), over gradients filled once; returns the step as a function."""
+    params = list(model.parameters())
+    opt = optim.MasterAdamW(param_groups(model, 0.1), optim.MasterWeights(params), lr=6e-4, betas=(0.9, 0.95))
+    fill_grads(params, torch.bfloat16)
+
+    def step():
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+    return step
+
+
 def bf16_step(model, block: int | None = None, warps: int | None = None) -> tuple[float, int]:
     saved = optim.BLOCK, optim.NUM_WARPS
     optim.BLOCK, optim.NUM_WARPS = block or saved[0], warps or saved[1]
     try:
-        params = list(model.parameters())
-        masters = optim.MasterWeights(params)
-        opt = optim.MasterAdamW(param_groups(model, 0.1), masters, lr=6e-4, betas=(0.9, 0.95))
-        fill_grads(params, torch.bfloat16)
-
-        def step():
-            opt.clip_grad_norm_(1.0)
-            opt.step()
-
-        ms = timed_ms(step)
+        ms = timed_ms(master_adamw_step(model))
     finally:
         optim.BLOCK, optim.NUM_WARPS = saved
-    n = sum(p.numel() for p in params)
+    n = sum(p.numel() for p in model.parameters())
     return ms, 28 * n + 2 * n  # AdamW's 28 B (bf16 gradient and fp32 state in, fp32 state and bf16 weight out), the norm's 2
 
 

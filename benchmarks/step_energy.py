@@ -234,22 +234,10 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
     out["embeddings forward + backward"] = embedding
 
     def optimizer():
-        # the model and gradients of benchmarks/optimizer_step.py, which times this step alone
-        from optimizer_step import fill_grads, gpt2_model
+        # the step of benchmarks/optimizer_step.py, which times it alone
+        from optimizer_step import gpt2_model, master_adamw_step
 
-        from launcher.train import optim
-        from launcher.train.loop import param_groups
-
-        model = gpt2_model()
-        params = list(model.parameters())
-        masters = optim.MasterWeights(params)
-        opt = optim.MasterAdamW(param_groups(model, 0.1), masters, lr=6e-4, betas=(0.9, 0.95))
-        fill_grads(params, torch.bfloat16)
-
-        def step():
-            opt.clip_grad_norm_(1.0)
-            opt.step()
-        return step
+        return master_adamw_step(gpt2_model())
 
     out["gradient norm and AdamW"] = optimizer
     return out
