@@ -199,7 +199,7 @@ class MadeAhead(Batches):
     """Batches made ahead, ``steps_ahead`` optimizer steps at a time, in a background thread.
 
     A chunk holds every micro-batch of this rank for up to 16 steps (at most ``CHUNK_TOKENS``
-    tokens), made by the ops of one batch applied to all its rows at once: some 150 torch ops
+    tokens, or one step where a step holds more), made by the ops of one batch applied to all its rows at once: some 150 torch ops
     whatever its size, as many as one batch takes, and the numbers of ``Batches.batch``.
     ``batch`` hands out views of it.
 
@@ -343,11 +343,13 @@ class TokenFileBatches(MadeAhead):
                 f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len"
             )
         self._offsets = torch.arange(self.row_len)
-        # uint16 has few kernels in torch (indexing among the newer ones): read uint16 files
-        # through an int16 view and take the low 16 bits back after widening.
-        self._unsigned16 = self.ids.dtype == torch.uint16
-        if self._unsigned16:
-            self.ids = self.ids.view(torch.int16)
+        # Unsigned ids wider than a byte have few kernels in older torch (indexing among the
+        # newer ones): read them through the signed view of their width and take the low bits
+        # back after widening.
+        self._low_bits = None
+        if self.ids.dtype in _SIGNED_VIEWS:
+            view, self._low_bits = _SIGNED_VIEWS[self.ids.dtype]
+            self.ids = self.ids.view(view)
 
     def tokens(self, sample: torch.Tensor) -> torch.Tensor:
         return self._rows(sample.view(-1))
@@ -356,12 +358,17 @@ class TokenFileBatches(MadeAhead):
         """The rows of the given window numbers (any, wrapped around)."""
         starts = (windows % self.n_windows) * self.stride
         batch = self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64)
-        batch = self.frame(batch & 0xFFFF if self._unsigned16 else batch)
-        top = int(batch.max())
+        batch = self.frame(batch & self._low_bits if self._low_bits is not None else batch)
+        low, top = (int(v) for v in torch.aminmax(batch))
         if top >= self.vocab_size:
             raise ValueError(
                 f"{self.path} holds token id {top}, outside the model's vocabulary of "
                 f"{self.vocab_size}; set model.vocab_size above it"
+            )
+        if low < 0:
+            raise ValueError(
+                f"{self.path} holds token id {low}; token ids run from 0 to model.vocab_size - 1 "
+                f"(padding marked by a negative id has no place in a token file: drop it when writing the file)"
             )
         return batch
 
@@ -372,6 +379,7 @@ class TokenFileBatches(MadeAhead):
 
 _NPY_DTYPES = {"<u2": torch.uint16, "<i4": torch.int32, "<i8": torch.int64, "|u1": torch.uint8,
                "<u4": torch.uint32}
+_SIGNED_VIEWS = {torch.uint16: (torch.int16, 0xFFFF), torch.uint32: (torch.int32, 0xFFFF_FFFF)}
 _RAW_DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "int64": torch.int64}
 
 
@@ -398,5 +406,6 @@ def _npy_layout(path: Path) -> tuple[int, torch.dtype]:
         raise ValueError(f"{path} is Fortran-ordered; save the token ids as a C-ordered array")
     descr = header.get("descr")
     if descr not in _NPY_DTYPES:
-        raise ValueError(f"{path} holds dtype {descr!r}; token files must be uint16, int32 or int64")
+        raise ValueError(f"{path} holds dtype {descr!r}; .npy token files must be uint8, uint16, uint32, "
+                         "int32 or int64")
     return offset, _NPY_DTYPES[descr]

@@ -149,6 +149,15 @@ def test_token_file_errors_name_the_fix(tmp_path: Path):
     big = source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "big.npy", token_dtype="uint16")
     with pytest.raises(ValueError, match="model.vocab_size"):
         big.batch(1)
+    padded = torch.arange(100, dtype=torch.int32)
+    padded[5] = -1  # padding by a negative id: CUDA's embedding would fail with a device assert
+    write_npy(tmp_path / "padded.npy", padded, "<i4")
+    negative = source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "padded.npy", token_dtype="uint16")
+    with pytest.raises(ValueError, match="token id -1; token ids run from 0"):
+        negative.batch(1)
+    write_npy(tmp_path / "float.npy", torch.zeros(100, dtype=torch.float32), "<f4")
+    with pytest.raises(ValueError, match="uint8, uint16, uint32, int32 or int64"):
+        source("gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "float.npy", token_dtype="uint16")
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
@@ -181,14 +190,17 @@ def test_token_file_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path
         assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
 
 
-def test_uint16_token_ids_above_int16_read_back_exactly(tmp_path: Path):
-    ids = (torch.arange(2_000, dtype=torch.int64) * 37 + 30_000) % 65_536
-    write_npy(tmp_path / "t.npy", ids.to(torch.uint16), "<u2")
-    batches = source("gpt", seq=16, micro=2, vocab=65_536, cls=TokenFileBatches, path=tmp_path / "t.npy",
+@pytest.mark.parametrize(("dtype", "descr", "bits"), [(torch.uint16, "<u2", 16), (torch.uint32, "<u4", 32),
+                                                     (torch.uint8, "|u1", 8)])
+def test_unsigned_token_ids_above_the_signed_range_read_back_exactly(tmp_path: Path, dtype, descr: str, bits: int):
+    top = 1 << bits
+    ids = (torch.arange(2_000, dtype=torch.int64) * 37 + top // 2 - 100) % top
+    write_npy(tmp_path / "t.npy", ids.to(dtype), descr)
+    batches = source("gpt", seq=16, micro=2, vocab=top, cls=TokenFileBatches, path=tmp_path / "t.npy",
                      token_dtype="uint16")
     b = batches.batch(1)
     assert torch.equal(b["input_ids"], torch.stack([ids[0:16], ids[16:32]]))
-    assert int(ids.max()) > 32_767
+    assert int(ids[:32].max()) >= top // 2  # above the signed type's range
 
 
 def run_samples(make, world: int, accum: int, steps: range, key: str = "input_ids") -> torch.Tensor:
