@@ -295,6 +295,8 @@ class JobSpec(Strict):
                              "on device cpu use bf16 or fp32 (precision.dtype)")
         if dev == "cpu" and self.train.attention not in ("auto", "math"):
             raise ValueError(f"train.attention {self.train.attention} is a GPU kernel; on device cpu use auto or math")
+        if dev == "cpu" and self.parallel.ddp.comm_hook == "bf16" and self.parallel.strategy == "ddp":
+            raise ValueError("parallel.ddp.comm_hook bf16 needs CUDA GPUs and NCCL; on device cpu use fp16 or none")
         if dev == "cpu" and self.nccl.backend == "nccl":
             raise ValueError("the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto")
         if self.uses_builtin:

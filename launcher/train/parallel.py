@@ -158,7 +158,11 @@ def apply_compile(model: nn.Module, *, cuda_graphs: bool = False, whole: bool = 
 def apply_ddp(model: nn.Module, job: JobSpec, *, device: torch.device) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from launcher.errors import SpecError
+
     cfg = job.parallel.ddp
+    if cfg.comm_hook == "bf16" and device.type != "cuda":  # resources.device auto that found no GPU
+        raise SpecError("bf16 needs CUDA GPUs and NCCL; on the CPU use fp16 or none", field="parallel.ddp.comm_hook")
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -166,8 +170,6 @@ def apply_ddp(model: nn.Module, job: JobSpec, *, device: torch.device) -> nn.Mod
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
     )
-    if cfg.comm_hook == "bf16" and device.type != "cuda":
-        raise ValueError("parallel.ddp.comm_hook bf16 needs CUDA GPUs and NCCL; on the CPU use fp16 or none")
     if cfg.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -275,10 +277,6 @@ def is_sharded(model: nn.Module) -> bool:
 
     return isinstance(model, FSDPModule)
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (FSDP2 modifies the model in place)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 @torch.no_grad()
