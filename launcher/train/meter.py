@@ -150,6 +150,10 @@ class GpuMonitor:
             import pynvml
 
             pynvml.nvmlInit()
+        except Exception as err:  # NVML missing or unusable: every value stays null
+            log.debug("NVML unavailable: %s", err)
+            return
+        try:
             uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
             if uuid:
                 self._handle = pynvml.nvmlDeviceGetHandleByUUID(
@@ -157,9 +161,11 @@ class GpuMonitor:
             else:
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
             self._nvml = pynvml
-        except Exception as err:  # NVML missing or unusable: every value stays null
-            log.debug("NVML unavailable: %s", err)
-            self._nvml = None
+        except Exception as err:  # NVML runs but does not know this GPU: the values stay null
+            log.warning("NVML does not find %s (%s): no GPU utilisation, clock or power in the records",
+                        device, err)
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()
 
     def __call__(self) -> dict[str, Any]:
         """``gpu_util_pct``, ``sm_clock_mhz``, ``power_w``, ``clock_limits`` (names) and

@@ -3,6 +3,9 @@ MFU arithmetic, record contract."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -217,3 +220,18 @@ def test_the_gpu_monitor_of_a_cpu_run_answers_nulls():
     assert monitor() == {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None,
                          "energy_counter_j": None}
     monitor.close()
+
+
+def test_nvml_is_shut_down_when_it_does_not_find_the_gpu(monkeypatch, caplog):
+    calls = []
+    fake = types.SimpleNamespace(nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
+                                 nvmlDeviceGetHandleByIndex=lambda i: (_ for _ in ()).throw(RuntimeError("no GPU")),
+                                 nvmlDeviceGetHandleByUUID=lambda u: (_ for _ in ()).throw(RuntimeError("no GPU")))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid=""))
+    monitor = GpuMonitor(torch.device("cuda", 0))
+    assert calls == ["init", "shutdown"]
+    assert monitor()["power_w"] is None
+    assert "NVML does not find cuda:0" in caplog.text
+    monitor.close()
+    assert calls == ["init", "shutdown"]  # not twice
