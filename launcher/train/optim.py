@@ -77,7 +77,7 @@ class MasterWeights:
     wraps the model, after any pretrained weights are loaded.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, params: Sequence[nn.Parameter]):
         params = list(params)
         if len({id(p) for p in params}) != len(params):
             raise ValueError("MasterWeights: a parameter is listed twice")
@@ -85,7 +85,7 @@ class MasterWeights:
             raise ValueError("MasterWeights: no parameters")
         device = params[0].device
         self.params = params
-        self.dtype = dtype
+        self.dtype = torch.bfloat16  # the working weights': the kernels read and write bf16
         self.block = BLOCK  # the kernels' block for these buffers (BLOCK when they were laid out)
         self.numels = [p.numel() for p in params]
         self.starts = []
@@ -94,7 +94,7 @@ class MasterWeights:
             self.starts.append(total)
             total += -(-n // self.block) * self.block
         self.master = torch.zeros(total, device=device, dtype=torch.float32)
-        self.flat = torch.zeros(total, device=device, dtype=dtype)
+        self.flat = torch.zeros(total, device=device, dtype=self.dtype)
         self._index = {}
         with torch.no_grad():
             for i, p in enumerate(params):
