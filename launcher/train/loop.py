@@ -441,8 +441,8 @@ class Trainer:
             log.info(progress_line(record, self.job.train.steps, self.flops_per_token, self.peak_tflops))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU copies of the parameters (the fp32 masters of bf16 weights), on rank 0
-        (a collective under FSDP)."""
+        """Unsharded CPU copies of the parameters (the fp32 masters of bf16 weights): on every
+        rank for bf16 weights (never sharded), else on rank 0 (a collective under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.masters is not None:  # never sharded: the local state is the whole model

@@ -94,7 +94,7 @@ def flops_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> float
     """Training FLOPs per token (forward + backward = 3× forward), model FLOPs only.
 
     ``6·N + 12·L·d·S`` with N from ``matmul_params_per_token``. The attention term counts
-    QKᵀ and A·V (2·S·d multiply-adds each per token per layer, ×3 for backward). GPT is
+    QKᵀ and A·V (2·S·d FLOPs, S·d multiply-adds, each per token per layer; ×3 with the backward). GPT is
     causal and the flash kernels skip the masked half, so GPT counts half: ``6·L·d·S``.
     Recomputation under activation checkpointing is not counted (this is MFU, not HFU).
     """
