@@ -181,8 +181,9 @@ class SSHRunner(Runner):
         timeout = self.ssh.connect_timeout_s
         return {
             # The configured key only, so a wrong key fails plainly instead of silently
-            # succeeding with some other identity; without one: ssh-agent, then ~/.ssh/id_*.
-            "key_filename": [str(key)] if key else None,
+            # succeeding with some other identity; without one: ssh-agent, then ~/.ssh/id_*
+            # (no key_filename at all then: fabric iterates it, and None is not a list).
+            **({"key_filename": [str(key)]} if key else {}),
             "look_for_keys": key is None,
             "allow_agent": key is None,
             # Key auth only: no password is ever sent and nothing prompts for one.

@@ -103,6 +103,28 @@ def test_equal_nodes_agree(cluster, tmp_path, capsys):
     assert doc["ok"] and doc["nodes"] == cluster.node_names
 
 
+def test_without_ssh_key_the_agents_identity_is_used(cluster, tmp_path, monkeypatch):
+    """No ``ssh.key`` in cluster.yaml: ssh-agent's identities, as the spec documents (the nodes
+    accept only the cluster's key, which only the agent holds here)."""
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        subprocess.run(["ssh-add", str(cluster.ssh_key)], env={"SSH_AUTH_SOCK": str(sock), "PATH": "/usr/bin:/bin"},
+                       check=True, capture_output=True, timeout=10)
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        _, spec = write_cluster(cluster, tmp_path, ssh={"key": None})
+        assert spec.ssh.key is None
+        report = run_preflight(spec, deep=False)
+        assert report.ok, report.table()
+    finally:
+        agent.kill()
+        agent.wait(timeout=10)
+
+
 def test_cli_check(cluster, tmp_path):
     path, _ = write_cluster(cluster, tmp_path)
     proc = subprocess.run(

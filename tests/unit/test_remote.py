@@ -191,7 +191,7 @@ def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
     assert opts["key_filename"] == [str(ssh_runner.ssh.key)]
     assert opts["banner_timeout"] == opts["auth_timeout"] == 3
     agent = SSHRunner(NodeSpec(name="n", host="10.0.0.1"), SSHSpec()).connect_kwargs()
-    assert agent["key_filename"] is None and agent["look_for_keys"] and agent["allow_agent"]
+    assert "key_filename" not in agent and agent["look_for_keys"] and agent["allow_agent"]
 
 
 # -- probe output --------------------------------------------------------------------------
