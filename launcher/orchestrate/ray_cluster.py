@@ -33,7 +33,7 @@ from typing import Any
 from launcher import signals
 from launcher.errors import PreflightError
 from launcher.orchestrate.code import CodePlan, stage
-from launcher.remote import runner_for
+from launcher.remote import CommandResult, NodeError, runner_for
 from launcher.spec import ClusterSpec, NodeSpec
 from launcher.util import first_line
 
@@ -79,8 +79,8 @@ class RaySession:
         """``ray start`` on a node over SSH, with this cluster's token in a 0600 file first."""
         assert self._cluster is not None and self._token is not None
         cluster, rc = self._cluster, self._cluster.ray
-        runner_for(node, cluster.ssh).run(f"umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}",
-                                          stdin=self._token, timeout=cluster.ssh.connect_timeout_s + 20)
+        _on_node(cluster, node, f"umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}",
+                 stdin=self._token, timeout=cluster.ssh.connect_timeout_s + 20)
         self._started_on.append(node)
         if head:
             args = ["start", "--head", "--port", str(rc.port), "--ray-client-server-port", str(rc.client_port),
@@ -283,9 +283,21 @@ def _connect_client(address: str, runtime_env: dict[str, Any], attempts: int = 3
             time.sleep(2.0 * attempt)
 
 
+def _on_node(cluster: ClusterSpec, node: NodeSpec, command: str, *, stdin: str | None = None,
+             timeout: float) -> CommandResult:
+    """``command`` on ``node`` over a connection closed afterwards. A node that cannot be
+    reached, or a command that outlives ``timeout``, is a PreflightError that names the node
+    (a spare that fails this way is passed over; a node of the first attempt stops the launch)."""
+    try:
+        with runner_for(node, cluster.ssh) as runner:
+            return runner.run(command, stdin=stdin, timeout=timeout)
+    except NodeError as err:
+        raise PreflightError(f"cannot run Ray's commands on node {node.name!r} ({node.host}): {err}") from err
+
+
 def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
     command = f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
-    result = runner_for(node, cluster.ssh).run(command, timeout=cluster.ssh.connect_timeout_s + 90)
+    result = _on_node(cluster, node, command, timeout=cluster.ssh.connect_timeout_s + 90)
     if result.exit_code != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
         raise PreflightError(
@@ -300,9 +312,8 @@ def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> None:
     def stop(node: NodeSpec) -> None:
         python = shlex.quote(node.interpreter())
         with contextlib.suppress(Exception):
-            runner_for(node, cluster.ssh).run(
-                f"{python} -m ray.scripts.scripts stop --force ; rm -f {TOKEN_FILE}",
-                timeout=cluster.ssh.connect_timeout_s + 60)
+            _on_node(cluster, node, f"{python} -m ray.scripts.scripts stop --force ; rm -f {TOKEN_FILE}",
+                     timeout=cluster.ssh.connect_timeout_s + 60)
 
     log.info("Stopping Ray on %s", ", ".join(n.name for n in nodes))
     with ThreadPoolExecutor(max_workers=min(len(nodes), cluster.ssh.max_parallel)) as pool:
