@@ -177,21 +177,25 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
 
     With ``token``, the launcher's token file is read from the head on the same connection.
     """
-    from launcher.jobs.ssh import SSHRunner, paramiko_connection
+    from launcher.jobs.ssh import NodeError, SSHRunner, paramiko_connection
     from launcher.orchestrate.ray_cluster import TOKEN_FILE
 
     head = cluster.nodes[0]
     runner = SSHRunner(head, cluster.ssh)
     try:
+        try:
+            connection = paramiko_connection(runner)
+            result = runner.run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10) if token else None
+        except NodeError as err:
+            raise PreflightError(f"cannot reach the head node {head.name} ({head.host}) over SSH: {err}") from err
         secret = None
-        if token:
-            result = runner.run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10)
+        if result is not None:
             if not result.ok or not result.stdout.strip():
                 raise PreflightError(f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
                                      f"is missing): Ray is not running there")
             secret = result.stdout.strip()
         local_port = free_port()
-        with paramiko_connection(runner).forward_local(
+        with connection.forward_local(
                 local_port, remote_port=cluster.ray.dashboard_port, remote_host="127.0.0.1",
                 local_host="127.0.0.1"):
             _wait_listening(local_port)

@@ -18,7 +18,7 @@ from launcher.errors import PreflightError
 from launcher.remote import NodeError, SSHRunner, runner_for
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
-__all__ = ["SSHRunner", "copy_dir", "paramiko_connection"]
+__all__ = ["NodeError", "SSHRunner", "copy_dir", "paramiko_connection"]
 
 FETCH_TIMEOUT_S = 600.0
 

@@ -1,0 +1,46 @@
+"""A node that cannot be reached over SSH, where the launcher starts Ray on it or tunnels to its
+Jobs API: a PreflightError naming the node (exit 3), not a NodeError traceback. So a spare that
+fails this way is passed over, a first attempt's node stops the launch with one paragraph, and a
+job command on a cluster whose head is down says so (and `launch submit` starts it again)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from launcher.errors import EXIT_PREFLIGHT, PreflightError
+from launcher.jobs import api
+from launcher.orchestrate import ray_cluster
+from launcher.spec import ClusterSpec
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, never listening: connections to it are refused
+        s.bind(("127.0.0.2", 0))
+        return s.getsockname()[1]
+
+
+def _ghost_cluster(tmp_path) -> ClusterSpec:
+    return ClusterSpec.model_validate({
+        "nodes": [{"name": "ghost", "host": "127.0.0.2", "port": _closed_port()}],
+        "ssh": {"connect_timeout_s": 3, "known_hosts": str(tmp_path / "known_hosts")}})
+
+
+def test_starting_ray_on_an_unreachable_node_is_a_preflight_error_that_names_it(tmp_path):
+    cluster = _ghost_cluster(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(PreflightError) as err:
+        ray_cluster._ray_cli(cluster, cluster.nodes[0], ["start", "--head"])
+    assert time.monotonic() - start < 30
+    assert "node 'ghost' (127.0.0.2)" in str(err.value) and "unreachable" in str(err.value)
+    assert err.value.exit_code == EXIT_PREFLIGHT
+
+
+@pytest.mark.parametrize("token", [True, False])
+def test_the_jobs_tunnel_to_an_unreachable_head_is_a_preflight_error_that_names_it(tmp_path, token: bool):
+    with pytest.raises(PreflightError) as err, api._tunnel(_ghost_cluster(tmp_path), token=token):
+        pytest.fail("the tunnel opened")
+    assert "cannot reach the head node ghost (127.0.0.2) over SSH" in str(err.value)
+    assert "unreachable" in str(err.value)
