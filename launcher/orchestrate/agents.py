@@ -68,20 +68,31 @@ class AgentGroup:
     # -- one attempt --------------------------------------------------------------------------
 
     def free_port(self) -> int:
-        """A free port on the first node (the rendezvous port)."""
+        """A free port on the first node (the rendezvous port); JobFailed when its agent fails."""
         import ray
 
-        return ray.get(self.handles[0].free_port.remote(), timeout=CALL_TIMEOUT_S)
+        try:
+            return ray.get(self.handles[0].free_port.remote(), timeout=CALL_TIMEOUT_S)
+        except Exception as err:
+            raise JobFailed(f"the agent on the first node did not give a free port: {_reason(err)}") from err
 
     def start(self, launch_plan: LaunchPlan, files: dict[str, str]) -> None:
-        """Start every node's torchrun as the plan says."""
+        """Start every node's torchrun as the plan says; JobFailed naming the first node whose
+        agent could not (a missing interpreter or working directory, a lost node, no answer)."""
         import ray
 
         starts = [handle.start.remote({"node_dir": n.node_dir, "cwd": n.cwd, "argv": n.argv, "env": n.env}, files)
                   for handle, n in zip(self.handles, launch_plan.nodes, strict=True)]
         self._pending.clear()
         self._exited.clear()
-        ray.get(starts, timeout=2 * CALL_TIMEOUT_S)
+        deadline = time.monotonic() + 2 * CALL_TIMEOUT_S
+        for ref, node in zip(starts, launch_plan.nodes, strict=True):
+            try:
+                ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as err:
+                raise JobFailed(f"torchrun could not be started on node {node.name}: {_reason(err)} "
+                                f"(command: {' '.join(node.argv[:3])} …, in {node.cwd or 'the copy of the workdir'})"
+                                ) from err
 
     def poll(self, wait_s: float) -> list[tuple[int, AgentUpdate | BaseException]]:
         """Long-poll every running agent; the answers that came within about ``2 * wait_s``.
@@ -204,3 +215,10 @@ class AgentGroup:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._placement)
         self.handles, self._placement = [], None
+
+
+def _reason(err: BaseException) -> str:
+    """What went wrong in an actor call: the exception the actor raised (a RayTaskError's
+    ``cause``, whose own message starts with Ray's header), else the error itself."""
+    cause = getattr(err, "cause", None)
+    return first_line(cause if isinstance(cause, BaseException) else err)

@@ -76,6 +76,25 @@ def test_failing_rank_stops_everything_and_is_named(tmp_path):
     assert_none_left(before, marker=run_dir.name)
 
 
+def test_torchrun_that_cannot_start_on_a_node_fails_the_job_naming_the_node(tmp_path):
+    """A node whose interpreter does not exist (the preflight skipped, which would have caught
+    it): exit 4 and one paragraph naming the node and the missing file, no traceback."""
+    before = matching()
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost",
+                                                  "python": str(tmp_path / "no-such-python")}]}))
+    result = launch(str(custom_job(tmp_path, "--steps", "5")), "--cluster", str(cluster), "--skip-parity",
+                    "--run-dir", str(run_dir), cwd=tmp_path)
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "torchrun could not be started on node local" in result.stderr
+    assert "no-such-python" in result.stderr
+    assert "Traceback" not in result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "torchrun could not be started" in json.dumps(summary)
+    assert_none_left(before, marker=run_dir.name)
+
+
 def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
     before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
