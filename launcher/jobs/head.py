@@ -213,18 +213,21 @@ def _start(folder: Path) -> LocalHead:
     deadline = time.monotonic() + START_TIMEOUT_S
     # Ready once the Jobs API answers and the agent listens (else the first submission waits
     # for the agent, ~7 s on 2 cores).
-    while not (head.answers() and _listening(head.agent_port)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(head)
-            tail = (folder / "head.log").read_text(errors="replace").strip().splitlines()[-3:]
-            raise PreflightError(
-                f"could not start the launcher's Ray head on this machine "
-                f"({'it exited' if proc.returncode is not None else 'no answer'} after "
-                f"{START_TIMEOUT_S - max(0.0, deadline - time.monotonic()):.0f} s): "
-                f"{' | '.join(tail) or 'no output'}. Its log is {folder / 'head.log'}; check free "
-                f"memory and /tmp space")
-        time.sleep(0.25)
-    write_private(folder / "head.json", json.dumps(asdict(head)) + "\n")
+    try:  # until head.json names it, nothing else would stop this head: stop it on any way out
+        while not (head.answers() and _listening(head.agent_port)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (folder / "head.log").read_text(errors="replace").strip().splitlines()[-3:]
+                raise PreflightError(
+                    f"could not start the launcher's Ray head on this machine "
+                    f"({'it exited' if proc.returncode is not None else 'no answer'} after "
+                    f"{START_TIMEOUT_S - max(0.0, deadline - time.monotonic()):.0f} s): "
+                    f"{' | '.join(tail) or 'no output'}. Its log is {folder / 'head.log'}; check free "
+                    f"memory and /tmp space")
+            time.sleep(0.25)
+        write_private(folder / "head.json", json.dumps(asdict(head)) + "\n")
+    except BaseException:  # the error above, Ctrl-C, SIGTERM
+        _stop(head)
+        raise
     return head
 
 

@@ -274,3 +274,31 @@ def test_attached_cluster_at_its_jobs_address(jobs, tmp_path):
     del attached.env["RAY_AUTH_TOKEN_PATH"]  # without the token the Jobs API refuses
     refused = attached.run("status", "--cluster", str(cluster))
     assert refused.returncode != 0 and job_id not in refused.stdout
+
+
+def test_ctrl_c_while_the_head_starts_leaves_no_head_behind(tmp_path):
+    """SIGINT to `launch submit` while it starts the launcher's Ray head (before head.json names
+    it, so no later `launch down` could find it): exit 130, and the half-started head is stopped."""
+    state = tmp_path / "state"
+    env = {**os.environ, "LAUNCHER_STATE_DIR": str(state), "RAY_USAGE_STATS_ENABLED": "0"}
+    token = str(state / "local/auth_token")
+
+    def head_processes() -> list[int]:
+        return [pid for pid in processes() if env_of(pid).get("RAY_AUTH_TOKEN_PATH") == token]
+
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(ROOT / "jobs/quickstart.yaml")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(head_processes, timeout=60, what="the head's first process", proc=proc)
+        assert not (state / "local/head.json").exists(), "the head was up before the signal: no test"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 130, err[-3000:]
+        assert "Traceback" not in err
+        assert not (state / "local/head.json").exists()
+        wait_for(lambda: not head_processes(), timeout=30, what="the half-started head to be stopped")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill(head_processes())
