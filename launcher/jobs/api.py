@@ -141,8 +141,8 @@ def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]
             if not start:
                 raise PreflightError(
                     f"the Ray the launcher started on {saved.nodes[0].name} ({saved.nodes[0].host}) "
-                    f"does not answer: {first_line(err)}. It may have been stopped; `launch down` "
-                    f"forgets it, the next `launch submit` starts it again") from err
+                    f"does not answer: {first_line(err)}. It may have been stopped; `launch down --yes` "
+                    f"stops what is left of it and forgets it, the next `launch submit` starts it again") from err
             log.warning("the launcher's Ray on %s is gone (%s); starting it again",
                         saved.nodes[0].name, first_line(err))
             heads.forget_cluster(saved)

@@ -197,12 +197,19 @@ def down(cluster: ClusterSpec, *, yes: bool) -> int:
         print("no Ray started by the launcher for this cluster; nothing to stop", flush=True)
         return 0
     except PreflightError:
-        from launcher.jobs.head import recorded_local_head
+        # Ray that does not answer: --yes stops what is left of it unasked (and forgets a
+        # bootstrapped cluster), without the job list it cannot give
+        from launcher.jobs.head import recorded_local_head, saved_cluster
 
-        local = recorded_local_head() if cluster.all_local else None
-        if not (yes and local):
+        if cluster.all_local:
+            kind, spec, local = "local", cluster, recorded_local_head()
+            found = local is not None
+        else:
+            kind, saved, local = "bootstrap", saved_cluster(cluster), None
+            found = saved is not None
+            spec = saved or cluster
+        if not (yes and found):
             raise
-        kind, spec = "local", cluster  # a head that does not answer: --yes stops it unasked
     if kind == "local":
         from launcher.jobs.head import stop_local_head
 

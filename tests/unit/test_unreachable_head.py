@@ -5,6 +5,7 @@ job command on a cluster whose head is down says so (and `launch submit` starts 
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -44,3 +45,23 @@ def test_the_jobs_tunnel_to_an_unreachable_head_is_a_preflight_error_that_names_
         pytest.fail("the tunnel opened")
     assert "cannot reach the head node ghost (127.0.0.2) over SSH" in str(err.value)
     assert "unreachable" in str(err.value)
+
+
+def test_launch_down_yes_forgets_a_bootstrapped_cluster_whose_head_is_gone(tmp_path, monkeypatch, capsys):
+    from launcher.cli import main
+    from launcher.jobs import head as heads
+
+    monkeypatch.setenv("LAUNCHER_STATE_DIR", str(tmp_path / "state"))
+    cluster = _ghost_cluster(tmp_path)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(json.dumps(cluster.model_dump(mode="json")))
+    heads.save_cluster(cluster)  # what a `launch submit` left: Ray started there, since gone
+
+    assert main(["down", "--cluster", str(path)]) == EXIT_PREFLIGHT  # not unasked
+    assert "does not answer" in capsys.readouterr().err
+    assert heads.saved_cluster(cluster) is not None
+    assert main(["down", "--cluster", str(path), "--yes"]) == 0
+    assert "Stopped the launcher's Ray on ghost" in capsys.readouterr().out
+    assert heads.saved_cluster(cluster) is None
+    assert main(["down", "--cluster", str(path)]) == 0
+    assert "nothing to stop" in capsys.readouterr().out
