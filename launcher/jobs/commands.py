@@ -150,9 +150,7 @@ def stop(cluster: ClusterSpec, job_id: str) -> int:
             return 0
         jobs.client.stop_job(job_id)
         print(f"Stopping job {job_id}: its driver stops every worker and writes its summary", flush=True)
-        wait = float((details.runtime_env or {}).get("env_vars", {}).get("RAY_JOB_STOP_WAIT_TIME_S",
-                                                                         STOP_WAIT_MIN_S))
-        details = _wait_ended(jobs, job_id, timeout_s=wait + 15)
+        details = _wait_ended(jobs, job_id, timeout_s=_stop_wait(details) + 15)
         print(f"job {job_id}: {_shown(jobs, details)}", flush=True)
     return 0
 
@@ -191,7 +189,7 @@ def down(cluster: ClusterSpec, *, yes: bool) -> int:
             for details in active:
                 jobs.client.stop_job(details.submission_id)
             for details in active:
-                _wait_ended(jobs, details.submission_id, timeout_s=STOP_WAIT_MIN_S + 15)
+                _wait_ended(jobs, details.submission_id, timeout_s=_stop_wait(details) + 15)
             kind, spec, local = jobs.kind, jobs.cluster, jobs.local_head
     except NoJobs:
         print("no Ray started by the launcher for this cluster; nothing to stop", flush=True)
@@ -250,6 +248,12 @@ async def _tail(jobs: JobsCluster, job_id: str) -> None:
                 print(text, flush=True)
     if pending and not pending.startswith(job_state.MARK):
         print(pending, flush=True)
+
+
+def _stop_wait(details: Any) -> float:
+    """How long Ray gives this job's driver to tear down after SIGINT (set at submission from
+    its ``launch.stop_grace_s``) before it sends SIGKILL."""
+    return float((details.runtime_env or {}).get("env_vars", {}).get("RAY_JOB_STOP_WAIT_TIME_S", STOP_WAIT_MIN_S))
 
 
 def _wait_ended(jobs: JobsCluster, job_id: str, *, timeout_s: float) -> Any:

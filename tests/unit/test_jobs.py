@@ -161,3 +161,11 @@ def test_job_commands_parse():
     assert parser.parse_args(["logs", "j", "-f"]).follow
     assert parser.parse_args(["down", "--yes", "--cluster", "c.yaml"]).yes
     assert str(parser.parse_args(["fetch", "j", "--to", "d"]).to) == "d"
+
+
+def test_down_and_stop_wait_as_long_as_ray_gives_each_job_to_tear_down():
+    from launcher.jobs.commands import STOP_WAIT_MIN_S, _stop_wait
+
+    long = types.SimpleNamespace(runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "140"}})
+    assert _stop_wait(long) == 140.0
+    assert _stop_wait(types.SimpleNamespace(runtime_env=None)) == STOP_WAIT_MIN_S
