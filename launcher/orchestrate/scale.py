@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from launcher.errors import Interrupted, JobFailed, UsageError
+from launcher.errors import Interrupted, JobFailed, LauncherError, UsageError
 from launcher.orchestrate.code import CodePlan, plan_code
 from launcher.orchestrate.plan import NodeFacts, declared_workers
 from launcher.orchestrate.ray_cluster import RaySession, open_session
@@ -66,7 +66,8 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
 def _point(job: JobSpec, cluster: ClusterSpec, session: RaySession, n_nodes: int, nproc: int, *,
            out_dir: Path, mode: str, base_world: int, repeat: int, code: CodePlan | None,
            facts: dict[str, NodeFacts] | None, skip_parity: bool) -> dict:
-    """Every repeat of one point; a failed repeat is None in ``repeats``."""
+    """Every repeat of one point; a failed repeat is None in ``repeats`` (a run that failed, or
+    one the launcher could not start: its run directory says why), and the study goes on."""
     world_size = n_nodes * nproc
     point_job = scale_job(job, world_size, base_world, mode)
     resources = point_job.resources.model_copy(update={"nodes": n_nodes, "nproc_per_node": nproc})
@@ -78,15 +79,22 @@ def _point(job: JobSpec, cluster: ClusterSpec, session: RaySession, n_nodes: int
         run_dir = out_dir / f"w{world_size}-n{n_nodes}" / f"r{i}"
         log.info("Scaling point: %d node(s) x %d = %d rank(s), repeat %d/%d", n_nodes, nproc, world_size,
                  i + 1, repeat)
-        outcome = Launch(job=point_job, cluster=cluster, run_dir=RunDir(run_dir), session=session, code=code,
-                         facts=facts, skip_parity=skip_parity, quiet=True).execute()
+        entry["run_dirs"].append(str(run_dir))
+        try:
+            outcome = Launch(job=point_job, cluster=cluster, run_dir=RunDir(run_dir), session=session, code=code,
+                             facts=facts, skip_parity=skip_parity, quiet=True).execute()
+        except Interrupted:
+            raise KeyboardInterrupt from None
+        except LauncherError as err:  # e.g. Ray could not place this point's agents
+            log.error("point %d ranks, repeat %d failed: %s", world_size, i, err)
+            entry["repeats"].append(None)
+            continue
         if outcome.status is Status.INTERRUPTED:
             raise KeyboardInterrupt
         if outcome.status is not Status.SUCCEEDED:
             log.error("point %d ranks, repeat %d failed: %s", world_size, i,
                       outcome.failure.reason if outcome.failure else "unknown")
         entry["repeats"].append(outcome.summary if outcome.status is Status.SUCCEEDED else None)
-        entry["run_dirs"].append(str(run_dir))
     return entry
 
 

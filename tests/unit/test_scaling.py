@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import types
 
 import pytest
 
@@ -218,3 +219,38 @@ def test_damaged_scaling_json(tmp_path):
     (tmp_path / "scaling.json").write_text("[1, 2]")
     with pytest.raises(UsageError, match="not a scaling table"):
         report_command(str(tmp_path))
+
+
+def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes_on(tmp_path, monkeypatch):
+    """Pure bookkeeping: Ray, the preflight and the runs are replaced; the second point's run
+    raises as Launch.execute does when Ray cannot place its agents."""
+    from launcher.errors import JobFailed
+    from launcher.orchestrate import scale as study
+    from launcher.orchestrate.records import Status
+    from launcher.spec import ClusterSpec
+
+    class Session:
+        def close(self):
+            pass
+
+    class FakeLaunch:
+        def __init__(self, *, job, run_dir, **_):
+            self.world = job.resources.nproc_per_node
+
+        def execute(self):
+            if self.world == 2:
+                raise JobFailed("Ray could not place one agent per node")
+            return types.SimpleNamespace(status=Status.SUCCEEDED, failure=None, summary=summary_with(1000.0))
+
+    monkeypatch.setattr(study, "Launch", FakeLaunch)
+    monkeypatch.setattr(study, "open_session", lambda *a, **k: Session())
+    monkeypatch.setattr(study, "preflight_facts", lambda *a, **k: None)
+    monkeypatch.setattr(study, "plan_code", lambda *a, **k: None)
+    cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
+    quick = JobSpec.model_validate({"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}})
+    with pytest.raises(JobFailed, match="1 run"):
+        study.scale(quick, cluster, world=[1, 2, 4], nodes=None, out_dir=tmp_path, mode="weak", repeat=1,
+                    skip_parity=True)
+    points = json.loads((tmp_path / "scaling.json").read_text())["points"]
+    assert [p["ranks"] for p in points] == [1, 2, 4]
+    assert [p["tokens_per_s"] is None for p in points] == [False, True, False]
