@@ -23,12 +23,9 @@ COMMANDS = ("run", "plan", "check", "scale", "report", "schema", "export", "toke
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list and args_list[0] not in COMMANDS and not args_list[0].startswith("-"):
-        args_list.insert(0, "run")  # `launch JOB.yaml` is `launch run JOB.yaml`
     parser = _parser()
     try:
-        args = parser.parse_args(args_list)
+        args = parser.parse_args(_with_command(list(sys.argv[1:] if argv is None else argv)))
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_INVALID_INPUT
     _setup_logging(args.debug)
@@ -187,15 +184,28 @@ def _load_cluster(args: argparse.Namespace):  # noqa: ANN202
     return load_cluster(args.cluster)
 
 
+def _with_command(args: list[str]) -> list[str]:
+    """``launch [--debug] JOB.yaml ...`` is ``launch [--debug] run JOB.yaml ...``: ``run`` goes
+    before the first argument that is neither an option nor a command."""
+    first = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    if first is not None and args[first] not in COMMANDS:
+        return [*args[:first], "run", *args[first:]]
+    return args
+
+
 def _parser() -> argparse.ArgumentParser:
+    # --debug before or after the command; the command's copy has no default, so that it does
+    # not overwrite a --debug given before the command
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and debug logs")
 
     parser = argparse.ArgumentParser(
-        prog="launch", parents=[common],
+        prog="launch",
         description="Check environment parity on every node, then run torchrun everywhere "
                     "through Ray and report per-rank throughput. `launch JOB.yaml` = `launch run JOB.yaml`.",
     )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument("--version", action="version", version=f"launch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

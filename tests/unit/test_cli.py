@@ -79,3 +79,18 @@ def test_entry_points(argv):
     cmd = ["launch", "--version"] if argv == ["--version"] else [sys.executable, *argv]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.startswith("launch ")
+
+
+@pytest.mark.parametrize("argv", [["--debug", "run", "j.yaml"], ["run", "j.yaml", "--debug"], ["--debug", "j.yaml"],
+                                  ["j.yaml", "--debug"], ["--debug", "status", "--json"]])
+def test_debug_before_or_after_the_command(argv):
+    from launcher.cli import _parser, _with_command
+
+    assert _parser().parse_args(_with_command(argv)).debug is True
+
+
+@pytest.mark.parametrize("argv", [["run", "j.yaml"], ["j.yaml"], ["status"]])
+def test_no_debug_unless_asked(argv):
+    from launcher.cli import _parser, _with_command
+
+    assert _parser().parse_args(_with_command(argv)).debug is False
