@@ -165,7 +165,8 @@ def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
             f"backend {lp.backend}, master {lp.master_addr}:{lp.master_port}{port_note}")
     if lp.max_restarts:
         head += (f"\nOn a failure the launcher restarts every node's torchrun up to {lp.max_restarts} "
-                 f"time(s), each restart planned anew on a fresh port (LAUNCHER_RESTART_COUNT counts them)")
+                 f"time(s), each restart planned anew with a fresh torchrun, on a fresh port unless "
+                 f"launch.master_port fixes it (LAUNCHER_RESTART_COUNT counts them)")
     table = tabulate(
         [[n.node_rank, n.name, n.host, n.nproc, _span(n.ranks), n.python] for n in lp.nodes],
         headers=["node_rank", "node", "host", "nproc", "ranks", "python"],

@@ -192,13 +192,14 @@ class Launch:
 
     def start_attempt(self, agents: AgentGroup, attempt: int, *, nodes: list[NodeSpec] | None = None,
                       job: JobSpec | None = None) -> LaunchPlan:
-        """Plan attempt ``attempt`` on a fresh port, record it, start torchrun on every node.
+        """Plan attempt ``attempt`` on a fresh port (``launch.master_port`` when set), record it,
+        start torchrun on every node.
 
         Restarts are the launcher's, not torchrun's: torchrun's own ``--max-restarts`` reuses its
         rendezvous store, and the restarted workers read the previous attempt's addresses from
         it (gloo: "connectFullMesh ... Connection refused"; torch 2.13, static and c10d
-        rendezvous alike). A fresh torchrun on a fresh port per attempt has no such state, and
-        restarts every node, not just the one whose worker failed.
+        rendezvous alike). A fresh torchrun per attempt has no such state (its store is new, on
+        the same port or not), and restarts every node, not just the one whose worker failed.
         """
         job = job or self.job
         port = job.launch.master_port or agents.free_port()
