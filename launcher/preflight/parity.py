@@ -359,10 +359,21 @@ def field_defs(packages: Sequence[str]) -> list[FieldDef]:
 
 
 def resolve_policies(overrides: dict[str, str], packages: Sequence[str] = ()) -> dict[str, str]:
-    """Defaults merged with cluster.yaml's ``parity.policies``; an unknown key is a SpecError."""
+    """Defaults merged with cluster.yaml's ``parity.policies``; an unknown key is a SpecError.
+
+    A kernel package (``KERNEL_PACKAGES``) that this run does not check (a CPU job, a user's
+    script, ``launch check`` without a job) is not unknown: its policy is kept for the runs
+    that do check it."""
+    from launcher.spec.job import KERNEL_PACKAGES
+
     resolved = {f.key: f.policy for f in field_defs(packages)}
     resolved.update({c.key: _CHECK_DEFAULTS.get(c.key, "exact") for c in CHECKS})
     for key, policy in overrides.items():
+        if key not in resolved and key in KERNEL_PACKAGES:
+            if policy not in POLICIES:
+                raise SpecError(f"{key}: {policy!r} is not a policy; use one of {', '.join(POLICIES)}",
+                                field="parity.policies")
+            continue
         if key not in resolved:
             close = difflib.get_close_matches(key, list(resolved), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""

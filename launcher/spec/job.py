@@ -30,6 +30,10 @@ ARCH_DEFAULTS: dict[str, dict[str, int]] = {
 }
 
 
+# Every optional package that can decide the built-in trainer's kernels (JobSpec.kernel_packages):
+# cluster.yaml may set a parity policy for each, whether or not a run checks it.
+KERNEL_PACKAGES = ("flash-attn-4", "triton", "torchao")
+
 class ModelSpec(Strict):
     arch: Arch = Field("bert", description="pinned. bert: post-LN encoder trained with masked-LM; gpt: pre-LN causal decoder.")
     size: Size = Field("base", description="pinned. Preset shape: tiny (2x128), mini (4x256), small (4x512), base (12x768), large (24x1024). Explicit dims below override it.")

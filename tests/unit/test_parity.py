@@ -156,6 +156,18 @@ def test_unknown_policy_key_is_a_spec_error_with_a_suggestion() -> None:
     assert resolve_policies({"parity-fixture": "warn"}, ["parity-fixture"])["parity-fixture"] == "warn"
 
 
+def test_a_kernel_package_policy_is_known_even_where_this_run_does_not_check_it() -> None:
+    # the policy a user sets after a triton mismatch, then `launch check` without a job
+    assert "triton" not in resolve_policies({"triton": "warn"})
+    assert resolve_policies({"triton": "warn"}, ["triton"])["triton"] == "warn"
+    with pytest.raises(SpecError, match="not a policy"):
+        resolve_policies({"torchao": "loose"})
+    from launcher.spec.job import KERNEL_PACKAGES, JobSpec
+
+    fp8 = JobSpec.model_validate({"name": "j", "resources": {"device": "cuda"}, "precision": {"dtype": "fp8"}})
+    assert set(fp8.kernel_packages) == set(KERNEL_PACKAGES)  # every package a run may check is listed
+
+
 # -- unreachable nodes ---------------------------------------------------------------------------
 
 
