@@ -80,12 +80,17 @@ class Row:
 
 
 def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
+    """The value at ``path`` in a probe: None where a part is missing or failed on the node;
+    a value that is itself a failure (``{"error": ...}``, e.g. NCCL's version where torch has
+    no NCCL) becomes its text, so that the row shows it and compares it."""
     def extract(probe: dict[str, Any]) -> Any:
         value: Any = probe
         for part in path:
             if not isinstance(value, dict) or "error" in value and part != "error":
                 return None
             value = value.get(part)
+        if isinstance(value, dict) and "error" in value:
+            return f"error: {value['error']}"
         return value
 
     return extract

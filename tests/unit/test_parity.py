@@ -216,6 +216,13 @@ def test_gpu_node_passes_its_checks(gpu) -> None:
     assert "NVIDIA H100 80GB HBM3" in table and "9.10.2" in table and "2.27.3" in table
 
 
+def test_a_node_whose_nccl_version_failed_is_a_difference_not_a_crash(gpu) -> None:
+    # the probe's ``_safe`` gives {"error": ...} where torch has no NCCL
+    report = evaluate(cluster_of(gpu, 2, node1={"deep.nccl": {"error": "AttributeError: no nccl"}}))
+    assert not report.ok
+    assert "node1 differs in nccl" in report.verdict and "error: AttributeError: no nccl" in report.table()
+
+
 def test_driver_below_the_minimum_for_the_cuda_build(gpu) -> None:
     probes = cluster_of(gpu, 1, node0={"nvidia.driver": "470.82.01"})
     report = evaluate(probes)
