@@ -3,13 +3,16 @@ trainer (torch + stdlib) and the node agent import it too."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import math
 import os
 import socket
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
-__all__ = ["first_line", "free_port", "percentile", "utc_stamp", "write_private"]
+__all__ = ["first_line", "free_port", "percentile", "utc_stamp", "write_atomic", "write_private"]
 
 
 def first_line(err: BaseException) -> str:
@@ -31,6 +34,23 @@ def write_private(path: str | os.PathLike[str], text: str) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         os.fchmod(fd, 0o600)  # O_CREAT's mode applies only to a new file
         fh.write(text)
+
+
+def write_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then
+    renamed over it. For files that are read back (``summary.json``, ``scaling.json``): a full
+    disk or a kill mid-write leaves the previous file, not a truncated one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies, as to write_text
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def utc_stamp() -> str:

@@ -30,6 +30,7 @@ from tabulate import tabulate
 from launcher.errors import SpecError, UsageError
 from launcher.results.summary import csv_text
 from launcher.spec.job import JobSpec
+from launcher.util import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def write_scaling(out_dir: Path, table: dict) -> str:
     installed); return the text table."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "scaling.json").write_text(json.dumps(table, indent=2) + "\n")
+    write_atomic(out_dir / "scaling.json", json.dumps(table, indent=2) + "\n")
     (out_dir / "scaling.csv").write_text(to_csv(table))
     try:
         plot_scaling(table, out_dir / "scaling.png")

@@ -32,7 +32,7 @@ from tabulate import tabulate
 
 from launcher.errors import UsageError
 from launcher.metrics import gpu_summary, read_records
-from launcher.util import percentile
+from launcher.util import percentile, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def write_summary(run_dir: Path, summary: dict) -> str:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     text = render(summary)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     (run_dir / "summary.csv").write_text(to_csv(summary))
     (run_dir / "summary.txt").write_text(text)
     return text

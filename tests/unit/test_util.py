@@ -1,14 +1,15 @@
-"""The shared small helpers: first_line, write_private, utc_stamp, percentile, free_port."""
+"""The shared small helpers: first_line, write_private, write_atomic, utc_stamp, percentile, free_port."""
 
 from __future__ import annotations
 
 import datetime as dt
+import os
 import socket
 import stat
 
 import pytest
 
-from launcher.util import first_line, free_port, percentile, utc_stamp, write_private
+from launcher.util import first_line, free_port, percentile, utc_stamp, write_atomic, write_private
 
 
 @pytest.mark.parametrize(
@@ -56,3 +57,25 @@ def test_free_port_can_be_bound_on_every_interface():
     assert 0 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", port))
+
+
+def test_write_atomic_leaves_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    target = tmp_path / "summary.json"
+    write_atomic(target, '{"status": "running"}\n')
+    assert target.read_text() == '{"status": "running"}\n'
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # as write_text would make it
+
+    def full_disk(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(target, '{"status": "succeeded", "totals": ' + "x" * 10_000)
+    assert target.read_text() == '{"status": "running"}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
