@@ -192,31 +192,36 @@ def plot_scaling(table: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     points = [p for p in table["points"] if p["tokens_per_s"] is not None]
+    # efficiency needs a base with throughput (a script that reports no tokens has none)
+    rated = [p for p in points if p["efficiency"] is not None]
+    base = next((p for p in points if p["ranks"] == table.get("base_ranks")), None)
     fig, (ax_tp, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.5))
     try:
         fig.suptitle(f"{table['job']}: {table['mode']} scaling")
         ranks = [p["ranks"] for p in points]
-        if points:
-            base = points[0]
+        if base is not None:
             ideal = [base["tokens_per_s"] * n / base["ranks"] for n in ranks]
             ax_tp.plot(ranks, ideal, "--", color="grey", label="ideal (linear)")
+        if points:
             ax_tp.plot(ranks, [p["tokens_per_s"] for p in points], "o-", label="measured (median)")
+        if rated:
             ax_eff.axhline(100.0, linestyle="--", color="grey", label="ideal (100%)")
-            ax_eff.plot(ranks, [100 * p["efficiency"] for p in points], "o-", color="tab:orange",
-                        label="measured")
+            ax_eff.plot([p["ranks"] for p in rated], [100 * p["efficiency"] for p in rated], "o-",
+                        color="tab:orange", label="measured")
         for ax in (ax_tp, ax_eff):
             ax.set_xlabel("ranks (world size)")
             if ranks:
                 ax.set_xticks(ranks)
             ax.grid(True, alpha=0.3)
-            ax.legend(loc="best")
+            if ax.get_legend_handles_labels()[0]:  # an empty panel has nothing to name
+                ax.legend(loc="best")
         ax_tp.set_ylabel("tokens/s (all ranks)")
         ax_tp.set_title("throughput")
         ax_eff.set_ylabel("scaling efficiency (%)")
         base_ranks = table.get("base_ranks")
         ax_eff.set_title(f"efficiency relative to {base_ranks} rank{'s' if base_ranks != 1 else ''}"
                          if base_ranks else "efficiency")
-        top = max([110.0] + [105.0 * p["efficiency"] for p in points])
+        top = max([110.0] + [105.0 * p["efficiency"] for p in rated])
         ax_eff.set_ylim(0, top)
         fig.tight_layout()
         fig.savefig(path, dpi=110)

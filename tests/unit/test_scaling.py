@@ -197,6 +197,15 @@ def test_write_scaling_files_and_valid_png(tmp_path):
     assert float(rows[3]["efficiency"]) == pytest.approx(28_000.0 / 8 / 4_000.0)
 
 
+def test_plot_of_a_study_whose_script_reports_no_tokens(tmp_path):
+    # metrics.report(step=...) without tokens: 0 tokens/s everywhere, so no base and no efficiency
+    table = build_table([{"nodes": 1, "ranks": r, "global_batch": 8, "repeats": [summary_with(0.0)]}
+                         for r in (1, 2)], job="script", mode="weak")
+    assert table["base_ranks"] is None and all(p["efficiency"] is None for p in table["points"])
+    write_scaling(tmp_path, table)
+    assert (tmp_path / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_plot_with_an_unmeasured_point(tmp_path):
     t = build_table([{"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": [None]},
                      {"nodes": 1, "ranks": 2, "global_batch": 16, "repeats": [10.0]}], job="j", mode="strong")
