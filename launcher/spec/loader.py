@@ -51,9 +51,13 @@ def load_cluster(path: str | os.PathLike[str] | None = None) -> ClusterSpec:
 def read_yaml(path: Path) -> dict[str, Any]:
     """Parse one YAML mapping; a missing file or broken YAML names the file and line."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SpecError("file not found; check the path", source=str(path)) from None
+    except UnicodeDecodeError as err:
+        raise SpecError(f"not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r}); "
+                        f"YAML files are read as UTF-8: save it so, or check that this is the file you meant",
+                        source=str(path)) from None
     except OSError as err:
         raise SpecError(f"cannot read the file ({err.strerror})", source=str(path)) from None
     try:

@@ -39,7 +39,7 @@ def is_cluster_file(path: Path) -> bool:
 
 
 def expectation(path: Path) -> str:
-    first = path.read_text().splitlines()[0]
+    first = path.read_bytes().split(b"\n", 1)[0].decode()  # the file itself may not be UTF-8
     assert first.startswith("# expect: "), f"{path.name}: first line must be '# expect: <substring>'"
     return first.removeprefix("# expect: ").strip()
 
