@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.util import first_line
+
 CONFIG = "config.json"
 # Weight files in the order Hugging Face prefers them; an index names the shards of a split file.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -156,17 +158,21 @@ def load_bin(path: Path) -> dict[str, Any]:
     """A ``pytorch_model.bin``'s tensors on the CPU (tensors only: ``weights_only``),
     memory-mapped where the file is torch's zip format; files from before it (2018's
     bert-base-uncased) are read whole."""
+    import pickle
+
     import torch
 
+    # not a torch file, a truncated one, or one holding more than tensors (weights_only refuses)
+    unreadable = (RuntimeError, OSError, ValueError, EOFError, pickle.UnpicklingError)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as err:
-        if "mmap" not in str(err):
-            raise FolderError(f"cannot read {path}: {err}") from None
+    except unreadable as err:
+        if not (isinstance(err, RuntimeError) and "mmap" in str(err)):
+            raise FolderError(f"cannot read {path}: {first_line(err)}") from None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, OSError, ValueError) as err:
-        raise FolderError(f"cannot read {path}: {err}") from None
+    except unreadable as err:
+        raise FolderError(f"cannot read {path}: {first_line(err)}") from None
 
 
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:

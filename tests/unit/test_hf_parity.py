@@ -237,3 +237,16 @@ def test_weights_from_a_folder_need_biases(tmp_path):
     with pytest.raises(SpecError) as err:
         load_job(job_file(tmp_path, {"init_from": str(tmp_path / "gpt2"), "bias": False}))
     assert err.value.exit_code == 2 and "model.bias false (the folder's weights have biases)" in str(err.value)
+
+
+@pytest.mark.parametrize("content", ["garbage", "more than tensors"])
+def test_an_unreadable_pytorch_model_bin_is_a_folder_error(tmp_path, content: str):
+    from launcher.spec.hf import load_bin
+
+    path = tmp_path / "pytorch_model.bin"
+    if content == "garbage":
+        path.write_bytes(b"not a torch file\x00\x01")
+    else:  # weights_only refuses any object but tensors and plain containers
+        torch.save({"w": torch.zeros(2), "where": Path("/x")}, path)
+    with pytest.raises(FolderError, match=f"cannot read {path}"):
+        load_bin(path)
