@@ -33,6 +33,7 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Job
     data = read_yaml(source)
     data = apply_overrides(data, overrides)
     job = validate(JobSpec, data, source=str(source), overrides=overrides)
+    _refuse_nul_paths(job, source)  # before any path is resolved (init_from's is, next)
     if job.model.init_from is not None:
         job = _with_pretrained_shape(job, source, overrides)
     return _resolve_job_paths(job, source)
@@ -397,10 +398,9 @@ def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) 
     return folder
 
 
-def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
-    """Relative data and script paths are taken from the job file's folder; scripts must exist."""
-    base = source.parent
-    updates: dict[str, Any] = {}
+def _refuse_nul_paths(job: JobSpec, source: Path) -> None:
+    """A path with a NUL character is a SpecError naming the field (the OS would refuse it
+    with a ValueError wherever it is first used)."""
     entry = None if job.uses_builtin else job.entrypoint
     for field, value in (("data.path", job.data.path), ("train.checkpoint.dir", job.train.checkpoint.dir),
                          ("entrypoint.script", entry and entry.script),
@@ -409,6 +409,13 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
         if value is not None and "\x00" in str(value):
             raise SpecError(f"{field} {str(value)!r} contains a NUL character; give a plain path",
                             source=str(source), field=field)
+
+
+def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
+    """Relative data, model and script paths are taken from the job file's folder (a relative
+    checkpoint folder from where ``launch`` runs, as every checkpoint folder); scripts must exist."""
+    base = source.parent
+    updates: dict[str, Any] = {}
     if job.data.source == "text":
         updates["data"] = _resolve_text_paths(job, source)
     elif job.data.path is not None:
