@@ -108,7 +108,10 @@ def load_run(run_dir: Path) -> dict:
     Status and failure come from an existing ``summary.json``; without one the run never
     finished writing it, so it counts as succeeded only when every rank wrote its ``final``
     record, else as interrupted. Without ``plan.json`` the rank layout is taken from
-    ``summary.json``, and without metrics either, ``summary.json`` is returned as it is.
+    ``summary.json``, and without metrics either, ``summary.json`` is returned as it is. So is
+    the summary of a run that restarted: its metrics files hold every attempt's records one
+    after another, which only the launcher that watched the attempts told apart (its summary
+    has the last attempt's ranks, ``restarts`` and ``attempts``).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -123,6 +126,8 @@ def load_run(run_dir: Path) -> dict:
         )
     if plan is None and not (run_dir / "metrics").is_dir():
         return previous  # nothing to rebuild from: the summary as it was written
+    if previous is not None and (previous.get("restarts") or previous.get("attempts")):
+        return previous
     source = plan if plan is not None else previous
     layout = [{k: r.get(k) for k in ("rank", "node", "host", "local_rank", "device")}
               for r in source.get("ranks", [])]

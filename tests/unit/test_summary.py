@@ -335,6 +335,19 @@ def test_load_run_with_only_summary_json_returns_it(tmp_path):
     assert load_run(tmp_path) == json.loads(json.dumps(s))
 
 
+def test_load_run_of_a_restarted_run_keeps_the_launchers_summary(tmp_path):
+    # node1 lost after attempt 0: attempt 1 runs 2 ranks; the metrics files hold both attempts
+    run = tmp_path / "run"
+    write_run(run, "j", layout(2, 2), {r: builtin_records(r, step_ms=100.0) for r in range(4)})
+    last = summarize("j", layout(1, 2), {r: builtin_records(r, step_ms=90.0) for r in range(2)},
+                     status="succeeded")
+    last["restarts"] = [{"attempt": 1, "reason": "node node1 was lost", "nodes": ["node0"], "world_size": 2}]
+    last["attempts"] = [{"attempt": 0, "world_size": 4}, {"attempt": 1, "world_size": 2}]
+    write_summary(run, last)
+    s = load_run(run)
+    assert s["world_size"] == 2 and s["restarts"] == last["restarts"] and s["attempts"] == last["attempts"]
+
+
 def test_load_run_all_final_records_counts_as_succeeded(tmp_path):
     run = tmp_path / "run"
     write_run(run, "j", layout(1, 2), {r: builtin_records(r, step_ms=100.0, final=True) for r in range(2)})
