@@ -54,7 +54,8 @@ CORE_PACKAGES = ("torch", "ray", "launcher")
 LOADED_LIB_PREFIXES = ("libcudnn", "libnccl", "libcudart")
 NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total", "uuid", "pci.bus_id")
 COMMAND_TIMEOUT_S = 15.0
-# What counts as code when the user's working directory is hashed (data files are not read).
+# What counts as code when the user's working directory is hashed: sources and configs (.json and
+# .yaml included); other files, data among them, are not read.
 CODE_SUFFIXES = (".py", ".pyi", ".pyx", ".pxd", ".sh", ".yaml", ".yml", ".toml", ".json", ".cfg",
                  ".ini", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp")
 
