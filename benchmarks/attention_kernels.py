@@ -174,23 +174,8 @@ def fa4_bwd_tiles(budget_s: float) -> dict:
     return results
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", help="write the figures as JSON here")
-    p.add_argument("--fa4-bwd-tiles", action="store_true", help="only: the pair's backward under FA4's Hopper tilings")
-    p.add_argument("--budget", type=float, default=300.0, help="seconds for --fa4-bwd-tiles (compilation included)")
-    p.add_argument("--fa4-bwd-tiling", help=argparse.SUPPRESS)  # one tiling, in the sweep's child process
-    args = p.parse_args()
-    if args.fa4_bwd_tiling:
-        Path(args.out).write_text(json.dumps(fa4_bwd_tiling(args.fa4_bwd_tiling)))
-        return
-    if args.fa4_bwd_tiles:
-        results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "fa4_bwd_tiles": fa4_bwd_tiles(args.budget)}
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
-        return
+def kernels_by_shape() -> dict:
+    """Every kernel at every shape, printed as one table; the figures as a dict."""
     from torch.nn import attention
 
     # FA4 comes last: once activated, torch's flash kernels stay routed to it
@@ -217,6 +202,24 @@ def main() -> None:
                           f"{row['bwd_tflops']:.0f}", f"{row['out_max_diff']:.1e}", f"{row['grad_max_diff']:.1e}"])
     print(tabulate(sorted(table, key=lambda r: r[0], reverse=True),
                    headers=["shape", "kernel", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "out diff", "grad diff"]))
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the figures as JSON here")
+    p.add_argument("--fa4-bwd-tiles", action="store_true", help="only: the pair's backward under FA4's Hopper tilings")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds for --fa4-bwd-tiles (compilation included)")
+    p.add_argument("--fa4-bwd-tiling", help=argparse.SUPPRESS)  # one tiling, in the sweep's child process
+    args = p.parse_args()
+    if args.fa4_bwd_tiling:
+        Path(args.out).write_text(json.dumps(fa4_bwd_tiling(args.fa4_bwd_tiling)))
+        return
+    if args.fa4_bwd_tiles:
+        results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "fa4_bwd_tiles": fa4_bwd_tiles(args.budget)}
+    else:
+        results = kernels_by_shape()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -194,7 +194,8 @@ def plot_scaling(table: dict, path: Path) -> Path:
     points = [p for p in table["points"] if p["tokens_per_s"] is not None]
     # efficiency needs a base with throughput (a script that reports no tokens has none)
     rated = [p for p in points if p["efficiency"] is not None]
-    base = next((p for p in points if p["ranks"] == table.get("base_ranks")), None)
+    base_ranks = table.get("base_ranks")
+    base = next((p for p in points if p["ranks"] == base_ranks), None)
     fig, (ax_tp, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.5))
     try:
         fig.suptitle(f"{table['job']}: {table['mode']} scaling")
@@ -218,7 +219,6 @@ def plot_scaling(table: dict, path: Path) -> Path:
         ax_tp.set_ylabel("tokens/s (all ranks)")
         ax_tp.set_title("throughput")
         ax_eff.set_ylabel("scaling efficiency (%)")
-        base_ranks = table.get("base_ranks")
         ax_eff.set_title(f"efficiency relative to {base_ranks} rank{'s' if base_ranks != 1 else ''}"
                          if base_ranks else "efficiency")
         top = max([110.0] + [105.0 * p["efficiency"] for p in rated])

@@ -199,8 +199,9 @@ class MadeAhead(Batches):
     """Batches made ahead, ``steps_ahead`` optimizer steps at a time, in a background thread.
 
     A chunk holds every micro-batch of this rank for up to 16 steps (at most ``CHUNK_TOKENS``
-    tokens, or one step where a step holds more), made by the ops of one batch applied to all its rows at once: some 150 torch ops
-    whatever its size, as many as one batch takes, and the numbers of ``Batches.batch``.
+    tokens, or one step where a step holds more), made by the ops of one batch applied to all
+    its rows at once: some 150 torch ops whatever its size, as many as one batch takes, and the
+    numbers of ``Batches.batch``.
     ``batch`` hands out views of it.
 
     As soon as the training thread takes a chunk, a worker thread (``launcher-data``) starts
