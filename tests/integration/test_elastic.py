@@ -65,18 +65,26 @@ def kill_node_mid_run(cluster, node: str, run: Launcher, rank: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def losses(run_dir: Path, rank: int) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_records(run_dir / f"metrics/rank{rank}.jsonl")
-            if r.get("type") == "step" and r.get("loss") is not None]
+def attempts(run_dir: Path, rank: int) -> list[list[tuple[int, float]]]:
+    """Rank ``rank``'s (step, loss) records, one list per attempt (each attempt starts with a meta record)."""
+    out: list[list[tuple[int, float]]] = []
+    for r in read_records(run_dir / f"metrics/rank{rank}.jsonl"):
+        if r.get("type") == "meta":
+            out.append([])
+        elif r.get("type") == "step" and r.get("loss") is not None:
+            out[-1].append((r["step"], r["loss"]))
+    return out
 
 
 def assert_continuous(run_dir: Path) -> None:
-    """After the restart the loss goes on from where it was, not back towards the initial loss."""
-    curve = losses(run_dir, 0)
-    first_loss = curve[0][1]
-    restart = next(i for i in range(1, len(curve)) if curve[i][0] <= curve[i - 1][0])  # the step went back
-    before, after = curve[restart - 1][1], curve[restart][1]
-    assert after < first_loss - 0.5 * (first_loss - before), curve
+    """After the restart the loss goes on from where it was, not back towards the initial loss.
+
+    The attempts are told apart by their meta records, not by the step going back: the run may
+    resume from a checkpoint written at the last step the first attempt logged.
+    """
+    first, second = attempts(run_dir, 0)
+    first_loss, before, after = first[0][1], first[-1][1], second[0][1]
+    assert second[0][0] > 0 and after < first_loss - 0.5 * (first_loss - before), (first, second)
 
 
 def run_and_lose_node3(netns_cluster, tmp_path: Path, ckpt: Path, *, n_nodes: int, min_nodes: int,
