@@ -119,9 +119,17 @@ def open_session(cluster: ClusterSpec, nodes: list[NodeSpec], code: CodePlan | N
     if snapshot:
         # The excludes are applied already: Ray must not drop files a .gitignore lists.
         os.environ["RAY_RUNTIME_ENV_IGNORE_GITIGNORE"] = "1"
+    session: RaySession | None = None
     try:
         with _signals_kept():
-            return _open(cluster, nodes, runtime_env)
+            session = _open(cluster, nodes, runtime_env)
+        return session
+    except KeyboardInterrupt:
+        # A signal Python dropped while Ray forked, raised again once the session was made: the
+        # session is not returned, so stop what it started (a bootstrapped Ray on every node).
+        if session is not None:
+            session.close()
+        raise
     finally:
         if snapshot:  # uploaded by ray.init, or nothing was started
             shutil.rmtree(snapshot, ignore_errors=True)

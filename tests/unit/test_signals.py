@@ -107,3 +107,25 @@ def test_keep_handlers_refuses_replacements_only_while_ours_are_installed(instal
     with signals.keep_handlers():
         signal.signal(signal.SIGTERM, other)
     assert signal.getsignal(signal.SIGTERM) is other
+
+
+def test_a_session_made_while_a_dropped_interrupt_waited_is_closed_not_lost(installed, monkeypatch):
+    """open_session raises the interrupt once the session exists: that session must be closed
+    (a bootstrapped Ray on every node), since the caller never gets it."""
+    from launcher.orchestrate import ray_cluster
+
+    closed = []
+
+    class Session:
+        def close(self, *, keep_ray: bool = False) -> None:
+            closed.append(keep_ray)
+
+    def bootstrap(cluster, nodes, runtime_env):
+        signals._pending = signal.SIGINT  # the handler ran where Python dropped its exception
+        return Session()
+
+    monkeypatch.setattr(ray_cluster, "_open", bootstrap)
+    monkeypatch.setattr(ray_cluster, "_shutdown", lambda: None)
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        ray_cluster.open_session(cluster=None, nodes=[])
+    assert closed == [False]
