@@ -9,7 +9,8 @@ update to the run log, and then judges:
   before Ray reports its agent gone, so the node is named, not the echo;
 - every torchrun exited 0: success;
 - an agent silent for ``NODE_SILENCE_S`` is a lost node; a rank that wrote no metrics record
-  for ``launch.hang_timeout_s`` is a hang (of several silent ranks, the one that got least far).
+  for ``launch.hang_timeout_s`` is a hang (of several silent ranks, the one that got least far;
+  the ranks of a node whose torchrun exited 0 are done, not silent).
 
 Restarts are not decided here: ``run.py`` restarts an attempt whose failure is restartable.
 """
@@ -102,7 +103,9 @@ class Watcher:
         if not limit:
             return None
         now = self.clock()
-        silent = [e for e in self.plan.ranks() if now - self._last_seen.get(e["rank"], self._started) > limit]
+        done = {self.plan.nodes[i].name for i in self._exited}  # exited 0: quiet, not hung
+        silent = [e for e in self.plan.ranks()
+                  if e["node"] not in done and now - self._last_seen.get(e["rank"], self._started) > limit]
         if not silent:
             return None
         # A hung rank stalls the others at their next collective, so several go silent at

@@ -202,6 +202,15 @@ def test_the_hang_watchdog_blames_the_rank_that_got_least_far():
     assert "launch.hang_timeout_s=25" in failure.reason and failure.log_tail == "step 5\nsleeping"
 
 
+def test_a_node_that_finished_is_not_hung_while_another_works_on():
+    """Node a's torchrun exited 0; node b's rank goes on reporting (an evaluation after training)."""
+    rounds = [{0: AgentUpdate(records=[step(0, 10)], exit=ExitStatus(0)), 1: AgentUpdate(records=[step(1, 10)])}]
+    rounds += [{1: AgentUpdate(records=[step(1, 10 + n)])} for n in range(1, 8)]
+    rounds += [{1: AgentUpdate(exit=ExitStatus(0))}]
+    clock = iter(range(0, 10**6, 10)).__next__  # 10 s a reading: node a is quiet for 80 s
+    assert watch(FakeAgents(rounds), hang_timeout_s=25.0, clock=clock)[0] is None
+
+
 def test_no_hang_without_the_watchdog():
     rounds = [{0: AgentUpdate(records=[step(0, 1)])}, {}, {}, {0: AgentUpdate(exit=ExitStatus(0)),
                                                                1: AgentUpdate(exit=ExitStatus(0))}]
