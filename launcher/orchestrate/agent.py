@@ -43,6 +43,11 @@ TORCHRUN_TAIL_LINES = 200  # torchrun's own lines: its failure report can be lon
 REAPER_GRACE_S = 10.0  # after the agent's death: torchrun's own SIGTERM handling, then SIGKILL
 
 
+def _fresh_tails() -> dict[int | None, collections.deque[str]]:
+    """Per local rank (None: torchrun's own lines), the last lines of one attempt."""
+    return {None: collections.deque(maxlen=TORCHRUN_TAIL_LINES)}
+
+
 class NodeAgent:
     """One per node, created by the driver inside that node's placement-group bundle."""
 
@@ -56,8 +61,7 @@ class NodeAgent:
         self._changed = threading.Condition(self._lock)  # new output, a record, or a thread ended
         self._lines: list[tuple[int | None, str]] = []
         self._records: list[tuple[int, dict[str, Any]]] = []
-        self._tails: dict[int | None, collections.deque[str]] = {
-            None: collections.deque(maxlen=TORCHRUN_TAIL_LINES)}
+        self._tails = _fresh_tails()
         self._offsets: dict[Path, int] = {}
         self._stopping = False
         self._started_at = 0.0
@@ -86,6 +90,8 @@ class NodeAgent:
             thread.join(timeout=5)
         self._threads = []
         self._stopping = False
+        with self._lock:  # a failure's tail is this attempt's, not the previous one's
+            self._tails = _fresh_tails()
         self._plan = node_plan
         self._started_at = time.time()
         node_dir = Path(node_plan["node_dir"])

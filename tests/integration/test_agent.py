@@ -68,6 +68,11 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         assert "boom.py" in error.traceback and error.timestamp > 0
         assert any("Root Cause" in line for line in agent.tail(None, 200))
         assert (Path(node_dir) / "job.yaml").stat().st_mode & 0o777 == 0o600
+        # A restart's tails are its own: the first attempt's report must not blame the second.
+        agent.start({"node_dir": str(node_dir), "cwd": str(tmp_path), "argv": [sys.executable, "-c", "print('again')"],
+                     "env": {}}, {})
+        assert run_to_exit(agent)[-1].exit.exit_code == 0
+        assert agent.tail(None, 200) == ["again"] and agent.tail(1) == []
     finally:
         agent.stop(1.0)
         agent.cleanup()
