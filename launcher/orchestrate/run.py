@@ -99,11 +99,13 @@ class Launch:
             outcome = Outcome(Status.INTERRUPTED, self.run_dir.root)
         except LauncherError as err:
             outcome = Outcome(Status.FAILED, self.run_dir.root, Failure(FailureKind.LAUNCHER, str(err)))
-            self.finish(outcome)
             raise
+        except OSError as err:  # writing the run directory (a full disk), or Ray's connection lost
+            reason = f"the launcher could not go on: {type(err).__name__}: {err}"
+            outcome = Outcome(Status.FAILED, self.run_dir.root, Failure(FailureKind.LAUNCHER, reason))
+            raise JobFailed(f"{reason}. Every worker was stopped; what was recorded is in {self.run_dir}") from err
         finally:
-            if outcome.summary is None:
-                self.finish(outcome)
+            self.finish(outcome)
         return outcome
 
     def preflight(self) -> dict[str, NodeFacts] | None:
@@ -206,6 +208,7 @@ class Launch:
         launch_plan = plan(job, self.cluster, self.facts, run_id=self.run_dir.name, attempt=attempt,
                            master_port=port, launcher_env=os.environ, code=self.code, nodes=nodes)
         self.run_dir.write_plan(launch_plan)
+        self.plan = launch_plan  # from here on the agents' updates are this attempt's
         self.plans.append(launch_plan)
         self._first_world = self._first_world or launch_plan.world_size
         self._used.update(n.name for n in launch_plan.nodes)
@@ -218,23 +221,38 @@ class Launch:
         return launch_plan
 
     def finish(self, outcome: Outcome) -> None:
-        """Teardown, then the summary: nothing is left running, everything measured is kept."""
-        with self._timed("teardown"):
-            self.teardown()
-        self.write_summary(outcome)
+        """Teardown, then the summary: nothing is left running, everything measured is kept.
+
+        The summary is written also when the teardown failed (a second Ctrl-C, a lost Ray
+        connection, a full disk); a teardown error or a summary that cannot be written is
+        logged, and does not hide what ended the run (a second Ctrl-C still ends it).
+        """
+        try:
+            with self._timed("teardown"):
+                self.teardown()
+        except Exception as err:
+            log.error("the teardown did not finish cleanly: %s: %s", type(err).__name__, err,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+        finally:
+            try:
+                self.write_summary(outcome)
+            except OSError as err:
+                log.error("could not write the summary into %s: %s", self.run_dir, err)
 
     def teardown(self) -> None:
-        """Stop every agent's workers, remove the placement group, close what we opened."""
-        if self.agents is not None:
-            self._ingest(self.agents.stop(self.job.launch.stop_grace_s))
-            if self.job.records_profile:
-                self._collect(self.agents, PROFILE_SUBDIR)
-            self.agents.close()
-            self.agents = None
-        self.log.close()
-        if self._own_session and self.session is not None:
-            self.session.close(keep_ray=self.keep_ray)
-            self.session = None
+        """Stop every agent's workers, remove the placement group, close what we opened.
+
+        Each step runs even when one before it raised (its error is raised after the rest).
+        """
+        with contextlib.ExitStack() as then:
+            if self._own_session and self.session is not None:
+                then.callback(self._close_session)
+            then.callback(self.log.close)
+            if self.agents is not None:
+                then.callback(self._close_agents)
+                self._ingest(self.agents.stop(self.job.launch.stop_grace_s))
+                if self.job.records_profile:
+                    self._collect(self.agents, PROFILE_SUBDIR)
 
     def write_summary(self, outcome: Outcome) -> None:
         """summary.{json,csv,txt}: the last attempt's ranks, every restart, each attempt's totals."""
@@ -279,6 +297,16 @@ class Launch:
         finally:
             self.log.stop_progress()
 
+    def _close_agents(self) -> None:
+        if self.agents is not None:
+            agents, self.agents = self.agents, None
+            agents.close()
+
+    def _close_session(self) -> None:
+        if self.session is not None:
+            session, self.session = self.session, None
+            session.close(keep_ray=self.keep_ray)
+
     def _failed(self, failure: Failure) -> Outcome:
         log.error("%s; stopping every worker", failure.reason)
         return Outcome(Status.FAILED, self.run_dir.root, failure)
@@ -291,7 +319,8 @@ class Launch:
 
     def _collect(self, agents: AgentGroup, subdir: str) -> None:
         """Copy each node's ``<node dir>/<subdir>`` into ``<run dir>/<subdir>/<node>/``."""
-        assert self.plan is not None
+        if self.plan is None:  # no attempt was planned: nothing ran
+            return
         for i, files in agents.collect(subdir).items():
             for name, data in files.items():
                 path = self.run_dir.node_files(subdir, self.plan.nodes[i].name) / name

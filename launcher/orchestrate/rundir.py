@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from launcher import metrics
+from launcher.errors import UsageError
 from launcher.orchestrate.plan import LaunchPlan, mask_env
 from launcher.util import utc_stamp, write_private
 
@@ -67,11 +68,16 @@ class RunDir:
     # -- writes -----------------------------------------------------------------------------
 
     def prepare(self, job: Any, cluster: Any) -> None:
-        """Make the folders and record the specs (masked, 0600)."""
-        for sub in ("logs", metrics.SUBDIR, "preflight"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-        write_private(self.root / "job.yaml", spec_yaml(job))
-        write_private(self.root / "cluster.yaml", spec_yaml(cluster))
+        """Make the folders and record the specs (masked, 0600). UsageError (exit 2) where the
+        folder cannot be made or written (a file in the way, no permission, a full disk)."""
+        try:
+            for sub in ("logs", metrics.SUBDIR, "preflight"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            write_private(self.root / "job.yaml", spec_yaml(job))
+            write_private(self.root / "cluster.yaml", spec_yaml(cluster))
+        except OSError as err:
+            raise UsageError(f"cannot write the run directory {self.root}: {err.strerror or err} "
+                             f"({err.filename or self.root}); pass --run-dir a folder you can write") from err
 
     def write_plan(self, launch_plan: LaunchPlan) -> Path:
         path = self.plan_file(launch_plan.attempt)

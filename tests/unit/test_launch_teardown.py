@@ -1,0 +1,135 @@
+"""Launch.execute's ending without Ray: fake agents and a fake session whose calls fail where a
+real run's can (a node that cannot start torchrun, a connection lost mid-run and again in the
+teardown). Whatever fails, every agent and the session are closed, summary.json is written and
+the error the user sees is the launcher's one paragraph, with its exit code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.errors import JobFailed, UsageError
+from launcher.orchestrate.records import AgentUpdate, ExitStatus
+from launcher.orchestrate.run import Launch
+from launcher.orchestrate.rundir import RunDir
+from launcher.spec import ClusterSpec, JobSpec
+
+
+def job(**train: object) -> JobSpec:
+    return JobSpec.model_validate({"name": "t", "resources": {"device": "cpu", "nproc_per_node": 1},
+                                   "precision": {"dtype": "fp32"},
+                                   "train": {"steps": 10, "warmup_steps": 1, **train}})
+
+
+def cluster() -> ClusterSpec:
+    return ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "198.18.0.10"},
+                                                 {"name": "b", "host": "198.18.0.11"}]})
+
+
+class Agents:
+    """Records what the launch asked; ``fail`` maps a method name to the error it raises."""
+
+    def __init__(self, fail: dict[str, BaseException] | None = None, rounds: list | None = None):
+        self.fail = fail or {}
+        self.rounds = rounds or []
+        self.calls: list[str] = []
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.fail:
+            raise self.fail[name]
+
+    def free_port(self) -> int:
+        return 29500
+
+    def start(self, launch_plan, files) -> None:
+        self._call("start")
+
+    def poll(self, wait_s: float) -> list:
+        self._call("poll")
+        return sorted((self.rounds.pop(0) if self.rounds else {}).items())
+
+    def silent(self, limit_s: float) -> None:
+        return None
+
+    def stop(self, grace_s: float) -> list:
+        self._call("stop")
+        return []
+
+    def collect(self, subdir: str) -> dict:
+        self._call("collect")
+        return {}
+
+    def close(self) -> None:
+        self._call("close")
+
+
+class Session:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self, *, keep_ray: bool = False) -> None:
+        self.closed = True
+
+
+def launch(tmp_path, monkeypatch, agents: Agents, job_spec: JobSpec, run_dir=None) -> tuple[Launch, Session]:
+    session = Session()
+    launcher = Launch(job=job_spec, cluster=cluster(), run_dir=RunDir(run_dir or tmp_path / "run"), facts={},
+                      quiet=True)
+    monkeypatch.setattr(Launch, "connect_ray", lambda self: (setattr(self, "session", session),
+                                                             setattr(self, "_own_session", True)))
+    monkeypatch.setattr(Launch, "place_agents", lambda self: agents)
+    return launcher, session
+
+
+def summary(tmp_path) -> dict:
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+def test_a_profiled_job_whose_torchrun_cannot_start_fails_with_exit_4_and_closes_everything(tmp_path, monkeypatch):
+    agents = Agents(fail={"start": JobFailed("torchrun could not be started on node b: no such file")})
+    launcher, session = launch(tmp_path, monkeypatch, agents, job(profile={"start_step": 2}))
+    with pytest.raises(JobFailed, match="could not be started on node b"):
+        launcher.execute()
+    assert agents.calls == ["start", "stop", "collect", "close"] and session.closed
+    assert summary(tmp_path)["status"] == "failed"
+    assert "could not be started" in summary(tmp_path)["failure"]["reason"]
+
+
+def test_a_connection_lost_mid_run_and_in_the_teardown_still_closes_everything(tmp_path, monkeypatch):
+    lost = ConnectionError("Ray Client connection lost")
+    agents = Agents(fail={"poll": lost, "stop": lost})
+    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    with pytest.raises(JobFailed, match="ConnectionError: Ray Client connection lost"):
+        launcher.execute()
+    assert agents.calls == ["start", "poll", "stop", "close"] and session.closed
+    assert summary(tmp_path)["status"] == "failed"
+
+
+def test_a_second_interrupt_in_the_teardown_still_closes_the_session_and_writes_the_summary(tmp_path, monkeypatch):
+    agents = Agents(fail={"poll": KeyboardInterrupt("signal SIGINT"), "stop": KeyboardInterrupt("signal SIGINT")})
+    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    with pytest.raises(KeyboardInterrupt):
+        launcher.execute()
+    assert agents.calls == ["start", "poll", "stop", "close"] and session.closed
+    assert summary(tmp_path)["status"] == "interrupted"
+
+
+def test_a_run_dir_that_cannot_be_made_is_exit_2_before_anything_starts(tmp_path, monkeypatch):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    agents = Agents()
+    launcher, session = launch(tmp_path, monkeypatch, agents, job(), run_dir=in_the_way / "run")
+    with pytest.raises(UsageError, match="cannot write the run directory .*a-file/run"):
+        launcher.execute()
+    assert agents.calls == [] and not session.closed
+
+
+def test_success_still_ends_in_one_teardown(tmp_path, monkeypatch):
+    done = {0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}
+    agents = Agents(rounds=[done])
+    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    assert launcher.execute().status.value == "succeeded"
+    assert agents.calls == ["start", "poll", "stop", "close"] and session.closed
+    assert summary(tmp_path)["status"] == "succeeded"
