@@ -81,7 +81,10 @@ class Watcher:
             lost = self.agents.unreachable(exclude=i)
             if lost is not None:
                 return True, lost_node(nodes[lost[0]], lost[1])
-            return True, rank_failure(self.agents, i, nodes[i], status)
+            try:
+                return True, rank_failure(self.agents, i, nodes[i], status)
+            except Exception as err:  # its agent died after reporting the exit: no log to read there
+                return True, lost_node(nodes[i], err)
         if len(self._exited) == len(nodes):
             return True, None
         silent = self.agents.silent(self.silence_s)

@@ -180,6 +180,15 @@ def test_an_agent_answering_with_an_exception_is_a_lost_node():
     assert "The actor died unexpectedly" in failure.reason
 
 
+def test_a_failed_ranks_node_lost_before_its_log_is_read_is_a_lost_node():
+    class Dying(FakeAgents):
+        def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
+            raise ConnectionError("the actor died")
+
+    failure, _ = watch(Dying([{1: AgentUpdate(exit=ExitStatus(1))}]))
+    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "b") and "the actor died" in failure.reason
+
+
 def test_a_silent_agent_is_a_lost_node():
     failure, _ = watch(FakeAgents([{0: AgentUpdate(records=[step(0, 1)])}], silent=0))
     assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "a") and "no answer for 30 s" in failure.reason
