@@ -34,6 +34,10 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
     if repeat < 1:
         raise UsageError(f"--repeat {repeat}: give 1 or more")
     points = _points(job, cluster, world=world, nodes=nodes)
+    base_world = points[0][0] * points[0][1]
+    # Every point's job first: a world size the batch does not split over is refused (exit 2)
+    # before any point runs, not after the smaller ones did.
+    jobs = [_point_job(job, n_nodes, nproc, base_world, mode) for n_nodes, nproc in points]
     out_dir = out_dir or Path("runs") / f"{job.name}-scale-{utc_stamp()}"
     out_dir.mkdir(parents=True, exist_ok=True)
     used = cluster.nodes[:max(n for n, _ in points)]
@@ -44,9 +48,8 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
         facts = preflight_facts(probe_job, cluster, skip=skip_parity, run_dir=RunDir(out_dir), show=False)
         session = open_session(cluster, list(used), code)
         try:
-            for n_nodes, nproc in points:
-                measured.append(_point(job, cluster, session, n_nodes, nproc, out_dir=out_dir, mode=mode,
-                                       base_world=points[0][0] * points[0][1], repeat=repeat,
+            for point_job in jobs:
+                measured.append(_point(point_job, cluster, session, out_dir=out_dir, repeat=repeat,
                                        code=code, facts=facts, skip_parity=skip_parity))
         finally:
             session.close()
@@ -63,15 +66,20 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
     return table
 
 
-def _point(job: JobSpec, cluster: ClusterSpec, session: RaySession, n_nodes: int, nproc: int, *,
-           out_dir: Path, mode: str, base_world: int, repeat: int, code: CodePlan | None,
-           facts: dict[str, NodeFacts] | None, skip_parity: bool) -> dict:
+def _point_job(job: JobSpec, n_nodes: int, nproc: int, base_world: int, mode: str) -> JobSpec:
+    """The job of the point with ``n_nodes`` x ``nproc`` ranks (SpecError where it cannot be)."""
+    point_job = scale_job(job, n_nodes * nproc, base_world, mode)
+    resources = point_job.resources.model_copy(update={"nodes": n_nodes, "nproc_per_node": nproc})
+    return point_job.model_copy(update={"resources": resources})
+
+
+def _point(point_job: JobSpec, cluster: ClusterSpec, session: RaySession, *, out_dir: Path, repeat: int,
+           code: CodePlan | None, facts: dict[str, NodeFacts] | None, skip_parity: bool) -> dict:
     """Every repeat of one point; a failed repeat is None in ``repeats`` (a run that failed, or
     one the launcher could not start: its run directory says why), and the study goes on."""
+    n_nodes, nproc = point_job.resources.nodes, point_job.resources.nproc_per_node
+    assert isinstance(n_nodes, int) and isinstance(nproc, int)
     world_size = n_nodes * nproc
-    point_job = scale_job(job, world_size, base_world, mode)
-    resources = point_job.resources.model_copy(update={"nodes": n_nodes, "nproc_per_node": nproc})
-    point_job = point_job.model_copy(update={"resources": resources})
     train = point_job.train
     entry = {"nodes": n_nodes, "ranks": world_size, "global_batch": train.micro_batch * train.grad_accum * world_size,
              "repeats": [], "run_dirs": []}

@@ -263,3 +263,21 @@ def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes
     points = json.loads((tmp_path / "scaling.json").read_text())["points"]
     assert [p["ranks"] for p in points] == [1, 2, 4]
     assert [p["tokens_per_s"] is None for p in points] == [False, True, False]
+
+
+def test_a_point_the_batch_does_not_split_over_is_refused_before_any_point_runs(tmp_path, monkeypatch):
+    from launcher.errors import SpecError
+    from launcher.orchestrate import scale as study
+    from launcher.spec import ClusterSpec
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the study started before every point was checked")
+
+    monkeypatch.setattr(study, "preflight_facts", must_not_run)
+    monkeypatch.setattr(study, "open_session", must_not_run)
+    cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
+    quick = JobSpec.model_validate({"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"},
+                                    "train": {"micro_batch": 4, "grad_accum": 1}})
+    with pytest.raises(SpecError, match="does not split over 3 ranks"):
+        study.scale(quick, cluster, world=[1, 2, 3], nodes=None, out_dir=tmp_path / "study", mode="strong")
+    assert not (tmp_path / "study").exists()
