@@ -1,5 +1,5 @@
 """The training loop, in named stages: init_distributed → configure_runtime → build_model →
-build_optimizer → build_data → (resume) → train (train_step per step) → close.
+build_optimizer → build_data → (resume) → allocate_grads → train (train_step per step) → close.
 
 ``train(job, on_step=...)`` runs it all; ``Trainer`` exposes the stages to a wrapper (a test
 harness that injects a fault at step N or dumps the final parameters).
@@ -112,6 +112,7 @@ class Trainer:
             self.checkpointer = Checkpointer(job.train.checkpoint, rank=self.rank, data=self.data,
                                              elastic_batch=job.train.elastic_batch)
             self.start_step = self.checkpointer.maybe_resume(self.model, self.optimizer, self.scheduler)
+            self.allocate_grads()
             self.build_meter()
         except BaseException:
             self.close()
@@ -228,12 +229,9 @@ class Trainer:
         # reuses. Taking them as .grad (what zero_grad(set_to_none=True) leads to) is right when
         # one backward per step is consumed by the optimizer before the next. Accumulating over
         # micro-batches instead adds each one into gradients that keep their own memory.
+        # Those gradients are allocated after the resume (allocate_grads).
         self.grads_in_place = job.train.cuda_graphs and job.train.grad_accum > 1
         self.trained_params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.grads_in_place:
-            for p in self.trained_params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
 
     def build_optimizer(self) -> None:
         t = self.job.train
@@ -263,6 +261,16 @@ class Trainer:
 
     def build_data(self) -> None:
         self.data = build_data(self.job, rank=self.rank, world_size=self.world_size, device=self.device)
+
+    def allocate_grads(self) -> None:
+        """Give every trained parameter its own gradient memory where the micro-batches are
+        summed into it (``grads_in_place``). Called after the resume: torch's ``get_state_dict``
+        builds a fresh optimizer's state (which the checkpoint's moments load into) only while
+        no parameter has a gradient, and leaves every ``.grad`` None."""
+        if self.grads_in_place:
+            for p in self.trained_params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     def build_meter(self) -> None:
         job, t = self.job, self.job.train

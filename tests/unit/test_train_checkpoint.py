@@ -101,3 +101,64 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
         assert torch.equal(again.masters.master_of(p), masters[i])
         assert torch.equal(p.detach(), masters[i].bfloat16())
         assert torch.equal(again.state[p]["exp_avg_sq"], moments[i]) and int(again._step) == 3
+
+
+def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(one_process_trainer_env, monkeypatch,
+                                                                  tmp_path: Path):
+    """``train.cuda_graphs`` with ``grad_accum`` above 1 keeps every gradient in its own memory
+    (``Trainer.grads_in_place``). Those gradients are allocated after the resume: torch builds a
+    fresh optimizer's state for the checkpoint to load into only while no gradient exists, and a
+    resume before them kept no AdamW step or moments. Graphs need a GPU: the spec's check is
+    bypassed here (``model_copy``), which on the CPU leaves just the gradients' allocation."""
+    from launcher.spec.job import JobSpec
+    from launcher.train.loop import Trainer
+    from launcher.util import free_port
+
+    job = JobSpec.model_validate({
+        "name": "inplace", "model": {"arch": "gpt", "size": "tiny"}, "data": {"seq_len": 16},
+        "train": {"steps": 4, "warmup_steps": 0, "micro_batch": 2, "grad_accum": 2, "compile": False,
+                  "log_every": 1, "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 2}},
+        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+    })
+    in_place = job.model_copy(update={"train": job.train.model_copy(update={"cuda_graphs": True})})
+
+    def run(spec: JobSpec, *, stop_at: int | None = None) -> Trainer:
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        trainer = Trainer(spec)
+        try:
+            assert trainer.grads_in_place
+            assert all(p.grad is not None for p in trainer.trained_params)
+            if stop_at is None:
+                trainer.train()
+            else:
+                for step in range(1, stop_at + 1):
+                    trainer.train_step(step)
+                trainer.checkpointer.save(stop_at, trainer.model, trainer.optimizer, trainer.scheduler)
+        finally:
+            trainer.close()
+        return trainer
+
+    first = run(in_place, stop_at=2)
+    saved = {i: {k: v.clone() for k, v in first.optimizer.state[p].items()}
+             for i, p in enumerate(first.trained_params)}
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    resumed = Trainer(in_place)
+    try:
+        assert resumed.start_step == 2
+        assert all(p.grad is not None for p in resumed.trained_params)
+        assert len(resumed.optimizer.state) == len(saved)
+        for i, p in enumerate(resumed.trained_params):
+            state = resumed.optimizer.state[p]
+            assert float(state["step"]) == 2, i
+            assert torch.equal(state["exp_avg"], saved[i]["exp_avg"]), i
+            assert torch.equal(state["exp_avg_sq"], saved[i]["exp_avg_sq"]), i
+        resumed.train()
+        after_resume = {k: v.clone() for k, v in resumed.model.state_dict().items()}
+    finally:
+        resumed.close()
+
+    straight = in_place.model_copy(update={"train": in_place.train.model_copy(
+        update={"checkpoint": CheckpointSpec()})})
+    whole = run(straight)
+    for name, value in whole.model.state_dict().items():
+        assert torch.equal(value, after_resume[name]), name
