@@ -29,13 +29,23 @@ class RunDir:
 
     @classmethod
     def new(cls, job_name: str, base: Path = DEFAULT_BASE) -> RunDir:
-        """``runs/<job>-<UTC yyyymmdd-HHMMSS>``, with ``-2``, ``-3``, ... where that is taken."""
+        """``runs/<job>-<UTC yyyymmdd-HHMMSS>``, with ``-2``, ``-3``, ... where that is taken.
+
+        The folder is made here, atomically: two launches in the same second never share one.
+        UsageError (exit 2) where ``base`` cannot be written.
+        """
         stem = f"{job_name}-{utc_stamp()}"
         path, n = base / stem, 1
-        while path.exists():
-            n += 1
-            path = base / f"{stem}-{n}"
-        return cls(path)
+        while True:
+            try:
+                path.mkdir(parents=True)
+                return cls(path)
+            except FileExistsError:
+                n += 1
+                path = base / f"{stem}-{n}"
+            except OSError as err:
+                raise UsageError(f"cannot make a run directory in {base}: {err.strerror or err}; run from "
+                                 f"a folder you can write, or pass --run-dir") from err
 
     @property
     def name(self) -> str:

@@ -133,3 +133,16 @@ def test_success_still_ends_in_one_teardown(tmp_path, monkeypatch):
     assert launcher.execute().status.value == "succeeded"
     assert agents.calls == ["start", "poll", "stop", "close"] and session.closed
     assert summary(tmp_path)["status"] == "succeeded"
+
+
+def test_two_launches_in_the_same_second_get_their_own_run_directories(tmp_path, monkeypatch):
+    from launcher.orchestrate import rundir
+
+    monkeypatch.setattr(rundir, "utc_stamp", lambda: "20261202-190000")
+    first, second = RunDir.new("j", base=tmp_path), RunDir.new("j", base=tmp_path)  # neither prepared yet
+    assert (first.name, second.name) == ("j-20261202-190000", "j-20261202-190000-2")
+    assert first.root.is_dir() and second.root.is_dir()
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    with pytest.raises(UsageError, match="cannot make a run directory"):
+        RunDir.new("j", base=in_the_way / "runs")
