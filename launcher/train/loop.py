@@ -142,7 +142,7 @@ class Trainer:
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         dist.init_process_group(
-            backend=job.backend,
+            backend=parallel.process_group_backend(job),  # gloo beside NCCL for CPU-offloaded shards
             timeout=timedelta(seconds=job.nccl.timeout_s),
             device_id=self.device if self.device.type == "cuda" else None,
         )

@@ -68,6 +68,21 @@ def shards_alone(job: JobSpec) -> bool:
     return job.parallel.strategy == "fsdp" and job.parallel.fsdp.cpu_offload
 
 
+def process_group_backend(job: JobSpec) -> str:
+    """The backend ``init_process_group`` gets: the job's (``JobSpec.backend``), with gloo
+    beside NCCL for CPU tensors where FSDP offloads to the CPU (``parallel.fsdp.cpu_offload``).
+
+    The offloaded gradient shards live on the CPU, so the collectives on them (the gradient
+    norm's all-reduce in ``grad_norm``, ``ShardedGradScaler``'s found-inf all-reduce) run on
+    CPU tensors, which an NCCL-only group refuses ("No backend type associated with device
+    type cpu"). ``cuda:nccl,cpu:gloo`` sends each tensor to the backend of its device.
+    """
+    backend = job.backend
+    if backend == "nccl" and job.parallel.strategy == "fsdp" and job.parallel.fsdp.cpu_offload:
+        return "cuda:nccl,cpu:gloo"
+    return backend
+
+
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
