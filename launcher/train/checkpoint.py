@@ -1,5 +1,5 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, LR scheduler,
-step, the data position and each rank's RNG state.
+fp16's loss scaler, step, the data position and each rank's RNG state.
 
 Layout: ``<dir>/step_00000100/`` holds DCP's files; ``COMPLETE`` is written there last, by
 rank 0, after every rank finished writing (a barrier). Resume picks the highest step folder
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.amp import GradScaler
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from launcher.spec.job import CheckpointSpec
@@ -107,9 +108,10 @@ class Checkpointer:
         return step == total_steps or (every > 0 and step % every == 0)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler) -> Path:
+             scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: GradScaler | None = None) -> Path:
         """Save step ``step``'s state (a collective). bf16 weights are saved as the fp32 masters
-        their optimizer (``MasterAdamW``) keeps."""
+        their optimizer (``MasterAdamW``) keeps; fp16's ``scaler`` (the loss scale and its
+        growth tracker) is saved with the step."""
         assert self.root is not None
         path = step_dir(self.root, step)
         if self.rank == 0:
@@ -123,6 +125,8 @@ class Checkpointer:
         data = self.data
         train = {"step": step, "samples": data.first_sample(step + 1), "world_size": data.world_size,
                  "global_batch": data.global_batch, "scheduler": pickle.dumps(scheduler.state_dict())}
+        if scaler is not None:
+            train["scaler"] = pickle.dumps(scaler.state_dict())
         state = {"model": model_sd, "optim": optim_sd, "train": train,
                  "rng": {f"rank{self.rank}": _rng_state()}}
         dcp.save(state, checkpoint_id=str(path))
@@ -136,11 +140,13 @@ class Checkpointer:
         return path
 
     def maybe_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
+                     scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: GradScaler | None = None) -> int:
         """Load the latest complete checkpoint when resume is auto, resharded for this world
         size, and put the data at the next sample; the step it ends (or 0). ``self.resumed``
         says where it picked up. With bf16 weights the saved weights load into the fp32
-        masters their optimizer keeps, and the bf16 weights are rounded from them."""
+        masters their optimizer keeps, and the bf16 weights are rounded from them. fp16's
+        ``scaler`` goes on at the saved loss scale (a checkpoint without one, older or not
+        fp16, leaves it at its initial scale)."""
         if self.spec.resume != "auto":
             return 0
         path = latest_checkpoint(self.root)
@@ -153,6 +159,9 @@ class Checkpointer:
         # position came later than the step: an older checkpoint has none.
         train: dict[str, Any] = {"step": 0, "scheduler": b""}
         train.update({key: 0 for key in POSITION if f"train.{key}" in saved})
+        has_scaler = scaler is not None and "train.scaler" in saved
+        if has_scaler:
+            train["scaler"] = b""
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": train}
         rng_key = f"rank{self.rank}"
         has_rng = f"rng.{rng_key}" in saved
@@ -167,6 +176,11 @@ class Checkpointer:
         for group, kept in zip(optimizer.param_groups, flags, strict=True):
             group.update(kept)
         scheduler.load_state_dict(pickle.loads(state["train"]["scheduler"]))
+        if has_scaler:
+            scaler.load_state_dict(pickle.loads(state["train"]["scaler"]))
+        elif scaler is not None:
+            log.warning("%s has no loss scale (written without fp16 or before it was saved); the scaler "
+                        "starts at %g", path, scaler.get_scale())
         if has_rng:
             _set_rng_state(pickle.loads(state["rng"][rng_key]))
         else:

@@ -111,7 +111,8 @@ class Trainer:
             self.build_data()
             self.checkpointer = Checkpointer(job.train.checkpoint, rank=self.rank, data=self.data,
                                              elastic_batch=job.train.elastic_batch)
-            self.start_step = self.checkpointer.maybe_resume(self.model, self.optimizer, self.scheduler)
+            self.start_step = self.checkpointer.maybe_resume(self.model, self.optimizer, self.scheduler,
+                                                             self.scaler)
             self.allocate_grads()
             self.build_meter()
         except BaseException:
@@ -440,7 +441,7 @@ class Trainer:
         self._progress(record)
         self.collector.after_step(step, logged=record is not None)
         if self.checkpointer.due(step, total):
-            self.checkpointer.save(step, self.model, self.optimizer, self.scheduler)
+            self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.scaler)
         if on_step is not None:
             on_step(step)
 

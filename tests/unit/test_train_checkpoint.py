@@ -162,3 +162,43 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(one_process_tra
     whole = run(straight)
     for name, value in whole.model.state_dict().items():
         assert torch.equal(value, after_resume[name]), name
+
+
+def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
+    """fp16's GradScaler goes on at the loss scale and growth tracker it had (it restarted at
+    2^16, skipping steps on overflow while the schedule and data went on); a checkpoint without
+    one (older, or not fp16) leaves a scaler at its initial scale, and one with a scaler loads
+    into a run without one. GradScaler("cpu") keeps the same state as on CUDA."""
+    from launcher.train.loop import param_groups
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
+        return (model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
+                torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10))
+
+    model, opt, sched, scaler = build()
+    for step in range(5):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8)).sum()
+        scaler.scale(loss * (float("inf") if step in (0, 1) else 1.0)).backward()  # two overflows
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    assert scaler.get_scale() == 2.0**14 and scaler._get_growth_tracker() == 3
+    spec = CheckpointSpec(dir=tmp_path / "fp16", resume="auto")
+    checkpointer(spec).save(5, model, opt, sched, scaler)
+
+    model, opt, sched, fresh = build()
+    assert checkpointer(spec).maybe_resume(model, opt, sched, fresh) == 5
+    assert fresh.get_scale() == 2.0**14 and fresh._get_growth_tracker() == 3
+    assert fresh.state_dict() == scaler.state_dict()
+    model, opt, sched, _ = build()
+    assert checkpointer(spec).maybe_resume(model, opt, sched) == 5  # e.g. bf16 from here on
+
+    older = CheckpointSpec(dir=tmp_path / "older", resume="auto")
+    checkpointer(older).save(5, model, opt, sched)
+    model, opt, sched, fresh = build()
+    assert checkpointer(older).maybe_resume(model, opt, sched, fresh) == 5
+    assert fresh.get_scale() == 2.0**16
