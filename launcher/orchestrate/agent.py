@@ -9,7 +9,9 @@ is assumed. ``stop()`` sends SIGTERM to torchrun and all its descendants, then S
 grace period. If the agent process itself dies, the kernel sends torchrun SIGTERM
 (``PR_SET_PDEATHSIG``), and a reaper started beside it (``reaper.py``) SIGKILLs whatever of
 torchrun's family is left ``REAPER_GRACE_S`` later, so a lost driver or a killed Ray never
-leaves workers behind.
+leaves workers behind. Nor does a torchrun that dies first (the OOM killer, ``kill -9``): its
+workers run in sessions of their own and would go on holding the GPUs, so the agent notes
+them while torchrun runs and ends those left when it exits, before it reports the exit.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 from launcher import metrics
 from launcher.orchestrate import reaper
 from launcher.orchestrate.plan import NODE_PASSTHROUGH
-from launcher.orchestrate.reaper import descendants, kill_after, signal_all
+from launcher.orchestrate.reaper import alive, descendants, kill_after, signal_all, started
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
 from launcher.util import free_port, write_private
 
@@ -41,6 +43,8 @@ RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 RANK_TAIL_LINES = 40  # per local rank: a failure's log tail
 TORCHRUN_TAIL_LINES = 200  # torchrun's own lines: its failure report can be long
 REAPER_GRACE_S = 10.0  # after the agent's death: torchrun's own SIGTERM handling, then SIGKILL
+WORKER_SCAN_S = 2.0  # how often the agent notes torchrun's workers (a /proc scan)
+ORPHAN_GRACE_S = 5.0  # workers left by a torchrun that died: SIGTERM, then SIGKILL after this
 
 
 def _fresh_tails() -> dict[int | None, collections.deque[str]]:
@@ -65,6 +69,7 @@ class NodeAgent:
         self._offsets: dict[Path, int] = {}
         self._stopping = False
         self._started_at = 0.0
+        self._workers: dict[int, int] = {}  # torchrun's descendants seen: pid → start time
         self._threads: list[threading.Thread] = []
 
     # -- facts ---------------------------------------------------------------------------
@@ -90,6 +95,7 @@ class NodeAgent:
             thread.join(timeout=5)
         self._threads = []
         self._stopping = False
+        self._workers = {}
         with self._lock:  # a failure's tail is this attempt's, not the previous one's
             self._tails = _fresh_tails()
         self._plan = node_plan
@@ -222,12 +228,31 @@ class NodeAgent:
     def _tail_metrics(self) -> None:
         assert self._proc is not None and self._plan is not None
         folder = Path(self._plan["node_dir"]) / metrics.SUBDIR
+        scanned = 0.0
         while True:
             done = self._proc.poll() is not None
+            if not done and time.monotonic() - scanned > WORKER_SCAN_S:
+                self._note_workers()
+                scanned = time.monotonic()
             self._drain_metrics(folder)
             if done:
+                self._end_orphans()
                 return
             time.sleep(0.25)
+
+    def _note_workers(self) -> None:
+        assert self._proc is not None
+        for pid in descendants(self._proc.pid):
+            if pid not in self._workers and (start := started(pid)) is not None:
+                self._workers[pid] = start
+
+    def _end_orphans(self) -> None:
+        """torchrun has exited: end the workers it left (the same pid and start time, so never
+        a process that took a dead worker's pid)."""
+        left = [pid for pid, start in self._workers.items() if alive(pid) and started(pid) == start]
+        if left:
+            signal_all(left, signal.SIGTERM)
+            kill_after(left[0], ORPHAN_GRACE_S, left)
 
     def _drain_metrics(self, folder: Path) -> None:
         for path in sorted(folder.glob(metrics.FILE_PATTERN)):

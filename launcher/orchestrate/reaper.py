@@ -49,6 +49,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def started(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot): with the pid, a process's identity (a pid
+    alone may have been reused). None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def signal_all(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

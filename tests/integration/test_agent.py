@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.orchestrate.agent import REAPER_GRACE_S, NodeAgent
+from launcher.orchestrate.agent import REAPER_GRACE_S, WORKER_SCAN_S, NodeAgent
 from launcher.orchestrate.reaper import alive
 
 SCRIPT = '''
@@ -123,6 +123,31 @@ def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path)
         assert not [p for p in pids if alive(p)], "torchrun or its worker outlived the agent"
     finally:
         agent.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_is_reported(tmp_path):
+    """torchrun dies first (the OOM killer, kill -9); its worker, in a session of its own and
+    ignoring SIGTERM, would go on holding the GPU into the next attempt."""
+    (tmp_path / "torchrun.py").write_text(HUNG_TORCHRUN)
+    agent = NodeAgent("local")
+    pids: list[int] = []
+    try:
+        agent.start({"node_dir": str(tmp_path / "node"), "cwd": str(tmp_path),
+                     "argv": [sys.executable, str(tmp_path / "torchrun.py")], "env": {}}, {})
+        deadline = time.monotonic() + 60
+        while not pids and time.monotonic() < deadline:
+            pids = [int(p) for _, line in agent.poll(0.5).lines if line.startswith("pids ") for p in line.split()[1:]]
+        torchrun, worker = pids
+        time.sleep(WORKER_SCAN_S + 1)  # the agent has noted the worker
+        os.kill(torchrun, signal.SIGKILL)
+        updates = run_to_exit(agent, timeout_s=60)
+        assert updates[-1].exit.signal == "SIGKILL"
+        assert not alive(worker), "the exit was reported with torchrun's worker still running"
+    finally:
+        agent.stop(1.0)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
