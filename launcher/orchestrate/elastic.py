@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import ValidationError
+
 from launcher.errors import SpecError
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec
 
@@ -95,7 +97,17 @@ def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
     accum = global_batch // (micro * world)
     if accum == job.train.grad_accum:
         return job
-    return job.model_copy(update={"train": job.train.model_copy(update={"grad_accum": accum})})
+    # Validated again: the spec's cross-checks may refuse the new grad_accum (bf16 weights need 1).
+    data = job.model_dump()
+    data["train"]["grad_accum"] = accum
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        problem = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        raise RestartRefused(
+            f"keeping the global batch of {global_batch} samples on {world} ranks needs train.grad_accum "
+            f"{accum}, which the job cannot run with: {problem}. Set train.elastic_batch: scale to keep "
+            f"grad_accum instead") from None
 
 
 def with_steps(restarts: list[Restart], by_attempt: dict[int, dict[int, list[dict[str, Any]]]]) -> list[Restart]:

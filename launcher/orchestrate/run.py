@@ -163,7 +163,10 @@ class Launch:
                 left.append(spare)
                 break
         elastic.check_enough(self.job, left, failure.reason)
-        world = sum(worker_counts(self.job, left, self.facts).values())
+        try:
+            world = sum(worker_counts(self.job, left, self.facts).values())
+        except LauncherError as err:  # e.g. a spare admitted without a preflight and no gpus declared
+            raise RestartRefused(f"{failure.reason}; the nodes left cannot be planned: {err}") from None
         job = elastic.job_for_world(self.job, self._first_world, world)
         if job.train.grad_accum != self.job.train.grad_accum:
             log.warning("world size %d -> %d: grad_accum %d -> %d keeps the global batch", self._first_world,

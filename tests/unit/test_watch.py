@@ -397,3 +397,13 @@ def test_an_elastic_job_on_other_machines_needs_shared_checkpoints():
     with pytest.raises(SpecError, match="private to each machine"):
         check_shared_checkpoints(private, nodes)
     check_shared_checkpoints(private, ClusterSpec.this_machine().nodes)  # one machine: fine
+
+
+def test_a_grad_accum_the_job_cannot_run_with_refuses_the_restart():
+    """bf16 weights need grad_accum 1: keeping the global batch on fewer ranks would raise it."""
+    from launcher.orchestrate.elastic import RestartRefused, job_for_world
+
+    first = JobSpec.model_validate({**elastic_job().model_dump(), "precision": {"dtype": "bf16", "weights": "bf16"},
+                                    "train": {**elastic_job().train.model_dump(), "micro_batch": 2, "grad_accum": 1}})
+    with pytest.raises(RestartRefused, match="needs train.grad_accum 2, which the job cannot run with: .*grad_accum"):
+        job_for_world(first, 2, 1)
