@@ -42,6 +42,10 @@ ACTIVE = ("PENDING", "RUNNING")
 TUNNEL_READY_S = 5.0
 
 
+class NoToken(PreflightError):
+    """SSH reached the head and the launcher's token file is not there: no launcher Ray runs."""
+
+
 class NoJobs(LauncherError):
     """No launcher-started Ray for this cluster: nothing was ever submitted (exit 0)."""
 
@@ -129,26 +133,38 @@ def _attached(cluster: ClusterSpec) -> Iterator[JobsCluster]:
 
 @contextlib.contextmanager
 def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]:
-    saved = heads.saved_cluster(cluster)
-    if saved is None and not start:
-        raise NoJobs()
-    if saved is None:
-        saved = _bootstrap(cluster)
+    """The bootstrapped cluster's Jobs API through the tunnel. One process at a time looks at
+    the record and bootstraps (two submits at once share one Ray). Ray is started again only
+    where SSH reached the head and found no launcher token there; a head that SSH cannot
+    reach, or whose Jobs API does not answer, keeps its record (its jobs may run on) and is a
+    PreflightError."""
     with contextlib.ExitStack() as stack:
-        try:
-            url, token = stack.enter_context(_tunnel(saved, token=True))
-        except (PreflightError, OSError) as err:
-            if not start:
-                raise PreflightError(
-                    f"the Ray the launcher started on {saved.nodes[0].name} ({saved.nodes[0].host}) "
-                    f"does not answer: {first_line(err)}. It may have been stopped; `launch down --yes` "
-                    f"stops what is left of it and forgets it, the next `launch submit` starts it again") from err
-            log.warning("the launcher's Ray on %s is gone (%s); starting it again",
-                        saved.nodes[0].name, first_line(err))
-            heads.forget_cluster(saved)
-            saved = _bootstrap(cluster)
-            url, token = stack.enter_context(_tunnel(saved, token=True))
+        with heads.cluster_lock(cluster):
+            saved = heads.saved_cluster(cluster)
+            if saved is None and not start:
+                raise NoJobs()
+            if saved is None:
+                saved = _bootstrap(cluster)
+                url, token = stack.enter_context(_tunnel(saved, token=True))
+            else:
+                try:
+                    url, token = stack.enter_context(_tunnel(saved, token=True))
+                except (PreflightError, OSError) as err:
+                    if not (start and isinstance(err, NoToken)):
+                        raise _not_answering(saved, err) from err
+                    log.warning("the launcher's Ray on %s is gone (%s); starting it again",
+                                saved.nodes[0].name, first_line(err))
+                    saved = _bootstrap(cluster)  # its record replaces the old one once it runs
+                    url, token = stack.enter_context(_tunnel(saved, token=True))
         yield JobsCluster("bootstrap", saved, _client(url, token), url)
+
+
+def _not_answering(saved: ClusterSpec, err: BaseException) -> PreflightError:
+    head = saved.nodes[0]
+    return PreflightError(
+        f"the Ray the launcher started on {head.name} ({head.host}) does not answer: {first_line(err)}. "
+        f"It may have been stopped; `launch down --yes` stops what is left of it and forgets it, the "
+        f"next `launch submit` starts it again")
 
 
 def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
@@ -191,7 +207,7 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
         secret = None
         if result is not None:
             if not result.ok or not result.stdout.strip():
-                raise PreflightError(f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
+                raise NoToken(f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
                                      f"is missing): Ray is not running there")
             secret = result.stdout.strip()
         local_port = free_port()

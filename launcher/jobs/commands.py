@@ -215,11 +215,12 @@ def down(cluster: ClusterSpec, *, yes: bool) -> int:
         stop_local_head(local)
         print("Stopped the launcher's Ray head on this machine", flush=True)
     else:
-        from launcher.jobs.head import forget_cluster
+        from launcher.jobs.head import cluster_lock, forget_cluster
         from launcher.orchestrate.ray_cluster import _stop_ray
 
-        _stop_ray(spec, list(spec.nodes))
-        forget_cluster(spec)
+        with cluster_lock(spec):  # not while a submit bootstraps it
+            _stop_ray(spec, list(spec.nodes))
+            forget_cluster(spec)
         print(f"Stopped the launcher's Ray on {', '.join(n.name for n in spec.nodes)}", flush=True)
     return 0
 

@@ -11,7 +11,9 @@ State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, el
 - ``clusters/<head host>-<gcs port>.json``: a cluster bootstrapped over SSH that stays up for
   its jobs: its resolved cluster spec, so ``launch down`` stops Ray on exactly those nodes.
   Its token stays on the nodes (``$HOME/.ray/launcher_auth_token``); commands read it over
-  SSH when they open the tunnel to the head.
+  SSH when they open the tunnel to the head. ``clusters/<head host>-<gcs port>.lock`` is held
+  while a command reads the record, bootstraps and saves it, and while ``launch down`` stops
+  and forgets it.
 
 The local head binds its dashboard and Jobs API to 127.0.0.1 and needs the token for every
 request (``RAY_AUTH_MODE=token``); its other ports are free ports picked at start (Ray's
@@ -92,7 +94,7 @@ def local_head(*, start: bool) -> LocalHead | None:
     --yes`` stops it. Only a head whose process is gone (a crash, a reboot) is cleared.
     """
     folder = _local_folder()
-    with _locked(folder):
+    with _locked(folder / ".lock"):
         head = _load(folder)
         if head is not None and _pid_alive(head.pid):
             deadline = time.monotonic() + ANSWER_WAIT_S
@@ -118,7 +120,7 @@ def recorded_local_head() -> LocalHead | None:
 def stop_local_head(head: LocalHead) -> None:
     """Stop the local head and everything it started; forget it."""
     folder = _local_folder()
-    with _locked(folder):
+    with _locked(folder / ".lock"):
         _stop(head)
         for name in ("head.json", "auth_token"):
             (folder / name).unlink(missing_ok=True)
@@ -132,6 +134,14 @@ def cluster_record(cluster: ClusterSpec) -> Path:
     folder = state_dir() / "clusters"
     folder.mkdir(mode=0o700, exist_ok=True)
     return folder / f"{head.host}-{cluster.ray.port}.json"
+
+
+@contextlib.contextmanager
+def cluster_lock(cluster: ClusterSpec) -> Iterator[None]:
+    """One process at a time reads, bootstraps and saves (or stops and forgets) this cluster's
+    record (``clusters/<head host>-<gcs port>.lock``)."""
+    with _locked(cluster_record(cluster).with_suffix(".lock")):
+        yield
 
 
 def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:
@@ -160,9 +170,10 @@ def _local_folder() -> Path:
 
 
 @contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """One process at a time starts or stops the head (two submits at once share one head)."""
-    with open(folder / ".lock", "a") as fh:
+def _locked(path: Path) -> Iterator[None]:
+    """One process at a time holds ``path`` (flock): starts or stops a head, two submits at
+    once share one."""
+    with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

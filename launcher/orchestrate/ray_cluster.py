@@ -45,6 +45,13 @@ NICENESS_ENV = "RAY_worker_niceness"
 # (SIGTERM) and stops its workers, instead of a SIGKILL from the raylet that orphans them.
 TOKEN_ENV = (f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_ENV}=0 "
              "RAY_kill_child_processes_on_worker_exit=0 ")
+ALREADY_RUNNING = "but is already running at"  # `ray start --head` where a GCS runs on that address
+PORT_TAKEN_EXIT = 3
+# Run on the head before its token file is written: exit 3 when something answers on the GCS port.
+_PORT_TAKEN = ("import socket, sys\n"
+               "s = socket.socket()\n"
+               "s.settimeout(3)\n"
+               f"sys.exit({PORT_TAKEN_EXIT} if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 0)\n")
 
 
 @dataclass
@@ -76,20 +83,47 @@ class RaySession:
         self.node_ips[node.name] = ip
 
     def _start_ray(self, node: NodeSpec, *, head: bool = False) -> None:
-        """``ray start`` on a node over SSH, with this cluster's token in a 0600 file first."""
+        """``ray start`` on a node over SSH, with this cluster's token in a 0600 file first.
+
+        The node joins ``_started_on`` (what ``close`` stops) once its ``ray start`` has run,
+        also when it failed or timed out midway (it may have started part of Ray), but never
+        when a Ray already runs there: a head whose GCS port answers is refused before anything
+        is written to it, and a ``ray start`` that finds Ray running starts nothing. Stopping
+        Ray on such a node would kill a Ray (and its jobs) that this session did not start.
+        """
         assert self._cluster is not None and self._token is not None
         cluster, rc = self._cluster, self._cluster.ray
-        _on_node(cluster, node, f"umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}",
-                 stdin=self._token, timeout=cluster.ssh.connect_timeout_s + 20)
-        self._started_on.append(node)
+        ip = self.node_ips.get(node.name) or _resolve(node.host)
+        write = f"umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}"
+        if head:  # the port taken: exit 3, and the token file of the Ray there stays as it is
+            write = (f"{shlex.quote(node.interpreter())} -c {shlex.quote(_PORT_TAKEN)} {shlex.quote(ip)} {rc.port} "
+                     f"&& {write}")
+        result = _on_node(cluster, node, write, stdin=self._token, timeout=cluster.ssh.connect_timeout_s + 20)
+        if head and result.exit_code == PORT_TAKEN_EXIT:
+            raise PreflightError(
+                f"Ray's port {rc.port} on the head node {node.name!r} ({ip}) is in use: a Ray runs there "
+                f"already (if the launcher started it for detached jobs, `launch down --yes` stops it; "
+                f"else stop it with `ray stop` there, pick another ray.port, or attach to it with "
+                f"ray.address in cluster.yaml). Nothing was started or stopped")
+        if not result.ok:
+            raise PreflightError(f"cannot write Ray's token file on node {node.name!r} ({node.host}): "
+                                 f"{result.stderr_tail() or f'exit code {result.exit_code}'}")
         if head:
             args = ["start", "--head", "--port", str(rc.port), "--ray-client-server-port", str(rc.client_port),
                     f"--include-dashboard={'true' if rc.dashboard else 'false'}", "--dashboard-host", "127.0.0.1",
                     "--dashboard-port", str(rc.dashboard_port)]
         else:
             args = ["start", "--address", f"{self._head_ip}:{rc.port}"]
-        ip = self.node_ips.get(node.name) or _resolve(node.host)
-        _ray_cli(cluster, node, [*args, "--node-ip-address", ip, "--disable-usage-stats"])
+        try:
+            _ray_cli(cluster, node, [*args, "--node-ip-address", ip, "--disable-usage-stats"])
+        except PreflightError as err:
+            if ALREADY_RUNNING not in str(err):  # else: Ray ran there before; not ours to stop
+                self._started_on.append(node)
+            raise
+        except BaseException:  # a timeout, Ctrl-C: part of Ray may run there now
+            self._started_on.append(node)
+            raise
+        self._started_on.append(node)
 
     def close(self, *, keep_ray: bool = False) -> None:
         """Disconnect; stop the Ray this session started (embedded, or bootstrapped unless keep_ray)."""

@@ -74,6 +74,7 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         # the token never reached a command line or the launcher's output
         assert "RAY_AUTH_TOKEN=" not in submitted.stdout + submitted.stderr + follow.stdout
 
+        a_failed_second_start_leaves_ray_running(launch, cluster, tmp_path, job_file, job_id)
         submit_a_script_whose_workdir_travels(launch, cluster, tmp_path)
     finally:
         down = launch("down", "--yes")
@@ -106,3 +107,30 @@ def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> No
     assert not (workdir / "out").exists()  # the outputs stay in the nodes' copies
     for node in cluster.node_names:
         assert cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
+
+
+def a_failed_second_start_leaves_ray_running(launch, cluster, tmp_path: Path, job_file: Path, job_id: str) -> None:
+    """A submit that cannot reach the head over SSH keeps the record and starts nothing; one that
+    finds no token on the head starts Ray again, finds Ray's port taken and stops nothing: the
+    Ray that runs there, and its jobs, go on."""
+    head = cluster.node_names[0]
+    record = next((tmp_path / "state/clusters").glob("*.json"))
+    saved = record.read_text()
+    unreachable = json.loads(saved)
+    unreachable["ssh"]["key"] = str(cluster.extra_key())  # the head refuses this key
+    record.write_text(json.dumps(unreachable))
+    try:
+        failed = launch("submit", str(job_file), "--json")
+        assert failed.returncode == 3 and "does not answer" in failed.stderr, failed.stderr[-2000:]
+        assert json.loads(record.read_text()) == unreachable  # kept
+    finally:
+        record.write_text(saved)
+    cluster.exec(head, "mv /root/.ray/launcher_auth_token /root/.ray/kept-token", check=True)
+    try:
+        failed = launch("submit", str(job_file), "--json")
+        assert failed.returncode == 3 and "is in use: a Ray runs there" in failed.stderr, failed.stderr[-2000:]
+    finally:
+        cluster.exec(head, "mv /root/.ray/kept-token /root/.ray/launcher_auth_token", check=True)
+    state = launch("status", job_id, "--json")
+    assert state.returncode == 0 and json.loads(state.stdout)["status"] == "SUCCEEDED", state.stderr[-2000:]
+

@@ -1,0 +1,159 @@
+"""A bootstrapped cluster kept up for detached jobs: when the launcher starts Ray again, and
+when it must not (a Ray that runs is never stopped by a failed second start). SSH and Ray are
+stubbed here; tests/integration/test_jobs_netns.py does it for real."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+
+from launcher.errors import PreflightError
+from launcher.jobs import api
+from launcher.jobs import head as heads
+from launcher.orchestrate import ray_cluster
+from launcher.remote import CommandResult
+from launcher.spec import ClusterSpec
+
+CLUSTER = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10"},
+                                                {"name": "node1", "host": "198.18.250.11"}]})
+
+
+@pytest.fixture(autouse=True)
+def state(tmp_path, monkeypatch):
+    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+
+
+def session(monkeypatch, answers):
+    """A bootstrap session whose SSH commands get ``answers(command)``; returns it and the
+    commands it ran and the nodes it stopped."""
+    ran: list[str] = []
+    stopped: list[str] = []
+
+    def on_node(cluster, node, command, *, stdin=None, timeout):
+        ran.append(command)
+        return answers(command)
+
+    monkeypatch.setattr(ray_cluster, "_on_node", on_node)
+    monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes: stopped.extend(n.name for n in nodes))
+    s = ray_cluster.RaySession(mode="bootstrap", address="ray://198.18.250.10:10001",
+                               node_ips={"node0": "198.18.250.10", "node1": "198.18.250.11"},
+                               _cluster=CLUSTER, _head_ip="198.18.250.10", _token="t" * 64)
+    return s, ran, stopped
+
+
+def test_a_head_whose_gcs_port_answers_is_refused_and_left_running(monkeypatch):
+    s, ran, stopped = session(monkeypatch, lambda command: CommandResult("", "", ray_cluster.PORT_TAKEN_EXIT))
+    with pytest.raises(PreflightError, match="port 6379 on the head node 'node0' .* is in use"):
+        s._start_ray(CLUSTER.nodes[0], head=True)
+    s.close()
+    assert stopped == [] and not any("ray.scripts.scripts start" in c for c in ran), ran
+    assert "connect_ex" in ran[0] and "cat > " in ran[0]  # checked before the token file is written
+
+
+def test_ray_start_that_finds_ray_running_stops_nothing(monkeypatch):
+    def answers(command):
+        if " start " in command:
+            return CommandResult("", "ConnectionError: Ray is trying to start at 198.18.250.10:6379, but is "
+                                     "already running at 198.18.250.10:6379. Please specify a different port", 1)
+        return CommandResult("", "", 0)
+
+    s, _, stopped = session(monkeypatch, answers)
+    with pytest.raises(PreflightError, match="already running"):
+        s._start_ray(CLUSTER.nodes[0], head=True)
+    s.close()
+    assert stopped == []
+
+
+def test_a_ray_start_that_failed_midway_is_stopped(monkeypatch):
+    def answers(command):
+        return CommandResult("", "raylet died", 1) if " start " in command else CommandResult("", "", 0)
+
+    s, _, stopped = session(monkeypatch, answers)
+    with pytest.raises(PreflightError, match="raylet died"):
+        s._start_ray(CLUSTER.nodes[1])
+    s.close()
+    assert stopped == ["node1"]
+
+
+def tunnel_to(url="http://127.0.0.1:1", error=None):
+    @contextlib.contextmanager
+    def fake(cluster, *, token=False):
+        if error is not None:
+            raise error
+        yield url, "secret"
+
+    return fake
+
+
+def stub_bootstrap(monkeypatch, calls):
+    def bootstrap(cluster):
+        calls.append(time.monotonic())
+        time.sleep(0.3)
+        heads.save_cluster(cluster)
+        return cluster
+
+    monkeypatch.setattr(api, "_bootstrap", bootstrap)
+    monkeypatch.setattr(api, "_client", lambda url, token: object())
+
+
+@pytest.mark.parametrize("error", [
+    PreflightError("cannot reach the head node node0 (198.18.250.10) over SSH: timed out"),
+    TimeoutError("timed out"),
+])
+def test_a_head_that_ssh_cannot_reach_keeps_its_record_and_ray(monkeypatch, error):
+    heads.save_cluster(CLUSTER)
+    calls: list[float] = []
+    stub_bootstrap(monkeypatch, calls)
+    monkeypatch.setattr(api, "_tunnel", tunnel_to(error=error))
+    with pytest.raises(PreflightError, match="does not answer: .*`launch down --yes`"), \
+            api.connect(CLUSTER, start=True):
+        pass
+    assert calls == [] and heads.saved_cluster(CLUSTER) == CLUSTER
+
+
+def test_a_head_without_the_token_is_bootstrapped_again(monkeypatch):
+    heads.save_cluster(CLUSTER)
+    calls: list[float] = []
+    stub_bootstrap(monkeypatch, calls)
+    tunnels = iter([api.NoToken("no launcher token on node0"), None])
+
+    @contextlib.contextmanager
+    def tunnel(cluster, *, token=False):
+        error = next(tunnels)
+        if error is not None:
+            raise error
+        yield "http://127.0.0.1:1", "secret"
+
+    monkeypatch.setattr(api, "_tunnel", tunnel)
+    with api.connect(CLUSTER, start=True) as jobs:
+        assert jobs.kind == "bootstrap"
+    assert len(calls) == 1
+    with pytest.raises(PreflightError, match="does not answer"):  # without start: never bootstrapped
+        monkeypatch.setattr(api, "_tunnel", tunnel_to(error=api.NoToken("no launcher token on node0")))
+        with api.connect(CLUSTER):
+            pass
+    assert len(calls) == 1
+
+
+def test_two_submits_at_once_bootstrap_once(monkeypatch):
+    calls: list[float] = []
+    stub_bootstrap(monkeypatch, calls)
+    monkeypatch.setattr(api, "_tunnel", tunnel_to())
+    errors: list[BaseException] = []
+
+    def submit():
+        try:
+            with api.connect(CLUSTER, start=True):
+                pass
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=submit) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == [] and len(calls) == 1
