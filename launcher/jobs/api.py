@@ -192,7 +192,10 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
     """A local port forwarded over SSH to the head's 127.0.0.1 dashboard port: (url, token).
 
     With ``token``, the launcher's token file is read from the head on the same connection.
+    A head whose Jobs API does not answer through the tunnel is a PreflightError.
     """
+    from invoke.exceptions import ThreadException
+
     from launcher.jobs.ssh import NodeError, SSHRunner, paramiko_connection
     from launcher.orchestrate.ray_cluster import TOKEN_FILE
 
@@ -211,11 +214,32 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
                                      f"is missing): Ray is not running there")
             secret = result.stdout.strip()
         local_port = free_port()
-        with connection.forward_local(
-                local_port, remote_port=cluster.ray.dashboard_port, remote_host="127.0.0.1",
-                local_host="127.0.0.1"):
-            _wait_listening(local_port)
-            yield f"http://127.0.0.1:{local_port}", secret
+        url = f"http://127.0.0.1:{local_port}"
+        inner: BaseException | None = None
+        try:
+            with connection.forward_local(
+                    local_port, remote_port=cluster.ray.dashboard_port, remote_host="127.0.0.1",
+                    local_host="127.0.0.1"):
+                try:
+                    _wait_listening(local_port)
+                    # Nothing on the head's dashboard port: the tunnel's thread dies at the first
+                    # connection and its listener stays, so a request without a timeout (Ray's
+                    # client) would wait forever. Ask once, with a timeout.
+                    if heads.api_status(url, secret) is None:
+                        raise PreflightError(
+                            f"Ray's Jobs API on {head.name} (127.0.0.1:{cluster.ray.dashboard_port} there, "
+                            f"through the SSH tunnel) does not answer")
+                    yield url, secret
+                except BaseException as err:
+                    inner = err
+                    raise
+        except ThreadException as err:
+            # fabric raises its tunnel threads' errors when the block ends, over whatever ended
+            # it: that (Ctrl-C, an error of ours) wins; after a block that went well they no
+            # longer matter.
+            if inner is not None:
+                raise inner from None
+            log.debug("the SSH tunnel to %s: %s", head.name, first_line(err))
     finally:
         runner.close()
 

@@ -4,8 +4,10 @@ SSH tunnel to the head's 127.0.0.1 Jobs API, which refuses requests without the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +78,7 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
 
         a_failed_second_start_leaves_ray_running(launch, cluster, tmp_path, job_file, job_id)
         submit_a_script_whose_workdir_travels(launch, cluster, tmp_path)
+        a_stopped_ray_is_said_not_to_answer(launch, cluster, job_id)
     finally:
         down = launch("down", "--yes")
     assert down.returncode == 0, down.stdout + down.stderr
@@ -134,3 +137,17 @@ def a_failed_second_start_leaves_ray_running(launch, cluster, tmp_path: Path, jo
     state = launch("status", job_id, "--json")
     assert state.returncode == 0 and json.loads(state.stdout)["status"] == "SUCCEEDED", state.stderr[-2000:]
 
+
+def a_stopped_ray_is_said_not_to_answer(launch, cluster, job_id: str) -> None:
+    """Ray stopped on the head behind the launcher's back, its token file left: the commands say
+    Ray does not answer (exit 3) instead of waiting forever; `launch down --yes` still works."""
+    head = cluster.node_names[0]
+    # Ray's processes on the head (`ray stop` would look beyond the node's namespaces)
+    for pid in cluster.pids(head):
+        with contextlib.suppress(OSError):
+            if b"sshd" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+    for args in (("status", job_id), ("list",), ("down",)):
+        result = launch(*args, timeout=90)
+        assert result.returncode == 3, (args, result.stdout[-2000:], result.stderr[-2000:])
+        assert "does not answer" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
