@@ -83,7 +83,7 @@ class LocalHead:
 
     def answers(self) -> bool:
         """The process lives and its Jobs API answers an authenticated request."""
-        return _pid_alive(self.pid) and api_status(self.jobs_url, self.token()) == 200
+        return _is_head(self) and api_status(self.jobs_url, self.token()) == 200
 
 
 def local_head(*, start: bool) -> LocalHead | None:
@@ -91,12 +91,14 @@ def local_head(*, start: bool) -> LocalHead | None:
 
     A head whose process lives is never replaced: a busy one may answer late (it is given
     ``ANSWER_WAIT_S``), and one that does not answer raises PreflightError; ``launch down
-    --yes`` stops it. Only a head whose process is gone (a crash, a reboot) is cleared.
+    --yes`` stops it. Only a head whose process is gone (a crash, a reboot) is cleared. The
+    recorded pid is the head only while that process's command line names the head's temp
+    dir: after a reboot the pid may be another process's, which is left alone.
     """
     folder = _local_folder()
     with _locked(folder / ".lock"):
         head = _load(folder)
-        if head is not None and _pid_alive(head.pid):
+        if head is not None and _is_head(head):
             deadline = time.monotonic() + ANSWER_WAIT_S
             while not head.answers():
                 if time.monotonic() > deadline:
@@ -244,14 +246,18 @@ def _start(folder: Path) -> LocalHead:
 
 def _stop(head: LocalHead) -> None:
     """SIGTERM to ``ray start --block`` (it stops the processes it started), then SIGKILL to
-    whatever of the head is left: its process group and any process under its temp dir."""
-    if head.pid and _pid_alive(head.pid):
+    whatever of the head is left: its process group and any process under its temp dir.
+
+    Only processes that are the head's are signalled: the recorded pid while its command line
+    names the temp dir, its process group while a process of the head is in it (a stale record's
+    pid may be an unrelated process now, also a session leader)."""
+    if head.pid and _is_head(head):
         with contextlib.suppress(ProcessLookupError):
             os.kill(head.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while _pid_alive(head.pid) and time.monotonic() < deadline:
+        while _is_head(head) and time.monotonic() < deadline:
             time.sleep(0.2)
-    if head.pid:
+    if head.pid and _group_is_heads(head):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(head.pid, signal.SIGKILL)
     for pid in _processes_under(head.temp_dir):
@@ -279,6 +285,29 @@ def _processes_under(temp_dir: str) -> list[int]:
                 if needle in fh.read():
                     found.append(int(entry))
     return found
+
+
+def _is_head(head: LocalHead) -> bool:
+    """The recorded pid runs and is the head: its command line names the head's temp dir."""
+    return _pid_alive(head.pid) and _names(head.pid, head.temp_dir.encode())
+
+
+def _group_is_heads(head: LocalHead) -> bool:
+    """The process group ``head.pid`` holds a process of the head (Linux does not reuse a pid
+    while a group of that id has members)."""
+    for pid in _processes_under(head.temp_dir):
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == head.pid:
+                return True
+    return False
+
+
+def _names(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return needle in fh.read()
+    except OSError:
+        return False
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,0 +1,75 @@
+"""The local head's record (``$LAUNCHER_STATE_DIR/local/head.json``) when it no longer tells
+the truth: the job commands answer at once and never signal a process that is not the head."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.util import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def write_record(tmp_path: Path, pid: int) -> Path:
+    folder = tmp_path / "state/local"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "auth_token").write_text("0" * 64 + "\n")
+    record = folder / "head.json"
+    record.write_text(json.dumps({"pid": pid, "gcs_port": free_port(), "dashboard_port": free_port(),
+                                  "agent_port": free_port(), "temp_dir": str(tmp_path / "launcher-ray-gone"),
+                                  "token_file": str(folder / "auth_token")}))
+    return record
+
+
+@pytest.fixture
+def unrelated():
+    """A process in a session of its own, as the head's `ray start` was: the pid a stale record
+    names after a reboot."""
+    proc = subprocess.Popen(["setsid", "sleep", "300"])
+    try:
+        time.sleep(0.1)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_reused_pid_is_not_the_head(tmp_path, unrelated):
+    record = write_record(tmp_path, unrelated.pid)
+    started = time.monotonic()
+    status = launch(tmp_path, "status")
+    assert status.returncode == 0 and "no jobs" in status.stdout, status.stderr[-2000:]
+    assert time.monotonic() - started < 20  # no wait for an answer that cannot come
+    assert not record.exists()
+
+    write_record(tmp_path, unrelated.pid)
+    down = launch(tmp_path, "down", "--yes")
+    assert down.returncode == 0, down.stderr[-2000:]
+    time.sleep(0.5)
+    assert unrelated.poll() is None, "launch down signalled a process that was not the head"
+
+
+def test_stop_leaves_a_reused_pid_alone(tmp_path, unrelated, monkeypatch):
+    from launcher.jobs import head as heads
+
+    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+    write_record(tmp_path, unrelated.pid)
+    recorded = heads.recorded_local_head()
+    assert recorded is not None and recorded.pid == unrelated.pid
+    heads.stop_local_head(recorded)
+    time.sleep(0.5)
+    assert unrelated.poll() is None
