@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import os
 import secrets
 import shlex
 import sys
@@ -71,6 +72,9 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
                 "skip_parity": skip_parity, "run_dir": where}) + "\n")
             python = sys.executable if jobs.head_is_local else jobs.head.interpreter()
             stop_wait = max(STOP_WAIT_MIN_S, int(job.launch.stop_grace_s) + 20)
+            # The snapshot has the job's excludes applied: Ray must not drop what a .gitignore in
+            # it lists (as for a foreground run, ray_cluster.open_session).
+            os.environ["RAY_RUNTIME_ENV_IGNORE_GITIGNORE"] = "1"
             jobs.client.submit_job(
                 entrypoint=f"exec {shlex.quote(python)} -m launcher.jobs.driver {SUBMISSION_FILE}",
                 submission_id=job_id,

@@ -91,9 +91,11 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
 
 def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> None:
     """The user's script, in a folder under this machine's /tmp that the head cannot see: submit
-    ships a snapshot with the submission, and each rank runs in its node's copy of it."""
+    ships a snapshot with the submission (what its .gitignore lists too), and each rank runs in its
+    node's copy of it."""
     job_file = project(tmp_path)
     workdir = job_file.parent
+    (workdir / ".gitignore").write_text("data/\n")  # the job's excludes decide, not a .gitignore
     submitted = launch("submit", str(job_file), "--run-dir", "/tmp/scriptrun", "--json")
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
