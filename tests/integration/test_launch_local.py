@@ -8,10 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import yaml
-from fixtures.launching import assert_none_left, env_of, kill, matching
+from fixtures.launching import assert_none_left, env_of, kill, matching, processes
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_RANK_KEYS = {"rank", "node", "host", "local_rank", "device", "steps", "step_time_ms_p50",
@@ -127,15 +128,17 @@ def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
 
 def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
     port = 6400 + os.getpid() % 500
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
-    before = matching()
-    started = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", str(port),
-                              "--include-dashboard=false", "--num-cpus", "3"],
-                             capture_output=True, text=True, timeout=120, env=env)
-    assert started.returncode == 0, started.stderr
-    # only this test's Ray: every process of it names the port (never `ray stop`: others may run Ray here)
-    ours = [pid for pid, cmd in matching((str(port),)).items() if pid not in before and str(port) in cmd]
+    mark = uuid.uuid4().hex  # in the environment of every process of this test's Ray, workers included
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "LAUNCHER_ATTACH_TEST": mark}
+
+    def ours() -> list[int]:  # only this test's Ray (never `ray stop`: others may run Ray here)
+        return [pid for pid in processes() if env_of(pid).get("LAUNCHER_ATTACH_TEST") == mark]
+
     try:
+        started = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", str(port),
+                                  "--include-dashboard=false", "--num-cpus", "3"],
+                                 capture_output=True, text=True, timeout=120, env=env)
+        assert started.returncode == 0, started.stderr
         cluster = tmp_path / "cluster.yaml"
         ip = subprocess.run([sys.executable, "-c", "import ray._private.services as s; print(s.get_node_ip_address())"],
                             capture_output=True, text=True, timeout=60).stdout.strip()
@@ -149,10 +152,10 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
         status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", f"{ip}:{port}"],
                                 capture_output=True, text=True, timeout=60, env=env)
         assert status.returncode == 0, "the attached cluster was stopped"
-        alive = matching()
-        assert any("raylet" in alive.get(pid, "") for pid in ours), "the attached cluster's raylet is gone"
+        alive = processes()
+        assert any("raylet" in alive.get(pid, "") for pid in ours()), "the attached cluster's raylet is gone"
     finally:
-        kill(ours)
+        kill(ours())
 
 
 def _workers_of(run_id: str) -> list[int]:

@@ -62,7 +62,7 @@ def test_sigkilled_worker_is_named_and_the_job_stops(tmp_path):
 
 
 def test_hung_rank_is_caught_by_the_watchdog(tmp_path):
-    hang_timeout = 15  # above the workers' start-up (import torch, gloo init) on a loaded 2-core box
+    hang_timeout = 30  # above the workers' start-up (import torch, gloo init) on a loaded 2-core box: the watchdog counts from their start
     run_dir = tmp_path / f"hang-{tmp_path.name}"
     job = fault_job(tmp_path, "--steps", "100000", "--hang-at", "20", "--hang-rank", "1",
                     launch={"hang_timeout_s": hang_timeout, "stop_grace_s": 2})
