@@ -265,9 +265,48 @@ def _client(url: str, token: str | None) -> Any:
         logging.getLogger(name).setLevel(logging.WARNING)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
-        return JobSubmissionClient(url, headers=headers)
+        return _Guarded(JobSubmissionClient(url, headers=headers), url)
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
         raise PreflightError(
             f"cannot reach the Ray Jobs API at {url}: {first_line(err)}. Check that the cluster "
             f"runs, its dashboard is on (ray[default] installed there) and the token is right"
         ) from err
+
+
+def api_failures() -> tuple[type[BaseException], ...]:
+    """What Ray's Jobs client raises when the API fails after connecting: requests' errors
+    (OSError), an HTTP error status (RuntimeError), a refused token (RayError), aiohttp's."""
+    from ray.exceptions import RayError
+
+    try:
+        from aiohttp import ClientError
+    except ImportError:  # no ray[default] here: Ray's client will say so
+        return (OSError, RuntimeError, RayError)
+    return (OSError, RuntimeError, RayError, ClientError)
+
+
+class _Guarded:
+    """A ``JobSubmissionClient`` whose calls turn the Jobs API's failures into PreflightError
+    (exit 3, one paragraph) instead of a traceback. ``tail_job_logs`` (an async generator) is
+    handed out as it is: its caller catches ``api_failures()``."""
+
+    def __init__(self, client: Any, url: str):
+        self._client = client
+        self._url = url
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr) or name == "tail_job_logs":
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except LauncherError:
+                raise
+            except api_failures() as err:
+                raise PreflightError(
+                    f"the Ray Jobs API at {self._url} failed ({name}): {first_line(err)}. Check that the "
+                    f"cluster's Ray still runs (`launch status`); `--debug` shows the traceback") from err
+
+        return call

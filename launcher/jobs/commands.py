@@ -26,9 +26,9 @@ from typing import Any
 from launcher import __version__
 from launcher.errors import PreflightError, UsageError
 from launcher.jobs import state as job_state
-from launcher.jobs.api import ACTIVE, META_KEY, JobsCluster, NoJobs, connect
+from launcher.jobs.api import ACTIVE, META_KEY, JobsCluster, NoJobs, api_failures, connect
 from launcher.spec import ClusterSpec, JobSpec, nodes_for_job
-from launcher.util import utc_stamp, write_private
+from launcher.util import first_line, utc_stamp, write_private
 
 STOP_WAIT_MIN_S = 30  # RAY_JOB_STOP_WAIT_TIME_S: SIGINT, then this long to tear down, then SIGKILL
 POLL_S = 0.5
@@ -141,6 +141,10 @@ def logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
             print(f"\nstopped following; job {job_id} goes on (`launch stop {job_id}` stops it)",
                   file=sys.stderr, flush=True)
             return 0
+        except api_failures() as err:  # the log stream broke off (Ray stopped, the tunnel closed)
+            raise PreflightError(
+                f"following job {job_id} stopped: the Ray Jobs API at {jobs.url} broke off the log "
+                f"stream ({first_line(err)}); the job may go on (`launch status {job_id}`)") from err
         print(f"job {job_id} ended: {_shown(jobs, jobs.job(job_id))}", flush=True)
     return 0
 
