@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from launcher.metrics import read_records
+from launcher.orchestrate.reaper import descendants, signal_all
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "tests" / "fixtures" / "train_harness.py"
@@ -84,8 +85,11 @@ def launch(run_dir: Path, args: list[str], *, nproc: int | None = 2, module: boo
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
-        with contextlib.suppress(ProcessLookupError):  # the session: torchrun and its workers
+        # torchrun's session, and its workers: they run in sessions of their own
+        workers = descendants(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        signal_all(workers, signal.SIGKILL)
         proc.wait()
     (run_dir / "output.txt").write_text(out)
     return Run(run_dir, proc.returncode, out)
