@@ -259,6 +259,20 @@ class JobSpec(Strict):
         return "nccl" if self.resources.device == "cuda" else "gloo"
 
     @property
+    def least_world_size(self) -> int:
+        """The fewest ranks the job's first attempt can run on, from the spec alone: the
+        counts it gives (resources.nodes, nproc_per_node; auto is 1 a node on device cpu), 1
+        for what the cluster decides (nodes all, nproc_per_node auto on GPUs)."""
+        nodes, per_node = self.resources.nodes, self.resources.nproc_per_node
+        return (nodes if isinstance(nodes, int) else 1) * (per_node if isinstance(per_node, int) else 1)
+
+    def fsdp_shards(self, world_size: int) -> bool:
+        """Whether FSDP shards the model at ``world_size`` ranks: strategy fsdp on more than one
+        rank, or with ``parallel.fsdp.cpu_offload`` on any number (one process without it has
+        nothing to shard and trains the model unwrapped, ``launcher.train.parallel``)."""
+        return self.parallel.strategy == "fsdp" and (world_size > 1 or self.parallel.fsdp.cpu_offload)
+
+    @property
     def elastic(self) -> bool:
         """A restart may leave a failed node out (resources.min_nodes set, launch.max_restarts above 0)."""
         return self.launch.max_restarts > 0 and self.resources.min_nodes is not None
@@ -341,12 +355,35 @@ class JobSpec(Strict):
             if self.parallel.strategy != "ddp":
                 raise ValueError("train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
                                  "parameters between graphs (set train.cuda_graphs: false)")
-        if self.precision.weights == "bf16":
-            offload = self.parallel.strategy == "fsdp" and self.parallel.fsdp.cpu_offload
+        if self.precision.weights == "bf16":  # the world size may be larger than the spec says:
+            # the trainer asks again (and refusal_at, with the world size)
             reasons = bf16_weights_obstacles(dtype=self.precision.dtype, grad_accum=self.train.grad_accum,
-                                             sharded=offload)
+                                             sharded=self.fsdp_shards(self.least_world_size))
             if reasons:
                 raise ValueError(bf16_weights_refusal(reasons))
         if self.parallel.strategy == "fsdp" and self.parallel.ddp.comm_hook != "none":
             raise ValueError("parallel.ddp.comm_hook applies to ddp; for fsdp use parallel.fsdp.reduce_dtype")
         return self
+
+
+def refusal_at(job: JobSpec, world_size: int) -> str | None:
+    """Why the built-in trainer would refuse ``job`` on ``world_size`` ranks (or at least that
+    many), as one paragraph; None where the spec finds nothing against it.
+
+    The job's own checks run again (a job changed with ``model_copy``, as an elastic restart's
+    new ``train.grad_accum``, skipped them), then those that need the world size: bf16 weights
+    where FSDP shards the model over the ranks. What needs the machine (the GPU, a package) is
+    the trainer's to find.
+    """
+    from pydantic import ValidationError
+
+    try:
+        job = JobSpec.model_validate(job.model_dump())
+    except ValidationError as err:
+        return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+    if job.uses_builtin and job.precision.weights == "bf16":
+        reasons = bf16_weights_obstacles(dtype=job.precision.dtype, grad_accum=job.train.grad_accum,
+                                         sharded=job.fsdp_shards(world_size))
+        if reasons:
+            return bf16_weights_refusal(reasons)
+    return None

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from launcher.errors import SpecError, UsageError
 from launcher.spec.cluster import ClusterSpec, NodeSpec
-from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
+from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint, refusal_at
 from launcher.util import first_line
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
@@ -144,7 +144,8 @@ def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None, *, job_source: str 
 
 def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
     """Checks between a job and a cluster that need no node: asking for more nodes than exist,
-    a cuda job on a node that declares no GPUs."""
+    a cuda job on a node that declares no GPUs, what the trainer refuses at the world size the
+    cluster gives (bf16 weights that FSDP would shard over its ranks)."""
     nodes = nodes_for_job(cluster, job, job_source=job_source)
     if job.resources.min_nodes is not None and job.resources.min_nodes > len(nodes):
         raise SpecError(
@@ -158,6 +159,15 @@ def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -
                 source=job_source,
                 field="resources.device",
             )
+    if job.uses_builtin:
+        # At least this many ranks (nproc_per_node auto: the GPUs a node declares, else 1).
+        per_node = job.resources.nproc_per_node
+        world = sum(per_node if isinstance(per_node, int) else
+                    node.gpus if job.resources.device == "cuda" and isinstance(node.gpus, int) else 1
+                    for node in nodes)
+        refusal = refusal_at(job, world)
+        if refusal is not None:  # the job's own checks passed: one that needs the world size
+            raise SpecError(f"on {world} ranks: {refusal}", source=job_source, field="precision.weights")
 
 
 # -- internals ------------------------------------------------------------------------------

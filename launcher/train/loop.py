@@ -174,7 +174,7 @@ class Trainer:
                                           dropout=job.model.dropout, head_dim=dims["d_model"] // dims["n_heads"])
         # auto resolved: bf16 weights with fp32 masters where they apply (launcher.train.optim)
         # FSDP wraps the model only where there is something to shard (parallel.parallelize).
-        self.sharded = job.parallel.strategy == "fsdp" and (self.world_size > 1 or parallel.shards_alone(job))
+        self.sharded = job.fsdp_shards(self.world_size)
         self.weights = choose_weights(job.precision.weights, dtype=job.precision.dtype, device=self.device,
                                       grad_accum=job.train.grad_accum, sharded=self.sharded)
         if self.world_size > 1:  # DDP needs one weight dtype on every rank: rank 0's choice

@@ -320,6 +320,8 @@ def test_the_job_spec_takes_bf16_weights_with_bf16_training():
     (["precision.dtype=bf16", "train.grad_accum=2"], "train.grad_accum is 2 (raise train.micro_batch instead)"),
     (["precision.dtype=bf16", "parallel.strategy=fsdp", "parallel.fsdp.cpu_offload=true"],
      "FSDP shards the weights here"),
+    # two ranks a node: FSDP shards over them (one process would train unwrapped)
+    (["precision.dtype=bf16", "parallel.strategy=fsdp"], "FSDP shards the weights here"),
 ])
 def test_the_job_spec_refuses_bf16_weights_where_they_cannot_apply(overrides: list[str], expected: str):
     with pytest.raises(SpecError) as err:
@@ -332,3 +334,28 @@ def test_the_job_spec_refuses_bf16_weights_where_they_cannot_apply(overrides: li
     # the trainer's refusal (choose_weights) and the spec's are one paragraph, worded alike
     assert "precision.weights bf16 (bf16 weights with fp32 masters) cannot apply to this run: " in message
     assert "Set precision.weights to auto or fp32." in message
+
+
+def test_refusal_at_knows_the_world_size_and_reruns_the_checks(tmp_path: Path):
+    """``refusal_at(job, world)``: the spec's checks again (a job changed with model_copy, as an
+    elastic restart's new grad_accum, skipped them) and FSDP's sharding of bf16 weights over
+    the ranks, which the spec alone cannot know with nodes all or nproc_per_node auto."""
+    from launcher.spec import ClusterSpec, check_fits
+    from launcher.spec.job import refusal_at
+
+    one = load_job(QUICKSTART, ["precision.dtype=bf16", "precision.weights=bf16", "parallel.strategy=fsdp",
+                                "resources.nproc_per_node=1"])
+    assert refusal_at(one, 1) is None  # one process: FSDP trains it unwrapped
+    assert "FSDP shards the weights here" in refusal_at(one, 2)
+    more = one.model_copy(update={"train": one.train.model_copy(update={"grad_accum": 2})})
+    assert "train.grad_accum is 2" in refusal_at(more, 1)
+    ddp = load_job(QUICKSTART, ["precision.dtype=bf16", "precision.weights=bf16"])
+    assert refusal_at(ddp, 8) is None
+
+    two_nodes = ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "10.0.0.1"},
+                                                      {"name": "b", "host": "10.0.0.2"}]})
+    with pytest.raises(SpecError, match="on 2 ranks: precision.weights bf16 .*FSDP shards the weights here") as err:
+        check_fits(one, two_nodes, job_source=str(QUICKSTART))
+    assert err.value.exit_code == 2 and err.value.field == "precision.weights"
+    check_fits(one, ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}]}))
+    check_fits(ddp, two_nodes)
