@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -50,8 +51,9 @@ def _factory() -> Iterator[ClusterFactory]:
     try:
         yield make
     finally:
-        for cluster in reversed(clusters):
-            cluster.close()
+        with contextlib.ExitStack() as closing:  # every cluster is closed, also when one fails to
+            for cluster in clusters:
+                closing.callback(cluster.close)
 
 
 @pytest.fixture

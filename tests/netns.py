@@ -231,8 +231,7 @@ class NetnsCluster:
         for proc in self._sshd.values():
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-        for ns in self._created_ns:
-            _kill_ns(ns)
+        left = {ns: pids for ns in self._created_ns if (pids := _kill_ns(ns))}
         for proc in self._sshd.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
@@ -245,6 +244,8 @@ class NetnsCluster:
         self._created_ns.clear()
         self._bridge_created = False
         _alive.discard(self)
+        if left:  # a namespace deleted by name lives on, nameless, while a process is in it
+            raise RuntimeError(f"processes outlived SIGKILL in the simulated nodes: {left}")
 
     def _setup(self) -> None:
         reap_stale()
@@ -419,16 +420,18 @@ def _ns_pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
-def _kill_ns(ns: str) -> None:
-    """SIGKILL every process in a namespace until none is left (forks included)."""
-    for _ in range(50):
-        pids = _ns_pids(ns)
-        if not pids:
-            return
+def _kill_ns(ns: str, wait_s: float = 20.0) -> list[int]:
+    """SIGKILL every process in a namespace until none is left (forks included); the pids still
+    there after ``wait_s`` (many large processes exiting on a loaded machine take seconds)."""
+    deadline = time.monotonic() + wait_s
+    while pids := _ns_pids(ns):
+        if time.monotonic() > deadline:
+            return pids
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+        time.sleep(0.1)
+    return []
 
 
 def _pid_alive(pid: int) -> bool:
