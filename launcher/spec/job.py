@@ -179,6 +179,29 @@ def bf16_weights_refusal(reasons: list[str]) -> str:
             + "; ".join(reasons) + ". Set precision.weights to auto or fp32.")
 
 
+def cudnn_fa4_obstacles(*, head_dim: int, half: bool, dropout: float) -> list[str]:
+    """Why cuDNN's forward with FlashAttention-4's backward (``train.attention: cudnn-fa4``)
+    cannot run a model, from what the spec alone tells: the head dimension, whether the
+    attention's inputs are bf16 or fp16 (``half``), attention dropout. Empty where nothing here
+    stands in the way. The job's cross-checks ask with the job's values; the trainer asks again
+    at start and adds the GPU and the package (``launcher.train.attention.choose``)."""
+    reasons = []
+    if head_dim % 8 or head_dim > 128:
+        reasons.append(f"the head dimension (d_model / n_heads) is {head_dim}, and cuDNN's and FA4's kernels "
+                       "here take multiples of 8 up to 128")
+    if not half:
+        reasons.append("FlashAttention-4 takes bf16 or fp16 inputs (precision.dtype bf16, fp16 or fp8)")
+    if dropout > 0:
+        reasons.append("neither kernel pair applies attention dropout here (model.dropout must be 0)")
+    return reasons
+
+
+def cudnn_fa4_refusal(reasons: list[str]) -> str:
+    """The one-paragraph error for ``train.attention: cudnn-fa4`` where it cannot run."""
+    return ("cudnn-fa4 (cuDNN's forward, FlashAttention-4's backward) cannot run this job: "
+            + "; ".join(reasons) + ". Set train.attention: auto.")
+
+
 class CudnnSpec(Strict):
     benchmark: bool = Field(True, description="torch.backends.cudnn.benchmark: search the fastest algorithm per shape (good for fixed shapes).")
     deterministic: bool = Field(False, description="Reproducible runs: cuDNN deterministic, torch.use_deterministic_algorithms, seeds everywhere, TF32 off (slower).")
@@ -361,6 +384,13 @@ class JobSpec(Strict):
                                              sharded=self.fsdp_shards(self.least_world_size))
             if reasons:
                 raise ValueError(bf16_weights_refusal(reasons))
+        if self.uses_builtin and self.train.attention == "cudnn-fa4":
+            dims = self.model.dims()
+            reasons = cudnn_fa4_obstacles(head_dim=dims["d_model"] // dims["n_heads"],
+                                          half=self.precision.dtype in ("bf16", "fp16", "fp8"),
+                                          dropout=self.model.dropout)
+            if reasons:
+                raise ValueError(cudnn_fa4_refusal(reasons))
         if self.parallel.strategy == "fsdp" and self.parallel.ddp.comm_hook != "none":
             raise ValueError("parallel.ddp.comm_hook applies to ddp; for fsdp use parallel.fsdp.reduce_dtype")
         return self

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from launcher.errors import SpecError
+from launcher.spec.job import cudnn_fa4_obstacles, cudnn_fa4_refusal
 
 FA4_MIN_CAPABILITY = (9, 0)  # FA4's backward: Hopper (sm90) and newer
 FIELD = "train.attention"
@@ -57,18 +58,14 @@ def choose(requested: str, *, device: torch.device, dtype: torch.dtype | None, d
     if requested not in ("auto", "cudnn-fa4"):
         return requested
     reasons = []
-    if head_dim % 8 or head_dim > 128:
-        reasons.append(f"the head dimension (d_model / n_heads) is {head_dim}, and cuDNN's and FA4's kernels "
-                       "here take multiples of 8 up to 128")
     if device.type != "cuda":
         reasons.append("it runs on GPUs only")
     elif (cap := torch.cuda.get_device_capability(device)) < FA4_MIN_CAPABILITY:
         reasons.append(f"FlashAttention-4 needs compute capability 9.0 or above (Hopper, Blackwell); "
                        f"{torch.cuda.get_device_name(device)} has {'.'.join(map(str, cap))}")
-    if dtype not in (torch.bfloat16, torch.float16):
-        reasons.append("FlashAttention-4 takes bf16 or fp16 inputs (precision.dtype bf16, fp16 or fp8)")
-    if dropout > 0:
-        reasons.append("neither kernel pair applies attention dropout here (model.dropout must be 0)")
+    # what the job's cross-checks also refuse (an explicit cudnn-fa4 rarely gets this far)
+    reasons += cudnn_fa4_obstacles(head_dim=head_dim, half=dtype in (torch.bfloat16, torch.float16),
+                                   dropout=dropout)
     if not reasons and (missing := fa4_import_error()) is not None:
         reasons.append(f"flash_attn.cute (the flash-attn-4 package) is not importable "
                        f"({missing}); install it on every node: pip install 'launcher[fa4]'")
@@ -76,8 +73,7 @@ def choose(requested: str, *, device: torch.device, dtype: torch.dtype | None, d
         return "cudnn-fa4"
     if requested == "auto":
         return "auto"
-    raise SpecError("cudnn-fa4 (cuDNN's forward, FlashAttention-4's backward) cannot run this job: "
-                    + "; ".join(reasons) + ". Set train.attention: auto.", field=FIELD)
+    raise SpecError(cudnn_fa4_refusal(reasons), field=FIELD)
 
 
 def packed_attention(qkv: torch.Tensor, causal: bool) -> torch.Tensor:

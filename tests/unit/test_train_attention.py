@@ -100,6 +100,36 @@ def test_choose_on_cpu():
         _choose("cudnn-fa4", cpu, dtype=None, dropout=0.1)
 
 
+@pytest.mark.parametrize(("over", "expected"), [
+    ({"model": {"dropout": 0.1}}, "model.dropout must be 0"),
+    ({"precision": {"dtype": "fp32"}}, "bf16 or fp16 inputs"),
+    ({"precision": {"dtype": "tf32"}}, "bf16 or fp16 inputs"),
+    ({"model": {"d_model": 192, "n_heads": 2}}, "head dimension (d_model / n_heads) is 96"),  # 96 fits
+    ({"model": {"d_model": 200, "n_heads": 2}}, "head dimension (d_model / n_heads) is 100"),
+    ({"model": {"d_model": 512, "n_heads": 2}}, "head dimension (d_model / n_heads) is 256"),
+])
+def test_the_job_spec_refuses_cudnn_fa4_where_the_job_alone_rules_it_out(over, expected):
+    """Dropout, fp32/tf32 and the head dimension are known before any worker starts: an explicit
+    cudnn-fa4 is refused there (exit 2) in the words ``choose`` uses; ``auto`` falls back."""
+    from pydantic import ValidationError
+
+    from launcher.spec.job import JobSpec
+
+    spec = {"name": "fa4", "model": {"arch": "gpt", "size": "tiny"}, "data": {"seq_len": 16},
+            "train": {"steps": 2, "warmup_steps": 0, "attention": "cudnn-fa4"}}
+    for section, values in over.items():
+        spec[section] = {**spec.get(section, {}), **values}
+    if expected.endswith("96"):  # a multiple of 8 up to 128: accepted
+        assert JobSpec.model_validate(spec).train.attention == "cudnn-fa4"
+        return
+    with pytest.raises(ValidationError, match=r"cudnn-fa4 \(cuDNN's forward, FlashAttention-4's backward\) "
+                                              r"cannot run this job: .*Set train.attention: auto") as err:
+        JobSpec.model_validate(spec)
+    assert expected in str(err.value)
+    spec["train"]["attention"] = "auto"
+    assert JobSpec.model_validate(spec).train.attention == "auto"
+
+
 def test_choose_on_gpus(monkeypatch):
     """The rules on GPUs, the device queries replaced (pure logic: no GPU here)."""
     gpu = torch.device("cuda", 0)
