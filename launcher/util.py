@@ -28,12 +28,21 @@ def first_line(err: BaseException) -> str:
 
 def write_private(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path``, readable by its owner only (0600): for files that hold
-    environment values, which may be secrets. An existing file is truncated and set to 0600
-    before anything is written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode applies only to a new file
-        fh.write(text)
+    environment values, which may be secrets, and for the launcher's state. Whole or not at
+    all: a new 0600 file beside it, renamed over it (a kill or a full disk mid-write leaves the
+    previous file, never a truncated one; a wider existing file is replaced, not reused)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            os.fchmod(fh.fileno(), 0o600)  # O_CREAT's mode applies only to a new file
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def write_atomic(path: str | os.PathLike[str], text: str) -> None:

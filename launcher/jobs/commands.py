@@ -205,13 +205,17 @@ def down(cluster: ClusterSpec, *, yes: bool) -> int:
     except PreflightError:
         # Ray that does not answer: --yes stops what is left of it unasked (and forgets a
         # bootstrapped cluster), without the job list it cannot give
-        from launcher.jobs.head import recorded_local_head, saved_cluster
+        from launcher.jobs.head import UnreadableRecord, recorded_local_head, saved_cluster
 
         if cluster.all_local:
             kind, spec, local = "local", cluster, recorded_local_head()
             found = local is not None
         else:
-            kind, saved, local = "bootstrap", saved_cluster(cluster), None
+            kind, local = "bootstrap", None
+            try:
+                saved = saved_cluster(cluster)
+            except UnreadableRecord:  # its nodes unknown: cluster.yaml's, whose head it is
+                saved = cluster
             found = saved is not None
             spec = saved or cluster
         if not (yes and found):

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from launcher.errors import PreflightError
 from launcher.spec import ClusterSpec
-from launcher.util import free_port, write_private
+from launcher.util import first_line, free_port, write_private
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,15 @@ START_TIMEOUT_S = 120.0  # `ray start` with the dashboard takes ~8 s on a 2-core
 STOP_TIMEOUT_S = 20.0
 ANSWER_WAIT_S = 30.0  # a head busy starting jobs on 2 cores can take seconds to answer
 KILL_CHILDREN_ENV = "RAY_kill_child_processes_on_worker_exit"
+
+
+class UnreadableRecord(PreflightError):
+    """A state file of the launcher that cannot be read (exit 3): ``launch down --yes`` forgets it."""
+
+    def __init__(self, path: Path, err: BaseException):
+        super().__init__(
+            f"the launcher's record {path} cannot be read ({first_line(err)}); `launch down --yes` "
+            f"stops what it recorded and forgets it")
 
 
 def state_dir() -> Path:
@@ -79,7 +88,13 @@ class LocalHead:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def token(self) -> str:
-        return Path(self.token_file).read_text().strip()
+        try:
+            return Path(self.token_file).read_text().strip()
+        except OSError as err:
+            raise PreflightError(
+                f"the launcher's Ray head on this machine has lost its token file {self.token_file} "
+                f"({err.strerror or err}); `launch down --yes` stops the head and forgets it, the next "
+                f"`launch submit` starts a new one") from err
 
     def answers(self) -> bool:
         """The process lives and its Jobs API answers an authenticated request."""
@@ -115,8 +130,15 @@ def local_head(*, start: bool) -> LocalHead | None:
 
 
 def recorded_local_head() -> LocalHead | None:
-    """The local head's record, whether it answers or not (for ``launch down --yes``)."""
-    return _load(_local_folder())
+    """The local head's record, whether it answers or not (for ``launch down --yes``). An
+    unreadable record gives what is known without it: the head's temp dir, whose processes
+    ``stop_local_head`` stops (no pid: none is signalled by pid)."""
+    folder = _local_folder()
+    try:
+        return _load(folder)
+    except UnreadableRecord:
+        return LocalHead(pid=0, gcs_port=0, dashboard_port=0, agent_port=0, temp_dir=_temp_dir(folder),
+                         token_file=str(folder / "auth_token"))
 
 
 def stop_local_head(head: LocalHead) -> None:
@@ -151,7 +173,10 @@ def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:
     path = cluster_record(cluster)
     if not path.is_file():
         return None
-    return ClusterSpec.model_validate(json.loads(path.read_text()))
+    try:
+        return ClusterSpec.model_validate(json.loads(path.read_text()))
+    except (OSError, ValueError) as err:  # ValueError: bad JSON, or a record of another version
+        raise UnreadableRecord(path, err) from err
 
 
 def save_cluster(cluster: ClusterSpec) -> None:
@@ -184,13 +209,26 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _load(folder: Path) -> LocalHead | None:
+    """The recorded head; None without a record; UnreadableRecord for one that cannot be read
+    (never "no head": a second head would start in the temp dir of one that may run)."""
     path = folder / "head.json"
     if not path.is_file():
         return None
     try:
-        return LocalHead(**json.loads(path.read_text()))
-    except (ValueError, TypeError):
-        return None
+        head = LocalHead(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as err:
+        raise UnreadableRecord(path, err) from err
+    fields = (head.pid, head.gcs_port, head.dashboard_port, head.agent_port)
+    if not all(type(v) is int for v in fields) or not all(isinstance(v, str) for v in (head.temp_dir, head.token_file)):
+        raise UnreadableRecord(path, ValueError("a field has the wrong type"))
+    return head
+
+
+def _temp_dir(folder: Path) -> str:
+    """The head's temp dir: one per state folder. Ray's Unix socket paths live under it and
+    must stay under ~107 characters."""
+    digest = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:8]
+    return f"/tmp/launcher-ray-{os.getuid()}-{digest}"
 
 
 def _start(folder: Path) -> LocalHead:
@@ -198,9 +236,7 @@ def _start(folder: Path) -> LocalHead:
 
     token_file = folder / "auth_token"
     write_private(token_file, secrets.token_hex(32) + "\n")
-    # Ray's Unix socket paths live under the temp dir and must stay under ~107 characters.
-    digest = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:8]
-    temp_dir = f"/tmp/launcher-ray-{os.getuid()}-{digest}"
+    temp_dir = _temp_dir(folder)
     head = LocalHead(pid=0, gcs_port=free_port(), dashboard_port=free_port(), agent_port=free_port(),
                      temp_dir=temp_dir, token_file=str(token_file))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),

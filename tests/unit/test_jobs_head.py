@@ -73,3 +73,66 @@ def test_stop_leaves_a_reused_pid_alone(tmp_path, unrelated, monkeypatch):
     heads.stop_local_head(recorded)
     time.sleep(0.5)
     assert unrelated.poll() is None
+
+
+@pytest.fixture
+def head_process(tmp_path, monkeypatch):
+    """A process whose command line names the head's temp dir, as each of the head's does."""
+    from launcher.jobs import head as heads
+
+    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+    temp_dir = heads._temp_dir(heads._local_folder())
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", temp_dir],
+                            start_new_session=True)
+    try:
+        yield proc, temp_dir
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_corrupt_head_record_is_exit_3_and_down_yes_clears_it(tmp_path, head_process):
+    proc, _ = head_process
+    record = tmp_path / "state/local/head.json"
+    record.write_text('{"pid": 12')  # cut off mid-write
+    for args in (("status",), ("logs", "x"), ("down",)):
+        result = launch(tmp_path, *args)
+        assert result.returncode == 3, (args, result.stderr[-2000:])
+        assert f"record {record} cannot be read" in result.stderr and "launch down --yes" in result.stderr
+        assert "Traceback" not in result.stderr
+    down = launch(tmp_path, "down", "--yes")
+    assert down.returncode == 0, down.stderr[-2000:]
+    assert not record.exists()
+    proc.wait(timeout=10)  # what ran under the head's temp dir is stopped
+
+
+def test_a_lost_token_file_is_exit_3_and_down_yes_stops_the_head(tmp_path, head_process):
+    proc, temp_dir = head_process
+    record = write_record(tmp_path, proc.pid)
+    data = json.loads(record.read_text())
+    record.write_text(json.dumps({**data, "temp_dir": temp_dir}))
+    Path(data["token_file"]).unlink()
+    status = launch(tmp_path, "status")
+    assert status.returncode == 3 and "lost its token file" in status.stderr, status.stderr[-2000:]
+    assert "Traceback" not in status.stderr
+    down = launch(tmp_path, "down", "--yes")
+    assert down.returncode == 0 and not record.exists(), down.stderr[-2000:]
+    proc.wait(timeout=30)
+
+
+def test_a_corrupt_cluster_record_is_exit_3_and_down_yes_forgets_it(tmp_path):
+    import yaml
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"nodes": [{"name": "node0", "host": "198.18.250.10"}],
+                                       "ssh": {"key": str(tmp_path / "no-key"), "connect_timeout_s": 1}}))
+    folder = tmp_path / "state/clusters"
+    folder.mkdir(parents=True)
+    record = folder / "198.18.250.10-6379.json"
+    record.write_text(json.dumps({"nodes": [{"name": "node0", "host": "198.18.250.10"}], "from": "v0"}))
+    status = launch(tmp_path, "status", "--cluster", str(cluster))
+    assert status.returncode == 3 and f"record {record} cannot be read" in status.stderr, status.stderr[-2000:]
+    assert "Traceback" not in status.stderr
+    down = launch(tmp_path, "down", "--yes", "--cluster", str(cluster))
+    assert down.returncode == 0, down.stderr[-2000:]
+    assert not record.exists()

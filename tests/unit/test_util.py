@@ -33,8 +33,16 @@ def test_write_private_is_owner_only_also_over_a_wider_file(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     path.chmod(0o644)
     write_private(path, "short\n")
-    assert path.read_text() == "short\n"  # truncated, not overwritten in place
+    assert path.read_text() == "short\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_write_private_is_whole_or_nothing(tmp_path):
+    path = tmp_path / "head.json"
+    write_private(path, '{"pid": 1}\n')
+    with pytest.raises(UnicodeEncodeError):
+        write_private(path, '{"pid": 2, "bad": "\ud800"}\n')  # fails mid-write
+    assert path.read_text() == '{"pid": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["head.json"]
 
 
 def test_utc_stamp_is_now_in_utc():
