@@ -151,6 +151,8 @@ class Launch:
                     nodes, job = self.reshape(failure, nodes)
                 except RestartRefused as err:
                     return self._failed(replace(failure, reason=str(err)))
+                if self.job.records_profile:  # closing the agents removes their node dirs
+                    self._collect(agents, PROFILE_SUBDIR)
                 agents = self.agents = self.replace_agents(agents, nodes, job, attempt)
             restarted_after = failure
 

@@ -84,6 +84,9 @@ class FakeAgents:
         self.stops += 1
         return []
 
+    def collect(self, subdir: str) -> dict:
+        return {i: {"trace.json": f"agent {i} of {id(self)}".encode()} for i in range(3)}
+
 
 def watch(agents: FakeAgents, *, hang_timeout_s=None, clock=None, **launch):
     lp = plan(job(**launch), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
@@ -407,3 +410,14 @@ def test_a_grad_accum_the_job_cannot_run_with_refuses_the_restart():
                                     "train": {**elastic_job().train.model_dump(), "micro_batch": 2, "grad_accum": 1}})
     with pytest.raises(RestartRefused, match="needs train.grad_accum 2, which the job cannot run with: .*grad_accum"):
         job_for_world(first, 2, 1)
+
+
+def test_an_elastic_restart_keeps_the_failed_attempts_profile_traces(tmp_path, monkeypatch):
+    """Closing the failed attempt's agents removes their node dirs: the traces are fetched first."""
+    session = FakeSession(refuse={"n3"})
+    job = elastic_job(profile={"start_step": 1, "steps": 1})
+    launcher, outcome, _ = elastic_run(tmp_path, monkeypatch, job, three_nodes_and_a_spare(),
+                                       [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)),
+                                                     1: AgentUpdate(exit=ExitStatus(0))}]], session)
+    assert outcome.status is Status.SUCCEEDED
+    assert sorted(p.parent.name for p in (launcher.run_dir.root / "profile").glob("*/trace.json")) == ["n0", "n1", "n2"]
