@@ -134,7 +134,8 @@ def _attached(cluster: ClusterSpec) -> Iterator[JobsCluster]:
 @contextlib.contextmanager
 def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]:
     """The bootstrapped cluster's Jobs API through the tunnel. One process at a time looks at
-    the record and bootstraps (two submits at once share one Ray). Ray is started again only
+    the record and bootstraps (two submits at once share one Ray); a submission (``start``) to
+    a Ray started for other nodes than ``cluster``'s is refused (UsageError). Ray is started again only
     where SSH reached the head and found no launcher token there; a head that SSH cannot
     reach, or whose Jobs API does not answer, keeps its record (its jobs may run on) and is a
     PreflightError."""
@@ -147,6 +148,8 @@ def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]
                 saved = _bootstrap(cluster)
                 url, token = stack.enter_context(_tunnel(saved, token=True))
             else:
+                if start:  # a submission runs on the saved nodes: they must be cluster.yaml's
+                    _check_same(saved, cluster)
                 try:
                     url, token = stack.enter_context(_tunnel(saved, token=True))
                 except (PreflightError, OSError) as err:
@@ -157,6 +160,25 @@ def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]
                     saved = _bootstrap(cluster)  # its record replaces the old one once it runs
                     url, token = stack.enter_context(_tunnel(saved, token=True))
         yield JobsCluster("bootstrap", saved, _client(url, token), url)
+
+
+def _check_same(saved: ClusterSpec, cluster: ClusterSpec) -> None:
+    """UsageError (exit 2) when the running Ray was started for other nodes or Ray settings than
+    the cluster file gives now: a job submitted to it would run on the saved ones."""
+    differ = [f"node {a.name if a.name == b.name else f'{a.name}/{b.name}'}: {key} {getattr(a, key)!r} → {getattr(b, key)!r}"
+              for a, b in zip(saved.nodes, cluster.nodes, strict=False)
+              for key in type(a).model_fields if getattr(a, key) != getattr(b, key)]
+    if len(saved.nodes) != len(cluster.nodes):
+        differ.append(f"{len(saved.nodes)} node(s) → {len(cluster.nodes)}")
+    saved_ray = saved.ray.model_copy(update={"dashboard": cluster.ray.dashboard})
+    differ += [f"ray.{key} {getattr(saved_ray, key)!r} → {getattr(cluster.ray, key)!r}"
+               for key in type(saved_ray).model_fields if getattr(saved_ray, key) != getattr(cluster.ray, key)]
+    if differ:
+        head = saved.nodes[0]
+        raise UsageError(
+            f"the launcher's Ray on {head.name} ({head.host}) was started for other nodes than the "
+            f"cluster file gives now ({'; '.join(differ[:5])}{'; …' if len(differ) > 5 else ''}); "
+            f"`launch down --yes` first (it stops that Ray and its jobs), then submit again")
 
 
 def _not_answering(saved: ClusterSpec, err: BaseException) -> PreflightError:

@@ -157,3 +157,25 @@ def test_two_submits_at_once_bootstrap_once(monkeypatch):
     for t in threads:
         t.join(timeout=30)
     assert errors == [] and len(calls) == 1
+
+
+def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
+    from launcher.errors import UsageError
+
+    saved = CLUSTER.model_copy(update={"ray": CLUSTER.ray.model_copy(update={"dashboard": True})})
+    heads.save_cluster(saved)
+    calls: list[float] = []
+    stub_bootstrap(monkeypatch, calls)
+    monkeypatch.setattr(api, "_tunnel", tunnel_to())
+    edited = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10"},
+                                                   {"name": "node1", "host": "198.18.250.12"}]})
+    with pytest.raises(UsageError, match=r"started for other nodes .*node node1: host '198.18.250.11' → "
+                                         r"'198.18.250.12'.*`launch down --yes` first"), \
+            api.connect(edited, start=True):
+        pass
+    with api.connect(edited) as jobs:  # status, logs, down: the saved cluster, as it runs
+        assert jobs.cluster == saved
+    same = CLUSTER.model_copy(update={"ssh": CLUSTER.ssh.model_copy(update={"connect_timeout_s": 3.0})})
+    with api.connect(same, start=True) as jobs:  # SSH settings are not the nodes
+        assert jobs.cluster == saved
+    assert calls == []
