@@ -338,6 +338,10 @@ class JobSpec(Strict):
             raise ValueError(f"train.attention {self.train.attention} is a GPU kernel; on device cpu use auto or math")
         if dev == "cpu" and self.parallel.ddp.comm_hook == "bf16" and self.parallel.strategy == "ddp":
             raise ValueError("parallel.ddp.comm_hook bf16 needs CUDA GPUs and NCCL; on device cpu use fp16 or none")
+        if dev == "cpu" and self.parallel.strategy == "fsdp" and self.parallel.fsdp.cpu_offload:
+            raise ValueError("parallel.fsdp.cpu_offload moves the shards from the GPUs to host memory; on device "
+                             "cpu they are there already (offloading to the CPU is meaningless): set "
+                             "parallel.fsdp.cpu_offload: false")
         if dev == "cpu" and self.nccl.backend == "nccl":
             raise ValueError("the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto")
         if self.uses_builtin:

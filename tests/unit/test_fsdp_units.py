@@ -85,7 +85,9 @@ def test_fsdp_on_one_process_trains_the_model_unwrapped_unless_it_offloads():
         return JobSpec.model_validate({
             "name": "one", "model": {"arch": "bert", "size": "tiny", "vocab_size": 256},
             "data": {"source": "synthetic", "seq_len": 16}, "parallel": {"strategy": "fsdp", "fsdp": fsdp},
-            "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
+            "precision": {"dtype": "fp32"},
+            # offloading to the CPU is for GPUs (the spec refuses it on device cpu)
+            "resources": {"device": "cuda" if fsdp.get("cpu_offload") else "cpu"},
         })
 
     model = build_model(job().model)

@@ -318,8 +318,8 @@ def test_the_job_spec_takes_bf16_weights_with_bf16_training():
     (["resources.device=cuda", "precision.dtype=fp16"], "precision.dtype is fp16"),
     (["precision.dtype=fp32"], "precision.dtype is fp32"),
     (["precision.dtype=bf16", "train.grad_accum=2"], "train.grad_accum is 2 (raise train.micro_batch instead)"),
-    (["precision.dtype=bf16", "parallel.strategy=fsdp", "parallel.fsdp.cpu_offload=true"],
-     "FSDP shards the weights here"),
+    (["resources.device=cuda", "resources.nproc_per_node=1", "precision.dtype=bf16", "parallel.strategy=fsdp",
+      "parallel.fsdp.cpu_offload=true"], "FSDP shards the weights here"),  # even one process
     # two ranks a node: FSDP shards over them (one process would train unwrapped)
     (["precision.dtype=bf16", "parallel.strategy=fsdp"], "FSDP shards the weights here"),
 ])
