@@ -231,9 +231,15 @@ def down(cluster: ClusterSpec, *, yes: bool) -> int:
         from launcher.orchestrate.ray_cluster import _stop_ray
 
         with cluster_lock(spec):  # not while a submit bootstraps it
-            _stop_ray(spec, list(spec.nodes))
+            left = _stop_ray(spec, list(spec.nodes))
             forget_cluster(spec)
-        print(f"Stopped the launcher's Ray on {', '.join(n.name for n in spec.nodes)}", flush=True)
+        stopped = [n.name for n in spec.nodes if n.name not in left]
+        if left:  # forgotten all the same: a node that never answers again must not pin the record
+            raise PreflightError(
+                f"stopped the launcher's Ray on {', '.join(stopped) or 'no node'}, but could not reach "
+                f"{', '.join(left)}: Ray may still run there (stop it with `ray stop` on each). The "
+                f"launcher has forgotten this cluster")
+        print(f"Stopped the launcher's Ray on {', '.join(stopped)}", flush=True)
     return 0
 
 

@@ -136,7 +136,9 @@ class RaySession:
             ray.shutdown()
         os.environ.pop("RAY_AUTH_TOKEN", None)
         if self._started_on and not keep_ray and self._cluster is not None:
-            _stop_ray(self._cluster, self._started_on)
+            if left := _stop_ray(self._cluster, self._started_on):
+                log.warning("Ray may still run on %s (not reached); stop it with `ray stop` there",
+                            ", ".join(left))
         elif self._started_on:
             log.warning("Ray left running on %s (--keep-ray); stop it with `ray stop` there",
                         ", ".join(n.name for n in self._started_on))
@@ -350,16 +352,27 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
     return result.stdout
 
 
-def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> None:
-    def stop(node: NodeSpec) -> None:
+def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> list[str]:
+    """``ray stop --force`` and the token file removed on every node, in parallel; returns the
+    names of the nodes where that could not be done (unreachable, timed out, stop failed):
+    Ray may still run there."""
+    def stop(node: NodeSpec) -> str | None:
         python = shlex.quote(node.interpreter())
-        with contextlib.suppress(Exception):
-            _on_node(cluster, node, f"{python} -m ray.scripts.scripts stop --force ; rm -f {TOKEN_FILE}",
-                     timeout=cluster.ssh.connect_timeout_s + 60)
+        try:
+            result = _on_node(cluster, node, f"{python} -m ray.scripts.scripts stop --force; rc=$?; rm -f {TOKEN_FILE}; exit $rc",
+                              timeout=cluster.ssh.connect_timeout_s + 60)
+        except Exception as err:  # noqa: BLE001 - every node gets its try; the caller names the failed
+            log.warning("could not stop Ray on %s (%s): %s", node.name, node.host, first_line(err))
+            return node.name
+        if not result.ok:
+            log.warning("`ray stop` failed on %s (%s): %s", node.name, node.host,
+                        result.stderr_tail() or f"exit code {result.exit_code}")
+            return node.name
+        return None
 
     log.info("Stopping Ray on %s", ", ".join(n.name for n in nodes))
     with ThreadPoolExecutor(max_workers=min(len(nodes), cluster.ssh.max_parallel)) as pool:
-        list(pool.map(stop, nodes))
+        return [name for name in pool.map(stop, nodes) if name is not None]
 
 
 def _wait_for_nodes(nodes: list[NodeSpec], ips: dict[str, str], timeout_s: float) -> None:
