@@ -95,7 +95,8 @@ class AgentGroup:
                                 ) from err
 
     def poll(self, wait_s: float) -> list[tuple[int, AgentUpdate | BaseException]]:
-        """Long-poll every running agent; the answers that came within about ``2 * wait_s``.
+        """Long-poll every running agent: waits up to ``2 * wait_s`` for the first answer, then
+        takes every answer that is there by then.
 
         An agent whose answer carries its exit is not polled again this attempt; an answer
         that is an exception means the agent (its node) is gone.
@@ -107,7 +108,9 @@ class AgentGroup:
             if i not in self._pending and i not in self._exited:
                 self._pending[i] = (handle.poll.remote(wait_s), now)
         refs = {ref: i for i, (ref, _) in self._pending.items()}
-        ready, _ = ray.wait(list(refs), num_returns=1, timeout=2 * wait_s) if refs else ([], [])
+        ready, rest = ray.wait(list(refs), num_returns=1, timeout=2 * wait_s) if refs else ([], [])
+        if ready and rest:  # the first answer came: take every other one that is there too
+            ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         answers: list[tuple[int, AgentUpdate | BaseException]] = []
         for ref in ready:
             i = refs[ref]
