@@ -15,7 +15,9 @@ the cluster's token, and where the head (the node the drivers run on) is. Which 
   when the head is this machine, otherwise through the SSH tunnel. The token is Ray's own
   (``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``).
 
-No port of ours listens beyond 127.0.0.1, and the token travels only in the HTTP header.
+The dashboard and Jobs API listen on the head's 127.0.0.1 only, and the token travels only in
+the HTTP header. Ray's other ports (GCS, Ray Client server, raylet, ...) listen on the node's
+address as for any Ray, the local head's too, and refuse requests without the token.
 """
 
 from __future__ import annotations
