@@ -3,7 +3,8 @@ fp16's loss scaler, step, the data position and each rank's RNG state.
 
 Layout: ``<dir>/step_00000100/`` holds DCP's files; ``COMPLETE`` is written there last, by
 rank 0, after every rank finished writing (a barrier). Resume picks the highest step folder
-with the marker, so a checkpoint cut short by a crash is never loaded. DCP writes each rank's
+with the marker, so a checkpoint cut short by a crash is never loaded; rank 0 picks it for
+every rank. DCP writes each rank's
 shard in parallel and works alike under DDP (replicated state, written once) and FSDP
 (sharded DTensors); ``get_state_dict``/``set_state_dict`` translate between the wrapped
 model's parameter names and the plain ones, so a checkpoint does not depend on the wrapper.
@@ -147,9 +148,9 @@ class Checkpointer:
         masters their optimizer keeps, and the bf16 weights are rounded from them. fp16's
         ``scaler`` goes on at the saved loss scale (a checkpoint without one, older or not
         fp16, leaves it at its initial scale)."""
-        if self.spec.resume != "auto":
+        if self.spec.resume != "auto" or self.root is None:
             return 0
-        path = latest_checkpoint(self.root)
+        path = self._agreed_checkpoint()
         if path is None:
             return 0
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -187,6 +188,32 @@ class Checkpointer:
             log.warning("%s has no RNG state for %s (written by fewer ranks); keeping fresh RNG", path, rng_key)
         self.resumed = self._continue_data(path, state["train"])
         return self.resumed.step
+
+    def _agreed_checkpoint(self) -> Path | None:
+        """The checkpoint every rank resumes from: the latest complete one that rank 0 sees,
+        told to the others (collectives). Each rank looking for itself could pick another one,
+        or none, where the folder is not one shared filesystem (a node-local folder on several
+        nodes): the ranks that went on into DCP's load then waited for the rest forever. Every
+        rank raises ResumeError when some rank does not see rank 0's choice complete."""
+        assert self.root is not None
+        latest = latest_checkpoint(self.root)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return latest
+        chosen = [latest.name if latest is not None else None]
+        dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] is None:
+            return None
+        path = self.root / chosen[0]
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, (path / MARKER).is_file())
+        missing = [rank for rank, ok in enumerate(seen) if not ok]
+        if missing:
+            ranks = ", ".join(map(str, missing))
+            raise ResumeError(
+                f"rank 0 resumes from {path}, which rank(s) {ranks} do not find complete in their "
+                f"train.checkpoint.dir {self.root}: on several nodes it must be one folder every node "
+                f"shares (NFS, Lustre, a shared home), or set train.checkpoint.resume: never to start fresh")
+        return path
 
     def _continue_data(self, path: Path, train: dict[str, Any]) -> Resumed:
         """Check the global batch against ``elastic_batch`` and move the data to the next sample."""

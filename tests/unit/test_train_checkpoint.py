@@ -202,3 +202,78 @@ def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
     model, opt, sched, fresh = build()
     assert checkpointer(older).maybe_resume(model, opt, sched, fresh) == 5
     assert fresh.get_scale() == 2.0**16
+
+
+def _resume_worker(rank: int, world: int, port: int, base: str, roots: dict[int, list[int]]) -> None:
+    """One gloo rank: save steps 2 and 4 to a shared folder, copy into each rank's own folder
+    the steps ``roots`` gives it (a node-local view), resume there; the outcome to a file."""
+    import shutil
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        data = SyntheticBatches(arch="gpt", vocab_size=64, seq_len=8, micro_batch=2, grad_accum=1, mask_prob=0.15,
+                                seed=0, rank=rank, world_size=world, device=torch.device("cpu"))
+        shared = Checkpointer(CheckpointSpec(dir=Path(base, "shared")), rank=rank, data=data, elastic_batch="keep")
+        for step in (2, 4):
+            shared.save(step, model, opt, sched)
+        if rank == 0:
+            for r, steps in roots.items():
+                for step in steps:
+                    shutil.copytree(step_dir(Path(base, "shared"), step), step_dir(Path(base, f"rank{r}"), step))
+        dist.barrier()
+        mine = Checkpointer(CheckpointSpec(dir=Path(base, f"rank{rank}"), resume="auto"), rank=rank, data=data,
+                            elastic_batch="keep")
+        try:
+            outcome = str(mine.maybe_resume(model, opt, sched))
+        except ResumeError as err:
+            outcome = f"ResumeError: {err}"
+        Path(base, f"outcome{rank}.txt").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def _resume_in_two_ranks(base: Path, roots: dict[int, list[int]]) -> list[str]:
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(_resume_worker, args=(2, port, str(base), roots), nprocs=2, join=False,
+                                 start_method="fork")
+    deadline = time.monotonic() + 120
+    try:  # join raises when a rank failed, with its traceback
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            assert time.monotonic() < deadline, "the ranks did not finish in 120 s (one waits for the other)"
+    finally:
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    return [(base / f"outcome{rank}.txt").read_text() for rank in range(2)]
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_picks(tmp_path: Path):
+    """Real gloo ranks whose checkpoint folders differ (a node-local folder on several nodes, or
+    a marker one node sees before another): every rank loads rank 0's latest, or every rank
+    refuses with a ResumeError where one does not have it. Each rank picking its own loaded
+    different steps, and a rank that found none started fresh while the others waited in DCP's
+    load for it."""
+    newer_elsewhere = _resume_in_two_ranks(tmp_path / "a", {0: [2], 1: [2, 4]})
+    assert newer_elsewhere == ["2", "2"]
+    missing = _resume_in_two_ranks(tmp_path / "b", {0: [2, 4], 1: [2]})
+    for outcome in missing:
+        assert outcome.startswith("ResumeError: rank 0 resumes from "), outcome
+        assert "step_00000004, which rank(s) 1 do not find complete" in outcome
+        assert "one folder every node shares" in outcome
