@@ -42,15 +42,14 @@ falls well below the uniform ln V), which makes the synthetic loss curve meaning
 from __future__ import annotations
 
 import abc
-import ast
 import os
-import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from launcher.spec.job import JobSpec
+from launcher.spec.loader import npy_layout
 
 _M32 = 0xFFFFFFFF
 # Salts keep the hash streams of different uses apart.
@@ -395,18 +394,7 @@ def open_token_file(path: Path, token_dtype: str) -> torch.Tensor:
 
 
 def _npy_layout(path: Path) -> tuple[int, torch.dtype]:
-    """Data offset and dtype of a .npy file, read from its header (no numpy needed)."""
-    with open(path, "rb") as fh:
-        if fh.read(6) != b"\x93NUMPY":
-            raise ValueError(f"{path} is not a .npy file (bad magic); use .npy or a raw .bin")
-        major = fh.read(2)[0]
-        (length,) = struct.unpack("<H" if major == 1 else "<I", fh.read(2 if major == 1 else 4))
-        header = ast.literal_eval(fh.read(length).decode("latin1"))
-        offset = fh.tell()
-    if header.get("fortran_order") and len(header.get("shape", ())) > 1:
-        raise ValueError(f"{path} is Fortran-ordered; save the token ids as a C-ordered array")
-    descr = header.get("descr")
-    if descr not in _NPY_DTYPES:
-        raise ValueError(f"{path} holds dtype {descr!r}; .npy token files must be uint8, uint16, uint32, "
-                         "int32 or int64")
+    """Data offset and dtype of a .npy file, read from its header (no numpy needed; the job's
+    loader checked it already, ``launcher.spec.loader.npy_layout``)."""
+    offset, descr = npy_layout(path)
     return offset, _NPY_DTYPES[descr]

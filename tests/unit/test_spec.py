@@ -165,6 +165,35 @@ def test_relative_paths_are_taken_from_the_job_folder(tmp_path, monkeypatch):
     assert not job.uses_builtin
 
 
+def _npy(header: bytes, data: bytes = b"\0" * 4096) -> bytes:
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + data
+
+
+@pytest.mark.parametrize(("name", "content", "expected"), [
+    ("short.bin", b"\0" * 64, "holds 32 tokens, fewer than the 513 of one sample (data.seq_len 512)"),
+    ("short.npy", _npy(b"{'descr': '<i4', 'fortran_order': False, 'shape': (8,)}", b"\0" * 32),
+     "holds 8 tokens, fewer than the 513 of one sample"),
+    ("floats.npy", _npy(b"{'descr': '<f4', 'fortran_order': False, 'shape': (1024,)}"),
+     "holds dtype '<f4'; .npy token files must be uint8, uint16, uint32, int32 or int64"),
+    ("garbled.npy", _npy(b"{'descr': '<i4', 'fortran_"), "has a .npy header that cannot be read"),
+    ("list.npy", _npy(b"['<i4']"), "has a .npy header that cannot be read"),
+    ("cut.npy", b"\x93NUMPY", "has a .npy header that cannot be read"),
+    ("text.npy", b"1 2 3 4\n" * 200, "is not a .npy file (bad magic)"),
+])
+def test_token_file_problems_are_spec_errors(tmp_path, name, content, expected):
+    """What the built-in trainer would refuse at start (a traceback on every worker, exit 4) is
+    found when the job is loaded: exit 2, one paragraph naming data.path."""
+    (tmp_path / name).write_bytes(content)
+    path = write(tmp_path, f"name: j\ndata: {{source: tokens, path: {name}, seq_len: 512}}\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    message = str(err.value)
+    assert err.value.exit_code == 2 and err.value.field == "data.path" and "\n" not in message
+    assert expected in message, message
+    (tmp_path / name).write_bytes(_npy(b"{'descr': '<u2', 'fortran_order': False, 'shape': (2048,)}"))
+    assert load_job(path).data.path == (tmp_path / name)  # enough tokens of a token dtype
+
+
 def test_user_script_job_needs_only_name_entrypoint_resources(tmp_path):
     (tmp_path / "train.py").write_text("")
     job = load_job(write(tmp_path, "name: mine\nentrypoint: {script: train.py}\n"
