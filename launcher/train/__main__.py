@@ -12,7 +12,9 @@ Two workers on this machine, and two nodes of 8 GPUs (run on each node)::
 
 Metrics records go to ``$LAUNCHER_METRICS_FILE`` (see ``launcher.metrics``) when it is set.
 ``main`` is wrapped in torchelastic's ``@record``: an uncaught exception is written to the error
-file torchrun names for each worker, which the launcher reads to name the failed rank.
+file torchrun names for each worker, which the launcher reads to name the failed rank. Problems
+with the job's inputs that only a worker can find (a checkpoint it cannot resume from, text or a
+model folder it cannot use) are printed as one paragraph, like a SpecError, with exit code 2.
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from launcher.errors import LauncherError
+from launcher.errors import LauncherError, SpecError
 from launcher.spec import load_job
+from launcher.spec.hf import FolderError
+from launcher.train.checkpoint import ResumeError
 from launcher.train.loop import Trainer
+from launcher.train.text import TextError
+
+# Found at start by the worker, each naming what to change in the job (or its files).
+INPUT_ERRORS = (ResumeError, TextError, FolderError)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except LauncherError as err:  # e.g. fp8 asked of a GPU without FP8 tensor cores
         print(err, file=sys.stderr)
         return err.exit_code
+    except INPUT_ERRORS as err:
+        spec_error = SpecError(" ".join(str(err).split()), source=args.job, field=getattr(err, "field", None))
+        print(spec_error, file=sys.stderr)
+        return spec_error.exit_code
     try:
         trainer.train()
     finally:

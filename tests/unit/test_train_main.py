@@ -1,0 +1,38 @@
+"""``python -m launcher.train``: problems with the job's inputs that a worker finds at start end
+as one paragraph with exit code 2, not a traceback (real processes, a world of one, CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train(job: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LAUNCHER_METRICS_FILE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    args = [sys.executable, "-m", "launcher.train", "--job", str(job)]
+    for item in overrides:
+        args += ["--set", item]
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=job.parent)
+
+
+def test_a_checkpoint_it_cannot_resume_from_is_one_paragraph_with_exit_2(tmp_path: Path):
+    """A ResumeError (here: a global batch other than the checkpoint's under elastic_batch keep)
+    ended as a traceback on every worker; it is printed like a SpecError, naming the job file."""
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: resume\nmodel: {arch: gpt, size: tiny}\ndata: {seq_len: 16}\n"
+        f"train: {{steps: 1, warmup_steps: 0, micro_batch: 2, checkpoint: {{dir: {tmp_path / 'ckpt'}}}}}\n"
+        "precision: {dtype: fp32}\nresources: {device: cpu, nodes: 1, nproc_per_node: 1}\n")
+    first = train(job)
+    assert first.returncode == 0, first.stderr
+    refused = train(job, "train.steps=2", "train.grad_accum=2")
+    assert refused.returncode == 2, refused.stderr
+    message = refused.stderr.strip()
+    assert "Traceback" not in refused.stderr and "\n" not in message, refused.stderr
+    assert message.startswith(f"{job}: checkpoint ") and "global batch of 2 samples" in message
+    assert "set train.grad_accum: 1 to keep it" in message
