@@ -61,3 +61,21 @@ def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, 
         assert asked == [cpu] and dist.get_backend() == "cpu:gloo"
     finally:
         trainer.close()
+
+
+def test_the_declared_torch_floor_has_the_apis_the_trainer_uses():
+    """pyproject's ``torch>=`` is no older than the torch (2.6) that made public what the trainer
+    calls: ``torch.nn.utils.get_total_norm`` (the gradient norm) and
+    ``torch.distributed.fsdp.fully_shard`` (FSDP2); it said 2.4."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    floor = re.search(r'"torch>=(\d+)\.(\d+)', text)
+    assert floor is not None
+    assert (int(floor[1]), int(floor[2])) >= (2, 6)
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: F401
+
+    assert callable(torch.nn.utils.get_total_norm)
