@@ -105,6 +105,11 @@ def jobs(tmp_path_factory):
 
 
 def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
+    # What any command costs here (a fresh interpreter, the launcher's and Ray's imports, the
+    # head's API): the job id must come within a few seconds of that, not after the job starts.
+    began = time.monotonic()
+    assert jobs.run("list", "--json").returncode == 0
+    baseline = time.monotonic() - began
     # The submitter is SIGKILLed as soon as it has printed the job id: the job does not need it.
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(ROOT / "jobs/quickstart.yaml"),
                              "--json", "--skip-parity", *QUICK], cwd=jobs.cwd, env=jobs.env,
@@ -116,7 +121,7 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     proc.wait(timeout=10)
     submitted = json.loads(first)
     assert set(submitted) == {"job_id", "name", "cluster", "run_dir"} and submitted["name"] == "quickstart"
-    assert took < 5.0, f"the job id came after {took:.1f} s"
+    assert took < baseline + 5.0, f"the job id came after {took:.1f} s (a `launch list`: {baseline:.1f} s)"
     job_id = submitted["job_id"]
 
     seen: list[str] = []
@@ -161,10 +166,10 @@ def test_stop_tears_down_within_15_s(jobs):
     assert busy.returncode == 2 and job_id in busy.stderr
 
     started = time.monotonic()
-    stopped = jobs.run("stop", job_id, timeout=60)
-    assert stopped.returncode == 0, stopped.stderr
-    state = jobs.wait_status(job_id, {"STOPPED", "FAILED", "SUCCEEDED"}, timeout=20)
+    stopped = jobs.run("stop", job_id, timeout=60)  # returns once the job has ended
     took = time.monotonic() - started
+    assert stopped.returncode == 0, stopped.stderr
+    state = jobs.status(job_id)
     assert state["status"] == "STOPPED" and took <= 15.0, (state, took)
     assert_job_gone(job_id, wait_s=5)
     summary = json.loads((Path(state["run_dir"]) / "summary.json").read_text())
@@ -173,17 +178,19 @@ def test_stop_tears_down_within_15_s(jobs):
 
 
 def test_two_all_cpu_jobs_run_one_after_the_other(jobs):
-    # Each job's workers take every CPU slot Ray counts on this machine.
+    # Each job's workers take every CPU slot Ray counts on this machine. The first runs until it
+    # is stopped, so every check of the queue below sees it running, however slow the machine.
     nproc = ("--set", f"resources.nproc_per_node={os.cpu_count()}")
-    first = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
+    first = jobs.submit("--skip-parity", *SLOW, *nproc)["job_id"]
     second = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
 
-    def second_waits() -> bool:
-        return jobs.status(second)["status"] == "PENDING" and jobs.status(first)["status"] == "RUNNING"
+    def second_waits() -> str | None:
+        if jobs.status(first)["status"] != "RUNNING" or jobs.status(second)["status"] != "PENDING":
+            return None
+        reason = jobs.run("status", second).stdout  # its driver may not have given its reason yet
+        return reason if f"held by job {first}" in reason and "CPU slot" in reason else None
 
-    wait_for(second_waits, timeout=120, what="the second job pending while the first runs", poll=0.5)
-    reason = jobs.run("status", second).stdout
-    assert f"held by job {first}" in reason and "CPU slot" in reason, reason
+    wait_for(second_waits, timeout=180, what="the second job pending, held by the first", poll=0.5)
     # A third one queues behind the second; stopped while it waits, it ends STOPPED at once.
     third = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
     wait_for(lambda: "queued behind job " + second in jobs.run("status", third).stdout, timeout=60,
@@ -193,9 +200,11 @@ def test_two_all_cpu_jobs_run_one_after_the_other(jobs):
     waited = json.loads((Path(jobs.status(third)["run_dir"]) / "summary.json").read_text())
     assert waited["status"] == "interrupted" and waited["ranks"] == []
 
-    for job_id in (first, second):
-        state = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=240)
-        assert state["status"] == "SUCCEEDED", state
+    assert jobs.status(second)["status"] == "PENDING"  # still held by the first
+    assert jobs.run("stop", first, timeout=60).returncode == 0
+    assert jobs.status(first)["status"] == "STOPPED"
+    state = jobs.wait_status(second, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=240)
+    assert state["status"] == "SUCCEEDED", state
     one, two = (Path(jobs.status(j)["run_dir"]) for j in (first, second))
     # the second one's workers started after the first one's summary was written
     assert (two / "plan.json").stat().st_mtime >= (one / "summary.json").stat().st_mtime
@@ -207,9 +216,8 @@ def test_driver_killed_fails_within_30_s_and_leaves_no_worker(jobs):
     drivers = [pid for pid, cmd in job_processes(job_id).items() if "launcher.jobs.driver" in cmd]
     assert len(drivers) == 1, job_processes(job_id)
     os.kill(drivers[0], signal.SIGKILL)
-    killed = time.monotonic()
-    state = jobs.wait_status(job_id, {"FAILED", "STOPPED", "SUCCEEDED"}, timeout=30)
-    assert state["status"] == "FAILED" and time.monotonic() - killed <= 30
+    state = jobs.wait_status(job_id, {"FAILED", "STOPPED", "SUCCEEDED"}, timeout=30)  # seen by a poll begun within 30 s
+    assert state["status"] == "FAILED", state
     assert "exit code -9" in state["failure"]["reason"], state["failure"]
     assert_job_gone(job_id, wait_s=30)
 
