@@ -7,15 +7,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import yaml
 from fixtures.user_code import project, rank_lines
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def ended_succeeded(job_id: str, follow_output: str) -> bool:
+    """``logs --follow`` saw the job end, or (a short job) found it ended already: either way
+    it printed the whole log first."""
+    return re.search(rf"job {job_id} (ended: SUCCEEDED|has ended \(SUCCEEDED\))", follow_output) is not None
 
 
 def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
@@ -38,18 +46,19 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
     head = cluster.node_names[0]
     try:
         # The run directory lies in the head's private /tmp: only the SSH fetch can bring it here.
-        submitted = launch("submit", str(job_file), "--run-dir", "/tmp/jobrun", "--json")
+        run_dir = f"/tmp/jobrun-{uuid.uuid4().hex[:8]}"
+        submitted = launch("submit", str(job_file), "--run-dir", run_dir, "--json")
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
         job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
 
         follow = launch("logs", job_id, "--follow")
         assert follow.returncode == 0, follow.stderr[-3000:]
         assert f"[{head}/rank0] step 6/6" in follow.stdout and "Per rank" in follow.stdout
-        assert f"job {job_id} ended: SUCCEEDED" in follow.stdout
+        assert ended_succeeded(job_id, follow.stdout), follow.stdout[-3000:]
         state = json.loads(launch("status", job_id, "--json").stdout)
         assert state["status"] == "SUCCEEDED" and state["world_size"] == 2 and state["tokens_per_s"] > 0
 
-        assert not (Path("/tmp/jobrun")).exists()
+        assert not Path(run_dir).exists()
         fetched = tmp_path / "fetched"
         result = launch("fetch", job_id, "--to", str(fetched))
         assert result.returncode == 0, result.stderr[-2000:]
@@ -96,11 +105,11 @@ def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> No
     job_file = project(tmp_path)
     workdir = job_file.parent
     (workdir / ".gitignore").write_text("data/\n")  # the job's excludes decide, not a .gitignore
-    submitted = launch("submit", str(job_file), "--run-dir", "/tmp/scriptrun", "--json")
+    submitted = launch("submit", str(job_file), "--run-dir", f"/tmp/scriptrun-{uuid.uuid4().hex[:8]}", "--json")
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
     follow = launch("logs", job_id, "--follow")
-    assert follow.returncode == 0 and f"job {job_id} ended: SUCCEEDED" in follow.stdout, follow.stdout[-3000:]
+    assert follow.returncode == 0 and ended_succeeded(job_id, follow.stdout), follow.stdout[-3000:]
     fetched = tmp_path / "fetched-script"
     assert launch("fetch", job_id, "--to", str(fetched)).returncode == 0
     lines = rank_lines(fetched)
