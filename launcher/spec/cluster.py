@@ -38,6 +38,17 @@ class NodeSpec(Strict):
             raise ValueError(f"gpus must be 'auto' or a count >= 0, not {v}")
         return v
 
+    @field_validator("python")
+    @classmethod
+    def _runnable_anywhere(cls, v: str | None) -> str | None:
+        """The interpreter is run over SSH, by Ray and by the node agent without a shell: an
+        absolute path, or a name looked up on the node's PATH. '~' and relative paths would mean
+        something else in each (the shell quoting keeps '~' literal; the agent's cwd is Ray's)."""
+        if v is None or v.startswith("/") or "/" not in v and not v.startswith("~"):
+            return v
+        raise ValueError(f"python {v!r}: give an absolute path on the node (e.g. /home/me/venv/bin/python) "
+                         f"or a command on its PATH (python3); '~' and relative paths are not expanded")
+
     @field_validator("host")
     @classmethod
     def _plain_host(cls, v: str) -> str:
