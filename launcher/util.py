@@ -27,33 +27,27 @@ def first_line(err: BaseException) -> str:
 
 
 def write_private(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path``, readable by its owner only (0600): for files that hold
-    environment values, which may be secrets, and for the launcher's state. Whole or not at
-    all: a new 0600 file beside it, renamed over it (a kill or a full disk mid-write leaves the
-    previous file, never a truncated one; a wider existing file is replaced, not reused)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            os.fchmod(fh.fileno(), 0o600)  # O_CREAT's mode applies only to a new file
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Write ``text`` to ``path``, readable by its owner only (0600), whole or not at all: for
+    files that hold environment values, which may be secrets, and for the launcher's state (a
+    wider existing file is replaced, not reused)."""
+    _replace(Path(path), text, private=True)
 
 
 def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then
-    renamed over it. For files that are read back (``summary.json``, ``scaling.json``): a full
-    disk or a kill mid-write leaves the previous file, not a truncated one."""
-    path = Path(path)
+    """Write ``text`` to ``path`` whole or not at all, with the umask's mode. For files that are
+    read back (``summary.json``, ``scaling.json``)."""
+    _replace(Path(path), text, private=False)
+
+
+def _replace(path: Path, text: str, *, private: bool) -> None:
+    """Into a new file beside ``path``, then renamed over it: a kill or a full disk mid-write
+    leaves the previous file, never a truncated one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies, as to write_text
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            if private:
+                os.fchmod(fh.fileno(), 0o600)  # O_CREAT's mode applies only to a new file
             fh.write(text)
         os.replace(tmp, path)
     except BaseException:
