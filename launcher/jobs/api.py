@@ -164,12 +164,17 @@ def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]
         yield JobsCluster("bootstrap", saved, _client(url, token), url)
 
 
+RAY_NODE_FIELDS = ("name", "host", "port", "user", "python")  # what the running Ray was started with
+
+
 def _check_same(saved: ClusterSpec, cluster: ClusterSpec) -> None:
-    """UsageError (exit 2) when the running Ray was started for other nodes or Ray settings than
-    the cluster file gives now: a job submitted to it would run on the saved ones."""
+    """UsageError (exit 2) when the running Ray was started for other nodes (names, addresses,
+    SSH users, interpreters) or Ray settings than the cluster file gives now: a job submitted to
+    it would run on the saved ones. What the nodes' Ray does not depend on (their env, gpus,
+    parity policies, SSH options) may change: the submission carries the cluster file as it is."""
     differ = [f"node {a.name if a.name == b.name else f'{a.name}/{b.name}'}: {key} {getattr(a, key)!r} → {getattr(b, key)!r}"
               for a, b in zip(saved.nodes, cluster.nodes, strict=False)
-              for key in type(a).model_fields if getattr(a, key) != getattr(b, key)]
+              for key in RAY_NODE_FIELDS if getattr(a, key) != getattr(b, key)]
     if len(saved.nodes) != len(cluster.nodes):
         differ.append(f"{len(saved.nodes)} node(s) → {len(cluster.nodes)}")
     saved_ray = saved.ray.model_copy(update={"dashboard": cluster.ray.dashboard})

@@ -67,7 +67,8 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
                 snapshot.rename(upload / CODE_DIR)
             write_private(upload / SUBMISSION_FILE, json.dumps({
                 "job_id": job_id, "job": job.model_dump(mode="json"),
-                "cluster": jobs.cluster.model_dump(mode="json"),
+                # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
+                "cluster": cluster.model_copy(update={"ray": jobs.cluster.ray}).model_dump(mode="json"),
                 "facts": {n: f.gpus for n, f in facts.items()} if facts is not None else None,
                 "skip_parity": skip_parity, "run_dir": where}) + "\n")
             python = sys.executable if jobs.head_is_local else jobs.head.interpreter()

@@ -178,4 +178,10 @@ def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
     same = CLUSTER.model_copy(update={"ssh": CLUSTER.ssh.model_copy(update={"connect_timeout_s": 3.0})})
     with api.connect(same, start=True) as jobs:  # SSH settings are not the nodes
         assert jobs.cluster == saved
+    # Nor are the workers' env and GPU counts: the submission carries them as given now.
+    retuned = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10", "gpus": 2},
+                                                    {"name": "node1", "host": "198.18.250.11",
+                                                     "env": {"NCCL_SOCKET_IFNAME": "eth1"}}]})
+    with api.connect(retuned, start=True) as jobs:
+        assert jobs.cluster == saved
     assert calls == []
