@@ -63,12 +63,15 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise SpecError(f"cannot read the file ({err.strerror})", source=str(path)) from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader that also rejects duplicate keys
+        cycle = _has_cycle(data)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or first_line(err)
         raise SpecError(f"invalid YAML{where}: {problem}", source=str(path)) from None
-    if _has_cycle(data):
+    except _YAML_VALUE_ERRORS as err:  # a tagged value no constructor could read, deep nesting
+        raise SpecError(f"invalid YAML: {_value_problem(err)}", source=str(path)) from None
+    if cycle:
         raise SpecError(
             "invalid YAML: an alias (*name) refers to a mapping or list that contains it; "
             "write the value out instead of the cycle",
@@ -97,9 +100,13 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
         if not sep or not all(parts):
             raise UsageError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set train.steps=50")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=_SetValueLoader) if raw.strip() else ""
+        except _TagError as err:
+            raise UsageError(f"--set {_shortened(item)!r}: the value cannot be read: {err.problem}") from None
         except yaml.YAMLError:
-            value = raw
+            value = raw  # not YAML (e.g. 'a: b: c'): the text itself
+        except _YAML_VALUE_ERRORS as err:
+            raise UsageError(f"--set {_shortened(item)!r}: the value cannot be read: {_value_problem(err)}") from None
         node = out
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
@@ -177,7 +184,48 @@ def _kind(model: type[BaseModel]) -> str:
     return {"JobSpec": "job spec", "ClusterSpec": "cluster spec"}.get(model.__name__, model.__name__)
 
 
-class _StrictLoader(yaml.SafeLoader):
+# What PyYAML's safe constructors raise besides YAMLError: a tagged value they cannot read
+# ('!!int 1e3' ValueError, '!!bool maybe' KeyError, '!!timestamp today' AttributeError), and
+# nesting deeper than Python's recursion limit.
+_YAML_VALUE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError)
+
+
+class _TagError(yaml.constructor.ConstructorError):
+    """A tagged scalar that its constructor could not read, with the scalar's line."""
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _value_problem(err: BaseException) -> str:
+    if isinstance(err, RecursionError):
+        return "mappings or lists are nested too deeply to read; flatten them"
+    return f"a value cannot be read ({type(err).__name__}: {first_line(err)}); fix it or quote it"
+
+
+class _ReadableTags(yaml.SafeLoader):
+    """A SafeLoader whose failures to construct a tagged scalar (``!!int 1e3``) are _TagErrors
+    naming the value, its tag and its line, instead of a bare ValueError or KeyError."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
+            if not isinstance(node, yaml.ScalarNode):
+                raise
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise _TagError(
+                None, None, f"{node.value!r} is not a valid {tag}; fix the value, or quote it to mean the text",
+                node.start_mark,
+            ) from None
+
+
+class _SetValueLoader(_ReadableTags):
+    """The value of one ``--set`` override."""
+
+
+class _StrictLoader(_ReadableTags):
     """A SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last) and
     keys that YAML reads as something other than text (``1:``, ``on:``, ``null:``)."""
 
