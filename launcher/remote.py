@@ -12,7 +12,11 @@ to verify its host key, or a command outliving its timeout raises ``NodeError`` 
 
 ``fan_out(nodes, fn, max_parallel)`` calls ``fn(node)`` on every node in threads and collects
 each node's result *or* exception (like fabric's ``GroupResult``): it never stops at the
-first failure.
+first failure. Interrupted (Ctrl-C in the calling thread), it returns at once: nodes not yet
+started are skipped, the runners its threads made are closed (their commands stopped: an SSH
+channel closed, a local process group killed) and the interrupt is raised again without
+waiting for the threads, which are daemons and so never hold up the interpreter's exit.
+``parallel_map`` is the same for any list of items.
 
 Secrets (Ray's auth token) go through ``stdin``, never the command line or ``env`` (which an
 SSH runner inlines into the remote command line, visible in ``ps``).
@@ -35,7 +39,6 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -95,6 +98,10 @@ class Runner(ABC):
 
     def __init__(self, node: NodeSpec):
         self.node = node
+        self._closed = False
+        scope = getattr(_worker, "scope", None)
+        if scope is not None:  # made in a fan-out's thread: closed if the fan-out is interrupted
+            scope.add(self)
 
     @abstractmethod
     def run(
@@ -114,7 +121,8 @@ class Runner(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release the connection, if any."""
+        """Release the connection, if any, and stop a command running now (from any thread);
+        ``run`` raises NodeError afterwards."""
 
     def __enter__(self) -> Runner:
         return self
@@ -124,7 +132,12 @@ class Runner(ABC):
 
 
 class LocalRunner(Runner):
-    """This machine: a subprocess in its own process group (killed whole on timeout)."""
+    """This machine: a subprocess in its own process group (killed whole on timeout or close)."""
+
+    def __init__(self, node: NodeSpec):
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen[str]] = set()
+        super().__init__(node)
 
     def run(
         self,
@@ -134,15 +147,19 @@ class LocalRunner(Runner):
         timeout: float | None = None,
         env: dict[str, str] | None = None,
     ) -> CommandResult:
-        proc = subprocess.Popen(
-            ["/bin/sh", "-c", command],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-            text=True,
-            start_new_session=True,
-        )
+        with self._lock:
+            if self._closed:
+                raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", command],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={**os.environ, **(env or {})},
+                text=True,
+                start_new_session=True,
+            )
+            self._procs.add(proc)
         try:
             out, err = proc.communicate(stdin or "", timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -151,13 +168,23 @@ class LocalRunner(Runner):
         except BaseException:
             _kill_group(proc)
             raise
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        if self._closed:
+            raise NodeError(INTERNAL, f"{_short(command)!r} was stopped: the runner was closed")
         return CommandResult(out, err, proc.returncode)
 
     def describe(self) -> str:
         return f"{self.node.name} (this machine)"
 
     def close(self) -> None:
-        return None
+        with self._lock:
+            self._closed = True
+            running = list(self._procs)
+        for proc in running:  # the thread in run() reaps it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 class SSHRunner(Runner):
@@ -168,12 +195,14 @@ class SSHRunner(Runner):
     """
 
     def __init__(self, node: NodeSpec, ssh: SSHSpec):
-        super().__init__(node)
         self.ssh = ssh
         self.user = node.user or ssh.user or _local_user()
         self.known_hosts = ssh.known_hosts.expanduser()
         self._conn: fabric.Connection | None = None
-        self._lock = threading.Lock()
+        self._connecting: fabric.Connection | None = None  # closed by close() from another thread
+        self._lock = threading.Lock()  # one connect at a time
+        self._state = threading.Lock()  # guards _conn, _connecting, _closed; never held long
+        super().__init__(node)
 
     def connect_kwargs(self) -> dict[str, Any]:
         """Everything handed to paramiko's ``SSHClient.connect``, each option explained."""
@@ -210,6 +239,8 @@ class SSHRunner(Runner):
 
     def _connection(self) -> fabric.Connection:
         with self._lock:
+            if self._closed:
+                raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
             if self._conn is not None and self._conn.is_connected:
                 return self._conn
             config = fabric.Config(
@@ -227,14 +258,26 @@ class SSHRunner(Runner):
                 connect_kwargs=self.connect_kwargs(),
             )
             conn.client = self._client()
+            with self._state:
+                self._connecting = conn
             started = time.monotonic()
             try:
                 conn.open()
             except (paramiko.SSHException, OSError, EOFError) as err:
                 conn.close()
+                if self._closed:
+                    raise NodeError(INTERNAL, f"the runner for {self.describe()} was closed while connecting") from err
                 raise classify_ssh_error(err, self) from err
+            finally:
+                with self._state:
+                    self._connecting = None
+            with self._state:
+                if not self._closed:
+                    self._conn = conn
+            if self._conn is not conn:  # closed while connecting
+                conn.close()
+                raise NodeError(INTERNAL, f"the runner for {self.describe()} was closed while connecting")
             log.debug("connected to %s in %.2f s", self.describe(), time.monotonic() - started)
-            self._conn = conn
             return conn
 
     def run(
@@ -257,7 +300,10 @@ class SSHRunner(Runner):
         try:
             return self._exec(conn.transport, command, stdin or "", timeout)
         except (paramiko.SSHException, OSError, EOFError) as err:
+            closed = self._closed
             self.close()
+            if closed:
+                raise NodeError(INTERNAL, f"{_short(command)!r} was stopped: the runner was closed") from err
             raise NodeError(SSH_ERROR, f"the connection to {self.describe()} broke: {err}") from err
 
     def _exec(self, transport: paramiko.Transport, command: str, stdin: str, timeout: float | None) -> CommandResult:
@@ -296,10 +342,17 @@ class SSHRunner(Runner):
         return f"{self.node.name} ({self.user}@{self.node.host}:{self.node.port})"
 
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        """Close the connection; a command running on it (in another thread) ends with
+        NodeError, and a connect under way is closed and ends with NodeError too."""
+        with self._state:
+            self._closed = True
+            conn, self._conn = self._conn, None
+            connecting = self._connecting
+        if conn is not None:
+            conn.close()
+        if connecting is not None:
+            with contextlib.suppress(Exception):
+                connecting.client.close()
 
 
 def runner_for(node: NodeSpec, ssh_spec: SSHSpec) -> Runner:
@@ -320,19 +373,86 @@ class GroupResult(dict[str, Any], Generic[T]):
 
 
 def fan_out(nodes: Sequence[NodeSpec], fn: Callable[[NodeSpec], T], max_parallel: int = 32) -> GroupResult[T]:
-    """``fn(node)`` for every node, at most ``max_parallel`` at once; every result or exception kept."""
-    results: GroupResult[T] = GroupResult()
-    if not nodes:
-        return results
-    pool = ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(nodes))), thread_name_prefix="fan-out")
+    """``fn(node)`` for every node, at most ``max_parallel`` at once; every result or exception
+    kept. Interrupted, it stops the nodes' work and re-raises at once (see ``parallel_map``)."""
+    outcomes = parallel_map(fn, nodes, max_parallel)
+    return GroupResult((node.name, outcome) for node, outcome in zip(nodes, outcomes, strict=True))
+
+
+class _Scope:
+    """The runners made in one ``parallel_map``'s threads, to close when it is interrupted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runners: list[Runner] = []
+        self.cancelled = False
+
+    def add(self, runner: Runner) -> None:
+        with self._lock:
+            self._runners.append(runner)
+            cancelled = self.cancelled
+        if cancelled:
+            runner.close()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            runners = list(self._runners)
+        for runner in runners:
+            with contextlib.suppress(Exception):
+                runner.close()
+
+
+_worker = threading.local()  # .scope: the _Scope of the parallel_map running in this thread
+
+
+def parallel_map(
+    fn: Callable[[Any], T], items: Sequence[Any], max_parallel: int = 32, *, grace_s: float = 0.0
+) -> list[T | BaseException]:
+    """``fn(item)`` for every item in daemon threads, at most ``max_parallel`` at once: each
+    result or the exception it raised, in item order.
+
+    When the calling thread is interrupted (KeyboardInterrupt, SystemExit, any exception while
+    waiting), items not yet started are skipped, every runner made in these threads is closed
+    (which stops its command: see ``Runner.close``), the threads get at most ``grace_s`` to
+    finish (to record what they did), and the exception is raised again. The threads are
+    daemons: one still busy holds up neither this call nor the interpreter's exit.
+    """
+    items = list(items)
+    outcomes: list[Any] = [None] * len(items)
+    if not items:
+        return outcomes
+    scope = _Scope()
+    lock = threading.Lock()
+    queue = iter(range(len(items)))
+
+    def work() -> None:
+        _worker.scope = scope
+        while True:
+            with lock:
+                index = None if scope.cancelled else next(queue, None)
+            if index is None:
+                return
+            try:
+                outcomes[index] = fn(items[index])
+            except BaseException as err:  # noqa: BLE001 - every item's outcome is kept
+                outcomes[index] = err
+
+    threads = [threading.Thread(target=work, name=f"fan-out-{i}", daemon=True)
+               for i in range(max(1, min(max_parallel, len(items))))]
     try:
-        futures = [(node.name, pool.submit(fn, node)) for node in nodes]
-        for name, future in futures:
-            err = future.exception()
-            results[name] = err if err is not None else future.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    return results
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    except BaseException:
+        scope.cancel()
+        deadline = time.monotonic() + grace_s
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        raise
+    return outcomes
 
 
 # -- error classification ------------------------------------------------------------------------

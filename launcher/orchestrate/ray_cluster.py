@@ -26,14 +26,13 @@ import signal
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from launcher import signals
 from launcher.errors import PreflightError
 from launcher.orchestrate.code import CodePlan, stage
-from launcher.remote import CommandResult, NodeError, runner_for
+from launcher.remote import CommandResult, NodeError, parallel_map, runner_for
 from launcher.spec import ClusterSpec, NodeSpec
 from launcher.util import first_line
 
@@ -47,6 +46,7 @@ TOKEN_ENV = (f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_EN
              "RAY_kill_child_processes_on_worker_exit=0 ")
 ALREADY_RUNNING = "but is already running at"  # `ray start --head` where a GCS runs on that address
 PORT_TAKEN_EXIT = 3
+JOIN_GRACE_S = 5.0  # interrupted while nodes join: how long their stopped joins get to finish
 # Run on the head before its token file is written: exit 3 when something answers on the GCS port.
 _PORT_TAKEN = ("import socket, sys\n"
                "s = socket.socket()\n"
@@ -283,9 +283,10 @@ def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[st
         others = nodes[1:]
         if others:
             log.info("Joining %d node(s) to Ray: %s", len(others), ", ".join(n.name for n in others))
-            with ThreadPoolExecutor(max_workers=min(len(others), cluster.ssh.max_parallel)) as pool:
-                errors = [f.exception() for f in [pool.submit(session._start_ray, n) for n in others]]
-            bad = [e for e in errors if e is not None]
+            # Interrupted: the joins under way are stopped and get JOIN_GRACE_S to record
+            # their node in _started_on, which the close() below stops.
+            outcomes = parallel_map(session._start_ray, others, cluster.ssh.max_parallel, grace_s=JOIN_GRACE_S)
+            bad = [e for e in outcomes if isinstance(e, BaseException)]
             if bad:
                 raise bad[0]
         # Ray reads these when it is imported: set them first, in this process only.
@@ -371,8 +372,9 @@ def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> list[str]:
         return None
 
     log.info("Stopping Ray on %s", ", ".join(n.name for n in nodes))
-    with ThreadPoolExecutor(max_workers=min(len(nodes), cluster.ssh.max_parallel)) as pool:
-        return [name for name in pool.map(stop, nodes) if name is not None]
+    outcomes = parallel_map(stop, nodes, cluster.ssh.max_parallel)
+    return [node.name if isinstance(outcome, BaseException) else outcome
+            for node, outcome in zip(nodes, outcomes, strict=True) if outcome is not None]
 
 
 def _wait_for_nodes(nodes: list[NodeSpec], ips: dict[str, str], timeout_s: float) -> None:

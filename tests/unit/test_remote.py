@@ -3,13 +3,18 @@ output parsing."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import os
 import shlex
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import paramiko
@@ -126,6 +131,77 @@ def test_fan_out_is_parallel_and_bounded() -> None:
     fan_out(nodes, work, max_parallel=4)
     assert peak[0] == 4
     assert time.monotonic() - started < 0.2 * 8 / 2
+
+
+@contextlib.contextmanager
+def sigint_after(seconds: float) -> Iterator[None]:
+    """SIGINT to this process after ``seconds`` (raising KeyboardInterrupt in the main thread,
+    as the launcher's handler does); the timer and the old handler are undone on leaving."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie is dead
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    return False
+
+
+def test_interrupted_fan_out_returns_at_once_and_kills_the_local_commands(tmp_path: Path) -> None:
+    """Ctrl-C during a fan-out: raised at once, not after every node's command ended; the
+    commands (each a process group) are killed and the threads end with them."""
+    nodes = [NodeSpec(name=f"local{i}", host="localhost") for i in range(3)]
+
+    def work(node: NodeSpec) -> CommandResult:
+        with runner_for(node, SSHSpec()) as runner:
+            return runner.run(f"sleep 6 & echo $! > {tmp_path}/{node.name}.pid; wait")
+
+    before = set(threading.enumerate())
+    started = time.monotonic()
+    try:
+        with sigint_after(0.5), pytest.raises(KeyboardInterrupt):
+            fan_out(nodes, work)
+        assert time.monotonic() - started < 2.0
+        pids = [int((tmp_path / f"{n.name}.pid").read_text()) for n in nodes]
+        deadline = time.monotonic() + 2
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if _alive(pid)]
+        deadline = time.monotonic() + 2
+        while set(threading.enumerate()) - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not set(threading.enumerate()) - before
+    finally:
+        for pid_file in tmp_path.glob("*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_an_interrupted_fan_out_never_holds_up_the_interpreters_exit() -> None:
+    """Work that no runner can stop (here a sleep) keeps its thread busy: the process still
+    exits right after the interrupt, as the threads are daemons."""
+    script = (
+        "import os, signal, threading, time\n"
+        "from launcher.remote import fan_out\n"
+        "from launcher.spec.cluster import NodeSpec\n"
+        "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+        "fan_out([NodeSpec(name=f'n{i}', host=f'10.0.0.{i + 1}') for i in range(3)], lambda n: time.sleep(20))\n"
+    )
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert "KeyboardInterrupt" in proc.stderr and proc.returncode != 0
+    assert time.monotonic() - started < 10
 
 
 # -- error classification --------------------------------------------------------------------

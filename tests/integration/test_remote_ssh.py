@@ -1,0 +1,113 @@
+"""The SSH runner against real sshd in network namespaces: interrupts, known_hosts files, keys,
+leaked connections, the remote shell.
+
+One 3-node simulated cluster serves the module (tests/netns.py); tests that change a node
+put it back, also on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from launcher.remote import NodeError, SSHRunner, fan_out
+from launcher.spec.cluster import NodeSpec, SSHSpec
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def cluster(netns_cluster_module):
+    return netns_cluster_module(3)
+
+
+def nodes(cluster) -> list[NodeSpec]:
+    return [NodeSpec(name=name, host=cluster.host(name)) for name in cluster.node_names]
+
+
+def ssh_spec(cluster, **overrides) -> SSHSpec:
+    fields = {"user": "root", "key": cluster.ssh_key, "known_hosts": cluster.known_hosts, "connect_timeout_s": 5}
+    return SSHSpec(**{**fields, **overrides})
+
+
+def processes(argv: list[str]) -> list[int]:
+    """Pids of the processes (any namespace: the nodes share this pid namespace) running ``argv``."""
+    wanted = ("\0".join(argv) + "\0").encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "cmdline").read_bytes() == wanted:
+                    found.append(int(entry.name))
+    return found
+
+
+@contextlib.contextmanager
+def sigint_when(ready, timeout: float = 30.0) -> Iterator[list[float]]:
+    """SIGINT to this process once ``ready()`` holds (KeyboardInterrupt in the main thread);
+    yields a list that gets the time it was sent. The watcher and the old handler are undone
+    on leaving."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sent: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            if ready():
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield sent
+    finally:
+        stop.set()
+        watcher.join(5)
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupted_fan_out_closes_the_ssh_connections_at_once(cluster):
+    """Ctrl-C while every node runs a long command: raised at once, and each node's thread
+    ends with its connection (closed) instead of waiting out the command."""
+    argv = ["sleep", "37.25"]
+    spec = ssh_spec(cluster)
+
+    def work(node: NodeSpec):
+        with SSHRunner(node, spec) as runner:
+            return runner.run(" ".join(argv), timeout=60)
+
+    before = set(threading.enumerate())
+    try:
+        with sigint_when(lambda: len(processes(argv)) == 3) as sent, pytest.raises(KeyboardInterrupt):
+            fan_out(nodes(cluster), work)
+        assert sent, "the remote commands never started"
+        assert time.monotonic() - sent[0] < 3.0
+        deadline = time.monotonic() + 5
+        while [t for t in set(threading.enumerate()) - before if t.name.startswith("fan-out")]:
+            assert time.monotonic() < deadline, "fan-out threads still busy"
+            time.sleep(0.05)
+    finally:
+        for pid in processes(argv):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_closed_runner_fails_its_next_command(cluster):
+    runner = SSHRunner(nodes(cluster)[0], ssh_spec(cluster))
+    try:
+        assert runner.run("echo hi", timeout=30).stdout == "hi\n"
+    finally:
+        runner.close()
+    with pytest.raises(NodeError):
+        runner.run("echo hi", timeout=30)
