@@ -14,7 +14,12 @@ class Strict(BaseModel):
 
 
 def _scalar_to_str(value: object) -> object:
-    """YAML reads ``NCCL_DEBUG: 1`` as an int; environment values are strings."""
+    """Environment values are strings. Job and cluster files and ``--set`` give them as the
+    text written (the loader reads every scalar under an ``env`` key as text); a number or bool
+    given from Python or JSON becomes text here. A null is refused: a variable needs a value."""
+    if value is None:
+        raise ValueError("null is not an environment value; give the text (quote it, 'null', to mean "
+                         "the word) or leave the variable out")
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, int | float):

@@ -92,15 +92,20 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to a copy of ``data``; values are parsed as YAML scalars."""
+    """Apply ``a.b.c=value`` overrides to a copy of ``data``; values are parsed as YAML scalars,
+    except an environment variable's (``launch.env.NAME=VALUE``): its text as given."""
     out = _deep_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
             raise UsageError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set train.steps=50")
+        loader = _SetEnvLoader if parts[-1] == "env" else _SetValueLoader  # --set 'launch.env={A: 1.10}'
         try:
-            value = yaml.load(raw, Loader=_SetValueLoader) if raw.strip() else ""
+            if len(parts) > 1 and parts[-2] == "env":
+                value = _env_text(raw)
+            else:
+                value = yaml.load(raw, Loader=loader) if raw.strip() else ""
         except _TagError as err:
             raise UsageError(f"--set {_shortened(item)!r}: the value cannot be read: {err.problem}") from None
         except yaml.YAMLError:
@@ -204,9 +209,65 @@ def _value_problem(err: BaseException) -> str:
     return f"a value cannot be read ({type(err).__name__}: {first_line(err)}); fix it or quote it"
 
 
-class _ReadableTags(yaml.SafeLoader):
-    """A SafeLoader whose failures to construct a tagged scalar (``!!int 1e3``) are _TagErrors
-    naming the value, its tag and its line, instead of a bare ValueError or KeyError."""
+_STR_TAG, _NULL_TAG, _MERGE_TAG = (f"tag:yaml.org,2002:{t}" for t in ("str", "null", "merge"))
+_NULL_WORDS = {"~", "null", "Null", "NULL"}  # YAML 1.1's nulls
+
+
+def _env_values_as_text(root: yaml.Node, root_is_env: bool = False) -> None:
+    """Environment values are text, read as written: in every mapping under an ``env`` key
+    (``launch.env``, ``nccl.env``, ``nodes[].env``), each scalar value is retagged as a string,
+    so that ``true``, ``1.10``, ``0022`` and ``1:30`` stay so (YAML 1.1 would make them True,
+    1.1, 18 and 90, and the worker would get ``1``, ``1.1``, ``18`` and ``90``). A null (``~``,
+    ``null``, an empty value) stays null, which the spec refuses. Mappings merged in
+    (``<<: *anchor``) are part of the env mapping. Walks the node graph without recursion."""
+    stack, seen = [(root, root_is_env)], set()
+    while stack:
+        node, is_env = stack.pop()
+        if (id(node), is_env) in seen:
+            continue
+        seen.add((id(node), is_env))
+        if isinstance(node, yaml.SequenceNode):  # under env only as a merge list, '<<: [*a, *b]'
+            stack.extend((item, is_env) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            for i, (key, value) in enumerate(node.value):
+                if is_env and key.tag == _MERGE_TAG:
+                    stack.append((value, True))
+                elif is_env and isinstance(value, yaml.ScalarNode):
+                    if value.tag != _NULL_TAG:
+                        text = yaml.ScalarNode(_STR_TAG, value.value, value.start_mark, value.end_mark, value.style)
+                        node.value[i] = (key, text)
+                else:
+                    stack.append((value, isinstance(key, yaml.ScalarNode) and key.tag == _STR_TAG
+                                  and key.value == "env"))
+
+
+def _env_text(raw: str) -> str | None:
+    """The value of ``--set ...env.NAME=VALUE``: the text as given, which the worker gets.
+    A YAML-quoted value (``'1.10'``) loses its quotes; a null word (``~``, ``null``) is null,
+    which the spec refuses, as in a file."""
+    stripped = raw.strip()
+    if stripped in _NULL_WORDS:
+        return None
+    if stripped[:1] in ("'", '"'):
+        try:
+            node = yaml.compose(stripped, Loader=yaml.SafeLoader)
+        except yaml.YAMLError:
+            return raw
+        if isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
+            return node.value
+    return raw
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """A SafeLoader that reads environment values as their text (``_env_values_as_text``) and
+    whose failures to construct a tagged scalar (``!!int 1e3``) are _TagErrors naming the value,
+    its tag and its line, instead of a bare ValueError or KeyError."""
+
+    env_root = False  # the document itself is an env mapping (--set launch.env={...})
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _env_values_as_text(node, self.env_root)
+        return super().construct_document(node)
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
@@ -221,11 +282,17 @@ class _ReadableTags(yaml.SafeLoader):
             ) from None
 
 
-class _SetValueLoader(_ReadableTags):
+class _SetValueLoader(_SpecLoader):
     """The value of one ``--set`` override."""
 
 
-class _StrictLoader(_ReadableTags):
+class _SetEnvLoader(_SetValueLoader):
+    """The value of ``--set ...env=...``: a mapping of environment variables."""
+
+    env_root = True
+
+
+class _StrictLoader(_SpecLoader):
     """A SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last) and
     keys that YAML reads as something other than text (``1:``, ``on:``, ``null:``)."""
 

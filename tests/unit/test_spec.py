@@ -259,7 +259,7 @@ def test_set_does_not_mutate_the_input():
     data = {"name": "j", "train": {"steps": 10}}
     out = apply_overrides(data, ["train.steps=20", "launch.env.A=1"])
     assert data == {"name": "j", "train": {"steps": 10}}
-    assert out["train"]["steps"] == 20 and out["launch"] == {"env": {"A": 1}}
+    assert out["train"]["steps"] == 20 and out["launch"] == {"env": {"A": "1"}}  # env values: text
 
 
 def test_set_unknown_key_says_from_set(tmp_path):
