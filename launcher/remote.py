@@ -60,6 +60,7 @@ UNREACHABLE = "unreachable"
 AUTH_FAILED = "authentication failed"
 UNKNOWN_HOST_KEY = "unknown host key"
 HOST_KEY_MISMATCH = "HOST KEY MISMATCH"
+HOST_KEY_REVOKED = "HOST KEY REVOKED"
 TIMEOUT = "timed out"
 SSH_ERROR = "ssh error"
 INTERPRETER_MISSING = "interpreter missing"
@@ -202,6 +203,7 @@ class SSHRunner(Runner):
         self._connecting: fabric.Connection | None = None  # closed by close() from another thread
         self._lock = threading.Lock()  # one connect at a time
         self._state = threading.Lock()  # guards _conn, _connecting, _closed; never held long
+        self._revoked: set[tuple[str, bytes]] = set()  # @revoked keys of known_hosts
         super().__init__(node)
 
     def connect_kwargs(self) -> dict[str, Any]:
@@ -227,14 +229,20 @@ class SSHRunner(Runner):
         }
 
     def _client(self) -> paramiko.SSHClient:
-        """A client that knows ``ssh.known_hosts`` and refuses (or records, on opt-in) new keys."""
+        """A client that knows ``ssh.known_hosts`` and refuses (or records, on opt-in) new keys.
+
+        The file is read as OpenSSH writes it (``load_known_hosts``); one that cannot be read
+        is a NodeError naming it."""
         client = paramiko.SSHClient()
-        if self.known_hosts.is_file():
-            client.load_host_keys(str(self.known_hosts))
+        known, revoked = load_known_hosts(self.known_hosts)
+        for entry in known:
+            for name in entry.hostnames:
+                client.get_host_keys().add(name, entry.key.get_name(), entry.key)
         if self.ssh.accept_unknown_host_keys:
-            client.set_missing_host_key_policy(_RecordUnknownHostKey(self.known_hosts))
+            client.set_missing_host_key_policy(_RecordUnknownHostKey(self.known_hosts, revoked))
         else:
-            client.set_missing_host_key_policy(_RefuseUnknownHostKey())
+            client.set_missing_host_key_policy(_RefuseUnknownHostKey(revoked))
+        self._revoked = revoked
         return client
 
     def _connection(self) -> fabric.Connection:
@@ -263,6 +271,7 @@ class SSHRunner(Runner):
             started = time.monotonic()
             try:
                 conn.open()
+                _refuse_revoked(conn.transport.get_remote_server_key(), self._revoked)
             except (paramiko.SSHException, OSError, EOFError) as err:
                 conn.close()
                 if self._closed:
@@ -467,10 +476,74 @@ class UnknownHostKeyError(paramiko.SSHException):
         self.key = key
 
 
+class RevokedHostKeyError(paramiko.SSHException):
+    """The node's host key is marked ``@revoked`` in known_hosts."""
+
+    def __init__(self, key: paramiko.PKey):
+        super().__init__(f"the host key {key.get_fingerprint().hex()} is revoked")
+        self.key = key
+
+
+def load_known_hosts(path: Path) -> tuple[list[paramiko.hostkeys.HostKeyEntry], set[tuple[str, bytes]]]:
+    """``path``'s host keys and its ``@revoked`` keys (as ``(type, blob)``), read as OpenSSH does.
+
+    paramiko's own loader raises on lines OpenSSH writes or tolerates. Here a
+    ``@cert-authority`` line is skipped (host certificates are not supported: list the
+    node's own key), ``@revoked`` keys are refused wherever they turn up, and a line that
+    cannot be parsed is skipped with a warning naming it. A missing file holds no keys; one
+    that cannot be read is a NodeError naming it.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], set()
+    except OSError as err:
+        raise NodeError(
+            SSH_ERROR, f"cannot read the known_hosts file {path} (ssh.known_hosts): {err.strerror or err}"
+        ) from err
+    entries: list[paramiko.hostkeys.HostKeyEntry] = []
+    revoked: set[tuple[str, bytes]] = set()
+    for lineno, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        marker = None
+        if line.startswith("@"):
+            marker, _, line = line.partition(" ")
+            line = line.strip()
+            if marker not in ("@revoked", "@cert-authority"):
+                log.warning("%s:%d: unknown marker %s; line skipped", path, lineno, marker)
+                continue
+            if marker == "@cert-authority":
+                log.debug("%s:%d: @cert-authority skipped (host certificates are not supported)", path, lineno)
+                continue
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(line, lineno)
+        except (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError, IndexError) as err:
+            log.warning("%s:%d: not a host key line (%s); skipped", path, lineno, err)
+            continue
+        if entry is None:  # a key type paramiko does not know, or too few fields
+            continue
+        if marker == "@revoked":
+            revoked.add((entry.key.get_name(), entry.key.asbytes()))
+        else:
+            entries.append(entry)
+    return entries, revoked
+
+
+def _refuse_revoked(key: paramiko.PKey | None, revoked: set[tuple[str, bytes]]) -> None:
+    if key is not None and (key.get_name(), key.asbytes()) in revoked:
+        raise RevokedHostKeyError(key)
+
+
 class _RefuseUnknownHostKey(paramiko.RejectPolicy):
     """paramiko's RejectPolicy, raising an error that carries the key for a useful message."""
 
+    def __init__(self, revoked: set[tuple[str, bytes]] | None = None):
+        self.revoked = revoked or set()
+
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        _refuse_revoked(key, self.revoked)
         raise UnknownHostKeyError(hostname, key)
 
 
@@ -483,10 +556,12 @@ class _RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
 
     _lock = threading.Lock()
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, revoked: set[tuple[str, bytes]] | None = None):
         self.path = path
+        self.revoked = revoked or set()
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        _refuse_revoked(key, self.revoked)  # never accepted, not even on opt-in
         client.get_host_keys().add(hostname, key.get_name(), key)
         line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line()
         with self._lock:
@@ -510,6 +585,12 @@ def classify_ssh_error(err: BaseException, runner: SSHRunner) -> NodeError:
             f"the one in {known}: possibly a man-in-the-middle attack, or the node was reinstalled. "
             f"It is never accepted automatically; if the change is expected, remove the old entry "
             f"(ssh-keygen -R {_known_hosts_name(node)} -f {known}) and add the new key",
+        )
+    if isinstance(err, RevokedHostKeyError):
+        return NodeError(
+            HOST_KEY_REVOKED,
+            f"{node.host} presented a {err.key.get_name()} key ({err.key.fingerprint}) that {known} marks "
+            f"@revoked; it is never accepted. Find out why it was revoked before giving the node a new key",
         )
     if isinstance(err, UnknownHostKeyError):
         missing = "" if known.is_file() else f" ({known} does not exist)"

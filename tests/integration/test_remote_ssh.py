@@ -111,3 +111,40 @@ def test_a_closed_runner_fails_its_next_command(cluster):
         runner.close()
     with pytest.raises(NodeError):
         runner.run("echo hi", timeout=30)
+
+
+def test_a_known_hosts_file_as_openssh_writes_it_is_read(cluster, tmp_path):
+    """Marker lines (@cert-authority, @revoked), a garbled line and bytes that are not UTF-8
+    around the nodes' keys: the keys are used, the rest skipped (paramiko raised on each)."""
+    other = Path(f"{cluster.extra_key('other')}.pub").read_text().split()
+    known = tmp_path / "known_hosts"
+    known.write_bytes(
+        f"@cert-authority *.example.com {other[0]} {other[1]}\n"
+        f"@revoked 10.255.0.1 {other[0]} {other[1]}\n"
+        "garbled ssh-ed25519 notbase64!!\n".encode()
+        + b"caf\xe9 ssh-ed25519 AAAA\n"
+        + cluster.known_hosts.read_bytes()
+    )
+    with SSHRunner(nodes(cluster)[1], ssh_spec(cluster, known_hosts=known)) as runner:
+        assert runner.run("echo hi", timeout=30).stdout == "hi\n"
+
+
+def test_a_revoked_host_key_is_refused_even_with_opt_in(cluster, tmp_path):
+    node0 = cluster.known_hosts.read_text().splitlines()[0]
+    known = tmp_path / "known_hosts"
+    for lines, accept in (([f"@revoked {node0}", node0], False), ([f"@revoked {node0}"], True)):
+        known.write_text("\n".join(lines) + "\n")
+        spec = ssh_spec(cluster, known_hosts=known, accept_unknown_host_keys=accept)
+        with SSHRunner(nodes(cluster)[0], spec) as runner, pytest.raises(NodeError) as info:
+            runner.run("echo hi", timeout=30)
+        assert info.value.kind == "HOST KEY REVOKED", info.value
+        assert str(known) in info.value.message
+        assert known.read_text().splitlines() == lines
+
+
+def test_an_unreadable_known_hosts_file_is_a_node_error_naming_it(cluster, tmp_path):
+    known = tmp_path / "known_hosts"
+    known.mkdir()  # root reads any file; a folder cannot be read as one
+    with SSHRunner(nodes(cluster)[0], ssh_spec(cluster, known_hosts=known)) as runner, pytest.raises(NodeError) as info:
+        runner.run("echo hi", timeout=30)
+    assert f"cannot read the known_hosts file {known}" in info.value.message
