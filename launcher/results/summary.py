@@ -105,9 +105,10 @@ def write_summary(run_dir: Path, summary: dict) -> str:
 def load_run(run_dir: Path) -> dict:
     """Rebuild a run's summary from ``plan.json`` and ``metrics/rank<R>.jsonl``.
 
-    Status and failure come from an existing ``summary.json``; without one the run never
-    finished writing it, so it counts as succeeded only when every rank wrote its ``final``
-    record, else as interrupted. Without ``plan.json`` the rank layout is taken from
+    Status and failure come from an existing ``summary.json``, and so do the keys that
+    ``summarize`` does not make (``restarts``, ``launcher_timings_s``: only the launcher that
+    watched the run knew them); without one the run never finished writing it, so it counts
+    as succeeded only when every rank wrote its ``final`` record, else as interrupted. Without ``plan.json`` the rank layout is taken from
     ``summary.json``, and without metrics either, ``summary.json`` is returned as it is. So is
     the summary of a run that restarted: its metrics files hold every attempt's records one
     after another, which only the launcher that watched the attempts told apart (its summary
@@ -138,8 +139,10 @@ def load_run(run_dir: Path) -> dict:
         done = all(any(rec.get("type") == "final" for rec in records.get(int(r["rank"]), []))
                    for r in layout)
         status, failure = ("succeeded" if layout and done else "interrupted"), None
-    return summarize(str(source.get("job", run_dir.name)), layout, records,
-                     status=status, failure=failure)
+    rebuilt = summarize(str(source.get("job", run_dir.name)), layout, records,
+                        status=status, failure=failure)
+    # What only the launcher that watched the run knew (restarts, launcher_timings_s) is kept.
+    return {**rebuilt, **{k: v for k, v in (previous or {}).items() if k not in rebuilt}}
 
 
 def load_records(metrics_dir: Path, ranks: Iterable[int]) -> dict[int, list[dict]]:

@@ -328,6 +328,24 @@ def test_load_run_takes_status_and_failure_from_summary_json(tmp_path):
     assert "signal SIGKILL" in render(s)
 
 
+def test_load_run_keeps_the_launchers_keys_of_a_run_without_restarts(tmp_path, capsys):
+    run = tmp_path / "run"
+    ranks = layout(1, 2)
+    write_run(run, "j", ranks, {r: builtin_records(r, step_ms=100.0) for r in range(2)})
+    saved = summarize("j", ranks, {}, status="succeeded")
+    saved["restarts"] = []  # DESIGN.md's summary.json: always there, empty without restarts
+    saved["launcher_timings_s"] = {"preflight": 1.5, "train": 12.0}
+    write_summary(run, saved)
+    s = load_run(run)
+    assert s["restarts"] == [] and s["launcher_timings_s"] == saved["launcher_timings_s"]
+    assert s["ranks"][0]["tokens_per_s"] is not None  # still rebuilt from the metrics
+    assert list(s) == list(saved)
+    assert report_command(str(run), fmt="json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["restarts"] == [] and out["launcher_timings_s"] == saved["launcher_timings_s"]
+    assert_schema({k: v for k, v in out.items() if k not in ("restarts", "launcher_timings_s")})
+
+
 def test_load_run_with_only_summary_json_returns_it(tmp_path):
     s = summarize("j", layout(1, 2), {r: builtin_records(r, step_ms=100.0) for r in range(2)},
                   status="succeeded")
