@@ -51,6 +51,7 @@ from launcher.spec.cluster import NodeSpec, SSHSpec
 log = logging.getLogger(__name__)
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENCRYPTED = "key {key} is encrypted; load it into ssh-agent and leave ssh.key unset"
 EXIT_DRAIN_S = 5.0  # output read after a remote command exited without its channel's EOF
 
 T = TypeVar("T")
@@ -206,15 +207,38 @@ class SSHRunner(Runner):
         self._revoked: set[tuple[str, bytes]] = set()  # @revoked keys of known_hosts
         super().__init__(node)
 
-    def connect_kwargs(self) -> dict[str, Any]:
-        """Everything handed to paramiko's ``SSHClient.connect``, each option explained."""
-        key = self.ssh.key.expanduser() if self.ssh.key else None
+    def load_key(self) -> paramiko.PKey | None:
+        """``ssh.key`` read, or None without one; NodeError (authentication failed) naming the
+        file when it is missing, unreadable, encrypted or not a private key.
+
+        Read here, not by paramiko from ``key_filename``: paramiko tries the file as every key
+        type in turn and re-raises the last type's parse error ("Invalid key"), which hides a
+        key the node refused and an unreadable file alike."""
+        if not self.ssh.key:
+            return None
+        path, shown = self.ssh.key.expanduser(), self.ssh.key
+        try:
+            return paramiko.PKey.from_path(str(path))
+        except FileNotFoundError:
+            raise NodeError(AUTH_FAILED, f"key file {shown} not found; fix ssh.key in the cluster file") from None
+        except OSError as err:
+            raise NodeError(AUTH_FAILED, f"cannot read key file {shown}: {err.strerror or err}; "
+                                         f"fix its permissions or ssh.key in the cluster file") from None
+        except (TypeError, paramiko.PasswordRequiredException):  # cryptography: no password given
+            raise NodeError(AUTH_FAILED, _ENCRYPTED.format(key=shown)) from None
+        except (paramiko.SSHException, ValueError) as err:
+            raise NodeError(AUTH_FAILED, f"key file {shown} is not a private key that can be read "
+                                         f"({type(err).__name__}: {_short(str(err), 120)}); fix ssh.key") from None
+
+    def connect_kwargs(self, pkey: paramiko.PKey | None = None) -> dict[str, Any]:
+        """Everything handed to paramiko's ``SSHClient.connect``, each option explained;
+        ``pkey`` is ``load_key()``."""
+        key = self.ssh.key
         timeout = self.ssh.connect_timeout_s
         return {
             # The configured key only, so a wrong key fails plainly instead of silently
-            # succeeding with some other identity; without one: ssh-agent, then ~/.ssh/id_*
-            # (no key_filename at all then: fabric iterates it, and None is not a list).
-            **({"key_filename": [str(key)]} if key else {}),
+            # succeeding with some other identity; without one: ssh-agent, then ~/.ssh/id_*.
+            **({"pkey": pkey} if pkey is not None else {}),
             "look_for_keys": key is None,
             "allow_agent": key is None,
             # Key auth only: no password is ever sent and nothing prompts for one.
@@ -263,7 +287,7 @@ class SSHRunner(Runner):
                 port=self.node.port,
                 config=config,
                 connect_timeout=self.ssh.connect_timeout_s,
-                connect_kwargs=self.connect_kwargs(),
+                connect_kwargs=self.connect_kwargs(self.load_key()),
             )
             conn.client = self._client()
             with self._state:
@@ -601,7 +625,7 @@ def classify_ssh_error(err: BaseException, runner: SSHRunner) -> NodeError:
             f"or opt in with ssh.accept_unknown_host_keys: true",
         )
     if isinstance(err, paramiko.PasswordRequiredException):
-        return NodeError(AUTH_FAILED, f"key {ssh.key} is encrypted; load it into ssh-agent and leave ssh.key unset")
+        return NodeError(AUTH_FAILED, _ENCRYPTED.format(key=ssh.key))
     if isinstance(err, paramiko.AuthenticationException) or (
         isinstance(err, paramiko.SSHException) and "No authentication methods" in str(err)
     ):

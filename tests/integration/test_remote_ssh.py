@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -148,3 +149,45 @@ def test_an_unreadable_known_hosts_file_is_a_node_error_naming_it(cluster, tmp_p
     with SSHRunner(nodes(cluster)[0], ssh_spec(cluster, known_hosts=known)) as runner, pytest.raises(NodeError) as info:
         runner.run("echo hi", timeout=30)
     assert f"cannot read the known_hosts file {known}" in info.value.message
+
+
+def keygen(path: Path, kind: str, passphrase: str = "") -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", passphrase, "-f", str(path)], check=True, timeout=30)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["rsa", "ecdsa"])
+def test_a_refused_key_of_any_type_is_an_authentication_failure(cluster, tmp_path, kind):
+    """paramiko read an RSA/ECDSA key file as each key type in turn and re-raised the last
+    parse error: "ssh error: SSHException: Invalid key" instead of the refusal."""
+    key = keygen(tmp_path / f"id_{kind}", kind)
+    node = nodes(cluster)[2]
+    with SSHRunner(node, ssh_spec(cluster, key=key)) as runner, pytest.raises(NodeError) as info:
+        runner.run("echo hi", timeout=30)
+    assert info.value.kind == "authentication failed", info.value
+    assert f"did not accept key {key}" in info.value.message
+
+    authorized = cluster.authorized_keys(node.name)
+    accepted = authorized.read_text()
+    try:  # the same key, once the node accepts it
+        authorized.write_text(accepted + Path(f"{key}.pub").read_text())
+        with SSHRunner(node, ssh_spec(cluster, key=key)) as runner:
+            assert runner.run("echo hi", timeout=30).stdout == "hi\n"
+    finally:
+        authorized.write_text(accepted)
+
+
+def test_key_files_that_cannot_be_used_are_named_before_connecting(cluster, tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "public").write_text(Path(f"{cluster.ssh_key}.pub").read_text())
+    cases = {
+        tmp_path / "missing": "not found",
+        tmp_path / "folder": "cannot read key file",  # root reads any file; a folder cannot be read as one
+        keygen(tmp_path / "encrypted", "ed25519", "secret-phrase"): "is encrypted; load it into ssh-agent",
+        tmp_path / "public": "is not a private key",
+    }
+    for key, fragment in cases.items():
+        with SSHRunner(nodes(cluster)[0], ssh_spec(cluster, key=key)) as runner, pytest.raises(NodeError) as info:
+            runner.run("echo hi", timeout=30)
+        assert info.value.kind == "authentication failed", info.value
+        assert fragment in info.value.message and str(key) in info.value.message

@@ -262,12 +262,15 @@ def test_unreachable_variants(ssh_runner: SSHRunner, exc: BaseException, fragmen
 
 
 def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
-    opts = ssh_runner.connect_kwargs()
+    key = _key()
+    opts = ssh_runner.connect_kwargs(key)
     assert opts["password"] is None and opts["look_for_keys"] is False and opts["allow_agent"] is False
-    assert opts["key_filename"] == [str(ssh_runner.ssh.key)]
+    assert opts["pkey"] is key and "key_filename" not in opts  # read by the runner (load_key)
     assert opts["banner_timeout"] == opts["auth_timeout"] == 3
-    agent = SSHRunner(NodeSpec(name="n", host="10.0.0.1"), SSHSpec()).connect_kwargs()
-    assert "key_filename" not in agent and agent["look_for_keys"] and agent["allow_agent"]
+    agent_runner = SSHRunner(NodeSpec(name="n", host="10.0.0.1"), SSHSpec())
+    assert agent_runner.load_key() is None
+    agent = agent_runner.connect_kwargs(agent_runner.load_key())
+    assert "pkey" not in agent and "key_filename" not in agent and agent["look_for_keys"] and agent["allow_agent"]
 
 
 # -- probe output --------------------------------------------------------------------------
