@@ -297,7 +297,10 @@ class SSHRunner(Runner):
                 conn.open()
                 _refuse_revoked(conn.transport.get_remote_server_key(), self._revoked)
             except (paramiko.SSHException, OSError, EOFError) as err:
+                # fabric's close() does nothing here (it sets conn.transport only once open()
+                # succeeds): the client holds the transport's thread and socket.
                 conn.close()
+                conn.client.close()
                 if self._closed:
                     raise NodeError(INTERNAL, f"the runner for {self.describe()} was closed while connecting") from err
                 raise classify_ssh_error(err, self) from err

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import paramiko
 import pytest
 
 from launcher.remote import NodeError, SSHRunner, fan_out
@@ -191,3 +192,26 @@ def test_key_files_that_cannot_be_used_are_named_before_connecting(cluster, tmp_
             runner.run("echo hi", timeout=30)
         assert info.value.kind == "authentication failed", info.value
         assert fragment in info.value.message and str(key) in info.value.message
+
+
+def transports() -> list[paramiko.Transport]:
+    return [t for t in threading.enumerate() if isinstance(t, paramiko.Transport) and t.is_alive()]
+
+
+def test_failed_connects_leave_no_transport_behind(cluster, tmp_path):
+    """A refused key, a refused and a revoked host key: each connect fails after the SSH
+    transport started; its thread and socket go with the failure."""
+    node0 = cluster.known_hosts.read_text().splitlines()[0]
+    (tmp_path / "revoked").write_text(f"@revoked {node0}\n{node0}\n")
+    (tmp_path / "empty").write_text("")
+    specs = [ssh_spec(cluster, key=cluster.extra_key()), ssh_spec(cluster, known_hosts=tmp_path / "empty"),
+             ssh_spec(cluster, known_hosts=tmp_path / "revoked")]
+    before = len(transports())
+    for _ in range(3):
+        for spec in specs:
+            with SSHRunner(nodes(cluster)[0], spec) as runner, pytest.raises(NodeError):
+                runner.run("echo hi", timeout=30)
+    deadline = time.monotonic() + 5
+    while len(transports()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(transports()) == before
