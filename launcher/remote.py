@@ -158,7 +158,8 @@ class LocalRunner(Runner):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env={**os.environ, **(env or {})},
-                text=True,
+                encoding="utf-8",  # as SSHRunner decodes: bytes that are not UTF-8 become U+FFFD
+                errors="replace",
                 start_new_session=True,
             )
             self._procs.add(proc)

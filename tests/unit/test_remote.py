@@ -62,6 +62,11 @@ def test_local_runner_stdin_env_and_exit_code() -> None:
     assert runner.run("cat | wc -c").stdout.strip() == "0"  # no stdin: empty, never the terminal
 
 
+def test_local_runner_output_that_is_not_utf8_is_replaced_not_an_error() -> None:
+    result = LocalRunner(LOCAL).run("printf 'caf\\351'; printf 'caf\\351' >&2", stdin="caf\u00e9")
+    assert result == CommandResult("caf\ufffd", "caf\ufffd", 0)
+
+
 def test_local_runner_timeout_kills_the_whole_group() -> None:
     runner = LocalRunner(LOCAL)
     started = time.monotonic()
