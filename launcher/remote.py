@@ -114,8 +114,9 @@ class Runner(ABC):
         timeout: float | None = None,
         env: dict[str, str] | None = None,
     ) -> CommandResult:
-        """Run ``command`` with ``sh``; ``stdin`` is written then closed (EOF), None gives an
-        empty stdin. Raises NodeError when the node cannot be reached or ``timeout`` passes."""
+        """Run ``command`` with ``sh`` (over SSH too, whatever the user's login shell);
+        ``stdin`` is written then closed (EOF), None gives an empty stdin. Raises NodeError
+        when the node cannot be reached or ``timeout`` passes."""
 
     @abstractmethod
     def describe(self) -> str:
@@ -328,14 +329,17 @@ class SSHRunner(Runner):
         # One paramiko session channel on fabric's connection. Not ``Connection.run``: invoke
         # feeds a non-terminal stdin one character per 10 ms, and a probe is 20 kB.
         conn = self._connection()
+        script = command
         if env:
             bad = [k for k in env if not _ENV_NAME.fullmatch(k)]
             if bad:
                 raise ValueError(f"not environment variable names: {bad}")
             exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-            command = f"export {exports} && {command}"
+            script = f"export {exports} && {command}"
+        # sshd runs what it is sent with the user's login shell (``$SHELL -c``), which may be
+        # csh, tcsh or fish; the command is POSIX sh, so it goes to sh as one quoted word.
         try:
-            return self._exec(conn.transport, command, stdin or "", timeout)
+            return self._exec(conn.transport, f"sh -c {shlex.quote(script)}", stdin or "", timeout, shown=command)
         except (paramiko.SSHException, OSError, EOFError) as err:
             closed = self._closed
             self.close()
@@ -343,7 +347,9 @@ class SSHRunner(Runner):
                 raise NodeError(INTERNAL, f"{_short(command)!r} was stopped: the runner was closed") from err
             raise NodeError(SSH_ERROR, f"the connection to {self.describe()} broke: {err}") from err
 
-    def _exec(self, transport: paramiko.Transport, command: str, stdin: str, timeout: float | None) -> CommandResult:
+    def _exec(
+        self, transport: paramiko.Transport, command: str, stdin: str, timeout: float | None, *, shown: str
+    ) -> CommandResult:
         chan = transport.open_session(timeout=self.ssh.connect_timeout_s)
         try:
             chan.exec_command(command)
@@ -367,7 +373,7 @@ class SSHRunner(Runner):
                     if eof or time.monotonic() - exited_at > EXIT_DRAIN_S:
                         break
                 if deadline is not None and time.monotonic() > deadline:
-                    raise NodeError(TIMEOUT, f"{_short(command)!r} did not finish within {timeout:g} s")
+                    raise NodeError(TIMEOUT, f"{_short(shown)!r} did not finish within {timeout:g} s")
                 if not transport.is_active():
                     raise EOFError("the SSH transport closed")
                 select.select([chan], [], [], 0.05)

@@ -215,3 +215,15 @@ def test_failed_connects_leave_no_transport_behind(cluster, tmp_path):
     while len(transports()) > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(transports()) == before
+
+
+def test_commands_run_under_sh_whatever_the_login_shell(cluster):
+    """sshd hands the command to the user's login shell (bash here; csh, tcsh or fish on
+    some clusters, where ``VAR=x cmd``, ``rc=$?`` and ``export K=v &&`` fail): the runner
+    sends it to sh, with its environment and stdin."""
+    assert cluster.exec("node0", "getent passwd root | cut -d: -f7").stdout.strip() != "/bin/sh"
+    with SSHRunner(nodes(cluster)[0], ssh_spec(cluster)) as runner:
+        assert runner.run("echo $0", timeout=30).stdout == "sh\n"
+        result = runner.run('K2=y sh -c \'echo "$K $K2"\'; rc=$?; cat; exit $rc', stdin="from stdin\n",
+                            env={"K": "a b'c $HOME"}, timeout=30)
+        assert result.stdout == "a b'c $HOME y\nfrom stdin\n" and result.exit_code == 0
