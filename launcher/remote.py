@@ -28,6 +28,7 @@ import contextlib
 import errno
 import getpass
 import logging
+import math
 import os
 import re
 import select
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENCRYPTED = "key {key} is encrypted; load it into ssh-agent and leave ssh.key unset"
+REMOTE_TIMEOUT_MARGIN_S = 2  # a remote command outliving its timeout by this stops itself
 EXIT_DRAIN_S = 5.0  # output read after a remote command exited without its channel's EOF
 
 T = TypeVar("T")
@@ -339,7 +341,7 @@ class SSHRunner(Runner):
         # sshd runs what it is sent with the user's login shell (``$SHELL -c``), which may be
         # csh, tcsh or fish; the command is POSIX sh, so it goes to sh as one quoted word.
         try:
-            return self._exec(conn.transport, f"sh -c {shlex.quote(script)}", stdin or "", timeout, shown=command)
+            return self._exec(conn.transport, _remote_command(script, timeout), stdin or "", timeout, shown=command)
         except (paramiko.SSHException, OSError, EOFError) as err:
             closed = self._closed
             self.close()
@@ -678,6 +680,19 @@ def _feed(chan: paramiko.Channel, data: bytes) -> None:
         if data:
             chan.sendall(data)
         chan.shutdown_write()
+
+
+def _remote_command(script: str, timeout: float | None) -> str:
+    """What an SSH runner sends: ``script`` for sh. With a ``timeout``, under coreutils'
+    ``timeout`` where the node has one that takes ``-k`` (else as it is): closing the channel
+    when the launcher gives up does not stop a remote command, so it stops itself
+    REMOTE_TIMEOUT_MARGIN_S later (SIGTERM to its process group, SIGKILL 5 s after)."""
+    if timeout is None:
+        return f"sh -c {shlex.quote(script)}"
+    limit = math.ceil(timeout) + REMOTE_TIMEOUT_MARGIN_S
+    wrapper = (f"if timeout -k 1 5 true >/dev/null 2>&1; then exec timeout -k 5 {limit} sh -c {shlex.quote(script)}; "
+               f"else exec sh -c {shlex.quote(script)}; fi")
+    return f"sh -c {shlex.quote(wrapper)}"
 
 
 def _known_hosts_name(node: NodeSpec) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from launcher.remote import NodeError, SSHRunner, fan_out
+from launcher.remote import CommandResult, NodeError, SSHRunner, fan_out
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
@@ -227,3 +227,23 @@ def test_commands_run_under_sh_whatever_the_login_shell(cluster):
         result = runner.run('K2=y sh -c \'echo "$K $K2"\'; rc=$?; cat; exit $rc', stdin="from stdin\n",
                             env={"K": "a b'c $HOME"}, timeout=30)
         assert result.stdout == "a b'c $HOME y\nfrom stdin\n" and result.exit_code == 0
+
+
+def test_a_remote_command_past_its_timeout_stops_itself(cluster):
+    """Closing the channel does not stop a remote command: one that outlives its timeout is
+    ended on the node soon after (by coreutils' timeout), and its exit code passes through."""
+    argv = ["sleep", "41.75"]
+    try:
+        with SSHRunner(nodes(cluster)[0], ssh_spec(cluster)) as runner:
+            assert runner.run("cat; exit 7", stdin="in\n", timeout=30) == CommandResult("in\n", "", 7)
+            with pytest.raises(NodeError) as info:
+                runner.run(" ".join(argv), timeout=1)
+        assert info.value.kind == "timed out" and "'sleep 41.75' did not finish within 1 s" in info.value.message
+        deadline = time.monotonic() + 15
+        while processes(argv):
+            assert time.monotonic() < deadline, "the remote command runs on"
+            time.sleep(0.1)
+    finally:
+        for pid in processes(argv):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
