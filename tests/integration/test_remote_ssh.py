@@ -18,6 +18,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from fixtures.launching import kill
 
 from launcher.remote import CommandResult, NodeError, SSHRunner, fan_out
 from launcher.spec.cluster import NodeSpec, SSHSpec
@@ -100,9 +101,7 @@ def test_an_interrupted_fan_out_closes_the_ssh_connections_at_once(cluster):
             assert time.monotonic() < deadline, "fan-out threads still busy"
             time.sleep(0.05)
     finally:
-        for pid in processes(argv):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill(processes(argv))
 
 
 def test_a_closed_runner_fails_its_next_command(cluster):
@@ -244,6 +243,4 @@ def test_a_remote_command_past_its_timeout_stops_itself(cluster):
             assert time.monotonic() < deadline, "the remote command runs on"
             time.sleep(0.1)
     finally:
-        for pid in processes(argv):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill(processes(argv))
