@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from launcher.errors import Interrupted, JobFailed, LauncherError, UsageError
+from launcher.errors import Interrupted, JobFailed, LauncherError, SpecError, UsageError
 from launcher.orchestrate.code import CodePlan, plan_code
 from launcher.orchestrate.plan import NodeFacts, declared_workers
 from launcher.orchestrate.ray_cluster import RaySession, open_session
@@ -19,6 +19,7 @@ from launcher.orchestrate.rundir import RunDir
 from launcher.preflight import preflight_facts
 from launcher.results.scaling import build_table, scale_job, write_scaling
 from launcher.spec import ClusterSpec, JobSpec
+from launcher.spec.job import refusal_at
 from launcher.util import utc_stamp
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,9 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
         raise UsageError(f"--repeat {repeat}: give 1 or more")
     points = _points(job, cluster, world=world, nodes=nodes)
     base_world = points[0][0] * points[0][1]
-    # Every point's job first: a world size the batch does not split over is refused (exit 2)
-    # before any point runs, not after the smaller ones did.
+    # Every point's job first: a world size the batch does not split over, or one the job
+    # refuses (refusal_at), is refused (exit 2) before any point runs, not after the smaller
+    # ones did.
     jobs = [_point_job(job, n_nodes, nproc, base_world, mode) for n_nodes, nproc in points]
     out_dir = out_dir or Path("runs") / f"{job.name}-scale-{utc_stamp()}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,10 +69,20 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
 
 
 def _point_job(job: JobSpec, n_nodes: int, nproc: int, base_world: int, mode: str) -> JobSpec:
-    """The job of the point with ``n_nodes`` x ``nproc`` ranks (SpecError where it cannot be)."""
-    point_job = scale_job(job, n_nodes * nproc, base_world, mode)
+    """The job of the point with ``n_nodes`` x ``nproc`` ranks (SpecError where it cannot be:
+    the batch does not split over its ranks, or the job refuses that world size)."""
+    world = n_nodes * nproc
+    point_job = scale_job(job, world, base_world, mode)
     resources = point_job.resources.model_copy(update={"nodes": n_nodes, "nproc_per_node": nproc})
-    return point_job.model_copy(update={"resources": resources})
+    point_job = point_job.model_copy(update={"resources": resources})
+    # model_copy skipped the job's checks; refusal_at runs them again, with the world size.
+    refusal = refusal_at(point_job, world)
+    if refusal is not None:
+        raise SpecError(
+            f"the scaling point of {world} rank(s) ({n_nodes} node(s) x {nproc}) cannot run this job "
+            f"({mode} scaling): {refusal.rstrip('.')}. Leave that point out of --world / --nodes or "
+            f"change the job; no point was run", source="launch scale")
+    return point_job
 
 
 def _point(point_job: JobSpec, cluster: ClusterSpec, session: RaySession, *, out_dir: Path, repeat: int,
