@@ -24,6 +24,7 @@ SSH runner inlines into the remote command line, visible in ``ps``).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import getpass
@@ -688,11 +689,27 @@ def _remote_command(script: str, timeout: float | None) -> str:
     when the launcher gives up does not stop a remote command, so it stops itself
     REMOTE_TIMEOUT_MARGIN_S later (SIGTERM to its process group, SIGKILL 5 s after)."""
     if timeout is None:
-        return f"sh -c {shlex.quote(script)}"
+        return _for_login_shell(script)
     limit = math.ceil(timeout) + REMOTE_TIMEOUT_MARGIN_S
     wrapper = (f"if timeout -k 1 5 true >/dev/null 2>&1; then exec timeout -k 5 {limit} sh -c {shlex.quote(script)}; "
                f"else exec sh -c {shlex.quote(script)}; fi")
-    return f"sh -c {shlex.quote(wrapper)}"
+    return _for_login_shell(wrapper)
+
+
+# What a login shell other than sh does not keep as it is inside a single-quoted word: csh and
+# tcsh end the command at a newline ("Unmatched '") and expand history at "!" ("Event not
+# found"), also under -c; fish unescapes \\ and \'.
+_LOGIN_SHELL_UNSAFE = re.compile(r"[\n\r!\\]")
+
+
+def _for_login_shell(script: str) -> str:
+    """``sh -c`` running ``script``, as one line that any login shell (sh, bash, csh, tcsh,
+    fish) passes to sh unchanged: quoted as it is where that is safe, else base64-encoded and
+    decoded by sh itself (stdin is left to the script)."""
+    if _LOGIN_SHELL_UNSAFE.search(script) is None:
+        return f"sh -c {shlex.quote(script)}"
+    encoded = base64.b64encode(script.encode()).decode()
+    return f"sh -c 'eval \"$(echo {encoded} | base64 -d)\"'"
 
 
 def _known_hosts_name(node: NodeSpec) -> str:

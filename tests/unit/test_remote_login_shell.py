@@ -1,0 +1,80 @@
+"""What an SSH runner sends is run by the user's login shell (sshd: ``$SHELL -c``), which may be
+csh or tcsh: the command must reach sh unchanged there too, multi-line scripts (the bootstrap's
+port check) and "!" included. Run here under each shell that this machine has, as sshd would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from launcher.errors import PreflightError
+from launcher.orchestrate import ray_cluster
+from launcher.remote import CommandResult, _remote_command
+from launcher.spec import ClusterSpec
+
+SHELLS = [pytest.param(name, marks=pytest.mark.skipif(shutil.which(name) is None, reason=f"no {name} here"))
+          for name in ("sh", "bash", "tcsh", "csh")]
+
+
+def login_shell(shell: str, command: str, *, stdin: str = "", timeout: float | None = None,
+                home: str | None = None) -> CommandResult:
+    """``command`` as an SSH runner sends it, run as sshd does with ``shell`` as login shell."""
+    sent = _remote_command(command, timeout)
+    assert "\n" not in sent and "\r" not in sent and "!" not in sent, sent
+    env = {**os.environ, "HOME": home} if home else None
+    proc = subprocess.run([shutil.which(shell) or shell, "-c", sent], input=stdin, capture_output=True,
+                          text=True, timeout=60, env=env)
+    return CommandResult(proc.stdout, proc.stderr, proc.returncode)
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_scripts_reach_sh_unchanged_under_any_login_shell(shell, timeout):
+    script = ("printf '%s\\n' \"$0\" 'a!b' 'back\\slash' \"it's\"\n"
+              "x=$(cat)\n"
+              "echo \"stdin: $x\"; exit 7")
+    result = login_shell(shell, script, stdin="from stdin", timeout=timeout)
+    assert (result.stdout, result.exit_code) == ("sh\na!b\nback\\slash\nit's\nstdin: from stdin\n", 7), result
+    # one-line scripts without such characters are sent as they are (readable in ps and logs)
+    assert _remote_command("echo hi", None) == "sh -c 'echo hi'"
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monkeypatch):
+    """The head's port check (a multi-line Python program) and token file, as ``_start_ray``
+    sends them: the token lands in the file, and a taken GCS port is still refused."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    cluster = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10", "python": sys.executable}],
+                                         "ray": {"port": port}})
+    ran: list[str] = []
+
+    def on_node(cluster, node, command, *, stdin=None, timeout):
+        ran.append(command)
+        return login_shell(shell, command, stdin=stdin or "", timeout=timeout, home=str(tmp_path))
+
+    monkeypatch.setattr(ray_cluster, "_on_node", on_node)
+    monkeypatch.setattr(ray_cluster, "_ray_cli", lambda cluster, node, args: "")
+    monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes: [])
+    session = ray_cluster.RaySession(mode="bootstrap", address="ray://127.0.0.1:10001", node_ips={"node0": "127.0.0.1"},
+                                     _cluster=cluster, _head_ip="127.0.0.1", _token="t" * 64)
+    token = tmp_path / ".ray" / "launcher_auth_token"
+
+    session._start_ray(cluster.nodes[0], head=True)  # nothing listens yet
+    assert "\n" in ran[0]  # the multi-line port check is what is sent
+    assert token.read_text() == "t" * 64 and token.stat().st_mode & 0o777 == 0o600
+
+    token.unlink()
+    listener.listen()
+    try:
+        with pytest.raises(PreflightError, match=f"port {port} on the head node 'node0'"):
+            session._start_ray(cluster.nodes[0], head=True)
+    finally:
+        listener.close()
+    assert not token.exists()
