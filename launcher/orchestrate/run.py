@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from launcher import signals
-from launcher.errors import Interrupted, JobFailed, LauncherError
+from launcher.errors import Interrupted, JobFailed, LauncherError, PreflightError
 from launcher.orchestrate import elastic
 from launcher.orchestrate.agents import AgentGroup
 from launcher.orchestrate.code import CodePlan, plan_code
@@ -71,6 +71,7 @@ class Launch:
     _used: set[str] = field(default_factory=set, init=False)  # nodes any attempt ran on
     _first_world: int = field(default=0, init=False)
     _own_session: bool = field(default=False, init=False)
+    _workers_started: bool = field(default=False, init=False)  # asked any node to start torchrun
 
     def __post_init__(self) -> None:
         self.log = RunLog(self.run_dir, quiet=self.quiet)
@@ -103,6 +104,9 @@ class Launch:
         except OSError as err:  # writing the run directory (a full disk), or Ray's connection lost
             reason = f"the launcher could not go on: {type(err).__name__}: {err}"
             outcome = Outcome(Status.FAILED, self.run_dir.root, Failure(FailureKind.LAUNCHER, reason))
+            if not self._workers_started:  # the launch failed before training (exit 3), not the job (4)
+                raise PreflightError(f"{reason}. No worker was started; what was recorded is in "
+                                     f"{self.run_dir}") from err
             raise JobFailed(f"{reason}. Every worker was stopped; what was recorded is in {self.run_dir}") from err
         finally:
             self.finish(outcome)
@@ -218,6 +222,7 @@ class Launch:
         self._first_world = self._first_world or launch_plan.world_size
         self._used.update(n.name for n in launch_plan.nodes)
         self.log.open(launch_plan)
+        self._workers_started = True  # from here on a worker may run (some nodes may start before one fails)
         # job.yaml on the nodes has env values masked: workers get them from the plan's env.
         agents.start(launch_plan, {"job.yaml": spec_yaml(job)})
         log.info("Started %d worker(s) on %d node(s): %s", launch_plan.world_size, len(launch_plan.nodes),
@@ -344,7 +349,8 @@ def checked_code(job: JobSpec, cluster: ClusterSpec) -> CodePlan | None:
 
 def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip_parity: bool = False,
         keep_ray: bool = False) -> Outcome:
-    """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary.
+    """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary;
+    PreflightError (exit 3) where the launcher failed (an OSError) before any worker started.
 
     A workdir that cannot travel raises SpecError (exit 2) before anything is made or started.
     """

@@ -146,3 +146,82 @@ def test_two_launches_in_the_same_second_get_their_own_run_directories(tmp_path,
     in_the_way.write_text("")
     with pytest.raises(UsageError, match="cannot make a run directory"):
         RunDir.new("j", base=in_the_way / "runs")
+
+
+def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(tmp_path, monkeypatch):
+    """A full disk while writing plan.json: no node was asked to start torchrun, so the launch
+    failed before training (exit 3), not the job (exit 4); everything is closed, summary written."""
+    from launcher.errors import EXIT_PREFLIGHT, PreflightError
+
+    def disk_full(self, launch_plan):
+        raise OSError(28, "No space left on device", str(self.root / "plan.json"))
+
+    monkeypatch.setattr(RunDir, "write_plan", disk_full)
+    agents = Agents()
+    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    with pytest.raises(PreflightError, match="No space left on device.*No worker was started") as err:
+        launcher.execute()
+    assert err.value.exit_code == EXIT_PREFLIGHT
+    assert "start" not in agents.calls and agents.calls[-1] == "close" and session.closed
+    assert summary(tmp_path)["status"] == "failed"
+    assert "No space left on device" in summary(tmp_path)["failure"]["reason"]
+
+
+def test_an_oserror_while_staging_the_code_on_ray_is_exit_3_with_a_summary(tmp_path, monkeypatch):
+    from launcher.errors import EXIT_PREFLIGHT
+
+    def cannot_stage(self):
+        raise PermissionError(13, "Permission denied", "/work/train.py")
+
+    agents = Agents()
+    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    monkeypatch.setattr(Launch, "connect_ray", cannot_stage)
+    with pytest.raises(Exception, match="Permission denied") as err:
+        launcher.execute()
+    assert err.value.exit_code == EXIT_PREFLIGHT
+    assert agents.calls == [] and summary(tmp_path)["status"] == "failed"
+
+
+def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch):
+    """The first attempt's workers ran (and failed); the restart's plan.json cannot be written:
+    a run failure (exit 4), not a launch that failed before training."""
+    from launcher.errors import EXIT_JOB_FAILED
+
+    writes = []
+    real_write_plan = RunDir.write_plan
+
+    def second_write_fails(self, launch_plan):
+        writes.append(launch_plan.attempt)
+        if len(writes) > 1:
+            raise OSError(28, "No space left on device", str(self.root / "plan.attempt1.json"))
+        return real_write_plan(self, launch_plan)
+
+    monkeypatch.setattr(RunDir, "write_plan", second_write_fails)
+    failed = {0: AgentUpdate(exit=ExitStatus(1)), 1: AgentUpdate(exit=ExitStatus(0))}
+    agents = RestartingAgents(rounds=[failed])
+    launcher, session = launch(tmp_path, monkeypatch, agents, job_with_restarts())
+    with pytest.raises(JobFailed, match="No space left on device") as err:
+        launcher.execute()
+    assert err.value.exit_code == EXIT_JOB_FAILED
+    assert writes == [0, 1] and agents.calls.count("start") == 1 and session.closed
+    assert summary(tmp_path)["status"] == "failed"
+
+
+class RestartingAgents(Agents):
+    """Also answers what the watcher asks about a failed rank: every other agent is reachable,
+    no log lines, no structured errors (the failure is a plain exit code 1)."""
+
+    def unreachable(self, exclude: int) -> None:
+        return None
+
+    def tail(self, i: int, local_rank, lines: int) -> list[str]:
+        return []
+
+    def errors(self, i: int) -> list:
+        return []
+
+
+def job_with_restarts() -> JobSpec:
+    return JobSpec.model_validate({"name": "t", "resources": {"device": "cpu", "nproc_per_node": 1},
+                                   "precision": {"dtype": "fp32"}, "launch": {"max_restarts": 1},
+                                   "train": {"steps": 10, "warmup_steps": 1}})
