@@ -81,3 +81,32 @@ def test_secrets_given_as_numbers_are_kept_whole_and_masked(tmp_path):
     assert job.launch.env["DB_PASSWORD"] == "0022" and job.launch.env["API_TOKEN"] == "1.10"
     masked = mask_env(dict(job.launch.env))
     assert masked["DB_PASSWORD"] == masked["API_TOKEN"] == "****"
+
+
+def test_an_anchor_merged_into_env_keeps_its_numbers_outside_env(tmp_path):
+    """The merge retags the env mapping's own copy: the anchored mapping, used again as the job's
+    train, keeps 0x40 -> 64, 0022 -> 18 and off -> False (the text only under env)."""
+    job = load_job(_write(tmp_path, "name: j\ntrain: &t {steps: 0x40, seed: 0022, compile: off}\n"
+                                    "launch:\n  env: {<<: *t, A: 1}\nnccl:\n  env: *t\n"))
+    assert (job.train.steps, job.train.seed, job.train.compile) == (64, 18, False)
+    assert dict(job.launch.env) == {"steps": "0x40", "seed": "0022", "compile": "off", "A": "1"}
+    assert job.nccl.env == {"steps": "0x40", "seed": "0022", "compile": "off"}
+
+
+def test_an_anchor_used_in_env_and_elsewhere_is_typed_outside_env_in_any_order(tmp_path):
+    """At the YAML level (no schema): whether the anchor is defined under env or outside it, and
+    whether env merges it, lists it in a merge list or is it, every other use keeps its types."""
+    from launcher.spec.loader import read_yaml
+
+    data = read_yaml(_write(tmp_path, (
+        "launch:\n  env: &e {N: 0x10, V: 1.10}\n"
+        "base: &b {n: 7, flag: true}\n"
+        "nccl:\n  env: {<<: [*b, *e], X: 2}\n"
+        "numbers: {<<: [*e, *b]}\n"
+        "node: {env: *b, other: *b}\n"
+        "again: *b\n")))
+    assert data["launch"]["env"] == {"N": "0x10", "V": "1.10"}
+    assert data["nccl"]["env"] == {"n": "7", "flag": "true", "N": "0x10", "V": "1.10", "X": "2"}
+    assert data["numbers"] == {"N": 16, "V": 1.1, "n": 7, "flag": True}
+    assert data["node"] == {"env": {"n": "7", "flag": "true"}, "other": {"n": 7, "flag": True}}
+    assert data["again"] == {"n": 7, "flag": True}
