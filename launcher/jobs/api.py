@@ -102,18 +102,21 @@ class JobsCluster:
 @contextlib.contextmanager
 def connect(cluster: ClusterSpec, *, start: bool = False) -> Iterator[JobsCluster]:
     """The cluster's Jobs API; ``start`` starts (or bootstraps) the launcher's Ray when none
-    runs, else NoJobs is raised for a cluster without one."""
-    if cluster.ray.address is not None:
-        with _attached(cluster) as jobs:
-            yield jobs
-    elif cluster.all_local:
-        head = heads.local_head(start=start)
-        if head is None:
-            raise NoJobs()
-        yield JobsCluster("local", cluster, _client(head.jobs_url, head.token()), head.jobs_url, head)
-    else:
-        with _bootstrapped(cluster, start=start) as jobs:
-            yield jobs
+    runs, else NoJobs is raised for a cluster without one. With ``start`` (a submission) the
+    launcher's Ray is locked (``head.jobs_lock``) until the block ends: ``launch down`` does
+    not stop it between finding it and handing it the job."""
+    with heads.jobs_lock(cluster) if start else contextlib.nullcontext():
+        if cluster.ray.address is not None:
+            with _attached(cluster) as jobs:
+                yield jobs
+        elif cluster.all_local:
+            head = heads.local_head(start=start)
+            if head is None:
+                raise NoJobs()
+            yield JobsCluster("local", cluster, _client(head.jobs_url, head.token()), head.jobs_url, head)
+        else:
+            with _bootstrapped(cluster, start=start) as jobs:
+                yield jobs
 
 
 # -- the three kinds -------------------------------------------------------------------------

@@ -184,10 +184,19 @@ def fetch(cluster: ClusterSpec, job_id: str, *, to: Path | None) -> Path:
 
 def down(cluster: ClusterSpec, *, yes: bool) -> int:
     """Stop the Ray the launcher started for detached jobs (never one it attached to)."""
+    from launcher.jobs.head import jobs_lock
+
     if cluster.ray.address is not None:
         print(f"the Ray at ray.address {cluster.ray.address} is not the launcher's: `launch down` "
               f"stops only a Ray the launcher started; nothing stopped", flush=True)
         return 0
+    # From listing the jobs to stopping Ray: a submission waits (and starts Ray again after),
+    # so the jobs stopped with Ray are exactly those listed (and confirmed, without --yes).
+    with jobs_lock(cluster):
+        return _down(cluster, yes=yes)
+
+
+def _down(cluster: ClusterSpec, *, yes: bool) -> int:
     try:
         with connect(cluster) as jobs:
             active = [d for d in jobs.jobs() if _status(d) in ACTIVE]
@@ -231,7 +240,7 @@ def down(cluster: ClusterSpec, *, yes: bool) -> int:
         from launcher.jobs.head import cluster_lock, forget_cluster
         from launcher.orchestrate.ray_cluster import _stop_ray
 
-        with cluster_lock(spec):  # not while a submit bootstraps it
+        with cluster_lock(spec):  # held already (jobs_lock): not while a submit bootstraps it
             left = _stop_ray(spec, list(spec.nodes))
             forget_cluster(spec)
         stopped = [n.name for n in spec.nodes if n.name not in left]

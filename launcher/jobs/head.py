@@ -15,6 +15,10 @@ State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, el
   while a command reads the record, bootstraps and saves it, and while ``launch down`` stops
   and forgets it.
 
+``jobs_lock`` (``local/.lock``, or the cluster's ``.lock``) is held by ``launch submit`` from
+finding (or starting) the launcher's Ray until Ray has the job, and by ``launch down`` from
+listing the jobs until Ray is stopped: down stops no job it did not list.
+
 The local head binds its dashboard and Jobs API to 127.0.0.1 and needs the token for every
 request (``RAY_AUTH_MODE=token``); its other ports are free ports picked at start (Ray's
 defaults, such as the client server's 10001, would clash with a Ray someone else runs here).
@@ -34,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -168,6 +173,21 @@ def cluster_lock(cluster: ClusterSpec) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def jobs_lock(cluster: ClusterSpec) -> Iterator[None]:
+    """The lock of the launcher's Ray for ``cluster`` (none for a Ray it attaches to): held by
+    a submission until Ray has the job and by ``launch down`` from listing the jobs to stopping
+    Ray. The functions here that take it inside do not wait for a lock their thread holds."""
+    if cluster.ray.address is not None:
+        yield
+    elif cluster.all_local:
+        with _locked(_local_folder() / ".lock"):
+            yield
+    else:
+        with cluster_lock(cluster):
+            yield
+
+
 def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:
     """The spec a bootstrapped cluster with this head was started with, if the launcher keeps one."""
     path = cluster_record(cluster)
@@ -196,15 +216,26 @@ def _local_folder() -> Path:
     return folder
 
 
+_held = threading.local()  # the lock files this thread holds
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """One process at a time holds ``path`` (flock): starts or stops a head, two submits at
-    once share one."""
+    once share one. A thread that holds it already goes on (a second flock of the same file
+    would wait for itself); other threads wait as other processes do."""
+    held: set[str] = _held.__dict__.setdefault("paths", set())
+    key = str(path.resolve())
+    if key in held:
+        yield
+        return
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
+        held.add(key)
         try:
             yield
         finally:
+            held.discard(key)
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 

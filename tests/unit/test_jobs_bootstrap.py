@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import types
 
 import pytest
 
@@ -185,3 +186,105 @@ def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
     with api.connect(retuned, start=True) as jobs:
         assert jobs.cluster == saved
     assert calls == []
+
+
+class FakeRay:
+    """The Jobs API of one bootstrapped Ray: jobs submitted to it run until it is stopped."""
+
+    def __init__(self, on_list=None):
+        self.running: dict[str, int] = {}
+        self.on_list = on_list
+
+    def list_jobs(self):
+        listed = [types.SimpleNamespace(submission_id=job_id, status=types.SimpleNamespace(value="RUNNING"),
+                                        metadata={api.META_KEY: "0"}, start_time=t, runtime_env=None)
+                  for job_id, t in self.running.items()]
+        if self.on_list is not None:
+            self.on_list()
+        return listed
+
+    def submit_job(self, *, submission_id, **_):
+        self.running[submission_id] = len(self.running)
+
+
+def test_down_stops_ray_only_under_the_jobs_it_listed(monkeypatch, capsys):
+    """`launch down` (no --yes) lists no running job; a submission that comes while it stops Ray
+    must not be stopped with that Ray, unlisted: it waits, and runs on a Ray started again."""
+    from launcher.jobs import commands
+
+    heads.save_cluster(CLUSTER)
+    calls: list[float] = []
+    stub_bootstrap(monkeypatch, calls)
+    monkeypatch.setattr(api, "_tunnel", tunnel_to())
+    rays: list[FakeRay] = []
+    stopped_with_ray: list[str] = []
+    submitted = threading.Event()
+
+    def submit():  # what `launch submit` does with the Jobs API
+        with api.connect(CLUSTER, start=True) as jobs:
+            jobs.client.submit_job(submission_id="later", entrypoint="x")
+        submitted.set()
+
+    submitter = threading.Thread(target=submit)
+
+    def on_list():  # down has listed the jobs: a submission comes now
+        if not submitter.is_alive() and not submitted.is_set():
+            submitter.start()
+            submitted.wait(1.0)
+
+    def client(url, token):
+        rays.append(FakeRay(on_list if len(rays) == 0 else None))
+        return rays[-1]
+
+    def stop_ray(cluster, nodes):
+        stopped_with_ray.extend(rays[-1].running)
+        rays[-1].running.clear()
+        return []
+
+    monkeypatch.setattr(api, "_client", client)
+    monkeypatch.setattr(ray_cluster, "_stop_ray", stop_ray)
+    assert commands.down(CLUSTER, yes=False) == 0
+    submitter.join(timeout=30)
+    assert stopped_with_ray == [], "launch down stopped a job it never listed"
+    assert submitted.is_set() and len(calls) == 1 and list(rays[-1].running) == ["later"]
+    assert "Stopped the launcher's Ray on node0, node1" in capsys.readouterr().out
+
+
+def test_down_waits_for_a_submission_that_found_ray_before_it(monkeypatch):
+    """A submission that found the running Ray (connect) and has not handed it the job yet:
+    `launch down` (no --yes) waits for it, then lists that job and refuses to stop it."""
+    from launcher.errors import UsageError
+    from launcher.jobs import commands
+
+    heads.save_cluster(CLUSTER)
+    stub_bootstrap(monkeypatch, [])
+    monkeypatch.setattr(api, "_tunnel", tunnel_to())
+    ray = FakeRay()
+    connected, listed, submitted = threading.Event(), threading.Event(), threading.Event()
+    stopped_with_ray: list[str] = []
+
+    def on_list():
+        listed.set()
+        submitted.wait(1.0)
+
+    def submit():
+        with api.connect(CLUSTER, start=True) as jobs:
+            connected.set()
+            listed.wait(1.0)
+            jobs.client.submit_job(submission_id="later", entrypoint="x")
+        submitted.set()
+
+    def stop_ray(cluster, nodes):
+        stopped_with_ray.extend(ray.running)
+        return []
+
+    monkeypatch.setattr(api, "_client", lambda url, token: ray)
+    monkeypatch.setattr(ray_cluster, "_stop_ray", stop_ray)
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    assert connected.wait(10)
+    ray.on_list = on_list
+    with pytest.raises(UsageError, match="1 job.s. still running: later"):
+        commands.down(CLUSTER, yes=False)
+    submitter.join(timeout=30)
+    assert stopped_with_ray == [] and heads.saved_cluster(CLUSTER) == CLUSTER
