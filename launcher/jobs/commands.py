@@ -128,13 +128,39 @@ def list_jobs(cluster: ClusterSpec, *, as_json: bool) -> int:
 
 def logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
     """The driver's output; with ``follow``, streamed until the job ends (Ctrl-C stops
-    following only)."""
+    following only). Output into a pipe that closes early (``| head``) ends it quietly, exit 0."""
+    try:
+        return _logs(cluster, job_id, follow=follow)
+    except _StdoutClosed:
+        # As the Python docs advise for SIGPIPE: stdout to devnull, so that flushing it at exit
+        # does not fail again ("Exception ignored ... BrokenPipeError").
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # not a real file (tests)
+            fd = sys.stdout.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        return 0
+
+
+class _StdoutClosed(Exception):
+    """stdout's reader went away (EPIPE): no error of the Jobs API."""
+
+
+def _out(text: str, *, end: str = "\n") -> None:
+    try:
+        sys.stdout.write(text + end)
+        sys.stdout.flush()
+    except BrokenPipeError as err:
+        raise _StdoutClosed() from err
+
+
+def _logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
     with _connect_for(cluster, job_id) as jobs:
         details = jobs.job(job_id)
         if not follow or _status(details) not in ACTIVE:
-            sys.stdout.write(job_state.strip(jobs.logs(details)))
+            _out(job_state.strip(jobs.logs(details)), end="")
             if follow:
-                print(f"job {job_id} has ended ({_shown(jobs, details)}); nothing to follow", flush=True)
+                _out(f"job {job_id} has ended ({_shown(jobs, details)}); nothing to follow")
             return 0
         try:
             asyncio.run(_tail(jobs, job_id))
@@ -146,7 +172,7 @@ def logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
             raise PreflightError(
                 f"following job {job_id} stopped: the Ray Jobs API at {jobs.url} broke off the log "
                 f"stream ({first_line(err)}); the job may go on (`launch status {job_id}`)") from err
-        print(f"job {job_id} ended: {_shown(jobs, jobs.job(job_id))}", flush=True)
+        _out(f"job {job_id} ended: {_shown(jobs, jobs.job(job_id))}")
     return 0
 
 
@@ -274,9 +300,9 @@ async def _tail(jobs: JobsCluster, job_id: str) -> None:
         *lines, pending = pending.split("\n")
         for text in lines:
             if not text.startswith(job_state.MARK):
-                print(text, flush=True)
+                _out(text)
     if pending and not pending.startswith(job_state.MARK):
-        print(pending, flush=True)
+        _out(pending)
 
 
 def _stop_wait(details: Any) -> float:

@@ -67,3 +67,49 @@ def test_a_broken_log_stream_is_a_preflight_error(monkeypatch, capsys):
     with pytest.raises(PreflightError, match="following job job-1 stopped: .*Websocket closed abnormally"):
         commands.logs(None, "job-1", follow=True)
     assert "step 1" in capsys.readouterr().out
+
+
+FOLLOWED = '''
+import contextlib, sys, types
+from launcher import cli
+from launcher.jobs import commands
+
+LINES = 200_000
+status = sys.argv[1]
+details = types.SimpleNamespace(submission_id="job-1", status=types.SimpleNamespace(value=status))
+
+class Client:
+    async def tail_job_logs(self, job_id):
+        for i in range(LINES):
+            yield f"line {i}\\n"
+
+jobs = types.SimpleNamespace(client=Client(), url="http://127.0.0.1:8265", job=lambda job_id: details,
+                             logs=lambda d: "".join(f"line {i}\\n" for i in range(LINES)))
+
+@contextlib.contextmanager
+def connect_for(cluster, job_id):
+    yield jobs
+
+commands._connect_for = connect_for
+commands._shown = lambda jobs, details: details.status.value
+sys.exit(cli.main(["logs", "job-1", "--follow"]))
+'''
+
+
+@pytest.mark.parametrize("status", ["RUNNING", "SUCCEEDED"])  # followed, or the whole log at once
+def test_logs_into_a_pipe_closed_early_exit_quietly(status, tmp_path):
+    """`launch logs ID --follow | head -n 1`: the closed pipe is no failure of the Jobs API (not
+    exit 3), and Python says nothing of it at exit either."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "followed.py"
+    script.write_text(FOLLOWED)
+    launch = subprocess.Popen([sys.executable, str(script), status], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.Popen(["head", "-n", "1"], stdin=launch.stdout, stdout=subprocess.PIPE)
+    launch.stdout.close()
+    out, _ = head.communicate(timeout=60)
+    err = launch.stderr.read().decode()
+    assert launch.wait(timeout=60) == 0, err
+    assert out == b"line 0\n" and err == ""
