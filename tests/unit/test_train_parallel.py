@@ -63,19 +63,58 @@ def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, 
         trainer.close()
 
 
-def test_the_declared_torch_floor_has_the_apis_the_trainer_uses():
-    """pyproject's ``torch>=`` is no older than the torch (2.6) that made public what the trainer
-    calls: ``torch.nn.utils.get_total_norm`` (the gradient norm) and
-    ``torch.distributed.fsdp.fully_shard`` (FSDP2); it said 2.4."""
-    import re
+# What the trainer calls that an older torch lacks: (module, name, the torch release that made
+# it public). The declared floor must be the newest of these: no older (the trainer would fail
+# on a torch that pip accepts), no newer (users would be refused a torch that works). A new API
+# with a newer release goes here, with the floor raised to match.
+TRAINER_TORCH_APIS = [
+    ("torch.nn.utils", "get_total_norm", (2, 6)),  # optim: the gradient norm
+    ("torch.distributed.fsdp", "fully_shard", (2, 6)),  # FSDP2; torch.distributed._composable.fsdp before
+    ("torch.distributed.fsdp", "MixedPrecisionPolicy", (2, 6)),
+    ("torch.distributed.fsdp", "CPUOffloadPolicy", (2, 6)),
+]
+
+
+def _declared_torch_specifier():
+    """The version specifier of the one ``torch`` requirement in pyproject's dependencies."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    torch_reqs = [r for r in map(Requirement, pyproject["project"]["dependencies"]) if r.name == "torch"]
+    assert len(torch_reqs) == 1, f"pyproject should declare torch once in [project] dependencies: {torch_reqs}"
+    return torch_reqs[0].specifier
+
+
+def test_the_declared_torch_floor_is_the_oldest_torch_with_the_apis_the_trainer_uses():
+    """pyproject's torch requirement admits the release that made public everything in
+    TRAINER_TORCH_APIS (2.6) and refuses every torch before it: its one lower bound is that
+    release (it said 2.4; raising it past what the trainer needs fails here too)."""
+    from packaging.version import Version
+
+    spec = _declared_torch_specifier()
+    major, minor = max(release for _, _, release in TRAINER_TORCH_APIS)
+    needed = Version(f"{major}.{minor}")
+    lower = [s for s in spec if s.operator in (">=", ">", "==", "~=", "===")]
+    assert [(s.operator, Version(s.version)) for s in lower] == [(">=", needed)], \
+        f"pyproject's torch{spec} should have the one lower bound >={needed}"
+    assert spec.contains(f"{needed}.0") and spec.contains(f"{major}.{minor}.1")
+    assert not spec.contains(f"{major}.{minor - 1}.99")
+
+
+def test_the_trainer_uses_the_apis_the_torch_floor_is_for():
+    """TRAINER_TORCH_APIS is no stale list: the trainer calls each of them, and the installed
+    torch (which the declared requirement admits) has them."""
+    import importlib
     from pathlib import Path
 
     import torch
+    from packaging.version import Version
 
-    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
-    floor = re.search(r'"torch>=(\d+)\.(\d+)', text)
-    assert floor is not None
-    assert (int(floor[1]), int(floor[2])) >= (2, 6)
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: F401
-
-    assert callable(torch.nn.utils.get_total_norm)
+    source = "\n".join(p.read_text() for p in (Path(__file__).resolve().parents[2] / "launcher" / "train").glob("*.py"))
+    for module, name, _ in TRAINER_TORCH_APIS:
+        assert name in source, f"the trainer no longer uses {module}.{name}: update TRAINER_TORCH_APIS and the floor"
+        assert hasattr(importlib.import_module(module), name)
+    assert _declared_torch_specifier().contains(Version(torch.__version__).base_version)
