@@ -13,9 +13,13 @@ to verify its host key, or a command outliving its timeout raises ``NodeError`` 
 ``fan_out(nodes, fn, max_parallel)`` calls ``fn(node)`` on every node in threads and collects
 each node's result *or* exception (like fabric's ``GroupResult``): it never stops at the
 first failure. Interrupted (Ctrl-C in the calling thread), it returns at once: nodes not yet
-started are skipped, the runners its threads made are closed (their commands stopped: an SSH
-channel closed, a local process group killed) and the interrupt is raised again without
-waiting for the threads, which are daemons and so never hold up the interpreter's exit.
+started are skipped, the runners its threads made are closed and the interrupt is raised again
+without waiting for the threads, which are daemons and so never hold up the interpreter's exit.
+Closing a runner ends the wait for its command, which is not the same as stopping it: a local
+command's process group is killed, but a remote command runs on after its SSH connection is
+closed, until it ends by itself (a write to its closed output may end it), or its remote
+``timeout`` stops it REMOTE_TIMEOUT_MARGIN_S after the timeout it was run with. A caller that
+must not leave it running stops it on the node (the Ray bootstrap: ``ray_cluster._stop_ray``).
 ``parallel_map`` is the same for any list of items.
 
 Secrets (Ray's auth token) go through ``stdin``, never the command line or ``env`` (which an
@@ -127,8 +131,9 @@ class Runner(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release the connection, if any, and stop a command running now (from any thread);
-        ``run`` raises NodeError afterwards."""
+        """Release the connection, if any, and give up on a command running now (from any
+        thread): that ``run`` and every later one raise NodeError. Whether the command itself
+        stops depends on the runner: LocalRunner kills it, SSHRunner does not (see its close)."""
 
     def __enter__(self) -> Runner:
         return self
@@ -389,7 +394,12 @@ class SSHRunner(Runner):
 
     def close(self) -> None:
         """Close the connection; a command running on it (in another thread) ends with
-        NodeError, and a connect under way is closed and ends with NodeError too."""
+        NodeError, and a connect under way is closed and ends with NodeError too.
+
+        The command on the node is not stopped: sshd does not signal a command without a
+        terminal when its channel closes. It runs on until it ends by itself (a write to its
+        closed output may end it) or, run with a timeout, until its remote ``timeout`` stops it
+        (``_remote_command``)."""
         with self._state:
             self._closed = True
             conn, self._conn = self._conn, None
@@ -460,9 +470,10 @@ def parallel_map(
 
     When the calling thread is interrupted (KeyboardInterrupt, SystemExit, any exception while
     waiting), items not yet started are skipped, every runner made in these threads is closed
-    (which stops its command: see ``Runner.close``), the threads get at most ``grace_s`` to
-    finish (to record what they did), and the exception is raised again. The threads are
-    daemons: one still busy holds up neither this call nor the interpreter's exit.
+    (a local command is killed; a remote one is only given up on and keeps running on its
+    node: see ``Runner.close``), the threads get at most ``grace_s`` to finish (to record what
+    they did), and the exception is raised again. The threads are daemons: one still busy
+    holds up neither this call nor the interpreter's exit.
     """
     items = list(items)
     outcomes: list[Any] = [None] * len(items)

@@ -10,8 +10,10 @@
   cluster.yaml. A fresh auth token for this cluster travels to every node on SSH stdin into
   a 0600 file (never on a command line) that ``RAY_AUTH_TOKEN_PATH`` names; the launcher,
   which may sit outside the cluster, drives it through Ray Client
-  (``ray://head:client_port``) with the token in its own environment only. ``close()`` runs
-  ``ray stop`` on those nodes and removes the token file unless ``keep_ray``.
+  (``ray://head:client_port``) with the token in its own environment only. A node where
+  another Ray runs is refused (``ray stop`` would stop that one too). ``close()`` kills a
+  ``ray start`` of this cluster still running on those nodes (one cut short by Ctrl-C), runs
+  ``ray stop`` there and removes the token file, unless ``keep_ray``.
 """
 
 from __future__ import annotations
@@ -46,12 +48,58 @@ TOKEN_ENV = (f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_EN
              "RAY_kill_child_processes_on_worker_exit=0 ")
 ALREADY_RUNNING = "but is already running at"  # `ray start --head` where a GCS runs on that address
 PORT_TAKEN_EXIT = 3
+OTHER_RAY_EXIT = 4
 JOIN_GRACE_S = 5.0  # interrupted while nodes join: how long their stopped joins get to finish
 # Run on the head before its token file is written: exit 3 when something answers on the GCS port.
 _PORT_TAKEN = ("import socket, sys\n"
                "s = socket.socket()\n"
                "s.settimeout(3)\n"
                f"sys.exit({PORT_TAKEN_EXIT} if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 0)\n")
+# Run on every node before its token file is written, with this cluster's GCS address (HEAD:PORT):
+# exit 4, naming them on stderr, when raylets of another Ray run there that `ray stop` run there
+# would stop too (this user's; every user's for root). Linux (/proc); elsewhere it finds none.
+_OTHER_RAY = ("import os, sys\n"
+              "ours = {'--gcs-address=' + sys.argv[1], '--gcs_address=' + sys.argv[1]}\n"
+              "me, found = os.getuid(), []\n"
+              "for pid in sorted(filter(str.isdigit, os.listdir('/proc') if os.path.isdir('/proc') else [])):\n"
+              "    try:\n"
+              "        with open('/proc/' + pid + '/comm') as f:\n"
+              "            if f.read().strip() != 'raylet':\n"
+              "                continue\n"
+              "        if me != 0 and os.stat('/proc/' + pid).st_uid != me:\n"
+              "            continue\n"
+              "        with open('/proc/' + pid + '/cmdline', 'rb') as f:\n"
+              "            argv = f.read().decode(errors='replace').split('\\0')\n"
+              "    except OSError:\n"
+              "        continue\n"
+              "    if not ours & set(argv):\n"
+              "        gcs = [a.split('=', 1)[1] for a in argv if a.startswith(('--gcs-address=', '--gcs_address='))]\n"
+              "        found.append('raylet pid ' + pid + ' (GCS ' + (gcs[0] if gcs else 'unknown') + ')')\n"
+              "if found:\n"
+              "    print(', '.join(found), file=sys.stderr)\n"
+              f"    sys.exit({OTHER_RAY_EXIT})\n")
+# Run on a node before `ray stop`, with the node's address and this cluster's GCS port: SIGKILL to
+# this user's `ray start` for that port bound to that address. One the launcher gave up on (Ctrl-C
+# while nodes join, a timeout) runs on there, as closing an SSH connection stops nothing on the
+# node, and could start Ray after the stop. Matched on whole arguments, so never this program.
+_KILL_START = ("import os, signal, sys\n"
+               "ip, port, me = sys.argv[1], sys.argv[2], os.getuid()\n"
+               "for pid in filter(str.isdigit, os.listdir('/proc') if os.path.isdir('/proc') else []):\n"
+               "    try:\n"
+               "        if os.stat('/proc/' + pid).st_uid != me:\n"
+               "            continue\n"
+               "        with open('/proc/' + pid + '/cmdline', 'rb') as f:\n"
+               "            argv = f.read().decode(errors='replace').split('\\0')\n"
+               "    except OSError:\n"
+               "        continue\n"
+               "    pairs = set(zip(argv, argv[1:]))\n"
+               "    joins = any(a == '--address' and b.rpartition(':')[2] == port for a, b in pairs)\n"
+               "    if (('ray.scripts.scripts', 'start') in pairs and ('--node-ip-address', ip) in pairs\n"
+               "            and (('--port', port) in pairs or joins)):\n"
+               "        try:\n"
+               "            os.kill(int(pid), signal.SIGKILL)\n"
+               "        except OSError:\n"
+               "            pass\n")
 
 
 @dataclass
@@ -85,19 +133,26 @@ class RaySession:
     def _start_ray(self, node: NodeSpec, *, head: bool = False) -> None:
         """``ray start`` on a node over SSH, with this cluster's token in a 0600 file first.
 
-        The node joins ``_started_on`` (what ``close`` stops) once its ``ray start`` has run,
-        also when it failed or timed out midway (it may have started part of Ray), but never
-        when a Ray already runs there: a head whose GCS port answers is refused before anything
-        is written to it, and a ``ray start`` that finds Ray running starts nothing. Stopping
-        Ray on such a node would kill a Ray (and its jobs) that this session did not start.
+        A node where a Ray that this session did not start already runs is refused before
+        anything is written to it (PreflightError; nothing started, nothing stopped): stopping
+        Ray there would kill that Ray and its jobs, as ``ray stop`` stops every Ray on a node.
+        That is a head whose GCS port answers, or any node with a raylet of another Ray that
+        ``ray stop`` there would stop (this user's; every user's for root).
+
+        The node joins ``_started_on`` (what ``close`` stops) as its ``ray start`` is issued,
+        so also when that fails, times out or is cut short by an interrupt (part of Ray may run
+        there, or the start itself may: ``_stop_ray`` kills it before ``ray stop``); it leaves
+        again when ``ray start --head`` reports a Ray already running at its address.
         """
         assert self._cluster is not None and self._token is not None
         cluster, rc = self._cluster, self._cluster.ray
         ip = self.node_ips.get(node.name) or _resolve(node.host)
-        write = f"umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}"
-        if head:  # the port taken: exit 3, and the token file of the Ray there stays as it is
-            write = (f"{shlex.quote(node.interpreter())} -c {shlex.quote(_PORT_TAKEN)} {shlex.quote(ip)} {rc.port} "
-                     f"&& {write}")
+        python = shlex.quote(node.interpreter())
+        # Another Ray there: exit 3 (the head's port) or 4, and its token file stays as it is.
+        write = (f"{python} -c {shlex.quote(_OTHER_RAY)} {shlex.quote(f'{self._head_ip}:{rc.port}')} "
+                 f"&& umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}")
+        if head:
+            write = f"{python} -c {shlex.quote(_PORT_TAKEN)} {shlex.quote(ip)} {rc.port} && {write}"
         result = _on_node(cluster, node, write, stdin=self._token, timeout=cluster.ssh.connect_timeout_s + 20)
         if head and result.exit_code == PORT_TAKEN_EXIT:
             raise PreflightError(
@@ -105,6 +160,13 @@ class RaySession:
                 f"already (if the launcher started it for detached jobs, `launch down --yes` stops it; "
                 f"else stop it with `ray stop` there, pick another ray.port, or attach to it with "
                 f"ray.address in cluster.yaml). Nothing was started or stopped")
+        if result.exit_code == OTHER_RAY_EXIT:
+            raise PreflightError(
+                f"another Ray runs on node {node.name!r} ({node.host}): {result.stderr_tail() or 'a raylet'}. "
+                f"Stopping this cluster's Ray there would stop it too (`ray stop` stops every Ray on a "
+                f"node), so the launcher does not start Ray there: stop that Ray (`ray stop` there; "
+                f"`launch down --yes` if the launcher started it for detached jobs), leave the node "
+                f"out, or attach to that Ray with ray.address in cluster.yaml. Nothing was started or stopped")
         if not result.ok:
             raise PreflightError(f"cannot write Ray's token file on node {node.name!r} ({node.host}): "
                                  f"{result.stderr_tail() or f'exit code {result.exit_code}'}")
@@ -114,16 +176,13 @@ class RaySession:
                     "--dashboard-port", str(rc.dashboard_port)]
         else:
             args = ["start", "--address", f"{self._head_ip}:{rc.port}"]
+        self._started_on.append(node)  # before the start: an interrupt may cut it short anywhere
         try:
             _ray_cli(cluster, node, [*args, "--node-ip-address", ip, "--disable-usage-stats"])
         except PreflightError as err:
-            if ALREADY_RUNNING not in str(err):  # else: Ray ran there before; not ours to stop
-                self._started_on.append(node)
+            if ALREADY_RUNNING in str(err):  # Ray ran there before; not ours to stop
+                self._started_on.remove(node)
             raise
-        except BaseException:  # a timeout, Ctrl-C: part of Ray may run there now
-            self._started_on.append(node)
-            raise
-        self._started_on.append(node)
 
     def close(self, *, keep_ray: bool = False) -> None:
         """Disconnect; stop the Ray this session started (embedded, or bootstrapped unless keep_ray)."""
@@ -283,8 +342,9 @@ def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[st
         others = nodes[1:]
         if others:
             log.info("Joining %d node(s) to Ray: %s", len(others), ", ".join(n.name for n in others))
-            # Interrupted: the joins under way are stopped and get JOIN_GRACE_S to record
-            # their node in _started_on, which the close() below stops.
+            # Interrupted: the joins under way are given up (their runners closed) and get
+            # JOIN_GRACE_S to end; the close() below kills the `ray start`s that run on, on
+            # every node in _started_on, then stops Ray there (_stop_ray).
             outcomes = parallel_map(session._start_ray, others, cluster.ssh.max_parallel, grace_s=JOIN_GRACE_S)
             bad = [e for e in outcomes if isinstance(e, BaseException)]
             if bad:
@@ -354,13 +414,16 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
 
 
 def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> list[str]:
-    """``ray stop --force`` and the token file removed on every node, in parallel; returns the
-    names of the nodes where that could not be done (unreachable, timed out, stop failed):
-    Ray may still run there."""
+    """On every node, in parallel: a ``ray start`` of this cluster still running there killed
+    (``_KILL_START``: one the launcher gave up on would start Ray after the stop), then
+    ``ray stop --force`` and the token file removed. Returns the names of the nodes where that
+    could not be done (unreachable, timed out, stop failed): Ray may still run there."""
     def stop(node: NodeSpec) -> str | None:
         python = shlex.quote(node.interpreter())
+        kill = f"{python} -c {shlex.quote(_KILL_START)} {shlex.quote(_resolve(node.host))} {cluster.ray.port}"
         try:
-            result = _on_node(cluster, node, f"{python} -m ray.scripts.scripts stop --force; rc=$?; rm -f {TOKEN_FILE}; exit $rc",
+            result = _on_node(cluster, node, f"{kill}; {python} -m ray.scripts.scripts stop --force; rc=$?; "
+                                             f"rm -f {TOKEN_FILE}; exit $rc",
                               timeout=cluster.ssh.connect_timeout_s + 60)
         except Exception as err:  # noqa: BLE001 - every node gets its try; the caller names the failed
             log.warning("could not stop Ray on %s (%s): %s", node.name, node.host, first_line(err))

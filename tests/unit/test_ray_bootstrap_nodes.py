@@ -1,0 +1,260 @@
+"""Bootstrapping Ray on several nodes: Ctrl-C while the workers join, and nodes where another
+Ray runs. The nodes are this machine behind a runner that behaves as SSH does (closing it gives
+up on the command, which runs on), and ``ray`` on their PYTHONPATH is a stand-in that records
+what it was asked to do: the launcher's real commands run, no real Ray starts or stops."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import PreflightError
+from launcher.orchestrate import ray_cluster
+from launcher.remote import INTERNAL, TIMEOUT, CommandResult, NodeError, Runner, _remote_command
+from launcher.spec import ClusterSpec
+from launcher.util import free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+HOSTS = [f"198.18.250.{10 + i}" for i in range(3)]
+ADDRESSES = {host: f"127.0.0.{1 + i}" for i, host in enumerate(HOSTS)}  # what the launcher resolves them to
+
+# The stand-in for `python -m ray.scripts.scripts`: `start` records itself (a worker's then
+# hangs, as a join to an unresponsive head does); `stop` records which of this node's starts of
+# this cluster (FAKE_PORT) were still running when it ran.
+FAKE_SCRIPTS = textwrap.dedent("""\
+    import json, os, sys, time
+
+    LOG = os.environ["FAKE_RAY_LOG"]
+
+    def record(**fields):
+        with open(LOG, "a") as f:
+            f.write(json.dumps(fields) + "\\n")
+
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(") ", 1)[1][0] != "Z"
+        except OSError:
+            return False
+
+    args = sys.argv[1:]
+    if args[0] == "start":
+        port = args[args.index("--port") + 1] if "--head" in args else args[args.index("--address") + 1].rpartition(":")[2]
+        ip = args[args.index("--node-ip-address") + 1]
+        record(cmd="start", ip=ip, port=port, pid=os.getpid())
+        if "--head" not in args:
+            time.sleep(80)
+        record(cmd="started", ip=ip, port=port)
+    elif args[0] == "stop":
+        ip, port = os.environ["FAKE_NODE_IP"], os.environ["FAKE_PORT"]
+        with open(LOG) as f:
+            starts = [e for e in map(json.loads, f) if e["cmd"] == "start" and e["ip"] == ip and e["port"] == port]
+        record(cmd="stop", ip=ip, running=[e["pid"] for e in starts if running(e["pid"])])
+""")
+
+
+class DetachedRunner(Runner):
+    """Runs commands here as an SSH runner runs them on a node (``_remote_command``, under
+    ``sh -c`` as sshd does): closing it ends the wait with NodeError but stops nothing."""
+
+    procs: list[subprocess.Popen[str]] = []
+
+    def __init__(self, node, ssh=None):
+        super().__init__(node)
+
+    def run(self, command, *, stdin=None, timeout=None, env=None) -> CommandResult:
+        if self._closed:
+            raise NodeError(INTERNAL, "the runner is closed")
+        proc = subprocess.Popen(["/bin/sh", "-c", _remote_command(command, timeout)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, "FAKE_NODE_IP": ray_cluster._resolve(self.node.host)})
+        self.procs.append(proc)
+        pipe, proc.stdin = proc.stdin, None  # stdin written then closed: EOF
+        with contextlib.suppress(BrokenPipeError):
+            pipe.write(stdin or "")  # type: ignore[union-attr]
+        with contextlib.suppress(BrokenPipeError):
+            pipe.close()  # type: ignore[union-attr]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while proc.poll() is None:
+            if self._closed:
+                raise NodeError(INTERNAL, "the command was stopped: the runner was closed")
+            if deadline is not None and time.monotonic() > deadline:
+                raise NodeError(TIMEOUT, "the command did not finish in time")
+            time.sleep(0.02)
+        out, err = proc.communicate()
+        return CommandResult(out, err, proc.returncode)
+
+    def describe(self) -> str:
+        return self.node.name
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def sigint_when(ready: Callable[[], bool], timeout: float = 30.0) -> Iterator[None]:
+    """SIGINT to this process (KeyboardInterrupt in the main thread) once ``ready()`` holds."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            if ready():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join(5)
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def fake_ray(tmp_path, monkeypatch):
+    """The stand-in ``ray`` on the nodes' PYTHONPATH, HOME (token files) in tmp_path, the nodes'
+    runners DetachedRunners; yields the log reader. Whatever it started is killed afterwards."""
+    scripts = tmp_path / "fakeray/ray/scripts"
+    scripts.mkdir(parents=True)
+    (tmp_path / "fakeray/ray/__init__.py").write_text("")
+    (scripts / "__init__.py").write_text("")
+    (scripts / "scripts.py").write_text(FAKE_SCRIPTS)
+    log = tmp_path / "ray.log"
+    log.touch()
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fakeray"))
+    monkeypatch.setenv("FAKE_RAY_LOG", str(log))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(ray_cluster, "runner_for", DetachedRunner)
+    monkeypatch.setattr(ray_cluster, "_resolve", ADDRESSES.get)
+
+    def entries() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    try:
+        yield entries
+    finally:
+        for proc in DetachedRunner.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for entry in entries():  # under `timeout`, which puts itself in a group of its own
+            if entry["cmd"] == "start" and _running(entry["pid"]):
+                _kill(entry["pid"])
+        DetachedRunner.procs.clear()
+
+
+def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(fake_ray, tmp_path, monkeypatch):
+    """Ctrl-C while the workers join: their runners are closed but their `ray start` runs on (as
+    over SSH). Each node whose start was issued gets its start killed, then `ray stop`; a start
+    of another cluster (another port) on a node is left alone."""
+    port = free_port()
+    monkeypatch.setenv("FAKE_PORT", str(port))
+    monkeypatch.setattr(ray_cluster, "_OTHER_RAY", "pass")  # tested below; a real Ray here must not matter
+    cluster = ClusterSpec.model_validate({
+        "nodes": [{"name": f"node{i}", "host": host, "python": sys.executable} for i, host in enumerate(HOSTS)],
+        "ray": {"port": port}, "ssh": {"connect_timeout_s": 5}})
+    other = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--address", f"127.0.0.1:{port + 1}",
+                              "--node-ip-address", "127.0.0.2"], start_new_session=True)
+    try:
+        def joining() -> bool:
+            return {e["ip"] for e in fake_ray() if e["cmd"] == "start" and e["port"] == str(port)} >= {"127.0.0.2", "127.0.0.3"}
+
+        with sigint_when(joining), pytest.raises(KeyboardInterrupt):
+            ray_cluster._bootstrap(cluster, list(cluster.nodes), {})
+
+        log = fake_ray()
+        starts = {e["ip"] for e in log if e["cmd"] == "start" and e["port"] == str(port)}
+        assert starts == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, log
+        stops = {e["ip"]: e["running"] for e in log if e["cmd"] == "stop"}
+        assert stops == {ip: [] for ip in starts}, f"a `ray start` still ran when Ray was stopped: {log}"
+        time.sleep(0.3)
+        assert not [e for e in fake_ray() if e["cmd"] == "start" and e["port"] == str(port) and _running(e["pid"])]
+        assert other.poll() is None, "another cluster's `ray start` was killed"
+    finally:
+        other.kill()
+        other.wait()
+
+
+def fake_raylet(tmp_path: Path, gcs: str) -> subprocess.Popen[bytes]:
+    """A process named raylet (as `ray stop` finds them) of the Ray whose GCS is ``gcs``."""
+    folder = tmp_path / gcs.replace(":", "_")
+    folder.mkdir()
+    script = folder / "raylet"
+    script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
+    script.chmod(0o755)
+    proc = subprocess.Popen([str(script), "--node_ip_address=127.0.0.2", f"--gcs-address={gcs}"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{proc.pid}/comm").read_text().strip() != "raylet" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc
+
+
+def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(fake_ray, tmp_path, monkeypatch):
+    """A worker's `ray start` finds no Ray running as the head's does: it would start a second
+    Ray there, and the teardown's `ray stop` would then stop both. The node is refused first."""
+    port = free_port()
+    cluster = ClusterSpec.model_validate({
+        "nodes": [{"name": f"node{i}", "host": host, "python": sys.executable} for i, host in enumerate(HOSTS[:2])],
+        "ray": {"port": port}})
+    started: list[str] = []
+    stopped: list[str] = []
+    monkeypatch.setattr(ray_cluster, "_ray_cli", lambda cluster, node, args: started.append(node.name))
+    monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes: stopped.extend(n.name for n in nodes))
+    session = ray_cluster.RaySession(mode="bootstrap", address=f"ray://127.0.0.1:{port}",
+                                     node_ips={"node0": "127.0.0.1", "node1": "127.0.0.2"},
+                                     _cluster=cluster, _head_ip="127.0.0.1", _token="t" * 64)
+    other = fake_raylet(tmp_path, f"127.0.0.9:{port}")
+    try:
+        with pytest.raises(PreflightError, match=rf"another Ray runs on node 'node1' .*raylet pid {other.pid} \(GCS 127.0.0.9:{port}\)"):
+            session._start_ray(cluster.nodes[1])
+        session.close()
+        assert started == [] and stopped == []
+        assert not (tmp_path / "home/.ray/launcher_auth_token").exists()  # that Ray's token file untouched
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_the_other_ray_check_names_raylets_of_other_clusters_only(tmp_path):
+    """On a node that shares its processes with others (several nodes on one machine), this
+    cluster's own raylets are not another Ray."""
+    ours, theirs = fake_raylet(tmp_path, "127.0.0.1:7001"), fake_raylet(tmp_path, "127.0.0.5:7001")
+    try:
+        result = subprocess.run([sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == ray_cluster.OTHER_RAY_EXIT, result
+        assert f"raylet pid {theirs.pid} (GCS 127.0.0.5:7001)" in result.stderr
+        assert f"raylet pid {ours.pid} " not in result.stderr
+    finally:
+        for proc in (ours, theirs):
+            proc.kill()
+            proc.wait()
