@@ -219,7 +219,8 @@ class SSHRunner(Runner):
 
     def load_key(self) -> paramiko.PKey | None:
         """``ssh.key`` read, or None without one; NodeError (authentication failed) naming the
-        file when it is missing, unreadable, encrypted or not a private key.
+        file when it is missing, unreadable, encrypted, not a private key, or a key of a type
+        paramiko does not support (DSA) or that otherwise cannot be loaded.
 
         Read here, not by paramiko from ``key_filename``: paramiko tries the file as every key
         type in turn and re-raises the last type's parse error ("Invalid key"), which hides a
@@ -236,9 +237,20 @@ class SSHRunner(Runner):
                                          f"fix its permissions or ssh.key in the cluster file") from None
         except (TypeError, paramiko.PasswordRequiredException):  # cryptography: no password given
             raise NodeError(AUTH_FAILED, _ENCRYPTED.format(key=shown)) from None
+        except paramiko.pkey.UnknownKeyType as err:  # e.g. DSA, which paramiko >= 3 dropped
+            kind = getattr(err.key_type, "__name__", None) or str(err.key_type)
+            kind = _short(kind.removesuffix("PrivateKey"), 40)
+            raise NodeError(AUTH_FAILED, f"key file {shown} holds a {kind} key, a type the launcher's SSH "
+                                         f"(paramiko) cannot use: it takes ed25519, RSA and ECDSA keys only. "
+                                         f"Make one (ssh-keygen -t ed25519), add its public key to the "
+                                         f"nodes' authorized_keys and set ssh.key to it") from None
         except (paramiko.SSHException, ValueError) as err:
             raise NodeError(AUTH_FAILED, f"key file {shown} is not a private key that can be read "
                                          f"({type(err).__name__}: {_short(str(err), 120)}); fix ssh.key") from None
+        except Exception as err:  # noqa: BLE001 - cryptography's UnsupportedAlgorithm, ...: never a traceback
+            raise NodeError(AUTH_FAILED, f"key file {shown} cannot be used ({type(err).__name__}: "
+                                         f"{_short(str(err), 120)}); use an ed25519, RSA or ECDSA key "
+                                         f"and set ssh.key to it") from None
 
     def connect_kwargs(self, pkey: paramiko.PKey | None = None) -> dict[str, Any]:
         """Everything handed to paramiko's ``SSHClient.connect``, each option explained;

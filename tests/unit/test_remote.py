@@ -278,6 +278,27 @@ def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
     assert "pkey" not in agent and "key_filename" not in agent and agent["look_for_keys"] and agent["allow_agent"]
 
 
+@pytest.mark.filterwarnings("ignore:SSH DSA key")
+@pytest.mark.parametrize("form", ["DSA", "OPENSSH"])
+def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(ssh_runner: SSHRunner, form: str) -> None:
+    """paramiko >= 3 reads no DSA keys: ``PKey.from_path`` raises UnknownKeyType (no
+    SSHException), which escaped as a traceback. Refused before any connection is made."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import dsa
+
+    layout = serialization.PrivateFormat.TraditionalOpenSSL if form == "DSA" else serialization.PrivateFormat.OpenSSH
+    key = ssh_runner.ssh.key
+    assert key is not None
+    key.write_bytes(dsa.generate_private_key(key_size=1024).private_bytes(
+        serialization.Encoding.PEM, layout, serialization.NoEncryption()))
+    assert key.read_text().startswith(f"-----BEGIN {form} PRIVATE KEY-----")
+    with pytest.raises(NodeError) as info:
+        ssh_runner.run("echo hi", timeout=5)
+    assert info.value.kind == AUTH_FAILED
+    assert f"key file {key} holds a DSA key" in info.value.message
+    assert "ed25519, RSA and ECDSA keys only" in info.value.message and "set ssh.key to it" in info.value.message
+
+
 # -- probe output --------------------------------------------------------------------------
 
 
