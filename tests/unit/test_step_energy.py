@@ -60,3 +60,19 @@ def test_the_whole_step_comes_from_the_final_record(tmp_path: Path):
     metrics.write_text(json.dumps({"type": "final", "tokens_per_s": 1.0, "energy_mj_per_token": None}) + "\n")
     with pytest.raises(SystemExit, match="energy_mj_per_token"):
         bench.whole_step(metrics)
+
+
+def test_wgrad_batching_ways_compute_every_layers_weight_gradient():
+    import torch
+    import wgrad_batching
+
+    layers, tokens, k, n = bench.LAYERS, 16, 8, 4
+    x, dy = torch.randn(layers, tokens, k, dtype=torch.float64), torch.randn(layers, tokens, n, dtype=torch.float64)
+    want = torch.stack([dy[i].t() @ x[i] for i in range(layers)])
+    names = wgrad_batching._ways(torch, x, dy, torch.empty(layers, n, k, dtype=torch.float64))
+    assert set(names) == {"per layer", "batched", "stacked"}
+    for way in names:
+        dw = torch.empty(layers, n, k, dtype=torch.float64)
+        ways = wgrad_batching._ways(torch, x, dy, dw)
+        ways[way]()
+        torch.testing.assert_close(dw, want, msg=way)
