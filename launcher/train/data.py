@@ -42,9 +42,12 @@ falls well below the uniform ln V), which makes the synthetic loss curve meaning
 from __future__ import annotations
 
 import abc
+import logging
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +59,23 @@ _M32 = 0xFFFFFFFF
 _SALT_RESET, _SALT_START, _SALT_MASK, _SALT_ACTION, _SALT_RANDOM = 1, 2, 3, 4, 5
 RESET_PER_MILLE = 100
 MAX_STATES = 256
+SCAN_CHUNK = 1 << 22  # token ids per step of a token file's vocabulary check (8-32 MB of it)
+
+INIT_FROM_VOCAB = "the vocab_size of model.init_from's "  # vocab_origin: weights fix the vocabulary
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """Data the trainer cannot use: a token file shorter than one sample or holding an id
+    outside the model's vocabulary, text or a tokenizer that cannot be used
+    (``launcher.train.text.TextError`` is this class). Raised while the data are opened, before
+    the first step; the worker prints it as one paragraph and exits 2. ``field``: the job field
+    it names (None: the message says)."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device) -> Batches:
@@ -69,12 +89,24 @@ def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device
     )
     if job.data.source == "tokens":
         assert job.data.path is not None
-        return TokenFileBatches(path=job.data.path, token_dtype=job.data.token_dtype, **common)
+        return TokenFileBatches(path=job.data.path, token_dtype=job.data.token_dtype,
+                                vocab_origin=vocab_origin(job), **common)
     if job.data.source == "text":
         from launcher.train.text import TextBatches, prepare
 
-        return TextBatches(meta=prepare(job.data, job.model.arch), **common)
+        return TextBatches(meta=prepare(job.data, job.model.arch), vocab_origin=vocab_origin(job), **common)
     return SyntheticBatches(**common)
+
+
+def vocab_origin(job: JobSpec) -> str:
+    """Where the model's vocabulary size comes from, for messages about it (``INIT_FROM_VOCAB``
+    first where a model folder's weights fix it)."""
+    model = job.model
+    if model.init_from is not None:
+        return f"{INIT_FROM_VOCAB}{model.init_from / 'config.json'}"
+    if model.vocab_size is not None:
+        return "model.vocab_size"
+    return f"model.vocab_size unset: the {model.arch} default"
 
 
 def mask_token_id(vocab_size: int) -> int:
@@ -327,20 +359,24 @@ class TokenFileBatches(MadeAhead):
     overlap by one (GPT's labels are its inputs shifted by one); ``row_len`` makes them
     ``row_len`` tokens long, back to back, instead. Made ahead (``MadeAhead``): the rows of
     several steps are gathered from the file in one indexing op and masked in one go.
+
+    Opening the file checks it (``DataError``, before the first step): at least one window
+    long, and every id a row of the model's embedding (``check_ids``).
     """
 
     def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, row_len: int | None = None,
-                 **kwargs):
+                 vocab_origin: str = "model.vocab_size", **kwargs):
         super().__init__(**kwargs)
         self.path = Path(path)
+        self.vocab_origin = vocab_origin
         self.ids = open_token_file(self.path, token_dtype)
         self.row_len = row_len or self.seq_len + 1
         self.stride = row_len or self.seq_len
         self.n_windows = (self.ids.numel() - self.row_len) // self.stride + 1
         if self.ids.numel() < self.row_len:
-            raise ValueError(
-                f"{self.path} holds {self.ids.numel()} tokens, fewer than the {self.row_len} of one "
-                f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len"
+            raise DataError(
+                f"{self.describe()} holds {self.ids.numel()} tokens, fewer than the {self.row_len} of one "
+                f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len", field="data.path"
             )
         self._offsets = torch.arange(self.row_len)
         # Unsigned ids wider than a byte have few kernels in older torch (indexing among the
@@ -350,31 +386,123 @@ class TokenFileBatches(MadeAhead):
         if self.ids.dtype in _SIGNED_VIEWS:
             view, self._low_bits = _SIGNED_VIEWS[self.ids.dtype]
             self.ids = self.ids.view(view)
+        self.check_ids()
+
+    def describe(self) -> str:
+        """The file, as messages name it."""
+        return f"token file {self.path}"
+
+    def check_ids(self) -> None:
+        """DataError unless every id in the file is a row of the model's embedding (0 to
+        vocab_size - 1), found now rather than at the step whose batch holds it (where CUDA's
+        embedding fails with a device-side assert). The whole file, every id a window can take,
+        in chunks (``scan_ids``): under 1 ns a token on one core (about 10 ms for 2·10^7 uint16
+        ids, a few seconds for 10^10), on every rank, no collective needed."""
+        began = time.monotonic()
+        bad = scan_ids(self.ids, self.vocab_size, low_bits=self._low_bits)
+        took = time.monotonic() - began
+        if took >= 1.0:
+            log.info("checked the %d token ids of %s against the vocabulary of %d in %.1f s",
+                     self.ids.numel(), self.path, self.vocab_size, took)
+        if bad is None:
+            return
+        v = self.vocab_size
+        where = (f"{self.describe()} holds token id {bad.id} at position {bad.position} (counting the "
+                 f"file's token ids from 0)")
+        others = (f"ids outside 0..{v - 1}: {bad.count} of the file's {self.ids.numel()}"
+                  + (f", the largest {bad.top}" if bad.top is not None else "")
+                  + (f", the smallest {bad.low}" if bad.low is not None else ""))
+        if bad.id < 0:
+            fix = ("token ids run from 0 to model.vocab_size - 1: padding or an ignore-index marked by a "
+                   "negative id has no place in a token file; drop it when writing the file")
+        elif self.vocab_origin.startswith(INIT_FROM_VOCAB):
+            fix = ("write the file with the tokenizer of the model in model.init_from (its vocabulary "
+                   "is fixed by its weights)")
+        else:
+            fix = (f"write the file with the tokenizer the model is meant for, or set model.vocab_size: "
+                   f"{bad.top + 1 if bad.top is not None else bad.id + 1} (or more) to train a vocabulary "
+                   f"that holds every id of the file")
+        raise DataError(
+            f"{where}, but the model's vocabulary has {v} entries, ids 0 to {v - 1} ({self.vocab_origin}); "
+            f"{others}. Training would fail at the embedding (on a GPU with a device-side assert); {fix}.",
+            field="data.path",
+        )
 
     def tokens(self, sample: torch.Tensor) -> torch.Tensor:
         return self._rows(sample.view(-1))
 
     def _rows(self, windows: torch.Tensor) -> torch.Tensor:
-        """The rows of the given window numbers (any, wrapped around)."""
+        """The rows of the given window numbers (any, wrapped around); their ids were checked
+        when the file was opened (``check_ids``)."""
         starts = (windows % self.n_windows) * self.stride
         batch = self.ids[starts.unsqueeze(1) + self._offsets].to(torch.int64)
-        batch = self.frame(batch & self._low_bits if self._low_bits is not None else batch)
-        low, top = (int(v) for v in torch.aminmax(batch))
-        if top >= self.vocab_size:
-            raise ValueError(
-                f"{self.path} holds token id {top}, outside the model's vocabulary of "
-                f"{self.vocab_size}; set model.vocab_size above it"
-            )
-        if low < 0:
-            raise ValueError(
-                f"{self.path} holds token id {low}; token ids run from 0 to model.vocab_size - 1 "
-                f"(padding marked by a negative id has no place in a token file: drop it when writing the file)"
-            )
-        return batch
+        return self.frame(batch & self._low_bits if self._low_bits is not None else batch)
 
     def frame(self, rows: torch.Tensor) -> torch.Tensor:
         """The samples made of rows read from the file (on the host): the rows themselves."""
         return rows
+
+
+class BadIds(NamedTuple):
+    """Token ids outside a vocabulary (``scan_ids``): the first one's index and value, how many
+    there are, the largest (if any is above the vocabulary) and the smallest (if any is negative)."""
+
+    position: int
+    id: int
+    count: int
+    top: int | None
+    low: int | None
+
+
+def scan_ids(ids: torch.Tensor, vocab_size: int, *, low_bits: int | None = None,
+             chunk: int | None = None) -> BadIds | None:
+    """The ids of a 1-D (memory-mapped) tensor outside 0..vocab_size - 1, or None where there
+    are none; read ``chunk`` ids at a time (default ``SCAN_CHUNK``), so a file larger than memory
+    is checked in bounded memory. ``low_bits``: the tensor is the signed view of unsigned ids
+    (``_SIGNED_VIEWS``), each id its low bits.
+
+    A chunk costs one reduction (aminmax; for uint16 ids in int16 above 2^15, an xor that maps
+    unsigned order onto signed order, then max); only a chunk holding a bad id is widened to
+    find where.
+    """
+    chunk = chunk or SCAN_CHUNK
+    n = ids.numel()
+    # uint16 ids read as int16, a vocabulary past 2^15: ids 2^15..vocab_size-1 read negative but
+    # are valid, so compare in unsigned order (x ^ -2^15 is order-preserving from uint16 to int16).
+    flip = low_bits == 0xFFFF and vocab_size > 1 << 15
+    buffer = torch.empty(min(chunk, n), dtype=ids.dtype) if flip else None
+    first: tuple[int, int] | None = None
+    count = 0
+    top: int | None = None
+    low: int | None = None
+    for start in range(0, n, chunk):
+        part = ids[start: start + chunk]
+        if buffer is not None:
+            flipped = torch.bitwise_xor(part, -(1 << 15), out=buffer[: part.numel()])
+            if int(flipped.max()) < vocab_size - (1 << 15):
+                continue
+        else:
+            lo, hi = (int(v) for v in torch.aminmax(part))
+            if lo >= 0 and hi < vocab_size:
+                continue
+        wide = part.to(torch.int64)
+        if low_bits is not None:
+            wide &= low_bits
+        above, below = wide >= vocab_size, wide < 0
+        bad = (above | below).nonzero()
+        if not bad.numel():  # unsigned ids past the signed range, all inside a vocabulary as large
+            continue
+        if first is None:
+            at = int(bad[0])
+            first = (start + at, int(wide[at]))
+        count += bad.numel()
+        if bool(above.any()):
+            top = max(top or 0, int(wide.max()))
+        if bool(below.any()):
+            low = min(low or 0, int(wide.min()))
+    if first is None:
+        return None
+    return BadIds(position=first[0], id=first[1], count=count, top=top, low=low)
 
 
 _NPY_DTYPES = {"<u2": torch.uint16, "<i4": torch.int32, "<i8": torch.int64, "|u1": torch.uint8,

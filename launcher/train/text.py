@@ -41,7 +41,7 @@ import torch
 
 from launcher.spec.hf import FolderError, load_tokenizer, special_ids, special_names
 from launcher.spec.job import DataSpec, JobSpec
-from launcher.train.data import TokenFileBatches
+from launcher.train.data import DataError, TokenFileBatches
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,9 @@ SUFFIXES = (".txt", ".jsonl")
 BATCH_CHARS = 1 << 22  # text per encode_batch call (~4 MB): enough to keep every thread busy
 
 
-class TextError(ValueError):
-    """Text or a tokenizer that cannot be used (names the data field to fix)."""
+# Text or a tokenizer that cannot be used (names the data field to fix): the trainer's error for
+# data it cannot use, so that launcher.train.__main__ reports a token file's problems the same way.
+TextError = DataError
 
 
 def prepare(data: DataSpec, arch: str, *, poll_s: float = 0.2) -> dict[str, Any]:
@@ -80,7 +81,9 @@ def tokenize(data: DataSpec, arch: str, *, progress: bool = True) -> dict[str, A
     special = special_ids(data.tokenizer, tokenizer, arch)
     separator = special["sep" if arch == "bert" else "eos"]
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    code, dtype = ("H", "uint16") if vocab <= 1 << 16 else ("i", "int32")
+    # A vocabulary with gaps in its ids has ids at or above its size: the file's type must hold them.
+    id_bound = max(vocab, max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
+    code, dtype = ("H", "uint16") if id_bound <= 1 << 16 else ("i", "int32")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = bin_path.with_name(f"{bin_path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     began = time.monotonic()
@@ -225,17 +228,29 @@ class TextBatches(TokenFileBatches):
 
     def __init__(self, *, meta: dict[str, Any], **kwargs: Any):
         bert = kwargs["arch"] == "bert"
-        super().__init__(path=meta["path"], token_dtype=meta["dtype"],
-                         row_len=kwargs["seq_len"] - 2 if bert else None, **kwargs)
-        if meta["vocab_size"] > self.vocab_size:
+        if meta["vocab_size"] > kwargs["vocab_size"]:  # before the ids are checked against it
             raise TextError(
                 f"the tokenizer has {meta['vocab_size']} tokens, more than the model's vocabulary "
-                f"of {self.vocab_size}; set model.vocab_size: {meta['vocab_size']} (or more)")
+                f"of {kwargs['vocab_size']}; set model.vocab_size: {meta['vocab_size']} (or more)")
+        outside = {role: i for role, i in meta["special"].items() if i >= kwargs["vocab_size"]}
+        if outside:  # a tokenizer with gaps in its ids; the file's own ids are checked next
+            raise TextError(
+                f"the tokenizer {meta['tokenizer']} gives its special tokens the ids "
+                f"{', '.join(f'{role} {i}' for role, i in outside.items())}, outside the model's "
+                f"vocabulary of {kwargs['vocab_size']} (ids 0 to {kwargs['vocab_size'] - 1}); set "
+                f"model.vocab_size: {max(outside.values()) + 1} (or more)", field="model.vocab_size")
+        self.meta = meta
+        super().__init__(path=meta["path"], token_dtype=meta["dtype"],
+                         row_len=kwargs["seq_len"] - 2 if bert else None, **kwargs)
         self.special = meta["special"]
         self.random_vocab = meta["vocab_size"]
         if bert:
             self.mask_id = self.special["mask"]
             self.never_mask = torch.tensor([self.special["cls"], self.special["sep"]])
+
+    def describe(self) -> str:
+        return (f"the tokenized text {self.path} (data.path tokenized with the tokenizer "
+                f"{self.meta['tokenizer']}, of {self.meta['vocab_size']} tokens)")
 
     def frame(self, rows: torch.Tensor) -> torch.Tensor:
         if self.arch != "bert":

@@ -146,15 +146,13 @@ def test_token_file_errors_name_the_fix(tmp_path: Path):
     with pytest.raises(ValueError, match="shorter seq_len"):
         source("gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "short.npy", token_dtype="uint16")
     write_npy(tmp_path / "big.npy", torch.full((100,), 5000, dtype=torch.int32), "<i4")
-    big = source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "big.npy", token_dtype="uint16")
-    with pytest.raises(ValueError, match="model.vocab_size"):
-        big.batch(1)
+    with pytest.raises(ValueError, match="set model.vocab_size: 5001"):  # when opened, before a batch
+        source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "big.npy", token_dtype="uint16")
     padded = torch.arange(100, dtype=torch.int32)
     padded[5] = -1  # padding by a negative id: CUDA's embedding would fail with a device assert
     write_npy(tmp_path / "padded.npy", padded, "<i4")
-    negative = source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "padded.npy", token_dtype="uint16")
-    with pytest.raises(ValueError, match="token id -1; token ids run from 0"):
-        negative.batch(1)
+    with pytest.raises(ValueError, match="token id -1 at position 5 .*token ids run from 0"):
+        source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "padded.npy", token_dtype="uint16")
     write_npy(tmp_path / "float.npy", torch.zeros(100, dtype=torch.float32), "<f4")
     with pytest.raises(ValueError, match="uint8, uint16, uint32, int32 or int64"):
         source("gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "float.npy", token_dtype="uint16")
@@ -305,9 +303,17 @@ def test_continue_at_drops_the_chunk_made_ahead_for_the_old_position():
 
 def test_an_error_in_the_worker_is_raised_by_the_batch_that_needs_its_chunk(tmp_path: Path):
     ids = torch.arange(2_000, dtype=torch.int32) % 1000
-    ids[20 * 16 + 3] = 5000  # in window 20: step 21's sample with one sample a step
+    ids[20 * 16 + 3] = 999_999  # in window 20: step 21's sample with one sample a step
     write_npy(tmp_path / "t.npy", ids, "<i4")
-    data = source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "t.npy", token_dtype="uint16")
+    data = source("gpt", seq=16, micro=1, vocab=1 << 20, cls=TokenFileBatches, path=tmp_path / "t.npy",
+                  token_dtype="uint16")
+
+    def frame(rows: torch.Tensor) -> torch.Tensor:  # the error: one that making a batch can meet
+        if bool((rows == 999_999).any()):
+            raise ValueError("id 999999 is outside the model's vocabulary")
+        return rows
+
+    data.frame = frame
     made = recording(data)
     for step in range(1, 17):
         data.batch(step)
