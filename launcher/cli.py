@@ -1,14 +1,18 @@
 """The ``launch`` command: parse, build, run, report. No logic of its own.
 
 Exit codes: 0 ok · 2 invalid input · 3 preflight failed · 4 job failed · 130 interrupted.
-User errors print one paragraph and no traceback; ``--debug`` shows it.
+User errors print one paragraph and no traceback; ``--debug`` shows it. A closed stdout pipe
+(``| head``) ends every command quietly, exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import select
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +27,37 @@ COMMANDS = ("run", "plan", "check", "scale", "report", "schema", "export", "toke
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code. Output into a pipe closed early (``launch list | head -1``)
+    ends any command quietly: exit 0, or the code of a command that had finished (``launch check``
+    that found a mismatch: 3) when only the last flush found the pipe closed."""
+    code = 0
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then still ours to handle
+        return code
+    except BrokenPipeError:
+        if not _stdout_closed():  # another pipe or socket (SSH, Ray): not ours to hide
+            raise
+        # As the Python docs advise for SIGPIPE: stdout to devnull, so that flushing it at exit
+        # does not fail again ("Exception ignored ... BrokenPipeError").
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return code
+
+
+def _stdout_closed() -> bool:
+    """stdout is a pipe whose reader has gone (poll says POLLERR on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno (tests), no poll (Windows)
+        return False
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(_with_command(list(sys.argv[1:] if argv is None else argv)))

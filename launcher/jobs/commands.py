@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import sys
 import tempfile
 import threading
@@ -45,6 +46,8 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
     from launcher.orchestrate.rundir import RunDir
     from launcher.preflight import preflight_facts
 
+    if run_dir is not None and cluster.all_local:  # the head is this machine: look before anything
+        RunDir.refuse_used(run_dir)
     if cluster.all_local and cluster.ray.address is None:
         # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs. Only
         # for the local head, whose token goes in a header: Ray reads its auth settings when it
@@ -59,18 +62,26 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
         workers = worker_counts(job, nodes, facts)
         with connect(cluster, start=True) as jobs:
             if jobs.head_is_local:
+                if run_dir is not None:  # one run per run directory, as a foreground run (exit 2)
+                    RunDir.refuse_used(run_dir)
                 where = str((run_dir or Path("runs") / job_id).resolve())
             else:  # a path on the head; relative ones are under its home directory
                 where = str(run_dir or Path("runs") / job_id)
-            if code is not None and code.travels and not jobs.head_is_local:
-                snapshot = stage(code)  # the head cannot see this machine's workdir
-                snapshot.rename(upload / CODE_DIR)
-            write_private(upload / SUBMISSION_FILE, json.dumps({
-                "job_id": job_id, "job": job.model_dump(mode="json"),
-                # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
-                "cluster": cluster.model_copy(update={"ray": jobs.cluster.ray}).model_dump(mode="json"),
-                "facts": {n: f.gpus for n, f in facts.items()} if facts is not None else None,
-                "skip_parity": skip_parity, "run_dir": where}) + "\n")
+            try:
+                if code is not None and code.travels and not jobs.head_is_local:
+                    snapshot = stage(code)  # the head cannot see this machine's workdir
+                    try:
+                        snapshot.rename(upload / CODE_DIR)
+                    finally:
+                        shutil.rmtree(snapshot, ignore_errors=True)  # gone once renamed
+                write_private(upload / SUBMISSION_FILE, json.dumps({
+                    "job_id": job_id, "job": job.model_dump(mode="json"),
+                    # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
+                    "cluster": cluster.model_copy(update={"ray": jobs.cluster.ray}).model_dump(mode="json"),
+                    "facts": {n: f.gpus for n, f in facts.items()} if facts is not None else None,
+                    "skip_parity": skip_parity, "run_dir": where}) + "\n")
+            except OSError as err:  # an unreadable file in the workdir, a full disk
+                raise _staging_failed(err, code, upload) from err
             python = sys.executable if jobs.head_is_local else jobs.head.interpreter()
             stop_wait = max(STOP_WAIT_MIN_S, int(job.launch.stop_grace_s) + 20)
             # The snapshot has the job's excludes applied: Ray must not drop what a .gitignore in
@@ -128,18 +139,12 @@ def list_jobs(cluster: ClusterSpec, *, as_json: bool) -> int:
 
 def logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
     """The driver's output; with ``follow``, streamed until the job ends (Ctrl-C stops
-    following only). Output into a pipe that closes early (``| head``) ends it quietly, exit 0."""
+    following only). Output into a pipe that closes early (``| head``) raises BrokenPipeError,
+    which ``launcher.cli`` ends quietly (exit 0), not as a failure of the Jobs API."""
     try:
         return _logs(cluster, job_id, follow=follow)
-    except _StdoutClosed:
-        # As the Python docs advise for SIGPIPE: stdout to devnull, so that flushing it at exit
-        # does not fail again ("Exception ignored ... BrokenPipeError").
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # not a real file (tests)
-            fd = sys.stdout.fileno()
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
-            os.close(devnull)
-        return 0
+    except _StdoutClosed as closed:
+        raise closed.__cause__ from None  # the BrokenPipeError, out of api_failures' reach
 
 
 class _StdoutClosed(Exception):
@@ -280,6 +285,17 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _staging_failed(err: OSError, code: Any, upload: Path) -> PreflightError:
+    """The files of a submission could not be put together on this machine (exit 3)."""
+    what = f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
+    fix = (f"make every file of the workdir {code.workdir} readable or leave it out with "
+           f"entrypoint.exclude, and " if code is not None and code.travels else "")
+    return PreflightError(
+        f"could not stage the job's files for submission: {what}. Nothing was "
+        f"submitted and nothing was started; {fix}check that {upload.parent} has free space (TMPDIR "
+        f"picks another folder), then submit again")
 
 
 @contextlib.contextmanager

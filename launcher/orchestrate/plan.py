@@ -85,6 +85,7 @@ class LaunchPlan:
     max_restarts: int = 0
     code: CodePlan | None = None
     attempt: int = 0
+    run_name: str = ""  # LAUNCHER_RUN_ID: the run directory's name (``run_id`` adds a suffix)
 
     def ranks(self) -> list[dict[str, object]]:
         """The rank layout: one entry per global rank."""
@@ -103,7 +104,8 @@ class LaunchPlan:
             entry = asdict(node)
             entry["env"] = mask_env(node.env) if masked else dict(node.env)
             nodes.append(entry)
-        return {"job": self.job, "run_id": self.run_id, "attempt": self.attempt, "world_size": self.world_size,
+        return {"job": self.job, "run_id": self.run_id, "run_name": self.run_name, "attempt": self.attempt,
+                "world_size": self.world_size,
                 "master_addr": self.master_addr, "master_port": self.master_port,
                 "backend": self.backend, "device": self.device, "max_restarts": self.max_restarts,
                 "code": self.code.to_json() if self.code else None, "nodes": nodes,
@@ -118,6 +120,7 @@ def plan(
     run_id: str,
     master_port: int,
     launcher_env: Mapping[str, str],
+    run_name: str | None = None,
     attempt: int = 0,
     code: CodePlan | None = None,
     nodes: list[NodeSpec] | None = None,
@@ -130,13 +133,20 @@ def plan(
     ``facts`` come from the preflight; without them (``--skip-parity``) GPU counts are the
     ones cluster.yaml declares. ``code`` is a script job's workdir (``code.plan_code``).
     ``nodes`` (default: the job's, ``nodes_for_job``) is an elastic restart's node set.
+
+    ``run_id`` is unique to this launch (``RunDir.run_id``: the run directory's name and a
+    random suffix): each node's folder is ``/tmp/launcher/<run_id>/<node>``, so two runs whose
+    directories share a name never share (or remove) each other's files on a node.
+    ``run_name`` (default ``run_id``), the run directory's name, is the workers'
+    ``LAUNCHER_RUN_ID``.
     """
+    run_name = run_id if run_name is None else run_name
     nodes = nodes if nodes is not None else nodes_for_job(cluster, job)
     counts = list(worker_counts(job, nodes, facts).values())
     plans, first_rank = [], 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
         node_dir = f"/tmp/launcher/{run_id}/{node.name}"
-        env, sources = _worker_env(job, node, launcher_env, run_id=run_id, node_dir=node_dir,
+        env, sources = _worker_env(job, node, launcher_env, run_name=run_name, node_dir=node_dir,
                                    attempt=attempt)
         python = node.interpreter(local_python)
         torchrun = {"--nnodes": len(nodes), "--node-rank": node_rank, "--nproc-per-node": nproc,
@@ -154,7 +164,8 @@ def plan(
         first_rank += nproc
     return LaunchPlan(job=job.name, run_id=run_id, world_size=first_rank, master_addr=nodes[0].host,
                       master_port=master_port, backend=job.backend, device=job.resources.device,
-                      nodes=plans, max_restarts=job.launch.max_restarts, code=code, attempt=attempt)
+                      nodes=plans, max_restarts=job.launch.max_restarts, code=code, attempt=attempt,
+                      run_name=run_name)
 
 
 def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
@@ -282,7 +293,7 @@ def _entry_argv(job: JobSpec, code: CodePlan | None, node_dir: str) -> list[str]
 
 
 def _worker_env(
-    job: JobSpec, node: NodeSpec, launcher_env: Mapping[str, str], *, run_id: str, node_dir: str,
+    job: JobSpec, node: NodeSpec, launcher_env: Mapping[str, str], *, run_name: str, node_dir: str,
     attempt: int,
 ) -> tuple[dict[str, str], dict[str, str]]:
     env: dict[str, str] = {}
@@ -297,7 +308,7 @@ def _worker_env(
     for source, items in _spec_layers(job, node):
         put(items, source)
     put({
-        "LAUNCHER_RUN_ID": run_id,
+        "LAUNCHER_RUN_ID": run_name,
         "LAUNCHER_NODE": node.name,
         "LAUNCHER_RESTART_COUNT": str(attempt),
         metrics.ENV_VAR: f"{node_dir}/{metrics.SUBDIR}/{metrics.file_name('{rank}')}",

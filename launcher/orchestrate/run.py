@@ -124,7 +124,7 @@ class Launch:
     def place_agents(self) -> AgentGroup:
         assert self.session is not None
         gpus = gpus_per_node(self.job, self.nodes, self.facts)
-        agents = AgentGroup.place(self.session, self.nodes, gpus, name=f"launcher-{self.run_dir.name}")
+        agents = AgentGroup.place(self.session, self.nodes, gpus, name=f"launcher-{self.run_dir.run_id}")
         signals.check()
         return agents
 
@@ -199,7 +199,7 @@ class Launch:
         agents.close()
         assert self.session is not None
         return AgentGroup.place(self.session, nodes, gpus_per_node(job, nodes, self.facts),
-                                name=f"launcher-{self.run_dir.name}-{attempt}")
+                                name=f"launcher-{self.run_dir.run_id}-{attempt}")
 
     def start_attempt(self, agents: AgentGroup, attempt: int, *, nodes: list[NodeSpec] | None = None,
                       job: JobSpec | None = None) -> LaunchPlan:
@@ -214,7 +214,8 @@ class Launch:
         """
         job = job or self.job
         port = job.launch.master_port or agents.free_port()
-        launch_plan = plan(job, self.cluster, self.facts, run_id=self.run_dir.name, attempt=attempt,
+        launch_plan = plan(job, self.cluster, self.facts, run_id=self.run_dir.run_id,
+                           run_name=self.run_dir.name, attempt=attempt,
                            master_port=port, launcher_env=os.environ, code=self.code, nodes=nodes)
         self.run_dir.write_plan(launch_plan)
         self.plan = launch_plan  # from here on the agents' updates are this attempt's
@@ -352,10 +353,11 @@ def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip
     """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary;
     PreflightError (exit 3) where the launcher failed (an OSError) before any worker started.
 
-    A workdir that cannot travel raises SpecError (exit 2) before anything is made or started.
+    A workdir that cannot travel raises SpecError (exit 2) before anything is made or started;
+    so does a ``run_dir`` that is not empty (``RunDir.claim``: one run per run directory).
     """
     code = checked_code(job, cluster)
-    where = RunDir(run_dir) if run_dir else RunDir.new(job.name)
+    where = RunDir.claim(run_dir) if run_dir else RunDir.new(job.name)
     outcome = Launch(job=job, cluster=cluster, run_dir=where, code=code, skip_parity=skip_parity,
                      keep_ray=keep_ray).execute()
     print(f"Run directory: {outcome.run_dir}", flush=True)
@@ -380,7 +382,7 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
     code = checked_code(job, cluster)
     facts = preflight_facts(job, cluster, skip=skip_parity)
     port = job.launch.master_port or DEFAULT_MASTER_PORT
-    launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>", master_port=port,
-                       launcher_env=os.environ, code=code)
+    launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>-<id>", run_name=f"{job.name}-<timestamp>",
+                       master_port=port, launcher_env=os.environ, code=code)
     note = "" if job.launch.master_port else " (a free port on the first node is picked at launch)"
     return render(launch_plan, port_note=note)

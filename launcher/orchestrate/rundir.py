@@ -5,11 +5,17 @@ per restart), ``preflight/<node>.json``, ``preflight/parity.txt``, ``logs/<node>
 (+ ``torchrun.log``), ``metrics/rank<R>.jsonl``, ``summary.{json,csv,txt}``; ``profile/<node>/``
 with ``train.profile``. The spec copies and plans are mode 0600 with secret-looking values
 masked: workers get the real values from the plan's environment, never from these files.
+
+One run per folder: ``--run-dir`` must be new or empty (``claim``). ``name`` is the folder's name
+(the workers' ``LAUNCHER_RUN_ID``); ``run_id`` adds a random suffix, unique to the launch, and
+names each node's folder ``/tmp/launcher/<run_id>/<node>``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,8 @@ DEFAULT_BASE = Path("runs")
 class RunDir:
     def __init__(self, root: Path | str):
         self.root = Path(root)
+        # Unique to this launch (every attempt of it): names the nodes' /tmp/launcher/<run_id>.
+        self.run_id = f"{self.name or 'run'}-{secrets.token_hex(3)}"
 
     @classmethod
     def new(cls, job_name: str, base: Path = DEFAULT_BASE) -> RunDir:
@@ -47,10 +55,45 @@ class RunDir:
                 raise UsageError(f"cannot make a run directory in {base}: {err.strerror or err}; run from "
                                  f"a folder you can write, or pass --run-dir") from err
 
+    @classmethod
+    def claim(cls, path: Path | str) -> RunDir:
+        """``--run-dir PATH``: a folder that is new, or empty, and this launch's alone.
+
+        A folder that holds anything (an earlier run's logs, metrics and summary, or other
+        files) is refused with UsageError (exit 2) before anything is made or started: this
+        run's records would be mixed into it. The ``logs`` folder is made here, exclusively, so
+        that of two launches given the same new folder at once only one gets it.
+        """
+        path = Path(path)
+        cls.refuse_used(path)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "logs").mkdir()
+        except FileExistsError as err:  # another launch made it between the look and the mkdir
+            raise _taken(path) from err
+        except OSError as err:
+            raise UsageError(f"cannot make the run directory {path}: {err.strerror or err}; pass --run-dir "
+                             f"a folder you can write") from err
+        return cls(path)
+
+    @staticmethod
+    def refuse_used(path: Path) -> None:
+        """UsageError (exit 2) where ``path`` is a file or a folder that holds anything."""
+        try:
+            if path.exists() and not path.is_dir():
+                raise UsageError(f"--run-dir {path} is a file, not a folder; pass --run-dir a new folder "
+                                 f"(it is made) or an empty one")
+            used = path.is_dir() and any(path.iterdir())
+        except OSError as err:
+            raise UsageError(f"cannot read the run directory {path}: {err.strerror or err}; pass --run-dir "
+                             f"a folder you can write") from err
+        if used:
+            raise _taken(path)
+
     @property
     def name(self) -> str:
-        """The run id (``LAUNCHER_RUN_ID``)."""
-        return self.root.name
+        """The run's name, the folder's (``LAUNCHER_RUN_ID``); ``run_id`` is unique to a launch."""
+        return Path(os.path.abspath(self.root)).name
 
     def __str__(self) -> str:
         return str(self.root)
@@ -97,6 +140,19 @@ class RunDir:
     def note_skipped_preflight(self) -> None:
         self.preflight.mkdir(parents=True, exist_ok=True)
         (self.preflight / "parity.txt").write_text("skipped (--skip-parity)\n")
+
+
+def _taken(path: Path) -> UsageError:
+    try:
+        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    except OSError:
+        entries = []
+    shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+    return UsageError(
+        f"--run-dir {path} is not empty ({shown or 'another launch took it'}): a run directory holds "
+        f"one run, and this launch's logs, metrics and summary would be mixed into what is there. Pick "
+        f"a new folder for --run-dir (or leave it out: runs/<job>-<time> is made), or remove {path} "
+        f"first if you no longer need it; nothing was started")
 
 
 def spec_yaml(model: Any) -> str:

@@ -38,6 +38,7 @@ def custom_job(tmp_path: Path, *script_args: str, **extra) -> Path:
 def test_quickstart_end_to_end(tmp_path):
     before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
+    run_dir.mkdir()  # an empty folder is a fine --run-dir
     result = launch(str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Per rank" in result.stdout
@@ -54,6 +55,20 @@ def test_quickstart_end_to_end(tmp_path):
         assert row["tokens_per_s"] > 0 and row["steps"] == 30 and row["mfu"] is None
     assert summary["totals"]["tokens_per_s"] > 0
     assert oct((run_dir / "plan.json").stat().st_mode & 0o777) == "0o600"
+    # the run id names the nodes' folders: the run dir's name and a suffix of this launch alone;
+    # the workers' LAUNCHER_RUN_ID stays the run dir's name
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["run_id"].startswith(f"{run_dir.name}-") and plan["run_name"] == run_dir.name
+    assert plan["nodes"][0]["node_dir"] == f"/tmp/launcher/{plan['run_id']}/local"
+    assert plan["nodes"][0]["env"]["LAUNCHER_RUN_ID"] == run_dir.name
+    assert_none_left(before, marker=run_dir.name)
+    # the same --run-dir again: refused (exit 2) before anything starts, the first run untouched
+    kept = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    again = launch(str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT, timeout=60)
+    assert again.returncode == 2, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"--run-dir {run_dir} is not empty" in again.stderr and "Traceback" not in again.stderr
+    assert "Pick a new folder" in again.stderr and again.stderr.count("\n") == 1
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == kept
     assert_none_left(before, marker=run_dir.name)
 
 
