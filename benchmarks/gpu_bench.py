@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -142,7 +143,9 @@ def _median_round(runs: list[dict]) -> dict:
 
 
 def _trainer_run(how: str, job: str, n: int, sets: list[str], folder: Path) -> dict:
-    folder.mkdir(parents=True, exist_ok=True)
+    # a fresh folder: metrics files append, and `launch` refuses a --run-dir that holds a run
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     set_args = [a for s in sets for a in ("--set", s)]
     if how == "torchrun":
         metrics = folder / "metrics"
