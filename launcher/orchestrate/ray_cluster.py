@@ -57,7 +57,9 @@ _PORT_TAKEN = ("import socket, sys\n"
                f"sys.exit({PORT_TAKEN_EXIT} if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 0)\n")
 # Run on every node before its token file is written, with this cluster's GCS address (HEAD:PORT):
 # exit 4, naming them on stderr, when raylets of another Ray run there that `ray stop` run there
-# would stop too (this user's; every user's for root). Linux (/proc); elsewhere it finds none.
+# would stop too (this user's; every user's for root). A zombie raylet (state Z, its command line
+# empty: dead, not yet reaped) is no Ray, nor is a raylet whose command line reads empty.
+# Linux (/proc); elsewhere it finds none.
 _OTHER_RAY = ("import os, sys\n"
               "ours = {'--gcs-address=' + sys.argv[1], '--gcs_address=' + sys.argv[1]}\n"
               "me, found = os.getuid(), []\n"
@@ -68,9 +70,14 @@ _OTHER_RAY = ("import os, sys\n"
               "                continue\n"
               "        if me != 0 and os.stat('/proc/' + pid).st_uid != me:\n"
               "            continue\n"
+              "        with open('/proc/' + pid + '/stat') as f:\n"
+              "            if f.read().rpartition(')')[2].split()[:1] == ['Z']:\n"
+              "                continue\n"
               "        with open('/proc/' + pid + '/cmdline', 'rb') as f:\n"
               "            argv = f.read().decode(errors='replace').split('\\0')\n"
               "    except OSError:\n"
+              "        continue\n"
+              "    if not any(argv):\n"
               "        continue\n"
               "    if not ours & set(argv):\n"
               "        gcs = [a.split('=', 1)[1] for a in argv if a.startswith(('--gcs-address=', '--gcs_address='))]\n"

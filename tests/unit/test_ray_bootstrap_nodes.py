@@ -258,3 +258,25 @@ def test_the_other_ray_check_names_raylets_of_other_clusters_only(tmp_path):
         for proc in (ours, theirs):
             proc.kill()
             proc.wait()
+
+
+def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
+    """A raylet that has exited but is not yet reaped (state Z, its command line empty) is no
+    Ray: a node with one is not refused on every bootstrap."""
+    script = tmp_path / "raylet"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    zombie = subprocess.Popen([str(script), "--gcs-address=127.0.0.9:7001"])  # not waited for: a zombie
+    try:
+        stat = Path(f"/proc/{zombie.pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_text().rpartition(")")[2].split()[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stat.read_text().startswith(f"{zombie.pid} (raylet) Z"), stat.read_text()
+        assert Path(f"/proc/{zombie.pid}/cmdline").read_bytes() == b""
+        result = subprocess.run([sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"],
+                                capture_output=True, text=True, timeout=30)
+        assert f"raylet pid {zombie.pid} " not in result.stderr, result
+        assert result.returncode in (0, ray_cluster.OTHER_RAY_EXIT), result  # a real Ray here may run
+    finally:
+        zombie.wait()
