@@ -725,14 +725,23 @@ def _remote_command(script: str, timeout: float | None) -> str:
 _LOGIN_SHELL_UNSAFE = re.compile(r"[\n\r!\\]")
 
 
+# A node without `base64` (or whose `base64 -d` fails) must not run nothing and exit 0.
+BASE64_FAILED = "launcher: base64 -d failed on this node"
+
+
 def _for_login_shell(script: str) -> str:
     """``sh -c`` running ``script``, as one line that any login shell (sh, bash, csh, tcsh,
     fish) passes to sh unchanged: quoted as it is where that is safe, else base64-encoded and
-    decoded by sh itself (stdin is left to the script)."""
+    decoded by sh itself (stdin is left to the script). Where the node cannot decode it (no
+    ``base64``), sh prints BASE64_FAILED on stderr and exits 127 instead of running nothing."""
+    if not script.rstrip("\n"):  # newlines only: nothing to run (and sh's $(...) drops them)
+        script = ""
     if _LOGIN_SHELL_UNSAFE.search(script) is None:
         return f"sh -c {shlex.quote(script)}"
     encoded = base64.b64encode(script.encode()).decode()
-    return f"sh -c 'eval \"$(echo {encoded} | base64 -d)\"'"
+    # Inside the single quotes: no ', newline, ! or backslash, so csh, tcsh and fish keep it as it is.
+    return (f"sh -c 's=$(echo {encoded} | base64 -d) && [ -n \"$s\" ] || "
+            f"{{ echo \"{BASE64_FAILED}\" >&2; exit 127; }}; eval \"$s\"'")
 
 
 def _known_hosts_name(node: NodeSpec) -> str:

@@ -78,3 +78,39 @@ def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monk
     finally:
         listener.close()
     assert not token.exists()
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_a_node_without_base64_is_an_error_not_a_silent_success(shell, timeout, tmp_path):
+    """A script that travels base64-encoded, on a node where ``base64`` is missing: exit 127 and
+    a message on stderr, not nothing run and exit 0. Plain commands need no base64."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sh", shell):  # only these on PATH: no base64, no coreutils' timeout
+        if not (bin_dir / name).exists():
+            (bin_dir / name).symlink_to(os.path.realpath(shutil.which(name) or name))
+    env = {**os.environ, "PATH": str(bin_dir)}
+
+    def run(command: str) -> subprocess.CompletedProcess[str]:
+        sent = _remote_command(command, timeout)
+        assert "\n" not in sent and "!" not in sent, sent
+        return subprocess.run([str(bin_dir / shell), "-c", sent], capture_output=True, text=True, timeout=60, env=env)
+
+    made = tmp_path / "made"
+    result = run(f"echo 'not run!' > {made}\nexit 0")
+    assert result.returncode == 127, result
+    assert "launcher: base64 -d failed on this node" in result.stderr, result
+    assert not made.exists()
+    fake = bin_dir / "base64"  # one that decodes nothing and exits 0
+    fake.write_text(f"#!{os.path.realpath(shutil.which('sh') or 'sh')}\nexit 0\n")
+    fake.chmod(0o755)
+    result = run(f"echo 'not run!' > {made}\nexit 0")
+    assert result.returncode == 127 and "launcher: base64 -d failed on this node" in result.stderr, result
+    assert not made.exists()
+    result = run(f"echo plain > {made}; exit 5")  # sent as it is, no base64
+    assert (result.returncode, made.read_text()) == (5, "plain\n"), result
+
+
+def test_a_script_of_newlines_only_runs_nothing_and_needs_no_base64():
+    assert _remote_command("\n\n", None) == "sh -c ''"
