@@ -60,6 +60,9 @@ def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monk
         return login_shell(shell, command, stdin=stdin or "", timeout=timeout, home=str(tmp_path))
 
     monkeypatch.setattr(ray_cluster, "_on_node", on_node)
+    # The check for another Ray (tested in test_ray_bootstrap_nodes.py) scans this machine's
+    # processes: a raylet running here must not fail this test.
+    monkeypatch.setattr(ray_cluster, "_OTHER_RAY", "pass")
     monkeypatch.setattr(ray_cluster, "_ray_cli", lambda cluster, node, args: "")
     monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes: [])
     session = ray_cluster.RaySession(mode="bootstrap", address="ray://127.0.0.1:10001", node_ips={"node0": "127.0.0.1"},
