@@ -271,7 +271,7 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
         from launcher.jobs.head import cluster_lock, forget_cluster
         from launcher.orchestrate.ray_cluster import _stop_ray
 
-        with cluster_lock(spec):  # held already (jobs_lock): not while a submit bootstraps it
+        with cluster_lock(spec):  # inside jobs_lock, as every holder of both takes them
             left = _stop_ray(spec, list(spec.nodes))
             forget_cluster(spec)
         stopped = [n.name for n in spec.nodes if n.name not in left]

@@ -15,9 +15,17 @@ State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, el
   while a command reads the record, bootstraps and saves it, and while ``launch down`` stops
   and forgets it.
 
-``jobs_lock`` (``local/.lock``, or the cluster's ``.lock``) is held by ``launch submit`` from
-finding (or starting) the launcher's Ray until Ray has the job, and by ``launch down`` from
-listing the jobs until Ray is stopped: down stops no job it did not list.
+Two locks (flock) for each launcher Ray, in two files, always taken in this order:
+
+1. ``jobs_lock`` (``local/.jobs.lock``, or ``clusters/<head host>-<gcs port>.jobs.lock``): held
+   by ``launch submit`` from finding (or starting) the launcher's Ray until Ray has the job
+   (the code's upload included), and by ``launch down`` from listing the jobs until Ray is
+   stopped: down stops no job it did not list. ``status``, ``list``, ``logs``, ``stop`` and
+   ``fetch`` never take it, so they answer while a submission uploads or ``down`` waits for
+   its jobs to stop.
+2. the head's lock (``local/.lock``, or the cluster's ``.lock`` above): held only while a
+   command finds, starts or stops the Ray (or reads, saves or forgets its record); every
+   command takes it, and a command that holds both took ``jobs_lock`` first.
 
 The local head binds its dashboard and Jobs API to 127.0.0.1 and needs the token for every
 request (``RAY_AUTH_MODE=token``); its other ports are free ports picked at start (Ray's
@@ -175,16 +183,18 @@ def cluster_lock(cluster: ClusterSpec) -> Iterator[None]:
 
 @contextlib.contextmanager
 def jobs_lock(cluster: ClusterSpec) -> Iterator[None]:
-    """The lock of the launcher's Ray for ``cluster`` (none for a Ray it attaches to): held by
-    a submission until Ray has the job and by ``launch down`` from listing the jobs to stopping
-    Ray. The functions here that take it inside do not wait for a lock their thread holds."""
+    """The jobs lock of the launcher's Ray for ``cluster`` (none for a Ray it attaches to): held
+    by a submission until Ray has the job and by ``launch down`` from listing the jobs to
+    stopping Ray. A file of its own (``.jobs.lock``), not the head's lock that every command
+    takes briefly (``local_head``, ``cluster_lock``): those are taken inside it, never around
+    it, so ``status`` and ``list`` do not wait for a submission's upload."""
     if cluster.ray.address is not None:
         yield
     elif cluster.all_local:
-        with _locked(_local_folder() / ".lock"):
+        with _locked(_local_folder() / ".jobs.lock"):
             yield
     else:
-        with cluster_lock(cluster):
+        with _locked(cluster_record(cluster).with_suffix(".jobs.lock")):
             yield
 
 

@@ -1,0 +1,145 @@
+"""The two locks of a launcher Ray: ``jobs_lock`` (a submission until Ray has its job, ``launch
+down`` from listing the jobs to stopping Ray) and the head's lock (finding, starting or stopping
+the Ray). ``status``, ``list`` and ``logs`` take only the head's lock, briefly: they answer while
+another process holds the jobs lock (a submit uploading its code, a ``down`` waiting for its
+jobs). The lock is held by a real second process (flock); Ray and SSH are stubbed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher.jobs import api, commands
+from launcher.jobs import head as heads
+from launcher.spec import ClusterSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
+REMOTE = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10"},
+                                               {"name": "node1", "host": "198.18.250.11"}]})
+PROMPTLY_S = 10.0
+
+HOLDER = """
+import json, sys
+from launcher.jobs import head
+from launcher.spec import ClusterSpec
+cluster = ClusterSpec.model_validate(json.loads(sys.argv[2]))
+lock = head.jobs_lock(cluster) if sys.argv[1] == "jobs" else (
+    head.cluster_lock(cluster) if not cluster.all_local else head._locked(head._local_folder() / ".lock"))
+with lock:
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes stdin
+"""
+
+
+@pytest.fixture(autouse=True)
+def state(tmp_path, monkeypatch):
+    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+
+
+@contextlib.contextmanager
+def held_elsewhere(which: str, cluster: ClusterSpec) -> Iterator[None]:
+    """Another process holds ``which`` lock ("jobs" or "head") of ``cluster``'s Ray."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, which, json.dumps(cluster.model_dump(mode="json"))],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held", "the holder failed"
+        yield
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def finishes(fn: Callable[[], Any], what: str) -> Any:
+    """``fn()`` returns within PROMPTLY_S (in a thread: a flock wait cannot be interrupted)."""
+    result: list[Any] = []
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            result.append(fn())
+        except BaseException as err:  # noqa: BLE001 - raised below
+            errors.append(err)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(PROMPTLY_S)
+    assert not thread.is_alive(), f"{what} waited for the lock another process holds"
+    if errors:
+        raise errors[0]
+    return result[0] if result else None
+
+
+def takes(lock: Callable[[], contextlib.AbstractContextManager[None]], what: str) -> None:
+    """``lock()`` is taken (and let go) within PROMPTLY_S."""
+
+    def take() -> bool:
+        with lock():
+            return True
+
+    assert finishes(take, what) is True
+
+
+def test_local_status_and_list_answer_while_a_submission_holds_the_jobs_lock(capsys):
+    with held_elsewhere("jobs", LOCAL):
+        takes(lambda: heads._locked(heads._local_folder() / ".lock"), "taking the head's lock")
+        assert finishes(lambda: heads.local_head(start=False), "finding the local head") is None
+        assert finishes(lambda: commands.list_jobs(LOCAL, as_json=True), "launch list") == 0
+        assert finishes(lambda: commands.status(LOCAL, None, as_json=False), "launch status") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[]\n") and "no jobs: nothing was submitted" in out
+
+
+def bootstrapped(monkeypatch) -> None:
+    """A bootstrapped cluster's record and a Jobs API (through a stubbed tunnel) with no jobs."""
+
+    @contextlib.contextmanager
+    def tunnel(cluster, *, token=False):
+        yield "http://127.0.0.1:1", "secret"
+
+    heads.save_cluster(REMOTE)
+    monkeypatch.setattr(api, "_tunnel", tunnel)
+    monkeypatch.setattr(api, "_client", lambda url, token: type("C", (), {"list_jobs": lambda self: []})())
+    monkeypatch.setattr(api, "_bootstrap", lambda cluster: pytest.fail("bootstrapped again"))
+
+
+def test_bootstrapped_status_and_list_answer_while_a_submission_holds_the_jobs_lock(monkeypatch, capsys):
+    bootstrapped(monkeypatch)
+    with held_elsewhere("jobs", REMOTE):
+        takes(lambda: heads.cluster_lock(REMOTE), "taking the cluster's lock")
+        assert finishes(lambda: commands.list_jobs(REMOTE, as_json=True), "launch list") == 0
+        assert finishes(lambda: commands.status(REMOTE, None, as_json=True), "launch status") == 0
+    assert capsys.readouterr().out == "[]\n[]\n"
+
+
+@pytest.mark.parametrize("cluster", [LOCAL, REMOTE], ids=["local", "bootstrapped"])
+def test_the_jobs_lock_is_not_the_heads_lock(cluster):
+    """Either is free while another process holds the other (a file each); a submission waits
+    for another's jobs lock."""
+    with held_elsewhere("head", cluster):
+        takes(lambda: heads.jobs_lock(cluster), "taking the jobs lock")
+    with held_elsewhere("jobs", cluster):
+        entered = threading.Event()
+
+        def submit() -> None:
+            with heads.jobs_lock(cluster):
+                entered.set()
+
+        threading.Thread(target=submit, daemon=True).start()
+        assert not entered.wait(1.0), "two holders of one jobs lock at once"
+    assert entered.wait(PROMPTLY_S)
