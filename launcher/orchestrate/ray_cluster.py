@@ -85,12 +85,14 @@ _OTHER_RAY = ("import os, sys\n"
               "if found:\n"
               "    print(', '.join(found), file=sys.stderr)\n"
               f"    sys.exit({OTHER_RAY_EXIT})\n")
-# Run on a node before `ray stop`, with the node's address and this cluster's GCS port: SIGKILL to
-# this user's `ray start` for that port bound to that address. One the launcher gave up on (Ctrl-C
+# Run on a node before `ray stop`, with the node's address, the head's and this cluster's GCS port:
+# SIGKILL to this user's `ray start` of this cluster bound to that address, a join to HEAD:PORT
+# (`--address`) or, on the head, the head's own start on PORT; a join to another head on the same
+# port, or another Ray's head on this node, is left alone. One the launcher gave up on (Ctrl-C
 # while nodes join, a timeout) runs on there, as closing an SSH connection stops nothing on the
 # node, and could start Ray after the stop. Matched on whole arguments, so never this program.
 _KILL_START = ("import os, signal, sys\n"
-               "ip, port, me = sys.argv[1], sys.argv[2], os.getuid()\n"
+               "ip, head, port, me = sys.argv[1], sys.argv[2], sys.argv[3], os.getuid()\n"
                "for pid in filter(str.isdigit, os.listdir('/proc') if os.path.isdir('/proc') else []):\n"
                "    try:\n"
                "        if os.stat('/proc/' + pid).st_uid != me:\n"
@@ -100,9 +102,8 @@ _KILL_START = ("import os, signal, sys\n"
                "    except OSError:\n"
                "        continue\n"
                "    pairs = set(zip(argv, argv[1:]))\n"
-               "    joins = any(a == '--address' and b.rpartition(':')[2] == port for a, b in pairs)\n"
-               "    if (('ray.scripts.scripts', 'start') in pairs and ('--node-ip-address', ip) in pairs\n"
-               "            and (('--port', port) in pairs or joins)):\n"
+               "    ours = ('--address', head + ':' + port) in pairs or (ip == head and ('--port', port) in pairs)\n"
+               "    if ('ray.scripts.scripts', 'start') in pairs and ('--node-ip-address', ip) in pairs and ours:\n"
                "        try:\n"
                "            os.kill(int(pid), signal.SIGKILL)\n"
                "        except OSError:\n"
@@ -202,6 +203,7 @@ class RaySession:
             ray.shutdown()
         os.environ.pop("RAY_AUTH_TOKEN", None)
         if self._started_on and not keep_ray and self._cluster is not None:
+            # the head first (it starts first, the others only once it runs), as _stop_ray needs
             if left := _stop_ray(self._cluster, self._started_on):
                 log.warning("Ray may still run on %s (not reached); stop it with `ray stop` there",
                             ", ".join(left))
@@ -423,11 +425,16 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
 def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> list[str]:
     """On every node, in parallel: a ``ray start`` of this cluster still running there killed
     (``_KILL_START``: one the launcher gave up on would start Ray after the stop), then
-    ``ray stop --force`` and the token file removed. Returns the names of the nodes where that
-    could not be done (unreachable, timed out, stop failed): Ray may still run there."""
+    ``ray stop --force`` and the token file removed. ``nodes[0]`` is the head (whose address
+    tells this cluster's joins from another's on the same port): the session's nodes start in
+    that order, and a cluster file's first node is its head. Returns the names of the nodes where
+    that could not be done (unreachable, timed out, stop failed): Ray may still run there."""
+    head = shlex.quote(_resolve(nodes[0].host)) if nodes else ""
+
     def stop(node: NodeSpec) -> str | None:
         python = shlex.quote(node.interpreter())
-        kill = f"{python} -c {shlex.quote(_KILL_START)} {shlex.quote(_resolve(node.host))} {cluster.ray.port}"
+        kill = (f"{python} -c {shlex.quote(_KILL_START)} {shlex.quote(_resolve(node.host))} {head} "
+                f"{cluster.ray.port}")
         try:
             result = _on_node(cluster, node, f"{kill}; {python} -m ray.scripts.scripts stop --force; rc=$?; "
                                              f"rm -f {TOKEN_FILE}; exit $rc",

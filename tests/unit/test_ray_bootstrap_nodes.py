@@ -280,3 +280,33 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
         assert result.returncode in (0, ray_cluster.OTHER_RAY_EXIT), result  # a real Ray here may run
     finally:
         zombie.wait()
+
+
+def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
+    """A `ray start` left running on a node is killed before `ray stop` when it is this
+    cluster's: a join to this head's address, or the head's own start on the head. A join to
+    another head on the same port, and another Ray's head on a worker, are left alone."""
+    port = free_port()
+    monkeypatch.setenv("FAKE_PORT", str(port))
+    cluster = ClusterSpec.model_validate({
+        "nodes": [{"name": f"node{i}", "host": host, "python": sys.executable} for i, host in enumerate(HOSTS[:2])],
+        "ray": {"port": port}, "ssh": {"connect_timeout_s": 5}})
+
+    def start(*args: str) -> subprocess.Popen[bytes]:  # a process whose arguments are those of a `ray start`
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray.scripts.scripts", "start",
+                                 *args], start_new_session=True)
+
+    ours = {"join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
+            "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1")}
+    theirs = {"join to another head": start("--address", f"127.0.0.9:{port}", "--node-ip-address", "127.0.0.2"),
+              "another port": start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"),
+              "head on a worker": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2")}
+    try:
+        assert ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []
+        for name, proc in ours.items():
+            assert proc.wait(10) == -signal.SIGKILL, f"this cluster's {name} was not killed"
+        assert {name for name, proc in theirs.items() if proc.poll() is not None} == set(), "another Ray's start was killed"
+    finally:
+        for proc in (*ours.values(), *theirs.values()):
+            proc.kill()
+            proc.wait()
