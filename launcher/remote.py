@@ -220,7 +220,7 @@ class SSHRunner(Runner):
     def load_key(self) -> paramiko.PKey | None:
         """``ssh.key`` read, or None without one; NodeError (authentication failed) naming the
         file when it is missing, unreadable, encrypted, not a private key, or a key of a type
-        paramiko does not support (DSA) or that otherwise cannot be loaded.
+        paramiko does not support (DSA, since paramiko 4.0) or that otherwise cannot be loaded.
 
         Read here, not by paramiko from ``key_filename``: paramiko tries the file as every key
         type in turn and re-raises the last type's parse error ("Invalid key"), which hides a
@@ -237,7 +237,7 @@ class SSHRunner(Runner):
                                          f"fix its permissions or ssh.key in the cluster file") from None
         except (TypeError, paramiko.PasswordRequiredException):  # cryptography: no password given
             raise NodeError(AUTH_FAILED, _ENCRYPTED.format(key=shown)) from None
-        except paramiko.pkey.UnknownKeyType as err:  # e.g. DSA, which paramiko >= 3 dropped
+        except paramiko.pkey.UnknownKeyType as err:  # e.g. DSA: paramiko 4.0 removed DSSKey (3.x loads it)
             kind = getattr(err.key_type, "__name__", None) or str(err.key_type)
             kind = _short(kind.removesuffix("PrivateKey"), 40)
             raise NodeError(AUTH_FAILED, f"key file {shown} holds a {kind} key, a type the launcher's SSH "
