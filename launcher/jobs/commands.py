@@ -61,40 +61,44 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
         facts = preflight_facts(job, cluster, skip=skip_parity, run_dir=RunDir(upload), show=not as_json)
         workers = worker_counts(job, nodes, facts)
         with connect(cluster, start=True) as jobs:
+            release = None
             if jobs.head_is_local:
-                if run_dir is not None:  # one run per run directory, as a foreground run (exit 2)
-                    RunDir.refuse_used(run_dir)
                 where = str((run_dir or Path("runs") / job_id).resolve())
-            else:  # a path on the head; relative ones are under its home directory
+                # One run per run directory, as a foreground run (exit 2): reserved for this job
+                # now, inside the submission's lock (connect), so a second submission given the
+                # same folder while this job waits in the queue is refused. The driver takes it.
+                release = RunDir.reserve(Path(where), job_id)
+            else:  # a path on the head; relative ones are under its home directory (the driver claims it)
                 where = str(run_dir or Path("runs") / job_id)
-            try:
-                if code is not None and code.travels and not jobs.head_is_local:
-                    snapshot = stage(code)  # the head cannot see this machine's workdir
-                    try:
-                        snapshot.rename(upload / CODE_DIR)
-                    finally:
-                        shutil.rmtree(snapshot, ignore_errors=True)  # gone once renamed
-                write_private(upload / SUBMISSION_FILE, json.dumps({
-                    "job_id": job_id, "job": job.model_dump(mode="json"),
-                    # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
-                    "cluster": cluster.model_copy(update={"ray": jobs.cluster.ray}).model_dump(mode="json"),
-                    "facts": {n: f.gpus for n, f in facts.items()} if facts is not None else None,
-                    "skip_parity": skip_parity, "run_dir": where}) + "\n")
-            except OSError as err:  # an unreadable file in the workdir, a full disk
-                raise _staging_failed(err, code, upload) from err
-            python = sys.executable if jobs.head_is_local else jobs.head.interpreter()
-            stop_wait = max(STOP_WAIT_MIN_S, int(job.launch.stop_grace_s) + 20)
-            # The snapshot has the job's excludes applied: Ray must not drop what a .gitignore in
-            # it lists (as for a foreground run, ray_cluster.open_session).
-            os.environ["RAY_RUNTIME_ENV_IGNORE_GITIGNORE"] = "1"
-            jobs.client.submit_job(
-                entrypoint=f"exec {shlex.quote(python)} -m launcher.jobs.driver {SUBMISSION_FILE}",
-                submission_id=job_id,
-                runtime_env={"working_dir": str(upload), "env_vars": {
-                    "RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait)}},
-                metadata={META_KEY: __version__, "name": job.name, "run_id": job_id,
-                          "world_size": str(sum(workers.values())), "nodes": str(len(nodes)),
-                          "node_names": ",".join(n.name for n in nodes), "run_dir": where})
+            with _released_unless_submitted(release):
+                try:
+                    if code is not None and code.travels and not jobs.head_is_local:
+                        snapshot = stage(code)  # the head cannot see this machine's workdir
+                        try:
+                            snapshot.rename(upload / CODE_DIR)
+                        finally:
+                            shutil.rmtree(snapshot, ignore_errors=True)  # gone once renamed
+                    write_private(upload / SUBMISSION_FILE, json.dumps({
+                        "job_id": job_id, "job": job.model_dump(mode="json"),
+                        # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
+                        "cluster": cluster.model_copy(update={"ray": jobs.cluster.ray}).model_dump(mode="json"),
+                        "facts": {n: f.gpus for n, f in facts.items()} if facts is not None else None,
+                        "skip_parity": skip_parity, "run_dir": where}) + "\n")
+                except OSError as err:  # an unreadable file in the workdir, a full disk
+                    raise _staging_failed(err, code, upload) from err
+                python = sys.executable if jobs.head_is_local else jobs.head.interpreter()
+                stop_wait = max(STOP_WAIT_MIN_S, int(job.launch.stop_grace_s) + 20)
+                # The snapshot has the job's excludes applied: Ray must not drop what a .gitignore in
+                # it lists (as for a foreground run, ray_cluster.open_session).
+                os.environ["RAY_RUNTIME_ENV_IGNORE_GITIGNORE"] = "1"
+                jobs.client.submit_job(
+                    entrypoint=f"exec {shlex.quote(python)} -m launcher.jobs.driver {SUBMISSION_FILE}",
+                    submission_id=job_id,
+                    runtime_env={"working_dir": str(upload), "env_vars": {
+                        "RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait)}},
+                    metadata={META_KEY: __version__, "name": job.name, "run_id": job_id,
+                              "world_size": str(sum(workers.values())), "nodes": str(len(nodes)),
+                              "node_names": ",".join(n.name for n in nodes), "run_dir": where})
     where_cluster = cluster_file or "this machine"
     out = {"job_id": job_id, "name": job.name, "cluster": where_cluster, "run_dir": where}
     if as_json:
@@ -296,6 +300,18 @@ def _staging_failed(err: OSError, code: Any, upload: Path) -> PreflightError:
         f"could not stage the job's files for submission: {what}. Nothing was "
         f"submitted and nothing was started; {fix}check that {upload.parent} has free space (TMPDIR "
         f"picks another folder), then submit again")
+
+
+@contextlib.contextmanager
+def _released_unless_submitted(release: Any) -> Iterator[None]:
+    """A run directory reserved for a submission that fails before Ray has the job (staging,
+    the Jobs API, Ctrl-C) is free again."""
+    try:
+        yield
+    except BaseException:
+        if release is not None:
+            release()
+        raise
 
 
 @contextlib.contextmanager

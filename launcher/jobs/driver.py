@@ -14,7 +14,8 @@ snapshot in ``code/``. Then, in order:
 
 ``launch stop`` gets SIGINT here (``RAY_JOB_STOP_SIGNAL``): the foreground's interrupted path
 stops every worker, removes the placement group and writes a summary marked interrupted;
-exit 130. Exit codes as ``launch``: 0 succeeded, 4 failed, 130 interrupted.
+exit 130. Exit codes as ``launch``: 0 succeeded, 4 failed, 130 interrupted; 2 for a run
+directory that is not new or empty on the head (checked first, as a foreground run does).
 """
 
 from __future__ import annotations
@@ -60,8 +61,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(debug="--debug" in args)
     signals.install()
     submission = json.loads(Path(args[0]).read_text())
-    run_dir = RunDir(_on_this_node(submission["run_dir"]))
     job = JobSpec.model_validate(submission["job"])
+    try:
+        # One run per run directory, on the head as for a foreground run: a folder that holds
+        # anything (another run) is refused, exit 2; the reservation of this job's own
+        # submission (a head on the submitter's machine) is taken.
+        run_dir = RunDir.claim(_on_this_node(submission["run_dir"]), job_id=submission["job_id"])
+    except LauncherError as err:  # the folder is not this job's: nothing is written into it
+        print(f"error: {err}", flush=True)
+        _final(job, None, Status.FAILED, reason=str(err))
+        return err.exit_code
     try:
         return Driver(submission, job, run_dir).run()
     except LauncherError as err:
@@ -234,16 +243,19 @@ def _done(status: Status, summary: dict[str, Any]) -> dict[str, Any]:
             "attempt": len(summary.get("restarts") or []), "world_size": summary.get("world_size")}
 
 
-def _final(job: JobSpec, run_dir: RunDir, status: Status, reason: str | None = None) -> None:
+def _final(job: JobSpec, run_dir: RunDir | None, status: Status, reason: str | None = None) -> None:
     """A job that ended before ``Launch`` wrote its summary (stopped while waiting, Ray not
-    reachable): a summary with no ranks that says so, and the final state line."""
+    reachable): a summary with no ranks that says so, and the final state line. ``run_dir``
+    None: the job has no run directory (its folder was refused), the summary is the state
+    line's alone."""
     from launcher.results.summary import summarize, write_summary
 
     summary = None
-    if not (run_dir.root / "summary.json").is_file():
+    if run_dir is None or not (run_dir.root / "summary.json").is_file():
         failure = {"reason": reason} if reason else None
         summary = summarize(job.name, [], {}, status=status.value, failure=failure)
-        _quietly(lambda: write_summary(run_dir.root, summary))
+        if run_dir is not None:
+            _quietly(lambda: write_summary(run_dir.root, summary))
     else:
         summary = json.loads((run_dir.root / "summary.json").read_text())
     emit(_done(status, summary))

@@ -6,16 +6,22 @@ per restart), ``preflight/<node>.json``, ``preflight/parity.txt``, ``logs/<node>
 with ``train.profile``. The spec copies and plans are mode 0600 with secret-looking values
 masked: workers get the real values from the plan's environment, never from these files.
 
-One run per folder: ``--run-dir`` must be new or empty (``claim``). ``name`` is the folder's name
-(the workers' ``LAUNCHER_RUN_ID``); ``run_id`` adds a random suffix, unique to the launch, and
-names each node's folder ``/tmp/launcher/<run_id>/<node>``.
+One run per folder: ``--run-dir`` must be new or empty (``claim``). ``launch submit`` to a head
+on this machine reserves the folder for its job at once (``reserve``: ``logs/`` and a
+``.launcher-job`` file naming the job id), so a second submission given the same folder while
+the first waits in the queue is refused too; the job's driver claims it with that job id and
+removes the file. ``name`` is the folder's name (the workers' ``LAUNCHER_RUN_ID``); ``run_id``
+adds a random suffix, unique to the launch, and names each node's folder
+``/tmp/launcher/<run_id>/<node>``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from launcher.orchestrate.plan import LaunchPlan, mask_env
 from launcher.util import utc_stamp, write_private
 
 DEFAULT_BASE = Path("runs")
+RESERVED = ".launcher-job"  # a submission's reservation of its run directory: the job id
 
 
 class RunDir:
@@ -56,16 +63,74 @@ class RunDir:
                                  f"a folder you can write, or pass --run-dir") from err
 
     @classmethod
-    def claim(cls, path: Path | str) -> RunDir:
+    def claim(cls, path: Path | str, *, job_id: str | None = None) -> RunDir:
         """``--run-dir PATH``: a folder that is new, or empty, and this launch's alone.
 
         A folder that holds anything (an earlier run's logs, metrics and summary, or other
         files) is refused with UsageError (exit 2) before anything is made or started: this
         run's records would be mixed into it. The ``logs`` folder is made here, exclusively, so
         that of two launches given the same new folder at once only one gets it.
+
+        ``job_id``: a detached job's driver, which also takes the folder its own submission
+        reserved (``reserve``: an empty ``logs/`` and the reservation naming this job), and
+        removes the reservation.
         """
         path = Path(path)
+        if job_id is not None and _reserved_for(path) == job_id:
+            try:
+                rest = {p.name for p in path.iterdir()} - {RESERVED, "logs"}
+                logs = path / "logs"
+                if rest or (logs.is_dir() and any(logs.iterdir())):
+                    raise UsageError(
+                        f"--run-dir {path} was reserved for this job when it was submitted, and files "
+                        f"have been put into it since ({', '.join(sorted(rest)) or 'logs/'}): a run "
+                        f"directory holds one run. Submit again with a new folder for --run-dir; "
+                        f"nothing was started")
+                (path / RESERVED).unlink()
+            except OSError as err:
+                raise UsageError(f"cannot take the run directory {path}: {err.strerror or err}; pass "
+                                 f"--run-dir a folder you can write") from err
+            return cls(path)
         cls.refuse_used(path)
+        cls._make(path)
+        return cls(path)
+
+    @classmethod
+    def reserve(cls, path: Path | str, job_id: str) -> Callable[[], None]:
+        """``launch submit`` to a head on this machine: claim the folder for job ``job_id`` now,
+        while the submission holds its lock, as ``claim`` does (exit 2 for a used one), and
+        leave the reservation (``.launcher-job``, the job id) that the job's driver takes
+        (``claim(path, job_id=...)``). Returns the undo, for a submission that fails before Ray
+        has the job: the reservation goes, and the folder where this made it."""
+        path = Path(path)
+        cls.refuse_used(path)
+        made = [p for p in (path, *path.parents) if not p.exists()]
+        cls._make(path)
+
+        def undo() -> None:  # what this made; a folder something else was put into stays
+            for gone in (path / RESERVED, path / "logs", *made):  # innermost first
+                with contextlib.suppress(OSError):
+                    if gone.name == RESERVED:
+                        gone.unlink()
+                    else:
+                        gone.rmdir()
+
+        def release() -> None:
+            if _reserved_for(path) == job_id:
+                undo()
+
+        try:
+            write_private(path / RESERVED, job_id + "\n")
+        except OSError as err:
+            undo()
+            raise UsageError(f"cannot write the run directory {path}: {err.strerror or err}; pass --run-dir "
+                             f"a folder you can write") from err
+        return release
+
+    @staticmethod
+    def _make(path: Path) -> None:
+        """The folder and its ``logs/``, the latter exclusively (UsageError, exit 2, where it is
+        there already or cannot be made)."""
         try:
             path.mkdir(parents=True, exist_ok=True)
             (path / "logs").mkdir()
@@ -74,7 +139,6 @@ class RunDir:
         except OSError as err:
             raise UsageError(f"cannot make the run directory {path}: {err.strerror or err}; pass --run-dir "
                              f"a folder you can write") from err
-        return cls(path)
 
     @staticmethod
     def refuse_used(path: Path) -> None:
@@ -142,7 +206,22 @@ class RunDir:
         (self.preflight / "parity.txt").write_text("skipped (--skip-parity)\n")
 
 
+def _reserved_for(path: Path) -> str | None:
+    """The job id a submission reserved ``path`` for, if any."""
+    try:
+        return (path / RESERVED).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _taken(path: Path) -> UsageError:
+    job_id = _reserved_for(path)
+    if job_id is not None:
+        return UsageError(
+            f"--run-dir {path} is reserved for job {job_id}, submitted before with the same --run-dir "
+            f"(waiting, running, or never started; `launch status {job_id}`): a run directory holds one "
+            f"run. Pick a new folder for --run-dir (or leave it out), or remove {path} first if that "
+            f"job has ended and you no longer need it; nothing was started")
     try:
         entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     except OSError:
