@@ -2,7 +2,9 @@
 
 Exit codes: 0 ok · 2 invalid input · 3 preflight failed · 4 job failed · 130 interrupted.
 User errors print one paragraph and no traceback; ``--debug`` shows it. A closed stdout pipe
-(``| head``) ends every command quietly, exit 0.
+(``| head``) ends a command that only shows something quietly, exit 0; a command that does
+something (``run``, ``submit``, ``scale``, ...) does it whole, its output dropped, with its own
+exit code.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import os
 import select
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from launcher import __version__, signals
@@ -24,12 +26,20 @@ log = logging.getLogger("launcher")
 
 COMMANDS = ("run", "plan", "check", "scale", "report", "schema", "export", "tokenize",
             "submit", "status", "logs", "stop", "list", "fetch", "down")
+# Commands that start, submit, stop or write something: a reader of their stdout or stderr that
+# goes away (``launch run job.yaml | head -3``) changes nothing of what they do or of their exit
+# code; what they print from then on is dropped. The others only show something: a closed
+# stdout pipe ends them quietly (``main``).
+WORKING_COMMANDS = frozenset({"run", "submit", "scale", "tokenize", "export", "fetch", "stop", "down"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code. Output into a pipe closed early (``launch list | head -1``)
-    ends any command quietly: exit 0, or the code of a command that had finished (``launch check``
-    that found a mismatch: 3) when only the last flush found the pipe closed."""
+    ends a command that only shows something quietly: exit 0, or the code of a command that had
+    finished (``launch check`` that found a mismatch: 3) when only the last flush found the pipe
+    closed. A command of ``WORKING_COMMANDS`` goes on to its end, its output dropped
+    (``_console_may_close``): ``launch run job.yaml | head -3`` runs the job, writes the run
+    directory in full and exits as the run does."""
     code = 0
     try:
         code = _main(argv)
@@ -63,18 +73,73 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(_with_command(list(sys.argv[1:] if argv is None else argv)))
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_INVALID_INPUT
-    _setup_logging(args.debug)
-    signals.install()
+    with _console_may_close() if args.command in WORKING_COMMANDS else contextlib.nullcontext():
+        _setup_logging(args.debug)  # its handler writes to the sys.stderr of this moment
+        signals.install()
+        try:
+            return int(args.func(args) or 0)
+        except LauncherError as err:
+            if args.debug:
+                log.exception("%s", type(err).__name__)
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return err.exit_code
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+
+
+class ReaderMayGo:
+    """A console stream (sys.stdout, sys.stderr) whose reader may go away while the command
+    works: from the first BrokenPipeError on, what it is given is dropped, not raised into the
+    command (which took it for a failure of its own: "could not write the summary", exit 4).
+
+    Its descriptor is then pointed at /dev/null, as the Python docs advise for SIGPIPE: what is
+    still buffered, the flush at exit and the processes started from then on write there."""
+
+    def __init__(self, stream):  # noqa: ANN001 - any text stream
+        self.stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def writelines(self, lines) -> None:  # noqa: ANN001
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - fileno, isatty, encoding, buffer ...
+        return getattr(self.stream, name)
+
+    def _drop(self) -> None:
+        self.reader_gone = True
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self.stream.fileno())
+            finally:
+                os.close(devnull)
+            self.stream.flush()  # what the broken write left in the buffer, to /dev/null
+
+
+@contextlib.contextmanager
+def _console_may_close() -> Iterator[None]:
+    """sys.stdout and sys.stderr as ``ReaderMayGo`` while a command of ``WORKING_COMMANDS`` runs."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ReaderMayGo(sys.stdout), ReaderMayGo(sys.stderr)
     try:
-        return int(args.func(args) or 0)
-    except LauncherError as err:
-        if args.debug:
-            log.exception("%s", type(err).__name__)
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 # -- commands -------------------------------------------------------------------------------

@@ -72,6 +72,35 @@ def test_quickstart_end_to_end(tmp_path):
     assert_none_left(before, marker=run_dir.name)
 
 
+def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_path):
+    """`launch jobs/quickstart.yaml | head -1`: the reader going away changes nothing of the run
+    (before: exit 4, "could not write the summary ... Broken pipe"). Exit 0, the run directory in
+    full, the console's lines from then on dropped; nothing of the run left running."""
+    before = matching()
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", str(ROOT / "jobs/quickstart.yaml"),
+                                 "--run-dir", str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline()  # the parity table's first line
+            proc.stdout.close()
+            code = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == 0, stderr[-3000:]
+    assert "Broken pipe" not in stderr and "could not" not in stderr and "Traceback" not in stderr
+    for name in ("plan.json", "logs/local/rank0.log", "logs/local/rank1.log", "metrics/rank0.jsonl",
+                 "metrics/rank1.jsonl", "summary.json", "summary.csv", "summary.txt"):
+        assert (run_dir / name).is_file(), name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["failure"] is None
+    assert [r["steps"] for r in summary["ranks"]] == [30, 30]
+    assert "step 30" in (run_dir / "logs/local/rank0.log").read_text()  # rank 0's lines, the shown ones, kept
+    assert_none_left(before, marker=run_dir.name)
+
+
 def test_failing_rank_stops_everything_and_is_named(tmp_path):
     before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
