@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import yaml
 
 from launcher.train import data as data_module
 from launcher.train.data import TokenFileBatches
+from launcher.util import free_port
 
 CPU = torch.device("cpu")
 
@@ -96,6 +100,8 @@ def test_an_in_range_file_opens_and_its_batches_come_out(tmp_path: Path, monkeyp
     (torch.int32, "<i4", 1000, 1000),
     (torch.int32, "<i4", 1000, -100),      # an ignore-index written into the file
     (torch.int64, "<i8", 1000, 1 << 40),
+    (torch.uint32, "<u4", 1000, 3_000_000_000),  # read negative in int32
+    (torch.uint16, "<u2", 50257, 65535),   # read as -1 in int16
 ])
 def test_the_scan_is_chunked_and_finds_an_id_in_a_later_chunk(tmp_path: Path, monkeypatch, dtype, descr,
                                                                 vocab: int, bad: int):
@@ -111,18 +117,180 @@ def test_the_scan_is_chunked_and_finds_an_id_in_a_later_chunk(tmp_path: Path, mo
 
     with pytest.raises(ValueError) as err:
         batches(path, vocab)
-    assert seen == [chunk] * 10 + [n - 10 * chunk]  # every chunk read, none larger than SCAN_CHUNK
+    assert seen == [chunk] * 8  # chunk by chunk, none larger than SCAN_CHUNK, up to the bad id's
     message = str(err.value)
     assert f"holds token id {bad} at position {at} " in message
     assert f"the model's vocabulary has {vocab} entries" in message
+    assert f"1 of the {chunk} from position 7000 (the check stops at the first chunk" in message
     assert isinstance(err.value, data_module.DataError) and err.value.field == "data.path"
+    ids[at] = 0
+    seen.clear()
+    batches(write_npy(tmp_path / "t.npy", ids, descr), vocab)
+    assert seen == [chunk] * 10 + [n - 10 * chunk]  # a clean file: every chunk read
 
 
-def test_scan_reports_the_first_bad_id_how_many_and_the_extremes():
+def test_scan_reports_the_first_bad_id_and_stops_at_its_chunk():
     ids = torch.tensor([5, 9, -3, 2, 12, 0, -7, 11], dtype=torch.int32)
     found = data_module.scan_ids(ids, 10, chunk=3)
-    assert found == (2, -3, 4, 12, -7)
+    assert found == (2, -3, 1, None, -3, 0, 3)  # position, id, count, top, low, chunk start, span
+    assert data_module.scan_ids(ids, 10, chunk=3, start=3) == (4, 12, 1, 12, None, 3, 3)
+    assert data_module.scan_ids(ids, 10, chunk=8) == (2, -3, 4, 12, -7, 0, 8)
     assert data_module.scan_ids(ids.clamp(0, 9), 10, chunk=3) is None
+
+
+@pytest.mark.parametrize(("dtype", "vocab"), [
+    (torch.uint16, 30522), (torch.uint16, 50257), (torch.uint16, 1 << 15), (torch.uint8, 200),
+    (torch.int32, 1000), (torch.uint32, 1 << 31), (torch.int64, 1000),
+])
+def test_the_first_bad_chunk_is_read_as_the_widened_ids_say(dtype: torch.dtype, vocab: int):
+    """The first bad chunk is searched in the file's type (uint16 and uint32 through their signed
+    views): the same first id, count and extremes as reading it widened to int64."""
+    gen = torch.Generator().manual_seed(vocab)
+    top = min(torch.iinfo(dtype).max, 1 << 40)
+    for trial in range(20):
+        wide = torch.randint(0, vocab, (777,), generator=gen)
+        picks = torch.randint(0, 777, (trial % 4,), generator=gen)
+        wide[picks] = torch.randint(vocab, top + 1, (picks.numel(),), generator=gen)
+        if dtype.is_signed and trial % 3 == 0:
+            wide[picks[:1]] = -100
+        ids = wide.to(dtype)
+        low_bits = None
+        if dtype in data_module._SIGNED_VIEWS:
+            view, low_bits = data_module._SIGNED_VIEWS[dtype]
+            ids = ids.view(view)
+        found = data_module.scan_ids(ids, vocab, low_bits=low_bits, chunk=100)
+        bad = ((wide >= vocab) | (wide < 0)).nonzero().view(-1)
+        if not bad.numel():
+            assert found is None
+            continue
+        begin = int(bad[0]) // 100 * 100
+        part = wide[begin: begin + 100]
+        outside = part[(part >= vocab) | (part < 0)]
+        assert found == (int(bad[0]), int(wide[bad[0]]), outside.numel(),
+                         int(outside.max()) if bool((outside >= vocab).any()) else None,
+                         int(outside.min()) if bool((outside < 0).any()) else None, begin, part.numel())
+
+
+def test_a_wrong_vocabulary_stops_the_scan_at_the_first_chunk(tmp_path: Path, monkeypatch):
+    """Every chunk holds ids outside a vocabulary too small for the file: only the first is read,
+    and of it only the bad ids are widened (widening every chunk cost ~18 ns an id); the message
+    says where the check stopped."""
+    chunk, n = 1_000, 10_500
+    path = write_npy(tmp_path / "t.npy", gpt2_ids(n), "<u2")
+    monkeypatch.setattr(data_module, "SCAN_CHUNK", chunk)
+    widened: list[int] = []
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: (
+        widened.append(t.numel()) if a and a[0] is torch.int64 else None) or to(t, *a, **k))
+    with pytest.raises(data_module.DataError) as err:
+        batches(path, 30522)
+    assert widened == [392]  # the first chunk's ids 30522 and up
+    message = str(err.value)
+    assert "holds token id 31676 at position 4 " in message  # 4 * 7919
+    assert "ids outside 0..30521: 392 of the 1000 from position 0 (the check stops at the first chunk" in message
+    assert ("set model.vocab_size above the file's largest id (at least 50211; the ids after position 999 "
+            "were not checked)") in message
+
+
+@pytest.mark.parametrize(("dtype", "descr", "vocab"), [
+    (torch.uint16, "<u2", 65536), (torch.uint16, "<u2", 100_000), (torch.uint8, "|u1", 256),
+])
+def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(tmp_path: Path, monkeypatch, dtype, descr, vocab):
+    ids = (torch.arange(3_000, dtype=torch.int64) * 7919 % 65536).to(dtype)
+    ids[17] = -1 if dtype == torch.uint8 else 65535  # the type's largest id, inside the vocabulary
+    path = write_npy(tmp_path / "t.npy", ids.to(dtype) if dtype == torch.uint8 else ids, descr)
+    seen: list[int] = []
+    for name in ("aminmax", "bitwise_xor"):
+        op = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda t, *a, _op=op, **k: seen.append(t.numel()) or _op(t, *a, **k))
+    data = batches(path, vocab)
+    assert seen == []
+    assert int(data.batch(1)["input_ids"].max()) < vocab
+    data.close()
+    if vocab >= 1 << 16:
+        assert data_module.scan_ids(torch.full((5,), -1, dtype=torch.int16), vocab, low_bits=0xFFFF) is None
+    # Signed ids are read whatever the vocabulary: a negative id fits none.
+    assert data_module.scan_ids(torch.tensor([1, -100, 2], dtype=torch.int32), 1 << 31) == (1, -100, 1, None, -100,
+                                                                                              0, 3)
+    assert seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, 7, 999, 1_000, 1_001, 2_999, 10_500, 12_345])
+def test_the_ranks_slices_cover_every_chunk_once(world: int, n: int):
+    chunk = 1_000
+    slices = [data_module.scan_slice(n, rank, world, chunk=chunk) for rank in range(world)]
+    assert slices[0][0] == 0 and slices[-1][1] == n
+    for (_, stop), (start, _) in zip(slices, slices[1:], strict=False):
+        assert stop == start  # back to back: every id once, in order
+    chunks = -(-n // chunk)
+    counts = [-(-(stop - start) // chunk) for start, stop in slices]
+    assert sum(counts) == chunks and max(counts) - min(counts) <= 1  # whole chunks, dealt evenly
+    assert all(start % chunk == 0 for start, _ in slices)  # on the whole file's chunk boundaries
+
+    # A bad id in any chunk, at its start or end: exactly the rank whose slice holds it finds it,
+    # as the whole file's scan does.
+    ids = torch.arange(n, dtype=torch.int32) % 50
+    for at in sorted({p for c in range(chunks) for p in (c * chunk, min(c * chunk + chunk, n) - 1)}):
+        ids[at] = 77
+        found = [data_module.scan_ids(ids, 50, chunk=chunk, start=start, stop=stop) for start, stop in slices]
+        assert [bad is not None for bad in found] == [start <= at < stop for start, stop in slices]
+        assert min((b for b in found if b), key=lambda b: b.position) == data_module.scan_ids(ids, 50, chunk=chunk)
+        ids[at] = at % 50
+
+
+def _split_scan_worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    seen: list[int] = []
+    aminmax = torch.aminmax
+    torch.aminmax = lambda t, *a, **k: seen.append(t.numel()) or aminmax(t, *a, **k)
+    try:
+        TokenFileBatches(path=paths[rank], token_dtype="int32", arch="gpt", vocab_size=1000, seq_len=16,
+                         micro_batch=2, grad_accum=1, mask_prob=0.15, seed=1, rank=rank, world_size=world,
+                         device=CPU).close()
+        result = {"error": None}
+    except data_module.DataError as err:
+        result = {"error": str(err), "field": err.field}
+    finally:
+        torch.aminmax = aminmax
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({**result, "seen": seen}))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad_at", [[8_765], [1_234, 8_765], [], "sizes differ"])
+def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(tmp_path: Path, monkeypatch, bad_at):
+    """Two processes of a gloo group each read half the chunks (0-4 and 5-10 of eleven) and
+    agree: the file's first bad id (the one a lone process reports), raised by both ranks."""
+    chunk, n = 1_000, 10_500
+    monkeypatch.setattr(data_module, "SCAN_CHUNK", chunk)  # the forked workers inherit it
+    ids = torch.arange(n, dtype=torch.int32) % 1000
+    for at in bad_at if isinstance(bad_at, list) else []:
+        ids[at] = 5_000 + at
+    paths = [str(write_npy(tmp_path / "t.npy", ids, "<i4"))] * 2
+    if bad_at == "sizes differ":
+        paths[1] = str(write_npy(tmp_path / "other.npy", ids[:9_000], "<i4"))
+    mp.start_processes(_split_scan_worker, args=(2, free_port(), paths, str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    if bad_at == "sizes differ":  # (the nodes' data.path would be one path)
+        for rank in range(2):
+            assert got[rank]["error"].endswith("holds 10500 token ids on rank 0 but 9000 on rank 1: every node "
+                                               "must see the same file at data.path")
+        return
+    assert got[0]["error"] == got[1]["error"]
+    assert got[0]["seen"] == [chunk] * (2 if 1_234 in bad_at else 5)  # rank 0: chunks 0-4, to a bad one
+    assert got[1]["seen"] == [chunk] * 4 if bad_at else [chunk] * 5 + [500]  # chunks 5-10, to the bad one
+    if not bad_at:
+        assert got[0]["error"] is None
+        return
+    with pytest.raises(data_module.DataError) as alone:
+        batches(Path(paths[0]), 1000)
+    assert got[0]["error"] == str(alone.value) and got[0]["field"] == "data.path"
+    assert f"holds token id {5_000 + bad_at[0]} at position {bad_at[0]} " in got[0]["error"]
 
 
 def test_a_model_folders_vocabulary_says_to_use_its_tokenizer(tmp_path: Path):
