@@ -8,12 +8,22 @@ data and on a token file (uint16, generated here), with torch on ``--threads`` C
 the median and minimum over ``--repeat`` chunks, each of new samples.
 
     python benchmarks/data_chunk.py [--threads 1] [--repeat 5]
+
+``--scan N``: instead, the vocabulary check a rank runs when it opens a token file of N uint16
+ids (``TokenFileBatches.check_ids``): the time to open the file (a fresh memory map, the file
+in the page cache; ``--cold`` drops it from the cache first) for GPT-2's vocabulary (ids
+compared in unsigned order), BERT's (a plain min/max), a vocabulary too small for the file
+(every chunk holds a bad id: the scan stops at the first) and one of 2^16 (nothing to scan),
+and with ``--world W`` the share of the slowest of W ranks (``scan_slice``, no collective).
+
+    python benchmarks/data_chunk.py --scan 100000000 [--threads 1] [--repeat 7] [--world 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -21,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from launcher.train import data as data_module
 from launcher.train.data import MadeAhead, SyntheticBatches, TokenFileBatches
 
 CASES = {"bert-base": dict(arch="bert", micro_batch=64, grad_accum=4, seq_len=512, vocab_size=30522),
@@ -37,12 +48,67 @@ def chunk_ms(data: MadeAhead, repeat: int) -> list[float]:
     return times
 
 
+SCAN_CASES = {  # name: (ids written modulo, vocabulary)
+    "gpt2": (50257, 50257), "bert": (30522, 30522), "too-small": (50257, 30522), "2^16": (50257, 1 << 16)}
+
+
+def drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def scan_ms(n: int, *, repeat: int, world: int, cold: bool, threads: int) -> None:
+    """Time opening a uint16 token file of n ids (its vocabulary check) per SCAN_CASES."""
+    common = dict(arch="gpt", seq_len=1024, micro_batch=1, grad_accum=1, mask_prob=0.15, seed=0, rank=0,
+                  world_size=1, device=torch.device("cpu"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (modulo, vocab) in SCAN_CASES.items():
+            path = Path(tmp) / f"ids-{modulo}.bin"
+            if not path.exists():
+                (torch.arange(n, dtype=torch.int64) * 7919 % modulo).to(torch.uint16).numpy().tofile(path)
+            times, rank_times, verdict = [], [], "ok"
+            for _ in range(repeat):
+                if cold:
+                    drop_from_page_cache(path)
+                began = time.perf_counter()
+                try:
+                    TokenFileBatches(path=path, token_dtype="uint16", vocab_size=vocab, **common).close()
+                except data_module.DataError:
+                    verdict = "DataError"
+                times.append(1e3 * (time.perf_counter() - began))
+                if world > 1 and hasattr(data_module, "scan_slice"):
+                    if cold:
+                        drop_from_page_cache(path)
+                    ids = data_module.open_token_file(path, "uint16").view(torch.int16)
+                    slowest = 0.0
+                    for rank in range(world):
+                        start, stop = data_module.scan_slice(n, rank, world)
+                        began = time.perf_counter()
+                        data_module.scan_ids(ids, vocab, low_bits=0xFFFF, start=start, stop=stop)
+                        slowest = max(slowest, time.perf_counter() - began)
+                    rank_times.append(1e3 * slowest)
+            row = {"scan": name, "ids": n, "vocab": vocab, "threads": threads, "cold": cold, "verdict": verdict,
+                   "open_ms_p50": round(statistics.median(times), 1), "open_ms_min": round(min(times), 1)}
+            if rank_times:
+                row.update(world=world, slowest_rank_ms_p50=round(statistics.median(rank_times), 1))
+            print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--scan", type=int, metavar="N", help="time the vocabulary check of N uint16 ids instead")
+    p.add_argument("--world", type=int, default=1, help="with --scan: also the slowest of W ranks' slices")
+    p.add_argument("--cold", action="store_true", help="with --scan: drop the file from the page cache first")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.scan:
+        scan_ms(args.scan, repeat=args.repeat, world=args.world, cold=args.cold, threads=args.threads)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tokens.bin"
         (torch.arange(1 << 24) * 7919 % 30000).to(torch.uint16).numpy().tofile(path)
