@@ -201,18 +201,19 @@ def _not_answering(saved: ClusterSpec, err: BaseException) -> PreflightError:
 
 def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
     """Start Ray on every node of the cluster as a foreground run does, dashboard on, and
-    leave it running for detached jobs; remember it (``head.save_cluster``)."""
+    leave it running for detached jobs; remember it and the address each node's ``ray start``
+    was given (``head.save_cluster``; ``launch down`` tells this cluster's ``ray start`` by them)."""
     from launcher.orchestrate.ray_cluster import open_session
 
     spec = cluster.model_copy(update={"ray": cluster.ray.model_copy(update={"dashboard": True})})
-    open_session(spec, list(spec.nodes))
+    session = open_session(spec, list(spec.nodes))
     import ray  # only now: Ray reads the token that open_session set when it is first imported
 
     # Disconnect only: the cluster stays up for its jobs (this is session.close(keep_ray=True)
     # without its warning, which speaks of --keep-ray).
     ray.shutdown()
     os.environ.pop("RAY_AUTH_TOKEN", None)
-    heads.save_cluster(spec)
+    heads.save_cluster(spec, session.node_ips)
     return spec
 
 

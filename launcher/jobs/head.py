@@ -9,7 +9,10 @@ State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, el
   session of its own, so it outlives the ``launch submit`` that started it; every later
   command finds it through ``head.json``, and ``launch down`` stops exactly it.
 - ``clusters/<head host>-<gcs port>.json``: a cluster bootstrapped over SSH that stays up for
-  its jobs: its resolved cluster spec, so ``launch down`` stops Ray on exactly those nodes.
+  its jobs: its resolved cluster spec, so ``launch down`` stops Ray on exactly those nodes, and
+  under ``ray_start_addresses`` the address each node's ``ray start`` was given (the head's is
+  the one the others joined), so ``launch down`` finds a ``ray start`` left running there
+  whatever the nodes' names resolve to by then (a record without it: resolved again).
   Its token stays on the nodes (``$HOME/.ray/launcher_auth_token``); commands read it over
   SSH when they open the tunnel to the head. ``clusters/<head host>-<gcs port>.lock`` is held
   while a command reads the record, bootstraps and saves it, and while ``launch down`` stops
@@ -50,9 +53,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from launcher.errors import PreflightError
 from launcher.spec import ClusterSpec
@@ -198,23 +202,60 @@ def jobs_lock(cluster: ClusterSpec) -> Iterator[None]:
             yield
 
 
+ADDRESSES_KEY = "ray_start_addresses"  # in a cluster's record, beside its spec: node name -> address
+
+
 def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:
     """The spec a bootstrapped cluster with this head was started with, if the launcher keeps one."""
-    path = cluster_record(cluster)
-    if not path.is_file():
+    record = _read_record(cluster)
+    if record is None:
         return None
+    record.pop(ADDRESSES_KEY, None)
     try:
-        return ClusterSpec.model_validate(json.loads(path.read_text()))
-    except (OSError, ValueError) as err:  # ValueError: bad JSON, or a record of another version
-        raise UnreadableRecord(path, err) from err
+        return ClusterSpec.model_validate(record)
+    except ValueError as err:  # a record of another version
+        raise UnreadableRecord(cluster_record(cluster), err) from err
 
 
-def save_cluster(cluster: ClusterSpec) -> None:
-    write_private(cluster_record(cluster), json.dumps(cluster.model_dump(mode="json"), indent=2) + "\n")
+def saved_addresses(cluster: ClusterSpec) -> dict[str, str]:
+    """The address each node's ``ray start`` was given (``--node-ip-address``; the head's is the
+    ``--address`` the others joined), by node name, as the record of this cluster keeps them.
+    Empty without a record, for an unreadable one, or for one an older launcher wrote."""
+    try:
+        record = _read_record(cluster)
+    except (UnreadableRecord, OSError):  # OSError: no state folder to look in
+        return {}
+    addresses = (record or {}).get(ADDRESSES_KEY)
+    if not isinstance(addresses, dict):
+        return {}
+    return {name: ip for name, ip in addresses.items() if isinstance(name, str) and isinstance(ip, str)}
+
+
+def save_cluster(cluster: ClusterSpec, addresses: Mapping[str, str] | None = None) -> None:
+    """Record a bootstrapped cluster: its spec, and ``addresses`` (``saved_addresses``) if given."""
+    record = cluster.model_dump(mode="json")
+    if addresses:
+        record[ADDRESSES_KEY] = dict(addresses)
+    write_private(cluster_record(cluster), json.dumps(record, indent=2) + "\n")
 
 
 def forget_cluster(cluster: ClusterSpec) -> None:
     cluster_record(cluster).unlink(missing_ok=True)
+
+
+def _read_record(cluster: ClusterSpec) -> dict[str, Any] | None:
+    """The cluster's record as written; None without one; UnreadableRecord for one that is not
+    a JSON object."""
+    path = cluster_record(cluster)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # ValueError: bad JSON
+        raise UnreadableRecord(path, err) from err
+    if not isinstance(record, dict):
+        raise UnreadableRecord(path, ValueError("not a JSON object"))
+    return record
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +86,8 @@ _OTHER_RAY = ("import os, sys\n"
               "if found:\n"
               "    print(', '.join(found), file=sys.stderr)\n"
               f"    sys.exit({OTHER_RAY_EXIT})\n")
-# Run on a node before `ray stop`, with the node's address, the head's and this cluster's GCS port:
+# Run on a node before `ray stop`, with the node's address and the head's (as its `ray start` was
+# given them: _stop_ray) and this cluster's GCS port:
 # SIGKILL to this user's `ray start` of this cluster bound to that address, a join to HEAD:PORT
 # (`--address`) or, on the head, the head's own start on PORT; a join to another head on the same
 # port, or another Ray's head on this node, is left alone. One the launcher gave up on (Ctrl-C
@@ -203,8 +205,9 @@ class RaySession:
             ray.shutdown()
         os.environ.pop("RAY_AUTH_TOKEN", None)
         if self._started_on and not keep_ray and self._cluster is not None:
-            # the head first (it starts first, the others only once it runs), as _stop_ray needs
-            if left := _stop_ray(self._cluster, self._started_on):
+            # the head first (it starts first, the others only once it runs), as _stop_ray needs,
+            # with the addresses their `ray start` was given
+            if left := _stop_ray(self._cluster, self._started_on, self.node_ips):
                 log.warning("Ray may still run on %s (not reached); stop it with `ray stop` there",
                             ", ".join(left))
         elif self._started_on:
@@ -422,18 +425,33 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
     return result.stdout
 
 
-def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec]) -> list[str]:
+def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec],
+              addresses: Mapping[str, str] | None = None) -> list[str]:
     """On every node, in parallel: a ``ray start`` of this cluster still running there killed
     (``_KILL_START``: one the launcher gave up on would start Ray after the stop), then
     ``ray stop --force`` and the token file removed. ``nodes[0]`` is the head (whose address
     tells this cluster's joins from another's on the same port): the session's nodes start in
-    that order, and a cluster file's first node is its head. Returns the names of the nodes where
-    that could not be done (unreachable, timed out, stop failed): Ray may still run there."""
-    head = shlex.quote(_resolve(nodes[0].host)) if nodes else ""
+    that order, and a cluster file's first node is its head. ``addresses``: the address each
+    node's ``ray start`` was given, by node name (the session's ``node_ips``); None for
+    ``launch down``, which takes those its record of the cluster keeps (``saved_addresses``).
+    ``_KILL_START`` matches them exactly, so a node without one (a record of an older
+    launcher) has its host resolved now, which finds its ``ray start`` only while the name
+    resolves as it did then. Returns the names of the nodes where that could not be done
+    (unreachable, timed out, stop failed): Ray may still run there."""
+    if addresses is None:
+        from launcher.jobs.head import saved_addresses
+
+        addresses = saved_addresses(cluster)
+    known = dict(addresses)
+
+    def address(node: NodeSpec) -> str:
+        return known.get(node.name) or _resolve(node.host)
+
+    head = shlex.quote(address(nodes[0])) if nodes else ""
 
     def stop(node: NodeSpec) -> str | None:
         python = shlex.quote(node.interpreter())
-        kill = (f"{python} -c {shlex.quote(_KILL_START)} {shlex.quote(_resolve(node.host))} {head} "
+        kill = (f"{python} -c {shlex.quote(_KILL_START)} {shlex.quote(address(node))} {head} "
                 f"{cluster.ray.port}")
         try:
             result = _on_node(cluster, node, f"{kill}; {python} -m ray.scripts.scripts stop --force; rc=$?; "

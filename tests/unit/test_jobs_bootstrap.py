@@ -38,7 +38,8 @@ def session(monkeypatch, answers):
         return answers(command)
 
     monkeypatch.setattr(ray_cluster, "_on_node", on_node)
-    monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes: stopped.extend(n.name for n in nodes))
+    monkeypatch.setattr(ray_cluster, "_stop_ray",
+                        lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes))
     s = ray_cluster.RaySession(mode="bootstrap", address="ray://198.18.250.10:10001",
                                node_ips={"node0": "198.18.250.10", "node1": "198.18.250.11"},
                                _cluster=CLUSTER, _head_ip="198.18.250.10", _token="t" * 64)
@@ -87,6 +88,26 @@ def tunnel_to(url="http://127.0.0.1:1", error=None):
         yield url, "secret"
 
     return fake
+
+
+def test_the_bootstrap_records_the_addresses_its_ray_start_was_given(monkeypatch):
+    """The record of a cluster bootstrapped for detached jobs keeps the address each node's
+    `ray start` was given (the session's), which `launch down` matches later, beside the spec."""
+    import ray
+
+    started_with = {"node0": "10.0.0.1", "node1": "10.0.0.2"}  # not what the hosts resolve to
+    monkeypatch.setattr(ray_cluster, "open_session",
+                        lambda cluster, nodes, code=None: types.SimpleNamespace(node_ips=dict(started_with)))
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    spec = api._bootstrap(CLUSTER)
+    assert heads.saved_cluster(CLUSTER) == spec and heads.saved_addresses(CLUSTER) == started_with
+
+
+def test_a_record_that_cannot_be_read_has_no_addresses(monkeypatch):
+    heads.cluster_record(CLUSTER).write_text("{not json")
+    with pytest.raises(heads.UnreadableRecord):
+        heads.saved_cluster(CLUSTER)
+    assert heads.saved_addresses(CLUSTER) == {}
 
 
 def stub_bootstrap(monkeypatch, calls):
@@ -236,7 +257,7 @@ def test_down_stops_ray_only_under_the_jobs_it_listed(monkeypatch, capsys):
         rays.append(FakeRay(on_list if len(rays) == 0 else None))
         return rays[-1]
 
-    def stop_ray(cluster, nodes):
+    def stop_ray(cluster, nodes, addresses=None):
         stopped_with_ray.extend(rays[-1].running)
         rays[-1].running.clear()
         return []
@@ -274,7 +295,7 @@ def test_down_waits_for_a_submission_that_found_ray_before_it(monkeypatch):
             jobs.client.submit_job(submission_id="later", entrypoint="x")
         submitted.set()
 
-    def stop_ray(cluster, nodes):
+    def stop_ray(cluster, nodes, addresses=None):
         stopped_with_ray.extend(ray.running)
         return []
 

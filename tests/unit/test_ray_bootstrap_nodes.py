@@ -227,7 +227,8 @@ def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(fake_r
     started: list[str] = []
     stopped: list[str] = []
     monkeypatch.setattr(ray_cluster, "_ray_cli", lambda cluster, node, args: started.append(node.name))
-    monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes: stopped.extend(n.name for n in nodes))
+    monkeypatch.setattr(ray_cluster, "_stop_ray",
+                        lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes))
     session = ray_cluster.RaySession(mode="bootstrap", address=f"ray://127.0.0.1:{port}",
                                      node_ips={"node0": "127.0.0.1", "node1": "127.0.0.2"},
                                      _cluster=cluster, _head_ip="127.0.0.1", _token="t" * 64)
@@ -282,27 +283,35 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
         zombie.wait()
 
 
+def start(*args: str) -> subprocess.Popen[bytes]:
+    """A process whose arguments are those of a `ray start` (it only sleeps)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray.scripts.scripts", "start",
+                             *args], start_new_session=True)
+
+
+def two_nodes(port: int) -> ClusterSpec:
+    return ClusterSpec.model_validate({
+        "nodes": [{"name": f"node{i}", "host": host, "python": sys.executable} for i, host in enumerate(HOSTS[:2])],
+        "ray": {"port": port}, "ssh": {"connect_timeout_s": 5}})
+
+
+STARTED_WITH = {"node0": ADDRESSES[HOSTS[0]], "node1": ADDRESSES[HOSTS[1]]}  # 127.0.0.1, 127.0.0.2
+
+
 def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
     """A `ray start` left running on a node is killed before `ray stop` when it is this
     cluster's: a join to this head's address, or the head's own start on the head. A join to
     another head on the same port, and another Ray's head on a worker, are left alone."""
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
-    cluster = ClusterSpec.model_validate({
-        "nodes": [{"name": f"node{i}", "host": host, "python": sys.executable} for i, host in enumerate(HOSTS[:2])],
-        "ray": {"port": port}, "ssh": {"connect_timeout_s": 5}})
-
-    def start(*args: str) -> subprocess.Popen[bytes]:  # a process whose arguments are those of a `ray start`
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray.scripts.scripts", "start",
-                                 *args], start_new_session=True)
-
+    cluster = two_nodes(port)
     ours = {"join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
             "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1")}
     theirs = {"join to another head": start("--address", f"127.0.0.9:{port}", "--node-ip-address", "127.0.0.2"),
               "another port": start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"),
               "head on a worker": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2")}
     try:
-        assert ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []
+        assert ray_cluster._stop_ray(cluster, list(cluster.nodes), STARTED_WITH) == []
         for name, proc in ours.items():
             assert proc.wait(10) == -signal.SIGKILL, f"this cluster's {name} was not killed"
         assert {name for name, proc in theirs.items() if proc.poll() is not None} == set(), "another Ray's start was killed"
@@ -310,3 +319,80 @@ def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
         for proc in (*ours.values(), *theirs.values()):
             proc.kill()
             proc.wait()
+
+
+# What the nodes' names resolve to at teardown, unlike at start: other addresses (round-robin
+# DNS, an edited /etc/hosts), or the name itself (the lookup failed; _resolve falls back to it).
+RESOLVED_LATER = {"other addresses": {h: f"127.0.0.{7 + i}" for i, h in enumerate(HOSTS)}.get,
+                  "a failed lookup": lambda host: host}
+
+
+def leftover_starts(port: int) -> dict[str, subprocess.Popen[bytes]]:
+    """This cluster's `ray start`s as the bootstrap issued them, still running: the head's, and a
+    join to it (node1, 127.0.0.2) that hangs."""
+    return {"join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2",
+                          "--disable-usage-stats"),
+            "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
+                          "--disable-usage-stats")}
+
+
+def assert_killed(starts: dict[str, subprocess.Popen[bytes]]) -> None:
+    try:
+        for name, proc in starts.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            assert proc.returncode == -signal.SIGKILL, f"this cluster's {name} `ray start` was not killed"
+    finally:
+        for proc in starts.values():
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("later", RESOLVED_LATER)
+def test_the_sessions_teardown_kills_its_ray_start_whatever_the_names_resolve_to_by_then(fake_ray, monkeypatch, later):
+    """The session's close gives the teardown the addresses its `ray start`s were given, so a
+    name that resolves otherwise at teardown (or not at all) still finds them."""
+    port = free_port()
+    monkeypatch.setenv("FAKE_PORT", str(port))
+    cluster = two_nodes(port)
+    session = ray_cluster.RaySession(mode="bootstrap", address=f"ray://127.0.0.1:{port}", node_ips=dict(STARTED_WITH),
+                                     _started_on=list(cluster.nodes), _cluster=cluster, _head_ip="127.0.0.1",
+                                     _token="t" * 64)
+    starts = leftover_starts(port)
+    monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
+    session.close()
+    assert_killed(starts)
+
+
+@pytest.mark.parametrize("later", RESOLVED_LATER)
+def test_launch_down_kills_the_ray_start_by_the_addresses_its_record_keeps(fake_ray, tmp_path, monkeypatch, later):
+    """`launch down` (another process, later) stops a bootstrapped cluster by its record, which
+    keeps the addresses its `ray start`s were given: they are matched, not the names resolved now."""
+    from launcher.jobs import head as heads
+
+    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+    port = free_port()
+    monkeypatch.setenv("FAKE_PORT", str(port))
+    cluster = two_nodes(port)
+    heads.save_cluster(cluster, STARTED_WITH)
+    assert heads.saved_cluster(cluster) == cluster and heads.saved_addresses(cluster) == STARTED_WITH
+    starts = leftover_starts(port)
+    monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
+    assert ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []  # as `launch down` calls it
+    assert_killed(starts)
+
+
+def test_a_record_without_addresses_falls_back_to_resolving_the_names(fake_ray, tmp_path, monkeypatch):
+    """A record an older launcher wrote (the spec alone) still reads, and `launch down` resolves
+    the names as before."""
+    from launcher.jobs import head as heads
+
+    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+    port = free_port()
+    monkeypatch.setenv("FAKE_PORT", str(port))
+    cluster = two_nodes(port)
+    heads.cluster_record(cluster).write_text(json.dumps(cluster.model_dump(mode="json")))
+    assert heads.saved_cluster(cluster) == cluster and heads.saved_addresses(cluster) == {}
+    starts = leftover_starts(port)
+    assert ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []  # _resolve: ADDRESSES, as at start
+    assert_killed(starts)

@@ -64,7 +64,7 @@ def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monk
     # processes: a raylet running here must not fail this test.
     monkeypatch.setattr(ray_cluster, "_OTHER_RAY", "pass")
     monkeypatch.setattr(ray_cluster, "_ray_cli", lambda cluster, node, args: "")
-    monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes: [])
+    monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes, addresses=None: [])
     session = ray_cluster.RaySession(mode="bootstrap", address="ray://127.0.0.1:10001", node_ips={"node0": "127.0.0.1"},
                                      _cluster=cluster, _head_ip="127.0.0.1", _token="t" * 64)
     token = tmp_path / ".ray" / "launcher_auth_token"
