@@ -3,8 +3,9 @@
 Exit codes: 0 ok · 2 invalid input · 3 preflight failed · 4 job failed · 130 interrupted.
 User errors print one paragraph and no traceback; ``--debug`` shows it. A closed stdout pipe
 (``| head``) ends a command that only shows something quietly, exit 0; a command that does
-something (``run``, ``submit``, ``scale``, ...) does it whole, its output dropped, with its own
-exit code.
+something (``run``, ``submit``, ``scale``, ...) does it whole, what it writes to that stream (stdout
+or stderr: the one whose reader went) dropped, with its own exit code. A stdout or stderr closed
+from the start (``2>&-``) is /dev/null.
 """
 
 from __future__ import annotations
@@ -37,24 +38,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code. Output into a pipe closed early (``launch list | head -1``)
     ends a command that only shows something quietly: exit 0, or the code of a command that had
     finished (``launch check`` that found a mismatch: 3) when only the last flush found the pipe
-    closed. A command of ``WORKING_COMMANDS`` goes on to its end, its output dropped
-    (``_console_may_close``): ``launch run job.yaml | head -3`` runs the job, writes the run
-    directory in full and exits as the run does."""
-    code = 0
+    closed. A command of ``WORKING_COMMANDS`` goes on to its end, what it writes to the stream
+    whose reader went dropped (``_console_may_close``): ``launch run job.yaml | head -3`` runs the
+    job, writes the run directory in full and exits as the run does. A BrokenPipeError such a command raises is then
+    never its console's: another pipe's or socket's (SSH, Ray, a child's stdin), it is an
+    unexpected error like any other (a traceback, exit 1), even when stdout's reader has gone.
+    A stdout or stderr closed from the start (``>&-``, ``2>&-``) is /dev/null."""
+    _closed_console_to_devnull()
+    command = None
     try:
-        code = _main(argv)
-        sys.stdout.flush()  # here, not at exit: a closed pipe is then still ours to handle
-        return code
+        args = _parse(argv)
+        if isinstance(args, int):  # --help, --version, a bad command line
+            code = args
+        else:
+            command = args.command
+            code = _run(args)
     except BrokenPipeError:
-        if not _stdout_closed():  # another pipe or socket (SSH, Ray): not ours to hide
+        if command in WORKING_COMMANDS or not _stdout_closed():  # not stdout's: not ours to hide
             raise
-        # As the Python docs advise for SIGPIPE: stdout to devnull, so that flushing it at exit
-        # does not fail again ("Exception ignored ... BrokenPipeError").
-        with contextlib.suppress(OSError, ValueError, AttributeError):
+        _stdout_to_devnull()
+        return 0
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()  # here, not at exit: a closed pipe is then still ours to handle
+    except BrokenPipeError:  # the command has ended; the last of its output had no reader
+        _stdout_to_devnull()
+    return code
+
+
+def _stdout_to_devnull() -> None:
+    """As the Python docs advise for SIGPIPE: stdout to devnull, so that flushing it at exit
+    does not fail again ("Exception ignored ... BrokenPipeError")."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _closed_console_to_devnull() -> None:
+    """A stdout or stderr that was closed when the command started (``launch run job.yaml
+    2>&-``: Python then makes sys.stderr None) becomes /dev/null: what writes to it, or asks it
+    ``isatty()``, finds a stream, and its descriptor is no file that the command opens later
+    (which a child's output would then be written into)."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+            continue  # opened since for something else: not ours to take
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
             devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        return code
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+            setattr(sys, name, open(fd, "w", encoding="utf-8", errors="backslashreplace",  # noqa: SIM115
+                                    buffering=1, closefd=False))
 
 
 def _stdout_closed() -> bool:
@@ -67,12 +107,15 @@ def _stdout_closed() -> bool:
         return False
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    parser = _parser()
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
+    """The command line's arguments, or the exit code of a command line that ends here."""
     try:
-        args = parser.parse_args(_with_command(list(sys.argv[1:] if argv is None else argv)))
+        return _parser().parse_args(_with_command(list(sys.argv[1:] if argv is None else argv)))
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_INVALID_INPUT
+
+
+def _run(args: argparse.Namespace) -> int:
     with _console_may_close() if args.command in WORKING_COMMANDS else contextlib.nullcontext():
         _setup_logging(args.debug)  # its handler writes to the sys.stderr of this moment
         signals.install()
@@ -135,7 +178,7 @@ class ReaderMayGo:
 def _console_may_close() -> Iterator[None]:
     """sys.stdout and sys.stderr as ``ReaderMayGo`` while a command of ``WORKING_COMMANDS`` runs."""
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = ReaderMayGo(sys.stdout), ReaderMayGo(sys.stderr)
+    sys.stdout, sys.stderr = (None if stream is None else ReaderMayGo(stream) for stream in saved)
     try:
         yield
     finally:

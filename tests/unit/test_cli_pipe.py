@@ -1,7 +1,9 @@
 """`launch ... | head`: stdout's reader gone is no error of any command (nothing on stderr: no
 traceback, no "Exception ignored ... BrokenPipeError" at exit). A command that only shows
 something ends quietly, exit 0; one that does something (`launch run`) does it whole, exit
-code its own."""
+code its own, dropping what it writes to the stream whose reader went (stdout or stderr) and
+only that. A broken pipe that is not its console's is an error as any other; a stdout or
+stderr closed from the start (`2>&-`) changes no exit code."""
 
 from __future__ import annotations
 
@@ -56,37 +58,74 @@ def test_head_c_1_of_a_long_output(tmp_path):
     assert (tmp_path / "err").read_bytes() == b""
 
 
+def _raise_broken_pipe(args):
+    raise BrokenPipeError(32, "Broken pipe")
+
+
 def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch):
     """A BrokenPipeError of another pipe or socket (SSH, Ray) is a real failure: not exit 0."""
-    def command(argv):
-        raise BrokenPipeError(32, "Broken pipe")
-
-    monkeypatch.setattr(cli, "_main", command)
+    monkeypatch.setattr(cli, "cmd_schema", _raise_broken_pipe)
     monkeypatch.setattr(cli, "_stdout_closed", lambda: False)  # stdout reads on
     with pytest.raises(BrokenPipeError):
         cli.main(["schema", "job"])
 
 
+def test_a_command_that_only_shows_something_ends_quietly_on_its_closed_stdout(monkeypatch):
+    monkeypatch.setattr(cli, "cmd_schema", _raise_broken_pipe)
+    monkeypatch.setattr(cli, "_stdout_closed", lambda: True)
+    monkeypatch.setattr(cli, "_stdout_to_devnull", lambda: None)  # pytest's stdout stays
+    assert cli.main(["schema", "job"]) == 0
+
+
+@pytest.mark.parametrize("command", sorted(cli.WORKING_COMMANDS))
+def test_a_broken_pipe_of_a_command_that_acts_is_not_hidden_when_stdout_is_closed_too(monkeypatch, command):
+    """Its console's own pipes never raise (ReaderMayGo): a BrokenPipeError out of it is another's
+    (SSH, Ray, a child's stdin), an unexpected error as any other, not exit 0 because stdout's
+    reader happens to have gone as well."""
+    monkeypatch.setattr(cli, f"cmd_{command}", _raise_broken_pipe)
+    monkeypatch.setattr(cli, "_stdout_closed", lambda: True)
+    monkeypatch.setattr(cli, "_stdout_to_devnull", lambda: None)
+    monkeypatch.setattr(cli, "_setup_logging", lambda debug: None)
+    monkeypatch.setattr(cli.signals, "install", lambda: None)
+    argv = {"export": ["export", "x", "--out", "y"], "down": ["down"]}.get(command, [command, "x"])
+    with pytest.raises(BrokenPipeError):
+        cli.main(argv)
+
+
 # -- a command that does something: `launch run job.yaml | head -3` -------------------------------
 
-# `launch` with Launch's stages replaced (no Ray, no torchrun): a preflight that prints more than a
-# pipe holds, through RunLog.show as the rank-0 lines do, then the outcome asked for.
+QUICKSTART = str(ROOT / "jobs/quickstart.yaml")
+
+# `launch` with Launch's stages replaced (no Ray, no torchrun): a preflight that logs a line (on
+# stderr) and prints more than a pipe holds, through RunLog.show as the rank-0 lines do (and as
+# many to stderr with FAKE_RUN_STDERR=1), then the outcome asked for. "fetch-foreign-pipe": a
+# `launch fetch` that prints a line, and once stdout's reader has gone meets a broken pipe that is
+# not its console's.
 FAKE_RUN = """
-import errno, sys
+import errno, logging, os, select, sys, time
 from launcher import cli
 from launcher.orchestrate import run
 from launcher.orchestrate.records import Failure, FailureKind, Outcome, Status
 from launcher.results import summary
 
 outcome = sys.argv.pop(1)
-
+LINES = [f"[local/rank0] step {i} " + "x" * 60 for i in range(2000)]  # 140 kB: the writer still
+                                                                     # writes when its reader has gone
 def preflight(self):
-    for i in range(2000):  # 140 kB: the writer still writes when its reader has gone
-        self.log.show(f"[local/rank0] step {i} " + "x" * 60)
+    logging.getLogger("launcher.fake").info("preflight: one node")
+    for line in LINES:
+        self.log.show(line)
+        if os.environ.get("FAKE_RUN_STDERR") == "1":
+            print(line, file=sys.stderr)
     return {}
 
 def run_attempts(self, agents):
+    self._workers_started = True
+    self.log.start_progress(3)  # as the real stage does: asks sys.stderr.isatty()
+    self.log.stop_progress()
     self.log.show("the last line of the run")
+    if outcome == "foreign-pipe":  # an agent's SSH or Ray connection, not the console
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
     if outcome == "failed":
         return Outcome(Status.FAILED, self.run_dir.root,
                        Failure(FailureKind.LAUNCHER, "rank 1 on node local raised ValueError: boom"))
@@ -95,40 +134,101 @@ def run_attempts(self, agents):
 def full_disk(run_dir, data):
     raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "summary.json"))
 
+def fetch(args):
+    print("copying job-1's run directory", flush=True)
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    for _ in range(6000):  # until stdout's reader has gone (nothing written since: not dropped yet)
+        if any(events & select.POLLERR for _, events in poller.poll(0)):
+            break
+        time.sleep(0.01)
+    raise BrokenPipeError(errno.EPIPE, "Broken pipe")  # the head's SSH connection, say
+
 run.Launch.preflight = preflight
 run.Launch.connect_ray = lambda self: None
 run.Launch.place_agents = lambda self: None
 run.Launch.run_attempts = run_attempts
 if outcome == "full-disk":
     summary.write_summary = full_disk
+if outcome == "fetch-foreign-pipe":
+    cli.cmd_fetch = fetch
 sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def run_closed_early(tmp_path: Path, outcome: str, *, stderr=subprocess.PIPE) -> tuple[int, bytes, Path]:
-    """`launch run quickstart.yaml` (faked stages) whose stdout's reader reads one line and goes."""
+def fake_launch(tmp_path: Path, outcome: str, argv: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line of FAKE_RUN (`launch run quickstart.yaml --run-dir RUN` unless `argv`), its env."""
     script = tmp_path / "fake_run.py"
     script.write_text(FAKE_RUN)
-    run_dir = tmp_path / "run"
+    argv = argv or ["run", QUICKSTART, "--run-dir", str(tmp_path / "run")]
     env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(script), outcome, "run", str(ROOT / "jobs/quickstart.yaml"),
-                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=stderr, cwd=tmp_path,
-                            env=env)
-    assert proc.stdout is not None
-    assert proc.stdout.readline()  # as `| head -1`: one line, then the reader is gone
-    proc.stdout.close()
-    err = proc.stderr.read() if proc.stderr else b""
-    return proc.wait(timeout=120), err, run_dir
+    return [sys.executable, str(script), outcome, *argv], env
 
 
-@pytest.mark.parametrize("stderr", ["separate", "same pipe (2>&1)"])
-def test_a_run_whose_stdout_reader_goes_runs_to_its_end_with_exit_0(tmp_path, stderr):
+class Closed:
+    """What a command whose reader went early did: its exit code, the line the reader read before
+    going, and what it wrote into the stream (stdout, stderr) that kept a reader: a file."""
+
+    def __init__(self, code: int, first: bytes, out: bytes, err: bytes):
+        self.code, self.first, self.out, self.err = code, first, out, err
+
+
+def run_closed_early(tmp_path: Path, outcome: str, *, reader: str = "stdout", argv: list[str] | None = None,
+                     stderr_too: bool = False) -> Closed:
+    """FAKE_RUN whose `reader` reads one line and goes, as `| head -1`: "stdout" (stderr into a
+    file), "stderr" (stdout into a file) or "both" (one pipe for both, `2>&1`). The stream that
+    keeps a reader goes to a file, never a second pipe: one the test does not read while the
+    child writes more than a pipe holds into it would block the child."""
+    cmd, env = fake_launch(tmp_path, outcome, argv)
+    if stderr_too:
+        env["FAKE_RUN_STDERR"] = "1"
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        stdout, stderr = {"stdout": (subprocess.PIPE, err), "stderr": (out, subprocess.PIPE),
+                          "both": (subprocess.PIPE, subprocess.STDOUT)}[reader]
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=tmp_path, env=env)
+        pipe = proc.stderr if reader == "stderr" else proc.stdout
+        assert pipe is not None
+        first = pipe.readline()  # one line, then the reader is gone
+        pipe.close()
+        code = proc.wait(timeout=120)
+    return Closed(code, first, out_path.read_bytes(), err_path.read_bytes())
+
+
+def test_a_run_whose_stdout_reader_goes_runs_to_its_end_with_exit_0(tmp_path):
     """Not exit 3 or 4 and "could not write the summary": the run goes on, writes its run directory
-    in full, exits as it would have; what it prints from then on is dropped."""
-    code, err, run_dir = run_closed_early(tmp_path, "succeeded",
-                                          stderr=subprocess.STDOUT if stderr != "separate" else subprocess.PIPE)
-    assert code == 0, err.decode()
-    assert err == b""
+    in full, exits as it would have; what it prints from then on is dropped. stderr, read on, has
+    its one log line and nothing more: no traceback, no "Exception ignored"."""
+    closed = run_closed_early(tmp_path, "succeeded")
+    assert closed.code == 0, closed.err.decode()
+    assert closed.first.startswith(b"[local/rank0] step 0 ")
+    assert closed.err == b"preflight: one node\n"
+    assert_complete(tmp_path / "run")
+
+
+def test_a_run_whose_stderr_reader_goes_drops_stderr_only(tmp_path):
+    """Only the stream whose reader went is dropped: stdout, read on, has the whole run."""
+    closed = run_closed_early(tmp_path, "succeeded", reader="stderr", stderr_too=True)
+    assert closed.code == 0, closed.out.decode()[-2000:]
+    assert closed.first == b"preflight: one node\n"
+    lines = closed.out.decode().splitlines()
+    assert lines[:2000] == [f"[local/rank0] step {i} " + "x" * 60 for i in range(2000)]
+    assert "the last line of the run" in lines and f"Run directory: {tmp_path / 'run'}" in lines
+    assert_complete(tmp_path / "run")
+
+
+def test_a_run_whose_one_console_pipe_2_to_1_loses_its_reader_runs_to_its_end(tmp_path):
+    """`launch run job.yaml 2>&1 | head -1`: what either stream writes after the reader went is
+    lost, to this test as to the user; the exit code and the run directory show the run went on
+    (before ReaderMayGo wrapped stderr too: exit 4, its message lost)."""
+    closed = run_closed_early(tmp_path, "succeeded", reader="both", stderr_too=True)
+    assert closed.code == 0
+    assert closed.first == b"preflight: one node\n"
+    assert closed.out == closed.err == b""  # both streams went into the pipe, none into the files
+    assert_complete(tmp_path / "run")
+
+
+def assert_complete(run_dir: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded"
     for name in ("summary.csv", "summary.txt", "job.yaml", "cluster.yaml"):
@@ -136,20 +236,82 @@ def test_a_run_whose_stdout_reader_goes_runs_to_its_end_with_exit_0(tmp_path, st
 
 
 def test_a_failed_run_whose_stdout_reader_goes_exits_4_with_its_own_failure(tmp_path):
-    code, err, run_dir = run_closed_early(tmp_path, "failed")
-    assert code == 4, err.decode()
-    assert "job 'quickstart' failed: rank 1 on node local raised ValueError: boom" in err.decode()
-    assert b"Broken pipe" not in err and b"Traceback" not in err
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+    closed = run_closed_early(tmp_path, "failed")
+    assert closed.code == 4, closed.err.decode()
+    assert "job 'quickstart' failed: rank 1 on node local raised ValueError: boom" in closed.err.decode()
+    assert b"Broken pipe" not in closed.err and b"Traceback" not in closed.err
+    assert json.loads((tmp_path / "run/summary.json").read_text())["status"] == "failed"
 
 
 def test_a_summary_that_cannot_be_written_still_says_so_when_stdout_is_closed(tmp_path):
     """A real OSError writing summary.json is no closed pipe: its message names the run dir and the error."""
-    code, err, run_dir = run_closed_early(tmp_path, "full-disk")
-    assert f"could not write the summary into {run_dir}: [Errno 28] No space left on device".encode() in err
-    assert b"Broken pipe" not in err and b"Traceback" not in err
-    assert code == 0  # the run itself succeeded: the summary's failure is reported, not its outcome
+    closed = run_closed_early(tmp_path, "full-disk")
+    run_dir = tmp_path / "run"
+    assert f"could not write the summary into {run_dir}: [Errno 28] No space left on device".encode() in closed.err
+    assert b"Broken pipe" not in closed.err and b"Traceback" not in closed.err
+    assert closed.code == 0  # the run itself succeeded: the summary's failure is reported, not its outcome
     assert not (run_dir / "summary.json").exists()
+
+
+def test_a_broken_pipe_not_of_the_console_fails_the_run_as_any_oserror_when_stdout_is_closed(tmp_path):
+    """Ray's or SSH's pipe breaking mid-run is the launcher failing (exit 4 once workers started,
+    3 before), as any other OSError there, whatever became of stdout's reader."""
+    closed = run_closed_early(tmp_path, "foreign-pipe")
+    assert closed.code == 4, closed.err.decode()
+    assert b"the launcher could not go on: BrokenPipeError: [Errno 32] Broken pipe" in closed.err
+    assert b"Traceback" not in closed.err
+
+
+def test_a_broken_pipe_not_of_the_console_out_of_a_command_that_acts_is_no_exit_0(tmp_path):
+    """`launch fetch JOB | head -1` whose SSH pipe breaks: not taken for stdout's reader that went
+    (was: exit 0, nothing said); an unexpected error as any other, its traceback, exit 1."""
+    closed = run_closed_early(tmp_path, "fetch-foreign-pipe", argv=["fetch", "job-1"])
+    assert closed.first == b"copying job-1's run directory\n"
+    assert closed.code == 1, closed.err.decode()
+    assert b"Traceback" in closed.err and b"BrokenPipeError: [Errno 32] Broken pipe" in closed.err
+
+
+# -- a stdout or stderr closed from the start: `launch run job.yaml 2>&-` -----------------------------
+
+
+def closed_from_the_start(tmp_path: Path, redirect: str, cmd: list[str], env: dict[str, str]) -> Closed:
+    """`cmd` with the shell's `redirect` (`2>&-`: Python's sys.stderr is then None; a
+    subprocess.DEVNULL is no closed stream); what it wrote to the others, into files."""
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        code = subprocess.run(["sh", "-c", f'exec "$@" {redirect}', "sh", *cmd], stdout=out, stderr=err,
+                              cwd=tmp_path, env=env, timeout=120).returncode
+    return Closed(code, b"", out_path.read_bytes(), err_path.read_bytes())
+
+
+@pytest.mark.parametrize(("args", "redirect", "expected"), [
+    (["run", "/nonexistent.yaml"], "2>&-", 2),      # was 1: ReaderMayGo(None) raised AttributeError
+    (["run", "/nonexistent.yaml"], ">&-", 2),       # was 1: sys.stdout.flush() on None
+    (["run", "/nonexistent.yaml"], ">&- 2>&-", 2),
+    (["schema", "job"], ">&-", 0),
+])
+def test_a_console_closed_from_the_start_keeps_the_exit_code(tmp_path, args, redirect, expected):
+    env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
+    closed = closed_from_the_start(tmp_path, redirect, [sys.executable, "-m", "launcher", *args], env)
+    assert closed.code == expected, closed.err.decode()
+    assert b"Traceback" not in closed.err and b"Exception ignored" not in closed.err
+    if redirect == ">&-":
+        assert closed.err == (b"error: /nonexistent.yaml: file not found; check the path\n" if expected else b"")
+    else:
+        assert closed.out == b""
+
+
+@pytest.mark.parametrize("redirect", ["2>&-", ">&-"])
+def test_a_run_with_a_console_closed_from_the_start_runs_to_its_end(tmp_path, redirect):
+    """It logs, prints and asks stderr isatty() (the progress bar) into the closed stream as
+    into /dev/null; the stream still open has all of its own."""
+    closed = closed_from_the_start(tmp_path, redirect, *fake_launch(tmp_path, "succeeded"))
+    assert closed.code == 0, closed.err.decode()
+    if redirect == "2>&-":
+        assert b"the last line of the run" in closed.out and b"Run directory: " in closed.out
+    else:
+        assert closed.err == b"preflight: one node\n"
+    assert_complete(tmp_path / "run")
 
 
 def test_reader_may_go_drops_what_comes_after_the_reader_and_points_the_fd_at_devnull():
