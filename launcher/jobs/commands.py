@@ -47,7 +47,7 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
     from launcher.preflight import preflight_facts
 
     if run_dir is not None and cluster.all_local:  # the head is this machine: look before anything
-        RunDir.refuse_used(run_dir)
+        RunDir.check_free(run_dir)
     if cluster.all_local and cluster.ray.address is None:
         # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs. Only
         # for the local head, whose token goes in a header: Ray reads its auth settings when it
@@ -66,8 +66,15 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
                 where = str((run_dir or Path("runs") / job_id).resolve())
                 # One run per run directory, as a foreground run (exit 2): reserved for this job
                 # now, inside the submission's lock (connect), so a second submission given the
-                # same folder while this job waits in the queue is refused. The driver takes it.
-                release = RunDir.reserve(Path(where), job_id)
+                # same folder while this job waits in the queue is refused. The driver takes it. A
+                # reservation of a job that ended before its driver took it (stopped while it
+                # waited, a failed runtime_env, its head stopped) is taken over: this Jobs API, or
+                # the recorded local head, says so.
+                from launcher.jobs.head import reservation_head
+
+                release = RunDir.reserve(
+                    Path(where), job_id, lookup=lambda other: _job_status(jobs, other),
+                    head=reservation_head(jobs.local_head) if jobs.local_head is not None else None)
             else:  # a path on the head; relative ones are under its home directory (the driver claims it)
                 where = str(run_dir or Path("runs") / job_id)
             with _released_unless_submitted(release):
@@ -200,11 +207,18 @@ def stop(cluster: ClusterSpec, job_id: str) -> int:
 
 
 def fetch(cluster: ClusterSpec, job_id: str, *, to: Path | None) -> Path:
-    """The job's run directory from the head into ``to`` (default ``runs/<job id>``)."""
+    """The job's run directory from the head into ``to`` (default ``runs/<job id>``). A job
+    without one (its driver refused the folder, or it ended before its driver started: the
+    folder is not its own and may hold another run) is UsageError (exit 2), nothing copied."""
     from launcher.jobs.ssh import copy_dir
 
     with _connect_for(cluster, job_id) as jobs:
         details = jobs.job(job_id)
+        row = job_state.row(details, jobs.logs(details))
+        if row["run_dir"] is None:
+            raise UsageError(
+                f"job {job_id} has no run directory to fetch ({row['status']}): {row['no_run_dir']}. "
+                f"Nothing was fetched; `launch logs {job_id}` shows its driver's output")
         source = (details.metadata or {})["run_dir"]
         dest = (to or Path("runs") / job_id).resolve()
         if jobs.head_is_local and Path(source).resolve() == dest:
@@ -354,6 +368,11 @@ def _wait_ended(jobs: JobsCluster, job_id: str, *, timeout_s: float) -> Any:
 
 def _status(details: Any) -> str:
     return str(details.status.value)
+
+
+def _job_status(jobs: JobsCluster, job_id: str) -> str | None:
+    """Ray's status of one of the launcher's jobs on this Jobs API; None: it knows no such job."""
+    return next((_status(d) for d in jobs.jobs() if d.submission_id == job_id), None)
 
 
 def _shown(jobs: JobsCluster, details: Any) -> str:

@@ -16,6 +16,9 @@ snapshot in ``code/``. Then, in order:
 stops every worker, removes the placement group and writes a summary marked interrupted;
 exit 130. Exit codes as ``launch``: 0 succeeded, 4 failed, 130 interrupted; 2 for a run
 directory that is not new or empty on the head (checked first, as a foreground run does).
+The state lines say which run directory is the job's: ``starting`` and ``done`` carry
+``run_dir``, its path, or null where the folder was refused (it is another's: ``status``
+and ``fetch`` do not present it as this job's).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir = RunDir.claim(_on_this_node(submission["run_dir"]), job_id=submission["job_id"])
     except LauncherError as err:  # the folder is not this job's: nothing is written into it
         print(f"error: {err}", flush=True)
-        _final(job, None, Status.FAILED, reason=str(err))
+        _final(job, None, Status.FAILED, reason=str(err))  # run_dir null: the folder is not this job's
         return err.exit_code
     try:
         return Driver(submission, job, run_dir).run()
@@ -91,7 +94,7 @@ class Driver:
 
     def run(self) -> int:
         sub = self.submission
-        emit({"state": "starting"})
+        emit({"state": "starting", "run_dir": str(self.run_dir.root)})
         _leave_upload_out()
         cluster = ClusterSpec.model_validate(sub["cluster"])
         job = _with_shipped_code(self.job, Path.cwd() / CODE_DIR)
@@ -123,7 +126,7 @@ class Driver:
                 _quietly(lambda: _ray_get(board.end.remote(sub["job_id"])))
             session.close()
         summary = outcome.summary or {}
-        emit(_done(outcome.status, summary))
+        emit(_done(outcome.status, summary, self.run_dir))
         print(f"Run directory: {self.run_dir.root}", flush=True)
         return EXIT_CODES[outcome.status]
 
@@ -236,11 +239,13 @@ def _with_shipped_code(job: JobSpec, shipped: Path) -> JobSpec:
         update={"workdir": str(shipped), "script": str(script)})})
 
 
-def _done(status: Status, summary: dict[str, Any]) -> dict[str, Any]:
+def _done(status: Status, summary: dict[str, Any], run_dir: RunDir | None) -> dict[str, Any]:
+    """The final state line; ``run_dir`` None: the job's folder was refused, it has none."""
     totals = summary.get("totals") or {}
     return {"state": "done", "status": status.value, "tokens_per_s": totals.get("tokens_per_s"),
             "mfu": totals.get("mfu"), "failure": summary.get("failure"),
-            "attempt": len(summary.get("restarts") or []), "world_size": summary.get("world_size")}
+            "attempt": len(summary.get("restarts") or []), "world_size": summary.get("world_size"),
+            "run_dir": str(run_dir.root) if run_dir is not None else None}
 
 
 def _final(job: JobSpec, run_dir: RunDir | None, status: Status, reason: str | None = None) -> None:
@@ -258,7 +263,7 @@ def _final(job: JobSpec, run_dir: RunDir | None, status: Status, reason: str | N
             _quietly(lambda: write_summary(run_dir.root, summary))
     else:
         summary = json.loads((run_dir.root / "summary.json").read_text())
-    emit(_done(status, summary))
+    emit(_done(status, summary, run_dir))
 
 
 def _ray_get(ref: Any) -> Any:

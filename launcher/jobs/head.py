@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -165,6 +166,68 @@ def stop_local_head(head: LocalHead) -> None:
         _stop(head)
         for name in ("head.json", "auth_token"):
             (folder / name).unlink(missing_ok=True)
+
+
+# -- run directories reserved for jobs on the local head -----------------------------------------
+
+
+GONE = "GONE"  # a reserved job's status where the head it was submitted to runs no more
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+JOB_STATUS_TIMEOUT_S = 3.0
+
+
+def reservation_head(head: LocalHead) -> dict[str, object]:
+    """What a run directory's reservation records of the local head its job went to
+    (``RunDir.reserve``): the head's record, and this machine and boot, so that a later run can
+    tell whether that head still runs (a shared home directory is seen from other machines)."""
+    return {**asdict(head), "host": os.uname().nodename, "boot": _boot_id()}
+
+
+def reserved_job_status(record: dict[str, object], job_id: str) -> str | None:
+    """Where a job submitted to the local head ``record`` (``reservation_head``) stands, found
+    cheaply, never starting Ray: GONE where that head runs no more (stopped, crashed, the
+    machine rebooted: its jobs went with it), else Ray's status of the job from the head's Jobs
+    API (one request with its token); None where this cannot be told (another machine's head,
+    a head that does not answer, a job it does not know)."""
+    fields = {k: record.get(k) for k in LocalHead.__dataclass_fields__}
+    if record.get("host") != os.uname().nodename:
+        return None
+    if record.get("boot") != _boot_id():
+        return GONE
+    try:
+        head = LocalHead(**fields)  # type: ignore[arg-type]
+        if not (type(head.pid) is int and isinstance(head.temp_dir, str) and isinstance(head.token_file, str)
+                and type(head.dashboard_port) is int):
+            return None
+    except TypeError:
+        return None
+    if not _is_head(head):
+        return GONE
+    try:
+        token = Path(head.token_file).read_text().strip()
+    except OSError:
+        return None
+    return _job_status(head.jobs_url, token, job_id)
+
+
+def _job_status(url: str, token: str, job_id: str) -> str | None:
+    """Ray's status of one job (``GET /api/jobs/<id>``), None where the API does not say."""
+    request = urllib.request.Request(f"{url}/api/jobs/{urllib.parse.quote(job_id, safe='')}",
+                                     headers={"Authorization": f"Bearer {token}"})
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: no proxy
+    try:
+        with direct.open(request, timeout=JOB_STATUS_TIMEOUT_S) as response:
+            status = json.loads(response.read()).get("status")
+    except (OSError, ValueError, AttributeError):  # HTTPError (404: unknown) is an OSError
+        return None
+    return status if isinstance(status, str) else None
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path(BOOT_ID).read_text().strip()
+    except OSError:
+        return None
 
 
 # -- bootstrapped clusters kept up for their jobs -------------------------------------------------

@@ -21,6 +21,7 @@ from launcher.spec.cluster import NodeSpec, SSHSpec
 __all__ = ["NodeError", "SSHRunner", "copy_dir", "paramiko_connection"]
 
 FETCH_TIMEOUT_S = 600.0
+RESERVED = ".launcher-job"  # launcher.orchestrate.rundir.RESERVED
 
 
 def paramiko_connection(runner: SSHRunner) -> Any:
@@ -37,7 +38,8 @@ def copy_dir(node: NodeSpec, ssh: SSHSpec, source: str, dest: Path) -> None:
     if node.is_local:
         if not Path(source).is_dir():
             raise PreflightError(f"the run directory {source} does not exist on this machine")
-        shutil.copytree(source, dest, dirs_exist_ok=True)
+        # Without a submission's reservation (a job not started yet): the copy is no reservation.
+        shutil.copytree(source, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(RESERVED))
         return
     with runner_for(node, ssh) as runner:
         try:

@@ -3,15 +3,20 @@
 The Jobs API gives a job's Ray status, metadata and the driver's log, nothing more; so the
 driver writes its own state into that log as single lines ``::launcher-state:: {json}``:
 
-- ``{"state": "starting"}``: the driver runs, Ray is being attached;
+- ``{"state": "starting", "run_dir": "/abs/path"}``: the driver runs and took its run directory,
+  Ray is being attached;
 - ``{"state": "pending", "reason": "waiting for 2 CPU slots on local, held by job …"}``;
 - ``{"state": "running", "step": 40, "tokens_per_s": 51234.0}``: every few seconds as it moves;
 - ``{"state": "done", "status": "succeeded"|"failed"|"interrupted", "tokens_per_s", "mfu",
-  "failure"}``: from the run's summary.
+  "failure", "run_dir"}``: from the run's summary; ``run_dir`` null where the driver refused the
+  folder (it held another run, or another job's reservation): the job has no run directory.
 
 ``status``/``list`` read the last such line; ``launch logs`` leaves them out. Ray's status
 says whether the driver runs; the state line says what it does: a RUNNING driver that waits
-for its turn is PENDING here.
+for its turn is PENDING here. A job has no run directory (``run_dir`` null in ``--json``, and
+``launch fetch`` refuses) where its driver refused the folder, or where the job ended before
+its driver started (no state line at all): the folder named at submission is not its own, and
+may hold another run by now.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 MARK = "::launcher-state:: "
 STATUSES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED")
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 JSON_KEYS = ("job_id", "name", "status", "world_size", "step", "tokens_per_s", "mfu", "run_dir", "failure")
 
 
@@ -60,6 +66,7 @@ def row(details: Any, logs: str) -> dict[str, Any]:
     status = status_of(str(details.status.value if hasattr(details.status, "value") else details.status),
                        state or None)
     failure = state.get("failure") if state.get("state") == "done" else None
+    run_dir, no_run_dir = _run_dir(meta.get("run_dir"), status, state)
     if status == "FAILED" and failure is None:
         # The driver died before it could say (killed, out of memory): Ray's word for it.
         message = _first_line(details.message or "the driver exited without a summary")
@@ -74,7 +81,8 @@ def row(details: Any, logs: str) -> dict[str, Any]:
         "step": state.get("step"),
         "tokens_per_s": state.get("tokens_per_s"),
         "mfu": state.get("mfu"),
-        "run_dir": meta.get("run_dir"),
+        "run_dir": run_dir,
+        "no_run_dir": no_run_dir,  # why the job has none, where it has none
         "failure": failure,
         "reason": state.get("reason") if status == "PENDING" else None,
         "summary": state.get("status") if state.get("state") == "done" else None,
@@ -110,7 +118,8 @@ def render_one(r: dict[str, Any]) -> str:
         f = r["failure"]
         where = f"rank {f['rank']} on {f.get('node')}: " if f.get("rank") is not None else ""
         lines.append(f"  failure: {where}{f.get('reason')}")
-    lines.append(f"  run dir: {r['run_dir']}")
+    lines.append(f"  run dir: {r['run_dir']}" if r["run_dir"] is not None
+                 else f"  run dir: none — {r['no_run_dir']}")
     return "\n".join(lines)
 
 
@@ -128,6 +137,16 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 def to_json(r: dict[str, Any]) -> dict[str, Any]:
     return {k: r[k] for k in JSON_KEYS}
+
+
+def _run_dir(named: str | None, status: str, state: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The job's run directory (the one named at submission), or None and why it has none."""
+    if "run_dir" in state and state["run_dir"] is None:
+        return None, (f"its driver refused {named} (the failure says why); nothing of this job is "
+                      f"in that folder")
+    if not state and status in ENDED:
+        return None, (f"the job ended before its driver started; nothing of this job is in {named}")
+    return named, None
 
 
 def _per_node(r: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ holds one run. Nothing is started: fake agents record what the launch asked of t
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -187,7 +188,7 @@ def local_submit(tmp_path, monkeypatch):
     (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
     monkeypatch.setattr("launcher.preflight.preflight_facts", lambda *a, **k: None)
     monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0")  # submit sets it: restored after
-    client = types.SimpleNamespace(submitted=[], error=None)
+    client = types.SimpleNamespace(submitted=[], error=None, status={})  # status: job id -> Ray's
 
     def submit_job(**kw):
         if client.error is not None:
@@ -196,9 +197,14 @@ def local_submit(tmp_path, monkeypatch):
 
     client.submit_job = submit_job
 
+    def jobs():  # JobsCluster.jobs: what was submitted, each PENDING unless told
+        return [types.SimpleNamespace(submission_id=kw["submission_id"], status=types.SimpleNamespace(
+            value=client.status.get(kw["submission_id"], "PENDING"))) for kw in client.submitted]
+
     @contextlib.contextmanager
     def connect(spec, *, start=False):
-        yield types.SimpleNamespace(head_is_local=True, cluster=spec, client=client, head=spec.nodes[0])
+        yield types.SimpleNamespace(head_is_local=True, cluster=spec, client=client, head=spec.nodes[0],
+                                    local_head=None, jobs=jobs)
 
     monkeypatch.setattr(commands, "connect", connect)
 
@@ -284,3 +290,349 @@ def test_the_driver_takes_its_own_submissions_reservation_and_no_other(tmp_path,
     rc, log, got = driven(tmp_path, monkeypatch, theirs, job_id="q-3")
     assert rc == 2 and got is None and "reserved for job q-2" in log
     assert (theirs / ".launcher-job").read_text().strip() == "q-2"
+
+
+# -- reservations whose job can no longer take them ------------------------------------------------
+
+
+def test_a_submission_takes_over_the_reservation_of_a_job_that_ended_before_its_driver_ran(
+        tmp_path, local_submit, capsys, caplog):
+    """The first job was stopped while it waited (or its runtime_env failed): its driver never
+    took the folder, and never will. A later submission to the same Jobs API sees that and
+    takes the folder; while the first job still waits, it is refused."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    submit, client = local_submit
+    run_dir = tmp_path / "shared"
+    rc, out = submit(run_dir, capsys)
+    first = json.loads(out.out)["job_id"]
+    rc, out = submit(run_dir, capsys)
+    assert rc == 2 and f"reserved for job {first}" in out.err and "still pending" in out.err
+    client.status[first] = "STOPPED"
+    rc, out = submit(run_dir, capsys)
+    assert rc == 0, out.err
+    second = json.loads(out.out)["job_id"]
+    assert f"was reserved for job {first}, which ended (STOPPED) before its driver took it" in caplog.text
+    assert (run_dir / ".launcher-job").read_text().splitlines()[0] == second
+    assert sorted(p.name for p in run_dir.iterdir()) == [".launcher-job", "logs"]
+
+
+def local_head_record(tmp_path, pid: int, port: int = 1, token: str = "secret"):
+    """What a reservation records of a local head (``head.reservation_head``)."""
+    from launcher.jobs import head
+
+    (tmp_path / "auth_token").write_text(token + "\n")
+    return head.reservation_head(head.LocalHead(
+        pid=pid, gcs_port=1, dashboard_port=port, agent_port=1, temp_dir=str(tmp_path / "ray-temp"),
+        token_file=str(tmp_path / "auth_token")))
+
+
+def gone_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_run_takes_over_the_reservation_of_a_job_whose_local_head_is_gone(tmp_path, caplog):
+    """`launch down --yes` (or a crash) while the job waited: the head it went to runs no more,
+    and its jobs went with it. `launch run` and `launch submit` take the folder, without a Jobs
+    API and without starting Ray (the head's process is looked up in /proc)."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    record = local_head_record(tmp_path, gone_pid())
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1", head=record)
+    taken = RunDir.claim(path)  # launch run --run-dir
+    assert taken.root == path and [p.name for p in path.iterdir()] == ["logs"]
+    assert "reserved for job job-1, whose Ray runs no more: this run takes the folder" in caplog.text
+    other = tmp_path / "s"
+    RunDir.reserve(other, "job-1", head=record)
+    RunDir.check_free(other)  # submit's first look leaves it to the reservation
+    RunDir.reserve(other, "job-2")  # launch submit --run-dir
+    assert (other / ".launcher-job").read_text().strip() == "job-2"
+
+
+def test_a_reservation_made_on_another_machine_or_boot(tmp_path):
+    """A shared home directory: a head recorded on another machine cannot be looked at from
+    here (the folder stays reserved); one recorded before this machine rebooted is gone."""
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1", head={**local_head_record(tmp_path, gone_pid()), "host": "elsewhere"})
+    with pytest.raises(UsageError, match=r"reserved for job job-1, submitted before .*cannot ask"):
+        RunDir.claim(path)
+    with pytest.raises(UsageError, match="reserved for job job-1"):
+        RunDir.reserve(path, "job-2")
+    RunDir.check_free(path)  # left to the submission's Jobs API
+    rebooted = tmp_path / "b"
+    RunDir.reserve(rebooted, "job-1", head={**local_head_record(tmp_path, 1), "boot": "another-boot"})
+    assert RunDir.claim(rebooted).root == rebooted
+
+
+@pytest.fixture
+def jobs_api():
+    """A local head's Jobs API, its one route this needs: GET /api/jobs/<id> with the token."""
+    import http.server
+    import threading
+
+    statuses: dict[str, str] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            job_id = self.path.removeprefix("/api/jobs/")
+            if self.headers.get("Authorization") != "Bearer secret":
+                self.send_response(401)
+                self.end_headers()
+                return
+            if job_id not in statuses:
+                self.send_response(404)
+                self.end_headers()
+                return
+            body = json.dumps({"submission_id": job_id, "status": statuses[job_id]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1], statuses
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_run_asks_the_running_local_head_whether_the_reserved_job_ended(tmp_path, jobs_api, monkeypatch):
+    """The head runs: one request to its Jobs API says where the job stands. Waiting or
+    running: refused, naming it; ended (stopped while it waited): taken; unknown to the head, or
+    a refused token: refused (nothing is assumed)."""
+    from launcher.jobs import head
+
+    port, statuses = jobs_api
+    monkeypatch.setattr(head, "_is_head", lambda h: True)
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1", head=local_head_record(tmp_path, 1, port=port))
+    statuses["job-1"] = "PENDING"
+    with pytest.raises(UsageError, match=r"reserved for job job-1, .* still pending \(`launch status job-1`\)"):
+        RunDir.claim(path)
+    with pytest.raises(UsageError, match="still pending"):
+        RunDir.check_free(path)
+    del statuses["job-1"]
+    with pytest.raises(UsageError, match="cannot ask"):
+        RunDir.claim(path)
+    statuses["job-1"] = "FAILED"
+    (tmp_path / "auth_token").write_text("wrong\n")
+    with pytest.raises(UsageError, match="cannot ask"):
+        RunDir.claim(path)
+    (tmp_path / "auth_token").write_text("secret\n")
+    assert RunDir.claim(path).root == path
+    assert [p.name for p in path.iterdir()] == ["logs"]
+
+
+def test_the_driver_of_a_job_whose_reservation_was_taken_over_is_refused(tmp_path, monkeypatch):
+    """A job stopped while it waited whose driver starts all the same (late): the folder was
+    taken over, so the driver writes nothing into it."""
+    path = tmp_path / "r"
+    RunDir.reserve(path, "q-1", head=local_head_record(tmp_path, gone_pid()))
+    RunDir.reserve(path, "q-2")  # taken over by a later submission
+    rc, log, got = driven(tmp_path, monkeypatch, path, job_id="q-1")
+    assert rc == 2 and got is None and "reserved for job q-2" in log
+    assert (path / ".launcher-job").read_text().strip() == "q-2"
+
+
+def test_of_two_taking_a_reservation_one_gets_it(tmp_path):
+    """The job's driver, started late, and a run taking the reservation over at the same time:
+    each holds the reservation locked and checks it is still the same file naming the same job,
+    so the one that comes second finds it replaced, and takes nothing."""
+    import threading
+    import time
+
+    from launcher.orchestrate import rundir
+
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1")
+    result: dict[str, str] = {}
+
+    def driver() -> None:
+        try:
+            rundir._take(path, "job-1")
+            result["driver"] = "took it"
+        except UsageError as err:
+            result["driver"] = str(err)
+
+    late = threading.Thread(target=driver)
+    with rundir._holding(path, "job-1") as held:  # a later run taking it over holds it
+        assert held
+        late.start()
+        time.sleep(0.3)
+        assert "driver" not in result  # waits for the lock
+        rundir.Reservation("job-2").write(path)  # ... and hands it to its own job
+    late.join(10)
+    assert "is reserved for job job-2" in result["driver"]
+    assert (path / ".launcher-job").read_text().strip() == "job-2"
+    with rundir._holding(path, "job-1") as held:
+        assert not held
+
+
+# -- a reservation the job's driver can read (C) ---------------------------------------------------
+
+
+def test_the_reservation_is_readable_by_a_driver_of_another_user(tmp_path):
+    """An attached Ray someone else started on this machine runs the job's driver as that user:
+    the reservation holds no secret and is not private to the submitter."""
+    import stat
+
+    RunDir.reserve(tmp_path / "r", "job-1", head=local_head_record(tmp_path, 1))
+    mode = stat.S_IMODE((tmp_path / "r" / ".launcher-job").stat().st_mode)
+    assert mode & 0o044 == 0o044 & ~_umask()
+    assert "secret" not in (tmp_path / "r" / ".launcher-job").read_text()  # the token's path only
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_reservation_this_user_cannot_read_is_named_as_such(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1")
+    real_text, real_bytes = Path.read_text, Path.read_bytes
+
+    def denied(real):
+        def read(self, *a, **k):
+            if self.name == ".launcher-job":
+                raise PermissionError(13, "Permission denied")
+            return real(self, *a, **k)
+        return read
+
+    monkeypatch.setattr(Path, "read_text", denied(real_text))
+    monkeypatch.setattr(Path, "read_bytes", denied(real_bytes))
+    with pytest.raises(UsageError, match=r"reserved by a submission, and user \S+ cannot read .*Permission denied.*"
+                                         r"as the user that started the cluster's Ray"):
+        RunDir.claim(path, job_id="job-1")
+
+
+# -- status and fetch of a job without a run directory (A) ------------------------------------------
+
+
+@pytest.fixture
+def jobs_here(tmp_path, monkeypatch):
+    """The job commands against a fake Jobs API of a head on this machine: ``add(job id, Ray
+    status, run_dir, log)``, then run ``launch status|fetch``."""
+    import contextlib
+    import types
+
+    from launcher.jobs import commands
+
+    (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
+    known: dict[str, tuple] = {}
+
+    def add(job_id, status, run_dir, log=""):
+        known[job_id] = (types.SimpleNamespace(
+            submission_id=job_id, status=types.SimpleNamespace(value=status), message=None,
+            metadata={"launcher": "x", "name": "q", "run_dir": str(run_dir), "nodes": "1",
+                      "world_size": "1"}, start_time=1, end_time=2, runtime_env={}), log)
+
+    def job(job_id):
+        if job_id not in known:
+            raise UsageError(f"no job {job_id!r}")
+        return known[job_id][0]
+
+    @contextlib.contextmanager
+    def connect(spec, *, start=False):
+        yield types.SimpleNamespace(head_is_local=True, cluster=spec, head=spec.nodes[0], job=job,
+                                    logs=lambda d: known[d.submission_id][1])
+
+    monkeypatch.setattr(commands, "connect", connect)
+    return add, ["--cluster", str(tmp_path / "cluster.yaml")]
+
+
+def test_fetch_of_a_job_whose_driver_refused_its_run_dir_copies_nothing(tmp_path, monkeypatch, jobs_here, capsys):
+    """The folder given at submission held an earlier run: the driver refused it (exit 2). The
+    folder is that run's, not the job's: `fetch` copies nothing and says why (exit 2), `status`
+    shows no run directory (null in --json)."""
+    add, flags = jobs_here
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "summary.json").write_text('{"status": "succeeded", "job": "someone-else"}')
+    import sys
+
+    console = sys.stdout
+    rc, log, _ = driven(tmp_path, monkeypatch, old, job_id="q-1")
+    assert rc == 2
+    monkeypatch.setattr("sys.stdout", console)
+    add("q-1", "FAILED", old, log)
+    dest = tmp_path / "fetched"
+    assert main(["fetch", "q-1", *flags, "--to", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: job q-1 has no run directory to fetch (FAILED): its driver refused "
+                          f"{old}") and "launch logs q-1" in err and err.count("\n") == 1
+    assert not dest.exists()
+    assert main(["status", "q-1", *flags, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["run_dir"] is None and f"--run-dir {old} is not empty" in shown["failure"]["reason"]
+    assert main(["status", "q-1", *flags]) == 0
+    assert f"run dir: none — its driver refused {old}" in capsys.readouterr().out
+
+
+def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(tmp_path, jobs_here, capsys):
+    """Stopped while Ray had not started its driver: the folder was reserved, never this job's,
+    and may hold a later run by now (its reservation was taken over)."""
+    add, flags = jobs_here
+    later = tmp_path / "r"
+    later.mkdir()
+    (later / "summary.json").write_text("{}")  # a later run's
+    add("q-1", "STOPPED", later, "")
+    assert main(["fetch", "q-1", *flags, "--to", str(tmp_path / "fetched")]) == 2
+    assert "ended before its driver started" in capsys.readouterr().err
+    assert not (tmp_path / "fetched").exists()
+    assert main(["status", "q-1", *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run_dir"] is None
+
+
+def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_reservation(tmp_path, jobs_here, capsys):
+    from launcher.jobs import state
+
+    add, flags = jobs_here
+    mine = tmp_path / "mine"
+    RunDir.reserve(mine, "q-1")
+    (mine / "logs" / "x.log").write_text("hello\n")
+    add("q-1", "RUNNING", mine, state.line({"state": "starting", "run_dir": str(mine)}) + "\n")
+    assert main(["fetch", "q-1", *flags, "--to", str(tmp_path / "f")]) == 0
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["logs"]
+    capsys.readouterr()
+    assert main(["status", "q-1", *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run_dir"] == str(mine)
+
+
+def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
+    """The state lines name the folder the driver took (``starting``, ``done``); a refused one
+    is null in the final line (above)."""
+    import io
+
+    from launcher import signals
+    from launcher.jobs import driver, state
+
+    mine = tmp_path / "mine"
+    RunDir.reserve(mine, "q-1")
+
+    def stop_here():
+        raise UsageError("stopped here")
+
+    monkeypatch.setattr(signals, "install", lambda: None)
+    monkeypatch.setattr(driver, "_leave_upload_out", stop_here)
+    monkeypatch.setattr("sys.stdout", out := io.StringIO())
+    (tmp_path / "submission.json").write_text(json.dumps({
+        "job_id": "q-1", "job": job().model_dump(mode="json"), "run_dir": str(mine)}))
+    assert driver.main([str(tmp_path / "submission.json")]) == 2
+    lines = [json.loads(t[len(state.MARK):]) for t in out.getvalue().splitlines() if t.startswith(state.MARK)]
+    assert [(x["state"], x["run_dir"]) for x in lines] == [("starting", str(mine)), ("done", str(mine))]
