@@ -16,7 +16,7 @@ the cluster's token, and where the head (the node the drivers run on) is. Which 
   (``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``).
 
 The dashboard and Jobs API listen on the head's 127.0.0.1 only, and the token travels only in
-the HTTP header. Ray's other ports (GCS, Ray Client server, raylet, ...) listen on the node's
+the HTTP header, never through a proxy (127.0.0.1 and localhost are added to ``no_proxy``). Ray's other ports (GCS, Ray Client server, raylet, ...) listen on the node's
 address as for any Ray, the local head's too, and refuse requests without the token.
 """
 
@@ -28,6 +28,7 @@ import os
 import shlex
 import socket
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -297,6 +298,10 @@ def _client(url: str, token: str | None) -> Any:
     for name in ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging"):
         logging.getLogger(name).setLevel(logging.WARNING)
     headers = {"Authorization": f"Bearer {token}"} if token else None
+    if urllib.parse.urlsplit(url).hostname in heads.LOOPBACK:
+        # A head's 127.0.0.1 (the local head, the SSH tunnel's end): Ray's client uses requests,
+        # which would send the token through http_proxy.
+        heads.no_proxy_for_loopback(os.environ)
     try:
         return _Guarded(JobSubmissionClient(url, headers=headers), url)
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...

@@ -68,8 +68,11 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
                 # now, inside the submission's lock (connect), so a second submission given the
                 # same folder while this job waits in the queue is refused. The driver takes it. A
                 # reservation of a job that ended before its driver took it (stopped while it
-                # waited, a failed runtime_env, its head stopped) is taken over: this Jobs API, or
-                # the recorded local head, says so.
+                # waited, a failed runtime_env, its head stopped) is taken over: this Jobs API says
+                # so, or this user's own local head where the reservation (this user's) names it;
+                # so is one of this head whose submission was cut off before Ray had the job (the
+                # head does not know it, and this holds its jobs_lock, as that submission did).
+                # The reservation records who the head is, never how to reach it.
                 from launcher.jobs.head import reservation_head
 
                 release = RunDir.reserve(

@@ -83,11 +83,14 @@ class UnreadableRecord(PreflightError):
 
 def state_dir() -> Path:
     """The launcher's private state folder (created 0700)."""
-    root = os.environ.get(STATE_ENV) or os.path.join(
-        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "launcher")
-    path = Path(root)
+    path = _state_root()
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
+
+
+def _state_root() -> Path:
+    return Path(os.environ.get(STATE_ENV) or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "launcher"))
 
 
 @dataclass(frozen=True)
@@ -172,61 +175,173 @@ def stop_local_head(head: LocalHead) -> None:
 
 
 GONE = "GONE"  # a reserved job's status where the head it was submitted to runs no more
+ABANDONED = "ABANDONED"  # a reserved job's status where its submission never reached the head
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+MACHINE_ID = "/etc/machine-id"
 JOB_STATUS_TIMEOUT_S = 3.0
+IDENTITY = ("pid", "gcs_port", "dashboard_port", "agent_port", "temp_dir")  # a head, as its record names it
 
 
 def reservation_head(head: LocalHead) -> dict[str, object]:
     """What a run directory's reservation records of the local head its job went to
-    (``RunDir.reserve``): the head's record, and this machine and boot, so that a later run can
-    tell whether that head still runs (a shared home directory is seen from other machines)."""
-    return {**asdict(head), "host": os.uname().nodename, "boot": _boot_id()}
+    (``RunDir.reserve``): who that head is (its pid, the process's start time, its ports and
+    temp dir) and where it ran (this machine's host name, machine id, boot and PID namespace).
+    An identity only, never a way to reach it: no token file, and the ports are only compared
+    (``reserved_job_status``). Nothing in it is secret."""
+    return {**{key: getattr(head, key) for key in IDENTITY}, "start": _start_time(head.pid), **_this_machine()}
 
 
-def reserved_job_status(record: dict[str, object], job_id: str) -> str | None:
+def reserved_job_status(record: dict[str, object], job_id: str, *, owner: int | None) -> str | None:
     """Where a job submitted to the local head ``record`` (``reservation_head``) stands, found
-    cheaply, never starting Ray: GONE where that head runs no more (stopped, crashed, the
-    machine rebooted: its jobs went with it), else Ray's status of the job from the head's Jobs
-    API (one request with its token); None where this cannot be told (another machine's head,
-    a head that does not answer, a job it does not know)."""
-    fields = {k: record.get(k) for k in LocalHead.__dataclass_fields__}
-    if record.get("host") != os.uname().nodename:
+    cheaply, never starting Ray. ``owner``: the uid owning the reservation file (None: unknown).
+
+    The record is trusted as an identity only, and only in a reservation of this user's (``owner``
+    is this process's uid) made on this machine (host name, machine id, PID namespace; the boot
+    id where there is no machine id). Then: GONE where that head runs no more (its pid is not a
+    process of that head, or the machine rebooted since: its jobs went with it); where it runs
+    and is the head this user's own record names (``head.json``, compared field by field), Ray's
+    status of the job, asked of that head's Jobs API at the address and with the token of this
+    user's own record (one request, no proxy, no redirect followed); ABANDONED where that head
+    does not know the job and this thread holds the head's ``jobs_lock`` (its submission
+    reserved the folder under that lock and never handed Ray the job: it was cut off). None
+    where this cannot be told: another user's reservation, another machine's head, a head
+    this user has no record of, a head that does not answer, a job it does not know."""
+    if owner is None or owner != os.getuid():
+        # Anyone who can write the folder can write a reservation; and another user's head may
+        # be hidden from this user's /proc (hidepid): not seeing it proves nothing.
         return None
-    if record.get("boot") != _boot_id():
-        return GONE
+    here = _this_machine()
+    if record.get("host") != here["host"] or record.get("pidns") != here["pidns"]:
+        return None
+    if here["machine"] is not None:
+        if record.get("machine") != here["machine"]:
+            return None  # another machine by the same name (a shared home directory)
+        if record.get("boot") != here["boot"]:
+            return GONE  # this machine rebooted since
+    elif record.get("machine") is not None or record.get("boot") != here["boot"]:
+        return None  # without a machine id, another boot cannot be told from another machine
+    ident = _identity(record)
+    if ident is None:
+        return None
+    pid, *_, temp_dir = ident
+    start = record.get("start")
+    if not (_pid_alive(pid) and _names(pid, temp_dir.encode())
+            and (start is None or _start_time(pid) in (None, start))):
+        return GONE  # this user's processes are all seen here (same machine, boot, PID namespace)
     try:
-        head = LocalHead(**fields)  # type: ignore[arg-type]
-        if not (type(head.pid) is int and isinstance(head.temp_dir, str) and isinstance(head.token_file, str)
-                and type(head.dashboard_port) is int):
-            return None
-    except TypeError:
+        own = _own_head()
+    except UnreadableRecord:
         return None
-    if not _is_head(head):
-        return GONE
+    if own is None or _identity(asdict(own)) != ident:
+        return None  # it runs, and it is not the head this user's record names
     try:
-        token = Path(head.token_file).read_text().strip()
-    except OSError:
+        token = own.token()
+    except PreflightError:
         return None
-    return _job_status(head.jobs_url, token, job_id)
+    status = _job_status(own.jobs_url, token, job_id)
+    if status == _UNKNOWN:
+        return ABANDONED if _holds_jobs_lock() else None
+    return status
+
+
+_UNKNOWN = "<unknown to the head>"  # the Jobs API answered 404: it knows no such job
+
+
+def _identity(record: Mapping[str, object]) -> tuple[int, int, int, int, str] | None:
+    """A head's identity (``IDENTITY``) out of a record; None where a field is missing, of the
+    wrong type, or empty (an empty temp dir would be named by every process)."""
+    pid, gcs_port, dashboard_port, agent_port, temp_dir = (record.get(key) for key in IDENTITY)
+    start = record.get("start")
+    if not (type(pid) is int and type(gcs_port) is int and type(dashboard_port) is int
+            and type(agent_port) is int and min(pid, gcs_port, dashboard_port, agent_port) > 0
+            and isinstance(temp_dir, str) and os.path.isabs(temp_dir) and temp_dir != "/"
+            and (start is None or type(start) is int)):
+        return None
+    return pid, gcs_port, dashboard_port, agent_port, temp_dir
+
+
+def _own_head() -> LocalHead | None:
+    """This user's own local head record (``head.json``), as ``local_head`` reads it, without
+    making the state folder."""
+    folder = _state_root() / "local"
+    return _load(folder) if (folder / "head.json").is_file() else None
+
+
+def _holds_jobs_lock() -> bool:
+    """This thread holds the local head's ``jobs_lock`` (a submission between finding the head
+    and handing it the job)."""
+    key = str((_state_root() / "local" / ".jobs.lock").resolve())
+    return key in _held.__dict__.get("paths", set())
 
 
 def _job_status(url: str, token: str, job_id: str) -> str | None:
-    """Ray's status of one job (``GET /api/jobs/<id>``), None where the API does not say."""
+    """Ray's status of one job (``GET /api/jobs/<id>``); ``_UNKNOWN`` where the API answers 404;
+    None where it does not say."""
     request = urllib.request.Request(f"{url}/api/jobs/{urllib.parse.quote(job_id, safe='')}",
                                      headers={"Authorization": f"Bearer {token}"})
-    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: no proxy
     try:
-        with direct.open(request, timeout=JOB_STATUS_TIMEOUT_S) as response:
+        with _direct().open(request, timeout=JOB_STATUS_TIMEOUT_S) as response:
             status = json.loads(response.read()).get("status")
-    except (OSError, ValueError, AttributeError):  # HTTPError (404: unknown) is an OSError
+    except urllib.error.HTTPError as err:
+        return _UNKNOWN if err.code == 404 else None
+    except (OSError, ValueError, AttributeError):
         return None
     return status if isinstance(status, str) else None
 
 
-def _boot_id() -> str | None:
+def _direct() -> urllib.request.OpenerDirector:
+    """An opener for the local head's 127.0.0.1 dashboard: plain HTTP, no proxy (whatever
+    http_proxy says), and no redirect followed (urllib's would resend the token wherever it
+    points): a 3xx is an HTTPError."""
+    opener = urllib.request.OpenerDirector()
+    for handler in (urllib.request.ProxyHandler({}), urllib.request.HTTPHandler(),
+                    urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
+        opener.add_handler(handler)
+    return opener
+
+
+LOOPBACK = ("127.0.0.1", "localhost")
+
+
+def no_proxy_for_loopback(env: dict[str, str] | os._Environ[str]) -> None:
+    """Add 127.0.0.1 and localhost to ``env``'s ``no_proxy`` (and ``NO_PROXY`` where set): a
+    request to a head's 127.0.0.1 Jobs API (Ray's client uses requests, which follows
+    http_proxy) must not go through a proxy, nor take the token there."""
+    for name in ("no_proxy", "NO_PROXY"):
+        if name == "NO_PROXY" and name not in env:
+            continue  # no_proxy is read first (requests, urllib, curl)
+        given = env.get(name) or env.get("NO_PROXY") or ""
+        have = [h.strip() for h in given.split(",") if h.strip()]
+        if "*" not in have:
+            env[name] = ",".join(have + [h for h in LOOPBACK if h not in have])
+
+
+def _this_machine() -> dict[str, str | None]:
+    return {"host": os.uname().nodename, "machine": _read_id(MACHINE_ID), "boot": _read_id(BOOT_ID),
+            "pidns": _pid_namespace()}
+
+
+def _read_id(path: str) -> str | None:
     try:
-        return Path(BOOT_ID).read_text().strip()
+        return Path(path).read_text().strip() or None
     except OSError:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    """When the process started (clock ticks after boot, /proc/<pid>/stat): tells a pid reused
+    from the process it was."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -393,6 +508,7 @@ def _start(folder: Path) -> LocalHead:
            KILL_CHILDREN_ENV: "0"}
     for name in ("RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # this head's token and address, no one else's
         env.pop(name, None)
+    no_proxy_for_loopback(env)  # its drivers ask its 127.0.0.1 Jobs API (JobSubmissionClient("auto"))
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             "--port", str(head.gcs_port), "--include-dashboard", "true",
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(head.dashboard_port),
@@ -502,12 +618,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def api_status(url: str, token: str | None) -> int | None:
-    """The HTTP status of a Jobs API's version route, with the token or without (None: nothing
-    answers there)."""
+    """The HTTP status of a Jobs API's version route at ``url`` (a head's 127.0.0.1, directly or
+    through the SSH tunnel), with the token or without (None: nothing answers there). Never
+    through a proxy; a redirect is not followed (its 3xx status is returned)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(f"{url}/api/version", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+    try:  # a head's 127.0.0.1 (or the tunnel's): no proxy, no redirect
+        with _direct().open(request, timeout=5) as response:
             return response.status
     except urllib.error.HTTPError as err:
         return err.code

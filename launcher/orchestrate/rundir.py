@@ -13,11 +13,14 @@ second submission given the same folder while the first waits in the queue is re
 job's driver claims it with that job id and removes the file. A reservation whose job can no
 longer take it is taken over by the next run or submission given the folder (``_take_over``):
 its job has ended (STOPPED, FAILED, SUCCEEDED: stopped while it waited, a runtime_env that
-failed, a driver that died) or the local head it went to runs no more (``launch down``, a
-crash, a reboot). Whether it has ended is asked of the Jobs API the submission has at hand
-(``lookup``), else of the recorded local head, cheaply (its process in /proc, one HTTP request
-to its Jobs API; Ray is never started for it). A job nothing can say about keeps its
-reservation: the refusal names it and the remedy.
+failed, a driver that died), the local head it went to runs no more (``launch down``, a
+crash, a reboot), or its submission was cut off before that head had the job (seen only by a
+submission to the same head, under its lock). Whether it has ended is asked of the Jobs API the
+submission has at hand (``lookup``), else, cheaply (its process in /proc, one HTTP request;
+Ray is never started for it), of this user's own local head where the reservation, a file of
+this user's, names that head (``launcher.jobs.head.reserved_job_status``: what the
+reservation records is compared, never used to reach anything). A job nothing can say about
+keeps its reservation: the refusal names it and the remedy.
 
 ``name`` is the folder's name (the workers' ``LAUNCHER_RUN_ID``); ``run_id`` adds a random
 suffix, unique to the launch, and names each node's folder ``/tmp/launcher/<run_id>/<node>``.
@@ -26,13 +29,15 @@ suffix, unique to the launch, and names each node's folder ``/tmp/launcher/<run_
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,8 @@ DEFAULT_BASE = Path("runs")
 RESERVED = ".launcher-job"  # a submission's reservation of its run directory: the job id
 ENDED = ("STOPPED", "SUCCEEDED", "FAILED")  # Ray's statuses of a job whose driver runs no more
 GONE = "GONE"  # the job's status where the Ray it was submitted to runs no more
+ABANDONED = "ABANDONED"  # its submission reserved the folder and never handed Ray the job
+TAKEN_OVER = (GONE, ABANDONED, *ENDED)  # a reserved job's statuses that free its folder
 # A job id -> Ray's status of that job (PENDING, RUNNING, STOPPED, ...), GONE, or None: unknown.
 JobLookup = Callable[[str], "str | None"]
 
@@ -114,7 +121,7 @@ class RunDir:
         found = _reservation(path)
         if found is not None and _only_reserved(path):
             status = _job_status(found, None)
-            if status is not None and status != GONE and status not in ENDED:
+            if status is not None and status not in TAKEN_OVER:
                 raise _taken(path, status)
             return
         cls.refuse_used(path)
@@ -124,17 +131,20 @@ class RunDir:
                 lookup: JobLookup | None = None) -> Callable[[], None]:
         """``launch submit`` to a head on this machine: claim the folder for job ``job_id`` now,
         while the submission holds its lock, as ``claim`` does (exit 2 for a used one), and
-        leave the reservation (``.launcher-job``: the job id, and ``head``, the launcher's local
-        head the job goes to, where it does) that the job's driver takes (``claim(path,
+        leave the reservation (``.launcher-job``: the job id, and ``head``, who the launcher's
+        local head the job goes to is, where it does: ``reservation_head``) that the job's
+        driver takes (``claim(path,
         job_id=...)``). An ended job's reservation is taken over, asking ``lookup`` (the
         submission's Jobs API) first. Returns the undo, for a submission that fails before Ray
-        has the job: the reservation goes, and the folder where this made it."""
+        has the job: the reservation goes, and the folder where this made it, holding the
+        reservation locked (``_holding``) and only while it is still this job's. A reservation
+        cut off half-made (an error, Ctrl-C) is undone before the error goes on."""
         path = Path(path)
         mine = Reservation(job_id, head)
         made = [p for p in (path, *path.parents) if not p.exists()]
 
-        def undo() -> None:  # what this made; a folder something else was put into stays
-            for gone in (path / RESERVED, path / "logs", *made):  # innermost first
+        def undo(ours: tuple[Path, ...]) -> None:  # a folder something else was put into stays
+            for gone in (*ours, *made):  # innermost first
                 with contextlib.suppress(OSError):
                     if gone.name == RESERVED:
                         gone.unlink()
@@ -142,34 +152,46 @@ class RunDir:
                         gone.rmdir()
 
         def release() -> None:
-            if _reserved_for(path) == job_id:
-                undo()
+            with _holding(path, job_id) as held:  # not one taken over meanwhile
+                if held:
+                    undo((path / RESERVED, path / "logs"))
 
         taken, status = _take_over(path, lookup, mine)
         if taken:
             return release
         cls.refuse_used(path, status)
-        cls._make(path)
+        made_logs = False
         try:
+            cls._make(path)
+            made_logs = True
             mine.write(path)
-        except OSError as err:
-            undo()
-            raise UsageError(f"cannot write the run directory {path}: {err.strerror or err}; pass --run-dir "
-                             f"a folder you can write") from err
+        except BaseException as err:  # also Ctrl-C: no logs/ left without its reservation
+            undo((path / RESERVED, path / "logs") if made_logs else ())
+            if isinstance(err, OSError):
+                raise UsageError(f"cannot write the run directory {path}: {err.strerror or err}; pass "
+                                 f"--run-dir a folder you can write") from err
+            raise
         return release
 
     @staticmethod
     def _make(path: Path) -> None:
         """The folder and its ``logs/``, the latter exclusively (UsageError, exit 2, where it is
-        there already or cannot be made)."""
+        there already or cannot be made). Folders this made are removed again (where still
+        empty) when it fails or is interrupted."""
+        made = [p for p in (path, *path.parents) if not p.exists()]
         try:
             path.mkdir(parents=True, exist_ok=True)
             (path / "logs").mkdir()
-        except FileExistsError as err:  # another launch made it between the look and the mkdir
-            raise _taken(path) from err
-        except OSError as err:
-            raise UsageError(f"cannot make the run directory {path}: {err.strerror or err}; pass --run-dir "
-                             f"a folder you can write") from err
+        except BaseException as err:
+            for gone in made:  # innermost first
+                with contextlib.suppress(OSError):
+                    gone.rmdir()
+            if isinstance(err, FileExistsError):  # another launch made it between the look and the mkdir
+                raise _taken(path) from err
+            if isinstance(err, OSError):
+                raise UsageError(f"cannot make the run directory {path}: {err.strerror or err}; pass "
+                                 f"--run-dir a folder you can write") from err
+            raise
 
     @staticmethod
     def refuse_used(path: Path, status: str | None = None) -> None:
@@ -246,10 +268,14 @@ class Reservation:
     """What ``.launcher-job`` holds: the job id (its first line) and, for a job submitted to the
     launcher's local head, that head (``launcher.jobs.head.reservation_head``), as JSON on the
     second. Readable by all (no secret in it): a job's driver may run as another user than its
-    submitter (an attached Ray someone else started on this machine)."""
+    submitter (an attached Ray someone else started on this machine). ``owner`` and ``file``
+    are not written: read back (``_reservation``), the uid owning the file (None where it has
+    more than one link: maybe another's file linked in) and its (device, inode)."""
 
     job_id: str
     head: dict[str, Any] | None = None
+    owner: int | None = field(default=None, compare=False)
+    file: tuple[int, int] | None = field(default=None, compare=False)
 
     def write(self, path: Path) -> None:
         extra = json.dumps({"head": self.head}, separators=(",", ":")) + "\n" if self.head else ""
@@ -266,12 +292,36 @@ class Reservation:
         return cls(first.strip(), head if isinstance(head, dict) else None)
 
 
+MAX_RESERVATION = 64 * 1024
+
+
+def _open_reservation(path: Path) -> int:
+    """A read-only descriptor of ``path``'s reservation, a regular file (OSError otherwise: none,
+    unreadable, a symlink, a FIFO, never waited on)."""
+    fd = os.open(path / RESERVED, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path / RESERVED))
+    return fd
+
+
+def _read_reservation(path: Path) -> tuple[bytes, os.stat_result]:
+    """The reservation file's bytes and its stat (of the file read, not of the name)."""
+    with os.fdopen(_open_reservation(path), "rb") as fh:
+        return fh.read(MAX_RESERVATION), os.fstat(fh.fileno())
+
+
 def _reservation(path: Path) -> Reservation | None:
-    """The reservation a submission left in ``path``, if any (None also where it cannot be read)."""
+    """The reservation a submission left in ``path``, if any (None also where it cannot be read),
+    with the file's owner and identity."""
     try:
-        return Reservation.parse((path / RESERVED).read_text())
+        data, st = _read_reservation(path)
+        found = Reservation.parse(data.decode())
     except (OSError, UnicodeDecodeError):
         return None
+    if found is None:
+        return None
+    return replace(found, owner=st.st_uid if st.st_nlink == 1 else None, file=(st.st_dev, st.st_ino))
 
 
 def _reserved_for(path: Path) -> str | None:
@@ -292,33 +342,37 @@ def _only_reserved(path: Path) -> bool:
 
 
 def _job_status(found: Reservation, lookup: JobLookup | None) -> str | None:
-    """Where the reservation's job stands: ``lookup``'s answer (the Jobs API at hand), else the
-    recorded local head's (``GONE`` where it runs no more); None where neither can say."""
+    """Where the reservation's job stands: ``lookup``'s answer (the Jobs API at hand), else that
+    of the local head the reservation names, where it is this user's own
+    (``launcher.jobs.head.reserved_job_status``: ``GONE`` where it runs no more, ``ABANDONED``
+    where the submission never handed it the job); None where neither can say."""
     status = lookup(found.job_id) if lookup is not None else None
     if status is None and found.head is not None:
         from launcher.jobs.head import reserved_job_status
 
-        status = reserved_job_status(found.head, found.job_id)
+        status = reserved_job_status(found.head, found.job_id, owner=found.owner)
     return status
 
 
 @contextlib.contextmanager
-def _holding(path: Path, job_id: str) -> Iterator[bool]:
+def _holding(path: Path, job_id: str, file: tuple[int, int] | None = None) -> Iterator[bool]:
     """The reservation of ``path`` for ``job_id``, locked (flock on the file): True while it is
-    still that one (the same file, naming that job). Of the job's driver and a later run taking
-    over the reservation of the job, ended, only one takes it: the other finds it gone or
-    replaced."""
+    still that one (the same file, naming that job; with ``file``, the file of that (device,
+    inode), the one read before). Of the job's driver, a later run taking over the reservation
+    of the job, ended, and its submission releasing it, only one acts on it: the others find it
+    gone or replaced."""
     with contextlib.ExitStack() as stack:
         try:  # read-only: the job's driver may not own the file
-            fh = stack.enter_context(open(path / RESERVED, "rb"))
+            fh = stack.enter_context(os.fdopen(_open_reservation(path), "rb"))
         except OSError:
             yield False
             return
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            here, now = os.fstat(fh.fileno()), os.stat(path / RESERVED)
-            found = Reservation.parse(fh.read().decode())
+            here, now = os.fstat(fh.fileno()), os.lstat(path / RESERVED)
+            found = Reservation.parse(fh.read(MAX_RESERVATION).decode())
             same = ((here.st_dev, here.st_ino) == (now.st_dev, now.st_ino)
+                    and (file is None or file == (here.st_dev, here.st_ino))
                     and found is not None and found.job_id == job_id)
         except (OSError, UnicodeDecodeError):
             same = False
@@ -350,7 +404,8 @@ def _take_over(path: Path, lookup: JobLookup | None,
                mine: Reservation | None = None) -> tuple[bool, str | None]:
     """Take ``path`` where it holds only the reservation of a job that can no longer take it:
     the job has ended (its driver never took the folder: stopped while it waited, a runtime_env
-    that failed) or the local head it was submitted to runs no more. The reservation goes
+    that failed), the local head it was submitted to runs no more, or its submission never
+    handed that head the job (``ABANDONED``). The reservation goes
     (``mine`` None: a run of this process's own) or becomes ``mine`` (a submission). (taken,
     the reserved job's status where it was asked); not taken where the folder is not such a
     one, its job may still take it, or another process took it first."""
@@ -358,10 +413,10 @@ def _take_over(path: Path, lookup: JobLookup | None,
     if found is None or not _only_reserved(path):
         return False, None
     status = _job_status(found, lookup)
-    if status != GONE and status not in ENDED:
+    if status not in TAKEN_OVER:
         return False, status
     try:
-        with _holding(path, found.job_id) as held:
+        with _holding(path, found.job_id, found.file) as held:
             if not held or not _only_reserved(path):
                 return False, None
             (path / "logs").mkdir(exist_ok=True)
@@ -373,6 +428,7 @@ def _take_over(path: Path, lookup: JobLookup | None,
         raise UsageError(f"cannot take the run directory {path}: {err.strerror or err}; pass "
                          f"--run-dir a folder you can write") from err
     why = ("whose Ray runs no more" if status == GONE
+           else "whose submission was cut off before Ray had the job" if status == ABANDONED
            else f"which ended ({status}) before its driver took it")
     log.info("--run-dir %s was reserved for job %s, %s: this %s takes the folder", path,
              found.job_id, why, "run" if mine is None else "submission")
@@ -390,10 +446,10 @@ def _taken(path: Path, status: str | None = None) -> UsageError:
             f"out), or remove {path} first if that job has ended and you no longer need it; nothing "
             f"was started")
     try:
-        (path / RESERVED).read_bytes()
+        _read_reservation(path)
     except FileNotFoundError:
         pass
-    except OSError as err:  # there, and not readable by this user
+    except OSError as err:  # there, and not readable by this user (or not a plain file)
         return UsageError(
             f"--run-dir {path} is reserved by a submission, and user {_user()} cannot read "
             f"{path / RESERVED} to tell for which job ({err.strerror or err}; a job's driver runs "

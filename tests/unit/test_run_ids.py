@@ -16,6 +16,13 @@ from launcher.orchestrate.rundir import RunDir
 from launcher.spec import ClusterSpec, JobSpec
 
 
+@pytest.fixture(autouse=True)
+def own_state(tmp_path, monkeypatch):
+    """This user's launcher state is the test's own: no record of a real head here is read."""
+    monkeypatch.setenv("LAUNCHER_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
 def job() -> JobSpec:
     return JobSpec.model_validate({"name": "t", "resources": {"device": "cpu", "nproc_per_node": 1},
                                    "precision": {"dtype": "fp32"}, "train": {"steps": 5, "warmup_steps": 1}})
@@ -318,11 +325,10 @@ def test_a_submission_takes_over_the_reservation_of_a_job_that_ended_before_its_
     assert sorted(p.name for p in run_dir.iterdir()) == [".launcher-job", "logs"]
 
 
-def local_head_record(tmp_path, pid: int, port: int = 1, token: str = "secret"):
-    """What a reservation records of a local head (``head.reservation_head``)."""
+def local_head_record(tmp_path, pid: int, port: int = 1):
+    """What a reservation records of a local head (``head.reservation_head``): who it is."""
     from launcher.jobs import head
 
-    (tmp_path / "auth_token").write_text(token + "\n")
     return head.reservation_head(head.LocalHead(
         pid=pid, gcs_port=1, dashboard_port=port, agent_port=1, temp_dir=str(tmp_path / "ray-temp"),
         token_file=str(tmp_path / "auth_token")))
@@ -334,6 +340,25 @@ def gone_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """This machine's id is the test's (``/etc/machine-id`` may be missing): returns a function
+    that changes it."""
+    from launcher.jobs import head
+
+    path = tmp_path / "machine-id"
+    path.write_text("0123456789abcdef0123456789abcdef\n")
+    monkeypatch.setattr(head, "MACHINE_ID", str(path), raising=False)
+
+    def change(text: str | None) -> None:
+        if text is None:
+            path.unlink()
+        else:
+            path.write_text(text + "\n")
+
+    return change
 
 
 def test_a_run_takes_over_the_reservation_of_a_job_whose_local_head_is_gone(tmp_path, caplog):
@@ -356,9 +381,9 @@ def test_a_run_takes_over_the_reservation_of_a_job_whose_local_head_is_gone(tmp_
     assert (other / ".launcher-job").read_text().strip() == "job-2"
 
 
-def test_a_reservation_made_on_another_machine_or_boot(tmp_path):
+def test_a_reservation_made_on_another_machine_or_boot(tmp_path, machine):
     """A shared home directory: a head recorded on another machine cannot be looked at from
-    here (the folder stays reserved); one recorded before this machine rebooted is gone."""
+    here (the folder stays reserved); one recorded on this machine before it rebooted is gone."""
     path = tmp_path / "r"
     RunDir.reserve(path, "job-1", head={**local_head_record(tmp_path, gone_pid()), "host": "elsewhere"})
     with pytest.raises(UsageError, match=r"reserved for job job-1, submitted before .*cannot ask"):
@@ -371,53 +396,187 @@ def test_a_reservation_made_on_another_machine_or_boot(tmp_path):
     assert RunDir.claim(rebooted).root == rebooted
 
 
+def test_a_machine_of_the_same_name_is_another_machine(tmp_path, machine):
+    """Two machines named alike share a home directory: the other's boot id differs from this
+    one's, which is no reboot of this machine; its machine id differs too. Its head may run: the
+    folder stays reserved. Without a machine id, another boot cannot be told from another
+    machine: it stays reserved too."""
+    path = tmp_path / "r"
+    record = local_head_record(tmp_path, gone_pid())
+    RunDir.reserve(path, "job-1", head={**record, "machine": "f" * 32, "boot": "its-boot"})
+    with pytest.raises(UsageError, match="reserved for job job-1"):
+        RunDir.claim(path)
+    machine(None)  # no /etc/machine-id here
+    for n, head in enumerate(({**record, "machine": None, "boot": "its-boot"}, {**record, "boot": "its-boot"})):
+        RunDir.reserve(tmp_path / f"s{n}", "job-1", head=head)
+        with pytest.raises(UsageError, match="reserved for job job-1"):
+            RunDir.claim(tmp_path / f"s{n}")
+    same = tmp_path / "t"  # this boot, no machine id: the head's process tells
+    RunDir.reserve(same, "job-1", head={**record, "machine": None})
+    assert RunDir.claim(same).root == same
+
+
+def test_only_the_reservations_own_user_takes_it_for_gone(tmp_path, monkeypatch):
+    """Another user's head (hidepid hides its processes) or a head in another PID namespace is
+    not seen in /proc: not seeing it proves nothing, and the folder stays reserved."""
+    from launcher.jobs import head
+
+    path = tmp_path / "r"
+    record = local_head_record(tmp_path, gone_pid())
+    RunDir.reserve(path, "job-1", head=record)
+    me = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: me + 1)  # the file is another user's
+    with pytest.raises(UsageError, match="reserved for job job-1"):
+        RunDir.claim(path)
+    monkeypatch.setattr(os, "getuid", lambda: me)
+    real = head._pid_namespace
+    monkeypatch.setattr(head, "_pid_namespace", lambda: "pid:[1]")
+    with pytest.raises(UsageError, match="reserved for job job-1"):
+        RunDir.claim(path)
+    monkeypatch.setattr(head, "_pid_namespace", real)
+    assert RunDir.claim(path).root == path
+
+
+def this_machine() -> dict[str, str | None]:
+    """What a reservation made here says of this machine."""
+    def read(path: str) -> str | None:
+        try:
+            return open(path).read().strip() or None
+        except OSError:
+            return None
+
+    return {"host": os.uname().nodename, "machine": read("/etc/machine-id"),
+            "boot": read("/proc/sys/kernel/random/boot_id"), "pidns": os.readlink("/proc/self/ns/pid")}
+
+
 @pytest.fixture
 def jobs_api():
-    """A local head's Jobs API, its one route this needs: GET /api/jobs/<id> with the token."""
+    """A local head's Jobs API, its one route this needs: GET /api/jobs/<id> with the token (a
+    status ``redirect:URL`` answers 302 to URL)."""
+    port, statuses, _ = _serve(_jobs_api_handler)
+    yield port, statuses
+
+
+@pytest.fixture
+def listener():
+    """Something else listening on 127.0.0.1: what it was asked (method, path, headers), and
+    for every request an answer that would free the folder (FAILED)."""
+    port, _, asked = _serve(_listener_handler)
+    yield port, asked
+
+
+_servers: list = []
+
+
+def _serve(handler_of):
     import http.server
     import threading
 
     statuses: dict[str, str] = {}
+    asked: list = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_of(statuses, asked))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _servers.append(server)
+    return server.server_address[1], statuses, asked
+
+
+@pytest.fixture(autouse=True)
+def _stop_servers():
+    yield
+    while _servers:
+        server = _servers.pop()
+        server.shutdown()
+        server.server_close()
+
+
+def _jobs_api_handler(statuses, asked):
+    import http.server
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             job_id = self.path.removeprefix("/api/jobs/")
             if self.headers.get("Authorization") != "Bearer secret":
-                self.send_response(401)
-                self.end_headers()
-                return
+                return self.answer(401)
             if job_id not in statuses:
-                self.send_response(404)
-                self.end_headers()
-                return
-            body = json.dumps({"submission_id": job_id, "status": statuses[job_id]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
+                return self.answer(404)
+            if statuses[job_id].startswith("redirect:"):
+                return self.answer(302, location=statuses[job_id].removeprefix("redirect:"))
+            return self.answer(200, {"submission_id": job_id, "status": statuses[job_id]})
+
+        def answer(self, code, body=None, location=None):
+            data = json.dumps(body).encode() if body is not None else b""
+            self.send_response(code)
+            if location:
+                self.send_header("Location", location)
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(data)
 
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return Handler
+
+
+def _listener_handler(statuses, asked):
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            asked.append(("GET", self.path, dict(self.headers)))
+            data = json.dumps({"status": "FAILED", "ray_version": "9.9.9", "version": "9"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    return Handler
+
+
+@pytest.fixture
+def own_head(tmp_path, own_state, jobs_api):
+    """This user's running local head as its record (``head.json``) names it: a process whose
+    command line names the head's temp dir (as each of the head's does), its Jobs API
+    (``jobs_api``), its token ("secret")."""
+    import subprocess
+    import sys
+    import time
+    from dataclasses import asdict
+
+    from launcher.jobs import head
+
+    port, _ = jobs_api
+    folder = own_state / "local"
+    folder.mkdir(parents=True)
+    (folder / "auth_token").write_text("secret\n")
+    temp_dir = str(tmp_path / "launcher-ray-own")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", temp_dir])
     try:
-        yield server.server_address[1], statuses
+        me = head.LocalHead(pid=proc.pid, gcs_port=61001, dashboard_port=port, agent_port=61002,
+                            temp_dir=temp_dir, token_file=str(folder / "auth_token"))
+        (folder / "head.json").write_text(json.dumps(asdict(me)))
+        deadline = time.monotonic() + 10
+        while not head._is_head(me) and time.monotonic() < deadline:  # its command line, once exec'd
+            time.sleep(0.02)
+        yield me
     finally:
-        server.shutdown()
-        server.server_close()
+        proc.kill()
+        proc.wait()
 
 
-def test_a_run_asks_the_running_local_head_whether_the_reserved_job_ended(tmp_path, jobs_api, monkeypatch):
-    """The head runs: one request to its Jobs API says where the job stands. Waiting or
-    running: refused, naming it; ended (stopped while it waited): taken; unknown to the head, or
-    a refused token: refused (nothing is assumed)."""
+def test_a_run_asks_the_running_local_head_whether_the_reserved_job_ended(tmp_path, jobs_api, own_head):
+    """The head runs, and it is this user's own (its record names it): one request to its Jobs
+    API, with the token of that record, says where the job stands. Waiting or running: refused,
+    naming it; ended (stopped while it waited): taken; unknown to the head, or a refused token:
+    refused (nothing is assumed)."""
     from launcher.jobs import head
 
     port, statuses = jobs_api
-    monkeypatch.setattr(head, "_is_head", lambda h: True)
     path = tmp_path / "r"
-    RunDir.reserve(path, "job-1", head=local_head_record(tmp_path, 1, port=port))
+    RunDir.reserve(path, "job-1", head=head.reservation_head(own_head))
     statuses["job-1"] = "PENDING"
     with pytest.raises(UsageError, match=r"reserved for job job-1, .* still pending \(`launch status job-1`\)"):
         RunDir.claim(path)
@@ -427,12 +586,222 @@ def test_a_run_asks_the_running_local_head_whether_the_reserved_job_ended(tmp_pa
     with pytest.raises(UsageError, match="cannot ask"):
         RunDir.claim(path)
     statuses["job-1"] = "FAILED"
-    (tmp_path / "auth_token").write_text("wrong\n")
+    token = own_head.token_file
+    with open(token, "w") as fh:
+        fh.write("wrong\n")
     with pytest.raises(UsageError, match="cannot ask"):
         RunDir.claim(path)
-    (tmp_path / "auth_token").write_text("secret\n")
+    with open(token, "w") as fh:
+        fh.write("secret\n")
     assert RunDir.claim(path).root == path
     assert [p.name for p in path.iterdir()] == ["logs"]
+
+
+# -- a reservation is an identity, never an address or a token --------------------------------------
+
+
+def test_a_forged_reservation_sends_no_token_anywhere(tmp_path, jobs_api, own_head, listener):
+    """Anyone who can write the folder can write its reservation: a head block naming pid 1, an
+    empty temp dir (named by every process), the victim's token file (or any file it can read)
+    and a port someone else listens on. The victim's run and submission send nothing there, and
+    read no file it names: the head block is only compared with the victim's own head's record.
+    A block naming the victim's own running head with another port is not that head either."""
+    from dataclasses import asdict
+
+    from launcher.jobs import head
+
+    port, asked = listener
+    _, statuses = jobs_api
+    statuses["job-1"] = "FAILED"  # what the victim's own head would say of it
+    here = this_machine()
+    forged = [
+        {"pid": 1, "gcs_port": 1, "dashboard_port": port, "agent_port": 1, "temp_dir": "",
+         "token_file": own_head.token_file, **here},
+        {**asdict(own_head), "dashboard_port": port, **here},
+        {**head.reservation_head(own_head), "dashboard_port": port, "token_file": own_head.token_file},
+    ]
+    for n, record in enumerate(forged):
+        path = tmp_path / f"r{n}"
+        (path / "logs").mkdir(parents=True)
+        (path / ".launcher-job").write_text("job-1\n" + json.dumps({"head": record}) + "\n")
+        with pytest.raises(UsageError, match="reserved for job job-1"):
+            RunDir.claim(path)
+        RunDir.check_free(path)
+        with pytest.raises(UsageError, match="reserved for job job-1"):
+            RunDir.reserve(path, "job-2")
+        assert (path / ".launcher-job").read_text().startswith("job-1\n")
+    assert asked == []
+
+
+def test_the_head_is_asked_without_a_redirect_or_a_proxy(tmp_path, jobs_api, own_head, listener, monkeypatch):
+    """The token goes to the own head's 127.0.0.1 only: a redirect (urllib's handler would
+    resend the Authorization header) is not followed, and http_proxy is not used."""
+    from launcher.jobs import head
+
+    port, asked = listener
+    _, statuses = jobs_api
+    statuses["job-1"] = f"redirect:http://127.0.0.1:{port}/api/jobs/job-1"
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1", head=head.reservation_head(own_head))
+    with pytest.raises(UsageError, match="cannot ask"):
+        RunDir.claim(path)
+    assert head._job_status(own_head.jobs_url, "secret", "job-1") is None
+    statuses["/api/version"] = f"redirect:http://127.0.0.1:{port}/api/version"
+    assert head.api_status(own_head.jobs_url, "secret") == 302
+    assert asked == []
+    del statuses["/api/version"]
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+    statuses["job-1"] = "FAILED"
+    assert head._job_status(own_head.jobs_url, "secret", "job-1") == "FAILED"
+    assert head.api_status(own_head.jobs_url, "secret") == 404  # the head's own answer, unproxied
+    assert asked == []
+
+
+def test_rays_jobs_client_bypasses_the_proxy_for_a_heads_loopback(jobs_api, listener, monkeypatch):
+    """Ray's JobSubmissionClient uses requests, which follows http_proxy: for a head's 127.0.0.1
+    (the local head, the SSH tunnel's end) the launcher adds 127.0.0.1 and localhost to
+    no_proxy first, keeping what was there."""
+    import sys
+    import types
+
+    import requests
+
+    from launcher.jobs import api
+
+    port, asked = listener
+    api_port, statuses = jobs_api
+    statuses["x"] = "RUNNING"
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.setenv("NO_PROXY", "example.com")
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+
+    class Client:  # as Ray's: a request at once (its version check)
+        def __init__(self, url, headers=None):
+            self.status = requests.get(f"{url}/api/jobs/x", headers=headers, timeout=5).status_code
+
+    monkeypatch.setitem(sys.modules, "ray.job_submission", types.SimpleNamespace(JobSubmissionClient=Client))
+    client = api._client(f"http://127.0.0.1:{api_port}", "secret")
+    assert client.status == 200 and asked == []
+    assert os.environ["no_proxy"].split(",") == ["example.com", "127.0.0.1", "localhost"]
+    assert os.environ["NO_PROXY"] == os.environ["no_proxy"]
+
+
+def test_a_linked_or_special_reservation_file_is_not_trusted(tmp_path):
+    """A reservation with a second link (someone's file linked in) is not taken for this
+    user's; a FIFO in its place is never waited on."""
+    import threading
+
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1", head=local_head_record(tmp_path, gone_pid()))
+    os.link(path / ".launcher-job", tmp_path / "elsewhere")
+    with pytest.raises(UsageError, match="reserved for job job-1"):
+        RunDir.claim(path)
+    fifo = tmp_path / "f"
+    (fifo / "logs").mkdir(parents=True)
+    os.mkfifo(fifo / ".launcher-job")
+    result: list = []
+
+    def claim():
+        try:
+            RunDir.claim(fifo)
+        except UsageError as err:
+            result.append(str(err))
+
+    worker = threading.Thread(target=claim, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert result and "reserved by a submission" in result[0]
+
+
+# -- a submission cut off between its reservation and Ray -------------------------------------------
+
+
+def test_a_reservation_whose_submission_was_cut_off_is_taken_under_the_jobs_lock(
+        tmp_path, jobs_api, own_head, caplog):
+    """A submission reserves the folder and hands Ray the job under the head's jobs_lock: killed
+    in between, its reservation names a job the head does not know. A later submission to the
+    same head, holding that lock, takes the folder; without the lock (a run, a first look), or
+    for another head, an unknown job tells nothing."""
+    import logging
+
+    from launcher.jobs import head
+
+    caplog.set_level(logging.INFO)
+    local = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1", head=head.reservation_head(own_head))
+    with pytest.raises(UsageError, match="cannot ask"):
+        RunDir.claim(path)
+    RunDir.check_free(path)
+    other = tmp_path / "o"  # the head of another state folder of this user's, running
+    RunDir.reserve(other, "job-1", head={**head.reservation_head(own_head), "gcs_port": 61003})
+    with head.jobs_lock(local):
+        with pytest.raises(UsageError, match="reserved for job job-1"):
+            RunDir.reserve(other, "job-3", lookup=lambda job_id: None)
+        RunDir.reserve(path, "job-2", lookup=lambda job_id: None)
+    assert (path / ".launcher-job").read_text().splitlines()[0] == "job-2"
+    assert "reserved for job job-1, whose submission was cut off before Ray had the job" in caplog.text
+
+
+# -- the reservation's own lock for undoing it, and undoing a cut-off reservation -------------------
+
+
+def test_a_release_waits_for_a_take_over_and_leaves_its_reservation(tmp_path):
+    """A submission that fails releases its reservation under the reservation's lock: a run that
+    took the folder over meanwhile (its job taken for ended) keeps its own reservation."""
+    import threading
+    import time
+
+    from launcher.orchestrate import rundir
+
+    path = tmp_path / "r"
+    path.mkdir()
+    release = RunDir.reserve(path, "job-1")
+    late = threading.Thread(target=release)
+    with rundir._holding(path, "job-1") as held:  # a submission taking it over holds it
+        assert held
+        late.start()
+        time.sleep(0.3)
+        assert (path / ".launcher-job").exists() and (path / "logs").is_dir()  # release waits
+        rundir.Reservation("job-2").write(path)
+    late.join(10)
+    assert (path / ".launcher-job").read_text().strip() == "job-2" and (path / "logs").is_dir()
+
+
+def test_a_reservation_cut_off_half_made_is_undone(tmp_path, monkeypatch):
+    """Ctrl-C (or any error) between making logs/ and writing the reservation: logs/ goes too,
+    else the folder would be refused for good as "not empty (logs/)". A folder made for a run
+    whose logs/ cannot be made goes as well."""
+    from pathlib import Path
+
+    from launcher.orchestrate import rundir
+
+    def interrupted(self, path):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(rundir.Reservation, "write", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            RunDir.reserve(tmp_path / "a" / "b", "job-1")
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(KeyboardInterrupt):
+            RunDir.reserve(tmp_path / "empty", "job-1")
+    assert not (tmp_path / "a").exists()
+    assert list((tmp_path / "empty").iterdir()) == []
+    RunDir.reserve(tmp_path / "empty", "job-2")  # free again
+    real_mkdir = Path.mkdir
+
+    def no_logs(self, *a, **k):
+        if self.name == "logs":
+            raise PermissionError(13, "Permission denied")
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", no_logs)
+    with pytest.raises(UsageError, match="cannot make the run directory"):
+        RunDir.claim(tmp_path / "c" / "d")
+    assert not (tmp_path / "c").exists()
 
 
 def test_the_driver_of_a_job_whose_reservation_was_taken_over_is_refused(tmp_path, monkeypatch):
@@ -491,7 +860,8 @@ def test_the_reservation_is_readable_by_a_driver_of_another_user(tmp_path):
     RunDir.reserve(tmp_path / "r", "job-1", head=local_head_record(tmp_path, 1))
     mode = stat.S_IMODE((tmp_path / "r" / ".launcher-job").stat().st_mode)
     assert mode & 0o044 == 0o044 & ~_umask()
-    assert "secret" not in (tmp_path / "r" / ".launcher-job").read_text()  # the token's path only
+    text = (tmp_path / "r" / ".launcher-job").read_text()
+    assert "secret" not in text and "auth_token" not in text  # not even the token's path
 
 
 def _umask() -> int:
@@ -501,21 +871,15 @@ def _umask() -> int:
 
 
 def test_a_reservation_this_user_cannot_read_is_named_as_such(tmp_path, monkeypatch):
-    from pathlib import Path
+    from launcher.orchestrate import rundir
 
     path = tmp_path / "r"
     RunDir.reserve(path, "job-1")
-    real_text, real_bytes = Path.read_text, Path.read_bytes
 
-    def denied(real):
-        def read(self, *a, **k):
-            if self.name == ".launcher-job":
-                raise PermissionError(13, "Permission denied")
-            return real(self, *a, **k)
-        return read
+    def denied(folder):
+        raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(Path, "read_text", denied(real_text))
-    monkeypatch.setattr(Path, "read_bytes", denied(real_bytes))
+    monkeypatch.setattr(rundir, "_open_reservation", denied)  # the one way the file is opened
     with pytest.raises(UsageError, match=r"reserved by a submission, and user \S+ cannot read .*Permission denied.*"
                                          r"as the user that started the cluster's Ray"):
         RunDir.claim(path, job_id="job-1")
