@@ -15,7 +15,8 @@ def test_an_ended_jobs_reservation_is_taken_over_and_a_live_or_unknown_one_is_no
     this user's own record of the head, which the reservation names (it records who the head
     is, never how to reach it). A reservation for a job the head does not know is left alone by
     a run; a submission to that head, holding its jobs lock, takes it (its submission was cut
-    off before Ray had the job). One naming another head that runs is left alone (exit 2)."""
+    off before Ray had the job). A run leaves one naming another head that runs alone (exit 2); a submission asks its own
+    Jobs API about the job id, which is unique."""
     import os
 
     from launcher.jobs import head as heads
@@ -48,7 +49,8 @@ def test_an_ended_jobs_reservation_is_taken_over_and_a_live_or_unknown_one_is_no
     for folder, job_id, head in ((stale, first, record), (cut_off, "no-such-job", record), (other, first, another)):
         (folder / "logs").mkdir(parents=True)
         Reservation(job_id, head).write(folder)  # as `launch submit` left it, its driver never ran
-    refused = jobs.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--skip-parity", "--run-dir", str(other))
+    # a run has no Jobs API to ask; the reservation names a head that is not this user's own
+    refused = jobs.run("run", str(ROOT / "jobs/quickstart.yaml"), "--skip-parity", "--run-dir", str(other))
     assert refused.returncode == 2 and f"is reserved for job {first}" in refused.stderr, refused.stderr
     refused = jobs.run("run", str(ROOT / "jobs/quickstart.yaml"), "--skip-parity", "--run-dir", str(cut_off))
     assert refused.returncode == 2 and "is reserved for job no-such-job" in refused.stderr, refused.stderr
