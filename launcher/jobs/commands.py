@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import logging
 import os
 import secrets
 import shlex
@@ -33,6 +34,8 @@ from launcher.util import first_line, utc_stamp, write_private
 
 STOP_WAIT_MIN_S = 30  # RAY_JOB_STOP_WAIT_TIME_S: SIGINT, then this long to tear down, then SIGKILL
 POLL_S = 0.5
+
+log = logging.getLogger(__name__)
 
 
 def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_dir: Path | None,
@@ -327,7 +330,11 @@ def _released_unless_submitted(release: Any) -> Iterator[None]:
         yield
     except BaseException:
         if release is not None:
-            release()
+            try:
+                release()
+            except OSError as err:  # the submission's own error is the one to report
+                log.warning("could not free the reserved run directory (%s); the next run or "
+                            "submission with it takes it over", err)
         raise
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -216,6 +217,8 @@ def reserved_job_status(record: dict[str, object], job_id: str, *, owner: int | 
     if here["machine"] is not None:
         if record.get("machine") != here["machine"]:
             return None  # another machine by the same name (a shared home directory)
+        if here["boot"] is None or record.get("boot") is None:
+            return None  # a reboot cannot be told
         if record.get("boot") != here["boot"]:
             return GONE  # this machine rebooted since
     elif record.get("machine") is not None or record.get("boot") != here["boot"]:
@@ -284,8 +287,8 @@ def _job_status(url: str, token: str, job_id: str) -> str | None:
             status = json.loads(response.read()).get("status")
     except urllib.error.HTTPError as err:
         return _UNKNOWN if err.code == 404 else None
-    except (OSError, ValueError, AttributeError):
-        return None
+    except (OSError, ValueError, AttributeError, http.client.HTTPException):
+        return None  # HTTPException: something that is no HTTP server answers there
     return status if isinstance(status, str) else None
 
 
@@ -628,5 +631,5 @@ def api_status(url: str, token: str | None) -> int | None:
             return response.status
     except urllib.error.HTTPError as err:
         return err.code
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return None

@@ -1000,3 +1000,58 @@ def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
     assert driver.main([str(tmp_path / "submission.json")]) == 2
     lines = [json.loads(t[len(state.MARK):]) for t in out.getvalue().splitlines() if t.startswith(state.MARK)]
     assert [(x["state"], x["run_dir"]) for x in lines] == [("starting", str(mine)), ("done", str(mine))]
+
+
+def test_a_reboot_that_cannot_be_told_leaves_the_reservation(tmp_path, machine, monkeypatch):
+    """This machine's id matches but its boot id cannot be read (or the record has none): a
+    reboot cannot be told from a live head, so the folder stays reserved."""
+    from launcher.jobs import head
+
+    record = local_head_record(tmp_path, 1)
+    monkeypatch.setattr(head, "BOOT_ID", str(tmp_path / "no-boot-id"))
+    path = tmp_path / "r"
+    RunDir.reserve(path, "job-1", head={**record, "boot": "some-boot"})
+    with pytest.raises(UsageError, match="reserved for job job-1"):
+        RunDir.claim(path)
+
+
+def test_something_that_is_no_http_server_on_the_heads_port_is_no_answer():
+    """Garbage on the dashboard's port (``http.client.HTTPException``, not an OSError) is no
+    answer, not a traceback."""
+    import socket
+    import threading
+
+    from launcher.jobs import head
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def serve():
+        for _ in range(2):
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"not http at all\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        assert head._job_status(url, "t", "job-1") is None
+        assert head.api_status(url, "t") is None
+    finally:
+        thread.join(10)
+        server.close()
+
+
+def test_a_release_that_fails_leaves_the_submissions_own_error(monkeypatch):
+    """A submission that fails before Ray has the job frees its run directory; where freeing it
+    fails too, the submission's own error is the one raised."""
+    from launcher.jobs import commands
+
+    def release():
+        raise PermissionError(13, "Permission denied")
+
+    with pytest.raises(RuntimeError, match="the Jobs API said no"), commands._released_unless_submitted(release):
+        raise RuntimeError("the Jobs API said no")
