@@ -489,20 +489,11 @@ def _stop_servers():
         server.server_close()
 
 
-def _jobs_api_handler(statuses, asked):
+def _answering():
+    """A quiet request handler with ``answer(code, body, location)``: JSON, length, headers."""
     import http.server
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            job_id = self.path.removeprefix("/api/jobs/")
-            if self.headers.get("Authorization") != "Bearer secret":
-                return self.answer(401)
-            if job_id not in statuses:
-                return self.answer(404)
-            if statuses[job_id].startswith("redirect:"):
-                return self.answer(302, location=statuses[job_id].removeprefix("redirect:"))
-            return self.answer(200, {"submission_id": job_id, "status": statuses[job_id]})
-
+    class Answering(http.server.BaseHTTPRequestHandler):
         def answer(self, code, body=None, location=None):
             data = json.dumps(body).encode() if body is not None else b""
             self.send_response(code)
@@ -515,23 +506,29 @@ def _jobs_api_handler(statuses, asked):
         def log_message(self, *args):
             pass
 
+    return Answering
+
+
+def _jobs_api_handler(statuses, asked):
+    class Handler(_answering()):
+        def do_GET(self):  # noqa: N802
+            job_id = self.path.removeprefix("/api/jobs/")
+            if self.headers.get("Authorization") != "Bearer secret":
+                return self.answer(401)
+            if job_id not in statuses:
+                return self.answer(404)
+            if statuses[job_id].startswith("redirect:"):
+                return self.answer(302, location=statuses[job_id].removeprefix("redirect:"))
+            return self.answer(200, {"submission_id": job_id, "status": statuses[job_id]})
+
     return Handler
 
 
 def _listener_handler(statuses, asked):
-    import http.server
-
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(_answering()):
         def do_GET(self):  # noqa: N802
             asked.append(("GET", self.path, dict(self.headers)))
-            data = json.dumps({"status": "FAILED", "ray_version": "9.9.9", "version": "9"}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
+            self.answer(200, {"status": "FAILED", "ray_version": "9.9.9", "version": "9"})
 
     return Handler
 
