@@ -4,9 +4,10 @@ product over the 12 layers (as a backward that deferred them to its end would ru
 Each layer's weight gradient is dYᵀ·X with a long reduction (16 × 1024 tokens) and a small
 output (768 × 768 for the attention's projection), which cuBLAS splits over the reduction.
 Twelve of them batched make one product with 12 times the output tiles; where each layer's
-tensors lie apart (as a backward makes them), stacking them first costs two copies. Both ways are replayed
-as CUDA graphs at the power cap (``step_energy.measure``); time and energy per step, and the
-pJ/FLOP, per linear:
+tensors lie apart (as a backward makes them), stacking them first costs two copies, and
+cuBLAS's pointer-array batched product (``cublasGemmBatchedEx``, one pointer per layer's
+tensor) needs none. Every way is replayed as a CUDA graph at the power cap
+(``step_energy.measure``); time and energy per step, and the pJ/FLOP, per linear:
 
     python benchmarks/wgrad_batching.py [--seconds 3] [--out F]
 """
@@ -19,6 +20,10 @@ from pathlib import Path
 
 from step_energy import LAYERS, LINEARS, TOKENS, measure
 
+from launcher.train import wgrad
+
+WAYS = ("per layer", "batched", "stacked", "pointers")
+
 
 def _ways(torch, x, dy, dw) -> dict:
     """The ways to write every layer's dYᵀ·X into ``dw``."""
@@ -26,7 +31,14 @@ def _ways(torch, x, dy, dw) -> dict:
     return {"per layer": lambda: [torch.mm(dy[i].t(), x[i], out=dw[i]) for i in range(LAYERS)],
             "batched": lambda: torch.bmm(dy.transpose(1, 2), x, out=dw),
             # each layer's tensors apart, as a backward makes them: stacked first (two copies)
-            "stacked": lambda: torch.bmm(torch.stack(dys).transpose(1, 2), torch.stack(xs), out=dw)}
+            "stacked": lambda: torch.bmm(torch.stack(dys).transpose(1, 2), torch.stack(xs), out=dw),
+            # apart, and read where they lie (the trainer's op, launcher/train/wgrad.py)
+            "pointers": lambda: _check(wgrad._cublas_batched(dys, xs, dw))}
+
+
+def _check(ran: bool) -> None:
+    if not ran:
+        raise RuntimeError("cuBLAS's pointer-array batched product did not take these tensors")
 
 
 def main() -> None:
@@ -57,19 +69,20 @@ def main() -> None:
             torch.cuda.synchronize()
             ref = dw.clone() if ref is None else ref
             same = torch.equal(ref, dw) if way != "per layer" else True
+            close = (dw.float() - ref.float()).abs().max().item()
             row = {"linear": name, "way": way, "ms_per_step": m["ms"], "j_per_step": m["mj"] / 1e3,
                    "tflops": flops / m["ms"] / 1e9, "pj_per_flop": m["mj"] * 1e9 / flops,
                    "power_w": m["power_w"], "sm_clock_mhz": m["sm_clock_mhz"], "graph": m["graph"],
-                   "bitwise_equal_to_per_layer": same}
+                   "bitwise_equal_to_per_layer": same, "max_abs_diff_to_per_layer": close}
             rows.append(row)
             print(f"{name:5} {way:9} {row['ms_per_step']:.3f} ms  {row['j_per_step']:.3f} J  "
                   f"{row['tflops']:.0f} TFLOP/s  {row['pj_per_flop']:.3f} pJ/FLOP  {row['power_w']:.0f} W  "
-                  f"{row['sm_clock_mhz']:.0f} MHz  equal={same}", flush=True)
+                  f"{row['sm_clock_mhz']:.0f} MHz  equal={same} max diff {close:.2e}", flush=True)
         del x, dy, dw, ref
         torch.cuda.empty_cache()
-    total = {way: sum(r["j_per_step"] for r in rows if r["way"] == way) for way in ("per layer", "batched", "stacked")}
+    total = {way: sum(r["j_per_step"] for r in rows if r["way"] == way) for way in WAYS}
     print(f"\nall four linears, J a step: {total['per layer']:.3f} per layer, {total['batched']:.3f} batched, "
-          f"{total['stacked']:.3f} stacked then batched")
+          f"{total['stacked']:.3f} stacked then batched, {total['pointers']:.3f} batched by pointers")
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                                         "rows": rows, "j_per_step": total}, indent=2) + "\n")

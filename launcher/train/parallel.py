@@ -47,7 +47,8 @@ def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_s
         scope = job.train.compile_scope
         if scope == "auto":
             scope = "block" if data_parallel else "model"
-        apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=scope == "model")
+        apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=scope == "model",
+                      batch_weight_grads=batches_weight_grads(job, device=device, whole=scope == "model"))
     if not data_parallel:
         if job.parallel.strategy == "fsdp":
             log.info("fsdp on one process: nothing to shard, the model trains unwrapped")
@@ -139,7 +140,17 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.checkpoint_activations = True
 
 
-def apply_compile(model: nn.Module, *, cuda_graphs: bool = False, whole: bool = False) -> None:
+def batches_weight_grads(job: JobSpec, *, device: torch.device, whole: bool) -> bool:
+    """Whether the compiled backward batches the blocks' weight gradients over the layers
+    (``train.weight_grads``; ``launcher/train/wgrad.py``): under ``auto``, where the model
+    compiles as one graph (so that the layers' products meet in one backward) on a CUDA GPU in
+    bf16 or fp16."""
+    return (job.train.weight_grads == "auto" and whole and device.type == "cuda"
+            and DTYPES[job.precision.dtype] in (torch.bfloat16, torch.float16))
+
+
+def apply_compile(model: nn.Module, *, cuda_graphs: bool = False, whole: bool = False,
+                  batch_weight_grads: bool = False) -> None:
     """Compile the embeddings, each block and the head (or, ``whole``, the model), in place
     (names unchanged).
 
@@ -158,10 +169,21 @@ def apply_compile(model: nn.Module, *, cuda_graphs: bool = False, whole: bool = 
     A block is already the unit of overlap here, and splitting it (28 MB of parameters
     against 25 MB buckets) doubled the compiled graphs run per step: 28 backward graphs
     instead of 14, measured on 2 H200s (``benchmarks/RESULTS.md``).
+
+    ``batch_weight_grads`` (whole only) adds ``wgrad.WeightGradBatching`` to the inductor
+    options of this compilation: the backward computes the weight gradients of the layers'
+    same-shaped linears as one batched product each, at its end.
     """
     torch._dynamo.config.optimize_ddp = False
     options = {"mode": "reduce-overhead"} if cuda_graphs else {}
     if whole:
+        if batch_weight_grads:
+            from torch._inductor import list_mode_options
+
+            from launcher.train.wgrad import WeightGradBatching
+
+            inductor = dict(list_mode_options("reduce-overhead")) if cuda_graphs else {}
+            options = {"options": {**inductor, "post_grad_custom_post_pass": WeightGradBatching()}}
         model.compile(**options)
         return
     model.embed.compile(**options)

@@ -1,0 +1,55 @@
+"""launcher/train/wgrad.py on the CPU: the op's per-layer path, the pointer table, what
+cuBLAS is given, and when the trainer asks for it. The pass on a compiled model:
+tests/integration/test_wgrad_compiled.py; cuBLAS's path: tests/integration/test_gpu_wgrad.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.spec.job import JobSpec
+from launcher.train import wgrad
+from launcher.train.parallel import batches_weight_grads
+
+
+def test_the_op_is_each_layers_product():
+    g = torch.Generator().manual_seed(2)
+    dys = [torch.randn(64, 24, generator=g).bfloat16() for _ in range(3)]
+    xs = [torch.randn(64, 16, generator=g).bfloat16() for _ in range(3)]
+    out = torch.ops.launcher.batched_wgrad(dys, xs)
+    assert out.shape == (3, 24, 16) and out.dtype == torch.bfloat16
+    for i in range(3):
+        assert torch.equal(out[i], dys[i].t() @ xs[i])
+
+
+def test_the_pointer_table_holds_the_addresses_exactly():
+    pointers = [2**47 - 16, 140_000_000_000_016, 16, 0x7F00_1234_5670]
+    assert wgrad._pointer_table(pointers, torch.device("cpu")).tolist() == pointers
+
+
+def test_cublas_takes_only_aligned_row_major_tensors_of_one_leading_dimension():
+    base = torch.empty(4, 64, dtype=torch.bfloat16)
+    assert wgrad._row_major([base[:, :32], base[:, 32:]]) == 64
+    assert wgrad._row_major([base[:, :32], torch.empty(4, 32, dtype=torch.bfloat16)]) is None  # two lds
+    assert wgrad._row_major([base.t()]) is None                                                 # column-major
+    assert wgrad._row_major([base[:, 1:33]]) is None                                           # 2 bytes off
+    assert not wgrad._cublas_batched([base[:, :32]], [base[:, :32]], torch.empty(1, 32, 32))   # on the CPU
+
+
+def job(**train: object) -> JobSpec:
+    return JobSpec.model_validate({"name": "w", "model": {"arch": "gpt", "size": "tiny"},
+                                   "data": {"source": "synthetic", "seq_len": 16},
+                                   "precision": {"dtype": train.pop("dtype", "bf16")}, "train": train})
+
+
+@pytest.mark.parametrize(("spec", "device", "whole", "expected"), [
+    ({}, "cuda", True, True),
+    ({"dtype": "fp16"}, "cuda", True, True),
+    ({"weight_grads": "per-layer"}, "cuda", True, False),
+    ({}, "cuda", False, False),          # per-block graphs: the layers' products never meet
+    ({}, "cpu", True, False),
+    ({"dtype": "fp32"}, "cuda", True, False),
+    ({"dtype": "tf32"}, "cuda", True, False),
+])
+def test_when_the_trainer_batches(spec, device, whole, expected):
+    assert batches_weight_grads(job(**spec), device=torch.device(device), whole=whole) is expected
