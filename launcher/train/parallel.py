@@ -48,7 +48,7 @@ def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_s
         if scope == "auto":
             scope = "block" if data_parallel else "model"
         apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=scope == "model",
-                      batch_weight_grads=batches_weight_grads(job, device=device, whole=scope == "model"))
+                      batch_weight_grads=batches_weight_grads(job, model, device=device, whole=scope == "model"))
     if not data_parallel:
         if job.parallel.strategy == "fsdp":
             log.info("fsdp on one process: nothing to shard, the model trains unwrapped")
@@ -140,13 +140,17 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.checkpoint_activations = True
 
 
-def batches_weight_grads(job: JobSpec, *, device: torch.device, whole: bool) -> bool:
+def batches_weight_grads(job: JobSpec, model: nn.Module, *, device: torch.device, whole: bool) -> bool:
     """Whether the compiled backward batches the blocks' weight gradients over the layers
-    (``train.weight_grads``; ``launcher/train/wgrad.py``): under ``auto``, where the model
-    compiles as one graph (so that the layers' products meet in one backward) on a CUDA GPU in
-    bf16 or fp16."""
-    return (job.train.weight_grads == "auto" and whole and device.type == "cuda"
-            and DTYPES[job.precision.dtype] in (torch.bfloat16, torch.float16))
+    (``train.weight_grads``; ``launcher/train/wgrad.py``). Under ``auto``: where the model
+    compiles as one graph (so that the layers' products meet in one backward) on a CUDA GPU,
+    with bf16 weights (``precision.weights``: the products' bf16 results are then the
+    parameters' gradients, which the pass looks for; fp32 weights take them through a cast)
+    and without activation checkpointing (which would hold every recomputed input to the end
+    of the backward)."""
+    half = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
+    return (job.train.weight_grads == "auto" and whole and device.type == "cuda" and half
+            and not job.train.activation_checkpointing)
 
 
 def apply_compile(model: nn.Module, *, cuda_graphs: bool = False, whole: bool = False,

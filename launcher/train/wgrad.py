@@ -7,7 +7,7 @@ batched, have 12 times the tiles. On one H200 at its power cap, GPT-2 124M's 48 
 gradients take 3.16 J a step batched against 3.48 J one by one, 9% less
 (``python benchmarks/wgrad_batching.py``; ``benchmarks/RESULTS.md``, calls 61–62 and 71–74).
 
-How (``train.weight_grads: auto``, where the model compiles as one graph on CUDA GPUs):
+How (``train.weight_grads: auto``, where the model compiles as one graph on a CUDA GPU):
 ``WeightGradBatching`` is a post-grad pass of inductor over the compiled backward. It finds
 the products mm(dYᵀ, X) in bf16 or fp16 whose result is a graph output (a parameter's
 gradient), groups those of one shape, and replaces each group of two or more with one call
@@ -19,10 +19,12 @@ in fp32 with bf16 outputs; cuBLAS may split the reduction differently, so a grad
 differ from the per-layer one by a rounding step.
 
 GPT-2 124M's step runs 1.7% faster with it (605,099 against 595,163 tokens/s, call 73).
-Costs: each group's dY stays alive to the end of the backward (up to about 2.7 GB for GPT-2
-124M at 16 × 1024 tokens; that job's peak memory, reached elsewhere, did not change), and
-every block's gradient appears at the end, which is where a whole-model graph hands its
-gradients to DDP anyway. Where cuBLAS cannot take the tensors
+Costs: each product's dY and X stay alive to the end of the backward (up to about 4.8 GB for
+GPT-2 124M at 16 × 1024 tokens; that job's peak memory, reached elsewhere, did not change;
+``parallel.batches_weight_grads`` leaves it off under activation checkpointing), and every
+block's gradient appears at the end, which is where a whole-model graph hands its gradients
+to DDP anyway. The pass finds the products only where the weights are bf16: with fp32
+weights each product goes through a cast to fp32 before it becomes a gradient. Where cuBLAS cannot take the tensors
 (on the CPU, other strides, unaligned addresses), the op runs one ``torch.mm`` per layer.
 """
 
@@ -64,40 +66,39 @@ def _(dys, xs):
 
 
 def _row_major(ts: list[torch.Tensor]) -> int | None:
-    """The one leading dimension of these 2-D row-major tensors, or None where they differ or
-    one is not row-major or not aligned for cuBLAS's tensor-core kernels."""
+    """The one leading dimension of these 2-D row-major tensors, or None where they differ,
+    one is not row-major (rows at least as long as the tensor is wide), or one is not aligned
+    for cuBLAS's tensor-core kernels."""
     lds = {t.stride(0) for t in ts}
     if len(lds) != 1 or any(t.stride(1) != 1 or t.data_ptr() % _ALIGN for t in ts):
         return None
     ld = lds.pop()
-    return ld if ld * ts[0].element_size() % _ALIGN == 0 else None
+    return ld if ld >= ts[0].shape[1] and ld * ts[0].element_size() % _ALIGN == 0 else None
 
 
 def _cublas_batched(dys: list[torch.Tensor], xs: list[torch.Tensor], out: torch.Tensor) -> bool:
     """One ``cublasGemmBatchedEx`` call for every product, or False where it does not apply."""
-    if not out.is_cuda or out.dtype not in _DATA_TYPE or len({(t.shape, t.dtype) for t in dys}) != 1 \
-            or len({(t.shape, t.dtype) for t in xs}) != 1:
+    if not out.is_cuda or out.dtype not in _DATA_TYPE or out.data_ptr() % _ALIGN \
+            or {(t.dtype, t.device) for t in (*dys, *xs)} != {(out.dtype, out.device)} \
+            or len({t.shape for t in dys}) != 1 or len({t.shape for t in xs}) != 1:
         return False
     ld_dy, ld_x = _row_major(dys), _row_major(xs)
-    if ld_dy is None or ld_x is None or out.data_ptr() % _ALIGN:
-        return False
-    lib = _cublas()
-    if lib is None:
+    if ld_dy is None or ld_x is None or (lib := _cublas()) is None:
         return False
     tokens, n = dys[0].shape
     k = xs[0].shape[1]
-    outs = list(out.unbind(0))
-    table = _pointer_table([t.data_ptr() for t in (*xs, *dys, *outs)], out.device)
     count = len(dys)
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     kind = _DATA_TYPE[out.dtype]
-    step = table.element_size() * count
-    # Column-major, as cuBLAS sees row-major memory: out[i]ᵀ (k × n, ld k) = xs[i]ᵀ (k × tokens,
-    # ld ld_x, as it lies) · dys[i] (n × tokens, ld ld_dy, transposed).
-    status = lib.cublasGemmBatchedEx(
-        torch.cuda.current_blas_handle(), _OP_N, _OP_T, k, n, tokens, ctypes.byref(one),
-        table.data_ptr(), kind, ld_x, table.data_ptr() + step, kind, ld_dy, ctypes.byref(zero),
-        table.data_ptr() + 2 * step, kind, k, count, _COMPUTE_32F, _GEMM_DEFAULT)
+    with torch.cuda.device(out.device):  # the handle, the stream and the table: the tensors' GPU
+        table = _pointer_table([t.data_ptr() for t in (*xs, *dys, *out.unbind(0))], out.device)
+        step = table.element_size() * count
+        # Column-major, as cuBLAS sees row-major memory: out[i]ᵀ (k × n, ld k) = xs[i]ᵀ (k ×
+        # tokens, ld ld_x, as it lies) · dys[i] (n × tokens, ld ld_dy, transposed).
+        status = lib.cublasGemmBatchedEx(
+            torch.cuda.current_blas_handle(), _OP_N, _OP_T, k, n, tokens, ctypes.byref(one),
+            table.data_ptr(), kind, ld_x, table.data_ptr() + step, kind, ld_dy, ctypes.byref(zero),
+            table.data_ptr() + 2 * step, kind, k, count, _COMPUTE_32F, _GEMM_DEFAULT)
     if status != 0:
         raise RuntimeError(f"cublasGemmBatchedEx failed with cuBLAS status {status}")
     return True
@@ -114,16 +115,17 @@ def _pointer_table(pointers: list[int], device: torch.device) -> torch.Tensor:
 @functools.cache
 def _cublas() -> ctypes.CDLL | None:
     """The cuBLAS library torch has loaded (found in this process's memory map), with
-    ``cublasGemmBatchedEx``'s signature; None where it is not found."""
+    ``cublasGemmBatchedEx``'s signature; None where there is none, or more than one copy (the
+    handle is torch's, so the library must be torch's)."""
     torch.cuda.current_blas_handle()  # loads cuBLAS
     try:
         with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "/libcublas.so" in line), None)
+            paths = {line.split()[-1] for line in maps if "/libcublas.so" in line}
     except OSError:
         return None
-    if path is None:
+    if len(paths) != 1:
         return None
-    lib = ctypes.CDLL(path)
+    lib = ctypes.CDLL(paths.pop())
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.cublasGemmBatchedEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i, i]
     lib.cublasGemmBatchedEx.restype = i
@@ -179,7 +181,8 @@ def _weight_grad_key(node: torch.fx.Node, output: torch.fx.Node) -> tuple | None
         return None
     dy = transposed.args[0]
     vals = [n.meta.get("val") for n in (dy, x, node)]
-    if any(not isinstance(v, torch.Tensor) or v.dim() != 2 for v in vals):
+    if any(not isinstance(v, torch.Tensor) or v.dim() != 2 or not all(isinstance(d, int) for d in v.shape)
+           for v in vals):  # static shapes only
         return None
     if vals[2].dtype not in _DATA_TYPE or vals[0].dtype != vals[2].dtype or vals[1].dtype != vals[2].dtype:
         return None

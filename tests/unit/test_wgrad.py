@@ -33,23 +33,24 @@ def test_cublas_takes_only_aligned_row_major_tensors_of_one_leading_dimension():
     assert wgrad._row_major([base[:, :32], torch.empty(4, 32, dtype=torch.bfloat16)]) is None  # two lds
     assert wgrad._row_major([base.t()]) is None                                                 # column-major
     assert wgrad._row_major([base[:, 1:33]]) is None                                           # 2 bytes off
+    assert wgrad._row_major([torch.empty(1, 64, dtype=torch.bfloat16).expand(4, 64)]) is None  # rows overlap
     assert not wgrad._cublas_batched([base[:, :32]], [base[:, :32]], torch.empty(1, 32, 32))   # on the CPU
 
 
 def job(**train: object) -> JobSpec:
     return JobSpec.model_validate({"name": "w", "model": {"arch": "gpt", "size": "tiny"},
                                    "data": {"source": "synthetic", "seq_len": 16},
-                                   "precision": {"dtype": train.pop("dtype", "bf16")}, "train": train})
+                                   "precision": {"dtype": "bf16"}, "train": train})
 
 
-@pytest.mark.parametrize(("spec", "device", "whole", "expected"), [
-    ({}, "cuda", True, True),
-    ({"dtype": "fp16"}, "cuda", True, True),
-    ({"weight_grads": "per-layer"}, "cuda", True, False),
-    ({}, "cuda", False, False),          # per-block graphs: the layers' products never meet
-    ({}, "cpu", True, False),
-    ({"dtype": "fp32"}, "cuda", True, False),
-    ({"dtype": "tf32"}, "cuda", True, False),
+@pytest.mark.parametrize(("spec", "weights", "device", "whole", "expected"), [
+    ({}, torch.bfloat16, "cuda", True, True),
+    ({"weight_grads": "per-layer"}, torch.bfloat16, "cuda", True, False),
+    ({}, torch.float32, "cuda", True, False),   # fp32 weights: each product is cast before it is a gradient
+    ({}, torch.bfloat16, "cuda", False, False),  # per-block graphs: the layers' products never meet
+    ({}, torch.bfloat16, "cpu", True, False),
+    ({"activation_checkpointing": True}, torch.bfloat16, "cuda", True, False),  # would hold every recomputed input
 ])
-def test_when_the_trainer_batches(spec, device, whole, expected):
-    assert batches_weight_grads(job(**spec), device=torch.device(device), whole=whole) is expected
+def test_when_the_trainer_batches(spec, weights, device, whole, expected):
+    model = torch.nn.Linear(4, 4).to(weights)
+    assert batches_weight_grads(job(**spec), model, device=torch.device(device), whole=whole) is expected
