@@ -70,8 +70,10 @@ def test_wgrad_batching_ways_compute_every_layers_weight_gradient():
     x, dy = torch.randn(layers, tokens, k, dtype=torch.float64), torch.randn(layers, tokens, n, dtype=torch.float64)
     want = torch.stack([dy[i].t() @ x[i] for i in range(layers)])
     names = wgrad_batching._ways(torch, x, dy, torch.empty(layers, n, k, dtype=torch.float64))
-    assert set(names) == {"per layer", "batched", "stacked"}
-    for way in names:
+    assert set(names) == {"per layer", "batched", "stacked", "pointers"}
+    with pytest.raises(RuntimeError, match="did not take these tensors"):
+        names["pointers"]()  # cuBLAS's way, on the CPU: refused, not silently skipped
+    for way in ("per layer", "batched", "stacked"):
         dw = torch.empty(layers, n, k, dtype=torch.float64)
         ways = wgrad_batching._ways(torch, x, dy, dw)
         ways[way]()

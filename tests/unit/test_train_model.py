@@ -151,7 +151,7 @@ def test_compile_scope_auto_is_the_whole_model_for_one_process(monkeypatch, scop
     })
     model = build_model(job.model)
     parallel.parallelize(model, job, device=torch.device("cpu"), world_size=world)
-    assert seen == {"cuda_graphs": False, "whole": whole}
+    assert seen == {"cuda_graphs": False, "whole": whole, "batch_weight_grads": False}  # CPU: never batched
 
 
 def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
