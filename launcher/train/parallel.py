@@ -47,8 +47,9 @@ def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_s
         scope = job.train.compile_scope
         if scope == "auto":
             scope = "block" if data_parallel else "model"
-        apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=scope == "model",
-                      batch_weight_grads=batches_weight_grads(job, model, device=device, whole=scope == "model"))
+        whole = scope == "model"
+        apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=whole,
+                      batch_weight_grads=batches_weight_grads(job, model, device=device, whole=whole))
     if not data_parallel:
         if job.parallel.strategy == "fsdp":
             log.info("fsdp on one process: nothing to shard, the model trains unwrapped")

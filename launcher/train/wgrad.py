@@ -24,8 +24,9 @@ GPT-2 124M at 16 × 1024 tokens; that job's peak memory, reached elsewhere, did 
 ``parallel.batches_weight_grads`` leaves it off under activation checkpointing), and every
 block's gradient appears at the end, which is where a whole-model graph hands its gradients
 to DDP anyway. The pass finds the products only where the weights are bf16: with fp32
-weights each product goes through a cast to fp32 before it becomes a gradient. Where cuBLAS cannot take the tensors
-(on the CPU, other strides, unaligned addresses), the op runs one ``torch.mm`` per layer.
+weights each product goes through a cast to fp32 before it becomes a gradient. Where cuBLAS
+cannot take the tensors (on the CPU, other strides, unaligned addresses), the op runs one
+``torch.mm`` per layer.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ _ALIGN = 16                                           # bytes, what the tensor-c
 def batched_wgrad(dys: list[torch.Tensor], xs: list[torch.Tensor]) -> torch.Tensor:
     """``out[i] = dys[i]ᵀ · xs[i]`` for every i: dys[i] (tokens, n), xs[i] (tokens, k), all of
     one shape and dtype; returns (len(dys), n, k) in that dtype."""
-    out = dys[0].new_empty((len(dys), dys[0].shape[1], xs[0].shape[1]))
+    out = _empty_stack(dys, xs)
     if not _cublas_batched(dys, xs, out):
         for i, (dy, x) in enumerate(zip(dys, xs, strict=True)):
             torch.mm(dy.t(), x, out=out[i])
@@ -62,6 +63,11 @@ def batched_wgrad(dys: list[torch.Tensor], xs: list[torch.Tensor]) -> torch.Tens
 
 @batched_wgrad.register_fake
 def _(dys, xs):
+    return _empty_stack(dys, xs)
+
+
+def _empty_stack(dys: list[torch.Tensor], xs: list[torch.Tensor]) -> torch.Tensor:
+    """The op's output, unfilled: (len(dys), n, k) in dys' dtype, on their device."""
     return dys[0].new_empty((len(dys), dys[0].shape[1], xs[0].shape[1]))
 
 
@@ -153,8 +159,7 @@ class WeightGradBatching(CustomGraphPass):
                 dys = [node.args[0].args[0] for node in nodes]
                 xs = [node.args[1] for node in nodes]
                 stacked = graph.call_function(torch.ops.launcher.batched_wgrad.default, (dys, xs))
-                first = nodes[0].meta["val"]
-                stacked.meta["val"] = first.new_empty((len(nodes), *first.shape))
+                stacked.meta["val"] = _empty_stack([n.meta["val"] for n in dys], [n.meta["val"] for n in xs])
                 for i, node in enumerate(nodes):
                     picked = graph.call_function(aten.select.int, (stacked, 0, i))
                     picked.meta["val"] = node.meta["val"]
@@ -184,6 +189,6 @@ def _weight_grad_key(node: torch.fx.Node, output: torch.fx.Node) -> tuple | None
     if any(not isinstance(v, torch.Tensor) or v.dim() != 2 or not all(isinstance(d, int) for d in v.shape)
            for v in vals):  # static shapes only
         return None
-    if vals[2].dtype not in _DATA_TYPE or vals[0].dtype != vals[2].dtype or vals[1].dtype != vals[2].dtype:
+    if {v.dtype for v in vals} != {vals[2].dtype} or vals[2].dtype not in _DATA_TYPE:
         return None
     return tuple(vals[0].shape), tuple(vals[1].shape), vals[2].dtype
