@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes-mb", default="1,25,100,400", help="comma-separated message sizes in MiB")
+    p.add_argument(
+        "--sizes-mb", default="1,25,100,400", help="comma-separated message sizes in MiB"
+    )
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
@@ -47,10 +49,20 @@ def main() -> None:
         seconds = start.elapsed_time(end) / 1e3 / args.iters
         algbw = n * dtype.itemsize / seconds / 1e9
         if rank == 0:
-            print(json.dumps({"size_mib": size_mb, "dtype": args.dtype, "ranks": world,
-                              "time_us": round(seconds * 1e6, 1), "algbw_gbs": round(algbw, 1),
-                              "busbw_gbs": round(algbw * 2 * (world - 1) / world, 1),
-                              "nccl_proto": os.environ.get("NCCL_PROTO", "default")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "size_mib": size_mb,
+                        "dtype": args.dtype,
+                        "ranks": world,
+                        "time_us": round(seconds * 1e6, 1),
+                        "algbw_gbs": round(algbw, 1),
+                        "busbw_gbs": round(algbw * 2 * (world - 1) / world, 1),
+                        "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
+                    }
+                ),
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

@@ -53,11 +53,15 @@ def kernel_ms(fn, rounds: int = 20) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / rounds
 
 
-def measure(batch: int, seq: int, heads: int, dim: int, causal: bool, backend: SDPBackend | None) -> dict:
+def measure(
+    batch: int, seq: int, heads: int, dim: int, causal: bool, backend: SDPBackend | None
+) -> dict:
     """One kernel at one shape, and its output and gradient (to compare with the others').
     ``backend`` None: the trainer's ``cudnn-fa4`` pair (``launcher.train.attention``)."""
     torch.manual_seed(0)
-    qkv = torch.randn(batch, seq, 3, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    qkv = torch.randn(
+        batch, seq, 3, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True
+    )
     grad = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
 
     def attend():
@@ -73,8 +77,12 @@ def measure(batch: int, seq: int, heads: int, dim: int, causal: bool, backend: S
         with torch.no_grad():
             fwd = kernel_ms(attend)
         both = kernel_ms(lambda: torch.autograd.grad(attend(), qkv, grad))
-    row = {"fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_tflops": flop / fwd / 1e9,
-           "bwd_tflops": 2.5 * flop / (both - fwd) / 1e9}
+    row = {
+        "fwd_ms": fwd,
+        "bwd_ms": both - fwd,
+        "fwd_tflops": flop / fwd / 1e9,
+        "bwd_tflops": 2.5 * flop / (both - fwd) / 1e9,
+    }
     return row, (y.detach(), dqkv)
 
 
@@ -102,10 +110,20 @@ def fa4_bwd_tilings(head_dim: int = 64) -> dict[str, dict | None]:
     of its config search's feasible ones (a variant of the pick's shape where that one is the pick)."""
     from flash_attn.cute import sm90_config_search
 
-    fields = {"tile_m": "m_block_size", "tile_n": "n_block_size", "Q_stage": "num_stages_Q",
-              "dO_stage": "num_stages_dO", "PdS_stage": "num_stages_PdS", "SdP_swapAB": "SdP_swapAB",
-              "dKV_swapAB": "dKV_swapAB", "dQ_swapAB": "dQ_swapAB", "AtomLayoutMSdP": "AtomLayoutMSdP",
-              "AtomLayoutNdKV": "AtomLayoutNdKV", "AtomLayoutMdQ": "AtomLayoutMdQ", "num_wg": "num_wg"}
+    fields = {
+        "tile_m": "m_block_size",
+        "tile_n": "n_block_size",
+        "Q_stage": "num_stages_Q",
+        "dO_stage": "num_stages_dO",
+        "PdS_stage": "num_stages_PdS",
+        "SdP_swapAB": "SdP_swapAB",
+        "dKV_swapAB": "dKV_swapAB",
+        "dQ_swapAB": "dQ_swapAB",
+        "AtomLayoutMSdP": "AtomLayoutMSdP",
+        "AtomLayoutNdKV": "AtomLayoutNdKV",
+        "AtomLayoutMdQ": "AtomLayoutMdQ",
+        "num_wg": "num_wg",
+    }
     out: dict[str, dict | None] = {"FA4's pick": None}
     for found in sm90_config_search.find_feasible_bwd_configs(head_dim, head_dim):
         cfg = {ours: found[theirs] for theirs, ours in fields.items()}
@@ -130,7 +148,12 @@ def fa4_bwd_tiling(name: str) -> dict:
     row, (_, dqkv) = measure(*SHAPES["gpt2-124m"], backend=None)
     first = time.monotonic() - t0
     _, (_, ref) = measure(*SHAPES["gpt2-124m"], backend=SDPBackend.CUDNN_ATTENTION)
-    return {**row, "config": cfg, "grad_max_diff_vs_cudnn": float((dqkv - ref).abs().max()), "first_call_s": first}
+    return {
+        **row,
+        "config": cfg,
+        "grad_max_diff_vs_cudnn": float((dqkv - ref).abs().max()),
+        "first_call_s": first,
+    }
 
 
 def _failure(proc) -> str:
@@ -139,7 +162,11 @@ def _failure(proc) -> str:
 
     code = proc.returncode
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln and "exe_args" not in ln]
+    lines = [
+        ln
+        for ln in proc.stderr.splitlines()
+        if ln.strip() and "Warning" not in ln and "exe_args" not in ln
+    ]
     return f"{how}: {lines[-1].strip()[:300]}" if lines else how
 
 
@@ -152,7 +179,10 @@ def fa4_bwd_tiles(budget_s: float) -> dict:
     import time
 
     results, start = {}, time.monotonic()
-    print(f"{'tiling (m x n)':>16} {'bwd ms':>8} {'TFLOP/s':>8} {'grad diff':>10} {'s':>5}", flush=True)
+    print(
+        f"{'tiling (m x n)':>16} {'bwd ms':>8} {'TFLOP/s':>8} {'grad diff':>10} {'s':>5}",
+        flush=True,
+    )
     for name in fa4_bwd_tilings():
         left = budget_s - (time.monotonic() - start)
         if left < 20:
@@ -160,17 +190,28 @@ def fa4_bwd_tiles(budget_s: float) -> dict:
             continue
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             try:
-                proc = subprocess.run([sys.executable, __file__, "--fa4-bwd-tiling", name, "--out", f.name],
-                                      capture_output=True, text=True, timeout=left)
-                row = json.loads(Path(f.name).read_text()) if proc.returncode == 0 else {"error": _failure(proc)}
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--fa4-bwd-tiling", name, "--out", f.name],
+                    capture_output=True,
+                    text=True,
+                    timeout=left,
+                )
+                row = (
+                    json.loads(Path(f.name).read_text())
+                    if proc.returncode == 0
+                    else {"error": _failure(proc)}
+                )
             except subprocess.TimeoutExpired:
                 row = {"error": "time budget ran out while it ran"}
         results[name] = row
         if "error" in row:
             print(f"{name:>16} {row['error']}", flush=True)
         else:
-            print(f"{name:>16} {row['bwd_ms']:8.4f} {row['bwd_tflops']:8.0f} {row['grad_max_diff_vs_cudnn']:10.1e} "
-                  f"{row['first_call_s']:5.0f}", flush=True)
+            print(
+                f"{name:>16} {row['bwd_ms']:8.4f} {row['bwd_tflops']:8.0f} {row['grad_max_diff_vs_cudnn']:10.1e} "
+                f"{row['first_call_s']:5.0f}",
+                flush=True,
+            )
     return results
 
 
@@ -179,9 +220,15 @@ def kernels_by_shape() -> dict:
     from torch.nn import attention
 
     # FA4 comes last: once activated, torch's flash kernels stay routed to it
-    backends = {"cudnn": (SDPBackend.CUDNN_ATTENTION, None), "flash (FA2)": (SDPBackend.FLASH_ATTENTION, None)}
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "impls": getattr(attention, "list_flash_attention_impls", list)()}
+    backends = {
+        "cudnn": (SDPBackend.CUDNN_ATTENTION, None),
+        "flash (FA2)": (SDPBackend.FLASH_ATTENTION, None),
+    }
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "impls": getattr(attention, "list_flash_attention_impls", list)(),
+    }
     if fa4_import_error() is None:
         backends["cudnn-fa4 (packed)"] = (None, None)
     try:
@@ -196,28 +243,70 @@ def kernels_by_shape() -> dict:
         for name, shape in SHAPES.items():
             row, (y, dqkv) = measure(*shape, backend=backend)
             ref = refs.setdefault(name, (y, dqkv))  # the first kernel's (cuDNN's)
-            row.update(out_max_diff=float((y - ref[0]).abs().max()), grad_max_diff=float((dqkv - ref[1]).abs().max()))
+            row.update(
+                out_max_diff=float((y - ref[0]).abs().max()),
+                grad_max_diff=float((dqkv - ref[1]).abs().max()),
+            )
             results.setdefault(name, {})[impl] = row
-            table.append([name, impl, f"{row['fwd_ms']:.3f}", f"{row['fwd_tflops']:.0f}", f"{row['bwd_ms']:.3f}",
-                          f"{row['bwd_tflops']:.0f}", f"{row['out_max_diff']:.1e}", f"{row['grad_max_diff']:.1e}"])
-    print(tabulate(sorted(table, key=lambda r: r[0], reverse=True),
-                   headers=["shape", "kernel", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "out diff", "grad diff"]))
+            table.append(
+                [
+                    name,
+                    impl,
+                    f"{row['fwd_ms']:.3f}",
+                    f"{row['fwd_tflops']:.0f}",
+                    f"{row['bwd_ms']:.3f}",
+                    f"{row['bwd_tflops']:.0f}",
+                    f"{row['out_max_diff']:.1e}",
+                    f"{row['grad_max_diff']:.1e}",
+                ]
+            )
+    print(
+        tabulate(
+            sorted(table, key=lambda r: r[0], reverse=True),
+            headers=[
+                "shape",
+                "kernel",
+                "fwd ms",
+                "TFLOP/s",
+                "bwd ms",
+                "TFLOP/s",
+                "out diff",
+                "grad diff",
+            ],
+        )
+    )
     return results
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", help="write the figures as JSON here")
-    p.add_argument("--fa4-bwd-tiles", action="store_true", help="only: the pair's backward under FA4's Hopper tilings")
-    p.add_argument("--budget", type=float, default=300.0, help="seconds for --fa4-bwd-tiles (compilation included)")
-    p.add_argument("--fa4-bwd-tiling", help=argparse.SUPPRESS)  # one tiling, in the sweep's child process
+    p.add_argument(
+        "--fa4-bwd-tiles",
+        action="store_true",
+        help="only: the pair's backward under FA4's Hopper tilings",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=300.0,
+        help="seconds for --fa4-bwd-tiles (compilation included)",
+    )
+    p.add_argument(
+        "--fa4-bwd-tiling", help=argparse.SUPPRESS
+    )  # one tiling, in the sweep's child process
     args = p.parse_args()
     if args.fa4_bwd_tiling:
         Path(args.out).write_text(json.dumps(fa4_bwd_tiling(args.fa4_bwd_tiling)))
         return
     if args.fa4_bwd_tiles:
-        results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "fa4_bwd_tiles": fa4_bwd_tiles(args.budget)}
+        results = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "fa4_bwd_tiles": fa4_bwd_tiles(args.budget),
+        }
     else:
         results = kernels_by_shape()
     if args.out:

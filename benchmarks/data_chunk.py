@@ -34,8 +34,10 @@ import torch
 from launcher.train import data as data_module
 from launcher.train.data import MadeAhead, SyntheticBatches, TokenFileBatches
 
-CASES = {"bert-base": dict(arch="bert", micro_batch=64, grad_accum=4, seq_len=512, vocab_size=30522),
-         "gpt2-124m": dict(arch="gpt", micro_batch=16, grad_accum=1, seq_len=1024, vocab_size=50304)}
+CASES = {
+    "bert-base": dict(arch="bert", micro_batch=64, grad_accum=4, seq_len=512, vocab_size=30522),
+    "gpt2-124m": dict(arch="gpt", micro_batch=16, grad_accum=1, seq_len=1024, vocab_size=50304),
+}
 
 
 def chunk_ms(data: MadeAhead, repeat: int) -> list[float]:
@@ -49,7 +51,11 @@ def chunk_ms(data: MadeAhead, repeat: int) -> list[float]:
 
 
 SCAN_CASES = {  # name: (ids written modulo, vocabulary)
-    "gpt2": (50257, 50257), "bert": (30522, 30522), "too-small": (50257, 30522), "2^16": (50257, 1 << 16)}
+    "gpt2": (50257, 50257),
+    "bert": (30522, 30522),
+    "too-small": (50257, 30522),
+    "2^16": (50257, 1 << 16),
+}
 
 
 def drop_from_page_cache(path: Path) -> None:
@@ -62,20 +68,33 @@ def drop_from_page_cache(path: Path) -> None:
 
 def scan_ms(n: int, *, repeat: int, world: int, cold: bool, threads: int) -> None:
     """Time opening a uint16 token file of n ids (its vocabulary check) per SCAN_CASES."""
-    common = dict(arch="gpt", seq_len=1024, micro_batch=1, grad_accum=1, mask_prob=0.15, seed=0, rank=0,
-                  world_size=1, device=torch.device("cpu"))
+    common = dict(
+        arch="gpt",
+        seq_len=1024,
+        micro_batch=1,
+        grad_accum=1,
+        mask_prob=0.15,
+        seed=0,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name, (modulo, vocab) in SCAN_CASES.items():
             path = Path(tmp) / f"ids-{modulo}.bin"
             if not path.exists():
-                (torch.arange(n, dtype=torch.int64) * 7919 % modulo).to(torch.uint16).numpy().tofile(path)
+                (torch.arange(n, dtype=torch.int64) * 7919 % modulo).to(
+                    torch.uint16
+                ).numpy().tofile(path)
             times, rank_times, verdict = [], [], "ok"
             for _ in range(repeat):
                 if cold:
                     drop_from_page_cache(path)
                 began = time.perf_counter()
                 try:
-                    TokenFileBatches(path=path, token_dtype="uint16", vocab_size=vocab, **common).close()
+                    TokenFileBatches(
+                        path=path, token_dtype="uint16", vocab_size=vocab, **common
+                    ).close()
                 except data_module.DataError:
                     verdict = "DataError"
                 times.append(1e3 * (time.perf_counter() - began))
@@ -90,8 +109,16 @@ def scan_ms(n: int, *, repeat: int, world: int, cold: bool, threads: int) -> Non
                         data_module.scan_ids(ids, vocab, low_bits=0xFFFF, start=start, stop=stop)
                         slowest = max(slowest, time.perf_counter() - began)
                     rank_times.append(1e3 * slowest)
-            row = {"scan": name, "ids": n, "vocab": vocab, "threads": threads, "cold": cold, "verdict": verdict,
-                   "open_ms_p50": round(statistics.median(times), 1), "open_ms_min": round(min(times), 1)}
+            row = {
+                "scan": name,
+                "ids": n,
+                "vocab": vocab,
+                "threads": threads,
+                "cold": cold,
+                "verdict": verdict,
+                "open_ms_p50": round(statistics.median(times), 1),
+                "open_ms_min": round(min(times), 1),
+            }
             if rank_times:
                 row.update(world=world, slowest_rank_ms_p50=round(statistics.median(rank_times), 1))
             print(json.dumps(row), flush=True)
@@ -101,25 +128,47 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--scan", type=int, metavar="N", help="time the vocabulary check of N uint16 ids instead")
-    p.add_argument("--world", type=int, default=1, help="with --scan: also the slowest of W ranks' slices")
-    p.add_argument("--cold", action="store_true", help="with --scan: drop the file from the page cache first")
+    p.add_argument(
+        "--scan", type=int, metavar="N", help="time the vocabulary check of N uint16 ids instead"
+    )
+    p.add_argument(
+        "--world", type=int, default=1, help="with --scan: also the slowest of W ranks' slices"
+    )
+    p.add_argument(
+        "--cold", action="store_true", help="with --scan: drop the file from the page cache first"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.scan:
-        scan_ms(args.scan, repeat=args.repeat, world=args.world, cold=args.cold, threads=args.threads)
+        scan_ms(
+            args.scan, repeat=args.repeat, world=args.world, cold=args.cold, threads=args.threads
+        )
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tokens.bin"
         (torch.arange(1 << 24) * 7919 % 30000).to(torch.uint16).numpy().tofile(path)
         for name, dims in CASES.items():
-            common = dict(**dims, mask_prob=0.15, seed=0, rank=0, world_size=1, device=torch.device("cpu"))
-            for source, data in (("synthetic", SyntheticBatches(**common)),
-                                 ("tokens", TokenFileBatches(path=path, token_dtype="uint16", **common))):
+            common = dict(
+                **dims, mask_prob=0.15, seed=0, rank=0, world_size=1, device=torch.device("cpu")
+            )
+            for source, data in (
+                ("synthetic", SyntheticBatches(**common)),
+                ("tokens", TokenFileBatches(path=path, token_dtype="uint16", **common)),
+            ):
                 times = chunk_ms(data, args.repeat)
-                print(json.dumps({"case": name, "source": source, "threads": args.threads,
-                                  "steps": data.steps_ahead, "chunk_ms_p50": round(statistics.median(times), 1),
-                                  "chunk_ms_min": round(min(times), 1)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "case": name,
+                            "source": source,
+                            "threads": args.threads,
+                            "steps": data.steps_ahead,
+                            "chunk_ms_p50": round(statistics.median(times), 1),
+                            "chunk_ms_min": round(min(times), 1),
+                        }
+                    ),
+                    flush=True,
+                )
                 data.close()
 
 

@@ -42,7 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=100, help="timed steps")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (ours: per block)")
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile the model (ours: per block)"
+    )
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--static-graph", action="store_true")
     return p.parse_args()
@@ -75,17 +77,33 @@ def main() -> None:
         if args.compile:
             model = torch.compile(model)
     model.train()
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None, bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
-              gradient_as_bucket_view=True)
+    ddp = DDP(
+        model,
+        device_ids=[local_rank] if cuda else None,
+        bucket_cap_mb=args.bucket_cap_mb,
+        static_graph=args.static_graph,
+        gradient_as_bucket_view=True,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
-    data = SyntheticBatches(arch="bert", vocab_size=spec.dims()["vocab_size"], seq_len=args.seq,
-                            micro_batch=args.micro_batch, grad_accum=1, mask_prob=0.15, seed=0,
-                            rank=rank, world_size=world, device=device)
+    data = SyntheticBatches(
+        arch="bert",
+        vocab_size=spec.dims()["vocab_size"],
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        grad_accum=1,
+        mask_prob=0.15,
+        seed=0,
+        rank=rank,
+        world_size=world,
+        device=device,
+    )
     batches = [data.batch(i + 1) for i in range(4)]
     data.close()  # no more chunks: the one being made ahead ends in the untimed warm-up
     for b in batches:
-        b["hf_labels"] = torch.full_like(b["input_ids"], -100).scatter(1, b["mask_pos"], b["labels"])
+        b["hf_labels"] = torch.full_like(b["input_ids"], -100).scatter(
+            1, b["mask_pos"], b["labels"]
+        )
 
     def loss_of(b: dict) -> torch.Tensor:
         if args.model == "ours":
@@ -113,13 +131,27 @@ def main() -> None:
     sync()
     seconds = time.perf_counter() - began
     times = [timer.elapsed_ms(a, b) for a, b in itertools.pairwise(marks)]
-    mine = {"rank": rank, "tokens_per_s": args.steps * args.micro_batch * args.seq / seconds,
-            "p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "max_ms": max(times)}
+    mine = {
+        "rank": rank,
+        "tokens_per_s": args.steps * args.micro_batch * args.seq / seconds,
+        "p50_ms": statistics.median(times),
+        "mean_ms": statistics.fmean(times),
+        "max_ms": max(times),
+    }
     every: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(every, mine)
     if rank == 0:
-        print(json.dumps({"model": args.model, "compile": args.compile, "gpus": world,
-                          "tokens_per_s_per_gpu": min(r["tokens_per_s"] for r in every), "ranks": every}))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "compile": args.compile,
+                    "gpus": world,
+                    "tokens_per_s_per_gpu": min(r["tokens_per_s"] for r in every),
+                    "ranks": every,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 

@@ -49,41 +49,74 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 50304           # the model's (GPT-2's 50257 rounded up to a multiple of 64)
-GPT2_TOKENS = 50257     # ids in the file: GPT-2's vocabulary
+VOCAB = 50304  # the model's (GPT-2's 50257 rounded up to a multiple of 64)
+GPT2_TOKENS = 50257  # ids in the file: GPT-2's vocabulary
 SEQ = 1024
-PEAK_TFLOPS = 989.0     # H100/H200 dense bf16
+PEAK_TFLOPS = 989.0  # H100/H200 dense bf16
 LOSS_WINDOW = 20
 ITER_RE = re.compile(r"^iter (\d+): loss ([0-9.naif]+), time ([0-9.]+)ms")
 # torchao's tensorwise recipe on the layers its size filter picks (qkv and fc at d = 768),
 # and on every block linear; rowwise's filter picks none of this model's layers.
-FP8_ROWS = {"fp8-tensorwise": ["precision.dtype=fp8"],
-            "fp8-tensorwise-all": ["precision.dtype=fp8", "precision.fp8_layers=all"]}
+FP8_ROWS = {
+    "fp8-tensorwise": ["precision.dtype=fp8"],
+    "fp8-tensorwise-all": ["precision.dtype=fp8", "precision.fp8_layers=all"],
+}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps on each side")
-    p.add_argument("--warmup", type=int, default=30, help="steps left out of the throughput (compilation)")
+    p.add_argument(
+        "--warmup", type=int, default=30, help="steps left out of the throughput (compilation)"
+    )
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr-warmup", type=int, default=20, help="linear LR warm-up steps (both sides)")
     p.add_argument("--tokens", type=int, default=20_000_000, help="random tokens in the file")
     p.add_argument("--job", default=str(ROOT / "jobs/gpt.yaml"), help="our job file")
-    p.add_argument("--nanogpt", type=Path, default=Path(os.environ.get(
-        "NANOGPT_DIR", ROOT.parent / "shared/peers/nanogpt")), help="nanoGPT's folder (train.py, model.py, configurator.py)")
-    p.add_argument("--ours", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                   help="another row of ours with these job overrides (repeatable)")
+    p.add_argument(
+        "--nanogpt",
+        type=Path,
+        default=Path(os.environ.get("NANOGPT_DIR", ROOT.parent / "shared/peers/nanogpt")),
+        help="nanoGPT's folder (train.py, model.py, configurator.py)",
+    )
+    p.add_argument(
+        "--ours",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="another row of ours with these job overrides (repeatable)",
+    )
     p.add_argument("--fp8", action="store_true", help=f"add our FP8 rows: {', '.join(FP8_ROWS)}")
-    p.add_argument("--nanogpt-torchrun", action="store_true", help="run nanoGPT under torchrun (DDP on 1 GPU)")
-    p.add_argument("--direct", action="store_true", help="run our rows as `python -m launcher.train` (no Ray, "
-                   "no preflight: quicker to start; the trainer and its meter are the same)")
+    p.add_argument(
+        "--nanogpt-torchrun", action="store_true", help="run nanoGPT under torchrun (DDP on 1 GPU)"
+    )
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="run our rows as `python -m launcher.train` (no Ray, "
+        "no preflight: quicker to start; the trainer and its meter are the same)",
+    )
     p.add_argument("--skip-nanogpt", action="store_true", help="our rows only")
-    p.add_argument("--nanogpt-args", default="", help="extra --key=value arguments for nanoGPT (e.g. the "
-                   "CPU smoke test's --device=cpu --compile=False --n_layer=1)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a job override for every row of ours (e.g. resources.device=cpu)")
-    p.add_argument("--out", type=Path, default=None, help="folder for results.json, logs and run directories")
+    p.add_argument(
+        "--nanogpt-args",
+        default="",
+        help="extra --key=value arguments for nanoGPT (e.g. the "
+        "CPU smoke test's --device=cpu --compile=False --n_layer=1)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a job override for every row of ours (e.g. resources.device=cpu)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder for results.json, logs and run directories"
+    )
     args = p.parse_args()
     if args.steps <= args.warmup + LOSS_WINDOW // 2:
         p.error(f"--steps must exceed --warmup by at least {LOSS_WINDOW // 2}")
@@ -104,8 +137,12 @@ def main() -> None:
     gpu = GpuSampler()
 
     def save() -> None:  # after every row: a bench cut short keeps what it measured
-        doc = {"setup": vars(args) | {"out": str(out), "nanogpt": str(args.nanogpt), "job": args.job},
-               "env": env, "results": results, "ratios": ratios(results)}
+        doc = {
+            "setup": vars(args) | {"out": str(out), "nanogpt": str(args.nanogpt), "job": args.job},
+            "env": env,
+            "results": results,
+            "ratios": ratios(results),
+        }
         (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
     if not args.skip_nanogpt:
@@ -171,13 +208,21 @@ class GpuSampler:
         clocks = [g["sm_clock_mhz"] for g in inside if g["sm_clock_mhz"] is not None]
         limits = [g["clock_limits"] for g in inside if g["clock_limits"] is not None]
         energy = None
-        counter = [(t, g["energy_counter_j"]) for t, g in self.samples if g["energy_counter_j"] is not None]
+        counter = [
+            (t, g["energy_counter_j"]) for t, g in self.samples if g["energy_counter_j"] is not None
+        ]
         if counter and counter[0][0] <= t0 and counter[-1][0] >= t1 and t1 > t0:
             energy = _interpolate(counter, t1) - _interpolate(counter, t0)
-        return {"sm_clock_mhz": sum(clocks) / len(clocks) if clocks else None,
-                "power_capped_pct": 100 * sum("power cap" in x for x in limits) / len(limits) if limits else None,
-                "energy_j": energy, "power_w": None if energy is None else energy / (t1 - t0),
-                "seconds": t1 - t0, "samples": len(inside)}
+        return {
+            "sm_clock_mhz": sum(clocks) / len(clocks) if clocks else None,
+            "power_capped_pct": 100 * sum("power cap" in x for x in limits) / len(limits)
+            if limits
+            else None,
+            "energy_j": energy,
+            "power_w": None if energy is None else energy / (t1 - t0),
+            "seconds": t1 - t0,
+            "samples": len(inside),
+        }
 
 
 def _interpolate(points: list[tuple[float, float]], t: float) -> float:
@@ -192,7 +237,10 @@ def with_energy(result: dict, gpu: GpuSampler, t0: float, t1: float, tokens: int
     """``result`` with the GPU's window over the timed steps and the energy per token."""
     window = gpu.window(t0, t1)
     energy = window["energy_j"]
-    return result | {"gpu": window, "energy_mj_per_token": None if energy is None else 1e3 * energy / tokens}
+    return result | {
+        "gpu": window,
+        "energy_mj_per_token": None if energy is None else 1e3 * energy / tokens,
+    }
 
 
 def run_nanogpt(args: argparse.Namespace, tokens: Path, folder: Path, gpu: GpuSampler) -> dict:
@@ -208,13 +256,28 @@ def run_nanogpt(args: argparse.Namespace, tokens: Path, folder: Path, gpu: GpuSa
         (data / split).symlink_to(tokens.resolve())
     last_iter = args.steps - 1  # nanoGPT's iterations 0..max_iters, one optimizer step each
     config = [
-        "--dataset=random", f"--batch_size={args.micro_batch}", f"--gradient_accumulation_steps={args.grad_accum}",
-        f"--block_size={SEQ}", f"--max_iters={last_iter}", f"--lr_decay_iters={last_iter}",
-        f"--warmup_iters={args.lr_warmup}", "--learning_rate=6e-4", "--min_lr=6e-5",
-        "--eval_interval=1000000000", "--eval_iters=1", "--always_save_checkpoint=False", "--log_interval=1",
-        "--compile=True", "--out_dir=out", *args.nanogpt_args.split(),
+        "--dataset=random",
+        f"--batch_size={args.micro_batch}",
+        f"--gradient_accumulation_steps={args.grad_accum}",
+        f"--block_size={SEQ}",
+        f"--max_iters={last_iter}",
+        f"--lr_decay_iters={last_iter}",
+        f"--warmup_iters={args.lr_warmup}",
+        "--learning_rate=6e-4",
+        "--min_lr=6e-5",
+        "--eval_interval=1000000000",
+        "--eval_iters=1",
+        "--always_save_checkpoint=False",
+        "--log_interval=1",
+        "--compile=True",
+        "--out_dir=out",
+        *args.nanogpt_args.split(),
     ]
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if args.nanogpt_torchrun else []
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+        if args.nanogpt_torchrun
+        else []
+    )
     cmd = [sys.executable, *launcher, "train.py", *config]
     res = run(cmd, folder / "train.log", cwd=folder)
     iters, printed = {}, {}
@@ -229,24 +292,45 @@ def run_nanogpt(args: argparse.Namespace, tokens: Path, folder: Path, gpu: GpuSa
     step_tokens = args.micro_batch * args.grad_accum * SEQ
     tps = step_tokens * len(timed) / (sum(timed) / 1e3)
     losses = [iters[i][0] for i in range(args.steps - LOSS_WINDOW, args.steps)]
-    result = {"tokens_per_s": tps, "mfu": tps * flops_per_token() / 1e12 / PEAK_TFLOPS,
-              "step_ms_p50": sorted(timed)[len(timed) // 2], "loss": sum(losses) / len(losses),
-              "steps": args.steps, "wall_s": res["wall_s"], "cmd": cmd}
-    return with_energy(result, gpu, printed[args.warmup - 1], printed[args.steps - 1], step_tokens * len(timed))
+    result = {
+        "tokens_per_s": tps,
+        "mfu": tps * flops_per_token() / 1e12 / PEAK_TFLOPS,
+        "step_ms_p50": sorted(timed)[len(timed) // 2],
+        "loss": sum(losses) / len(losses),
+        "steps": args.steps,
+        "wall_s": res["wall_s"],
+        "cmd": cmd,
+    }
+    return with_energy(
+        result, gpu, printed[args.warmup - 1], printed[args.steps - 1], step_tokens * len(timed)
+    )
 
 
-def run_ours(args: argparse.Namespace, tokens: Path, folder: Path, sets: list[str], gpu: GpuSampler) -> dict:
+def run_ours(
+    args: argparse.Namespace, tokens: Path, folder: Path, sets: list[str], gpu: GpuSampler
+) -> dict:
     """``launch JOB`` on the token file; throughput and loss from the run directory."""
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     run_dir = folder / "run"
     base = [
-        "data.source=tokens", f"data.path={tokens.resolve()}", "data.token_dtype=uint16", f"data.seq_len={SEQ}",
-        f"model.vocab_size={VOCAB}", f"train.steps={args.steps}", f"train.warmup_steps={args.warmup}",
-        f"train.log_every={LOSS_WINDOW}", f"train.micro_batch={args.micro_batch}",
-        f"train.grad_accum={args.grad_accum}", "train.lr=6e-4", f"train.lr_warmup_steps={args.lr_warmup}",
-        "train.lr_schedule=cosine", "train.min_lr_ratio=0.1", "train.weight_decay=0.1", "train.grad_clip=1.0",
+        "data.source=tokens",
+        f"data.path={tokens.resolve()}",
+        "data.token_dtype=uint16",
+        f"data.seq_len={SEQ}",
+        f"model.vocab_size={VOCAB}",
+        f"train.steps={args.steps}",
+        f"train.warmup_steps={args.warmup}",
+        f"train.log_every={LOSS_WINDOW}",
+        f"train.micro_batch={args.micro_batch}",
+        f"train.grad_accum={args.grad_accum}",
+        "train.lr=6e-4",
+        f"train.lr_warmup_steps={args.lr_warmup}",
+        "train.lr_schedule=cosine",
+        "train.min_lr_ratio=0.1",
+        "train.weight_decay=0.1",
+        "train.grad_clip=1.0",
         "resources.nproc_per_node=1",
     ]
     overrides = [a for s in [*base, *sets] for a in ("--set", s)]
@@ -254,8 +338,15 @@ def run_ours(args: argparse.Namespace, tokens: Path, folder: Path, sets: list[st
     if args.direct:
         metrics.parent.mkdir(parents=True)
         cmd = [sys.executable, "-m", "launcher.train", "--job", args.job, *overrides]
-        res = run(cmd, folder / "train.log", cwd=ROOT, env={
-            "LAUNCHER_METRICS_FILE": str(metrics), "LAUNCHER_PROFILE_DIR": str(folder / "profile")})
+        res = run(
+            cmd,
+            folder / "train.log",
+            cwd=ROOT,
+            env={
+                "LAUNCHER_METRICS_FILE": str(metrics),
+                "LAUNCHER_PROFILE_DIR": str(folder / "profile"),
+            },
+        )
     else:
         cmd = [sys.executable, "-m", "launcher", args.job, "--run-dir", str(run_dir), *overrides]
         res = run(cmd, folder / "launch.log", cwd=ROOT)
@@ -269,10 +360,17 @@ def run_ours(args: argparse.Namespace, tokens: Path, folder: Path, sets: list[st
     # the timed steps' window: from the warm-up's last record (read as the device passed it)
     # to the final record (written after a device sync)
     start = next(r for r in records if r.get("type") == "step" and r["step"] == args.warmup)
-    result = {"tokens_per_s": tps, "mfu": tps * flops_per_token() / 1e12 / PEAK_TFLOPS,
-            "step_ms_p50": final["step_time_ms_p50"], "loss": final["loss"], "steps": final["steps"],
-            "peak_mem_gib": final["peak_mem_gib"], "precision": meta["precision"], "sets": sets,
-            "wall_s": res["wall_s"]}
+    result = {
+        "tokens_per_s": tps,
+        "mfu": tps * flops_per_token() / 1e12 / PEAK_TFLOPS,
+        "step_ms_p50": final["step_time_ms_p50"],
+        "loss": final["loss"],
+        "steps": final["steps"],
+        "peak_mem_gib": final["peak_mem_gib"],
+        "precision": meta["precision"],
+        "sets": sets,
+        "wall_s": res["wall_s"],
+    }
     tokens_timed = final["measured_steps"] * args.micro_batch * args.grad_accum * SEQ
     return with_energy(result, gpu, start["time"], final["time"], tokens_timed)
 
@@ -285,16 +383,20 @@ def ratios(results: dict) -> dict:
         if name == "nanogpt" or "tokens_per_s" not in r or "tokens_per_s" not in ref:
             continue
         mj, ref_mj = r.get("energy_mj_per_token"), ref.get("energy_mj_per_token")
-        out[name] = {"speed": r["tokens_per_s"] / ref["tokens_per_s"],
-                     "per_joule": ref_mj / mj if mj and ref_mj else None,
-                     "loss_rel_diff": (r["loss"] - ref["loss"]) / ref["loss"]}
+        out[name] = {
+            "speed": r["tokens_per_s"] / ref["tokens_per_s"],
+            "per_joule": ref_mj / mj if mj and ref_mj else None,
+            "loss_rel_diff": (r["loss"] - ref["loss"]) / ref["loss"],
+        }
     return out
 
 
 def table(results: dict) -> str:
     rel = ratios(results)
-    lines = [f"{'run':<24}{'tokens/s':>12}{'vs nanoGPT':>12}{'MFU %':>8}{'step ms p50':>13}{'loss':>9}{'Δloss %':>9}"
-             f"{'SM MHz':>8}{'capped %':>10}{'W':>6}{'mJ/token':>10}{'per J':>8}"]
+    lines = [
+        f"{'run':<24}{'tokens/s':>12}{'vs nanoGPT':>12}{'MFU %':>8}{'step ms p50':>13}{'loss':>9}{'Δloss %':>9}"
+        f"{'SM MHz':>8}{'capped %':>10}{'W':>6}{'mJ/token':>10}{'per J':>8}"
+    ]
     for name, r in results.items():
         if "tokens_per_s" not in r:
             lines.append(f"{name:<24}FAILED: {r.get('error', '')[-300:]}")
@@ -307,10 +409,12 @@ def table(results: dict) -> str:
             per_joule = f"{q['per_joule']:.3f}x"
         else:
             per_joule = "1.000x" if name == "nanogpt" and r.get("energy_mj_per_token") else ""
-        lines.append(f"{name:<24}{r['tokens_per_s']:>12,.0f}{speed:>12}{100 * r['mfu']:>8.1f}"
-                     f"{r['step_ms_p50']:>13.2f}{r['loss']:>9.4f}{dloss:>9}"
-                     f"{_num(g.get('sm_clock_mhz'), '.0f'):>8}{_num(g.get('power_capped_pct'), '.0f'):>10}"
-                     f"{_num(g.get('power_w'), '.0f'):>6}{_num(r.get('energy_mj_per_token'), '.3f'):>10}{per_joule:>8}")
+        lines.append(
+            f"{name:<24}{r['tokens_per_s']:>12,.0f}{speed:>12}{100 * r['mfu']:>8.1f}"
+            f"{r['step_ms_p50']:>13.2f}{r['loss']:>9.4f}{dloss:>9}"
+            f"{_num(g.get('sm_clock_mhz'), '.0f'):>8}{_num(g.get('power_capped_pct'), '.0f'):>10}"
+            f"{_num(g.get('power_w'), '.0f'):>6}{_num(r.get('energy_mj_per_token'), '.3f'):>10}{per_joule:>8}"
+        )
     return "\n".join(lines)
 
 
@@ -319,18 +423,38 @@ def _num(value: float | None, spec: str) -> str:
 
 
 def report(name: str, r: dict) -> None:
-    brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("error", "cmd")}
-    print(f"[{name}] {brief}" + (f"\n  error: {r['error'][-1500:]}" if "error" in r else ""), flush=True)
+    brief = {
+        k: (round(v, 4) if isinstance(v, float) else v)
+        for k, v in r.items()
+        if k not in ("error", "cmd")
+    }
+    print(
+        f"[{name}] {brief}" + (f"\n  error: {r['error'][-1500:]}" if "error" in r else ""),
+        flush=True,
+    )
 
 
-def run(cmd: list[str], log: Path, *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 1200) -> dict:
+def run(
+    cmd: list[str],
+    log: Path,
+    *,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 1200,
+) -> dict:
     """Run ``cmd``; its stdout lines with the wall time each arrived (``lines``), stderr after
     them in ``log``; killed after ``timeout`` seconds."""
     start = time.monotonic()
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, "PYTHONPATH": path, **(env or {})})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        )
         killer = threading.Timer(timeout, proc.kill)
         killer.start()
         try:
@@ -344,7 +468,12 @@ def run(cmd: list[str], log: Path, *, cwd: Path, env: dict[str, str] | None = No
     stdout = "\n".join(line for _, line in lines)
     log.write_text(stdout + "\n--- stderr ---\n" + stderr)
     tail = "\n".join((stdout + "\n" + stderr).strip().splitlines()[-20:])
-    return {"ok": proc.returncode == 0, "lines": lines, "tail": tail, "wall_s": time.monotonic() - start}
+    return {
+        "ok": proc.returncode == 0,
+        "lines": lines,
+        "tail": tail,
+        "wall_s": time.monotonic() - start,
+    }
 
 
 def environment() -> dict:
@@ -357,8 +486,13 @@ def environment() -> dict:
         torchao_version = torchao.__version__
     except ImportError:
         torchao_version = None
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus, "torchao": torchao_version,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": gpus,
+        "torchao": torchao_version,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 if __name__ == "__main__":

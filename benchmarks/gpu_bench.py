@@ -55,16 +55,34 @@ ALL_RUNS = [*PAIRS, *REF_RUNS, *TRAINER_RUNS]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per trainer run (30 are warm-up)")
-    p.add_argument("--only", default="", help=f"comma-separated run names (default: all): {','.join(ALL_RUNS)}")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="rounds of all runs, interleaved (every other round in reverse order); each run "
-                        "reports its median round and the range")
-    p.add_argument("--out", type=Path, default=None, help="folder for results.json and run directories")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a job override for every trainer run, e.g. train.profile.start_step=100 "
-                        "(traces land in each run's folder: run/profile/ or profile/)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--steps", type=int, default=200, help="optimizer steps per trainer run (30 are warm-up)"
+    )
+    p.add_argument(
+        "--only", default="", help=f"comma-separated run names (default: all): {','.join(ALL_RUNS)}"
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of all runs, interleaved (every other round in reverse order); each run "
+        "reports its median round and the range",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder for results.json and run directories"
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a job override for every trainer run, e.g. train.profile.start_step=100 "
+        "(traces land in each run's folder: run/profile/ or profile/)",
+    )
     args = p.parse_args()
     if args.repeat < 1 or args.steps <= 30:
         p.error("--repeat must be at least 1 and --steps above 30 (the warm-up)")
@@ -79,7 +97,7 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {n: [] for n in names}
     env, planned = _env(), len(names) * args.repeat
     for r in range(args.repeat):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             folder = out / (name if args.repeat == 1 else f"{name}.{r}")
             result = _one(name, args.steps, gpus, folder, args.sets)
             rounds[name].append(result)
@@ -97,34 +115,82 @@ def _summary(rounds: dict[str, list[dict]], planned: int, env: dict) -> dict:
     done = {name: runs for name, runs in rounds.items() if runs}
     results = {name: _median_round(runs) for name, runs in done.items()}
     runs = sum(len(r) for r in done.values())
-    return {"results": results, "ratios": _ratios(results), "ratios_by_round": _ratios_by_round(done),
-            "runs": runs, "runs_planned": planned, "complete": runs == planned, "env": env}
+    return {
+        "results": results,
+        "ratios": _ratios(results),
+        "ratios_by_round": _ratios_by_round(done),
+        "runs": runs,
+        "runs_planned": planned,
+        "complete": runs == planned,
+        "env": env,
+    }
 
 
 def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) -> dict:
     """One run of ``name``; a dict with its throughput, or ``error`` / ``skipped``."""
     if name in PAIRS:
-        cmd = [sys.executable, str(ROOT / "benchmarks/trainer_vs_hf.py"), "--device", "cuda", "--size", "base",
-               "--seq", "512", "--micro-batch", "32", "--steps", "40", "--warmup", "15", "--json", *PAIRS[name]]
+        cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks/trainer_vs_hf.py"),
+            "--device",
+            "cuda",
+            "--size",
+            "base",
+            "--seq",
+            "512",
+            "--micro-batch",
+            "32",
+            "--steps",
+            "40",
+            "--warmup",
+            "15",
+            "--json",
+            *PAIRS[name],
+        ]
         res, data = _run_json(cmd, Path(f"{folder}.log"))
         if data is None:
             return {"error": res["tail"]}
-        return {"ours_tokens_per_s": data["launcher"]["tokens_per_s"], "hf_tokens_per_s": data["hf"]["tokens_per_s"],
-                "ratio": data["ratio"], "wall_s": res["wall_s"]}
+        return {
+            "ours_tokens_per_s": data["launcher"]["tokens_per_s"],
+            "hf_tokens_per_s": data["hf"]["tokens_per_s"],
+            "ratio": data["ratio"],
+            "wall_s": res["wall_s"],
+        }
     n = REF_RUNS[name][0] if name in REF_RUNS else TRAINER_RUNS[name][2]
     if n > gpus:
         return {"skipped": f"needs {n} GPUs, this machine has {gpus}"}
     if name in REF_RUNS:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-               str(ROOT / "benchmarks/ddp_ref.py"), *REF_RUNS[name][1]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(n),
+            str(ROOT / "benchmarks/ddp_ref.py"),
+            *REF_RUNS[name][1],
+        ]
         res, data = _run_json(cmd, Path(f"{folder}.log"))
         if data is None:
             return {"error": res["tail"]}
         per_gpu = data["tokens_per_s_per_gpu"]
-        return {"how": "ddp_ref", "gpus": n, "tokens_per_s": per_gpu * n, "tokens_per_s_per_gpu": per_gpu,
-                "mfu": None, "step_ms_p50": max(r["p50_ms"] for r in data["ranks"]), "wall_s": res["wall_s"]}
+        return {
+            "how": "ddp_ref",
+            "gpus": n,
+            "tokens_per_s": per_gpu * n,
+            "tokens_per_s_per_gpu": per_gpu,
+            "mfu": None,
+            "step_ms_p50": max(r["p50_ms"] for r in data["ranks"]),
+            "wall_s": res["wall_s"],
+        }
     how, job, n, sets = TRAINER_RUNS[name]
-    sets = [*sets, f"train.steps={steps}", "train.warmup_steps=30", "train.log_every=30", *extra_sets]
+    sets = [
+        *sets,
+        f"train.steps={steps}",
+        "train.warmup_steps=30",
+        "train.log_every=30",
+        *extra_sets,
+    ]
     return _trainer_run(how, job, n, sets, folder)
 
 
@@ -150,10 +216,24 @@ def _trainer_run(how: str, job: str, n: int, sets: list[str], folder: Path) -> d
     if how == "torchrun":
         metrics = folder / "metrics"
         metrics.mkdir(exist_ok=True)
-        env = {**os.environ, "LAUNCHER_METRICS_FILE": str(metrics / "rank{rank}.jsonl"),
-               "LAUNCHER_PROFILE_DIR": str(folder / "profile")}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
-               "-m", "launcher.train", "--job", str(ROOT / job), *set_args]
+        env = {
+            **os.environ,
+            "LAUNCHER_METRICS_FILE": str(metrics / "rank{rank}.jsonl"),
+            "LAUNCHER_PROFILE_DIR": str(folder / "profile"),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(n),
+            "--standalone",
+            "-m",
+            "launcher.train",
+            "--job",
+            str(ROOT / job),
+            *set_args,
+        ]
         res = _run(cmd, folder / "torchrun.log", env=env)
         finals = []
         for path in sorted(metrics.glob("rank*.jsonl")):
@@ -163,21 +243,42 @@ def _trainer_run(how: str, job: str, n: int, sets: list[str], folder: Path) -> d
             return {"error": res["tail"]}
         tps = sum(f["tokens_per_s"] for f in finals)
         mfus = [f["mfu"] for f in finals if f.get("mfu") is not None]
-        return {"how": how, "gpus": n, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / n,
-                "mfu": sum(mfus) / len(mfus) if mfus else None,
-                "step_ms_p50": max(f["step_time_ms_p50"] for f in finals), "wall_s": res["wall_s"]}
+        return {
+            "how": how,
+            "gpus": n,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_gpu": tps / n,
+            "mfu": sum(mfus) / len(mfus) if mfus else None,
+            "step_ms_p50": max(f["step_time_ms_p50"] for f in finals),
+            "wall_s": res["wall_s"],
+        }
     run_dir = folder / "run"
-    cmd = [sys.executable, "-m", "launcher", str(ROOT / job), "--run-dir", str(run_dir),
-           "--set", f"resources.nproc_per_node={n}", *set_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        str(ROOT / job),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"resources.nproc_per_node={n}",
+        *set_args,
+    ]
     res = _run(cmd, folder / "launch.log")
     summary_path = run_dir / "summary.json"
     if not res["ok"] or not summary_path.exists():
         return {"error": res["tail"]}
     s = json.loads(summary_path.read_text())
     t = s["totals"]
-    return {"how": how, "gpus": n, "tokens_per_s": t["tokens_per_s"],
-            "tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"], "mfu": t["mfu"],
-            "step_ms_p50": max(r["step_time_ms_p50"] for r in s["ranks"]), "wall_s": res["wall_s"]}
+    return {
+        "how": how,
+        "gpus": n,
+        "tokens_per_s": t["tokens_per_s"],
+        "tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
+        "mfu": t["mfu"],
+        "step_ms_p50": max(r["step_time_ms_p50"] for r in s["ranks"]),
+        "wall_s": res["wall_s"],
+    }
 
 
 def _ratios(r: dict) -> dict:
@@ -190,13 +291,17 @@ def _ratios(r: dict) -> dict:
     hf_eager = r.get("hf-vs-ours-eager", {}).get("hf_tokens_per_s")
     return {
         "launch_1gpu_over_hf_eager": div(tps("bert-ddp-launch-1", "tokens_per_s"), hf_eager),
-        "ours_compiled_over_hf_eager": div(r.get("hf-vs-ours-compiled", {}).get("ours_tokens_per_s"), hf_eager),
+        "ours_compiled_over_hf_eager": div(
+            r.get("hf-vs-ours-compiled", {}).get("ours_tokens_per_s"), hf_eager
+        ),
         "ours_eager_over_hf_eager": r.get("hf-vs-ours-eager", {}).get("ratio"),
         "ddp_scaling_efficiency_2gpu": div(tps("bert-ddp-launch-2"), tps("bert-ddp-launch-1")),
         "fsdp_scaling_efficiency_2gpu": div(tps("bert-fsdp-launch-2"), tps("bert-fsdp-launch-1")),
         "launch_over_torchrun_1gpu": div(tps("bert-ddp-launch-1"), tps("bert-ddp-torchrun-1")),
         "launch_over_torchrun_2gpu": div(tps("bert-ddp-launch-2"), tps("bert-ddp-torchrun-2")),
-        "ddp_scaling_efficiency_2gpu_torchrun": div(tps("bert-ddp-torchrun-2"), tps("bert-ddp-torchrun-1")),
+        "ddp_scaling_efficiency_2gpu_torchrun": div(
+            tps("bert-ddp-torchrun-2"), tps("bert-ddp-torchrun-1")
+        ),
         "hf_ddp_ref_scaling_efficiency_2gpu": div(tps("hf-ddp-ref-2"), tps("hf-ddp-ref-1")),
         "ours_ddp_ref_scaling_efficiency_2gpu": div(tps("ours-ddp-ref-2"), tps("ours-ddp-ref-1")),
     }
@@ -208,7 +313,10 @@ def _ratios_by_round(rounds: dict[str, list[dict]]) -> list[dict]:
     then skews a ratio that no round shows). A round cut short gives the ratios of the runs it
     made (None for the others)."""
     count = max((len(runs) for runs in rounds.values()), default=0)
-    return [_ratios({name: runs[i] for name, runs in rounds.items() if i < len(runs)}) for i in range(count)]
+    return [
+        _ratios({name: runs[i] for name, runs in rounds.items() if i < len(runs)})
+        for i in range(count)
+    ]
 
 
 def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> str:
@@ -218,23 +326,70 @@ def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> s
     rows = []
     for name, r in results.items():
         if "ratio" in r:
-            rows.append([name, "1", f"{r['ours_tokens_per_s']:,.0f} (HF {r['hf_tokens_per_s']:,.0f})", "", "", "", "",
-                         _span(r)])
+            rows.append(
+                [
+                    name,
+                    "1",
+                    f"{r['ours_tokens_per_s']:,.0f} (HF {r['hf_tokens_per_s']:,.0f})",
+                    "",
+                    "",
+                    "",
+                    "",
+                    _span(r),
+                ]
+            )
         elif "tokens_per_s" in r:
-            rows.append([name, r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
-                         f"{100 * r['mfu']:.1f}" if r.get("mfu") else "–", f"{r['step_ms_p50']:.1f}",
-                         f"{r['wall_s']:.0f}", _span(r)])
+            rows.append(
+                [
+                    name,
+                    r["gpus"],
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['tokens_per_s_per_gpu']:,.0f}",
+                    f"{100 * r['mfu']:.1f}" if r.get("mfu") else "–",
+                    f"{r['step_ms_p50']:.1f}",
+                    f"{r['wall_s']:.0f}",
+                    _span(r),
+                ]
+            )
         else:
-            rows.append([name, "", r.get("skipped") or "FAILED: " + r.get("error", "")[-200:], "", "", "", "", ""])
-    table = tabulate(rows, headers=["run", "GPUs", "tokens/s", "tokens/s/GPU", "MFU %", "step ms p50", "wall s",
-                                    "rounds (min-max)"])
+            rows.append(
+                [
+                    name,
+                    "",
+                    r.get("skipped") or "FAILED: " + r.get("error", "")[-200:],
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
+    table = tabulate(
+        rows,
+        headers=[
+            "run",
+            "GPUs",
+            "tokens/s",
+            "tokens/s/GPU",
+            "MFU %",
+            "step ms p50",
+            "wall s",
+            "rounds (min-max)",
+        ],
+    )
     lines = []
     for k, v in ratios.items():
         if v is None:
             continue
         per_round = [r[k] for r in by_round if r.get(k) is not None]
-        lines.append(f"{k}: {v:.3f}" + (f" (by round: {', '.join(f'{x:.3f}' for x in per_round)})"
-                                        if len(by_round) > 1 else ""))
+        lines.append(
+            f"{k}: {v:.3f}"
+            + (
+                f" (by round: {', '.join(f'{x:.3f}' for x in per_round)})"
+                if len(by_round) > 1
+                else ""
+            )
+        )
     return table + "\n\n" + "\n".join(lines)
 
 
@@ -271,15 +426,26 @@ def _env() -> dict:
     import torch
 
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(), "nccl": ".".join(map(str, torch.cuda.nccl.version()))
-            if torch.cuda.is_available() else None, "gpus": names,
-            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version()))
+        if torch.cuda.is_available()
+        else None,
+        "gpus": names,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
 
 
 def _print_progress(name: str, result: dict) -> None:
-    brief = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in result.items() if k != "error"}
-    print(f"[{name}] {brief}" + (f"\n  error: {result['error'][-800:]}" if "error" in result else ""), flush=True)
+    brief = {
+        k: (round(v, 1) if isinstance(v, float) else v) for k, v in result.items() if k != "error"
+    }
+    print(
+        f"[{name}] {brief}" + (f"\n  error: {result['error'][-800:]}" if "error" in result else ""),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

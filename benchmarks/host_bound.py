@@ -36,10 +36,20 @@ from launcher.train.meter import peak_memory_gib
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("job", help="a job file (the built-in trainer)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a job override, as for launch")
-    p.add_argument("--warmup", type=int, default=30, help="untimed steps first (compilation, graph recording)")
-    p.add_argument("--probe", type=int, default=10, help="steps timed one at a time from an idle device")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a job override, as for launch",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=30, help="untimed steps first (compilation, graph recording)"
+    )
+    p.add_argument(
+        "--probe", type=int, default=10, help="steps timed one at a time from an idle device"
+    )
     p.add_argument("--steps", type=int, default=120, help="steps timed back to back")
     args = p.parse_args()
     if min(args.probe, args.steps) < 1 or args.warmup < 0:
@@ -52,9 +62,17 @@ def main() -> None:
         every: list[dict] = [{} for _ in range(trainer.world_size)]
         dist.all_gather_object(every, result)
         if trainer.rank == 0:
-            print(json.dumps({"job": job.name, "sets": args.sets, "world_size": trainer.world_size,
-                              "tokens_per_s_per_rank": min(r["tokens_per_s"] for r in every),
-                              "ranks": every}))
+            print(
+                json.dumps(
+                    {
+                        "job": job.name,
+                        "sets": args.sets,
+                        "world_size": trainer.world_size,
+                        "tokens_per_s_per_rank": min(r["tokens_per_s"] for r in every),
+                        "ranks": every,
+                    }
+                )
+            )
     finally:
         trainer.close()
 
@@ -86,9 +104,15 @@ def measure(trainer: Trainer, warmup: int, probe: int, steps: int) -> dict:
         loss = trainer.train_step(step)
     sync()
     seconds = time.perf_counter() - began
-    return {"rank": trainer.rank, "tokens_per_s": steps * tokens / seconds, "step_ms": seconds * 1e3 / steps,
-            "issue_ms": statistics.median(issue), "synced_ms": statistics.median(synced),
-            "loss": float(loss), "peak_mem_gib": peak_memory_gib(trainer.device)}
+    return {
+        "rank": trainer.rank,
+        "tokens_per_s": steps * tokens / seconds,
+        "step_ms": seconds * 1e3 / steps,
+        "issue_ms": statistics.median(issue),
+        "synced_ms": statistics.median(synced),
+        "loss": float(loss),
+        "peak_mem_gib": peak_memory_gib(trainer.device),
+    }
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ def parse_option(text: str) -> tuple[str, object]:
     try:
         return key.strip(), ast.literal_eval(value.strip())
     except (ValueError, SyntaxError) as err:
-        raise ValueError(f"the value of {key.strip()} is not a Python literal: {value.strip()!r}") from err
+        raise ValueError(
+            f"the value of {key.strip()} is not a Python literal: {value.strip()!r}"
+        ) from err
 
 
 def apply(options: list[tuple[str, object]]) -> None:
@@ -50,9 +52,16 @@ def apply(options: list[tuple[str, object]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="an inductor config value (repeatable)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an inductor config value (repeatable)",
+    )
     p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
     args = p.parse_args(argv)
     trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
@@ -65,7 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     from torch._dynamo.utils import counters
 
     shown = ", ".join(f"{k}={v!r}" for k, v in options) or "none"
-    atexit.register(lambda: print(f"inductor options: {shown}; counters: {dict(counters['inductor'])}", flush=True))
+    atexit.register(
+        lambda: print(
+            f"inductor options: {shown}; counters: {dict(counters['inductor'])}", flush=True
+        )
+    )
     sys.argv = ["launcher.train", *trainer_args]
     runpy.run_module("launcher.train", run_name="__main__", alter_sys=True)
 

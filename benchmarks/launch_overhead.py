@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--job", default=str(ROOT / "jobs/quickstart.yaml"))
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
@@ -39,16 +41,37 @@ def main() -> None:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 
     port = 6500 + os.getpid() % 400
-    started = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", str(port),
-                              "--include-dashboard=false", "--disable-usage-stats"],
-                             capture_output=True, text=True, env=env, timeout=180)
+    started = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--port",
+            str(port),
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     if started.returncode != 0:
         sys.exit(f"could not start Ray for attach mode: {started.stderr[-500:]}")
-    ip = subprocess.run([sys.executable, "-c", "import ray._private.services as s; print(s.get_node_ip_address())"],
-                        capture_output=True, text=True, timeout=60).stdout.strip()
+    ip = subprocess.run(
+        [sys.executable, "-c", "import ray._private.services as s; print(s.get_node_ip_address())"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
     attach = work / "attach-cluster.yaml"
-    attach.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost"}],
-                                      "ray": {"address": f"{ip}:{port}"}}))
+    attach.write_text(
+        yaml.safe_dump(
+            {"nodes": [{"name": "local", "host": "localhost"}], "ray": {"address": f"{ip}:{port}"}}
+        )
+    )
     embedded = work / "cluster.yaml"
     embedded.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost"}]}))
 
@@ -56,26 +79,48 @@ def main() -> None:
         return [sys.executable, "-m", "launcher", args.job, "--cluster", str(cluster), *extra]
 
     commands = {
-        "bare torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(nproc), "-m", "launcher.train", "--job", args.job],
+        "bare torchrun": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "launcher.train",
+            "--job",
+            args.job,
+        ],
         "launch, attach, --skip-parity": launch(attach, "--skip-parity"),
         "launch, attach": launch(attach),
         "launch, embedded, --skip-parity": launch(embedded, "--skip-parity"),
         "launch, embedded": launch(embedded),
-        "Ray start+stop alone": [sys.executable, "-c", "import ray; ray.init(address='local', "
-                                 "include_dashboard=False, log_to_driver=False); ray.shutdown()"],
+        "Ray start+stop alone": [
+            sys.executable,
+            "-c",
+            "import ray; ray.init(address='local', "
+            "include_dashboard=False, log_to_driver=False); ray.shutdown()",
+        ],
     }
     times: dict[str, list[float]] = {k: [] for k in commands}
     try:
         for i in range(args.repeat):
             for name, cmd in commands.items():
                 if cmd[:3] == [sys.executable, "-m", "launcher"]:
-                    cmd = [*cmd, "--run-dir", str(work / f"{name.replace(' ', '_').replace(',', '')}-{i}")]
+                    cmd = [
+                        *cmd,
+                        "--run-dir",
+                        str(work / f"{name.replace(' ', '_').replace(',', '')}-{i}"),
+                    ]
                 start = time.monotonic()
-                proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+                proc = subprocess.run(
+                    cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900
+                )
                 took = time.monotonic() - start
                 if proc.returncode != 0:
-                    sys.exit(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+                    sys.exit(
+                        f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}"
+                    )
                 times[name].append(took)
                 print(f"[{i + 1}/{args.repeat}] {name}: {took:.1f} s", flush=True)
     finally:
@@ -83,13 +128,17 @@ def main() -> None:
             os.kill(pid, 9)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["bare torchrun"]
-    print(f"\njob {args.job}, {nproc} worker(s), median of {args.repeat}; Ray start+stop alone: "
-          f"{med['Ray start+stop alone']:.1f} s")
+    print(
+        f"\njob {args.job}, {nproc} worker(s), median of {args.repeat}; Ray start+stop alone: "
+        f"{med['Ray start+stop alone']:.1f} s"
+    )
     print(f"{'':34}{'wall s':>8}{'added s':>9}")
     for name, value in med.items():
         if name != "Ray start+stop alone":
             print(f"{name:34}{value:8.1f}{value - base:9.1f}")
-    (work / "launch_overhead.json").write_text(json.dumps({"times": times, "median": med}, indent=2))
+    (work / "launch_overhead.json").write_text(
+        json.dumps({"times": times, "median": med}, indent=2)
+    )
     print(f"\nresults: {work / 'launch_overhead.json'}")
 
 

@@ -27,14 +27,24 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_kernels import replayed_ms  # noqa: E402
 
-LINEARS = {"qkv": (2304, 768), "proj": (768, 768), "fc": (3072, 768), "fc2": (768, 3072), "decoder": (30528, 768)}
+LINEARS = {
+    "qkv": (2304, 768),
+    "proj": (768, 768),
+    "fc": (3072, 768),
+    "fc2": (768, 3072),
+    "decoder": (30528, 768),
+}
 BERT_ROWS, MASKED_ROWS, GPT_ROWS = 128 * 512, 128 * 77, 16 * 1024
 
 
 def operand_cases(x, w, b, dy) -> dict:
-    return {"forward": lambda: F.linear(x, w), "forward + bias": lambda: F.linear(x, w, b),
-            "input grad dy·w": lambda: dy @ w, "weight grad dyᵀ·x": lambda: dy.t() @ x,
-            "weight grad (xᵀ·dy)ᵀ": lambda: x.t() @ dy}
+    return {
+        "forward": lambda: F.linear(x, w),
+        "forward + bias": lambda: F.linear(x, w, b),
+        "input grad dy·w": lambda: dy @ w,
+        "weight grad dyᵀ·x": lambda: dy.t() @ x,
+        "weight grad (xᵀ·dy)ᵀ": lambda: x.t() @ dy,
+    }
 
 
 def forward_backward(fn, x, w, g):
@@ -62,8 +72,15 @@ def operands() -> list[dict]:
             gflop = 2 * m * n_in * n_out / 1e9
             for case, fn in operand_cases(x, w, b, dy).items():
                 ms = replayed_ms(fn)
-                rows.append({"blas": lib, "linear": name, "case": case, "ms": round(ms, 4),
-                             "tflops": round(gflop / ms, 1)})
+                rows.append(
+                    {
+                        "blas": lib,
+                        "linear": name,
+                        "case": case,
+                        "ms": round(ms, 4),
+                        "tflops": round(gflop / ms, 1),
+                    }
+                )
     torch.backends.cuda.preferred_blas_library("cublas")
     return rows
 
@@ -82,7 +99,10 @@ def compiled() -> list[dict]:
             w = torch.randn(n_out, n_in, device="cuda", requires_grad=True)
             g = torch.randn(m, n_out, device="cuda", dtype=torch.bfloat16)
             row = {"model": model, "linear": name}
-            for variant, fn in (("F.linear", F.linear), ("x @ w.t().contiguous()", _transposed_copy)):
+            for variant, fn in (
+                ("F.linear", F.linear),
+                ("x @ w.t().contiguous()", _transposed_copy),
+            ):
                 row[variant] = round(replayed_ms(forward_backward(fn, x, w, g)), 4)
             rows.append(row)
     return rows
@@ -92,12 +112,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "operands": operands(), "compiled": compiled()}
-    print(tabulate([list(r.values()) for r in result["operands"]], headers=["blas", "linear", "case", "ms", "TFLOP/s"]))
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "operands": operands(),
+        "compiled": compiled(),
+    }
+    print(
+        tabulate(
+            [list(r.values()) for r in result["operands"]],
+            headers=["blas", "linear", "case", "ms", "TFLOP/s"],
+        )
+    )
     print()
-    print(tabulate([list(r.values()) for r in result["compiled"]],
-                   headers=["model", "linear", "F.linear fwd+bwd ms", "x @ w.t().contiguous() fwd+bwd ms"]))
+    print(
+        tabulate(
+            [list(r.values()) for r in result["compiled"]],
+            headers=["model", "linear", "F.linear fwd+bwd ms", "x @ w.t().contiguous() fwd+bwd ms"],
+        )
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

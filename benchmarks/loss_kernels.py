@@ -33,7 +33,11 @@ SHAPES = {  # name: (rows, columns, classes, d_model)
     "bert-base": (128 * 77, 30528, 30522, 768),
 }
 SWEEP = [{"BLOCK": None, "num_warps": w} for w in (16, 32)] + [
-    {"BLOCK": b, "num_warps": w, "L2": l2} for b in (2048, 4096, 8192) for w in (4, 8, 16) for l2 in (False, True)]
+    {"BLOCK": b, "num_warps": w, "L2": l2}
+    for b in (2048, 4096, 8192)
+    for w in (4, 8, 16)
+    for l2 in (False, True)
+]
 
 
 def measure(rows: int, cols: int, classes: int, d: int, sweep: bool) -> dict:
@@ -56,13 +60,19 @@ def measure(rows: int, cols: int, classes: int, d: int, sweep: bool) -> dict:
         out["sweep"] = []
         for cfg in SWEEP:
             with torch.no_grad():
-                ms = replayed_ms(lambda cfg=cfg: fused._launch_xent(work, labels, classes, work, cfg))
-                ms_new = replayed_ms(lambda cfg=cfg: fused._launch_xent(z, labels, classes, torch.empty_like(z), cfg))
+                ms = replayed_ms(
+                    lambda cfg=cfg: fused._launch_xent(work, labels, classes, work, cfg)
+                )
+                ms_new = replayed_ms(
+                    lambda cfg=cfg: fused._launch_xent(z, labels, classes, torch.empty_like(z), cfg)
+                )
             out["sweep"].append({**cfg, "in_place_ms": ms, "new_tensor_ms": ms_new})
     x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(classes, d, device="cuda") * 0.02).requires_grad_()
     for kernels in (False, True):
-        step = torch.compile(lambda kernels=kernels: linear_cross_entropy(x, w, None, labels, kernels))
+        step = torch.compile(
+            lambda kernels=kernels: linear_cross_entropy(x, w, None, labels, kernels)
+        )
 
         def fwd_bwd(step=step):
             with torch.autocast("cuda", torch.bfloat16):
@@ -85,21 +95,51 @@ def peak_gib(fn) -> float:
 
 def main() -> None:
     args = kernel_bench_args(__doc__, "also time the kernel's configurations")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": dict(fused.XENT)}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "config": dict(fused.XENT),
+    }
     table = []
     for name, shape in SHAPES.items():
         r = results[name] = measure(*shape, sweep=args.sweep)
         for s in r.get("sweep", []):
-            print(f"{name} BLOCK={s['BLOCK']} num_warps={s['num_warps']} L2={s.get('L2')}: "
-                  f"in place {s['in_place_ms']:.4f} ms, "
-                  f"new tensor {s['new_tensor_ms']:.4f} ms")
-        table.append([name, f"{r['inductor_ms']:.3f}", f"{r['bytes'] / r['inductor_ms'] / 1e6:.0f}",
-                      f"{r['triton_ms']:.3f}", f"{r['bytes'] / r['triton_ms'] / 1e6:.0f}",
-                      f"{r['head_step_ms_kernels_False']:.3f}", f"{r['head_step_ms_kernels_True']:.3f}",
-                      f"{r['head_peak_gib_kernels_False']:.2f} / {r['head_peak_gib_kernels_True']:.2f}",
-                      f"{r['loss_diff']:.1e}", f"{r['dlogits_max_diff']:.1e}"])
-    print(tabulate(table, headers=["shape", "inductor ms", "GB/s", "triton ms", "GB/s", "head step ms (inductor)",
-                                   "head step ms (triton)", "head peak GiB", "loss diff", "dlogits max diff"]))
+            print(
+                f"{name} BLOCK={s['BLOCK']} num_warps={s['num_warps']} L2={s.get('L2')}: "
+                f"in place {s['in_place_ms']:.4f} ms, "
+                f"new tensor {s['new_tensor_ms']:.4f} ms"
+            )
+        table.append(
+            [
+                name,
+                f"{r['inductor_ms']:.3f}",
+                f"{r['bytes'] / r['inductor_ms'] / 1e6:.0f}",
+                f"{r['triton_ms']:.3f}",
+                f"{r['bytes'] / r['triton_ms'] / 1e6:.0f}",
+                f"{r['head_step_ms_kernels_False']:.3f}",
+                f"{r['head_step_ms_kernels_True']:.3f}",
+                f"{r['head_peak_gib_kernels_False']:.2f} / {r['head_peak_gib_kernels_True']:.2f}",
+                f"{r['loss_diff']:.1e}",
+                f"{r['dlogits_max_diff']:.1e}",
+            ]
+        )
+    print(
+        tabulate(
+            table,
+            headers=[
+                "shape",
+                "inductor ms",
+                "GB/s",
+                "triton ms",
+                "GB/s",
+                "head step ms (inductor)",
+                "head step ms (triton)",
+                "head peak GiB",
+                "loss diff",
+                "dlogits max diff",
+            ],
+        )
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -28,10 +28,18 @@ SHAPES = {  # name: (rows, d_ff, approximate, bias)
     "bert-base": (128 * 512, 3072, "none", True),
     "gpt2-124m": (16 * 1024, 3072, "tanh", False),
 }
-SWEEP_FWD = [{"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4}, {"BLOCK_M": 8, "BLOCK_N": 512, "num_warps": 4},
-             {"BLOCK_M": 16, "BLOCK_N": 256, "num_warps": 4}, {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}]
-SWEEP_BWD = [{"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8},
-             {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}, {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}]
+SWEEP_FWD = [
+    {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4},
+    {"BLOCK_M": 8, "BLOCK_N": 512, "num_warps": 4},
+    {"BLOCK_M": 16, "BLOCK_N": 256, "num_warps": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8},
+]
+SWEEP_BWD = [
+    {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+    {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8},
+]
 
 
 def replayed_ms(fn, rounds: int = 7, replays: int = 20) -> float:
@@ -64,8 +72,10 @@ def measure(rows: int, d_ff: int, approximate: str, bias: bool, sweep: bool) -> 
     inputs = [y] if b is None else [y, b]
     inductor = torch.compile(fused._reference)
     out = {"bytes_fwd": 2 * y.numel() * 2, "bytes_bwd": 3 * y.numel() * 2}
-    for name, fn in (("inductor", lambda: inductor(y, b, approximate)),
-                     ("triton", lambda: fused.bias_gelu(y, b, approximate))):
+    for name, fn in (
+        ("inductor", lambda: inductor(y, b, approximate)),
+        ("triton", lambda: fused.bias_gelu(y, b, approximate)),
+    ):
         with torch.no_grad():
             fwd = replayed_ms(fn)
         both = replayed_ms(lambda fn=fn: torch.autograd.grad(fn(), inputs, g))
@@ -76,18 +86,31 @@ def measure(rows: int, d_ff: int, approximate: str, bias: bool, sweep: bool) -> 
         out["sweep"] = []
         for fwd_cfg in SWEEP_FWD:
             fused.FWD = fwd_cfg
-            out["sweep"].append({"kernel": "fwd", **fwd_cfg, "ms": replayed_ms(lambda: fused._launch_fwd(yd, bd, tanh))})
+            out["sweep"].append(
+                {
+                    "kernel": "fwd",
+                    **fwd_cfg,
+                    "ms": replayed_ms(lambda: fused._launch_fwd(yd, bd, tanh)),
+                }
+            )
         for bwd_cfg in SWEEP_BWD:
             fused.BWD = bwd_cfg
-            out["sweep"].append({"kernel": "bwd", **bwd_cfg,
-                                 "ms": replayed_ms(lambda: fused._launch_bwd(g, yd, bd, tanh))})
+            out["sweep"].append(
+                {
+                    "kernel": "bwd",
+                    **bwd_cfg,
+                    "ms": replayed_ms(lambda: fused._launch_bwd(g, yd, bd, tanh)),
+                }
+            )
         fused.FWD, fused.BWD = chosen
     return out
 
 
 def kernel_bench_args(doc: str, sweep_help: str) -> argparse.Namespace:
     """--sweep and --out, for a benchmark of the Triton kernels; exits where they cannot run."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sweep", action="store_true", help=sweep_help)
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args()
@@ -103,12 +126,26 @@ def main() -> None:
         r = results[name] = measure(*shape, sweep=args.sweep)
         for impl in ("inductor", "triton"):
             t = r[impl]
-            table.append([name, impl, f"{t['fwd_ms']:.3f}", f"{r['bytes_fwd'] / t['fwd_ms'] / 1e6:.0f}",
-                          f"{t['bwd_ms']:.3f}", f"{r['bytes_bwd'] / t['bwd_ms'] / 1e6:.0f}"])
+            table.append(
+                [
+                    name,
+                    impl,
+                    f"{t['fwd_ms']:.3f}",
+                    f"{r['bytes_fwd'] / t['fwd_ms'] / 1e6:.0f}",
+                    f"{t['bwd_ms']:.3f}",
+                    f"{r['bytes_bwd'] / t['bwd_ms'] / 1e6:.0f}",
+                ]
+            )
         for s in r.get("sweep", []):
-            print(f"{name} {s['kernel']} BLOCK_M={s['BLOCK_M']} BLOCK_N={s['BLOCK_N']} "
-                  f"num_warps={s['num_warps']}: {s['ms']:.4f} ms")
-    print(tabulate(table, headers=["shape", "bias + GELU", "fwd ms", "fwd GB/s", "bwd ms", "bwd GB/s"]))
+            print(
+                f"{name} {s['kernel']} BLOCK_M={s['BLOCK_M']} BLOCK_N={s['BLOCK_N']} "
+                f"num_warps={s['num_warps']}: {s['ms']:.4f} ms"
+            )
+    print(
+        tabulate(
+            table, headers=["shape", "bias + GELU", "fwd ms", "fwd GB/s", "bwd ms", "bwd GB/s"]
+        )
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

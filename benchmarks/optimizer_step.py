@@ -79,12 +79,15 @@ def master_adamw_step(model):
     """The trainer's step on bf16 weights: fp32 masters, the gradients' norm, then MasterAdamW
     (clipping at 1.0), over gradients filled once; returns the step as a function."""
     params = list(model.parameters())
-    opt = optim.MasterAdamW(param_groups(model, 0.1), optim.MasterWeights(params), lr=6e-4, betas=(0.9, 0.95))
+    opt = optim.MasterAdamW(
+        param_groups(model, 0.1), optim.MasterWeights(params), lr=6e-4, betas=(0.9, 0.95)
+    )
     fill_grads(params, torch.bfloat16)
 
     def step():
         opt.clip_grad_norm_(1.0)
         opt.step()
+
     return step
 
 
@@ -96,18 +99,28 @@ def bf16_step(model, block: int | None = None, warps: int | None = None) -> tupl
     finally:
         optim.BLOCK, optim.NUM_WARPS = saved
     n = sum(p.numel() for p in model.parameters())
-    return ms, 28 * n + 2 * n  # AdamW's 28 B (bf16 gradient and fp32 state in, fp32 state and bf16 weight out), the norm's 2
+    return (
+        ms,
+        28 * n + 2 * n,
+    )  # AdamW's 28 B (bf16 gradient and fp32 state in, fp32 state and bf16 weight out), the norm's 2
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sweep", action="store_true", help="also time the update's block sizes and warps")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--sweep", action="store_true", help="also time the update's block sizes and warps"
+    )
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args()
     if not torch.cuda.is_available() or optim.triton is None:
         raise SystemExit("needs a CUDA GPU and Triton")
     rows, out = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for name, fn in (("fp32 weights (fused AdamW + casts)", fp32_step), ("bf16 weights (MasterAdamW)", bf16_step)):
+    for name, fn in (
+        ("fp32 weights (fused AdamW + casts)", fp32_step),
+        ("bf16 weights (MasterAdamW)", bf16_step),
+    ):
         ms, nbytes = fn(gpt2_model())
         out[name] = {"ms": ms, "bytes": nbytes}
         rows.append([name, f"{ms:.3f}", f"{nbytes / ms / 1e9:.2f}"])
@@ -117,7 +130,13 @@ def main() -> None:
             for warps in (2, 4, 8):
                 ms, nbytes = bf16_step(gpt2_model(), block, warps)
                 out["sweep"].append({"BLOCK": block, "num_warps": warps, "ms": ms})
-                rows.append([f"  MasterAdamW BLOCK={block} warps={warps}", f"{ms:.3f}", f"{nbytes / ms / 1e9:.2f}"])
+                rows.append(
+                    [
+                        f"  MasterAdamW BLOCK={block} warps={warps}",
+                        f"{ms:.3f}",
+                        f"{nbytes / ms / 1e9:.2f}",
+                    ]
+                )
     print(tabulate(rows, headers=["GPT-2 124M optimizer step", "ms", "TB/s"]))
     if args.out:
         with open(args.out, "w") as fh:

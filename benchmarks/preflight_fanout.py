@@ -66,8 +66,20 @@ def time_once(cluster_file: Path, cli: bool) -> tuple[float, float, bool, float,
     started = time.monotonic()
     if cli:
         proc = subprocess.run(
-            [sys.executable, "-m", "launcher", "check", "--cluster", str(cluster_file), "--fast", "--json"],
-            capture_output=True, text=True, timeout=300, cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "launcher",
+                "check",
+                "--cluster",
+                str(cluster_file),
+                "--fast",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
         )
         wall = time.monotonic() - started
         doc = json.loads(proc.stdout)
@@ -99,9 +111,17 @@ def ssh_true(cluster: ClusterSpec) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", default="1,4,16", help="comma-separated cluster sizes")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per size (after one warm-up)")
-    parser.add_argument("--cli", action="store_true", help="time `python -m launcher check --fast` instead of the API")
-    parser.add_argument("--bare-login", action="store_true", help="hide ~/.bashrc inside the simulated nodes")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed runs per size (after one warm-up)"
+    )
+    parser.add_argument(
+        "--cli",
+        action="store_true",
+        help="time `python -m launcher check --fast` instead of the API",
+    )
+    parser.add_argument(
+        "--bare-login", action="store_true", help="hide ~/.bashrc inside the simulated nodes"
+    )
     args = parser.parse_args()
     reason = missing_requirements()
     if reason:
@@ -110,11 +130,18 @@ def main() -> int:
 
     rows, base = [], None
     for n in (int(x) for x in args.nodes.split(",")):
-        with NetnsCluster(n, bare_login=args.bare_login) as cluster, tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-            cluster_file = cluster.cluster_yaml(Path(tmp) / "cluster.yaml", ssh={"max_parallel": 32})
+        with (
+            NetnsCluster(n, bare_login=args.bare_login) as cluster,
+            tempfile.TemporaryDirectory(dir="/var/tmp") as tmp,
+        ):
+            cluster_file = cluster.cluster_yaml(
+                Path(tmp) / "cluster.yaml", ssh={"max_parallel": 32}
+            )
             time_once(cluster_file, args.cli)  # warm-up: page cache, host-key parsing
             runs = [time_once(cluster_file, args.cli) for _ in range(args.repeat)]
-            floor = statistics.median(ssh_true(load_cluster(cluster_file)) for _ in range(args.repeat))
+            floor = statistics.median(
+                ssh_true(load_cluster(cluster_file)) for _ in range(args.repeat)
+            )
         walls = [r[0] for r in runs]
         wall = statistics.median(walls)
         serial = statistics.median(r[1] for r in runs)
@@ -123,15 +150,38 @@ def main() -> int:
         cores = os.cpu_count() or 1
         base = base if base is not None else wall
         rows.append(
-            [n, f"{wall:.2f}", f"{min(walls):.2f}", f"{floor:.2f}", f"{serial:.2f}", f"{serial / wall:.1f}x",
-             f"{wall / base:.2f}x", "–" if math.isnan(own) else f"{1e3 * own / n:.0f}", f"{1e3 * busy / n:.0f}", f"{busy / cores / wall:.0%}",
-             "yes" if all(r[2] for r in runs) else "NO"]
+            [
+                n,
+                f"{wall:.2f}",
+                f"{min(walls):.2f}",
+                f"{floor:.2f}",
+                f"{serial:.2f}",
+                f"{serial / wall:.1f}x",
+                f"{wall / base:.2f}x",
+                "–" if math.isnan(own) else f"{1e3 * own / n:.0f}",
+                f"{1e3 * busy / n:.0f}",
+                f"{busy / cores / wall:.0%}",
+                "yes" if all(r[2] for r in runs) else "NO",
+            ]
         )
-    headers = ["nodes", "wall_s (median)", "wall_s (min)", "ssh true, all nodes", "sum of per-node probe_s",
-               "overlap", "vs 1 node", "launcher CPU ms/node", "machine CPU ms/node", "cores busy", "all ok"]
+    headers = [
+        "nodes",
+        "wall_s (median)",
+        "wall_s (min)",
+        "ssh true, all nodes",
+        "sum of per-node probe_s",
+        "overlap",
+        "vs 1 node",
+        "launcher CPU ms/node",
+        "machine CPU ms/node",
+        "cores busy",
+        "all ok",
+    ]
     mode = "python -m launcher check --fast" if args.cli else "run_preflight(deep=False)"
     login = "~/.bashrc hidden in nodes" if args.bare_login else "nodes run ~/.bashrc on login"
-    print(f"{mode}, {args.repeat} runs per size after a warm-up; {login}; {os.cpu_count()} CPU cores")
+    print(
+        f"{mode}, {args.repeat} runs per size after a warm-up; {login}; {os.cpu_count()} CPU cores"
+    )
     print(tabulate(rows, headers=headers, tablefmt="simple"))
     return 0
 

@@ -32,8 +32,13 @@ from launcher.metrics import read_records
 TOKENS, SEQ, D, LAYERS, VOCAB, CLASSES = 16 * 1024, 1024, 768, 12, 50304, 50257
 HEADS = 12
 # the model's linear layers: name -> (in, out, per step)
-LINEARS = {"qkv": (D, 3 * D, LAYERS), "proj": (D, D, LAYERS), "fc": (D, 4 * D, LAYERS),
-           "fc2": (4 * D, D, LAYERS), "head": (D, VOCAB, 1)}
+LINEARS = {
+    "qkv": (D, 3 * D, LAYERS),
+    "proj": (D, D, LAYERS),
+    "fc": (D, 4 * D, LAYERS),
+    "fc2": (4 * D, D, LAYERS),
+    "head": (D, VOCAB, 1),
+}
 GROUPS = ("gemm", "attention", "gelu", "layernorm", "loss", "embedding", "optimizer")
 
 
@@ -52,23 +57,31 @@ def plan(only: set[str] | None = None) -> list[Part]:
     parts = []
     for name, (k, n, count) in LINEARS.items():
         flops = 2.0 * TOKENS * k * n
-        parts += [Part(f"{name} forward", "gemm", count, flops), Part(f"{name} input grad", "gemm", count, flops),
-                  Part(f"{name} weight grad", "gemm", count, flops)]
+        parts += [
+            Part(f"{name} forward", "gemm", count, flops),
+            Part(f"{name} input grad", "gemm", count, flops),
+            Part(f"{name} weight grad", "gemm", count, flops),
+        ]
     # QKᵀ and PV, causal (half the square), forward and backward as MFU counts model FLOPs
     # (the backward twice the forward; the kernel also recomputes QKᵀ)
     attn = 3 * 4.0 * TOKENS * SEQ * D / 2
-    parts += [Part("attention forward + backward", "attention", LAYERS, attn),
-              Part("GELU forward + backward", "gelu", LAYERS),
-              Part("LayerNorm forward + backward", "layernorm", 2 * LAYERS + 1),
-              Part("loss and logits' gradient", "loss", 1),
-              Part("embeddings forward + backward", "embedding", 1),
-              Part("gradient norm and AdamW", "optimizer", 1)]
+    parts += [
+        Part("attention forward + backward", "attention", LAYERS, attn),
+        Part("GELU forward + backward", "gelu", LAYERS),
+        Part("LayerNorm forward + backward", "layernorm", 2 * LAYERS + 1),
+        Part("loss and logits' gradient", "loss", 1),
+        Part("embeddings forward + backward", "embedding", 1),
+        Part("gradient norm and AdamW", "optimizer", 1),
+    ]
     return [p for p in parts if not only or p.group in only]
 
 
 def per_step(part: Part, measured: dict) -> dict:
     """A part's measurement per call, and per step (``count`` calls)."""
-    out = {"ms_per_step": measured["ms"] * part.count, "j_per_step": measured["mj"] * part.count / 1e3}
+    out = {
+        "ms_per_step": measured["ms"] * part.count,
+        "j_per_step": measured["mj"] * part.count / 1e3,
+    }
     if part.flops:
         out["tflops"] = part.flops / (measured["ms"] / 1e3) / 1e12
         out["pj_per_flop"] = measured["mj"] / 1e3 / part.flops * 1e12
@@ -93,13 +106,20 @@ def whole_step(metrics: Path) -> dict:
     joules (from its energy per token), W and the SM clock."""
     final = next((r for r in reversed(read_records(metrics)) if r.get("type") == "final"), None)
     if final is None or final.get("energy_mj_per_token") is None:
-        raise SystemExit(f"{metrics}: no final record with energy_mj_per_token (a GPU run with NVML)")
-    return {"ms_per_step": TOKENS / final["tokens_per_s"] * 1e3, "j_per_step": final["energy_mj_per_token"] * TOKENS / 1e3,
-            "power_w": final.get("power_w"), "sm_clock_mhz": final.get("sm_clock_mhz"),
-            "tokens_per_s": final.get("tokens_per_s")}
+        raise SystemExit(
+            f"{metrics}: no final record with energy_mj_per_token (a GPU run with NVML)"
+        )
+    return {
+        "ms_per_step": TOKENS / final["tokens_per_s"] * 1e3,
+        "j_per_step": final["energy_mj_per_token"] * TOKENS / 1e3,
+        "power_w": final.get("power_w"),
+        "sm_clock_mhz": final.get("sm_clock_mhz"),
+        "tokens_per_s": final.get("tokens_per_s"),
+    }
 
 
 # -- on the GPU ---------------------------------------------------------------------------------
+
 
 def measure(fn: Callable[[], object], seconds: float, gpu, settle: float = 1.0) -> dict:
     """``fn``'s time and energy per call, replayed (as a CUDA graph where it captures) for
@@ -132,9 +152,13 @@ def measure(fn: Callable[[], object], seconds: float, gpu, settle: float = 1.0) 
     t1, e1 = time.perf_counter(), gpu()["energy_counter_j"]
     calls = n * reps
     clocks = [c for c in clocks if c is not None]
-    return {"ms": (t1 - t0) / calls * 1e3, "mj": (e1 - e0) / calls * 1e3 if e0 is not None else None,
-            "power_w": (e1 - e0) / (t1 - t0) if e0 is not None else None,
-            "sm_clock_mhz": statistics.fmean(clocks) if clocks else None, "graph": graph is not None}
+    return {
+        "ms": (t1 - t0) / calls * 1e3,
+        "mj": (e1 - e0) / calls * 1e3 if e0 is not None else None,
+        "power_w": (e1 - e0) / (t1 - t0) if e0 is not None else None,
+        "sm_clock_mhz": statistics.fmean(clocks) if clocks else None,
+        "graph": graph is not None,
+    }
 
 
 def _capture(fn: Callable[[], object], reps: int):
@@ -169,8 +193,11 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
 
     def gemm(k: int, n: int, which: str):
         def build():
-            x, w, dy = (torch.randn(TOKENS, k, **bf16), torch.randn(n, k, **bf16) * 0.02,
-                        torch.randn(TOKENS, n, **bf16))
+            x, w, dy = (
+                torch.randn(TOKENS, k, **bf16),
+                torch.randn(n, k, **bf16) * 0.02,
+                torch.randn(TOKENS, n, **bf16),
+            )
             if which == "forward":
                 a, b = x, w.t()
             elif which == "input grad":
@@ -179,6 +206,7 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
                 a, b = dy.t(), x
             c = torch.empty(a.shape[0], b.shape[1], **bf16)
             return lambda: torch.mm(a, b, out=c)
+
         return build
 
     for name, (k, n, _) in LINEARS.items():
@@ -212,6 +240,7 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
 
         def step():
             return torch.autograd.grad(norm(x, w), (x, w), dy)
+
         return step
 
     out["LayerNorm forward + backward"] = layernorm
@@ -229,7 +258,9 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
         idx = torch.randint(0, CLASSES, (TOKENS // SEQ, SEQ), device=device)
         pos = torch.arange(SEQ, device=device)
         dy = torch.randn(TOKENS // SEQ, SEQ, D, **bf16)
-        return lambda: torch.autograd.grad(F.embedding(idx, wte) + F.embedding(pos, wpe), (wte, wpe), dy)
+        return lambda: torch.autograd.grad(
+            F.embedding(idx, wte) + F.embedding(pos, wpe), (wte, wpe), dy
+        )
 
     out["embeddings forward + backward"] = embedding
 
@@ -246,23 +277,79 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
 def table(rows: list[dict], groups: dict, whole: dict | None) -> str:
     from tabulate import tabulate
 
-    body = [[r["name"], r["count"], f"{r['ms']:.4f}", _f(r.get("tflops"), ".0f"), _f(r.get("sm_clock_mhz"), ".0f"),
-             _f(r.get("power_w"), ".0f"), _f(r.get("mj"), ".3f"), _f(r.get("pj_per_flop"), ".3f"),
-             f"{r['ms_per_step']:.3f}", f"{r['j_per_step']:.3f}"] for r in rows]
-    parts = tabulate(body, headers=["part", "a step", "ms a call", "TFLOP/s", "SM MHz", "W", "mJ a call",
-                                    "pJ/FLOP", "ms a step", "J a step"], disable_numparse=True)
-    summed = {"ms_per_step": sum(g["ms_per_step"] for g in groups.values()),
-              "j_per_step": sum(g["j_per_step"] for g in groups.values())}
-    kinds = [[name, f"{g['ms_per_step']:.2f}", f"{g['j_per_step']:.2f}", f"{100 * g['share']:.1f}%",
-              f"{g['j_per_step'] / (g['ms_per_step'] / 1e3):.0f}" if g["ms_per_step"] else ""]
-             for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["j_per_step"])]
-    kinds.append(["sum of the parts", f"{summed['ms_per_step']:.2f}", f"{summed['j_per_step']:.2f}", "100%",
-                  f"{summed['j_per_step'] / (summed['ms_per_step'] / 1e3):.0f}"])
+    body = [
+        [
+            r["name"],
+            r["count"],
+            f"{r['ms']:.4f}",
+            _f(r.get("tflops"), ".0f"),
+            _f(r.get("sm_clock_mhz"), ".0f"),
+            _f(r.get("power_w"), ".0f"),
+            _f(r.get("mj"), ".3f"),
+            _f(r.get("pj_per_flop"), ".3f"),
+            f"{r['ms_per_step']:.3f}",
+            f"{r['j_per_step']:.3f}",
+        ]
+        for r in rows
+    ]
+    parts = tabulate(
+        body,
+        headers=[
+            "part",
+            "a step",
+            "ms a call",
+            "TFLOP/s",
+            "SM MHz",
+            "W",
+            "mJ a call",
+            "pJ/FLOP",
+            "ms a step",
+            "J a step",
+        ],
+        disable_numparse=True,
+    )
+    summed = {
+        "ms_per_step": sum(g["ms_per_step"] for g in groups.values()),
+        "j_per_step": sum(g["j_per_step"] for g in groups.values()),
+    }
+    kinds = [
+        [
+            name,
+            f"{g['ms_per_step']:.2f}",
+            f"{g['j_per_step']:.2f}",
+            f"{100 * g['share']:.1f}%",
+            f"{g['j_per_step'] / (g['ms_per_step'] / 1e3):.0f}" if g["ms_per_step"] else "",
+        ]
+        for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["j_per_step"])
+    ]
+    kinds.append(
+        [
+            "sum of the parts",
+            f"{summed['ms_per_step']:.2f}",
+            f"{summed['j_per_step']:.2f}",
+            "100%",
+            f"{summed['j_per_step'] / (summed['ms_per_step'] / 1e3):.0f}",
+        ]
+    )
     if whole:
-        kinds.append(["the trainer's step", f"{whole['ms_per_step']:.2f}",
-                      f"{whole['j_per_step']:.2f}", "", _f(whole.get("power_w"), ".0f")])
-    return parts + "\n\n" + tabulate(kinds, headers=["kind", "ms a step", "J a step", "share of J", "W"],
-                                     disable_numparse=True)
+        kinds.append(
+            [
+                "the trainer's step",
+                f"{whole['ms_per_step']:.2f}",
+                f"{whole['j_per_step']:.2f}",
+                "",
+                _f(whole.get("power_w"), ".0f"),
+            ]
+        )
+    return (
+        parts
+        + "\n\n"
+        + tabulate(
+            kinds,
+            headers=["kind", "ms a step", "J a step", "share of J", "W"],
+            disable_numparse=True,
+        )
+    )
 
 
 def _f(value: float | None, spec: str) -> str:
@@ -270,10 +357,19 @@ def _f(value: float | None, spec: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=3.0, help="measured seconds a part (after 1 s settling)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--seconds", type=float, default=3.0, help="measured seconds a part (after 1 s settling)"
+    )
     p.add_argument("--only", default="", help=f"comma-separated groups: {','.join(GROUPS)}")
-    p.add_argument("--step-metrics", type=Path, default=None, help="a trainer run's metrics file, for the whole step")
+    p.add_argument(
+        "--step-metrics",
+        type=Path,
+        default=None,
+        help="a trainer run's metrics file, for the whole step",
+    )
     p.add_argument("--out", type=Path, default=None, help="results JSON")
     args = p.parse_args()
     only = {s for s in args.only.split(",") if s}
@@ -290,7 +386,9 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     gpu = GpuMonitor(device)
     if gpu()["energy_counter_j"] is None:
-        raise SystemExit("NVML's energy counter does not answer on this GPU (nvidia-ml-py installed?)")
+        raise SystemExit(
+            "NVML's energy counter does not answer on this GPU (nvidia-ml-py installed?)"
+        )
     whole = whole_step(args.step_metrics) if args.step_metrics else None
     build = builders(device)
     rows: list[dict] = []
@@ -312,18 +410,34 @@ def main() -> None:
             torch.cuda.empty_cache()
         if not m["graph"]:
             broken = f"the capture of {part.name!r} failed"
-        row = {"name": part.name, "group": part.group, "count": part.count, **m, **per_step(part, m)}
+        row = {
+            "name": part.name,
+            "group": part.group,
+            "count": part.count,
+            **m,
+            **per_step(part, m),
+        }
         rows.append(row)
-        print(f"{part.name}: {m['ms']:.4f} ms, {m['mj']:.3f} mJ a call at {m['power_w']:.0f} W, "
-              f"{m['sm_clock_mhz']:.0f} MHz{'' if m['graph'] else ' (eager)'}", flush=True)
+        print(
+            f"{part.name}: {m['ms']:.4f} ms, {m['mj']:.3f} mJ a call at {m['power_w']:.0f} W, "
+            f"{m['sm_clock_mhz']:.0f} MHz{'' if m['graph'] else ' (eager)'}",
+            flush=True,
+        )
     groups = by_group(rows)
     print()
     print(table(rows, groups, whole))
     if failed:
         print(f"\nnot measured (the sums leave them out): {', '.join(failed)}")
-    result = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "attention": "cudnn-fa4" if fa4_import_error() is None else "torch sdpa",
-              "seconds": args.seconds, "parts": rows, "groups": groups, "whole_step": whole, "failed": failed}
+    result = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "attention": "cudnn-fa4" if fa4_import_error() is None else "torch sdpa",
+        "seconds": args.seconds,
+        "parts": rows,
+        "groups": groups,
+        "whole_step": whole,
+        "failed": failed,
+    }
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nresults: {args.out}")

@@ -39,11 +39,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=512, help="sequence length")
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=30, help="timed steps")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation, allocator)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    p.add_argument("--compile", action="store_true", help="torch.compile this trainer's model (per block, as the trainer does)")
-    p.add_argument("--compile-hf", action="store_true", help="also torch.compile the Hugging Face model")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument(
+        "--warmup", type=int, default=10, help="untimed steps first (compilation, allocator)"
+    )
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile this trainer's model (per block, as the trainer does)",
+    )
+    p.add_argument(
+        "--compile-hf", action="store_true", help="also torch.compile the Hugging Face model"
+    )
+    p.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu"
+    )
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--mask-prob", type=float, default=0.15)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -55,15 +67,22 @@ def build_hf(spec: ModelSpec, dropout: float) -> torch.nn.Module:
 
     d = spec.dims()
     config = BertConfig(
-        vocab_size=d["vocab_size"], hidden_size=d["d_model"], num_hidden_layers=d["n_layers"],
-        num_attention_heads=d["n_heads"], intermediate_size=d["d_ff"],
-        max_position_embeddings=d["max_positions"], hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout, attn_implementation="sdpa",
+        vocab_size=d["vocab_size"],
+        hidden_size=d["d_model"],
+        num_hidden_layers=d["n_layers"],
+        num_attention_heads=d["n_heads"],
+        intermediate_size=d["d_ff"],
+        max_position_embeddings=d["max_positions"],
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation="sdpa",
     )
     return BertForMaskedLM(config)
 
 
-def time_steps(step: Callable[[int], None], *, warmup: int, steps: int, device: torch.device) -> float:
+def time_steps(
+    step: Callable[[int], None], *, warmup: int, steps: int, device: torch.device
+) -> float:
     """Seconds for ``steps`` steps after ``warmup`` untimed ones (synchronised at both ends)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for i in range(warmup):
@@ -76,12 +95,20 @@ def time_steps(step: Callable[[int], None], *, warmup: int, steps: int, device: 
     return time.perf_counter() - began
 
 
-def make_step(model: torch.nn.Module, loss_fn: Callable[[dict], torch.Tensor], device: torch.device,
-              autocast_dtype: torch.dtype | None) -> Callable[[dict], None]:
+def make_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[dict], torch.Tensor],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> Callable[[dict], None]:
     """One optimizer step of ``model`` on a batch (AdamW, fused on CUDA; autocast if asked)."""
     fused = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
-    amp = (lambda: torch.autocast(device.type, dtype=autocast_dtype)) if autocast_dtype else nullcontext
+    amp = (
+        (lambda: torch.autocast(device.type, dtype=autocast_dtype))
+        if autocast_dtype
+        else nullcontext
+    )
 
     def step(batch: dict) -> None:
         with amp():
@@ -101,22 +128,37 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     spec = ModelSpec(arch="bert", size=args.size, dropout=args.dropout)
-    data = SyntheticBatches(arch="bert", vocab_size=spec.dims()["vocab_size"], seq_len=args.seq,
-                            micro_batch=args.micro_batch, grad_accum=1, mask_prob=args.mask_prob,
-                            seed=0, rank=0, world_size=1, device=device)
+    data = SyntheticBatches(
+        arch="bert",
+        vocab_size=spec.dims()["vocab_size"],
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        grad_accum=1,
+        mask_prob=args.mask_prob,
+        seed=0,
+        rank=0,
+        world_size=1,
+        device=device,
+    )
     n_batches = 4  # a few distinct batches, made up front so data generation is not timed
     batches = [data.batch(i + 1) for i in range(n_batches)]
     data.close()  # no more chunks: the one being made ahead ends in the untimed warm-up
     for b in batches:  # HF's labels: the masked tokens in place, -100 elsewhere
-        b["hf_labels"] = torch.full_like(b["input_ids"], -100).scatter(1, b["mask_pos"], b["labels"])
+        b["hf_labels"] = torch.full_like(b["input_ids"], -100).scatter(
+            1, b["mask_pos"], b["labels"]
+        )
     tokens = args.steps * args.micro_batch * args.seq
     results: dict[str, dict] = {}
 
     def measure(model: torch.nn.Module, loss_fn: Callable[[dict], torch.Tensor]) -> dict:
         model.train()
         step = make_step(model, loss_fn, device, autocast_dtype)
-        seconds = time_steps(lambda i: step(batches[i % n_batches]), warmup=args.warmup,
-                             steps=args.steps, device=device)
+        seconds = time_steps(
+            lambda i: step(batches[i % n_batches]),
+            warmup=args.warmup,
+            steps=args.steps,
+            device=device,
+        )
         return {"params": count_params(model), "seconds": seconds, "tokens_per_s": tokens / seconds}
 
     def measure_ours() -> dict:  # a function, so the model is freed before HF is built
@@ -135,14 +177,24 @@ def main() -> None:
     torch.manual_seed(0)
     hf = build_hf(spec, args.dropout).to(device)
     hf_step = torch.compile(hf) if args.compile_hf else hf
-    results["hf"] = measure(hf, lambda b: hf_step(input_ids=b["input_ids"], labels=b["hf_labels"]).loss)
+    results["hf"] = measure(
+        hf, lambda b: hf_step(input_ids=b["input_ids"], labels=b["hf_labels"]).loss
+    )
 
     ratio = results["launcher"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
-    setup = {"size": args.size, "seq": args.seq, "micro_batch": args.micro_batch, "steps": args.steps,
-             "warmup": args.warmup, "device": str(device), "dtype": dtype, "compile": args.compile,
-             "compile_hf": args.compile_hf,
-             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-             "torch": torch.__version__}
+    setup = {
+        "size": args.size,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "device": str(device),
+        "dtype": dtype,
+        "compile": args.compile,
+        "compile_hf": args.compile_hf,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     if args.json:
         print(json.dumps({**setup, **results, "ratio": ratio}))
         return
@@ -150,7 +202,9 @@ def main() -> None:
     print(f"{'model':<24}{'params':>14}{'tokens/s':>14}{'ms/step':>10}")
     for name, label in (("launcher", "launcher.train BERT"), ("hf", "HF BertForMaskedLM")):
         r = results[name]
-        print(f"{label:<24}{r['params']:>14,}{r['tokens_per_s']:>14,.0f}{1e3 * r['seconds'] / args.steps:>10.1f}")
+        print(
+            f"{label:<24}{r['params']:>14,}{r['tokens_per_s']:>14,.0f}{1e3 * r['seconds'] / args.steps:>10.1f}"
+        )
     print(f"ratio (launcher / HF): {ratio:.2f}x")
 
 

@@ -25,13 +25,30 @@ from launcher.errors import EXIT_INTERRUPTED, EXIT_INVALID_INPUT, LauncherError,
 
 log = logging.getLogger("launcher")
 
-COMMANDS = ("run", "plan", "check", "scale", "report", "schema", "export", "tokenize",
-            "submit", "status", "logs", "stop", "list", "fetch", "down")
+COMMANDS = (
+    "run",
+    "plan",
+    "check",
+    "scale",
+    "report",
+    "schema",
+    "export",
+    "tokenize",
+    "submit",
+    "status",
+    "logs",
+    "stop",
+    "list",
+    "fetch",
+    "down",
+)
 # Commands that start, submit, stop or write something: a reader of their stdout or stderr that
 # goes away (``launch run job.yaml | head -3``) changes nothing of what they do or of their exit
 # code; what they print from then on is dropped. The others only show something: a closed
 # stdout pipe ends them quietly (``main``).
-WORKING_COMMANDS = frozenset({"run", "submit", "scale", "tokenize", "export", "fetch", "stop", "down"})
+WORKING_COMMANDS = frozenset(
+    {"run", "submit", "scale", "tokenize", "export", "fetch", "stop", "down"}
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,8 +110,18 @@ def _closed_console_to_devnull() -> None:
             if devnull != fd:
                 os.dup2(devnull, fd)
                 os.close(devnull)
-            setattr(sys, name, open(fd, "w", encoding="utf-8", errors="backslashreplace",  # noqa: SIM115
-                                    buffering=1, closefd=False))
+            setattr(
+                sys,
+                name,
+                open(  # noqa: SIM115
+                    fd,
+                    "w",
+                    encoding="utf-8",
+                    errors="backslashreplace",
+                    buffering=1,
+                    closefd=False,
+                ),
+            )
 
 
 def _stdout_closed() -> bool:
@@ -213,8 +240,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(dry_run(job, cluster, skip_parity=args.skip_parity))
         return 0
     cluster_file = args.cluster or ("cluster.yaml" if Path("cluster.yaml").is_file() else None)
-    submit(job, cluster, cluster_file=cluster_file, run_dir=args.run_dir,
-           skip_parity=args.skip_parity, as_json=args.json)
+    submit(
+        job,
+        cluster,
+        cluster_file=cluster_file,
+        run_dir=args.run_dir,
+        skip_parity=args.skip_parity,
+        as_json=args.json,
+    )
     return 0
 
 
@@ -275,8 +308,16 @@ def cmd_scale(args: argparse.Namespace) -> int:
     if bool(args.world) == bool(args.nodes):
         raise UsageError("launch scale needs exactly one of --world 1,2,4 or --nodes 1,2")
     job, cluster = _load(args)
-    scale(job, cluster, world=args.world, nodes=args.nodes, mode=args.mode, repeat=args.repeat,
-          out_dir=args.out, skip_parity=args.skip_parity)
+    scale(
+        job,
+        cluster,
+        world=args.world,
+        nodes=args.nodes,
+        mode=args.mode,
+        repeat=args.repeat,
+        out_dir=args.out,
+        skip_parity=args.skip_parity,
+    )
     return 0
 
 
@@ -340,13 +381,17 @@ def _parser() -> argparse.ArgumentParser:
     # --debug before or after the command; the command's copy has no default, so that it does
     # not overwrite a --debug given before the command
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="show tracebacks and debug logs")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show tracebacks and debug logs",
+    )
 
     parser = argparse.ArgumentParser(
         prog="launch",
         description="Check environment parity on every node, then run torchrun everywhere "
-                    "through Ray and report per-rank throughput. `launch JOB.yaml` = `launch run JOB.yaml`.",
+        "through Ray and report per-rank throughput. `launch JOB.yaml` = `launch run JOB.yaml`.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument("--version", action="version", version=f"launch {__version__}")
@@ -354,26 +399,47 @@ def _parser() -> argparse.ArgumentParser:
 
     def job_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("job", help="job spec (YAML)")
-        p.add_argument("--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a job field, e.g. --set train.steps=50 (repeatable)")
-        p.add_argument("--skip-parity", action="store_true",
-                       help="skip the preflight parity check (GPU counts from cluster.yaml)")
+        p.add_argument(
+            "--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)"
+        )
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a job field, e.g. --set train.steps=50 (repeatable)",
+        )
+        p.add_argument(
+            "--skip-parity",
+            action="store_true",
+            help="skip the preflight parity check (GPU counts from cluster.yaml)",
+        )
 
     p = sub.add_parser("run", parents=[common], help="preflight, then launch the job (the default)")
     job_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
     p.add_argument("--run-dir", type=Path, help="put this run's directory exactly here")
-    p.add_argument("--keep-ray", action="store_true", help="leave a Ray cluster the launcher started running")
-    p.add_argument("--detach", action="store_true", help="submit it as a detached job (= launch submit)")
-    p.add_argument("--json", action="store_true", help="with --detach: print {job_id, name, cluster, run_dir}")
+    p.add_argument(
+        "--keep-ray", action="store_true", help="leave a Ray cluster the launcher started running"
+    )
+    p.add_argument(
+        "--detach", action="store_true", help="submit it as a detached job (= launch submit)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="with --detach: print {job_id, name, cluster, run_dir}"
+    )
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("submit", parents=[common],
-                       help="preflight here, then run the job detached on the cluster's Ray Jobs")
+    p = sub.add_parser(
+        "submit",
+        parents=[common],
+        help="preflight here, then run the job detached on the cluster's Ray Jobs",
+    )
     job_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan and submit nothing")
-    p.add_argument("--run-dir", type=Path, help="the run directory on the head (default runs/<job id>)")
+    p.add_argument(
+        "--run-dir", type=Path, help="the run directory on the head (default runs/<job id>)"
+    )
     p.add_argument("--json", action="store_true", help="print {job_id, name, cluster, run_dir}")
     p.set_defaults(func=cmd_submit)
 
@@ -381,9 +447,14 @@ def _parser() -> argparse.ArgumentParser:
         """A job command: the job id (``required``, ``optional`` or ``none``) and --cluster."""
         p = sub.add_parser(name, parents=[common], help=help)
         if job_id != "none":
-            p.add_argument("job_id", nargs="?" if job_id == "optional" else None,
-                           help="the job id `launch submit` printed")
-        p.add_argument("--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)")
+            p.add_argument(
+                "job_id",
+                nargs="?" if job_id == "optional" else None,
+                help="the job id `launch submit` printed",
+            )
+        p.add_argument(
+            "--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)"
+        )
         return p
 
     p = jobs_parser("status", "a detached job's state (all jobs without ID)", job_id="optional")
@@ -393,10 +464,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the jobs as JSON")
     p.set_defaults(func=cmd_list)
     p = jobs_parser("logs", "a detached job's driver output")
-    p.add_argument("--follow", "-f", action="store_true",
-                   help="stream until the job ends (Ctrl-C stops following, not the job)")
+    p.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="stream until the job ends (Ctrl-C stops following, not the job)",
+    )
     p.set_defaults(func=cmd_logs)
-    jobs_parser("stop", "stop a detached job as Ctrl-C stops a foreground run").set_defaults(func=cmd_stop)
+    jobs_parser("stop", "stop a detached job as Ctrl-C stops a foreground run").set_defaults(
+        func=cmd_stop
+    )
     p = jobs_parser("fetch", "copy a detached job's run directory from the head here")
     p.add_argument("--to", type=Path, help="where to put it (default runs/<job id>)")
     p.set_defaults(func=cmd_fetch)
@@ -404,11 +481,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--yes", action="store_true", help="also stop jobs that still run")
     p.set_defaults(func=cmd_down)
 
-    p = sub.add_parser("plan", parents=[common], help="preflight and the exact per-node commands; starts nothing")
+    p = sub.add_parser(
+        "plan", parents=[common], help="preflight and the exact per-node commands; starts nothing"
+    )
     job_args(p)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("check", parents=[common], help="environment parity table of the cluster's nodes")
+    p = sub.add_parser(
+        "check", parents=[common], help="environment parity table of the cluster's nodes"
+    )
     p.add_argument("--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)")
     p.add_argument("--job", help="also check what this job needs (GPUs, interfaces)")
     p.add_argument("--fast", action="store_true", help="skip the torch/CUDA/cuDNN/NCCL checks")
@@ -419,27 +500,53 @@ def _parser() -> argparse.ArgumentParser:
     job_args(p)
     p.add_argument("--world", type=_int_list, help="total ranks per point, e.g. 1,2,4,8")
     p.add_argument("--nodes", type=_int_list, help="nodes per point, e.g. 1,2,4")
-    p.add_argument("--mode", choices=("weak", "strong"), default="weak",
-                   help="weak: keep the per-rank batch; strong: keep the global batch")
-    p.add_argument("--repeat", type=int, default=1, help="runs per point (median and min are reported)")
+    p.add_argument(
+        "--mode",
+        choices=("weak", "strong"),
+        default="weak",
+        help="weak: keep the per-rank batch; strong: keep the global batch",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="runs per point (median and min are reported)"
+    )
     p.add_argument("--out", type=Path, help="study directory (default runs/<job>-scale-<time>)")
     p.set_defaults(func=cmd_scale)
 
-    p = sub.add_parser("report", parents=[common], help="re-render a finished run's (or study's) tables")
+    p = sub.add_parser(
+        "report", parents=[common], help="re-render a finished run's (or study's) tables"
+    )
     p.add_argument("run_dir", help="a run directory or a scaling study directory")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("export", parents=[common], help="a run's checkpoint as a Hugging Face model folder")
+    p = sub.add_parser(
+        "export", parents=[common], help="a run's checkpoint as a Hugging Face model folder"
+    )
     p.add_argument("run_dir", type=Path, help="the run directory (holds job.yaml)")
-    p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
-    p.add_argument("--out", type=Path, required=True, help="the folder to write config.json and model.safetensors to")
+    p.add_argument(
+        "--step", type=int, help="the checkpoint's step (default: the latest complete one)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the folder to write config.json and model.safetensors to",
+    )
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("tokenize", parents=[common], help="tokenize a job's text data into the cache, ahead of a run")
+    p = sub.add_parser(
+        "tokenize",
+        parents=[common],
+        help="tokenize a job's text data into the cache, ahead of a run",
+    )
     p.add_argument("job", help="job spec (YAML) with data.source text")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a job field, e.g. --set data.path=more.txt (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a job field, e.g. --set data.path=more.txt (repeatable)",
+    )
     p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("schema", parents=[common], help="JSON Schema of the job or cluster spec")
@@ -452,15 +559,19 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
     return values
 
 
 def _setup_logging(debug: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s",
+    )
     if not debug:
         for noisy in ("ray", "paramiko", "fabric", "invoke", "torch"):
             logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -29,8 +29,11 @@ def export_run(run_dir: Path, *, out: Path, step: int | None = None) -> list[Pat
     job = _run_job(run_dir)
     root = job.train.checkpoint.dir
     if root is None:
-        raise SpecError("this run saved no checkpoint (train.checkpoint.dir was not set); run the "
-                        "job with train.checkpoint.dir to export it", source=str(run_dir / "job.yaml"))
+        raise SpecError(
+            "this run saved no checkpoint (train.checkpoint.dir was not set); run the "
+            "job with train.checkpoint.dir to export it",
+            source=str(run_dir / "job.yaml"),
+        )
     path = _checkpoint(root, step) if step is not None else latest_checkpoint(root)
     if path is None:
         raise UsageError(f"no complete checkpoint under {root}; {_available(root)}")
@@ -44,8 +47,13 @@ def export_run(run_dir: Path, *, out: Path, step: int | None = None) -> list[Pat
         raise UsageError(str(err)) from None
     except ValueError as err:  # the checkpoint does not hold the model its job.yaml describes
         raise SpecError(str(err), source=str(path)) from None
-    log.info("exported %s (step %s) to %s: %s", run_dir, path.name.removeprefix("step_").lstrip("0"),
-             out, ", ".join(p.name for p in written))
+    log.info(
+        "exported %s (step %s) to %s: %s",
+        run_dir,
+        path.name.removeprefix("step_").lstrip("0"),
+        out,
+        ", ".join(p.name for p in written),
+    )
     return written
 
 
@@ -58,7 +66,9 @@ def read_model_state(path: Path) -> dict:
     state = {}
     for key, meta in metadata.items():
         if key.startswith("model.") and hasattr(meta, "size"):
-            state[key.removeprefix("model.")] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            state[key.removeprefix("model.")] = torch.empty(
+                tuple(meta.size), dtype=meta.properties.dtype
+            )
     if not state:
         raise SpecError("the checkpoint holds no model tensors", source=str(path))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -72,12 +82,16 @@ def _run_job(run_dir: Path) -> JobSpec:
 
     job_file = run_dir / "job.yaml"
     if not job_file.is_file():
-        raise UsageError(f"{run_dir} is not a run directory (no job.yaml); give the folder a "
-                         f"`launch JOB.yaml` run wrote (runs/<job>-<time>/ by default)")
+        raise UsageError(
+            f"{run_dir} is not a run directory (no job.yaml); give the folder a "
+            f"`launch JOB.yaml` run wrote (runs/<job>-<time>/ by default)"
+        )
     job = validate(JobSpec, read_yaml(job_file), source=str(job_file))
     if not job.uses_builtin:
-        raise UsageError(f"{run_dir} ran a user script ({job.entrypoint.script}); only the built-in "
-                         f"trainer's checkpoints can be exported")
+        raise UsageError(
+            f"{run_dir} ran a user script ({job.entrypoint.script}); only the built-in "
+            f"trainer's checkpoints can be exported"
+        )
     return job
 
 
@@ -93,6 +107,13 @@ def _checkpoint(root: Path, step: int) -> Path:
 def _available(root: Path) -> str:
     from launcher.train.checkpoint import MARKER
 
-    steps = sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / MARKER).is_file()
-                   and p.name[5:].isdigit()) if root.is_dir() else []
+    steps = (
+        sorted(
+            int(p.name[5:])
+            for p in root.glob("step_*")
+            if (p / MARKER).is_file() and p.name[5:].isdigit()
+        )
+        if root.is_dir()
+        else []
+    )
     return f"complete checkpoints: steps {', '.join(map(str, steps))}" if steps else "it holds none"

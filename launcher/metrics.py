@@ -83,13 +83,23 @@ def write_record(record: dict[str, Any], path: str | None = None) -> None:
         fh.write(line)
 
 
-def report(*, step: int, tokens: int = 0, samples: int = 0, loss: float | None = None, **extra: Any) -> None:
+def report(
+    *, step: int, tokens: int = 0, samples: int = 0, loss: float | None = None, **extra: Any
+) -> None:
     """For user scripts: record progress since the previous call. A no-op outside the launcher.
 
     ``tokens`` and ``samples`` count what this rank processed since its previous call.
     """
-    write_record({"type": "step", "step": int(step), "tokens": int(tokens), "samples": int(samples),
-                  "loss": None if loss is None else float(loss), **extra})
+    write_record(
+        {
+            "type": "step",
+            "step": int(step),
+            "tokens": int(tokens),
+            "samples": int(samples),
+            "loss": None if loss is None else float(loss),
+            **extra,
+        }
+    )
 
 
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -104,11 +114,14 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return out
 
 
-def gpu_summary(records: list[dict[str, Any]], *, seconds: float, tokens: int) -> dict[str, float | None]:
+def gpu_summary(
+    records: list[dict[str, Any]], *, seconds: float, tokens: int
+) -> dict[str, float | None]:
     """The GPU over measured ``step`` records that took ``seconds`` for ``tokens``: mean
     utilisation and SM clock, the share of records whose clock something limited (power,
     heat), and the energy, in all, as mean power and per token (null unless every record has
     it). The keys are the ``final`` record's."""
+
     def mean(key: str) -> float | None:
         values = [r[key] for r in records if r.get(key) is not None]
         return sum(values) / len(values) if values else None
@@ -116,11 +129,14 @@ def gpu_summary(records: list[dict[str, Any]], *, seconds: float, tokens: int) -
     limits = [r["clock_limits"] for r in records if r.get("clock_limits") is not None]
     energies = [r.get("energy_j") for r in records]
     energy = sum(energies) if energies and None not in energies else None  # type: ignore[arg-type]
-    return {"gpu_util_pct": mean("gpu_util_pct"), "sm_clock_mhz": mean("sm_clock_mhz"),
-            "clock_limited_pct": 100 * sum(1 for x in limits if x) / len(limits) if limits else None,
-            "energy_j": energy,
-            "power_w": energy / seconds if energy is not None and seconds > 0 else None,
-            "energy_mj_per_token": 1e3 * energy / tokens if energy is not None and tokens else None}
+    return {
+        "gpu_util_pct": mean("gpu_util_pct"),
+        "sm_clock_mhz": mean("sm_clock_mhz"),
+        "clock_limited_pct": 100 * sum(1 for x in limits if x) / len(limits) if limits else None,
+        "energy_j": energy,
+        "power_w": energy / seconds if energy is not None and seconds > 0 else None,
+        "energy_mj_per_token": 1e3 * energy / tokens if energy is not None and tokens else None,
+    }
 
 
 def _jsonable(value: Any) -> Any:

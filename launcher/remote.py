@@ -176,7 +176,9 @@ class LocalRunner(Runner):
             out, err = proc.communicate(stdin or "", timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            raise NodeError(TIMEOUT, f"{_short(command)!r} did not finish within {timeout:g} s") from None
+            raise NodeError(
+                TIMEOUT, f"{_short(command)!r} did not finish within {timeout:g} s"
+            ) from None
         except BaseException:
             _kill_group(proc)
             raise
@@ -231,26 +233,42 @@ class SSHRunner(Runner):
         try:
             return paramiko.PKey.from_path(str(path))
         except FileNotFoundError:
-            raise NodeError(AUTH_FAILED, f"key file {shown} not found; fix ssh.key in the cluster file") from None
+            raise NodeError(
+                AUTH_FAILED, f"key file {shown} not found; fix ssh.key in the cluster file"
+            ) from None
         except OSError as err:
-            raise NodeError(AUTH_FAILED, f"cannot read key file {shown}: {err.strerror or err}; "
-                                         f"fix its permissions or ssh.key in the cluster file") from None
+            raise NodeError(
+                AUTH_FAILED,
+                f"cannot read key file {shown}: {err.strerror or err}; "
+                f"fix its permissions or ssh.key in the cluster file",
+            ) from None
         except (TypeError, paramiko.PasswordRequiredException):  # cryptography: no password given
             raise NodeError(AUTH_FAILED, _ENCRYPTED.format(key=shown)) from None
-        except paramiko.pkey.UnknownKeyType as err:  # e.g. DSA: paramiko 4.0 removed DSSKey (3.x loads it)
+        except (
+            paramiko.pkey.UnknownKeyType
+        ) as err:  # e.g. DSA: paramiko 4.0 removed DSSKey (3.x loads it)
             kind = getattr(err.key_type, "__name__", None) or str(err.key_type)
             kind = _short(kind.removesuffix("PrivateKey"), 40)
-            raise NodeError(AUTH_FAILED, f"key file {shown} holds a {kind} key, a type the launcher's SSH "
-                                         f"(paramiko) cannot use: it takes ed25519, RSA and ECDSA keys only. "
-                                         f"Make one (ssh-keygen -t ed25519), add its public key to the "
-                                         f"nodes' authorized_keys and set ssh.key to it") from None
+            raise NodeError(
+                AUTH_FAILED,
+                f"key file {shown} holds a {kind} key, a type the launcher's SSH "
+                f"(paramiko) cannot use: it takes ed25519, RSA and ECDSA keys only. "
+                f"Make one (ssh-keygen -t ed25519), add its public key to the "
+                f"nodes' authorized_keys and set ssh.key to it",
+            ) from None
         except (paramiko.SSHException, ValueError) as err:
-            raise NodeError(AUTH_FAILED, f"key file {shown} is not a private key that can be read "
-                                         f"({type(err).__name__}: {_short(str(err), 120)}); fix ssh.key") from None
+            raise NodeError(
+                AUTH_FAILED,
+                f"key file {shown} is not a private key that can be read "
+                f"({type(err).__name__}: {_short(str(err), 120)}); fix ssh.key",
+            ) from None
         except Exception as err:  # noqa: BLE001 - cryptography's UnsupportedAlgorithm, ...: never a traceback
-            raise NodeError(AUTH_FAILED, f"key file {shown} cannot be used ({type(err).__name__}: "
-                                         f"{_short(str(err), 120)}); use an ed25519, RSA or ECDSA key "
-                                         f"and set ssh.key to it") from None
+            raise NodeError(
+                AUTH_FAILED,
+                f"key file {shown} cannot be used ({type(err).__name__}: "
+                f"{_short(str(err), 120)}); use an ed25519, RSA or ECDSA key "
+                f"and set ssh.key to it",
+            ) from None
 
     def connect_kwargs(self, pkey: paramiko.PKey | None = None) -> dict[str, Any]:
         """Everything handed to paramiko's ``SSHClient.connect``, each option explained;
@@ -324,7 +342,9 @@ class SSHRunner(Runner):
                 conn.close()
                 conn.client.close()
                 if self._closed:
-                    raise NodeError(INTERNAL, f"the runner for {self.describe()} was closed while connecting") from err
+                    raise NodeError(
+                        INTERNAL, f"the runner for {self.describe()} was closed while connecting"
+                    ) from err
                 raise classify_ssh_error(err, self) from err
             finally:
                 with self._state:
@@ -334,7 +354,9 @@ class SSHRunner(Runner):
                     self._conn = conn
             if self._conn is not conn:  # closed while connecting
                 conn.close()
-                raise NodeError(INTERNAL, f"the runner for {self.describe()} was closed while connecting")
+                raise NodeError(
+                    INTERNAL, f"the runner for {self.describe()} was closed while connecting"
+                )
             log.debug("connected to %s in %.2f s", self.describe(), time.monotonic() - started)
             return conn
 
@@ -359,21 +381,37 @@ class SSHRunner(Runner):
         # sshd runs what it is sent with the user's login shell (``$SHELL -c``), which may be
         # csh, tcsh or fish; the command is POSIX sh, so it goes to sh as one quoted word.
         try:
-            return self._exec(conn.transport, _remote_command(script, timeout), stdin or "", timeout, shown=command)
+            return self._exec(
+                conn.transport,
+                _remote_command(script, timeout),
+                stdin or "",
+                timeout,
+                shown=command,
+            )
         except (paramiko.SSHException, OSError, EOFError) as err:
             closed = self._closed
             self.close()
             if closed:
-                raise NodeError(INTERNAL, f"{_short(command)!r} was stopped: the runner was closed") from err
+                raise NodeError(
+                    INTERNAL, f"{_short(command)!r} was stopped: the runner was closed"
+                ) from err
             raise NodeError(SSH_ERROR, f"the connection to {self.describe()} broke: {err}") from err
 
     def _exec(
-        self, transport: paramiko.Transport, command: str, stdin: str, timeout: float | None, *, shown: str
+        self,
+        transport: paramiko.Transport,
+        command: str,
+        stdin: str,
+        timeout: float | None,
+        *,
+        shown: str,
     ) -> CommandResult:
         chan = transport.open_session(timeout=self.ssh.connect_timeout_s)
         try:
             chan.exec_command(command)
-            feeder = threading.Thread(target=_feed, args=(chan, stdin.encode()), daemon=True, name="ssh-stdin")
+            feeder = threading.Thread(
+                target=_feed, args=(chan, stdin.encode()), daemon=True, name="ssh-stdin"
+            )
             feeder.start()
             out, err = bytearray(), bytearray()
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -393,11 +431,15 @@ class SSHRunner(Runner):
                     if eof or time.monotonic() - exited_at > EXIT_DRAIN_S:
                         break
                 if deadline is not None and time.monotonic() > deadline:
-                    raise NodeError(TIMEOUT, f"{_short(shown)!r} did not finish within {timeout:g} s")
+                    raise NodeError(
+                        TIMEOUT, f"{_short(shown)!r} did not finish within {timeout:g} s"
+                    )
                 if not transport.is_active():
                     raise EOFError("the SSH transport closed")
                 select.select([chan], [], [], 0.05)
-            return CommandResult(out.decode(errors="replace"), err.decode(errors="replace"), chan.recv_exit_status())
+            return CommandResult(
+                out.decode(errors="replace"), err.decode(errors="replace"), chan.recv_exit_status()
+            )
         finally:
             chan.close()
 
@@ -440,7 +482,9 @@ class GroupResult(dict[str, Any], Generic[T]):
         return {k: v for k, v in self.items() if isinstance(v, BaseException)}
 
 
-def fan_out(nodes: Sequence[NodeSpec], fn: Callable[[NodeSpec], T], max_parallel: int = 32) -> GroupResult[T]:
+def fan_out(
+    nodes: Sequence[NodeSpec], fn: Callable[[NodeSpec], T], max_parallel: int = 32
+) -> GroupResult[T]:
     """``fn(node)`` for every node, at most ``max_parallel`` at once; every result or exception
     kept. Interrupted, it stops the nodes' work and re-raises at once (see ``parallel_map``)."""
     outcomes = parallel_map(fn, nodes, max_parallel)
@@ -507,8 +551,10 @@ def parallel_map(
             except BaseException as err:  # noqa: BLE001 - every item's outcome is kept
                 outcomes[index] = err
 
-    threads = [threading.Thread(target=work, name=f"fan-out-{i}", daemon=True)
-               for i in range(max(1, min(max_parallel, len(items))))]
+    threads = [
+        threading.Thread(target=work, name=f"fan-out-{i}", daemon=True)
+        for i in range(max(1, min(max_parallel, len(items))))
+    ]
     try:
         for thread in threads:
             thread.start()
@@ -544,7 +590,9 @@ class RevokedHostKeyError(paramiko.SSHException):
         self.key = key
 
 
-def load_known_hosts(path: Path) -> tuple[list[paramiko.hostkeys.HostKeyEntry], set[tuple[str, bytes]]]:
+def load_known_hosts(
+    path: Path,
+) -> tuple[list[paramiko.hostkeys.HostKeyEntry], set[tuple[str, bytes]]]:
     """``path``'s host keys and its ``@revoked`` keys (as ``(type, blob)``), read as OpenSSH does.
 
     paramiko's own loader raises on lines OpenSSH writes or tolerates. Here a
@@ -559,7 +607,8 @@ def load_known_hosts(path: Path) -> tuple[list[paramiko.hostkeys.HostKeyEntry], 
         return [], set()
     except OSError as err:
         raise NodeError(
-            SSH_ERROR, f"cannot read the known_hosts file {path} (ssh.known_hosts): {err.strerror or err}"
+            SSH_ERROR,
+            f"cannot read the known_hosts file {path} (ssh.known_hosts): {err.strerror or err}",
         ) from err
     entries: list[paramiko.hostkeys.HostKeyEntry] = []
     revoked: set[tuple[str, bytes]] = set()
@@ -575,11 +624,20 @@ def load_known_hosts(path: Path) -> tuple[list[paramiko.hostkeys.HostKeyEntry], 
                 log.warning("%s:%d: unknown marker %s; line skipped", path, lineno, marker)
                 continue
             if marker == "@cert-authority":
-                log.debug("%s:%d: @cert-authority skipped (host certificates are not supported)", path, lineno)
+                log.debug(
+                    "%s:%d: @cert-authority skipped (host certificates are not supported)",
+                    path,
+                    lineno,
+                )
                 continue
         try:
             entry = paramiko.hostkeys.HostKeyEntry.from_line(line, lineno)
-        except (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError, IndexError) as err:
+        except (
+            paramiko.hostkeys.InvalidHostKey,
+            paramiko.SSHException,
+            ValueError,
+            IndexError,
+        ) as err:
             log.warning("%s:%d: not a host key line (%s); skipped", path, lineno, err)
             continue
         if entry is None:  # a key type paramiko does not know, or too few fields
@@ -602,7 +660,9 @@ class _RefuseUnknownHostKey(paramiko.RejectPolicy):
     def __init__(self, revoked: set[tuple[str, bytes]] | None = None):
         self.revoked = revoked or set()
 
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
         _refuse_revoked(key, self.revoked)
         raise UnknownHostKeyError(hostname, key)
 
@@ -620,7 +680,9 @@ class _RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
         self.path = path
         self.revoked = revoked or set()
 
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
         _refuse_revoked(key, self.revoked)  # never accepted, not even on opt-in
         client.get_host_keys().add(hostname, key.get_name(), key)
         line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line()
@@ -629,7 +691,13 @@ class _RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             with os.fdopen(fd, "a") as fh:
                 fh.write(line)
-        log.warning("accepted new host key for %s (%s %s) into %s", hostname, key.get_name(), key.fingerprint, self.path)
+        log.warning(
+            "accepted new host key for %s (%s %s) into %s",
+            hostname,
+            key.get_name(),
+            key.fingerprint,
+            self.path,
+        )
 
 
 def classify_ssh_error(err: BaseException, runner: SSHRunner) -> NodeError:
@@ -672,9 +740,14 @@ def classify_ssh_error(err: BaseException, runner: SSHRunner) -> NodeError:
             f"or add the public key to the node's authorized_keys",
         )
     if isinstance(err, FileNotFoundError) and ssh.key and str(ssh.key.expanduser()) in str(err):
-        return NodeError(AUTH_FAILED, f"key file {ssh.key} not found; fix ssh.key in the cluster file")
+        return NodeError(
+            AUTH_FAILED, f"key file {ssh.key} not found; fix ssh.key in the cluster file"
+        )
     if isinstance(err, socket.gaierror):
-        return NodeError(UNREACHABLE, f"cannot resolve host name {node.host!r} ({err.strerror}); check nodes[].host")
+        return NodeError(
+            UNREACHABLE,
+            f"cannot resolve host name {node.host!r} ({err.strerror}); check nodes[].host",
+        )
     if isinstance(err, TimeoutError):
         return NodeError(
             UNREACHABLE,
@@ -685,13 +758,27 @@ def classify_ssh_error(err: BaseException, runner: SSHRunner) -> NodeError:
         codes = {e.errno for e in err.errors.values() if isinstance(e, OSError)}
         err = OSError(next(iter(codes)) if len(codes) == 1 else None, str(err))
     if isinstance(err, OSError) and err.errno == errno.ECONNREFUSED:
-        return NodeError(UNREACHABLE, f"{node.host} refused the connection on port {node.port}: is sshd running, is the port right?")
-    if isinstance(err, OSError) and err.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT):
-        return NodeError(UNREACHABLE, f"no route to {node.host}:{node.port} ({os.strerror(err.errno)}): host down or wrong address")
+        return NodeError(
+            UNREACHABLE,
+            f"{node.host} refused the connection on port {node.port}: is sshd running, is the port right?",
+        )
+    if isinstance(err, OSError) and err.errno in (
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ETIMEDOUT,
+    ):
+        return NodeError(
+            UNREACHABLE,
+            f"no route to {node.host}:{node.port} ({os.strerror(err.errno)}): host down or wrong address",
+        )
     if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
-        return NodeError(UNREACHABLE, f"cannot connect to {node.host}:{node.port}: {err.strerror or err}")
+        return NodeError(
+            UNREACHABLE, f"cannot connect to {node.host}:{node.port}: {err.strerror or err}"
+        )
     if isinstance(err, paramiko.SSHException) and "banner" in str(err).lower():
-        return NodeError(UNREACHABLE, f"{node.host}:{node.port} did not speak SSH within {timeout:g} s: {err}")
+        return NodeError(
+            UNREACHABLE, f"{node.host}:{node.port} did not speak SSH within {timeout:g} s: {err}"
+        )
     return NodeError(SSH_ERROR, f"connecting to {where} failed: {type(err).__name__}: {err}")
 
 
@@ -714,8 +801,10 @@ def _remote_command(script: str, timeout: float | None) -> str:
     if timeout is None:
         return _for_login_shell(script)
     limit = math.ceil(timeout) + REMOTE_TIMEOUT_MARGIN_S
-    wrapper = (f"if timeout -k 1 5 true >/dev/null 2>&1; then exec timeout -k 5 {limit} sh -c {shlex.quote(script)}; "
-               f"else exec sh -c {shlex.quote(script)}; fi")
+    wrapper = (
+        f"if timeout -k 1 5 true >/dev/null 2>&1; then exec timeout -k 5 {limit} sh -c {shlex.quote(script)}; "
+        f"else exec sh -c {shlex.quote(script)}; fi"
+    )
     return _for_login_shell(wrapper)
 
 
@@ -740,8 +829,10 @@ def _for_login_shell(script: str) -> str:
         return f"sh -c {shlex.quote(script)}"
     encoded = base64.b64encode(script.encode()).decode()
     # Inside the single quotes: no ', newline, ! or backslash, so csh, tcsh and fish keep it as it is.
-    return (f"sh -c 's=$(echo {encoded} | base64 -d) && [ -n \"$s\" ] || "
-            f"{{ echo \"{BASE64_FAILED}\" >&2; exit 127; }}; eval \"$s\"'")
+    return (
+        f'sh -c \'s=$(echo {encoded} | base64 -d) && [ -n "$s" ] || '
+        f'{{ echo "{BASE64_FAILED}" >&2; exit 127; }}; eval "$s"\''
+    )
 
 
 def _known_hosts_name(node: NodeSpec) -> str:

@@ -67,7 +67,8 @@ def keep_handlers() -> Iterator[None]:
     """Within the block, attempts to replace the SIGINT/SIGTERM handlers are ignored (only
     where ours are installed; elsewhere, e.g. under a test runner, nothing changes)."""
     ours = threading.current_thread() is threading.main_thread() and all(
-        signal.getsignal(s) is _interrupt for s in (signal.SIGINT, signal.SIGTERM))
+        signal.getsignal(s) is _interrupt for s in (signal.SIGINT, signal.SIGTERM)
+    )
     if not ours:
         yield
         return

@@ -26,11 +26,15 @@ def netns_unavailable() -> str | None:
     if reason:
         return reason
     probe = f"lnchchk{os.getpid():x}"[:15]
-    made = subprocess.run(["ip", "link", "add", probe, "type", "bridge"], capture_output=True, text=True)
+    made = subprocess.run(
+        ["ip", "link", "add", probe, "type", "bridge"], capture_output=True, text=True
+    )
     if made.returncode != 0:
         return f"cannot create network devices here: {made.stderr.strip()}"
     subprocess.run(["ip", "link", "del", probe], capture_output=True)
-    made = subprocess.run(["unshare", "--mount", "--uts", "--net", "true"], capture_output=True, text=True)
+    made = subprocess.run(
+        ["unshare", "--mount", "--uts", "--net", "true"], capture_output=True, text=True
+    )
     if made.returncode != 0:
         return f"cannot create namespaces here: {made.stderr.strip()}"
     return None
@@ -79,7 +83,13 @@ def one_process_trainer_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
     metrics = tmp_path / "rank{rank}.jsonl"
     monkeypatch.setenv("LAUNCHER_METRICS_FILE", str(metrics))
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+    for name, value in dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    ).items():
         monkeypatch.setenv(name, value)
     return metrics

@@ -76,7 +76,12 @@ class NetnsCluster:
     """``n_nodes`` simulated nodes, each a network namespace running sshd (see the module doc)."""
 
     def __init__(
-        self, n_nodes: int, *, node_prefix: str = "node", ready_timeout_s: float = 20.0, bare_login: bool = False
+        self,
+        n_nodes: int,
+        *,
+        node_prefix: str = "node",
+        ready_timeout_s: float = 20.0,
+        bare_login: bool = False,
     ):
         if not 1 <= n_nodes <= 200:
             raise ValueError(f"n_nodes must be 1..200, not {n_nodes}")
@@ -146,7 +151,9 @@ class NetnsCluster:
 
     # -- the cluster file ---------------------------------------------------------------------
 
-    def cluster_dict(self, *, nodes: dict[str, dict[str, Any]] | None = None, **sections: Any) -> dict[str, Any]:
+    def cluster_dict(
+        self, *, nodes: dict[str, dict[str, Any]] | None = None, **sections: Any
+    ) -> dict[str, Any]:
         """A cluster spec for these nodes as a dict.
 
         ``nodes`` maps node names to overrides merged into that node's entry; a name that is
@@ -154,11 +161,18 @@ class NetnsCluster:
         are top-level sections (``ssh``, ``ray``, ``parity``) deep-merged into the defaults.
         """
         entries = {
-            name: {"name": name, "host": self.host(name), "port": 22, "python": str(self.node_python())}
+            name: {
+                "name": name,
+                "host": self.host(name),
+                "port": 22,
+                "python": str(self.node_python()),
+            }
             for name in self.node_names
         }
         for name, extra in (nodes or {}).items():
-            entries.setdefault(name, {"name": name, "port": 22, "python": str(self.node_python())}).update(extra)
+            entries.setdefault(
+                name, {"name": name, "port": 22, "python": str(self.node_python())}
+            ).update(extra)
         data: dict[str, Any] = {
             "nodes": list(entries.values()),
             "ssh": {
@@ -180,9 +194,14 @@ class NetnsCluster:
         wrapper = self.dir / "node-python"
         if not wrapper.exists():
             root = self.dir / "node-site"
-            shutil.copytree(Path(__file__).resolve().parents[1] / "launcher", root / "launcher",
-                            ignore=shutil.ignore_patterns("__pycache__"))
-            wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} "$@"\n')
+            shutil.copytree(
+                Path(__file__).resolve().parents[1] / "launcher",
+                root / "launcher",
+                ignore=shutil.ignore_patterns("__pycache__"),
+            )
+            wrapper.write_text(
+                f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} "$@"\n'
+            )
             wrapper.chmod(0o755)
         return wrapper
 
@@ -194,7 +213,9 @@ class NetnsCluster:
 
     # -- running things inside nodes ----------------------------------------------------------
 
-    def exec(self, node: str, cmd: str, *, timeout: float = 60.0, check: bool = False) -> subprocess.CompletedProcess[str]:
+    def exec(
+        self, node: str, cmd: str, *, timeout: float = 60.0, check: bool = False
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``sh -c cmd`` on a node: in its network, mount and UTS namespaces (as sshd sees them)."""
         pid = self._sshd[node].pid
         argv = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "sh", "-c", cmd]
@@ -274,7 +295,9 @@ class NetnsCluster:
         _run(["ip", "netns", "add", ns])
         self._created_ns.append(ns)
         _run(["ip", "link", "add", host_veth, "type", "veth", "peer", "name", node_veth])
-        _run(["ip", "link", "set", node_veth, "netns", ns])  # deleting the namespace deletes the pair
+        _run(
+            ["ip", "link", "set", node_veth, "netns", ns]
+        )  # deleting the namespace deletes the pair
         _run(["ip", "link", "set", host_veth, "master", self.bridge, "up"])
         _run(["ip", "-n", ns, "link", "set", node_veth, "name", "eth0"])
         _run(["ip", "-n", ns, "addr", "add", f"{self.host(node)}/24", "dev", "eth0"])
@@ -317,10 +340,27 @@ class NetnsCluster:
             f" && mkdir -p /root/.ray && mount -t tmpfs tmpfs /root/.ray{hide_rc}"
             f" && exec {SSHD} -f {config} -D -e"
         )
-        argv = ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script]
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+        ]
         with open(self.dir / f"{node}.sshd.log", "wb") as log:
             self._sshd[node] = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def _wait_ready(self, node: str, deadline: float) -> None:
@@ -328,7 +368,9 @@ class NetnsCluster:
         proc = self._sshd[node]
         while True:
             if proc.poll() is not None:
-                raise NetnsError(f"sshd on {node} exited with {proc.returncode}: {self.sshd_log(node)[-2000:]}")
+                raise NetnsError(
+                    f"sshd on {node} exited with {proc.returncode}: {self.sshd_log(node)[-2000:]}"
+                )
             try:
                 with socket.create_connection((self.host(node), 22), timeout=1.0) as sock:
                     if sock.recv(4).startswith(b"SSH-"):
@@ -336,7 +378,9 @@ class NetnsCluster:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise NetnsError(f"sshd on {node} did not accept connections within {self.ready_timeout_s} s")
+                raise NetnsError(
+                    f"sshd on {node} did not accept connections within {self.ready_timeout_s} s"
+                )
             time.sleep(0.05)
 
     def _index(self, node: str | int) -> int:
@@ -363,7 +407,9 @@ def reap_stale() -> list[str]:
         _kill_ns(ns)
         _run(["ip", "netns", "del", ns], check=False)
         reaped.append(ns)
-    live_pids = {int(n[len(NS_PREFIX) :].split("-")[0]) for n in _netns_names() if n.startswith(NS_PREFIX)}
+    live_pids = {
+        int(n[len(NS_PREFIX) :].split("-")[0]) for n in _netns_names() if n.startswith(NS_PREFIX)
+    }
     for link in json.loads(_run(["ip", "-j", "link", "show", "type", "bridge"]).stdout or "[]"):
         name = link.get("ifname", "")
         if name.startswith("lnb") and "x" in name:
@@ -463,7 +509,10 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def _exit_cleanly_on_sigterm() -> None:
     """Turn a plain SIGTERM (``timeout``, CI cancelling) into SystemExit so teardown runs."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
         signal.signal(signal.SIGTERM, _raise_system_exit)
 
 

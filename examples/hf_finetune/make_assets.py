@@ -25,14 +25,56 @@ import random
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SUBJECTS = ["the cat", "a dog", "my friend", "the teacher", "our neighbour", "the old man", "a child",
-            "the engineer", "her brother", "the farmer", "a bird", "the pilot"]
-VERBS = ["sees", "likes", "follows", "paints", "builds", "finds", "carries", "watches", "helps",
-         "visits", "remembers", "draws"]
-OBJECTS = ["a red house", "the green river", "an apple", "the small boat", "a long letter",
-           "the quiet garden", "a bright lamp", "the wooden table", "a new bicycle", "the blue door"]
-PLACES = ["in the morning", "near the station", "after dinner", "on the hill", "by the sea",
-          "under the bridge", "at school", "in the city"]
+SUBJECTS = [
+    "the cat",
+    "a dog",
+    "my friend",
+    "the teacher",
+    "our neighbour",
+    "the old man",
+    "a child",
+    "the engineer",
+    "her brother",
+    "the farmer",
+    "a bird",
+    "the pilot",
+]
+VERBS = [
+    "sees",
+    "likes",
+    "follows",
+    "paints",
+    "builds",
+    "finds",
+    "carries",
+    "watches",
+    "helps",
+    "visits",
+    "remembers",
+    "draws",
+]
+OBJECTS = [
+    "a red house",
+    "the green river",
+    "an apple",
+    "the small boat",
+    "a long letter",
+    "the quiet garden",
+    "a bright lamp",
+    "the wooden table",
+    "a new bicycle",
+    "the blue door",
+]
+PLACES = [
+    "in the morning",
+    "near the station",
+    "after dinner",
+    "on the hill",
+    "by the sea",
+    "under the bridge",
+    "at school",
+    "in the city",
+]
 BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 GPT_EOS = "<|endoftext|>"
 
@@ -56,7 +98,9 @@ def write_text(path: Path, *, n_bytes: int = 300_000, seed: int = 0) -> Path:
     return path
 
 
-def train_tokenizer(files: list[Path], out: Path, *, kind: str = "wordpiece", vocab_size: int = 512) -> Path:
+def train_tokenizer(
+    files: list[Path], out: Path, *, kind: str = "wordpiece", vocab_size: int = 512
+) -> Path:
     """A WordPiece (BERT, lower-cased) or byte-level BPE (GPT-2 style) tokenizer, saved to ``out``."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -66,16 +110,29 @@ def train_tokenizer(files: list[Path], out: Path, *, kind: str = "wordpiece", vo
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tokenizer.decoder = decoders.WordPiece()
         trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=BERT_SPECIAL)
-        config = {"cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]",
-                  "pad_token": "[PAD]", "unk_token": "[UNK]", "do_lower_case": True,
-                  "tokenizer_class": "BertTokenizerFast"}
+        config = {
+            "cls_token": "[CLS]",
+            "sep_token": "[SEP]",
+            "mask_token": "[MASK]",
+            "pad_token": "[PAD]",
+            "unk_token": "[UNK]",
+            "do_lower_case": True,
+            "tokenizer_class": "BertTokenizerFast",
+        }
     else:
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[GPT_EOS],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        config = {"eos_token": GPT_EOS, "bos_token": GPT_EOS, "tokenizer_class": "GPT2TokenizerFast"}
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[GPT_EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        config = {
+            "eos_token": GPT_EOS,
+            "bos_token": GPT_EOS,
+            "tokenizer_class": "GPT2TokenizerFast",
+        }
     tokenizer.train([str(f) for f in files], trainer)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -91,8 +148,15 @@ def make_bert(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     from launcher.train.hf import save_pretrained
     from launcher.train.model import build_model
 
-    spec = ModelSpec(arch="bert", n_layers=2, d_model=64, n_heads=2, d_ff=256,
-                     vocab_size=vocab_size, max_positions=128)
+    spec = ModelSpec(
+        arch="bert",
+        n_layers=2,
+        d_model=64,
+        n_heads=2,
+        d_ff=256,
+        vocab_size=vocab_size,
+        max_positions=128,
+    )
     torch.manual_seed(seed)
     model = build_model(spec)
     save_pretrained(model.state_dict(), spec, out)
@@ -101,14 +165,20 @@ def make_bert(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE / "assets", help="where to write (default: %(default)s)")
-    parser.add_argument("--text-mb", type=float, default=0.3, help="size of the corpus (default: %(default)s MB)")
+    parser.add_argument(
+        "--out", type=Path, default=HERE / "assets", help="where to write (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--text-mb", type=float, default=0.3, help="size of the corpus (default: %(default)s MB)"
+    )
     args = parser.parse_args()
     text = write_text(args.out / "text" / "corpus.txt", n_bytes=int(args.text_mb * 1e6))
     tokenizer = train_tokenizer([text], args.out / "tokenizer", vocab_size=1024)
     from tokenizers import Tokenizer
 
-    vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size(
+        with_added_tokens=True
+    )
     make_bert(args.out / "bert-tiny", vocab_size=vocab)
     print(f"wrote {text}, {tokenizer} ({vocab} tokens) and {args.out / 'bert-tiny'}")
 

@@ -89,8 +89,9 @@ class JobsCluster:
             if details.submission_id == job_id:
                 return details
         known = ", ".join(j.submission_id for j in jobs) or "none"
-        raise UsageError(f"no job {job_id!r} on this cluster; known job ids: {known} "
-                         f"(`launch list` shows them)")
+        raise UsageError(
+            f"no job {job_id!r} on this cluster; known job ids: {known} (`launch list` shows them)"
+        )
 
     def logs(self, details: Any) -> str:
         """The driver's log so far ("" while Ray has not started the driver: the log request
@@ -114,7 +115,9 @@ def connect(cluster: ClusterSpec, *, start: bool = False) -> Iterator[JobsCluste
             head = heads.local_head(start=start)
             if head is None:
                 raise NoJobs()
-            yield JobsCluster("local", cluster, _client(head.jobs_url, head.token()), head.jobs_url, head)
+            yield JobsCluster(
+                "local", cluster, _client(head.jobs_url, head.token()), head.jobs_url, head
+            )
         else:
             with _bootstrapped(cluster, start=start) as jobs:
                 yield jobs
@@ -161,14 +164,23 @@ def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]
                 except (PreflightError, OSError) as err:
                     if not (start and isinstance(err, NoToken)):
                         raise _not_answering(saved, err) from err
-                    log.warning("the launcher's Ray on %s is gone (%s); starting it again",
-                                saved.nodes[0].name, first_line(err))
+                    log.warning(
+                        "the launcher's Ray on %s is gone (%s); starting it again",
+                        saved.nodes[0].name,
+                        first_line(err),
+                    )
                     saved = _bootstrap(cluster)  # its record replaces the old one once it runs
                     url, token = stack.enter_context(_tunnel(saved, token=True))
         yield JobsCluster("bootstrap", saved, _client(url, token), url)
 
 
-RAY_NODE_FIELDS = ("name", "host", "port", "user", "python")  # what the running Ray was started with
+RAY_NODE_FIELDS = (
+    "name",
+    "host",
+    "port",
+    "user",
+    "python",
+)  # what the running Ray was started with
 
 
 def _check_same(saved: ClusterSpec, cluster: ClusterSpec) -> None:
@@ -176,20 +188,27 @@ def _check_same(saved: ClusterSpec, cluster: ClusterSpec) -> None:
     SSH users, interpreters) or Ray settings than the cluster file gives now: a job submitted to
     it would run on the saved ones. What the nodes' Ray does not depend on (their env, gpus,
     parity policies, SSH options) may change: the submission carries the cluster file as it is."""
-    differ = [f"node {a.name if a.name == b.name else f'{a.name}/{b.name}'}: {key} {getattr(a, key)!r} → {getattr(b, key)!r}"
-              for a, b in zip(saved.nodes, cluster.nodes, strict=False)
-              for key in RAY_NODE_FIELDS if getattr(a, key) != getattr(b, key)]
+    differ = [
+        f"node {a.name if a.name == b.name else f'{a.name}/{b.name}'}: {key} {getattr(a, key)!r} → {getattr(b, key)!r}"
+        for a, b in zip(saved.nodes, cluster.nodes, strict=False)
+        for key in RAY_NODE_FIELDS
+        if getattr(a, key) != getattr(b, key)
+    ]
     if len(saved.nodes) != len(cluster.nodes):
         differ.append(f"{len(saved.nodes)} node(s) → {len(cluster.nodes)}")
     saved_ray = saved.ray.model_copy(update={"dashboard": cluster.ray.dashboard})
-    differ += [f"ray.{key} {getattr(saved_ray, key)!r} → {getattr(cluster.ray, key)!r}"
-               for key in type(saved_ray).model_fields if getattr(saved_ray, key) != getattr(cluster.ray, key)]
+    differ += [
+        f"ray.{key} {getattr(saved_ray, key)!r} → {getattr(cluster.ray, key)!r}"
+        for key in type(saved_ray).model_fields
+        if getattr(saved_ray, key) != getattr(cluster.ray, key)
+    ]
     if differ:
         head = saved.nodes[0]
         raise UsageError(
             f"the launcher's Ray on {head.name} ({head.host}) was started for other nodes than the "
             f"cluster file gives now ({'; '.join(differ[:5])}{'; …' if len(differ) > 5 else ''}); "
-            f"`launch down --yes` first (it stops that Ray and its jobs), then submit again")
+            f"`launch down --yes` first (it stops that Ray and its jobs), then submit again"
+        )
 
 
 def _not_answering(saved: ClusterSpec, err: BaseException) -> PreflightError:
@@ -197,7 +216,8 @@ def _not_answering(saved: ClusterSpec, err: BaseException) -> PreflightError:
     return PreflightError(
         f"the Ray the launcher started on {head.name} ({head.host}) does not answer: {first_line(err)}. "
         f"It may have been stopped; `launch down --yes` stops what is left of it and forgets it, the "
-        f"next `launch submit` starts it again")
+        f"next `launch submit` starts it again"
+    )
 
 
 def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
@@ -238,22 +258,33 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
     try:
         try:
             connection = paramiko_connection(runner)
-            result = runner.run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10) if token else None
+            result = (
+                runner.run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10)
+                if token
+                else None
+            )
         except NodeError as err:
-            raise PreflightError(f"cannot reach the head node {head.name} ({head.host}) over SSH: {err}") from err
+            raise PreflightError(
+                f"cannot reach the head node {head.name} ({head.host}) over SSH: {err}"
+            ) from err
         secret = None
         if result is not None:
             if not result.ok or not result.stdout.strip():
-                raise NoToken(f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
-                                     f"is missing): Ray is not running there")
+                raise NoToken(
+                    f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
+                    f"is missing): Ray is not running there"
+                )
             secret = result.stdout.strip()
         local_port = free_port()
         url = f"http://127.0.0.1:{local_port}"
         inner: BaseException | None = None
         try:
             with connection.forward_local(
-                    local_port, remote_port=cluster.ray.dashboard_port, remote_host="127.0.0.1",
-                    local_host="127.0.0.1"):
+                local_port,
+                remote_port=cluster.ray.dashboard_port,
+                remote_host="127.0.0.1",
+                local_host="127.0.0.1",
+            ):
                 try:
                     _wait_listening(local_port)
                     # Nothing on the head's dashboard port: the tunnel's thread dies at the first
@@ -262,7 +293,8 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
                     if heads.api_status(url, secret) is None:
                         raise PreflightError(
                             f"Ray's Jobs API on {head.name} (127.0.0.1:{cluster.ray.dashboard_port} there, "
-                            f"through the SSH tunnel) does not answer")
+                            f"through the SSH tunnel) does not answer"
+                        )
                     yield url, secret
                 except BaseException as err:
                     inner = err
@@ -345,6 +377,7 @@ class _Guarded:
             except api_failures() as err:
                 raise PreflightError(
                     f"the Ray Jobs API at {self._url} failed ({name}): {first_line(err)}. Check that the "
-                    f"cluster's Ray still runs (`launch status`); `--debug` shows the traceback") from err
+                    f"cluster's Ray still runs (`launch status`); `--debug` shows the traceback"
+                ) from err
 
         return call

@@ -38,8 +38,15 @@ POLL_S = 0.5
 log = logging.getLogger(__name__)
 
 
-def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_dir: Path | None,
-           skip_parity: bool, as_json: bool) -> dict[str, Any]:
+def submit(
+    job: JobSpec,
+    cluster: ClusterSpec,
+    *,
+    cluster_file: str | None,
+    run_dir: Path | None,
+    skip_parity: bool,
+    as_json: bool,
+) -> dict[str, Any]:
     """Preflight here, then the job to the cluster's Ray Jobs; returns ``{job_id, name, cluster,
     run_dir}`` once Ray has it."""
     from launcher.jobs.driver import CODE_DIR, SUBMISSION_FILE
@@ -55,13 +62,17 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
         # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs. Only
         # for the local head, whose token goes in a header: Ray reads its auth settings when it
         # is imported, and a bootstrap sets them first.
-        threading.Thread(target=importlib.import_module, args=("ray.job_submission",), daemon=True).start()
+        threading.Thread(
+            target=importlib.import_module, args=("ray.job_submission",), daemon=True
+        ).start()
     nodes = nodes_for_job(cluster, job)
     code = checked_code(job, cluster)  # what a foreground run refuses, submit refuses too
     job_id = f"{job.name}-{utc_stamp()}-{secrets.token_hex(2)}"
     with tempfile.TemporaryDirectory(prefix="launcher-submit-") as tmp:
         upload = Path(tmp)
-        facts = preflight_facts(job, cluster, skip=skip_parity, run_dir=RunDir(upload), show=not as_json)
+        facts = preflight_facts(
+            job, cluster, skip=skip_parity, run_dir=RunDir(upload), show=not as_json
+        )
         workers = worker_counts(job, nodes, facts)
         with connect(cluster, start=True) as jobs:
             release = None
@@ -79,8 +90,11 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
                 from launcher.jobs.head import reservation_head
 
                 release = RunDir.reserve(
-                    Path(where), job_id, lookup=lambda other: _job_status(jobs, other),
-                    head=reservation_head(jobs.local_head) if jobs.local_head is not None else None)
+                    Path(where),
+                    job_id,
+                    lookup=lambda other: _job_status(jobs, other),
+                    head=reservation_head(jobs.local_head) if jobs.local_head is not None else None,
+                )
             else:  # a path on the head; relative ones are under its home directory (the driver claims it)
                 where = str(run_dir or Path("runs") / job_id)
             with _released_unless_submitted(release):
@@ -91,12 +105,25 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
                             snapshot.rename(upload / CODE_DIR)
                         finally:
                             shutil.rmtree(snapshot, ignore_errors=True)  # gone once renamed
-                    write_private(upload / SUBMISSION_FILE, json.dumps({
-                        "job_id": job_id, "job": job.model_dump(mode="json"),
-                        # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
-                        "cluster": cluster.model_copy(update={"ray": jobs.cluster.ray}).model_dump(mode="json"),
-                        "facts": {n: f.gpus for n, f in facts.items()} if facts is not None else None,
-                        "skip_parity": skip_parity, "run_dir": where}) + "\n")
+                    write_private(
+                        upload / SUBMISSION_FILE,
+                        json.dumps(
+                            {
+                                "job_id": job_id,
+                                "job": job.model_dump(mode="json"),
+                                # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
+                                "cluster": cluster.model_copy(
+                                    update={"ray": jobs.cluster.ray}
+                                ).model_dump(mode="json"),
+                                "facts": {n: f.gpus for n, f in facts.items()}
+                                if facts is not None
+                                else None,
+                                "skip_parity": skip_parity,
+                                "run_dir": where,
+                            }
+                        )
+                        + "\n",
+                    )
                 except OSError as err:  # an unreadable file in the workdir, a full disk
                     raise _staging_failed(err, code, upload) from err
                 python = sys.executable if jobs.head_is_local else jobs.head.interpreter()
@@ -107,24 +134,39 @@ def submit(job: JobSpec, cluster: ClusterSpec, *, cluster_file: str | None, run_
                 jobs.client.submit_job(
                     entrypoint=f"exec {shlex.quote(python)} -m launcher.jobs.driver {SUBMISSION_FILE}",
                     submission_id=job_id,
-                    runtime_env={"working_dir": str(upload), "env_vars": {
-                        "RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait)}},
-                    metadata={META_KEY: __version__, "name": job.name, "run_id": job_id,
-                              "world_size": str(sum(workers.values())), "nodes": str(len(nodes)),
-                              "node_names": ",".join(n.name for n in nodes), "run_dir": where})
+                    runtime_env={
+                        "working_dir": str(upload),
+                        "env_vars": {
+                            "RAY_JOB_STOP_SIGNAL": "SIGINT",
+                            "RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait),
+                        },
+                    },
+                    metadata={
+                        META_KEY: __version__,
+                        "name": job.name,
+                        "run_id": job_id,
+                        "world_size": str(sum(workers.values())),
+                        "nodes": str(len(nodes)),
+                        "node_names": ",".join(n.name for n in nodes),
+                        "run_dir": where,
+                    },
+                )
     where_cluster = cluster_file or "this machine"
     out = {"job_id": job_id, "name": job.name, "cluster": where_cluster, "run_dir": where}
     if as_json:
         print(json.dumps(out), flush=True)
     else:
         flag = f" --cluster {shlex.quote(cluster_file)}" if cluster_file else ""
-        print(f"Submitted job {job_id} ({sum(workers.values())} rank(s) on {len(nodes)} node(s)); "
-              f"run directory {where}{'' if jobs.head_is_local else ' on ' + jobs.head.name}\n"
-              f"Follow it:\n"
-              f"  launch status {job_id}{flag}\n"
-              f"  launch logs {job_id} --follow{flag}\n"
-              f"  launch stop {job_id}{flag}\n"
-              f"  launch fetch {job_id}{flag}   # the run directory, here", flush=True)
+        print(
+            f"Submitted job {job_id} ({sum(workers.values())} rank(s) on {len(nodes)} node(s)); "
+            f"run directory {where}{'' if jobs.head_is_local else ' on ' + jobs.head.name}\n"
+            f"Follow it:\n"
+            f"  launch status {job_id}{flag}\n"
+            f"  launch logs {job_id} --follow{flag}\n"
+            f"  launch stop {job_id}{flag}\n"
+            f"  launch fetch {job_id}{flag}   # the run directory, here",
+            flush=True,
+        )
     return out
 
 
@@ -149,8 +191,12 @@ def list_jobs(cluster: ClusterSpec, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps([job_state.to_json(r) for r in rows]), flush=True)
     else:
-        print(job_state.render_table(rows) if rows else "no jobs: nothing was submitted on this cluster",
-              flush=True)
+        print(
+            job_state.render_table(rows)
+            if rows
+            else "no jobs: nothing was submitted on this cluster",
+            flush=True,
+        )
     return 0
 
 
@@ -187,13 +233,17 @@ def _logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
         try:
             asyncio.run(_tail(jobs, job_id))
         except KeyboardInterrupt:
-            print(f"\nstopped following; job {job_id} goes on (`launch stop {job_id}` stops it)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\nstopped following; job {job_id} goes on (`launch stop {job_id}` stops it)",
+                file=sys.stderr,
+                flush=True,
+            )
             return 0
         except api_failures() as err:  # the log stream broke off (Ray stopped, the tunnel closed)
             raise PreflightError(
                 f"following job {job_id} stopped: the Ray Jobs API at {jobs.url} broke off the log "
-                f"stream ({first_line(err)}); the job may go on (`launch status {job_id}`)") from err
+                f"stream ({first_line(err)}); the job may go on (`launch status {job_id}`)"
+            ) from err
         _out(f"job {job_id} ended: {_shown(jobs, jobs.job(job_id))}")
     return 0
 
@@ -203,10 +253,16 @@ def stop(cluster: ClusterSpec, job_id: str) -> int:
     with _connect_for(cluster, job_id) as jobs:
         details = jobs.job(job_id)
         if _status(details) not in ACTIVE:
-            print(f"job {job_id} has already ended ({_shown(jobs, details)}); nothing to stop", flush=True)
+            print(
+                f"job {job_id} has already ended ({_shown(jobs, details)}); nothing to stop",
+                flush=True,
+            )
             return 0
         jobs.client.stop_job(job_id)
-        print(f"Stopping job {job_id}: its driver stops every worker and writes its summary", flush=True)
+        print(
+            f"Stopping job {job_id}: its driver stops every worker and writes its summary",
+            flush=True,
+        )
         details = _wait_ended(jobs, job_id, timeout_s=_stop_wait(details) + 15)
         print(f"job {job_id}: {_shown(jobs, details)}", flush=True)
     return 0
@@ -224,7 +280,8 @@ def fetch(cluster: ClusterSpec, job_id: str, *, to: Path | None) -> Path:
         if row["run_dir"] is None:
             raise UsageError(
                 f"job {job_id} has no run directory to fetch ({row['status']}): {row['no_run_dir']}. "
-                f"Nothing was fetched; `launch logs {job_id}` shows its driver's output")
+                f"Nothing was fetched; `launch logs {job_id}` shows its driver's output"
+            )
         source = (details.metadata or {})["run_dir"]
         dest = (to or Path("runs") / job_id).resolve()
         if jobs.head_is_local and Path(source).resolve() == dest:
@@ -232,8 +289,11 @@ def fetch(cluster: ClusterSpec, job_id: str, *, to: Path | None) -> Path:
             return dest
         copy_dir(jobs.head, jobs.cluster.ssh, source, dest)
         note = " (a snapshot: the job is still running)" if _status(details) in ACTIVE else ""
-        print(f"Fetched {source} from {jobs.head.name} into {dest}{note}\n"
-              f"  launch report {shlex.quote(str(dest))}", flush=True)
+        print(
+            f"Fetched {source} from {jobs.head.name} into {dest}{note}\n"
+            f"  launch report {shlex.quote(str(dest))}",
+            flush=True,
+        )
     return dest
 
 
@@ -242,8 +302,11 @@ def down(cluster: ClusterSpec, *, yes: bool) -> int:
     from launcher.jobs.head import jobs_lock
 
     if cluster.ray.address is not None:
-        print(f"the Ray at ray.address {cluster.ray.address} is not the launcher's: `launch down` "
-              f"stops only a Ray the launcher started; nothing stopped", flush=True)
+        print(
+            f"the Ray at ray.address {cluster.ray.address} is not the launcher's: `launch down` "
+            f"stops only a Ray the launcher started; nothing stopped",
+            flush=True,
+        )
         return 0
     # From listing the jobs to stopping Ray: a submission waits (and starts Ray again after),
     # so the jobs stopped with Ray are exactly those listed (and confirmed, without --yes).
@@ -258,7 +321,8 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
             if active and not yes:
                 raise UsageError(
                     f"{len(active)} job(s) still running: {', '.join(d.submission_id for d in active)}; "
-                    f"stop them first (`launch stop ID`) or pass --yes to stop them and Ray")
+                    f"stop them first (`launch stop ID`) or pass --yes to stop them and Ray"
+                )
             for details in active:
                 jobs.client.stop_job(details.submission_id)
             for details in active:
@@ -303,7 +367,8 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
             raise PreflightError(
                 f"stopped the launcher's Ray on {', '.join(stopped) or 'no node'}, but could not reach "
                 f"{', '.join(left)}: Ray may still run there (stop it with `ray stop` on each). The "
-                f"launcher has forgotten this cluster")
+                f"launcher has forgotten this cluster"
+            )
         print(f"Stopped the launcher's Ray on {', '.join(stopped)}", flush=True)
     return 0
 
@@ -314,12 +379,17 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
 def _staging_failed(err: OSError, code: Any, upload: Path) -> PreflightError:
     """The files of a submission could not be put together on this machine (exit 3)."""
     what = f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
-    fix = (f"make every file of the workdir {code.workdir} readable or leave it out with "
-           f"entrypoint.exclude, and " if code is not None and code.travels else "")
+    fix = (
+        f"make every file of the workdir {code.workdir} readable or leave it out with "
+        f"entrypoint.exclude, and "
+        if code is not None and code.travels
+        else ""
+    )
     return PreflightError(
         f"could not stage the job's files for submission: {what}. Nothing was "
         f"submitted and nothing was started; {fix}check that {upload.parent} has free space (TMPDIR "
-        f"picks another folder), then submit again")
+        f"picks another folder), then submit again"
+    )
 
 
 @contextlib.contextmanager
@@ -333,8 +403,11 @@ def _released_unless_submitted(release: Any) -> Iterator[None]:
             try:
                 release()
             except OSError as err:  # the submission's own error is the one to report
-                log.warning("could not free the reserved run directory (%s); the next run or "
-                            "submission with it takes it over", err)
+                log.warning(
+                    "could not free the reserved run directory (%s); the next run or "
+                    "submission with it takes it over",
+                    err,
+                )
         raise
 
 
@@ -345,8 +418,9 @@ def _connect_for(cluster: ClusterSpec, job_id: str) -> Iterator[JobsCluster]:
         with connect(cluster) as jobs:
             yield jobs
     except NoJobs:
-        raise UsageError(f"no job {job_id!r}: nothing was submitted on this cluster "
-                         f"(known job ids: none)") from None
+        raise UsageError(
+            f"no job {job_id!r}: nothing was submitted on this cluster (known job ids: none)"
+        ) from None
 
 
 async def _tail(jobs: JobsCluster, job_id: str) -> None:
@@ -364,7 +438,11 @@ async def _tail(jobs: JobsCluster, job_id: str) -> None:
 def _stop_wait(details: Any) -> float:
     """How long Ray gives this job's driver to tear down after SIGINT (set at submission from
     its ``launch.stop_grace_s``) before it sends SIGKILL."""
-    return float((details.runtime_env or {}).get("env_vars", {}).get("RAY_JOB_STOP_WAIT_TIME_S", STOP_WAIT_MIN_S))
+    return float(
+        (details.runtime_env or {})
+        .get("env_vars", {})
+        .get("RAY_JOB_STOP_WAIT_TIME_S", STOP_WAIT_MIN_S)
+    )
 
 
 def _wait_ended(jobs: JobsCluster, job_id: str, *, timeout_s: float) -> Any:

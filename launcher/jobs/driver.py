@@ -54,7 +54,11 @@ SUBMISSION_FILE = "submission.json"
 CODE_DIR = "code"
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 STATE_EVERY_S = 2.0  # running-state lines at most this often
-EXIT_CODES = {Status.SUCCEEDED: 0, Status.FAILED: EXIT_JOB_FAILED, Status.INTERRUPTED: EXIT_INTERRUPTED}
+EXIT_CODES = {
+    Status.SUCCEEDED: 0,
+    Status.FAILED: EXIT_JOB_FAILED,
+    Status.INTERRUPTED: EXIT_INTERRUPTED,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir = RunDir.claim(_on_this_node(submission["run_dir"]), job_id=submission["job_id"])
     except LauncherError as err:  # the folder is not this job's: nothing is written into it
         print(f"error: {err}", flush=True)
-        _final(job, None, Status.FAILED, reason=str(err))  # run_dir null: the folder is not this job's
+        _final(
+            job, None, Status.FAILED, reason=str(err)
+        )  # run_dir null: the folder is not this job's
         return err.exit_code
     try:
         return Driver(submission, job, run_dir).run()
@@ -98,29 +104,46 @@ class Driver:
         _leave_upload_out()
         cluster = ClusterSpec.model_validate(sub["cluster"])
         job = _with_shipped_code(self.job, Path.cwd() / CODE_DIR)
-        facts = {n: NodeFacts(gpus=g) for n, g in sub["facts"].items()} if sub["facts"] is not None else None
+        facts = (
+            {n: NodeFacts(gpus=g) for n, g in sub["facts"].items()}
+            if sub["facts"] is not None
+            else None
+        )
         # Attach to the Ray this driver runs on; Ray Jobs sets RAY_ADDRESS for it.
-        attached = cluster.model_copy(update={"ray": cluster.ray.model_copy(update={"address": "auto"})})
+        attached = cluster.model_copy(
+            update={"ray": cluster.ray.model_copy(update={"address": "auto"})}
+        )
         nodes = nodes_for_job(cluster, job)
         code = plan_code(job, nodes)
         self.run_dir.prepare(job, cluster)
         if Path("preflight").is_dir():
             shutil.copytree("preflight", self.run_dir.preflight, dirs_exist_ok=True)
-        print(f"Job {sub['job_id']}: run directory {self.run_dir.root} on {os.uname().nodename}",
-              flush=True)
+        print(
+            f"Job {sub['job_id']}: run directory {self.run_dir.root} on {os.uname().nodename}",
+            flush=True,
+        )
         session = open_session(attached, nodes, code)
         board = None
         try:
             ticket = queue.Ticket(
-                job_id=sub["job_id"], name=job.name,
+                job_id=sub["job_id"],
+                name=job.name,
                 demand=_demand(job, nodes, facts, session.node_ips),
-                node_names={ip: name for name, ip in session.node_ips.items()})
-            board = queue.wait_turn(ticket, alive=_alive_jobs, capacity=_capacity(),
-                                    on_wait=_waiting)
+                node_names={ip: name for name, ip in session.node_ips.items()},
+            )
+            board = queue.wait_turn(
+                ticket, alive=_alive_jobs, capacity=_capacity(), on_wait=_waiting
+            )
             emit({"state": "running", "step": None, "tokens_per_s": None})
-            outcome = DetachedLaunch(job=job, cluster=cluster, run_dir=self.run_dir, code=code,
-                                     skip_parity=sub["skip_parity"], session=session,
-                                     facts=facts).execute()
+            outcome = DetachedLaunch(
+                job=job,
+                cluster=cluster,
+                run_dir=self.run_dir,
+                code=code,
+                skip_parity=sub["skip_parity"],
+                session=session,
+                facts=facts,
+            ).execute()
         finally:
             if board is not None:
                 _quietly(lambda: _ray_get(board.end.remote(sub["job_id"])))
@@ -154,7 +177,14 @@ class StateLog(RunLog):
         news = (self._step, round(sum(self._rates.values()), 1) if self._rates else None)
         if self._step is not None and news != self._said and now - self._said_at >= STATE_EVERY_S:
             self._said_at, self._said = now, news
-            emit({"state": "running", "step": news[0], "tokens_per_s": news[1], "attempt": self.attempt})
+            emit(
+                {
+                    "state": "running",
+                    "step": news[0],
+                    "tokens_per_s": news[1],
+                    "attempt": self.attempt,
+                }
+            )
 
     def open(self, launch_plan: Any) -> None:
         if launch_plan.attempt != self.attempt:  # a restart: other ranks, perhaps fewer
@@ -179,18 +209,24 @@ def emit(state: dict[str, Any]) -> None:
 # -- the queue's inputs ----------------------------------------------------------------------
 
 
-def _demand(job: JobSpec, nodes: list, facts: dict[str, NodeFacts] | None,
-            node_ips: dict[str, str]) -> dict[str, dict[str, float]]:
+def _demand(
+    job: JobSpec, nodes: list, facts: dict[str, NodeFacts] | None, node_ips: dict[str, str]
+) -> dict[str, dict[str, float]]:
     """GPUs per node on cuda, worker processes (CPU slots) per node on cpu; by node address."""
     resource = "GPU" if job.resources.device == "cuda" else "CPU"
-    return {node_ips[name]: {resource: float(n)} for name, n in worker_counts(job, nodes, facts).items()}
+    return {
+        node_ips[name]: {resource: float(n)} for name, n in worker_counts(job, nodes, facts).items()
+    }
 
 
 def _capacity() -> dict[str, dict[str, float]]:
     import ray
 
-    return {n["NodeManagerAddress"]: {r: float(n["Resources"].get(r, 0.0)) for r in ("CPU", "GPU")}
-            for n in ray.nodes() if n.get("Alive")}
+    return {
+        n["NodeManagerAddress"]: {r: float(n["Resources"].get(r, 0.0)) for r in ("CPU", "GPU")}
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
 
 
 def _alive_jobs() -> list[queue.Alive]:
@@ -198,8 +234,11 @@ def _alive_jobs() -> list[queue.Alive]:
     from ray.job_submission import JobSubmissionClient
 
     jobs = JobSubmissionClient("auto").list_jobs()
-    return [queue.Alive(j.submission_id, (j.metadata or {}).get("name", ""), j.start_time or 0)
-            for j in jobs if META_KEY in (j.metadata or {}) and str(j.status.value) in ACTIVE]
+    return [
+        queue.Alive(j.submission_id, (j.metadata or {}).get("name", ""), j.start_time or 0)
+        for j in jobs
+        if META_KEY in (j.metadata or {}) and str(j.status.value) in ACTIVE
+    ]
 
 
 def _waiting(reason: str) -> None:
@@ -235,17 +274,26 @@ def _with_shipped_code(job: JobSpec, shipped: Path) -> JobSpec:
     entry = job.entrypoint
     workdir = Path(entry.workdir) if entry.workdir is not None else Path(entry.script).parent
     script = shipped / Path(entry.script).relative_to(workdir)
-    return job.model_copy(update={"entrypoint": entry.model_copy(
-        update={"workdir": str(shipped), "script": str(script)})})
+    return job.model_copy(
+        update={
+            "entrypoint": entry.model_copy(update={"workdir": str(shipped), "script": str(script)})
+        }
+    )
 
 
 def _done(status: Status, summary: dict[str, Any], run_dir: RunDir | None) -> dict[str, Any]:
     """The final state line; ``run_dir`` None: the job's folder was refused, it has none."""
     totals = summary.get("totals") or {}
-    return {"state": "done", "status": status.value, "tokens_per_s": totals.get("tokens_per_s"),
-            "mfu": totals.get("mfu"), "failure": summary.get("failure"),
-            "attempt": len(summary.get("restarts") or []), "world_size": summary.get("world_size"),
-            "run_dir": str(run_dir.root) if run_dir is not None else None}
+    return {
+        "state": "done",
+        "status": status.value,
+        "tokens_per_s": totals.get("tokens_per_s"),
+        "mfu": totals.get("mfu"),
+        "failure": summary.get("failure"),
+        "attempt": len(summary.get("restarts") or []),
+        "world_size": summary.get("world_size"),
+        "run_dir": str(run_dir.root) if run_dir is not None else None,
+    }
 
 
 def _final(job: JobSpec, run_dir: RunDir | None, status: Status, reason: str | None = None) -> None:

@@ -79,7 +79,8 @@ class UnreadableRecord(PreflightError):
     def __init__(self, path: Path, err: BaseException):
         super().__init__(
             f"the launcher's record {path} cannot be read ({first_line(err)}); `launch down --yes` "
-            f"stops what it recorded and forgets it")
+            f"stops what it recorded and forgets it"
+        )
 
 
 def state_dir() -> Path:
@@ -90,8 +91,12 @@ def state_dir() -> Path:
 
 
 def _state_root() -> Path:
-    return Path(os.environ.get(STATE_ENV) or os.path.join(
-        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "launcher"))
+    return Path(
+        os.environ.get(STATE_ENV)
+        or os.path.join(
+            os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "launcher"
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,8 @@ class LocalHead:
             raise PreflightError(
                 f"the launcher's Ray head on this machine has lost its token file {self.token_file} "
                 f"({err.strerror or err}); `launch down --yes` stops the head and forgets it, the next "
-                f"`launch submit` starts a new one") from err
+                f"`launch submit` starts a new one"
+            ) from err
 
     def answers(self) -> bool:
         """The process lives and its Jobs API answers an authenticated request."""
@@ -142,7 +148,8 @@ def local_head(*, start: bool) -> LocalHead | None:
                     raise PreflightError(
                         f"the launcher's Ray head on this machine (pid {head.pid}) does not answer at "
                         f"{head.jobs_url} within {ANSWER_WAIT_S:.0f} s; try again, or stop it with "
-                        f"`launch down --yes` (its start-up log: {folder / 'head.log'})")
+                        f"`launch down --yes` (its start-up log: {folder / 'head.log'})"
+                    )
                 time.sleep(0.5)
             return head
         if head is not None:  # its process is gone: clear what remains of it
@@ -159,8 +166,14 @@ def recorded_local_head() -> LocalHead | None:
     try:
         return _load(folder)
     except UnreadableRecord:
-        return LocalHead(pid=0, gcs_port=0, dashboard_port=0, agent_port=0, temp_dir=_temp_dir(folder),
-                         token_file=str(folder / "auth_token"))
+        return LocalHead(
+            pid=0,
+            gcs_port=0,
+            dashboard_port=0,
+            agent_port=0,
+            temp_dir=_temp_dir(folder),
+            token_file=str(folder / "auth_token"),
+        )
 
 
 def stop_local_head(head: LocalHead) -> None:
@@ -180,7 +193,13 @@ ABANDONED = "ABANDONED"  # a reserved job's status where its submission never re
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 MACHINE_ID = "/etc/machine-id"
 JOB_STATUS_TIMEOUT_S = 3.0
-IDENTITY = ("pid", "gcs_port", "dashboard_port", "agent_port", "temp_dir")  # a head, as its record names it
+IDENTITY = (
+    "pid",
+    "gcs_port",
+    "dashboard_port",
+    "agent_port",
+    "temp_dir",
+)  # a head, as its record names it
 
 
 def reservation_head(head: LocalHead) -> dict[str, object]:
@@ -189,7 +208,11 @@ def reservation_head(head: LocalHead) -> dict[str, object]:
     temp dir) and where it ran (this machine's host name, machine id, boot and PID namespace).
     An identity only, never a way to reach it: no token file, and the ports are only compared
     (``reserved_job_status``). Nothing in it is secret."""
-    return {**{key: getattr(head, key) for key in IDENTITY}, "start": _start_time(head.pid), **_this_machine()}
+    return {
+        **{key: getattr(head, key) for key in IDENTITY},
+        "start": _start_time(head.pid),
+        **_this_machine(),
+    }
 
 
 def reserved_job_status(record: dict[str, object], job_id: str, *, owner: int | None) -> str | None:
@@ -228,8 +251,11 @@ def reserved_job_status(record: dict[str, object], job_id: str, *, owner: int | 
         return None
     pid, *_, temp_dir = ident
     start = record.get("start")
-    if not (_pid_alive(pid) and _names(pid, temp_dir.encode())
-            and (start is None or _start_time(pid) in (None, start))):
+    if not (
+        _pid_alive(pid)
+        and _names(pid, temp_dir.encode())
+        and (start is None or _start_time(pid) in (None, start))
+    ):
         return GONE  # this user's processes are all seen here (same machine, boot, PID namespace)
     try:
         own = _own_head()
@@ -255,10 +281,17 @@ def _identity(record: Mapping[str, object]) -> tuple[int, int, int, int, str] | 
     wrong type, or empty (an empty temp dir would be named by every process)."""
     pid, gcs_port, dashboard_port, agent_port, temp_dir = (record.get(key) for key in IDENTITY)
     start = record.get("start")
-    if not (type(pid) is int and type(gcs_port) is int and type(dashboard_port) is int
-            and type(agent_port) is int and min(pid, gcs_port, dashboard_port, agent_port) > 0
-            and isinstance(temp_dir, str) and os.path.isabs(temp_dir) and temp_dir != "/"
-            and (start is None or type(start) is int)):
+    if not (
+        type(pid) is int
+        and type(gcs_port) is int
+        and type(dashboard_port) is int
+        and type(agent_port) is int
+        and min(pid, gcs_port, dashboard_port, agent_port) > 0
+        and isinstance(temp_dir, str)
+        and os.path.isabs(temp_dir)
+        and temp_dir != "/"
+        and (start is None or type(start) is int)
+    ):
         return None
     return pid, gcs_port, dashboard_port, agent_port, temp_dir
 
@@ -280,8 +313,10 @@ def _holds_jobs_lock() -> bool:
 def _job_status(url: str, token: str, job_id: str) -> str | None:
     """Ray's status of one job (``GET /api/jobs/<id>``); ``_UNKNOWN`` where the API answers 404;
     None where it does not say."""
-    request = urllib.request.Request(f"{url}/api/jobs/{urllib.parse.quote(job_id, safe='')}",
-                                     headers={"Authorization": f"Bearer {token}"})
+    request = urllib.request.Request(
+        f"{url}/api/jobs/{urllib.parse.quote(job_id, safe='')}",
+        headers={"Authorization": f"Bearer {token}"},
+    )
     try:
         with _direct().open(request, timeout=JOB_STATUS_TIMEOUT_S) as response:
             status = json.loads(response.read()).get("status")
@@ -297,8 +332,12 @@ def _direct() -> urllib.request.OpenerDirector:
     http_proxy says), and no redirect followed (urllib's would resend the token wherever it
     points): a 3xx is an HTTPError."""
     opener = urllib.request.OpenerDirector()
-    for handler in (urllib.request.ProxyHandler({}), urllib.request.HTTPHandler(),
-                    urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
+    for handler in (
+        urllib.request.ProxyHandler({}),
+        urllib.request.HTTPHandler(),
+        urllib.request.HTTPDefaultErrorHandler(),
+        urllib.request.HTTPErrorProcessor(),
+    ):
         opener.add_handler(handler)
     return opener
 
@@ -320,8 +359,12 @@ def no_proxy_for_loopback(env: dict[str, str] | os._Environ[str]) -> None:
 
 
 def _this_machine() -> dict[str, str | None]:
-    return {"host": os.uname().nodename, "machine": _read_id(MACHINE_ID), "boot": _read_id(BOOT_ID),
-            "pidns": _pid_namespace()}
+    return {
+        "host": os.uname().nodename,
+        "machine": _read_id(MACHINE_ID),
+        "boot": _read_id(BOOT_ID),
+        "pidns": _pid_namespace(),
+    }
 
 
 def _read_id(path: str) -> str | None:
@@ -383,7 +426,9 @@ def jobs_lock(cluster: ClusterSpec) -> Iterator[None]:
             yield
 
 
-ADDRESSES_KEY = "ray_start_addresses"  # in a cluster's record, beside its spec: node name -> address
+ADDRESSES_KEY = (
+    "ray_start_addresses"  # in a cluster's record, beside its spec: node name -> address
+)
 
 
 def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:
@@ -409,7 +454,9 @@ def saved_addresses(cluster: ClusterSpec) -> dict[str, str]:
     addresses = (record or {}).get(ADDRESSES_KEY)
     if not isinstance(addresses, dict):
         return {}
-    return {name: ip for name, ip in addresses.items() if isinstance(name, str) and isinstance(ip, str)}
+    return {
+        name: ip for name, ip in addresses.items() if isinstance(name, str) and isinstance(ip, str)
+    }
 
 
 def save_cluster(cluster: ClusterSpec, addresses: Mapping[str, str] | None = None) -> None:
@@ -482,7 +529,9 @@ def _load(folder: Path) -> LocalHead | None:
     except (OSError, ValueError, TypeError) as err:
         raise UnreadableRecord(path, err) from err
     fields = (head.pid, head.gcs_port, head.dashboard_port, head.agent_port)
-    if not all(type(v) is int for v in fields) or not all(isinstance(v, str) for v in (head.temp_dir, head.token_file)):
+    if not all(type(v) is int for v in fields) or not all(
+        isinstance(v, str) for v in (head.temp_dir, head.token_file)
+    ):
         raise UnreadableRecord(path, ValueError("a field has the wrong type"))
     return head
 
@@ -500,28 +549,65 @@ def _start(folder: Path) -> LocalHead:
     token_file = folder / "auth_token"
     write_private(token_file, secrets.token_hex(32) + "\n")
     temp_dir = _temp_dir(folder)
-    head = LocalHead(pid=0, gcs_port=free_port(), dashboard_port=free_port(), agent_port=free_port(),
-                     temp_dir=temp_dir, token_file=str(token_file))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),
-           "RAY_USAGE_STATS_ENABLED": "0", NICENESS_ENV: "0",
-           # When an agent's process dies (its driver was killed), the raylet would SIGKILL the
-           # agent's children, torchrun among them, and torchrun's workers (each in a session
-           # of its own) would live on. Without that, torchrun gets the agent's death signal
-           # (PR_SET_PDEATHSIG: SIGTERM) and stops its workers itself.
-           KILL_CHILDREN_ENV: "0"}
+    head = LocalHead(
+        pid=0,
+        gcs_port=free_port(),
+        dashboard_port=free_port(),
+        agent_port=free_port(),
+        temp_dir=temp_dir,
+        token_file=str(token_file),
+    )
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token_file),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        NICENESS_ENV: "0",
+        # When an agent's process dies (its driver was killed), the raylet would SIGKILL the
+        # agent's children, torchrun among them, and torchrun's workers (each in a session
+        # of its own) would live on. Without that, torchrun gets the agent's death signal
+        # (PR_SET_PDEATHSIG: SIGTERM) and stops its workers itself.
+        KILL_CHILDREN_ENV: "0",
+    }
     for name in ("RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # this head's token and address, no one else's
         env.pop(name, None)
-    no_proxy_for_loopback(env)  # its drivers ask its 127.0.0.1 Jobs API (JobSubmissionClient("auto"))
-    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-            "--port", str(head.gcs_port), "--include-dashboard", "true",
-            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(head.dashboard_port),
-            "--ray-client-server-port", str(free_port()),
-            "--dashboard-agent-listen-port", str(head.agent_port),
-            "--temp-dir", temp_dir, "--disable-usage-stats"]
+    no_proxy_for_loopback(
+        env
+    )  # its drivers ask its 127.0.0.1 Jobs API (JobSubmissionClient("auto"))
+    argv = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--block",
+        "--port",
+        str(head.gcs_port),
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(head.dashboard_port),
+        "--ray-client-server-port",
+        str(free_port()),
+        "--dashboard-agent-listen-port",
+        str(head.agent_port),
+        "--temp-dir",
+        temp_dir,
+        "--disable-usage-stats",
+    ]
     log.info("Starting the launcher's Ray head on this machine for detached jobs")
     with open(folder / "head.log", "wb") as out:
-        proc = subprocess.Popen(argv, env=env, cwd=folder, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=folder,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     head = LocalHead(**{**asdict(head), "pid": proc.pid})
     deadline = time.monotonic() + START_TIMEOUT_S
     # Ready once the Jobs API answers and the agent listens (else the first submission waits
@@ -535,7 +621,8 @@ def _start(folder: Path) -> LocalHead:
                     f"({'it exited' if proc.returncode is not None else 'no answer'} after "
                     f"{START_TIMEOUT_S - max(0.0, deadline - time.monotonic()):.0f} s): "
                     f"{' | '.join(tail) or 'no output'}. Its log is {folder / 'head.log'}; check free "
-                    f"memory and /tmp space")
+                    f"memory and /tmp space"
+                )
             time.sleep(0.25)
         write_private(folder / "head.json", json.dumps(asdict(head)) + "\n")
     except BaseException:  # the error above, Ctrl-C, SIGTERM

@@ -49,8 +49,12 @@ class Alive:
     submitted_ms: int
 
 
-def decide(me: Ticket, alive: list[Alive], started: dict[str, Ticket],
-           capacity: dict[str, dict[str, float]]) -> str | None:
+def decide(
+    me: Ticket,
+    alive: list[Alive],
+    started: dict[str, Ticket],
+    capacity: dict[str, dict[str, float]],
+) -> str | None:
     """None when ``me`` may start now, else why it waits (one sentence)."""
     order = sorted(alive, key=lambda a: (a.submitted_ms, a.job_id))
     mine = next((i for i, a in enumerate(order) if a.job_id == me.job_id), len(order))
@@ -67,8 +71,10 @@ def decide(me: Ticket, alive: list[Alive], started: dict[str, Ticket],
             used = sum(n for _, n in held)
             if need > 0 and used + need > total:
                 who = ", ".join(f"{t.job_id} ({t.name})" for t, n in held if n > 0)
-                return (f"waiting for {_amount(need, resource)} on {me.node_names.get(node, node)}, "
-                        f"held by job {who}")
+                return (
+                    f"waiting for {_amount(need, resource)} on {me.node_names.get(node, node)}, "
+                    f"held by job {who}"
+                )
     return None
 
 
@@ -95,13 +101,27 @@ def board() -> Any:
     """The cluster's board (created by the first driver that asks; 0 CPUs, lives with Ray)."""
     import ray
 
-    return ray.remote(JobBoard).options(
-        name=BOARD_NAME, namespace=BOARD_NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0).remote()
+    return (
+        ray.remote(JobBoard)
+        .options(
+            name=BOARD_NAME,
+            namespace=BOARD_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+        )
+        .remote()
+    )
 
 
-def wait_turn(me: Ticket, *, alive: Callable[[], list[Alive]], capacity: dict[str, dict[str, float]],
-              on_wait: Callable[[str], None], poll_s: float = POLL_S) -> Any:
+def wait_turn(
+    me: Ticket,
+    *,
+    alive: Callable[[], list[Alive]],
+    capacity: dict[str, dict[str, float]],
+    on_wait: Callable[[str], None],
+    poll_s: float = POLL_S,
+) -> Any:
     """Block until ``me`` may start, calling ``on_wait(reason)`` when the reason changes; then
     record it as started and return the board (``board.end.remote(me.job_id)`` at the end)."""
     import ray

@@ -43,13 +43,16 @@ def copy_dir(node: NodeSpec, ssh: SSHSpec, source: str, dest: Path) -> None:
         return
     with runner_for(node, ssh) as runner:
         try:
-            result = runner.run(f"cd {shlex.quote(source)} && tar -cf - . | base64",
-                                timeout=FETCH_TIMEOUT_S)
+            result = runner.run(
+                f"cd {shlex.quote(source)} && tar -cf - . | base64", timeout=FETCH_TIMEOUT_S
+            )
         except NodeError as err:
             raise PreflightError(f"cannot fetch {source} from {node.name}: {err}") from err
     if not result.ok:
-        raise PreflightError(f"cannot read {source} on {node.name} ({node.host}): "
-                             f"{result.stderr_tail() or 'tar failed'}")
+        raise PreflightError(
+            f"cannot read {source} on {node.name} ({node.host}): "
+            f"{result.stderr_tail() or 'tar failed'}"
+        )
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(base64.b64decode(result.stdout)), mode="r:") as tar:
         tar.extractall(dest, filter="data")

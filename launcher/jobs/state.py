@@ -28,7 +28,17 @@ from typing import Any
 MARK = "::launcher-state:: "
 STATUSES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED")
 ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
-JSON_KEYS = ("job_id", "name", "status", "world_size", "step", "tokens_per_s", "mfu", "run_dir", "failure")
+JSON_KEYS = (
+    "job_id",
+    "name",
+    "status",
+    "world_size",
+    "step",
+    "tokens_per_s",
+    "mfu",
+    "run_dir",
+    "failure",
+)
 
 
 def line(state: dict[str, Any]) -> str:
@@ -40,7 +50,7 @@ def last_state(logs: str) -> dict[str, Any] | None:
     for text in reversed(logs.splitlines()):
         if text.startswith(MARK):
             try:
-                return json.loads(text[len(MARK):])
+                return json.loads(text[len(MARK) :])
             except ValueError:
                 continue
     return None
@@ -63,8 +73,10 @@ def row(details: Any, logs: str) -> dict[str, Any]:
     """What ``launch status`` says of one job (``JobDetails`` and its driver's log)."""
     meta = details.metadata or {}
     state = last_state(logs) or {}
-    status = status_of(str(details.status.value if hasattr(details.status, "value") else details.status),
-                       state or None)
+    status = status_of(
+        str(details.status.value if hasattr(details.status, "value") else details.status),
+        state or None,
+    )
     failure = state.get("failure") if state.get("state") == "done" else None
     run_dir, no_run_dir = _run_dir(meta.get("run_dir"), status, state)
     if status == "FAILED" and failure is None:
@@ -93,16 +105,24 @@ def row(details: Any, logs: str) -> dict[str, Any]:
 
 def render_one(r: dict[str, Any]) -> str:
     """``launch status ID``: a few lines."""
-    lines = [f"job {r['job_id']} ({r['name']}): {r['status']}"
-             + (f" — {r['reason']}" if r["reason"] else "")]
+    lines = [
+        f"job {r['job_id']} ({r['name']}): {r['status']}"
+        + (f" — {r['reason']}" if r["reason"] else "")
+    ]
     when = f"started {_clock(r['started'])}"
     if r["ended"]:
         when += f", ended {_clock(r['ended'])} ({_duration(r)})"
     elif r["started"]:
         when += f", {_duration(r)} so far"
     lines.append("  " + when)
-    lines.append(f"  {r['nodes']} node(s), world size {r['world_size']}"
-                 + (f", attempt {r['attempt']} (after {r['attempt']} restart(s))" if r.get("attempt") else ""))
+    lines.append(
+        f"  {r['nodes']} node(s), world size {r['world_size']}"
+        + (
+            f", attempt {r['attempt']} (after {r['attempt']} restart(s))"
+            if r.get("attempt")
+            else ""
+        )
+    )
     if r["step"] is not None or r["tokens_per_s"] is not None:
         figures = []
         if r["step"] is not None:
@@ -118,8 +138,11 @@ def render_one(r: dict[str, Any]) -> str:
         f = r["failure"]
         where = f"rank {f['rank']} on {f.get('node')}: " if f.get("rank") is not None else ""
         lines.append(f"  failure: {where}{f.get('reason')}")
-    lines.append(f"  run dir: {r['run_dir']}" if r["run_dir"] is not None
-                 else f"  run dir: none — {r['no_run_dir']}")
+    lines.append(
+        f"  run dir: {r['run_dir']}"
+        if r["run_dir"] is not None
+        else f"  run dir: none — {r['no_run_dir']}"
+    )
     return "\n".join(lines)
 
 
@@ -127,23 +150,47 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     """``launch list``: newest first."""
     from tabulate import tabulate
 
-    table = [[r["job_id"], r["name"], r["status"], f"{r['nodes']} × {_per_node(r)}",
-              f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "–",
-              f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "–",
-              _clock(r["started"]), _duration(r)] for r in rows]
-    return tabulate(table, headers=["job id", "name", "status", "nodes × ranks", "tokens/s", "MFU",
-                                    "started", "duration"])
+    table = [
+        [
+            r["job_id"],
+            r["name"],
+            r["status"],
+            f"{r['nodes']} × {_per_node(r)}",
+            f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "–",
+            f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "–",
+            _clock(r["started"]),
+            _duration(r),
+        ]
+        for r in rows
+    ]
+    return tabulate(
+        table,
+        headers=[
+            "job id",
+            "name",
+            "status",
+            "nodes × ranks",
+            "tokens/s",
+            "MFU",
+            "started",
+            "duration",
+        ],
+    )
 
 
 def to_json(r: dict[str, Any]) -> dict[str, Any]:
     return {k: r[k] for k in JSON_KEYS}
 
 
-def _run_dir(named: str | None, status: str, state: dict[str, Any]) -> tuple[str | None, str | None]:
+def _run_dir(
+    named: str | None, status: str, state: dict[str, Any]
+) -> tuple[str | None, str | None]:
     """The job's run directory (the one named at submission), or None and why it has none."""
     if "run_dir" in state and state["run_dir"] is None:
-        return None, (f"its driver refused {named} (the failure says why); nothing of this job is "
-                      f"in that folder")
+        return None, (
+            f"its driver refused {named} (the failure says why); nothing of this job is "
+            f"in that folder"
+        )
     if not state and status in ENDED:
         return None, (f"the job ended before its driver started; nothing of this job is in {named}")
     return named, None

@@ -90,7 +90,9 @@ class NodeAgent:
         ``argv`` and ``env``.
         """
         if self._proc is not None and self._proc.poll() is None:
-            raise RuntimeError(f"torchrun already runs on node {self.node} (pid {self._proc.pid}); stop it first")
+            raise RuntimeError(
+                f"torchrun already runs on node {self.node} (pid {self._proc.pid}); stop it first"
+            )
         for thread in self._threads:  # a restart: the previous attempt's readers are done
             thread.join(timeout=5)
         self._threads = []
@@ -108,8 +110,13 @@ class NodeAgent:
         env = {k: os.environ[k] for k in NODE_PASSTHROUGH if k in os.environ}
         env.update(node_plan["env"])
         self._proc = subprocess.Popen(
-            node_plan["argv"], env=env, cwd=node_plan["cwd"] or self._home, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            node_plan["argv"],
+            env=env,
+            cwd=node_plan["cwd"] or self._home,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=_prepare_child,
         )
         self._start_reaper(self._proc.pid)
@@ -136,7 +143,9 @@ class NodeAgent:
             lines, self._lines = self._lines, []
             records, self._records = self._records, []
         # exited, but output still being drained: report the exit on a later poll
-        return AgentUpdate(lines=lines, records=records, exit=self._status() if self._drained() else None)
+        return AgentUpdate(
+            lines=lines, records=records, exit=self._status() if self._drained() else None
+        )
 
     def _drained(self) -> bool:
         return self._status() is not None and not any(t.is_alive() for t in self._threads)
@@ -201,15 +210,22 @@ class NodeAgent:
                 self._reaper.wait(timeout=5)  # the last attempt's: gone with its torchrun
         self._reaper = subprocess.Popen(
             [sys.executable, reaper.__file__, str(pid), str(REAPER_GRACE_S), str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_prepare_reaper)
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_prepare_reaper,
+        )
 
     def _status(self) -> ExitStatus | None:
         if self._proc is None or self._proc.poll() is None:
             return None
         code = self._proc.returncode
-        return ExitStatus(exit_code=code, signal=signal.Signals(-code).name if code < 0 else None,
-                          stopped=self._stopping)
+        return ExitStatus(
+            exit_code=code,
+            signal=signal.Signals(-code).name if code < 0 else None,
+            stopped=self._stopping,
+        )
 
     def _read_output(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
@@ -288,8 +304,12 @@ def _rank_error(local_rank: int, data: dict[str, Any]) -> RankError:
         timestamp = float(extra.get("timestamp") or 0)
     except (TypeError, ValueError):
         timestamp = 0.0
-    return RankError(local_rank=local_rank, message=str(message.get("message") or "unknown error"),
-                     traceback=str(extra.get("py_callstack") or ""), timestamp=timestamp)
+    return RankError(
+        local_rank=local_rank,
+        message=str(message.get("message") or "unknown error"),
+        traceback=str(extra.get("py_callstack") or ""),
+        timestamp=timestamp,
+    )
 
 
 def _prepare_reaper() -> None:
@@ -297,7 +317,9 @@ def _prepare_reaper() -> None:
     reaper sets its handler (an ignored signal stays ignored across exec)."""
     _prepare_child()
     with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).signal(signal.SIGTERM, ctypes.c_void_p(1))  # SIG_IGN
+        ctypes.CDLL("libc.so.6", use_errno=True).signal(
+            signal.SIGTERM, ctypes.c_void_p(1)
+        )  # SIG_IGN
 
 
 def _prepare_child() -> None:

@@ -39,7 +39,9 @@ class AgentGroup:
         self._lost: set[int] = set()
 
     @classmethod
-    def place(cls, session: RaySession, nodes: list[NodeSpec], gpus: dict[str, int], name: str) -> AgentGroup:
+    def place(
+        cls, session: RaySession, nodes: list[NodeSpec], gpus: dict[str, int], name: str
+    ) -> AgentGroup:
         """One bundle and one agent per node; JobFailed (exit 4) when Ray cannot place them."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -47,9 +49,17 @@ class AgentGroup:
 
         from launcher.orchestrate.agent import NodeAgent
 
-        bundles = [{"CPU": 1, f"node:{session.node_ips[n.name]}": 0.001,
-                    **({"GPU": gpus[n.name]} if gpus[n.name] else {})} for n in nodes]
-        pg = placement_group(bundles, strategy="STRICT_SPREAD" if len(bundles) > 1 else "PACK", name=name)
+        bundles = [
+            {
+                "CPU": 1,
+                f"node:{session.node_ips[n.name]}": 0.001,
+                **({"GPU": gpus[n.name]} if gpus[n.name] else {}),
+            }
+            for n in nodes
+        ]
+        pg = placement_group(
+            bundles, strategy="STRICT_SPREAD" if len(bundles) > 1 else "PACK", name=name
+        )
         try:
             ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except Exception as err:
@@ -58,11 +68,19 @@ class AgentGroup:
             raise JobFailed(
                 f"Ray could not place one agent per node (bundles {bundles}) within "
                 f"{PLACEMENT_TIMEOUT_S:.0f} s: {first_line(err)}. Check `ray status`: every node needs "
-                f"a free CPU and its GPUs") from err
+                f"a free CPU and its GPUs"
+            ) from err
         actor = ray.remote(NodeAgent)
-        handles = [actor.options(num_cpus=1, num_gpus=gpus[node.name], scheduling_strategy=(
-            PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))).remote(node.name)
-            for i, node in enumerate(nodes)]
+        handles = [
+            actor.options(
+                num_cpus=1,
+                num_gpus=gpus[node.name],
+                scheduling_strategy=(
+                    PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                ),
+            ).remote(node.name)
+            for i, node in enumerate(nodes)
+        ]
         return cls(handles, pg)
 
     # -- one attempt --------------------------------------------------------------------------
@@ -74,15 +92,21 @@ class AgentGroup:
         try:
             return ray.get(self.handles[0].free_port.remote(), timeout=CALL_TIMEOUT_S)
         except Exception as err:
-            raise JobFailed(f"the agent on the first node did not give a free port: {_reason(err)}") from err
+            raise JobFailed(
+                f"the agent on the first node did not give a free port: {_reason(err)}"
+            ) from err
 
     def start(self, launch_plan: LaunchPlan, files: dict[str, str]) -> None:
         """Start every node's torchrun as the plan says; JobFailed naming the first node whose
         agent could not (a missing interpreter or working directory, a lost node, no answer)."""
         import ray
 
-        starts = [handle.start.remote({"node_dir": n.node_dir, "cwd": n.cwd, "argv": n.argv, "env": n.env}, files)
-                  for handle, n in zip(self.handles, launch_plan.nodes, strict=True)]
+        starts = [
+            handle.start.remote(
+                {"node_dir": n.node_dir, "cwd": n.cwd, "argv": n.argv, "env": n.env}, files
+            )
+            for handle, n in zip(self.handles, launch_plan.nodes, strict=True)
+        ]
         self._pending.clear()
         self._exited.clear()
         deadline = time.monotonic() + 2 * CALL_TIMEOUT_S
@@ -90,9 +114,10 @@ class AgentGroup:
             try:
                 ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
             except Exception as err:
-                raise JobFailed(f"torchrun could not be started on node {node.name}: {_reason(err)} "
-                                f"(command: {' '.join(node.argv[:3])} …, in {node.cwd or 'the copy of the workdir'})"
-                                ) from err
+                raise JobFailed(
+                    f"torchrun could not be started on node {node.name}: {_reason(err)} "
+                    f"(command: {' '.join(node.argv[:3])} …, in {node.cwd or 'the copy of the workdir'})"
+                ) from err
 
     def poll(self, wait_s: float) -> list[tuple[int, AgentUpdate | BaseException]]:
         """Long-poll every running agent: waits up to ``2 * wait_s`` for the first answer, then
@@ -129,7 +154,9 @@ class AgentGroup:
     def silent(self, limit_s: float) -> int | None:
         """An agent whose poll has gone unanswered for ``limit_s``, if any."""
         now = time.monotonic()
-        silent = next((i for i, (_, sent) in sorted(self._pending.items()) if now - sent > limit_s), None)
+        silent = next(
+            (i for i, (_, sent) in sorted(self._pending.items()) if now - sent > limit_s), None
+        )
         if silent is not None:
             self._lost.add(silent)
         return silent

@@ -82,7 +82,8 @@ def plan_code(job: JobSpec, nodes: list[NodeSpec]) -> CodePlan | None:
             f"entrypoint.script {script} lies outside entrypoint.workdir {workdir}, which travels to "
             f"the nodes; move the script into the workdir, set workdir to a folder that holds it, or "
             f"use sync: false on a shared filesystem",
-            source="job", field="entrypoint.script",
+            source="job",
+            field="entrypoint.script",
         )
     files = walk_tree(workdir, list(entry.exclude))
     size = sum(n for _, n in files)
@@ -93,12 +94,17 @@ def plan_code(job: JobSpec, nodes: list[NodeSpec]) -> CodePlan | None:
             f"{', '.join(f'{name} ({_mib(n)})' for name, n in _largest(files))}. Add them to "
             f"entrypoint.exclude (data and checkpoints belong on storage the nodes share), or use "
             f"sync: false on a shared filesystem",
-            source="job", field="entrypoint.workdir",
+            source="job",
+            field="entrypoint.workdir",
         )
     code = [rel for rel, _ in files if rel.endswith(CODE_SUFFIXES)]
     return CodePlan(
-        workdir=str(workdir), script=str(script.relative_to(workdir)) if mode == "ray" else str(script),
-        mode=mode, files=len(files), size_bytes=size, code_hash=files_hash(workdir, code),
+        workdir=str(workdir),
+        script=str(script.relative_to(workdir)) if mode == "ray" else str(script),
+        mode=mode,
+        files=len(files),
+        size_bytes=size,
+        code_hash=files_hash(workdir, code),
         exclude=tuple(entry.exclude),
     )
 
@@ -132,8 +138,10 @@ def stage(code: CodePlan) -> Path:
 
 def describe(code: CodePlan) -> str:
     """One line for ``launch plan``."""
-    return (f"User code: {code.workdir} ({code.files} files, {_mib(code.size_bytes)} after excludes, "
-            f"code hash {code.code_hash[:12]}): {code.how()}")
+    return (
+        f"User code: {code.workdir} ({code.files} files, {_mib(code.size_bytes)} after excludes, "
+        f"code hash {code.code_hash[:12]}): {code.how()}"
+    )
 
 
 def _largest(files: list[tuple[str, int]], n: int = 3) -> list[tuple[str, int]]:

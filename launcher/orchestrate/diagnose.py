@@ -26,8 +26,11 @@ ROOT_CAUSE_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 REPORT_ENTRY = re.compile(r"\[\d+\]:\s*$")  # "[1]:" opens a failure's block in torchrun's report
 REPORT_TIME = re.compile(r"\btime\s*:\s*(\S+)")
 # What a rank's last lines say when it failed because a peer did (gloo, NCCL, sockets).
-PEER_FAILED = re.compile(r"Connection (closed|reset) by peer|caused by a remote worker crashing|"
-                         r"remote process exited|ncclRemoteError|Broken pipe", re.IGNORECASE)
+PEER_FAILED = re.compile(
+    r"Connection (closed|reset) by peer|caused by a remote worker crashing|"
+    r"remote process exited|ncclRemoteError|Broken pipe",
+    re.IGNORECASE,
+)
 TORCHRUN_LINES = 200
 TAIL_LINES = 20
 
@@ -57,28 +60,52 @@ def rank_failure(agents: Tails, i: int, node: NodePlan, status: ExitStatus) -> F
         how = f"raised {first.message}"
     else:
         how = "exited with " + (f"signal {signal_name}" if signal_name else f"code {code}")
-    tail = agents.tail(i, local_rank, TAIL_LINES) if local_rank is not None else report[-TAIL_LINES:]
+    tail = (
+        agents.tail(i, local_rank, TAIL_LINES) if local_rank is not None else report[-TAIL_LINES:]
+    )
     if first is not None and first.traceback and not any("Traceback" in line for line in tail):
         tail = first.traceback.rstrip("\n").splitlines()[-TAIL_LINES:]
     who = f"rank {rank if rank is not None else '?'} on node {node.name} ({node.host})"
-    return Failure(kind=FailureKind.RANK, reason=f"{who} {how}", rank=rank, node=node.name,
-                   host=node.host, exit_code=code, signal=signal_name, log_tail="\n".join(tail))
+    return Failure(
+        kind=FailureKind.RANK,
+        reason=f"{who} {how}",
+        rank=rank,
+        node=node.name,
+        host=node.host,
+        exit_code=code,
+        signal=signal_name,
+        log_tail="\n".join(tail),
+    )
 
 
 def lost_node(node: NodePlan, err: BaseException) -> Failure:
-    return Failure(kind=FailureKind.LOST_NODE, rank=node.ranks[0] if node.ranks else None,
-                   node=node.name, host=node.host,
-                   reason=f"node {node.name} ({node.host}) was lost: its agent stopped answering "
-                          f"({first_line(err)})")
+    return Failure(
+        kind=FailureKind.LOST_NODE,
+        rank=node.ranks[0] if node.ranks else None,
+        node=node.name,
+        host=node.host,
+        reason=f"node {node.name} ({node.host}) was lost: its agent stopped answering "
+        f"({first_line(err)})",
+    )
 
 
-def hung_rank(node: NodePlan, rank: int, quiet_s: float, limit_s: float, tail: list[str]) -> Failure:
-    return Failure(kind=FailureKind.HANG, rank=rank, node=node.name, host=node.host, log_tail="\n".join(tail),
-                   reason=f"rank {rank} on node {node.name} made no progress (no metrics record) for "
-                          f"{quiet_s:.0f} s > launch.hang_timeout_s={limit_s:g}")
+def hung_rank(
+    node: NodePlan, rank: int, quiet_s: float, limit_s: float, tail: list[str]
+) -> Failure:
+    return Failure(
+        kind=FailureKind.HANG,
+        rank=rank,
+        node=node.name,
+        host=node.host,
+        log_tail="\n".join(tail),
+        reason=f"rank {rank} on node {node.name} made no progress (no metrics record) for "
+        f"{quiet_s:.0f} s > launch.hang_timeout_s={limit_s:g}",
+    )
 
 
-Entry = tuple[str | None, int, int, int | None]  # a failure in torchrun's report: time, rank, local rank, exit code
+Entry = tuple[
+    str | None, int, int, int | None
+]  # a failure in torchrun's report: time, rank, local rank, exit code
 
 
 def _report(lines: list[str]) -> tuple[list[Entry], Entry | None]:
@@ -106,7 +133,12 @@ def _entries(lines: list[str]) -> list[Entry]:
             if not entries or entries[-1][1] is not None:
                 entries.append([None, None, None, None])
             entries[-1][1], entries[-1][2] = int(m.group(1)), int(m.group(2))
-        elif entries and entries[-1][1] is not None and entries[-1][3] is None and (m := ROOT_CAUSE_EXIT.search(line)):
+        elif (
+            entries
+            and entries[-1][1] is not None
+            and entries[-1][3] is None
+            and (m := ROOT_CAUSE_EXIT.search(line))
+        ):
             entries[-1][3] = int(m.group(1))
     return [(t, r, lr, c) for t, r, lr, c in entries if r is not None]
 
@@ -114,6 +146,7 @@ def _entries(lines: list[str]) -> list[Entry]:
 def _not_an_echo(agents: Tails, i: int, others: list[Entry], root: Entry) -> Entry:
     """The root cause, or, where its log shows a peer's failure, the first other rank torchrun
     saw fail in the same second whose log does not."""
+
     def echo(local_rank: int) -> bool:
         return any(PEER_FAILED.search(line) for line in agents.tail(i, local_rank, TAIL_LINES))
 

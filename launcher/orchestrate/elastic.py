@@ -41,9 +41,15 @@ class Restart:
     lost_steps: int | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"attempt": self.attempt, "reason": self.reason, "failed_node": self.failed_node,
-                "nodes": self.nodes, "world_size": self.world_size,
-                "resumed_from_step": self.resumed_from_step, "lost_steps": self.lost_steps}
+        return {
+            "attempt": self.attempt,
+            "reason": self.reason,
+            "failed_node": self.failed_node,
+            "nodes": self.nodes,
+            "world_size": self.world_size,
+            "resumed_from_step": self.resumed_from_step,
+            "lost_steps": self.lost_steps,
+        }
 
 
 def check_shared_checkpoints(job: JobSpec, nodes: list[NodeSpec]) -> None:
@@ -56,7 +62,10 @@ def check_shared_checkpoints(job: JobSpec, nodes: list[NodeSpec]) -> None:
         raise SpecError(
             f"train.checkpoint.dir {ckpt} is private to each machine, but an elastic job resumes on "
             f"other nodes from its last checkpoint: put it on a filesystem every node sees (NFS, "
-            f"Lustre, a shared home)", source="job", field="train.checkpoint.dir")
+            f"Lustre, a shared home)",
+            source="job",
+            field="train.checkpoint.dir",
+        )
 
 
 def survivors(current: list[NodeSpec], failed_node: str | None) -> list[NodeSpec]:
@@ -74,7 +83,8 @@ def check_enough(job: JobSpec, nodes: list[NodeSpec], reason: str) -> None:
     if len(nodes) < minimum:
         raise RestartRefused(
             f"{reason}; {len(nodes)} node(s) left ({', '.join(n.name for n in nodes) or 'none'}), fewer than "
-            f"resources.min_nodes={minimum}: the job cannot go on")
+            f"resources.min_nodes={minimum}: the job cannot go on"
+        )
 
 
 def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
@@ -93,7 +103,8 @@ def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
             f"the global batch of {global_batch} samples (micro_batch {micro} x grad_accum "
             f"{job.train.grad_accum} x {first_world} ranks) does not divide over {world} ranks of "
             f"micro-batch {micro}; set train.elastic_batch: scale to let it change, or choose a "
-            f"micro_batch that divides it")
+            f"micro_batch that divides it"
+        )
     accum = global_batch // (micro * world)
     if accum == job.train.grad_accum:
         return job
@@ -107,10 +118,13 @@ def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
         raise RestartRefused(
             f"keeping the global batch of {global_batch} samples on {world} ranks needs train.grad_accum "
             f"{accum}, which the job cannot run with: {problem}. Set train.elastic_batch: scale to keep "
-            f"grad_accum instead") from None
+            f"grad_accum instead"
+        ) from None
 
 
-def with_steps(restarts: list[Restart], by_attempt: dict[int, dict[int, list[dict[str, Any]]]]) -> list[Restart]:
+def with_steps(
+    restarts: list[Restart], by_attempt: dict[int, dict[int, list[dict[str, Any]]]]
+) -> list[Restart]:
     """Each restart with the step it resumed from (the new attempt's ``meta`` record) and the
     steps it lost (the failed attempt's furthest step past that), where the records tell."""
     out = []
@@ -129,6 +143,10 @@ def _start_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
 
 
 def _last_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
-    steps = [r["step"] for rs in records.values() for r in rs
-             if r.get("type") == "step" and isinstance(r.get("step"), int)]
+    steps = [
+        r["step"]
+        for rs in records.values()
+        for r in rs
+        if r.get("type") == "step" and isinstance(r.get("step"), int)
+    ]
     return max(steps) if steps else None

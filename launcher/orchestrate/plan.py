@@ -32,11 +32,24 @@ from launcher.orchestrate.code import CodePlan, describe
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 
 DEFAULT_MASTER_PORT = 29500
-PROFILE_SUBDIR = "profile"  # train.profile output: <node dir>/profile on a node, <run dir>/profile/<node> after
+PROFILE_SUBDIR = (
+    "profile"  # train.profile output: <node dir>/profile on a node, <run dir>/profile/<node> after
+)
 FORWARDED_PREFIXES = ("NCCL_", "TORCH_", "NVSHMEM_")
 NODE_PASSTHROUGH = (
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH",
-    "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES",
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+    "TMPDIR",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH",
+    "CUDA_HOME",
+    "CUDA_VISIBLE_DEVICES",
 )
 SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
 MASK = "****"
@@ -93,8 +106,15 @@ class LaunchPlan:
         for node in self.nodes:
             for local_rank, rank in enumerate(node.ranks):
                 device = f"cuda:{local_rank}" if self.device == "cuda" else "cpu"
-                out.append({"rank": rank, "node": node.name, "host": node.host,
-                            "local_rank": local_rank, "device": device})
+                out.append(
+                    {
+                        "rank": rank,
+                        "node": node.name,
+                        "host": node.host,
+                        "local_rank": local_rank,
+                        "device": device,
+                    }
+                )
         return out
 
     def to_json(self, *, masked: bool = True) -> dict[str, object]:
@@ -104,12 +124,21 @@ class LaunchPlan:
             entry = asdict(node)
             entry["env"] = mask_env(node.env) if masked else dict(node.env)
             nodes.append(entry)
-        return {"job": self.job, "run_id": self.run_id, "run_name": self.run_name, "attempt": self.attempt,
-                "world_size": self.world_size,
-                "master_addr": self.master_addr, "master_port": self.master_port,
-                "backend": self.backend, "device": self.device, "max_restarts": self.max_restarts,
-                "code": self.code.to_json() if self.code else None, "nodes": nodes,
-                "ranks": self.ranks()}
+        return {
+            "job": self.job,
+            "run_id": self.run_id,
+            "run_name": self.run_name,
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "backend": self.backend,
+            "device": self.device,
+            "max_restarts": self.max_restarts,
+            "code": self.code.to_json() if self.code else None,
+            "nodes": nodes,
+            "ranks": self.ranks(),
+        }
 
 
 def plan(
@@ -146,46 +175,87 @@ def plan(
     plans, first_rank = [], 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
         node_dir = f"/tmp/launcher/{run_id}/{node.name}"
-        env, sources = _worker_env(job, node, launcher_env, run_name=run_name, node_dir=node_dir,
-                                   attempt=attempt)
+        env, sources = _worker_env(
+            job, node, launcher_env, run_name=run_name, node_dir=node_dir, attempt=attempt
+        )
         python = node.interpreter(local_python)
-        torchrun = {"--nnodes": len(nodes), "--node-rank": node_rank, "--nproc-per-node": nproc,
-                    "--master-addr": nodes[0].host, "--master-port": master_port,
-                    "--max-restarts": 0,  # restarts are the launcher's (see run.py), not torchrun's
-                    "--tee": 3, "--log-dir": f"{node_dir}/torchrun"}
-        argv = [python, "-m", "torch.distributed.run", *(str(x) for kv in torchrun.items() for x in kv),
-                *_entry_argv(job, code, node_dir)]
-        plans.append(NodePlan(
-            name=node.name, host=node.host, node_rank=node_rank, nproc=nproc,
-            ranks=list(range(first_rank, first_rank + nproc)), python=python, node_dir=node_dir,
-            cwd=code.cwd() if code else node_dir, argv=argv, env=env, env_sources=sources,
-            is_local=node.is_local,
-        ))
+        torchrun = {
+            "--nnodes": len(nodes),
+            "--node-rank": node_rank,
+            "--nproc-per-node": nproc,
+            "--master-addr": nodes[0].host,
+            "--master-port": master_port,
+            "--max-restarts": 0,  # restarts are the launcher's (see run.py), not torchrun's
+            "--tee": 3,
+            "--log-dir": f"{node_dir}/torchrun",
+        }
+        argv = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            *(str(x) for kv in torchrun.items() for x in kv),
+            *_entry_argv(job, code, node_dir),
+        ]
+        plans.append(
+            NodePlan(
+                name=node.name,
+                host=node.host,
+                node_rank=node_rank,
+                nproc=nproc,
+                ranks=list(range(first_rank, first_rank + nproc)),
+                python=python,
+                node_dir=node_dir,
+                cwd=code.cwd() if code else node_dir,
+                argv=argv,
+                env=env,
+                env_sources=sources,
+                is_local=node.is_local,
+            )
+        )
         first_rank += nproc
-    return LaunchPlan(job=job.name, run_id=run_id, world_size=first_rank, master_addr=nodes[0].host,
-                      master_port=master_port, backend=job.backend, device=job.resources.device,
-                      nodes=plans, max_restarts=job.launch.max_restarts, code=code, attempt=attempt,
-                      run_name=run_name)
+    return LaunchPlan(
+        job=job.name,
+        run_id=run_id,
+        world_size=first_rank,
+        master_addr=nodes[0].host,
+        master_port=master_port,
+        backend=job.backend,
+        device=job.resources.device,
+        nodes=plans,
+        max_restarts=job.launch.max_restarts,
+        code=code,
+        attempt=attempt,
+        run_name=run_name,
+    )
 
 
 def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
     """The plan for people: a node/rank table, then each node's command and environment."""
     lp = launch_plan
-    head = (f"Plan for job '{lp.job}'{f' (restart {lp.attempt})' if lp.attempt else ''}: "
-            f"{len(lp.nodes)} node(s), world size {lp.world_size}, "
-            f"backend {lp.backend}, master {lp.master_addr}:{lp.master_port}{port_note}")
+    head = (
+        f"Plan for job '{lp.job}'{f' (restart {lp.attempt})' if lp.attempt else ''}: "
+        f"{len(lp.nodes)} node(s), world size {lp.world_size}, "
+        f"backend {lp.backend}, master {lp.master_addr}:{lp.master_port}{port_note}"
+    )
     if lp.max_restarts:
-        head += (f"\nOn a failure the launcher restarts every node's torchrun up to {lp.max_restarts} "
-                 f"time(s), each restart planned anew with a fresh torchrun, on a fresh port unless "
-                 f"launch.master_port fixes it (LAUNCHER_RESTART_COUNT counts them)")
+        head += (
+            f"\nOn a failure the launcher restarts every node's torchrun up to {lp.max_restarts} "
+            f"time(s), each restart planned anew with a fresh torchrun, on a fresh port unless "
+            f"launch.master_port fixes it (LAUNCHER_RESTART_COUNT counts them)"
+        )
     table = tabulate(
         [[n.node_rank, n.name, n.host, n.nproc, _span(n.ranks), n.python] for n in lp.nodes],
         headers=["node_rank", "node", "host", "nproc", "ranks", "python"],
     )
     parts = [head, *([describe(lp.code)] if lp.code else []), "", table]
     for node in lp.nodes:
-        env_rows = [[k, v, node.env_sources.get(k, "")] for k, v in sorted(mask_env(node.env).items())]
-        where = node.cwd or f"the copy of {lp.code.workdir if lp.code else 'the workdir'} Ray makes on the node"
+        env_rows = [
+            [k, v, node.env_sources.get(k, "")] for k, v in sorted(mask_env(node.env).items())
+        ]
+        where = (
+            node.cwd
+            or f"the copy of {lp.code.workdir if lp.code else 'the workdir'} Ray makes on the node"
+        )
         parts += [
             "",
             f"[{node.name}] command (in {where}):",
@@ -206,8 +276,9 @@ def is_secret(name: str) -> bool:
     return any(marker in upper for marker in SECRET_MARKERS)
 
 
-def worker_counts(job: JobSpec, nodes: list[NodeSpec],
-                  facts: Mapping[str, NodeFacts] | None = None) -> dict[str, int]:
+def worker_counts(
+    job: JobSpec, nodes: list[NodeSpec], facts: Mapping[str, NodeFacts] | None = None
+) -> dict[str, int]:
     """Workers (torchrun's nproc) per node: the preflight's GPU counts, else cluster.yaml's.
 
     Raises PreflightError for a node with fewer GPUs than the job asks for, and SpecError
@@ -216,8 +287,9 @@ def worker_counts(job: JobSpec, nodes: list[NodeSpec],
     return {node.name: _nproc(job, node, (facts or {}).get(node.name)) for node in nodes}
 
 
-def gpus_per_node(job: JobSpec, nodes: list[NodeSpec],
-                  facts: Mapping[str, NodeFacts] | None = None) -> dict[str, int]:
+def gpus_per_node(
+    job: JobSpec, nodes: list[NodeSpec], facts: Mapping[str, NodeFacts] | None = None
+) -> dict[str, int]:
     """GPUs each node's agent reserves in Ray: one per worker on cuda, none on cpu."""
     if job.resources.device == "cpu":
         return {node.name: 0 for node in nodes}
@@ -273,7 +345,8 @@ def _nproc(job: JobSpec, node: NodeSpec, facts: NodeFacts | None) -> int:
         raise SpecError(
             f"node {node.name!r} has gpus: auto, which only the preflight can resolve; run "
             f"without --skip-parity or declare the node's GPU count in cluster.yaml",
-            source="cluster.yaml", field=f"nodes.{node.name}.gpus",
+            source="cluster.yaml",
+            field=f"nodes.{node.name}.gpus",
         )
     want = gpus if job.resources.nproc_per_node == "auto" else job.resources.nproc_per_node
     if want < 1 or want > gpus:
@@ -293,7 +366,12 @@ def _entry_argv(job: JobSpec, code: CodePlan | None, node_dir: str) -> list[str]
 
 
 def _worker_env(
-    job: JobSpec, node: NodeSpec, launcher_env: Mapping[str, str], *, run_name: str, node_dir: str,
+    job: JobSpec,
+    node: NodeSpec,
+    launcher_env: Mapping[str, str],
+    *,
+    run_name: str,
+    node_dir: str,
     attempt: int,
 ) -> tuple[dict[str, str], dict[str, str]]:
     env: dict[str, str] = {}
@@ -307,13 +385,16 @@ def _worker_env(
     put({k: v for k, v in launcher_env.items() if k.startswith(FORWARDED_PREFIXES)}, "launcher env")
     for source, items in _spec_layers(job, node):
         put(items, source)
-    put({
-        "LAUNCHER_RUN_ID": run_name,
-        "LAUNCHER_NODE": node.name,
-        "LAUNCHER_RESTART_COUNT": str(attempt),
-        metrics.ENV_VAR: f"{node_dir}/{metrics.SUBDIR}/{metrics.file_name('{rank}')}",
-        "PYTHONUNBUFFERED": "1",
-    }, "launcher")
+    put(
+        {
+            "LAUNCHER_RUN_ID": run_name,
+            "LAUNCHER_NODE": node.name,
+            "LAUNCHER_RESTART_COUNT": str(attempt),
+            metrics.ENV_VAR: f"{node_dir}/{metrics.SUBDIR}/{metrics.file_name('{rank}')}",
+            "PYTHONUNBUFFERED": "1",
+        },
+        "launcher",
+    )
     if job.records_profile:
         put({"LAUNCHER_PROFILE_DIR": f"{node_dir}/{PROFILE_SUBDIR}"}, "launcher (train.profile)")
     return env, sources

@@ -45,47 +45,53 @@ TOKEN_FILE = "$HOME/.ray/launcher_auth_token"
 NICENESS_ENV = "RAY_worker_niceness"
 # RAY_kill_child_processes_on_worker_exit=0: a dead agent's torchrun gets its death signal
 # (SIGTERM) and stops its workers, instead of a SIGKILL from the raylet that orphans them.
-TOKEN_ENV = (f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_ENV}=0 "
-             "RAY_kill_child_processes_on_worker_exit=0 ")
+TOKEN_ENV = (
+    f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_ENV}=0 "
+    "RAY_kill_child_processes_on_worker_exit=0 "
+)
 ALREADY_RUNNING = "but is already running at"  # `ray start --head` where a GCS runs on that address
 PORT_TAKEN_EXIT = 3
 OTHER_RAY_EXIT = 4
 JOIN_GRACE_S = 5.0  # interrupted while nodes join: how long their stopped joins get to finish
 # Run on the head before its token file is written: exit 3 when something answers on the GCS port.
-_PORT_TAKEN = ("import socket, sys\n"
-               "s = socket.socket()\n"
-               "s.settimeout(3)\n"
-               f"sys.exit({PORT_TAKEN_EXIT} if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 0)\n")
+_PORT_TAKEN = (
+    "import socket, sys\n"
+    "s = socket.socket()\n"
+    "s.settimeout(3)\n"
+    f"sys.exit({PORT_TAKEN_EXIT} if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 0)\n"
+)
 # Run on every node before its token file is written, with this cluster's GCS address (HEAD:PORT):
 # exit 4, naming them on stderr, when raylets of another Ray run there that `ray stop` run there
 # would stop too (this user's; every user's for root). A zombie raylet (state Z, its command line
 # empty: dead, not yet reaped) is no Ray, nor is a raylet whose command line reads empty.
 # Linux (/proc); elsewhere it finds none.
-_OTHER_RAY = ("import os, sys\n"
-              "ours = {'--gcs-address=' + sys.argv[1], '--gcs_address=' + sys.argv[1]}\n"
-              "me, found = os.getuid(), []\n"
-              "for pid in sorted(filter(str.isdigit, os.listdir('/proc') if os.path.isdir('/proc') else [])):\n"
-              "    try:\n"
-              "        with open('/proc/' + pid + '/comm') as f:\n"
-              "            if f.read().strip() != 'raylet':\n"
-              "                continue\n"
-              "        if me != 0 and os.stat('/proc/' + pid).st_uid != me:\n"
-              "            continue\n"
-              "        with open('/proc/' + pid + '/stat') as f:\n"
-              "            if f.read().rpartition(')')[2].split()[:1] == ['Z']:\n"
-              "                continue\n"
-              "        with open('/proc/' + pid + '/cmdline', 'rb') as f:\n"
-              "            argv = f.read().decode(errors='replace').split('\\0')\n"
-              "    except OSError:\n"
-              "        continue\n"
-              "    if not any(argv):\n"
-              "        continue\n"
-              "    if not ours & set(argv):\n"
-              "        gcs = [a.split('=', 1)[1] for a in argv if a.startswith(('--gcs-address=', '--gcs_address='))]\n"
-              "        found.append('raylet pid ' + pid + ' (GCS ' + (gcs[0] if gcs else 'unknown') + ')')\n"
-              "if found:\n"
-              "    print(', '.join(found), file=sys.stderr)\n"
-              f"    sys.exit({OTHER_RAY_EXIT})\n")
+_OTHER_RAY = (
+    "import os, sys\n"
+    "ours = {'--gcs-address=' + sys.argv[1], '--gcs_address=' + sys.argv[1]}\n"
+    "me, found = os.getuid(), []\n"
+    "for pid in sorted(filter(str.isdigit, os.listdir('/proc') if os.path.isdir('/proc') else [])):\n"
+    "    try:\n"
+    "        with open('/proc/' + pid + '/comm') as f:\n"
+    "            if f.read().strip() != 'raylet':\n"
+    "                continue\n"
+    "        if me != 0 and os.stat('/proc/' + pid).st_uid != me:\n"
+    "            continue\n"
+    "        with open('/proc/' + pid + '/stat') as f:\n"
+    "            if f.read().rpartition(')')[2].split()[:1] == ['Z']:\n"
+    "                continue\n"
+    "        with open('/proc/' + pid + '/cmdline', 'rb') as f:\n"
+    "            argv = f.read().decode(errors='replace').split('\\0')\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    if not any(argv):\n"
+    "        continue\n"
+    "    if not ours & set(argv):\n"
+    "        gcs = [a.split('=', 1)[1] for a in argv if a.startswith(('--gcs-address=', '--gcs_address='))]\n"
+    "        found.append('raylet pid ' + pid + ' (GCS ' + (gcs[0] if gcs else 'unknown') + ')')\n"
+    "if found:\n"
+    "    print(', '.join(found), file=sys.stderr)\n"
+    f"    sys.exit({OTHER_RAY_EXIT})\n"
+)
 # Run on a node before `ray stop`, with the node's address and the head's (as its `ray start` was
 # given them: _stop_ray) and this cluster's GCS port:
 # SIGKILL to this user's `ray start` of this cluster bound to that address, a join to HEAD:PORT
@@ -93,23 +99,25 @@ _OTHER_RAY = ("import os, sys\n"
 # port, or another Ray's head on this node, is left alone. One the launcher gave up on (Ctrl-C
 # while nodes join, a timeout) runs on there, as closing an SSH connection stops nothing on the
 # node, and could start Ray after the stop. Matched on whole arguments, so never this program.
-_KILL_START = ("import os, signal, sys\n"
-               "ip, head, port, me = sys.argv[1], sys.argv[2], sys.argv[3], os.getuid()\n"
-               "for pid in filter(str.isdigit, os.listdir('/proc') if os.path.isdir('/proc') else []):\n"
-               "    try:\n"
-               "        if os.stat('/proc/' + pid).st_uid != me:\n"
-               "            continue\n"
-               "        with open('/proc/' + pid + '/cmdline', 'rb') as f:\n"
-               "            argv = f.read().decode(errors='replace').split('\\0')\n"
-               "    except OSError:\n"
-               "        continue\n"
-               "    pairs = set(zip(argv, argv[1:]))\n"
-               "    ours = ('--address', head + ':' + port) in pairs or (ip == head and ('--port', port) in pairs)\n"
-               "    if ('ray.scripts.scripts', 'start') in pairs and ('--node-ip-address', ip) in pairs and ours:\n"
-               "        try:\n"
-               "            os.kill(int(pid), signal.SIGKILL)\n"
-               "        except OSError:\n"
-               "            pass\n")
+_KILL_START = (
+    "import os, signal, sys\n"
+    "ip, head, port, me = sys.argv[1], sys.argv[2], sys.argv[3], os.getuid()\n"
+    "for pid in filter(str.isdigit, os.listdir('/proc') if os.path.isdir('/proc') else []):\n"
+    "    try:\n"
+    "        if os.stat('/proc/' + pid).st_uid != me:\n"
+    "            continue\n"
+    "        with open('/proc/' + pid + '/cmdline', 'rb') as f:\n"
+    "            argv = f.read().decode(errors='replace').split('\\0')\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    pairs = set(zip(argv, argv[1:]))\n"
+    "    ours = ('--address', head + ':' + port) in pairs or (ip == head and ('--port', port) in pairs)\n"
+    "    if ('ray.scripts.scripts', 'start') in pairs and ('--node-ip-address', ip) in pairs and ours:\n"
+    "        try:\n"
+    "            os.kill(int(pid), signal.SIGKILL)\n"
+    "        except OSError:\n"
+    "            pass\n"
+)
 
 
 @dataclass
@@ -134,10 +142,16 @@ class RaySession:
             assert self._cluster is not None
             _wait_for_nodes([node], self.node_ips, self._cluster.ray.join_timeout_s)
             return
-        ip = _match(node, _alive_nodes()) if self.mode == "attach" else next(iter(self.node_ips.values()))
+        ip = (
+            _match(node, _alive_nodes())
+            if self.mode == "attach"
+            else next(iter(self.node_ips.values()))
+        )
         if ip is None:
-            raise PreflightError(f"node {node.name} ({node.host}) is not a node of the Ray cluster at "
-                                 f"{self.address}; start Ray there to use it as a spare")
+            raise PreflightError(
+                f"node {node.name} ({node.host}) is not a node of the Ray cluster at "
+                f"{self.address}; start Ray there to use it as a spare"
+            )
         self.node_ips[node.name] = ip
 
     def _start_ray(self, node: NodeSpec, *, head: bool = False) -> None:
@@ -159,31 +173,49 @@ class RaySession:
         ip = self.node_ips.get(node.name) or _resolve(node.host)
         python = shlex.quote(node.interpreter())
         # Another Ray there: exit 3 (the head's port) or 4, and its token file stays as it is.
-        write = (f"{python} -c {shlex.quote(_OTHER_RAY)} {shlex.quote(f'{self._head_ip}:{rc.port}')} "
-                 f"&& umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}")
+        write = (
+            f"{python} -c {shlex.quote(_OTHER_RAY)} {shlex.quote(f'{self._head_ip}:{rc.port}')} "
+            f"&& umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}"
+        )
         if head:
             write = f"{python} -c {shlex.quote(_PORT_TAKEN)} {shlex.quote(ip)} {rc.port} && {write}"
-        result = _on_node(cluster, node, write, stdin=self._token, timeout=cluster.ssh.connect_timeout_s + 20)
+        result = _on_node(
+            cluster, node, write, stdin=self._token, timeout=cluster.ssh.connect_timeout_s + 20
+        )
         if head and result.exit_code == PORT_TAKEN_EXIT:
             raise PreflightError(
                 f"Ray's port {rc.port} on the head node {node.name!r} ({ip}) is in use: a Ray runs there "
                 f"already (if the launcher started it for detached jobs, `launch down --yes` stops it; "
                 f"else stop it with `ray stop` there, pick another ray.port, or attach to it with "
-                f"ray.address in cluster.yaml). Nothing was started or stopped")
+                f"ray.address in cluster.yaml). Nothing was started or stopped"
+            )
         if result.exit_code == OTHER_RAY_EXIT:
             raise PreflightError(
                 f"another Ray runs on node {node.name!r} ({node.host}): {result.stderr_tail() or 'a raylet'}. "
                 f"Stopping this cluster's Ray there would stop it too (`ray stop` stops every Ray on a "
                 f"node), so the launcher does not start Ray there: stop that Ray (`ray stop` there; "
                 f"`launch down --yes` if the launcher started it for detached jobs), leave the node "
-                f"out, or attach to that Ray with ray.address in cluster.yaml. Nothing was started or stopped")
+                f"out, or attach to that Ray with ray.address in cluster.yaml. Nothing was started or stopped"
+            )
         if not result.ok:
-            raise PreflightError(f"cannot write Ray's token file on node {node.name!r} ({node.host}): "
-                                 f"{result.stderr_tail() or f'exit code {result.exit_code}'}")
+            raise PreflightError(
+                f"cannot write Ray's token file on node {node.name!r} ({node.host}): "
+                f"{result.stderr_tail() or f'exit code {result.exit_code}'}"
+            )
         if head:
-            args = ["start", "--head", "--port", str(rc.port), "--ray-client-server-port", str(rc.client_port),
-                    f"--include-dashboard={'true' if rc.dashboard else 'false'}", "--dashboard-host", "127.0.0.1",
-                    "--dashboard-port", str(rc.dashboard_port)]
+            args = [
+                "start",
+                "--head",
+                "--port",
+                str(rc.port),
+                "--ray-client-server-port",
+                str(rc.client_port),
+                f"--include-dashboard={'true' if rc.dashboard else 'false'}",
+                "--dashboard-host",
+                "127.0.0.1",
+                "--dashboard-port",
+                str(rc.dashboard_port),
+            ]
         else:
             args = ["start", "--address", f"{self._head_ip}:{rc.port}"]
         self._started_on.append(node)  # before the start: an interrupt may cut it short anywhere
@@ -208,14 +240,20 @@ class RaySession:
             # the head first (it starts first, the others only once it runs), as _stop_ray needs,
             # with the addresses their `ray start` was given
             if left := _stop_ray(self._cluster, self._started_on, self.node_ips):
-                log.warning("Ray may still run on %s (not reached); stop it with `ray stop` there",
-                            ", ".join(left))
+                log.warning(
+                    "Ray may still run on %s (not reached); stop it with `ray stop` there",
+                    ", ".join(left),
+                )
         elif self._started_on:
-            log.warning("Ray left running on %s (--keep-ray); stop it with `ray stop` there",
-                        ", ".join(n.name for n in self._started_on))
+            log.warning(
+                "Ray left running on %s (--keep-ray); stop it with `ray stop` there",
+                ", ".join(n.name for n in self._started_on),
+            )
 
 
-def open_session(cluster: ClusterSpec, nodes: list[NodeSpec], code: CodePlan | None = None) -> RaySession:
+def open_session(
+    cluster: ClusterSpec, nodes: list[NodeSpec], code: CodePlan | None = None
+) -> RaySession:
     """Connect to (or start) the Ray that will host one agent per node in ``nodes``.
 
     With a ``code`` that travels, the session ships its snapshot to every node. SIGINT and
@@ -284,7 +322,9 @@ def _shutdown() -> None:
 # -- modes ----------------------------------------------------------------------------------
 
 
-def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
+def _embedded(
+    cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]
+) -> RaySession:
     import ray
 
     log.info("Starting an embedded Ray on this machine")
@@ -292,8 +332,14 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str
     # Ray runs its workers at niceness 15 unless told otherwise; training must not be niced.
     os.environ.setdefault(NICENESS_ENV, "0")
     try:
-        ray.init(address="local", include_dashboard=cluster.ray.dashboard, dashboard_host="127.0.0.1",
-                 log_to_driver=False, configure_logging=False, runtime_env=runtime_env or None)
+        ray.init(
+            address="local",
+            include_dashboard=cluster.ray.dashboard,
+            dashboard_host="127.0.0.1",
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env=runtime_env or None,
+        )
     except Exception as err:  # Ray raises RuntimeError, ConnectionError, TimeoutError, ...
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -305,8 +351,9 @@ def _embedded(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str
     return RaySession(mode="embedded", address="local", node_ips={n.name: ip for n in nodes})
 
 
-def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
-            runtime_env: dict[str, Any]) -> RaySession:
+def _attach(
+    cluster: ClusterSpec, nodes: list[NodeSpec], address: str, runtime_env: dict[str, Any]
+) -> RaySession:
     # Ray (>= 2.50) clusters require a token by default; the driver sends the one in
     # ~/.ray/auth_token (or $RAY_AUTH_TOKEN) only in token mode, read when ray is imported.
     # A cluster without authentication accepts it too.
@@ -315,8 +362,12 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
 
     log.info("Attaching to the running Ray at %s", address)
     try:
-        ray.init(address=address, log_to_driver=False, configure_logging=False,
-                 runtime_env=runtime_env or None)
+        ray.init(
+            address=address,
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env=runtime_env or None,
+        )
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
         raise PreflightError(
             f"cannot attach to Ray at {address!r}: {first_line(err)}. Check that the cluster "
@@ -342,22 +393,34 @@ def _attach(cluster: ClusterSpec, nodes: list[NodeSpec], address: str,
     return RaySession(mode="attach", address=address, node_ips=ips)
 
 
-def _bootstrap(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
+def _bootstrap(
+    cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]
+) -> RaySession:
     head = nodes[0]
     ips = {n.name: _resolve(n.host) for n in nodes}
     rc = cluster.ray
-    session = RaySession(mode="bootstrap", address=f"ray://{ips[head.name]}:{rc.client_port}",
-                         node_ips=ips, _cluster=cluster, _head_ip=ips[head.name], _token=secrets.token_hex(32))
+    session = RaySession(
+        mode="bootstrap",
+        address=f"ray://{ips[head.name]}:{rc.client_port}",
+        node_ips=ips,
+        _cluster=cluster,
+        _head_ip=ips[head.name],
+        _token=secrets.token_hex(32),
+    )
     try:
         log.info("Starting Ray head on %s (%s)", head.name, head.host)
         session._start_ray(head, head=True)
         others = nodes[1:]
         if others:
-            log.info("Joining %d node(s) to Ray: %s", len(others), ", ".join(n.name for n in others))
+            log.info(
+                "Joining %d node(s) to Ray: %s", len(others), ", ".join(n.name for n in others)
+            )
             # Interrupted: the joins under way are given up (their runners closed) and get
             # JOIN_GRACE_S to end; the close() below kills the `ray start`s that run on, on
             # every node in _started_on, then stops Ray there (_stop_ray).
-            outcomes = parallel_map(session._start_ray, others, cluster.ssh.max_parallel, grace_s=JOIN_GRACE_S)
+            outcomes = parallel_map(
+                session._start_ray, others, cluster.ssh.max_parallel, grace_s=JOIN_GRACE_S
+            )
             bad = [e for e in outcomes if isinstance(e, BaseException)]
             if bad:
                 raise bad[0]
@@ -400,8 +463,9 @@ def _connect_client(address: str, runtime_env: dict[str, Any], attempts: int = 3
             time.sleep(2.0 * attempt)
 
 
-def _on_node(cluster: ClusterSpec, node: NodeSpec, command: str, *, stdin: str | None = None,
-             timeout: float) -> CommandResult:
+def _on_node(
+    cluster: ClusterSpec, node: NodeSpec, command: str, *, stdin: str | None = None, timeout: float
+) -> CommandResult:
     """``command`` on ``node`` over a connection closed afterwards. A node that cannot be
     reached, or a command that outlives ``timeout``, is a PreflightError that names the node
     (a spare that fails this way is passed over; a node of the first attempt stops the launch)."""
@@ -409,11 +473,15 @@ def _on_node(cluster: ClusterSpec, node: NodeSpec, command: str, *, stdin: str |
         with runner_for(node, cluster.ssh) as runner:
             return runner.run(command, stdin=stdin, timeout=timeout)
     except NodeError as err:
-        raise PreflightError(f"cannot run Ray's commands on node {node.name!r} ({node.host}): {err}") from err
+        raise PreflightError(
+            f"cannot run Ray's commands on node {node.name!r} ({node.host}): {err}"
+        ) from err
 
 
 def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
-    command = f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
+    command = (
+        f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
+    )
     result = _on_node(cluster, node, command, timeout=cluster.ssh.connect_timeout_s + 90)
     if result.exit_code != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
@@ -425,8 +493,9 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
     return result.stdout
 
 
-def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec],
-              addresses: Mapping[str, str] | None = None) -> list[str]:
+def _stop_ray(
+    cluster: ClusterSpec, nodes: list[NodeSpec], addresses: Mapping[str, str] | None = None
+) -> list[str]:
     """On every node, in parallel: a ``ray start`` of this cluster still running there killed
     (``_KILL_START``: one the launcher gave up on would start Ray after the stop), then
     ``ray stop --force`` and the token file removed. ``nodes[0]`` is the head (whose address
@@ -451,25 +520,38 @@ def _stop_ray(cluster: ClusterSpec, nodes: list[NodeSpec],
 
     def stop(node: NodeSpec) -> str | None:
         python = shlex.quote(node.interpreter())
-        kill = (f"{python} -c {shlex.quote(_KILL_START)} {shlex.quote(address(node))} {head} "
-                f"{cluster.ray.port}")
+        kill = (
+            f"{python} -c {shlex.quote(_KILL_START)} {shlex.quote(address(node))} {head} "
+            f"{cluster.ray.port}"
+        )
         try:
-            result = _on_node(cluster, node, f"{kill}; {python} -m ray.scripts.scripts stop --force; rc=$?; "
-                                             f"rm -f {TOKEN_FILE}; exit $rc",
-                              timeout=cluster.ssh.connect_timeout_s + 60)
+            result = _on_node(
+                cluster,
+                node,
+                f"{kill}; {python} -m ray.scripts.scripts stop --force; rc=$?; "
+                f"rm -f {TOKEN_FILE}; exit $rc",
+                timeout=cluster.ssh.connect_timeout_s + 60,
+            )
         except Exception as err:  # noqa: BLE001 - every node gets its try; the caller names the failed
             log.warning("could not stop Ray on %s (%s): %s", node.name, node.host, first_line(err))
             return node.name
         if not result.ok:
-            log.warning("`ray stop` failed on %s (%s): %s", node.name, node.host,
-                        result.stderr_tail() or f"exit code {result.exit_code}")
+            log.warning(
+                "`ray stop` failed on %s (%s): %s",
+                node.name,
+                node.host,
+                result.stderr_tail() or f"exit code {result.exit_code}",
+            )
             return node.name
         return None
 
     log.info("Stopping Ray on %s", ", ".join(n.name for n in nodes))
     outcomes = parallel_map(stop, nodes, cluster.ssh.max_parallel)
-    return [node.name if isinstance(outcome, BaseException) else outcome
-            for node, outcome in zip(nodes, outcomes, strict=True) if outcome is not None]
+    return [
+        node.name if isinstance(outcome, BaseException) else outcome
+        for node, outcome in zip(nodes, outcomes, strict=True)
+        if outcome is not None
+    ]
 
 
 def _wait_for_nodes(nodes: list[NodeSpec], ips: dict[str, str], timeout_s: float) -> None:

@@ -79,8 +79,15 @@ class Failure:
         return self.kind is FailureKind.RANK
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "node": self.node, "host": self.host, "exit_code": self.exit_code,
-                "signal": self.signal, "log_tail": self.log_tail, "reason": self.reason}
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "host": self.host,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "log_tail": self.log_tail,
+            "reason": self.reason,
+        }
 
 
 @dataclass

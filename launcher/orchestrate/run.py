@@ -99,22 +99,32 @@ class Launch:
         except KeyboardInterrupt:
             outcome = Outcome(Status.INTERRUPTED, self.run_dir.root)
         except LauncherError as err:
-            outcome = Outcome(Status.FAILED, self.run_dir.root, Failure(FailureKind.LAUNCHER, str(err)))
+            outcome = Outcome(
+                Status.FAILED, self.run_dir.root, Failure(FailureKind.LAUNCHER, str(err))
+            )
             raise
         except OSError as err:  # writing the run directory (a full disk), or Ray's connection lost
             reason = f"the launcher could not go on: {type(err).__name__}: {err}"
-            outcome = Outcome(Status.FAILED, self.run_dir.root, Failure(FailureKind.LAUNCHER, reason))
-            if not self._workers_started:  # the launch failed before training (exit 3), not the job (4)
-                raise PreflightError(f"{reason}. No worker was started; what was recorded is in "
-                                     f"{self.run_dir}") from err
-            raise JobFailed(f"{reason}. Every worker was stopped; what was recorded is in {self.run_dir}") from err
+            outcome = Outcome(
+                Status.FAILED, self.run_dir.root, Failure(FailureKind.LAUNCHER, reason)
+            )
+            if (
+                not self._workers_started
+            ):  # the launch failed before training (exit 3), not the job (4)
+                raise PreflightError(
+                    f"{reason}. No worker was started; what was recorded is in {self.run_dir}"
+                ) from err
+            raise JobFailed(
+                f"{reason}. Every worker was stopped; what was recorded is in {self.run_dir}"
+            ) from err
         finally:
             self.finish(outcome)
         return outcome
 
     def preflight(self) -> dict[str, NodeFacts] | None:
-        return preflight_facts(self.job, self.cluster, skip=self.skip_parity, run_dir=self.run_dir,
-                               show=not self.quiet)
+        return preflight_facts(
+            self.job, self.cluster, skip=self.skip_parity, run_dir=self.run_dir, show=not self.quiet
+        )
 
     def connect_ray(self) -> None:
         if self.session is None:
@@ -124,7 +134,9 @@ class Launch:
     def place_agents(self) -> AgentGroup:
         assert self.session is not None
         gpus = gpus_per_node(self.job, self.nodes, self.facts)
-        agents = AgentGroup.place(self.session, self.nodes, gpus, name=f"launcher-{self.run_dir.run_id}")
+        agents = AgentGroup.place(
+            self.session, self.nodes, gpus, name=f"launcher-{self.run_dir.run_id}"
+        )
         signals.check()
         return agents
 
@@ -138,17 +150,29 @@ class Launch:
         while True:
             self.plan = self.start_attempt(agents, attempt, nodes=nodes, job=job)
             if restarted_after is not None:
-                self.restarts.append(Restart(
-                    attempt=attempt, reason=restarted_after.reason, failed_node=restarted_after.node,
-                    nodes=[n.name for n in self.plan.nodes], world_size=self.plan.world_size))
+                self.restarts.append(
+                    Restart(
+                        attempt=attempt,
+                        reason=restarted_after.reason,
+                        failed_node=restarted_after.node,
+                        nodes=[n.name for n in self.plan.nodes],
+                        world_size=self.plan.world_size,
+                    )
+                )
             failure = self._watch(agents)
             if failure is None:
                 return Outcome(Status.SUCCEEDED, self.run_dir.root)
-            if attempt >= self.job.launch.max_restarts or not (failure.restartable or self.job.elastic):
+            if attempt >= self.job.launch.max_restarts or not (
+                failure.restartable or self.job.elastic
+            ):
                 return self._failed(failure)
             attempt += 1
-            log.warning("%s; restarting every worker (restart %d of %d)", failure.reason, attempt,
-                        self.job.launch.max_restarts)
+            log.warning(
+                "%s; restarting every worker (restart %d of %d)",
+                failure.reason,
+                attempt,
+                self.job.launch.max_restarts,
+            )
             self._ingest(agents.stop(self.job.launch.stop_grace_s))
             if self.job.elastic:
                 try:
@@ -171,19 +195,33 @@ class Launch:
         elastic.check_enough(self.job, left, failure.reason)
         try:
             world = sum(worker_counts(self.job, left, self.facts).values())
-        except LauncherError as err:  # e.g. a spare admitted without a preflight and no gpus declared
-            raise RestartRefused(f"{failure.reason}; the nodes left cannot be planned: {err}") from None
+        except (
+            LauncherError
+        ) as err:  # e.g. a spare admitted without a preflight and no gpus declared
+            raise RestartRefused(
+                f"{failure.reason}; the nodes left cannot be planned: {err}"
+            ) from None
         job = elastic.job_for_world(self.job, self._first_world, world)
         if job.train.grad_accum != self.job.train.grad_accum:
-            log.warning("world size %d -> %d: grad_accum %d -> %d keeps the global batch", self._first_world,
-                        world, self.job.train.grad_accum, job.train.grad_accum)
+            log.warning(
+                "world size %d -> %d: grad_accum %d -> %d keeps the global batch",
+                self._first_world,
+                world,
+                self.job.train.grad_accum,
+                job.train.grad_accum,
+            )
         return left, job
 
     def admit(self, spare: NodeSpec, nodes: list[NodeSpec]) -> bool:
         """A spare joins when it passes the preflight beside ``nodes`` and joins this Ray."""
         try:
-            facts = preflight_facts(self.job, self.cluster, skip=self.skip_parity, show=not self.quiet,
-                                    nodes=[*nodes, spare])
+            facts = preflight_facts(
+                self.job,
+                self.cluster,
+                skip=self.skip_parity,
+                show=not self.quiet,
+                nodes=[*nodes, spare],
+            )
             assert self.session is not None
             self.session.add_node(spare)
         except LauncherError as err:
@@ -194,15 +232,27 @@ class Launch:
         log.warning("spare node %s (%s) takes the failed node's place", spare.name, spare.host)
         return True
 
-    def replace_agents(self, agents: AgentGroup, nodes: list[NodeSpec], job: JobSpec, attempt: int) -> AgentGroup:
+    def replace_agents(
+        self, agents: AgentGroup, nodes: list[NodeSpec], job: JobSpec, attempt: int
+    ) -> AgentGroup:
         """The agents of the nodes that go on (a new placement group: one bundle per node)."""
         agents.close()
         assert self.session is not None
-        return AgentGroup.place(self.session, nodes, gpus_per_node(job, nodes, self.facts),
-                                name=f"launcher-{self.run_dir.run_id}-{attempt}")
+        return AgentGroup.place(
+            self.session,
+            nodes,
+            gpus_per_node(job, nodes, self.facts),
+            name=f"launcher-{self.run_dir.run_id}-{attempt}",
+        )
 
-    def start_attempt(self, agents: AgentGroup, attempt: int, *, nodes: list[NodeSpec] | None = None,
-                      job: JobSpec | None = None) -> LaunchPlan:
+    def start_attempt(
+        self,
+        agents: AgentGroup,
+        attempt: int,
+        *,
+        nodes: list[NodeSpec] | None = None,
+        job: JobSpec | None = None,
+    ) -> LaunchPlan:
         """Plan attempt ``attempt`` on a fresh port (``launch.master_port`` when set), record it,
         start torchrun on every node.
 
@@ -214,20 +264,35 @@ class Launch:
         """
         job = job or self.job
         port = job.launch.master_port or agents.free_port()
-        launch_plan = plan(job, self.cluster, self.facts, run_id=self.run_dir.run_id,
-                           run_name=self.run_dir.name, attempt=attempt,
-                           master_port=port, launcher_env=os.environ, code=self.code, nodes=nodes)
+        launch_plan = plan(
+            job,
+            self.cluster,
+            self.facts,
+            run_id=self.run_dir.run_id,
+            run_name=self.run_dir.name,
+            attempt=attempt,
+            master_port=port,
+            launcher_env=os.environ,
+            code=self.code,
+            nodes=nodes,
+        )
         self.run_dir.write_plan(launch_plan)
         self.plan = launch_plan  # from here on the agents' updates are this attempt's
         self.plans.append(launch_plan)
         self._first_world = self._first_world or launch_plan.world_size
         self._used.update(n.name for n in launch_plan.nodes)
         self.log.open(launch_plan)
-        self._workers_started = True  # from here on a worker may run (some nodes may start before one fails)
+        self._workers_started = (
+            True  # from here on a worker may run (some nodes may start before one fails)
+        )
         # job.yaml on the nodes has env values masked: workers get them from the plan's env.
         agents.start(launch_plan, {"job.yaml": spec_yaml(job)})
-        log.info("Started %d worker(s) on %d node(s): %s", launch_plan.world_size, len(launch_plan.nodes),
-                 ", ".join(f"{n.name} ranks {n.ranks[0]}-{n.ranks[-1]}" for n in launch_plan.nodes))
+        log.info(
+            "Started %d worker(s) on %d node(s): %s",
+            launch_plan.world_size,
+            len(launch_plan.nodes),
+            ", ".join(f"{n.name} ranks {n.ranks[0]}-{n.ranks[-1]}" for n in launch_plan.nodes),
+        )
         signals.check()
         return launch_plan
 
@@ -242,8 +307,12 @@ class Launch:
             with self._timed("teardown"):
                 self.teardown()
         except Exception as err:
-            log.error("the teardown did not finish cleanly: %s: %s", type(err).__name__, err,
-                      exc_info=log.isEnabledFor(logging.DEBUG))
+            log.error(
+                "the teardown did not finish cleanly: %s: %s",
+                type(err).__name__,
+                err,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
         finally:
             try:
                 self.write_summary(outcome)
@@ -271,23 +340,47 @@ class Launch:
         from launcher.results.summary import summarize, write_summary
 
         # An interruption is no rank's failure: the status says it all.
-        failure = outcome.failure.to_json() if outcome.failure and outcome.status is Status.FAILED else None
+        failure = (
+            outcome.failure.to_json()
+            if outcome.failure and outcome.status is Status.FAILED
+            else None
+        )
         last = self.plans[-1] if self.plans else None
         records = self.log.by_attempt.get(last.attempt, {}) if last else {}
-        summary = summarize(self.job.name, last.ranks() if last else [], records, status=outcome.status.value,
-                            failure=failure)
-        summary["restarts"] = [r.to_json() for r in elastic.with_steps(self.restarts, self.log.by_attempt)]
+        summary = summarize(
+            self.job.name,
+            last.ranks() if last else [],
+            records,
+            status=outcome.status.value,
+            failure=failure,
+        )
+        summary["restarts"] = [
+            r.to_json() for r in elastic.with_steps(self.restarts, self.log.by_attempt)
+        ]
         if len(self.plans) > 1:
             summary["attempts"] = [
-                {"attempt": p.attempt, "nodes": [n.name for n in p.nodes], "world_size": p.world_size,
-                 **summarize(self.job.name, p.ranks(), self.log.by_attempt.get(p.attempt, {}),
-                             status=outcome.status.value)["totals"]} for p in self.plans]
+                {
+                    "attempt": p.attempt,
+                    "nodes": [n.name for n in p.nodes],
+                    "world_size": p.world_size,
+                    **summarize(
+                        self.job.name,
+                        p.ranks(),
+                        self.log.by_attempt.get(p.attempt, {}),
+                        status=outcome.status.value,
+                    )["totals"],
+                }
+                for p in self.plans
+            ]
         summary["launcher_timings_s"] = {k: round(v, 2) for k, v in self.timings.items()}
         write_summary(self.run_dir.root, summary)
         outcome.summary = summary
         if not self.quiet:
             print(render_summary(summary), flush=True)
-            print("Launcher time: " + " · ".join(f"{k} {v:.1f} s" for k, v in self.timings.items()), flush=True)
+            print(
+                "Launcher time: " + " · ".join(f"{k} {v:.1f} s" for k, v in self.timings.items()),
+                flush=True,
+            )
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -303,8 +396,12 @@ class Launch:
         assert self.plan is not None
         self.log.start_progress(self.job.train.steps)
         try:
-            return Watcher(agents, self.plan, on_update=self.log.ingest,
-                           hang_timeout_s=self.job.launch.hang_timeout_s).run()
+            return Watcher(
+                agents,
+                self.plan,
+                on_update=self.log.ingest,
+                hang_timeout_s=self.job.launch.hang_timeout_s,
+            ).run()
         finally:
             self.log.stop_progress()
 
@@ -348,8 +445,14 @@ def checked_code(job: JobSpec, cluster: ClusterSpec) -> CodePlan | None:
     return code
 
 
-def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip_parity: bool = False,
-        keep_ray: bool = False) -> Outcome:
+def run(
+    job: JobSpec,
+    cluster: ClusterSpec,
+    *,
+    run_dir: Path | None = None,
+    skip_parity: bool = False,
+    keep_ray: bool = False,
+) -> Outcome:
     """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary;
     PreflightError (exit 3) where the launcher failed (an OSError) before any worker started.
 
@@ -358,19 +461,28 @@ def run(job: JobSpec, cluster: ClusterSpec, *, run_dir: Path | None = None, skip
     """
     code = checked_code(job, cluster)
     where = RunDir.claim(run_dir) if run_dir else RunDir.new(job.name)
-    outcome = Launch(job=job, cluster=cluster, run_dir=where, code=code, skip_parity=skip_parity,
-                     keep_ray=keep_ray).execute()
+    outcome = Launch(
+        job=job,
+        cluster=cluster,
+        run_dir=where,
+        code=code,
+        skip_parity=skip_parity,
+        keep_ray=keep_ray,
+    ).execute()
     print(f"Run directory: {outcome.run_dir}", flush=True)
     if outcome.status is Status.INTERRUPTED:
-        raise Interrupted(f"interrupted: every worker was stopped; logs, metrics so far and a summary "
-                          f"marked interrupted are in {outcome.run_dir}")
+        raise Interrupted(
+            f"interrupted: every worker was stopped; logs, metrics so far and a summary "
+            f"marked interrupted are in {outcome.run_dir}"
+        )
     if outcome.status is Status.FAILED:
         failure = outcome.failure
         tail = "\n".join((failure.log_tail if failure else "").splitlines()[-8:])
         raise JobFailed(
             f"job {job.name!r} failed: {failure.reason if failure else 'a worker failed'}. Every other "
             f"worker was stopped; logs and the summary are in {outcome.run_dir}."
-            + (f"\nLast lines of the failing rank:\n{tail}" if tail else ""))
+            + (f"\nLast lines of the failing rank:\n{tail}" if tail else "")
+        )
     return outcome
 
 
@@ -382,7 +494,15 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
     code = checked_code(job, cluster)
     facts = preflight_facts(job, cluster, skip=skip_parity)
     port = job.launch.master_port or DEFAULT_MASTER_PORT
-    launch_plan = plan(job, cluster, facts, run_id=f"{job.name}-<timestamp>-<id>", run_name=f"{job.name}-<timestamp>",
-                       master_port=port, launcher_env=os.environ, code=code)
+    launch_plan = plan(
+        job,
+        cluster,
+        facts,
+        run_id=f"{job.name}-<timestamp>-<id>",
+        run_name=f"{job.name}-<timestamp>",
+        master_port=port,
+        launcher_env=os.environ,
+        code=code,
+    )
     note = "" if job.launch.master_port else " (a free port on the first node is picked at launch)"
     return render(launch_plan, port_note=note)

@@ -83,8 +83,10 @@ class RunDir:
                 n += 1
                 path = base / f"{stem}-{n}"
             except OSError as err:
-                raise UsageError(f"cannot make a run directory in {base}: {err.strerror or err}; run from "
-                                 f"a folder you can write, or pass --run-dir") from err
+                raise UsageError(
+                    f"cannot make a run directory in {base}: {err.strerror or err}; run from "
+                    f"a folder you can write, or pass --run-dir"
+                ) from err
 
     @classmethod
     def claim(cls, path: Path | str, *, job_id: str | None = None) -> RunDir:
@@ -127,8 +129,14 @@ class RunDir:
         cls.refuse_used(path)
 
     @classmethod
-    def reserve(cls, path: Path | str, job_id: str, *, head: dict[str, Any] | None = None,
-                lookup: JobLookup | None = None) -> Callable[[], None]:
+    def reserve(
+        cls,
+        path: Path | str,
+        job_id: str,
+        *,
+        head: dict[str, Any] | None = None,
+        lookup: JobLookup | None = None,
+    ) -> Callable[[], None]:
         """``launch submit`` to a head on this machine: claim the folder for job ``job_id`` now,
         while the submission holds its lock, as ``claim`` does (exit 2 for a used one), and
         leave the reservation (``.launcher-job``: the job id, and ``head``, who the launcher's
@@ -168,8 +176,10 @@ class RunDir:
         except BaseException as err:  # also Ctrl-C: no logs/ left without its reservation
             undo((path / RESERVED, path / "logs") if made_logs else ())
             if isinstance(err, OSError):
-                raise UsageError(f"cannot write the run directory {path}: {err.strerror or err}; pass "
-                                 f"--run-dir a folder you can write") from err
+                raise UsageError(
+                    f"cannot write the run directory {path}: {err.strerror or err}; pass "
+                    f"--run-dir a folder you can write"
+                ) from err
             raise
         return release
 
@@ -186,11 +196,15 @@ class RunDir:
             for gone in made:  # innermost first
                 with contextlib.suppress(OSError):
                     gone.rmdir()
-            if isinstance(err, FileExistsError):  # another launch made it between the look and the mkdir
+            if isinstance(
+                err, FileExistsError
+            ):  # another launch made it between the look and the mkdir
                 raise _taken(path) from err
             if isinstance(err, OSError):
-                raise UsageError(f"cannot make the run directory {path}: {err.strerror or err}; pass "
-                                 f"--run-dir a folder you can write") from err
+                raise UsageError(
+                    f"cannot make the run directory {path}: {err.strerror or err}; pass "
+                    f"--run-dir a folder you can write"
+                ) from err
             raise
 
     @staticmethod
@@ -199,12 +213,16 @@ class RunDir:
         (``status``: that of the job it is reserved for, where known)."""
         try:
             if path.exists() and not path.is_dir():
-                raise UsageError(f"--run-dir {path} is a file, not a folder; pass --run-dir a new folder "
-                                 f"(it is made) or an empty one")
+                raise UsageError(
+                    f"--run-dir {path} is a file, not a folder; pass --run-dir a new folder "
+                    f"(it is made) or an empty one"
+                )
             used = path.is_dir() and any(path.iterdir())
         except OSError as err:
-            raise UsageError(f"cannot read the run directory {path}: {err.strerror or err}; pass --run-dir "
-                             f"a folder you can write") from err
+            raise UsageError(
+                f"cannot read the run directory {path}: {err.strerror or err}; pass --run-dir "
+                f"a folder you can write"
+            ) from err
         if used:
             raise _taken(path, status)
 
@@ -227,7 +245,9 @@ class RunDir:
 
     def rank_log(self, node: str, rank: int | None) -> Path:
         """A rank's log, or (``rank`` None) the node's torchrun lines."""
-        return self.root / "logs" / node / (f"rank{rank}.log" if rank is not None else "torchrun.log")
+        return (
+            self.root / "logs" / node / (f"rank{rank}.log" if rank is not None else "torchrun.log")
+        )
 
     def metrics_file(self, rank: int) -> Path:
         return self.root / metrics.SUBDIR / metrics.file_name(rank)
@@ -247,8 +267,10 @@ class RunDir:
             write_private(self.root / "job.yaml", spec_yaml(job))
             write_private(self.root / "cluster.yaml", spec_yaml(cluster))
         except OSError as err:
-            raise UsageError(f"cannot write the run directory {self.root}: {err.strerror or err} "
-                             f"({err.filename or self.root}); pass --run-dir a folder you can write") from err
+            raise UsageError(
+                f"cannot write the run directory {self.root}: {err.strerror or err} "
+                f"({err.filename or self.root}); pass --run-dir a folder you can write"
+            ) from err
 
     def write_plan(self, launch_plan: LaunchPlan) -> Path:
         path = self.plan_file(launch_plan.attempt)
@@ -321,7 +343,9 @@ def _reservation(path: Path) -> Reservation | None:
         return None
     if found is None:
         return None
-    return replace(found, owner=st.st_uid if st.st_nlink == 1 else None, file=(st.st_dev, st.st_ino))
+    return replace(
+        found, owner=st.st_uid if st.st_nlink == 1 else None, file=(st.st_dev, st.st_ino)
+    )
 
 
 def _reserved_for(path: Path) -> str | None:
@@ -335,8 +359,11 @@ def _only_reserved(path: Path) -> bool:
     try:
         names = {p.name for p in path.iterdir()}
         logs = path / "logs"
-        return RESERVED in names and names <= {RESERVED, "logs"} and (
-            "logs" not in names or (logs.is_dir() and not any(logs.iterdir())))
+        return (
+            RESERVED in names
+            and names <= {RESERVED, "logs"}
+            and ("logs" not in names or (logs.is_dir() and not any(logs.iterdir())))
+        )
     except OSError:
         return False
 
@@ -371,9 +398,12 @@ def _holding(path: Path, job_id: str, file: tuple[int, int] | None = None) -> It
         try:
             here, now = os.fstat(fh.fileno()), os.lstat(path / RESERVED)
             found = Reservation.parse(fh.read(MAX_RESERVATION).decode())
-            same = ((here.st_dev, here.st_ino) == (now.st_dev, now.st_ino)
-                    and (file is None or file == (here.st_dev, here.st_ino))
-                    and found is not None and found.job_id == job_id)
+            same = (
+                (here.st_dev, here.st_ino) == (now.st_dev, now.st_ino)
+                and (file is None or file == (here.st_dev, here.st_ino))
+                and found is not None
+                and found.job_id == job_id
+            )
         except (OSError, UnicodeDecodeError):
             same = False
         yield same  # the lock goes with the file's closing
@@ -392,16 +422,20 @@ def _take(path: Path, job_id: str) -> None:
                     f"--run-dir {path} was reserved for this job when it was submitted, and files "
                     f"have been put into it since ({', '.join(sorted(rest)) or 'logs/'}): a run "
                     f"directory holds one run. Submit again with a new folder for --run-dir; "
-                    f"nothing was started")
+                    f"nothing was started"
+                )
             (path / RESERVED).unlink()
             logs.mkdir(exist_ok=True)
     except OSError as err:
-        raise UsageError(f"cannot take the run directory {path}: {err.strerror or err}; pass "
-                         f"--run-dir a folder you can write") from err
+        raise UsageError(
+            f"cannot take the run directory {path}: {err.strerror or err}; pass "
+            f"--run-dir a folder you can write"
+        ) from err
 
 
-def _take_over(path: Path, lookup: JobLookup | None,
-               mine: Reservation | None = None) -> tuple[bool, str | None]:
+def _take_over(
+    path: Path, lookup: JobLookup | None, mine: Reservation | None = None
+) -> tuple[bool, str | None]:
     """Take ``path`` where it holds only the reservation of a job that can no longer take it:
     the job has ended (its driver never took the folder: stopped while it waited, a runtime_env
     that failed), the local head it was submitted to runs no more, or its submission never
@@ -425,26 +459,41 @@ def _take_over(path: Path, lookup: JobLookup | None,
             else:
                 mine.write(path)
     except OSError as err:
-        raise UsageError(f"cannot take the run directory {path}: {err.strerror or err}; pass "
-                         f"--run-dir a folder you can write") from err
-    why = ("whose Ray runs no more" if status == GONE
-           else "whose submission was cut off before Ray had the job" if status == ABANDONED
-           else f"which ended ({status}) before its driver took it")
-    log.info("--run-dir %s was reserved for job %s, %s: this %s takes the folder", path,
-             found.job_id, why, "run" if mine is None else "submission")
+        raise UsageError(
+            f"cannot take the run directory {path}: {err.strerror or err}; pass "
+            f"--run-dir a folder you can write"
+        ) from err
+    why = (
+        "whose Ray runs no more"
+        if status == GONE
+        else "whose submission was cut off before Ray had the job"
+        if status == ABANDONED
+        else f"which ended ({status}) before its driver took it"
+    )
+    log.info(
+        "--run-dir %s was reserved for job %s, %s: this %s takes the folder",
+        path,
+        found.job_id,
+        why,
+        "run" if mine is None else "submission",
+    )
     return True, status
 
 
 def _taken(path: Path, status: str | None = None) -> UsageError:
     job_id = _reserved_for(path)
     if job_id is not None:
-        where = (f"and still {status.lower()} (`launch status {job_id}`)" if status is not None
-                 else f"(waiting, running, or it ended on a Ray this command cannot ask; `launch status {job_id}`)")
+        where = (
+            f"and still {status.lower()} (`launch status {job_id}`)"
+            if status is not None
+            else f"(waiting, running, or it ended on a Ray this command cannot ask; `launch status {job_id}`)"
+        )
         return UsageError(
             f"--run-dir {path} is reserved for job {job_id}, submitted before with the same --run-dir "
             f"{where}: a run directory holds one run. Pick a new folder for --run-dir (or leave it "
             f"out), or remove {path} first if that job has ended and you no longer need it; nothing "
-            f"was started")
+            f"was started"
+        )
     try:
         _read_reservation(path)
     except FileNotFoundError:
@@ -455,7 +504,8 @@ def _taken(path: Path, status: str | None = None) -> UsageError:
             f"{path / RESERVED} to tell for which job ({err.strerror or err}; a job's driver runs "
             f"as the user that started the cluster's Ray): a run directory holds one run. Pick a "
             f"new folder for --run-dir, one that user can write, or remove {path} first if that "
-            f"job has ended; nothing was started")
+            f"job has ended; nothing was started"
+        )
     try:
         entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     except OSError:
@@ -465,7 +515,8 @@ def _taken(path: Path, status: str | None = None) -> UsageError:
         f"--run-dir {path} is not empty ({shown or 'another launch took it'}): a run directory holds "
         f"one run, and this launch's logs, metrics and summary would be mixed into what is there. Pick "
         f"a new folder for --run-dir (or leave it out: runs/<job>-<time> is made), or remove {path} "
-        f"first if you no longer need it; nothing was started")
+        f"first if you no longer need it; nothing was started"
+    )
 
 
 def _user() -> str:
@@ -484,8 +535,10 @@ def spec_yaml(model: Any) -> str:
 
 def _mask_envs(data: Any) -> Any:
     if isinstance(data, dict):
-        return {k: (mask_env(v) if k == "env" and isinstance(v, dict) else _mask_envs(v))
-                for k, v in data.items()}
+        return {
+            k: (mask_env(v) if k == "env" and isinstance(v, dict) else _mask_envs(v))
+            for k, v in data.items()
+        }
     if isinstance(data, list):
         return [_mask_envs(v) for v in data]
     return data

@@ -41,7 +41,9 @@ class RunLog:
             rank = node.rank_of(local_rank) if known else None
             self._file(node.name, rank).write(text + "\n")
             if not self.quiet and (rank == 0 or ERROR_LINE.search(text)):
-                self.show(f"[{node.name}/{'rank' + str(rank) if rank is not None else 'torchrun'}] {text}")
+                self.show(
+                    f"[{node.name}/{'rank' + str(rank) if rank is not None else 'torchrun'}] {text}"
+                )
         for fh in self._files.values():
             fh.flush()
         for rank, record in update.records:

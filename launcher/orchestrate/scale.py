@@ -25,8 +25,17 @@ from launcher.util import utc_stamp
 log = logging.getLogger(__name__)
 
 
-def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes: list[int] | None,
-          mode: str, repeat: int = 1, out_dir: Path | None = None, skip_parity: bool = False) -> dict:
+def scale(
+    job: JobSpec,
+    cluster: ClusterSpec,
+    *,
+    world: list[int] | None,
+    nodes: list[int] | None,
+    mode: str,
+    repeat: int = 1,
+    out_dir: Path | None = None,
+    skip_parity: bool = False,
+) -> dict:
     """Run the study; returns the scaling table. Raises JobFailed (exit 4) if any run failed.
 
     SIGINT or SIGTERM in any phase raise Interrupted (exit 130) with the points measured so far
@@ -42,29 +51,47 @@ def scale(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes:
     jobs = [_point_job(job, n_nodes, nproc, base_world, mode) for n_nodes, nproc in points]
     out_dir = out_dir or Path("runs") / f"{job.name}-scale-{utc_stamp()}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    used = cluster.nodes[:max(n for n, _ in points)]
+    used = cluster.nodes[: max(n for n, _ in points)]
     code = plan_code(job, list(used))
-    probe_job = job.model_copy(update={"resources": job.resources.model_copy(update={"nodes": len(used)})})
+    probe_job = job.model_copy(
+        update={"resources": job.resources.model_copy(update={"nodes": len(used)})}
+    )
     measured: list[dict] = []
     try:
-        facts = preflight_facts(probe_job, cluster, skip=skip_parity, run_dir=RunDir(out_dir), show=False)
+        facts = preflight_facts(
+            probe_job, cluster, skip=skip_parity, run_dir=RunDir(out_dir), show=False
+        )
         session = open_session(cluster, list(used), code)
         try:
             for point_job in jobs:
-                measured.append(_point(point_job, cluster, session, out_dir=out_dir, repeat=repeat,
-                                       code=code, facts=facts, skip_parity=skip_parity))
+                measured.append(
+                    _point(
+                        point_job,
+                        cluster,
+                        session,
+                        out_dir=out_dir,
+                        repeat=repeat,
+                        code=code,
+                        facts=facts,
+                        skip_parity=skip_parity,
+                    )
+                )
         finally:
             session.close()
     except KeyboardInterrupt:
         write_scaling(out_dir, build_table(measured, job=job.name, mode=mode))
-        raise Interrupted(f"scaling study interrupted; the points measured so far are in {out_dir}") from None
+        raise Interrupted(
+            f"scaling study interrupted; the points measured so far are in {out_dir}"
+        ) from None
     table = build_table(measured, job=job.name, mode=mode)
     print(write_scaling(out_dir, table), flush=True)
     print(f"Study directory: {out_dir}", flush=True)
     failed = sum(r is None for entry in measured for r in entry["repeats"])
     if failed:
-        raise JobFailed(f"{failed} run(s) of the study failed; their run directories under {out_dir} "
-                        f"hold the logs and summaries")
+        raise JobFailed(
+            f"{failed} run(s) of the study failed; their run directories under {out_dir} "
+            f"hold the logs and summaries"
+        )
     return table
 
 
@@ -81,28 +108,58 @@ def _point_job(job: JobSpec, n_nodes: int, nproc: int, base_world: int, mode: st
         raise SpecError(
             f"the scaling point of {world} rank(s) ({n_nodes} node(s) x {nproc}) cannot run this job "
             f"({mode} scaling): {refusal.rstrip('.')}. Leave that point out of --world / --nodes or "
-            f"change the job; no point was run", source="launch scale")
+            f"change the job; no point was run",
+            source="launch scale",
+        )
     return point_job
 
 
-def _point(point_job: JobSpec, cluster: ClusterSpec, session: RaySession, *, out_dir: Path, repeat: int,
-           code: CodePlan | None, facts: dict[str, NodeFacts] | None, skip_parity: bool) -> dict:
+def _point(
+    point_job: JobSpec,
+    cluster: ClusterSpec,
+    session: RaySession,
+    *,
+    out_dir: Path,
+    repeat: int,
+    code: CodePlan | None,
+    facts: dict[str, NodeFacts] | None,
+    skip_parity: bool,
+) -> dict:
     """Every repeat of one point; a failed repeat is None in ``repeats`` (a run that failed, or
     one the launcher could not start: its run directory says why), and the study goes on."""
     n_nodes, nproc = point_job.resources.nodes, point_job.resources.nproc_per_node
     assert isinstance(n_nodes, int) and isinstance(nproc, int)
     world_size = n_nodes * nproc
     train = point_job.train
-    entry = {"nodes": n_nodes, "ranks": world_size, "global_batch": train.micro_batch * train.grad_accum * world_size,
-             "repeats": [], "run_dirs": []}
+    entry = {
+        "nodes": n_nodes,
+        "ranks": world_size,
+        "global_batch": train.micro_batch * train.grad_accum * world_size,
+        "repeats": [],
+        "run_dirs": [],
+    }
     for i in range(repeat):
         run_dir = out_dir / f"w{world_size}-n{n_nodes}" / f"r{i}"
-        log.info("Scaling point: %d node(s) x %d = %d rank(s), repeat %d/%d", n_nodes, nproc, world_size,
-                 i + 1, repeat)
+        log.info(
+            "Scaling point: %d node(s) x %d = %d rank(s), repeat %d/%d",
+            n_nodes,
+            nproc,
+            world_size,
+            i + 1,
+            repeat,
+        )
         entry["run_dirs"].append(str(run_dir))
         try:
-            outcome = Launch(job=point_job, cluster=cluster, run_dir=RunDir(run_dir), session=session, code=code,
-                             facts=facts, skip_parity=skip_parity, quiet=True).execute()
+            outcome = Launch(
+                job=point_job,
+                cluster=cluster,
+                run_dir=RunDir(run_dir),
+                session=session,
+                code=code,
+                facts=facts,
+                skip_parity=skip_parity,
+                quiet=True,
+            ).execute()
         except Interrupted:
             raise KeyboardInterrupt from None
         except LauncherError as err:  # e.g. Ray could not place this point's agents
@@ -112,14 +169,19 @@ def _point(point_job: JobSpec, cluster: ClusterSpec, session: RaySession, *, out
         if outcome.status is Status.INTERRUPTED:
             raise KeyboardInterrupt
         if outcome.status is not Status.SUCCEEDED:
-            log.error("point %d ranks, repeat %d failed: %s", world_size, i,
-                      outcome.failure.reason if outcome.failure else "unknown")
+            log.error(
+                "point %d ranks, repeat %d failed: %s",
+                world_size,
+                i,
+                outcome.failure.reason if outcome.failure else "unknown",
+            )
         entry["repeats"].append(outcome.summary if outcome.status is Status.SUCCEEDED else None)
     return entry
 
 
-def _points(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None,
-            nodes: list[int] | None) -> list[tuple[int, int]]:
+def _points(
+    job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None, nodes: list[int] | None
+) -> list[tuple[int, int]]:
     """(nodes, workers per node) for each point, smallest first."""
     if nodes:
         for n in nodes:
@@ -127,8 +189,10 @@ def _points(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None,
                 raise UsageError(f"--nodes {n}: the cluster has {len(cluster.nodes)} node(s)")
         counts = {declared_workers(job, node) for node in cluster.nodes}
         if len(counts) != 1 or None in counts:
-            raise UsageError("--nodes with nproc_per_node auto needs every node's gpus declared "
-                             "and equal in cluster.yaml; or set resources.nproc_per_node")
+            raise UsageError(
+                "--nodes with nproc_per_node auto needs every node's gpus declared "
+                "and equal in cluster.yaml; or set resources.nproc_per_node"
+            )
         count = counts.pop()
         return [(n, count) for n in sorted(set(nodes))]
     assert world is not None
@@ -136,8 +200,10 @@ def _points(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None,
         return [(1, w) for w in sorted(set(world))]
     cap = declared_workers(job, cluster.nodes[0])
     if cap is None:
-        raise UsageError("--world on several nodes needs resources.nproc_per_node or the nodes' gpus "
-                         "declared in cluster.yaml")
+        raise UsageError(
+            "--world on several nodes needs resources.nproc_per_node or the nodes' gpus "
+            "declared in cluster.yaml"
+        )
     out = []
     for w in sorted(set(world)):
         if w <= cap:
@@ -145,6 +211,8 @@ def _points(job: JobSpec, cluster: ClusterSpec, *, world: list[int] | None,
         elif w % cap == 0 and w // cap <= len(cluster.nodes):
             out.append((w // cap, cap))
         else:
-            raise UsageError(f"--world {w}: does not fit {len(cluster.nodes)} node(s) of {cap} "
-                             f"worker(s); use multiples of {cap} up to {cap * len(cluster.nodes)}")
+            raise UsageError(
+                f"--world {w}: does not fit {len(cluster.nodes)} node(s) of {cap} "
+                f"worker(s); use multiples of {cap} up to {cap * len(cluster.nodes)}"
+            )
     return out

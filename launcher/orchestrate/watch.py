@@ -42,10 +42,17 @@ class Agents(Tails, Protocol):
 
 
 class Watcher:
-    def __init__(self, agents: Agents, launch_plan: LaunchPlan, *,
-                 on_update: Callable[[NodePlan, AgentUpdate], None], hang_timeout_s: float | None,
-                 clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_INTERVAL_S,
-                 silence_s: float = NODE_SILENCE_S):
+    def __init__(
+        self,
+        agents: Agents,
+        launch_plan: LaunchPlan,
+        *,
+        on_update: Callable[[NodePlan, AgentUpdate], None],
+        hang_timeout_s: float | None,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float = POLL_INTERVAL_S,
+        silence_s: float = NODE_SILENCE_S,
+    ):
         self.agents = agents
         self.plan = launch_plan
         self.on_update = on_update
@@ -83,13 +90,17 @@ class Watcher:
                 return True, lost_node(nodes[lost[0]], lost[1])
             try:
                 return True, rank_failure(self.agents, i, nodes[i], status)
-            except Exception as err:  # its agent died after reporting the exit: no log to read there
+            except (
+                Exception
+            ) as err:  # its agent died after reporting the exit: no log to read there
                 return True, lost_node(nodes[i], err)
         if len(self._exited) == len(nodes):
             return True, None
         silent = self.agents.silent(self.silence_s)
         if silent is not None:
-            return True, lost_node(nodes[silent], TimeoutError(f"no answer for {self.silence_s:.0f} s"))
+            return True, lost_node(
+                nodes[silent], TimeoutError(f"no answer for {self.silence_s:.0f} s")
+            )
         hung = self._hung()
         return hung is not None, hung
 
@@ -107,8 +118,11 @@ class Watcher:
             return None
         now = self.clock()
         done = {self.plan.nodes[i].name for i in self._exited}  # exited 0: quiet, not hung
-        silent = [e for e in self.plan.ranks()
-                  if e["node"] not in done and now - self._last_seen.get(e["rank"], self._started) > limit]
+        silent = [
+            e
+            for e in self.plan.ranks()
+            if e["node"] not in done and now - self._last_seen.get(e["rank"], self._started) > limit
+        ]
         if not silent:
             return None
         # A hung rank stalls the others at their next collective, so several go silent at

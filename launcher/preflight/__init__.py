@@ -95,7 +95,9 @@ def parity_packages(cluster: ClusterSpec, job: JobSpec | None) -> list[str]:
     return list(dict.fromkeys([*cluster.parity.packages, *extra]))
 
 
-def probe_node(node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, deep: bool) -> dict[str, Any]:
+def probe_node(
+    node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, deep: bool
+) -> dict[str, Any]:
     """Run the probe on one node; raises NodeError with the reason when that fails."""
     python = node.interpreter()
     args = ["-"]
@@ -132,7 +134,9 @@ def probe_node(node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, dee
 def parse_probe_output(result: CommandResult, python: str) -> dict[str, Any]:
     """The probe's JSON document, or NodeError: interpreter missing, probe crashed, bad JSON."""
     if result.exit_code in (126, 127) or (
-        result.exit_code != 0 and "No such file or directory" in result.stderr and python in result.stderr
+        result.exit_code != 0
+        and "No such file or directory" in result.stderr
+        and python in result.stderr
     ):
         raise NodeError(
             INTERPRETER_MISSING,
@@ -140,7 +144,9 @@ def parse_probe_output(result: CommandResult, python: str) -> dict[str, Any]:
             f"set nodes[].python to a Python with torch and the launcher installed",
         )
     if result.exit_code != 0:
-        raise NodeError(PROBE_CRASHED, f"exit {result.exit_code}: {result.stderr_tail() or 'no stderr'}")
+        raise NodeError(
+            PROBE_CRASHED, f"exit {result.exit_code}: {result.stderr_tail() or 'no stderr'}"
+        )
     # The document is the last line; login scripts may print before it.
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     try:
@@ -148,7 +154,8 @@ def parse_probe_output(result: CommandResult, python: str) -> dict[str, Any]:
     except (IndexError, json.JSONDecodeError):
         shown = result.stdout.strip()[-200:]
         raise NodeError(
-            BAD_JSON, f"the probe printed no JSON document (stdout: {shown!r}; stderr: {result.stderr_tail()!r})"
+            BAD_JSON,
+            f"the probe printed no JSON document (stdout: {shown!r}; stderr: {result.stderr_tail()!r})",
         ) from None
     if not isinstance(probe, dict):
         raise NodeError(BAD_JSON, f"the probe printed {type(probe).__name__}, not a JSON object")
@@ -162,20 +169,35 @@ def shared_code_args(job: JobSpec | None) -> list[str]:
     entry = job.entrypoint
     script = Path(entry.script)
     relative = script.relative_to(entry.workdir) if script.is_relative_to(entry.workdir) else script
-    return ["--workdir", str(entry.workdir), "--script", str(relative),
-            "--exclude", json.dumps(list(entry.exclude))]
+    return [
+        "--workdir",
+        str(entry.workdir),
+        "--script",
+        str(relative),
+        "--exclude",
+        json.dumps(list(entry.exclude)),
+    ]
 
 
-def preflight_facts(job: JobSpec, cluster: ClusterSpec, *, skip: bool, run_dir: RunDir | None = None,
-                    show: bool = True, nodes: list[NodeSpec] | None = None) -> dict[str, NodeFacts] | None:
+def preflight_facts(
+    job: JobSpec,
+    cluster: ClusterSpec,
+    *,
+    skip: bool,
+    run_dir: RunDir | None = None,
+    show: bool = True,
+    nodes: list[NodeSpec] | None = None,
+) -> dict[str, NodeFacts] | None:
     """The preflight (unless skipped) and what the plan needs of it: each node's GPU count.
 
     Prints the parity table (always when the preflight fails) and raises PreflightError (exit 3)
     for a failed one; saves the report into ``run_dir`` when given.
     """
     if skip:
-        log.warning("PARITY CHECK SKIPPED (--skip-parity): nodes are not probed; GPU counts come "
-                    "from cluster.yaml and a mismatched node will not be caught")
+        log.warning(
+            "PARITY CHECK SKIPPED (--skip-parity): nodes are not probed; GPU counts come "
+            "from cluster.yaml and a mismatched node will not be caught"
+        )
         if run_dir is not None:
             run_dir.note_skipped_preflight()
         return None
@@ -191,7 +213,9 @@ def preflight_facts(job: JobSpec, cluster: ClusterSpec, *, skip: bool, run_dir: 
     return {n: NodeFacts(gpus=report.gpus(n)) for n in report.nodes}
 
 
-def check_command(cluster_path: str | None, job_path: str | None, *, fast: bool, as_json: bool) -> int:
+def check_command(
+    cluster_path: str | None, job_path: str | None, *, fast: bool, as_json: bool
+) -> int:
     """``launch check``: print the parity table (or JSON); 0 when every node agrees, else 3."""
     from launcher.spec import check_fits, load_cluster, load_job
 

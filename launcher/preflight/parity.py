@@ -83,6 +83,7 @@ def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
     """The value at ``path`` in a probe: None where a part is missing or failed on the node;
     a value that is itself a failure (``{"error": ...}``, e.g. NCCL's version where torch has
     no NCCL) becomes its text, so that the row shows it and compares it."""
+
     def extract(probe: dict[str, Any]) -> Any:
         value: Any = probe
         for part in path:
@@ -152,7 +153,9 @@ FIELDS: tuple[FieldDef, ...] = (
     FieldDef("driver", "driver", "major", _get("nvidia", "driver")),
     FieldDef("gpu", "gpu model", "exact", _gpu_models),
     FieldDef("gpus", "gpus", "ignore", lambda p: gpu_count(p)),
-    FieldDef("cuda_available", "cuda available", "exact", _get("deep", "cuda_available"), deep=True),
+    FieldDef(
+        "cuda_available", "cuda available", "exact", _get("deep", "cuda_available"), deep=True
+    ),
     FieldDef("cudnn", "cudnn", "exact", _get("deep", "cudnn", "version"), deep=True),
     FieldDef("nccl", "nccl", "exact", _get("deep", "nccl"), deep=True),
     FieldDef("clock", "clock skew", "ignore", _skew),
@@ -167,7 +170,9 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("driver_min", "the driver is new enough for torch's CUDA build"),
     CheckDef("gpus_needed", "the node has the GPUs the job (or cluster.yaml) asks for"),
     CheckDef("nccl_socket_ifname", "NCCL_SOCKET_IFNAME names an interface of the node"),
-    CheckDef("clock_skew", f"the clock is within {CLOCK_SKEW_WARN_S:g} s of the launcher's (warns)"),
+    CheckDef(
+        "clock_skew", f"the clock is within {CLOCK_SKEW_WARN_S:g} s of the launcher's (warns)"
+    ),
 )
 _CHECK_DEFAULTS = {"clock_skew": "warn"}
 
@@ -220,9 +225,17 @@ class PreflightReport:
         """One line: ``parity OK: 3 nodes agree`` or ``parity FAILED: <every bad node, why>``."""
         n = len(self.nodes)
         if self.ok:
-            line = f"parity OK: {n} node{'s' if n != 1 else ''} agree" if n != 1 else "parity OK: 1 node checked"
+            line = (
+                f"parity OK: {n} node{'s' if n != 1 else ''} agree"
+                if n != 1
+                else "parity OK: 1 node checked"
+            )
             if self.warnings:
-                line += " (warnings: " + "; ".join(self._node_summaries(self.warnings, with_errors=False)) + ")"
+                line += (
+                    " (warnings: "
+                    + "; ".join(self._node_summaries(self.warnings, with_errors=False))
+                    + ")"
+                )
             return line
         return "parity FAILED: " + "; ".join(self._node_summaries(self.failures, with_errors=True))
 
@@ -241,7 +254,9 @@ class PreflightReport:
                 parts.append("differs in " + ", ".join(diffs))
             parts.extend(checks)
             if parts:
-                out.append(f"{node} " + "; ".join(parts) if diffs else f"{node}: " + "; ".join(parts))
+                out.append(
+                    f"{node} " + "; ".join(parts) if diffs else f"{node}: " + "; ".join(parts)
+                )
         return out
 
     def table(self) -> str:
@@ -271,10 +286,15 @@ class PreflightReport:
                 checks.append("")
                 continue
             mine = [p for p in self.problems if p.node == node and p.key not in self.field_keys]
-            lines = [_wrap(f"{FAIL_MARK if p.severity == 'fail' else WARN_MARK} {p.message}") for p in mine]
+            lines = [
+                _wrap(f"{FAIL_MARK if p.severity == 'fail' else WARN_MARK} {p.message}")
+                for p in mine
+            ]
             checks.append("\n".join(lines) or "ok")
         body.append(checks)
-        legend = f"{FAIL_MARK} differs from the other nodes or fails a check · {WARN_MARK} warning only"
+        legend = (
+            f"{FAIL_MARK} differs from the other nodes or fails a check · {WARN_MARK} warning only"
+        )
         return "\n".join([tabulate(body, headers=headers, tablefmt="simple"), legend, self.verdict])
 
     def to_json(self) -> dict[str, Any]:
@@ -291,7 +311,9 @@ class PreflightReport:
                     "label": row.field.label,
                     "policy": row.policy,
                     "reference": row.reference,
-                    "cells": {n: {"value": row.values[n], "mark": row.marks.get(n)} for n in row.values},
+                    "cells": {
+                        n: {"value": row.values[n], "mark": row.marks.get(n)} for n in row.values
+                    },
                 }
                 for row in self.rows
             ],
@@ -304,7 +326,9 @@ class PreflightReport:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         for node, probe in self.probes.items():
-            (directory / f"{node}.json").write_text(json.dumps(probe, indent=2, sort_keys=True) + "\n")
+            (directory / f"{node}.json").write_text(
+                json.dumps(probe, indent=2, sort_keys=True) + "\n"
+            )
         (directory / "parity.txt").write_text(self.table() + "\n")
 
     def raise_for_failure(self) -> None:
@@ -382,7 +406,10 @@ def resolve_policies(overrides: dict[str, str], packages: Sequence[str] = ()) ->
                 field="parity.policies",
             )
         if policy not in POLICIES:
-            raise SpecError(f"{key}: {policy!r} is not a policy; use one of {', '.join(POLICIES)}", field="parity.policies")
+            raise SpecError(
+                f"{key}: {policy!r} is not a policy; use one of {', '.join(POLICIES)}",
+                field="parity.policies",
+            )
         if key in resolved:  # not a kernel package that this run leaves unchecked
             resolved[key] = policy
     return resolved
@@ -403,7 +430,11 @@ def _mark_row(row: Row, problems: list[Problem]) -> None:
     counts = Counter(keys.values())
     head = next(iter(keys))
     best = max(counts.values())
-    ref_key = keys[head] if counts[keys[head]] == best else next(k for k in keys.values() if counts[k] == best)
+    ref_key = (
+        keys[head]
+        if counts[keys[head]] == best
+        else next(k for k in keys.values() if counts[k] == best)
+    )
     row.reference = next(row.values[n] for n, k in keys.items() if k == ref_key)
     severity = "warn" if row.policy == "warn" else "fail"
     for node, key in keys.items():
@@ -419,7 +450,9 @@ def _mark_row(row: Row, problems: list[Problem]) -> None:
             )
 
 
-def _checks(node: str, probe: dict[str, Any], policies: dict[str, str], deep: bool) -> list[Problem]:
+def _checks(
+    node: str, probe: dict[str, Any], policies: dict[str, str], deep: bool
+) -> list[Problem]:
     found: list[tuple[str, str]] = []
     request = probe.get("request") or {}
     dp = probe.get("deep")
@@ -429,21 +462,38 @@ def _checks(node: str, probe: dict[str, Any], policies: dict[str, str], deep: bo
         found.append(("deep_probe", f"deep probe failed: {reason}"))
     if probe.get("launcher") is None:
         python = _get("python", "executable")(probe) or "the node's python"
-        found.append(("launcher_importable", f"the launcher is not importable with {python}; install it there"))
+        found.append(
+            (
+                "launcher_importable",
+                f"the launcher is not importable with {python}; install it there",
+            )
+        )
     code = probe.get("user_code")
     if isinstance(code, dict):
         if "error" in code:
             found.append(("user_code_present", f"could not read the workdir: {code['error']}"))
         elif not code.get("exists"):
-            found.append(("user_code_present", f"workdir {code['workdir']} does not exist here; put the "
-                                               f"code on the shared filesystem or use entrypoint.sync: auto"))
+            found.append(
+                (
+                    "user_code_present",
+                    f"workdir {code['workdir']} does not exist here; put the "
+                    f"code on the shared filesystem or use entrypoint.sync: auto",
+                )
+            )
         elif code.get("script") and not code.get("script_exists"):
-            found.append(("user_code_present", f"script {code['script']} is missing from {code['workdir']} here"))
+            found.append(
+                (
+                    "user_code_present",
+                    f"script {code['script']} is missing from {code['workdir']} here",
+                )
+            )
     if deep_ok and dp.get("cuda_available"):
         found.extend(("cudnn_working", m) for m in _cudnn_problems(dp))
         speedup = (dp.get("conv") or {}).get("speedup")
         if isinstance(speedup, int | float) and speedup < CUDNN_MIN_SPEEDUP:
-            found.append(("cudnn_speedup", f"cuDNN gives no speed-up ({speedup:g}x over native kernels)"))
+            found.append(
+                ("cudnn_speedup", f"cuDNN gives no speed-up ({speedup:g}x over native kernels)")
+            )
     driver = _get("nvidia", "driver")(probe)
     cuda = (dp.get("cuda_build") if deep_ok else None) or _get("torch_build", "cuda")(probe)
     minimum = min_driver(cuda)
@@ -461,7 +511,12 @@ def _checks(node: str, probe: dict[str, Any], policies: dict[str, str], deep: bo
         found.append(("gpus_needed", f"needs {needed} GPU{'s' if needed != 1 else ''}, has {have}"))
     ifname = request.get("nccl_socket_ifname")
     interfaces = probe.get("interfaces")
-    if ifname and isinstance(interfaces, dict) and "error" not in interfaces and not nccl_ifname_matches(ifname, interfaces):
+    if (
+        ifname
+        and isinstance(interfaces, dict)
+        and "error" not in interfaces
+        and not nccl_ifname_matches(ifname, interfaces)
+    ):
         found.append(
             (
                 "nccl_socket_ifname",
@@ -567,4 +622,7 @@ def _display(value: Any) -> str:
 
 
 def _wrap(text: str) -> str:
-    return "\n".join(textwrap.wrap(text, CELL_WIDTH, break_long_words=True, break_on_hyphens=False)) or text
+    return (
+        "\n".join(textwrap.wrap(text, CELL_WIDTH, break_long_words=True, break_on_hyphens=False))
+        or text
+    )

@@ -56,20 +56,55 @@ NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total", "uuid", 
 COMMAND_TIMEOUT_S = 15.0
 # What counts as code when the user's working directory is hashed: sources and configs (.json and
 # .yaml included); other files, data among them, are not read.
-CODE_SUFFIXES = (".py", ".pyi", ".pyx", ".pxd", ".sh", ".yaml", ".yml", ".toml", ".json", ".cfg",
-                 ".ini", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp")
+CODE_SUFFIXES = (
+    ".py",
+    ".pyi",
+    ".pyx",
+    ".pxd",
+    ".sh",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".json",
+    ".cfg",
+    ".ini",
+    ".c",
+    ".cc",
+    ".cpp",
+    ".cu",
+    ".h",
+    ".hpp",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="probe", description="Report this node's environment as JSON.")
-    parser.add_argument("--deep", action="store_true", help="also import torch and exercise CUDA/cuDNN/NCCL")
-    parser.add_argument("--packages", default="", help="comma-separated extra packages to report versions of")
-    parser.add_argument("--deep-timeout", type=float, default=120.0, help="seconds the deep part may take")
-    parser.add_argument("--gpus-needed", type=int, default=0, help="GPUs the job needs on this node (recorded)")
-    parser.add_argument("--nccl-socket-ifname", default=None, help="the workers' NCCL_SOCKET_IFNAME (recorded)")
-    parser.add_argument("--workdir", default=None, help="the user's working directory: report and hash it")
+    parser = argparse.ArgumentParser(
+        prog="probe", description="Report this node's environment as JSON."
+    )
+    parser.add_argument(
+        "--deep", action="store_true", help="also import torch and exercise CUDA/cuDNN/NCCL"
+    )
+    parser.add_argument(
+        "--packages", default="", help="comma-separated extra packages to report versions of"
+    )
+    parser.add_argument(
+        "--deep-timeout", type=float, default=120.0, help="seconds the deep part may take"
+    )
+    parser.add_argument(
+        "--gpus-needed", type=int, default=0, help="GPUs the job needs on this node (recorded)"
+    )
+    parser.add_argument(
+        "--nccl-socket-ifname", default=None, help="the workers' NCCL_SOCKET_IFNAME (recorded)"
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="the user's working directory: report and hash it"
+    )
     parser.add_argument("--script", default=None, help="the user's script, relative to --workdir")
-    parser.add_argument("--exclude", default="[]", help="gitignore-style patterns (a JSON list) left out of the hash")
+    parser.add_argument(
+        "--exclude",
+        default="[]",
+        help="gitignore-style patterns (a JSON list) left out of the hash",
+    )
     args = parser.parse_args(argv)
     started = time.monotonic()
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
@@ -93,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     report["disk"] = _safe(disk_free)
     if args.workdir:
         patterns = json.loads(args.exclude)
-        report["user_code"] = _safe(lambda: user_code_info(Path(args.workdir), args.script, patterns))
+        report["user_code"] = _safe(
+            lambda: user_code_info(Path(args.workdir), args.script, patterns)
+        )
     report["deep"] = run_with_timeout(deep_info, args.deep_timeout) if args.deep else None
     report["elapsed_s"] = round(time.monotonic() - started, 3)
     report["time"] = time.time()  # last, so the launcher can measure clock skew on receipt
@@ -171,7 +208,12 @@ def torch_build() -> dict[str, Any] | None:
         if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
-                if isinstance(target, ast.Name) and target.id in ("__version__", "cuda", "hip", "git_version"):
+                if isinstance(target, ast.Name) and target.id in (
+                    "__version__",
+                    "cuda",
+                    "hip",
+                    "git_version",
+                ):
                     out[target.id.strip("_")] = node.value.value
     return out
 
@@ -265,10 +307,14 @@ def _glob_regex(glob: str) -> str:
         elif glob[i] == "?":
             out.append("[^/]")
             i += 1
-        elif glob[i] == "[" and "]" in glob[i + 1:]:
+        elif glob[i] == "[" and "]" in glob[i + 1 :]:
             end = glob.index("]", i + 1)
-            inner = glob[i + 1:end]
-            out.append("[" + ("^" + inner[1:] if inner.startswith("!") else inner).replace("\\", "\\\\") + "]")
+            inner = glob[i + 1 : end]
+            out.append(
+                "["
+                + ("^" + inner[1:] if inner.startswith("!") else inner).replace("\\", "\\\\")
+                + "]"
+            )
             i = end + 1
         else:
             out.append(re.escape(glob[i]))
@@ -283,7 +329,9 @@ def nvidia_info() -> dict[str, Any]:
         query = [smi, f"--query-gpu={','.join(NVIDIA_SMI_FIELDS)}", "--format=csv,noheader,nounits"]
         proc = subprocess.run(query, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
         if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [
+                f"exit {proc.returncode}"
+            ]
             return {"source": "nvidia-smi", "driver": None, "gpus": [], "error": tail[0]}
         rows = [
             dict(zip(NVIDIA_SMI_FIELDS, (c.strip() for c in line.split(",")), strict=False))
@@ -341,7 +389,9 @@ def interfaces() -> dict[str, list[str]]:
     """Interface name → IPv4 addresses, from ``ip -j addr`` or, without iproute2, ioctls."""
     ip = shutil.which("ip")
     if ip:
-        proc = subprocess.run([ip, "-j", "addr"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        proc = subprocess.run(
+            [ip, "-j", "addr"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+        )
         if proc.returncode == 0 and proc.stdout.strip():
             out: dict[str, list[str]] = {}
             for link in json.loads(proc.stdout):
@@ -360,7 +410,9 @@ def _interfaces_ioctl() -> dict[str, list[str]]:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for _, name in socket.if_nameindex():
             try:
-                packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+                packed = fcntl.ioctl(
+                    sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15])
+                )
                 out[name] = [socket.inet_ntoa(packed[20:24])]
             except OSError:
                 out[name] = []
@@ -412,7 +464,9 @@ def deep_info(progress: dict[str, str]) -> dict[str, Any]:
     }
     out["conv"] = _safe(lambda: _time_conv(torch)) if available else None
     progress["stage"] = "NCCL"
-    out["nccl"] = _safe(lambda: ".".join(str(v) for v in torch.cuda.nccl.version())) if available else None
+    out["nccl"] = (
+        _safe(lambda: ".".join(str(v) for v in torch.cuda.nccl.version())) if available else None
+    )
     out["loaded_libs"] = loaded_libraries()
     return out
 
@@ -423,7 +477,9 @@ def _time_conv(torch: Any) -> dict[str, Any]:
     w = torch.randn(64, 64, 3, 3, device="cuda")
 
     def timed(enabled: bool) -> tuple[float, Any]:
-        with torch.backends.cudnn.flags(enabled=enabled, benchmark=False, deterministic=False, allow_tf32=False):
+        with torch.backends.cudnn.flags(
+            enabled=enabled, benchmark=False, deterministic=False, allow_tf32=False
+        ):
             for _ in range(3):
                 y = torch.nn.functional.conv2d(x, w, padding=1)
             torch.cuda.synchronize()
@@ -461,7 +517,9 @@ def loaded_libraries() -> dict[str, list[str]]:
     return {prefix: sorted(paths) for prefix, paths in found.items()}
 
 
-def run_with_timeout(fn: Callable[[dict[str, str]], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+def run_with_timeout(
+    fn: Callable[[dict[str, str]], dict[str, Any]], timeout_s: float
+) -> dict[str, Any]:
     """Run ``fn`` in a daemon thread; after ``timeout_s`` report where it was stuck instead."""
     progress = {"stage": "start"}
     result: dict[str, Any] = {}
@@ -476,7 +534,10 @@ def run_with_timeout(fn: Callable[[dict[str, str]], dict[str, Any]], timeout_s: 
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        return {"error": f"timed out after {timeout_s:g} s during {progress['stage']}", "stage": progress["stage"]}
+        return {
+            "error": f"timed out after {timeout_s:g} s during {progress['stage']}",
+            "stage": progress["stage"],
+        }
     return result["value"]
 
 

@@ -14,6 +14,14 @@ from launcher.results.scaling import (
 from launcher.results.summary import load_run, render, report_command, summarize, write_summary
 
 __all__ = [
-    "build_table", "load_run", "load_scaling", "render", "render_scaling", "report_command",
-    "scale_job", "summarize", "write_scaling", "write_summary",
+    "build_table",
+    "load_run",
+    "load_scaling",
+    "render",
+    "render_scaling",
+    "report_command",
+    "scale_job",
+    "summarize",
+    "write_scaling",
+    "write_summary",
 ]

@@ -36,8 +36,17 @@ log = logging.getLogger(__name__)
 
 MODES = ("weak", "strong")
 POINT_KEYS = (
-    "nodes", "ranks", "global_batch", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_per_rank",
-    "speedup", "efficiency", "repeats", "failed_repeats", "run_dirs",
+    "nodes",
+    "ranks",
+    "global_batch",
+    "tokens_per_s",
+    "tokens_per_s_min",
+    "tokens_per_s_per_rank",
+    "speedup",
+    "efficiency",
+    "repeats",
+    "failed_repeats",
+    "run_dirs",
 )
 CSV_KEYS = POINT_KEYS[:8] + ("failed_repeats",)
 DASH = "–"
@@ -99,19 +108,21 @@ def build_table(points: list[dict], *, job: str, mode: str) -> dict:
         ranks = int(point["ranks"])
         median = statistics.median(measured) if measured else None
         run_dirs = point.get("run_dirs") or ([point["run_dir"]] if point.get("run_dir") else [])
-        rows.append({
-            "nodes": int(point["nodes"]),
-            "ranks": ranks,
-            "global_batch": point.get("global_batch"),
-            "tokens_per_s": median,
-            "tokens_per_s_min": min(measured) if measured else None,
-            "tokens_per_s_per_rank": median / ranks if median is not None else None,
-            "speedup": None,
-            "efficiency": None,
-            "repeats": measured,
-            "failed_repeats": len(values) - len(measured),
-            "run_dirs": [str(d) for d in run_dirs],
-        })
+        rows.append(
+            {
+                "nodes": int(point["nodes"]),
+                "ranks": ranks,
+                "global_batch": point.get("global_batch"),
+                "tokens_per_s": median,
+                "tokens_per_s_min": min(measured) if measured else None,
+                "tokens_per_s_per_rank": median / ranks if median is not None else None,
+                "speedup": None,
+                "efficiency": None,
+                "repeats": measured,
+                "failed_repeats": len(values) - len(measured),
+                "run_dirs": [str(d) for d in run_dirs],
+            }
+        )
     base = next((r for r in rows if r["tokens_per_s"]), None)
     for row in rows:
         if base is not None and row["tokens_per_s"] is not None:
@@ -127,25 +138,50 @@ def build_table(points: list[dict], *, job: str, mode: str) -> dict:
 
 def render_scaling(table: dict) -> str:
     """The study as a text table, with the definitions under it."""
-    headers = ["nodes", "ranks", "global batch", "tokens/s (median)", "tokens/s (min)",
-               "tokens/s per rank", "speedup", "efficiency %", "repeats"]
+    headers = [
+        "nodes",
+        "ranks",
+        "global batch",
+        "tokens/s (median)",
+        "tokens/s (min)",
+        "tokens/s per rank",
+        "speedup",
+        "efficiency %",
+        "repeats",
+    ]
     body = []
     for p in table["points"]:
         runs = len(p["repeats"]) + p["failed_repeats"]
-        body.append([
-            p["nodes"], p["ranks"], DASH if p["global_batch"] is None else p["global_batch"],
-            _num(p["tokens_per_s"]), _num(p["tokens_per_s_min"]), _num(p["tokens_per_s_per_rank"]),
-            DASH if p["speedup"] is None else f"{p['speedup']:.2f}x",
-            DASH if p["efficiency"] is None else f"{100 * p['efficiency']:.1f}",
-            f"{len(p['repeats'])}/{runs}" if p["failed_repeats"] else str(runs),
-        ])
-    grid = tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True,
-                    colalign=("right",) * len(headers))
+        body.append(
+            [
+                p["nodes"],
+                p["ranks"],
+                DASH if p["global_batch"] is None else p["global_batch"],
+                _num(p["tokens_per_s"]),
+                _num(p["tokens_per_s_min"]),
+                _num(p["tokens_per_s_per_rank"]),
+                DASH if p["speedup"] is None else f"{p['speedup']:.2f}x",
+                DASH if p["efficiency"] is None else f"{100 * p['efficiency']:.1f}",
+                f"{len(p['repeats'])}/{runs}" if p["failed_repeats"] else str(runs),
+            ]
+        )
+    grid = tabulate(
+        body,
+        headers=headers,
+        tablefmt="simple",
+        disable_numparse=True,
+        colalign=("right",) * len(headers),
+    )
     base = table.get("base_ranks")
-    definition = ("speedup / (N/N0), the global batch kept" if table["mode"] == "strong"
-                  else "per-rank tokens/s at N over that at N0, the per-rank batch kept")
-    note = (f"Speedup and efficiency are relative to N0 = {base} rank{'s' if base != 1 else ''}; "
-            f"efficiency = {definition}.")
+    definition = (
+        "speedup / (N/N0), the global batch kept"
+        if table["mode"] == "strong"
+        else "per-rank tokens/s at N over that at N0, the per-rank batch kept"
+    )
+    note = (
+        f"Speedup and efficiency are relative to N0 = {base} rank{'s' if base != 1 else ''}; "
+        f"efficiency = {definition}."
+    )
     if base is None:
         note = "No point measured a throughput; nothing to compare."
     return f"{table['job']}: {table['mode']} scaling\n\n{grid}\n\n{note}\n"
@@ -171,9 +207,13 @@ def load_scaling(study_dir: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UsageError(f"{study_dir}: no scaling.json; give a directory made by 'launch scale'") from None
+        raise UsageError(
+            f"{study_dir}: no scaling.json; give a directory made by 'launch scale'"
+        ) from None
     except json.JSONDecodeError as err:
-        raise UsageError(f"{path}: not valid JSON (line {err.lineno}); the study directory is damaged") from None
+        raise UsageError(
+            f"{path}: not valid JSON (line {err.lineno}); the study directory is damaged"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("points"), list):
         raise UsageError(f"{path}: not a scaling table (expected an object with 'points')")
     return data
@@ -207,8 +247,13 @@ def plot_scaling(table: dict, path: Path) -> Path:
             ax_tp.plot(ranks, [p["tokens_per_s"] for p in points], "o-", label="measured (median)")
         if rated:
             ax_eff.axhline(100.0, linestyle="--", color="grey", label="ideal (100%)")
-            ax_eff.plot([p["ranks"] for p in rated], [100 * p["efficiency"] for p in rated], "o-",
-                        color="tab:orange", label="measured")
+            ax_eff.plot(
+                [p["ranks"] for p in rated],
+                [100 * p["efficiency"] for p in rated],
+                "o-",
+                color="tab:orange",
+                label="measured",
+            )
         for ax in (ax_tp, ax_eff):
             ax.set_xlabel("ranks (world size)")
             if ranks:
@@ -219,8 +264,11 @@ def plot_scaling(table: dict, path: Path) -> Path:
         ax_tp.set_ylabel("tokens/s (all ranks)")
         ax_tp.set_title("throughput")
         ax_eff.set_ylabel("scaling efficiency (%)")
-        ax_eff.set_title(f"efficiency relative to {base_ranks} rank{'s' if base_ranks != 1 else ''}"
-                         if base_ranks else "efficiency")
+        ax_eff.set_title(
+            f"efficiency relative to {base_ranks} rank{'s' if base_ranks != 1 else ''}"
+            if base_ranks
+            else "efficiency"
+        )
         top = max([110.0] + [105.0 * p["efficiency"] for p in rated])
         ax_eff.set_ylim(0, top)
         fig.tight_layout()

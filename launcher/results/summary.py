@@ -40,10 +40,24 @@ STATUSES = ("succeeded", "failed", "interrupted")
 STRAGGLER_THRESHOLD = 0.05  # a rank whose p50 step time exceeds the median by more than 5%
 
 RANK_KEYS = (
-    "rank", "node", "host", "local_rank", "device", "steps",
-    "step_time_ms_p50", "step_time_ms_p95", "samples_per_s", "tokens_per_s",
-    "tflops", "mfu", "peak_mem_gib", "data_wait_pct",
-    "sm_clock_mhz", "clock_limited_pct", "power_w", "energy_mj_per_token",
+    "rank",
+    "node",
+    "host",
+    "local_rank",
+    "device",
+    "steps",
+    "step_time_ms_p50",
+    "step_time_ms_p95",
+    "samples_per_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_gib",
+    "data_wait_pct",
+    "sm_clock_mhz",
+    "clock_limited_pct",
+    "power_w",
+    "energy_mj_per_token",
 )
 GPU_KEYS = RANK_KEYS[-4:]  # from NVML (launcher.metrics.gpu_summary); null without it
 TOTAL_KEYS = ("tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks")
@@ -67,8 +81,10 @@ def summarize(
     """
     if status not in STATUSES:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
-    rows = [_rank_row(layout, records.get(int(layout["rank"]), [])) for layout in
-            sorted(ranks, key=lambda r: int(r["rank"]))]
+    rows = [
+        _rank_row(layout, records.get(int(layout["rank"]), []))
+        for layout in sorted(ranks, key=lambda r: int(r["rank"]))
+    ]
     nodes = list(dict.fromkeys(r["node"] for r in rows))
     return {
         "job": job,
@@ -130,17 +146,22 @@ def load_run(run_dir: Path) -> dict:
     if previous is not None and (previous.get("restarts") or previous.get("attempts")):
         return previous
     source = plan if plan is not None else previous
-    layout = [{k: r.get(k) for k in ("rank", "node", "host", "local_rank", "device")}
-              for r in source.get("ranks", [])]
+    layout = [
+        {k: r.get(k) for k in ("rank", "node", "host", "local_rank", "device")}
+        for r in source.get("ranks", [])
+    ]
     records = load_records(run_dir / "metrics", (int(r["rank"]) for r in layout))
     if previous is not None and previous.get("status") in STATUSES:
         status, failure = previous["status"], previous.get("failure")
     else:
-        done = all(any(rec.get("type") == "final" for rec in records.get(int(r["rank"]), []))
-                   for r in layout)
+        done = all(
+            any(rec.get("type") == "final" for rec in records.get(int(r["rank"]), []))
+            for r in layout
+        )
         status, failure = ("succeeded" if layout and done else "interrupted"), None
-    rebuilt = summarize(str(source.get("job", run_dir.name)), layout, records,
-                        status=status, failure=failure)
+    rebuilt = summarize(
+        str(source.get("job", run_dir.name)), layout, records, status=status, failure=failure
+    )
     # What only the launcher that watched the run knew (restarts, launcher_timings_s) is kept.
     return {**rebuilt, **{k: v for k, v in (previous or {}).items() if k not in rebuilt}}
 
@@ -163,12 +184,15 @@ def report_command(path: str, *, fmt: str = "table") -> int:
     run_dir = Path(path)
     if not run_dir.is_dir():
         what = "not a directory" if run_dir.exists() else "no such directory"
-        raise UsageError(f"{path}: {what}; give a run directory (runs/<job>-<time>/) "
-                         f"or a scaling study directory")
+        raise UsageError(
+            f"{path}: {what}; give a run directory (runs/<job>-<time>/) "
+            f"or a scaling study directory"
+        )
     if (run_dir / "scaling.json").is_file():
         table = scaling.load_scaling(run_dir)
-        out = {"table": scaling.render_scaling, "json": _json_text,
-               "csv": scaling.to_csv}[fmt](table)
+        out = {"table": scaling.render_scaling, "json": _json_text, "csv": scaling.to_csv}[fmt](
+            table
+        )
     else:
         summary = load_run(run_dir)
         out = {"table": render, "json": _json_text, "csv": to_csv}[fmt](summary)
@@ -197,8 +221,12 @@ def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> 
     if len(known) < 2:
         return []
     median = statistics.median(known)
-    return [int(r["rank"]) for r in rows
-            if r.get("step_time_ms_p50") is not None and r["step_time_ms_p50"] > median * (1 + threshold)]
+    return [
+        int(r["rank"])
+        for r in rows
+        if r.get("step_time_ms_p50") is not None
+        and r["step_time_ms_p50"] > median * (1 + threshold)
+    ]
 
 
 # -- one rank -------------------------------------------------------------------------------
@@ -276,7 +304,11 @@ def _from_steps(records: list[dict], meta: dict) -> dict:
     out["step_time_ms_p50"] = percentile(step_ms, 50)
     out["step_time_ms_p95"] = percentile(step_ms, 95)
 
-    waits = [(rec["data_wait_s"], span) for rec, span, _ in intervals if rec.get("data_wait_s") is not None]
+    waits = [
+        (rec["data_wait_s"], span)
+        for rec, span, _ in intervals
+        if rec.get("data_wait_s") is not None
+    ]
     if waits:
         out["data_wait_pct"] = 100.0 * sum(w for w, _ in waits) / sum(s for _, s in waits)
 
@@ -317,12 +349,16 @@ def _failure(failure: dict | None) -> dict | None:
 
 def _status_lines(summary: dict) -> str:
     nodes = summary["nodes"]
-    head = (f"job {summary['job']}: {summary['status'].upper()} — {summary['world_size']} "
-            f"rank{'s' if summary['world_size'] != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}")
+    head = (
+        f"job {summary['job']}: {summary['status'].upper()} — {summary['world_size']} "
+        f"rank{'s' if summary['world_size'] != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}"
+    )
     lines = [head]
     if summary["status"] != "succeeded":
-        lines.append("Partial results: the tables show what was measured before the run stopped; "
-                     f"'{DASH}' marks what no record reported.")
+        lines.append(
+            "Partial results: the tables show what was measured before the run stopped; "
+            f"'{DASH}' marks what no record reported."
+        )
     failure = summary.get("failure")
     if failure:
         how = []
@@ -339,10 +375,16 @@ def _status_lines(summary: dict) -> str:
             lines.append("Last lines of its log:")
             lines += ["  | " + line for line in str(tail).rstrip("\n").splitlines()[-20:]]
     for r in summary.get("restarts") or []:
-        resumed = "" if r.get("resumed_from_step") is None else f", resumed from step {r['resumed_from_step']}"
+        resumed = (
+            ""
+            if r.get("resumed_from_step") is None
+            else f", resumed from step {r['resumed_from_step']}"
+        )
         lost = "" if r.get("lost_steps") is None else f" ({r['lost_steps']} step(s) redone)"
-        lines.append(f"Restart {r['attempt']}: {r['reason']}; went on with {len(r['nodes'])} node(s) "
-                     f"({', '.join(r['nodes'])}), world size {r['world_size']}{resumed}{lost}")
+        lines.append(
+            f"Restart {r['attempt']}: {r['reason']}; went on with {len(r['nodes'])} node(s) "
+            f"({', '.join(r['nodes'])}), world size {r['world_size']}{resumed}{lost}"
+        )
     return "\n".join(lines)
 
 
@@ -362,20 +404,48 @@ def _rank_table(rows: list[dict]) -> str:
     """One line per rank; where any rank read its GPU's clock, the SM clock and the share of
     time something (power, heat) held it down, the first thing to see of a slow GPU."""
     clocks = any(r.get("sm_clock_mhz") is not None for r in rows)
-    headers = ["rank", "node", "host", "device", "steps", "step ms p50", "step ms p95",
-               "samples/s", "tokens/s", "TFLOP/s", "MFU %", "peak mem GiB", "data wait %"]
+    headers = [
+        "rank",
+        "node",
+        "host",
+        "device",
+        "steps",
+        "step ms p50",
+        "step ms p95",
+        "samples/s",
+        "tokens/s",
+        "TFLOP/s",
+        "MFU %",
+        "peak mem GiB",
+        "data wait %",
+    ]
     headers += ["SM MHz", "clock limited %"] if clocks else []
-    body = [[
-        r["rank"], r["node"] or DASH, r["host"] or DASH, r["device"] or DASH,
-        DASH if r["steps"] is None else r["steps"],
-        _fmt(r["step_time_ms_p50"]), _fmt(r["step_time_ms_p95"]),
-        _fmt(r["samples_per_s"]), _fmt(r["tokens_per_s"], thousands=True),
-        _fmt(r["tflops"], 2), _fmt(r["mfu"], pct=True), _fmt(r["peak_mem_gib"], 2),
-        _fmt(r["data_wait_pct"]),
-    ] + ([_fmt(r.get("sm_clock_mhz"), 0), _fmt(r.get("clock_limited_pct"), 0)] if clocks else [])
-        for r in rows]
-    return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True,
-                    colalign=("right", "left", "left", "left") + ("right",) * (len(headers) - 4))
+    body = [
+        [
+            r["rank"],
+            r["node"] or DASH,
+            r["host"] or DASH,
+            r["device"] or DASH,
+            DASH if r["steps"] is None else r["steps"],
+            _fmt(r["step_time_ms_p50"]),
+            _fmt(r["step_time_ms_p95"]),
+            _fmt(r["samples_per_s"]),
+            _fmt(r["tokens_per_s"], thousands=True),
+            _fmt(r["tflops"], 2),
+            _fmt(r["mfu"], pct=True),
+            _fmt(r["peak_mem_gib"], 2),
+            _fmt(r["data_wait_pct"]),
+        ]
+        + ([_fmt(r.get("sm_clock_mhz"), 0), _fmt(r.get("clock_limited_pct"), 0)] if clocks else [])
+        for r in rows
+    ]
+    return tabulate(
+        body,
+        headers=headers,
+        tablefmt="simple",
+        disable_numparse=True,
+        colalign=("right", "left", "left", "left") + ("right",) * (len(headers) - 4),
+    )
 
 
 def node_rows(rows: list[dict]) -> list[dict]:
@@ -383,34 +453,63 @@ def node_rows(rows: list[dict]) -> list[dict]:
     out = []
     for node in dict.fromkeys(r["node"] for r in rows):
         mine = [r for r in rows if r["node"] == node]
-        out.append({
-            "node": node,
-            "host": mine[0]["host"],
-            "ranks": len(mine),
-            "ranks_measured": sum(r.get("tokens_per_s") is not None for r in mine),
-            "step_time_ms_p50": _mean(r["step_time_ms_p50"] for r in mine),
-            "samples_per_s": _sum(r["samples_per_s"] for r in mine),
-            "tokens_per_s": _sum(r["tokens_per_s"] for r in mine),
-            "tflops": _sum(r["tflops"] for r in mine),
-            "mfu": _mean(r["mfu"] for r in mine),
-            "peak_mem_gib": max((r["peak_mem_gib"] for r in mine if r["peak_mem_gib"] is not None), default=None),
-            "data_wait_pct": _mean(r["data_wait_pct"] for r in mine),
-        })
+        out.append(
+            {
+                "node": node,
+                "host": mine[0]["host"],
+                "ranks": len(mine),
+                "ranks_measured": sum(r.get("tokens_per_s") is not None for r in mine),
+                "step_time_ms_p50": _mean(r["step_time_ms_p50"] for r in mine),
+                "samples_per_s": _sum(r["samples_per_s"] for r in mine),
+                "tokens_per_s": _sum(r["tokens_per_s"] for r in mine),
+                "tflops": _sum(r["tflops"] for r in mine),
+                "mfu": _mean(r["mfu"] for r in mine),
+                "peak_mem_gib": max(
+                    (r["peak_mem_gib"] for r in mine if r["peak_mem_gib"] is not None), default=None
+                ),
+                "data_wait_pct": _mean(r["data_wait_pct"] for r in mine),
+            }
+        )
     return out
 
 
 def _node_table(rows: list[dict]) -> str:
-    headers = ["node", "host", "ranks", "mean step ms p50", "samples/s", "tokens/s",
-               "TFLOP/s", "mean MFU %", "max peak mem GiB", "mean data wait %"]
-    body = [[
-        n["node"] or DASH, n["host"] or DASH,
-        f"{n['ranks_measured']}/{n['ranks']}" if n["ranks_measured"] != n["ranks"] else str(n["ranks"]),
-        _fmt(n["step_time_ms_p50"]), _fmt(n["samples_per_s"]), _fmt(n["tokens_per_s"], thousands=True),
-        _fmt(n["tflops"], 2), _fmt(n["mfu"], pct=True), _fmt(n["peak_mem_gib"], 2),
-        _fmt(n["data_wait_pct"]),
-    ] for n in node_rows(rows)]
-    return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True,
-                    colalign=("left", "left") + ("right",) * 8)
+    headers = [
+        "node",
+        "host",
+        "ranks",
+        "mean step ms p50",
+        "samples/s",
+        "tokens/s",
+        "TFLOP/s",
+        "mean MFU %",
+        "max peak mem GiB",
+        "mean data wait %",
+    ]
+    body = [
+        [
+            n["node"] or DASH,
+            n["host"] or DASH,
+            f"{n['ranks_measured']}/{n['ranks']}"
+            if n["ranks_measured"] != n["ranks"]
+            else str(n["ranks"]),
+            _fmt(n["step_time_ms_p50"]),
+            _fmt(n["samples_per_s"]),
+            _fmt(n["tokens_per_s"], thousands=True),
+            _fmt(n["tflops"], 2),
+            _fmt(n["mfu"], pct=True),
+            _fmt(n["peak_mem_gib"], 2),
+            _fmt(n["data_wait_pct"]),
+        ]
+        for n in node_rows(rows)
+    ]
+    return tabulate(
+        body,
+        headers=headers,
+        tablefmt="simple",
+        disable_numparse=True,
+        colalign=("left", "left") + ("right",) * 8,
+    )
 
 
 def _totals_table(summary: dict) -> str:
@@ -435,22 +534,29 @@ def _straggler_line(summary: dict) -> str:
     median = statistics.median(known)
     slow = [r for r in rows if r["rank"] in set(summary["totals"]["straggler_ranks"])]
     if not slow:
-        return (f"Stragglers: none (every rank's p50 step time is within "
-                f"{STRAGGLER_THRESHOLD:.0%} of the median {median:.1f} ms).")
+        return (
+            f"Stragglers: none (every rank's p50 step time is within "
+            f"{STRAGGLER_THRESHOLD:.0%} of the median {median:.1f} ms)."
+        )
     clocks = [r["sm_clock_mhz"] for r in rows if r.get("sm_clock_mhz") is not None]
 
     def clock(r: dict) -> str:  # a GPU held below the others' clock explains a slow rank
         if r.get("sm_clock_mhz") is None or len(clocks) < 2:
             return ""
         limited = r.get("clock_limited_pct")
-        return (f", SM clock {r['sm_clock_mhz']:.0f} MHz against a median {statistics.median(clocks):.0f}"
-                + (f", limited {limited:.0f}% of the time" if limited else ""))
+        return (
+            f", SM clock {r['sm_clock_mhz']:.0f} MHz against a median {statistics.median(clocks):.0f}"
+            + (f", limited {limited:.0f}% of the time" if limited else "")
+        )
 
     named = ", ".join(
         f"rank {r['rank']} on {r['node']} ({r['step_time_ms_p50']:.1f} ms, "
-        f"+{100 * (r['step_time_ms_p50'] / median - 1):.1f}%{clock(r)})" for r in slow
+        f"+{100 * (r['step_time_ms_p50'] / median - 1):.1f}%{clock(r)})"
+        for r in slow
     )
-    return f"Stragglers (p50 step time > median {median:.1f} ms + {STRAGGLER_THRESHOLD:.0%}): {named}."
+    return (
+        f"Stragglers (p50 step time > median {median:.1f} ms + {STRAGGLER_THRESHOLD:.0%}): {named}."
+    )
 
 
 def _sum(values: Iterable[float | None]) -> float | None:
@@ -469,7 +575,9 @@ def _read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise UsageError(f"{path}: not valid JSON (line {err.lineno}); the run directory is damaged") from None
+        raise UsageError(
+            f"{path}: not valid JSON (line {err.lineno}); the run directory is damaged"
+        ) from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a JSON object; the run directory is damaged")
     return data

@@ -18,8 +18,10 @@ def _scalar_to_str(value: object) -> object:
     text written (the loader reads every scalar under an ``env`` key as text); a number or bool
     given from Python or JSON becomes text here. A null is refused: a variable needs a value."""
     if value is None:
-        raise ValueError("null is not an environment value; give the text (quote it, 'null', to mean "
-                         "the word) or leave the variable out")
+        raise ValueError(
+            "null is not an environment value; give the text (quote it, 'null', to mean "
+            "the word) or leave the variable out"
+        )
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, int | float):

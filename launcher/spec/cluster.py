@@ -23,13 +23,27 @@ def is_local_host(host: str) -> bool:
 
 
 class NodeSpec(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="pinned. Node name, unique; names log folders and table columns.")
-    host: str = Field(min_length=1, description="pinned. Address or hostname that the other nodes and the launcher reach it on; localhost means this machine (no SSH).")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="pinned. Node name, unique; names log folders and table columns.",
+    )
+    host: str = Field(
+        min_length=1,
+        description="pinned. Address or hostname that the other nodes and the launcher reach it on; localhost means this machine (no SSH).",
+    )
     port: int = Field(22, ge=1, le=65535, description="SSH port.")
     user: str | None = Field(None, description="SSH user for this node; default ssh.user.")
-    python: str | None = Field(None, description="Python interpreter on the node with torch and the launcher installed; default: this interpreter for local nodes, python3 on remote ones.")
-    gpus: Literal["auto"] | int = Field("auto", description="GPUs on the node; auto asks the node (preflight).")
-    env: EnvDict = Field(default_factory=dict, description="Environment for this node's workers (e.g. NCCL_SOCKET_IFNAME).")
+    python: str | None = Field(
+        None,
+        description="Python interpreter on the node with torch and the launcher installed; default: this interpreter for local nodes, python3 on remote ones.",
+    )
+    gpus: Literal["auto"] | int = Field(
+        "auto", description="GPUs on the node; auto asks the node (preflight)."
+    )
+    env: EnvDict = Field(
+        default_factory=dict,
+        description="Environment for this node's workers (e.g. NCCL_SOCKET_IFNAME).",
+    )
 
     @field_validator("gpus")
     @classmethod
@@ -46,8 +60,10 @@ class NodeSpec(Strict):
         something else in each (the shell quoting keeps '~' literal; the agent's cwd is Ray's)."""
         if v is None or v.startswith("/") or "/" not in v and not v.startswith("~"):
             return v
-        raise ValueError(f"python {v!r}: give an absolute path on the node (e.g. /home/me/venv/bin/python) "
-                         f"or a command on its PATH (python3); '~' and relative paths are not expanded")
+        raise ValueError(
+            f"python {v!r}: give an absolute path on the node (e.g. /home/me/venv/bin/python) "
+            f"or a command on its PATH (python3); '~' and relative paths are not expanded"
+        )
 
     @field_validator("host")
     @classmethod
@@ -67,21 +83,61 @@ class NodeSpec(Strict):
 
 class SSHSpec(Strict):
     user: str | None = Field(None, description="pinned. SSH user; default: the current user.")
-    key: Path | None = Field(None, description="pinned. Private key file; default: ssh-agent and ~/.ssh defaults.")
-    known_hosts: Path = Field(Path("~/.ssh/known_hosts"), description="pinned. Host keys to verify nodes against.")
-    accept_unknown_host_keys: bool = Field(False, description="Accept (and record) host keys not in known_hosts. Off by default: an unknown key is refused.")
-    connect_timeout_s: float = Field(10.0, gt=0, le=300, description="pinned. Give up connecting to a node after this long.")
-    max_parallel: int = Field(32, ge=1, le=1024, description="Most SSH connections open at once during fan-out.")
+    key: Path | None = Field(
+        None, description="pinned. Private key file; default: ssh-agent and ~/.ssh defaults."
+    )
+    known_hosts: Path = Field(
+        Path("~/.ssh/known_hosts"), description="pinned. Host keys to verify nodes against."
+    )
+    accept_unknown_host_keys: bool = Field(
+        False,
+        description="Accept (and record) host keys not in known_hosts. Off by default: an unknown key is refused.",
+    )
+    connect_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="pinned. Give up connecting to a node after this long."
+    )
+    max_parallel: int = Field(
+        32, ge=1, le=1024, description="Most SSH connections open at once during fan-out."
+    )
 
 
 class RaySpec(Strict):
-    address: str | None = Field(None, description="pinned. null: the launcher decides (embedded when every node is local, else bootstrap over SSH); auto, host:port or ray://host:port: attach to a running cluster and never stop it.")
-    port: int = Field(6379, ge=1024, le=65535, description="GCS port when the launcher starts Ray on the head node.")
-    client_port: int = Field(10001, ge=1024, le=65535, description="Ray Client port on the head node; the launcher drives a bootstrapped cluster through it.")
-    dashboard: bool = Field(False, description="Start Ray's dashboard (on the head, bound to localhost). Detached jobs (launch submit) always start it: it serves the Jobs API.")
-    dashboard_port: int = Field(8265, ge=1024, le=65535, description="The dashboard and Jobs API port on the head (bound to its 127.0.0.1); detached-job commands reach it through an SSH tunnel to the head.")
-    jobs_address: str | None = Field(None, description="Jobs API address of an attached cluster (ray.address set), e.g. http://ray-head.example:8265 for a Ray cluster on Kubernetes; null: the head's 127.0.0.1:dashboard_port, directly when the head is this machine, else through an SSH tunnel to nodes[0]. The token is Ray's own ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).")
-    join_timeout_s: float = Field(60.0, gt=0, le=3600, description="How long to wait for every node to join a bootstrapped cluster.")
+    address: str | None = Field(
+        None,
+        description="pinned. null: the launcher decides (embedded when every node is local, else bootstrap over SSH); auto, host:port or ray://host:port: attach to a running cluster and never stop it.",
+    )
+    port: int = Field(
+        6379,
+        ge=1024,
+        le=65535,
+        description="GCS port when the launcher starts Ray on the head node.",
+    )
+    client_port: int = Field(
+        10001,
+        ge=1024,
+        le=65535,
+        description="Ray Client port on the head node; the launcher drives a bootstrapped cluster through it.",
+    )
+    dashboard: bool = Field(
+        False,
+        description="Start Ray's dashboard (on the head, bound to localhost). Detached jobs (launch submit) always start it: it serves the Jobs API.",
+    )
+    dashboard_port: int = Field(
+        8265,
+        ge=1024,
+        le=65535,
+        description="The dashboard and Jobs API port on the head (bound to its 127.0.0.1); detached-job commands reach it through an SSH tunnel to the head.",
+    )
+    jobs_address: str | None = Field(
+        None,
+        description="Jobs API address of an attached cluster (ray.address set), e.g. http://ray-head.example:8265 for a Ray cluster on Kubernetes; null: the head's 127.0.0.1:dashboard_port, directly when the head is this machine, else through an SSH tunnel to nodes[0]. The token is Ray's own ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).",
+    )
+    join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How long to wait for every node to join a bootstrapped cluster.",
+    )
 
     @field_validator("address")
     @classmethod
@@ -101,15 +157,28 @@ class RaySpec(Strict):
 
 
 class ParitySpec(Strict):
-    packages: list[str] = Field(default_factory=list, description="pinned. Extra Python packages whose versions must agree across nodes (a job's own kernel packages are added to them: flash-attn-4 where train.attention may pick FlashAttention-4, triton where train.kernels or precision.weights may use it, torchao for fp8).")
-    policies: dict[str, Policy] = Field(default_factory=dict, description="Per-field policy overriding the defaults: exact, minor, major, warn or ignore (e.g. {python: minor, driver: warn}).")
+    packages: list[str] = Field(
+        default_factory=list,
+        description="pinned. Extra Python packages whose versions must agree across nodes (a job's own kernel packages are added to them: flash-attn-4 where train.attention may pick FlashAttention-4, triton where train.kernels or precision.weights may use it, torchao for fp8).",
+    )
+    policies: dict[str, Policy] = Field(
+        default_factory=dict,
+        description="Per-field policy overriding the defaults: exact, minor, major, warn or ignore (e.g. {python: minor, driver: warn}).",
+    )
 
 
 class ClusterSpec(Strict):
-    nodes: list[NodeSpec] = Field(min_length=1, description="pinned. The nodes; the first is the head (node_rank 0, master address).")
+    nodes: list[NodeSpec] = Field(
+        min_length=1,
+        description="pinned. The nodes; the first is the head (node_rank 0, master address).",
+    )
     ssh: SSHSpec = Field(default_factory=SSHSpec, description="pinned. How to reach remote nodes.")
-    ray: RaySpec = Field(default_factory=RaySpec, description="pinned. Which Ray cluster runs the node agents.")
-    parity: ParitySpec = Field(default_factory=ParitySpec, description="pinned. What must agree across nodes.")
+    ray: RaySpec = Field(
+        default_factory=RaySpec, description="pinned. Which Ray cluster runs the node agents."
+    )
+    parity: ParitySpec = Field(
+        default_factory=ParitySpec, description="pinned. What must agree across nodes."
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> ClusterSpec:

@@ -28,8 +28,12 @@ from launcher.util import first_line
 
 CONFIG = "config.json"
 # Weight files in the order Hugging Face prefers them; an index names the shards of a split file.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 INSTALL_HINT = "pip install 'launcher[hf]'"
 BERT_TYPE_VOCAB = 2
 FIELD = "model.init_from"
@@ -50,14 +54,18 @@ def not_a_folder(field_name: str, given: str, looked: Path, what: str) -> Folder
         f"{what} from disk and never downloads at run time: download it first, e.g. "
         f"`hf download {given} --local-dir models/{Path(given).name}` (pip install huggingface_hub), "
         f"and set {field_name} to that folder; relative paths are taken from the job file's folder",
-        field=field_name)
+        field=field_name,
+    )
 
 
 def require(module: str, purpose: str, field_name: str) -> None:
     """A clear error when an optional package of the ``hf`` extra is missing."""
     if importlib.util.find_spec(module) is None:
-        raise FolderError(f"{purpose} needs the {module!r} package, which is not installed; "
-                          f"install the hf extra: {INSTALL_HINT}", field=field_name)
+        raise FolderError(
+            f"{purpose} needs the {module!r} package, which is not installed; "
+            f"install the hf extra: {INSTALL_HINT}",
+            field=field_name,
+        )
 
 
 # -- config.json ----------------------------------------------------------------------------
@@ -68,8 +76,11 @@ def read_config(folder: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FolderError(f"{folder} has no {CONFIG}; a Hugging Face model folder holds config.json "
-                          f"and model.safetensors (or pytorch_model.bin)", field=FIELD) from None
+        raise FolderError(
+            f"{folder} has no {CONFIG}; a Hugging Face model folder holds config.json "
+            f"and model.safetensors (or pytorch_model.bin)",
+            field=FIELD,
+        ) from None
     except (OSError, ValueError) as err:
         raise FolderError(f"cannot read {path}: {err}", field=FIELD) from None
     if not isinstance(config, dict):
@@ -83,40 +94,82 @@ def shape_from_config(folder: Path) -> tuple[str, dict[str, int]]:
     config = read_config(folder)
     kind = config.get("model_type")
     if kind == "bert":
-        arch, keys = "bert", {"n_layers": "num_hidden_layers", "d_model": "hidden_size",
-                              "n_heads": "num_attention_heads", "d_ff": "intermediate_size",
-                              "vocab_size": "vocab_size", "max_positions": "max_position_embeddings"}
-        must = {"hidden_act": "gelu", "layer_norm_eps": 1e-12, "type_vocab_size": BERT_TYPE_VOCAB,
-                "position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False,
-                "tie_word_embeddings": True}
+        arch, keys = (
+            "bert",
+            {
+                "n_layers": "num_hidden_layers",
+                "d_model": "hidden_size",
+                "n_heads": "num_attention_heads",
+                "d_ff": "intermediate_size",
+                "vocab_size": "vocab_size",
+                "max_positions": "max_position_embeddings",
+            },
+        )
+        must = {
+            "hidden_act": "gelu",
+            "layer_norm_eps": 1e-12,
+            "type_vocab_size": BERT_TYPE_VOCAB,
+            "position_embedding_type": "absolute",
+            "is_decoder": False,
+            "add_cross_attention": False,
+            "tie_word_embeddings": True,
+        }
     elif kind == "gpt2":
-        arch, keys = "gpt", {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head",
-                             "d_ff": "n_inner", "vocab_size": "vocab_size", "max_positions": "n_positions"}
-        must = {"layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
-                "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
-                "tie_word_embeddings": True}
+        arch, keys = (
+            "gpt",
+            {
+                "n_layers": "n_layer",
+                "d_model": "n_embd",
+                "n_heads": "n_head",
+                "d_ff": "n_inner",
+                "vocab_size": "vocab_size",
+                "max_positions": "n_positions",
+            },
+        )
+        must = {
+            "layer_norm_epsilon": 1e-5,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "add_cross_attention": False,
+            "tie_word_embeddings": True,
+        }
         # gelu_new and gelu_pytorch_tanh are the same function (GELU's tanh approximation).
         act = config.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise FolderError(f"{folder / CONFIG} has activation_function {act!r}; the built-in GPT "
-                              f"uses GELU's tanh approximation (gelu_new)", field=FIELD)
+            raise FolderError(
+                f"{folder / CONFIG} has activation_function {act!r}; the built-in GPT "
+                f"uses GELU's tanh approximation (gelu_new)",
+                field=FIELD,
+            )
     else:
-        raise FolderError(f"{folder / CONFIG} has model_type {kind!r}; model.init_from loads BERT "
-                          f"(model_type bert) and GPT-2 (model_type gpt2) folders", field=FIELD)
+        raise FolderError(
+            f"{folder / CONFIG} has model_type {kind!r}; model.init_from loads BERT "
+            f"(model_type bert) and GPT-2 (model_type gpt2) folders",
+            field=FIELD,
+        )
     for key, want in must.items():
         if key in config and config[key] != want:
-            raise FolderError(f"{folder / CONFIG} has {key} {config[key]!r}; the built-in {arch.upper()} "
-                              f"has {want!r} and would compute a different function", field=FIELD)
+            raise FolderError(
+                f"{folder / CONFIG} has {key} {config[key]!r}; the built-in {arch.upper()} "
+                f"has {want!r} and would compute a different function",
+                field=FIELD,
+            )
     dims: dict[str, int] = {}
     for ours, theirs in keys.items():
         value = config.get(theirs)
-        if ours == "d_ff" and value is None and arch == "gpt" and isinstance(config.get("n_embd"), int):
+        if (
+            ours == "d_ff"
+            and value is None
+            and arch == "gpt"
+            and isinstance(config.get("n_embd"), int)
+        ):
             value = 4 * config["n_embd"]  # GPT-2's n_inner: null means 4 x n_embd
         if ours == "max_positions" and value is None and arch == "gpt":
             value = config.get("n_ctx")  # older GPT-2 configs
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise FolderError(f"{folder / CONFIG} needs a positive integer {theirs}, has {value!r}",
-                              field=FIELD)
+            raise FolderError(
+                f"{folder / CONFIG} needs a positive integer {theirs}, has {value!r}", field=FIELD
+            )
         dims[ours] = value
     return arch, dims
 
@@ -137,8 +190,9 @@ def weight_files(folder: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise FolderError(f"cannot read the shard index {path}: {err!r}", field=FIELD) from None
         return [folder / shard for shard in sorted(set(weight_map.values()))]
-    raise FolderError(f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}",
-                      field=FIELD)
+    raise FolderError(
+        f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}", field=FIELD
+    )
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
@@ -181,7 +235,9 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             (length,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(length))
     except (OSError, ValueError, struct.error) as err:
-        raise FolderError(f"{path} is not a readable safetensors file: {err}", field=FIELD) from None
+        raise FolderError(
+            f"{path} is not a readable safetensors file: {err}", field=FIELD
+        ) from None
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
@@ -223,11 +279,18 @@ def rules(arch: str, dims: dict[str, int]) -> list[Rule]:
     if arch == "bert":
         add("embed.tok.weight", "embeddings.word_embeddings.weight", (vocab, d))
         add("embed.pos.weight", "embeddings.position_embeddings.weight", (pos, d))
-        add("embed.tok_type.weight", "embeddings.token_type_embeddings.weight", (BERT_TYPE_VOCAB, d))
+        add(
+            "embed.tok_type.weight", "embeddings.token_type_embeddings.weight", (BERT_TYPE_VOCAB, d)
+        )
         norm("embed.ln", "embeddings.LayerNorm")
         for i in range(dims["n_layers"]):
             p, o = f"encoder.layer.{i}.", f"blocks.{i}."
-            linear(o + "attn.qkv", tuple(p + f"attention.self.{n}" for n in ("query", "key", "value")), d, d)
+            linear(
+                o + "attn.qkv",
+                tuple(p + f"attention.self.{n}" for n in ("query", "key", "value")),
+                d,
+                d,
+            )
             linear(o + "attn.proj", p + "attention.output.dense", d, d)
             norm(o + "ln1", p + "attention.output.LayerNorm")
             linear(o + "mlp.fc", p + "intermediate.dense", ff, d)
@@ -279,12 +342,13 @@ class Matched:
 
     source: dict[str, str]
     fresh_head: bool = False  # a BertModel folder: the MLM head starts from a random init
-    tied: str | None = None   # the file's name of a stored tied decoder, to check it equals wte
+    tied: str | None = None  # the file's name of a stored tied decoder, to check it equals wte
     ignored: list[str] = field(default_factory=list)
 
 
-def match_tensors(arch: str, dims: dict[str, int], shapes: dict[str, tuple[int, ...]], *,
-                  folder: Path) -> Matched:
+def match_tensors(
+    arch: str, dims: dict[str, int], shapes: dict[str, tuple[int, ...]], *, folder: Path
+) -> Matched:
     """Check a folder's tensors against the config's shape; every problem in one FolderError."""
     by_name: dict[str, str] = {}
     for name in shapes:
@@ -297,13 +361,22 @@ def match_tensors(arch: str, dims: dict[str, int], shapes: dict[str, tuple[int, 
     expected = {n: r.shape for r in table if not (r.head and fresh_head) for n in r.hf}
     # Missing names are shown as the file would name them (with the prefix where it uses one).
     prefix = PREFIX[arch] if any(name.startswith(PREFIX[arch]) for name in shapes) else ""
-    missing = [n if n.startswith(("cls.", "lm_head.")) else prefix + n for n in expected if n not in by_name]
-    wrong = [f"{by_name[n]} is {list(shapes[by_name[n]])}, config.json implies {list(want)}"
-             for n, want in expected.items() if n in by_name and tuple(shapes[by_name[n]]) != want]
+    missing = [
+        n if n.startswith(("cls.", "lm_head.")) else prefix + n
+        for n in expected
+        if n not in by_name
+    ]
+    wrong = [
+        f"{by_name[n]} is {list(shapes[by_name[n]])}, config.json implies {list(want)}"
+        for n, want in expected.items()
+        if n in by_name and tuple(shapes[by_name[n]]) != want
+    ]
     tied = by_name.get(TIED[arch])
     if tied is not None and tuple(shapes[tied]) != (dims["vocab_size"], dims["d_model"]):
-        wrong.append(f"{tied} is {list(shapes[tied])}, config.json implies "
-                     f"{[dims['vocab_size'], dims['d_model']]}")
+        wrong.append(
+            f"{tied} is {list(shapes[tied])}, config.json implies "
+            f"{[dims['vocab_size'], dims['d_model']]}"
+        )
     known = set(expected) | {TIED[arch], BERT_BIAS_ALIAS if arch == "bert" else ""}
     ignored = sorted(n for n in by_name if n not in known and IGNORED[arch].match(n))
     extra = sorted(by_name[n] for n in by_name if n not in known and n not in ignored)
@@ -311,16 +384,25 @@ def match_tensors(arch: str, dims: dict[str, int], shapes: dict[str, tuple[int, 
     if missing:
         problems.append(f"missing tensor{'s' if len(missing) > 1 else ''} {_few(missing)}")
     if extra:
-        problems.append(f"tensor{'s' if len(extra) > 1 else ''} the built-in {arch.upper()} has no "
-                        f"place for: {_few(extra)}")
+        problems.append(
+            f"tensor{'s' if len(extra) > 1 else ''} the built-in {arch.upper()} has no "
+            f"place for: {_few(extra)}"
+        )
     problems.extend(wrong)
     if problems:
-        raise FolderError(f"{folder} does not fit the {arch.upper()} its config.json describes: "
-                          + "; ".join(problems) + ". Check that the folder's weights and config.json "
-                          "belong together (a task head such as a classifier is not supported)",
-                          field=FIELD)
-    return Matched(source={n: by_name[n] for n in expected}, fresh_head=fresh_head, tied=tied,
-                   ignored=[by_name[n] for n in ignored])
+        raise FolderError(
+            f"{folder} does not fit the {arch.upper()} its config.json describes: "
+            + "; ".join(problems)
+            + ". Check that the folder's weights and config.json "
+            "belong together (a task head such as a classifier is not supported)",
+            field=FIELD,
+        )
+    return Matched(
+        source={n: by_name[n] for n in expected},
+        fresh_head=fresh_head,
+        tied=tied,
+        ignored=[by_name[n] for n in ignored],
+    )
 
 
 def _few(names: list[str], limit: int = 6) -> str:
@@ -342,8 +424,10 @@ def check_folder(folder: Path) -> tuple[str, dict[str, int]]:
 
 TOKENIZER_FIELD = "data.tokenizer"
 # The special tokens each packing needs, by role, and their names when the folder names none.
-DEFAULT_SPECIAL = {"bert": {"cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"},
-                   "gpt": {"eos": "<|endoftext|>"}}
+DEFAULT_SPECIAL = {
+    "bert": {"cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"},
+    "gpt": {"eos": "<|endoftext|>"},
+}
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -351,12 +435,15 @@ def load_tokenizer(folder: Path) -> Any:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise FolderError(f"data.source text needs the tokenizers package: {INSTALL_HINT}",
-                          field=TOKENIZER_FIELD) from None
+        raise FolderError(
+            f"data.source text needs the tokenizers package: {INSTALL_HINT}", field=TOKENIZER_FIELD
+        ) from None
     try:
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as err:  # the library raises its own exception types for a bad file
-        raise FolderError(f"cannot load {folder / 'tokenizer.json'}: {err}", field=TOKENIZER_FIELD) from None
+        raise FolderError(
+            f"cannot load {folder / 'tokenizer.json'}: {err}", field=TOKENIZER_FIELD
+        ) from None
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
@@ -393,7 +480,9 @@ def special_ids(folder: Path, tokenizer: Any, arch: str) -> dict[str, int]:
             raise FolderError(
                 f"{folder}: packing text for {arch.upper()} needs a {role} token, and {token!r} is "
                 f"not in the tokenizer's vocabulary; name the right one as {role}_token in the "
-                f"folder's tokenizer_config.json", field=TOKENIZER_FIELD)
+                f"folder's tokenizer_config.json",
+                field=TOKENIZER_FIELD,
+            )
         ids[role] = token_id
     return ids
 
@@ -404,6 +493,8 @@ def check_tokenizer(folder: Path, arch: str, model_vocab: int) -> None:
     special_ids(folder, tokenizer, arch)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > model_vocab:
-        raise FolderError(f"the tokenizer in {folder} has {size} tokens, more than the model's "
-                          f"vocabulary of {model_vocab}; set model.vocab_size: {size} (or more)",
-                          field="model.vocab_size")
+        raise FolderError(
+            f"the tokenizer in {folder} has {size} tokens, more than the model's "
+            f"vocabulary of {model_vocab}; set model.vocab_size: {size} (or more)",
+            field="model.vocab_size",
+        )

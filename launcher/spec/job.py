@@ -34,18 +34,54 @@ ARCH_DEFAULTS: dict[str, dict[str, int]] = {
 # cluster.yaml may set a parity policy for each, whether or not a run checks it.
 KERNEL_PACKAGES = ("flash-attn-4", "triton", "torchao")
 
+
 class ModelSpec(Strict):
-    arch: Arch = Field("bert", description="pinned. bert: post-LN encoder trained with masked-LM; gpt: pre-LN causal decoder.")
-    size: Size = Field("base", description="pinned. Preset shape: tiny (2x128), mini (4x256), small (4x512), base (12x768), large (24x1024). Explicit dims below override it.")
-    n_layers: int | None = Field(None, ge=1, le=256, description="Transformer blocks; overrides the preset.")
-    d_model: int | None = Field(None, ge=8, le=65536, description="Hidden size; overrides the preset. Must divide by n_heads.")
-    n_heads: int | None = Field(None, ge=1, le=512, description="Attention heads; overrides the preset.")
-    d_ff: int | None = Field(None, ge=8, description="Feed-forward inner size; default 4 x d_model.")
-    vocab_size: int | None = Field(None, ge=8, le=1_048_576, description="Vocabulary size; default 30522 (bert) or 50304 (gpt).")
-    max_positions: int | None = Field(None, ge=8, le=1_048_576, description="Learned positions; default 512 (bert) or 1024 (gpt). data.seq_len must not exceed it.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP outputs.")
-    bias: bool = Field(True, description="Biases in every linear layer and LayerNorm, as BERT and GPT-2 have them. false: none (nanoGPT's default, and most recent decoders'): fewer elementwise kernels and bias gradients. A Hugging Face folder's weights (init_from) have biases and need true; a model exported without them gets zero biases.")
-    init_from: Path | None = Field(None, description="Start from a local Hugging Face model folder (config.json + model.safetensors or pytorch_model.bin) of BertForMaskedLM/BertModel or GPT2LMHeadModel: arch and dims come from its config.json (any given here must agree), the weights from its files. Relative paths are taken from the job file's folder; every node reads it at the same path; nothing is downloaded. Needs the hf extra.")
+    arch: Arch = Field(
+        "bert",
+        description="pinned. bert: post-LN encoder trained with masked-LM; gpt: pre-LN causal decoder.",
+    )
+    size: Size = Field(
+        "base",
+        description="pinned. Preset shape: tiny (2x128), mini (4x256), small (4x512), base (12x768), large (24x1024). Explicit dims below override it.",
+    )
+    n_layers: int | None = Field(
+        None, ge=1, le=256, description="Transformer blocks; overrides the preset."
+    )
+    d_model: int | None = Field(
+        None,
+        ge=8,
+        le=65536,
+        description="Hidden size; overrides the preset. Must divide by n_heads.",
+    )
+    n_heads: int | None = Field(
+        None, ge=1, le=512, description="Attention heads; overrides the preset."
+    )
+    d_ff: int | None = Field(
+        None, ge=8, description="Feed-forward inner size; default 4 x d_model."
+    )
+    vocab_size: int | None = Field(
+        None,
+        ge=8,
+        le=1_048_576,
+        description="Vocabulary size; default 30522 (bert) or 50304 (gpt).",
+    )
+    max_positions: int | None = Field(
+        None,
+        ge=8,
+        le=1_048_576,
+        description="Learned positions; default 512 (bert) or 1024 (gpt). data.seq_len must not exceed it.",
+    )
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP outputs."
+    )
+    bias: bool = Field(
+        True,
+        description="Biases in every linear layer and LayerNorm, as BERT and GPT-2 have them. false: none (nanoGPT's default, and most recent decoders'): fewer elementwise kernels and bias gradients. A Hugging Face folder's weights (init_from) have biases and need true; a model exported without them gets zero biases.",
+    )
+    init_from: Path | None = Field(
+        None,
+        description="Start from a local Hugging Face model folder (config.json + model.safetensors or pytorch_model.bin) of BertForMaskedLM/BertModel or GPT2LMHeadModel: arch and dims come from its config.json (any given here must agree), the weights from its files. Relative paths are taken from the job file's folder; every node reads it at the same path; nothing is downloaded. Needs the hf extra.",
+    )
 
     def dims(self) -> dict[str, int]:
         """The resolved shape: preset, arch defaults, then explicit overrides."""
@@ -69,93 +105,225 @@ class ModelSpec(Strict):
 
 
 class DataSpec(Strict):
-    source: Literal["synthetic", "tokens", "text"] = Field("synthetic", description="pinned. synthetic: structured random tokens made on the device; tokens: a file of token ids; text: text files, tokenized once into a cached token file.")
+    source: Literal["synthetic", "tokens", "text"] = Field(
+        "synthetic",
+        description="pinned. synthetic: structured random tokens made on the device; tokens: a file of token ids; text: text files, tokenized once into a cached token file.",
+    )
     seq_len: int = Field(512, ge=8, le=1_048_576, description="pinned. Tokens per sample.")
-    path: Path | None = Field(None, description="source tokens: the token file (.npy, or raw .bin of token ids); source text: a .txt or .jsonl file, or a folder of them (searched recursively). Relative paths are taken from the job file's folder.")
-    token_dtype: Literal["uint16", "int32", "int64"] = Field("uint16", description="Element type of a raw .bin token file (.npy files carry their own).")
-    mask_prob: float = Field(0.15, gt=0.0, lt=1.0, description="BERT: fraction of tokens masked for MLM (80% [MASK], 10% random, 10% kept).")
-    tokenizer: Path | None = Field(None, description="source text: a local tokenizer folder holding tokenizer.json (read with the tokenizers library; special tokens from its tokenizer_config.json). Relative paths are taken from the job file's folder. Needs the hf extra.")
-    text_field: str = Field("text", min_length=1, description="source text: the key of each .jsonl line's text.")
-    cache_dir: Path | None = Field(None, description="source text: where tokenized text is cached (keyed by the text files' and the tokenizer's hashes); default ~/.cache/launcher/tokens. On several nodes a shared folder tokenizes once.")
+    path: Path | None = Field(
+        None,
+        description="source tokens: the token file (.npy, or raw .bin of token ids); source text: a .txt or .jsonl file, or a folder of them (searched recursively). Relative paths are taken from the job file's folder.",
+    )
+    token_dtype: Literal["uint16", "int32", "int64"] = Field(
+        "uint16", description="Element type of a raw .bin token file (.npy files carry their own)."
+    )
+    mask_prob: float = Field(
+        0.15,
+        gt=0.0,
+        lt=1.0,
+        description="BERT: fraction of tokens masked for MLM (80% [MASK], 10% random, 10% kept).",
+    )
+    tokenizer: Path | None = Field(
+        None,
+        description="source text: a local tokenizer folder holding tokenizer.json (read with the tokenizers library; special tokens from its tokenizer_config.json). Relative paths are taken from the job file's folder. Needs the hf extra.",
+    )
+    text_field: str = Field(
+        "text", min_length=1, description="source text: the key of each .jsonl line's text."
+    )
+    cache_dir: Path | None = Field(
+        None,
+        description="source text: where tokenized text is cached (keyed by the text files' and the tokenizer's hashes); default ~/.cache/launcher/tokens. On several nodes a shared folder tokenizes once.",
+    )
 
     @model_validator(mode="after")
     def _path_for_tokens(self) -> DataSpec:
         if self.source == "tokens" and self.path is None:
             raise ValueError("source 'tokens' needs data.path (a .npy or .bin file of token ids)")
         if self.source == "text" and (self.path is None or self.tokenizer is None):
-            raise ValueError("source 'text' needs data.path (a .txt or .jsonl file, or a folder of them) "
-                             "and data.tokenizer (a local tokenizer folder)")
+            raise ValueError(
+                "source 'text' needs data.path (a .txt or .jsonl file, or a folder of them) "
+                "and data.tokenizer (a local tokenizer folder)"
+            )
         if self.source == "synthetic" and self.path is not None:
-            raise ValueError("data.path is only read when source is 'tokens' or 'text'; set the source or remove path")
+            raise ValueError(
+                "data.path is only read when source is 'tokens' or 'text'; set the source or remove path"
+            )
         if self.source != "text" and self.tokenizer is not None:
-            raise ValueError("data.tokenizer is only read when source is 'text'; set source: text or remove tokenizer")
+            raise ValueError(
+                "data.tokenizer is only read when source is 'text'; set source: text or remove tokenizer"
+            )
         return self
 
 
 class CheckpointSpec(Strict):
-    dir: Path | None = Field(None, description="Checkpoint folder (torch.distributed.checkpoint); null disables checkpoints. A relative folder is taken from where launch runs (data and model paths: from the job file's folder). On several nodes it must be a shared filesystem.")
-    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps (0: only at the end when dir is set).")
-    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint in dir if there is one; never: always start fresh.")
+    dir: Path | None = Field(
+        None,
+        description="Checkpoint folder (torch.distributed.checkpoint); null disables checkpoints. A relative folder is taken from where launch runs (data and model paths: from the job file's folder). On several nodes it must be a shared filesystem.",
+    )
+    every_steps: int = Field(
+        0, ge=0, description="Save every N optimizer steps (0: only at the end when dir is set)."
+    )
+    resume: Literal["auto", "never"] = Field(
+        "auto",
+        description="auto: continue from the latest checkpoint in dir if there is one; never: always start fresh.",
+    )
 
 
 class ProfileSpec(Strict):
-    start_step: int = Field(0, ge=0, description="First optimizer step to record with torch.profiler (0: no profiling). Recorded steps run slower: do not quote a profiled run's throughput.")
+    start_step: int = Field(
+        0,
+        ge=0,
+        description="First optimizer step to record with torch.profiler (0: no profiling). Recorded steps run slower: do not quote a profiled run's throughput.",
+    )
     steps: int = Field(5, ge=1, le=100, description="Optimizer steps to record.")
-    ranks: list[int] | Literal["all"] = Field(default_factory=lambda: [0], description="Global ranks that record (ranks beyond the world size are ignored), or all.")
+    ranks: list[int] | Literal["all"] = Field(
+        default_factory=lambda: [0],
+        description="Global ranks that record (ranks beyond the world size are ignored), or all.",
+    )
 
 
 class TrainSpec(Strict):
     steps: int = Field(200, ge=1, description="pinned. Optimizer steps to run.")
-    warmup_steps: int = Field(20, ge=0, description="Steps excluded from throughput (compilation, allocator and cuDNN warm-up).")
+    warmup_steps: int = Field(
+        20,
+        ge=0,
+        description="Steps excluded from throughput (compilation, allocator and cuDNN warm-up).",
+    )
     micro_batch: int = Field(32, ge=1, description="pinned. Samples per rank per forward/backward.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     lr: float = Field(1.0e-4, gt=0.0, le=10.0, description="Peak learning rate (AdamW).")
-    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after the linear LR warm-up.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after the linear LR warm-up."
+    )
     lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear LR warm-up from 0 to lr.")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final LR as a fraction of lr (cosine and linear).")
-    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (not applied to biases and norms).")
-    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this (0 disables clipping).")
+    min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Final LR as a fraction of lr (cosine and linear)."
+    )
+    weight_decay: float = Field(
+        0.01, ge=0.0, description="AdamW weight decay (not applied to biases and norms)."
+    )
+    grad_clip: float = Field(
+        1.0, ge=0.0, description="Clip the global gradient norm to this (0 disables clipping)."
+    )
     compile: bool = Field(False, description="torch.compile the model.")
-    compile_scope: Literal["auto", "block", "model"] = Field("auto", description="What train.compile compiles as one graph. block: the embeddings, each block and the head apart (one graph reused by every block; DDP's all-reduce and FSDP's gathers run between graphs); model: the whole model at once (fewer graph boundaries and launches, longer compilation, no overlap of DDP's all-reduce with the backward); auto: model for a single process, block under DDP or FSDP of several.")
-    cuda_graphs: bool = Field(False, description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda and strategy ddp.")
-    attention: Literal["auto", "cudnn-fa4", "flash", "cudnn", "efficient", "math"] = Field("auto", description="The attention kernels on GPUs. cudnn-fa4: cuDNN's fused attention forward and FlashAttention-4's backward, which writes the packed QKV gradient directly (the fastest pair on an H200; needs the flash-attn-4 package, pip install 'launcher[fa4]', a GPU of compute capability 9.0 or above, bf16, fp16 or fp8 precision, no dropout and a head dimension that is a multiple of 8 up to 128); auto: cudnn-fa4 where all of that holds, else torch's own scaled_dot_product_attention choice (cuDNN's fused attention for the built-in models on an H200 with torch 2.11); flash, cudnn, efficient, math: that scaled_dot_product_attention kernel both ways (math: the unfused reference). A kernel that cannot run a shape fails the run instead of falling back.")
-    kernels: Literal["auto", "torch"] = Field("auto", description="auto: the launcher's Triton kernels where they apply, on CUDA GPUs of compute capability 8.0 or above (the MLP's bias and GELU, and the LM head's softmax cross-entropy: launcher/train/fused.py); torch: PyTorch's own (inductor's when compiled). The function is the same to fp32 rounding; on CPU both are PyTorch's.")
-    weight_grads: Literal["auto", "per-layer"] = Field("auto", description="How the compiled backward computes the blocks' weight gradients. auto: where the model compiles as one graph (train.compile_scope model, or auto in a single process) on a CUDA GPU with bf16 weights (precision.weights) and without activation checkpointing, each linear's gradients over all the layers as one batched product at the end of the backward (cuBLAS's pointer-array batched product: 9% fewer joules for those products on an H200, and GPT-2 124M's step 1.7% faster; each layer's input and output gradient are held to the end of the backward, up to about 4.8 GB at 16 x 1024 tokens, and that job's peak memory did not change; launcher/train/wgrad.py), elsewhere per layer; per-layer: each in its own layer's backward.")
-    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward (less memory, ~30% more compute).")
-    seed: int = Field(1234, ge=0, description="Seed for weights and data (synthetic tokens and MLM masks are a function of the seed and the global sample index, so they do not depend on the world size).")
-    log_every: int = Field(10, ge=1, description="Log and write a metrics record every N steps (the only steps that synchronise the device).")
-    elastic_batch: Literal["keep", "scale"] = Field("keep", description="An elastic restart at a different world size: keep the global batch (grad_accum is raised or lowered for the new world size; a world size it does not divide over refuses the restart) or scale it with the world size (grad_accum kept, the learning-rate schedule unchanged). Either way the data go on at the next global sample. The built-in trainer refuses to resume under keep from a checkpoint written at another global batch.")
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Periodic checkpoints and resume.")
-    profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler over a few steps: a Chrome/Perfetto trace and a table of the top operators per recording rank, in the run directory's profile/ folder.")
+    compile_scope: Literal["auto", "block", "model"] = Field(
+        "auto",
+        description="What train.compile compiles as one graph. block: the embeddings, each block and the head apart (one graph reused by every block; DDP's all-reduce and FSDP's gathers run between graphs); model: the whole model at once (fewer graph boundaries and launches, longer compilation, no overlap of DDP's all-reduce with the backward); auto: model for a single process, block under DDP or FSDP of several.",
+    )
+    cuda_graphs: bool = Field(
+        False,
+        description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda and strategy ddp.",
+    )
+    attention: Literal["auto", "cudnn-fa4", "flash", "cudnn", "efficient", "math"] = Field(
+        "auto",
+        description="The attention kernels on GPUs. cudnn-fa4: cuDNN's fused attention forward and FlashAttention-4's backward, which writes the packed QKV gradient directly (the fastest pair on an H200; needs the flash-attn-4 package, pip install 'launcher[fa4]', a GPU of compute capability 9.0 or above, bf16, fp16 or fp8 precision, no dropout and a head dimension that is a multiple of 8 up to 128); auto: cudnn-fa4 where all of that holds, else torch's own scaled_dot_product_attention choice (cuDNN's fused attention for the built-in models on an H200 with torch 2.11); flash, cudnn, efficient, math: that scaled_dot_product_attention kernel both ways (math: the unfused reference). A kernel that cannot run a shape fails the run instead of falling back.",
+    )
+    kernels: Literal["auto", "torch"] = Field(
+        "auto",
+        description="auto: the launcher's Triton kernels where they apply, on CUDA GPUs of compute capability 8.0 or above (the MLP's bias and GELU, and the LM head's softmax cross-entropy: launcher/train/fused.py); torch: PyTorch's own (inductor's when compiled). The function is the same to fp32 rounding; on CPU both are PyTorch's.",
+    )
+    weight_grads: Literal["auto", "per-layer"] = Field(
+        "auto",
+        description="How the compiled backward computes the blocks' weight gradients. auto: where the model compiles as one graph (train.compile_scope model, or auto in a single process) on a CUDA GPU with bf16 weights (precision.weights) and without activation checkpointing, each linear's gradients over all the layers as one batched product at the end of the backward (cuBLAS's pointer-array batched product: 9% fewer joules for those products on an H200, and GPT-2 124M's step 1.7% faster; each layer's input and output gradient are held to the end of the backward, up to about 4.8 GB at 16 x 1024 tokens, and that job's peak memory did not change; launcher/train/wgrad.py), elsewhere per layer; per-layer: each in its own layer's backward.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each block's activations in backward (less memory, ~30% more compute).",
+    )
+    seed: int = Field(
+        1234,
+        ge=0,
+        description="Seed for weights and data (synthetic tokens and MLM masks are a function of the seed and the global sample index, so they do not depend on the world size).",
+    )
+    log_every: int = Field(
+        10,
+        ge=1,
+        description="Log and write a metrics record every N steps (the only steps that synchronise the device).",
+    )
+    elastic_batch: Literal["keep", "scale"] = Field(
+        "keep",
+        description="An elastic restart at a different world size: keep the global batch (grad_accum is raised or lowered for the new world size; a world size it does not divide over refuses the restart) or scale it with the world size (grad_accum kept, the learning-rate schedule unchanged). Either way the data go on at the next global sample. The built-in trainer refuses to resume under keep from a checkpoint written at another global batch.",
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="Periodic checkpoints and resume."
+    )
+    profile: ProfileSpec = Field(
+        default_factory=ProfileSpec,
+        description="torch.profiler over a few steps: a Chrome/Perfetto trace and a table of the top operators per recording rank, in the run directory's profile/ folder.",
+    )
 
 
 class DDPSpec(Strict):
-    bucket_cap_mb: float = Field(25.0, gt=0, description="Gradient bucket size for all-reduce overlap (smaller buckets start sooner and leave less exposed at the end of backward).")
-    static_graph: bool = Field(False, description="The graph is the same every step: DDP's static-graph mode (static_graph=True). Measure before turning it on: benchmarks/RESULTS.md compares it with the default.")
-    gradient_as_bucket_view: bool = Field(True, description="Gradients are views into the all-reduce buckets (saves a copy and memory).")
-    comm_hook: Literal["none", "bf16", "fp16"] = Field("none", description="Compress gradients to this dtype for all-reduce.")
+    bucket_cap_mb: float = Field(
+        25.0,
+        gt=0,
+        description="Gradient bucket size for all-reduce overlap (smaller buckets start sooner and leave less exposed at the end of backward).",
+    )
+    static_graph: bool = Field(
+        False,
+        description="The graph is the same every step: DDP's static-graph mode (static_graph=True). Measure before turning it on: benchmarks/RESULTS.md compares it with the default.",
+    )
+    gradient_as_bucket_view: bool = Field(
+        True,
+        description="Gradients are views into the all-reduce buckets (saves a copy and memory).",
+    )
+    comm_hook: Literal["none", "bf16", "fp16"] = Field(
+        "none", description="Compress gradients to this dtype for all-reduce."
+    )
 
 
 class FSDPSpec(Strict):
-    reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like, more memory) and, with grad_accum above 1, until the last micro-batch's backward (one all-gather per step).")
-    param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="Dtype of gathered parameters for compute; auto follows precision.dtype.")
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of gradient reduce-scatter.")
-    cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in host memory.")
-    blocks_per_unit: int = Field(1, ge=1, description="Transformer blocks per FSDP unit (one all-gather and one reduce-scatter each): more blocks per unit cost less host time per step and more memory.")
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like, more memory) and, with grad_accum above 1, until the last micro-batch's backward (one all-gather per step).",
+    )
+    param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="Dtype of gathered parameters for compute; auto follows precision.dtype.",
+    )
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Dtype of gradient reduce-scatter."
+    )
+    cpu_offload: bool = Field(
+        False, description="Keep sharded parameters and optimizer state in host memory."
+    )
+    blocks_per_unit: int = Field(
+        1,
+        ge=1,
+        description="Transformer blocks per FSDP unit (one all-gather and one reduce-scatter each): more blocks per unit cost less host time per step and more memory.",
+    )
 
 
 class ParallelSpec(Strict):
-    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="pinned. ddp: replicate and all-reduce gradients; fsdp: shard parameters, gradients and optimizer state (FSDP2).")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="pinned. ddp: replicate and all-reduce gradients; fsdp: shard parameters, gradients and optimizer state (FSDP2).",
+    )
     ddp: DDPSpec = Field(default_factory=DDPSpec, description="DDP settings (strategy ddp).")
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec, description="FSDP settings (strategy fsdp).")
 
 
 class PrecisionSpec(Strict):
-    dtype: Literal["fp32", "tf32", "bf16", "fp16", "fp8"] = Field("bf16", description="pinned. fp32; tf32 (fp32 with TF32 matmul and cuDNN); bf16 autocast; fp16 autocast with a GradScaler; fp8: the Transformer blocks' linear layers in float8 through torchao's float8 training, bf16 autocast elsewhere (needs GPUs with FP8 tensor cores, compute capability 8.9 or above: Ada, Hopper, Blackwell, and the torchao package).")
-    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="Read with dtype fp8 only: torchao's scaling recipe. tensorwise: one dynamic scale per tensor (cuBLAS, the fastest); rowwise: one scale per row (CUTLASS, more accurate).")
-    fp8_layers: Literal["auto", "all"] = Field("auto", description="Read with dtype fp8 only: which of the blocks' linear layers run in float8. auto: those torchao's size filter for the recipe expects to gain (small layers stay bf16); all: every one whose dims divide by 16. The embeddings and the tied LM head stay bf16 either way, as torchao advises for the first and last layers.")
-    activations: Literal["auto", "fp32"] = Field("auto", description="The dtype of the hidden states between the layers (the residual stream, LayerNorm outputs) under bf16 and fp8 autocast. auto: bf16, half the memory traffic of the elementwise work around the matmuls (LayerNorm statistics, the loss, gradients of the weights and the master weights stay fp32, as under FSDP's bf16 parameters); fp32: fp32, as plain autocast leaves them. fp16 keeps them fp32 either way (its range is too narrow for the residual stream); fp32 and tf32 have no autocast.")
-    weights: Literal["auto", "bf16", "fp32"] = Field("auto", description="The model's weights under bf16. bf16: the weights are bf16 and the optimizer keeps their fp32 masters, updating them with AdamW's fp32 arithmetic in one fused kernel per parameter group (Triton, on CUDA) that also writes the new bf16 weights: no weight casts in the forward, no gradient casts in the backward, bf16 gradients (DDP all-reduces them in fp32 unless parallel.ddp.comm_hook says otherwise); checkpoints hold the fp32 masters. Needs dtype bf16, train.grad_accum 1 (bf16 gradients are not summed over micro-batches) and no FSDP sharding (FSDP on one process trains unwrapped and may use it). fp32: fp32 weights that autocast casts to bf16 in every forward. auto: bf16 where it applies on a CUDA GPU with Triton, else fp32.")
+    dtype: Literal["fp32", "tf32", "bf16", "fp16", "fp8"] = Field(
+        "bf16",
+        description="pinned. fp32; tf32 (fp32 with TF32 matmul and cuDNN); bf16 autocast; fp16 autocast with a GradScaler; fp8: the Transformer blocks' linear layers in float8 through torchao's float8 training, bf16 autocast elsewhere (needs GPUs with FP8 tensor cores, compute capability 8.9 or above: Ada, Hopper, Blackwell, and the torchao package).",
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise",
+        description="Read with dtype fp8 only: torchao's scaling recipe. tensorwise: one dynamic scale per tensor (cuBLAS, the fastest); rowwise: one scale per row (CUTLASS, more accurate).",
+    )
+    fp8_layers: Literal["auto", "all"] = Field(
+        "auto",
+        description="Read with dtype fp8 only: which of the blocks' linear layers run in float8. auto: those torchao's size filter for the recipe expects to gain (small layers stay bf16); all: every one whose dims divide by 16. The embeddings and the tied LM head stay bf16 either way, as torchao advises for the first and last layers.",
+    )
+    activations: Literal["auto", "fp32"] = Field(
+        "auto",
+        description="The dtype of the hidden states between the layers (the residual stream, LayerNorm outputs) under bf16 and fp8 autocast. auto: bf16, half the memory traffic of the elementwise work around the matmuls (LayerNorm statistics, the loss, gradients of the weights and the master weights stay fp32, as under FSDP's bf16 parameters); fp32: fp32, as plain autocast leaves them. fp16 keeps them fp32 either way (its range is too narrow for the residual stream); fp32 and tf32 have no autocast.",
+    )
+    weights: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="The model's weights under bf16. bf16: the weights are bf16 and the optimizer keeps their fp32 masters, updating them with AdamW's fp32 arithmetic in one fused kernel per parameter group (Triton, on CUDA) that also writes the new bf16 weights: no weight casts in the forward, no gradient casts in the backward, bf16 gradients (DDP all-reduces them in fp32 unless parallel.ddp.comm_hook says otherwise); checkpoints hold the fp32 masters. Needs dtype bf16, train.grad_accum 1 (bf16 gradients are not summed over micro-batches) and no FSDP sharding (FSDP on one process trains unwrapped and may use it). fp32: fp32 weights that autocast casts to bf16 in every forward. auto: bf16 where it applies on a CUDA GPU with Triton, else fp32.",
+    )
 
 
 def bf16_weights_obstacles(*, dtype: str, grad_accum: int, sharded: bool) -> list[str]:
@@ -167,8 +335,10 @@ def bf16_weights_obstacles(*, dtype: str, grad_accum: int, sharded: bool) -> lis
     if dtype != "bf16":
         reasons.append(f"they keep fp32 masters for bf16 training, and precision.dtype is {dtype}")
     if grad_accum != 1:
-        reasons.append(f"bf16 gradients are not summed over micro-batches, and train.grad_accum is {grad_accum} "
-                       f"(raise train.micro_batch instead)")
+        reasons.append(
+            f"bf16 gradients are not summed over micro-batches, and train.grad_accum is {grad_accum} "
+            f"(raise train.micro_batch instead)"
+        )
     if sharded:
         reasons.append("FSDP shards the weights here (its mixed precision keeps fp32 shards)")
     return reasons
@@ -176,8 +346,11 @@ def bf16_weights_obstacles(*, dtype: str, grad_accum: int, sharded: bool) -> lis
 
 def bf16_weights_refusal(reasons: list[str]) -> str:
     """The one-paragraph error for ``precision.weights: bf16`` where it cannot apply."""
-    return ("precision.weights bf16 (bf16 weights with fp32 masters) cannot apply to this run: "
-            + "; ".join(reasons) + ". Set precision.weights to auto or fp32.")
+    return (
+        "precision.weights bf16 (bf16 weights with fp32 masters) cannot apply to this run: "
+        + "; ".join(reasons)
+        + ". Set precision.weights to auto or fp32."
+    )
 
 
 def cudnn_fa4_obstacles(*, head_dim: int, half: bool, dropout: float) -> list[str]:
@@ -188,37 +361,65 @@ def cudnn_fa4_obstacles(*, head_dim: int, half: bool, dropout: float) -> list[st
     at start and adds the GPU and the package (``launcher.train.attention.choose``)."""
     reasons = []
     if head_dim % 8 or head_dim > 128:
-        reasons.append(f"the head dimension (d_model / n_heads) is {head_dim}, and cuDNN's and FA4's kernels "
-                       "here take multiples of 8 up to 128")
+        reasons.append(
+            f"the head dimension (d_model / n_heads) is {head_dim}, and cuDNN's and FA4's kernels "
+            "here take multiples of 8 up to 128"
+        )
     if not half:
-        reasons.append("FlashAttention-4 takes bf16 or fp16 inputs (precision.dtype bf16, fp16 or fp8)")
+        reasons.append(
+            "FlashAttention-4 takes bf16 or fp16 inputs (precision.dtype bf16, fp16 or fp8)"
+        )
     if dropout > 0:
-        reasons.append("neither kernel pair applies attention dropout here (model.dropout must be 0)")
+        reasons.append(
+            "neither kernel pair applies attention dropout here (model.dropout must be 0)"
+        )
     return reasons
 
 
 def cudnn_fa4_refusal(reasons: list[str]) -> str:
     """The one-paragraph error for ``train.attention: cudnn-fa4`` where it cannot run."""
-    return ("cudnn-fa4 (cuDNN's forward, FlashAttention-4's backward) cannot run this job: "
-            + "; ".join(reasons) + ". Set train.attention: auto.")
+    return (
+        "cudnn-fa4 (cuDNN's forward, FlashAttention-4's backward) cannot run this job: "
+        + "; ".join(reasons)
+        + ". Set train.attention: auto."
+    )
 
 
 class CudnnSpec(Strict):
-    benchmark: bool = Field(True, description="torch.backends.cudnn.benchmark: search the fastest algorithm per shape (good for fixed shapes).")
-    deterministic: bool = Field(False, description="Reproducible runs: cuDNN deterministic, torch.use_deterministic_algorithms, seeds everywhere, TF32 off (slower).")
+    benchmark: bool = Field(
+        True,
+        description="torch.backends.cudnn.benchmark: search the fastest algorithm per shape (good for fixed shapes).",
+    )
+    deterministic: bool = Field(
+        False,
+        description="Reproducible runs: cuDNN deterministic, torch.use_deterministic_algorithms, seeds everywhere, TF32 off (slower).",
+    )
 
 
 class NCCLSpec(Strict):
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="Process-group backend; auto: nccl on cuda, gloo on cpu.")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="Process-group backend; auto: nccl on cuda, gloo on cpu."
+    )
     timeout_s: int = Field(600, ge=1, le=86400, description="Collective timeout in seconds.")
-    env: EnvDict = Field(default_factory=lambda: {"NCCL_DEBUG": "WARN"}, description="Environment for every worker (NCCL_* and others).")
+    env: EnvDict = Field(
+        default_factory=lambda: {"NCCL_DEBUG": "WARN"},
+        description="Environment for every worker (NCCL_* and others).",
+    )
 
 
 class ResourcesSpec(Strict):
-    nodes: Literal["all"] | int = Field("all", description="pinned. How many cluster nodes to use, from the first: all, or a count.")
-    nproc_per_node: Literal["auto"] | int = Field("auto", description="pinned. Workers per node; auto = the node's GPUs (cuda) or 1 (cpu).")
+    nodes: Literal["all"] | int = Field(
+        "all", description="pinned. How many cluster nodes to use, from the first: all, or a count."
+    )
+    nproc_per_node: Literal["auto"] | int = Field(
+        "auto", description="pinned. Workers per node; auto = the node's GPUs (cuda) or 1 (cpu)."
+    )
     device: Literal["cuda", "cpu"] = Field("cuda", description="pinned. Where workers compute.")
-    min_nodes: int | None = Field(None, ge=1, description="Elastic restarts: with launch.max_restarts above 0, a lost node (or one whose ranks fail) is left out, a spare cluster node the job was not using takes its place if one passes the preflight, and the job restarts from its last checkpoint on the nodes it has, never fewer than this. Unset: not elastic (a failed rank restarts on the same nodes, a lost node ends the job).")
+    min_nodes: int | None = Field(
+        None,
+        ge=1,
+        description="Elastic restarts: with launch.max_restarts above 0, a lost node (or one whose ranks fail) is left out, a spare cluster node the job was not using takes its place if one passes the preflight, and the job restarts from its last checkpoint on the nodes it has, never fewer than this. Unset: not elastic (a failed rank restarts on the same nodes, a lost node ends the job).",
+    )
 
     @model_validator(mode="after")
     def _positive(self) -> ResourcesSpec:
@@ -226,30 +427,74 @@ class ResourcesSpec(Strict):
             raise ValueError(f"nodes must be 'all' or a count >= 1, not {self.nodes}")
         if isinstance(self.nproc_per_node, int) and not 1 <= self.nproc_per_node <= 1024:
             raise ValueError(f"nproc_per_node must be 'auto' or 1..1024, not {self.nproc_per_node}")
-        if isinstance(self.nodes, int) and self.min_nodes is not None and self.min_nodes > self.nodes:
-            raise ValueError(f"min_nodes {self.min_nodes} is more than the job's {self.nodes} node(s); "
-                             f"lower resources.min_nodes or raise resources.nodes")
+        if (
+            isinstance(self.nodes, int)
+            and self.min_nodes is not None
+            and self.min_nodes > self.nodes
+        ):
+            raise ValueError(
+                f"min_nodes {self.min_nodes} is more than the job's {self.nodes} node(s); "
+                f"lower resources.min_nodes or raise resources.nodes"
+            )
         return self
 
 
 class LaunchSpec(Strict):
-    max_restarts: int = Field(0, ge=0, le=100, description="Restart the job this many times after a failure: the launcher stops every node's torchrun and starts fresh ones on a new rendezvous port (torchrun's own --max-restarts stays 0); the built-in trainer resumes from its last checkpoint when train.checkpoint saves one.")
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="Restart the job this many times after a failure: the launcher stops every node's torchrun and starts fresh ones on a new rendezvous port (torchrun's own --max-restarts stays 0); the built-in trainer resumes from its last checkpoint when train.checkpoint saves one.",
+    )
     env: EnvDict = Field(default_factory=dict, description="Extra environment for every worker.")
-    master_port: int | None = Field(None, ge=1024, le=65535, description="Rendezvous port on the first node; null picks a free one there.")
-    hang_timeout_s: float | None = Field(None, gt=0, description="Fail the job when a rank writes no metrics record for this long (a hang watchdog); null disables it.")
-    stop_grace_s: float = Field(5.0, gt=0, le=120, description="Seconds between SIGTERM and SIGKILL when stopping workers.")
+    master_port: int | None = Field(
+        None,
+        ge=1024,
+        le=65535,
+        description="Rendezvous port on the first node; null picks a free one there.",
+    )
+    hang_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Fail the job when a rank writes no metrics record for this long (a hang watchdog); null disables it.",
+    )
+    stop_grace_s: float = Field(
+        5.0, gt=0, le=120, description="Seconds between SIGTERM and SIGKILL when stopping workers."
+    )
 
 
-DEFAULT_EXCLUDE = (".git", "__pycache__", "*.pyc", ".venv/", "runs/", "checkpoints/", "ckpt/",
-                   "*.pt", "*.pth", "*.ckpt", "*.safetensors")
+DEFAULT_EXCLUDE = (
+    ".git",
+    "__pycache__",
+    "*.pyc",
+    ".venv/",
+    "runs/",
+    "checkpoints/",
+    "ckpt/",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.safetensors",
+)
 
 
 class ScriptEntrypoint(Strict):
-    script: Path = Field(description="A torchrun-ready Python script, relative to workdir (or absolute). Where the workdir travels to other nodes, the script must lie inside it.")
+    script: Path = Field(
+        description="A torchrun-ready Python script, relative to workdir (or absolute). Where the workdir travels to other nodes, the script must lie inside it."
+    )
     args: list[str] = Field(default_factory=list, description="Arguments after the script.")
-    workdir: Path | None = Field(None, description="The script's current directory on every node, as `cd workdir && torchrun ... script` would have it (relative open(), imports next to the script, relative output folders). Default: the job file's folder; relative paths are taken from the job file's folder.")
-    sync: Literal["auto", True, False] = Field("auto", description="How the workdir reaches the nodes. auto: nothing is copied when every node is this machine, else the workdir travels to every node through Ray (runtime_env working_dir) and the script runs in that copy; true: always run in a copy taken at launch; false: a shared filesystem: the preflight checks that the workdir and script exist on every node and that their code files hash the same.")
-    exclude: list[str] = Field(default_factory=lambda: list(DEFAULT_EXCLUDE), description="gitignore-style patterns left out of the copy and the code hash (name patterns match at any depth, a slash anchors at the workdir, a trailing slash means folders only). Replaces the default list. .gitignore files are not read.")
+    workdir: Path | None = Field(
+        None,
+        description="The script's current directory on every node, as `cd workdir && torchrun ... script` would have it (relative open(), imports next to the script, relative output folders). Default: the job file's folder; relative paths are taken from the job file's folder.",
+    )
+    sync: Literal["auto", True, False] = Field(
+        "auto",
+        description="How the workdir reaches the nodes. auto: nothing is copied when every node is this machine, else the workdir travels to every node through Ray (runtime_env working_dir) and the script runs in that copy; true: always run in a copy taken at launch; false: a shared filesystem: the preflight checks that the workdir and script exist on every node and that their code files hash the same.",
+    )
+    exclude: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_EXCLUDE),
+        description="gitignore-style patterns left out of the copy and the code hash (name patterns match at any depth, a slash anchors at the workdir, a trailing slash means folders only). Replaces the default list. .gitignore files are not read.",
+    )
 
     @model_validator(mode="after")
     def _patterns(self) -> ScriptEntrypoint:
@@ -257,23 +502,42 @@ class ScriptEntrypoint(Strict):
             if not pattern.strip("/").strip():
                 raise ValueError(f"entrypoint.exclude has an empty pattern {pattern!r}; remove it")
             if pattern.startswith("!"):
-                raise ValueError(f"entrypoint.exclude pattern {pattern!r}: re-including with '!' is not "
-                                 f"supported; narrow the pattern that excludes it instead")
+                raise ValueError(
+                    f"entrypoint.exclude pattern {pattern!r}: re-including with '!' is not "
+                    f"supported; narrow the pattern that excludes it instead"
+                )
         return self
 
 
 class JobSpec(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="pinned. Job name (letters, digits, . _ -); names the run directory.")
-    model: ModelSpec = Field(default_factory=ModelSpec, description="pinned. The Transformer to train (built-in trainer).")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="pinned. Job name (letters, digits, . _ -); names the run directory.",
+    )
+    model: ModelSpec = Field(
+        default_factory=ModelSpec,
+        description="pinned. The Transformer to train (built-in trainer).",
+    )
     data: DataSpec = Field(default_factory=DataSpec, description="pinned. Where batches come from.")
-    train: TrainSpec = Field(default_factory=TrainSpec, description="Steps, batch, optimizer and loop settings.")
+    train: TrainSpec = Field(
+        default_factory=TrainSpec, description="Steps, batch, optimizer and loop settings."
+    )
     parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="pinned. DDP or FSDP.")
-    precision: PrecisionSpec = Field(default_factory=PrecisionSpec, description="pinned. Numeric precision.")
+    precision: PrecisionSpec = Field(
+        default_factory=PrecisionSpec, description="pinned. Numeric precision."
+    )
     cudnn: CudnnSpec = Field(default_factory=CudnnSpec, description="cuDNN settings.")
     nccl: NCCLSpec = Field(default_factory=NCCLSpec, description="Collective backend settings.")
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="pinned. Nodes, workers per node and device.")
-    launch: LaunchSpec = Field(default_factory=LaunchSpec, description="torchrun and worker settings.")
-    entrypoint: Literal["builtin"] | ScriptEntrypoint = Field("builtin", description="pinned. builtin (the launcher's Transformer trainer) or {script: path.py, args: [...], workdir: ., sync: auto, exclude: [...]}.")
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="pinned. Nodes, workers per node and device."
+    )
+    launch: LaunchSpec = Field(
+        default_factory=LaunchSpec, description="torchrun and worker settings."
+    )
+    entrypoint: Literal["builtin"] | ScriptEntrypoint = Field(
+        "builtin",
+        description="pinned. builtin (the launcher's Transformer trainer) or {script: path.py, args: [...], workdir: ., sync: auto, exclude: [...]}.",
+    )
 
     @property
     def backend(self) -> str:
@@ -288,13 +552,17 @@ class JobSpec(Strict):
         counts it gives (resources.nodes, nproc_per_node; auto is 1 a node on device cpu), 1
         for what the cluster decides (nodes all, nproc_per_node auto on GPUs)."""
         nodes, per_node = self.resources.nodes, self.resources.nproc_per_node
-        return (nodes if isinstance(nodes, int) else 1) * (per_node if isinstance(per_node, int) else 1)
+        return (nodes if isinstance(nodes, int) else 1) * (
+            per_node if isinstance(per_node, int) else 1
+        )
 
     def fsdp_shards(self, world_size: int) -> bool:
         """Whether FSDP shards the model at ``world_size`` ranks: strategy fsdp on more than one
         rank, or with ``parallel.fsdp.cpu_offload`` on any number (one process without it has
         nothing to shard and trains the model unwrapped, ``launcher.train.parallel``)."""
-        return self.parallel.strategy == "fsdp" and (world_size > 1 or self.parallel.fsdp.cpu_offload)
+        return self.parallel.strategy == "fsdp" and (
+            world_size > 1 or self.parallel.fsdp.cpu_offload
+        )
 
     @property
     def elastic(self) -> bool:
@@ -329,22 +597,40 @@ class JobSpec(Strict):
     def _cross_checks(self) -> JobSpec:
         dev = self.resources.device
         if dev == "cpu" and self.precision.dtype == "fp16":
-            raise ValueError("fp16 on device cpu is not supported; use bf16 or fp32 (precision.dtype)")
+            raise ValueError(
+                "fp16 on device cpu is not supported; use bf16 or fp32 (precision.dtype)"
+            )
         if dev == "cpu" and self.precision.dtype == "tf32":
-            raise ValueError("tf32 is a GPU matmul mode; on device cpu use fp32 or bf16 (precision.dtype)")
+            raise ValueError(
+                "tf32 is a GPU matmul mode; on device cpu use fp32 or bf16 (precision.dtype)"
+            )
         if dev == "cpu" and self.precision.dtype == "fp8":
-            raise ValueError("fp8 needs GPUs with FP8 tensor cores (compute capability 8.9 or above); "
-                             "on device cpu use bf16 or fp32 (precision.dtype)")
+            raise ValueError(
+                "fp8 needs GPUs with FP8 tensor cores (compute capability 8.9 or above); "
+                "on device cpu use bf16 or fp32 (precision.dtype)"
+            )
         if dev == "cpu" and self.train.attention not in ("auto", "math"):
-            raise ValueError(f"train.attention {self.train.attention} is a GPU kernel; on device cpu use auto or math")
-        if dev == "cpu" and self.parallel.ddp.comm_hook == "bf16" and self.parallel.strategy == "ddp":
-            raise ValueError("parallel.ddp.comm_hook bf16 needs CUDA GPUs and NCCL; on device cpu use fp16 or none")
+            raise ValueError(
+                f"train.attention {self.train.attention} is a GPU kernel; on device cpu use auto or math"
+            )
+        if (
+            dev == "cpu"
+            and self.parallel.ddp.comm_hook == "bf16"
+            and self.parallel.strategy == "ddp"
+        ):
+            raise ValueError(
+                "parallel.ddp.comm_hook bf16 needs CUDA GPUs and NCCL; on device cpu use fp16 or none"
+            )
         if dev == "cpu" and self.parallel.strategy == "fsdp" and self.parallel.fsdp.cpu_offload:
-            raise ValueError("parallel.fsdp.cpu_offload moves the shards from the GPUs to host memory; on device "
-                             "cpu they are there already (offloading to the CPU is meaningless): set "
-                             "parallel.fsdp.cpu_offload: false")
+            raise ValueError(
+                "parallel.fsdp.cpu_offload moves the shards from the GPUs to host memory; on device "
+                "cpu they are there already (offloading to the CPU is meaningless): set "
+                "parallel.fsdp.cpu_offload: false"
+            )
         if dev == "cpu" and self.nccl.backend == "nccl":
-            raise ValueError("the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto")
+            raise ValueError(
+                "the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto"
+            )
         if self.uses_builtin:
             max_pos = self.model.dims()["max_positions"]
             if self.data.seq_len > max_pos:
@@ -364,40 +650,57 @@ class JobSpec(Strict):
                 f"train.steps ({self.train.steps}); lower train.profile.start_step or steps"
             )
         if prof.start_step and not self.uses_builtin:
-            raise ValueError("train.profile works with the built-in trainer only; profile your own script inside it")
+            raise ValueError(
+                "train.profile works with the built-in trainer only; profile your own script inside it"
+            )
         if self.elastic and self.uses_builtin and self.train.checkpoint.dir is None:
-            raise ValueError("an elastic job (resources.min_nodes with launch.max_restarts above 0) "
-                             "restarts from its last checkpoint: set train.checkpoint.dir to a folder every "
-                             "node sees, and train.checkpoint.every_steps")
+            raise ValueError(
+                "an elastic job (resources.min_nodes with launch.max_restarts above 0) "
+                "restarts from its last checkpoint: set train.checkpoint.dir to a folder every "
+                "node sees, and train.checkpoint.every_steps"
+            )
         if self.train.checkpoint.every_steps and self.train.checkpoint.dir is None:
             raise ValueError("train.checkpoint.every_steps needs train.checkpoint.dir")
         if self.cudnn.deterministic and self.cudnn.benchmark:
-            raise ValueError("cudnn.deterministic and cudnn.benchmark exclude each other; set cudnn.benchmark: false")
+            raise ValueError(
+                "cudnn.deterministic and cudnn.benchmark exclude each other; set cudnn.benchmark: false"
+            )
         if self.cudnn.deterministic and self.precision.dtype == "tf32":
             raise ValueError("cudnn.deterministic turns TF32 off; use precision.dtype fp32 or bf16")
         if self.train.cuda_graphs:
             if not self.train.compile:
-                raise ValueError("train.cuda_graphs replays compiled graphs; set train.compile: true")
+                raise ValueError(
+                    "train.cuda_graphs replays compiled graphs; set train.compile: true"
+                )
             if dev != "cuda":
                 raise ValueError("train.cuda_graphs needs resources.device cuda")
             if self.parallel.strategy != "ddp":
-                raise ValueError("train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
-                                 "parameters between graphs (set train.cuda_graphs: false)")
+                raise ValueError(
+                    "train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
+                    "parameters between graphs (set train.cuda_graphs: false)"
+                )
         if self.precision.weights == "bf16":  # the world size may be larger than the spec says:
             # the trainer asks again (and refusal_at, with the world size)
-            reasons = bf16_weights_obstacles(dtype=self.precision.dtype, grad_accum=self.train.grad_accum,
-                                             sharded=self.fsdp_shards(self.least_world_size))
+            reasons = bf16_weights_obstacles(
+                dtype=self.precision.dtype,
+                grad_accum=self.train.grad_accum,
+                sharded=self.fsdp_shards(self.least_world_size),
+            )
             if reasons:
                 raise ValueError(bf16_weights_refusal(reasons))
         if self.uses_builtin and self.train.attention == "cudnn-fa4":
             dims = self.model.dims()
-            reasons = cudnn_fa4_obstacles(head_dim=dims["d_model"] // dims["n_heads"],
-                                          half=self.precision.dtype in ("bf16", "fp16", "fp8"),
-                                          dropout=self.model.dropout)
+            reasons = cudnn_fa4_obstacles(
+                head_dim=dims["d_model"] // dims["n_heads"],
+                half=self.precision.dtype in ("bf16", "fp16", "fp8"),
+                dropout=self.model.dropout,
+            )
             if reasons:
                 raise ValueError(cudnn_fa4_refusal(reasons))
         if self.parallel.strategy == "fsdp" and self.parallel.ddp.comm_hook != "none":
-            raise ValueError("parallel.ddp.comm_hook applies to ddp; for fsdp use parallel.fsdp.reduce_dtype")
+            raise ValueError(
+                "parallel.ddp.comm_hook applies to ddp; for fsdp use parallel.fsdp.reduce_dtype"
+            )
         return self
 
 
@@ -417,8 +720,11 @@ def refusal_at(job: JobSpec, world_size: int) -> str | None:
     except ValidationError as err:
         return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
     if job.uses_builtin and job.precision.weights == "bf16":
-        reasons = bf16_weights_obstacles(dtype=job.precision.dtype, grad_accum=job.train.grad_accum,
-                                         sharded=job.fsdp_shards(world_size))
+        reasons = bf16_weights_obstacles(
+            dtype=job.precision.dtype,
+            grad_accum=job.train.grad_accum,
+            sharded=job.fsdp_shards(world_size),
+        )
         if reasons:
             return bf16_weights_refusal(reasons)
     return None

@@ -56,13 +56,17 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise SpecError("file not found; check the path", source=str(path)) from None
     except UnicodeDecodeError as err:
-        raise SpecError(f"not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r}); "
-                        f"YAML files are read as UTF-8: save it so, or check that this is the file you meant",
-                        source=str(path)) from None
+        raise SpecError(
+            f"not UTF-8 text (byte {err.start}: {err.object[err.start : err.start + 1]!r}); "
+            f"YAML files are read as UTF-8: save it so, or check that this is the file you meant",
+            source=str(path),
+        ) from None
     except OSError as err:
         raise SpecError(f"cannot read the file ({err.strerror})", source=str(path)) from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader that also rejects duplicate keys
+        data = yaml.load(
+            text, Loader=_StrictLoader
+        )  # a SafeLoader that also rejects duplicate keys
         cycle = _has_cycle(data)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
@@ -99,19 +103,27 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
         key, sep, raw = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise UsageError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set train.steps=50")
-        loader = _SetEnvLoader if parts[-1] == "env" else _SetValueLoader  # --set 'launch.env={A: 1.10}'
+            raise UsageError(
+                f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set train.steps=50"
+            )
+        loader = (
+            _SetEnvLoader if parts[-1] == "env" else _SetValueLoader
+        )  # --set 'launch.env={A: 1.10}'
         try:
             if len(parts) > 1 and parts[-2] == "env":
                 value = _env_text(raw)
             else:
                 value = yaml.load(raw, Loader=loader) if raw.strip() else ""
         except _TagError as err:
-            raise UsageError(f"--set {_shortened(item)!r}: the value cannot be read: {err.problem}") from None
+            raise UsageError(
+                f"--set {_shortened(item)!r}: the value cannot be read: {err.problem}"
+            ) from None
         except yaml.YAMLError:
             value = raw  # not YAML (e.g. 'a: b: c'): the text itself
         except _YAML_VALUE_ERRORS as err:
-            raise UsageError(f"--set {_shortened(item)!r}: the value cannot be read: {_value_problem(err)}") from None
+            raise UsageError(
+                f"--set {_shortened(item)!r}: the value cannot be read: {_value_problem(err)}"
+            ) from None
         node = out
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
@@ -121,7 +133,9 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return out
 
 
-def validate(model: type[BaseModel], data: Any, *, source: str, overrides: Sequence[str] = ()) -> Any:
+def validate(
+    model: type[BaseModel], data: Any, *, source: str, overrides: Sequence[str] = ()
+) -> Any:
     """Validate ``data`` into ``model``; all problems go into one SpecError paragraph."""
     try:
         return model.model_validate(data)
@@ -133,10 +147,14 @@ def validate(model: type[BaseModel], data: Any, *, source: str, overrides: Seque
             for f, msg in problems
         ]
         count = "" if len(lines) == 1 else f" ({len(lines)} problems)"
-        raise SpecError(f"invalid {_kind(model)}{count}: " + "; ".join(lines), source=source) from err
+        raise SpecError(
+            f"invalid {_kind(model)}{count}: " + "; ".join(lines), source=source
+        ) from err
 
 
-def nodes_for_job(cluster: ClusterSpec, job: JobSpec | None, *, job_source: str = "job") -> list[NodeSpec]:
+def nodes_for_job(
+    cluster: ClusterSpec, job: JobSpec | None, *, job_source: str = "job"
+) -> list[NodeSpec]:
     """The nodes a job runs on: the first ``resources.nodes`` (all for ``all`` or without a job).
 
     Raises SpecError when the job asks for more nodes than the cluster has.
@@ -162,7 +180,10 @@ def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -
     if job.resources.min_nodes is not None and job.resources.min_nodes > len(nodes):
         raise SpecError(
             f"resources.min_nodes {job.resources.min_nodes} is more than the {len(nodes)} node(s) the "
-            f"job runs on; lower resources.min_nodes or add nodes", source=job_source, field="resources.min_nodes")
+            f"job runs on; lower resources.min_nodes or add nodes",
+            source=job_source,
+            field="resources.min_nodes",
+        )
     for node in nodes:
         if job.resources.device == "cuda" and node.gpus == 0:
             raise SpecError(
@@ -174,25 +195,41 @@ def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -
     if job.uses_builtin:
         # At least this many ranks (nproc_per_node auto: the GPUs a node declares, else 1).
         per_node = job.resources.nproc_per_node
-        world = sum(per_node if isinstance(per_node, int) else
-                    node.gpus if job.resources.device == "cuda" and isinstance(node.gpus, int) else 1
-                    for node in nodes)
+        world = sum(
+            per_node
+            if isinstance(per_node, int)
+            else node.gpus
+            if job.resources.device == "cuda" and isinstance(node.gpus, int)
+            else 1
+            for node in nodes
+        )
         refusal = refusal_at(job, world)
         if refusal is not None:  # the job's own checks passed: one that needs the world size
-            raise SpecError(f"on {world} ranks: {refusal}", source=job_source, field="precision.weights")
+            raise SpecError(
+                f"on {world} ranks: {refusal}", source=job_source, field="precision.weights"
+            )
 
 
 # -- internals ------------------------------------------------------------------------------
 
 
 def _kind(model: type[BaseModel]) -> str:
-    return {"JobSpec": "job spec", "ClusterSpec": "cluster spec"}.get(model.__name__, model.__name__)
+    return {"JobSpec": "job spec", "ClusterSpec": "cluster spec"}.get(
+        model.__name__, model.__name__
+    )
 
 
 # What PyYAML's safe constructors raise besides YAMLError: a tagged value they cannot read
 # ('!!int 1e3' ValueError, '!!bool maybe' KeyError, '!!timestamp today' AttributeError), and
 # nesting deeper than Python's recursion limit.
-_YAML_VALUE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError)
+_YAML_VALUE_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    ArithmeticError,
+    RecursionError,
+)
 
 
 class _TagError(yaml.constructor.ConstructorError):
@@ -257,7 +294,9 @@ def _env_copy(root: yaml.Node, copies: dict[int, yaml.Node]) -> yaml.Node:
         if id(node) in copies:
             return copies[id(node)]
         if isinstance(node, yaml.MappingNode):
-            copy: yaml.Node = yaml.MappingNode(node.tag, [], node.start_mark, node.end_mark, node.flow_style)
+            copy: yaml.Node = yaml.MappingNode(
+                node.tag, [], node.start_mark, node.end_mark, node.flow_style
+            )
         elif isinstance(node, yaml.SequenceNode):  # under env only as a merge list, '<<: [*a, *b]'
             copy = yaml.SequenceNode(node.tag, [], node.start_mark, node.end_mark, node.flow_style)
         else:
@@ -278,7 +317,9 @@ def _env_copy(root: yaml.Node, copies: dict[int, yaml.Node]) -> yaml.Node:
             if key.tag == _MERGE_TAG:
                 value = shell(value)
             elif isinstance(value, yaml.ScalarNode) and value.tag != _NULL_TAG:
-                value = yaml.ScalarNode(_STR_TAG, value.value, value.start_mark, value.end_mark, value.style)
+                value = yaml.ScalarNode(
+                    _STR_TAG, value.value, value.start_mark, value.end_mark, value.style
+                )
             pairs.append((key, value))
         copy.value = pairs
     return out
@@ -319,7 +360,9 @@ class _SpecLoader(yaml.SafeLoader):
                 raise
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
             raise _TagError(
-                None, None, f"{node.value!r} is not a valid {tag}; fix the value, or quote it to mean the text",
+                None,
+                None,
+                f"{node.value!r} is not a valid {tag}; fix the value, or quote it to mean the text",
                 node.start_mark,
             ) from None
 
@@ -346,13 +389,16 @@ class _StrictLoader(_SpecLoader):
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, str):
                 raise yaml.constructor.ConstructorError(
-                    None, None,
+                    None,
+                    None,
                     f"key {key_node.value!r} is read as {type(key).__name__}, not text; quote it",
                     key_node.start_mark,
                 )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in the same mapping; keep one",
+                    None,
+                    None,
+                    f"key {key!r} appears twice in the same mapping; keep one",
                     key_node.start_mark,
                 )
             seen.add(key)
@@ -370,7 +416,9 @@ def _has_cycle(data: Any, parents: frozenset[int] = frozenset()) -> bool:
     return any(_has_cycle(child, inner) for child in children)
 
 
-def _describe(model: type[BaseModel], err: ValidationError, data: Any = None) -> list[tuple[str, str]]:
+def _describe(
+    model: type[BaseModel], err: ValidationError, data: Any = None
+) -> list[tuple[str, str]]:
     """Turn pydantic's errors into (dotted field, message) pairs a person can act on."""
     raw: list[tuple[tuple[str, ...], dict[str, Any]]] = []
     for e in err.errors(include_url=False):
@@ -380,10 +428,7 @@ def _describe(model: type[BaseModel], err: ValidationError, data: Any = None) ->
     # A union (e.g. entrypoint: builtin | {script, ...}) reports one error per branch; when a
     # branch got further (a nested field is wrong), the shallow "expected X" error is noise.
     paths = [p for p, _ in raw]
-    kept = [
-        (p, e) for p, e in raw
-        if not any(len(q) > len(p) and q[: len(p)] == p for q in paths)
-    ]
+    kept = [(p, e) for p, e in raw if not any(len(q) > len(p) and q[: len(p)] == p for q in paths)]
     merged: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for p, e in kept:
         merged.setdefault(p, []).append(e)
@@ -415,7 +460,9 @@ def _field_path(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, ...]
             out.append(part)
             current = get_args(current)[1]
         elif _union_args(current):
-            branch = next((a for a in _union_args(current) if getattr(a, "__name__", "") == part), None)
+            branch = next(
+                (a for a in _union_args(current) if getattr(a, "__name__", "") == part), None
+            )
             current = branch  # a tag like "literal['builtin']" or "int" matches no model: None
         else:
             out.append(part)
@@ -476,9 +523,14 @@ def _message(model: type[BaseModel], path: tuple[str, ...], errs: list[dict[str,
         return _unknown_key(model, path, first.get("given", set()))
     if first["type"] == "missing":
         return "required but missing; add it"
-    if first["type"] == "string_pattern_mismatch" and first.get("ctx", {}).get("pattern") == NAME_PATTERN:
-        return (f"{first.get('input')!r} is not a valid name; use letters, digits, '.', '_' and '-' "
-                f"(at most 64, starting with a letter or digit)")
+    if (
+        first["type"] == "string_pattern_mismatch"
+        and first.get("ctx", {}).get("pattern") == NAME_PATTERN
+    ):
+        return (
+            f"{first.get('input')!r} is not a valid name; use letters, digits, '.', '_' and '-' "
+            f"(at most 64, starting with a letter or digit)"
+        )
     texts = []
     for e in errs:
         msg = e["msg"]
@@ -500,15 +552,18 @@ def _mapping_of(model: type[BaseModel], path: tuple[str, ...], name: str) -> str
     return f"a mapping with keys {', '.join(target.model_fields)}"
 
 
-def _unknown_key(model: type[BaseModel], path: tuple[str, ...], given: set[str] = frozenset()) -> str:
+def _unknown_key(
+    model: type[BaseModel], path: tuple[str, ...], given: set[str] = frozenset()
+) -> str:
     key = path[-1]
     parent = _model_at(model, path[:-1])
     known = list(parent.model_fields) if parent is not None else []
     # Keys not given yet are the likelier meaning ('hostname' beside 'name' means 'host'),
     # then any close key, then a key the typo abbreviates ('nproc' for 'nproc_per_node').
     not_given = [k for k in known if k not in given]
-    hint = (difflib.get_close_matches(key, not_given, n=1, cutoff=0.6)
-            or difflib.get_close_matches(key, known, n=1, cutoff=0.6))
+    hint = difflib.get_close_matches(key, not_given, n=1, cutoff=0.6) or difflib.get_close_matches(
+        key, known, n=1, cutoff=0.6
+    )
     if not hint and len(key) >= 3:
         hint = [k for k in not_given if k.startswith(key) or key in k.split("_")][:1]
     if hint:
@@ -523,34 +578,55 @@ def _with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str])
     against them (names and shapes), and any arch, size or dim the job gives must agree."""
     from launcher.spec.hf import FolderError, check_folder
 
-    folder = _local_folder(job.model.init_from, source.parent, "model.init_from", "model weights", source)
+    folder = _local_folder(
+        job.model.init_from, source.parent, "model.init_from", "model weights", source
+    )
     try:
         arch, dims = check_folder(folder)
     except FolderError as err:
         raise SpecError(str(err), source=str(source), field=err.field) from None
     model, given = job.model, job.model.model_fields_set
-    conflicts = [f"model.arch {model.arch} (the folder holds a {arch})"] if "arch" in given and model.arch != arch else []
-    conflicts += [f"model.{k} {getattr(model, k)} (config.json: {v})" for k, v in dims.items()
-                  if k in given and getattr(model, k) != v]
+    conflicts = (
+        [f"model.arch {model.arch} (the folder holds a {arch})"]
+        if "arch" in given and model.arch != arch
+        else []
+    )
+    conflicts += [
+        f"model.{k} {getattr(model, k)} (config.json: {v})"
+        for k, v in dims.items()
+        if k in given and getattr(model, k) != v
+    ]
     if not model.bias:
         conflicts.append("model.bias false (the folder's weights have biases)")
     # A size preset decides only the dims the job does not give explicitly.
     if "size" in given:
-        preset = dict(zip(("n_layers", "d_model", "n_heads"), SIZE_PRESETS[model.size], strict=True))
+        preset = dict(
+            zip(("n_layers", "d_model", "n_heads"), SIZE_PRESETS[model.size], strict=True)
+        )
         wrong = [k for k, v in preset.items() if k not in given and v != dims[k]]
         if wrong:
             shape = "x".join(str(dims[k]) for k in preset)
-            conflicts.append(f"model.size {model.size} (config.json: {shape} layers x d_model x heads)")
+            conflicts.append(
+                f"model.size {model.size} (config.json: {shape} layers x d_model x heads)"
+            )
     if conflicts:
         raise SpecError(
             f"model.init_from {str(folder)!r} gives the model's shape, and the job disagrees: "
             f"{'; '.join(conflicts)}. Remove these keys (the folder's config.json decides) or "
-            f"point init_from at the model you meant", source=str(source), field="model")
+            f"point init_from at the model you meant",
+            source=str(source),
+            field="model",
+        )
     data = job.model_dump(mode="json", exclude_unset=True)
     shape = (dims["n_layers"], dims["d_model"], dims["n_heads"])
     size = next((name for name, preset in SIZE_PRESETS.items() if preset == shape), None)
-    data["model"] = {**data.get("model", {}), "arch": arch, **dims, "init_from": str(folder),
-                     **({"size": size} if size and "size" not in given else {})}
+    data["model"] = {
+        **data.get("model", {}),
+        "arch": arch,
+        **dims,
+        "init_from": str(folder),
+        **({"size": size} if size and "size" not in given else {}),
+    }
     return validate(JobSpec, data, source=str(source), overrides=overrides)
 
 
@@ -560,8 +636,9 @@ def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) 
     if not folder.is_dir():
         from launcher.spec.hf import not_a_folder
 
-        raise SpecError(str(not_a_folder(field, str(value), folder, what)), source=str(source),
-                        field=field)
+        raise SpecError(
+            str(not_a_folder(field, str(value), folder, what)), source=str(source), field=field
+        )
     return folder
 
 
@@ -569,13 +646,21 @@ def _refuse_nul_paths(job: JobSpec, source: Path) -> None:
     """A path with a NUL character is a SpecError naming the field (the OS would refuse it
     with a ValueError wherever it is first used)."""
     entry = None if job.uses_builtin else job.entrypoint
-    for field, value in (("data.path", job.data.path), ("train.checkpoint.dir", job.train.checkpoint.dir),
-                         ("entrypoint.script", entry and entry.script),
-                         ("entrypoint.workdir", entry and entry.workdir), ("model.init_from", job.model.init_from),
-                         ("data.tokenizer", job.data.tokenizer), ("data.cache_dir", job.data.cache_dir)):
+    for field, value in (
+        ("data.path", job.data.path),
+        ("train.checkpoint.dir", job.train.checkpoint.dir),
+        ("entrypoint.script", entry and entry.script),
+        ("entrypoint.workdir", entry and entry.workdir),
+        ("model.init_from", job.model.init_from),
+        ("data.tokenizer", job.data.tokenizer),
+        ("data.cache_dir", job.data.cache_dir),
+    ):
         if value is not None and "\x00" in str(value):
-            raise SpecError(f"{field} {str(value)!r} contains a NUL character; give a plain path",
-                            source=str(source), field=field)
+            raise SpecError(
+                f"{field} {str(value)!r} contains a NUL character; give a plain path",
+                source=str(source),
+                field=field,
+            )
 
 
 def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
@@ -595,7 +680,9 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
                 source=str(source),
                 field="data.path",
             )
-        if job.uses_builtin:  # what its trainer refuses at start: a window of data.seq_len + 1 tokens
+        if (
+            job.uses_builtin
+        ):  # what its trainer refuses at start: a window of data.seq_len + 1 tokens
             try:
                 check_token_file(tokens, job.data.token_dtype, job.data.seq_len + 1)
             except (OSError, ValueError) as err:
@@ -631,15 +718,19 @@ def npy_layout(path: Path) -> tuple[int, str]:
             if not isinstance(header, dict):
                 raise ValueError("not a dict")
         except (IndexError, struct.error, ValueError, SyntaxError, MemoryError) as err:
-            raise ValueError(f"{path} has a .npy header that cannot be read ({type(err).__name__}: {err}); "
-                             f"write the token ids with numpy.save") from None
+            raise ValueError(
+                f"{path} has a .npy header that cannot be read ({type(err).__name__}: {err}); "
+                f"write the token ids with numpy.save"
+            ) from None
         offset = fh.tell()
     if header.get("fortran_order") and len(header.get("shape", ())) > 1:
         raise ValueError(f"{path} is Fortran-ordered; save the token ids as a C-ordered array")
     descr = header.get("descr")
     if descr not in NPY_ITEMSIZES:
-        raise ValueError(f"{path} holds dtype {descr!r}; .npy token files must be uint8, uint16, uint32, "
-                         "int32 or int64")
+        raise ValueError(
+            f"{path} holds dtype {descr!r}; .npy token files must be uint8, uint16, uint32, "
+            "int32 or int64"
+        )
     return offset, descr
 
 
@@ -650,8 +741,10 @@ def check_token_file(path: Path, token_dtype: str, sample_tokens: int) -> None:
     itemsize = NPY_ITEMSIZES[descr] if descr is not None else RAW_ITEMSIZES[token_dtype]
     count = max(0, path.stat().st_size - offset) // itemsize
     if count < sample_tokens:
-        raise ValueError(f"{path} holds {count} tokens, fewer than the {sample_tokens} of one sample "
-                         f"(data.seq_len {sample_tokens - 1}); use more data or a shorter seq_len")
+        raise ValueError(
+            f"{path} holds {count} tokens, fewer than the {sample_tokens} of one sample "
+            f"(data.seq_len {sample_tokens - 1}); use more data or a shorter seq_len"
+        )
 
 
 def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
@@ -662,19 +755,27 @@ def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
     data, base = job.data, source.parent
     assert data.path is not None and data.tokenizer is not None
     text = data.path if data.path.is_absolute() else (base / data.path).resolve()
-    if not (text.is_file() and text.suffix in (".txt", ".jsonl")
-            or text.is_dir() and any(p.suffix in (".txt", ".jsonl") for p in text.rglob("*"))):
+    if not (
+        text.is_file()
+        and text.suffix in (".txt", ".jsonl")
+        or text.is_dir()
+        and any(p.suffix in (".txt", ".jsonl") for p in text.rglob("*"))
+    ):
         raise SpecError(
             f"data.path {str(data.path)!r} (looked for {text}) is neither a .txt or .jsonl file nor "
-            f"a folder holding some; give the text on a path every node sees", source=str(source),
-            field="data.path")
+            f"a folder holding some; give the text on a path every node sees",
+            source=str(source),
+            field="data.path",
+        )
     tokenizer = _local_folder(data.tokenizer, base, "data.tokenizer", "the tokenizer", source)
     if not (tokenizer / "tokenizer.json").is_file():
         raise SpecError(
             f"data.tokenizer {str(tokenizer)!r} has no tokenizer.json; save the tokenizer with the "
             f"tokenizers library (tokenizer.save) or with transformers "
-            f"(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))", source=str(source),
-            field="data.tokenizer")
+            f"(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))",
+            source=str(source),
+            field="data.tokenizer",
+        )
     try:
         require("tokenizers", "data.source text", "data.tokenizer")
         check_tokenizer(tokenizer, job.model.arch, job.model.dims()["vocab_size"])
@@ -694,14 +795,16 @@ def _resolve_script(entry: ScriptEntrypoint, base: Path, source: Path) -> Script
             f"entrypoint.workdir {str(entry.workdir)!r} is not a folder (looked for {workdir}); give the "
             f"folder your script runs in, relative to the job file's folder, or leave it out to use "
             f"that folder",
-            source=str(source), field="entrypoint.workdir",
+            source=str(source),
+            field="entrypoint.workdir",
         )
     script = (workdir / entry.script).resolve()
     if not script.is_file():
         raise SpecError(
             f"entrypoint.script {str(entry.script)!r} does not exist (looked for {script}); the script "
             f"is taken relative to entrypoint.workdir ({workdir})",
-            source=str(source), field="entrypoint.script",
+            source=str(source),
+            field="entrypoint.script",
         )
     return entry.model_copy(update={"workdir": workdir, "script": script})
 

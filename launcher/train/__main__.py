@@ -38,10 +38,18 @@ INPUT_ERRORS = (ResumeError, TextError, FolderError)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launcher.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher.train", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--job", required=True, help="job YAML file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a job field, e.g. --set train.steps=50 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a job field, e.g. --set train.steps=50 (repeatable)",
+    )
     return parser.parse_args(argv)
 
 
@@ -49,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, stream=sys.stdout,
-                        format="%(message)s", force=True)
+    logging.basicConfig(
+        level=logging.INFO if rank0 else logging.WARNING,
+        stream=sys.stdout,
+        format="%(message)s",
+        force=True,
+    )
     try:
         job = load_job(args.job, args.overrides)
     except LauncherError as err:
@@ -62,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return err.exit_code
     except INPUT_ERRORS as err:
-        spec_error = SpecError(" ".join(str(err).split()), source=args.job, field=getattr(err, "field", None))
+        spec_error = SpecError(
+            " ".join(str(err).split()), source=args.job, field=getattr(err, "field", None)
+        )
         print(spec_error, file=sys.stderr)
         return spec_error.exit_code
     try:

@@ -46,8 +46,14 @@ def fa4_import_error() -> str | None:
     return None
 
 
-def choose(requested: str, *, device: torch.device, dtype: torch.dtype | None, dropout: float,
-           head_dim: int) -> str:
+def choose(
+    requested: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    dropout: float,
+    head_dim: int,
+) -> str:
     """The attention a job runs: ``requested`` (``train.attention``), with ``auto`` resolved.
 
     ``auto`` is ``cudnn-fa4`` on a GPU of compute capability 9.0 or above, in bf16 or fp16,
@@ -61,14 +67,19 @@ def choose(requested: str, *, device: torch.device, dtype: torch.dtype | None, d
     if device.type != "cuda":
         reasons.append("it runs on GPUs only")
     elif (cap := torch.cuda.get_device_capability(device)) < FA4_MIN_CAPABILITY:
-        reasons.append(f"FlashAttention-4 needs compute capability 9.0 or above (Hopper, Blackwell); "
-                       f"{torch.cuda.get_device_name(device)} has {'.'.join(map(str, cap))}")
+        reasons.append(
+            f"FlashAttention-4 needs compute capability 9.0 or above (Hopper, Blackwell); "
+            f"{torch.cuda.get_device_name(device)} has {'.'.join(map(str, cap))}"
+        )
     # what the job's cross-checks also refuse (an explicit cudnn-fa4 rarely gets this far)
-    reasons += cudnn_fa4_obstacles(head_dim=head_dim, half=dtype in (torch.bfloat16, torch.float16),
-                                   dropout=dropout)
+    reasons += cudnn_fa4_obstacles(
+        head_dim=head_dim, half=dtype in (torch.bfloat16, torch.float16), dropout=dropout
+    )
     if not reasons and (missing := fa4_import_error()) is not None:
-        reasons.append(f"flash_attn.cute (the flash-attn-4 package) is not importable "
-                       f"({missing}); install it on every node: pip install 'launcher[fa4]'")
+        reasons.append(
+            f"flash_attn.cute (the flash-attn-4 package) is not importable "
+            f"({missing}); install it on every node: pip install 'launcher[fa4]'"
+        )
     if not reasons:
         return "cudnn-fa4"
     if requested == "auto":
@@ -87,12 +98,15 @@ def packed_attention(qkv: torch.Tensor, causal: bool) -> torch.Tensor:
 
 # -- the forward: cuDNN's fused attention, keeping its log-sum-exp -------------------------------
 
+
 @torch.library.custom_op("launcher::attention_fwd", mutates_args=())
 def _attention_fwd(qkv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     b, s, _, h, _ = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (batch, heads, seq, head_dim) views
     if qkv.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False
+        )[:2]
     else:
         out, lse = _reference_fwd(q, k, v, causal)
     # torch lays cuDNN's output out as (batch, seq, heads, head_dim): the transpose is free then
@@ -107,17 +121,25 @@ def _(qkv, causal):
 
 # -- the backward: FlashAttention-4's kernels, written into the packed gradient -----------------
 
+
 @torch.library.custom_op("launcher::attention_bwd", mutates_args=())
-def _attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   causal: bool, deterministic: bool) -> torch.Tensor:
+def _attention_bwd(
+    dout: torch.Tensor,
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    deterministic: bool,
+) -> torch.Tensor:
     dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
     q, k, v = qkv.unbind(2)  # (batch, seq, heads, head_dim) views, FA4's layout
     dq, dk, dv = dqkv.unbind(2)
     if qkv.is_cuda:
         from flash_attn.cute.interface import _flash_attn_bwd
 
-        _flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=deterministic,
-                        dq=dq, dk=dk, dv=dv)
+        _flash_attn_bwd(
+            q, k, v, out, dout, lse, causal=causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv
+        )
     else:
         _reference_bwd(q, k, v, out, dout, lse, causal, dq, dk, dv)
     return dqkv
@@ -138,13 +160,16 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     qkv, out, lse = ctx.saved_tensors
-    return torch.ops.launcher.attention_bwd(dout.contiguous(), qkv, out, lse, ctx.causal, ctx.deterministic), None
+    return torch.ops.launcher.attention_bwd(
+        dout.contiguous(), qkv, out, lse, ctx.causal, ctx.deterministic
+    ), None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # -- the CPU reference ---------------------------------------------------------------------------
+
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
     """``t`` in the reference's accumulation dtype: fp32, or fp64 for fp64 inputs."""
@@ -178,8 +203,11 @@ def _reference_bwd(q, k, v, out, dout, lse, causal, dq, dk, dv):
     p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
     dp = dout @ v.transpose(-1, -2)
     ds = p * (dp - (dout * out).sum(-1, keepdim=True))
-    for into, grad in ((dv, p.transpose(-1, -2) @ dout), (dq, ds @ k * scale),
-                       (dk, ds.transpose(-1, -2) @ q * scale)):
+    for into, grad in (
+        (dv, p.transpose(-1, -2) @ dout),
+        (dq, ds @ k * scale),
+        (dk, ds.transpose(-1, -2) @ q * scale),
+    ):
         into.copy_(grad.transpose(1, 2))
 
 
@@ -188,4 +216,6 @@ def sdpa_attention(qkv: torch.Tensor, causal: bool, dropout_p: float = 0.0) -> t
     head_dim) like ``packed_attention``, through torch's own kernels: the models' path when
     ``packed`` is off, and the tests' reference for the pair."""
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal).transpose(
+        1, 2
+    )

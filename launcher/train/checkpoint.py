@@ -98,9 +98,16 @@ class Checkpointer:
         """The ``meta`` record's resume fields: null for a fresh start."""
         r = self.resumed
         if r is None:
-            return {"resumed_from_step": None, "resumed_world_size": None, "resumed_global_batch": None}
-        return {"resumed_from_step": r.step, "resumed_world_size": r.world_size,
-                "resumed_global_batch": r.global_batch}
+            return {
+                "resumed_from_step": None,
+                "resumed_world_size": None,
+                "resumed_global_batch": None,
+            }
+        return {
+            "resumed_from_step": r.step,
+            "resumed_world_size": r.world_size,
+            "resumed_global_batch": r.global_batch,
+        }
 
     def due(self, step: int, total_steps: int) -> bool:
         if self.root is None:
@@ -108,8 +115,14 @@ class Checkpointer:
         every = self.spec.every_steps
         return step == total_steps or (every > 0 and step % every == 0)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: GradScaler | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: GradScaler | None = None,
+    ) -> Path:
         """Save step ``step``'s state (a collective). bf16 weights are saved as the fp32 masters
         their optimizer (``MasterAdamW``) keeps; fp16's ``scaler`` (the loss scale and its
         growth tracker) is saved with the step."""
@@ -124,12 +137,21 @@ class Checkpointer:
         model_sd = substitute_masters(model_sd, getattr(optimizer, "masters", None))
         # Non-tensor leaves are pickled by DCP; each rank's RNG state has its own key.
         data = self.data
-        train = {"step": step, "samples": data.first_sample(step + 1), "world_size": data.world_size,
-                 "global_batch": data.global_batch, "scheduler": pickle.dumps(scheduler.state_dict())}
+        train = {
+            "step": step,
+            "samples": data.first_sample(step + 1),
+            "world_size": data.world_size,
+            "global_batch": data.global_batch,
+            "scheduler": pickle.dumps(scheduler.state_dict()),
+        }
         if scaler is not None:
             train["scaler"] = pickle.dumps(scaler.state_dict())
-        state = {"model": model_sd, "optim": optim_sd, "train": train,
-                 "rng": {f"rank{self.rank}": _rng_state()}}
+        state = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "train": train,
+            "rng": {f"rank{self.rank}": _rng_state()},
+        }
         dcp.save(state, checkpoint_id=str(path))
         _barrier()
         if self.rank == 0:
@@ -140,8 +162,13 @@ class Checkpointer:
         log.info("checkpoint saved: %s", path)
         return path
 
-    def maybe_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: GradScaler | None = None) -> int:
+    def maybe_resume(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: GradScaler | None = None,
+    ) -> int:
         """Load the latest complete checkpoint when resume is auto, resharded for this world
         size, and put the data at the next sample; the step it ends (or 0). ``self.resumed``
         says where it picked up. With bf16 weights the saved weights load into the fp32
@@ -173,19 +200,29 @@ class Checkpointer:
         # with bf16 weights (MasterAdamW) carry hyperparameters only, and torch's load would take
         # a fused AdamW's missing "fused" for None (foreach, which refuses the folded clipping).
         flags = [{k: g[k] for k in RUN_FLAGS if k in g} for g in optimizer.param_groups]
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         for group, kept in zip(optimizer.param_groups, flags, strict=True):
             group.update(kept)
         scheduler.load_state_dict(pickle.loads(state["train"]["scheduler"]))
         if has_scaler:
             scaler.load_state_dict(pickle.loads(state["train"]["scaler"]))
         elif scaler is not None:
-            log.warning("%s has no loss scale (written without fp16 or before it was saved); the scaler "
-                        "starts at %g", path, scaler.get_scale())
+            log.warning(
+                "%s has no loss scale (written without fp16 or before it was saved); the scaler "
+                "starts at %g",
+                path,
+                scaler.get_scale(),
+            )
         if has_rng:
             _set_rng_state(pickle.loads(state["rng"][rng_key]))
         else:
-            log.warning("%s has no RNG state for %s (written by fewer ranks); keeping fresh RNG", path, rng_key)
+            log.warning(
+                "%s has no RNG state for %s (written by fewer ranks); keeping fresh RNG",
+                path,
+                rng_key,
+            )
         self.resumed = self._continue_data(path, state["train"])
         return self.resumed.step
 
@@ -212,7 +249,8 @@ class Checkpointer:
             raise ResumeError(
                 f"rank 0 resumes from {path}, which rank(s) {ranks} do not find complete in their "
                 f"train.checkpoint.dir {self.root}: on several nodes it must be one folder every node "
-                f"shares (NFS, Lustre, a shared home), or set train.checkpoint.resume: never to start fresh")
+                f"shares (NFS, Lustre, a shared home), or set train.checkpoint.resume: never to start fresh"
+            )
         return path
 
     def _continue_data(self, path: Path, train: dict[str, Any]) -> Resumed:
@@ -220,29 +258,52 @@ class Checkpointer:
         data = self.data
         step = int(train["step"])
         if "samples" in train:
-            resumed = Resumed(path, step, int(train["samples"]), int(train["world_size"]),
-                              int(train["global_batch"]))
+            resumed = Resumed(
+                path,
+                step,
+                int(train["samples"]),
+                int(train["world_size"]),
+                int(train["global_batch"]),
+            )
         else:  # written with this job's global batch, which the data order was then tied to
             resumed = Resumed(path, step, step * data.global_batch, None, None)
         old, new = resumed.global_batch, data.global_batch
         if old is not None and old != new:
             if self.elastic_batch == "keep":
                 per_rank = data.micro_batch * data.world_size
-                fix = (f"set train.grad_accum: {old // per_rank} to keep it" if old % per_rank == 0
-                       else "choose a micro_batch and grad_accum whose product with the world size equals it")
+                fix = (
+                    f"set train.grad_accum: {old // per_rank} to keep it"
+                    if old % per_rank == 0
+                    else "choose a micro_batch and grad_accum whose product with the world size equals it"
+                )
                 raise ResumeError(
                     f"checkpoint {path} was written at a global batch of {old} samples "
                     f"({resumed.world_size} ranks); this run's is {new} (micro_batch "
                     f"{data.micro_batch} x grad_accum {data.grad_accum} x {data.world_size} ranks) "
                     f"and train.elastic_batch is keep: {fix}, or set train.elastic_batch: scale "
-                    f"to let the global batch change")
-            log.warning("global batch %d -> %d samples after step %d (train.elastic_batch: scale); "
-                        "the learning-rate schedule is unchanged", old, new, step)
+                    f"to let the global batch change"
+                )
+            log.warning(
+                "global batch %d -> %d samples after step %d (train.elastic_batch: scale); "
+                "the learning-rate schedule is unchanged",
+                old,
+                new,
+                step,
+            )
         data.continue_at(step, resumed.samples)
-        was = f", written by {resumed.world_size} ranks" if resumed.world_size not in (None, data.world_size) else ""
-        log.info("resumed from %s (step %d%s); the data go on at sample %d", path, step, was, resumed.samples)
+        was = (
+            f", written by {resumed.world_size} ranks"
+            if resumed.world_size not in (None, data.world_size)
+            else ""
+        )
+        log.info(
+            "resumed from %s (step %d%s); the data go on at sample %d",
+            path,
+            step,
+            was,
+            resumed.samples,
+        )
         return resumed
-
 
 
 def _rng_state() -> bytes:

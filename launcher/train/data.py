@@ -83,19 +83,31 @@ def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device
     """The batch source a job asks for."""
     dims = job.model.dims()
     common = dict(
-        arch=job.model.arch, vocab_size=dims["vocab_size"], seq_len=job.data.seq_len,
-        micro_batch=job.train.micro_batch, grad_accum=job.train.grad_accum,
-        mask_prob=job.data.mask_prob, seed=job.train.seed, rank=rank, world_size=world_size,
+        arch=job.model.arch,
+        vocab_size=dims["vocab_size"],
+        seq_len=job.data.seq_len,
+        micro_batch=job.train.micro_batch,
+        grad_accum=job.train.grad_accum,
+        mask_prob=job.data.mask_prob,
+        seed=job.train.seed,
+        rank=rank,
+        world_size=world_size,
         device=device,
     )
     if job.data.source == "tokens":
         assert job.data.path is not None
-        return TokenFileBatches(path=job.data.path, token_dtype=job.data.token_dtype,
-                                vocab_origin=vocab_origin(job), **common)
+        return TokenFileBatches(
+            path=job.data.path,
+            token_dtype=job.data.token_dtype,
+            vocab_origin=vocab_origin(job),
+            **common,
+        )
     if job.data.source == "text":
         from launcher.train.text import TextBatches, prepare
 
-        return TextBatches(meta=prepare(job.data, job.model.arch), vocab_origin=vocab_origin(job), **common)
+        return TextBatches(
+            meta=prepare(job.data, job.model.arch), vocab_origin=vocab_origin(job), **common
+        )
     return SyntheticBatches(**common)
 
 
@@ -141,8 +153,9 @@ def global_index(micro, rank: int, j, *, world_size: int, micro_batch: int):
     return micro * (world_size * micro_batch) + rank * micro_batch + j
 
 
-def global_indices(*, step: int, micro: int, rank: int, world_size: int, micro_batch: int,
-                   grad_accum: int) -> range:
+def global_indices(
+    *, step: int, micro: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
+) -> range:
     """The offsets in the step (``g``) of one rank's micro-batch's samples (see the module doc)."""
     assert 0 <= micro < grad_accum and 0 <= rank < world_size
     start = global_index(micro, rank, 0, world_size=world_size, micro_batch=micro_batch)
@@ -153,9 +166,20 @@ class Batches(abc.ABC):
     """A rank's batches: ``batch(step, micro)`` → dict of ``input_ids``, ``labels`` and,
     for BERT, ``mask_pos`` (the masked positions, ``n_mask`` per sequence, sorted)."""
 
-    def __init__(self, *, arch: str, vocab_size: int, seq_len: int, micro_batch: int,
-                 grad_accum: int, mask_prob: float, seed: int, rank: int, world_size: int,
-                 device: torch.device):
+    def __init__(
+        self,
+        *,
+        arch: str,
+        vocab_size: int,
+        seq_len: int,
+        micro_batch: int,
+        grad_accum: int,
+        mask_prob: float,
+        seed: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ):
         self.arch = arch
         self.vocab_size = vocab_size
         self.seq_len = seq_len
@@ -186,8 +210,14 @@ class Batches(abc.ABC):
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         """Micro-batch ``micro`` of optimizer step ``step`` (1-based) for this rank."""
-        idx = global_indices(step=step, micro=micro, rank=self.rank, world_size=self.world_size,
-                             micro_batch=self.micro_batch, grad_accum=self.grad_accum)
+        idx = global_indices(
+            step=step,
+            micro=micro,
+            rank=self.rank,
+            world_size=self.world_size,
+            micro_batch=self.micro_batch,
+            grad_accum=self.grad_accum,
+        )
         first = self.first_sample(step)
         sample = torch.arange(first + idx.start, first + idx.stop).unsqueeze(1)
         batch = self.assemble(self.tokens(sample), sample)
@@ -216,15 +246,24 @@ class Batches(abc.ABC):
         pos = self.positions[: self.seq_len]
         # Unique keys (hash in the high bits, position in the low 20) make topk tie-free.
         keys = (self.hash(_SALT_MASK, sample, pos) << 20) | pos
-        if self.never_mask is not None:  # below every other key: picked only if nothing else is left
+        if (
+            self.never_mask is not None
+        ):  # below every other key: picked only if nothing else is left
             keys = torch.where(torch.isin(tokens, self.never_mask), keys - (1 << 53), keys)
         mask_pos = keys.topk(self.n_mask, dim=1).indices.sort(dim=1).values
         labels = tokens.gather(1, mask_pos)
         action = self.hash(_SALT_ACTION, sample, mask_pos) % 10
         random_ids = self.hash(_SALT_RANDOM, sample, mask_pos) % self.random_vocab
-        new = torch.where(action < 8, torch.full_like(labels, self.mask_id),
-                          torch.where(action == 8, random_ids, labels))
-        return {"input_ids": tokens.scatter(1, mask_pos, new), "labels": labels, "mask_pos": mask_pos}
+        new = torch.where(
+            action < 8,
+            torch.full_like(labels, self.mask_id),
+            torch.where(action == 8, random_ids, labels),
+        )
+        return {
+            "input_ids": tokens.scatter(1, mask_pos, new),
+            "labels": labels,
+            "mask_pos": mask_pos,
+        }
 
 
 class MadeAhead(Batches):
@@ -249,13 +288,16 @@ class MadeAhead(Batches):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         rows_per_step = self.grad_accum * self.micro_batch
-        self.steps_ahead = max(1, min(16, self.CHUNK_TOKENS // (rows_per_step * (self.seq_len + 1))))
+        self.steps_ahead = max(
+            1, min(16, self.CHUNK_TOKENS // (rows_per_step * (self.seq_len + 1)))
+        )
         self._chunk: dict[str, torch.Tensor] = {}
         self._chunk_steps = range(0)
         self._next: Future[dict[str, torch.Tensor]] | None = None  # the chunk after _chunk
         self._next_steps = range(0)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher-data",
-                                        **_worker_setup(self.device))
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="launcher-data", **_worker_setup(self.device)
+        )
 
     def continue_at(self, step: int, sample: int) -> None:
         super().continue_at(step, sample)
@@ -267,7 +309,7 @@ class MadeAhead(Batches):
         if step not in self._chunk_steps:
             self._take_chunk(step)
         first = ((step - self._chunk_steps.start) * self.grad_accum + micro) * self.micro_batch
-        return {key: value[first: first + self.micro_batch] for key, value in self._chunk.items()}
+        return {key: value[first : first + self.micro_batch] for key, value in self._chunk.items()}
 
     def close(self) -> None:
         """Stop the worker (no batches are asked for after this); a chunk it is making is left
@@ -285,7 +327,9 @@ class MadeAhead(Batches):
             chunk = self._made(steps)
         self._drop_next()
         self._chunk_steps = steps
-        self._chunk = {key: value.to(self.device, non_blocking=True) for key, value in chunk.items()}
+        self._chunk = {
+            key: value.to(self.device, non_blocking=True) for key, value in chunk.items()
+        }
         self._next_steps = range(steps.stop, steps.stop + self.steps_ahead)
         self._next = self._pool.submit(self._made, self._next_steps)
 
@@ -365,8 +409,15 @@ class TokenFileBatches(MadeAhead):
     at least one window long, and every id a row of the model's embedding (``check_ids``).
     """
 
-    def __init__(self, *, path: str | os.PathLike[str], token_dtype: str, row_len: int | None = None,
-                 vocab_origin: str = "model.vocab_size", **kwargs):
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike[str],
+        token_dtype: str,
+        row_len: int | None = None,
+        vocab_origin: str = "model.vocab_size",
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.path = Path(path)
         self.vocab_origin = vocab_origin
@@ -405,14 +456,24 @@ class TokenFileBatches(MadeAhead):
         n = self.ids.numel()
         rank, world = self._scan_group()
         bad = None
-        if n >= self.row_len and not ids_always_fit(self.ids.dtype, self.vocab_size, low_bits=self._low_bits):
+        if n >= self.row_len and not ids_always_fit(
+            self.ids.dtype, self.vocab_size, low_bits=self._low_bits
+        ):
             began = time.monotonic()
             start, stop = scan_slice(n, rank, world)
-            bad = scan_ids(self.ids, self.vocab_size, low_bits=self._low_bits, start=start, stop=stop)
+            bad = scan_ids(
+                self.ids, self.vocab_size, low_bits=self._low_bits, start=start, stop=stop
+            )
             took = time.monotonic() - began
             if took >= 1.0:
-                log.info("checked %d of the %d token ids of %s against the vocabulary of %d in %.1f s",
-                         stop - start, n, self.path, self.vocab_size, took)
+                log.info(
+                    "checked %d of the %d token ids of %s against the vocabulary of %d in %.1f s",
+                    stop - start,
+                    n,
+                    self.path,
+                    self.vocab_size,
+                    took,
+                )
         if world > 1:
             seen: list[tuple[int, BadIds | None] | None] = [None] * world
             dist.all_gather_object(seen, (n, bad))
@@ -421,38 +482,56 @@ class TokenFileBatches(MadeAhead):
                 other = next(r for r, size in enumerate(sizes) if size != sizes[0])
                 raise DataError(
                     f"{self.describe()} holds {sizes[0]} token ids on rank 0 but {sizes[other]} on rank "
-                    f"{other}: every node must see the same file at data.path", field="data.path")
+                    f"{other}: every node must see the same file at data.path",
+                    field="data.path",
+                )
             found = [b for _, b in seen if b is not None]
             bad = min(found, key=lambda b: b.position) if found else None
         if n < self.row_len:
             raise DataError(
                 f"{self.describe()} holds {n} tokens, fewer than the {self.row_len} of one "
-                f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len", field="data.path"
+                f"sample (data.seq_len {self.seq_len}); use more data or a shorter seq_len",
+                field="data.path",
             )
         if bad is None:
             return
         v = self.vocab_size
-        where = (f"{self.describe()} holds token id {bad.id} at position {bad.position} (counting the "
-                 f"file's token ids from 0)")
+        where = (
+            f"{self.describe()} holds token id {bad.id} at position {bad.position} (counting the "
+            f"file's token ids from 0)"
+        )
         whole = bad.start == 0 and bad.span == n
-        others = (f"ids outside 0..{v - 1}: {bad.count} of the file's {n}" if whole else
-                  f"ids outside 0..{v - 1}: {bad.count} of the {bad.span} from position {bad.start} (the "
-                  f"check stops at the first chunk of {bad.span} ids that holds one)")
-        others += ((f", the largest {bad.top}" if bad.top is not None else "")
-                   + (f", the smallest {bad.low}" if bad.low is not None else ""))
+        others = (
+            f"ids outside 0..{v - 1}: {bad.count} of the file's {n}"
+            if whole
+            else f"ids outside 0..{v - 1}: {bad.count} of the {bad.span} from position {bad.start} (the "
+            f"check stops at the first chunk of {bad.span} ids that holds one)"
+        )
+        others += (f", the largest {bad.top}" if bad.top is not None else "") + (
+            f", the smallest {bad.low}" if bad.low is not None else ""
+        )
         if bad.id < 0:
-            fix = ("token ids run from 0 to model.vocab_size - 1: padding or an ignore-index marked by a "
-                   "negative id has no place in a token file; drop it when writing the file")
+            fix = (
+                "token ids run from 0 to model.vocab_size - 1: padding or an ignore-index marked by a "
+                "negative id has no place in a token file; drop it when writing the file"
+            )
         elif self.vocab_origin.startswith(INIT_FROM_VOCAB):
-            fix = ("write the file with the tokenizer of the model in model.init_from (its vocabulary "
-                   "is fixed by its weights)")
+            fix = (
+                "write the file with the tokenizer of the model in model.init_from (its vocabulary "
+                "is fixed by its weights)"
+            )
         else:
             least = bad.top + 1 if bad.top is not None else bad.id + 1
-            size = (f"set model.vocab_size: {least} (or more)" if whole else
-                    f"set model.vocab_size above the file's largest id (at least {least}; the ids after "
-                    f"position {bad.start + bad.span - 1} were not checked)")
-            fix = (f"write the file with the tokenizer the model is meant for, or {size} to train a "
-                   f"vocabulary that holds every id of the file")
+            size = (
+                f"set model.vocab_size: {least} (or more)"
+                if whole
+                else f"set model.vocab_size above the file's largest id (at least {least}; the ids after "
+                f"position {bad.start + bad.span - 1} were not checked)"
+            )
+            fix = (
+                f"write the file with the tokenizer the model is meant for, or {size} to train a "
+                f"vocabulary that holds every id of the file"
+            )
         raise DataError(
             f"{where}, but the model's vocabulary has {v} entries, ids 0 to {v - 1} ({self.vocab_origin}); "
             f"{others}. Training would fail at the embedding (on a GPU with a device-side assert); {fix}.",
@@ -463,8 +542,12 @@ class TokenFileBatches(MadeAhead):
         """This rank and the world size that split the scan: the default process group's where
         one is initialized with this data's world size (the trainer's, ``Trainer.init_distributed``
         runs before ``build_data``), else (0, 1): this process scans the whole file alone."""
-        if (self.world_size > 1 and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() == self.world_size):
+        if (
+            self.world_size > 1
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() == self.world_size
+        ):
             return dist.get_rank(), self.world_size
         return 0, 1
 
@@ -518,8 +601,15 @@ def scan_slice(n: int, rank: int, world_size: int, *, chunk: int | None = None) 
     return min(first * chunk, n), min(last * chunk, n)
 
 
-def scan_ids(ids: torch.Tensor, vocab_size: int, *, low_bits: int | None = None, chunk: int | None = None,
-             start: int = 0, stop: int | None = None) -> BadIds | None:
+def scan_ids(
+    ids: torch.Tensor,
+    vocab_size: int,
+    *,
+    low_bits: int | None = None,
+    chunk: int | None = None,
+    start: int = 0,
+    stop: int | None = None,
+) -> BadIds | None:
     """The first id of a 1-D (memory-mapped) tensor outside 0..vocab_size - 1, or None where
     there is none; read ``chunk`` ids at a time (default ``SCAN_CHUNK``), so a file larger than
     memory is checked in bounded memory. ``start``, ``stop``: scan only ids[start:stop] (a slice
@@ -543,7 +633,7 @@ def scan_ids(ids: torch.Tensor, vocab_size: int, *, low_bits: int | None = None,
     flip = low_bits == 0xFFFF and vocab_size > 1 << 15
     buffer = torch.empty(min(chunk, stop - start), dtype=ids.dtype) if flip else None
     for begin in range(start, stop, chunk):
-        part = ids[begin: min(begin + chunk, stop)]
+        part = ids[begin : min(begin + chunk, stop)]
         if buffer is not None:
             flipped = torch.bitwise_xor(part, -(1 << 15), out=buffer[: part.numel()])
             if int(flipped.max()) < vocab_size - (1 << 15):
@@ -562,19 +652,32 @@ def scan_ids(ids: torch.Tensor, vocab_size: int, *, low_bits: int | None = None,
         else:
             outside = part < 0
         values = part[outside].to(torch.int64)
-        if not values.numel():  # unsigned ids past the signed range, all inside a vocabulary as large
+        if (
+            not values.numel()
+        ):  # unsigned ids past the signed range, all inside a vocabulary as large
             continue
         if low_bits is not None:
             values &= low_bits
         top, low = int(values.max()), int(values.min())
-        return BadIds(position=begin + int(outside.view(torch.uint8).argmax()), id=int(values[0]),
-                      count=values.numel(), top=top if top >= vocab_size else None, low=low if low < 0 else None,
-                      start=begin, span=part.numel())
+        return BadIds(
+            position=begin + int(outside.view(torch.uint8).argmax()),
+            id=int(values[0]),
+            count=values.numel(),
+            top=top if top >= vocab_size else None,
+            low=low if low < 0 else None,
+            start=begin,
+            span=part.numel(),
+        )
     return None
 
 
-_NPY_DTYPES = {"<u2": torch.uint16, "<i4": torch.int32, "<i8": torch.int64, "|u1": torch.uint8,
-               "<u4": torch.uint32}
+_NPY_DTYPES = {
+    "<u2": torch.uint16,
+    "<i4": torch.int32,
+    "<i8": torch.int64,
+    "|u1": torch.uint8,
+    "<u4": torch.uint32,
+}
 _SIGNED_VIEWS = {torch.uint16: (torch.int16, 0xFFFF), torch.uint32: (torch.int32, 0xFFFF_FFFF)}
 _RAW_DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "int64": torch.int64}
 
@@ -586,7 +689,7 @@ def open_token_file(path: Path, token_dtype: str) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = (size - offset) // itemsize
     raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-    return raw[offset: offset + count * itemsize].view(dtype)
+    return raw[offset : offset + count * itemsize].view(dtype)
 
 
 def _npy_layout(path: Path) -> tuple[int, torch.dtype]:

@@ -74,10 +74,16 @@ def available(t: torch.Tensor) -> bool:
 def supported(device: torch.device) -> bool:
     """Whether to turn the kernels on for a device (the trainer asks once, eagerly): CUDA
     with Triton, compute capability 8.0 or above (Ampere and later; measured and tested on Hopper)."""
-    return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
 
 
-def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+def bias_gelu(
+    y: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none"
+) -> torch.Tensor:
     """``F.gelu(y + bias, approximate=approximate)``, through the kernels where they run.
 
     ``bias`` (d_ff,) may be fp32 while ``y`` is bf16 (autocast): the sum is taken in fp32 and
@@ -114,7 +120,9 @@ if triton is not None:
         a Chebyshev fit with a relative error under 1.2e-7 everywhere (tails included)."""
         t = 1.0 / (1.0 + 0.35355339059327373 * tl.abs(z))
         p = 0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))
-        p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * p))))
+        p = -1.26551223 + t * (
+            1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * p)))
+        )
         return t * tl.exp(p - 0.5 * z * z)
 
     @triton.jit
@@ -138,8 +146,17 @@ if triton is not None:
         return grad
 
     @triton.jit
-    def _fwd_kernel(Y, B, H, M, N, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _fwd_kernel(
+        Y,
+        B,
+        H,
+        M,
+        N,
+        HAS_BIAS: tl.constexpr,
+        TANH: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -150,8 +167,19 @@ if triton is not None:
         tl.store(H + offs, (z * _phi(z, TANH)).to(H.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bwd_kernel(DH, Y, B, DY, DB_PART, M, N, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _bwd_kernel(
+        DH,
+        Y,
+        B,
+        DY,
+        DB_PART,
+        M,
+        N,
+        HAS_BIAS: tl.constexpr,
+        TANH: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -159,10 +187,16 @@ if triton is not None:
         z = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        dz = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32) * _gelu_grad(z, TANH)  # 0 where masked
+        dz = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32) * _gelu_grad(
+            z, TANH
+        )  # 0 where masked
         tl.store(DY + offs, dz.to(DY.dtype.element_ty), mask=mask)
         if HAS_BIAS:  # this tile's column sums; the launcher adds the tiles' rows
-            tl.store(DB_PART + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(dz, axis=0), mask=cols < N)
+            tl.store(
+                DB_PART + tl.program_id(0).to(tl.int64) * N + cols,
+                tl.sum(dz, axis=0),
+                mask=cols < N,
+            )
 
     def _grid(m: int, n: int, config: dict[str, int]) -> tuple[int, int]:
         return triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"])
@@ -170,23 +204,46 @@ if triton is not None:
     def _launch_fwd(y: torch.Tensor, bias: torch.Tensor | None, tanh: bool) -> torch.Tensor:
         m, n = y.shape
         h = torch.empty_like(y)
-        _fwd_kernel[_grid(m, n, FWD)](y, y if bias is None else bias, h, m, n, HAS_BIAS=bias is not None,
-                                      TANH=tanh, **FWD)
+        _fwd_kernel[_grid(m, n, FWD)](
+            y, y if bias is None else bias, h, m, n, HAS_BIAS=bias is not None, TANH=tanh, **FWD
+        )
         return h
 
-    def _launch_bwd(dh: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
-                    tanh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _launch_bwd(
+        dh: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, tanh: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m, n = y.shape
         dy = torch.empty_like(y)
         grid = _grid(m, n, BWD)
-        part = dy if bias is None else torch.empty((grid[0], n), device=y.device, dtype=torch.float32)
-        _bwd_kernel[grid](dh, y, y if bias is None else bias, dy, part, m, n, HAS_BIAS=bias is not None,
-                          TANH=tanh, **BWD)
+        part = (
+            dy if bias is None else torch.empty((grid[0], n), device=y.device, dtype=torch.float32)
+        )
+        _bwd_kernel[grid](
+            dh,
+            y,
+            y if bias is None else bias,
+            dy,
+            part,
+            m,
+            n,
+            HAS_BIAS=bias is not None,
+            TANH=tanh,
+            **BWD,
+        )
         return dy, None if bias is None else part.sum(0).to(bias.dtype)
 
     @triton.jit
-    def _xent_kernel(Z, LABELS, DZ, LOSS, N, CLASSES, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                     L2: tl.constexpr):
+    def _xent_kernel(
+        Z,
+        LABELS,
+        DZ,
+        LOSS,
+        N,
+        CLASSES,
+        BLOCK: tl.constexpr,
+        ONE_PASS: tl.constexpr,
+        L2: tl.constexpr,
+    ):
         """One row of logits a program: its loss (log-sum-exp minus the label's logit) and
         ``softmax - onehot`` in place of the logits (DZ may be Z: each element is read before
         it is written). Columns from CLASSES to N are padding: probability 0, gradient 0."""
@@ -201,7 +258,11 @@ if triton is not None:
             e = tl.exp(z - m)
             s = tl.sum(e, axis=0)
             p = e * (1.0 / s)
-            tl.store(dz_row + cols, tl.where(cols == label, p - 1.0, p).to(DZ.dtype.element_ty), mask=cols < N)
+            tl.store(
+                dz_row + cols,
+                tl.where(cols == label, p - 1.0, p).to(DZ.dtype.element_ty),
+                mask=cols < N,
+            )
             lse = m + tl.log(s)
         else:  # an online max and sum over chunks, then a second pass that reads the row again
             # L2: the second pass goes backwards, so its first reads are the chunks the first
@@ -211,8 +272,12 @@ if triton is not None:
             s = tl.zeros([], tl.float32)
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                z = tl.load(z_row + cols, mask=cols < CLASSES, other=float("-inf"),
-                            eviction_policy="evict_last" if L2 else "").to(tl.float32)
+                z = tl.load(
+                    z_row + cols,
+                    mask=cols < CLASSES,
+                    other=float("-inf"),
+                    eviction_policy="evict_last" if L2 else "",
+                ).to(tl.float32)
                 m_new = tl.maximum(m, tl.max(z, axis=0))
                 s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
                 m = m_new
@@ -221,21 +286,36 @@ if triton is not None:
             for i in range(0, chunks):
                 chunk = chunks - 1 - i if L2 else i
                 cols = chunk * BLOCK + tl.arange(0, BLOCK)
-                z = tl.load(z_row + cols, mask=cols < CLASSES, other=float("-inf"),
-                            eviction_policy="evict_first" if L2 else "").to(tl.float32)
+                z = tl.load(
+                    z_row + cols,
+                    mask=cols < CLASSES,
+                    other=float("-inf"),
+                    eviction_policy="evict_first" if L2 else "",
+                ).to(tl.float32)
                 p = tl.exp(z - lse)
-                tl.store(dz_row + cols, tl.where(cols == label, p - 1.0, p).to(DZ.dtype.element_ty),
-                         mask=cols < N, cache_modifier=".cs" if L2 else "")
+                tl.store(
+                    dz_row + cols,
+                    tl.where(cols == label, p - 1.0, p).to(DZ.dtype.element_ty),
+                    mask=cols < N,
+                    cache_modifier=".cs" if L2 else "",
+                )
         tl.store(LOSS + row, lse - target)
 
-    def _launch_xent(z: torch.Tensor, labels: torch.Tensor, classes: int, dz: torch.Tensor,
-                     config: dict | None = None) -> torch.Tensor:
+    def _launch_xent(
+        z: torch.Tensor,
+        labels: torch.Tensor,
+        classes: int,
+        dz: torch.Tensor,
+        config: dict | None = None,
+    ) -> torch.Tensor:
         m, n = z.shape
         loss = torch.empty(m, device=z.device, dtype=torch.float32)
         config = dict(config or XENT)
         block = config.pop("BLOCK", None) or triton.next_power_of_2(n)
         config.setdefault("L2", True)
-        _xent_kernel[(m,)](z, labels, dz, loss, n, classes, BLOCK=block, ONE_PASS=block >= n, **config)
+        _xent_kernel[(m,)](
+            z, labels, dz, loss, n, classes, BLOCK=block, ONE_PASS=block >= n, **config
+        )
         return loss
 
     @torch.library.custom_op("launcher::bias_gelu", mutates_args=())
@@ -247,8 +327,9 @@ if triton is not None:
         return torch.empty_like(y, memory_format=torch.contiguous_format)
 
     @torch.library.custom_op("launcher::bias_gelu_backward", mutates_args=())
-    def _bias_gelu_backward_op(dh: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
-                               tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bias_gelu_backward_op(
+        dh: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, tanh: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dy, db = _launch_bwd(dh.contiguous(), y.contiguous(), bias, tanh)
         # custom ops return tensors, not None: an empty one stands for "no bias"
         return dy, db if db is not None else dy.new_empty(0)

@@ -92,7 +92,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 class Trainer:
@@ -109,10 +112,15 @@ class Trainer:
             self.build_model()
             self.build_optimizer()
             self.build_data()
-            self.checkpointer = Checkpointer(job.train.checkpoint, rank=self.rank, data=self.data,
-                                             elastic_batch=job.train.elastic_batch)
-            self.start_step = self.checkpointer.maybe_resume(self.model, self.optimizer, self.scheduler,
-                                                             self.scaler)
+            self.checkpointer = Checkpointer(
+                job.train.checkpoint,
+                rank=self.rank,
+                data=self.data,
+                elastic_batch=job.train.elastic_batch,
+            )
+            self.start_step = self.checkpointer.maybe_resume(
+                self.model, self.optimizer, self.scheduler, self.scaler
+            )
             self.allocate_grads()
             self.build_meter()
         except BaseException:
@@ -124,15 +132,23 @@ class Trainer:
     def init_distributed(self) -> None:
         """Join the process group torchrun set up (or make a one-process group without it)."""
         if "RANK" not in os.environ:  # plain `python -m launcher.train`: world of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            os.environ.update(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
+            )
         self.rank = int(os.environ["RANK"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ["WORLD_SIZE"])
         job = self.job
         if job.resources.device == "cuda":
             if not torch.cuda.is_available():
-                raise RuntimeError("resources.device is cuda but torch sees no GPU; set resources.device: cpu")
+                raise RuntimeError(
+                    "resources.device is cuda but torch sees no GPU; set resources.device: cpu"
+                )
             if job.cudnn.deterministic:  # cuBLAS reads it when its handle is created
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             self.device = torch.device("cuda", self.local_rank)
@@ -143,7 +159,9 @@ class Trainer:
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         dist.init_process_group(
-            backend=parallel.process_group_backend(job),  # gloo beside NCCL for CPU-offloaded shards
+            backend=parallel.process_group_backend(
+                job
+            ),  # gloo beside NCCL for CPU-offloaded shards
             timeout=timedelta(seconds=job.nccl.timeout_s),
             device_id=self.device if self.device.type == "cuda" else None,
         )
@@ -163,20 +181,37 @@ class Trainer:
         random.seed(seed)
         torch.manual_seed(seed)  # same weights on every rank (also seeds every CUDA device)
         # fp8: torchao's float8 layers take bf16 inputs; everything else runs in bf16.
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(dtype)
+        self.autocast_dtype = {
+            "bf16": torch.bfloat16,
+            "fp16": torch.float16,
+            "fp8": torch.bfloat16,
+        }.get(dtype)
         # The hidden states' dtype under autocast (precision.activations); None without autocast.
         bf16_states = self.autocast_dtype == torch.bfloat16 and job.precision.activations == "auto"
-        self.activation_dtype = None if self.autocast_dtype is None else (
-            torch.bfloat16 if bf16_states else torch.float32)
+        self.activation_dtype = (
+            None
+            if self.autocast_dtype is None
+            else (torch.bfloat16 if bf16_states else torch.float32)
+        )
         # auto resolved: cudnn-fa4 where FlashAttention-4 can run (launcher.train.attention)
         dims = job.model.dims()
-        self.attention = attention.choose(job.train.attention, device=self.device, dtype=self.autocast_dtype,
-                                          dropout=job.model.dropout, head_dim=dims["d_model"] // dims["n_heads"])
+        self.attention = attention.choose(
+            job.train.attention,
+            device=self.device,
+            dtype=self.autocast_dtype,
+            dropout=job.model.dropout,
+            head_dim=dims["d_model"] // dims["n_heads"],
+        )
         # auto resolved: bf16 weights with fp32 masters where they apply (launcher.train.optim)
         # FSDP wraps the model only where there is something to shard (parallel.parallelize).
         self.sharded = job.fsdp_shards(self.world_size)
-        self.weights = choose_weights(job.precision.weights, dtype=job.precision.dtype, device=self.device,
-                                      grad_accum=job.train.grad_accum, sharded=self.sharded)
+        self.weights = choose_weights(
+            job.precision.weights,
+            dtype=job.precision.dtype,
+            device=self.device,
+            grad_accum=job.train.grad_accum,
+            sharded=self.sharded,
+        )
         if self.world_size > 1:  # DDP needs one weight dtype on every rank: rank 0's choice
             # (a rank without Triton updates bf16 weights with the torch reference, slower but alike)
             choice = [self.weights]
@@ -186,8 +221,12 @@ class Trainer:
             # Set before anything compiles: torch.compile picks the kernel when it traces.
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[self.attention]
+            backend = {
+                "flash": SDPBackend.FLASH_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH,
+            }[self.attention]
             self._contexts.enter_context(sdpa_kernel([backend]))
 
     def build_model(self) -> None:
@@ -206,7 +245,12 @@ class Trainer:
         if init and not fill_shards:  # a plain module on its device (or on the CPU for offload)
             from launcher.train.hf import load_pretrained
 
-            load_pretrained(model, spec, device=torch.device("cpu") if offload else self.device, every_rank=offload)
+            load_pretrained(
+                model,
+                spec,
+                device=torch.device("cpu") if offload else self.device,
+                every_rank=offload,
+            )
         model.embed.out_dtype = self.activation_dtype
         use_kernels = job.train.kernels == "auto" and fused.supported(self.device)
         for module in model.modules():
@@ -218,9 +262,14 @@ class Trainer:
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
         # bf16 weights: fp32 masters taken from the weights as built or loaded, before DDP
         # wraps the model (its buckets take the parameters' dtype).
-        self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad]) \
-            if self.weights == "bf16" else None
-        self.model = parallel.parallelize(model, job, device=self.device, world_size=self.world_size)
+        self.masters = (
+            MasterWeights([p for p in model.parameters() if p.requires_grad])
+            if self.weights == "bf16"
+            else None
+        )
+        self.model = parallel.parallelize(
+            model, job, device=self.device, world_size=self.world_size
+        )
         if fill_shards:  # sharded on the meta device, filled from rank 0's copy
             from launcher.train.hf import load_pretrained
 
@@ -240,14 +289,21 @@ class Trainer:
         # Fused AdamW needs the parameters on the GPU, and rejects ShardedGradScaler's
         # found-inf tensor (shape [1], fused wants []): fp16 under FSDP uses foreach AdamW.
         on_gpu = self.device.type == "cuda" and not (
-            fsdp and (self.job.parallel.fsdp.cpu_offload or self.job.precision.dtype == "fp16"))
+            fsdp and (self.job.parallel.fsdp.cpu_offload or self.job.precision.dtype == "fp16")
+        )
         betas = (0.9, 0.95) if self.job.model.arch == "gpt" else (0.9, 0.999)
         groups = param_groups(self.model, t.weight_decay)
-        if self.masters is not None:  # bf16 weights: AdamW on their fp32 masters, one kernel a group
+        if (
+            self.masters is not None
+        ):  # bf16 weights: AdamW on their fp32 masters, one kernel a group
             self.optimizer = MasterAdamW(groups, self.masters, lr=t.lr, betas=betas)
         else:
-            self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=betas, **({"fused": True} if on_gpu else {}))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: lr_factor(i, t))
+            self.optimizer = torch.optim.AdamW(
+                groups, lr=t.lr, betas=betas, **({"fused": True} if on_gpu else {})
+            )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: lr_factor(i, t)
+        )
         self.scaler = None
         if self.job.precision.dtype == "fp16":
             if parallel.is_sharded(self.model):
@@ -258,10 +314,14 @@ class Trainer:
                 self.scaler = torch.amp.GradScaler("cuda")
         # Clipping folded into the fused kernel (clip_gradients; MasterAdamW always folds it); a
         # GradScaler owns that slot when there is one, and sharded gradients keep the in-place multiply.
-        self.clip_in_optimizer = on_gpu and self.scaler is None and not parallel.is_sharded(self.model)
+        self.clip_in_optimizer = (
+            on_gpu and self.scaler is None and not parallel.is_sharded(self.model)
+        )
 
     def build_data(self) -> None:
-        self.data = build_data(self.job, rank=self.rank, world_size=self.world_size, device=self.device)
+        self.data = build_data(
+            self.job, rank=self.rank, world_size=self.world_size, device=self.device
+        )
 
     def allocate_grads(self) -> None:
         """Give every trained parameter its own gradient memory where the micro-batches are
@@ -284,32 +344,52 @@ class Trainer:
         self.gpu = GpuMonitor(self.device)
         tokens = t.micro_batch * t.grad_accum * job.data.seq_len
         self.meter = Meter(
-            total_steps=t.steps, start_step=self.start_step, warmup_steps=t.warmup_steps,
-            log_every=t.log_every, tokens_per_step=tokens, samples_per_step=t.micro_batch * t.grad_accum,
-            flops_per_token=self.flops_per_token, peak_tflops=self.peak_tflops,
+            total_steps=t.steps,
+            start_step=self.start_step,
+            warmup_steps=t.warmup_steps,
+            log_every=t.log_every,
+            tokens_per_step=tokens,
+            samples_per_step=t.micro_batch * t.grad_accum,
+            flops_per_token=self.flops_per_token,
+            peak_tflops=self.peak_tflops,
             timer=CudaTimer() if cuda else HostTimer(),
             sync=(lambda: torch.cuda.synchronize(self.device)) if cuda else (lambda: None),
             reduce_loss=parallel.all_reduce_mean,
-            peak_mem_gib=lambda: peak_memory_gib(self.device), gpu=self.gpu,
+            peak_mem_gib=lambda: peak_memory_gib(self.device),
+            gpu=self.gpu,
             lr=lambda step: t.lr * lr_factor(step - 1, t),  # the scheduler's rule (LambdaLR)
             read_late=cuda,  # the GPU runs the next step while the host logs
         )
-        write_record({
-            "type": "meta", "local_rank": self.local_rank, "world_size": self.world_size,
-            "host": socket.gethostname(), "device": str(self.device), "device_name": name,
-            "params": self.n_params, "flops_per_token": self.flops_per_token,
-            "peak_tflops": self.peak_tflops, "seq_len": job.data.seq_len,
-            "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
-            "job": job.name, "arch": job.model.arch, "strategy": job.parallel.strategy,
-            "precision": job.precision.dtype, "weights": self.weights, "attention": self.attention,
-            "start_step": self.start_step,
-            # Where this attempt starts (an elastic restart may change the world size).
-            "global_batch": self.data.global_batch, "start_sample": self.data.first_sample(self.start_step + 1),
-            **self.checkpointer.record(),
-            "restart_count": int(os.environ.get("LAUNCHER_RESTART_COUNT") or 0),
-            "peak_mem_source": "cuda_max_memory_allocated" if cuda else "host_peak_rss",
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        })
+        write_record(
+            {
+                "type": "meta",
+                "local_rank": self.local_rank,
+                "world_size": self.world_size,
+                "host": socket.gethostname(),
+                "device": str(self.device),
+                "device_name": name,
+                "params": self.n_params,
+                "flops_per_token": self.flops_per_token,
+                "peak_tflops": self.peak_tflops,
+                "seq_len": job.data.seq_len,
+                "micro_batch": t.micro_batch,
+                "grad_accum": t.grad_accum,
+                "job": job.name,
+                "arch": job.model.arch,
+                "strategy": job.parallel.strategy,
+                "precision": job.precision.dtype,
+                "weights": self.weights,
+                "attention": self.attention,
+                "start_step": self.start_step,
+                # Where this attempt starts (an elastic restart may change the world size).
+                "global_batch": self.data.global_batch,
+                "start_sample": self.data.first_sample(self.start_step + 1),
+                **self.checkpointer.record(),
+                "restart_count": int(os.environ.get("LAUNCHER_RESTART_COUNT") or 0),
+                "peak_mem_source": "cuda_max_memory_allocated" if cuda else "host_peak_rss",
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            }
+        )
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -318,7 +398,9 @@ class Trainer:
         accum = self.job.train.grad_accum
         with self.meter.data_wait():
             batch = self.data.batch(step, micro)
-        if self.job.train.cuda_graphs:  # a new replay generation: the last micro-batch's outputs are done
+        if (
+            self.job.train.cuda_graphs
+        ):  # a new replay generation: the last micro-batch's outputs are done
             torch.compiler.cudagraph_mark_step_begin()
         sync = self.syncs(step, micro)
         keep = not self.job.parallel.fsdp.reshard_after_forward
@@ -409,15 +491,27 @@ class Trainer:
         """Run steps start_step+1 .. train.steps; returns this rank's ``final`` record."""
         total = self.job.train.steps
         if self.rank == 0:
-            log.info("training %s: %s %s, %.1fM params, world %d, %s, %s, %s weights, attention %s, steps %d..%d",
-                     self.job.name, self.job.model.arch, self.job.model.size, self.n_params / 1e6,
-                     self.world_size, self.job.parallel.strategy, self.job.precision.dtype, self.weights,
-                     self.attention, self.start_step + 1, total)
+            log.info(
+                "training %s: %s %s, %.1fM params, world %d, %s, %s, %s weights, attention %s, steps %d..%d",
+                self.job.name,
+                self.job.model.arch,
+                self.job.model.size,
+                self.n_params / 1e6,
+                self.world_size,
+                self.job.parallel.strategy,
+                self.job.precision.dtype,
+                self.weights,
+                self.attention,
+                self.start_step + 1,
+                total,
+            )
         profiler = StepProfiler(self.job.train.profile, rank=self.rank, device=self.device)
         # On GPUs, Python's collector runs on log steps only, with the warm-up's objects frozen
         # (launcher.train.collector); the freeze falls in the warm-up's last step.
-        self.collector = ManualCollector(enabled=self.device.type == "cuda",
-                                         freeze_at=max(self.start_step + 1, self.meter.warmup_end - 1))
+        self.collector = ManualCollector(
+            enabled=self.device.type == "cuda",
+            freeze_at=max(self.start_step + 1, self.meter.warmup_end - 1),
+        )
         self.meter.start()
         try:
             for step in range(self.start_step + 1, total + 1):
@@ -434,7 +528,9 @@ class Trainer:
             log.info(final_line(final, self.world_size))
         return final
 
-    def _after_step(self, step: int, loss: torch.Tensor, total: int, on_step: StepCallback | None) -> None:
+    def _after_step(
+        self, step: int, loss: torch.Tensor, total: int, on_step: StepCallback | None
+    ) -> None:
         """Meter (and log the last log step's record, read now), checkpoint when due, then the
         caller's callback."""
         record = self.meter.step_end(step, loss)
@@ -447,7 +543,9 @@ class Trainer:
 
     def _progress(self, record: dict[str, Any] | None) -> None:
         if record is not None and self.rank == 0:
-            log.info(progress_line(record, self.job.train.steps, self.flops_per_token, self.peak_tflops))
+            log.info(
+                progress_line(record, self.job.train.steps, self.flops_per_token, self.peak_tflops)
+            )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded CPU copies of the parameters (the fp32 masters of bf16 weights): on every

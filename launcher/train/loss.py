@@ -39,8 +39,13 @@ from launcher.train import fused
 VOCAB_MULTIPLE = 64  # the padded vocabulary the products see (see the module docstring)
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         labels: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    kernels: bool = False,
+) -> torch.Tensor:
     """Mean cross-entropy of ``x @ weight.T + bias`` (``x`` (..., d), ``weight`` (V, d))
     against ``labels`` (...), under the ambient autocast. ``kernels``: on CUDA, the loss and
     the logits' gradient come from ``launcher.train.fused.softmax_xent_`` (one Triton kernel
@@ -54,8 +59,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return _LinearCrossEntropy.apply(x, weight, bias, labels, dtype, kernels and fused.available(x))
 
 
-def loss_and_dlogits(logits: torch.Tensor, labels: torch.Tensor,
-                     classes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_and_dlogits(
+    logits: torch.Tensor, labels: torch.Tensor, classes: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean cross-entropy (fp32) and ``softmax(logits) - onehot(labels)`` in the logits'
     dtype, both computed in fp32 (one kernel when compiled). ``classes``: only the first so many
     columns are classes; the rest (padding) get probability 0 and gradient 0."""

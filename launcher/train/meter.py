@@ -126,10 +126,20 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 # NVML's clock event (throttle) reasons that hold the SM clock below what the load asks for.
-CLOCK_LIMITS = {0x4: "power cap", 0x8: "hw slowdown", 0x20: "sw thermal", 0x40: "hw thermal",
-                0x80: "power brake"}
-NO_GPU_SAMPLE: dict[str, Any] = {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None,
-                                  "energy_counter_j": None}
+CLOCK_LIMITS = {
+    0x4: "power cap",
+    0x8: "hw slowdown",
+    0x20: "sw thermal",
+    0x40: "hw thermal",
+    0x80: "power brake",
+}
+NO_GPU_SAMPLE: dict[str, Any] = {
+    "gpu_util_pct": None,
+    "sm_clock_mhz": None,
+    "power_w": None,
+    "clock_limits": None,
+    "energy_counter_j": None,
+}
 
 
 def clock_limits(reasons: int) -> list[str]:
@@ -157,13 +167,17 @@ class GpuMonitor:
             uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
             if uuid:
                 self._handle = pynvml.nvmlDeviceGetHandleByUUID(
-                    uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+                    uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+                )
             else:
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
             self._nvml = pynvml
         except Exception as err:  # NVML runs but does not know this GPU: the values stay null
-            log.warning("NVML does not find %s (%s): no GPU utilisation, clock or power in the records",
-                        device, err)
+            log.warning(
+                "NVML does not find %s (%s): no GPU utilisation, clock or power in the records",
+                device,
+                err,
+            )
             with contextlib.suppress(Exception):
                 pynvml.nvmlShutdown()
 
@@ -175,13 +189,18 @@ class GpuMonitor:
             return dict(NO_GPU_SAMPLE)
         sample = dict(NO_GPU_SAMPLE)
         reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
         reads = {
             "gpu_util_pct": lambda: float(nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu),
-            "sm_clock_mhz": lambda: float(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)),
+            "sm_clock_mhz": lambda: float(
+                nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)
+            ),
             "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0,
             "clock_limits": lambda: clock_limits(int(reasons(self._handle))) if reasons else None,
-            "energy_counter_j": lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0,
+            "energy_counter_j": lambda: (
+                nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0
+            ),
         }
         for key, read in reads.items():
             with contextlib.suppress(Exception):
@@ -218,16 +237,27 @@ class Meter:
     ``reduce_loss`` may be a collective (it is called on the log steps, on every rank).
     """
 
-    def __init__(self, *, total_steps: int, warmup_steps: int, log_every: int,
-                 tokens_per_step: int, samples_per_step: int, flops_per_token: float,
-                 peak_tflops: float | None, timer: HostTimer | CudaTimer,
-                 sync: Callable[[], None], start_step: int = 0,
-                 reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-                 peak_mem_gib: Callable[[], float | None] = lambda: None,
-                 gpu: Callable[[], dict[str, Any]] = lambda: dict(NO_GPU_SAMPLE),
-                 lr: Callable[[int], float | None] = lambda step: None,
-                 clock: Callable[[], float] = time.perf_counter,
-                 write: Callable[[dict[str, Any]], None] = write_record, read_late: bool = False):
+    def __init__(
+        self,
+        *,
+        total_steps: int,
+        warmup_steps: int,
+        log_every: int,
+        tokens_per_step: int,
+        samples_per_step: int,
+        flops_per_token: float,
+        peak_tflops: float | None,
+        timer: HostTimer | CudaTimer,
+        sync: Callable[[], None],
+        start_step: int = 0,
+        reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        peak_mem_gib: Callable[[], float | None] = lambda: None,
+        gpu: Callable[[], dict[str, Any]] = lambda: dict(NO_GPU_SAMPLE),
+        lr: Callable[[int], float | None] = lambda step: None,
+        clock: Callable[[], float] = time.perf_counter,
+        write: Callable[[dict[str, Any]], None] = write_record,
+        read_late: bool = False,
+    ):
         self.total_steps = total_steps
         self.start_step = start_step
         self.warmup_end = start_step + warmup_steps
@@ -300,8 +330,15 @@ class Meter:
         assert self._loss_sum is not None and steps == len(self._marks) - 1
         # Queued now, read later: the mean over ranks, then a copy to pinned host memory.
         loss = self.reduce_loss(self._loss_sum / steps).detach().to("cpu", non_blocking=True)
-        self._pending = _Interval(step=step, steps=steps, marks=self._marks, loss=loss, ready=self.timer.mark(),
-                                  data_wait_s=self._wait_s, measured=self._last_logged >= self.warmup_end)
+        self._pending = _Interval(
+            step=step,
+            steps=steps,
+            marks=self._marks,
+            loss=loss,
+            ready=self.timer.mark(),
+            data_wait_s=self._wait_s,
+            measured=self._last_logged >= self.warmup_end,
+        )
         self._marks = [self._marks[-1]]
         self._loss_sum = None
         self._last_logged = step
@@ -316,11 +353,18 @@ class Meter:
         loss = float(p.loss.item())
         gpu = self._gpu_sample()
         record = {
-            "type": "step", "step": p.step, "tokens": p.steps * self.tokens_per_step,
-            "samples": p.steps * self.samples_per_step, "interval_s": interval_s,
-            "measured": p.measured, "step_times_ms": [round(t, 4) for t in times], "loss": loss,
+            "type": "step",
+            "step": p.step,
+            "tokens": p.steps * self.tokens_per_step,
+            "samples": p.steps * self.samples_per_step,
+            "interval_s": interval_s,
+            "measured": p.measured,
+            "step_times_ms": [round(t, 4) for t in times],
+            "loss": loss,
             "lr": self.lr(p.step),
-            "data_wait_s": p.data_wait_s, "peak_mem_gib": self.peak_mem_gib(), **gpu,
+            "data_wait_s": p.data_wait_s,
+            "peak_mem_gib": self.peak_mem_gib(),
+            **gpu,
         }
         if p.measured:
             m = self._measured
@@ -340,7 +384,9 @@ class Meter:
         the previous read (``energy_j``)."""
         gpu = self.gpu()
         counter = gpu.pop("energy_counter_j", None)
-        gpu["energy_j"] = None if counter is None or self._energy_at is None else counter - self._energy_at
+        gpu["energy_j"] = (
+            None if counter is None or self._energy_at is None else counter - self._energy_at
+        )
         self._energy_at = counter
         return gpu
 
@@ -350,8 +396,11 @@ class Meter:
             return {"tokens_per_s": None, "tflops": None, "mfu": None}
         tokens_per_s = tokens / seconds
         tflops = tokens_per_s * self.flops_per_token / 1e12
-        return {"tokens_per_s": tokens_per_s, "tflops": tflops,
-                "mfu": tflops / self.peak_tflops if self.peak_tflops else None}
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tflops": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+        }
 
     def finish(self) -> dict[str, Any]:
         """Write and return the ``final`` record (measured steps only), after ``flush``."""
@@ -359,12 +408,16 @@ class Meter:
         m = self._measured
         rates = self.throughput(m["tokens"], m["seconds"])
         record = {
-            "type": "final", "steps": self._last_logged, "measured_steps": m["steps"],
+            "type": "final",
+            "steps": self._last_logged,
+            "measured_steps": m["steps"],
             "step_time_ms_p50": percentile(self._measured_times, 50),
             "step_time_ms_p95": percentile(self._measured_times, 95),
             "tokens_per_s": rates["tokens_per_s"],
             "samples_per_s": m["samples"] / m["seconds"] if m["seconds"] > 0 else None,
-            "tflops": rates["tflops"], "mfu": rates["mfu"], "peak_mem_gib": self.peak_mem_gib(),
+            "tflops": rates["tflops"],
+            "mfu": rates["mfu"],
+            "peak_mem_gib": self.peak_mem_gib(),
             "data_wait_pct": 100 * m["wait_s"] / m["seconds"] if m["seconds"] > 0 else None,
             **gpu_summary(self._gpu_samples, seconds=m["seconds"], tokens=m["tokens"]),
             "loss": self._last_loss,
@@ -380,14 +433,19 @@ def _si(value: float) -> str:
     return f"{value:.1f}"
 
 
-def progress_line(record: dict[str, Any], total_steps: int, flops_per_token: float,
-                  peak: float | None) -> str:
+def progress_line(
+    record: dict[str, Any], total_steps: int, flops_per_token: float, peak: float | None
+) -> str:
     """``step 20/200 | loss 7.412 | 310.2k tok/s | 52.1 ms/step | mfu 41.3%`` (this rank)."""
     times = record["step_times_ms"]
     ms = sum(times) / len(times)
     tok_s = record["tokens"] / record["interval_s"] if record["interval_s"] > 0 else 0.0
-    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.3f}",
-             f"{_si(tok_s)} tok/s", f"{ms:.1f} ms/step"]
+    parts = [
+        f"step {record['step']}/{total_steps}",
+        f"loss {record['loss']:.3f}",
+        f"{_si(tok_s)} tok/s",
+        f"{ms:.1f} ms/step",
+    ]
     if peak:
         parts.append(f"mfu {100 * tok_s * flops_per_token / 1e12 / peak:.1f}%")
     if not record["measured"]:
@@ -397,6 +455,7 @@ def progress_line(record: dict[str, Any], total_steps: int, flops_per_token: flo
 
 def final_line(record: dict[str, Any], world_size: int) -> str:
     """One-line summary of the ``final`` record (rank 0's numbers; tokens/s per rank)."""
+
     def fmt(value: float | None, spec: str, unit: str = "") -> str:
         return "n/a" if value is None else f"{value:{spec}}{unit}"
 
@@ -404,7 +463,9 @@ def final_line(record: dict[str, Any], world_size: int) -> str:
     gpu = ""  # the GPU's clock, then its power and energy, where NVML read them
     if record.get("sm_clock_mhz") is not None:
         limited = record.get("clock_limited_pct")
-        gpu = f" | sm clock {record['sm_clock_mhz']:.0f} MHz" + (f", limited {limited:.0f}%" if limited else "")
+        gpu = f" | sm clock {record['sm_clock_mhz']:.0f} MHz" + (
+            f", limited {limited:.0f}%" if limited else ""
+        )
     if record.get("energy_mj_per_token") is not None:
         gpu += f" | {record['power_w']:.0f} W, {record['energy_mj_per_token']:.3f} mJ/token"
     return (

@@ -167,8 +167,16 @@ class Block(nn.Module):
     ``torch.compile`` of the block sees it and parameter names do not change.
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, *, pre_ln: bool,
-                 bias: bool = True):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float,
+        *,
+        pre_ln: bool,
+        bias: bool = True,
+    ):
         super().__init__()
         self.pre_ln = pre_ln
         self.checkpoint_activations = False
@@ -200,8 +208,16 @@ class Embeddings(nn.Module):
     autocast halves the bytes every elementwise kernel between the matmuls moves.
     """
 
-    def __init__(self, vocab_size: int, max_positions: int, d_model: int, dropout: float, *, bert: bool,
-                 bias: bool = True):
+    def __init__(
+        self,
+        vocab_size: int,
+        max_positions: int,
+        d_model: int,
+        dropout: float,
+        *,
+        bert: bool,
+        bias: bool = True,
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(max_positions, d_model)
@@ -231,8 +247,13 @@ class MLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
         self.fused = True
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor,
-                decoder: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        mask_pos: torch.Tensor,
+        decoder: torch.Tensor,
+    ) -> torch.Tensor:
         d = hidden.shape[-1]
         picked = hidden.gather(1, mask_pos.unsqueeze(-1).expand(-1, -1, d))
         return linear_cross_entropy(self.transform(picked), decoder, self.bias, labels, self.fused)
@@ -252,8 +273,13 @@ class LMHead(nn.Module):
         self.ln = LayerNorm(d_model, eps=GPT_LN_EPS, bias=bias)
         self.fused = True
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor | None,
-                decoder: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        mask_pos: torch.Tensor | None,
+        decoder: torch.Tensor,
+    ) -> torch.Tensor:
         return linear_cross_entropy(self.ln(hidden), decoder, None, labels, self.fused)
 
     def logits(self, hidden: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
@@ -264,15 +290,26 @@ class _LM(nn.Module):
     embed: Embeddings
     head: nn.Module
 
-    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, dropout: float, *, pre_ln: bool,
-                 bias: bool = True):
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float,
+        *,
+        pre_ln: bool,
+        bias: bool = True,
+    ):
         super().__init__()
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, d_ff, dropout, pre_ln=pre_ln, bias=bias) for _ in range(n_layers)
+            Block(d_model, n_heads, d_ff, dropout, pre_ln=pre_ln, bias=bias)
+            for _ in range(n_layers)
         )
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                mask_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.head(self.hidden(input_ids), labels, mask_pos, self.embed.tok.weight)
 
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -303,8 +340,17 @@ class _LM(nn.Module):
 class BertForMaskedLM(_LM):
     """Post-LN encoder, learned positions and token types, GELU; MLM head on masked tokens."""
 
-    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, vocab_size: int,
-                 max_positions: int, dropout: float = 0.0, bias: bool = True):
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        vocab_size: int,
+        max_positions: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ):
         super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=False, bias=bias)
         self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=True, bias=bias)
         self.head = MLMHead(d_model, vocab_size, bias=bias)
@@ -314,8 +360,17 @@ class BertForMaskedLM(_LM):
 class GPT(_LM):
     """Pre-LN causal decoder with learned positions and a tied LM head (GPT-2 shape)."""
 
-    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, vocab_size: int,
-                 max_positions: int, dropout: float = 0.0, bias: bool = True):
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        vocab_size: int,
+        max_positions: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ):
         super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=True, bias=bias)
         self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=False)
         self.head = LMHead(d_model, bias=bias)

@@ -53,7 +53,9 @@ NUM_WARPS = 4
 FIELD = "precision.weights"
 
 
-def choose_weights(requested: str, *, dtype: str, grad_accum: int, sharded: bool, device: torch.device) -> str:
+def choose_weights(
+    requested: str, *, dtype: str, grad_accum: int, sharded: bool, device: torch.device
+) -> str:
     """The weights a run trains (``precision.weights``), ``auto`` resolved: ``bf16`` (bf16 weights,
     fp32 masters in ``MasterAdamW``) for bf16 training with one micro-batch a step, unsharded,
     on a CUDA GPU with Triton; otherwise ``fp32``. ``bf16`` asked for where it cannot apply
@@ -111,7 +113,7 @@ class MasterWeights:
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Tensor ``i``'s slice of a flat buffer laid out like the masters, shaped like it."""
         start = self.starts[i]
-        return flat[start:start + self.numels[i]].view(self.params[i].shape)
+        return flat[start : start + self.numels[i]].view(self.params[i].shape)
 
     def index(self, p: torch.Tensor) -> int:
         return self._index[id(p)]
@@ -127,8 +129,10 @@ class MasterWeights:
             n = -(-self.numels[i] // self.block)
             tensor += [i] * n
             first += range(0, n * self.block, self.block)
-        return (torch.tensor(tensor, dtype=torch.int32).to(self.device),
-                torch.tensor(first, dtype=torch.int64).to(self.device))
+        return (
+            torch.tensor(tensor, dtype=torch.int32).to(self.device),
+            torch.tensor(first, dtype=torch.int64).to(self.device),
+        )
 
 
 def substitute_masters(state_dict: dict[str, Any], masters: MasterWeights | None) -> dict[str, Any]:
@@ -137,7 +141,10 @@ def substitute_masters(state_dict: dict[str, Any], masters: MasterWeights | None
     if masters is None:
         return state_dict
     by_ptr = {p.data_ptr(): masters.view(masters.master, i) for i, p in enumerate(masters.params)}
-    return {k: by_ptr.get(v.data_ptr(), v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+    return {
+        k: by_ptr.get(v.data_ptr(), v) if isinstance(v, torch.Tensor) else v
+        for k, v in state_dict.items()
+    }
 
 
 @functools.cache
@@ -145,8 +152,11 @@ def torch_adamw_settings() -> dict[str, Any]:
     """The group settings of torch's AdamW (amsgrad, fused, ...) at their defaults: MasterAdamW's
     groups carry them too, so that a checkpoint loads into either optimizer (DCP asks for every
     key of the groups it fills)."""
-    return {k: v for k, v in torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults.items()
-            if k not in ("lr", "betas", "eps", "weight_decay")}
+    return {
+        k: v
+        for k, v in torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults.items()
+        if k not in ("lr", "betas", "eps", "weight_decay")
+    }
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -163,9 +173,18 @@ class MasterAdamW(torch.optim.Optimizer):
     count.
     """
 
-    def __init__(self, params: Any, masters: MasterWeights, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
-        defaults = dict(torch_adamw_settings(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    def __init__(
+        self,
+        params: Any,
+        masters: MasterWeights,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
+        defaults = dict(
+            torch_adamw_settings(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
         super().__init__(params, defaults)
         self.masters = masters
         self.exp_avg = torch.zeros_like(masters.master)
@@ -174,12 +193,17 @@ class MasterAdamW(torch.optim.Optimizer):
         self._coef: torch.Tensor | None = None
         self._tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._grad_tables: dict[tuple[int, ...], torch.Tensor] = {}
-        self._group_indices = [tuple(masters.index(p) for p in g["params"]) for g in self.param_groups]
+        self._group_indices = [
+            tuple(masters.index(p) for p in g["params"]) for g in self.param_groups
+        ]
         for group in self.param_groups:
             for p in group["params"]:
                 i = masters.index(p)
-                self.state[p] = {"step": self._step, "exp_avg": masters.view(self.exp_avg, i),
-                                 "exp_avg_sq": masters.view(self.exp_avg_sq, i)}
+                self.state[p] = {
+                    "step": self._step,
+                    "exp_avg": masters.view(self.exp_avg, i),
+                    "exp_avg_sq": masters.view(self.exp_avg_sq, i),
+                }
         self.kernels = triton is not None and masters.device.type == "cuda"
 
     # -- state ---------------------------------------------------------------------------
@@ -189,7 +213,9 @@ class MasterAdamW(torch.optim.Optimizer):
         optimizer's buffers (torch's own load would replace them with new tensors)."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
-            raise ValueError(f"optimizer state has {len(groups)} parameter groups, this one {len(self.param_groups)}")
+            raise ValueError(
+                f"optimizer state has {len(groups)} parameter groups, this one {len(self.param_groups)}"
+            )
         ids = [i for g in groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         if len(ids) != len(params):
@@ -215,7 +241,9 @@ class MasterAdamW(torch.optim.Optimizer):
             indices = tuple(i for group in present for i in group)
             if not indices:
                 return torch.zeros((), device=self.masters.device)
-            norm, self._coef = _launch_norm(self.masters, self._blocks(indices), grads, float(max_norm))
+            norm, self._coef = _launch_norm(
+                self.masters, self._blocks(indices), grads, float(max_norm)
+            )
             return norm
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not params:
@@ -233,12 +261,20 @@ class MasterAdamW(torch.optim.Optimizer):
         self._step += 1
         step = int(self._step.item())
         coef, self._coef = self._coef, None
-        grads, present = self._gradients() if self.kernels else (None, [()] * len(self.param_groups))
+        grads, present = (
+            self._gradients() if self.kernels else (None, [()] * len(self.param_groups))
+        )
         for group, indices in zip(self.param_groups, present, strict=True):
             beta1, beta2 = group["betas"]
-            hyper = dict(lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), beta1=beta1,
-                         beta2=beta2, eps=float(group["eps"]), bias_correction1=1 - beta1**step,
-                         bias_correction2=1 - beta2**step)
+            hyper = dict(
+                lr=float(group["lr"]),
+                weight_decay=float(group["weight_decay"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=float(group["eps"]),
+                bias_correction1=1 - beta1**step,
+                bias_correction2=1 - beta2**step,
+            )
             if self.kernels:
                 if indices:
                     _launch_adamw(self, self._blocks(indices), grads, coef, **hyper)
@@ -247,9 +283,19 @@ class MasterAdamW(torch.optim.Optimizer):
                 if p.grad is not None:
                     self._reference_update(p, coef, **hyper)
 
-    def _reference_update(self, p: torch.Tensor, coef: torch.Tensor | None, *, lr: float, weight_decay: float,
-                          beta1: float, beta2: float, eps: float, bias_correction1: float,
-                          bias_correction2: float) -> None:
+    def _reference_update(
+        self,
+        p: torch.Tensor,
+        coef: torch.Tensor | None,
+        *,
+        lr: float,
+        weight_decay: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        bias_correction1: float,
+        bias_correction2: float,
+    ) -> None:
         """``torch.optim.AdamW``'s update of one parameter, on its master, in fp32."""
         g = p.grad.float()
         if coef is not None:
@@ -287,11 +333,15 @@ class MasterAdamW(torch.optim.Optimizer):
             for group in self.param_groups:
                 for p in group["params"]:
                     g = p.grad
-                    if g is not None and (g.dtype != self.masters.dtype or not g.is_contiguous()
-                                          or g.device != self.masters.device):
+                    if g is not None and (
+                        g.dtype != self.masters.dtype
+                        or not g.is_contiguous()
+                        or g.device != self.masters.device
+                    ):
                         raise RuntimeError(
                             f"MasterAdamW: a gradient is {g.dtype}, contiguous={g.is_contiguous()}, on {g.device}; "
-                            f"the fused update reads contiguous {self.masters.dtype} gradients on {self.masters.device}")
+                            f"the fused update reads contiguous {self.masters.dtype} gradients on {self.masters.device}"
+                        )
             host = torch.tensor(ptrs, dtype=torch.int64)
             cuda = self.masters.device.type == "cuda"
             table = (host.pin_memory() if cuda else host).to(self.masters.device, non_blocking=cuda)
@@ -307,27 +357,66 @@ class MasterAdamW(torch.optim.Optimizer):
         return self._tables[indices]
 
 
-def _launch_norm(masters: MasterWeights, table: tuple[torch.Tensor, torch.Tensor], grads: torch.Tensor,
-                 max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_norm(
+    masters: MasterWeights,
+    table: tuple[torch.Tensor, torch.Tensor],
+    grads: torch.Tensor,
+    max_norm: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     block_tensor, block_first = table
     partial = torch.empty(block_tensor.numel(), device=masters.device, dtype=torch.float32)
-    _sumsq_kernel[(block_tensor.numel(),)](grads, block_tensor, block_first, masters.numels_t, partial,
-                                           BLOCK=masters.block, num_warps=NUM_WARPS)
+    _sumsq_kernel[(block_tensor.numel(),)](
+        grads,
+        block_tensor,
+        block_first,
+        masters.numels_t,
+        partial,
+        BLOCK=masters.block,
+        num_warps=NUM_WARPS,
+    )
     out = torch.empty(2, device=masters.device, dtype=torch.float32)
     _norm_kernel[(1,)](partial, partial.numel(), out, max_norm, BLOCK=4096, num_warps=8)
     return out[0], out[1]
 
 
-def _launch_adamw(opt: MasterAdamW, table: tuple[torch.Tensor, torch.Tensor], grads: torch.Tensor,
-                  coef: torch.Tensor | None, *, lr: float, weight_decay: float, beta1: float, beta2: float,
-                  eps: float, bias_correction1: float, bias_correction2: float) -> None:
+def _launch_adamw(
+    opt: MasterAdamW,
+    table: tuple[torch.Tensor, torch.Tensor],
+    grads: torch.Tensor,
+    coef: torch.Tensor | None,
+    *,
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    bias_correction1: float,
+    bias_correction2: float,
+) -> None:
     masters = opt.masters
     block_tensor, block_first = table
     _adamw_kernel[(block_tensor.numel(),)](
-        grads, block_tensor, block_first, masters.numels_t, masters.starts_t,
-        masters.master, opt.exp_avg, opt.exp_avg_sq, masters.flat, grads if coef is None else coef,
-        lr, weight_decay, beta1, beta2, eps, lr / bias_correction1, math.sqrt(bias_correction2),
-        HAS_COEF=coef is not None, BLOCK=masters.block, num_warps=NUM_WARPS)
+        grads,
+        block_tensor,
+        block_first,
+        masters.numels_t,
+        masters.starts_t,
+        masters.master,
+        opt.exp_avg,
+        opt.exp_avg_sq,
+        masters.flat,
+        grads if coef is None else coef,
+        lr,
+        weight_decay,
+        beta1,
+        beta2,
+        eps,
+        lr / bias_correction1,
+        math.sqrt(bias_correction2),
+        HAS_COEF=coef is not None,
+        BLOCK=masters.block,
+        num_warps=NUM_WARPS,
+    )
 
 
 if triton is not None:
@@ -360,9 +449,27 @@ if triton is not None:
         tl.store(OUT + 1, tl.minimum(max_norm / (norm + 1e-6), 1.0))
 
     @triton.jit
-    def _adamw_kernel(GRADS, BLOCK_TENSOR, BLOCK_FIRST, NUMELS, STARTS, MASTER, EXP_AVG, EXP_AVG_SQ, WEIGHT,
-                      COEF, lr, weight_decay, beta1, beta2, eps, step_size, sqrt_bias_correction2,
-                      HAS_COEF: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(
+        GRADS,
+        BLOCK_TENSOR,
+        BLOCK_FIRST,
+        NUMELS,
+        STARTS,
+        MASTER,
+        EXP_AVG,
+        EXP_AVG_SQ,
+        WEIGHT,
+        COEF,
+        lr,
+        weight_decay,
+        beta1,
+        beta2,
+        eps,
+        step_size,
+        sqrt_bias_correction2,
+        HAS_COEF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """torch's AdamW on one block: fp32 master, moments and arithmetic; the bf16 weight written."""
         t, local, mask, g = _grad_block(GRADS, BLOCK_TENSOR, BLOCK_FIRST, NUMELS, BLOCK)
         if HAS_COEF:

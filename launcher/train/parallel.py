@@ -26,20 +26,35 @@ from launcher.spec.job import JobSpec
 log = logging.getLogger(__name__)
 
 # The dtype each precision computes in outside float8 matmuls (fp8 runs the rest in bf16).
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp8": torch.bfloat16}
+DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
 
 
-def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_size: int) -> nn.Module:
+def parallelize(
+    model: nn.Module, job: JobSpec, *, device: torch.device, world_size: int
+) -> nn.Module:
     """Apply float8 → AC → compile → FSDP/DDP as the job asks; returns the module to train."""
     if job.precision.dtype == "fp8":
         p = job.precision
         n = apply_float8(model, recipe=p.fp8_recipe, layers=p.fp8_layers, device=device)
         if n == 0:
-            log.warning("fp8: no linear layer of this model passes torchao's %s size filter; all stay bf16 "
-                        "(precision.fp8_layers: all converts them anyway)", p.fp8_recipe)
+            log.warning(
+                "fp8: no linear layer of this model passes torchao's %s size filter; all stay bf16 "
+                "(precision.fp8_layers: all converts them anyway)",
+                p.fp8_recipe,
+            )
         else:
-            log.info("fp8: %d linear layers in float8 (%s scaling, layers %s)", n, p.fp8_recipe, p.fp8_layers)
+            log.info(
+                "fp8: %d linear layers in float8 (%s scaling, layers %s)",
+                n,
+                p.fp8_recipe,
+                p.fp8_layers,
+            )
     if job.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     data_parallel = world_size > 1 or shards_alone(job)
@@ -48,8 +63,12 @@ def parallelize(model: nn.Module, job: JobSpec, *, device: torch.device, world_s
         if scope == "auto":
             scope = "block" if data_parallel else "model"
         whole = scope == "model"
-        apply_compile(model, cuda_graphs=job.train.cuda_graphs, whole=whole,
-                      batch_weight_grads=batches_weight_grads(job, model, device=device, whole=whole))
+        apply_compile(
+            model,
+            cuda_graphs=job.train.cuda_graphs,
+            whole=whole,
+            batch_weight_grads=batches_weight_grads(job, model, device=device, whole=whole),
+        )
     if not data_parallel:
         if job.parallel.strategy == "fsdp":
             log.info("fsdp on one process: nothing to shard, the model trains unwrapped")
@@ -103,10 +122,16 @@ def apply_float8(model: nn.Module, *, recipe: str, layers: str, device: torch.de
     field = "precision.dtype"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         what = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else "none"
+        cap = (
+            ".".join(map(str, torch.cuda.get_device_capability(device)))
+            if device.type == "cuda"
+            else "none"
+        )
         raise SpecError(
             f"fp8 needs FP8 tensor cores (compute capability 8.9 or above: Ada, Hopper, Blackwell); "
-            f"{what} has compute capability {cap}. Set precision.dtype: bf16.", field=field)
+            f"{what} has compute capability {cap}. Set precision.dtype: bf16.",
+            field=field,
+        )
     try:
         from torchao.float8 import (
             Float8LinearConfig,
@@ -117,7 +142,9 @@ def apply_float8(model: nn.Module, *, recipe: str, layers: str, device: torch.de
         raise SpecError(
             f"fp8 trains through torchao's float8 layers, and torchao is not importable here ({err}); "
             "install it on every node (pip install 'torchao>=0.17', or the project's fp8 extra) "
-            "or set precision.dtype: bf16.", field=field) from err
+            "or set precision.dtype: bf16.",
+            field=field,
+        ) from err
     size_ok = _auto_filter_for_recipe(recipe, filter_fqns=[]) if layers == "auto" else None
 
     def wanted(module: nn.Module, fqn: str) -> bool:
@@ -130,8 +157,9 @@ def apply_float8(model: nn.Module, *, recipe: str, layers: str, device: torch.de
 
     chosen = [name for name, m in model.named_modules() if wanted(m, name)]
     if chosen:
-        convert_to_float8_training(model, module_filter_fn=wanted,
-                                   config=Float8LinearConfig.from_recipe_name(recipe))
+        convert_to_float8_training(
+            model, module_filter_fn=wanted, config=Float8LinearConfig.from_recipe_name(recipe)
+        )
     return len(chosen)
 
 
@@ -141,7 +169,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.checkpoint_activations = True
 
 
-def batches_weight_grads(job: JobSpec, model: nn.Module, *, device: torch.device, whole: bool) -> bool:
+def batches_weight_grads(
+    job: JobSpec, model: nn.Module, *, device: torch.device, whole: bool
+) -> bool:
     """Whether the compiled backward batches the blocks' weight gradients over the layers
     (``train.weight_grads``; ``launcher/train/wgrad.py``). Under ``auto``: where the model
     compiles as one graph (so that the layers' products meet in one backward) on a CUDA GPU,
@@ -150,12 +180,22 @@ def batches_weight_grads(job: JobSpec, model: nn.Module, *, device: torch.device
     and without activation checkpointing (which would hold every recomputed input to the end
     of the backward)."""
     half = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
-    return (job.train.weight_grads == "auto" and whole and device.type == "cuda" and half
-            and not job.train.activation_checkpointing)
+    return (
+        job.train.weight_grads == "auto"
+        and whole
+        and device.type == "cuda"
+        and half
+        and not job.train.activation_checkpointing
+    )
 
 
-def apply_compile(model: nn.Module, *, cuda_graphs: bool = False, whole: bool = False,
-                  batch_weight_grads: bool = False) -> None:
+def apply_compile(
+    model: nn.Module,
+    *,
+    cuda_graphs: bool = False,
+    whole: bool = False,
+    batch_weight_grads: bool = False,
+) -> None:
     """Compile the embeddings, each block and the head (or, ``whole``, the model), in place
     (names unchanged).
 
@@ -204,7 +244,10 @@ def apply_ddp(model: nn.Module, job: JobSpec, *, device: torch.device) -> nn.Mod
 
     cfg = job.parallel.ddp
     if cfg.comm_hook == "bf16" and device.type != "cuda":  # resources.device auto that found no GPU
-        raise SpecError("bf16 needs CUDA GPUs and NCCL; on the CPU use fp16 or none", field="parallel.ddp.comm_hook")
+        raise SpecError(
+            "bf16 needs CUDA GPUs and NCCL; on the CPU use fp16 or none",
+            field="parallel.ddp.comm_hook",
+        )
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -215,7 +258,11 @@ def apply_ddp(model: nn.Module, job: JobSpec, *, device: torch.device) -> nn.Mod
     if cfg.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        hook = default_hooks.bf16_compress_hook if cfg.comm_hook == "bf16" else default_hooks.fp16_compress_hook
+        hook = (
+            default_hooks.bf16_compress_hook
+            if cfg.comm_hook == "bf16"
+            else default_hooks.fp16_compress_hook
+        )
         ddp.register_comm_hook(state=None, hook=hook)
     elif any(p.dtype == torch.bfloat16 for p in model.parameters()):  # precision.weights bf16
         ddp.register_comm_hook(state=None, hook=allreduce_in_fp32)
@@ -246,7 +293,9 @@ def fsdp_param_dtype(job: JobSpec) -> torch.dtype | None:
     return None if dtype == torch.float32 else dtype
 
 
-def apply_fsdp(model: nn.Module, job: JobSpec, *, device: torch.device, world_size: int) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, job: JobSpec, *, device: torch.device, world_size: int
+) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -260,23 +309,29 @@ def apply_fsdp(model: nn.Module, job: JobSpec, *, device: torch.device, world_si
     options = dict(
         mesh=mesh,
         reshard_after_forward=cfg.reshard_after_forward,
-        mp_policy=MixedPrecisionPolicy(param_dtype=fsdp_param_dtype(job), reduce_dtype=DTYPES[cfg.reduce_dtype]),
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=fsdp_param_dtype(job), reduce_dtype=DTYPES[cfg.reduce_dtype]
+        ),
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     )
     blocks, per_unit = list(model.blocks), cfg.blocks_per_unit
-    units = [blocks[i:i + per_unit] for i in range(0, len(blocks), per_unit)]
+    units = [blocks[i : i + per_unit] for i in range(0, len(blocks), per_unit)]
     for i, unit in enumerate(units):
         # The last unit's backward runs right after the head's: resharding it after forward
         # would only all-gather it again at once (torchtitan does the same).
         reshard = options["reshard_after_forward"] and i < len(units) - 1
         # A list is one unit: one all-gather, one reduce-scatter and one set of hooks for
         # all its blocks (FSDP's per-unit host work is what a small model's step waits on).
-        fully_shard(unit if len(unit) > 1 else unit[0], **{**options, "reshard_after_forward": reshard})
+        fully_shard(
+            unit if len(unit) > 1 else unit[0], **{**options, "reshard_after_forward": reshard}
+        )
     fully_shard(model, **options)
     return model
 
 
-def gradient_sync(model: nn.Module, enabled: bool, *, keep_gathered: bool = False) -> AbstractContextManager:
+def gradient_sync(
+    model: nn.Module, enabled: bool, *, keep_gathered: bool = False
+) -> AbstractContextManager:
     """Skip the gradient all-reduce / reduce-scatter on non-final micro-batches.
 
     DDP: ``no_sync()`` while accumulating. FSDP2: ``set_requires_gradient_sync`` (gradients
@@ -320,9 +375,10 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Clip gradients to a total norm of ``max_norm``; returns the total norm before clipping.
 
     Same result as ``torch.nn.utils.clip_grad_norm_``: every gradient multiplied by
@@ -348,8 +404,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
 
 
 @torch.no_grad()
-def clip_in_fused_optimizer(optimizer: torch.optim.Optimizer, parameters: Iterable[nn.Parameter],
-                            max_norm: float) -> None:
+def clip_in_fused_optimizer(
+    optimizer: torch.optim.Optimizer, parameters: Iterable[nn.Parameter], max_norm: float
+) -> None:
     """Clip as ``clip_grad_norm_`` does, inside the next step of a fused Adam/AdamW: its
     ``grad_scale`` slot (the one ``GradScaler`` unscales through) gets 1 / the coefficient,
     and the kernel divides every gradient by it as it reads them. No pass over the gradients
@@ -385,7 +442,8 @@ def grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> tor
         return torch.nn.utils.get_total_norm(grads, norm_type)
     mesh = grads[0].device_mesh
     if mesh.ndim != 1 or not all(
-        isinstance(g, DTensor) and g.device_mesh == mesh and isinstance(g.placements[0], Shard) for g in grads
+        isinstance(g, DTensor) and g.device_mesh == mesh and isinstance(g.placements[0], Shard)
+        for g in grads
     ):
         total = torch.nn.utils.get_total_norm(grads, norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
@@ -397,7 +455,9 @@ def grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> tor
     # max and of the sum, and the inf-norm kernel rejects empty tensors.
     nonempty = [t for t in local if t.numel()]
     if nonempty:
-        local_norm = torch.nn.utils.get_total_norm(nonempty, norm_type, foreach=_foreach_ok(nonempty))
+        local_norm = torch.nn.utils.get_total_norm(
+            nonempty, norm_type, foreach=_foreach_ok(nonempty)
+        )
         local_norm = local_norm.to(device=local[0].device, dtype=torch.float32)
     else:
         local_norm = torch.zeros((), device=local[0].device)

@@ -41,7 +41,9 @@ def profile_dir() -> Path:
 class StepProfiler:
     """Call ``before_step(step)`` and ``after_step(step)`` around every optimizer step."""
 
-    def __init__(self, spec: ProfileSpec, *, rank: int, device: torch.device, out_dir: Path | None = None):
+    def __init__(
+        self, spec: ProfileSpec, *, rank: int, device: torch.device, out_dir: Path | None = None
+    ):
         self.enabled = spec.start_step > 0 and (spec.ranks == "all" or rank in spec.ranks)
         self.first, self.last = spec.start_step, spec.start_step + spec.steps - 1
         self.rank = rank
@@ -105,8 +107,10 @@ class StepProfiler:
             gaps = idle_gaps(events, steps=steps, device=self.device.index)
         sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=70)
-        header = (f"rank {self.rank}, steps {self.first}..{self.last}: {wall_ms:.1f} ms per step "
-                  f"under the profiler, sorted by {sort_by}\n")
+        header = (
+            f"rank {self.rank}, steps {self.first}..{self.last}: {wall_ms:.1f} ms per step "
+            f"under the profiler, sorted by {sort_by}\n"
+        )
         if timeline is not None:
             header += timeline_line(timeline) + "\n"
         if gaps is not None:
@@ -114,8 +118,13 @@ class StepProfiler:
         if kinds is not None:
             header += "\n" + breakdown_table(kinds) + "\n\n"
         stem.with_suffix(".ops.txt").write_text(header + table + "\n", encoding="utf-8")
-        log.warning("profile of steps %d..%d written to %s (%.1f ms per step while recording)",
-                    self.first, self.last, trace, wall_ms)
+        log.warning(
+            "profile of steps %d..%d written to %s (%.1f ms per step while recording)",
+            self.first,
+            self.last,
+            trace,
+            wall_ms,
+        )
         return trace
 
 
@@ -127,12 +136,17 @@ DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 def device_events(events: Iterable[dict[str, Any]], device: int | None) -> Iterator[dict[str, Any]]:
     """The trace's kernels, copies and memsets on ``device`` (on every device when None)."""
     for e in events:
-        if e.get("cat") in DEVICE_CATEGORIES and "dur" in e and (
-                device is None or e.get("args", {}).get("device", device) == device):
+        if (
+            e.get("cat") in DEVICE_CATEGORIES
+            and "dur" in e
+            and (device is None or e.get("args", {}).get("device", device) == device)
+        ):
             yield e
 
 
-def device_timeline(events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None) -> dict[str, float] | None:
+def device_timeline(
+    events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None
+) -> dict[str, float] | None:
     """Where a recorded step's device time goes, in ms per step, from Chrome-trace events.
 
     Kernels (and copies, memsets) on every stream of ``device`` (all devices when None) are
@@ -148,7 +162,9 @@ def device_timeline(events: Iterable[dict[str, Any]], *, steps: int, device: int
     comm: list[tuple[float, float]] = []
     for e in device_events(events, device):
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-        (comm if kernel_kind(str(e.get("name", ""))) == "communication" else compute).append((start, end))
+        (comm if kernel_kind(str(e.get("name", ""))) == "communication" else compute).append(
+            (start, end)
+        )
     if not compute and not comm:
         return None
     every = _union(compute + comm)
@@ -166,16 +182,19 @@ def device_timeline(events: Iterable[dict[str, Any]], *, steps: int, device: int
 
 
 def timeline_line(t: dict[str, float]) -> str:
-    return (f"device timeline per step: span {t['span_ms']:.2f} ms, compute {t['compute_ms']:.2f} ms, "
-            f"communication {t['comm_ms']:.2f} ms ({t['comm_exposed_ms']:.2f} ms not overlapped by compute), "
-            f"idle {t['idle_ms']:.2f} ms, {t['kernels']:.0f} kernels")
+    return (
+        f"device timeline per step: span {t['span_ms']:.2f} ms, compute {t['compute_ms']:.2f} ms, "
+        f"communication {t['comm_ms']:.2f} ms ({t['comm_exposed_ms']:.2f} ms not overlapped by compute), "
+        f"idle {t['idle_ms']:.2f} ms, {t['kernels']:.0f} kernels"
+    )
 
 
 SHORT_GAP_US = 5.0  # from one kernel to the next in a queue the host keeps full (launch latency)
 
 
-def idle_gaps(events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None,
-              top: int = 5) -> dict[str, Any] | None:
+def idle_gaps(
+    events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None, top: int = 5
+) -> dict[str, Any] | None:
     """Where the device sat idle, in ms per step: gaps under ``SHORT_GAP_US`` (one kernel's end
     to the next one's start, what fewer kernels or programmatic dependent launch would
     shorten) and longer ones (the device waiting for the host: a synchronisation, a slow
@@ -197,18 +216,26 @@ def idle_gaps(events: Iterable[dict[str, Any]], *, steps: int, device: int | Non
     long = sorted((g for g in gaps if g[0] >= SHORT_GAP_US), reverse=True)
     per_step_ms = 1e-3 / steps
     return {
-        "short_ms": sum(g[0] for g in short) * per_step_ms, "short": len(short) / steps,
-        "long_ms": sum(g[0] for g in long) * per_step_ms, "long": len(long) / steps,
-        "longest": [{"us": us, "after": after, "before": before} for us, after, before in long[:top]],
+        "short_ms": sum(g[0] for g in short) * per_step_ms,
+        "short": len(short) / steps,
+        "long_ms": sum(g[0] for g in long) * per_step_ms,
+        "long": len(long) / steps,
+        "longest": [
+            {"us": us, "after": after, "before": before} for us, after, before in long[:top]
+        ],
     }
 
 
 def gaps_text(g: dict[str, Any], name_width: int = 60) -> str:
-    lines = [f"idle per step: {g['short_ms']:.2f} ms in {g['short']:g} gaps under {SHORT_GAP_US:g} us "
-             f"(kernel to kernel), {g['long_ms']:.2f} ms in {g['long']:g} longer ones (the device waiting "
-             f"for the host)"]
-    lines += [f"  {x['us']:9.1f} us after {x['after'][:name_width]}, before {x['before'][:name_width]}"
-              for x in g["longest"]]
+    lines = [
+        f"idle per step: {g['short_ms']:.2f} ms in {g['short']:g} gaps under {SHORT_GAP_US:g} us "
+        f"(kernel to kernel), {g['long_ms']:.2f} ms in {g['long']:g} longer ones (the device waiting "
+        f"for the host)"
+    ]
+    lines += [
+        f"  {x['us']:9.1f} us after {x['after'][:name_width]}, before {x['before'][:name_width]}"
+        for x in g["longest"]
+    ]
     return "\n".join(lines)
 
 
@@ -219,22 +246,34 @@ def gaps_text(g: dict[str, Any], name_width: int = 60) -> str:
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl",)),
     ("attention", ("fmha", "flash", "sdpa", "attention", "attn", "cudnn::fusion")),
-    ("matrix products", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_", "ampere_")),
-    ("optimizer and gradient norm", ("adam", "sgd", "fusedoptimizer", "lpnorm", "multi_tensor_apply")),
+    (
+        "matrix products",
+        ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_", "ampere_"),
+    ),
+    (
+        "optimizer and gradient norm",
+        ("adam", "sgd", "fusedoptimizer", "lpnorm", "multi_tensor_apply"),
+    ),
     ("normalization", ("layer_norm", "rms_norm", "batch_norm", "group_norm")),
     ("activation", ("gelu", "silu", "relu", "tanh", "sigmoid")),
     ("loss", ("logsumexp", "cross_entropy", "nll_loss", "log_softmax", "xent")),
-    ("copies, casts, memsets", ("memcpy", "memset", "copy", "clone", "cat", "stack", "permute", "transpose")),
+    (
+        "copies, casts, memsets",
+        ("memcpy", "memset", "copy", "clone", "cat", "stack", "permute", "transpose"),
+    ),
 )
 
 
 def kernel_kind(name: str) -> str:
     lower = name.lower()
-    return next((kind for kind, patterns in KERNEL_KINDS if any(p in lower for p in patterns)), "other")
+    return next(
+        (kind for kind, patterns in KERNEL_KINDS if any(p in lower for p in patterns)), "other"
+    )
 
 
-def kernel_breakdown(events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None,
-                     top: int = 15) -> dict[str, Any] | None:
+def kernel_breakdown(
+    events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None, top: int = 15
+) -> dict[str, Any] | None:
     """Device time per step by kind of kernel (``KERNEL_KINDS``) and the ``top`` kernels.
 
     Times are the kernels' own durations summed (kernels on concurrent streams both count),
@@ -256,8 +295,10 @@ def kernel_breakdown(events: Iterable[dict[str, Any]], *, steps: int, device: in
     return {
         "total_ms": sum(kinds.values()),
         "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-        "top": [{"name": name, "kind": kind_of[name], "ms": us * per_step_ms, "launches": n / steps}
-                for name, (us, n) in busiest],
+        "top": [
+            {"name": name, "kind": kind_of[name], "ms": us * per_step_ms, "launches": n / steps}
+            for name, (us, n) in busiest
+        ],
     }
 
 
@@ -265,10 +306,19 @@ def breakdown_table(b: dict[str, Any], name_width: int = 90) -> str:
     from tabulate import tabulate
 
     total = b["total_ms"] or 1.0
-    kinds = tabulate([(kind, f"{ms:.2f}", f"{100 * ms / total:.1f}") for kind, ms in b["kinds"].items()],
-                     headers=["kernels by kind", "ms per step", "% of kernel time"], disable_numparse=True)
-    top = tabulate([(f"{k['ms']:.3f}", f"{k['launches']:g}", k["kind"], k["name"][:name_width]) for k in b["top"]],
-                   headers=["ms per step", "launches per step", "kind", "kernel"], disable_numparse=True)
+    kinds = tabulate(
+        [(kind, f"{ms:.2f}", f"{100 * ms / total:.1f}") for kind, ms in b["kinds"].items()],
+        headers=["kernels by kind", "ms per step", "% of kernel time"],
+        disable_numparse=True,
+    )
+    top = tabulate(
+        [
+            (f"{k['ms']:.3f}", f"{k['launches']:g}", k["kind"], k["name"][:name_width])
+            for k in b["top"]
+        ],
+        headers=["ms per step", "launches per step", "kind", "kernel"],
+        disable_numparse=True,
+    )
     return f"{kinds}\n\n{top}"
 
 

@@ -92,7 +92,9 @@ def tokenize(data: DataSpec, arch: str, *, progress: bool = True) -> dict[str, A
         with open(tmp, "wb") as out, _progress(files, progress) as bar:
             for texts, ends, size in _batches(files, data.text_field):
                 ids = array.array(code)
-                for enc, end in zip(tokenizer.encode_batch(texts, add_special_tokens=False), ends, strict=True):
+                for enc, end in zip(
+                    tokenizer.encode_batch(texts, add_special_tokens=False), ends, strict=True
+                ):
                     ids.extend(enc.ids)
                     if end:
                         ids.append(separator)
@@ -105,14 +107,28 @@ def tokenize(data: DataSpec, arch: str, *, progress: bool = True) -> dict[str, A
         os.replace(tmp, bin_path)
     finally:
         tmp.unlink(missing_ok=True)
-    meta = {"format": FORMAT, "arch": arch, "dtype": dtype, "tokens": n_tokens, "documents": n_docs,
-            "vocab_size": vocab, "special": special, "tokenizer": str(data.tokenizer),
-            "files": [str(f) for f in files], "seconds": round(time.monotonic() - began, 3)}
+    meta = {
+        "format": FORMAT,
+        "arch": arch,
+        "dtype": dtype,
+        "tokens": n_tokens,
+        "documents": n_docs,
+        "vocab_size": vocab,
+        "special": special,
+        "tokenizer": str(data.tokenizer),
+        "files": [str(f) for f in files],
+        "seconds": round(time.monotonic() - began, 3),
+    }
     tmp_meta = meta_path.with_name(tmp.name + ".json")
     tmp_meta.write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(tmp_meta, meta_path)
-    log.info("tokenized %d documents into %d tokens in %.1f s: %s", n_docs, n_tokens,
-             meta["seconds"], bin_path)
+    log.info(
+        "tokenized %d documents into %d tokens in %.1f s: %s",
+        n_docs,
+        n_tokens,
+        meta["seconds"],
+        bin_path,
+    )
     return read_meta(meta_path)
 
 
@@ -131,7 +147,10 @@ def cache_paths(data: DataSpec, arch: str) -> tuple[Path, Path]:
     key.update(file_sha256(data.tokenizer / "tokenizer.json").encode())
     for path in text_files(data.path):
         key.update(file_sha256(path).encode())
-    root = data.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "launcher" / "tokens"
+    root = (
+        data.cache_dir
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "launcher" / "tokens"
+    )
     stem = f"{arch}-{key.hexdigest()[:32]}"
     return root / f"{stem}.bin", root / f"{stem}.json"
 
@@ -141,8 +160,13 @@ def text_files(path: Path | None) -> list[Path]:
     assert path is not None
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.suffix in SUFFIXES
+        and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
     if not files:
         raise TextError(f"data.path {path} holds no .txt or .jsonl file")
     return files
@@ -171,8 +195,10 @@ def documents(path: Path, text_field: str) -> Iterator[tuple[str, int, bool]]:
                 try:
                     text = json.loads(line)[text_field]
                 except (ValueError, KeyError, TypeError):
-                    raise TextError(f"{path} line {number} is not a JSON object with a "
-                                    f"{text_field!r} string; fix the line or set data.text_field") from None
+                    raise TextError(
+                        f"{path} line {number} is not a JSON object with a "
+                        f"{text_field!r} string; fix the line or set data.text_field"
+                    ) from None
                 if not isinstance(text, str):
                     raise TextError(f"{path} line {number}: {text_field!r} is not a string")
                 yield text, len(line), bool(text)
@@ -218,8 +244,15 @@ def _progress(files: list[Path], enabled: bool):  # noqa: ANN202
     from tqdm import tqdm
 
     total = sum(f.stat().st_size for f in files)
-    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr,
-                disable=not enabled, mininterval=1.0)
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="tokenizing",
+        file=sys.stderr,
+        disable=not enabled,
+        mininterval=1.0,
+    )
 
 
 class TextBatches(TokenFileBatches):
@@ -231,17 +264,24 @@ class TextBatches(TokenFileBatches):
         if meta["vocab_size"] > kwargs["vocab_size"]:  # before the ids are checked against it
             raise TextError(
                 f"the tokenizer has {meta['vocab_size']} tokens, more than the model's vocabulary "
-                f"of {kwargs['vocab_size']}; set model.vocab_size: {meta['vocab_size']} (or more)")
+                f"of {kwargs['vocab_size']}; set model.vocab_size: {meta['vocab_size']} (or more)"
+            )
         outside = {role: i for role, i in meta["special"].items() if i >= kwargs["vocab_size"]}
         if outside:  # a tokenizer with gaps in its ids; the file's own ids are checked next
             raise TextError(
                 f"the tokenizer {meta['tokenizer']} gives its special tokens the ids "
                 f"{', '.join(f'{role} {i}' for role, i in outside.items())}, outside the model's "
                 f"vocabulary of {kwargs['vocab_size']} (ids 0 to {kwargs['vocab_size'] - 1}); set "
-                f"model.vocab_size: {max(outside.values()) + 1} (or more)", field="model.vocab_size")
+                f"model.vocab_size: {max(outside.values()) + 1} (or more)",
+                field="model.vocab_size",
+            )
         self.meta = meta
-        super().__init__(path=meta["path"], token_dtype=meta["dtype"],
-                         row_len=kwargs["seq_len"] - 2 if bert else None, **kwargs)
+        super().__init__(
+            path=meta["path"],
+            token_dtype=meta["dtype"],
+            row_len=kwargs["seq_len"] - 2 if bert else None,
+            **kwargs,
+        )
         self.special = meta["special"]
         self.random_vocab = meta["vocab_size"]
         if bert:
@@ -249,8 +289,10 @@ class TextBatches(TokenFileBatches):
             self.never_mask = torch.tensor([self.special["cls"], self.special["sep"]])
 
     def describe(self) -> str:
-        return (f"the tokenized text {self.path} (data.path tokenized with the tokenizer "
-                f"{self.meta['tokenizer']}, of {self.meta['vocab_size']} tokens)")
+        return (
+            f"the tokenized text {self.path} (data.path tokenized with the tokenizer "
+            f"{self.meta['tokenizer']}, of {self.meta['vocab_size']} tokens)"
+        )
 
     def frame(self, rows: torch.Tensor) -> torch.Tensor:
         if self.arch != "bert":
@@ -266,12 +308,17 @@ def tokenize_command(job: JobSpec, *, source: str) -> int:
     from launcher.errors import SpecError
 
     if job.data.source != "text":
-        raise SpecError(f"data.source is {job.data.source!r}; launch tokenize works on data.source "
-                        f"text", source=source, field="data.source")
+        raise SpecError(
+            f"data.source is {job.data.source!r}; launch tokenize works on data.source text",
+            source=source,
+            field="data.source",
+        )
     try:
         meta = tokenize(job.data, job.model.arch)
     except (TextError, FolderError) as err:
         raise SpecError(str(err), source=source, field=getattr(err, "field", "data.path")) from None
-    print(f"{meta['path']}: {meta['tokens']} tokens from {meta['documents']} documents "
-          f"({len(meta['files'])} files, vocabulary {meta['vocab_size']})")
+    print(
+        f"{meta['path']}: {meta['tokens']} tokens from {meta['documents']} documents "
+        f"({len(meta['files'])} files, vocabulary {meta['vocab_size']})"
+    )
     return 0

@@ -44,10 +44,10 @@ aten = torch.ops.aten
 
 # cuBLAS's enums (cublas_api.h, library_types.h)
 _OP_N, _OP_T = 0, 1
-_DATA_TYPE = {torch.bfloat16: 14, torch.float16: 2}   # CUDA_R_16BF, CUDA_R_16F
-_COMPUTE_32F = 68                                     # CUBLAS_COMPUTE_32F
-_GEMM_DEFAULT = -1                                    # CUBLAS_GEMM_DEFAULT
-_ALIGN = 16                                           # bytes, what the tensor-core kernels read
+_DATA_TYPE = {torch.bfloat16: 14, torch.float16: 2}  # CUDA_R_16BF, CUDA_R_16F
+_COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F
+_GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT
+_ALIGN = 16  # bytes, what the tensor-core kernels read
 
 
 @torch.library.custom_op("launcher::batched_wgrad", mutates_args=())
@@ -84,9 +84,14 @@ def _row_major(ts: list[torch.Tensor]) -> int | None:
 
 def _cublas_batched(dys: list[torch.Tensor], xs: list[torch.Tensor], out: torch.Tensor) -> bool:
     """One ``cublasGemmBatchedEx`` call for every product, or False where it does not apply."""
-    if not out.is_cuda or out.dtype not in _DATA_TYPE or out.data_ptr() % _ALIGN \
-            or {(t.dtype, t.device) for t in (*dys, *xs)} != {(out.dtype, out.device)} \
-            or len({t.shape for t in dys}) != 1 or len({t.shape for t in xs}) != 1:
+    if (
+        not out.is_cuda
+        or out.dtype not in _DATA_TYPE
+        or out.data_ptr() % _ALIGN
+        or {(t.dtype, t.device) for t in (*dys, *xs)} != {(out.dtype, out.device)}
+        or len({t.shape for t in dys}) != 1
+        or len({t.shape for t in xs}) != 1
+    ):
         return False
     ld_dy, ld_x = _row_major(dys), _row_major(xs)
     if ld_dy is None or ld_x is None or (lib := _cublas()) is None:
@@ -102,9 +107,27 @@ def _cublas_batched(dys: list[torch.Tensor], xs: list[torch.Tensor], out: torch.
         # Column-major, as cuBLAS sees row-major memory: out[i]ᵀ (k × n, ld k) = xs[i]ᵀ (k ×
         # tokens, ld ld_x, as it lies) · dys[i] (n × tokens, ld ld_dy, transposed).
         status = lib.cublasGemmBatchedEx(
-            torch.cuda.current_blas_handle(), _OP_N, _OP_T, k, n, tokens, ctypes.byref(one),
-            table.data_ptr(), kind, ld_x, table.data_ptr() + step, kind, ld_dy, ctypes.byref(zero),
-            table.data_ptr() + 2 * step, kind, k, count, _COMPUTE_32F, _GEMM_DEFAULT)
+            torch.cuda.current_blas_handle(),
+            _OP_N,
+            _OP_T,
+            k,
+            n,
+            tokens,
+            ctypes.byref(one),
+            table.data_ptr(),
+            kind,
+            ld_x,
+            table.data_ptr() + step,
+            kind,
+            ld_dy,
+            ctypes.byref(zero),
+            table.data_ptr() + 2 * step,
+            kind,
+            k,
+            count,
+            _COMPUTE_32F,
+            _GEMM_DEFAULT,
+        )
     if status != 0:
         raise RuntimeError(f"cublasGemmBatchedEx failed with cuBLAS status {status}")
     return True
@@ -159,7 +182,9 @@ class WeightGradBatching(CustomGraphPass):
                 dys = [node.args[0].args[0] for node in nodes]
                 xs = [node.args[1] for node in nodes]
                 stacked = graph.call_function(torch.ops.launcher.batched_wgrad.default, (dys, xs))
-                stacked.meta["val"] = _empty_stack([n.meta["val"] for n in dys], [n.meta["val"] for n in xs])
+                stacked.meta["val"] = _empty_stack(
+                    [n.meta["val"] for n in dys], [n.meta["val"] for n in xs]
+                )
                 for i, node in enumerate(nodes):
                     picked = graph.call_function(aten.select.int, (stacked, 0, i))
                     picked.meta["val"] = node.meta["val"]
@@ -181,13 +206,21 @@ def _weight_grad_key(node: torch.fx.Node, output: torch.fx.Node) -> tuple | None
     if node.target is not aten.mm.default or set(node.users) != {output}:
         return None
     transposed, x = node.args
-    if not isinstance(transposed, torch.fx.Node) or transposed.target is not aten.permute.default \
-            or list(transposed.args[1]) != [1, 0] or not isinstance(x, torch.fx.Node):
+    if (
+        not isinstance(transposed, torch.fx.Node)
+        or transposed.target is not aten.permute.default
+        or list(transposed.args[1]) != [1, 0]
+        or not isinstance(x, torch.fx.Node)
+    ):
         return None
     dy = transposed.args[0]
     vals = [n.meta.get("val") for n in (dy, x, node)]
-    if any(not isinstance(v, torch.Tensor) or v.dim() != 2 or not all(isinstance(d, int) for d in v.shape)
-           for v in vals):  # static shapes only
+    if any(
+        not isinstance(v, torch.Tensor)
+        or v.dim() != 2
+        or not all(isinstance(d, int) for d in v.shape)
+        for v in vals
+    ):  # static shapes only
         return None
     if {v.dtype for v in vals} != {vals[2].dtype} or vals[2].dtype not in _DATA_TYPE:
         return None

@@ -12,14 +12,32 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 AB = REPO / "benchmarks" / "ab.py"
 
-pytestmark = pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs a git checkout (the tool exports a revision)")
+pytestmark = pytest.mark.skipif(
+    not (REPO / ".git").exists(), reason="needs a git checkout (the tool exports a revision)"
+)
 
 
 def ab(tmp_path: Path, *command: str, base: str = "HEAD") -> dict:
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, str(AB), "--base", base, "--rounds", "1", "--out", str(out),
-                           "--work", str(tmp_path / "work"), "--", *command],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(AB),
+            "--base",
+            base,
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            "--",
+            *command,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(out.read_text())
 
@@ -27,7 +45,12 @@ def ab(tmp_path: Path, *command: str, base: str = "HEAD") -> dict:
 def test_a_process_started_elsewhere_imports_its_trees_launcher(tmp_path: Path):
     """What the built-in trainer's workers under ``launch`` do: they start in another folder and
     find ``launcher`` through PYTHONPATH, which must name the run's own tree."""
-    result = ab(tmp_path, "sh", "-c", f"cd {tmp_path} && {sys.executable} -c 'import launcher; print(launcher.__file__)'")
+    result = ab(
+        tmp_path,
+        "sh",
+        "-c",
+        f"cd {tmp_path} && {sys.executable} -c 'import launcher; print(launcher.__file__)'",
+    )
     base, this = result["runs"]
     assert (base["tree"], this["tree"]) == ("base", "this tree")
     base_file = Path(base["log"]).read_text().strip()
@@ -38,10 +61,22 @@ def test_a_process_started_elsewhere_imports_its_trees_launcher(tmp_path: Path):
 
 
 def test_the_trainer_in_both_trees_and_its_ratio(tmp_path: Path):
-    result = ab(tmp_path, sys.executable, "-m", "launcher.train", "--job", "jobs/quickstart.yaml",
-                "--set", "train.steps=4", "--set", "train.warmup_steps=1")
+    result = ab(
+        tmp_path,
+        sys.executable,
+        "-m",
+        "launcher.train",
+        "--job",
+        "jobs/quickstart.yaml",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "train.warmup_steps=1",
+    )
     assert [r["returncode"] for r in result["runs"]] == [0, 0]
-    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in result["runs"])  # no MFU on a CPU
+    assert all(
+        r["tokens_per_s"] > 0 and r["mfu"] is None for r in result["runs"]
+    )  # no MFU on a CPU
     base, this = result["runs"]
     assert result["median_ratio"] == pytest.approx(this["tokens_per_s"] / base["tokens_per_s"])
 
@@ -52,7 +87,13 @@ def test_a_folder_as_the_base_is_run_as_it_is(tmp_path: Path):
     tree = tmp_path / "base-tree" / "launcher"
     tree.mkdir(parents=True)
     (tree / "__init__.py").write_text("")
-    result = ab(tmp_path, sys.executable, "-c", "import launcher; print(launcher.__file__)", base=str(tree.parent))
+    result = ab(
+        tmp_path,
+        sys.executable,
+        "-c",
+        "import launcher; print(launcher.__file__)",
+        base=str(tree.parent),
+    )
     base, this = result["runs"]
     assert Path(base["log"]).read_text().strip() == str(tree / "__init__.py") == base["launcher"]
     assert Path(this["log"]).read_text().strip() == str(REPO / "launcher" / "__init__.py")

@@ -14,7 +14,7 @@ from pathlib import Path
 from launcher.orchestrate.agent import REAPER_GRACE_S, WORKER_SCAN_S, NodeAgent
 from launcher.orchestrate.reaper import alive
 
-SCRIPT = '''
+SCRIPT = """
 import os
 import pathlib
 import time
@@ -36,7 +36,7 @@ def main():
     time.sleep(60)  # torchrun stops this one when rank 1 fails
 
 main()
-'''
+"""
 
 
 def run_to_exit(agent: NodeAgent, timeout_s: float = 120) -> list:
@@ -53,12 +53,32 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
     script = tmp_path / "boom.py"
     script.write_text(SCRIPT)
     node_dir = tmp_path / "node"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "--max-restarts", "0", "--tee", "3", "--log-dir", f"{node_dir}/torchrun", str(script)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--tee",
+        "3",
+        "--log-dir",
+        f"{node_dir}/torchrun",
+        str(script),
+    ]
     agent = NodeAgent("local")
     try:
-        agent.start({"node_dir": str(node_dir), "cwd": str(tmp_path), "argv": argv,
-                     "env": {"PYTHONUNBUFFERED": "1", "SAID_DIR": str(tmp_path)}}, {"job.yaml": "name: x\n"})
+        agent.start(
+            {
+                "node_dir": str(node_dir),
+                "cwd": str(tmp_path),
+                "argv": argv,
+                "env": {"PYTHONUNBUFFERED": "1", "SAID_DIR": str(tmp_path)},
+            },
+            {"job.yaml": "name: x\n"},
+        )
         updates = run_to_exit(agent)
         assert updates[-1].exit.exit_code != 0 and not updates[-1].exit.stopped
         lines = [line for update in updates for line in update.lines]
@@ -69,8 +89,15 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         assert any("Root Cause" in line for line in agent.tail(None, 200))
         assert (Path(node_dir) / "job.yaml").stat().st_mode & 0o777 == 0o600
         # A restart's tails are its own: the first attempt's report must not blame the second.
-        agent.start({"node_dir": str(node_dir), "cwd": str(tmp_path), "argv": [sys.executable, "-c", "print('again')"],
-                     "env": {}}, {})
+        agent.start(
+            {
+                "node_dir": str(node_dir),
+                "cwd": str(tmp_path),
+                "argv": [sys.executable, "-c", "print('again')"],
+                "env": {},
+            },
+            {},
+        )
         assert run_to_exit(agent)[-1].exit.exit_code == 0
         assert agent.tail(None, 200) == ["again"] and agent.tail(1) == []
     finally:
@@ -79,7 +106,7 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
     assert not node_dir.exists()
 
 
-HUNG_TORCHRUN = '''
+HUNG_TORCHRUN = """
 import os, signal, subprocess, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a torchrun that hangs in its SIGTERM handling
 child = subprocess.Popen([sys.executable, "-c",
@@ -87,9 +114,9 @@ child = subprocess.Popen([sys.executable, "-c",
     start_new_session=True)  # a worker, in a session of its own as torchrun's are
 print(f"pids {os.getpid()} {child.pid}", flush=True)
 time.sleep(600)
-'''
+"""
 
-AGENT = '''
+AGENT = """
 import sys, time
 from launcher.orchestrate.agent import NodeAgent
 agent = NodeAgent("local")
@@ -98,15 +125,19 @@ agent.start({"node_dir": sys.argv[2], "cwd": sys.argv[2], "argv": argv, "env": {
 while True:
     for _, line in agent.poll(0.5).lines:
         print(line, flush=True)
-'''
+"""
 
 
 def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path):
     """The agent is SIGKILLed (as Ray kills it when the driver dies); its torchrun ignores the
     SIGTERM of its death signal, and so does its worker: the reaper SIGKILLs both."""
     (tmp_path / "torchrun.py").write_text(HUNG_TORCHRUN)
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path / "torchrun.py"), str(tmp_path)],
-                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, str(tmp_path / "torchrun.py"), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     pids: list[int] = []
     try:
         line = agent.stdout.readline()
@@ -128,18 +159,32 @@ def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path)
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_is_reported(tmp_path):
+def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_is_reported(
+    tmp_path,
+):
     """torchrun dies first (the OOM killer, kill -9); its worker, in a session of its own and
     ignoring SIGTERM, would go on holding the GPU into the next attempt."""
     (tmp_path / "torchrun.py").write_text(HUNG_TORCHRUN)
     agent = NodeAgent("local")
     pids: list[int] = []
     try:
-        agent.start({"node_dir": str(tmp_path / "node"), "cwd": str(tmp_path),
-                     "argv": [sys.executable, str(tmp_path / "torchrun.py")], "env": {}}, {})
+        agent.start(
+            {
+                "node_dir": str(tmp_path / "node"),
+                "cwd": str(tmp_path),
+                "argv": [sys.executable, str(tmp_path / "torchrun.py")],
+                "env": {},
+            },
+            {},
+        )
         deadline = time.monotonic() + 60
         while not pids and time.monotonic() < deadline:
-            pids = [int(p) for _, line in agent.poll(0.5).lines if line.startswith("pids ") for p in line.split()[1:]]
+            pids = [
+                int(p)
+                for _, line in agent.poll(0.5).lines
+                if line.startswith("pids ")
+                for p in line.split()[1:]
+            ]
         torchrun, worker = pids
         time.sleep(WORKER_SCAN_S + 1)  # the agent has noted the worker
         os.kill(torchrun, signal.SIGKILL)

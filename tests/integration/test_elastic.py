@@ -42,9 +42,17 @@ def elastic_job(tmp_path: Path, ckpt: Path, *, nodes: int, min_nodes: int) -> Pa
         "name": "elastic",
         "model": {"arch": "bert", "size": "tiny", "vocab_size": 512, "max_positions": 64},
         "data": {"source": "synthetic", "seq_len": 32},
-        "train": {"steps": STEPS, "warmup_steps": 2, "micro_batch": 4, "grad_accum": 2, "lr": 1.0e-3,
-                  "log_every": 2, "checkpoint": {"dir": str(ckpt), "every_steps": 4}},
-        "precision": {"dtype": "fp32"}, "cudnn": {"benchmark": False},
+        "train": {
+            "steps": STEPS,
+            "warmup_steps": 2,
+            "micro_batch": 4,
+            "grad_accum": 2,
+            "lr": 1.0e-3,
+            "log_every": 2,
+            "checkpoint": {"dir": str(ckpt), "every_steps": 4},
+        },
+        "precision": {"dtype": "fp32"},
+        "cudnn": {"benchmark": False},
         "resources": {"nodes": nodes, "min_nodes": min_nodes, "nproc_per_node": 1, "device": "cpu"},
         "launch": {"max_restarts": 1, "stop_grace_s": 2},
     }
@@ -56,9 +64,17 @@ def elastic_job(tmp_path: Path, ckpt: Path, *, nodes: int, min_nodes: int) -> Pa
 def kill_node_mid_run(cluster, node: str, run: Launcher, rank: int) -> None:
     """Once rank ``rank`` (on ``node``) is past the first two checkpoints, every process there but sshd dies."""
     metrics = run.run_dir / f"metrics/rank{rank}.jsonl"
-    wait_for(lambda: metrics.exists() and any(r.get("type") == "step" and r.get("step", 0) >= 9
-                                              for r in read_records(metrics)),
-             timeout=300, what=f"rank {rank} past step 9", proc=run.proc)
+    wait_for(
+        lambda: (
+            metrics.exists()
+            and any(
+                r.get("type") == "step" and r.get("step", 0) >= 9 for r in read_records(metrics)
+            )
+        ),
+        timeout=300,
+        what=f"rank {rank} past step 9",
+        proc=run.proc,
+    )
     keep = cluster._sshd[node].pid
     for pid in [p for p in cluster.pids(node) if p != keep]:
         with contextlib.suppress(ProcessLookupError):
@@ -87,13 +103,23 @@ def assert_continuous(run_dir: Path) -> None:
     assert second[0][0] > 0 and after < first_loss - 0.5 * (first_loss - before), (first, second)
 
 
-def run_and_lose_node3(netns_cluster, tmp_path: Path, ckpt: Path, *, n_nodes: int, min_nodes: int,
-                       expect: int, skip_parity: bool = True) -> tuple[object, Path, float]:
+def run_and_lose_node3(
+    netns_cluster,
+    tmp_path: Path,
+    ckpt: Path,
+    *,
+    n_nodes: int,
+    min_nodes: int,
+    expect: int,
+    skip_parity: bool = True,
+) -> tuple[object, Path, float]:
     """Launch a 3-node elastic job on ``n_nodes`` simulated nodes, kill node 3 mid-run; returns
     (cluster, run dir, seconds from the kill to the exit) once it exited ``expect``."""
     cluster = netns_cluster(n_nodes)
     cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
+        tmp_path / "cluster.yaml",
+        nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names},
+    )
     job = elastic_job(tmp_path, ckpt, nodes=3, min_nodes=min_nodes)
     run_dir = tmp_path / f"elastic-{tmp_path.name}"
     args = [str(job), "--cluster", str(cluster_file), *(["--skip-parity"] if skip_parity else [])]
@@ -107,8 +133,9 @@ def run_and_lose_node3(netns_cluster, tmp_path: Path, ckpt: Path, *, n_nodes: in
 
 
 def test_a_lost_node_shrinks_the_job_and_it_finishes(netns_cluster, tmp_path, shared_dir):
-    cluster, run_dir, _ = run_and_lose_node3(netns_cluster, tmp_path, shared_dir / "ckpt", n_nodes=3,
-                                             min_nodes=2, expect=0)
+    cluster, run_dir, _ = run_and_lose_node3(
+        netns_cluster, tmp_path, shared_dir / "ckpt", n_nodes=3, min_nodes=2, expect=0
+    )
     victim = cluster.node_names[2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 2
@@ -118,15 +145,24 @@ def test_a_lost_node_shrinks_the_job_and_it_finishes(netns_cluster, tmp_path, sh
     assert all(r["steps"] == STEPS for r in summary["ranks"])
     assert [a["world_size"] for a in summary["attempts"]] == [3, 2]
     second = json.loads((run_dir / "plan.attempt1.json").read_text())
-    assert second["world_size"] == 2 and [n["name"] for n in second["nodes"]] == cluster.node_names[:2]
+    assert (
+        second["world_size"] == 2 and [n["name"] for n in second["nodes"]] == cluster.node_names[:2]
+    )
     assert_continuous(run_dir)
     assert "Restart 1:" in (run_dir / "summary.txt").read_text()
 
 
 def test_a_spare_takes_the_lost_nodes_place(netns_cluster, tmp_path, shared_dir):
     """The spare passes the preflight (the whole launch runs it) and joins the bootstrapped Ray."""
-    cluster, run_dir, _ = run_and_lose_node3(netns_cluster, tmp_path, shared_dir / "ckpt", n_nodes=4,
-                                             min_nodes=2, expect=0, skip_parity=False)
+    cluster, run_dir, _ = run_and_lose_node3(
+        netns_cluster,
+        tmp_path,
+        shared_dir / "ckpt",
+        n_nodes=4,
+        min_nodes=2,
+        expect=0,
+        skip_parity=False,
+    )
     victim, spare = cluster.node_names[2], cluster.node_names[3]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 3
@@ -138,8 +174,9 @@ def test_a_spare_takes_the_lost_nodes_place(netns_cluster, tmp_path, shared_dir)
 
 
 def test_without_room_to_shrink_a_lost_node_ends_the_job(netns_cluster, tmp_path, shared_dir):
-    cluster, run_dir, took = run_and_lose_node3(netns_cluster, tmp_path, shared_dir / "ckpt", n_nodes=3,
-                                                min_nodes=3, expect=4)
+    cluster, run_dir, took = run_and_lose_node3(
+        netns_cluster, tmp_path, shared_dir / "ckpt", n_nodes=3, min_nodes=3, expect=4
+    )
     victim = cluster.node_names[2]
     assert took < 60, f"the lost node was noticed after {took:.0f} s"
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -18,13 +18,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from launcher.train import attention
 from launcher.train.model import GPT, Attention
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def _needs_fa4():
     if torch.cuda.get_device_capability() < attention.FA4_MIN_CAPABILITY:
-        pytest.skip(f"FlashAttention-4's backward needs compute capability 9.0+, {torch.cuda.get_device_name()} lacks it")
+        pytest.skip(
+            f"FlashAttention-4's backward needs compute capability 9.0+, {torch.cuda.get_device_name()} lacks it"
+        )
     if attention.fa4_import_error() is not None:
         pytest.skip(f"flash-attn-4 is not installed ({attention.fa4_import_error()})")
 
@@ -42,12 +46,17 @@ def test_cudnn_log_sum_exp_is_the_scaled_scores():
         q, k, _ = qkv.float().permute(2, 0, 3, 1, 4).unbind(0)
         s = q @ k.transpose(-1, -2) / 8.0
         if causal:
-            s = s.masked_fill(~torch.ones(256, 256, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+            s = s.masked_fill(
+                ~torch.ones(256, 256, dtype=torch.bool, device="cuda").tril(), float("-inf")
+            )
         torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("shape", [(4, 1024, 12, 64, True), (8, 512, 12, 64, False), (2, 200, 4, 64, True)],
-                         ids=["gpt2", "bert", "ragged"])
+@pytest.mark.parametrize(
+    "shape",
+    [(4, 1024, 12, 64, True), (8, 512, 12, 64, False), (2, 200, 4, 64, True)],
+    ids=["gpt2", "bert", "ragged"],
+)
 def test_pair_matches_cudnn_both_ways(shape):
     _needs_fa4()
     b, s, h, d, causal = shape
@@ -78,7 +87,9 @@ def test_gpt_blocks_compiled_with_cuda_graphs():
     losses = {}
     for packed in (False, True):
         torch.manual_seed(2)
-        model = GPT(n_layers=2, d_model=256, n_heads=4, d_ff=1024, vocab_size=512, max_positions=256).cuda()
+        model = GPT(
+            n_layers=2, d_model=256, n_heads=4, d_ff=1024, vocab_size=512, max_positions=256
+        ).cuda()
         for m in model.modules():
             if isinstance(m, Attention):
                 m.packed = packed
@@ -107,5 +118,9 @@ def test_sdpa_reference_still_used_without_packed():
     m = Attention(128, 2, 0.0, causal=True).cuda()
     x = torch.randn(2, 64, 128, device="cuda")
     qkv = m.qkv(x).view(2, 64, 3, 2, 64).permute(2, 0, 3, 1, 4)
-    want = m.proj(F.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True).transpose(1, 2).reshape(2, 64, 128))
+    want = m.proj(
+        F.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True)
+        .transpose(1, 2)
+        .reshape(2, 64, 128)
+    )
     torch.testing.assert_close(m(x), want)

@@ -19,15 +19,17 @@ from fixtures.numerics import ulp_bf16
 from launcher.train import fused
 from launcher.train.model import MLP
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def gelu64(y, b, approximate):
     """GELU in float64, in forms without cancellation in the tails: the truth to round."""
     z = y.double() + (0 if b is None else b.double())
     if approximate == "tanh":
-        return z * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3))
+        return z * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (z + 0.044715 * z**3))
     return z * 0.5 * torch.special.erfc(-z / math.sqrt(2))
 
 
@@ -52,7 +54,9 @@ def test_fp32_matches_pytorch(approximate, bias):
     want = run(y, b, approximate, fused._reference)
     for name, a, w in zip(("output", "dy", "db"), got, want, strict=True):
         if w is not None:
-            torch.testing.assert_close(a, w, rtol=2e-5, atol=1e-4 if name == "db" else 2e-5, msg=name)
+            torch.testing.assert_close(
+                a, w, rtol=2e-5, atol=1e-4 if name == "db" else 2e-5, msg=name
+            )
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

@@ -26,15 +26,19 @@ from launcher.train.hf import load_pretrained  # noqa: E402
 from launcher.train.model import build_model  # noqa: E402
 from launcher.util import free_port  # noqa: E402
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def compare(folder: Path, hf: torch.nn.Module, *, arch: str, seq: int, batch: int = 8) -> dict[str, float]:
+def compare(
+    folder: Path, hf: torch.nn.Module, *, arch: str, seq: int, batch: int = 8
+) -> dict[str, float]:
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -47,12 +51,24 @@ def compare(folder: Path, hf: torch.nn.Module, *, arch: str, seq: int, batch: in
     load_pretrained(ours, spec, device=dev)
     ours.eval()
     hf = hf.to(dev).eval()
-    data = SyntheticBatches(arch=arch, vocab_size=dims["vocab_size"], seq_len=seq, micro_batch=batch,
-                            grad_accum=1, mask_prob=0.15, seed=7, rank=0, world_size=1, device=dev)
+    data = SyntheticBatches(
+        arch=arch,
+        vocab_size=dims["vocab_size"],
+        seq_len=seq,
+        micro_batch=batch,
+        grad_accum=1,
+        mask_prob=0.15,
+        seed=7,
+        rank=0,
+        world_size=1,
+        device=dev,
+    )
     b = data.batch(1)
     if arch == "bert":
-        hf_in = {"input_ids": b["input_ids"],
-                 "labels": torch.full_like(b["input_ids"], -100).scatter(1, b["mask_pos"], b["labels"])}
+        hf_in = {
+            "input_ids": b["input_ids"],
+            "labels": torch.full_like(b["input_ids"], -100).scatter(1, b["mask_pos"], b["labels"]),
+        }
     else:
         tokens = torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1)
         hf_in = {"input_ids": tokens, "labels": tokens}
@@ -68,16 +84,21 @@ def compare(folder: Path, hf: torch.nn.Module, *, arch: str, seq: int, batch: in
         with torch.autocast("cuda", dtype=torch.bfloat16):
             hf_logits, hf_loss = hf_out()
             our_logits, our_loss = ours.logits(b["input_ids"]), ours(**b)
-    return {"fp32": fp32_err, "ours_bf16": rel_err(our_logits, ref_logits),
-            "hf_bf16": rel_err(hf_logits, ref_logits),
-            "ours_loss": abs(float(our_loss) - float(ref_loss)) / float(ref_loss),
-            "hf_loss": abs(float(hf_loss) - float(ref_loss)) / float(ref_loss)}
+    return {
+        "fp32": fp32_err,
+        "ours_bf16": rel_err(our_logits, ref_logits),
+        "hf_bf16": rel_err(hf_logits, ref_logits),
+        "ours_loss": abs(float(our_loss) - float(ref_loss)) / float(ref_loss),
+        "hf_loss": abs(float(hf_loss) - float(ref_loss)) / float(ref_loss),
+    }
 
 
 def check(errors: dict[str, float]) -> None:
     print(errors)
     assert errors["fp32"] < 1e-4, errors
-    assert errors["ours_bf16"] < 2e-2 and errors["ours_bf16"] <= 2 * errors["hf_bf16"] + 1e-3, errors
+    assert errors["ours_bf16"] < 2e-2 and errors["ours_bf16"] <= 2 * errors["hf_bf16"] + 1e-3, (
+        errors
+    )
     assert errors["ours_loss"] < 1e-2, errors
 
 
@@ -110,15 +131,28 @@ def test_fsdp_on_the_gpu_loads_the_folder_exactly(tmp_path, monkeypatch, cpu_off
 
     save_bert(tmp_path / "bert")
     file = tmp_path / "job.yaml"
-    file.write_text(yaml.safe_dump({
-        "name": "gpu-load", "model": {"init_from": str(tmp_path / "bert")}, "data": {"seq_len": 16},
-        "train": {"steps": 2, "warmup_steps": 1},
-        "parallel": {"strategy": "fsdp", "fsdp": {"cpu_offload": cpu_offload}},
-        "resources": {"device": "cuda", "nproc_per_node": 1}}))
+    file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "gpu-load",
+                "model": {"init_from": str(tmp_path / "bert")},
+                "data": {"seq_len": 16},
+                "train": {"steps": 2, "warmup_steps": 1},
+                "parallel": {"strategy": "fsdp", "fsdp": {"cpu_offload": cpu_offload}},
+                "resources": {"device": "cuda", "nproc_per_node": 1},
+            }
+        )
+    )
     job = load_job(file)
     # A world of one in this process, restored afterwards.
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(key, value)
     trainer = Trainer(job)
     try:

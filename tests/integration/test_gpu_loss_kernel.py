@@ -17,12 +17,18 @@ from fixtures.numerics import ulp_bf16
 from launcher.train import fused
 from launcher.train.loss import linear_cross_entropy, loss_and_dlogits
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
-@pytest.mark.parametrize("rows,cols,classes", [(333, 50304, 50304), (200, 30528, 30522), (64, 1000, 1000)])
-@pytest.mark.parametrize("config", [None, {"BLOCK": None, "num_warps": 16}], ids=["chunked", "whole-row"])
+@pytest.mark.parametrize(
+    "rows,cols,classes", [(333, 50304, 50304), (200, 30528, 30522), (64, 1000, 1000)]
+)
+@pytest.mark.parametrize(
+    "config", [None, {"BLOCK": None, "num_warps": 16}], ids=["chunked", "whole-row"]
+)
 def test_loss_kernel_is_the_reference_rounded_once(rows, cols, classes, config):
     torch.manual_seed(0)
     z = (torch.randn(rows, cols, device="cuda") * 4).to(torch.bfloat16)

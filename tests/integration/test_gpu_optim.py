@@ -13,8 +13,10 @@ import pytest
 import torch
 from fixtures.optim_cases import BETAS, LR, bf16_grads, build, fp32_params, groups
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 SHAPES = [(50304, 64), (768,), (3, 1030), (2304, 768), (7,)]
 
@@ -31,7 +33,9 @@ def grads(step: int):
 def test_kernel_matches_the_reference_and_torch_adamw(clip):
     params, masters, opt = make(kernels=True)
     ref_params, ref_masters, ref_opt = make(kernels=False)
-    fp32 = fp32_params(SHAPES, device="cuda")  # the same initial values, trained by torch's fused AdamW
+    fp32 = fp32_params(
+        SHAPES, device="cuda"
+    )  # the same initial values, trained by torch's fused AdamW
     torch_opt = torch.optim.AdamW(groups(fp32), lr=LR, betas=BETAS, fused=True)
     for step in range(1, 6):
         for group in (params, ref_params, fp32):
@@ -47,7 +51,9 @@ def test_kernel_matches_the_reference_and_torch_adamw(clip):
         ref_opt.step()
         torch_opt.step()
         for p, q, r in zip(params, ref_params, fp32, strict=True):
-            torch.testing.assert_close(masters.master_of(p), ref_masters.master_of(q), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(
+                masters.master_of(p), ref_masters.master_of(q), rtol=1e-6, atol=1e-7
+            )
             torch.testing.assert_close(masters.master_of(p), r.detach(), rtol=1e-5, atol=1e-6)
             assert torch.equal(p.detach(), masters.master_of(p).bfloat16())  # rounded to nearest
             assert p.dtype == torch.bfloat16
@@ -64,7 +70,9 @@ def test_gradient_table_follows_new_addresses():
         opt.step()
         ref_opt.step()
     for p, q in zip(params, ref_params, strict=True):
-        torch.testing.assert_close(masters.master_of(p), ref_masters.master_of(q), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            masters.master_of(p), ref_masters.master_of(q), rtol=1e-6, atol=1e-7
+        )
 
 
 def test_noncontiguous_gradient_is_refused():
@@ -74,4 +82,3 @@ def test_noncontiguous_gradient_is_refused():
     params[3].grad = params[3].grad.t().contiguous().t()
     with pytest.raises(RuntimeError, match="contiguous"):
         opt.step()
-

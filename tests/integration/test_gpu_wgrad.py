@@ -13,8 +13,10 @@ from launcher.spec.job import ModelSpec
 from launcher.train import wgrad
 from launcher.train.model import build_model
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 # GPT-2 124M's four block linears (dY columns, X columns) at 4096 tokens, 3 layers
 SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
@@ -29,9 +31,9 @@ def tensors(n: int, k: int, *, dtype=torch.bfloat16, seed: int = 0):
 
 def assert_products(out, dys, xs):
     for i, (dy, x) in enumerate(zip(dys, xs, strict=True)):
-        ref = (dy.t().float() @ x.float())
+        ref = dy.t().float() @ x.float()
         # bf16 outputs of fp32 sums: within a rounding step of the exact product's bf16
-        torch.testing.assert_close(out[i].float(), ref, rtol=2 ** -7, atol=1e-2)
+        torch.testing.assert_close(out[i].float(), ref, rtol=2**-7, atol=1e-2)
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
@@ -49,7 +51,9 @@ def test_tensors_cublas_cannot_take_go_one_by_one():
     odd = [torch.empty(4096, 769, device="cuda", dtype=torch.bfloat16)[:, 1:].copy_(x) for x in xs]
     out = torch.empty(3, 768, 768, device="cuda", dtype=torch.bfloat16)
     assert not wgrad._cublas_batched(dys, odd, out)  # every row 2 bytes off alignment
-    assert not wgrad._cublas_batched(dys, [x.float() for x in xs], out)  # another dtype than the output's
+    assert not wgrad._cublas_batched(
+        dys, [x.float() for x in xs], out
+    )  # another dtype than the output's
     assert_products(torch.ops.launcher.batched_wgrad(dys, odd), dys, xs)
 
 
@@ -73,7 +77,9 @@ def test_a_captured_call_replays_on_the_tensors_new_values():
 
 def test_the_compiled_backward_batches_and_its_gradients_agree():
     torch.manual_seed(0)
-    model = build_model(ModelSpec(arch="gpt", size="mini", bias=False, vocab_size=512, max_positions=128))
+    model = build_model(
+        ModelSpec(arch="gpt", size="mini", bias=False, vocab_size=512, max_positions=128)
+    )
     model = model.to("cuda", torch.bfloat16)
     reference = copy.deepcopy(model)
     batching = wgrad.WeightGradBatching()
@@ -81,9 +87,11 @@ def test_the_compiled_backward_batches_and_its_gradients_agree():
     reference.compile()
     g = torch.Generator(device="cuda").manual_seed(1)
     ids, labels = (torch.randint(0, 512, (8, 128), device="cuda", generator=g) for _ in range(2))
-    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would skip the pass
+    with torch._inductor.config.patch(
+        force_disable_caches=True
+    ):  # a cached graph would skip the pass
         for m in (model, reference):
             m(ids, labels).backward()
     assert batching.groups == 4
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=2 ** -6, atol=1e-4, msg=name)
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=2**-6, atol=1e-4, msg=name)

@@ -23,7 +23,9 @@ EXAMPLE = ROOT / "examples" / "hf_finetune"
 
 
 def run(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -42,18 +44,26 @@ def test_the_example_fine_tunes_a_local_bert_folder_and_exports_it(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 2
     assert all(r["data_wait_pct"] is not None and r["steps"] == 40 for r in summary["ranks"])
-    losses = [r["loss"] for r in read_records(run_dir / "metrics" / "rank0.jsonl") if r["type"] == "step"]
+    losses = [
+        r["loss"] for r in read_records(run_dir / "metrics" / "rank0.jsonl") if r["type"] == "step"
+    ]
     assert losses[-1] < losses[0] - 0.5, losses
     assert (tmp_path / "assets" / "cache").is_dir()  # tokenized once, next to the assets
 
     out = tmp_path / "exported"
     run("-m", "launcher", "export", str(run_dir), "--out", str(out), cwd=tmp_path)
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
-                                               "tokenizer_config.json"}
+    assert {p.name for p in out.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     pytest.importorskip("transformers", reason="checks the export with transformers (test extra)")
-    check = ("from transformers import AutoModelForMaskedLM, AutoTokenizer; import sys; "
-             "m = AutoModelForMaskedLM.from_pretrained(sys.argv[1]); t = AutoTokenizer.from_pretrained(sys.argv[1]); "
-             "ids = t('the cat sees a red house', return_tensors='pt'); "
-             "print(type(m).__name__, tuple(m(**ids).logits.shape))")
+    check = (
+        "from transformers import AutoModelForMaskedLM, AutoTokenizer; import sys; "
+        "m = AutoModelForMaskedLM.from_pretrained(sys.argv[1]); t = AutoTokenizer.from_pretrained(sys.argv[1]); "
+        "ids = t('the cat sees a red house', return_tensors='pt'); "
+        "print(type(m).__name__, tuple(m(**ids).logits.shape))"
+    )
     done = run("-c", check, str(out), cwd=tmp_path)
     assert done.stdout.split()[0] == "BertForMaskedLM"

@@ -19,10 +19,26 @@ import yaml
 from fixtures.launching import env_of, kill, processes, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ("--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.log_every=2",
-         "--set", "train.lr_warmup_steps=2")
-SLOW = ("--set", "train.steps=100000", "--set", "train.warmup_steps=2", "--set", "train.log_every=1",
-        "--set", "train.lr_warmup_steps=2")
+QUICK = (
+    "--set",
+    "train.steps=6",
+    "--set",
+    "train.warmup_steps=2",
+    "--set",
+    "train.log_every=2",
+    "--set",
+    "train.lr_warmup_steps=2",
+)
+SLOW = (
+    "--set",
+    "train.steps=100000",
+    "--set",
+    "train.warmup_steps=2",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.lr_warmup_steps=2",
+)
 
 
 class Jobs:
@@ -31,13 +47,26 @@ class Jobs:
     def __init__(self, state: Path, cwd: Path):
         self.cwd = cwd
         self.mark = uuid.uuid4().hex
-        self.env = {**os.environ, "LAUNCHER_STATE_DIR": str(state), "RAY_USAGE_STATS_ENABLED": "0",
-                    "PYTHONUNBUFFERED": "1", "LAUNCHER_TEST_MARK": self.mark,
-                    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        self.env = {
+            **os.environ,
+            "LAUNCHER_STATE_DIR": str(state),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "PYTHONUNBUFFERED": "1",
+            "LAUNCHER_TEST_MARK": self.mark,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+            ),
+        }
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=self.cwd, env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "launcher", *args],
+            cwd=self.cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def submit(self, *args: str) -> dict:
         result = self.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--json", *args)
@@ -49,7 +78,9 @@ class Jobs:
         assert result.returncode == 0, result.stdout + result.stderr
         return json.loads(result.stdout)
 
-    def wait_status(self, job_id: str, wanted: set[str], timeout: float, seen: list | None = None) -> dict:
+    def wait_status(
+        self, job_id: str, wanted: set[str], timeout: float, seen: list | None = None
+    ) -> dict:
         def check():
             state = self.status(job_id)
             if seen is not None:
@@ -68,7 +99,9 @@ def job_processes(job_id: str) -> dict[int, str]:
     out = {}
     for pid, cmd in processes().items():
         env = env_of(pid)
-        if env.get("LAUNCHER_RUN_ID") == job_id or job_id in env.get("RAY_JOB_CONFIG_JSON_ENV_VAR", ""):
+        if env.get("LAUNCHER_RUN_ID") == job_id or job_id in env.get(
+            "RAY_JOB_CONFIG_JSON_ENV_VAR", ""
+        ):
             out[pid] = cmd
     return out
 
@@ -84,9 +117,13 @@ def assert_job_gone(job_id: str, wait_s: float = 20.0) -> None:
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("jobs")
     runner = Jobs(root / "state", root)
-    started = subprocess.run([sys.executable, "-c", "from launcher.jobs.head import local_head; "
-                              "local_head(start=True)"], env=runner.env, capture_output=True, text=True,
-                             timeout=180)
+    started = subprocess.run(
+        [sys.executable, "-c", "from launcher.jobs.head import local_head; local_head(start=True)"],
+        env=runner.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     try:
         assert started.returncode == 0, started.stderr[-3000:]
         yield runner
@@ -95,8 +132,13 @@ def jobs(tmp_path_factory):
         head = runner.head() if (root / "state/local/head.json").exists() else None
         # Ray's per-job watcher (`while kill -s 0 <supervisor>; do sleep 1; ...`) ends within 1 s.
         deadline = time.monotonic() + 10
-        while (left := {pid: cmd for pid, cmd in processes().items()
-                        if env_of(pid).get("LAUNCHER_TEST_MARK") == runner.mark}) and time.monotonic() < deadline:
+        while (
+            left := {
+                pid: cmd
+                for pid, cmd in processes().items()
+                if env_of(pid).get("LAUNCHER_TEST_MARK") == runner.mark
+            }
+        ) and time.monotonic() < deadline:
             time.sleep(0.5)
         kill(list(left))
         assert down.returncode == 0, down.stdout + down.stderr
@@ -111,17 +153,36 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     assert jobs.run("list", "--json").returncode == 0
     baseline = time.monotonic() - began
     # The submitter is SIGKILLed as soon as it has printed the job id: the job does not need it.
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(ROOT / "jobs/quickstart.yaml"),
-                             "--json", "--skip-parity", *QUICK], cwd=jobs.cwd, env=jobs.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "submit",
+            str(ROOT / "jobs/quickstart.yaml"),
+            "--json",
+            "--skip-parity",
+            *QUICK,
+        ],
+        cwd=jobs.cwd,
+        env=jobs.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     started = time.monotonic()
     first = proc.stdout.readline()
     took = time.monotonic() - started
     proc.kill()
     proc.wait(timeout=10)
     submitted = json.loads(first)
-    assert set(submitted) == {"job_id", "name", "cluster", "run_dir"} and submitted["name"] == "quickstart"
-    assert took < baseline + 5.0, f"the job id came after {took:.1f} s (a `launch list`: {baseline:.1f} s)"
+    assert (
+        set(submitted) == {"job_id", "name", "cluster", "run_dir"}
+        and submitted["name"] == "quickstart"
+    )
+    assert took < baseline + 5.0, (
+        f"the job id came after {took:.1f} s (a `launch list`: {baseline:.1f} s)"
+    )
     job_id = submitted["job_id"]
 
     seen: list[str] = []
@@ -133,7 +194,11 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
 
     logs = jobs.run("logs", job_id)
     assert logs.returncode == 0
-    assert "[local/rank0] step 6/6" in logs.stdout and "Per rank" in logs.stdout and "Job" in logs.stdout
+    assert (
+        "[local/rank0] step 6/6" in logs.stdout
+        and "Per rank" in logs.stdout
+        and "Job" in logs.stdout
+    )
     assert "::launcher-state::" not in logs.stdout
     listed = json.loads(jobs.run("list", "--json").stdout)
     mine = next(r for r in listed if r["job_id"] == job_id)
@@ -159,7 +224,9 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
 
 def test_stop_tears_down_within_15_s(jobs):
     job_id = jobs.submit(*SLOW)["job_id"]  # with the preflight, as a real submit
-    wait_for(lambda: jobs.status(job_id)["step"], timeout=180, what="the slow job's first step", poll=0.5)
+    wait_for(
+        lambda: jobs.status(job_id)["step"], timeout=180, what="the slow job's first step", poll=0.5
+    )
     assert job_processes(job_id), "no worker of the job found while it runs"
 
     busy = jobs.run("down")  # a running job: down refuses without --yes
@@ -193,8 +260,12 @@ def test_two_all_cpu_jobs_run_one_after_the_other(jobs):
     wait_for(second_waits, timeout=180, what="the second job pending, held by the first", poll=0.5)
     # A third one queues behind the second; stopped while it waits, it ends STOPPED at once.
     third = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
-    wait_for(lambda: "queued behind job " + second in jobs.run("status", third).stdout, timeout=60,
-             what="the third job queued behind the second", poll=0.5)
+    wait_for(
+        lambda: "queued behind job " + second in jobs.run("status", third).stdout,
+        timeout=60,
+        what="the third job queued behind the second",
+        poll=0.5,
+    )
     assert jobs.run("stop", third, timeout=60).returncode == 0
     assert jobs.status(third)["status"] == "STOPPED"
     waited = json.loads((Path(jobs.status(third)["run_dir"]) / "summary.json").read_text())
@@ -212,11 +283,15 @@ def test_two_all_cpu_jobs_run_one_after_the_other(jobs):
 
 def test_driver_killed_fails_within_30_s_and_leaves_no_worker(jobs):
     job_id = jobs.submit("--skip-parity", *SLOW)["job_id"]
-    wait_for(lambda: jobs.status(job_id)["step"], timeout=180, what="the slow job's first step", poll=0.5)
+    wait_for(
+        lambda: jobs.status(job_id)["step"], timeout=180, what="the slow job's first step", poll=0.5
+    )
     drivers = [pid for pid, cmd in job_processes(job_id).items() if "launcher.jobs.driver" in cmd]
     assert len(drivers) == 1, job_processes(job_id)
     os.kill(drivers[0], signal.SIGKILL)
-    state = jobs.wait_status(job_id, {"FAILED", "STOPPED", "SUCCEEDED"}, timeout=30)  # seen by a poll begun within 30 s
+    state = jobs.wait_status(
+        job_id, {"FAILED", "STOPPED", "SUCCEEDED"}, timeout=30
+    )  # seen by a poll begun within 30 s
     assert state["status"] == "FAILED", state
     assert "exit code -9" in state["failure"]["reason"], state["failure"]
     assert_job_gone(job_id, wait_s=30)
@@ -229,12 +304,16 @@ def test_bad_input(jobs, tmp_path):
     # no launcher Ray at all (another state dir): status says so and exits 0
     empty = Jobs(tmp_path / "empty-state", tmp_path)
     result = empty.run("status")
-    assert result.returncode == 0 and "no jobs: nothing was submitted on this cluster" in result.stdout
+    assert (
+        result.returncode == 0 and "no jobs: nothing was submitted on this cluster" in result.stdout
+    )
     assert empty.run("logs", "x").returncode == 2
     assert "nothing to stop" in empty.run("down").stdout
     # a failed preflight submits nothing (exit 3): a node with 4 GPUs declared, none found
     cluster = tmp_path / "gpu-cluster.yaml"
-    cluster.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost", "gpus": 4}]}))
+    cluster.write_text(
+        yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost", "gpus": 4}]})
+    )
     before = {r["job_id"] for r in json.loads(jobs.run("list", "--json").stdout)}
     failed = jobs.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--cluster", str(cluster))
     assert failed.returncode == 3, failed.stdout[-2000:] + failed.stderr[-2000:]
@@ -252,8 +331,9 @@ def test_jobs_api_needs_the_token(jobs):
     assert api_status(url, token) == 200
     assert oct(Path(head["token_file"]).stat().st_mode & 0o777) == "0o600"
     # bound to 127.0.0.1 only
-    listening = subprocess.run(["ss", "-ltnH", f"sport = :{head['dashboard_port']}"], capture_output=True,
-                               text=True).stdout
+    listening = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{head['dashboard_port']}"], capture_output=True, text=True
+    ).stdout
     assert listening and all("127.0.0.1:" in line for line in listening.splitlines()), listening
 
 
@@ -262,16 +342,35 @@ def test_attached_cluster_at_its_jobs_address(jobs, tmp_path):
     # ray.address and ray.jobs_address given, Ray's own token from RAY_AUTH_TOKEN_PATH.
     head = jobs.head()
     cluster = tmp_path / "attached.yaml"
-    cluster.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost"}], "ray": {
-        "address": f"127.0.0.1:{head['gcs_port']}", "jobs_address": f"http://127.0.0.1:{head['dashboard_port']}"}}))
+    cluster.write_text(
+        yaml.safe_dump(
+            {
+                "nodes": [{"name": "local", "host": "localhost"}],
+                "ray": {
+                    "address": f"127.0.0.1:{head['gcs_port']}",
+                    "jobs_address": f"http://127.0.0.1:{head['dashboard_port']}",
+                },
+            }
+        )
+    )
     attached = Jobs(tmp_path / "no-state", tmp_path)  # no launcher state: nothing of ours is used
     attached.env["RAY_AUTH_TOKEN_PATH"] = head["token_file"]
-    result = attached.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--cluster", str(cluster), "--json",
-                          "--skip-parity", *QUICK)
+    result = attached.run(
+        "submit",
+        str(ROOT / "jobs/quickstart.yaml"),
+        "--cluster",
+        str(cluster),
+        "--json",
+        "--skip-parity",
+        *QUICK,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     job_id = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
+
     def ended() -> dict | None:
-        state = json.loads(attached.run("status", job_id, "--cluster", str(cluster), "--json").stdout)
+        state = json.loads(
+            attached.run("status", job_id, "--cluster", str(cluster), "--json").stdout
+        )
         return state if state["status"] in ("SUCCEEDED", "FAILED", "STOPPED") else None
 
     state = wait_for(ended, timeout=180, what="the attached job to end", poll=1.0)
@@ -294,17 +393,27 @@ def test_ctrl_c_while_the_head_starts_leaves_no_head_behind(tmp_path):
     def head_processes() -> list[int]:
         return [pid for pid in processes() if env_of(pid).get("RAY_AUTH_TOKEN_PATH") == token]
 
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(ROOT / "jobs/quickstart.yaml")],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "submit", str(ROOT / "jobs/quickstart.yaml")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(head_processes, timeout=60, what="the head's first process", proc=proc)
-        assert not (state / "local/head.json").exists(), "the head was up before the signal: no test"
+        assert not (state / "local/head.json").exists(), (
+            "the head was up before the signal: no test"
+        )
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=90)
         assert proc.returncode == 130, err[-3000:]
         assert "Traceback" not in err
         assert not (state / "local/head.json").exists()
-        wait_for(lambda: not head_processes(), timeout=30, what="the half-started head to be stopped")
+        wait_for(
+            lambda: not head_processes(), timeout=30, what="the half-started head to be stopped"
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -23,25 +23,39 @@ ROOT = Path(__file__).resolve().parents[2]
 def ended_succeeded(job_id: str, follow_output: str) -> bool:
     """``logs --follow`` saw the job end, or (a short job) found it ended already: either way
     it printed the whole log first."""
-    return re.search(rf"job {job_id} (ended: SUCCEEDED|has ended \(SUCCEEDED\))", follow_output) is not None
+    return (
+        re.search(rf"job {job_id} (ended: SUCCEEDED|has ended \(SUCCEEDED\))", follow_output)
+        is not None
+    )
 
 
 def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(
         tmp_path / "cluster.yaml",
-        nodes={name: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for name in cluster.node_names})
+        nodes={name: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for name in cluster.node_names},
+    )
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"]["nproc_per_node"] = 1
     job["train"].update(steps=6, warmup_steps=2, log_every=2, lr_warmup_steps=2)
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
-    env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "LAUNCHER_STATE_DIR": str(tmp_path / "state"),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
 
     def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "launcher", *args, "--cluster", str(cluster_file)],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "launcher", *args, "--cluster", str(cluster_file)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     head = cluster.node_names[0]
     try:
@@ -56,7 +70,11 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         assert f"[{head}/rank0] step 6/6" in follow.stdout and "Per rank" in follow.stdout
         assert ended_succeeded(job_id, follow.stdout), follow.stdout[-3000:]
         state = json.loads(launch("status", job_id, "--json").stdout)
-        assert state["status"] == "SUCCEEDED" and state["world_size"] == 2 and state["tokens_per_s"] > 0
+        assert (
+            state["status"] == "SUCCEEDED"
+            and state["world_size"] == 2
+            and state["tokens_per_s"] > 0
+        )
 
         assert not Path(run_dir).exists()
         fetched = tmp_path / "fetched"
@@ -64,22 +82,41 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
         summary = json.loads((fetched / "summary.json").read_text())
         assert summary["status"] == "succeeded" and summary["nodes"] == 2
-        assert {r["host"] for r in summary["ranks"]} == {cluster.host(n) for n in cluster.node_names}
+        assert {r["host"] for r in summary["ranks"]} == {
+            cluster.host(n) for n in cluster.node_names
+        }
         for rank, node in enumerate(cluster.node_names):
             assert (fetched / f"logs/{node}/rank{rank}.log").stat().st_size > 0
             assert (fetched / f"preflight/{node}.json").is_file()  # the preflight made outside
-        report = subprocess.run([sys.executable, "-m", "launcher", "report", str(fetched)], env=env,
-                                capture_output=True, text=True, timeout=60)
+        report = subprocess.run(
+            [sys.executable, "-m", "launcher", "report", str(fetched)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert report.returncode == 0 and "Per node" in report.stdout
 
         # The Jobs API listens on the head's 127.0.0.1 only, and wants the token.
-        check = subprocess.run([sys.executable, "-c", (
-            "import sys; from launcher.jobs.api import connect; from launcher.jobs.head import api_status;"
-            "from launcher.spec import load_cluster\n"
-            f"with connect(load_cluster({str(cluster_file)!r})) as jobs:\n"
-            "    print(api_status(jobs.url, None), api_status(jobs.url, '0' * 64))")],
-            env=env, capture_output=True, text=True, timeout=60)
-        assert check.stdout.split()[0] == "401" and check.stdout.split()[1] in ("401", "403"), check.stderr
+        check = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import sys; from launcher.jobs.api import connect; from launcher.jobs.head import api_status;"
+                    "from launcher.spec import load_cluster\n"
+                    f"with connect(load_cluster({str(cluster_file)!r})) as jobs:\n"
+                    "    print(api_status(jobs.url, None), api_status(jobs.url, '0' * 64))"
+                ),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert check.stdout.split()[0] == "401" and check.stdout.split()[1] in ("401", "403"), (
+            check.stderr
+        )
         bound = cluster.exec(head, "ss -ltnH 'sport = :8265'").stdout
         assert bound and all("127.0.0.1:8265" in line for line in bound.splitlines()), bound
         # the token never reached a command line or the launcher's output
@@ -93,8 +130,10 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
     assert not list((tmp_path / "state/clusters").glob("*.json"))
     for node in cluster.node_names:
-        left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                for pid in cluster.pids(node)]
+        left = [
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for pid in cluster.pids(node)
+        ]
         assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
 
 
@@ -105,7 +144,9 @@ def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> No
     job_file = project(tmp_path)
     workdir = job_file.parent
     (workdir / ".gitignore").write_text("data/\n")  # the job's excludes decide, not a .gitignore
-    submitted = launch("submit", str(job_file), "--run-dir", f"/tmp/scriptrun-{uuid.uuid4().hex[:8]}", "--json")
+    submitted = launch(
+        "submit", str(job_file), "--run-dir", f"/tmp/scriptrun-{uuid.uuid4().hex[:8]}", "--json"
+    )
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
     follow = launch("logs", job_id, "--follow")
@@ -116,14 +157,23 @@ def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> No
     assert set(lines) == {0, 1}, follow.stdout[-3000:]
     for cwd, greeting, helper, data, total in lines.values():
         assert cwd != str(workdir)  # a copy on the node
-        assert (greeting, helper, data, total) == ("configured", "helper-v1", "relative-data", str(2 * 13))
+        assert (greeting, helper, data, total) == (
+            "configured",
+            "helper-v1",
+            "relative-data",
+            str(2 * 13),
+        )
     assert json.loads((fetched / "plan.json").read_text())["code"]["mode"] == "ray"
     assert not (workdir / "out").exists()  # the outputs stay in the nodes' copies
     for node in cluster.node_names:
-        assert cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
+        assert (
+            cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
+        )
 
 
-def a_failed_second_start_leaves_ray_running(launch, cluster, tmp_path: Path, job_file: Path, job_id: str) -> None:
+def a_failed_second_start_leaves_ray_running(
+    launch, cluster, tmp_path: Path, job_file: Path, job_id: str
+) -> None:
     """A submit that cannot reach the head over SSH keeps the record and starts nothing; one that
     finds no token on the head starts Ray again, finds Ray's port taken and stops nothing: the
     Ray that runs there, and its jobs, go on."""
@@ -142,11 +192,15 @@ def a_failed_second_start_leaves_ray_running(launch, cluster, tmp_path: Path, jo
     cluster.exec(head, "mv /root/.ray/launcher_auth_token /root/.ray/kept-token", check=True)
     try:
         failed = launch("submit", str(job_file), "--json")
-        assert failed.returncode == 3 and "is in use: a Ray runs there" in failed.stderr, failed.stderr[-2000:]
+        assert failed.returncode == 3 and "is in use: a Ray runs there" in failed.stderr, (
+            failed.stderr[-2000:]
+        )
     finally:
         cluster.exec(head, "mv /root/.ray/kept-token /root/.ray/launcher_auth_token", check=True)
     state = launch("status", job_id, "--json")
-    assert state.returncode == 0 and json.loads(state.stdout)["status"] == "SUCCEEDED", state.stderr[-2000:]
+    assert state.returncode == 0 and json.loads(state.stdout)["status"] == "SUCCEEDED", (
+        state.stderr[-2000:]
+    )
 
 
 def a_stopped_ray_is_said_not_to_answer(launch, cluster, job_id: str) -> None:
@@ -161,4 +215,6 @@ def a_stopped_ray_is_said_not_to_answer(launch, cluster, job_id: str) -> None:
     for args in (("status", job_id), ("list",), ("down",)):
         result = launch(*args, timeout=90)
         assert result.returncode == 3, (args, result.stdout[-2000:], result.stderr[-2000:])
-        assert "does not answer" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert "does not answer" in result.stderr and "Traceback" not in result.stderr, (
+            result.stderr[-2000:]
+        )

@@ -15,21 +15,42 @@ import yaml
 from fixtures.launching import assert_none_left, env_of, kill, matching, processes
 
 ROOT = Path(__file__).resolve().parents[2]
-SUMMARY_RANK_KEYS = {"rank", "node", "host", "local_rank", "device", "steps", "step_time_ms_p50",
-                     "step_time_ms_p95", "samples_per_s", "tokens_per_s", "tflops", "mfu",
-                     "peak_mem_gib", "data_wait_pct"}
+SUMMARY_RANK_KEYS = {
+    "rank",
+    "node",
+    "host",
+    "local_rank",
+    "device",
+    "steps",
+    "step_time_ms_p50",
+    "step_time_ms_p95",
+    "samples_per_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_gib",
+    "data_wait_pct",
+}
 
 
 def launch(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def custom_job(tmp_path: Path, *script_args: str, **extra) -> Path:
-    job = {"name": "custom", "resources": {"nproc_per_node": 2, "device": "cpu"},
-           "precision": {"dtype": "fp32"},
-           "entrypoint": {"script": str(ROOT / "examples/custom_train.py"), "args": list(script_args)},
-           **extra}
+    job = {
+        "name": "custom",
+        "resources": {"nproc_per_node": 2, "device": "cpu"},
+        "precision": {"dtype": "fp32"},
+        "entrypoint": {"script": str(ROOT / "examples/custom_train.py"), "args": list(script_args)},
+        **extra,
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -42,9 +63,20 @@ def test_quickstart_end_to_end(tmp_path):
     result = launch(str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Per rank" in result.stdout
-    for name in ("job.yaml", "cluster.yaml", "plan.json", "preflight/parity.txt", "preflight/local.json",
-                 "logs/local/rank0.log", "logs/local/rank1.log", "metrics/rank0.jsonl",
-                 "metrics/rank1.jsonl", "summary.json", "summary.csv", "summary.txt"):
+    for name in (
+        "job.yaml",
+        "cluster.yaml",
+        "plan.json",
+        "preflight/parity.txt",
+        "preflight/local.json",
+        "logs/local/rank0.log",
+        "logs/local/rank1.log",
+        "metrics/rank0.jsonl",
+        "metrics/rank1.jsonl",
+        "summary.json",
+        "summary.csv",
+        "summary.txt",
+    ):
         assert (run_dir / name).is_file(), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 2 and summary["nodes"] == 1
@@ -64,7 +96,9 @@ def test_quickstart_end_to_end(tmp_path):
     assert_none_left(before, marker=run_dir.name)
     # the same --run-dir again: refused (exit 2) before anything starts, the first run untouched
     kept = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    again = launch(str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT, timeout=60)
+    again = launch(
+        str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT, timeout=60
+    )
     assert again.returncode == 2, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"--run-dir {run_dir} is not empty" in again.stderr and "Traceback" not in again.stderr
     assert "Pick a new folder" in again.stderr and again.stderr.count("\n") == 1
@@ -79,10 +113,23 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
     before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
     with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "launcher", str(ROOT / "jobs/quickstart.yaml"),
-                                 "--run-dir", str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "launcher",
+                str(ROOT / "jobs/quickstart.yaml"),
+                "--run-dir",
+                str(run_dir),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
         try:
-            assert proc.stdout is not None and proc.stdout.readline()  # the parity table's first line
+            assert (
+                proc.stdout is not None and proc.stdout.readline()
+            )  # the parity table's first line
             proc.stdout.close()
             code = proc.wait(timeout=240)
         finally:
@@ -91,13 +138,23 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
     stderr = (tmp_path / "stderr").read_text()
     assert code == 0, stderr[-3000:]
     assert "Broken pipe" not in stderr and "could not" not in stderr and "Traceback" not in stderr
-    for name in ("plan.json", "logs/local/rank0.log", "logs/local/rank1.log", "metrics/rank0.jsonl",
-                 "metrics/rank1.jsonl", "summary.json", "summary.csv", "summary.txt"):
+    for name in (
+        "plan.json",
+        "logs/local/rank0.log",
+        "logs/local/rank1.log",
+        "metrics/rank0.jsonl",
+        "metrics/rank1.jsonl",
+        "summary.json",
+        "summary.csv",
+        "summary.txt",
+    ):
         assert (run_dir / name).is_file(), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["failure"] is None
     assert [r["steps"] for r in summary["ranks"]] == [30, 30]
-    assert "step 30" in (run_dir / "logs/local/rank0.log").read_text()  # rank 0's lines, the shown ones, kept
+    assert (
+        "step 30" in (run_dir / "logs/local/rank0.log").read_text()
+    )  # rank 0's lines, the shown ones, kept
     assert_none_left(before, marker=run_dir.name)
 
 
@@ -105,11 +162,18 @@ def test_failing_rank_stops_everything_and_is_named(tmp_path):
     before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
     start = time.monotonic()
-    result = launch(str(custom_job(tmp_path, "--steps", "4000", "--fail-at", "30")),
-                    "--skip-parity", "--run-dir", str(run_dir), cwd=tmp_path)
+    result = launch(
+        str(custom_job(tmp_path, "--steps", "4000", "--fail-at", "30")),
+        "--skip-parity",
+        "--run-dir",
+        str(run_dir),
+        cwd=tmp_path,
+    )
     took = time.monotonic() - start
     assert result.returncode == 4, result.stderr[-3000:]
-    assert "rank 1 on node local" in result.stderr and "injected failure at step 30" in result.stderr
+    assert (
+        "rank 1 on node local" in result.stderr and "injected failure at step 30" in result.stderr
+    )
     assert took < 60, f"fail-fast took {took:.0f} s"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
@@ -127,10 +191,28 @@ def test_torchrun_that_cannot_start_on_a_node_fails_the_job_naming_the_node(tmp_
     before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
     cluster = tmp_path / "cluster.yaml"
-    cluster.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost",
-                                                  "python": str(tmp_path / "no-such-python")}]}))
-    result = launch(str(custom_job(tmp_path, "--steps", "5")), "--cluster", str(cluster), "--skip-parity",
-                    "--run-dir", str(run_dir), cwd=tmp_path)
+    cluster.write_text(
+        yaml.safe_dump(
+            {
+                "nodes": [
+                    {
+                        "name": "local",
+                        "host": "localhost",
+                        "python": str(tmp_path / "no-such-python"),
+                    }
+                ]
+            }
+        )
+    )
+    result = launch(
+        str(custom_job(tmp_path, "--steps", "5")),
+        "--cluster",
+        str(cluster),
+        "--skip-parity",
+        "--run-dir",
+        str(run_dir),
+        cwd=tmp_path,
+    )
     assert result.returncode == 4, result.stderr[-3000:]
     assert "torchrun could not be started on node local" in result.stderr
     assert "no-such-python" in result.stderr
@@ -143,9 +225,21 @@ def test_torchrun_that_cannot_start_on_a_node_fails_the_job_naming_the_node(tmp_
 def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
     before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", str(custom_job(tmp_path, "--steps", "100000")),
-                             "--skip-parity", "--run-dir", str(run_dir)],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            str(custom_job(tmp_path, "--steps", "100000")),
+            "--skip-parity",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         metrics = run_dir / "metrics/rank0.jsonl"
@@ -172,36 +266,89 @@ def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
 
 def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
     port = 6400 + os.getpid() % 500
-    mark = uuid.uuid4().hex  # in the environment of every process of this test's Ray, workers included
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "LAUNCHER_ATTACH_TEST": mark}
+    mark = (
+        uuid.uuid4().hex
+    )  # in the environment of every process of this test's Ray, workers included
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "token",
+        "LAUNCHER_ATTACH_TEST": mark,
+    }
 
     def ours() -> list[int]:  # only this test's Ray (never `ray stop`: others may run Ray here)
         return [pid for pid in processes() if env_of(pid).get("LAUNCHER_ATTACH_TEST") == mark]
 
     try:
-        started = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", str(port),
-                                  "--include-dashboard=false", "--num-cpus", "3"],
-                                 capture_output=True, text=True, timeout=120, env=env)
+        started = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ray.scripts.scripts",
+                "start",
+                "--head",
+                "--port",
+                str(port),
+                "--include-dashboard=false",
+                "--num-cpus",
+                "3",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert started.returncode == 0, started.stderr
         cluster = tmp_path / "cluster.yaml"
-        ip = subprocess.run([sys.executable, "-c", "import ray._private.services as s; print(s.get_node_ip_address())"],
-                            capture_output=True, text=True, timeout=60).stdout.strip()
-        cluster.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost"}],
-                                           "ray": {"address": f"{ip}:{port}"}}))
+        ip = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import ray._private.services as s; print(s.get_node_ip_address())",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
+        cluster.write_text(
+            yaml.safe_dump(
+                {
+                    "nodes": [{"name": "local", "host": "localhost"}],
+                    "ray": {"address": f"{ip}:{port}"},
+                }
+            )
+        )
         run_dir = tmp_path / f"run-{tmp_path.name}"
-        result = launch(str(custom_job(tmp_path, "--steps", "10")), "--cluster", str(cluster),
-                        "--skip-parity", "--run-dir", str(run_dir), cwd=tmp_path)
+        result = launch(
+            str(custom_job(tmp_path, "--steps", "10")),
+            "--cluster",
+            str(cluster),
+            "--skip-parity",
+            "--run-dir",
+            str(run_dir),
+            cwd=tmp_path,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         assert "Attaching to the running Ray" in result.stderr
-        status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", f"{ip}:{port}"],
-                                capture_output=True, text=True, timeout=60, env=env)
+        status = subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "status", "--address", f"{ip}:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert status.returncode == 0, "the attached cluster was stopped"
         alive = processes()
-        assert any("raylet" in alive.get(pid, "") for pid in ours()), "the attached cluster's raylet is gone"
+        assert any("raylet" in alive.get(pid, "") for pid in ours()), (
+            "the attached cluster's raylet is gone"
+        )
     finally:
         kill(ours())
 
 
 def _workers_of(run_id: str) -> list[int]:
-    return [pid for pid, cmd in matching().items()
-            if "custom_train.py" in cmd and env_of(pid).get("LAUNCHER_RUN_ID") == run_id]
+    return [
+        pid
+        for pid, cmd in matching().items()
+        if "custom_train.py" in cmd and env_of(pid).get("LAUNCHER_RUN_ID") == run_id
+    ]

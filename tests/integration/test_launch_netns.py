@@ -21,13 +21,29 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
     )
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"]["nproc_per_node"] = 1
-    job["train"].update(steps=8, warmup_steps=2, log_every=2, profile={"start_step": 4, "steps": 2, "ranks": "all"})
+    job["train"].update(
+        steps=8, warmup_steps=2, log_every=2, profile={"start_step": 4, "steps": 2, "ranks": "all"}
+    )
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
 
-    result = subprocess.run([sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file),
-                             "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=420, cwd=tmp_path)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            str(job_file),
+            "--cluster",
+            str(cluster_file),
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -41,14 +57,20 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
         assert (run_dir / f"metrics/rank{rank}.jsonl").stat().st_size > 0
         assert (run_dir / f"preflight/{node}.json").is_file()
         # train.profile: written in the node's private /tmp, fetched before its workdir went
-        assert (run_dir / f"profile/{node}/rank{rank}.ops.txt").read_text().startswith(f"rank {rank}, steps 4..5:")
+        assert (
+            (run_dir / f"profile/{node}/rank{rank}.ops.txt")
+            .read_text()
+            .startswith(f"rank {rank}, steps 4..5:")
+        )
         assert (run_dir / f"profile/{node}/rank{rank}.trace.json.gz").stat().st_size > 0
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["master_addr"] == cluster.host(cluster.node_names[0])
     # Ray was stopped on both nodes, its token file removed, nothing but sshd left in them
     for node in cluster.node_names:
-        left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                for pid in cluster.pids(node)]
+        left = [
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for pid in cluster.pids(node)
+        ]
         assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
         assert "launcher_auth_token" not in cluster.exec(node, "ls -a $HOME/.ray").stdout
     # the token never reached a command line or a run record

@@ -11,9 +11,19 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
 
 def _ssh(cluster, node: str, command: str) -> subprocess.CompletedProcess[str]:
     argv = [
-        "ssh", "-i", str(cluster.ssh_key), "-o", f"UserKnownHostsFile={cluster.known_hosts}",
-        "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
-        f"root@{cluster.host(node)}", command,
+        "ssh",
+        "-i",
+        str(cluster.ssh_key),
+        "-o",
+        f"UserKnownHostsFile={cluster.known_hosts}",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "ConnectTimeout=5",
+        f"root@{cluster.host(node)}",
+        command,
     ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=30)
 

@@ -48,7 +48,9 @@ def launcher_copy(cluster, name: str = "frozen") -> Path:
     """A copy of the launcher package under the cluster's folder (made once)."""
     root = cluster.dir / f"{name}-launcher"
     if not root.exists():
-        shutil.copytree(REPO / "launcher", root / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            REPO / "launcher", root / "launcher", ignore=shutil.ignore_patterns("__pycache__")
+        )
     return root
 
 
@@ -75,13 +77,23 @@ def fixture_venvs(cluster) -> dict[str, str]:
     pythons = {}
     for version in ("1.0", "2.0"):
         venv = cluster.dir / f"venv-{version}"
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-        site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+            check=True,
+        )
+        site = (
+            venv
+            / "lib"
+            / f"python{sys.version_info.major}.{sys.version_info.minor}"
+            / "site-packages"
+        )
         (site / "parity_fixture").mkdir(parents=True)
         (site / "parity_fixture" / "__init__.py").write_text(f'__version__ = "{version}"\n')
         dist = site / f"parity_fixture-{version}.dist-info"
         dist.mkdir()
-        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: parity-fixture\nVersion: {version}\n")
+        (dist / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: parity-fixture\nVersion: {version}\n"
+        )
         (dist / "INSTALLER").write_text("tests\n")
         pythons[version] = str(venv / "bin" / "python")
     return pythons
@@ -107,14 +119,20 @@ def test_without_ssh_key_the_agents_identity_is_used(cluster, tmp_path, monkeypa
     """No ``ssh.key`` in cluster.yaml: ssh-agent's identities, as the spec documents (the nodes
     accept only the cluster's key, which only the agent holds here)."""
     sock = tmp_path / "agent.sock"
-    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    agent = subprocess.Popen(
+        ["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 10
         while not sock.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        subprocess.run(["ssh-add", str(cluster.ssh_key)], env={"SSH_AUTH_SOCK": str(sock), "PATH": "/usr/bin:/bin"},
-                       check=True, capture_output=True, timeout=10)
+        subprocess.run(
+            ["ssh-add", str(cluster.ssh_key)],
+            env={"SSH_AUTH_SOCK": str(sock), "PATH": "/usr/bin:/bin"},
+            check=True,
+            capture_output=True,
+            timeout=10,
+        )
         monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
         _, spec = write_cluster(cluster, tmp_path, ssh={"key": None})
         assert spec.ssh.key is None
@@ -129,7 +147,10 @@ def test_cli_check(cluster, tmp_path):
     path, _ = write_cluster(cluster, tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "launcher", "check", "--cluster", str(path), "--fast"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "parity OK: 3 nodes agree" in proc.stdout
@@ -137,16 +158,28 @@ def test_cli_check(cluster, tmp_path):
 
 def test_deep_probe_over_ssh_and_the_nccl_interface(cluster, tmp_path):
     _, spec = write_cluster(
-        cluster, tmp_path,
-        nodes={"node0": {"env": {"NCCL_SOCKET_IFNAME": "eth0"}}, "node2": {"env": {"NCCL_SOCKET_IFNAME": "ib"}}},
+        cluster,
+        tmp_path,
+        nodes={
+            "node0": {"env": {"NCCL_SOCKET_IFNAME": "eth0"}},
+            "node2": {"env": {"NCCL_SOCKET_IFNAME": "ib"}},
+        },
     )
     report = run_preflight(spec, deep=True)
     for node in cluster.node_names:
         deep = report.probes[node]["deep"]
         assert deep["cuda_available"] is False and deep["device_count"] == 0, deep
-    assert report.verdict == "parity FAILED: node2: NCCL_SOCKET_IFNAME=ib names no interface here (has eth0, lo)"
+    assert (
+        report.verdict
+        == "parity FAILED: node2: NCCL_SOCKET_IFNAME=ib names no interface here (has eth0, lo)"
+    )
     report.save(tmp_path / "preflight")
-    assert sorted(p.name for p in (tmp_path / "preflight").iterdir()) == ["node0.json", "node1.json", "node2.json", "parity.txt"]
+    assert sorted(p.name for p in (tmp_path / "preflight").iterdir()) == [
+        "node0.json",
+        "node1.json",
+        "node2.json",
+        "parity.txt",
+    ]
 
 
 def test_gpu_job_on_cpu_nodes_and_first_k_nodes(cluster, tmp_path, capsys):
@@ -167,14 +200,17 @@ def test_gpu_job_on_cpu_nodes_and_first_k_nodes(cluster, tmp_path, capsys):
         captured = capsys.readouterr()
         header = next(line for line in captured.out.splitlines() if line.startswith("field"))
         assert header.split() == ["field", "policy", "node0", "node1"]
-        assert "parity FAILED: node0: needs 2 GPUs, has 0; node1: needs 2 GPUs, has 0" in captured.out
+        assert (
+            "parity FAILED: node0: needs 2 GPUs, has 0; node1: needs 2 GPUs, has 0" in captured.out
+        )
         assert "Plan for job" not in captured.out
         assert "error: Preflight failed on 2 of 2 nodes (node0, node1)" in captured.err
 
 
 def test_listed_package_differs_on_a_venv_node(cluster, tmp_path, fixture_venvs, capsys):
     path, spec = write_cluster(
-        cluster, tmp_path,
+        cluster,
+        tmp_path,
         nodes={
             "node0": {"python": str(frozen_python(cluster, fixture_venvs["1.0"]))},
             "node1": {"python": str(frozen_python(cluster, fixture_venvs["1.0"]))},
@@ -188,7 +224,9 @@ def test_listed_package_differs_on_a_venv_node(cluster, tmp_path, fixture_venvs,
     assert row.split()[-3:] == ["1.0", "2.0", "✗"]
     assert report.probes["node2"]["python"]["venv"] is True
     assert check_command(str(path), None, fast=True, as_json=True) == 3
-    cells = next(f for f in json.loads(capsys.readouterr().out)["fields"] if f["field"] == "parity-fixture")["cells"]
+    cells = next(
+        f for f in json.loads(capsys.readouterr().out)["fields"] if f["field"] == "parity-fixture"
+    )["cells"]
     assert cells["node2"] == {"value": "2.0", "mark": "fail"}
 
 
@@ -209,7 +247,8 @@ def test_broken_nodes_are_reported_each_and_the_rest_still_probed(netns_cluster,
     crash = make_script(cluster.dir / "crashing-python", "echo 'simulated probe crash' >&2; exit 3")
     cluster.authorized_keys("node1").write_text(Path(f"{cluster.extra_key()}.pub").read_text())
     path, spec = write_cluster(
-        cluster, tmp_path,
+        cluster,
+        tmp_path,
         nodes={
             "node2": {"python": "/nonexistent/bin/python"},
             "node3": {"python": str(crash)},
@@ -229,7 +268,12 @@ def test_broken_nodes_are_reported_each_and_the_rest_still_probed(netns_cluster,
     assert report.probes["node0"]["hostname"] == "node0" and "node0" not in report.bad_nodes
     assert "simulated probe crash" in report.errors["node3"]["message"]
     assert elapsed < spec.ssh.connect_timeout_s + 10
-    for fragment in ("node1 authentication failed", "node2 interpreter missing", "node3 probe crashed", "ghost unreachable"):
+    for fragment in (
+        "node1 authentication failed",
+        "node2 interpreter missing",
+        "node3 probe crashed",
+        "ghost unreachable",
+    ):
         assert fragment in report.verdict
     assert check_command(str(path), None, fast=True, as_json=False) == 3
 
@@ -240,9 +284,13 @@ def test_unknown_host_keys_are_refused_unless_opted_in(cluster, tmp_path):
     _, spec = write_cluster(cluster, tmp_path, ssh={"known_hosts": str(known)})
     report = run_preflight(spec, deep=False)
     assert {e["kind"] for e in report.errors.values()} == {"unknown host key"}
-    assert f"ssh-keyscan -p 22 {cluster.host('node0')} >> {known}" in report.errors["node0"]["message"]
+    assert (
+        f"ssh-keyscan -p 22 {cluster.host('node0')} >> {known}" in report.errors["node0"]["message"]
+    )
 
-    _, spec = write_cluster(cluster, tmp_path, ssh={"known_hosts": str(known), "accept_unknown_host_keys": True})
+    _, spec = write_cluster(
+        cluster, tmp_path, ssh={"known_hosts": str(known), "accept_unknown_host_keys": True}
+    )
     assert run_preflight(spec, deep=False).ok
     assert len(known.read_text().splitlines()) == 3
 
@@ -256,7 +304,9 @@ def test_host_key_mismatch_is_refused_even_with_opt_in(cluster, tmp_path):
     forged = [lines[0], f"{cluster.host('node1')} {node0_key}", lines[2]]
     known = tmp_path / "known_hosts"
     known.write_text("\n".join(forged) + "\n")
-    _, spec = write_cluster(cluster, tmp_path, ssh={"known_hosts": str(known), "accept_unknown_host_keys": True})
+    _, spec = write_cluster(
+        cluster, tmp_path, ssh={"known_hosts": str(known), "accept_unknown_host_keys": True}
+    )
     report = run_preflight(spec, deep=False)
     assert list(report.errors) == ["node1"]
     assert report.errors["node1"]["kind"] == "HOST KEY MISMATCH"

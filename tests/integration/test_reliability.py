@@ -21,15 +21,22 @@ from launcher.metrics import read_records
 
 
 def write_job(tmp_path: Path, entry: dict, **extra) -> Path:
-    job = {"name": "rel", "resources": {"nproc_per_node": 2, "device": "cpu"},
-           "precision": {"dtype": "fp32"}, "entrypoint": entry, **extra}
+    job = {
+        "name": "rel",
+        "resources": {"nproc_per_node": 2, "device": "cpu"},
+        "precision": {"dtype": "fp32"},
+        "entrypoint": entry,
+        **extra,
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
 
 
 def fault_job(tmp_path: Path, *args: str, **extra) -> Path:
-    return write_job(tmp_path, {"script": str(FIXTURES / "fault_train.py"), "args": list(args)}, **extra)
+    return write_job(
+        tmp_path, {"script": str(FIXTURES / "fault_train.py"), "args": list(args)}, **extra
+    )
 
 
 def summary_of(run_dir: Path) -> dict:
@@ -55,7 +62,9 @@ def test_sigkilled_worker_is_named_and_the_job_stops(tmp_path):
     failure = summary["failure"]
     assert (failure["rank"], failure["node"], failure["signal"]) == (1, "local", "SIGKILL")
     assert failure["exit_code"] == -9
-    assert (run_dir / "logs/local/rank1.log").is_file() and (run_dir / "logs/local/rank0.log").is_file()
+    assert (run_dir / "logs/local/rank1.log").is_file() and (
+        run_dir / "logs/local/rank0.log"
+    ).is_file()
     records = read_records(run_dir / "metrics/rank1.jsonl")
     assert records and records[-1]["type"] == "step"  # the metrics so far are kept
     assert summary["ranks"][1]["steps"] > 0
@@ -64,26 +73,44 @@ def test_sigkilled_worker_is_named_and_the_job_stops(tmp_path):
 def test_hung_rank_is_caught_by_the_watchdog(tmp_path):
     hang_timeout = 30  # above the workers' start-up (import torch, gloo init) on a loaded 2-core box: the watchdog counts from their start
     run_dir = tmp_path / f"hang-{tmp_path.name}"
-    job = fault_job(tmp_path, "--steps", "100000", "--hang-at", "20", "--hang-rank", "1",
-                    launch={"hang_timeout_s": hang_timeout, "stop_grace_s": 2})
+    job = fault_job(
+        tmp_path,
+        "--steps",
+        "100000",
+        "--hang-at",
+        "20",
+        "--hang-rank",
+        "1",
+        launch={"hang_timeout_s": hang_timeout, "stop_grace_s": 2},
+    )
     with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
         log1 = run.run_dir / "logs/local/rank1.log"
-        wait_for(lambda: log1.is_file() and "hangs after step 20" in log1.read_text(), timeout=180,
-                 what="rank 1 to hang", proc=run.proc)
+        wait_for(
+            lambda: log1.is_file() and "hangs after step 20" in log1.read_text(),
+            timeout=180,
+            what="rank 1 to hang",
+            proc=run.proc,
+        )
         hung_at = time.monotonic()
         assert run.wait(timeout=120) == 4, run.output[-3000:]
         took = time.monotonic() - hung_at
         out = run.output
         run.assert_nothing_left()
     assert took < hang_timeout + 20, f"the hang was caught after {took:.0f} s"
-    assert "rank 1 on node local made no progress" in out and f"hang_timeout_s={hang_timeout}" in out
+    assert (
+        "rank 1 on node local made no progress" in out and f"hang_timeout_s={hang_timeout}" in out
+    )
     summary = summary_of(run_dir)
     assert summary["status"] == "failed"
     assert (summary["failure"]["rank"], summary["failure"]["node"]) == (1, "local")
     assert "hangs after step 20" in summary["failure"]["log_tail"]
     assert "hangs after step 20" in (run_dir / "logs/local/rank1.log").read_text()
-    steps1 = [r["step"] for r in read_records(run_dir / "metrics/rank1.jsonl") if r["type"] == "step"]
-    steps0 = [r["step"] for r in read_records(run_dir / "metrics/rank0.jsonl") if r["type"] == "step"]
+    steps1 = [
+        r["step"] for r in read_records(run_dir / "metrics/rank1.jsonl") if r["type"] == "step"
+    ]
+    steps0 = [
+        r["step"] for r in read_records(run_dir / "metrics/rank0.jsonl") if r["type"] == "step"
+    ]
     assert steps1[-1] == 19 and steps0[-1] == 20
 
 
@@ -93,11 +120,21 @@ def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     run_dir = tmp_path / f"resume-{tmp_path.name}"
     job = write_job(
-        tmp_path, {"script": str(FIXTURES / "crash_once_train.py"), "args": ["--crash-at", "12"]},
-        model={"arch": "bert", "size": "tiny"}, data={"source": "synthetic", "seq_len": 32},
-        train={"steps": 20, "warmup_steps": 2, "micro_batch": 4, "lr": 1.0e-3, "log_every": 5,
-               "checkpoint": {"dir": str(ckpt), "every_steps": 10, "resume": "auto"}},
-        cudnn={"benchmark": False}, launch={"max_restarts": 1})
+        tmp_path,
+        {"script": str(FIXTURES / "crash_once_train.py"), "args": ["--crash-at", "12"]},
+        model={"arch": "bert", "size": "tiny"},
+        data={"source": "synthetic", "seq_len": 32},
+        train={
+            "steps": 20,
+            "warmup_steps": 2,
+            "micro_batch": 4,
+            "lr": 1.0e-3,
+            "log_every": 5,
+            "checkpoint": {"dir": str(ckpt), "every_steps": 10, "resume": "auto"},
+        },
+        cudnn={"benchmark": False},
+        launch={"max_restarts": 1},
+    )
     with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
         assert run.wait(timeout=300) == 0, run.output[-4000:]
         out = run.output
@@ -110,13 +147,19 @@ def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
     for rank in (0, 1):
         records = read_records(run_dir / f"metrics/rank{rank}.jsonl")
         metas = [r for r in records if r["type"] == "meta"]
-        assert [m["start_step"] for m in metas] == [0, 10], metas  # two attempts, the second resumed
+        assert [m["start_step"] for m in metas] == [0, 10], (
+            metas
+        )  # two attempts, the second resumed
         cut = records.index(metas[1])
         first = [(r["step"], r["loss"]) for r in records[:cut] if r["type"] == "step"]
         second = [(r["step"], r["loss"]) for r in records[cut:] if r["type"] == "step"]
         # Records come every log_every=5 steps and at the end of the 2 warm-up steps of each attempt.
-        assert [s for s, _ in first] == [2, 5, 10], first  # the crash at 12 came before step 15's record
-        assert [s for s, _ in second] == [12, 15, 20], second  # continues after the checkpoint's step 10
+        assert [s for s, _ in first] == [2, 5, 10], (
+            first
+        )  # the crash at 12 came before step 15's record
+        assert [s for s, _ in second] == [12, 15, 20], (
+            second
+        )  # continues after the checkpoint's step 10
         finals = [r for r in records if r["type"] == "final"]
         assert len(finals) == 1 and finals[0]["steps"] == 20
         # A continuous loss curve: the resumed attempt goes on from the checkpoint's weights and
@@ -130,8 +173,11 @@ def test_a_rank_failing_on_every_attempt_exhausts_the_restarts(tmp_path):
     """max_restarts 2 and a rank that fails at step 5 each time: exit 4, all three attempts on record."""
     run_dir = tmp_path / f"exhaust-{tmp_path.name}"
     script = Path(__file__).resolve().parents[2] / "examples/custom_train.py"
-    job = write_job(tmp_path, {"script": str(script), "args": ["--steps", "4000", "--fail-at", "5"]},
-                    launch={"max_restarts": 2, "stop_grace_s": 2})
+    job = write_job(
+        tmp_path,
+        {"script": str(script), "args": ["--steps", "4000", "--fail-at", "5"]},
+        launch={"max_restarts": 2, "stop_grace_s": 2},
+    )
     with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
         assert run.wait(timeout=300) == 4, run.output[-4000:]
         out = run.output
@@ -141,8 +187,10 @@ def test_a_rank_failing_on_every_attempt_exhausts_the_restarts(tmp_path):
     assert [r["attempt"] for r in summary["restarts"]] == [1, 2]
     assert all("rank 1 on node local" in r["reason"] for r in summary["restarts"])
     assert [a["attempt"] for a in summary["attempts"]] == [0, 1, 2]
-    ports = [json.loads((run_dir / name).read_text())["master_port"]
-             for name in ("plan.json", "plan.attempt1.json", "plan.attempt2.json")]
+    ports = [
+        json.loads((run_dir / name).read_text())["master_port"]
+        for name in ("plan.json", "plan.attempt1.json", "plan.attempt2.json")
+    ]
     assert len(set(ports)) == 3
     assert out.count("restarting every worker") == 2
 
@@ -174,12 +222,18 @@ def interrupt(run: Launcher, sig: signal.Signals, *, what: str) -> str:
     return out
 
 
-@pytest.mark.parametrize(("phase", "sig"), [
-    ("preflight", signal.SIGINT), ("preflight", signal.SIGTERM),
-    ("ray-start", signal.SIGINT), ("ray-start", signal.SIGTERM),
-    ("startup", signal.SIGINT), ("startup", signal.SIGTERM),
-    ("training", signal.SIGTERM),  # SIGINT in training: test_launch_local.py
-])
+@pytest.mark.parametrize(
+    ("phase", "sig"),
+    [
+        ("preflight", signal.SIGINT),
+        ("preflight", signal.SIGTERM),
+        ("ray-start", signal.SIGINT),
+        ("ray-start", signal.SIGTERM),
+        ("startup", signal.SIGINT),
+        ("startup", signal.SIGTERM),
+        ("training", signal.SIGTERM),  # SIGINT in training: test_launch_local.py
+    ],
+)
 def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, sig):
     run_dir = tmp_path / f"sig-{phase}-{sig.name}-{tmp_path.name}"
     job = fault_job(tmp_path, "--steps", "100000")
@@ -195,7 +249,9 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
     assert (run_dir / "job.yaml").is_file()
     if phase == "training":
         assert summary["ranks"][0]["steps"] > 0
-        assert (run_dir / "logs/local/rank0.log").is_file() and (run_dir / "logs/local/rank1.log").is_file()
+        assert (run_dir / "logs/local/rank0.log").is_file() and (
+            run_dir / "logs/local/rank1.log"
+        ).is_file()
         assert (run_dir / "logs/local/torchrun.log").stat().st_size > 0
         assert read_records(run_dir / "metrics/rank0.jsonl")
 
@@ -204,8 +260,16 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
 def test_sigterm_during_a_scaling_study_exits_130_and_keeps_what_was_measured(tmp_path, phase):
     study = tmp_path / f"study-{phase}-{tmp_path.name}"
     job = fault_job(tmp_path, "--steps", "100000")
-    with Launcher("scale", str(job), "--world", "1,2", "--skip-parity", run_dir=study, cwd=tmp_path,
-                  dir_flag="--out") as run:
+    with Launcher(
+        "scale",
+        str(job),
+        "--world",
+        "1,2",
+        "--skip-parity",
+        run_dir=study,
+        cwd=tmp_path,
+        dir_flag="--out",
+    ) as run:
         if phase == "ray-start":
             run.wait_output("Starting an embedded Ray")
         else:
@@ -224,16 +288,26 @@ def test_lost_node_is_detected_and_named(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     lost = cluster.node_names[1]
     cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
+        tmp_path / "cluster.yaml",
+        nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names},
+    )
     # The nodes' /tmp is their own: the script reaches them in its workdir, through Ray.
     (tmp_path / "code").mkdir()
     shutil.copy(FIXTURES / "fault_train.py", tmp_path / "code/fault_train.py")
-    job = write_job(tmp_path, {"script": "fault_train.py", "workdir": "code", "args": ["--steps", "100000"]},
-                    resources={"nproc_per_node": 1, "device": "cpu"}, launch={"stop_grace_s": 2})
+    job = write_job(
+        tmp_path,
+        {"script": "fault_train.py", "workdir": "code", "args": ["--steps", "100000"]},
+        resources={"nproc_per_node": 1, "device": "cpu"},
+        launch={"stop_grace_s": 2},
+    )
     run_dir = tmp_path / f"lost-{tmp_path.name}"
-    with Launcher(str(job), "--cluster", str(cluster_file), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+    with Launcher(
+        str(job), "--cluster", str(cluster_file), "--skip-parity", run_dir=run_dir, cwd=tmp_path
+    ) as run:
         run.wait_file("metrics/rank1.jsonl", timeout=300)
-        keep = cluster._sshd[lost].pid  # its sshd stays, so the launcher's `ray stop` there is quick
+        keep = cluster._sshd[
+            lost
+        ].pid  # its sshd stays, so the launcher's `ray stop` there is quick
         victims = [pid for pid in cluster.pids(lost) if pid != keep]
         assert victims, f"nothing runs on {lost}"
         lost_at = time.monotonic()
@@ -251,6 +325,8 @@ def test_lost_node_is_detected_and_named(netns_cluster, tmp_path):
     assert f"node {lost}" in out and "was lost" in out
     assert read_records(run_dir / "metrics/rank1.jsonl")  # what it reported before is kept
     for node in cluster.node_names:  # nothing but sshd left on either node
-        left = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                for pid in cluster.pids(node)]
+        left = [
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for pid in cluster.pids(node)
+        ]
         assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"

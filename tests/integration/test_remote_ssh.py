@@ -36,7 +36,12 @@ def nodes(cluster) -> list[NodeSpec]:
 
 
 def ssh_spec(cluster, **overrides) -> SSHSpec:
-    fields = {"user": "root", "key": cluster.ssh_key, "known_hosts": cluster.known_hosts, "connect_timeout_s": 5}
+    fields = {
+        "user": "root",
+        "key": cluster.ssh_key,
+        "known_hosts": cluster.known_hosts,
+        "connect_timeout_s": 5,
+    }
     return SSHSpec(**{**fields, **overrides})
 
 
@@ -92,7 +97,10 @@ def test_an_interrupted_fan_out_closes_the_ssh_connections_at_once(cluster):
 
     before = set(threading.enumerate())
     try:
-        with sigint_when(lambda: len(processes(argv)) == 3) as sent, pytest.raises(KeyboardInterrupt):
+        with (
+            sigint_when(lambda: len(processes(argv)) == 3) as sent,
+            pytest.raises(KeyboardInterrupt),
+        ):
             fan_out(nodes(cluster), work)
         assert sent, "the remote commands never started"
         assert time.monotonic() - sent[0] < 3.0
@@ -146,13 +154,18 @@ def test_a_revoked_host_key_is_refused_even_with_opt_in(cluster, tmp_path):
 def test_an_unreadable_known_hosts_file_is_a_node_error_naming_it(cluster, tmp_path):
     known = tmp_path / "known_hosts"
     known.mkdir()  # root reads any file; a folder cannot be read as one
-    with SSHRunner(nodes(cluster)[0], ssh_spec(cluster, known_hosts=known)) as runner, pytest.raises(NodeError) as info:
+    with (
+        SSHRunner(nodes(cluster)[0], ssh_spec(cluster, known_hosts=known)) as runner,
+        pytest.raises(NodeError) as info,
+    ):
         runner.run("echo hi", timeout=30)
     assert f"cannot read the known_hosts file {known}" in info.value.message
 
 
 def keygen(path: Path, kind: str, passphrase: str = "") -> Path:
-    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", passphrase, "-f", str(path)], check=True, timeout=30)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", kind, "-N", passphrase, "-f", str(path)], check=True, timeout=30
+    )
     return path
 
 
@@ -182,12 +195,18 @@ def test_key_files_that_cannot_be_used_are_named_before_connecting(cluster, tmp_
     (tmp_path / "public").write_text(Path(f"{cluster.ssh_key}.pub").read_text())
     cases = {
         tmp_path / "missing": "not found",
-        tmp_path / "folder": "cannot read key file",  # root reads any file; a folder cannot be read as one
-        keygen(tmp_path / "encrypted", "ed25519", "secret-phrase"): "is encrypted; load it into ssh-agent",
+        tmp_path
+        / "folder": "cannot read key file",  # root reads any file; a folder cannot be read as one
+        keygen(
+            tmp_path / "encrypted", "ed25519", "secret-phrase"
+        ): "is encrypted; load it into ssh-agent",
         tmp_path / "public": "is not a private key",
     }
     for key, fragment in cases.items():
-        with SSHRunner(nodes(cluster)[0], ssh_spec(cluster, key=key)) as runner, pytest.raises(NodeError) as info:
+        with (
+            SSHRunner(nodes(cluster)[0], ssh_spec(cluster, key=key)) as runner,
+            pytest.raises(NodeError) as info,
+        ):
             runner.run("echo hi", timeout=30)
         assert info.value.kind == "authentication failed", info.value
         assert fragment in info.value.message and str(key) in info.value.message
@@ -203,8 +222,11 @@ def test_failed_connects_leave_no_transport_behind(cluster, tmp_path):
     node0 = cluster.known_hosts.read_text().splitlines()[0]
     (tmp_path / "revoked").write_text(f"@revoked {node0}\n{node0}\n")
     (tmp_path / "empty").write_text("")
-    specs = [ssh_spec(cluster, key=cluster.extra_key()), ssh_spec(cluster, known_hosts=tmp_path / "empty"),
-             ssh_spec(cluster, known_hosts=tmp_path / "revoked")]
+    specs = [
+        ssh_spec(cluster, key=cluster.extra_key()),
+        ssh_spec(cluster, known_hosts=tmp_path / "empty"),
+        ssh_spec(cluster, known_hosts=tmp_path / "revoked"),
+    ]
     before = len(transports())
     for _ in range(3):
         for spec in specs:
@@ -223,8 +245,12 @@ def test_commands_run_under_sh_whatever_the_login_shell(cluster):
     assert cluster.exec("node0", "getent passwd root | cut -d: -f7").stdout.strip() != "/bin/sh"
     with SSHRunner(nodes(cluster)[0], ssh_spec(cluster)) as runner:
         assert runner.run("echo $0", timeout=30).stdout == "sh\n"
-        result = runner.run('K2=y sh -c \'echo "$K $K2"\'; rc=$?; cat; exit $rc', stdin="from stdin\n",
-                            env={"K": "a b'c $HOME"}, timeout=30)
+        result = runner.run(
+            "K2=y sh -c 'echo \"$K $K2\"'; rc=$?; cat; exit $rc",
+            stdin="from stdin\n",
+            env={"K": "a b'c $HOME"},
+            timeout=30,
+        )
         assert result.stdout == "a b'c $HOME y\nfrom stdin\n" and result.exit_code == 0
 
 
@@ -234,10 +260,15 @@ def test_a_remote_command_past_its_timeout_stops_itself(cluster):
     argv = ["sleep", "41.75"]
     try:
         with SSHRunner(nodes(cluster)[0], ssh_spec(cluster)) as runner:
-            assert runner.run("cat; exit 7", stdin="in\n", timeout=30) == CommandResult("in\n", "", 7)
+            assert runner.run("cat; exit 7", stdin="in\n", timeout=30) == CommandResult(
+                "in\n", "", 7
+            )
             with pytest.raises(NodeError) as info:
                 runner.run(" ".join(argv), timeout=1)
-        assert info.value.kind == "timed out" and "'sleep 41.75' did not finish within 1 s" in info.value.message
+        assert (
+            info.value.kind == "timed out"
+            and "'sleep 41.75' did not finish within 1 s" in info.value.message
+        )
         deadline = time.monotonic() + 15
         while processes(argv):
             assert time.monotonic() < deadline, "the remote command runs on"

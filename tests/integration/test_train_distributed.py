@@ -68,20 +68,49 @@ def write_job(path: Path, name: str, ckpt: Path) -> Path:
     return path
 
 
-def launch(run_dir: Path, args: list[str], *, nproc: int | None = 2, module: bool = False,
-           script: Path = HARNESS, timeout: float = RUN_TIMEOUT_S) -> Run:
+def launch(
+    run_dir: Path,
+    args: list[str],
+    *,
+    nproc: int | None = 2,
+    module: bool = False,
+    script: Path = HARNESS,
+    timeout: float = RUN_TIMEOUT_S,
+) -> Run:
     """Run the trainer (``-m launcher.train``, the harness or another script) under torchrun, or alone."""
     run_dir.mkdir(parents=True, exist_ok=True)
     target = ["-m", "launcher.train"] if module else [str(script)]
     if nproc is None:
         cmd = [sys.executable, *target, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", *target, *args]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "LAUNCHER_METRICS_FILE": str(run_dir / "rank{rank}.jsonl")}
-    proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            *target,
+            *args,
+        ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "LAUNCHER_METRICS_FILE": str(run_dir / "rank{rank}.jsonl"),
+    }
+    proc = subprocess.Popen(
+        cmd,
+        cwd=run_dir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -107,7 +136,9 @@ def assert_loss_falls(run: Run, *, by: float = 0.5) -> None:
     assert losses[-1] < losses[0] - by, f"loss did not fall by {by}: {losses}"
 
 
-def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+def assert_params_close(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float
+) -> None:
     assert sorted(a) == sorted(b)
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst <= atol, f"parameters differ by up to {worst:.3g} (> {atol})"
@@ -128,8 +159,12 @@ def ddp_fp32(base: Path) -> Run:
 @pytest.fixture(scope="module")
 def fsdp_fp32(base: Path) -> Run:
     job = write_job(base / "fsdp.yaml", "fsdp", base / "ckpt-fsdp")
-    return ok(launch(base / "fsdp", ["--job", str(job), "--params-out", "params.pt",
-                                     "--set", "parallel.strategy=fsdp"]))
+    return ok(
+        launch(
+            base / "fsdp",
+            ["--job", str(job), "--params-out", "params.pt", "--set", "parallel.strategy=fsdp"],
+        )
+    )
 
 
 def test_ddp_fp32_loss_falls_and_writes_the_metrics_contract(ddp_fp32: Run):
@@ -146,28 +181,59 @@ def test_ddp_fp32_loss_falls_and_writes_the_metrics_contract(ddp_fp32: Run):
         assert final["step_time_ms_p50"] <= final["step_time_ms_p95"]
     steps = ddp_fp32.records(0, "step")
     assert [r["measured"] for r in steps[:2]] == [False, True]  # warm-up ends at step 2
-    assert all(r["tokens"] == (r["step"] - prev["step"]) * 4 * 32 for prev, r in itertools.pairwise(steps))
+    assert all(
+        r["tokens"] == (r["step"] - prev["step"]) * 4 * 32 for prev, r in itertools.pairwise(steps)
+    )
 
 
 def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(base: Path, ddp_fp32: Run):
     job = write_job(base / "one.yaml", "one", base / "ckpt-one")
-    one = ok(launch(base / "one", ["--job", str(job), "--params-out", "params.pt",
-                                   "--set", "train.micro_batch=4", "--set", "train.grad_accum=2"],
-                    nproc=None))
+    one = ok(
+        launch(
+            base / "one",
+            [
+                "--job",
+                str(job),
+                "--params-out",
+                "params.pt",
+                "--set",
+                "train.micro_batch=4",
+                "--set",
+                "train.grad_accum=2",
+            ],
+            nproc=None,
+        )
+    )
     assert_params_close(ddp_fp32.params(), one.params(), atol=1e-4)
 
 
 @pytest.mark.parametrize("static_graph", [False, True])
-def test_ddp_accumulating_micro_batches_matches_one_batch_per_rank(base: Path, ddp_fp32: Run, static_graph: bool):
+def test_ddp_accumulating_micro_batches_matches_one_batch_per_rank(
+    base: Path, ddp_fp32: Run, static_graph: bool
+):
     """DDP over 2 ranks with 2 micro-batches of 2 per step: the first micro-batch's gradients
     come from ``torch.autograd.grad`` under ``no_sync`` and the second from ``backward`` with
     DDP's hooks (``Trainer.backward``); with a static graph the first step syncs both. The same
     training as micro-batches of 4."""
     name = f"ddp-accum-{'static' if static_graph else 'dynamic'}"
     job = write_job(base / f"{name}.yaml", name, base / f"ckpt-{name}")
-    run = ok(launch(base / name, ["--job", str(job), "--params-out", "params.pt",
-                                  "--set", f"parallel.ddp.static_graph={str(static_graph).lower()}",
-                                  "--set", "train.micro_batch=2", "--set", "train.grad_accum=2"]))
+    run = ok(
+        launch(
+            base / name,
+            [
+                "--job",
+                str(job),
+                "--params-out",
+                "params.pt",
+                "--set",
+                f"parallel.ddp.static_graph={str(static_graph).lower()}",
+                "--set",
+                "train.micro_batch=2",
+                "--set",
+                "train.grad_accum=2",
+            ],
+        )
+    )
     assert run.records(0, "meta")[0]["grad_accum"] == 2
     assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
 
@@ -180,9 +246,21 @@ def test_fsdp_fp32_loss_falls_and_matches_ddp(fsdp_fp32: Run, ddp_fp32: Run):
 def test_fsdp_with_several_blocks_per_unit_matches_ddp(base: Path, ddp_fp32: Run):
     """Two blocks in one FSDP unit (one all-gather, one reduce-scatter): the same training."""
     job = write_job(base / "fsdp-units.yaml", "fsdp-units", base / "ckpt-fsdp-units")
-    run = ok(launch(base / "fsdp-units", ["--job", str(job), "--params-out", "params.pt",
-                                          "--set", "parallel.strategy=fsdp",
-                                          "--set", "parallel.fsdp.blocks_per_unit=2"]))
+    run = ok(
+        launch(
+            base / "fsdp-units",
+            [
+                "--job",
+                str(job),
+                "--params-out",
+                "params.pt",
+                "--set",
+                "parallel.strategy=fsdp",
+                "--set",
+                "parallel.fsdp.blocks_per_unit=2",
+            ],
+        )
+    )
     assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
 
 
@@ -190,10 +268,25 @@ def test_fsdp_accumulating_with_parameters_kept_gathered_matches_ddp(base: Path,
     """Two micro-batches per step, the gathered parameters kept from the first backward to the
     second forward (one all-gather per step): the same training as DDP with micro-batches of 4."""
     job = write_job(base / "fsdp-accum.yaml", "fsdp-accum", base / "ckpt-fsdp-accum")
-    run = ok(launch(base / "fsdp-accum", ["--job", str(job), "--params-out", "params.pt",
-                                          "--set", "parallel.strategy=fsdp",
-                                          "--set", "parallel.fsdp.reshard_after_forward=false",
-                                          "--set", "train.micro_batch=2", "--set", "train.grad_accum=2"]))
+    run = ok(
+        launch(
+            base / "fsdp-accum",
+            [
+                "--job",
+                str(job),
+                "--params-out",
+                "params.pt",
+                "--set",
+                "parallel.strategy=fsdp",
+                "--set",
+                "parallel.fsdp.reshard_after_forward=false",
+                "--set",
+                "train.micro_batch=2",
+                "--set",
+                "train.grad_accum=2",
+            ],
+        )
+    )
     assert run.records(0, "meta")[0]["grad_accum"] == 2
     assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
 
@@ -202,10 +295,23 @@ def test_fsdp_accumulating_with_parameters_kept_gathered_matches_ddp(base: Path,
 def test_bf16_loss_falls(base: Path, strategy: str):
     """bf16 autocast through the real entry point, accumulating 2 micro-batches (DDP's no_sync,
     FSDP's deferred reduce-scatter); DDP also compresses gradients, FSDP also recomputes."""
-    job = write_job(base / f"bf16-{strategy}.yaml", f"bf16-{strategy}", base / f"ckpt-bf16-{strategy}")
-    extra = ["--set", "train.checkpoint.dir=null", "--set", "train.checkpoint.every_steps=0",
-             "--set", "precision.dtype=bf16", "--set", f"parallel.strategy={strategy}",
-             "--set", "train.micro_batch=2", "--set", "train.grad_accum=2"]
+    job = write_job(
+        base / f"bf16-{strategy}.yaml", f"bf16-{strategy}", base / f"ckpt-bf16-{strategy}"
+    )
+    extra = [
+        "--set",
+        "train.checkpoint.dir=null",
+        "--set",
+        "train.checkpoint.every_steps=0",
+        "--set",
+        "precision.dtype=bf16",
+        "--set",
+        f"parallel.strategy={strategy}",
+        "--set",
+        "train.micro_batch=2",
+        "--set",
+        "train.grad_accum=2",
+    ]
     if strategy == "ddp":
         extra += ["--set", "parallel.ddp.comm_hook=fp16"]
     else:
@@ -233,15 +339,21 @@ def resume(base: Path, strategy: str, killed: Run) -> Run:
     assert killed.returncode != 0, killed.output[-2000:]
     assert (ckpt / "step_00000025" / "COMPLETE").is_file()
     assert not (ckpt / "step_00000050").exists()
-    resumed = ok(launch(base / f"resumed-{strategy}", ["--job", str(base / f"resume-{strategy}.yaml"),
-                                                       "--params-out", "params.pt"]))
+    resumed = ok(
+        launch(
+            base / f"resumed-{strategy}",
+            ["--job", str(base / f"resume-{strategy}.yaml"), "--params-out", "params.pt"],
+        )
+    )
     assert "resumed from" in resumed.output and "steps 26..50" in resumed.output
     assert resumed.records(0, "meta")[0]["start_step"] == 25
     assert (ckpt / "step_00000050" / "COMPLETE").is_file()
     return resumed
 
 
-def test_ddp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, killed: Run, ddp_fp32: Run):
+def test_ddp_resume_after_a_kill_matches_the_uninterrupted_run(
+    base: Path, killed: Run, ddp_fp32: Run
+):
     """Resume from the step-25 checkpoint: step 50 equals the run never killed, bit for bit."""
     resumed = resume(base, "ddp", killed)
     assert_params_close(ddp_fp32.params(), resumed.params(), atol=0.0)
@@ -267,7 +379,9 @@ def write_weights_job(base: Path, name: str, weights: str) -> Path:
     job = write_job(base / f"{name}.yaml", name, base / f"ckpt-{name}")
     text = job.read_text()
     assert "precision: {dtype: fp32}" in text
-    job.write_text(text.replace("precision: {dtype: fp32}", f"precision: {{dtype: bf16, weights: {weights}}}"))
+    job.write_text(
+        text.replace("precision: {dtype: fp32}", f"precision: {{dtype: bf16, weights: {weights}}}")
+    )
     return job
 
 
@@ -279,14 +393,18 @@ def ddp_bf16_weights(base: Path) -> Run:
     return ok(launch(base / "bf16-weights", ["--job", str(job), "--params-out", "params.pt"]))
 
 
-def test_ddp_bf16_weights_loss_falls_and_the_parameters_out_are_the_fp32_masters(ddp_bf16_weights: Run):
+def test_ddp_bf16_weights_loss_falls_and_the_parameters_out_are_the_fp32_masters(
+    ddp_bf16_weights: Run,
+):
     assert_loss_falls(ddp_bf16_weights)
     assert "bf16 weights" in ddp_bf16_weights.output
     for rank in (0, 1):
         meta = ddp_bf16_weights.records(rank, "meta")[0]
         assert meta["weights"] == "bf16" and meta["precision"] == "bf16"
     params = ddp_bf16_weights.params()
-    assert params and all(t.dtype == torch.float32 for t in params.values()), {k: t.dtype for k, t in params.items()}
+    assert params and all(t.dtype == torch.float32 for t in params.values()), {
+        k: t.dtype for k, t in params.items()
+    }
     # the masters hold what bf16 cannot: not the bf16 weights widened
     assert any(not torch.equal(t, t.bfloat16().float()) for t in params.values())
 
@@ -317,11 +435,15 @@ def model_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
 
 
 def test_ddp_bf16_weights_resume_after_a_kill_matches_the_uninterrupted_run(
-        base: Path, killed_bf16_weights: Run, ddp_bf16_weights: Run):
+    base: Path, killed_bf16_weights: Run, ddp_bf16_weights: Run
+):
     """The step-25 checkpoint holds the fp32 masters and the moments; resumed from it, step 50
     equals the run never killed, bit for bit (the bf16 weights are rounded from the masters)."""
     first, second = ddp_bf16_weights.losses(), killed_bf16_weights.losses()
-    assert max(second) == 30 and all(first[s] == loss for s, loss in second.items()), (first, second)
+    assert max(second) == 30 and all(first[s] == loss for s, loss in second.items()), (
+        first,
+        second,
+    )
     resumed = resume(base, "bf16-weights", killed_bf16_weights)
     assert resumed.records(0, "meta")[0]["weights"] == "bf16"
     assert_params_close(ddp_bf16_weights.params(), resumed.params(), atol=0.0)
@@ -340,15 +462,27 @@ def write_npy(path: Path, ids: torch.Tensor) -> None:
     header = f"{{'descr': '<i4', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
     header += " " * (-(10 + len(header) + 1) % 64) + "\n"
     body = bytes(ids.to(torch.int32).contiguous().view(torch.uint8).tolist())
-    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body)
+    path.write_bytes(
+        b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body
+    )
 
 
 def test_gpt_on_a_token_file_sharded_by_rank(base: Path):
     """GPT reading a .npy token file (structured ids from the synthetic generator)."""
     from launcher.train.data import SyntheticBatches
 
-    gen = SyntheticBatches(arch="gpt", vocab_size=1024, seq_len=256, micro_batch=64, grad_accum=1,
-                           mask_prob=0.15, seed=7, rank=0, world_size=1, device=torch.device("cpu"))
+    gen = SyntheticBatches(
+        arch="gpt",
+        vocab_size=1024,
+        seq_len=256,
+        micro_batch=64,
+        grad_accum=1,
+        mask_prob=0.15,
+        seed=7,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+    )
     write_npy(base / "tokens.npy", gen.batch(1)["input_ids"].reshape(-1))
     job = base / "gpt.yaml"
     job.write_text(
@@ -365,17 +499,45 @@ def test_gpt_on_a_token_file_sharded_by_rank(base: Path):
 
 
 def test_quickstart_runs_as_one_process_without_torchrun(base: Path):
-    run = ok(launch(base / "quick", ["--job", str(REPO / "jobs" / "quickstart.yaml"),
-                                     "--set", "train.steps=4", "--set", "train.warmup_steps=1",
-                                     "--set", "train.log_every=2"], nproc=None, module=True))
+    run = ok(
+        launch(
+            base / "quick",
+            [
+                "--job",
+                str(REPO / "jobs" / "quickstart.yaml"),
+                "--set",
+                "train.steps=4",
+                "--set",
+                "train.warmup_steps=1",
+                "--set",
+                "train.log_every=2",
+            ],
+            nproc=None,
+            module=True,
+        )
+    )
     assert "world 1" in run.output and "step 4/4" in run.output and "done: 4 steps" in run.output
     assert [r["type"] for r in run.records()] == ["meta", "step", "step", "step", "final"]
 
 
 def test_the_host_bound_benchmark_reports_issue_and_synced_time_per_rank(base: Path):
-    run = ok(launch(base / "host-bound", [str(REPO / "jobs/quickstart.yaml"), "--warmup", "1", "--probe", "2",
-                                          "--steps", "2", "--set", "model.n_layers=1"],
-                    script=REPO / "benchmarks/host_bound.py"))
+    run = ok(
+        launch(
+            base / "host-bound",
+            [
+                str(REPO / "jobs/quickstart.yaml"),
+                "--warmup",
+                "1",
+                "--probe",
+                "2",
+                "--steps",
+                "2",
+                "--set",
+                "model.n_layers=1",
+            ],
+            script=REPO / "benchmarks/host_bound.py",
+        )
+    )
     [line] = [x for x in run.output.splitlines() if x.startswith('{"job"')]
     result = json.loads(line)
     assert result["world_size"] == 2 and [r["rank"] for r in result["ranks"]] == [0, 1]
@@ -387,8 +549,10 @@ def test_the_host_bound_benchmark_reports_issue_and_synced_time_per_rank(base: P
 # -- GPUs (opt in: skipped with a reason where CUDA is absent) -------------------------------
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-needs_gpus = {n: pytest.mark.skipif(n > GPUS, reason=f"needs {n} CUDA GPU(s); this machine has {GPUS}")
-              for n in (1, 2)}
+needs_gpus = {
+    n: pytest.mark.skipif(n > GPUS, reason=f"needs {n} CUDA GPU(s); this machine has {GPUS}")
+    for n in (1, 2)
+}
 
 GPU_JOB = """\
 name: {name}
@@ -413,8 +577,13 @@ def test_gpu_nccl_ddp_on_two_gpus_matches_one_gpu(base: Path):
     job = gpu_job(base, "gpu-ddp")
     two = ok(launch(base / "gpu-two", ["--job", str(job), "--params-out", "params.pt"]))
     assert two.records(1, "meta")[0]["device"] == "cuda:1"
-    one = ok(launch(base / "gpu-one", ["--job", str(job), "--params-out", "params.pt",
-                                       "--set", "train.micro_batch=16"], nproc=1))
+    one = ok(
+        launch(
+            base / "gpu-one",
+            ["--job", str(job), "--params-out", "params.pt", "--set", "train.micro_batch=16"],
+            nproc=1,
+        )
+    )
     assert_params_close(two.params(), one.params(), atol=2e-4)
 
 
@@ -423,8 +592,22 @@ def compiled_one_gpu(base: Path) -> Run:
     """The GPU job compiled, one GPU, one micro-batch of 16 per step, kernels launched one by one:
     the reference the CUDA-graph runs must reproduce."""
     job = gpu_job(base, "gpu-compiled-one")
-    return ok(launch(base / "gpu-compiled-one", ["--job", str(job), "--params-out", "params.pt",
-                                                 "--set", "train.compile=true", "--set", "train.micro_batch=16"], nproc=1))
+    return ok(
+        launch(
+            base / "gpu-compiled-one",
+            [
+                "--job",
+                str(job),
+                "--params-out",
+                "params.pt",
+                "--set",
+                "train.compile=true",
+                "--set",
+                "train.micro_batch=16",
+            ],
+            nproc=1,
+        )
+    )
 
 
 @pytest.mark.gpu
@@ -433,25 +616,70 @@ def test_gpu_cuda_graphs_on_two_gpus_match_compiled_one_gpu(base: Path):
     """Replayed graphs with DDP's hooks between them train the same model as launches."""
     job = gpu_job(base, "gpu-graphs")
     compiled = ["--set", "train.compile=true"]
-    two = ok(launch(base / "gpu-graphs-two", ["--job", str(job), "--params-out", "params.pt", *compiled,
-                                              "--set", "train.cuda_graphs=true"]))
-    one = ok(launch(base / "gpu-graphs-one", ["--job", str(job), "--params-out", "params.pt", *compiled,
-                                              "--set", "train.micro_batch=16"], nproc=1))
+    two = ok(
+        launch(
+            base / "gpu-graphs-two",
+            [
+                "--job",
+                str(job),
+                "--params-out",
+                "params.pt",
+                *compiled,
+                "--set",
+                "train.cuda_graphs=true",
+            ],
+        )
+    )
+    one = ok(
+        launch(
+            base / "gpu-graphs-one",
+            [
+                "--job",
+                str(job),
+                "--params-out",
+                "params.pt",
+                *compiled,
+                "--set",
+                "train.micro_batch=16",
+            ],
+            nproc=1,
+        )
+    )
     assert_loss_falls(two, by=1.0)
     assert_params_close(two.params(), one.params(), atol=5e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nproc", [pytest.param(1, marks=needs_gpus[1]), pytest.param(2, marks=needs_gpus[2])])
-def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(base: Path, nproc: int, compiled_one_gpu: Run):
+@pytest.mark.parametrize(
+    "nproc", [pytest.param(1, marks=needs_gpus[1]), pytest.param(2, marks=needs_gpus[2])]
+)
+def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(
+    base: Path, nproc: int, compiled_one_gpu: Run
+):
     """Graphs replayed twice per step (grad_accum 2; under DDP with 2 GPUs) train the same model
     as one compiled GPU taking the 16 samples at once: no micro-batch's gradients are lost to
     the next replay."""
     job = gpu_job(base, f"gpu-accum-{nproc}")
     compiled = ["--set", "train.compile=true"]
-    accum = ok(launch(base / f"gpu-accum-graphs-{nproc}", [
-        "--job", str(job), "--params-out", "params.pt", *compiled, "--set", "train.cuda_graphs=true",
-        "--set", "train.grad_accum=2", "--set", f"train.micro_batch={16 // (2 * nproc)}"], nproc=nproc))
+    accum = ok(
+        launch(
+            base / f"gpu-accum-graphs-{nproc}",
+            [
+                "--job",
+                str(job),
+                "--params-out",
+                "params.pt",
+                *compiled,
+                "--set",
+                "train.cuda_graphs=true",
+                "--set",
+                "train.grad_accum=2",
+                "--set",
+                f"train.micro_batch={16 // (2 * nproc)}",
+            ],
+            nproc=nproc,
+        )
+    )
     assert accum.records(0, "meta")[0]["grad_accum"] == 2
     assert_loss_falls(accum, by=1.0)
     assert_params_close(accum.params(), compiled_one_gpu.params(), atol=5e-4)
@@ -459,35 +687,73 @@ def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(base: Path, 
 
 @pytest.mark.gpu
 @needs_gpus[1]
-@pytest.mark.parametrize(("dtype", "strategy", "compile_"), [
-    ("bf16", "ddp", False), ("fp16", "ddp", False), ("bf16", "fsdp", True), ("fp16", "fsdp", False),
-    ("tf32", "ddp", True), ("bf16", "ddp", "graphs"), ("fp16", "ddp", "graphs"),
-])
-def test_gpu_precisions_run_and_the_loss_falls(base: Path, dtype: str, strategy: str, compile_: bool | str):
+@pytest.mark.parametrize(
+    ("dtype", "strategy", "compile_"),
+    [
+        ("bf16", "ddp", False),
+        ("fp16", "ddp", False),
+        ("bf16", "fsdp", True),
+        ("fp16", "fsdp", False),
+        ("tf32", "ddp", True),
+        ("bf16", "ddp", "graphs"),
+        ("fp16", "ddp", "graphs"),
+    ],
+)
+def test_gpu_precisions_run_and_the_loss_falls(
+    base: Path, dtype: str, strategy: str, compile_: bool | str
+):
     """compile_ "graphs": compiled and replayed as CUDA graphs."""
     name = f"gpu-{dtype}-{strategy}-{compile_}"
-    run = ok(launch(base / name, ["--job", str(gpu_job(base, name)), "--set", f"precision.dtype={dtype}",
-                                  "--set", f"parallel.strategy={strategy}",
-                                  "--set", f"train.compile={str(bool(compile_)).lower()}",
-                                  "--set", f"train.cuda_graphs={str(compile_ == 'graphs').lower()}"],
-                    nproc=min(GPUS, 2), module=True))
+    run = ok(
+        launch(
+            base / name,
+            [
+                "--job",
+                str(gpu_job(base, name)),
+                "--set",
+                f"precision.dtype={dtype}",
+                "--set",
+                f"parallel.strategy={strategy}",
+                "--set",
+                f"train.compile={str(bool(compile_)).lower()}",
+                "--set",
+                f"train.cuda_graphs={str(compile_ == 'graphs').lower()}",
+            ],
+            nproc=min(GPUS, 2),
+            module=True,
+        )
+    )
     assert_loss_falls(run, by=1.0)
     final = run.records(0, "final")[0]
     assert final["peak_mem_gib"] > 0 and final["tokens_per_s"] > 0
-    if importlib.util.find_spec("pynvml") is not None:  # the GPU's clock and power, read through NVML
+    if (
+        importlib.util.find_spec("pynvml") is not None
+    ):  # the GPU's clock and power, read through NVML
         steps = run.records(0, "step")
-        assert all(r["sm_clock_mhz"] > 0 and r["power_w"] > 0 and isinstance(r["clock_limits"], list)
-                   and r["energy_j"] >= 0 for r in steps), steps
+        assert all(
+            r["sm_clock_mhz"] > 0
+            and r["power_w"] > 0
+            and isinstance(r["clock_limits"], list)
+            and r["energy_j"] >= 0
+            for r in steps
+        ), steps
         assert final["sm_clock_mhz"] > 0 and 0 <= final["clock_limited_pct"] <= 100
         # the energy counter (Volta and newer): the measured steps' energy, per token and as power
-        assert final["energy_j"] > 0 and 0 < final["power_w"] < 2000 and final["energy_mj_per_token"] > 0
+        assert (
+            final["energy_j"] > 0
+            and 0 < final["power_w"] < 2000
+            and final["energy_mj_per_token"] > 0
+        )
 
 
 def _has_fp8() -> tuple[bool, str]:
     if not GPUS:
         return False, "needs a CUDA GPU"
     if torch.cuda.get_device_capability(0) < (8, 9):
-        return False, f"{torch.cuda.get_device_name(0)} has no FP8 tensor cores (compute capability below 8.9)"
+        return (
+            False,
+            f"{torch.cuda.get_device_name(0)} has no FP8 tensor cores (compute capability below 8.9)",
+        )
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
@@ -505,10 +771,17 @@ def test_gpu_fp8_loss_falls_and_tracks_bf16(base: Path, recipe: str):
     """torchao's float8 layers (every block linear: the mini model is below torchao's size
     filter) train like bf16: the loss falls, and after 50 steps it is within 2% of bf16's.
     Eager, to keep the test short (the compiled path is what the benchmarks run)."""
+
     def run(dtype: str, *sets: str) -> Run:
         name = f"gpu-fp8-{recipe}-{dtype}"
-        return ok(launch(base / name, ["--job", str(gpu_job(base, name)), "--set", f"precision.dtype={dtype}", *sets],
-                         nproc=1, module=True))
+        return ok(
+            launch(
+                base / name,
+                ["--job", str(gpu_job(base, name)), "--set", f"precision.dtype={dtype}", *sets],
+                nproc=1,
+                module=True,
+            )
+        )
 
     fp8 = run("fp8", "--set", f"precision.fp8_recipe={recipe}", "--set", "precision.fp8_layers=all")
     bf16 = run("bf16")
@@ -521,12 +794,18 @@ def test_gpu_fp8_loss_falls_and_tracks_bf16(base: Path, recipe: str):
 
 @pytest.mark.gpu
 @needs_gpus[1]
-@pytest.mark.skipif(GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 9),
-                    reason="this GPU has FP8 tensor cores; the error is for GPUs without them")
+@pytest.mark.skipif(
+    GPUS > 0 and torch.cuda.get_device_capability(0) >= (8, 9),
+    reason="this GPU has FP8 tensor cores; the error is for GPUs without them",
+)
 def test_gpu_fp8_without_fp8_tensor_cores_fails_with_a_clear_error(base: Path):
     name = "gpu-fp8-unsupported"
-    run = launch(base / name, ["--job", str(gpu_job(base, name)), "--set", "precision.dtype=fp8"],
-                 nproc=1, module=True)
+    run = launch(
+        base / name,
+        ["--job", str(gpu_job(base, name)), "--set", "precision.dtype=fp8"],
+        nproc=1,
+        module=True,
+    )
     assert run.returncode == 2
     assert "fp8 needs FP8 tensor cores (compute capability 8.9 or above" in run.output
 
@@ -539,10 +818,28 @@ def test_gpu_bf16_weights_under_cuda_graphs_track_fp32_weights(base: Path):
     runs = {}
     for weights in ("bf16", "fp32"):
         job = gpu_job(base, f"gpu-weights-{weights}")
-        runs[weights] = ok(launch(base / f"gpu-weights-{weights}", [
-            "--job", str(job), "--params-out", "params.pt", "--set", "precision.dtype=bf16",
-            "--set", f"precision.weights={weights}", "--set", "train.compile=true",
-            "--set", "train.cuda_graphs=true", "--set", "train.micro_batch=16"], nproc=1))
+        runs[weights] = ok(
+            launch(
+                base / f"gpu-weights-{weights}",
+                [
+                    "--job",
+                    str(job),
+                    "--params-out",
+                    "params.pt",
+                    "--set",
+                    "precision.dtype=bf16",
+                    "--set",
+                    f"precision.weights={weights}",
+                    "--set",
+                    "train.compile=true",
+                    "--set",
+                    "train.cuda_graphs=true",
+                    "--set",
+                    "train.micro_batch=16",
+                ],
+                nproc=1,
+            )
+        )
         assert runs[weights].records(0, "meta")[0]["weights"] == weights
     assert_loss_falls(runs["bf16"], by=1.0)
     ours, theirs = runs["bf16"].losses()[50], runs["fp32"].losses()[50]

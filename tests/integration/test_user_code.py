@@ -19,8 +19,13 @@ from fixtures.user_code import project, rank_lines
 
 
 def launch(*args: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def test_script_runs_in_its_workdir_here(tmp_path):
@@ -29,14 +34,25 @@ def test_script_runs_in_its_workdir_here(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     run_dir = tmp_path / "run"
-    result = launch(str(job_file), "--set", "resources.nproc_per_node=2", "--run-dir", str(run_dir),
-                    cwd=elsewhere)
+    result = launch(
+        str(job_file),
+        "--set",
+        "resources.nproc_per_node=2",
+        "--run-dir",
+        str(run_dir),
+        cwd=elsewhere,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     workdir = job_file.parent
     lines = rank_lines(run_dir)
     assert set(lines) == {0, 1}
     for cwd, greeting, helper, data, total in lines.values():
-        assert (cwd, greeting, helper, data) == (str(workdir), "configured", "helper-v1", "relative-data")
+        assert (cwd, greeting, helper, data) == (
+            str(workdir),
+            "configured",
+            "helper-v1",
+            "relative-data",
+        )
         assert total == str(2 * len("relative-data"))
     assert sorted(p.name for p in (workdir / "out").iterdir()) == ["rank0.txt", "rank1.txt"]
     assert not list(elsewhere.iterdir())  # nothing written where the launcher was started
@@ -49,7 +65,9 @@ def test_workdir_travels_to_nodes_that_cannot_see_it(netns_cluster, tmp_path):
     ships it, and each rank runs in its node's copy."""
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml", nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names})
+        tmp_path / "cluster.yaml",
+        nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names},
+    )
     job_file = project(tmp_path)
     workdir = job_file.parent
     (workdir / "checkpoints").mkdir()
@@ -57,7 +75,9 @@ def test_workdir_travels_to_nodes_that_cannot_see_it(netns_cluster, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     run_dir = tmp_path / "run"
-    result = launch(str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=elsewhere)
+    result = launch(
+        str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=elsewhere
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -67,20 +87,31 @@ def test_workdir_travels_to_nodes_that_cannot_see_it(netns_cluster, tmp_path):
     assert set(lines) == {0, 1}
     for cwd, greeting, helper, data, total in lines.values():
         assert cwd != str(workdir)  # a copy: the original is invisible to the node
-        assert (greeting, helper, data, total) == ("configured", "helper-v1", "relative-data", str(2 * 13))
+        assert (greeting, helper, data, total) == (
+            "configured",
+            "helper-v1",
+            "relative-data",
+            str(2 * 13),
+        )
     code = json.loads((run_dir / "plan.json").read_text())["code"]
     assert code["mode"] == "ray" and code["script"] == "train.py"
-    assert code["files"] == 5  # train, configurator, helper, job.yaml, data/input.txt; not checkpoints/
+    assert (
+        code["files"] == 5
+    )  # train, configurator, helper, job.yaml, data/input.txt; not checkpoints/
     assert not (workdir / "out").exists()  # outputs stay in the node's copy
     for node in cluster.node_names:  # the workdir never existed on the nodes
-        assert cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
+        assert (
+            cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
+        )
 
 
 def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
     """sync: false: a node whose copy of a helper differs stops the launch (exit 3, its cell marked)."""
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
-    shared = Path("/var/tmp") / f"launcher-shared-{uuid.uuid4().hex[:8]}"  # every node sees /var/tmp
+    shared = (
+        Path("/var/tmp") / f"launcher-shared-{uuid.uuid4().hex[:8]}"
+    )  # every node sees /var/tmp
     try:
         shared.mkdir()
         job_file = project(shared, sync=False)
@@ -91,11 +122,22 @@ def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
         # Only that node sees the stale helper (its mount namespace is its own).
         cluster.exec(odd, f"mount --bind {stale} {helper}", check=True)
 
-        result = launch("check", "--job", str(job_file), "--cluster", str(cluster_file), "--fast", "--json",
-                        cwd=tmp_path)
+        result = launch(
+            "check",
+            "--job",
+            str(job_file),
+            "--cluster",
+            str(cluster_file),
+            "--fast",
+            "--json",
+            cwd=tmp_path,
+        )
         assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
         row = next(f for f in json.loads(result.stdout)["fields"] if f["field"] == "user_code")
-        assert {n: c["mark"] for n, c in row["cells"].items()} == {cluster.node_names[0]: None, odd: "fail"}
+        assert {n: c["mark"] for n, c in row["cells"].items()} == {
+            cluster.node_names[0]: None,
+            odd: "fail",
+        }
         result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
         assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
         assert odd in result.stderr and "user code" in result.stderr
@@ -104,7 +146,9 @@ def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
         result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "the same path on every node" in result.stdout
-        row = next(line for line in result.stdout.splitlines() if line.startswith("user code (workdir)"))
+        row = next(
+            line for line in result.stdout.splitlines() if line.startswith("user code (workdir)")
+        )
         assert "✗" not in row
     finally:
         shutil.rmtree(shared, ignore_errors=True)
@@ -115,8 +159,15 @@ def test_shared_workdir_missing_on_a_node(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job_file = project(tmp_path, sync=False)
-    result = launch("plan", str(job_file), "--cluster", str(cluster_file), "--set", "entrypoint.sync=false",
-                    cwd=tmp_path)
+    result = launch(
+        "plan",
+        str(job_file),
+        "--cluster",
+        str(cluster_file),
+        "--set",
+        "entrypoint.sync=false",
+        cwd=tmp_path,
+    )
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     for node in cluster.node_names:
         assert node in result.stderr

@@ -17,12 +17,17 @@ LAYERS = 3
 
 def tiny_gpt(dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = build_model(ModelSpec(arch="gpt", size="tiny", bias=False, n_layers=LAYERS, vocab_size=256,
-                                  max_positions=32))
+    model = build_model(
+        ModelSpec(
+            arch="gpt", size="tiny", bias=False, n_layers=LAYERS, vocab_size=256, max_positions=32
+        )
+    )
     return model.to(dtype)
 
 
-def gradients(model: torch.nn.Module, pass_: wgrad.WeightGradBatching | None) -> dict[str, torch.Tensor]:
+def gradients(
+    model: torch.nn.Module, pass_: wgrad.WeightGradBatching | None
+) -> dict[str, torch.Tensor]:
     torch._dynamo.reset()
     model.compile(options={"post_grad_custom_post_pass": pass_} if pass_ else None)
     g = torch.Generator().manual_seed(1)

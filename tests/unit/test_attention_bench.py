@@ -15,8 +15,10 @@ def _failed(code: str) -> subprocess.CompletedProcess:
 
 
 def test_a_signal_is_named_and_warnings_are_not_the_message():
-    proc = _failed("import os, signal, sys; print('bad tile', file=sys.stderr); "
-                   "print('UserWarning: noise', file=sys.stderr); sys.stderr.flush(); os.kill(os.getpid(), signal.SIGABRT)")
+    proc = _failed(
+        "import os, signal, sys; print('bad tile', file=sys.stderr); "
+        "print('UserWarning: noise', file=sys.stderr); sys.stderr.flush(); os.kill(os.getpid(), signal.SIGABRT)"
+    )
     assert bench._failure(proc) == "killed by SIGABRT: bad tile"
 
 

@@ -29,7 +29,9 @@ def test_every_field_has_a_description():
     def walk(schema, defs, path=""):
         for name, prop in schema.get("properties", {}).items():
             assert prop.get("description"), f"{path}{name} has no description"
-            ref = prop.get("$ref") or next((a.get("$ref") for a in prop.get("anyOf", []) if "$ref" in a), None)
+            ref = prop.get("$ref") or next(
+                (a.get("$ref") for a in prop.get("anyOf", []) if "$ref" in a), None
+            )
             if ref:
                 walk(defs[ref.split("/")[-1]], defs, f"{path}{name}.")
 
@@ -62,13 +64,31 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_more_nodes_than_the_cluster_exits_2(capsys):
-    assert main(["plan", str(ROOT / "jobs/quickstart.yaml"), "--skip-parity", "--set", "resources.nodes=3"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(ROOT / "jobs/quickstart.yaml"),
+                "--skip-parity",
+                "--set",
+                "resources.nodes=3",
+            ]
+        )
+        == 2
+    )
     assert "resources.nodes asks for 3 nodes" in capsys.readouterr().err
 
 
 def test_plan_of_the_multinode_example(capsys):
-    rc = main(["plan", str(ROOT / "jobs/bert_ddp.yaml"), "--cluster",
-               str(ROOT / "examples/cluster-multinode.yaml"), "--skip-parity"])
+    rc = main(
+        [
+            "plan",
+            str(ROOT / "jobs/bert_ddp.yaml"),
+            "--cluster",
+            str(ROOT / "examples/cluster-multinode.yaml"),
+            "--skip-parity",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "world size 16" in out and "--node-rank 1" in out and "gpu01.example.internal:" in out
@@ -81,8 +101,16 @@ def test_entry_points(argv):
     assert out.startswith("launch ")
 
 
-@pytest.mark.parametrize("argv", [["--debug", "run", "j.yaml"], ["run", "j.yaml", "--debug"], ["--debug", "j.yaml"],
-                                  ["j.yaml", "--debug"], ["--debug", "status", "--json"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--debug", "run", "j.yaml"],
+        ["run", "j.yaml", "--debug"],
+        ["--debug", "j.yaml"],
+        ["j.yaml", "--debug"],
+        ["--debug", "status", "--json"],
+    ],
+)
 def test_debug_before_or_after_the_command(argv):
     from launcher.cli import _parser, _with_command
 

@@ -35,8 +35,14 @@ CASES = {
     "--set without '='": ([QUICKSTART, "--set", "train.steps"], "KEY=VALUE"),
     "scale without --world": (["scale", QUICKSTART], "--world"),
     "report on a missing dir": (["report", "{tmp}/no-such-run"], "no such directory"),
-    "--cluster missing file": ([QUICKSTART, "--cluster", "{tmp}/missing-cluster.yaml"], "file not found"),
-    "more nodes than the cluster": ([QUICKSTART, "--set", "resources.nodes=3"], "resources.nodes asks for 3 nodes"),
+    "--cluster missing file": (
+        [QUICKSTART, "--cluster", "{tmp}/missing-cluster.yaml"],
+        "file not found",
+    ),
+    "more nodes than the cluster": (
+        [QUICKSTART, "--set", "resources.nodes=3"],
+        "resources.nodes asks for 3 nodes",
+    ),
 }
 
 
@@ -49,8 +55,14 @@ def test_bad_command_line_exits_2_and_starts_nothing(tmp_path, case):
         argv = [*argv, "--run-dir", str(run_dir)]
     mark = uuid.uuid4().hex
     env = {**os.environ, "LAUNCHER_TEST_MARK": mark, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "launcher", *argv], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, (case, result.returncode, result.stderr[-2000:])
     assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr

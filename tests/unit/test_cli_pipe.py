@@ -22,16 +22,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def launch(args: list[str], cwd: Path, stdout) -> subprocess.CompletedProcess[bytes]:
     env = {**os.environ, "LAUNCHER_STATE_DIR": str(cwd / "state"), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "launcher", *args], stdout=stdout, stderr=subprocess.PIPE,
-                          cwd=cwd, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("args", [
-    ["--help"],
-    ["schema", "job"],                                                  # 33 kB of JSON
-    ["plan", str(ROOT / "jobs/quickstart.yaml"), "--skip-parity"],
-    ["list"],                                                           # no launcher Ray here: one line
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["schema", "job"],  # 33 kB of JSON
+        ["plan", str(ROOT / "jobs/quickstart.yaml"), "--skip-parity"],
+        ["list"],  # no launcher Ray here: one line
+    ],
+)
 def test_a_pipe_closed_before_the_output_ends_every_command_quietly(args, tmp_path):
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first write, as `| head -c 1` that has exited
@@ -52,8 +61,17 @@ def test_a_pipe_closed_before_the_output_ends_every_command_quietly(args, tmp_pa
 def test_head_c_1_of_a_long_output(tmp_path):
     """`launch schema job | head -c 1` through a shell, as a user types it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    shell = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m launcher schema job "
-                            f"2>{tmp_path / 'err'} | head -c 1"], capture_output=True, env=env, timeout=120)
+    shell = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"set -o pipefail; {sys.executable} -m launcher schema job "
+            f"2>{tmp_path / 'err'} | head -c 1",
+        ],
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
     assert shell.returncode == 0 and shell.stdout == b"{"
     assert (tmp_path / "err").read_bytes() == b""
 
@@ -78,7 +96,9 @@ def test_a_command_that_only_shows_something_ends_quietly_on_its_closed_stdout(m
 
 
 @pytest.mark.parametrize("command", sorted(cli.WORKING_COMMANDS))
-def test_a_broken_pipe_of_a_command_that_acts_is_not_hidden_when_stdout_is_closed_too(monkeypatch, command):
+def test_a_broken_pipe_of_a_command_that_acts_is_not_hidden_when_stdout_is_closed_too(
+    monkeypatch, command
+):
     """Its console's own pipes never raise (ReaderMayGo): a BrokenPipeError out of it is another's
     (SSH, Ray, a child's stdin), an unexpected error as any other, not exit 0 because stdout's
     reader happens to have gone as well."""
@@ -156,7 +176,9 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def fake_launch(tmp_path: Path, outcome: str, argv: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+def fake_launch(
+    tmp_path: Path, outcome: str, argv: list[str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The command line of FAKE_RUN (`launch run quickstart.yaml --run-dir RUN` unless `argv`), its env."""
     script = tmp_path / "fake_run.py"
     script.write_text(FAKE_RUN)
@@ -173,8 +195,14 @@ class Closed:
         self.code, self.first, self.out, self.err = code, first, out, err
 
 
-def run_closed_early(tmp_path: Path, outcome: str, *, reader: str = "stdout", argv: list[str] | None = None,
-                     stderr_too: bool = False) -> Closed:
+def run_closed_early(
+    tmp_path: Path,
+    outcome: str,
+    *,
+    reader: str = "stdout",
+    argv: list[str] | None = None,
+    stderr_too: bool = False,
+) -> Closed:
     """FAKE_RUN whose `reader` reads one line and goes, as `| head -1`: "stdout" (stderr into a
     file), "stderr" (stdout into a file) or "both" (one pipe for both, `2>&1`). The stream that
     keeps a reader goes to a file, never a second pipe: one the test does not read while the
@@ -184,8 +212,11 @@ def run_closed_early(tmp_path: Path, outcome: str, *, reader: str = "stdout", ar
         env["FAKE_RUN_STDERR"] = "1"
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        stdout, stderr = {"stdout": (subprocess.PIPE, err), "stderr": (out, subprocess.PIPE),
-                          "both": (subprocess.PIPE, subprocess.STDOUT)}[reader]
+        stdout, stderr = {
+            "stdout": (subprocess.PIPE, err),
+            "stderr": (out, subprocess.PIPE),
+            "both": (subprocess.PIPE, subprocess.STDOUT),
+        }[reader]
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=tmp_path, env=env)
         pipe = proc.stderr if reader == "stderr" else proc.stdout
         assert pipe is not None
@@ -238,7 +269,10 @@ def assert_complete(run_dir: Path) -> None:
 def test_a_failed_run_whose_stdout_reader_goes_exits_4_with_its_own_failure(tmp_path):
     closed = run_closed_early(tmp_path, "failed")
     assert closed.code == 4, closed.err.decode()
-    assert "job 'quickstart' failed: rank 1 on node local raised ValueError: boom" in closed.err.decode()
+    assert (
+        "job 'quickstart' failed: rank 1 on node local raised ValueError: boom"
+        in closed.err.decode()
+    )
     assert b"Broken pipe" not in closed.err and b"Traceback" not in closed.err
     assert json.loads((tmp_path / "run/summary.json").read_text())["status"] == "failed"
 
@@ -247,13 +281,20 @@ def test_a_summary_that_cannot_be_written_still_says_so_when_stdout_is_closed(tm
     """A real OSError writing summary.json is no closed pipe: its message names the run dir and the error."""
     closed = run_closed_early(tmp_path, "full-disk")
     run_dir = tmp_path / "run"
-    assert f"could not write the summary into {run_dir}: [Errno 28] No space left on device".encode() in closed.err
+    assert (
+        f"could not write the summary into {run_dir}: [Errno 28] No space left on device".encode()
+        in closed.err
+    )
     assert b"Broken pipe" not in closed.err and b"Traceback" not in closed.err
-    assert closed.code == 0  # the run itself succeeded: the summary's failure is reported, not its outcome
+    assert (
+        closed.code == 0
+    )  # the run itself succeeded: the summary's failure is reported, not its outcome
     assert not (run_dir / "summary.json").exists()
 
 
-def test_a_broken_pipe_not_of_the_console_fails_the_run_as_any_oserror_when_stdout_is_closed(tmp_path):
+def test_a_broken_pipe_not_of_the_console_fails_the_run_as_any_oserror_when_stdout_is_closed(
+    tmp_path,
+):
     """Ray's or SSH's pipe breaking mid-run is the launcher failing (exit 4 once workers started,
     3 before), as any other OSError there, whatever became of stdout's reader."""
     closed = run_closed_early(tmp_path, "foreign-pipe")
@@ -274,29 +315,44 @@ def test_a_broken_pipe_not_of_the_console_out_of_a_command_that_acts_is_no_exit_
 # -- a stdout or stderr closed from the start: `launch run job.yaml 2>&-` -----------------------------
 
 
-def closed_from_the_start(tmp_path: Path, redirect: str, cmd: list[str], env: dict[str, str]) -> Closed:
+def closed_from_the_start(
+    tmp_path: Path, redirect: str, cmd: list[str], env: dict[str, str]
+) -> Closed:
     """`cmd` with the shell's `redirect` (`2>&-`: Python's sys.stderr is then None; a
     subprocess.DEVNULL is no closed stream); what it wrote to the others, into files."""
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        code = subprocess.run(["sh", "-c", f'exec "$@" {redirect}', "sh", *cmd], stdout=out, stderr=err,
-                              cwd=tmp_path, env=env, timeout=120).returncode
+        code = subprocess.run(
+            ["sh", "-c", f'exec "$@" {redirect}', "sh", *cmd],
+            stdout=out,
+            stderr=err,
+            cwd=tmp_path,
+            env=env,
+            timeout=120,
+        ).returncode
     return Closed(code, b"", out_path.read_bytes(), err_path.read_bytes())
 
 
-@pytest.mark.parametrize(("args", "redirect", "expected"), [
-    (["run", "/nonexistent.yaml"], "2>&-", 2),      # was 1: ReaderMayGo(None) raised AttributeError
-    (["run", "/nonexistent.yaml"], ">&-", 2),       # was 1: sys.stdout.flush() on None
-    (["run", "/nonexistent.yaml"], ">&- 2>&-", 2),
-    (["schema", "job"], ">&-", 0),
-])
+@pytest.mark.parametrize(
+    ("args", "redirect", "expected"),
+    [
+        (["run", "/nonexistent.yaml"], "2>&-", 2),  # was 1: ReaderMayGo(None) raised AttributeError
+        (["run", "/nonexistent.yaml"], ">&-", 2),  # was 1: sys.stdout.flush() on None
+        (["run", "/nonexistent.yaml"], ">&- 2>&-", 2),
+        (["schema", "job"], ">&-", 0),
+    ],
+)
 def test_a_console_closed_from_the_start_keeps_the_exit_code(tmp_path, args, redirect, expected):
     env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
-    closed = closed_from_the_start(tmp_path, redirect, [sys.executable, "-m", "launcher", *args], env)
+    closed = closed_from_the_start(
+        tmp_path, redirect, [sys.executable, "-m", "launcher", *args], env
+    )
     assert closed.code == expected, closed.err.decode()
     assert b"Traceback" not in closed.err and b"Exception ignored" not in closed.err
     if redirect == ">&-":
-        assert closed.err == (b"error: /nonexistent.yaml: file not found; check the path\n" if expected else b"")
+        assert closed.err == (
+            b"error: /nonexistent.yaml: file not found; check the path\n" if expected else b""
+        )
     else:
         assert closed.out == b""
 

@@ -34,43 +34,69 @@ def tree(root: Path, files: dict[str, str | bytes]) -> Path:
 
 def job_in(folder: Path, **entrypoint: object):
     entry = {"script": "train.py", **entrypoint}
-    (folder / "job.yaml").write_text(json.dumps({
-        "name": "u", "entrypoint": entry, "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}}))
+    (folder / "job.yaml").write_text(
+        json.dumps(
+            {
+                "name": "u",
+                "entrypoint": entry,
+                "resources": {"device": "cpu"},
+                "precision": {"dtype": "fp32"},
+            }
+        )
+    )
     return load_job(folder / "job.yaml")
 
 
 def remote_cluster() -> ClusterSpec:
-    return ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "198.18.0.10"},
-                                                 {"name": "b", "host": "198.18.0.11"}]})
+    return ClusterSpec.model_validate(
+        {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
+    )
 
 
 # -- excludes ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("pattern", "path", "is_dir", "excluded"), [
-    ("__pycache__", "a/b/__pycache__", True, True),       # a name matches at any depth
-    ("*.pt", "ckpt/model.pt", False, True),
-    ("*.pt", "model.pth", False, False),
-    ("runs/", "runs", True, True),                        # a trailing slash: folders only
-    ("runs/", "runs", False, False),
-    ("data/raw", "data/raw", True, True),                 # a slash anchors at the workdir
-    ("data/raw", "x/data/raw", True, False),
-    ("/build", "build", True, True),
-    ("/build", "src/build", True, False),
-    ("**/cache", "a/b/cache", True, True),
-    ("logs/**", "logs/a/b.txt", False, True),
-    ("a?c.py", "abc.py", False, True),
-    ("[ab]x", "cx", False, False),
-    ("[!ab]x", "cx", False, True),
-])
+@pytest.mark.parametrize(
+    ("pattern", "path", "is_dir", "excluded"),
+    [
+        ("__pycache__", "a/b/__pycache__", True, True),  # a name matches at any depth
+        ("*.pt", "ckpt/model.pt", False, True),
+        ("*.pt", "model.pth", False, False),
+        ("runs/", "runs", True, True),  # a trailing slash: folders only
+        ("runs/", "runs", False, False),
+        ("data/raw", "data/raw", True, True),  # a slash anchors at the workdir
+        ("data/raw", "x/data/raw", True, False),
+        ("/build", "build", True, True),
+        ("/build", "src/build", True, False),
+        ("**/cache", "a/b/cache", True, True),
+        ("logs/**", "logs/a/b.txt", False, True),
+        ("a?c.py", "abc.py", False, True),
+        ("[ab]x", "cx", False, False),
+        ("[!ab]x", "cx", False, True),
+    ],
+)
 def test_exclude_patterns_follow_gitignore(pattern, path, is_dir, excluded):
     assert exclude_matcher([pattern])(path, is_dir) is excluded
 
 
 def test_walk_skips_excluded_folders_and_files(tmp_path):
-    tree(tmp_path, {"train.py": "x", "pkg/mod.py": "yy", ".git/HEAD": "ref", "pkg/__pycache__/m.pyc": "c",
-                    "runs/r1/summary.json": "{}", "model.pt": b"\0" * 10, "data/in.txt": "abc"})
-    assert walk_tree(tmp_path, list(DEFAULT_EXCLUDE)) == [("data/in.txt", 3), ("pkg/mod.py", 2), ("train.py", 1)]
+    tree(
+        tmp_path,
+        {
+            "train.py": "x",
+            "pkg/mod.py": "yy",
+            ".git/HEAD": "ref",
+            "pkg/__pycache__/m.pyc": "c",
+            "runs/r1/summary.json": "{}",
+            "model.pt": b"\0" * 10,
+            "data/in.txt": "abc",
+        },
+    )
+    assert walk_tree(tmp_path, list(DEFAULT_EXCLUDE)) == [
+        ("data/in.txt", 3),
+        ("pkg/mod.py", 2),
+        ("train.py", 1),
+    ]
 
 
 # -- the plan of the workdir ------------------------------------------------------------------
@@ -80,16 +106,26 @@ def test_local_nodes_run_the_script_in_place(tmp_path):
     tree(tmp_path, {"train.py": "print(1)", "helper.py": "V = 1", "data/x.bin": b"\0" * 100})
     job = job_in(tmp_path)
     code = plan_code(job, ClusterSpec.this_machine().nodes)
-    assert code.mode == "local" and code.cwd() == str(tmp_path) and code.script == str(tmp_path / "train.py")
-    assert code.files == 4 and code.size_bytes == len("print(1)") + len("V = 1") + 100 + len((tmp_path / "job.yaml").read_text())
+    assert (
+        code.mode == "local"
+        and code.cwd() == str(tmp_path)
+        and code.script == str(tmp_path / "train.py")
+    )
+    assert code.files == 4 and code.size_bytes == len("print(1)") + len("V = 1") + 100 + len(
+        (tmp_path / "job.yaml").read_text()
+    )
 
 
 def test_remote_nodes_get_a_copy_and_a_relative_script(tmp_path):
     tree(tmp_path, {"src/train.py": "print(1)"})
     job = job_in(tmp_path, script="src/train.py")
     code = plan_code(job, remote_cluster().nodes)
-    assert code.mode == "ray" and code.travels and code.cwd() is None and code.script == "src/train.py"
-    lp = plan(job, remote_cluster(), None, run_id="r", master_port=29500, launcher_env={}, code=code)
+    assert (
+        code.mode == "ray" and code.travels and code.cwd() is None and code.script == "src/train.py"
+    )
+    lp = plan(
+        job, remote_cluster(), None, run_id="r", master_port=29500, launcher_env={}, code=code
+    )
     assert all(n.cwd is None and n.argv[-1] == "src/train.py" for n in lp.nodes)
     assert lp.to_json()["code"]["mode"] == "ray"
     text = render(lp)
@@ -114,8 +150,15 @@ def test_script_outside_a_travelling_workdir_is_refused(tmp_path):
 
 def test_oversized_workdir_names_its_largest_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(code_mod, "SYNC_LIMIT_BYTES", 1000)
-    tree(tmp_path, {"train.py": "print(1)", "data/a.bin": b"\0" * 900, "data/b.bin": b"\0" * 300,
-                    "assets/c.bin": b"\0" * 200})
+    tree(
+        tmp_path,
+        {
+            "train.py": "print(1)",
+            "data/a.bin": b"\0" * 900,
+            "data/b.bin": b"\0" * 300,
+            "assets/c.bin": b"\0" * 200,
+        },
+    )
     job = job_in(tmp_path)
     with pytest.raises(SpecError) as err:
         plan_code(job, remote_cluster().nodes)
@@ -127,12 +170,19 @@ def test_oversized_workdir_names_its_largest_folders(tmp_path, monkeypatch):
 
 
 def test_stage_copies_exactly_what_travels(tmp_path):
-    src = tree(tmp_path / "src", {"train.py": "print(1)", "pkg/m.py": "x", ".git/HEAD": "h", "w.safetensors": "w"})
+    src = tree(
+        tmp_path / "src",
+        {"train.py": "print(1)", "pkg/m.py": "x", ".git/HEAD": "h", "w.safetensors": "w"},
+    )
     job = job_in(src, sync=True)
     code = plan_code(job, ClusterSpec.this_machine().nodes)
     snapshot = stage(code)
     try:
-        assert sorted(rel for rel, _ in walk_tree(snapshot, [])) == ["job.yaml", "pkg/m.py", "train.py"]
+        assert sorted(rel for rel, _ in walk_tree(snapshot, [])) == [
+            "job.yaml",
+            "pkg/m.py",
+            "train.py",
+        ]
     finally:
         shutil.rmtree(snapshot)
 
@@ -150,7 +200,13 @@ def test_the_code_hash_follows_code_files_only(tmp_path):
 
 
 def probe_with(node: str, code: dict) -> dict:
-    return {"node": node, "host": node, "hostname": node, "user_code": code, "launcher": {"hash": "h"}}
+    return {
+        "node": node,
+        "host": node,
+        "hostname": node,
+        "user_code": code,
+        "launcher": {"hash": "h"},
+    }
 
 
 def test_a_node_whose_code_differs_is_marked(tmp_path):
@@ -158,8 +214,10 @@ def test_a_node_whose_code_differs_is_marked(tmp_path):
     same = user_code_info(tmp_path, "train.py", list(DEFAULT_EXCLUDE))
     (tmp_path / "train.py").write_text("print(2)")
     other = user_code_info(tmp_path, "train.py", list(DEFAULT_EXCLUDE))
-    report = evaluate({"a": probe_with("a", same), "b": probe_with("b", same), "c": probe_with("c", other)},
-                      deep=False)
+    report = evaluate(
+        {"a": probe_with("a", same), "b": probe_with("b", same), "c": probe_with("c", other)},
+        deep=False,
+    )
     row = next(r for r in report.rows if r.field.key == "user_code")
     assert row.marks == {"c": "fail"} and not report.ok
     assert [p.node for p in report.failures] == ["c"]
@@ -169,7 +227,9 @@ def test_a_missing_workdir_or_script_fails_the_node(tmp_path):
     tree(tmp_path, {"other.py": ""})
     missing_dir = user_code_info(tmp_path / "nope", "train.py", [])
     missing_script = user_code_info(tmp_path, "train.py", [])
-    report = evaluate({"a": probe_with("a", missing_dir), "b": probe_with("b", missing_script)}, deep=False)
+    report = evaluate(
+        {"a": probe_with("a", missing_dir), "b": probe_with("b", missing_script)}, deep=False
+    )
     messages = {p.node: p.message for p in report.failures if p.key == "user_code_present"}
     assert "does not exist here" in messages["a"] and "script train.py is missing" in messages["b"]
 
@@ -177,8 +237,16 @@ def test_a_missing_workdir_or_script_fails_the_node(tmp_path):
 def test_the_probe_reports_the_installed_launcher_not_a_folder_named_launcher(tmp_path):
     (tmp_path / "launcher").mkdir()  # like /tmp/launcher, the nodes' run folders
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-", "--workdir", str(tmp_path)], input=PROBE.read_text(),
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-", "--workdir", str(tmp_path)],
+        input=PROBE.read_text(),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+        check=True,
+    )
     report = json.loads(out.stdout.splitlines()[-1])
     assert report["launcher"]["path"] != str(tmp_path / "launcher")
     assert Path(report["launcher"]["path"], "__init__.py").is_file()
@@ -190,7 +258,15 @@ def test_the_probe_still_finds_a_launcher_named_on_pythonpath_in_the_current_fol
     (``-S``: no site-packages, so no installed launcher to fall back on)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-S", "-"], input=PROBE.read_text(), capture_output=True, text=True,
-                         cwd=root, env=env, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-S", "-"],
+        input=PROBE.read_text(),
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=60,
+        check=True,
+    )
     report = json.loads(out.stdout.splitlines()[-1])
     assert report["launcher"]["path"] == str(root / "launcher")

@@ -26,8 +26,13 @@ MODEL = {"arch": "gpt", "size": "tiny", "vocab_size": 64, "max_positions": 32, "
 def run_dir(tmp_path: Path, steps: tuple[int, ...] = (5, 10), checkpoint: bool = True) -> Path:
     """A run directory whose job saved checkpoints at ``steps`` (different weights each)."""
     ckpt = tmp_path / "ckpt"
-    spec = {"name": "exp", "model": MODEL, "data": {"seq_len": 16}, "resources": {"device": "cpu"},
-            "train": {"checkpoint": {"dir": str(ckpt) if checkpoint else None}}}
+    spec = {
+        "name": "exp",
+        "model": MODEL,
+        "data": {"seq_len": 16},
+        "resources": {"device": "cpu"},
+        "train": {"checkpoint": {"dir": str(ckpt) if checkpoint else None}},
+    }
     tmp_path.mkdir(parents=True, exist_ok=True)
     source = tmp_path / "job-src.yaml"
     source.write_text(yaml.safe_dump(spec))
@@ -36,7 +41,11 @@ def run_dir(tmp_path: Path, steps: tuple[int, ...] = (5, 10), checkpoint: bool =
         torch.manual_seed(step)
         model = build_model(job.model)
         path = step_dir(ckpt, step)
-        dcp.save({"model": model.state_dict(), "train": {"step": step}}, checkpoint_id=str(path), no_dist=True)
+        dcp.save(
+            {"model": model.state_dict(), "train": {"step": step}},
+            checkpoint_id=str(path),
+            no_dist=True,
+        )
         (path / MARKER).write_text(f"{step}\n")
         torch.save(model.state_dict(), tmp_path / f"params{step}.pt")
     out = tmp_path / "run"
@@ -54,9 +63,16 @@ def test_export_writes_the_latest_checkpoint_or_the_step_asked(tmp_path):
         params = torch.load(tmp_path / f"params{step}.pt")
         tensors = load_file(tmp_path / out / "model.safetensors")
         assert torch.equal(tensors["transformer.wte.weight"], params["embed.tok.weight"])
-        assert torch.equal(tensors["transformer.h.1.mlp.c_fc.weight"], params["blocks.1.mlp.fc.weight"].t())
+        assert torch.equal(
+            tensors["transformer.h.1.mlp.c_fc.weight"], params["blocks.1.mlp.fc.weight"].t()
+        )
         config = json.loads((tmp_path / out / "config.json").read_text())
-        assert (config["model_type"], config["n_layer"], config["n_inner"], config["vocab_size"]) == ("gpt2", 2, 96, 64)
+        assert (
+            config["model_type"],
+            config["n_layer"],
+            config["n_inner"],
+            config["vocab_size"],
+        ) == ("gpt2", 2, 96, 64)
 
 
 def test_export_errors_say_what_to_do(tmp_path, capsys):

@@ -25,12 +25,16 @@ def one_process_group():
 
 @pytest.mark.parametrize(("per_unit", "units"), [(1, 4), (2, 2), (3, 2), (4, 1), (8, 1)])
 def test_blocks_are_grouped_into_units(one_process_group, per_unit: int, units: int):
-    job = JobSpec.model_validate({
-        "name": "units", "model": {"arch": "bert", "size": "mini", "vocab_size": 512},
-        "data": {"source": "synthetic", "seq_len": 16},
-        "parallel": {"strategy": "fsdp", "fsdp": {"blocks_per_unit": per_unit}},
-        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
-    })
+    job = JobSpec.model_validate(
+        {
+            "name": "units",
+            "model": {"arch": "bert", "size": "mini", "vocab_size": 512},
+            "data": {"source": "synthetic", "seq_len": 16},
+            "parallel": {"strategy": "fsdp", "fsdp": {"blocks_per_unit": per_unit}},
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu"},
+        }
+    )
     model = build_model(job.model)
     names = [n for n, _ in model.named_parameters()]
     model = apply_fsdp(model, job, device=torch.device("cpu"), world_size=1)
@@ -45,7 +49,8 @@ def test_blocks_are_grouped_into_units(one_process_group, per_unit: int, units: 
 
 @pytest.mark.parametrize("reshard_after_forward", [False, True])
 def test_accumulation_keeps_parameters_gathered_only_when_the_step_does_anyway(
-        one_process_group, reshard_after_forward: bool):
+    one_process_group, reshard_after_forward: bool
+):
     """With ``reshard_after_forward: false`` a micro-batch that does not sync leaves its blocks
     gathered for the next one (one all-gather per step); the syncing micro-batch reshards.
     With resharding after forward (memory first) every backward reshards, as FSDP does."""
@@ -54,13 +59,20 @@ def test_accumulation_keeps_parameters_gathered_only_when_the_step_does_anyway(
     from launcher.train.data import build_data
     from launcher.train.parallel import gradient_sync
 
-    job = JobSpec.model_validate({
-        "name": "accum", "model": {"arch": "bert", "size": "mini", "vocab_size": 512},
-        "data": {"source": "synthetic", "seq_len": 16},
-        "train": {"micro_batch": 2, "grad_accum": 2},
-        "parallel": {"strategy": "fsdp", "fsdp": {"reshard_after_forward": reshard_after_forward}},
-        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
-    })
+    job = JobSpec.model_validate(
+        {
+            "name": "accum",
+            "model": {"arch": "bert", "size": "mini", "vocab_size": 512},
+            "data": {"source": "synthetic", "seq_len": 16},
+            "train": {"micro_batch": 2, "grad_accum": 2},
+            "parallel": {
+                "strategy": "fsdp",
+                "fsdp": {"reshard_after_forward": reshard_after_forward},
+            },
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu"},
+        }
+    )
     cpu = torch.device("cpu")
     model = apply_fsdp(build_model(job.model), job, device=cpu, world_size=1)
     data = build_data(job, rank=0, world_size=1, device=cpu)
@@ -82,13 +94,17 @@ def test_fsdp_on_one_process_trains_the_model_unwrapped_unless_it_offloads():
     from torch.distributed.fsdp import FSDPModule
 
     def job(**fsdp) -> JobSpec:
-        return JobSpec.model_validate({
-            "name": "one", "model": {"arch": "bert", "size": "tiny", "vocab_size": 256},
-            "data": {"source": "synthetic", "seq_len": 16}, "parallel": {"strategy": "fsdp", "fsdp": fsdp},
-            "precision": {"dtype": "fp32"},
-            # offloading to the CPU is for GPUs (the spec refuses it on device cpu)
-            "resources": {"device": "cuda" if fsdp.get("cpu_offload") else "cpu"},
-        })
+        return JobSpec.model_validate(
+            {
+                "name": "one",
+                "model": {"arch": "bert", "size": "tiny", "vocab_size": 256},
+                "data": {"source": "synthetic", "seq_len": 16},
+                "parallel": {"strategy": "fsdp", "fsdp": fsdp},
+                "precision": {"dtype": "fp32"},
+                # offloading to the CPU is for GPUs (the spec refuses it on device cpu)
+                "resources": {"device": "cuda" if fsdp.get("cpu_offload") else "cpu"},
+            }
+        )
 
     model = build_model(job().model)
     assert parallelize(model, job(), device=torch.device("cpu"), world_size=1) is model

@@ -33,11 +33,16 @@ def test_flops_per_token_is_the_trainers_formula_for_gpt2_124m():
 
 def test_ratios_are_against_nanogpt_and_skip_failed_rows():
     row = {"mfu": 0.4, "step_ms_p50": 30.0}
-    results = {"nanogpt": {"tokens_per_s": 400.0, "loss": 10.0, **row},
-               "ours": {"tokens_per_s": 500.0, "loss": 10.1, **row}, "ours-fp8": {"error": "boom"}}
+    results = {
+        "nanogpt": {"tokens_per_s": 400.0, "loss": 10.0, **row},
+        "ours": {"tokens_per_s": 500.0, "loss": 10.1, **row},
+        "ours-fp8": {"error": "boom"},
+    }
     r = bench.ratios(results)
     assert set(r) == {"ours"}
-    assert r["ours"]["speed"] == pytest.approx(1.25) and r["ours"]["loss_rel_diff"] == pytest.approx(0.01)
+    assert r["ours"]["speed"] == pytest.approx(1.25) and r["ours"][
+        "loss_rel_diff"
+    ] == pytest.approx(0.01)
     assert bench.ratios({"ours": {"tokens_per_s": 1.0, "loss": 1.0}}) == {}
     table = bench.table(results)
     assert "FAILED: boom" in table and "1.250x" in table and "+1.00" in table
@@ -45,9 +50,11 @@ def test_ratios_are_against_nanogpt_and_skip_failed_rows():
 
 def test_energy_per_token_gives_the_ratio_per_joule():
     row = {"mfu": 0.4, "step_ms_p50": 30.0, "loss": 10.0}
-    results = {"nanogpt": {"tokens_per_s": 400.0, "energy_mj_per_token": 1.5, **row},
-               "ours": {"tokens_per_s": 500.0, "energy_mj_per_token": 1.2, **row},
-               "ours-no-nvml": {"tokens_per_s": 500.0, "energy_mj_per_token": None, **row}}
+    results = {
+        "nanogpt": {"tokens_per_s": 400.0, "energy_mj_per_token": 1.5, **row},
+        "ours": {"tokens_per_s": 500.0, "energy_mj_per_token": 1.2, **row},
+        "ours-no-nvml": {"tokens_per_s": 500.0, "energy_mj_per_token": None, **row},
+    }
     r = bench.ratios(results)
     assert r["ours"]["per_joule"] == pytest.approx(1.25) and r["ours-no-nvml"]["per_joule"] is None
     assert "1.250x" in bench.table(results).splitlines()[2]
@@ -57,15 +64,28 @@ def test_the_gpu_window_interpolates_the_energy_counter_at_its_ends():
     sampler = bench.GpuSampler.__new__(bench.GpuSampler)  # samples given, no NVML thread
 
     def sample(t: float, mhz: float, limits: list[str]) -> tuple[float, dict]:
-        return t, {"gpu_util_pct": 99.0, "sm_clock_mhz": mhz, "power_w": 0.0, "clock_limits": limits,
-                   "energy_counter_j": 1000.0 + 700.0 * t}  # 700 W throughout
+        return t, {
+            "gpu_util_pct": 99.0,
+            "sm_clock_mhz": mhz,
+            "power_w": 0.0,
+            "clock_limits": limits,
+            "energy_counter_j": 1000.0 + 700.0 * t,
+        }  # 700 W throughout
 
-    sampler.samples = [sample(0.0, 1980.0, []), sample(1.0, 1700.0, ["power cap"]),
-                       sample(2.0, 1600.0, ["power cap"]), sample(3.0, 1980.0, [])]
+    sampler.samples = [
+        sample(0.0, 1980.0, []),
+        sample(1.0, 1700.0, ["power cap"]),
+        sample(2.0, 1600.0, ["power cap"]),
+        sample(3.0, 1980.0, []),
+    ]
     w = sampler.window(0.5, 2.5)
     assert w["energy_j"] == pytest.approx(1400.0) and w["power_w"] == pytest.approx(700.0)
-    assert w["sm_clock_mhz"] == pytest.approx(1650.0) and w["power_capped_pct"] == pytest.approx(100.0)
+    assert w["sm_clock_mhz"] == pytest.approx(1650.0) and w["power_capped_pct"] == pytest.approx(
+        100.0
+    )
     assert w["samples"] == 2 and w["seconds"] == pytest.approx(2.0)
-    assert sampler.window(2.5, 3.5)["energy_j"] is None  # past the last sample: unknown, not guessed
+    assert (
+        sampler.window(2.5, 3.5)["energy_j"] is None
+    )  # past the last sample: unknown, not guessed
     result = bench.with_energy({"tokens_per_s": 1.0}, sampler, 0.5, 2.5, tokens=1_400_000)
     assert result["energy_mj_per_token"] == pytest.approx(1.0)

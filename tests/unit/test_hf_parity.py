@@ -11,7 +11,9 @@ import pytest
 import torch
 import yaml
 
-pytest.importorskip("transformers", reason="the parity tests build Hugging Face models (test extra)")
+pytest.importorskip(
+    "transformers", reason="the parity tests build Hugging Face models (test extra)"
+)
 pytest.importorskip("safetensors", reason="Hugging Face folders hold model.safetensors (hf extra)")
 
 from fixtures.hf_assets import TINY, save_bert, save_gpt2  # noqa: E402
@@ -29,8 +31,18 @@ SEQ = 24
 
 def job_file(tmp_path: Path, model: dict, **extra) -> Path:
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({"name": "hf", "model": model, "data": {"seq_len": SEQ},
-                                    "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}, **extra}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "hf",
+                "model": model,
+                "data": {"seq_len": SEQ},
+                "resources": {"device": "cpu"},
+                "precision": {"dtype": "fp32"},
+                **extra,
+            }
+        )
+    )
     return path
 
 
@@ -44,17 +56,32 @@ def built_in(tmp_path: Path, folder: Path, **model):
 
 
 def batch(arch: str, seed: int = 3) -> dict[str, torch.Tensor]:
-    data = SyntheticBatches(arch=arch, vocab_size=TINY["vocab_size"], seq_len=SEQ, micro_batch=3,
-                            grad_accum=1, mask_prob=0.15, seed=seed, rank=0, world_size=1,
-                            device=torch.device("cpu"))
+    data = SyntheticBatches(
+        arch=arch,
+        vocab_size=TINY["vocab_size"],
+        seq_len=SEQ,
+        micro_batch=3,
+        grad_accum=1,
+        mask_prob=0.15,
+        seed=seed,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+    )
     return data.batch(1)
 
 
 def test_bert_mlm_logits_and_loss_match_hugging_face(tmp_path):
     hf = save_bert(tmp_path / "bert")
     spec, ours = built_in(tmp_path, tmp_path / "bert")
-    assert spec.arch == "bert" and spec.dims() == {"n_layers": 2, "d_model": 32, "n_heads": 4, "d_ff": 64,
-                                                   "vocab_size": 96, "max_positions": 40}
+    assert spec.arch == "bert" and spec.dims() == {
+        "n_layers": 2,
+        "d_model": 32,
+        "n_heads": 4,
+        "d_ff": 64,
+        "vocab_size": 96,
+        "max_positions": 40,
+    }
     b = batch("bert")
     hf_labels = torch.full_like(b["input_ids"], -100).scatter(1, b["mask_pos"], b["labels"])
     with torch.no_grad():
@@ -85,7 +112,9 @@ def test_a_bert_model_folder_loads_the_encoder_and_starts_the_head_fresh(tmp_pat
     _, ours = built_in(tmp_path, tmp_path / "enc")
     ids = batch("bert")["input_ids"]
     with torch.no_grad():
-        torch.testing.assert_close(ours.hidden(ids), hf(input_ids=ids).last_hidden_state, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            ours.hidden(ids), hf(input_ids=ids).last_hidden_state, atol=1e-5, rtol=0
+        )
     assert torch.equal(ours.head.bias, torch.zeros(TINY["vocab_size"]))
 
 
@@ -96,18 +125,29 @@ def test_older_file_layouts_load_the_same_weights(tmp_path):
     save_bert(tmp_path / "bert")
     new = hf_state_dict(tmp_path / "bert", built_in(tmp_path, tmp_path / "bert")[0])
     tensors = load_file(tmp_path / "bert/model.safetensors")
-    old = {k.removeprefix("bert.").replace("LayerNorm.weight", "LayerNorm.gamma")
-           .replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in tensors.items()}
+    old = {
+        k.removeprefix("bert.")
+        .replace("LayerNorm.weight", "LayerNorm.gamma")
+        .replace("LayerNorm.bias", "LayerNorm.beta"): v
+        for k, v in tensors.items()
+    }
     old["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
     old["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
     old["pooler.dense.weight"], old["pooler.dense.bias"] = torch.zeros(32, 32), torch.zeros(32)
-    old["cls.seq_relationship.weight"], old["cls.seq_relationship.bias"] = torch.zeros(2, 32), torch.zeros(2)
+    old["cls.seq_relationship.weight"], old["cls.seq_relationship.bias"] = (
+        torch.zeros(2, 32),
+        torch.zeros(2),
+    )
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / "config.json").write_text((tmp_path / "bert/config.json").read_text())
-    torch.save(old, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)  # 2018 format
+    torch.save(
+        old, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False
+    )  # 2018 format
     spec, _ = built_in(tmp_path, legacy)
-    assert {k: v.tolist() for k, v in hf_state_dict(legacy, spec).items()} == {k: v.tolist() for k, v in new.items()}
+    assert {k: v.tolist() for k, v in hf_state_dict(legacy, spec).items()} == {
+        k: v.tolist() for k, v in new.items()
+    }
 
     save_gpt2(tmp_path / "gpt2")
     tensors = load_file(tmp_path / "gpt2/model.safetensors")
@@ -117,7 +157,9 @@ def test_older_file_layouts_load_the_same_weights(tmp_path):
     (tmp_path / "gpt2/model.safetensors").unlink()
     torch.save(old, tmp_path / "gpt2/pytorch_model.bin")
     spec, ours = built_in(tmp_path, tmp_path / "gpt2")
-    assert torch.equal(ours.blocks[0].attn.qkv.weight, tensors["transformer.h.0.attn.c_attn.weight"].t())
+    assert torch.equal(
+        ours.blocks[0].attn.qkv.weight, tensors["transformer.h.0.attn.c_attn.weight"].t()
+    )
 
 
 def test_a_folder_of_shards_loads_like_one_file(tmp_path):
@@ -126,7 +168,10 @@ def test_a_folder_of_shards_loads_like_one_file(tmp_path):
     tensors = load_file(tmp_path / "gpt2/model.safetensors")
     (tmp_path / "gpt2/model.safetensors").unlink()
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for file, part in shards.items():
         save_file({k: tensors[k] for k in part}, tmp_path / "gpt2" / file)
     index = {"metadata": {}, "weight_map": {k: file for file, part in shards.items() for k in part}}
@@ -139,7 +184,10 @@ def test_a_folder_of_shards_loads_like_one_file(tmp_path):
 def test_export_writes_the_hugging_face_tensors_back_exactly(tmp_path):
     from transformers import BertForMaskedLM, GPT2LMHeadModel
 
-    for name, save, cls in (("bert", save_bert, BertForMaskedLM), ("gpt2", save_gpt2, GPT2LMHeadModel)):
+    for name, save, cls in (
+        ("bert", save_bert, BertForMaskedLM),
+        ("gpt2", save_gpt2, GPT2LMHeadModel),
+    ):
         hf = save(tmp_path / name)
         spec, ours = built_in(tmp_path, tmp_path / name)
         save_pretrained(ours.state_dict(), spec, tmp_path / f"{name}-out")
@@ -154,15 +202,27 @@ def test_export_writes_the_hugging_face_tensors_back_exactly(tmp_path):
 
 def test_an_explicit_shape_that_disagrees_is_refused_naming_both(tmp_path):
     save_bert(tmp_path / "bert")
-    for model, expect in (({"size": "base"}, "model.size base (config.json: 2x32x4"),
-                          ({"n_layers": 4}, "model.n_layers 4 (config.json: 2)"),
-                          ({"arch": "gpt"}, "model.arch gpt (the folder holds a bert)")):
+    for model, expect in (
+        ({"size": "base"}, "model.size base (config.json: 2x32x4"),
+        ({"n_layers": 4}, "model.n_layers 4 (config.json: 2)"),
+        ({"arch": "gpt"}, "model.arch gpt (the folder holds a bert)"),
+    ):
         with pytest.raises(SpecError) as err:
             load_job(job_file(tmp_path, {"init_from": str(tmp_path / "bert"), **model}))
         assert err.value.exit_code == 2 and expect in str(err.value), str(err.value)
     # Agreeing dims are fine, and a size whose dims are all given explicitly decides nothing.
-    spec = load_job(job_file(tmp_path, {"init_from": str(tmp_path / "bert"), "size": "base", "n_layers": 2,
-                                        "d_model": 32, "n_heads": 4})).model
+    spec = load_job(
+        job_file(
+            tmp_path,
+            {
+                "init_from": str(tmp_path / "bert"),
+                "size": "base",
+                "n_layers": 2,
+                "d_model": 32,
+                "n_heads": 4,
+            },
+        )
+    ).model
     assert spec.dims()["d_model"] == 32
 
 
@@ -183,7 +243,10 @@ def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
     extra = {**good, "classifier.weight": torch.zeros(2, 32)}
     assert "no place for: classifier.weight" in refused(extra)
     bent = {**good, "bert.encoder.layer.0.intermediate.dense.weight": torch.zeros(65, 32)}
-    assert "bert.encoder.layer.0.intermediate.dense.weight is [65, 32], config.json implies [64, 32]" in refused(bent)
+    assert (
+        "bert.encoder.layer.0.intermediate.dense.weight is [65, 32], config.json implies [64, 32]"
+        in refused(bent)
+    )
 
 
 def test_an_untied_decoder_is_refused(tmp_path):
@@ -218,25 +281,38 @@ def test_a_name_that_is_not_a_local_folder_says_to_download_it_first(tmp_path):
 def test_a_model_without_biases_exports_zero_biases_and_the_same_function(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    spec = load_job(job_file(tmp_path, {"arch": "gpt", "size": "tiny", "bias": False, "vocab_size": 96,
-                                        "max_positions": 40})).model
+    spec = load_job(
+        job_file(
+            tmp_path,
+            {"arch": "gpt", "size": "tiny", "bias": False, "vocab_size": 96, "max_positions": 40},
+        )
+    ).model
     torch.manual_seed(4)
     ours = build_model(spec).eval()
     assert not [n for n, _ in ours.named_parameters() if n.endswith("bias")]
     save_pretrained(ours.state_dict(), spec, tmp_path / "out")
     theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
-    biases = {k: v for k, v in theirs.state_dict().items() if k.endswith(".bias") and ".attn.bias" not in k}
+    biases = {
+        k: v
+        for k, v in theirs.state_dict().items()
+        if k.endswith(".bias") and ".attn.bias" not in k
+    }
     assert biases and all(not v.any() for v in biases.values())
     ids = batch("gpt")["input_ids"][:, :16]
     with torch.no_grad():
-        torch.testing.assert_close(ours.logits(ids), theirs(input_ids=ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            ours.logits(ids), theirs(input_ids=ids).logits, atol=1e-5, rtol=0
+        )
 
 
 def test_weights_from_a_folder_need_biases(tmp_path):
     save_gpt2(tmp_path / "gpt2")
     with pytest.raises(SpecError) as err:
         load_job(job_file(tmp_path, {"init_from": str(tmp_path / "gpt2"), "bias": False}))
-    assert err.value.exit_code == 2 and "model.bias false (the folder's weights have biases)" in str(err.value)
+    assert (
+        err.value.exit_code == 2
+        and "model.bias false (the folder's weights have biases)" in str(err.value)
+    )
 
 
 @pytest.mark.parametrize("content", ["garbage", "more than tensors"])

@@ -15,8 +15,9 @@ import inductor_options as tool  # noqa: E402
 
 def test_values_are_python_literals():
     assert tool.parse_option("combo_kernels=True") == ("combo_kernels", True)
-    assert tool.parse_option("post_grad_fusion_options={'batch_linear_post_grad': {'min_fuse_set_size': 4}}") == (
-        "post_grad_fusion_options", {"batch_linear_post_grad": {"min_fuse_set_size": 4}})
+    assert tool.parse_option(
+        "post_grad_fusion_options={'batch_linear_post_grad': {'min_fuse_set_size': 4}}"
+    ) == ("post_grad_fusion_options", {"batch_linear_post_grad": {"min_fuse_set_size": 4}})
     with pytest.raises(ValueError, match="KEY=VALUE"):
         tool.parse_option("combo_kernels")
     with pytest.raises(ValueError, match="not a Python literal"):
@@ -26,7 +27,9 @@ def test_values_are_python_literals():
 def test_apply_sets_known_keys_and_refuses_others(monkeypatch):
     import torch._inductor.config as config
 
-    monkeypatch.setattr(config, "aggressive_fusion", config.aggressive_fusion)  # restored afterwards
+    monkeypatch.setattr(
+        config, "aggressive_fusion", config.aggressive_fusion
+    )  # restored afterwards
     tool.apply([("aggressive_fusion", True)])
     assert config.aggressive_fusion is True
     with pytest.raises(ValueError, match="no option 'not_an_option'"):
@@ -34,8 +37,19 @@ def test_apply_sets_known_keys_and_refuses_others(monkeypatch):
 
 
 def test_an_unknown_option_exits_2_before_training():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "inductor_options.py"), "--option",
-                           "no_such_option=1", "--", "--job", str(REPO / "jobs" / "quickstart.yaml")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "inductor_options.py"),
+            "--option",
+            "no_such_option=1",
+            "--",
+            "--job",
+            str(REPO / "jobs" / "quickstart.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "no option 'no_such_option'" in proc.stderr

@@ -17,7 +17,9 @@ CAPACITY = {"10.0.0.1": {"CPU": 2.0, "GPU": 8.0}, "10.0.0.2": {"CPU": 2.0, "GPU"
 NAMES = {"10.0.0.1": "node0", "10.0.0.2": "node1"}
 
 
-def ticket(job_id: str, gpus: float = 8, nodes=("10.0.0.1", "10.0.0.2"), resource: str = "GPU") -> Ticket:
+def ticket(
+    job_id: str, gpus: float = 8, nodes=("10.0.0.1", "10.0.0.2"), resource: str = "GPU"
+) -> Ticket:
     return Ticket(job_id, f"name-{job_id}", {n: {resource: gpus} for n in nodes}, NAMES)
 
 
@@ -35,12 +37,16 @@ def test_a_job_needing_held_gpus_waits_and_names_the_holder():
 
 
 def test_jobs_that_fit_side_by_side_both_run():
-    assert decide(ticket("b", gpus=4), alive("a", "b"), {"a": ticket("a", gpus=4)}, CAPACITY) is None
+    assert (
+        decide(ticket("b", gpus=4), alive("a", "b"), {"a": ticket("a", gpus=4)}, CAPACITY) is None
+    )
 
 
 def test_a_later_small_job_does_not_overtake_a_waiting_big_one():
     started = {"a": ticket("a", gpus=4)}
-    assert decide(ticket("b"), alive("a", "b", "c"), started, CAPACITY).startswith("waiting for 8 GPUs")
+    assert decide(ticket("b"), alive("a", "b", "c"), started, CAPACITY).startswith(
+        "waiting for 8 GPUs"
+    )
     reason = decide(ticket("c", gpus=1), alive("a", "b", "c"), started, CAPACITY)
     assert reason == "queued behind job b (name-b), submitted earlier and not started yet"
 
@@ -61,7 +67,10 @@ def test_a_demand_above_the_capacity_takes_the_whole_node():
     big = Ticket("b", "big", {"10.0.0.1": {"CPU": 64.0}}, NAMES)
     assert decide(big, alive("b"), {}, CAPACITY) is None
     held = {"a": Ticket("a", "one", {"10.0.0.1": {"CPU": 1.0}}, NAMES)}
-    assert decide(big, alive("a", "b"), held, CAPACITY) == "waiting for 2 CPU slots on node0, held by job a (one)"
+    assert (
+        decide(big, alive("a", "b"), held, CAPACITY)
+        == "waiting for 2 CPU slots on node0, held by job a (one)"
+    )
 
 
 def test_board_forgets_jobs_that_are_no_longer_alive():
@@ -75,36 +84,60 @@ def test_board_forgets_jobs_that_are_no_longer_alive():
 
 
 def test_state_lines_round_trip_and_stay_out_of_the_logs():
-    logs = "\n".join(["step 1", state.line({"state": "running", "step": 1}), "step 2",
-                      state.line({"state": "done", "status": "succeeded", "tokens_per_s": 9.5}), "bye", ""])
+    logs = "\n".join(
+        [
+            "step 1",
+            state.line({"state": "running", "step": 1}),
+            "step 2",
+            state.line({"state": "done", "status": "succeeded", "tokens_per_s": 9.5}),
+            "bye",
+            "",
+        ]
+    )
     assert state.last_state(logs) == {"state": "done", "status": "succeeded", "tokens_per_s": 9.5}
     assert state.strip(logs) == "step 1\nstep 2\nbye\n"
     assert state.last_state("no state here\n") is None
 
 
-@pytest.mark.parametrize(("ray_status", "last", "shown"), [
-    ("PENDING", None, "PENDING"),
-    ("RUNNING", None, "PENDING"),
-    ("RUNNING", {"state": "starting"}, "PENDING"),
-    ("RUNNING", {"state": "pending", "reason": "x"}, "PENDING"),
-    ("RUNNING", {"state": "running"}, "RUNNING"),
-    ("SUCCEEDED", {"state": "done"}, "SUCCEEDED"),
-    ("STOPPED", {"state": "done", "status": "interrupted"}, "STOPPED"),
-    ("FAILED", None, "FAILED"),
-])
+@pytest.mark.parametrize(
+    ("ray_status", "last", "shown"),
+    [
+        ("PENDING", None, "PENDING"),
+        ("RUNNING", None, "PENDING"),
+        ("RUNNING", {"state": "starting"}, "PENDING"),
+        ("RUNNING", {"state": "pending", "reason": "x"}, "PENDING"),
+        ("RUNNING", {"state": "running"}, "RUNNING"),
+        ("SUCCEEDED", {"state": "done"}, "SUCCEEDED"),
+        ("STOPPED", {"state": "done", "status": "interrupted"}, "STOPPED"),
+        ("FAILED", None, "FAILED"),
+    ],
+)
 def test_status_of(ray_status, last, shown):
     assert state.status_of(ray_status, last) == shown
 
 
 def details(status: str, message: str = "", **meta: str):
     return types.SimpleNamespace(
-        submission_id="job-1", status=types.SimpleNamespace(value=status), message=message,
-        metadata={"launcher": "0.1.0", "name": "quickstart", "world_size": "2", "nodes": "1",
-                  "run_dir": "/runs/job-1", **meta}, start_time=1_700_000_000_000, end_time=None)
+        submission_id="job-1",
+        status=types.SimpleNamespace(value=status),
+        message=message,
+        metadata={
+            "launcher": "0.1.0",
+            "name": "quickstart",
+            "world_size": "2",
+            "nodes": "1",
+            "run_dir": "/runs/job-1",
+            **meta,
+        },
+        start_time=1_700_000_000_000,
+        end_time=None,
+    )
 
 
 def test_row_of_a_waiting_job_carries_the_reason():
-    logs = state.line({"state": "pending", "reason": "waiting for 2 CPU slots on local, held by job x (q)"})
+    logs = state.line(
+        {"state": "pending", "reason": "waiting for 2 CPU slots on local, held by job x (q)"}
+    )
     row = state.row(details("RUNNING"), logs)
     assert row["status"] == "PENDING" and row["reason"].startswith("waiting for 2 CPU slots")
     assert set(state.to_json(row)) == set(state.JSON_KEYS)
@@ -113,10 +146,22 @@ def test_row_of_a_waiting_job_carries_the_reason():
 
 def test_row_of_a_finished_job_has_the_summary_figures_and_failure():
     failure = {"rank": 1, "node": "local", "reason": "rank 1 exited with code 1"}
-    logs = state.line({"state": "done", "status": "failed", "tokens_per_s": 1234.5, "mfu": 0.42,
-                       "failure": failure})
+    logs = state.line(
+        {
+            "state": "done",
+            "status": "failed",
+            "tokens_per_s": 1234.5,
+            "mfu": 0.42,
+            "failure": failure,
+        }
+    )
     row = state.row(details("FAILED"), logs)
-    assert (row["status"], row["tokens_per_s"], row["mfu"], row["failure"]) == ("FAILED", 1234.5, 0.42, failure)
+    assert (row["status"], row["tokens_per_s"], row["mfu"], row["failure"]) == (
+        "FAILED",
+        1234.5,
+        0.42,
+        failure,
+    )
     text = state.render_one(row)
     assert "1,234 tokens/s" in text and "MFU 42.0%" in text and "failure: rank 1 on local" in text
     assert "1 × 2" in state.render_table([row])
@@ -126,28 +171,45 @@ def test_a_restarted_job_shows_its_attempt():
     logs = state.line({"state": "running", "step": 30, "tokens_per_s": 10.0, "attempt": 1})
     row = state.row(details("RUNNING"), logs)
     assert row["attempt"] == 1 and "attempt 1 (after 1 restart(s))" in state.render_one(row)
-    done = state.row(details("SUCCEEDED"), state.line({"state": "done", "status": "succeeded",
-                                                         "attempt": 1, "world_size": 1}))
-    assert (done["attempt"], done["world_size"]) == (1, 1)  # the last attempt's world, not the first's
-    assert "attempt" not in state.render_one(state.row(details("RUNNING"), state.line({"state": "running"})))
+    done = state.row(
+        details("SUCCEEDED"),
+        state.line({"state": "done", "status": "succeeded", "attempt": 1, "world_size": 1}),
+    )
+    assert (done["attempt"], done["world_size"]) == (
+        1,
+        1,
+    )  # the last attempt's world, not the first's
+    assert "attempt" not in state.render_one(
+        state.row(details("RUNNING"), state.line({"state": "running"}))
+    )
 
 
 def test_a_killed_driver_is_failed_with_rays_reason():
-    message = "Job entrypoint command failed with exit code -9, last available logs (truncated):\n..."
+    message = (
+        "Job entrypoint command failed with exit code -9, last available logs (truncated):\n..."
+    )
     row = state.row(details("FAILED", message), state.line({"state": "running", "step": 3}))
-    assert row["status"] == "FAILED" and row["failure"] == {"reason": "Job entrypoint command failed with exit code -9"}
+    assert row["status"] == "FAILED" and row["failure"] == {
+        "reason": "Job entrypoint command failed with exit code -9"
+    }
 
 
 def test_jobs_address_needs_an_attached_cluster(tmp_path):
     path = tmp_path / "cluster.yaml"
-    path.write_text("nodes: [{name: local, host: localhost}]\nray: {jobs_address: 'http://head:8265'}\n")
+    path.write_text(
+        "nodes: [{name: local, host: localhost}]\nray: {jobs_address: 'http://head:8265'}\n"
+    )
     with pytest.raises(SpecError, match="jobs_address is for a cluster the launcher attaches to"):
         load_cluster(path)
-    path.write_text("nodes: [{name: local, host: localhost}]\nray: {address: auto, jobs_address: 'ftp://x'}\n")
+    path.write_text(
+        "nodes: [{name: local, host: localhost}]\nray: {address: auto, jobs_address: 'ftp://x'}\n"
+    )
     with pytest.raises(SpecError, match="must be http://host:port"):
         load_cluster(path)
-    path.write_text("nodes: [{name: local, host: localhost}]\n"
-                    "ray: {address: 'ray://head:10001', jobs_address: 'https://head.example:8265'}\n")
+    path.write_text(
+        "nodes: [{name: local, host: localhost}]\n"
+        "ray: {address: 'ray://head:10001', jobs_address: 'https://head.example:8265'}\n"
+    )
     assert load_cluster(path).ray.jobs_address == "https://head.example:8265"
 
 
@@ -155,7 +217,9 @@ def test_job_commands_parse():
     parser = _parser()
     args = parser.parse_args(["run", "job.yaml", "--detach", "--json"])
     assert args.detach and args.json
-    args = parser.parse_args(["submit", "job.yaml", "--set", "train.steps=5", "--run-dir", "/r", "--json"])
+    args = parser.parse_args(
+        ["submit", "job.yaml", "--set", "train.steps=5", "--run-dir", "/r", "--json"]
+    )
     assert args.set == ["train.steps=5"] and str(args.run_dir) == "/r"
     assert parser.parse_args(["status"]).job_id is None
     assert parser.parse_args(["logs", "j", "-f"]).follow

@@ -27,13 +27,18 @@ class Failing:
         raise self.error
 
 
-@pytest.mark.parametrize("error", [
-    requests.ConnectionError("Connection refused"),
-    RuntimeError("Request failed with status code 500: Internal Server Error."),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        requests.ConnectionError("Connection refused"),
+        RuntimeError("Request failed with status code 500: Internal Server Error."),
+    ],
+)
 def test_a_failing_call_is_a_preflight_error(error):
     client = api._Guarded(Failing(error), "http://127.0.0.1:8265")
-    with pytest.raises(PreflightError, match=r"the Ray Jobs API at http://127.0.0.1:8265 failed \(list_jobs\)"):
+    with pytest.raises(
+        PreflightError, match=r"the Ray Jobs API at http://127.0.0.1:8265 failed \(list_jobs\)"
+    ):
         client.list_jobs()
 
 
@@ -55,21 +60,29 @@ def test_our_errors_and_ctrl_c_pass_through(error):
 def test_a_broken_log_stream_is_a_preflight_error(monkeypatch, capsys):
     import contextlib
 
-    running = types.SimpleNamespace(submission_id="job-1", status=types.SimpleNamespace(value="RUNNING"))
-    client = api._Guarded(Failing(RuntimeError("Websocket closed abnormally")), "http://127.0.0.1:8265")
-    jobs = types.SimpleNamespace(client=client, url="http://127.0.0.1:8265", job=lambda job_id: running)
+    running = types.SimpleNamespace(
+        submission_id="job-1", status=types.SimpleNamespace(value="RUNNING")
+    )
+    client = api._Guarded(
+        Failing(RuntimeError("Websocket closed abnormally")), "http://127.0.0.1:8265"
+    )
+    jobs = types.SimpleNamespace(
+        client=client, url="http://127.0.0.1:8265", job=lambda job_id: running
+    )
 
     @contextlib.contextmanager
     def connect_for(cluster, job_id):
         yield jobs
 
     monkeypatch.setattr(commands, "_connect_for", connect_for)
-    with pytest.raises(PreflightError, match="following job job-1 stopped: .*Websocket closed abnormally"):
+    with pytest.raises(
+        PreflightError, match="following job job-1 stopped: .*Websocket closed abnormally"
+    ):
         commands.logs(None, "job-1", follow=True)
     assert "step 1" in capsys.readouterr().out
 
 
-FOLLOWED = '''
+FOLLOWED = """
 import contextlib, sys, types
 from launcher import cli
 from launcher.jobs import commands
@@ -93,7 +106,7 @@ def connect_for(cluster, job_id):
 commands._connect_for = connect_for
 commands._shown = lambda jobs, details: details.status.value
 sys.exit(cli.main(["logs", "job-1", "--follow"]))
-'''
+"""
 
 
 @pytest.mark.parametrize("status", ["RUNNING", "SUCCEEDED"])  # followed, or the whole log at once
@@ -105,8 +118,12 @@ def test_logs_into_a_pipe_closed_early_exit_quietly(status, tmp_path):
 
     script = tmp_path / "followed.py"
     script.write_text(FOLLOWED)
-    launch = subprocess.Popen([sys.executable, str(script), status], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launch = subprocess.Popen(
+        [sys.executable, str(script), status],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     head = subprocess.Popen(["head", "-n", "1"], stdin=launch.stdout, stdout=subprocess.PIPE)
     launch.stdout.close()
     out, _ = head.communicate(timeout=60)

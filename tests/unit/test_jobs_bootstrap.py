@@ -18,8 +18,14 @@ from launcher.orchestrate import ray_cluster
 from launcher.remote import CommandResult
 from launcher.spec import ClusterSpec
 
-CLUSTER = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10"},
-                                                {"name": "node1", "host": "198.18.250.11"}]})
+CLUSTER = ClusterSpec.model_validate(
+    {
+        "nodes": [
+            {"name": "node0", "host": "198.18.250.10"},
+            {"name": "node1", "host": "198.18.250.11"},
+        ]
+    }
+)
 
 
 @pytest.fixture(autouse=True)
@@ -38,16 +44,26 @@ def session(monkeypatch, answers):
         return answers(command)
 
     monkeypatch.setattr(ray_cluster, "_on_node", on_node)
-    monkeypatch.setattr(ray_cluster, "_stop_ray",
-                        lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes))
-    s = ray_cluster.RaySession(mode="bootstrap", address="ray://198.18.250.10:10001",
-                               node_ips={"node0": "198.18.250.10", "node1": "198.18.250.11"},
-                               _cluster=CLUSTER, _head_ip="198.18.250.10", _token="t" * 64)
+    monkeypatch.setattr(
+        ray_cluster,
+        "_stop_ray",
+        lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes),
+    )
+    s = ray_cluster.RaySession(
+        mode="bootstrap",
+        address="ray://198.18.250.10:10001",
+        node_ips={"node0": "198.18.250.10", "node1": "198.18.250.11"},
+        _cluster=CLUSTER,
+        _head_ip="198.18.250.10",
+        _token="t" * 64,
+    )
     return s, ran, stopped
 
 
 def test_a_head_whose_gcs_port_answers_is_refused_and_left_running(monkeypatch):
-    s, ran, stopped = session(monkeypatch, lambda command: CommandResult("", "", ray_cluster.PORT_TAKEN_EXIT))
+    s, ran, stopped = session(
+        monkeypatch, lambda command: CommandResult("", "", ray_cluster.PORT_TAKEN_EXIT)
+    )
     with pytest.raises(PreflightError, match="port 6379 on the head node 'node0' .* is in use"):
         s._start_ray(CLUSTER.nodes[0], head=True)
     s.close()
@@ -58,8 +74,12 @@ def test_a_head_whose_gcs_port_answers_is_refused_and_left_running(monkeypatch):
 def test_ray_start_that_finds_ray_running_stops_nothing(monkeypatch):
     def answers(command):
         if " start " in command:
-            return CommandResult("", "ConnectionError: Ray is trying to start at 198.18.250.10:6379, but is "
-                                     "already running at 198.18.250.10:6379. Please specify a different port", 1)
+            return CommandResult(
+                "",
+                "ConnectionError: Ray is trying to start at 198.18.250.10:6379, but is "
+                "already running at 198.18.250.10:6379. Please specify a different port",
+                1,
+            )
         return CommandResult("", "", 0)
 
     s, _, stopped = session(monkeypatch, answers)
@@ -71,7 +91,11 @@ def test_ray_start_that_finds_ray_running_stops_nothing(monkeypatch):
 
 def test_a_ray_start_that_failed_midway_is_stopped(monkeypatch):
     def answers(command):
-        return CommandResult("", "raylet died", 1) if " start " in command else CommandResult("", "", 0)
+        return (
+            CommandResult("", "raylet died", 1)
+            if " start " in command
+            else CommandResult("", "", 0)
+        )
 
     s, _, stopped = session(monkeypatch, answers)
     with pytest.raises(PreflightError, match="raylet died"):
@@ -96,8 +120,11 @@ def test_the_bootstrap_records_the_addresses_its_ray_start_was_given(monkeypatch
     import ray
 
     started_with = {"node0": "10.0.0.1", "node1": "10.0.0.2"}  # not what the hosts resolve to
-    monkeypatch.setattr(ray_cluster, "open_session",
-                        lambda cluster, nodes, code=None: types.SimpleNamespace(node_ips=dict(started_with)))
+    monkeypatch.setattr(
+        ray_cluster,
+        "open_session",
+        lambda cluster, nodes, code=None: types.SimpleNamespace(node_ips=dict(started_with)),
+    )
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     spec = api._bootstrap(CLUSTER)
     assert heads.saved_cluster(CLUSTER) == spec and heads.saved_addresses(CLUSTER) == started_with
@@ -121,17 +148,22 @@ def stub_bootstrap(monkeypatch, calls):
     monkeypatch.setattr(api, "_client", lambda url, token: object())
 
 
-@pytest.mark.parametrize("error", [
-    PreflightError("cannot reach the head node node0 (198.18.250.10) over SSH: timed out"),
-    TimeoutError("timed out"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        PreflightError("cannot reach the head node node0 (198.18.250.10) over SSH: timed out"),
+        TimeoutError("timed out"),
+    ],
+)
 def test_a_head_that_ssh_cannot_reach_keeps_its_record_and_ray(monkeypatch, error):
     heads.save_cluster(CLUSTER)
     calls: list[float] = []
     stub_bootstrap(monkeypatch, calls)
     monkeypatch.setattr(api, "_tunnel", tunnel_to(error=error))
-    with pytest.raises(PreflightError, match="does not answer: .*`launch down --yes`"), \
-            api.connect(CLUSTER, start=True):
+    with (
+        pytest.raises(PreflightError, match="does not answer: .*`launch down --yes`"),
+        api.connect(CLUSTER, start=True),
+    ):
         pass
     assert calls == [] and heads.saved_cluster(CLUSTER) == CLUSTER
 
@@ -153,8 +185,12 @@ def test_a_head_without_the_token_is_bootstrapped_again(monkeypatch):
     with api.connect(CLUSTER, start=True) as jobs:
         assert jobs.kind == "bootstrap"
     assert len(calls) == 1
-    with pytest.raises(PreflightError, match="does not answer"):  # without start: never bootstrapped
-        monkeypatch.setattr(api, "_tunnel", tunnel_to(error=api.NoToken("no launcher token on node0")))
+    with pytest.raises(
+        PreflightError, match="does not answer"
+    ):  # without start: never bootstrapped
+        monkeypatch.setattr(
+            api, "_tunnel", tunnel_to(error=api.NoToken("no launcher token on node0"))
+        )
         with api.connect(CLUSTER):
             pass
     assert len(calls) == 1
@@ -189,21 +225,39 @@ def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
     calls: list[float] = []
     stub_bootstrap(monkeypatch, calls)
     monkeypatch.setattr(api, "_tunnel", tunnel_to())
-    edited = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10"},
-                                                   {"name": "node1", "host": "198.18.250.12"}]})
-    with pytest.raises(UsageError, match=r"started for other nodes .*node node1: host '198.18.250.11' → "
-                                         r"'198.18.250.12'.*`launch down --yes` first"), \
-            api.connect(edited, start=True):
+    edited = ClusterSpec.model_validate(
+        {
+            "nodes": [
+                {"name": "node0", "host": "198.18.250.10"},
+                {"name": "node1", "host": "198.18.250.12"},
+            ]
+        }
+    )
+    with (
+        pytest.raises(
+            UsageError,
+            match=r"started for other nodes .*node node1: host '198.18.250.11' → "
+            r"'198.18.250.12'.*`launch down --yes` first",
+        ),
+        api.connect(edited, start=True),
+    ):
         pass
     with api.connect(edited) as jobs:  # status, logs, down: the saved cluster, as it runs
         assert jobs.cluster == saved
-    same = CLUSTER.model_copy(update={"ssh": CLUSTER.ssh.model_copy(update={"connect_timeout_s": 3.0})})
+    same = CLUSTER.model_copy(
+        update={"ssh": CLUSTER.ssh.model_copy(update={"connect_timeout_s": 3.0})}
+    )
     with api.connect(same, start=True) as jobs:  # SSH settings are not the nodes
         assert jobs.cluster == saved
     # Nor are the workers' env and GPU counts: the submission carries them as given now.
-    retuned = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10", "gpus": 2},
-                                                    {"name": "node1", "host": "198.18.250.11",
-                                                     "env": {"NCCL_SOCKET_IFNAME": "eth1"}}]})
+    retuned = ClusterSpec.model_validate(
+        {
+            "nodes": [
+                {"name": "node0", "host": "198.18.250.10", "gpus": 2},
+                {"name": "node1", "host": "198.18.250.11", "env": {"NCCL_SOCKET_IFNAME": "eth1"}},
+            ]
+        }
+    )
     with api.connect(retuned, start=True) as jobs:
         assert jobs.cluster == saved
     assert calls == []
@@ -217,9 +271,16 @@ class FakeRay:
         self.on_list = on_list
 
     def list_jobs(self):
-        listed = [types.SimpleNamespace(submission_id=job_id, status=types.SimpleNamespace(value="RUNNING"),
-                                        metadata={api.META_KEY: "0"}, start_time=t, runtime_env=None)
-                  for job_id, t in self.running.items()]
+        listed = [
+            types.SimpleNamespace(
+                submission_id=job_id,
+                status=types.SimpleNamespace(value="RUNNING"),
+                metadata={api.META_KEY: "0"},
+                start_time=t,
+                runtime_env=None,
+            )
+            for job_id, t in self.running.items()
+        ]
         if self.on_list is not None:
             self.on_list()
         return listed

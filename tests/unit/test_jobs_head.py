@@ -18,10 +18,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "LAUNCHER_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def write_record(tmp_path: Path, pid: int) -> Path:
@@ -29,9 +38,18 @@ def write_record(tmp_path: Path, pid: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "auth_token").write_text("0" * 64 + "\n")
     record = folder / "head.json"
-    record.write_text(json.dumps({"pid": pid, "gcs_port": free_port(), "dashboard_port": free_port(),
-                                  "agent_port": free_port(), "temp_dir": str(tmp_path / "launcher-ray-gone"),
-                                  "token_file": str(folder / "auth_token")}))
+    record.write_text(
+        json.dumps(
+            {
+                "pid": pid,
+                "gcs_port": free_port(),
+                "dashboard_port": free_port(),
+                "agent_port": free_port(),
+                "temp_dir": str(tmp_path / "launcher-ray-gone"),
+                "token_file": str(folder / "auth_token"),
+            }
+        )
+    )
     return record
 
 
@@ -82,8 +100,9 @@ def head_process(tmp_path, monkeypatch):
 
     monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
     temp_dir = heads._temp_dir(heads._local_folder())
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", temp_dir],
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(300)", temp_dir], start_new_session=True
+    )
     try:
         yield proc, temp_dir
     finally:
@@ -98,7 +117,10 @@ def test_a_corrupt_head_record_is_exit_3_and_down_yes_clears_it(tmp_path, head_p
     for args in (("status",), ("logs", "x"), ("down",)):
         result = launch(tmp_path, *args)
         assert result.returncode == 3, (args, result.stderr[-2000:])
-        assert f"record {record} cannot be read" in result.stderr and "launch down --yes" in result.stderr
+        assert (
+            f"record {record} cannot be read" in result.stderr
+            and "launch down --yes" in result.stderr
+        )
         assert "Traceback" not in result.stderr
     down = launch(tmp_path, "down", "--yes")
     assert down.returncode == 0, down.stderr[-2000:]
@@ -124,17 +146,29 @@ def test_a_corrupt_cluster_record_is_exit_3_and_down_yes_forgets_it(tmp_path):
     import yaml
 
     cluster = tmp_path / "cluster.yaml"
-    cluster.write_text(yaml.safe_dump({"nodes": [{"name": "node0", "host": "198.18.250.10"}],
-                                       "ssh": {"key": str(tmp_path / "no-key"), "connect_timeout_s": 1}}))
+    cluster.write_text(
+        yaml.safe_dump(
+            {
+                "nodes": [{"name": "node0", "host": "198.18.250.10"}],
+                "ssh": {"key": str(tmp_path / "no-key"), "connect_timeout_s": 1},
+            }
+        )
+    )
     folder = tmp_path / "state/clusters"
     folder.mkdir(parents=True)
     record = folder / "198.18.250.10-6379.json"
-    record.write_text(json.dumps({"nodes": [{"name": "node0", "host": "198.18.250.10"}], "from": "v0"}))
+    record.write_text(
+        json.dumps({"nodes": [{"name": "node0", "host": "198.18.250.10"}], "from": "v0"})
+    )
     status = launch(tmp_path, "status", "--cluster", str(cluster))
-    assert status.returncode == 3 and f"record {record} cannot be read" in status.stderr, status.stderr[-2000:]
+    assert status.returncode == 3 and f"record {record} cannot be read" in status.stderr, (
+        status.stderr[-2000:]
+    )
     assert "Traceback" not in status.stderr
     down = launch(tmp_path, "down", "--yes", "--cluster", str(cluster))
     assert not record.exists()
     # node0 cannot be reached (no such key): down says Ray may still run there, exit 3
-    assert down.returncode == 3 and "could not reach node0: Ray may still run there" in down.stderr, down.stderr
+    assert (
+        down.returncode == 3 and "could not reach node0: Ray may still run there" in down.stderr
+    ), down.stderr
     assert "Stopped" not in down.stdout

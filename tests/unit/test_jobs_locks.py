@@ -24,8 +24,14 @@ from launcher.spec import ClusterSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
-REMOTE = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10"},
-                                               {"name": "node1", "host": "198.18.250.11"}]})
+REMOTE = ClusterSpec.model_validate(
+    {
+        "nodes": [
+            {"name": "node0", "host": "198.18.250.10"},
+            {"name": "node1", "host": "198.18.250.11"},
+        ]
+    }
+)
 PROMPTLY_S = 10.0
 
 HOLDER = """
@@ -49,11 +55,21 @@ def state(tmp_path, monkeypatch):
 @contextlib.contextmanager
 def held_elsewhere(which: str, cluster: ClusterSpec) -> Iterator[None]:
     """Another process holds ``which`` lock ("jobs" or "head") of ``cluster``'s Ray."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, which, json.dumps(cluster.model_dump(mode="json"))],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, which, json.dumps(cluster.model_dump(mode="json"))],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "held", "the holder failed"
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held", (
+            "the holder failed"
+        )
         yield
     finally:
         assert proc.stdin is not None
@@ -114,11 +130,15 @@ def bootstrapped(monkeypatch) -> None:
 
     heads.save_cluster(REMOTE)
     monkeypatch.setattr(api, "_tunnel", tunnel)
-    monkeypatch.setattr(api, "_client", lambda url, token: type("C", (), {"list_jobs": lambda self: []})())
+    monkeypatch.setattr(
+        api, "_client", lambda url, token: type("C", (), {"list_jobs": lambda self: []})()
+    )
     monkeypatch.setattr(api, "_bootstrap", lambda cluster: pytest.fail("bootstrapped again"))
 
 
-def test_bootstrapped_status_and_list_answer_while_a_submission_holds_the_jobs_lock(monkeypatch, capsys):
+def test_bootstrapped_status_and_list_answer_while_a_submission_holds_the_jobs_lock(
+    monkeypatch, capsys
+):
     bootstrapped(monkeypatch)
     with held_elsewhere("jobs", REMOTE):
         takes(lambda: heads.cluster_lock(REMOTE), "taking the cluster's lock")

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="Triton is not installed (the test extra in
 
 REPO = Path(__file__).resolve().parents[2]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import torch, torch.nn.functional as F
 from launcher.train import fused
 from launcher.train.loss import linear_cross_entropy, loss_and_dlogits
@@ -109,12 +109,24 @@ for step in range(1, 4):
 for i, p in enumerate(params):  # every weight moved (every block of every tensor was updated)
     assert (masters.master_of(p) != masters.view(initial, i)).all()
 print("ok")
-'''
+"""
 
 
 def test_the_kernels_interpreted_match_their_references(tmp_path: Path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    )

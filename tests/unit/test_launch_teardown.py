@@ -17,14 +17,20 @@ from launcher.spec import ClusterSpec, JobSpec
 
 
 def job(**train: object) -> JobSpec:
-    return JobSpec.model_validate({"name": "t", "resources": {"device": "cpu", "nproc_per_node": 1},
-                                   "precision": {"dtype": "fp32"},
-                                   "train": {"steps": 10, "warmup_steps": 1, **train}})
+    return JobSpec.model_validate(
+        {
+            "name": "t",
+            "resources": {"device": "cpu", "nproc_per_node": 1},
+            "precision": {"dtype": "fp32"},
+            "train": {"steps": 10, "warmup_steps": 1, **train},
+        }
+    )
 
 
 def cluster() -> ClusterSpec:
-    return ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "198.18.0.10"},
-                                                 {"name": "b", "host": "198.18.0.11"}]})
+    return ClusterSpec.model_validate(
+        {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
+    )
 
 
 class Agents:
@@ -73,12 +79,22 @@ class Session:
         self.closed = True
 
 
-def launch(tmp_path, monkeypatch, agents: Agents, job_spec: JobSpec, run_dir=None) -> tuple[Launch, Session]:
+def launch(
+    tmp_path, monkeypatch, agents: Agents, job_spec: JobSpec, run_dir=None
+) -> tuple[Launch, Session]:
     session = Session()
-    launcher = Launch(job=job_spec, cluster=cluster(), run_dir=RunDir(run_dir or tmp_path / "run"), facts={},
-                      quiet=True)
-    monkeypatch.setattr(Launch, "connect_ray", lambda self: (setattr(self, "session", session),
-                                                             setattr(self, "_own_session", True)))
+    launcher = Launch(
+        job=job_spec,
+        cluster=cluster(),
+        run_dir=RunDir(run_dir or tmp_path / "run"),
+        facts={},
+        quiet=True,
+    )
+    monkeypatch.setattr(
+        Launch,
+        "connect_ray",
+        lambda self: (setattr(self, "session", session), setattr(self, "_own_session", True)),
+    )
     monkeypatch.setattr(Launch, "place_agents", lambda self: agents)
     return launcher, session
 
@@ -87,8 +103,12 @@ def summary(tmp_path) -> dict:
     return json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
-def test_a_profiled_job_whose_torchrun_cannot_start_fails_with_exit_4_and_closes_everything(tmp_path, monkeypatch):
-    agents = Agents(fail={"start": JobFailed("torchrun could not be started on node b: no such file")})
+def test_a_profiled_job_whose_torchrun_cannot_start_fails_with_exit_4_and_closes_everything(
+    tmp_path, monkeypatch
+):
+    agents = Agents(
+        fail={"start": JobFailed("torchrun could not be started on node b: no such file")}
+    )
     launcher, session = launch(tmp_path, monkeypatch, agents, job(profile={"start_step": 2}))
     with pytest.raises(JobFailed, match="could not be started on node b"):
         launcher.execute()
@@ -97,7 +117,9 @@ def test_a_profiled_job_whose_torchrun_cannot_start_fails_with_exit_4_and_closes
     assert "could not be started" in summary(tmp_path)["failure"]["reason"]
 
 
-def test_a_connection_lost_mid_run_and_in_the_teardown_still_closes_everything(tmp_path, monkeypatch):
+def test_a_connection_lost_mid_run_and_in_the_teardown_still_closes_everything(
+    tmp_path, monkeypatch
+):
     lost = ConnectionError("Ray Client connection lost")
     agents = Agents(fail={"poll": lost, "stop": lost})
     launcher, session = launch(tmp_path, monkeypatch, agents, job())
@@ -107,8 +129,15 @@ def test_a_connection_lost_mid_run_and_in_the_teardown_still_closes_everything(t
     assert summary(tmp_path)["status"] == "failed"
 
 
-def test_a_second_interrupt_in_the_teardown_still_closes_the_session_and_writes_the_summary(tmp_path, monkeypatch):
-    agents = Agents(fail={"poll": KeyboardInterrupt("signal SIGINT"), "stop": KeyboardInterrupt("signal SIGINT")})
+def test_a_second_interrupt_in_the_teardown_still_closes_the_session_and_writes_the_summary(
+    tmp_path, monkeypatch
+):
+    agents = Agents(
+        fail={
+            "poll": KeyboardInterrupt("signal SIGINT"),
+            "stop": KeyboardInterrupt("signal SIGINT"),
+        }
+    )
     launcher, session = launch(tmp_path, monkeypatch, agents, job())
     with pytest.raises(KeyboardInterrupt):
         launcher.execute()
@@ -139,7 +168,10 @@ def test_two_launches_in_the_same_second_get_their_own_run_directories(tmp_path,
     from launcher.orchestrate import rundir
 
     monkeypatch.setattr(rundir, "utc_stamp", lambda: "20261202-190000")
-    first, second = RunDir.new("j", base=tmp_path), RunDir.new("j", base=tmp_path)  # neither prepared yet
+    first, second = (
+        RunDir.new("j", base=tmp_path),
+        RunDir.new("j", base=tmp_path),
+    )  # neither prepared yet
     assert (first.name, second.name) == ("j-20261202-190000", "j-20261202-190000-2")
     assert first.root.is_dir() and second.root.is_dir()
     in_the_way = tmp_path / "a-file"
@@ -159,7 +191,9 @@ def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(tmp_path, 
     monkeypatch.setattr(RunDir, "write_plan", disk_full)
     agents = Agents()
     launcher, session = launch(tmp_path, monkeypatch, agents, job())
-    with pytest.raises(PreflightError, match="No space left on device.*No worker was started") as err:
+    with pytest.raises(
+        PreflightError, match="No space left on device.*No worker was started"
+    ) as err:
         launcher.execute()
     assert err.value.exit_code == EXIT_PREFLIGHT
     assert "start" not in agents.calls and agents.calls[-1] == "close" and session.closed
@@ -222,6 +256,12 @@ class RestartingAgents(Agents):
 
 
 def job_with_restarts() -> JobSpec:
-    return JobSpec.model_validate({"name": "t", "resources": {"device": "cpu", "nproc_per_node": 1},
-                                   "precision": {"dtype": "fp32"}, "launch": {"max_restarts": 1},
-                                   "train": {"steps": 10, "warmup_steps": 1}})
+    return JobSpec.model_validate(
+        {
+            "name": "t",
+            "resources": {"device": "cpu", "nproc_per_node": 1},
+            "precision": {"dtype": "fp32"},
+            "launch": {"max_restarts": 1},
+            "train": {"steps": 10, "warmup_steps": 1},
+        }
+    )

@@ -18,8 +18,14 @@ from launcher.spec import ClusterSpec, JobSpec
 
 def node_argv(run_dir: RunDir) -> list[str]:
     """The command line (after the interpreter) the launch into ``run_dir`` gives node ``a``."""
-    job = JobSpec.model_validate({"name": "t", "resources": {"device": "cpu", "nproc_per_node": 1},
-                                  "precision": {"dtype": "fp32"}, "train": {"steps": 5, "warmup_steps": 1}})
+    job = JobSpec.model_validate(
+        {
+            "name": "t",
+            "resources": {"device": "cpu", "nproc_per_node": 1},
+            "precision": {"dtype": "fp32"},
+            "train": {"steps": 5, "warmup_steps": 1},
+        }
+    )
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "198.18.0.10"}]})
     launch = Launch(job=job, cluster=cluster, run_dir=run_dir, facts={}, quiet=True)
     run_dir.prepare(job, cluster)
@@ -46,8 +52,12 @@ def sleepers():
     def start(argv: list[str]) -> int:
         # The sleeper's command line carries the plan's arguments; its environment has neither
         # the test mark nor LAUNCHER_RUN_ID: only the command line can tell whose it is.
-        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *argv],
-                                      env={"PATH": "/usr/bin:/bin"}))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", "import time; time.sleep(120)", *argv],
+                env={"PATH": "/usr/bin:/bin"},
+            )
+        )
         return procs[-1].pid
 
     yield start

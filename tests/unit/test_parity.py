@@ -29,7 +29,9 @@ def load(name: str) -> dict[str, Any]:
     return json.loads((FIXTURES / name).read_text())
 
 
-def cluster_of(base: dict[str, Any], n: int = 3, **per_node: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def cluster_of(
+    base: dict[str, Any], n: int = 3, **per_node: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
     """n copies of ``base`` named node0..; ``per_node`` maps a name to dotted-path edits."""
     probes = {}
     for i in range(n):
@@ -79,7 +81,9 @@ def test_identical_nodes_agree(cpu) -> None:
     report = evaluate(cluster_of(cpu))
     assert report.ok
     assert report.verdict == "parity OK: 3 nodes agree"
-    assert FAIL_MARK + " " not in report.table().split("\n", 2)[2].replace(f"{FAIL_MARK} differs", "")
+    assert FAIL_MARK + " " not in report.table().split("\n", 2)[2].replace(
+        f"{FAIL_MARK} differs", ""
+    )
     assert report.gpus("node1") == 0
 
 
@@ -127,7 +131,9 @@ def test_warn_policy_reports_but_passes(cpu) -> None:
 
 
 def test_ignore_policy_never_compares(cpu) -> None:
-    report = evaluate(cluster_of(cpu, node1={"packages.torch": "2.12.0"}), policies={"torch": "ignore"})
+    report = evaluate(
+        cluster_of(cpu, node1={"packages.torch": "2.12.0"}), policies={"torch": "ignore"}
+    )
     assert report.ok and not report.warnings
     assert f"2.12.0 {FAIL_MARK}" not in report.table()
 
@@ -146,14 +152,18 @@ def test_launcher_hash_mismatch(cpu) -> None:
 
 
 def test_informational_fields_never_fail(cpu) -> None:
-    probes = cluster_of(cpu, node1={"disk.home.free_gib": 3.0, "os.kernel": "5.15.0", "clock_skew_s": 1.5})
+    probes = cluster_of(
+        cpu, node1={"disk.home.free_gib": 3.0, "os.kernel": "5.15.0", "clock_skew_s": 1.5}
+    )
     assert evaluate(probes).ok
 
 
 def test_unknown_policy_key_is_a_spec_error_with_a_suggestion() -> None:
     with pytest.raises(SpecError, match="Did you mean 'torch'"):
         resolve_policies({"torhc": "warn"})
-    assert resolve_policies({"parity-fixture": "warn"}, ["parity-fixture"])["parity-fixture"] == "warn"
+    assert (
+        resolve_policies({"parity-fixture": "warn"}, ["parity-fixture"])["parity-fixture"] == "warn"
+    )
 
 
 def test_a_kernel_package_policy_is_known_even_where_this_run_does_not_check_it() -> None:
@@ -164,8 +174,12 @@ def test_a_kernel_package_policy_is_known_even_where_this_run_does_not_check_it(
         resolve_policies({"torchao": "loose"})
     from launcher.spec.job import KERNEL_PACKAGES, JobSpec
 
-    fp8 = JobSpec.model_validate({"name": "j", "resources": {"device": "cuda"}, "precision": {"dtype": "fp8"}})
-    assert set(fp8.kernel_packages) == set(KERNEL_PACKAGES)  # every package a run may check is listed
+    fp8 = JobSpec.model_validate(
+        {"name": "j", "resources": {"device": "cuda"}, "precision": {"dtype": "fp8"}}
+    )
+    assert set(fp8.kernel_packages) == set(
+        KERNEL_PACKAGES
+    )  # every package a run may check is listed
 
 
 # -- unreachable nodes ---------------------------------------------------------------------------
@@ -180,14 +194,18 @@ def test_error_record_fills_its_column_and_others_are_still_judged(cpu) -> None:
         "parity FAILED: node1 differs in torch (2.12.0 vs 2.13.0+cpu); node3 unreachable: no route to 10.0.0.9:22"
     )
     status = report.table().splitlines()[2]
-    assert status.startswith("status") and status.rstrip().endswith(f"{FAIL_MARK} unreachable: no route to")
+    assert status.startswith("status") and status.rstrip().endswith(
+        f"{FAIL_MARK} unreachable: no route to"
+    )
     assert report.gpus("node3") == 0
     assert report.to_json()["errors"]["node3"]["kind"] == "unreachable"
 
 
 def test_raise_for_failure_names_every_bad_node(cpu) -> None:
     probes = cluster_of(cpu, node2={"packages.torch": "2.12.0"})
-    probes["node3"] = error_record("node3", "h", "authentication failed", "root@h:22 did not accept key k")
+    probes["node3"] = error_record(
+        "node3", "h", "authentication failed", "root@h:22 did not accept key k"
+    )
     with pytest.raises(PreflightError) as info:
         evaluate(probes).raise_for_failure()
     assert info.value.exit_code == EXIT_PREFLIGHT == 3
@@ -202,7 +220,12 @@ def test_save_writes_probes_and_table(cpu, tmp_path) -> None:
     report = evaluate(cluster_of(cpu, 2))
     report.save(tmp_path / "preflight")
     assert json.loads((tmp_path / "preflight" / "node1.json").read_text())["node"] == "node1"
-    assert (tmp_path / "preflight" / "parity.txt").read_text().rstrip().endswith("parity OK: 2 nodes agree")
+    assert (
+        (tmp_path / "preflight" / "parity.txt")
+        .read_text()
+        .rstrip()
+        .endswith("parity OK: 2 nodes agree")
+    )
 
 
 # -- checks that are not comparisons ---------------------------------------------------------
@@ -220,18 +243,31 @@ def test_a_node_whose_nccl_version_failed_is_a_difference_not_a_crash(gpu) -> No
     # the probe's ``_safe`` gives {"error": ...} where torch has no NCCL
     report = evaluate(cluster_of(gpu, 2, node1={"deep.nccl": {"error": "AttributeError: no nccl"}}))
     assert not report.ok
-    assert "node1 differs in nccl" in report.verdict and "error: AttributeError: no nccl" in report.table()
+    assert (
+        "node1 differs in nccl" in report.verdict
+        and "error: AttributeError: no nccl" in report.table()
+    )
 
 
 def test_driver_below_the_minimum_for_the_cuda_build(gpu) -> None:
     probes = cluster_of(gpu, 1, node0={"nvidia.driver": "470.82.01"})
     report = evaluate(probes)
-    assert "driver 470.82.01 is below 525.60.13, the minimum for torch's CUDA 12.8" in report.verdict
+    assert (
+        "driver 470.82.01 is below 525.60.13, the minimum for torch's CUDA 12.8" in report.verdict
+    )
 
 
 @pytest.mark.parametrize(
     ("cuda", "minimum"),
-    [("11.8", "450.80.02"), ("11.0", "450.36.06"), ("12.1", "525.60.13"), ("12.8", "525.60.13"), ("13.0", "580.65.06"), (None, None), ("10.2", None)],
+    [
+        ("11.8", "450.80.02"),
+        ("11.0", "450.36.06"),
+        ("12.1", "525.60.13"),
+        ("12.8", "525.60.13"),
+        ("13.0", "580.65.06"),
+        (None, None),
+        ("10.2", None),
+    ],
 )
 def test_min_driver(cuda, minimum) -> None:
     assert min_driver(cuda) == minimum
@@ -240,7 +276,9 @@ def test_min_driver(cuda, minimum) -> None:
 def test_cudnn_without_speedup_fails(gpu) -> None:
     report = evaluate(cluster_of(gpu, 1, node0={"deep.conv.speedup": 1.01}))
     assert "cuDNN gives no speed-up (1.01x over native kernels)" in report.verdict
-    assert evaluate(cluster_of(gpu, 1, node0={"deep.conv.speedup": 1.01}), policies={"cudnn_speedup": "warn"}).ok
+    assert evaluate(
+        cluster_of(gpu, 1, node0={"deep.conv.speedup": 1.01}), policies={"cudnn_speedup": "warn"}
+    ).ok
 
 
 def test_cudnn_not_loaded_where_cuda_works(gpu) -> None:
@@ -262,7 +300,9 @@ def test_not_enough_gpus_for_the_job(gpu, cpu) -> None:
 
 
 def test_failed_deep_probe_fails_the_node(cpu) -> None:
-    report = evaluate(cluster_of(cpu, 1, node0={"deep": {"error": "timed out after 120 s during import torch"}}))
+    report = evaluate(
+        cluster_of(cpu, 1, node0={"deep": {"error": "timed out after 120 s during import torch"}})
+    )
     assert "deep probe failed: timed out after 120 s during import torch" in report.verdict
     assert evaluate(cluster_of(cpu, 1, node0={"deep": None}), deep=False).ok
 
@@ -270,12 +310,23 @@ def test_failed_deep_probe_fails_the_node(cpu) -> None:
 def test_nccl_socket_ifname_must_name_an_interface(gpu) -> None:
     assert evaluate(cluster_of(gpu, 1, node0={"request.nccl_socket_ifname": "ib"})).ok
     report = evaluate(cluster_of(gpu, 1, node0={"request.nccl_socket_ifname": "enp"}))
-    assert "NCCL_SOCKET_IFNAME=enp names no interface here (has docker0, eth0, ib0, lo)" in report.verdict
+    assert (
+        "NCCL_SOCKET_IFNAME=enp names no interface here (has docker0, eth0, ib0, lo)"
+        in report.verdict
+    )
 
 
 @pytest.mark.parametrize(
     ("spec", "matches"),
-    [("eth", True), ("=eth", False), ("=eth0", True), ("ib0,eth0", True), ("^docker,lo", True), ("^eth,lo,docker", False), ("en", False)],
+    [
+        ("eth", True),
+        ("=eth", False),
+        ("=eth0", True),
+        ("ib0,eth0", True),
+        ("^docker,lo", True),
+        ("^eth,lo,docker", False),
+        ("en", False),
+    ],
 )
 def test_nccl_ifname_semantics(spec, matches) -> None:
     assert nccl_ifname_matches(spec, {"lo": [], "eth0": [], "docker0": []}) is matches
@@ -285,7 +336,12 @@ def test_clock_skew_warns(cpu) -> None:
     report = evaluate(cluster_of(cpu, node2={"clock_skew_s": -8.25}))
     assert report.ok
     assert "node2: clock is -8.2 s off the launcher's" in report.verdict
-    assert evaluate(cluster_of(cpu, node2={"clock_skew_s": -8.25}), policies={"clock_skew": "exact"}).ok is False
+    assert (
+        evaluate(
+            cluster_of(cpu, node2={"clock_skew_s": -8.25}), policies={"clock_skew": "exact"}
+        ).ok
+        is False
+    )
 
 
 # -- every recorded fixture ----------------------------------------------------------------------
@@ -294,7 +350,16 @@ def test_clock_skew_warns(cpu) -> None:
 @pytest.mark.parametrize("path", ALL_FIXTURES, ids=[p.stem for p in ALL_FIXTURES])
 def test_every_recorded_probe_renders_and_agrees_with_itself(path: Path) -> None:
     probe = json.loads(path.read_text())
-    for key in ("hostname", "python", "packages", "launcher", "nvidia", "interfaces", "deep", "time"):
+    for key in (
+        "hostname",
+        "python",
+        "packages",
+        "launcher",
+        "nvidia",
+        "interfaces",
+        "deep",
+        "time",
+    ):
         assert key in probe, f"{path.name} lacks {key}"
     report = evaluate(cluster_of(probe, 2), deep=probe.get("deep") is not None)
     assert "parity FAILED" not in report.verdict or "deep probe failed" in report.verdict
@@ -318,15 +383,23 @@ def test_kernel_packages_join_the_parity_check(gpu) -> None:
     from launcher.preflight import parity_packages
     from launcher.spec import ClusterSpec, JobSpec
 
-    cluster = ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}],
-                                          "parity": {"packages": ["numpy"]}})
+    cluster = ClusterSpec.model_validate(
+        {"nodes": [{"name": "a", "host": "localhost"}], "parity": {"packages": ["numpy"]}}
+    )
     base = {"name": "j", "model": {"arch": "gpt"}, "resources": {"device": "cuda"}}
     gpu_job = JobSpec.model_validate(base)
     assert parity_packages(cluster, gpu_job) == ["numpy", "flash-attn-4", "triton"]
-    fp8 = JobSpec.model_validate({**base, "precision": {"dtype": "fp8"}, "train": {"attention": "cudnn"}})
+    fp8 = JobSpec.model_validate(
+        {**base, "precision": {"dtype": "fp8"}, "train": {"attention": "cudnn"}}
+    )
     assert parity_packages(cluster, fp8) == ["numpy", "triton", "torchao"]
-    plain = JobSpec.model_validate({**base, "precision": {"weights": "fp32"},
-                                    "train": {"attention": "cudnn", "kernels": "torch"}})
+    plain = JobSpec.model_validate(
+        {
+            **base,
+            "precision": {"weights": "fp32"},
+            "train": {"attention": "cudnn", "kernels": "torch"},
+        }
+    )
     assert parity_packages(cluster, plain) == ["numpy"]
     cpu_job = JobSpec.model_validate({**base, "resources": {"device": "cpu"}})
     assert parity_packages(cluster, cpu_job) == ["numpy"]

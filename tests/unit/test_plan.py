@@ -13,28 +13,51 @@ from launcher.spec import ClusterSpec, JobSpec
 
 
 def two_nodes(**node_env) -> ClusterSpec:
-    return ClusterSpec.model_validate({
-        "nodes": [
-            {"name": "a", "host": "10.0.0.1", "gpus": 4, "python": "/venv/bin/python",
-             "env": {"NCCL_SOCKET_IFNAME": "eth0", **node_env}},
-            {"name": "b", "host": "10.0.0.2", "gpus": 4},
-        ],
-    })
+    return ClusterSpec.model_validate(
+        {
+            "nodes": [
+                {
+                    "name": "a",
+                    "host": "10.0.0.1",
+                    "gpus": 4,
+                    "python": "/venv/bin/python",
+                    "env": {"NCCL_SOCKET_IFNAME": "eth0", **node_env},
+                },
+                {"name": "b", "host": "10.0.0.2", "gpus": 4},
+            ],
+        }
+    )
 
 
 def gpu_job(**resources) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": "t", "nccl": {"env": {"NCCL_DEBUG": "INFO"}},
-        "launch": {"max_restarts": 2, "env": {"WANDB_API_KEY": "s3cret", "FOO": "bar"}},
-        "resources": {"device": "cuda", **resources},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": "t",
+            "nccl": {"env": {"NCCL_DEBUG": "INFO"}},
+            "launch": {"max_restarts": 2, "env": {"WANDB_API_KEY": "s3cret", "FOO": "bar"}},
+            "resources": {"device": "cuda", **resources},
+        }
+    )
 
 
 def make(job: JobSpec, cluster: ClusterSpec, facts=None, env=None, code=None):
-    return plan(job, cluster, facts, run_id="t-1", master_port=29400, code=code,
-                launcher_env=env or {"NCCL_IB_HCA": "mlx5", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-                                     "NVSHMEM_DISABLE_NVLS": "1", "HOME": "/root", "AWS_SECRET": "x"},
-                local_python="/usr/bin/python3")
+    return plan(
+        job,
+        cluster,
+        facts,
+        run_id="t-1",
+        master_port=29400,
+        code=code,
+        launcher_env=env
+        or {
+            "NCCL_IB_HCA": "mlx5",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+            "HOME": "/root",
+            "AWS_SECRET": "x",
+        },
+        local_python="/usr/bin/python3",
+    )
 
 
 def test_two_node_ranks_master_and_argv():
@@ -46,13 +69,28 @@ def test_two_node_ranks_master_and_argv():
     assert a.argv[:3] == ["/venv/bin/python", "-m", "torch.distributed.run"]
     assert b.argv[0] == "python3"  # remote node without a python: python3 on its PATH
     flags = dict(zip(b.argv[3:19:2], b.argv[4:20:2], strict=True))
-    assert flags == {"--nnodes": "2", "--node-rank": "1", "--nproc-per-node": "4",
-                     "--master-addr": "10.0.0.1", "--master-port": "29400", "--max-restarts": "0",
-                     "--tee": "3", "--log-dir": "/tmp/launcher/t-1/b/torchrun"}
+    assert flags == {
+        "--nnodes": "2",
+        "--node-rank": "1",
+        "--nproc-per-node": "4",
+        "--master-addr": "10.0.0.1",
+        "--master-port": "29400",
+        "--max-restarts": "0",
+        "--tee": "3",
+        "--log-dir": "/tmp/launcher/t-1/b/torchrun",
+    }
     assert b.argv[-4:] == ["-m", "launcher.train", "--job", "/tmp/launcher/t-1/b/job.yaml"]
-    assert p.max_restarts == 2 and p.to_json()["max_restarts"] == 2  # the launcher restarts, not torchrun
+    assert (
+        p.max_restarts == 2 and p.to_json()["max_restarts"] == 2
+    )  # the launcher restarts, not torchrun
     assert [r["rank"] for r in p.ranks()] == list(range(8))
-    assert p.ranks()[5] == {"rank": 5, "node": "b", "host": "10.0.0.2", "local_rank": 1, "device": "cuda:1"}
+    assert p.ranks()[5] == {
+        "rank": 5,
+        "node": "b",
+        "host": "10.0.0.2",
+        "local_rank": 1,
+        "device": "cuda:1",
+    }
 
 
 def test_env_layers_and_sources():
@@ -73,8 +111,9 @@ def test_env_layers_and_sources():
 
 
 def test_profiling_gives_each_node_a_profile_folder():
-    job = JobSpec.model_validate({"name": "t", "train": {"profile": {"start_step": 5}},
-                                  "resources": {"device": "cuda"}})
+    job = JobSpec.model_validate(
+        {"name": "t", "train": {"profile": {"start_step": 5}}, "resources": {"device": "cuda"}}
+    )
     a, b = make(job, two_nodes()).nodes
     assert a.env["LAUNCHER_PROFILE_DIR"] == "/tmp/launcher/t-1/a/profile"
     assert b.env_sources["LAUNCHER_PROFILE_DIR"] == "launcher (train.profile)"
@@ -85,7 +124,10 @@ def test_secrets_masked_in_json_and_render_but_not_in_the_plan():
     assert p.nodes[0].env["WANDB_API_KEY"] == "s3cret"  # the agent gets the real value
     text = json.dumps(p.to_json()) + render(p)
     assert "s3cret" not in text and MASK in text
-    assert json.loads(json.dumps(p.to_json(masked=False)))["nodes"][0]["env"]["WANDB_API_KEY"] == "s3cret"
+    assert (
+        json.loads(json.dumps(p.to_json(masked=False)))["nodes"][0]["env"]["WANDB_API_KEY"]
+        == "s3cret"
+    )
 
 
 def test_facts_override_declared_gpus_and_nproc_limits():
@@ -110,8 +152,13 @@ def test_auto_gpus_without_preflight_is_an_input_error():
 
 
 def test_node_subset_and_cpu_workers():
-    job = JobSpec.model_validate({"name": "c", "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 3},
-                                  "precision": {"dtype": "fp32"}})
+    job = JobSpec.model_validate(
+        {
+            "name": "c",
+            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 3},
+            "precision": {"dtype": "fp32"},
+        }
+    )
     p = make(job, two_nodes())
     assert len(p.nodes) == 1 and p.world_size == 3 and p.backend == "gloo"
     assert p.ranks()[2]["device"] == "cpu"
@@ -120,9 +167,18 @@ def test_node_subset_and_cpu_workers():
 def test_script_entrypoint_argv(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    job = JobSpec.model_validate({"name": "s", "entrypoint": {"script": str(script), "args": ["--lr", "3e-4"],
-                                                              "workdir": str(tmp_path)},
-                                  "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}})
+    job = JobSpec.model_validate(
+        {
+            "name": "s",
+            "entrypoint": {
+                "script": str(script),
+                "args": ["--lr", "3e-4"],
+                "workdir": str(tmp_path),
+            },
+            "resources": {"device": "cpu"},
+            "precision": {"dtype": "fp32"},
+        }
+    )
     cluster = ClusterSpec.this_machine()
     p = make(job, cluster, code=plan_code(job, cluster.nodes))
     assert p.nodes[0].argv[-3:] == [str(script), "--lr", "3e-4"]

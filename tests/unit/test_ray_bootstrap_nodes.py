@@ -28,7 +28,9 @@ from launcher.util import free_port
 pytestmark = pytest.mark.timeout(90)
 
 HOSTS = [f"198.18.250.{10 + i}" for i in range(3)]
-ADDRESSES = {host: f"127.0.0.{1 + i}" for i, host in enumerate(HOSTS)}  # what the launcher resolves them to
+ADDRESSES = {
+    host: f"127.0.0.{1 + i}" for i, host in enumerate(HOSTS)
+}  # what the launcher resolves them to
 
 # The stand-in for `python -m ray.scripts.scripts`: `start` records itself (a worker's then
 # hangs, as a join to an unresponsive head does); `stop` records which of this node's starts of
@@ -77,9 +79,15 @@ class DetachedRunner(Runner):
     def run(self, command, *, stdin=None, timeout=None, env=None) -> CommandResult:
         if self._closed:
             raise NodeError(INTERNAL, "the runner is closed")
-        proc = subprocess.Popen(["/bin/sh", "-c", _remote_command(command, timeout)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                env={**os.environ, "FAKE_NODE_IP": ray_cluster._resolve(self.node.host)})
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", _remote_command(command, timeout)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "FAKE_NODE_IP": ray_cluster._resolve(self.node.host)},
+        )
         self.procs.append(proc)
         pipe, proc.stdin = proc.stdin, None  # stdin written then closed: EOF
         with contextlib.suppress(BrokenPipeError):
@@ -171,21 +179,46 @@ def fake_ray(tmp_path, monkeypatch):
         DetachedRunner.procs.clear()
 
 
-def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(fake_ray, tmp_path, monkeypatch):
+def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(
+    fake_ray, tmp_path, monkeypatch
+):
     """Ctrl-C while the workers join: their runners are closed but their `ray start` runs on (as
     over SSH). Each node whose start was issued gets its start killed, then `ray stop`; a start
     of another cluster (another port) on a node is left alone."""
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
-    monkeypatch.setattr(ray_cluster, "_OTHER_RAY", "pass")  # tested below; a real Ray here must not matter
-    cluster = ClusterSpec.model_validate({
-        "nodes": [{"name": f"node{i}", "host": host, "python": sys.executable} for i, host in enumerate(HOSTS)],
-        "ray": {"port": port}, "ssh": {"connect_timeout_s": 5}})
-    other = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--address", f"127.0.0.1:{port + 1}",
-                              "--node-ip-address", "127.0.0.2"], start_new_session=True)
+    monkeypatch.setattr(
+        ray_cluster, "_OTHER_RAY", "pass"
+    )  # tested below; a real Ray here must not matter
+    cluster = ClusterSpec.model_validate(
+        {
+            "nodes": [
+                {"name": f"node{i}", "host": host, "python": sys.executable}
+                for i, host in enumerate(HOSTS)
+            ],
+            "ray": {"port": port},
+            "ssh": {"connect_timeout_s": 5},
+        }
+    )
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--address",
+            f"127.0.0.1:{port + 1}",
+            "--node-ip-address",
+            "127.0.0.2",
+        ],
+        start_new_session=True,
+    )
     try:
+
         def joining() -> bool:
-            return {e["ip"] for e in fake_ray() if e["cmd"] == "start" and e["port"] == str(port)} >= {"127.0.0.2", "127.0.0.3"}
+            return {
+                e["ip"] for e in fake_ray() if e["cmd"] == "start" and e["port"] == str(port)
+            } >= {"127.0.0.2", "127.0.0.3"}
 
         with sigint_when(joining), pytest.raises(KeyboardInterrupt):
             ray_cluster._bootstrap(cluster, list(cluster.nodes), {})
@@ -194,9 +227,15 @@ def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(fake_ray,
         starts = {e["ip"] for e in log if e["cmd"] == "start" and e["port"] == str(port)}
         assert starts == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, log
         stops = {e["ip"]: e["running"] for e in log if e["cmd"] == "stop"}
-        assert stops == {ip: [] for ip in starts}, f"a `ray start` still ran when Ray was stopped: {log}"
+        assert stops == {ip: [] for ip in starts}, (
+            f"a `ray start` still ran when Ray was stopped: {log}"
+        )
         time.sleep(0.3)
-        assert not [e for e in fake_ray() if e["cmd"] == "start" and e["port"] == str(port) and _running(e["pid"])]
+        assert not [
+            e
+            for e in fake_ray()
+            if e["cmd"] == "start" and e["port"] == str(port) and _running(e["pid"])
+        ]
         assert other.poll() is None, "another cluster's `ray start` was killed"
     finally:
         other.kill()
@@ -212,33 +251,59 @@ def fake_raylet(tmp_path: Path, gcs: str) -> subprocess.Popen[bytes]:
     script.chmod(0o755)
     proc = subprocess.Popen([str(script), "--node_ip_address=127.0.0.2", f"--gcs-address={gcs}"])
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{proc.pid}/comm").read_text().strip() != "raylet" and time.monotonic() < deadline:
+    while (
+        Path(f"/proc/{proc.pid}/comm").read_text().strip() != "raylet"
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     return proc
 
 
-def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(fake_ray, tmp_path, monkeypatch):
+def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(
+    fake_ray, tmp_path, monkeypatch
+):
     """A worker's `ray start` finds no Ray running as the head's does: it would start a second
     Ray there, and the teardown's `ray stop` would then stop both. The node is refused first."""
     port = free_port()
-    cluster = ClusterSpec.model_validate({
-        "nodes": [{"name": f"node{i}", "host": host, "python": sys.executable} for i, host in enumerate(HOSTS[:2])],
-        "ray": {"port": port}})
+    cluster = ClusterSpec.model_validate(
+        {
+            "nodes": [
+                {"name": f"node{i}", "host": host, "python": sys.executable}
+                for i, host in enumerate(HOSTS[:2])
+            ],
+            "ray": {"port": port},
+        }
+    )
     started: list[str] = []
     stopped: list[str] = []
-    monkeypatch.setattr(ray_cluster, "_ray_cli", lambda cluster, node, args: started.append(node.name))
-    monkeypatch.setattr(ray_cluster, "_stop_ray",
-                        lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes))
-    session = ray_cluster.RaySession(mode="bootstrap", address=f"ray://127.0.0.1:{port}",
-                                     node_ips={"node0": "127.0.0.1", "node1": "127.0.0.2"},
-                                     _cluster=cluster, _head_ip="127.0.0.1", _token="t" * 64)
+    monkeypatch.setattr(
+        ray_cluster, "_ray_cli", lambda cluster, node, args: started.append(node.name)
+    )
+    monkeypatch.setattr(
+        ray_cluster,
+        "_stop_ray",
+        lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes),
+    )
+    session = ray_cluster.RaySession(
+        mode="bootstrap",
+        address=f"ray://127.0.0.1:{port}",
+        node_ips={"node0": "127.0.0.1", "node1": "127.0.0.2"},
+        _cluster=cluster,
+        _head_ip="127.0.0.1",
+        _token="t" * 64,
+    )
     other = fake_raylet(tmp_path, f"127.0.0.9:{port}")
     try:
-        with pytest.raises(PreflightError, match=rf"another Ray runs on node 'node1' .*raylet pid {other.pid} \(GCS 127.0.0.9:{port}\)"):
+        with pytest.raises(
+            PreflightError,
+            match=rf"another Ray runs on node 'node1' .*raylet pid {other.pid} \(GCS 127.0.0.9:{port}\)",
+        ):
             session._start_ray(cluster.nodes[1])
         session.close()
         assert started == [] and stopped == []
-        assert not (tmp_path / "home/.ray/launcher_auth_token").exists()  # that Ray's token file untouched
+        assert not (
+            tmp_path / "home/.ray/launcher_auth_token"
+        ).exists()  # that Ray's token file untouched
         assert other.poll() is None
     finally:
         other.kill()
@@ -250,8 +315,12 @@ def test_the_other_ray_check_names_raylets_of_other_clusters_only(tmp_path):
     cluster's own raylets are not another Ray."""
     ours, theirs = fake_raylet(tmp_path, "127.0.0.1:7001"), fake_raylet(tmp_path, "127.0.0.5:7001")
     try:
-        result = subprocess.run([sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"],
-                                capture_output=True, text=True, timeout=30)
+        result = subprocess.run(
+            [sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert result.returncode == ray_cluster.OTHER_RAY_EXIT, result
         assert f"raylet pid {theirs.pid} (GCS 127.0.0.5:7001)" in result.stderr
         assert f"raylet pid {ours.pid} " not in result.stderr
@@ -267,7 +336,9 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
     script = tmp_path / "raylet"
     script.write_text("#!/bin/sh\nexit 0\n")
     script.chmod(0o755)
-    zombie = subprocess.Popen([str(script), "--gcs-address=127.0.0.9:7001"])  # not waited for: a zombie
+    zombie = subprocess.Popen(
+        [str(script), "--gcs-address=127.0.0.9:7001"]
+    )  # not waited for: a zombie
     try:
         stat = Path(f"/proc/{zombie.pid}/stat")
         deadline = time.monotonic() + 10
@@ -275,24 +346,46 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
             time.sleep(0.02)
         assert stat.read_text().startswith(f"{zombie.pid} (raylet) Z"), stat.read_text()
         assert Path(f"/proc/{zombie.pid}/cmdline").read_bytes() == b""
-        result = subprocess.run([sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"],
-                                capture_output=True, text=True, timeout=30)
+        result = subprocess.run(
+            [sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert f"raylet pid {zombie.pid} " not in result.stderr, result
-        assert result.returncode in (0, ray_cluster.OTHER_RAY_EXIT), result  # a real Ray here may run
+        assert result.returncode in (0, ray_cluster.OTHER_RAY_EXIT), (
+            result
+        )  # a real Ray here may run
     finally:
         zombie.wait()
 
 
 def start(*args: str) -> subprocess.Popen[bytes]:
     """A process whose arguments are those of a `ray start` (it only sleeps)."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray.scripts.scripts", "start",
-                             *args], start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+            "ray.scripts.scripts",
+            "start",
+            *args,
+        ],
+        start_new_session=True,
+    )
 
 
 def two_nodes(port: int) -> ClusterSpec:
-    return ClusterSpec.model_validate({
-        "nodes": [{"name": f"node{i}", "host": host, "python": sys.executable} for i, host in enumerate(HOSTS[:2])],
-        "ray": {"port": port}, "ssh": {"connect_timeout_s": 5}})
+    return ClusterSpec.model_validate(
+        {
+            "nodes": [
+                {"name": f"node{i}", "host": host, "python": sys.executable}
+                for i, host in enumerate(HOSTS[:2])
+            ],
+            "ray": {"port": port},
+            "ssh": {"connect_timeout_s": 5},
+        }
+    )
 
 
 STARTED_WITH = {"node0": ADDRESSES[HOSTS[0]], "node1": ADDRESSES[HOSTS[1]]}  # 127.0.0.1, 127.0.0.2
@@ -305,16 +398,26 @@ def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
     cluster = two_nodes(port)
-    ours = {"join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
-            "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1")}
-    theirs = {"join to another head": start("--address", f"127.0.0.9:{port}", "--node-ip-address", "127.0.0.2"),
-              "another port": start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"),
-              "head on a worker": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2")}
+    ours = {
+        "join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
+        "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1"),
+    }
+    theirs = {
+        "join to another head": start(
+            "--address", f"127.0.0.9:{port}", "--node-ip-address", "127.0.0.2"
+        ),
+        "another port": start(
+            "--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"
+        ),
+        "head on a worker": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2"),
+    }
     try:
         assert ray_cluster._stop_ray(cluster, list(cluster.nodes), STARTED_WITH) == []
         for name, proc in ours.items():
             assert proc.wait(10) == -signal.SIGKILL, f"this cluster's {name} was not killed"
-        assert {name for name, proc in theirs.items() if proc.poll() is not None} == set(), "another Ray's start was killed"
+        assert {name for name, proc in theirs.items() if proc.poll() is not None} == set(), (
+            "another Ray's start was killed"
+        )
     finally:
         for proc in (*ours.values(), *theirs.values()):
             proc.kill()
@@ -323,17 +426,27 @@ def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
 
 # What the nodes' names resolve to at teardown, unlike at start: other addresses (round-robin
 # DNS, an edited /etc/hosts), or the name itself (the lookup failed; _resolve falls back to it).
-RESOLVED_LATER = {"other addresses": {h: f"127.0.0.{7 + i}" for i, h in enumerate(HOSTS)}.get,
-                  "a failed lookup": lambda host: host}
+RESOLVED_LATER = {
+    "other addresses": {h: f"127.0.0.{7 + i}" for i, h in enumerate(HOSTS)}.get,
+    "a failed lookup": lambda host: host,
+}
 
 
 def leftover_starts(port: int) -> dict[str, subprocess.Popen[bytes]]:
     """This cluster's `ray start`s as the bootstrap issued them, still running: the head's, and a
     join to it (node1, 127.0.0.2) that hangs."""
-    return {"join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2",
-                          "--disable-usage-stats"),
-            "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
-                          "--disable-usage-stats")}
+    return {
+        "join": start(
+            "--address",
+            f"127.0.0.1:{port}",
+            "--node-ip-address",
+            "127.0.0.2",
+            "--disable-usage-stats",
+        ),
+        "head": start(
+            "--head", "--port", str(port), "--node-ip-address", "127.0.0.1", "--disable-usage-stats"
+        ),
+    }
 
 
 def assert_killed(starts: dict[str, subprocess.Popen[bytes]]) -> None:
@@ -341,7 +454,9 @@ def assert_killed(starts: dict[str, subprocess.Popen[bytes]]) -> None:
         for name, proc in starts.items():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
-            assert proc.returncode == -signal.SIGKILL, f"this cluster's {name} `ray start` was not killed"
+            assert proc.returncode == -signal.SIGKILL, (
+                f"this cluster's {name} `ray start` was not killed"
+            )
     finally:
         for proc in starts.values():
             proc.kill()
@@ -349,15 +464,23 @@ def assert_killed(starts: dict[str, subprocess.Popen[bytes]]) -> None:
 
 
 @pytest.mark.parametrize("later", RESOLVED_LATER)
-def test_the_sessions_teardown_kills_its_ray_start_whatever_the_names_resolve_to_by_then(fake_ray, monkeypatch, later):
+def test_the_sessions_teardown_kills_its_ray_start_whatever_the_names_resolve_to_by_then(
+    fake_ray, monkeypatch, later
+):
     """The session's close gives the teardown the addresses its `ray start`s were given, so a
     name that resolves otherwise at teardown (or not at all) still finds them."""
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
     cluster = two_nodes(port)
-    session = ray_cluster.RaySession(mode="bootstrap", address=f"ray://127.0.0.1:{port}", node_ips=dict(STARTED_WITH),
-                                     _started_on=list(cluster.nodes), _cluster=cluster, _head_ip="127.0.0.1",
-                                     _token="t" * 64)
+    session = ray_cluster.RaySession(
+        mode="bootstrap",
+        address=f"ray://127.0.0.1:{port}",
+        node_ips=dict(STARTED_WITH),
+        _started_on=list(cluster.nodes),
+        _cluster=cluster,
+        _head_ip="127.0.0.1",
+        _token="t" * 64,
+    )
     starts = leftover_starts(port)
     monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
     session.close()
@@ -365,7 +488,9 @@ def test_the_sessions_teardown_kills_its_ray_start_whatever_the_names_resolve_to
 
 
 @pytest.mark.parametrize("later", RESOLVED_LATER)
-def test_launch_down_kills_the_ray_start_by_the_addresses_its_record_keeps(fake_ray, tmp_path, monkeypatch, later):
+def test_launch_down_kills_the_ray_start_by_the_addresses_its_record_keeps(
+    fake_ray, tmp_path, monkeypatch, later
+):
     """`launch down` (another process, later) stops a bootstrapped cluster by its record, which
     keeps the addresses its `ray start`s were given: they are matched, not the names resolved now."""
     from launcher.jobs import head as heads
@@ -375,14 +500,18 @@ def test_launch_down_kills_the_ray_start_by_the_addresses_its_record_keeps(fake_
     monkeypatch.setenv("FAKE_PORT", str(port))
     cluster = two_nodes(port)
     heads.save_cluster(cluster, STARTED_WITH)
-    assert heads.saved_cluster(cluster) == cluster and heads.saved_addresses(cluster) == STARTED_WITH
+    assert (
+        heads.saved_cluster(cluster) == cluster and heads.saved_addresses(cluster) == STARTED_WITH
+    )
     starts = leftover_starts(port)
     monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
     assert ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []  # as `launch down` calls it
     assert_killed(starts)
 
 
-def test_a_record_without_addresses_falls_back_to_resolving_the_names(fake_ray, tmp_path, monkeypatch):
+def test_a_record_without_addresses_falls_back_to_resolving_the_names(
+    fake_ray, tmp_path, monkeypatch
+):
     """A record an older launcher wrote (the spec alone) still reads, and `launch down` resolves
     the names as before."""
     from launcher.jobs import head as heads
@@ -394,5 +523,7 @@ def test_a_record_without_addresses_falls_back_to_resolving_the_names(fake_ray, 
     heads.cluster_record(cluster).write_text(json.dumps(cluster.model_dump(mode="json")))
     assert heads.saved_cluster(cluster) == cluster and heads.saved_addresses(cluster) == {}
     starts = leftover_starts(port)
-    assert ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []  # _resolve: ADDRESSES, as at start
+    assert (
+        ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []
+    )  # _resolve: ADDRESSES, as at start
     assert_killed(starts)

@@ -56,7 +56,9 @@ def test_runner_for_picks_local_or_ssh() -> None:
 
 def test_local_runner_stdin_env_and_exit_code() -> None:
     runner = LocalRunner(LOCAL)
-    result = runner.run("cat; echo $GREETING; echo oops >&2; exit 5", stdin="from stdin\n", env={"GREETING": "hi"})
+    result = runner.run(
+        "cat; echo $GREETING; echo oops >&2; exit 5", stdin="from stdin\n", env={"GREETING": "hi"}
+    )
     assert result == CommandResult("from stdin\nhi\n", "oops\n", 5)
     assert not result.ok and result.stderr_tail() == "oops"
     assert runner.run("cat | wc -c").stdout.strip() == "0"  # no stdin: empty, never the terminal
@@ -77,7 +79,9 @@ def test_local_runner_timeout_kills_the_whole_group() -> None:
 
 
 def test_local_runner_runs_the_probe() -> None:
-    result = LocalRunner(LOCAL).run(f"{sys.executable} - --packages pytest", stdin=PROBE_SOURCE, timeout=60)
+    result = LocalRunner(LOCAL).run(
+        f"{sys.executable} - --packages pytest", stdin=PROBE_SOURCE, timeout=60
+    )
     probe = parse_probe_output(result, sys.executable)
     assert probe["packages"]["pytest"] == pytest.__version__
     assert probe["deep"] is None and probe["python"]["executable"]
@@ -203,8 +207,13 @@ def test_an_interrupted_fan_out_never_holds_up_the_interpreters_exit() -> None:
         "fan_out([NodeSpec(name=f'n{i}', host=f'10.0.0.{i + 1}') for i in range(3)], lambda n: time.sleep(20))\n"
     )
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
-                          cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert "KeyboardInterrupt" in proc.stderr and proc.returncode != 0
     assert time.monotonic() - started < 10
 
@@ -215,7 +224,12 @@ def test_an_interrupted_fan_out_never_holds_up_the_interpreters_exit() -> None:
 @pytest.fixture
 def ssh_runner(tmp_path: Path) -> SSHRunner:
     node = NodeSpec(name="node1", host="10.9.8.7", port=2222)
-    ssh = SSHSpec(user="ubuntu", key=tmp_path / "id", known_hosts=tmp_path / "known_hosts", connect_timeout_s=3)
+    ssh = SSHSpec(
+        user="ubuntu",
+        key=tmp_path / "id",
+        known_hosts=tmp_path / "known_hosts",
+        connect_timeout_s=3,
+    )
     return SSHRunner(node, ssh)
 
 
@@ -225,7 +239,9 @@ def _key() -> paramiko.PKey:
 
 def test_host_key_mismatch_is_never_accepted(ssh_runner: SSHRunner) -> None:
     key, other = _key(), _key()
-    err = classify_ssh_error(paramiko.BadHostKeyException("[10.9.8.7]:2222", key, other), ssh_runner)
+    err = classify_ssh_error(
+        paramiko.BadHostKeyException("[10.9.8.7]:2222", key, other), ssh_runner
+    )
     assert err.kind == HOST_KEY_MISMATCH
     assert "man-in-the-middle" in err.message and "never accepted" in err.message
     assert "ssh-keygen -R '[10.9.8.7]:2222'" in err.message
@@ -250,14 +266,21 @@ def test_auth_failure_names_the_key(ssh_runner: SSHRunner) -> None:
     [
         (TimeoutError("timed out"), "no answer from 10.9.8.7:2222 within 3 s"),
         (
-            paramiko.ssh_exception.NoValidConnectionsError({("10.9.8.7", 2222): ConnectionRefusedError(errno.ECONNREFUSED, "refused")}),
+            paramiko.ssh_exception.NoValidConnectionsError(
+                {("10.9.8.7", 2222): ConnectionRefusedError(errno.ECONNREFUSED, "refused")}
+            ),
             "refused the connection on port 2222",
         ),
         (
-            paramiko.ssh_exception.NoValidConnectionsError({("10.9.8.7", 2222): OSError(errno.EHOSTUNREACH, "no route")}),
+            paramiko.ssh_exception.NoValidConnectionsError(
+                {("10.9.8.7", 2222): OSError(errno.EHOSTUNREACH, "no route")}
+            ),
             "no route to 10.9.8.7:2222",
         ),
-        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), "cannot resolve host name"),
+        (
+            socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+            "cannot resolve host name",
+        ),
     ],
 )
 def test_unreachable_variants(ssh_runner: SSHRunner, exc: BaseException, fragment: str) -> None:
@@ -269,36 +292,55 @@ def test_unreachable_variants(ssh_runner: SSHRunner, exc: BaseException, fragmen
 def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
     key = _key()
     opts = ssh_runner.connect_kwargs(key)
-    assert opts["password"] is None and opts["look_for_keys"] is False and opts["allow_agent"] is False
+    assert (
+        opts["password"] is None and opts["look_for_keys"] is False and opts["allow_agent"] is False
+    )
     assert opts["pkey"] is key and "key_filename" not in opts  # read by the runner (load_key)
     assert opts["banner_timeout"] == opts["auth_timeout"] == 3
     agent_runner = SSHRunner(NodeSpec(name="n", host="10.0.0.1"), SSHSpec())
     assert agent_runner.load_key() is None
     agent = agent_runner.connect_kwargs(agent_runner.load_key())
-    assert "pkey" not in agent and "key_filename" not in agent and agent["look_for_keys"] and agent["allow_agent"]
+    assert (
+        "pkey" not in agent
+        and "key_filename" not in agent
+        and agent["look_for_keys"]
+        and agent["allow_agent"]
+    )
 
 
 @pytest.mark.filterwarnings("ignore:SSH DSA key")
 @pytest.mark.skipif(hasattr(paramiko, "DSSKey"), reason="paramiko < 4.0 reads DSA keys (DSSKey)")
 @pytest.mark.parametrize("form", ["DSA", "OPENSSH"])
-def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(ssh_runner: SSHRunner, form: str) -> None:
+def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(
+    ssh_runner: SSHRunner, form: str
+) -> None:
     """paramiko >= 4.0 reads no DSA keys (it removed DSSKey): ``PKey.from_path`` raises
     UnknownKeyType (no SSHException), which escaped as a traceback. Refused before any
     connection is made."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import dsa
 
-    layout = serialization.PrivateFormat.TraditionalOpenSSL if form == "DSA" else serialization.PrivateFormat.OpenSSH
+    layout = (
+        serialization.PrivateFormat.TraditionalOpenSSL
+        if form == "DSA"
+        else serialization.PrivateFormat.OpenSSH
+    )
     key = ssh_runner.ssh.key
     assert key is not None
-    key.write_bytes(dsa.generate_private_key(key_size=1024).private_bytes(
-        serialization.Encoding.PEM, layout, serialization.NoEncryption()))
+    key.write_bytes(
+        dsa.generate_private_key(key_size=1024).private_bytes(
+            serialization.Encoding.PEM, layout, serialization.NoEncryption()
+        )
+    )
     assert key.read_text().startswith(f"-----BEGIN {form} PRIVATE KEY-----")
     with pytest.raises(NodeError) as info:
         ssh_runner.run("echo hi", timeout=5)
     assert info.value.kind == AUTH_FAILED
     assert f"key file {key} holds a DSA key" in info.value.message
-    assert "ed25519, RSA and ECDSA keys only" in info.value.message and "set ssh.key to it" in info.value.message
+    assert (
+        "ed25519, RSA and ECDSA keys only" in info.value.message
+        and "set ssh.key to it" in info.value.message
+    )
 
 
 # -- probe output --------------------------------------------------------------------------
@@ -308,7 +350,10 @@ def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(s
     ("result", "kind"),
     [
         (CommandResult("", "sh: 1: /opt/venv/bin/python: not found", 127), INTERPRETER_MISSING),
-        (CommandResult("", "bash: line 1: /opt/py: No such file or directory", 127), INTERPRETER_MISSING),
+        (
+            CommandResult("", "bash: line 1: /opt/py: No such file or directory", 127),
+            INTERPRETER_MISSING,
+        ),
         (CommandResult("", "bash: /opt/py: Permission denied", 126), INTERPRETER_MISSING),
         (CommandResult("", "Traceback...\nSyntaxError: invalid syntax", 1), PROBE_CRASHED),
         (CommandResult("hello\n", "", 0), BAD_JSON),
@@ -329,7 +374,10 @@ def test_probe_output_tolerates_login_noise() -> None:
 
 def test_crash_message_carries_the_stderr_tail() -> None:
     with pytest.raises(NodeError, match="exit 1: .*ModuleNotFoundError: No module named 'x'"):
-        parse_probe_output(CommandResult("", "Traceback\n  File x\nModuleNotFoundError: No module named 'x'", 1), "py")
+        parse_probe_output(
+            CommandResult("", "Traceback\n  File x\nModuleNotFoundError: No module named 'x'", 1),
+            "py",
+        )
 
 
 # -- what the specs ask of each node ---------------------------------------------------------

@@ -17,29 +17,48 @@ from launcher.orchestrate import ray_cluster
 from launcher.remote import CommandResult, _remote_command
 from launcher.spec import ClusterSpec
 
-SHELLS = [pytest.param(name, marks=pytest.mark.skipif(shutil.which(name) is None, reason=f"no {name} here"))
-          for name in ("sh", "bash", "tcsh", "csh")]
+SHELLS = [
+    pytest.param(
+        name, marks=pytest.mark.skipif(shutil.which(name) is None, reason=f"no {name} here")
+    )
+    for name in ("sh", "bash", "tcsh", "csh")
+]
 
 
-def login_shell(shell: str, command: str, *, stdin: str = "", timeout: float | None = None,
-                home: str | None = None) -> CommandResult:
+def login_shell(
+    shell: str,
+    command: str,
+    *,
+    stdin: str = "",
+    timeout: float | None = None,
+    home: str | None = None,
+) -> CommandResult:
     """``command`` as an SSH runner sends it, run as sshd does with ``shell`` as login shell."""
     sent = _remote_command(command, timeout)
     assert "\n" not in sent and "\r" not in sent and "!" not in sent, sent
     env = {**os.environ, "HOME": home} if home else None
-    proc = subprocess.run([shutil.which(shell) or shell, "-c", sent], input=stdin, capture_output=True,
-                          text=True, timeout=60, env=env)
+    proc = subprocess.run(
+        [shutil.which(shell) or shell, "-c", sent],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     return CommandResult(proc.stdout, proc.stderr, proc.returncode)
 
 
 @pytest.mark.parametrize("shell", SHELLS)
 @pytest.mark.parametrize("timeout", [None, 30.0])
 def test_scripts_reach_sh_unchanged_under_any_login_shell(shell, timeout):
-    script = ("printf '%s\\n' \"$0\" 'a!b' 'back\\slash' \"it's\"\n"
-              "x=$(cat)\n"
-              "echo \"stdin: $x\"; exit 7")
+    script = (
+        "printf '%s\\n' \"$0\" 'a!b' 'back\\slash' \"it's\"\nx=$(cat)\necho \"stdin: $x\"; exit 7"
+    )
     result = login_shell(shell, script, stdin="from stdin", timeout=timeout)
-    assert (result.stdout, result.exit_code) == ("sh\na!b\nback\\slash\nit's\nstdin: from stdin\n", 7), result
+    assert (result.stdout, result.exit_code) == (
+        "sh\na!b\nback\\slash\nit's\nstdin: from stdin\n",
+        7,
+    ), result
     # one-line scripts without such characters are sent as they are (readable in ps and logs)
     assert _remote_command("echo hi", None) == "sh -c 'echo hi'"
 
@@ -51,8 +70,12 @@ def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monk
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    cluster = ClusterSpec.model_validate({"nodes": [{"name": "node0", "host": "198.18.250.10", "python": sys.executable}],
-                                         "ray": {"port": port}})
+    cluster = ClusterSpec.model_validate(
+        {
+            "nodes": [{"name": "node0", "host": "198.18.250.10", "python": sys.executable}],
+            "ray": {"port": port},
+        }
+    )
     ran: list[str] = []
 
     def on_node(cluster, node, command, *, stdin=None, timeout):
@@ -65,8 +88,14 @@ def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monk
     monkeypatch.setattr(ray_cluster, "_OTHER_RAY", "pass")
     monkeypatch.setattr(ray_cluster, "_ray_cli", lambda cluster, node, args: "")
     monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes, addresses=None: [])
-    session = ray_cluster.RaySession(mode="bootstrap", address="ray://127.0.0.1:10001", node_ips={"node0": "127.0.0.1"},
-                                     _cluster=cluster, _head_ip="127.0.0.1", _token="t" * 64)
+    session = ray_cluster.RaySession(
+        mode="bootstrap",
+        address="ray://127.0.0.1:10001",
+        node_ips={"node0": "127.0.0.1"},
+        _cluster=cluster,
+        _head_ip="127.0.0.1",
+        _token="t" * 64,
+    )
     token = tmp_path / ".ray" / "launcher_auth_token"
 
     session._start_ray(cluster.nodes[0], head=True)  # nothing listens yet
@@ -98,7 +127,9 @@ def test_a_node_without_base64_is_an_error_not_a_silent_success(shell, timeout, 
     def run(command: str) -> subprocess.CompletedProcess[str]:
         sent = _remote_command(command, timeout)
         assert "\n" not in sent and "!" not in sent, sent
-        return subprocess.run([str(bin_dir / shell), "-c", sent], capture_output=True, text=True, timeout=60, env=env)
+        return subprocess.run(
+            [str(bin_dir / shell), "-c", sent], capture_output=True, text=True, timeout=60, env=env
+        )
 
     made = tmp_path / "made"
     result = run(f"echo 'not run!' > {made}\nexit 0")
@@ -109,7 +140,9 @@ def test_a_node_without_base64_is_an_error_not_a_silent_success(shell, timeout, 
     fake.write_text(f"#!{os.path.realpath(shutil.which('sh') or 'sh')}\nexit 0\n")
     fake.chmod(0o755)
     result = run(f"echo 'not run!' > {made}\nexit 0")
-    assert result.returncode == 127 and "launcher: base64 -d failed on this node" in result.stderr, result
+    assert (
+        result.returncode == 127 and "launcher: base64 -d failed on this node" in result.stderr
+    ), result
     assert not made.exists()
     result = run(f"echo plain > {made}; exit 5")  # sent as it is, no base64
     assert (result.returncode, made.read_text()) == (5, "plain\n"), result

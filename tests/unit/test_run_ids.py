@@ -24,13 +24,20 @@ def own_state(tmp_path, monkeypatch):
 
 
 def job() -> JobSpec:
-    return JobSpec.model_validate({"name": "t", "resources": {"device": "cpu", "nproc_per_node": 1},
-                                   "precision": {"dtype": "fp32"}, "train": {"steps": 5, "warmup_steps": 1}})
+    return JobSpec.model_validate(
+        {
+            "name": "t",
+            "resources": {"device": "cpu", "nproc_per_node": 1},
+            "precision": {"dtype": "fp32"},
+            "train": {"steps": 5, "warmup_steps": 1},
+        }
+    )
 
 
 def cluster() -> ClusterSpec:
-    return ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "198.18.0.10"},
-                                                 {"name": "b", "host": "198.18.0.11"}]})
+    return ClusterSpec.model_validate(
+        {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
+    )
 
 
 class Agents:
@@ -81,7 +88,9 @@ def test_a_restart_keeps_the_launchs_run_id(tmp_path):
     assert json.loads((tmp_path / "x" / "plan.attempt1.json").read_text())["run_id"] == first.run_id
 
 
-def test_a_run_dir_that_holds_a_run_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+def test_a_run_dir_that_holds_a_run_is_refused_before_anything_starts(
+    tmp_path, monkeypatch, capsys
+):
     """Launching into a folder that holds an earlier run would mix logs, metrics and summaries:
     exit 2, one paragraph naming the folder and the way out, nothing started or written."""
     old = tmp_path / "old"
@@ -89,7 +98,9 @@ def test_a_run_dir_that_holds_a_run_is_refused_before_anything_starts(tmp_path, 
     (old / "summary.json").write_text('{"status": "succeeded"}')
     before = sorted(p.relative_to(old) for p in old.rglob("*"))
     job_file = tmp_path / "job.yaml"
-    job_file.write_text("name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n")
+    job_file.write_text(
+        "name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n"
+    )
 
     def started_anything(*args, **kwargs):
         raise AssertionError("the launch went on")
@@ -128,7 +139,9 @@ def test_submit_to_this_machine_refuses_a_run_dir_that_holds_a_run(tmp_path, mon
     old.mkdir()
     (old / "summary.json").write_text("{}")
     job_file = tmp_path / "job.yaml"
-    job_file.write_text("name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n")
+    job_file.write_text(
+        "name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n"
+    )
     (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
 
     def started_anything(*args, **kwargs):
@@ -136,7 +149,19 @@ def test_submit_to_this_machine_refuses_a_run_dir_that_holds_a_run(tmp_path, mon
 
     monkeypatch.setattr("launcher.preflight.preflight_facts", started_anything)
     monkeypatch.setattr(commands, "connect", started_anything)
-    assert main(["submit", str(job_file), "--cluster", str(tmp_path / "cluster.yaml"), "--run-dir", str(old)]) == 2
+    assert (
+        main(
+            [
+                "submit",
+                str(job_file),
+                "--cluster",
+                str(tmp_path / "cluster.yaml"),
+                "--run-dir",
+                str(old),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"--run-dir {old} is not empty" in err and err.count("\n") == 1
 
@@ -147,12 +172,19 @@ def test_a_submissions_reservation_is_taken_by_its_own_job_only(tmp_path):
     path = tmp_path / "r"
     RunDir.reserve(path, "job-1")
     assert sorted(p.name for p in path.iterdir()) == [".launcher-job", "logs"]
-    for take in (lambda: RunDir.claim(path), lambda: RunDir.claim(path, job_id="job-2"),
-                 lambda: RunDir.reserve(path, "job-2")):
-        with pytest.raises(UsageError, match=r"is reserved for job job-1, submitted before .*`launch status job-1`"):
+    for take in (
+        lambda: RunDir.claim(path),
+        lambda: RunDir.claim(path, job_id="job-2"),
+        lambda: RunDir.reserve(path, "job-2"),
+    ):
+        with pytest.raises(
+            UsageError, match=r"is reserved for job job-1, submitted before .*`launch status job-1`"
+        ):
             take()
     taken = RunDir.claim(path, job_id="job-1")
-    assert taken.root == path and [p.name for p in path.iterdir()] == ["logs"]  # the reservation is gone
+    assert taken.root == path and [p.name for p in path.iterdir()] == [
+        "logs"
+    ]  # the reservation is gone
     with pytest.raises(UsageError, match="is not empty"):  # now the job's own: taken once
         RunDir.claim(path, job_id="job-1")
 
@@ -161,7 +193,9 @@ def test_a_reservation_written_into_since_is_refused_to_its_job(tmp_path):
     path = tmp_path / "r"
     RunDir.reserve(path, "job-1")
     (path / "summary.json").write_text("{}")
-    with pytest.raises(UsageError, match=r"reserved for this job .* put into it since \(summary.json\)"):
+    with pytest.raises(
+        UsageError, match=r"reserved for this job .* put into it since \(summary.json\)"
+    ):
         RunDir.claim(path, job_id="job-1")
 
 
@@ -191,7 +225,9 @@ def local_submit(tmp_path, monkeypatch):
     from launcher.jobs import commands
 
     job_file = tmp_path / "job.yaml"
-    job_file.write_text("name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n")
+    job_file.write_text(
+        "name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n"
+    )
     (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
     monkeypatch.setattr("launcher.preflight.preflight_facts", lambda *a, **k: None)
     monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0")  # submit sets it: restored after
@@ -205,19 +241,41 @@ def local_submit(tmp_path, monkeypatch):
     client.submit_job = submit_job
 
     def jobs():  # JobsCluster.jobs: what was submitted, each PENDING unless told
-        return [types.SimpleNamespace(submission_id=kw["submission_id"], status=types.SimpleNamespace(
-            value=client.status.get(kw["submission_id"], "PENDING"))) for kw in client.submitted]
+        return [
+            types.SimpleNamespace(
+                submission_id=kw["submission_id"],
+                status=types.SimpleNamespace(
+                    value=client.status.get(kw["submission_id"], "PENDING")
+                ),
+            )
+            for kw in client.submitted
+        ]
 
     @contextlib.contextmanager
     def connect(spec, *, start=False):
-        yield types.SimpleNamespace(head_is_local=True, cluster=spec, client=client, head=spec.nodes[0],
-                                    local_head=None, jobs=jobs)
+        yield types.SimpleNamespace(
+            head_is_local=True,
+            cluster=spec,
+            client=client,
+            head=spec.nodes[0],
+            local_head=None,
+            jobs=jobs,
+        )
 
     monkeypatch.setattr(commands, "connect", connect)
 
     def submit(run_dir, capsys):
-        rc = main(["submit", str(job_file), "--cluster", str(tmp_path / "cluster.yaml"), "--run-dir",
-                   str(run_dir), "--json"])
+        rc = main(
+            [
+                "submit",
+                str(job_file),
+                "--cluster",
+                str(tmp_path / "cluster.yaml"),
+                "--run-dir",
+                str(run_dir),
+                "--json",
+            ]
+        )
         return rc, capsys.readouterr()
 
     return submit, client
@@ -234,14 +292,19 @@ def test_two_queued_submits_to_one_run_dir_the_second_is_refused(tmp_path, local
     assert (run_dir / ".launcher-job").read_text().strip() == first
     rc, out = submit(run_dir, capsys)
     assert rc == 2 and len(client.submitted) == 1
-    assert out.err.startswith(f"error: --run-dir {run_dir} is reserved for job {first}") and out.err.count("\n") == 1
+    assert (
+        out.err.startswith(f"error: --run-dir {run_dir} is reserved for job {first}")
+        and out.err.count("\n") == 1
+    )
 
 
 def test_a_submission_that_fails_frees_its_run_dir(tmp_path, local_submit, capsys):
     from launcher.errors import PreflightError
 
     submit, client = local_submit
-    client.error = PreflightError("the Ray Jobs API at http://127.0.0.1:1 failed (submit_job): boom")
+    client.error = PreflightError(
+        "the Ray Jobs API at http://127.0.0.1:1 failed (submit_job): boom"
+    )
     rc, out = submit(tmp_path / "d", capsys)
     assert rc == 3 and "boom" in out.err
     assert not (tmp_path / "d").exists()
@@ -261,8 +324,11 @@ def driven(tmp_path, monkeypatch, run_dir, job_id="q-1"):
     monkeypatch.setattr(signals, "install", lambda: None)
     monkeypatch.setattr(driver.Driver, "run", lambda self: got.append(self.run_dir) or 0)
     monkeypatch.setattr("sys.stdout", out := io.StringIO())
-    (tmp_path / "submission.json").write_text(json.dumps({
-        "job_id": job_id, "job": job().model_dump(mode="json"), "run_dir": str(run_dir)}))
+    (tmp_path / "submission.json").write_text(
+        json.dumps(
+            {"job_id": job_id, "job": job().model_dump(mode="json"), "run_dir": str(run_dir)}
+        )
+    )
     rc = driver.main([str(tmp_path / "submission.json")])
     return rc, out.getvalue(), (got[0] if got else None)
 
@@ -278,7 +344,9 @@ def test_the_driver_refuses_a_run_dir_that_holds_a_run(tmp_path, monkeypatch):
     (old / "summary.json").write_text('{"status": "succeeded"}')
     rc, log, got = driven(tmp_path, monkeypatch, old)
     assert rc == 2 and got is None
-    assert f"error: --run-dir {old} is not empty (summary.json)" in log and "Pick a new folder" in log
+    assert (
+        f"error: --run-dir {old} is not empty (summary.json)" in log and "Pick a new folder" in log
+    )
     final = state.last_state(log)
     assert final["state"] == "done" and final["status"] == "failed"
     assert f"--run-dir {old} is not empty" in final["failure"]["reason"]
@@ -303,7 +371,8 @@ def test_the_driver_takes_its_own_submissions_reservation_and_no_other(tmp_path,
 
 
 def test_a_submission_takes_over_the_reservation_of_a_job_that_ended_before_its_driver_ran(
-        tmp_path, local_submit, capsys, caplog):
+    tmp_path, local_submit, capsys, caplog
+):
     """The first job was stopped while it waited (or its runtime_env failed): its driver never
     took the folder, and never will. A later submission to the same Jobs API sees that and
     takes the folder; while the first job still waits, it is refused."""
@@ -320,7 +389,10 @@ def test_a_submission_takes_over_the_reservation_of_a_job_that_ended_before_its_
     rc, out = submit(run_dir, capsys)
     assert rc == 0, out.err
     second = json.loads(out.out)["job_id"]
-    assert f"was reserved for job {first}, which ended (STOPPED) before its driver took it" in caplog.text
+    assert (
+        f"was reserved for job {first}, which ended (STOPPED) before its driver took it"
+        in caplog.text
+    )
     assert (run_dir / ".launcher-job").read_text().splitlines()[0] == second
     assert sorted(p.name for p in run_dir.iterdir()) == [".launcher-job", "logs"]
 
@@ -329,9 +401,16 @@ def local_head_record(tmp_path, pid: int, port: int = 1):
     """What a reservation records of a local head (``head.reservation_head``): who it is."""
     from launcher.jobs import head
 
-    return head.reservation_head(head.LocalHead(
-        pid=pid, gcs_port=1, dashboard_port=port, agent_port=1, temp_dir=str(tmp_path / "ray-temp"),
-        token_file=str(tmp_path / "auth_token")))
+    return head.reservation_head(
+        head.LocalHead(
+            pid=pid,
+            gcs_port=1,
+            dashboard_port=port,
+            agent_port=1,
+            temp_dir=str(tmp_path / "ray-temp"),
+            token_file=str(tmp_path / "auth_token"),
+        )
+    )
 
 
 def gone_pid() -> int:
@@ -373,7 +452,9 @@ def test_a_run_takes_over_the_reservation_of_a_job_whose_local_head_is_gone(tmp_
     RunDir.reserve(path, "job-1", head=record)
     taken = RunDir.claim(path)  # launch run --run-dir
     assert taken.root == path and [p.name for p in path.iterdir()] == ["logs"]
-    assert "reserved for job job-1, whose Ray runs no more: this run takes the folder" in caplog.text
+    assert (
+        "reserved for job job-1, whose Ray runs no more: this run takes the folder" in caplog.text
+    )
     other = tmp_path / "s"
     RunDir.reserve(other, "job-1", head=record)
     RunDir.check_free(other)  # submit's first look leaves it to the reservation
@@ -385,14 +466,18 @@ def test_a_reservation_made_on_another_machine_or_boot(tmp_path, machine):
     """A shared home directory: a head recorded on another machine cannot be looked at from
     here (the folder stays reserved); one recorded on this machine before it rebooted is gone."""
     path = tmp_path / "r"
-    RunDir.reserve(path, "job-1", head={**local_head_record(tmp_path, gone_pid()), "host": "elsewhere"})
+    RunDir.reserve(
+        path, "job-1", head={**local_head_record(tmp_path, gone_pid()), "host": "elsewhere"}
+    )
     with pytest.raises(UsageError, match=r"reserved for job job-1, submitted before .*cannot ask"):
         RunDir.claim(path)
     with pytest.raises(UsageError, match="reserved for job job-1"):
         RunDir.reserve(path, "job-2")
     RunDir.check_free(path)  # left to the submission's Jobs API
     rebooted = tmp_path / "b"
-    RunDir.reserve(rebooted, "job-1", head={**local_head_record(tmp_path, 1), "boot": "another-boot"})
+    RunDir.reserve(
+        rebooted, "job-1", head={**local_head_record(tmp_path, 1), "boot": "another-boot"}
+    )
     assert RunDir.claim(rebooted).root == rebooted
 
 
@@ -407,7 +492,9 @@ def test_a_machine_of_the_same_name_is_another_machine(tmp_path, machine):
     with pytest.raises(UsageError, match="reserved for job job-1"):
         RunDir.claim(path)
     machine(None)  # no /etc/machine-id here
-    for n, head in enumerate(({**record, "machine": None, "boot": "its-boot"}, {**record, "boot": "its-boot"})):
+    for n, head in enumerate(
+        ({**record, "machine": None, "boot": "its-boot"}, {**record, "boot": "its-boot"})
+    ):
         RunDir.reserve(tmp_path / f"s{n}", "job-1", head=head)
         with pytest.raises(UsageError, match="reserved for job job-1"):
             RunDir.claim(tmp_path / f"s{n}")
@@ -439,14 +526,19 @@ def test_only_the_reservations_own_user_takes_it_for_gone(tmp_path, monkeypatch)
 
 def this_machine() -> dict[str, str | None]:
     """What a reservation made here says of this machine."""
+
     def read(path: str) -> str | None:
         try:
             return open(path).read().strip() or None
         except OSError:
             return None
 
-    return {"host": os.uname().nodename, "machine": read("/etc/machine-id"),
-            "boot": read("/proc/sys/kernel/random/boot_id"), "pidns": os.readlink("/proc/self/ns/pid")}
+    return {
+        "host": os.uname().nodename,
+        "machine": read("/etc/machine-id"),
+        "boot": read("/proc/sys/kernel/random/boot_id"),
+        "pidns": os.readlink("/proc/self/ns/pid"),
+    }
 
 
 @pytest.fixture
@@ -552,11 +644,19 @@ def own_head(tmp_path, own_state, jobs_api):
     temp_dir = str(tmp_path / "launcher-ray-own")
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", temp_dir])
     try:
-        me = head.LocalHead(pid=proc.pid, gcs_port=61001, dashboard_port=port, agent_port=61002,
-                            temp_dir=temp_dir, token_file=str(folder / "auth_token"))
+        me = head.LocalHead(
+            pid=proc.pid,
+            gcs_port=61001,
+            dashboard_port=port,
+            agent_port=61002,
+            temp_dir=temp_dir,
+            token_file=str(folder / "auth_token"),
+        )
         (folder / "head.json").write_text(json.dumps(asdict(me)))
         deadline = time.monotonic() + 10
-        while not head._is_head(me) and time.monotonic() < deadline:  # its command line, once exec'd
+        while (
+            not head._is_head(me) and time.monotonic() < deadline
+        ):  # its command line, once exec'd
             time.sleep(0.02)
         yield me
     finally:
@@ -564,7 +664,9 @@ def own_head(tmp_path, own_state, jobs_api):
         proc.wait()
 
 
-def test_a_run_asks_the_running_local_head_whether_the_reserved_job_ended(tmp_path, jobs_api, own_head):
+def test_a_run_asks_the_running_local_head_whether_the_reserved_job_ended(
+    tmp_path, jobs_api, own_head
+):
     """The head runs, and it is this user's own (its record names it): one request to its Jobs
     API, with the token of that record, says where the job stands. Waiting or running: refused,
     naming it; ended (stopped while it waited): taken; unknown to the head, or a refused token:
@@ -575,7 +677,9 @@ def test_a_run_asks_the_running_local_head_whether_the_reserved_job_ended(tmp_pa
     path = tmp_path / "r"
     RunDir.reserve(path, "job-1", head=head.reservation_head(own_head))
     statuses["job-1"] = "PENDING"
-    with pytest.raises(UsageError, match=r"reserved for job job-1, .* still pending \(`launch status job-1`\)"):
+    with pytest.raises(
+        UsageError, match=r"reserved for job job-1, .* still pending \(`launch status job-1`\)"
+    ):
         RunDir.claim(path)
     with pytest.raises(UsageError, match="still pending"):
         RunDir.check_free(path)
@@ -612,10 +716,21 @@ def test_a_forged_reservation_sends_no_token_anywhere(tmp_path, jobs_api, own_he
     statuses["job-1"] = "FAILED"  # what the victim's own head would say of it
     here = this_machine()
     forged = [
-        {"pid": 1, "gcs_port": 1, "dashboard_port": port, "agent_port": 1, "temp_dir": "",
-         "token_file": own_head.token_file, **here},
+        {
+            "pid": 1,
+            "gcs_port": 1,
+            "dashboard_port": port,
+            "agent_port": 1,
+            "temp_dir": "",
+            "token_file": own_head.token_file,
+            **here,
+        },
         {**asdict(own_head), "dashboard_port": port, **here},
-        {**head.reservation_head(own_head), "dashboard_port": port, "token_file": own_head.token_file},
+        {
+            **head.reservation_head(own_head),
+            "dashboard_port": port,
+            "token_file": own_head.token_file,
+        },
     ]
     for n, record in enumerate(forged):
         path = tmp_path / f"r{n}"
@@ -630,7 +745,9 @@ def test_a_forged_reservation_sends_no_token_anywhere(tmp_path, jobs_api, own_he
     assert asked == []
 
 
-def test_the_head_is_asked_without_a_redirect_or_a_proxy(tmp_path, jobs_api, own_head, listener, monkeypatch):
+def test_the_head_is_asked_without_a_redirect_or_a_proxy(
+    tmp_path, jobs_api, own_head, listener, monkeypatch
+):
     """The token goes to the own head's 127.0.0.1 only: a redirect (urllib's handler would
     resend the Authorization header) is not followed, and http_proxy is not used."""
     from launcher.jobs import head
@@ -678,7 +795,9 @@ def test_rays_jobs_client_bypasses_the_proxy_for_a_heads_loopback(jobs_api, list
         def __init__(self, url, headers=None):
             self.status = requests.get(f"{url}/api/jobs/x", headers=headers, timeout=5).status_code
 
-    monkeypatch.setitem(sys.modules, "ray.job_submission", types.SimpleNamespace(JobSubmissionClient=Client))
+    monkeypatch.setitem(
+        sys.modules, "ray.job_submission", types.SimpleNamespace(JobSubmissionClient=Client)
+    )
     client = api._client(f"http://127.0.0.1:{api_port}", "secret")
     assert client.status == 200 and asked == []
     assert os.environ["no_proxy"].split(",") == ["example.com", "127.0.0.1", "localhost"]
@@ -716,7 +835,8 @@ def test_a_linked_or_special_reservation_file_is_not_trusted(tmp_path):
 
 
 def test_a_reservation_whose_submission_was_cut_off_is_taken_under_the_jobs_lock(
-        tmp_path, jobs_api, own_head, caplog):
+    tmp_path, jobs_api, own_head, caplog
+):
     """A submission reserves the folder and hands Ray the job under the head's jobs_lock: killed
     in between, its reservation names a job the head does not know. A later submission to the
     same head, holding that lock, takes the folder; without the lock (a run, a first look), or
@@ -739,7 +859,9 @@ def test_a_reservation_whose_submission_was_cut_off_is_taken_under_the_jobs_lock
             RunDir.reserve(other, "job-3", lookup=lambda job_id: None)
         RunDir.reserve(path, "job-2", lookup=lambda job_id: None)
     assert (path / ".launcher-job").read_text().splitlines()[0] == "job-2"
-    assert "reserved for job job-1, whose submission was cut off before Ray had the job" in caplog.text
+    assert (
+        "reserved for job job-1, whose submission was cut off before Ray had the job" in caplog.text
+    )
 
 
 # -- the reservation's own lock for undoing it, and undoing a cut-off reservation -------------------
@@ -877,8 +999,11 @@ def test_a_reservation_this_user_cannot_read_is_named_as_such(tmp_path, monkeypa
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(rundir, "_open_reservation", denied)  # the one way the file is opened
-    with pytest.raises(UsageError, match=r"reserved by a submission, and user \S+ cannot read .*Permission denied.*"
-                                         r"as the user that started the cluster's Ray"):
+    with pytest.raises(
+        UsageError,
+        match=r"reserved by a submission, and user \S+ cannot read .*Permission denied.*"
+        r"as the user that started the cluster's Ray",
+    ):
         RunDir.claim(path, job_id="job-1")
 
 
@@ -898,10 +1023,24 @@ def jobs_here(tmp_path, monkeypatch):
     known: dict[str, tuple] = {}
 
     def add(job_id, status, run_dir, log=""):
-        known[job_id] = (types.SimpleNamespace(
-            submission_id=job_id, status=types.SimpleNamespace(value=status), message=None,
-            metadata={"launcher": "x", "name": "q", "run_dir": str(run_dir), "nodes": "1",
-                      "world_size": "1"}, start_time=1, end_time=2, runtime_env={}), log)
+        known[job_id] = (
+            types.SimpleNamespace(
+                submission_id=job_id,
+                status=types.SimpleNamespace(value=status),
+                message=None,
+                metadata={
+                    "launcher": "x",
+                    "name": "q",
+                    "run_dir": str(run_dir),
+                    "nodes": "1",
+                    "world_size": "1",
+                },
+                start_time=1,
+                end_time=2,
+                runtime_env={},
+            ),
+            log,
+        )
 
     def job(job_id):
         if job_id not in known:
@@ -910,14 +1049,21 @@ def jobs_here(tmp_path, monkeypatch):
 
     @contextlib.contextmanager
     def connect(spec, *, start=False):
-        yield types.SimpleNamespace(head_is_local=True, cluster=spec, head=spec.nodes[0], job=job,
-                                    logs=lambda d: known[d.submission_id][1])
+        yield types.SimpleNamespace(
+            head_is_local=True,
+            cluster=spec,
+            head=spec.nodes[0],
+            job=job,
+            logs=lambda d: known[d.submission_id][1],
+        )
 
     monkeypatch.setattr(commands, "connect", connect)
     return add, ["--cluster", str(tmp_path / "cluster.yaml")]
 
 
-def test_fetch_of_a_job_whose_driver_refused_its_run_dir_copies_nothing(tmp_path, monkeypatch, jobs_here, capsys):
+def test_fetch_of_a_job_whose_driver_refused_its_run_dir_copies_nothing(
+    tmp_path, monkeypatch, jobs_here, capsys
+):
     """The folder given at submission held an earlier run: the driver refused it (exit 2). The
     folder is that run's, not the job's: `fetch` copies nothing and says why (exit 2), `status`
     shows no run directory (null in --json)."""
@@ -935,17 +1081,26 @@ def test_fetch_of_a_job_whose_driver_refused_its_run_dir_copies_nothing(tmp_path
     dest = tmp_path / "fetched"
     assert main(["fetch", "q-1", *flags, "--to", str(dest)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: job q-1 has no run directory to fetch (FAILED): its driver refused "
-                          f"{old}") and "launch logs q-1" in err and err.count("\n") == 1
+    assert (
+        err.startswith(
+            f"error: job q-1 has no run directory to fetch (FAILED): its driver refused {old}"
+        )
+        and "launch logs q-1" in err
+        and err.count("\n") == 1
+    )
     assert not dest.exists()
     assert main(["status", "q-1", *flags, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["run_dir"] is None and f"--run-dir {old} is not empty" in shown["failure"]["reason"]
+    assert (
+        shown["run_dir"] is None and f"--run-dir {old} is not empty" in shown["failure"]["reason"]
+    )
     assert main(["status", "q-1", *flags]) == 0
     assert f"run dir: none — its driver refused {old}" in capsys.readouterr().out
 
 
-def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(tmp_path, jobs_here, capsys):
+def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(
+    tmp_path, jobs_here, capsys
+):
     """Stopped while Ray had not started its driver: the folder was reserved, never this job's,
     and may hold a later run by now (its reservation was taken over)."""
     add, flags = jobs_here
@@ -960,7 +1115,9 @@ def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(tmp_
     assert json.loads(capsys.readouterr().out)["run_dir"] is None
 
 
-def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_reservation(tmp_path, jobs_here, capsys):
+def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_reservation(
+    tmp_path, jobs_here, capsys
+):
     from launcher.jobs import state
 
     add, flags = jobs_here
@@ -992,11 +1149,19 @@ def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
     monkeypatch.setattr(signals, "install", lambda: None)
     monkeypatch.setattr(driver, "_leave_upload_out", stop_here)
     monkeypatch.setattr("sys.stdout", out := io.StringIO())
-    (tmp_path / "submission.json").write_text(json.dumps({
-        "job_id": "q-1", "job": job().model_dump(mode="json"), "run_dir": str(mine)}))
+    (tmp_path / "submission.json").write_text(
+        json.dumps({"job_id": "q-1", "job": job().model_dump(mode="json"), "run_dir": str(mine)})
+    )
     assert driver.main([str(tmp_path / "submission.json")]) == 2
-    lines = [json.loads(t[len(state.MARK):]) for t in out.getvalue().splitlines() if t.startswith(state.MARK)]
-    assert [(x["state"], x["run_dir"]) for x in lines] == [("starting", str(mine)), ("done", str(mine))]
+    lines = [
+        json.loads(t[len(state.MARK) :])
+        for t in out.getvalue().splitlines()
+        if t.startswith(state.MARK)
+    ]
+    assert [(x["state"], x["run_dir"]) for x in lines] == [
+        ("starting", str(mine)),
+        ("done", str(mine)),
+    ]
 
 
 def test_a_reboot_that_cannot_be_told_leaves_the_reservation(tmp_path, machine, monkeypatch):
@@ -1050,5 +1215,8 @@ def test_a_release_that_fails_leaves_the_submissions_own_error(monkeypatch):
     def release():
         raise PermissionError(13, "Permission denied")
 
-    with pytest.raises(RuntimeError, match="the Jobs API said no"), commands._released_unless_submitted(release):
+    with (
+        pytest.raises(RuntimeError, match="the Jobs API said no"),
+        commands._released_unless_submitted(release),
+    ):
         raise RuntimeError("the Jobs API said no")

@@ -24,16 +24,26 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def job(micro_batch: int = 32, grad_accum: int = 1) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": "bert-ddp",
-        "train": {"steps": 50, "warmup_steps": 10, "micro_batch": micro_batch, "grad_accum": grad_accum},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": "bert-ddp",
+            "train": {
+                "steps": 50,
+                "warmup_steps": 10,
+                "micro_batch": micro_batch,
+                "grad_accum": grad_accum,
+            },
+        }
+    )
 
 
 def summary_with(tokens_per_s: float | None) -> dict:
     """A repeat as `launch scale` gets it: a summary dict (only totals matter here)."""
-    return {"job": "bert-ddp", "status": "succeeded" if tokens_per_s else "failed",
-            "totals": {"tokens_per_s": tokens_per_s}}
+    return {
+        "job": "bert-ddp",
+        "status": "succeeded" if tokens_per_s else "failed",
+        "totals": {"tokens_per_s": tokens_per_s},
+    }
 
 
 # -- scale_job -------------------------------------------------------------------------------
@@ -51,10 +61,16 @@ def test_weak_scaling_keeps_the_job():
         (32, 1, 1, 2, (16, 1)),
         (32, 1, 1, 8, (4, 1)),
         (32, 1, 2, 8, (8, 1)),
-        (8, 4, 1, 4, (2, 4)),    # keep grad_accum, shrink micro_batch
+        (8, 4, 1, 4, (2, 4)),  # keep grad_accum, shrink micro_batch
         (8, 4, 1, 8, (1, 4)),
         (4, 4, 1, 2, (2, 4)),
-        (6, 4, 1, 8, (3, 1)),    # 3 per rank: neither ga 4 nor mb 6 divides; largest micro-batch that does
+        (
+            6,
+            4,
+            1,
+            8,
+            (3, 1),
+        ),  # 3 per rank: neither ga 4 nor mb 6 divides; largest micro-batch that does
         (16, 1, 4, 2, (32, 1)),  # fewer ranks than the base: the micro-batch grows
         (6, 2, 2, 3, (4, 2)),
     ],
@@ -87,7 +103,9 @@ def test_strong_scaling_never_grows_the_micro_batch_when_splitting():
     assert (scaled.train.micro_batch, scaled.train.grad_accum) == (2, 5)
 
 
-@pytest.mark.parametrize(("mb", "ga", "base", "world"), [(32, 1, 1, 3), (8, 1, 1, 16), (6, 1, 1, 4), (3, 3, 1, 2)])
+@pytest.mark.parametrize(
+    ("mb", "ga", "base", "world"), [(32, 1, 1, 3), (8, 1, 1, 16), (6, 1, 1, 4), (3, 3, 1, 2)]
+)
 def test_strong_scaling_indivisible_global_batch_is_a_spec_error(mb, ga, base, world):
     with pytest.raises(SpecError) as err:
         scale_job(job(mb, ga), world, base, "strong")
@@ -111,8 +129,12 @@ def test_scale_job_rejects_a_bad_mode_and_world():
 
 def test_weak_efficiency_is_per_rank_throughput_over_the_base():
     points = [
-        {"nodes": 2, "ranks": 8, "global_batch": 256, "repeats": [summary_with(28_000.0), summary_with(30_000.0),
-                                                                  summary_with(29_000.0)]},
+        {
+            "nodes": 2,
+            "ranks": 8,
+            "global_batch": 256,
+            "repeats": [summary_with(28_000.0), summary_with(30_000.0), summary_with(29_000.0)],
+        },
         {"nodes": 1, "ranks": 1, "global_batch": 32, "repeats": [4_000.0, 4_200.0, 3_900.0]},
         {"nodes": 1, "ranks": 4, "global_batch": 128, "repeats": [15_000.0, 16_000.0]},
     ]
@@ -131,8 +153,10 @@ def test_weak_efficiency_is_per_rank_throughput_over_the_base():
 
 
 def test_strong_efficiency_is_speedup_over_rank_ratio():
-    points = [{"nodes": 1, "ranks": n, "global_batch": 64, "repeats": [v]}
-              for n, v in [(2, 10_000.0), (4, 18_000.0), (8, 30_000.0)]]
+    points = [
+        {"nodes": 1, "ranks": n, "global_batch": 64, "repeats": [v]}
+        for n, v in [(2, 10_000.0), (4, 18_000.0), (8, 30_000.0)]
+    ]
     t = build_table(points, job="j", mode="strong")
     assert t["base_ranks"] == 2
     for p in t["points"]:
@@ -143,22 +167,33 @@ def test_strong_efficiency_is_speedup_over_rank_ratio():
 def test_failed_repeats_and_points_are_kept_but_not_counted():
     points = [
         {"nodes": 1, "ranks": 1, "global_batch": 32, "repeats": [summary_with(None)]},  # all failed
-        {"nodes": 1, "ranks": 2, "global_batch": 64, "repeats": [summary_with(7_000.0), summary_with(None)],
-         "run_dir": "runs/x-2"},
+        {
+            "nodes": 1,
+            "ranks": 2,
+            "global_batch": 64,
+            "repeats": [summary_with(7_000.0), summary_with(None)],
+            "run_dir": "runs/x-2",
+        },
         {"nodes": 1, "ranks": 4, "global_batch": 128, "repeats": [12_000.0]},
     ]
     t = build_table(points, job="j", mode="weak")
     one, two, four = t["points"]
     assert one["tokens_per_s"] is None and one["speedup"] is None and one["failed_repeats"] == 1
     assert t["base_ranks"] == 2  # the smallest point that measured something
-    assert two["failed_repeats"] == 1 and two["repeats"] == [7_000.0] and two["run_dirs"] == ["runs/x-2"]
+    assert (
+        two["failed_repeats"] == 1
+        and two["repeats"] == [7_000.0]
+        and two["run_dirs"] == ["runs/x-2"]
+    )
     assert four["efficiency"] == pytest.approx((12_000.0 / 4) / (7_000.0 / 2))
     text = render_scaling(t)
     assert "1/2" in text and "–" in text and "relative to N0 = 2 ranks" in text
 
 
 def test_nothing_measured():
-    t = build_table([{"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": []}], job="j", mode="weak")
+    t = build_table(
+        [{"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": []}], job="j", mode="weak"
+    )
     assert t["base_ranks"] is None
     assert "nothing to compare" in render_scaling(t)
 
@@ -172,9 +207,16 @@ def test_build_table_rejects_a_bad_mode():
 
 
 def study(tmp_path, mode: str = "weak"):
-    points = [{"nodes": max(1, n // 2), "ranks": n, "global_batch": 32 * n, "repeats": [v, v * 0.98],
-               "run_dirs": [str(tmp_path / f"r{n}a"), str(tmp_path / f"r{n}b")]}
-              for n, v in [(1, 4_000.0), (2, 7_800.0), (4, 15_000.0), (8, 28_000.0)]]
+    points = [
+        {
+            "nodes": max(1, n // 2),
+            "ranks": n,
+            "global_batch": 32 * n,
+            "repeats": [v, v * 0.98],
+            "run_dirs": [str(tmp_path / f"r{n}a"), str(tmp_path / f"r{n}b")],
+        }
+        for n, v in [(1, 4_000.0), (2, 7_800.0), (4, 15_000.0), (8, 28_000.0)]
+    ]
     return build_table(points, job="bert-ddp", mode=mode)
 
 
@@ -192,23 +234,43 @@ def test_write_scaling_files_and_valid_png(tmp_path):
     assert load_scaling(tmp_path) == data
     rows = list(csv.DictReader(io.StringIO((tmp_path / "scaling.csv").read_text())))
     assert [int(r["ranks"]) for r in rows] == [1, 2, 4, 8]
-    assert {"nodes", "ranks", "global_batch", "tokens_per_s", "tokens_per_s_min",
-            "tokens_per_s_per_rank", "speedup", "efficiency"} <= set(rows[0])
+    assert {
+        "nodes",
+        "ranks",
+        "global_batch",
+        "tokens_per_s",
+        "tokens_per_s_min",
+        "tokens_per_s_per_rank",
+        "speedup",
+        "efficiency",
+    } <= set(rows[0])
     assert float(rows[3]["efficiency"]) == pytest.approx(28_000.0 / 8 / 4_000.0)
 
 
 def test_plot_of_a_study_whose_script_reports_no_tokens(tmp_path):
     # metrics.report(step=...) without tokens: 0 tokens/s everywhere, so no base and no efficiency
-    table = build_table([{"nodes": 1, "ranks": r, "global_batch": 8, "repeats": [summary_with(0.0)]}
-                         for r in (1, 2)], job="script", mode="weak")
+    table = build_table(
+        [
+            {"nodes": 1, "ranks": r, "global_batch": 8, "repeats": [summary_with(0.0)]}
+            for r in (1, 2)
+        ],
+        job="script",
+        mode="weak",
+    )
     assert table["base_ranks"] is None and all(p["efficiency"] is None for p in table["points"])
     write_scaling(tmp_path, table)
     assert (tmp_path / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
 def test_plot_with_an_unmeasured_point(tmp_path):
-    t = build_table([{"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": [None]},
-                     {"nodes": 1, "ranks": 2, "global_batch": 16, "repeats": [10.0]}], job="j", mode="strong")
+    t = build_table(
+        [
+            {"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": [None]},
+            {"nodes": 1, "ranks": 2, "global_batch": 16, "repeats": [10.0]},
+        ],
+        job="j",
+        mode="strong",
+    )
     write_scaling(tmp_path, t)
     assert (tmp_path / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
 
@@ -230,7 +292,9 @@ def test_damaged_scaling_json(tmp_path):
         report_command(str(tmp_path))
 
 
-def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes_on(tmp_path, monkeypatch):
+def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes_on(
+    tmp_path, monkeypatch
+):
     """Pure bookkeeping: Ray, the preflight and the runs are replaced; the second point's run
     raises as Launch.execute does when Ray cannot place its agents."""
     from launcher.errors import JobFailed
@@ -249,23 +313,37 @@ def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes
         def execute(self):
             if self.world == 2:
                 raise JobFailed("Ray could not place one agent per node")
-            return types.SimpleNamespace(status=Status.SUCCEEDED, failure=None, summary=summary_with(1000.0))
+            return types.SimpleNamespace(
+                status=Status.SUCCEEDED, failure=None, summary=summary_with(1000.0)
+            )
 
     monkeypatch.setattr(study, "Launch", FakeLaunch)
     monkeypatch.setattr(study, "open_session", lambda *a, **k: Session())
     monkeypatch.setattr(study, "preflight_facts", lambda *a, **k: None)
     monkeypatch.setattr(study, "plan_code", lambda *a, **k: None)
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
-    quick = JobSpec.model_validate({"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}})
+    quick = JobSpec.model_validate(
+        {"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}}
+    )
     with pytest.raises(JobFailed, match="1 run"):
-        study.scale(quick, cluster, world=[1, 2, 4], nodes=None, out_dir=tmp_path, mode="weak", repeat=1,
-                    skip_parity=True)
+        study.scale(
+            quick,
+            cluster,
+            world=[1, 2, 4],
+            nodes=None,
+            out_dir=tmp_path,
+            mode="weak",
+            repeat=1,
+            skip_parity=True,
+        )
     points = json.loads((tmp_path / "scaling.json").read_text())["points"]
     assert [p["ranks"] for p in points] == [1, 2, 4]
     assert [p["tokens_per_s"] is None for p in points] == [False, True, False]
 
 
-def test_a_point_the_batch_does_not_split_over_is_refused_before_any_point_runs(tmp_path, monkeypatch):
+def test_a_point_the_batch_does_not_split_over_is_refused_before_any_point_runs(
+    tmp_path, monkeypatch
+):
     from launcher.errors import SpecError
     from launcher.orchestrate import scale as study
     from launcher.spec import ClusterSpec
@@ -276,14 +354,24 @@ def test_a_point_the_batch_does_not_split_over_is_refused_before_any_point_runs(
     monkeypatch.setattr(study, "preflight_facts", must_not_run)
     monkeypatch.setattr(study, "open_session", must_not_run)
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
-    quick = JobSpec.model_validate({"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"},
-                                    "train": {"micro_batch": 4, "grad_accum": 1}})
+    quick = JobSpec.model_validate(
+        {
+            "name": "q",
+            "resources": {"device": "cpu"},
+            "precision": {"dtype": "fp32"},
+            "train": {"micro_batch": 4, "grad_accum": 1},
+        }
+    )
     with pytest.raises(SpecError, match="does not split over 3 ranks"):
-        study.scale(quick, cluster, world=[1, 2, 3], nodes=None, out_dir=tmp_path / "study", mode="strong")
+        study.scale(
+            quick, cluster, world=[1, 2, 3], nodes=None, out_dir=tmp_path / "study", mode="strong"
+        )
     assert not (tmp_path / "study").exists()
 
 
-def test_a_point_whose_world_size_the_job_refuses_is_refused_before_any_point_runs(tmp_path, monkeypatch, capsys):
+def test_a_point_whose_world_size_the_job_refuses_is_refused_before_any_point_runs(
+    tmp_path, monkeypatch, capsys
+):
     """bf16 weights with FSDP run on one rank (nothing to shard) but not on two: the 2-rank
     point is refused up front (exit 2, one paragraph naming it), before preflight or Ray."""
     from launcher import cli
@@ -298,21 +386,42 @@ def test_a_point_whose_world_size_the_job_refuses_is_refused_before_any_point_ru
     monkeypatch.setattr(study, "open_session", must_not_run)
     monkeypatch.setattr(study, "Launch", must_not_run)
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
-    fsdp = JobSpec.model_validate({"name": "q", "resources": {"device": "cpu"},
-                                   "precision": {"dtype": "bf16", "weights": "bf16"},
-                                   "parallel": {"strategy": "fsdp"}})
-    with pytest.raises(SpecError, match=r"scaling point of 2 rank\(s\).*FSDP shards the weights") as err:
-        study.scale(fsdp, cluster, world=[1, 2], nodes=None, out_dir=tmp_path / "study", mode="weak")
+    fsdp = JobSpec.model_validate(
+        {
+            "name": "q",
+            "resources": {"device": "cpu"},
+            "precision": {"dtype": "bf16", "weights": "bf16"},
+            "parallel": {"strategy": "fsdp"},
+        }
+    )
+    with pytest.raises(
+        SpecError, match=r"scaling point of 2 rank\(s\).*FSDP shards the weights"
+    ) as err:
+        study.scale(
+            fsdp, cluster, world=[1, 2], nodes=None, out_dir=tmp_path / "study", mode="weak"
+        )
     assert err.value.exit_code == EXIT_INVALID_INPUT
     assert "\n" not in str(err.value)
     assert not (tmp_path / "study").exists()
 
     # Through the command: exit 2 and the one paragraph, no traceback.
-    (tmp_path / "job.yaml").write_text("name: q\nresources: {device: cpu}\n"
-                                       "precision: {dtype: bf16, weights: bf16}\nparallel: {strategy: fsdp}\n")
+    (tmp_path / "job.yaml").write_text(
+        "name: q\nresources: {device: cpu}\n"
+        "precision: {dtype: bf16, weights: bf16}\nparallel: {strategy: fsdp}\n"
+    )
     (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
-    rc = cli.main(["scale", str(tmp_path / "job.yaml"), "--cluster", str(tmp_path / "cluster.yaml"),
-                   "--world", "1,2", "--out", str(tmp_path / "study")])
+    rc = cli.main(
+        [
+            "scale",
+            str(tmp_path / "job.yaml"),
+            "--cluster",
+            str(tmp_path / "cluster.yaml"),
+            "--world",
+            "1,2",
+            "--out",
+            str(tmp_path / "study"),
+        ]
+    )
     stderr = capsys.readouterr().err
     assert rc == EXIT_INVALID_INPUT
     assert "scaling point of 2 rank(s)" in stderr and "Traceback" not in stderr

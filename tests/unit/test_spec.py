@@ -28,8 +28,12 @@ HERE = Path(__file__).resolve().parent
 BAD_JOBS = sorted((HERE / "bad_inputs" / "jobs").glob("*.yaml"))
 BAD_CLUSTERS = sorted((HERE / "bad_inputs" / "clusters").glob("*.yaml"))
 SHIPPED = sorted(
-    [*REPO.glob("jobs/*.yaml"), *REPO.glob("examples/**/*.yaml"), *REPO.glob("examples/**/*.yml"),
-     *REPO.glob("cluster.yaml")]
+    [
+        *REPO.glob("jobs/*.yaml"),
+        *REPO.glob("examples/**/*.yaml"),
+        *REPO.glob("examples/**/*.yml"),
+        *REPO.glob("cluster.yaml"),
+    ]
 )
 
 
@@ -40,7 +44,9 @@ def is_cluster_file(path: Path) -> bool:
 
 def expectation(path: Path) -> str:
     first = path.read_bytes().split(b"\n", 1)[0].decode()  # the file itself may not be UTF-8
-    assert first.startswith("# expect: "), f"{path.name}: first line must be '# expect: <substring>'"
+    assert first.startswith("# expect: "), (
+        f"{path.name}: first line must be '# expect: <substring>'"
+    )
     return first.removeprefix("# expect: ").strip()
 
 
@@ -65,8 +71,12 @@ def test_shipped_file_validates(path, tmp_path):
         # make them in a copy, as a user following the example would.
         copy = tmp_path / path.parent.name
         shutil.copytree(path.parent, copy, ignore=shutil.ignore_patterns("assets", "__pycache__"))
-        subprocess.run([sys.executable, str(copy / "make_assets.py")], check=True, capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            [sys.executable, str(copy / "make_assets.py")],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         path = copy / path.name
     if is_cluster_file(path):
         cluster = load_cluster(path)
@@ -141,8 +151,11 @@ def test_duplicate_keys_in_nested_mappings(tmp_path):
 
 
 def test_anchors_and_merge_keys_still_work(tmp_path):
-    path = write(tmp_path, "name: j\nlaunch:\n  env: &common {A: '1', B: '2'}\n"
-                           "nccl:\n  env:\n    <<: *common\n    B: '3'\n")
+    path = write(
+        tmp_path,
+        "name: j\nlaunch:\n  env: &common {A: '1', B: '2'}\n"
+        "nccl:\n  env:\n    <<: *common\n    B: '3'\n",
+    )
     job = load_job(path)
     assert job.launch.env == {"A": "1", "B": "2"}
     assert job.nccl.env == {"A": "1", "B": "3"}
@@ -157,8 +170,13 @@ def test_relative_paths_are_taken_from_the_job_folder(tmp_path, monkeypatch):
     (jobs / "train.py").write_text("print('hi')\n")
     (jobs / "tokens.bin").write_bytes(b"\0" * 64)
     monkeypatch.chdir(tmp_path)
-    job = load_job(write(jobs, "name: j\nentrypoint: {script: train.py, args: [--fast]}\n"
-                               "data: {source: tokens, path: tokens.bin}\nresources: {device: cpu}\n"))
+    job = load_job(
+        write(
+            jobs,
+            "name: j\nentrypoint: {script: train.py, args: [--fast]}\n"
+            "data: {source: tokens, path: tokens.bin}\nresources: {device: cpu}\n",
+        )
+    )
     assert job.entrypoint.script == (jobs / "train.py").resolve()
     assert job.entrypoint.args == ["--fast"]
     assert job.data.path == (jobs / "tokens.bin").resolve()
@@ -169,17 +187,34 @@ def _npy(header: bytes, data: bytes = b"\0" * 4096) -> bytes:
     return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + data
 
 
-@pytest.mark.parametrize(("name", "content", "expected"), [
-    ("short.bin", b"\0" * 64, "holds 32 tokens, fewer than the 513 of one sample (data.seq_len 512)"),
-    ("short.npy", _npy(b"{'descr': '<i4', 'fortran_order': False, 'shape': (8,)}", b"\0" * 32),
-     "holds 8 tokens, fewer than the 513 of one sample"),
-    ("floats.npy", _npy(b"{'descr': '<f4', 'fortran_order': False, 'shape': (1024,)}"),
-     "holds dtype '<f4'; .npy token files must be uint8, uint16, uint32, int32 or int64"),
-    ("garbled.npy", _npy(b"{'descr': '<i4', 'fortran_"), "has a .npy header that cannot be read"),
-    ("list.npy", _npy(b"['<i4']"), "has a .npy header that cannot be read"),
-    ("cut.npy", b"\x93NUMPY", "has a .npy header that cannot be read"),
-    ("text.npy", b"1 2 3 4\n" * 200, "is not a .npy file (bad magic)"),
-])
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        (
+            "short.bin",
+            b"\0" * 64,
+            "holds 32 tokens, fewer than the 513 of one sample (data.seq_len 512)",
+        ),
+        (
+            "short.npy",
+            _npy(b"{'descr': '<i4', 'fortran_order': False, 'shape': (8,)}", b"\0" * 32),
+            "holds 8 tokens, fewer than the 513 of one sample",
+        ),
+        (
+            "floats.npy",
+            _npy(b"{'descr': '<f4', 'fortran_order': False, 'shape': (1024,)}"),
+            "holds dtype '<f4'; .npy token files must be uint8, uint16, uint32, int32 or int64",
+        ),
+        (
+            "garbled.npy",
+            _npy(b"{'descr': '<i4', 'fortran_"),
+            "has a .npy header that cannot be read",
+        ),
+        ("list.npy", _npy(b"['<i4']"), "has a .npy header that cannot be read"),
+        ("cut.npy", b"\x93NUMPY", "has a .npy header that cannot be read"),
+        ("text.npy", b"1 2 3 4\n" * 200, "is not a .npy file (bad magic)"),
+    ],
+)
 def test_token_file_problems_are_spec_errors(tmp_path, name, content, expected):
     """What the built-in trainer would refuse at start (a traceback on every worker, exit 4) is
     found when the job is loaded: exit 2, one paragraph naming data.path."""
@@ -190,22 +225,34 @@ def test_token_file_problems_are_spec_errors(tmp_path, name, content, expected):
     message = str(err.value)
     assert err.value.exit_code == 2 and err.value.field == "data.path" and "\n" not in message
     assert expected in message, message
-    (tmp_path / name).write_bytes(_npy(b"{'descr': '<u2', 'fortran_order': False, 'shape': (2048,)}"))
+    (tmp_path / name).write_bytes(
+        _npy(b"{'descr': '<u2', 'fortran_order': False, 'shape': (2048,)}")
+    )
     assert load_job(path).data.path == (tmp_path / name)  # enough tokens of a token dtype
 
 
 def test_user_script_job_needs_only_name_entrypoint_resources(tmp_path):
     (tmp_path / "train.py").write_text("")
-    job = load_job(write(tmp_path, "name: mine\nentrypoint: {script: train.py}\n"
-                                   "resources: {nodes: 1, nproc_per_node: 2, device: cpu}\n"))
+    job = load_job(
+        write(
+            tmp_path,
+            "name: mine\nentrypoint: {script: train.py}\n"
+            "resources: {nodes: 1, nproc_per_node: 2, device: cpu}\n",
+        )
+    )
     assert job.backend == "gloo" and job.resources.nproc_per_node == 2
 
 
 def test_profiling_is_for_the_builtin_trainer(tmp_path):
     (tmp_path / "train.py").write_text("")
     with pytest.raises(SpecError, match="train.profile works with the built-in trainer only"):
-        load_job(write(tmp_path, "name: mine\nentrypoint: {script: train.py}\n"
-                                 "train: {profile: {start_step: 3}}\nresources: {device: cpu}\n"))
+        load_job(
+            write(
+                tmp_path,
+                "name: mine\nentrypoint: {script: train.py}\n"
+                "train: {profile: {start_step: 3}}\nresources: {device: cpu}\n",
+            )
+        )
 
 
 def test_default_cluster_is_this_machine(tmp_path, monkeypatch):
@@ -217,16 +264,27 @@ def test_default_cluster_is_this_machine(tmp_path, monkeypatch):
 # -- --set overrides -------------------------------------------------------------------------
 
 
-QUICK = "name: q\nmodel: {arch: bert, size: tiny}\ndata: {seq_len: 64}\n" \
-        "train: {steps: 30, warmup_steps: 5, micro_batch: 8}\nprecision: {dtype: fp32}\n" \
-        "cudnn: {benchmark: false}\nresources: {nodes: all, nproc_per_node: 2, device: cpu}\n"
+QUICK = (
+    "name: q\nmodel: {arch: bert, size: tiny}\ndata: {seq_len: 64}\n"
+    "train: {steps: 30, warmup_steps: 5, micro_batch: 8}\nprecision: {dtype: fp32}\n"
+    "cudnn: {benchmark: false}\nresources: {nodes: all, nproc_per_node: 2, device: cpu}\n"
+)
 
 
 def test_set_typed_values(tmp_path):
-    job = load_job(write(tmp_path, QUICK), [
-        "train.steps=50", "train.lr=3e-4", "train.compile=true", "launch.hang_timeout_s=null",
-        "model.dropout=0.1", "name=renamed", "resources.nodes=1", "train.lr_schedule=linear",
-    ])
+    job = load_job(
+        write(tmp_path, QUICK),
+        [
+            "train.steps=50",
+            "train.lr=3e-4",
+            "train.compile=true",
+            "launch.hang_timeout_s=null",
+            "model.dropout=0.1",
+            "name=renamed",
+            "resources.nodes=1",
+            "train.lr_schedule=linear",
+        ],
+    )
     assert job.train.steps == 50 and isinstance(job.train.steps, int)
     assert job.train.lr == pytest.approx(3e-4)
     assert job.train.compile is True
@@ -239,18 +297,25 @@ def test_set_typed_values(tmp_path):
 
 
 def test_set_dict_fields(tmp_path):
-    job = load_job(write(tmp_path, QUICK), [
-        "launch.env.MY_FLAG=1", "launch.env.OMP_NUM_THREADS=4", "nccl.env.NCCL_DEBUG=INFO",
-        "launch.env.EMPTY=",
-    ])
+    job = load_job(
+        write(tmp_path, QUICK),
+        [
+            "launch.env.MY_FLAG=1",
+            "launch.env.OMP_NUM_THREADS=4",
+            "nccl.env.NCCL_DEBUG=INFO",
+            "launch.env.EMPTY=",
+        ],
+    )
     assert job.launch.env == {"MY_FLAG": "1", "OMP_NUM_THREADS": "4", "EMPTY": ""}
     assert job.nccl.env["NCCL_DEBUG"] == "INFO"
 
 
 def test_set_value_with_equals_sign_and_list(tmp_path):
     (tmp_path / "train.py").write_text("")
-    job = load_job(write(tmp_path, QUICK.replace("name: q\n", "name: q\nentrypoint: {script: train.py}\n")),
-                   ["launch.env.OPTS=a=b", "entrypoint.args=[--x, '1']"])
+    job = load_job(
+        write(tmp_path, QUICK.replace("name: q\n", "name: q\nentrypoint: {script: train.py}\n")),
+        ["launch.env.OPTS=a=b", "entrypoint.args=[--x, '1']"],
+    )
     assert job.launch.env["OPTS"] == "a=b"
     assert job.entrypoint.args == ["--x", "1"]
 
@@ -294,8 +359,12 @@ def test_set_malformed(tmp_path, item):
 
 
 def two_nodes(gpus: int | str = "auto") -> ClusterSpec:
-    return ClusterSpec(nodes=[NodeSpec(name="node0", host="10.0.0.1", gpus=gpus),
-                              NodeSpec(name="node1", host="10.0.0.2", gpus=gpus)])
+    return ClusterSpec(
+        nodes=[
+            NodeSpec(name="node0", host="10.0.0.1", gpus=gpus),
+            NodeSpec(name="node1", host="10.0.0.2", gpus=gpus),
+        ]
+    )
 
 
 def test_job_asking_for_more_nodes_than_the_cluster_has(tmp_path):
@@ -318,7 +387,9 @@ def test_cuda_job_on_a_node_without_gpus(tmp_path):
 
 
 def test_cluster_file_with_gpus_zero_against_a_cuda_job(tmp_path):
-    cluster = load_cluster(write(tmp_path, "nodes:\n  - {name: n0, host: 10.0.0.1, gpus: 0}\n", "c.yaml"))
+    cluster = load_cluster(
+        write(tmp_path, "nodes:\n  - {name: n0, host: 10.0.0.1, gpus: 0}\n", "c.yaml")
+    )
     job = load_job(write(tmp_path, "name: g\n"))
     with pytest.raises(SpecError, match="gpus: 0"):
         check_fits(job, cluster)
@@ -331,8 +402,12 @@ def test_fitting_jobs_pass(tmp_path):
 
 
 def test_only_the_used_nodes_need_gpus(tmp_path):
-    cluster = ClusterSpec(nodes=[NodeSpec(name="node0", host="10.0.0.1", gpus=8),
-                                 NodeSpec(name="node1", host="10.0.0.2", gpus=0)])
+    cluster = ClusterSpec(
+        nodes=[
+            NodeSpec(name="node0", host="10.0.0.1", gpus=8),
+            NodeSpec(name="node1", host="10.0.0.2", gpus=0),
+        ]
+    )
     check_fits(load_job(write(tmp_path, "name: g\nresources: {nodes: 1}\n")), cluster)
     with pytest.raises(SpecError, match="node1"):
         check_fits(load_job(write(tmp_path, "name: g\n")), cluster)

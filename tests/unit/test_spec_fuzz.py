@@ -38,14 +38,49 @@ def field_names(model: type[BaseModel], seen: set[type] | None = None) -> set[st
 
 
 KEYS = sorted(field_names(JobSpec) | field_names(ClusterSpec))
-WORDS = ["bert", "gpt", "tiny", "base", "large", "cpu", "cuda", "auto", "all", "ddp", "fsdp",
-         "fp32", "bf16", "fp16", "tf32", "nccl", "gloo", "synthetic", "tokens", "builtin",
-         "localhost", "10.0.0.1", "ray://head:10001", "head:6379", "exact", "minor", "node0",
-         "train.py", "~/.ssh/id_ed25519", "", "1e-4", "0x10", "yes", "null"]
+WORDS = [
+    "bert",
+    "gpt",
+    "tiny",
+    "base",
+    "large",
+    "cpu",
+    "cuda",
+    "auto",
+    "all",
+    "ddp",
+    "fsdp",
+    "fp32",
+    "bf16",
+    "fp16",
+    "tf32",
+    "nccl",
+    "gloo",
+    "synthetic",
+    "tokens",
+    "builtin",
+    "localhost",
+    "10.0.0.1",
+    "ray://head:10001",
+    "head:6379",
+    "exact",
+    "minor",
+    "node0",
+    "train.py",
+    "~/.ssh/id_ed25519",
+    "",
+    "1e-4",
+    "0x10",
+    "yes",
+    "null",
+]
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(WORDS),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(WORDS),
     st.text(max_size=12),
 )
 keys = st.one_of(st.sampled_from(KEYS), st.text(max_size=10), st.integers(-3, 3), st.booleans())
@@ -57,19 +92,40 @@ values = st.recursive(
 # Documents shaped like specs: top-level mappings whose keys are mostly real field names.
 documents = st.one_of(
     st.dictionaries(st.sampled_from(KEYS), values, max_size=8),
-    st.fixed_dictionaries({"name": st.one_of(st.sampled_from(["job", "a b", "x" * 70]), scalars)},
-                          optional={k: values for k in ("model", "data", "train", "parallel", "precision",
-                                                        "cudnn", "nccl", "resources", "launch", "entrypoint")}),
-    st.fixed_dictionaries({"nodes": st.lists(st.dictionaries(st.sampled_from(KEYS), values, max_size=5),
-                                             max_size=3)},
-                          optional={k: values for k in ("ssh", "ray", "parity")}),
+    st.fixed_dictionaries(
+        {"name": st.one_of(st.sampled_from(["job", "a b", "x" * 70]), scalars)},
+        optional={
+            k: values
+            for k in (
+                "model",
+                "data",
+                "train",
+                "parallel",
+                "precision",
+                "cudnn",
+                "nccl",
+                "resources",
+                "launch",
+                "entrypoint",
+            )
+        },
+    ),
+    st.fixed_dictionaries(
+        {"nodes": st.lists(st.dictionaries(st.sampled_from(KEYS), values, max_size=5), max_size=3)},
+        optional={k: values for k in ("ssh", "ray", "parity")},
+    ),
     values,
 )
 set_items = st.lists(
-    st.builds(lambda k, sep, v: f"{k}{sep}{v}",
-              st.one_of(st.lists(st.sampled_from(KEYS), min_size=1, max_size=3).map(".".join), st.text(max_size=8)),
-              st.sampled_from(["=", "", "=="]),
-              st.one_of(st.sampled_from(WORDS), st.text(max_size=8))),
+    st.builds(
+        lambda k, sep, v: f"{k}{sep}{v}",
+        st.one_of(
+            st.lists(st.sampled_from(KEYS), min_size=1, max_size=3).map(".".join),
+            st.text(max_size=8),
+        ),
+        st.sampled_from(["=", "", "=="]),
+        st.one_of(st.sampled_from(WORDS), st.text(max_size=8)),
+    ),
     max_size=3,
 )
 
@@ -102,16 +158,46 @@ def test_any_yaml_document_loads_or_fails_cleanly(workdir, doc, overrides):
 
 
 @FUZZ
-@given(text=st.one_of(
-    st.text(max_size=200),
-    st.lists(st.sampled_from(["name: j", "train:", "  steps: 5", "  - x", "nodes:", "- {name: a, host: b}",
-                              "{", "}", "[", ":", "&a x", "*a", "!!python/object:os.system", "\t", "key: 'unclosed",
-                              "---", "...", "? complex", "resources: {device: cpu}", "<<: *a", "%YAML 1.1",
-                              "train: &r [*r]", "launch: {env: &e {A: *e}}", "1: x", "on: off",
-                              'entrypoint: {script: "a\\0b"}', 'data: {source: tokens, path: "\\0"}',
-                              "train: {checkpoint: {dir: \"\\0\"}}"]),
-             max_size=8).map("\n".join),
-))
+@given(
+    text=st.one_of(
+        st.text(max_size=200),
+        st.lists(
+            st.sampled_from(
+                [
+                    "name: j",
+                    "train:",
+                    "  steps: 5",
+                    "  - x",
+                    "nodes:",
+                    "- {name: a, host: b}",
+                    "{",
+                    "}",
+                    "[",
+                    ":",
+                    "&a x",
+                    "*a",
+                    "!!python/object:os.system",
+                    "\t",
+                    "key: 'unclosed",
+                    "---",
+                    "...",
+                    "? complex",
+                    "resources: {device: cpu}",
+                    "<<: *a",
+                    "%YAML 1.1",
+                    "train: &r [*r]",
+                    "launch: {env: &e {A: *e}}",
+                    "1: x",
+                    "on: off",
+                    'entrypoint: {script: "a\\0b"}',
+                    'data: {source: tokens, path: "\\0"}',
+                    'train: {checkpoint: {dir: "\\0"}}',
+                ]
+            ),
+            max_size=8,
+        ).map("\n".join),
+    )
+)
 def test_any_text_loads_or_fails_cleanly(workdir, text):
     path = workdir / "text.yaml"
     path.write_text(text, encoding="utf-8")
@@ -122,5 +208,7 @@ def test_any_text_loads_or_fails_cleanly(workdir, text):
 @given(overrides=set_items)
 def test_overrides_on_a_valid_job_load_or_fail_cleanly(workdir, overrides):
     path = workdir / "valid.yaml"
-    path.write_text("name: j\nresources: {device: cpu}\nprecision: {dtype: fp32}\n", encoding="utf-8")
+    path.write_text(
+        "name: j\nresources: {device: cpu}\nprecision: {dtype: fp32}\n", encoding="utf-8"
+    )
     load_both(path, overrides)

@@ -16,10 +16,19 @@ from launcher.spec import load_cluster, load_job
 DEEP = "[" * 3000 + "]" * 3000
 
 BAD_FILES = {
-    "int": ("name: j\ntrain: {steps: !!int 1e3}\n", "line 2, column 16: '1e3' is not a valid !!int"),
-    "float": ("name: j\ntrain:\n  lr: !!float 3e-4x\n", "line 3, column 7: '3e-4x' is not a valid !!float"),
+    "int": (
+        "name: j\ntrain: {steps: !!int 1e3}\n",
+        "line 2, column 16: '1e3' is not a valid !!int",
+    ),
+    "float": (
+        "name: j\ntrain:\n  lr: !!float 3e-4x\n",
+        "line 3, column 7: '3e-4x' is not a valid !!float",
+    ),
     "bool": ("name: j\ntrain: {compile: !!bool maybe}\n", "'maybe' is not a valid !!bool"),
-    "timestamp": ("name: !!timestamp today\n", "line 1, column 7: 'today' is not a valid !!timestamp"),
+    "timestamp": (
+        "name: !!timestamp today\n",
+        "line 1, column 7: 'today' is not a valid !!timestamp",
+    ),
     "deep": (f"name: j\ntrain: {DEEP}\n", "nested too deeply"),
 }
 
@@ -51,7 +60,9 @@ def test_an_unreadable_tagged_value_in_a_job_file_is_a_spec_error(tmp_path, case
 
 
 def test_an_unreadable_tagged_value_in_a_cluster_file_is_a_spec_error(tmp_path):
-    path = _write(tmp_path, "nodes:\n  - {name: a, host: localhost, gpus: !!int x}\n", "cluster.yaml")
+    path = _write(
+        tmp_path, "nodes:\n  - {name: a, host: localhost, gpus: !!int x}\n", "cluster.yaml"
+    )
     with pytest.raises(SpecError, match=r"line 2, column 38: 'x' is not a valid !!int"):
         load_cluster(path)
 
@@ -74,7 +85,9 @@ def test_set_values_that_are_not_yaml_are_still_taken_as_text(tmp_path):
     assert job.launch.env["A"] == "x: y: z"
 
 
-@pytest.mark.parametrize("case", ["file int", "file bool", "file deep", "set float", "set timestamp", "set deep"])
+@pytest.mark.parametrize(
+    "case", ["file int", "file bool", "file deep", "set float", "set timestamp", "set deep"]
+)
 def test_the_cli_exits_2_with_one_paragraph(tmp_path, capsys, case):
     kind, name = case.split()
     if kind == "file":

@@ -36,15 +36,23 @@ def test_each_part_is_counted_as_often_as_a_step_calls_it():
     row = bench.per_step(part, {"ms": 0.5, "mj": 300.0})
     assert row["ms_per_step"] == pytest.approx(6.0) and row["j_per_step"] == pytest.approx(3.6)
     assert row["tflops"] == pytest.approx(4.0) and row["pj_per_flop"] == pytest.approx(150.0)
-    assert "tflops" not in bench.per_step(bench.Part("GELU forward + backward", "gelu", 12), {"ms": 0.1, "mj": 30.0})
+    assert "tflops" not in bench.per_step(
+        bench.Part("GELU forward + backward", "gelu", 12), {"ms": 0.1, "mj": 30.0}
+    )
 
 
 def test_groups_sum_their_parts_and_share_the_joules():
-    rows = [{"group": "gemm", "ms_per_step": 10.0, "j_per_step": 6.0},
-            {"group": "gemm", "ms_per_step": 2.0, "j_per_step": 1.5},
-            {"group": "loss", "ms_per_step": 1.0, "j_per_step": 0.5}]
+    rows = [
+        {"group": "gemm", "ms_per_step": 10.0, "j_per_step": 6.0},
+        {"group": "gemm", "ms_per_step": 2.0, "j_per_step": 1.5},
+        {"group": "loss", "ms_per_step": 1.0, "j_per_step": 0.5},
+    ]
     groups = bench.by_group(rows)
-    assert groups["gemm"] == {"ms_per_step": 12.0, "j_per_step": 7.5, "share": pytest.approx(0.9375)}
+    assert groups["gemm"] == {
+        "ms_per_step": 12.0,
+        "j_per_step": 7.5,
+        "share": pytest.approx(0.9375),
+    }
     assert groups["loss"]["share"] == pytest.approx(0.0625)
     text = bench.table([], groups, None)
     assert "sum of the parts" in text and "93.8%" in text
@@ -52,12 +60,24 @@ def test_groups_sum_their_parts_and_share_the_joules():
 
 def test_the_whole_step_comes_from_the_final_record(tmp_path: Path):
     metrics = tmp_path / "rank0.jsonl"
-    records = [{"type": "step", "step": 20}, {"type": "final", "tokens_per_s": 16384 / 0.028,
-                                               "energy_mj_per_token": 1.2, "power_w": 700.0, "sm_clock_mhz": 1660.0}]
+    records = [
+        {"type": "step", "step": 20},
+        {
+            "type": "final",
+            "tokens_per_s": 16384 / 0.028,
+            "energy_mj_per_token": 1.2,
+            "power_w": 700.0,
+            "sm_clock_mhz": 1660.0,
+        },
+    ]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
     whole = bench.whole_step(metrics)
-    assert whole["ms_per_step"] == pytest.approx(28.0) and whole["j_per_step"] == pytest.approx(16384 * 1.2e-3)
-    metrics.write_text(json.dumps({"type": "final", "tokens_per_s": 1.0, "energy_mj_per_token": None}) + "\n")
+    assert whole["ms_per_step"] == pytest.approx(28.0) and whole["j_per_step"] == pytest.approx(
+        16384 * 1.2e-3
+    )
+    metrics.write_text(
+        json.dumps({"type": "final", "tokens_per_s": 1.0, "energy_mj_per_token": None}) + "\n"
+    )
     with pytest.raises(SystemExit, match="energy_mj_per_token"):
         bench.whole_step(metrics)
 
@@ -67,7 +87,10 @@ def test_wgrad_batching_ways_compute_every_layers_weight_gradient():
     import wgrad_batching
 
     layers, tokens, k, n = bench.LAYERS, 16, 8, 4
-    x, dy = torch.randn(layers, tokens, k, dtype=torch.float64), torch.randn(layers, tokens, n, dtype=torch.float64)
+    x, dy = (
+        torch.randn(layers, tokens, k, dtype=torch.float64),
+        torch.randn(layers, tokens, n, dtype=torch.float64),
+    )
     want = torch.stack([dy[i].t() @ x[i] for i in range(layers)])
     names = wgrad_batching._ways(torch, x, dy, torch.empty(layers, n, k, dtype=torch.float64))
     assert set(names) == {"per layer", "batched", "stacked", "pointers"}

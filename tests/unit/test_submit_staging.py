@@ -26,10 +26,19 @@ def submission(tmp_path, monkeypatch):
     work.mkdir()
     (work / "train.py").write_text("print('hi')\n")
     (work / "helper.py").write_text("V = 1\n")
-    (work / "job.yaml").write_text(json.dumps({
-        "name": "u", "entrypoint": {"script": "train.py"}, "resources": {"device": "cpu", "nproc_per_node": 1},
-        "precision": {"dtype": "fp32"}}))
-    cluster = {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
+    (work / "job.yaml").write_text(
+        json.dumps(
+            {
+                "name": "u",
+                "entrypoint": {"script": "train.py"},
+                "resources": {"device": "cpu", "nproc_per_node": 1},
+                "precision": {"dtype": "fp32"},
+            }
+        )
+    )
+    cluster = {
+        "nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]
+    }
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(cluster))
     temp = tmp_path / "tmp"
     temp.mkdir()
@@ -41,18 +50,26 @@ def submission(tmp_path, monkeypatch):
 
     @contextlib.contextmanager
     def connect(spec, *, start=False):
-        yield types.SimpleNamespace(head_is_local=False, cluster=spec, client=client, head=spec.nodes[0])
+        yield types.SimpleNamespace(
+            head_is_local=False, cluster=spec, client=client, head=spec.nodes[0]
+        )
 
     monkeypatch.setattr(commands, "connect", connect)
-    return types.SimpleNamespace(job=work / "job.yaml", cluster=tmp_path / "cluster.yaml", temp=temp,
-                                 client=client)
+    return types.SimpleNamespace(
+        job=work / "job.yaml", cluster=tmp_path / "cluster.yaml", temp=temp, client=client
+    )
 
 
-@pytest.mark.parametrize("error", [
-    OSError(errno.ENOSPC, "No space left on device"),
-    PermissionError(errno.EACCES, "Permission denied", "/work/helper.py"),
-])
-def test_an_oserror_while_staging_the_code_is_exit_3_in_one_paragraph(submission, monkeypatch, capsys, error):
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        PermissionError(errno.EACCES, "Permission denied", "/work/helper.py"),
+    ],
+)
+def test_an_oserror_while_staging_the_code_is_exit_3_in_one_paragraph(
+    submission, monkeypatch, capsys, error
+):
     copied = []
 
     def copy2(src, dst, **kw):
@@ -69,11 +86,16 @@ def test_an_oserror_while_staging_the_code_is_exit_3_in_one_paragraph(submission
     assert error.strerror in err and "Nothing was submitted" in err and "Traceback" not in err
     assert err.count("\n") == 1
     assert submission.client.submitted == []
-    assert list(submission.temp.iterdir()) == []  # neither the snapshot nor the upload folder is left
+    assert (
+        list(submission.temp.iterdir()) == []
+    )  # neither the snapshot nor the upload folder is left
 
 
 def test_staging_that_works_submits(submission, capsys):
-    assert cli.main(["submit", str(submission.job), "--cluster", str(submission.cluster), "--json"]) == 0
+    assert (
+        cli.main(["submit", str(submission.job), "--cluster", str(submission.cluster), "--json"])
+        == 0
+    )
     assert len(submission.client.submitted) == 1
     assert json.loads(capsys.readouterr().out)["name"] == "u"
     assert list(submission.temp.iterdir()) == []

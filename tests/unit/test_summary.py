@@ -16,10 +16,26 @@ from launcher.results.summary import stragglers
 from launcher.util import percentile
 
 SCHEMA_TOP = {"job", "status", "world_size", "nodes", "ranks", "totals", "failure"}
-SCHEMA_RANK = {"rank", "node", "host", "local_rank", "device", "steps", "step_time_ms_p50",
-               "step_time_ms_p95", "samples_per_s", "tokens_per_s", "tflops", "mfu",
-               "peak_mem_gib", "data_wait_pct",  # DESIGN.md's, then the GPU's (NVML; null without it)
-               "sm_clock_mhz", "clock_limited_pct", "power_w", "energy_mj_per_token"}
+SCHEMA_RANK = {
+    "rank",
+    "node",
+    "host",
+    "local_rank",
+    "device",
+    "steps",
+    "step_time_ms_p50",
+    "step_time_ms_p95",
+    "samples_per_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_gib",
+    "data_wait_pct",  # DESIGN.md's, then the GPU's (NVML; null without it)
+    "sm_clock_mhz",
+    "clock_limited_pct",
+    "power_w",
+    "energy_mj_per_token",
+}
 SCHEMA_TOTALS = {"tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks"}
 SCHEMA_FAILURE = {"rank", "node", "host", "exit_code", "signal", "log_tail", "reason"}  # DESIGN.md
 
@@ -32,59 +48,139 @@ def layout(nodes: int = 2, per_node: int = 2, device: str = "cuda") -> list[dict
     out = []
     for n in range(nodes):
         for local in range(per_node):
-            out.append({"rank": n * per_node + local, "node": f"node{n}", "host": f"10.0.0.{n + 1}",
-                        "local_rank": local, "device": device})
+            out.append(
+                {
+                    "rank": n * per_node + local,
+                    "node": f"node{n}",
+                    "host": f"10.0.0.{n + 1}",
+                    "local_rank": local,
+                    "device": device,
+                }
+            )
     return out
 
 
-def builtin_records(rank: int, *, step_ms: float, steps: int = 40, log_every: int = 10,
-                    warmup: int = 10, peak_tflops: float | None = 989.0,
-                    final: bool = False, mhz: float | None = None) -> list[dict]:
+def builtin_records(
+    rank: int,
+    *,
+    step_ms: float,
+    steps: int = 40,
+    log_every: int = 10,
+    warmup: int = 10,
+    peak_tflops: float | None = 989.0,
+    final: bool = False,
+    mhz: float | None = None,
+) -> list[dict]:
     """What the built-in trainer writes: meta, step records every log_every, maybe final; with
     ``mhz``, the GPU's clock (power-capped below 1900 MHz) and 500 W of energy."""
-    recs = [{"type": "meta", "rank": rank, "time": T0, "local_rank": rank % 2, "world_size": 4,
-             "host": "ignored-when-plan-has-it", "device": f"cuda:{rank % 2}", "device_name": "H200",
-             "params": 110_000_000, "flops_per_token": 6.6e8, "peak_tflops": peak_tflops,
-             "seq_len": SEQ, "micro_batch": MB, "grad_accum": 1}]
+    recs = [
+        {
+            "type": "meta",
+            "rank": rank,
+            "time": T0,
+            "local_rank": rank % 2,
+            "world_size": 4,
+            "host": "ignored-when-plan-has-it",
+            "device": f"cuda:{rank % 2}",
+            "device_name": "H200",
+            "params": 110_000_000,
+            "flops_per_token": 6.6e8,
+            "peak_tflops": peak_tflops,
+            "seq_len": SEQ,
+            "micro_batch": MB,
+            "grad_accum": 1,
+        }
+    ]
     t = T0
     for step in range(log_every, steps + 1, log_every):
         times = [step_ms + (i % 3) for i in range(log_every)]  # step_ms, +1, +2, ...
         interval = sum(times) / 1000.0
         t += interval
-        recs.append({"type": "step", "rank": rank, "time": t, "step": step,
-                     "tokens": log_every * MB * SEQ, "samples": log_every * MB,
-                     "interval_s": interval, "measured": step > warmup, "step_times_ms": times,
-                     "loss": 7.0, "lr": 1e-4, "data_wait_s": 0.02 * interval,
-                     "peak_mem_gib": 10.0 + rank})
+        recs.append(
+            {
+                "type": "step",
+                "rank": rank,
+                "time": t,
+                "step": step,
+                "tokens": log_every * MB * SEQ,
+                "samples": log_every * MB,
+                "interval_s": interval,
+                "measured": step > warmup,
+                "step_times_ms": times,
+                "loss": 7.0,
+                "lr": 1e-4,
+                "data_wait_s": 0.02 * interval,
+                "peak_mem_gib": 10.0 + rank,
+            }
+        )
         if mhz is not None:
-            recs[-1] |= {"gpu_util_pct": 99.0, "sm_clock_mhz": mhz, "power_w": 480.0, "energy_j": 500.0 * interval,
-                         "clock_limits": ["power cap"] if mhz < 1900 else []}
+            recs[-1] |= {
+                "gpu_util_pct": 99.0,
+                "sm_clock_mhz": mhz,
+                "power_w": 480.0,
+                "energy_j": 500.0 * interval,
+                "clock_limits": ["power cap"] if mhz < 1900 else [],
+            }
     if final:
-        recs.append({"type": "final", "rank": rank, "time": t, "steps": steps, "measured_steps": steps - warmup,
-                     "step_time_ms_p50": 123.0, "step_time_ms_p95": 150.0, "tokens_per_s": 9000.0,
-                     "samples_per_s": 70.0, "tflops": 5.9, "mfu": 0.4, "peak_mem_gib": 12.5,
-                     "data_wait_pct": 1.5, "gpu_util_pct": 97.0, "loss": 6.5})
+        recs.append(
+            {
+                "type": "final",
+                "rank": rank,
+                "time": t,
+                "steps": steps,
+                "measured_steps": steps - warmup,
+                "step_time_ms_p50": 123.0,
+                "step_time_ms_p95": 150.0,
+                "tokens_per_s": 9000.0,
+                "samples_per_s": 70.0,
+                "tflops": 5.9,
+                "mfu": 0.4,
+                "peak_mem_gib": 12.5,
+                "data_wait_pct": 1.5,
+                "gpu_util_pct": 97.0,
+                "loss": 6.5,
+            }
+        )
     return recs
 
 
-def user_records(rank: int, *, gaps: list[float], tokens: int = 4096, samples: int = 32) -> list[dict]:
+def user_records(
+    rank: int, *, gaps: list[float], tokens: int = 4096, samples: int = 32
+) -> list[dict]:
     """What `launcher.report()` writes: step records with tokens since the previous call."""
     recs, t = [], T0
     for i, gap in enumerate([0.0, *gaps]):
         t += gap
-        recs.append({"type": "step", "rank": rank, "time": t, "step": (i + 1) * 5,
-                     "tokens": tokens, "samples": samples, "loss": 3.0})
+        recs.append(
+            {
+                "type": "step",
+                "rank": rank,
+                "time": t,
+                "step": (i + 1) * 5,
+                "tokens": tokens,
+                "samples": samples,
+                "loss": 3.0,
+            }
+        )
     return recs
 
 
 def write_run(run_dir: Path, job: str, ranks: list[dict], records: dict[int, list[dict]]) -> None:
     """A run directory as the launcher leaves it: plan.json and metrics/rank<R>.jsonl."""
     (run_dir / "metrics").mkdir(parents=True)
-    plan = {"job": job, "world_size": len(ranks), "master_addr": "10.0.0.1", "master_port": 29500,
-            "backend": "nccl", "device": "cuda",
-            "nodes": [{"name": n, "host": "h", "node_rank": i, "nproc": 2, "ranks": [], "argv": [], "env": {}}
-                      for i, n in enumerate(dict.fromkeys(r["node"] for r in ranks))],
-            "ranks": ranks}
+    plan = {
+        "job": job,
+        "world_size": len(ranks),
+        "master_addr": "10.0.0.1",
+        "master_port": 29500,
+        "backend": "nccl",
+        "device": "cuda",
+        "nodes": [
+            {"name": n, "host": "h", "node_rank": i, "nproc": 2, "ranks": [], "argv": [], "env": {}}
+            for i, n in enumerate(dict.fromkeys(r["node"] for r in ranks))
+        ],
+        "ranks": ranks,
+    }
     (run_dir / "plan.json").write_text(json.dumps(plan))
     for rank, recs in records.items():
         path = run_dir / "metrics" / f"rank{rank}.jsonl"
@@ -158,7 +254,9 @@ def test_user_script_records_first_record_only_starts_the_clock():
 
 
 def test_user_script_single_record_measures_nothing():
-    row = summarize("j", layout(1, 1, "cpu"), {0: user_records(0, gaps=[])}, status="succeeded")["ranks"][0]
+    row = summarize("j", layout(1, 1, "cpu"), {0: user_records(0, gaps=[])}, status="succeeded")[
+        "ranks"
+    ][0]
     assert row["steps"] == 5
     assert row["tokens_per_s"] is None and row["step_time_ms_p50"] is None
 
@@ -194,12 +292,24 @@ def test_gpu_clock_in_the_tables_and_the_straggler_line():
     assert r3["energy_mj_per_token"] == pytest.approx(1e3 * 500.0 / r3["tokens_per_s"])
     text = render(s)
     assert "SM MHz" in text and "clock limited %" in text
-    assert "rank 3 on node1 (121.0 ms, +19.2%, SM clock 1650 MHz against a median 1972, limited 100% of the time)" in text
+    assert (
+        "rank 3 on node1 (121.0 ms, +19.2%, SM clock 1650 MHz against a median 1972, limited 100% of the time)"
+        in text
+    )
     # from final records: the trainer's own figures
     fin = {r: builtin_records(r, step_ms=100.0, final=True) for r in range(2)}
-    fin[0][-1] |= {"sm_clock_mhz": 1700.0, "clock_limited_pct": 90.0, "power_w": 690.0, "energy_mj_per_token": 1.2}
+    fin[0][-1] |= {
+        "sm_clock_mhz": 1700.0,
+        "clock_limited_pct": 90.0,
+        "power_w": 690.0,
+        "energy_mj_per_token": 1.2,
+    }
     rows = summarize("j", layout(1, 2), fin, status="succeeded")["ranks"]
-    assert (rows[0]["sm_clock_mhz"], rows[0]["power_w"], rows[0]["energy_mj_per_token"]) == (1700.0, 690.0, 1.2)
+    assert (rows[0]["sm_clock_mhz"], rows[0]["power_w"], rows[0]["energy_mj_per_token"]) == (
+        1700.0,
+        690.0,
+        1.2,
+    )
     assert rows[1]["sm_clock_mhz"] is None
 
 
@@ -212,9 +322,17 @@ def test_cpu_runs_have_no_clock_columns():
 
 def test_stragglers_need_two_measured_ranks():
     assert stragglers([{"rank": 0, "step_time_ms_p50": 100.0}]) == []
-    assert stragglers([{"rank": 0, "step_time_ms_p50": 100.0}, {"rank": 1, "step_time_ms_p50": None}]) == []
-    assert stragglers([{"rank": 0, "step_time_ms_p50": 100.0}, {"rank": 1, "step_time_ms_p50": 200.0},
-                       {"rank": 2, "step_time_ms_p50": 100.0}]) == [1]
+    assert (
+        stragglers([{"rank": 0, "step_time_ms_p50": 100.0}, {"rank": 1, "step_time_ms_p50": None}])
+        == []
+    )
+    assert stragglers(
+        [
+            {"rank": 0, "step_time_ms_p50": 100.0},
+            {"rank": 1, "step_time_ms_p50": 200.0},
+            {"rank": 2, "step_time_ms_p50": 100.0},
+        ]
+    ) == [1]
 
 
 def test_no_stragglers_line():
@@ -250,14 +368,23 @@ def test_summary_json_keys_exactly_per_schema(tmp_path):
 def test_failed_run_with_missing_ranks(tmp_path):
     ranks = layout(2, 2)
     recs = {0: builtin_records(0, step_ms=100.0), 1: builtin_records(1, step_ms=101.0)}
-    failure = {"rank": 2, "node": "node1", "host": "10.0.0.2", "exit_code": 1, "signal": None,
-               "log_tail": "Traceback (most recent call last):\nRuntimeError: CUDA out of memory"}
+    failure = {
+        "rank": 2,
+        "node": "node1",
+        "host": "10.0.0.2",
+        "exit_code": 1,
+        "signal": None,
+        "log_tail": "Traceback (most recent call last):\nRuntimeError: CUDA out of memory",
+    }
     s = summarize("bert-ddp", ranks, recs, status="failed", failure=failure)
     assert_schema(s)
     assert [r["rank"] for r in s["ranks"]] == [0, 1, 2, 3]
     for missing in s["ranks"][2:]:
         assert missing["node"] == "node1" and missing["local_rank"] in (0, 1)
-        assert all(missing[k] is None for k in SCHEMA_RANK - {"rank", "node", "host", "local_rank", "device"})
+        assert all(
+            missing[k] is None
+            for k in SCHEMA_RANK - {"rank", "node", "host", "local_rank", "device"}
+        )
     # Totals over what was measured; per-GPU over measured ranks only.
     measured = [r["tokens_per_s"] for r in s["ranks"][:2]]
     assert s["totals"]["tokens_per_s"] == pytest.approx(sum(measured))
@@ -319,8 +446,15 @@ def test_load_run_takes_status_and_failure_from_summary_json(tmp_path):
     run = tmp_path / "run"
     ranks = layout(1, 2)
     write_run(run, "j", ranks, {0: builtin_records(0, step_ms=100.0)})
-    failure = {"rank": 1, "node": "node0", "host": "10.0.0.1", "exit_code": None, "signal": "SIGKILL",
-               "log_tail": "killed", "reason": "rank 1 on node node0 (10.0.0.1) exited with signal SIGKILL"}
+    failure = {
+        "rank": 1,
+        "node": "node0",
+        "host": "10.0.0.1",
+        "exit_code": None,
+        "signal": "SIGKILL",
+        "log_tail": "killed",
+        "reason": "rank 1 on node node0 (10.0.0.1) exited with signal SIGKILL",
+    }
     write_summary(run, summarize("j", ranks, {}, status="failed", failure=failure))
     s = load_run(run)
     assert s["status"] == "failed" and s["failure"] == failure
@@ -347,8 +481,12 @@ def test_load_run_keeps_the_launchers_keys_of_a_run_without_restarts(tmp_path, c
 
 
 def test_load_run_with_only_summary_json_returns_it(tmp_path):
-    s = summarize("j", layout(1, 2), {r: builtin_records(r, step_ms=100.0) for r in range(2)},
-                  status="succeeded")
+    s = summarize(
+        "j",
+        layout(1, 2),
+        {r: builtin_records(r, step_ms=100.0) for r in range(2)},
+        status="succeeded",
+    )
     write_summary(tmp_path, s)
     assert load_run(tmp_path) == json.loads(json.dumps(s))
 
@@ -357,18 +495,30 @@ def test_load_run_of_a_restarted_run_keeps_the_launchers_summary(tmp_path):
     # node1 lost after attempt 0: attempt 1 runs 2 ranks; the metrics files hold both attempts
     run = tmp_path / "run"
     write_run(run, "j", layout(2, 2), {r: builtin_records(r, step_ms=100.0) for r in range(4)})
-    last = summarize("j", layout(1, 2), {r: builtin_records(r, step_ms=90.0) for r in range(2)},
-                     status="succeeded")
-    last["restarts"] = [{"attempt": 1, "reason": "node node1 was lost", "nodes": ["node0"], "world_size": 2}]
+    last = summarize(
+        "j",
+        layout(1, 2),
+        {r: builtin_records(r, step_ms=90.0) for r in range(2)},
+        status="succeeded",
+    )
+    last["restarts"] = [
+        {"attempt": 1, "reason": "node node1 was lost", "nodes": ["node0"], "world_size": 2}
+    ]
     last["attempts"] = [{"attempt": 0, "world_size": 4}, {"attempt": 1, "world_size": 2}]
     write_summary(run, last)
     s = load_run(run)
-    assert s["world_size"] == 2 and s["restarts"] == last["restarts"] and s["attempts"] == last["attempts"]
+    assert (
+        s["world_size"] == 2
+        and s["restarts"] == last["restarts"]
+        and s["attempts"] == last["attempts"]
+    )
 
 
 def test_load_run_all_final_records_counts_as_succeeded(tmp_path):
     run = tmp_path / "run"
-    write_run(run, "j", layout(1, 2), {r: builtin_records(r, step_ms=100.0, final=True) for r in range(2)})
+    write_run(
+        run, "j", layout(1, 2), {r: builtin_records(r, step_ms=100.0, final=True) for r in range(2)}
+    )
     assert load_run(run)["status"] == "succeeded"
 
 

@@ -32,18 +32,32 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("text")
     m = make_assets()
     corpus = m.write_text(root / "text" / "corpus.txt", n_bytes=200_000)
-    return {"root": root, "corpus": corpus,
-            "bert_tok": m.train_tokenizer([corpus], root / "wordpiece", vocab_size=300),
-            "gpt_tok": m.train_tokenizer([corpus], root / "bpe", kind="bpe", vocab_size=400)}
+    return {
+        "root": root,
+        "corpus": corpus,
+        "bert_tok": m.train_tokenizer([corpus], root / "wordpiece", vocab_size=300),
+        "gpt_tok": m.train_tokenizer([corpus], root / "bpe", kind="bpe", vocab_size=400),
+    }
 
 
-def job(tmp_path: Path, assets: dict[str, Path], arch: str = "bert", path: Path | None = None, **data):
-    spec = {"name": "text", "model": {"arch": arch, "size": "tiny", "vocab_size": 512},
-            "data": {"source": "text", "seq_len": SEQ, "path": str(path or assets["corpus"]),
-                     "tokenizer": str(assets["bert_tok" if arch == "bert" else "gpt_tok"]),
-                     "cache_dir": str(tmp_path / "cache"), **data},
-            "train": {"micro_batch": 4, "grad_accum": 2},
-            "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}}
+def job(
+    tmp_path: Path, assets: dict[str, Path], arch: str = "bert", path: Path | None = None, **data
+):
+    spec = {
+        "name": "text",
+        "model": {"arch": arch, "size": "tiny", "vocab_size": 512},
+        "data": {
+            "source": "text",
+            "seq_len": SEQ,
+            "path": str(path or assets["corpus"]),
+            "tokenizer": str(assets["bert_tok" if arch == "bert" else "gpt_tok"]),
+            "cache_dir": str(tmp_path / "cache"),
+            **data,
+        },
+        "train": {"micro_batch": 4, "grad_accum": 2},
+        "resources": {"device": "cpu"},
+        "precision": {"dtype": "fp32"},
+    }
     file = tmp_path / "job.yaml"
     file.write_text(yaml.safe_dump(spec))
     return load_job(file)
@@ -53,7 +67,10 @@ def test_documents_are_paragraphs_or_jsonl_lines(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("one\ntwo\n\n\nthree\n\nfour")
     assert [(d, end) for d, _, end in text.documents(txt, "text")] == [
-        ("one\ntwo", True), ("three", True), ("four", True)]
+        ("one\ntwo", True),
+        ("three", True),
+        ("four", True),
+    ]
     jsonl = tmp_path / "b.jsonl"
     jsonl.write_text('{"body": "x y"}\n\n{"body": "z", "id": 3}\n')
     assert [d for d, _, end in text.documents(jsonl, "body") if end] == ["x y", "z"]
@@ -71,7 +88,11 @@ def test_the_stream_is_each_document_then_a_separator(tmp_path, assets):
     docs = [d for d, _, _ in text.documents(assets["corpus"], "text")]
     want = [i for d in docs for i in [*tok.encode(d, add_special_tokens=False).ids, sep]]
     assert ids == want and meta["documents"] == len(docs) and ids.count(sep) == len(docs)
-    assert meta["special"] == {"cls": tok.token_to_id("[CLS]"), "sep": sep, "mask": tok.token_to_id("[MASK]")}
+    assert meta["special"] == {
+        "cls": tok.token_to_id("[CLS]"),
+        "sep": sep,
+        "mask": tok.token_to_id("[MASK]"),
+    }
 
 
 def test_a_long_paragraph_is_tokenized_in_pieces_with_the_same_ids(tmp_path, assets, monkeypatch):
@@ -80,8 +101,9 @@ def test_a_long_paragraph_is_tokenized_in_pieces_with_the_same_ids(tmp_path, ass
     (one / "long.txt").write_text("\n".join(["the cat sees a red house"] * 400))  # no blank line
     whole = text.tokenize(job(tmp_path, assets, path=one).data, "bert", progress=False)
     monkeypatch.setattr(text, "BATCH_CHARS", 1000)
-    pieces = text.tokenize(job(tmp_path, assets, path=one, cache_dir=str(tmp_path / "c2")).data, "bert",
-                           progress=False)
+    pieces = text.tokenize(
+        job(tmp_path, assets, path=one, cache_dir=str(tmp_path / "c2")).data, "bert", progress=False
+    )
     assert Path(whole["path"]).read_bytes() == Path(pieces["path"]).read_bytes()
     assert whole["documents"] == pieces["documents"] == 1
 
@@ -124,9 +146,11 @@ def test_bert_samples_are_framed_and_never_mask_specials(tmp_path, assets):
             assert ids.shape == (4, SEQ) and pos.shape == (4, data.n_mask)
             original = ids.scatter(1, pos, labels)
             assert (original[:, 0] == cls).all() and (original[:, -1] == sep).all()
-            for row, g in zip(original, range(micro * 4, micro * 4 + 4), strict=True):  # window g of step
+            for row, g in zip(
+                original, range(micro * 4, micro * 4 + 4), strict=True
+            ):  # window g of step
                 start = ((step - 1) * 8 + g) * (SEQ - 2)
-                assert torch.equal(row[1:-1], stream[start: start + SEQ - 2])
+                assert torch.equal(row[1:-1], stream[start : start + SEQ - 2])
             assert not torch.isin(labels, torch.tensor([cls])).any()  # [CLS] is never a target
             assert not ((pos == 0) | (pos == SEQ - 1)).any()
             assert (ids.gather(1, pos) == mask).float().mean() > 0.5  # 80% [MASK]
@@ -138,11 +162,16 @@ def test_text_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path, asse
     assert data.steps_ahead == 16
     for step, micro in [(s, a) for s in range(1, 20) for a in range(2)] + [(2, 0)]:
         got, want = data.batch(step, micro), Batches.batch(data, step, micro)
-        assert all(torch.equal(got[k], want[k]) for k in ("input_ids", "labels", "mask_pos")), (step, micro)
+        assert all(torch.equal(got[k], want[k]) for k in ("input_ids", "labels", "mask_pos")), (
+            step,
+            micro,
+        )
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
-def test_text_chunks_made_by_the_worker_thread_equal_batches_made_one_at_a_time(tmp_path, assets, arch):
+def test_text_chunks_made_by_the_worker_thread_equal_batches_made_one_at_a_time(
+    tmp_path, assets, arch
+):
     data = build_data(job(tmp_path, assets, arch), rank=1, world_size=2, device=torch.device("cpu"))
     threads, make = [], data._make
 
@@ -163,14 +192,16 @@ def test_gpt_windows_shift_by_one_over_eos_separated_text(tmp_path, assets):
     j = job(tmp_path, assets, arch="gpt")
     meta = text.tokenize(j.data, "gpt", progress=False)
     eos = meta["special"]["eos"]
-    assert meta["special"] == {"eos": load_tokenizer(assets["gpt_tok"]).token_to_id("<|endoftext|>")}
+    assert meta["special"] == {
+        "eos": load_tokenizer(assets["gpt_tok"]).token_to_id("<|endoftext|>")
+    }
     data = build_data(j, rank=1, world_size=2, device=torch.device("cpu"))
     stream = torch.from_file(meta["path"], size=meta["tokens"], dtype=torch.uint16).long()
     b = data.batch(3, 1)
     assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])
     g = 1 * (2 * 4) + 1 * 4  # micro 1, rank 1 of 2, micro-batch 4: global index of row 0
     start = (2 * 16 + g) * SEQ
-    assert torch.equal(b["input_ids"][0], stream[start: start + SEQ])
+    assert torch.equal(b["input_ids"][0], stream[start : start + SEQ])
     assert (stream == eos).sum() == meta["documents"]
 
 
@@ -178,7 +209,9 @@ def test_other_local_ranks_wait_for_local_rank_0(tmp_path, assets, monkeypatch):
     j = job(tmp_path, assets)
     monkeypatch.setenv("LOCAL_RANK", "1")
     found: dict = {}
-    waiter = threading.Thread(target=lambda: found.update(text.prepare(j.data, "bert", poll_s=0.02)))
+    waiter = threading.Thread(
+        target=lambda: found.update(text.prepare(j.data, "bert", poll_s=0.02))
+    )
     waiter.start()
     time.sleep(0.3)
     assert waiter.is_alive() and not found  # nothing tokenized yet: rank 1 waits
@@ -191,25 +224,49 @@ def test_text_specs_are_checked_when_the_job_loads(tmp_path, assets):
     with pytest.raises(SpecError, match="needs data.path .* and data.tokenizer"):
         load_job_text(tmp_path, {"source": "text", "path": str(assets["corpus"])})
     with pytest.raises(SpecError, match="data.tokenizer 'bert-base-uncased' is not a local folder"):
-        load_job_text(tmp_path, {"source": "text", "path": str(assets["corpus"]), "tokenizer": "bert-base-uncased"})
+        load_job_text(
+            tmp_path,
+            {"source": "text", "path": str(assets["corpus"]), "tokenizer": "bert-base-uncased"},
+        )
     size = load_tokenizer(assets["bert_tok"]).get_vocab_size()
-    with pytest.raises(SpecError, match=f"{size} tokens, more than the model's vocabulary of 64; "
-                                        f"set model.vocab_size: {size}"):
-        load_job_text(tmp_path, {"source": "text", "path": str(assets["corpus"]),
-                                 "tokenizer": str(assets["bert_tok"])}, vocab_size=64)
+    with pytest.raises(
+        SpecError,
+        match=f"{size} tokens, more than the model's vocabulary of 64; "
+        f"set model.vocab_size: {size}",
+    ):
+        load_job_text(
+            tmp_path,
+            {"source": "text", "path": str(assets["corpus"]), "tokenizer": str(assets["bert_tok"])},
+            vocab_size=64,
+        )
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SpecError, match="neither a .txt or .jsonl file nor a folder holding some"):
-        load_job_text(tmp_path, {"source": "text", "path": str(empty), "tokenizer": str(assets["bert_tok"])})
-    with pytest.raises(SpecError, match="packing text for GPT needs a eos token, and '<|endoftext|>'"):
-        load_job_text(tmp_path, {"source": "text", "path": str(assets["corpus"]),
-                                 "tokenizer": str(assets["bert_tok"])}, arch="gpt")
+        load_job_text(
+            tmp_path, {"source": "text", "path": str(empty), "tokenizer": str(assets["bert_tok"])}
+        )
+    with pytest.raises(
+        SpecError, match="packing text for GPT needs a eos token, and '<|endoftext|>'"
+    ):
+        load_job_text(
+            tmp_path,
+            {"source": "text", "path": str(assets["corpus"]), "tokenizer": str(assets["bert_tok"])},
+            arch="gpt",
+        )
 
 
 def load_job_text(tmp_path: Path, data: dict, vocab_size: int = 512, arch: str = "bert"):
     file = tmp_path / "bad.yaml"
-    file.write_text(yaml.safe_dump({"name": "t", "model": {"arch": arch, "size": "tiny", "vocab_size": vocab_size},
-                                    "data": {"seq_len": SEQ, **data}, "resources": {"device": "cpu"}}))
+    file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "t",
+                "model": {"arch": arch, "size": "tiny", "vocab_size": vocab_size},
+                "data": {"seq_len": SEQ, **data},
+                "resources": {"device": "cpu"},
+            }
+        )
+    )
     return load_job(file)
 
 
@@ -219,13 +276,16 @@ def test_launch_tokenize_fills_the_cache_and_prints_where(tmp_path, assets, caps
     assert cli_main(["tokenize", str(file)]) == 0
     bin_path, meta_path = text.cache_paths(j.data, "bert")
     assert meta_path.is_file() and f"{bin_path}: " in capsys.readouterr().out
-    file.write_text(file.read_text().replace("source: text", "source: synthetic").replace("tokenizer:", "x:"))
+    file.write_text(
+        file.read_text().replace("source: text", "source: synthetic").replace("tokenizer:", "x:")
+    )
     assert cli_main(["tokenize", str(file)]) == 2
 
 
 def test_text_goes_on_at_the_next_sample_after_a_restart_at_another_world_size(tmp_path, assets):
     """BERT on text: 2 ranks x grad_accum 2 for 3 steps, then 1 rank x grad_accum 4 resumed
     after step 3: every step's samples (words and masks) are an uninterrupted 1-rank run's."""
+
     def samples(world: int, accum: int, steps: range, resume: bool = False) -> torch.Tensor:
         j = job(tmp_path, assets)
         j = j.model_copy(update={"train": j.train.model_copy(update={"grad_accum": accum})})

@@ -25,15 +25,31 @@ CPU = torch.device("cpu")
 def write_npy(path: Path, ids: torch.Tensor, descr: str) -> Path:
     header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
     header += " " * (-(10 + len(header) + 1) % 64) + "\n"
-    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode()
-                     + ids.contiguous().numpy().tobytes())
+    path.write_bytes(
+        b"\x93NUMPY\x01\x00"
+        + len(header).to_bytes(2, "little")
+        + header.encode()
+        + ids.contiguous().numpy().tobytes()
+    )
     return path
 
 
 def batches(path: Path, vocab: int, *, arch: str = "gpt", seq: int = 16, **kw) -> TokenFileBatches:
-    return TokenFileBatches(path=path, token_dtype="uint16", arch=arch, vocab_size=vocab, seq_len=seq,
-                            micro_batch=2, grad_accum=1, mask_prob=0.15, seed=1, rank=0, world_size=1,
-                            device=CPU, **kw)
+    return TokenFileBatches(
+        path=path,
+        token_dtype="uint16",
+        arch=arch,
+        vocab_size=vocab,
+        seq_len=seq,
+        micro_batch=2,
+        grad_accum=1,
+        mask_prob=0.15,
+        seed=1,
+        rank=0,
+        world_size=1,
+        device=CPU,
+        **kw,
+    )
 
 
 def gpt2_ids(n: int) -> torch.Tensor:
@@ -41,8 +57,9 @@ def gpt2_ids(n: int) -> torch.Tensor:
     return ((torch.arange(n, dtype=torch.int64) * 7919) % 50257).to(torch.uint16)
 
 
-def test_an_id_outside_the_vocabulary_stops_the_worker_before_any_step(tmp_path: Path, monkeypatch,
-                                                                        one_process_trainer_env: Path, capfd):
+def test_an_id_outside_the_vocabulary_stops_the_worker_before_any_step(
+    tmp_path: Path, monkeypatch, one_process_trainer_env: Path, capfd
+):
     """Through the trainer's entry point: exit 2, one paragraph naming file, id, position and
     vocabulary, and no step run."""
     from launcher.train import __main__ as entry
@@ -52,12 +69,19 @@ def test_an_id_outside_the_vocabulary_stops_the_worker_before_any_step(tmp_path:
     ids[3210] = 50300  # a GPT-2 vocabulary padded to 50304 by the writer, say
     tokens = write_npy(tmp_path / "tokens.npy", ids, "<u2")
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "vocab", "model": {"arch": "gpt", "size": "tiny", "vocab_size": 50257},
-        "data": {"source": "tokens", "path": "tokens.npy", "seq_len": 16},
-        "train": {"steps": 2, "warmup_steps": 0, "micro_batch": 2, "compile": False},
-        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-    }))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "vocab",
+                "model": {"arch": "gpt", "size": "tiny", "vocab_size": 50257},
+                "data": {"source": "tokens", "path": "tokens.npy", "seq_len": 16},
+                "train": {"steps": 2, "warmup_steps": 0, "micro_batch": 2, "compile": False},
+                "precision": {"dtype": "fp32"},
+                "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+            }
+        )
+    )
+
     def no_step(self, step: int):
         raise AssertionError(f"step {step} ran: the bad id was not found before the first step")
 
@@ -75,7 +99,9 @@ def test_an_id_outside_the_vocabulary_stops_the_worker_before_any_step(tmp_path:
     assert "set model.vocab_size: 50301 (or more)" in err
     assert err.startswith(f"{job}, field 'data.path': ")
     records = one_process_trainer_env.with_name("rank0.jsonl")
-    assert not records.exists() or not any("step" in json.loads(line) for line in records.read_text().splitlines())
+    assert not records.exists() or not any(
+        "step" in json.loads(line) for line in records.read_text().splitlines()
+    )
 
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
@@ -84,7 +110,9 @@ def test_an_in_range_file_opens_and_its_batches_come_out(tmp_path: Path, monkeyp
     ids[1234] = 50256  # the last id of the vocabulary, above the int16 range
     seen: list[int] = []
     xor = torch.bitwise_xor
-    monkeypatch.setattr(torch, "bitwise_xor", lambda t, *a, **k: seen.append(t.numel()) or xor(t, *a, **k))
+    monkeypatch.setattr(
+        torch, "bitwise_xor", lambda t, *a, **k: seen.append(t.numel()) or xor(t, *a, **k)
+    )
     data = batches(write_npy(tmp_path / "t.npy", ids, "<u2"), 50257, arch=arch)
     assert sum(seen) == 3_000  # every id checked (in unsigned order: most read negative as int16)
     b = data.batch(1)
@@ -94,17 +122,21 @@ def test_an_in_range_file_opens_and_its_batches_come_out(tmp_path: Path, monkeyp
     data.close()
 
 
-@pytest.mark.parametrize(("dtype", "descr", "vocab", "bad"), [
-    (torch.uint16, "<u2", 50257, 50257),   # vocabulary past 2^15: compared in unsigned order
-    (torch.uint16, "<u2", 30522, 40000),   # BERT's: an id past 2^15 reads negative in int16
-    (torch.int32, "<i4", 1000, 1000),
-    (torch.int32, "<i4", 1000, -100),      # an ignore-index written into the file
-    (torch.int64, "<i8", 1000, 1 << 40),
-    (torch.uint32, "<u4", 1000, 3_000_000_000),  # read negative in int32
-    (torch.uint16, "<u2", 50257, 65535),   # read as -1 in int16
-])
-def test_the_scan_is_chunked_and_finds_an_id_in_a_later_chunk(tmp_path: Path, monkeypatch, dtype, descr,
-                                                                vocab: int, bad: int):
+@pytest.mark.parametrize(
+    ("dtype", "descr", "vocab", "bad"),
+    [
+        (torch.uint16, "<u2", 50257, 50257),  # vocabulary past 2^15: compared in unsigned order
+        (torch.uint16, "<u2", 30522, 40000),  # BERT's: an id past 2^15 reads negative in int16
+        (torch.int32, "<i4", 1000, 1000),
+        (torch.int32, "<i4", 1000, -100),  # an ignore-index written into the file
+        (torch.int64, "<i8", 1000, 1 << 40),
+        (torch.uint32, "<u4", 1000, 3_000_000_000),  # read negative in int32
+        (torch.uint16, "<u2", 50257, 65535),  # read as -1 in int16
+    ],
+)
+def test_the_scan_is_chunked_and_finds_an_id_in_a_later_chunk(
+    tmp_path: Path, monkeypatch, dtype, descr, vocab: int, bad: int
+):
     chunk, n, at = 1_000, 10_500, 7_321  # eleven chunks, the last short; the bad id in the eighth
     ids = (torch.arange(n, dtype=torch.int64) * 7919 % vocab).to(dtype)
     ids[at] = bad
@@ -113,7 +145,9 @@ def test_the_scan_is_chunked_and_finds_an_id_in_a_later_chunk(tmp_path: Path, mo
     seen: list[int] = []  # the size of every tensor the scan reduces
     for name in ("aminmax", "bitwise_xor"):
         op = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda t, *a, _op=op, **k: seen.append(t.numel()) or _op(t, *a, **k))
+        monkeypatch.setattr(
+            torch, name, lambda t, *a, _op=op, **k: seen.append(t.numel()) or _op(t, *a, **k)
+        )
 
     with pytest.raises(ValueError) as err:
         batches(path, vocab)
@@ -138,10 +172,18 @@ def test_scan_reports_the_first_bad_id_and_stops_at_its_chunk():
     assert data_module.scan_ids(ids.clamp(0, 9), 10, chunk=3) is None
 
 
-@pytest.mark.parametrize(("dtype", "vocab"), [
-    (torch.uint16, 30522), (torch.uint16, 50257), (torch.uint16, 1 << 15), (torch.uint8, 200),
-    (torch.int32, 1000), (torch.uint32, 1 << 31), (torch.int64, 1000),
-])
+@pytest.mark.parametrize(
+    ("dtype", "vocab"),
+    [
+        (torch.uint16, 30522),
+        (torch.uint16, 50257),
+        (torch.uint16, 1 << 15),
+        (torch.uint8, 200),
+        (torch.int32, 1000),
+        (torch.uint32, 1 << 31),
+        (torch.int64, 1000),
+    ],
+)
 def test_the_first_bad_chunk_is_read_as_the_widened_ids_say(dtype: torch.dtype, vocab: int):
     """The first bad chunk is searched in the file's type (uint16 and uint32 through their signed
     views): the same first id, count and extremes as reading it widened to int64."""
@@ -164,11 +206,17 @@ def test_the_first_bad_chunk_is_read_as_the_widened_ids_say(dtype: torch.dtype, 
             assert found is None
             continue
         begin = int(bad[0]) // 100 * 100
-        part = wide[begin: begin + 100]
+        part = wide[begin : begin + 100]
         outside = part[(part >= vocab) | (part < 0)]
-        assert found == (int(bad[0]), int(wide[bad[0]]), outside.numel(),
-                         int(outside.max()) if bool((outside >= vocab).any()) else None,
-                         int(outside.min()) if bool((outside < 0).any()) else None, begin, part.numel())
+        assert found == (
+            int(bad[0]),
+            int(wide[bad[0]]),
+            outside.numel(),
+            int(outside.max()) if bool((outside >= vocab).any()) else None,
+            int(outside.min()) if bool((outside < 0).any()) else None,
+            begin,
+            part.numel(),
+        )
 
 
 def test_a_wrong_vocabulary_stops_the_scan_at_the_first_chunk(tmp_path: Path, monkeypatch):
@@ -180,38 +228,67 @@ def test_a_wrong_vocabulary_stops_the_scan_at_the_first_chunk(tmp_path: Path, mo
     monkeypatch.setattr(data_module, "SCAN_CHUNK", chunk)
     widened: list[int] = []
     to = torch.Tensor.to
-    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: (
-        widened.append(t.numel()) if a and a[0] is torch.int64 else None) or to(t, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor,
+        "to",
+        lambda t, *a, **k: (
+            (widened.append(t.numel()) if a and a[0] is torch.int64 else None) or to(t, *a, **k)
+        ),
+    )
     with pytest.raises(data_module.DataError) as err:
         batches(path, 30522)
     assert widened == [392]  # the first chunk's ids 30522 and up
     message = str(err.value)
     assert "holds token id 31676 at position 4 " in message  # 4 * 7919
-    assert "ids outside 0..30521: 392 of the 1000 from position 0 (the check stops at the first chunk" in message
-    assert ("set model.vocab_size above the file's largest id (at least 50211; the ids after position 999 "
-            "were not checked)") in message
+    assert (
+        "ids outside 0..30521: 392 of the 1000 from position 0 (the check stops at the first chunk"
+        in message
+    )
+    assert (
+        "set model.vocab_size above the file's largest id (at least 50211; the ids after position 999 "
+        "were not checked)"
+    ) in message
 
 
-@pytest.mark.parametrize(("dtype", "descr", "vocab"), [
-    (torch.uint16, "<u2", 65536), (torch.uint16, "<u2", 100_000), (torch.uint8, "|u1", 256),
-])
-def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(tmp_path: Path, monkeypatch, dtype, descr, vocab):
+@pytest.mark.parametrize(
+    ("dtype", "descr", "vocab"),
+    [
+        (torch.uint16, "<u2", 65536),
+        (torch.uint16, "<u2", 100_000),
+        (torch.uint8, "|u1", 256),
+    ],
+)
+def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(
+    tmp_path: Path, monkeypatch, dtype, descr, vocab
+):
     ids = (torch.arange(3_000, dtype=torch.int64) * 7919 % 65536).to(dtype)
     ids[17] = -1 if dtype == torch.uint8 else 65535  # the type's largest id, inside the vocabulary
     path = write_npy(tmp_path / "t.npy", ids.to(dtype) if dtype == torch.uint8 else ids, descr)
     seen: list[int] = []
     for name in ("aminmax", "bitwise_xor"):
         op = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda t, *a, _op=op, **k: seen.append(t.numel()) or _op(t, *a, **k))
+        monkeypatch.setattr(
+            torch, name, lambda t, *a, _op=op, **k: seen.append(t.numel()) or _op(t, *a, **k)
+        )
     data = batches(path, vocab)
     assert seen == []
     assert int(data.batch(1)["input_ids"].max()) < vocab
     data.close()
     if vocab >= 1 << 16:
-        assert data_module.scan_ids(torch.full((5,), -1, dtype=torch.int16), vocab, low_bits=0xFFFF) is None
+        assert (
+            data_module.scan_ids(torch.full((5,), -1, dtype=torch.int16), vocab, low_bits=0xFFFF)
+            is None
+        )
     # Signed ids are read whatever the vocabulary: a negative id fits none.
-    assert data_module.scan_ids(torch.tensor([1, -100, 2], dtype=torch.int32), 1 << 31) == (1, -100, 1, None, -100,
-                                                                                              0, 3)
+    assert data_module.scan_ids(torch.tensor([1, -100, 2], dtype=torch.int32), 1 << 31) == (
+        1,
+        -100,
+        1,
+        None,
+        -100,
+        0,
+        3,
+    )
     assert seen
 
 
@@ -231,11 +308,18 @@ def test_the_ranks_slices_cover_every_chunk_once(world: int, n: int):
     # A bad id in any chunk, at its start or end: exactly the rank whose slice holds it finds it,
     # as the whole file's scan does.
     ids = torch.arange(n, dtype=torch.int32) % 50
-    for at in sorted({p for c in range(chunks) for p in (c * chunk, min(c * chunk + chunk, n) - 1)}):
+    for at in sorted(
+        {p for c in range(chunks) for p in (c * chunk, min(c * chunk + chunk, n) - 1)}
+    ):
         ids[at] = 77
-        found = [data_module.scan_ids(ids, 50, chunk=chunk, start=start, stop=stop) for start, stop in slices]
+        found = [
+            data_module.scan_ids(ids, 50, chunk=chunk, start=start, stop=stop)
+            for start, stop in slices
+        ]
         assert [bad is not None for bad in found] == [start <= at < stop for start, stop in slices]
-        assert min((b for b in found if b), key=lambda b: b.position) == data_module.scan_ids(ids, 50, chunk=chunk)
+        assert min((b for b in found if b), key=lambda b: b.position) == data_module.scan_ids(
+            ids, 50, chunk=chunk
+        )
         ids[at] = at % 50
 
 
@@ -248,9 +332,20 @@ def _split_scan_worker(rank: int, world: int, port: int, paths: list[str], out: 
     aminmax = torch.aminmax
     torch.aminmax = lambda t, *a, **k: seen.append(t.numel()) or aminmax(t, *a, **k)
     try:
-        TokenFileBatches(path=paths[rank], token_dtype="int32", arch="gpt", vocab_size=1000, seq_len=16,
-                         micro_batch=2, grad_accum=1, mask_prob=0.15, seed=1, rank=rank, world_size=world,
-                         device=CPU).close()
+        TokenFileBatches(
+            path=paths[rank],
+            token_dtype="int32",
+            arch="gpt",
+            vocab_size=1000,
+            seq_len=16,
+            micro_batch=2,
+            grad_accum=1,
+            mask_prob=0.15,
+            seed=1,
+            rank=rank,
+            world_size=world,
+            device=CPU,
+        ).close()
         result = {"error": None}
     except data_module.DataError as err:
         result = {"error": str(err), "field": err.field}
@@ -262,7 +357,9 @@ def _split_scan_worker(rank: int, world: int, port: int, paths: list[str], out: 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bad_at", [[8_765], [1_234, 8_765], [], "sizes differ"])
-def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(tmp_path: Path, monkeypatch, bad_at):
+def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(
+    tmp_path: Path, monkeypatch, bad_at
+):
     """Two processes of a gloo group each read half the chunks (0-4 and 5-10 of eleven) and
     agree: the file's first bad id (the one a lone process reports), raised by both ranks."""
     chunk, n = 1_000, 10_500
@@ -273,17 +370,27 @@ def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(tmp_path: Path, 
     paths = [str(write_npy(tmp_path / "t.npy", ids, "<i4"))] * 2
     if bad_at == "sizes differ":
         paths[1] = str(write_npy(tmp_path / "other.npy", ids[:9_000], "<i4"))
-    mp.start_processes(_split_scan_worker, args=(2, free_port(), paths, str(tmp_path)), nprocs=2,
-                       start_method="fork")
+    mp.start_processes(
+        _split_scan_worker,
+        args=(2, free_port(), paths, str(tmp_path)),
+        nprocs=2,
+        start_method="fork",
+    )
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     if bad_at == "sizes differ":  # (the nodes' data.path would be one path)
         for rank in range(2):
-            assert got[rank]["error"].endswith("holds 10500 token ids on rank 0 but 9000 on rank 1: every node "
-                                               "must see the same file at data.path")
+            assert got[rank]["error"].endswith(
+                "holds 10500 token ids on rank 0 but 9000 on rank 1: every node "
+                "must see the same file at data.path"
+            )
         return
     assert got[0]["error"] == got[1]["error"]
-    assert got[0]["seen"] == [chunk] * (2 if 1_234 in bad_at else 5)  # rank 0: chunks 0-4, to a bad one
-    assert got[1]["seen"] == [chunk] * 4 if bad_at else [chunk] * 5 + [500]  # chunks 5-10, to the bad one
+    assert got[0]["seen"] == [chunk] * (
+        2 if 1_234 in bad_at else 5
+    )  # rank 0: chunks 0-4, to a bad one
+    assert (
+        got[1]["seen"] == [chunk] * 4 if bad_at else [chunk] * 5 + [500]
+    )  # chunks 5-10, to the bad one
     if not bad_at:
         assert got[0]["error"] is None
         return
@@ -296,8 +403,11 @@ def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(tmp_path: Path, 
 def test_a_model_folders_vocabulary_says_to_use_its_tokenizer(tmp_path: Path):
     ids = torch.arange(100, dtype=torch.int32)
     data_path = write_npy(tmp_path / "t.npy", ids, "<i4")
-    with pytest.raises(ValueError, match=r"\(the vocab_size of model.init_from's /m/config.json\).*"
-                                        r"write the file with the tokenizer of the model in model.init_from"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(the vocab_size of model.init_from's /m/config.json\).*"
+        r"write the file with the tokenizer of the model in model.init_from",
+    ):
         batches(data_path, 64, vocab_origin="the vocab_size of model.init_from's /m/config.json")
 
 
@@ -315,16 +425,38 @@ def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
     ids = torch.arange(200, dtype=torch.int64) % 50
     ids[77] = 600
     (tmp_path / "c.bin").write_bytes(ids.to(torch.int32).numpy().tobytes())
-    meta = {"path": str(tmp_path / "c.bin"), "dtype": "int32", "vocab_size": 60, "tokenizer": "/tok",
-            "special": {"eos": 3}}
-    common = dict(arch="gpt", vocab_size=512, seq_len=16, micro_batch=2, grad_accum=1, mask_prob=0.15,
-                  seed=1, rank=0, world_size=1, device=CPU)
-    with pytest.raises(TextError, match=r"the tokenized text .*c.bin \(data.path tokenized with the tokenizer "
-                                        r"/tok, of 60 tokens\) holds token id 600 at position 77"):
+    meta = {
+        "path": str(tmp_path / "c.bin"),
+        "dtype": "int32",
+        "vocab_size": 60,
+        "tokenizer": "/tok",
+        "special": {"eos": 3},
+    }
+    common = dict(
+        arch="gpt",
+        vocab_size=512,
+        seq_len=16,
+        micro_batch=2,
+        grad_accum=1,
+        mask_prob=0.15,
+        seed=1,
+        rank=0,
+        world_size=1,
+        device=CPU,
+    )
+    with pytest.raises(
+        TextError,
+        match=r"the tokenized text .*c.bin \(data.path tokenized with the tokenizer "
+        r"/tok, of 60 tokens\) holds token id 600 at position 77",
+    ):
         TextBatches(meta=meta, **common)
-    with pytest.raises(TextError, match="special tokens the ids eos 700, outside the model's vocabulary of 512"):
+    with pytest.raises(
+        TextError, match="special tokens the ids eos 700, outside the model's vocabulary of 512"
+    ):
         TextBatches(meta={**meta, "special": {"eos": 700}}, **common)
-    assert TextError is data_module.DataError  # what launcher.train.__main__ reports as one paragraph
+    assert (
+        TextError is data_module.DataError
+    )  # what launcher.train.__main__ reports as one paragraph
 
 
 def test_a_tokenizer_with_ids_past_its_size_tokenizes_and_is_refused_clearly(tmp_path: Path):
@@ -334,15 +466,34 @@ def test_a_tokenizer_with_ids_past_its_size_tokenizes_and_is_refused_clearly(tmp
 
     folder = tmp_path / "tok"
     folder.mkdir()
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {"[UNK]": 0, "a": 1, "<|endoftext|>": 2, "b": 70_000}, unk_token="[UNK]"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel(
+            {"[UNK]": 0, "a": 1, "<|endoftext|>": 2, "b": 70_000}, unk_token="[UNK]"
+        )
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
     (tmp_path / "c.txt").write_text("a a a a b a\n\n" * 10)
-    spec = DataSpec(source="text", seq_len=8, path=tmp_path / "c.txt", tokenizer=folder,
-                    cache_dir=tmp_path / "cache")
+    spec = DataSpec(
+        source="text",
+        seq_len=8,
+        path=tmp_path / "c.txt",
+        tokenizer=folder,
+        cache_dir=tmp_path / "cache",
+    )
     meta = text.tokenize(spec, "gpt", progress=False)  # 4 tokens, an id of 70000: int32, not uint16
     assert meta["dtype"] == "int32" and meta["vocab_size"] == 4
     with pytest.raises(text.TextError, match="holds token id 70000 at position 4 "):
-        text.TextBatches(meta=meta, arch="gpt", vocab_size=512, seq_len=8, micro_batch=2, grad_accum=1,
-                         mask_prob=0.15, seed=1, rank=0, world_size=1, device=CPU)
+        text.TextBatches(
+            meta=meta,
+            arch="gpt",
+            vocab_size=512,
+            seq_len=8,
+            micro_batch=2,
+            grad_accum=1,
+            mask_prob=0.15,
+            seed=1,
+            rank=0,
+            world_size=1,
+            device=CPU,
+        )

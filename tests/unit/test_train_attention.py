@@ -60,7 +60,9 @@ def test_compiled_matches_eager():
         return attention.packed_attention(x * 1.0, True)
 
     want = torch.autograd.grad(f(qkv), qkv, dout)[0]
-    got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(qkv), qkv, dout)[0]
+    got = torch.autograd.grad(
+        torch.compile(f, backend="aot_eager", fullgraph=True)(qkv), qkv, dout
+    )[0]
     torch.testing.assert_close(got, want)
 
 
@@ -68,10 +70,15 @@ def test_compiled_matches_eager():
 def test_models_packed_equal_sdpa(model_cls):
     """A model with ``packed`` attention gives the loss and gradients of its SDPA version."""
     torch.manual_seed(3)
-    model = model_cls(n_layers=2, d_model=32, n_heads=4, d_ff=64, vocab_size=96, max_positions=16).double()
+    model = model_cls(
+        n_layers=2, d_model=32, n_heads=4, d_ff=64, vocab_size=96, max_positions=16
+    ).double()
     ids = torch.randint(0, 96, (2, 16))
-    kwargs = {"mask_pos": torch.tensor([[1, 5], [2, 9]]), "labels": torch.randint(0, 96, (2, 2))} \
-        if model_cls is BertForMaskedLM else {"labels": torch.randint(0, 96, (2, 16))}
+    kwargs = (
+        {"mask_pos": torch.tensor([[1, 5], [2, 9]]), "labels": torch.randint(0, 96, (2, 2))}
+        if model_cls is BertForMaskedLM
+        else {"labels": torch.randint(0, 96, (2, 16))}
+    )
     grads = []
     for packed in (False, True):
         for m in model.modules():
@@ -87,7 +94,9 @@ def test_models_packed_equal_sdpa(model_cls):
 
 
 def _choose(requested, device, dtype=torch.bfloat16, dropout=0.0, head_dim=64):
-    return attention.choose(requested, device=device, dtype=dtype, dropout=dropout, head_dim=head_dim)
+    return attention.choose(
+        requested, device=device, dtype=dtype, dropout=dropout, head_dim=head_dim
+    )
 
 
 def test_choose_on_cpu():
@@ -100,14 +109,20 @@ def test_choose_on_cpu():
         _choose("cudnn-fa4", cpu, dtype=None, dropout=0.1)
 
 
-@pytest.mark.parametrize(("over", "expected"), [
-    ({"model": {"dropout": 0.1}}, "model.dropout must be 0"),
-    ({"precision": {"dtype": "fp32"}}, "bf16 or fp16 inputs"),
-    ({"precision": {"dtype": "tf32"}}, "bf16 or fp16 inputs"),
-    ({"model": {"d_model": 192, "n_heads": 2}}, "head dimension (d_model / n_heads) is 96"),  # 96 fits
-    ({"model": {"d_model": 200, "n_heads": 2}}, "head dimension (d_model / n_heads) is 100"),
-    ({"model": {"d_model": 512, "n_heads": 2}}, "head dimension (d_model / n_heads) is 256"),
-])
+@pytest.mark.parametrize(
+    ("over", "expected"),
+    [
+        ({"model": {"dropout": 0.1}}, "model.dropout must be 0"),
+        ({"precision": {"dtype": "fp32"}}, "bf16 or fp16 inputs"),
+        ({"precision": {"dtype": "tf32"}}, "bf16 or fp16 inputs"),
+        (
+            {"model": {"d_model": 192, "n_heads": 2}},
+            "head dimension (d_model / n_heads) is 96",
+        ),  # 96 fits
+        ({"model": {"d_model": 200, "n_heads": 2}}, "head dimension (d_model / n_heads) is 100"),
+        ({"model": {"d_model": 512, "n_heads": 2}}, "head dimension (d_model / n_heads) is 256"),
+    ],
+)
 def test_the_job_spec_refuses_cudnn_fa4_where_the_job_alone_rules_it_out(over, expected):
     """Dropout, fp32/tf32 and the head dimension are known before any worker starts: an explicit
     cudnn-fa4 is refused there (exit 2) in the words ``choose`` uses; ``auto`` falls back."""
@@ -115,15 +130,22 @@ def test_the_job_spec_refuses_cudnn_fa4_where_the_job_alone_rules_it_out(over, e
 
     from launcher.spec.job import JobSpec
 
-    spec = {"name": "fa4", "model": {"arch": "gpt", "size": "tiny"}, "data": {"seq_len": 16},
-            "train": {"steps": 2, "warmup_steps": 0, "attention": "cudnn-fa4"}}
+    spec = {
+        "name": "fa4",
+        "model": {"arch": "gpt", "size": "tiny"},
+        "data": {"seq_len": 16},
+        "train": {"steps": 2, "warmup_steps": 0, "attention": "cudnn-fa4"},
+    }
     for section, values in over.items():
         spec[section] = {**spec.get(section, {}), **values}
     if expected.endswith("96"):  # a multiple of 8 up to 128: accepted
         assert JobSpec.model_validate(spec).train.attention == "cudnn-fa4"
         return
-    with pytest.raises(ValidationError, match=r"cudnn-fa4 \(cuDNN's forward, FlashAttention-4's backward\) "
-                                              r"cannot run this job: .*Set train.attention: auto") as err:
+    with pytest.raises(
+        ValidationError,
+        match=r"cudnn-fa4 \(cuDNN's forward, FlashAttention-4's backward\) "
+        r"cannot run this job: .*Set train.attention: auto",
+    ) as err:
         JobSpec.model_validate(spec)
     assert expected in str(err.value)
     spec["train"]["attention"] = "auto"

@@ -13,9 +13,21 @@ from launcher.train.checkpoint import MARKER, Checkpointer, ResumeError, latest_
 from launcher.train.data import SyntheticBatches
 
 
-def checkpointer(spec: CheckpointSpec, *, world: int = 1, accum: int = 1, elastic_batch: str = "keep") -> Checkpointer:
-    data = SyntheticBatches(arch="gpt", vocab_size=64, seq_len=8, micro_batch=2, grad_accum=accum, mask_prob=0.15,
-                            seed=0, rank=0, world_size=world, device=torch.device("cpu"))
+def checkpointer(
+    spec: CheckpointSpec, *, world: int = 1, accum: int = 1, elastic_batch: str = "keep"
+) -> Checkpointer:
+    data = SyntheticBatches(
+        arch="gpt",
+        vocab_size=64,
+        seq_len=8,
+        micro_batch=2,
+        grad_accum=accum,
+        mask_prob=0.15,
+        seed=0,
+        rank=0,
+        world_size=world,
+        device=torch.device("cpu"),
+    )
     return Checkpointer(spec, rank=0, data=data, elastic_batch=elastic_batch)
 
 
@@ -50,7 +62,9 @@ def test_resume_puts_the_data_at_the_next_sample_and_checks_the_global_batch(tmp
     # a checkpoint from before the data position was saved: it ran at this job's global batch
     old = keep._continue_data(tmp_path, {"step": 5})
     assert (old.samples, old.world_size, old.global_batch) == (60, None, None)
-    with pytest.raises(ResumeError, match=r"global batch of 12 samples \(3 ranks\).*train.grad_accum: 6"):
+    with pytest.raises(
+        ResumeError, match=r"global batch of 12 samples \(3 ranks\).*train.grad_accum: 6"
+    ):
         checkpointer(CheckpointSpec(dir=tmp_path), world=1)._continue_data(tmp_path, written)
     with pytest.raises(ResumeError, match="whose product with the world size equals it"):
         checkpointer(CheckpointSpec(dir=tmp_path), world=5)._continue_data(tmp_path, written)
@@ -68,7 +82,9 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
 
     def build(weights: str):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+        )
         groups = param_groups(model, 0.1)
         if weights == "bf16":
             opt = MasterAdamW(groups, MasterWeights(list(model.parameters())), lr=1e-2)
@@ -89,22 +105,36 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
     moments = {i: opt.state[p]["exp_avg_sq"].clone() for i, p in enumerate(model.parameters())}
 
     fp32, fused, fused_sched = build("fp32")
-    assert checkpointer(CheckpointSpec(dir=tmp_path, resume="auto")).maybe_resume(fp32, fused, fused_sched) == 3
+    assert (
+        checkpointer(CheckpointSpec(dir=tmp_path, resume="auto")).maybe_resume(
+            fp32, fused, fused_sched
+        )
+        == 3
+    )
     for i, p in enumerate(fp32.parameters()):
         assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[i])
-        assert torch.equal(fused.state[p]["exp_avg_sq"], moments[i]) and float(fused.state[p]["step"]) == 3
+        assert (
+            torch.equal(fused.state[p]["exp_avg_sq"], moments[i])
+            and float(fused.state[p]["step"]) == 3
+        )
     assert all(g["fused"] is True for g in fused.param_groups)
 
     bf16, again, again_sched = build("bf16")
-    assert checkpointer(CheckpointSpec(dir=tmp_path, resume="auto")).maybe_resume(bf16, again, again_sched) == 3
+    assert (
+        checkpointer(CheckpointSpec(dir=tmp_path, resume="auto")).maybe_resume(
+            bf16, again, again_sched
+        )
+        == 3
+    )
     for i, p in enumerate(bf16.parameters()):
         assert torch.equal(again.masters.master_of(p), masters[i])
         assert torch.equal(p.detach(), masters[i].bfloat16())
         assert torch.equal(again.state[p]["exp_avg_sq"], moments[i]) and int(again._step) == 3
 
 
-def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(one_process_trainer_env, monkeypatch,
-                                                                  tmp_path: Path):
+def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
+    one_process_trainer_env, monkeypatch, tmp_path: Path
+):
     """``train.cuda_graphs`` with ``grad_accum`` above 1 keeps every gradient in its own memory
     (``Trainer.grads_in_place``). Those gradients are allocated after the resume: torch builds a
     fresh optimizer's state for the checkpoint to load into only while no gradient exists, and a
@@ -114,12 +144,24 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(one_process_tra
     from launcher.train.loop import Trainer
     from launcher.util import free_port
 
-    job = JobSpec.model_validate({
-        "name": "inplace", "model": {"arch": "gpt", "size": "tiny"}, "data": {"seq_len": 16},
-        "train": {"steps": 4, "warmup_steps": 0, "micro_batch": 2, "grad_accum": 2, "compile": False,
-                  "log_every": 1, "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 2}},
-        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-    })
+    job = JobSpec.model_validate(
+        {
+            "name": "inplace",
+            "model": {"arch": "gpt", "size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {
+                "steps": 4,
+                "warmup_steps": 0,
+                "micro_batch": 2,
+                "grad_accum": 2,
+                "compile": False,
+                "log_every": 1,
+                "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 2},
+            },
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+        }
+    )
     in_place = job.model_copy(update={"train": job.train.model_copy(update={"cuda_graphs": True})})
 
     def run(spec: JobSpec, *, stop_at: int | None = None) -> Trainer:
@@ -133,14 +175,18 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(one_process_tra
             else:
                 for step in range(1, stop_at + 1):
                     trainer.train_step(step)
-                trainer.checkpointer.save(stop_at, trainer.model, trainer.optimizer, trainer.scheduler)
+                trainer.checkpointer.save(
+                    stop_at, trainer.model, trainer.optimizer, trainer.scheduler
+                )
         finally:
             trainer.close()
         return trainer
 
     first = run(in_place, stop_at=2)
-    saved = {i: {k: v.clone() for k, v in first.optimizer.state[p].items()}
-             for i, p in enumerate(first.trained_params)}
+    saved = {
+        i: {k: v.clone() for k, v in first.optimizer.state[p].items()}
+        for i, p in enumerate(first.trained_params)
+    }
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     resumed = Trainer(in_place)
     try:
@@ -157,8 +203,9 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(one_process_tra
     finally:
         resumed.close()
 
-    straight = in_place.model_copy(update={"train": in_place.train.model_copy(
-        update={"checkpoint": CheckpointSpec()})})
+    straight = in_place.model_copy(
+        update={"train": in_place.train.model_copy(update={"checkpoint": CheckpointSpec()})}
+    )
     whole = run(straight)
     for name, value in whole.model.state_dict().items():
         assert torch.equal(value, after_resume[name]), name
@@ -175,8 +222,12 @@ def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
         opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
-        return (model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
-                torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10))
+        return (
+            model,
+            opt,
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
+            torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10),
+        )
 
     model, opt, sched, scaler = build()
     for step in range(5):
@@ -204,7 +255,9 @@ def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
     assert fresh.get_scale() == 2.0**16
 
 
-def _resume_worker(rank: int, world: int, port: int, base: str, roots: dict[int, list[int]]) -> None:
+def _resume_worker(
+    rank: int, world: int, port: int, base: str, roots: dict[int, list[int]]
+) -> None:
     """One gloo rank: save steps 2 and 4 to a shared folder, copy into each rank's own folder
     the steps ``roots`` gives it (a node-local view), resume there; the outcome to a file."""
     import shutil
@@ -212,7 +265,9 @@ def _resume_worker(rank: int, world: int, port: int, base: str, roots: dict[int,
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
+    )
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
@@ -220,18 +275,36 @@ def _resume_worker(rank: int, world: int, port: int, base: str, roots: dict[int,
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-        data = SyntheticBatches(arch="gpt", vocab_size=64, seq_len=8, micro_batch=2, grad_accum=1, mask_prob=0.15,
-                                seed=0, rank=rank, world_size=world, device=torch.device("cpu"))
-        shared = Checkpointer(CheckpointSpec(dir=Path(base, "shared")), rank=rank, data=data, elastic_batch="keep")
+        data = SyntheticBatches(
+            arch="gpt",
+            vocab_size=64,
+            seq_len=8,
+            micro_batch=2,
+            grad_accum=1,
+            mask_prob=0.15,
+            seed=0,
+            rank=rank,
+            world_size=world,
+            device=torch.device("cpu"),
+        )
+        shared = Checkpointer(
+            CheckpointSpec(dir=Path(base, "shared")), rank=rank, data=data, elastic_batch="keep"
+        )
         for step in (2, 4):
             shared.save(step, model, opt, sched)
         if rank == 0:
             for r, steps in roots.items():
                 for step in steps:
-                    shutil.copytree(step_dir(Path(base, "shared"), step), step_dir(Path(base, f"rank{r}"), step))
+                    shutil.copytree(
+                        step_dir(Path(base, "shared"), step), step_dir(Path(base, f"rank{r}"), step)
+                    )
         dist.barrier()
-        mine = Checkpointer(CheckpointSpec(dir=Path(base, f"rank{rank}"), resume="auto"), rank=rank, data=data,
-                            elastic_batch="keep")
+        mine = Checkpointer(
+            CheckpointSpec(dir=Path(base, f"rank{rank}"), resume="auto"),
+            rank=rank,
+            data=data,
+            elastic_batch="keep",
+        )
         try:
             outcome = str(mine.maybe_resume(model, opt, sched))
         except ResumeError as err:
@@ -250,12 +323,15 @@ def _resume_in_two_ranks(base: Path, roots: dict[int, list[int]]) -> list[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.start_processes(_resume_worker, args=(2, port, str(base), roots), nprocs=2, join=False,
-                                 start_method="fork")
+    context = mp.start_processes(
+        _resume_worker, args=(2, port, str(base), roots), nprocs=2, join=False, start_method="fork"
+    )
     deadline = time.monotonic() + 120
     try:  # join raises when a rank failed, with its traceback
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            assert time.monotonic() < deadline, "the ranks did not finish in 120 s (one waits for the other)"
+            assert time.monotonic() < deadline, (
+                "the ranks did not finish in 120 s (one waits for the other)"
+            )
     finally:
         for proc in context.processes:
             if proc.is_alive():

@@ -22,7 +22,9 @@ def test_freezes_at_its_step_then_collects_only_on_log_steps(restore_gc, monkeyp
     gc.enable()
     collected: list[int] = []
     real_collect = gc.collect
-    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(generation))
+    monkeypatch.setattr(
+        gc, "collect", lambda generation=2: collected.append(generation) or real_collect(generation)
+    )
     c = ManualCollector(enabled=True, freeze_at=3)
     for step in (1, 2):
         c.after_step(step, logged=step == 2)

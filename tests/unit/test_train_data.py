@@ -25,10 +25,33 @@ from launcher.train.data import (
 CPU = torch.device("cpu")
 
 
-def source(arch="bert", *, rank=0, world=1, micro=4, accum=1, seq=32, vocab=1024, seed=3, cls=SyntheticBatches,
-           device=CPU, **kw):
-    return cls(arch=arch, vocab_size=vocab, seq_len=seq, micro_batch=micro, grad_accum=accum,
-               mask_prob=0.15, seed=seed, rank=rank, world_size=world, device=device, **kw)
+def source(
+    arch="bert",
+    *,
+    rank=0,
+    world=1,
+    micro=4,
+    accum=1,
+    seq=32,
+    vocab=1024,
+    seed=3,
+    cls=SyntheticBatches,
+    device=CPU,
+    **kw,
+):
+    return cls(
+        arch=arch,
+        vocab_size=vocab,
+        seq_len=seq,
+        micro_batch=micro,
+        grad_accum=accum,
+        mask_prob=0.15,
+        seed=seed,
+        rank=rank,
+        world_size=world,
+        device=device,
+        **kw,
+    )
 
 
 def step_samples(make, world: int, accum: int, step: int, key: str = "input_ids") -> torch.Tensor:
@@ -40,8 +63,14 @@ def step_samples(make, world: int, accum: int, step: int, key: str = "input_ids"
 @given(world=st.integers(1, 4), micro=st.integers(1, 4), accum=st.integers(1, 3))
 @settings(max_examples=50, deadline=None)
 def test_global_indices_tile_the_step_without_overlap(world: int, micro: int, accum: int):
-    seen = [i for a in range(accum) for r in range(world)
-            for i in global_indices(step=1, micro=a, rank=r, world_size=world, micro_batch=micro, grad_accum=accum)]
+    seen = [
+        i
+        for a in range(accum)
+        for r in range(world)
+        for i in global_indices(
+            step=1, micro=a, rank=r, world_size=world, micro_batch=micro, grad_accum=accum
+        )
+    ]
     assert seen == list(range(world * micro * accum))
 
 
@@ -111,16 +140,23 @@ def write_npy(path: Path, ids: torch.Tensor, descr: str) -> None:
     header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
     header += " " * (-(10 + len(header) + 1) % 64) + "\n"
     body = bytes(ids.contiguous().view(torch.uint8).tolist())
-    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body)
+    path.write_bytes(
+        b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body
+    )
 
 
-@pytest.mark.parametrize(("dtype", "descr"), [(torch.uint16, "<u2"), (torch.int32, "<i4"), (torch.int64, "<i8")])
+@pytest.mark.parametrize(
+    ("dtype", "descr"), [(torch.uint16, "<u2"), (torch.int32, "<i4"), (torch.int64, "<i8")]
+)
 def test_npy_and_raw_token_files_are_memory_mapped(tmp_path: Path, dtype: torch.dtype, descr: str):
     ids = torch.arange(1000, dtype=torch.int64).to(dtype)
     write_npy(tmp_path / "t.npy", ids, descr)
     (tmp_path / "t.bin").write_bytes(bytes(ids.view(torch.uint8).tolist()))
     raw_name = {torch.uint16: "uint16", torch.int32: "int32", torch.int64: "int64"}[dtype]
-    for tokens in (open_token_file(tmp_path / "t.npy", "uint16"), open_token_file(tmp_path / "t.bin", raw_name)):
+    for tokens in (
+        open_token_file(tmp_path / "t.npy", "uint16"),
+        open_token_file(tmp_path / "t.bin", raw_name),
+    ):
         assert tokens.dtype == dtype and tokens.numel() == 1000
         assert torch.equal(tokens.to(torch.int64), torch.arange(1000))
 
@@ -130,8 +166,16 @@ def test_token_windows_are_sharded_by_rank_and_match_one_process(tmp_path: Path)
     write_npy(tmp_path / "t.npy", ids, "<i4")
 
     def make(rank: int, world: int = 2, micro: int = 4):
-        return source("gpt", rank=rank, world=world, micro=micro, seq=16, cls=TokenFileBatches,
-                      path=tmp_path / "t.npy", token_dtype="uint16")
+        return source(
+            "gpt",
+            rank=rank,
+            world=world,
+            micro=micro,
+            seq=16,
+            cls=TokenFileBatches,
+            path=tmp_path / "t.npy",
+            token_dtype="uint16",
+        )
 
     r0, r1 = make(0).batch(1), make(1).batch(1)
     assert torch.equal(r0["input_ids"][:, 0], torch.tensor([0, 16, 32, 48]))
@@ -144,18 +188,38 @@ def test_token_windows_are_sharded_by_rank_and_match_one_process(tmp_path: Path)
 def test_token_file_errors_name_the_fix(tmp_path: Path):
     write_npy(tmp_path / "short.npy", torch.arange(10, dtype=torch.int32), "<i4")
     with pytest.raises(ValueError, match="shorter seq_len"):
-        source("gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "short.npy", token_dtype="uint16")
+        source(
+            "gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "short.npy", token_dtype="uint16"
+        )
     write_npy(tmp_path / "big.npy", torch.full((100,), 5000, dtype=torch.int32), "<i4")
-    with pytest.raises(ValueError, match="set model.vocab_size: 5001"):  # when opened, before a batch
-        source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "big.npy", token_dtype="uint16")
+    with pytest.raises(
+        ValueError, match="set model.vocab_size: 5001"
+    ):  # when opened, before a batch
+        source(
+            "gpt",
+            seq=16,
+            micro=1,
+            cls=TokenFileBatches,
+            path=tmp_path / "big.npy",
+            token_dtype="uint16",
+        )
     padded = torch.arange(100, dtype=torch.int32)
     padded[5] = -1  # padding by a negative id: CUDA's embedding would fail with a device assert
     write_npy(tmp_path / "padded.npy", padded, "<i4")
     with pytest.raises(ValueError, match="token id -1 at position 5 .*token ids run from 0"):
-        source("gpt", seq=16, micro=1, cls=TokenFileBatches, path=tmp_path / "padded.npy", token_dtype="uint16")
+        source(
+            "gpt",
+            seq=16,
+            micro=1,
+            cls=TokenFileBatches,
+            path=tmp_path / "padded.npy",
+            token_dtype="uint16",
+        )
     write_npy(tmp_path / "float.npy", torch.zeros(100, dtype=torch.float32), "<f4")
     with pytest.raises(ValueError, match="uint8, uint16, uint32, int32 or int64"):
-        source("gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "float.npy", token_dtype="uint16")
+        source(
+            "gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "float.npy", token_dtype="uint16"
+        )
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
@@ -164,7 +228,11 @@ def test_batches_made_ahead_equal_batches_made_one_at_a_time(arch: str):
     assert ahead.steps_ahead == 16
     # in order across a chunk boundary, then a jump back and a resume-like start mid-way;
     # Batches.batch is the one-batch path (the step a Python int in the hash)
-    for step, micro in [(s, a) for s in range(1, 19) for a in range(3)] + [(5, 2), (40, 0), (41, 1)]:
+    for step, micro in [(s, a) for s in range(1, 19) for a in range(3)] + [
+        (5, 2),
+        (40, 0),
+        (41, 1),
+    ]:
         got, want = ahead.batch(step, micro), Batches.batch(ahead, step, micro)
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
@@ -178,8 +246,16 @@ def test_steps_ahead_is_bounded_by_the_chunk_size():
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
 def test_token_file_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path: Path, arch: str):
     write_npy(tmp_path / "t.npy", torch.arange(5_000, dtype=torch.int32) % 1000, "<i4")
-    ahead = source(arch, rank=1, world=2, accum=2, seq=16, cls=TokenFileBatches, path=tmp_path / "t.npy",
-                   token_dtype="uint16")
+    ahead = source(
+        arch,
+        rank=1,
+        world=2,
+        accum=2,
+        seq=16,
+        cls=TokenFileBatches,
+        path=tmp_path / "t.npy",
+        token_dtype="uint16",
+    )
     assert ahead.steps_ahead == 16
     # across a chunk boundary and past the file's end (windows wrap around), then a jump back
     for step, micro in [(s, a) for s in range(1, 40) for a in range(2)] + [(3, 1)]:
@@ -188,14 +264,25 @@ def test_token_file_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path
         assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
 
 
-@pytest.mark.parametrize(("dtype", "descr", "bits"), [(torch.uint16, "<u2", 16), (torch.uint32, "<u4", 32),
-                                                     (torch.uint8, "|u1", 8)])
-def test_unsigned_token_ids_above_the_signed_range_read_back_exactly(tmp_path: Path, dtype, descr: str, bits: int):
+@pytest.mark.parametrize(
+    ("dtype", "descr", "bits"),
+    [(torch.uint16, "<u2", 16), (torch.uint32, "<u4", 32), (torch.uint8, "|u1", 8)],
+)
+def test_unsigned_token_ids_above_the_signed_range_read_back_exactly(
+    tmp_path: Path, dtype, descr: str, bits: int
+):
     top = 1 << bits
     ids = (torch.arange(2_000, dtype=torch.int64) * 37 + top // 2 - 100) % top
     write_npy(tmp_path / "t.npy", ids.to(dtype), descr)
-    batches = source("gpt", seq=16, micro=2, vocab=top, cls=TokenFileBatches, path=tmp_path / "t.npy",
-                     token_dtype="uint16")
+    batches = source(
+        "gpt",
+        seq=16,
+        micro=2,
+        vocab=top,
+        cls=TokenFileBatches,
+        path=tmp_path / "t.npy",
+        token_dtype="uint16",
+    )
     b = batches.batch(1)
     assert torch.equal(b["input_ids"], torch.stack([ids[0:16], ids[16:32]]))
     assert int(ids[:32].max()) >= top // 2  # above the signed type's range
@@ -215,9 +302,11 @@ def resumed(make, rank: int, after_step: int, at_sample: int):
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
 @pytest.mark.parametrize("key", ["input_ids", "labels"])
 def test_a_restart_at_a_new_world_size_and_the_same_global_batch_sees_the_uninterrupted_samples(
-        arch: str, key: str):
+    arch: str, key: str
+):
     """3 ranks for 4 steps, then 2 ranks (grad_accum 3 instead of 2) for 4 more: the samples of
     every step are those of one uninterrupted process, in the same order."""
+
     def make(world, accum):
         return lambda rank: source(arch, rank=rank, world=world, micro=2, accum=accum)
 
@@ -235,8 +324,12 @@ def test_a_restart_that_scales_the_global_batch_repeats_and_skips_no_sample(arch
     one = source(arch, micro=1)
     every = torch.cat([one.batch(n + 1)["input_ids"] for n in range(60)])
     before = run_samples(lambda rank: source(arch, rank=rank, world=3), 3, 1, range(1, 4))
-    after = run_samples(lambda rank: resumed(lambda rank: source(arch, rank=rank, world=2), rank, 3, 36),
-                        2, 1, range(4, 7))
+    after = run_samples(
+        lambda rank: resumed(lambda rank: source(arch, rank=rank, world=2), rank, 3, 36),
+        2,
+        1,
+        range(4, 7),
+    )
     assert torch.equal(torch.cat([before, after]), every)
 
 
@@ -245,11 +338,21 @@ def test_a_restarted_token_file_reads_on_from_the_next_window(tmp_path: Path):
     write_npy(tmp_path / "t.npy", torch.arange(10_000, dtype=torch.int32) % 1000, "<i4")
 
     def make(world: int, rank: int):
-        return source("gpt", rank=rank, world=world, micro=2, seq=16, cls=TokenFileBatches,
-                      path=tmp_path / "t.npy", token_dtype="uint16")
+        return source(
+            "gpt",
+            rank=rank,
+            world=world,
+            micro=2,
+            seq=16,
+            cls=TokenFileBatches,
+            path=tmp_path / "t.npy",
+            token_dtype="uint16",
+        )
 
     before = run_samples(lambda rank: make(3, rank), 3, 1, range(1, 3))  # 2 steps of 6 samples
-    after = run_samples(lambda rank: resumed(lambda rank: make(2, rank), rank, 2, 12), 2, 1, range(3, 6))
+    after = run_samples(
+        lambda rank: resumed(lambda rank: make(2, rank), rank, 2, 12), 2, 1, range(3, 6)
+    )
     starts = torch.cat([before, after])[:, 0]
     assert torch.equal(starts, torch.arange(12 + 3 * 4) * 16)
 
@@ -305,8 +408,15 @@ def test_an_error_in_the_worker_is_raised_by_the_batch_that_needs_its_chunk(tmp_
     ids = torch.arange(2_000, dtype=torch.int32) % 1000
     ids[20 * 16 + 3] = 999_999  # in window 20: step 21's sample with one sample a step
     write_npy(tmp_path / "t.npy", ids, "<i4")
-    data = source("gpt", seq=16, micro=1, vocab=1 << 20, cls=TokenFileBatches, path=tmp_path / "t.npy",
-                  token_dtype="uint16")
+    data = source(
+        "gpt",
+        seq=16,
+        micro=1,
+        vocab=1 << 20,
+        cls=TokenFileBatches,
+        path=tmp_path / "t.npy",
+        token_dtype="uint16",
+    )
 
     def frame(rows: torch.Tensor) -> torch.Tensor:  # the error: one that making a batch can meet
         if bool((rows == 999_999).any()):
@@ -362,7 +472,9 @@ def test_for_a_gpu_the_worker_sets_the_device_then_pins_the_chunk(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: record("pin", t.is_contiguous()) or t)
     data = source("gpt", device=torch.device("cuda", 1))
     chunk = data._pool.submit(data._made, range(1, 17)).result()
-    assert calls == [("set_device", 1, "launcher-data")] + [("pin", True, "launcher-data")] * len(chunk)
+    assert calls == [("set_device", 1, "launcher-data")] + [("pin", True, "launcher-data")] * len(
+        chunk
+    )
     data.close()
 
 
@@ -370,16 +482,25 @@ def test_a_closed_trainer_leaves_no_data_thread_running(one_process_trainer_env:
     from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
 
-    job = JobSpec.model_validate({
-        "name": "close", "model": {"arch": "bert", "size": "tiny"}, "data": {"seq_len": 16},
-        "train": {"steps": 3, "warmup_steps": 0, "micro_batch": 2, "compile": False},
-        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-    })
+    job = JobSpec.model_validate(
+        {
+            "name": "close",
+            "model": {"arch": "bert", "size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {"steps": 3, "warmup_steps": 0, "micro_batch": 2, "compile": False},
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+        }
+    )
     before = set(threading.enumerate())
     started: set[threading.Thread] = set()
 
     def note_data_threads(step: int) -> None:
-        started.update(t for t in threading.enumerate() if t.name.startswith("launcher-data") and t not in before)
+        started.update(
+            t
+            for t in threading.enumerate()
+            if t.name.startswith("launcher-data") and t not in before
+        )
 
     trainer = Trainer(job)
     try:

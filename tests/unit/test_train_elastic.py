@@ -26,19 +26,42 @@ LR = 1e-3
 RUN_TIMEOUT_S = 120
 
 
-def job(ckpt: Path, *, world: int, strategy: str = "ddp", steps: int = STEPS, every: int = CUT,
-        **train: Any) -> dict[str, Any]:
+def job(
+    ckpt: Path,
+    *,
+    world: int,
+    strategy: str = "ddp",
+    steps: int = STEPS,
+    every: int = CUT,
+    **train: Any,
+) -> dict[str, Any]:
     """A tiny BERT whose global batch is GLOBAL_BATCH at ``world`` ranks; LR warm-up, cosine
     decay, clipping and weight decay on, so the schedule and AdamW's moments must continue."""
     return {
         "name": "elastic",
-        "model": {"arch": "bert", "size": "tiny", "d_model": 32, "vocab_size": 128, "max_positions": 16},
+        "model": {
+            "arch": "bert",
+            "size": "tiny",
+            "d_model": 32,
+            "vocab_size": 128,
+            "max_positions": 16,
+        },
         "data": {"source": "synthetic", "seq_len": 16},
-        "train": {"steps": steps, "warmup_steps": 0, "micro_batch": MICRO,
-                  "grad_accum": GLOBAL_BATCH // (MICRO * world), "lr": LR, "lr_warmup_steps": 2,
-                  "log_every": 1, "checkpoint": {"dir": str(ckpt), "every_steps": every}, **train},
-        "parallel": {"strategy": strategy}, "precision": {"dtype": "fp32"},
-        "cudnn": {"benchmark": False}, "resources": {"device": "cpu"},
+        "train": {
+            "steps": steps,
+            "warmup_steps": 0,
+            "micro_batch": MICRO,
+            "grad_accum": GLOBAL_BATCH // (MICRO * world),
+            "lr": LR,
+            "lr_warmup_steps": 2,
+            "log_every": 1,
+            "checkpoint": {"dir": str(ckpt), "every_steps": every},
+            **train,
+        },
+        "parallel": {"strategy": strategy},
+        "precision": {"dtype": "fp32"},
+        "cudnn": {"benchmark": False},
+        "resources": {"device": "cpu"},
     }
 
 
@@ -46,12 +69,21 @@ class Stop(Exception):
     """Ends an attempt right after a step (and its checkpoint), as a lost node would."""
 
 
-def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str, stop_at: int | None) -> None:
+def _worker(
+    rank: int, world: int, port: int, spec: dict[str, Any], out: str, stop_at: int | None
+) -> None:
     """One rank: train ``spec`` (stopping after step ``stop_at``); rank 0 saves the parameters."""
     # One thread per process (as torchrun sets): the trainer leaves torch's threads alone then.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      LAUNCHER_METRICS_FILE=f"{out}/rank{{rank}}.jsonl", OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LAUNCHER_METRICS_FILE=f"{out}/rank{{rank}}.jsonl",
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     from launcher.train.loop import Trainer
 
@@ -82,8 +114,13 @@ def run(out: Path, world: int, spec: dict[str, Any], *, stop_at: int | None = No
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.start_processes(_worker, args=(world, port, spec, str(out), stop_at), nprocs=world,
-                                 join=False, start_method="fork")
+    context = mp.start_processes(
+        _worker,
+        args=(world, port, spec, str(out), stop_at),
+        nprocs=world,
+        join=False,
+        start_method="fork",
+    )
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:  # join raises when a rank failed, with its traceback
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -122,11 +159,16 @@ def assert_same_training(reference: Path, resumed: Path) -> None:
     agree to 1e-8). Overall: the difference is below 1e-4 of the distance trained. A restart
     that repeats or skips samples, loses the AdamW moments or the LR schedule misses both by
     orders of magnitude."""
-    ref, got, init = torch.load(reference / "params.pt"), torch.load(resumed / "params.pt"), initial_params()
+    ref, got, init = (
+        torch.load(reference / "params.pt"),
+        torch.load(resumed / "params.pt"),
+        initial_params(),
+    )
     assert sorted(ref) == sorted(got) == sorted(init)
     for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            got[name], ref[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
     apart = torch.cat([(got[k] - ref[k]).flatten() for k in ref]).norm()
     trained = torch.cat([(ref[k] - init[k]).flatten() for k in ref]).norm()
     assert apart <= 1e-4 * trained, (apart, trained)
@@ -140,15 +182,20 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_three_to_two_ranks_resumes_to_the_uninterrupted_parameters(tmp_path: Path, uninterrupted: Path,
-                                                                    strategy: str):
+def test_three_to_two_ranks_resumes_to_the_uninterrupted_parameters(
+    tmp_path: Path, uninterrupted: Path, strategy: str
+):
     ckpt = tmp_path / "ckpt"
     run(tmp_path / "attempt0", 3, job(ckpt, world=3, strategy=strategy), stop_at=CUT)
     assert (ckpt / "step_00000003" / "COMPLETE").is_file()
     second = run(tmp_path / "attempt1", 2, job(ckpt, world=2, strategy=strategy))
     assert_same_training(uninterrupted, second)
     record = meta(second)
-    assert record["world_size"] == 2 and record["grad_accum"] == 3 and record["global_batch"] == GLOBAL_BATCH
+    assert (
+        record["world_size"] == 2
+        and record["grad_accum"] == 3
+        and record["global_batch"] == GLOBAL_BATCH
+    )
     assert record["start_step"] == record["resumed_from_step"] == CUT
     assert record["resumed_world_size"] == 3 and record["resumed_global_batch"] == GLOBAL_BATCH
     assert record["start_sample"] == CUT * GLOBAL_BATCH
@@ -157,10 +204,15 @@ def test_three_to_two_ranks_resumes_to_the_uninterrupted_parameters(tmp_path: Pa
     after = losses(second)
     assert sorted(after) == list(range(CUT + 1, STEPS + 1))
     reference = losses(uninterrupted)
-    assert all(abs(after[s] - reference[s]) <= 1e-5 * abs(reference[s]) for s in after), (after, reference)
+    assert all(abs(after[s] - reference[s]) <= 1e-5 * abs(reference[s]) for s in after), (
+        after,
+        reference,
+    )
 
 
-def test_fsdp_two_to_three_ranks_resumes_to_the_uninterrupted_parameters(tmp_path: Path, uninterrupted: Path):
+def test_fsdp_two_to_three_ranks_resumes_to_the_uninterrupted_parameters(
+    tmp_path: Path, uninterrupted: Path
+):
     """The other way round (a spare joins): the 2-rank shards split into 3, some uneven."""
     ckpt = tmp_path / "ckpt"
     run(tmp_path / "attempt0", 2, job(ckpt, world=2, strategy="fsdp"), stop_at=CUT)
@@ -177,7 +229,9 @@ def test_a_different_global_batch_is_refused_under_keep_and_taken_under_scale(tm
     assert "global batch of 12 samples" in message and "train.grad_accum: 6" in message
     assert "train.elastic_batch: scale" in message
     assert not (refused / "rank0.jsonl").exists()  # refused before the first record
-    scaled = run(tmp_path / "scale", 1, job(ckpt, world=1, steps=2, every=1, elastic_batch="scale", **grown))
+    scaled = run(
+        tmp_path / "scale", 1, job(ckpt, world=1, steps=2, every=1, elastic_batch="scale", **grown)
+    )
     record = meta(scaled)
     assert record["resumed_from_step"] == 1 and record["resumed_global_batch"] == 12
     assert record["global_batch"] == 24 and record["grad_accum"] == 12

@@ -11,7 +11,11 @@ import torch.nn.functional as F
 
 from launcher.train.loss import linear_cross_entropy, loss_and_dlogits
 
-ROWS, D, VOCAB = 48, 16, 101  # rows not a power of two: the 1/rows scale is not exact; 101 is padded
+ROWS, D, VOCAB = (
+    48,
+    16,
+    101,
+)  # rows not a power of two: the 1/rows scale is not exact; 101 is padded
 
 
 def inputs(bias: bool, seed: int = 0, vocab: int = VOCAB):
@@ -48,7 +52,11 @@ def test_loss_and_gradients_match_plain_autograd(bias: bool, dtype, tol: float, 
     for name, g, r in zip(["loss", "x", "weight", "bias"], got, want, strict=False):
         assert g.dtype == r.dtype and g.shape == r.shape, name
         scale = r.abs().max().item()
-        assert (g - r).abs().max().item() <= tol * max(scale, 1.0), (name, (g - r).abs().max().item(), scale)
+        assert (g - r).abs().max().item() <= tol * max(scale, 1.0), (
+            name,
+            (g - r).abs().max().item(),
+            scale,
+        )
 
 
 def test_the_compiled_head_matches_eager():

@@ -12,12 +12,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def train(job: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LAUNCHER_METRICS_FILE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LAUNCHER_METRICS_FILE")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     args = [sys.executable, "-m", "launcher.train", "--job", str(job)]
     for item in overrides:
         args += ["--set", item]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=job.parent)
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=300, env=env, cwd=job.parent
+    )
 
 
 def test_a_checkpoint_it_cannot_resume_from_is_one_paragraph_with_exit_2(tmp_path: Path):
@@ -27,7 +33,8 @@ def test_a_checkpoint_it_cannot_resume_from_is_one_paragraph_with_exit_2(tmp_pat
     job.write_text(
         "name: resume\nmodel: {arch: gpt, size: tiny}\ndata: {seq_len: 16}\n"
         f"train: {{steps: 1, warmup_steps: 0, micro_batch: 2, checkpoint: {{dir: {tmp_path / 'ckpt'}}}}}\n"
-        "precision: {dtype: fp32}\nresources: {device: cpu, nodes: 1, nproc_per_node: 1}\n")
+        "precision: {dtype: fp32}\nresources: {device: cpu, nodes: 1, nproc_per_node: 1}\n"
+    )
     first = train(job)
     assert first.returncode == 0, first.stderr
     refused = train(job, "train.steps=2", "train.grad_accum=2")

@@ -19,12 +19,44 @@ from launcher.train.meter import (
 )
 from launcher.util import percentile
 
-STEP_KEYS = {"type", "step", "tokens", "samples", "interval_s", "measured", "step_times_ms", "loss",
-             "lr", "data_wait_s", "peak_mem_gib", "gpu_util_pct", "sm_clock_mhz", "power_w", "clock_limits",
-             "energy_j"}
-FINAL_KEYS = {"type", "steps", "measured_steps", "step_time_ms_p50", "step_time_ms_p95", "tokens_per_s",
-              "samples_per_s", "tflops", "mfu", "peak_mem_gib", "data_wait_pct", "gpu_util_pct", "sm_clock_mhz",
-              "clock_limited_pct", "energy_j", "power_w", "energy_mj_per_token", "loss"}
+STEP_KEYS = {
+    "type",
+    "step",
+    "tokens",
+    "samples",
+    "interval_s",
+    "measured",
+    "step_times_ms",
+    "loss",
+    "lr",
+    "data_wait_s",
+    "peak_mem_gib",
+    "gpu_util_pct",
+    "sm_clock_mhz",
+    "power_w",
+    "clock_limits",
+    "energy_j",
+}
+FINAL_KEYS = {
+    "type",
+    "steps",
+    "measured_steps",
+    "step_time_ms_p50",
+    "step_time_ms_p95",
+    "tokens_per_s",
+    "samples_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_gib",
+    "data_wait_pct",
+    "gpu_util_pct",
+    "sm_clock_mhz",
+    "clock_limited_pct",
+    "energy_j",
+    "power_w",
+    "energy_mj_per_token",
+    "loss",
+}
 
 
 class FakeClock:
@@ -70,14 +102,32 @@ def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False, watts
 
     def gpu() -> dict:  # a GPU drawing ``watts`` throughout (None: no energy counter)
         mhz = next(samples)
-        return {"gpu_util_pct": 90.0, "sm_clock_mhz": mhz, "power_w": None if mhz is None else 600.0,
-                "clock_limits": None if mhz is None else (["power cap"] if mhz < 1900 else []),
-                "energy_counter_j": None if watts is None else 1e4 + watts * clock.now}
+        return {
+            "gpu_util_pct": 90.0,
+            "sm_clock_mhz": mhz,
+            "power_w": None if mhz is None else 600.0,
+            "clock_limits": None if mhz is None else (["power cap"] if mhz < 1900 else []),
+            "energy_counter_j": None if watts is None else 1e4 + watts * clock.now,
+        }
 
-    meter = Meter(total_steps=total, warmup_steps=warmup, log_every=log_every, tokens_per_step=1000,
-                  samples_per_step=10, flops_per_token=1e9, peak_tflops=peak, timer=FakeTimer(clock),
-                  sync=sync, reduce_loss=reduce, peak_mem_gib=lambda: 1.5, gpu=gpu,
-                  lr=lambda step: step / 1000, clock=clock, write=records.append, read_late=late)
+    meter = Meter(
+        total_steps=total,
+        warmup_steps=warmup,
+        log_every=log_every,
+        tokens_per_step=1000,
+        samples_per_step=10,
+        flops_per_token=1e9,
+        peak_tflops=peak,
+        timer=FakeTimer(clock),
+        sync=sync,
+        reduce_loss=reduce,
+        peak_mem_gib=lambda: 1.5,
+        gpu=gpu,
+        lr=lambda step: step / 1000,
+        clock=clock,
+        write=records.append,
+        read_late=late,
+    )
     return meter, clock, calls, records
 
 
@@ -116,8 +166,12 @@ def test_log_records_without_a_sync_in_the_loop(late: bool):
     assert records[2]["step_times_ms"] == pytest.approx([100.0] * 5)
     assert records[2]["loss"] == pytest.approx(sum(range(6, 11)) / 5)  # its own steps only
     # the interval between the log steps' marks, and the data wait of its own steps
-    assert records[2]["interval_s"] == pytest.approx(0.5) and records[2]["data_wait_s"] == pytest.approx(0.05)
-    assert records[0]["interval_s"] == pytest.approx(0.3) and records[4]["interval_s"] == pytest.approx(0.5)
+    assert records[2]["interval_s"] == pytest.approx(0.5) and records[2][
+        "data_wait_s"
+    ] == pytest.approx(0.05)
+    assert records[0]["interval_s"] == pytest.approx(0.3) and records[4][
+        "interval_s"
+    ] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("late", [False, True])
@@ -132,7 +186,9 @@ def test_final_counts_measured_steps_only_and_computes_mfu(late: bool):
     assert final["samples_per_s"] == pytest.approx(100)
     assert final["tflops"] == pytest.approx(1e4 * 1e9 / 1e12)  # 10 TFLOP/s
     assert final["mfu"] == pytest.approx(0.1)
-    assert final["step_time_ms_p50"] == pytest.approx(100) and final["step_time_ms_p95"] == pytest.approx(100)
+    assert final["step_time_ms_p50"] == pytest.approx(100) and final[
+        "step_time_ms_p95"
+    ] == pytest.approx(100)
     assert final["data_wait_pct"] == pytest.approx(10)
     assert final["gpu_util_pct"] == 90.0 and final["peak_mem_gib"] == 1.5 and final["loss"] == 18.0
     # measured records' GPU samples: step 5's had no NVML answer, then 1980, 1980, 1755 MHz (power cap)
@@ -144,14 +200,20 @@ def test_final_counts_measured_steps_only_and_computes_mfu(late: bool):
     # interval's energy spans 0.4 s.
     seconds = 1.6 if late else 1.7
     assert [r["energy_j"] for r in records[1:-1]] == pytest.approx(
-        [650 * 0.2, 650 * 0.5, 650 * 0.5, 650 * (0.4 if late else 0.5)])
+        [650 * 0.2, 650 * 0.5, 650 * 0.5, 650 * (0.4 if late else 0.5)]
+    )
     assert [r["power_w"] for r in records[:-1]] == [None, None, 600.0, 600.0, 600.0]
-    assert final["energy_j"] == pytest.approx(650 * seconds) and final["power_w"] == pytest.approx(650 * seconds / 1.7)
+    assert final["energy_j"] == pytest.approx(650 * seconds) and final["power_w"] == pytest.approx(
+        650 * seconds / 1.7
+    )
     assert final["energy_mj_per_token"] == pytest.approx(1e3 * 650 * seconds / 17_000)
     assert final["sm_clock_mhz"] == pytest.approx((1980 + 1980 + 1755) / 3)
     assert final["clock_limited_pct"] == pytest.approx(100 / 3)
     assert final_line(final, world_size=1).endswith(
-        "| sm clock 1905 MHz, limited 33% | " + ("612 W, 61.176" if late else "650 W, 65.000") + " mJ/token")
+        "| sm clock 1905 MHz, limited 33% | "
+        + ("612 W, 61.176" if late else "650 W, 65.000")
+        + " mJ/token"
+    )
     assert "mfu 10.0%" in final_line(final, world_size=2)
 
 
@@ -178,9 +240,20 @@ def test_unknown_peak_gives_null_mfu():
 def test_resumed_meter_counts_warmup_from_its_first_step():
     clock = FakeClock()
     records: list[dict] = []
-    meter = Meter(total_steps=30, start_step=20, warmup_steps=2, log_every=5, tokens_per_step=1,
-                  samples_per_step=1, flops_per_token=1.0, peak_tflops=None, timer=FakeTimer(clock),
-                  sync=lambda: None, clock=clock, write=records.append)
+    meter = Meter(
+        total_steps=30,
+        start_step=20,
+        warmup_steps=2,
+        log_every=5,
+        tokens_per_step=1,
+        samples_per_step=1,
+        flops_per_token=1.0,
+        peak_tflops=None,
+        timer=FakeTimer(clock),
+        sync=lambda: None,
+        clock=clock,
+        write=records.append,
+    )
     meter.start()
     for step in range(21, 31):
         clock.now += 0.1
@@ -190,8 +263,14 @@ def test_resumed_meter_counts_warmup_from_its_first_step():
 
 
 def test_progress_line():
-    record = {"step": 20, "loss": 7.4123, "tokens": 3_102_000, "interval_s": 10.0,
-              "step_times_ms": [52.1] * 10, "measured": True}
+    record = {
+        "step": 20,
+        "loss": 7.4123,
+        "tokens": 3_102_000,
+        "interval_s": 10.0,
+        "step_times_ms": [52.1] * 10,
+        "measured": True,
+    }
     line = progress_line(record, 200, flops_per_token=1e9, peak=750.0)
     assert line == "step 20/200 | loss 7.412 | 310.2k tok/s | 52.1 ms/step | mfu 41.4%"
 
@@ -210,25 +289,37 @@ def test_peak_table_and_percentiles():
 
 def test_clock_limits_name_the_limiting_bits_only():
     assert clock_limits(0) == []
-    assert clock_limits(0x1 | 0x2 | 0x10 | 0x100) == []  # idle, application clocks, sync boost, display
+    assert (
+        clock_limits(0x1 | 0x2 | 0x10 | 0x100) == []
+    )  # idle, application clocks, sync boost, display
     assert clock_limits(0x4) == ["power cap"]
     assert clock_limits(0x4 | 0x40 | 0x80) == ["power cap", "hw thermal", "power brake"]
 
 
 def test_the_gpu_monitor_of_a_cpu_run_answers_nulls():
     monitor = GpuMonitor(torch.device("cpu"))
-    assert monitor() == {"gpu_util_pct": None, "sm_clock_mhz": None, "power_w": None, "clock_limits": None,
-                         "energy_counter_j": None}
+    assert monitor() == {
+        "gpu_util_pct": None,
+        "sm_clock_mhz": None,
+        "power_w": None,
+        "clock_limits": None,
+        "energy_counter_j": None,
+    }
     monitor.close()
 
 
 def test_nvml_is_shut_down_when_it_does_not_find_the_gpu(monkeypatch, caplog):
     calls = []
-    fake = types.SimpleNamespace(nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
-                                 nvmlDeviceGetHandleByIndex=lambda i: (_ for _ in ()).throw(RuntimeError("no GPU")),
-                                 nvmlDeviceGetHandleByUUID=lambda u: (_ for _ in ()).throw(RuntimeError("no GPU")))
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=lambda i: (_ for _ in ()).throw(RuntimeError("no GPU")),
+        nvmlDeviceGetHandleByUUID=lambda u: (_ for _ in ()).throw(RuntimeError("no GPU")),
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid=""))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="")
+    )
     monitor = GpuMonitor(torch.device("cuda", 0))
     assert calls == ["init", "shutdown"]
     assert monitor()["power_w"] is None

@@ -44,12 +44,16 @@ def test_gpt_base_is_gpt2_124m_with_a_padded_vocab():
 def test_presets_match_the_formula(arch: str, size: str):
     spec = ModelSpec(arch=arch, size=size)
     d = spec.dims()
-    want = expected_params(arch, d["n_layers"], d["d_model"], d["vocab_size"], d["max_positions"], d["d_ff"])
+    want = expected_params(
+        arch, d["n_layers"], d["d_model"], d["vocab_size"], d["max_positions"], d["d_ff"]
+    )
     assert meta_params(spec) == want
 
 
 def test_explicit_dims_override_the_preset():
-    spec = ModelSpec(arch="bert", size="tiny", n_layers=3, d_model=64, n_heads=4, d_ff=100, vocab_size=500)
+    spec = ModelSpec(
+        arch="bert", size="tiny", n_layers=3, d_model=64, n_heads=4, d_ff=100, vocab_size=500
+    )
     assert meta_params(spec) == expected_params("bert", 3, 64, 500, 512, 100)
 
 
@@ -60,7 +64,9 @@ def test_forward_returns_a_scalar_loss_near_uniform(arch: str):
     model = build_model(spec)
     ids = torch.randint(0, 256, (2, 16))
     if arch == "bert":
-        loss = model(ids, torch.randint(0, 256, (2, 4)), torch.tensor([[0, 3, 7, 9], [1, 2, 5, 15]]))
+        loss = model(
+            ids, torch.randint(0, 256, (2, 4)), torch.tensor([[0, 3, 7, 9], [1, 2, 5, 15]])
+        )
     else:
         loss = model(ids, torch.randint(0, 256, (2, 16)))
     assert loss.shape == () and abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 1.0
@@ -87,7 +93,9 @@ def test_gpt_is_causal():
     changed[0, -1] = (ids[0, -1] + 1) % 64
     first = model.blocks[0](model.embed(ids))
     second = model.blocks[0](model.embed(changed))
-    assert torch.equal(first[:, :-1], second[:, :-1]) and not torch.equal(first[:, -1], second[:, -1])
+    assert torch.equal(first[:, :-1], second[:, :-1]) and not torch.equal(
+        first[:, -1], second[:, -1]
+    )
 
 
 def test_mask_count_is_fixed_per_sequence():
@@ -100,13 +108,17 @@ def test_flops_per_token_bert_base_by_hand():
     body = 12 * (4 * 768**2 + 2 * 768 * 3072)
     head = 77 / 512 * (768**2 + 30522 * 768)
     assert matmul_params_per_token(spec, seq_len=512, mask_prob=0.15) == pytest.approx(body + head)
-    assert flops_per_token(spec, seq_len=512, mask_prob=0.15) == pytest.approx(6 * (body + head) + 12 * 12 * 768 * 512)
+    assert flops_per_token(spec, seq_len=512, mask_prob=0.15) == pytest.approx(
+        6 * (body + head) + 12 * 12 * 768 * 512
+    )
 
 
 def test_flops_per_token_gpt_counts_the_lm_head_and_half_the_attention():
     spec = ModelSpec(arch="gpt", size="base")
     n = 12 * (4 * 768**2 + 2 * 768 * 3072) + 50304 * 768
-    assert flops_per_token(spec, seq_len=1024, mask_prob=0.15) == pytest.approx(6 * n + 6 * 12 * 768 * 1024)
+    assert flops_per_token(spec, seq_len=1024, mask_prob=0.15) == pytest.approx(
+        6 * n + 6 * 12 * 768 * 1024
+    )
 
 
 def test_compile_is_per_block_and_keeps_each_block_whole_under_ddp():
@@ -132,11 +144,19 @@ def test_compile_scope_model_compiles_the_whole_model_once():
     assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged
 
 
-@pytest.mark.parametrize(("scope", "world", "strategy", "whole"), [
-    ("auto", 1, "ddp", True), ("auto", 2, "ddp", False), ("auto", 1, "fsdp", True),
-    ("block", 1, "ddp", False), ("model", 1, "ddp", True),
-])
-def test_compile_scope_auto_is_the_whole_model_for_one_process(monkeypatch, scope, world, strategy, whole):
+@pytest.mark.parametrize(
+    ("scope", "world", "strategy", "whole"),
+    [
+        ("auto", 1, "ddp", True),
+        ("auto", 2, "ddp", False),
+        ("auto", 1, "fsdp", True),
+        ("block", 1, "ddp", False),
+        ("model", 1, "ddp", True),
+    ],
+)
+def test_compile_scope_auto_is_the_whole_model_for_one_process(
+    monkeypatch, scope, world, strategy, whole
+):
     from launcher.spec.job import JobSpec
     from launcher.train import parallel
 
@@ -144,14 +164,24 @@ def test_compile_scope_auto_is_the_whole_model_for_one_process(monkeypatch, scop
     monkeypatch.setattr(parallel, "apply_compile", lambda model, **kw: seen.update(kw))
     monkeypatch.setattr(parallel, "apply_ddp", lambda model, job, device: model)
     monkeypatch.setattr(parallel, "apply_fsdp", lambda model, job, device, world_size: model)
-    job = JobSpec.model_validate({
-        "name": "scope", "model": {"arch": "gpt", "size": "tiny", "vocab_size": 256},
-        "data": {"source": "synthetic", "seq_len": 16}, "train": {"compile": True, "compile_scope": scope},
-        "parallel": {"strategy": strategy}, "precision": {"dtype": "fp32"}, "resources": {"device": "cpu"},
-    })
+    job = JobSpec.model_validate(
+        {
+            "name": "scope",
+            "model": {"arch": "gpt", "size": "tiny", "vocab_size": 256},
+            "data": {"source": "synthetic", "seq_len": 16},
+            "train": {"compile": True, "compile_scope": scope},
+            "parallel": {"strategy": strategy},
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu"},
+        }
+    )
     model = build_model(job.model)
     parallel.parallelize(model, job, device=torch.device("cpu"), world_size=world)
-    assert seen == {"cuda_graphs": False, "whole": whole, "batch_weight_grads": False}  # CPU: never batched
+    assert seen == {
+        "cuda_graphs": False,
+        "whole": whole,
+        "batch_weight_grads": False,
+    }  # CPU: never batched
 
 
 def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
@@ -161,7 +191,9 @@ def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
     from launcher.train.parallel import apply_float8
 
     model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256))
-    with pytest.raises(SpecError, match=r"precision.dtype.*FP8 tensor cores.*the CPU has compute capability none"):
+    with pytest.raises(
+        SpecError, match=r"precision.dtype.*FP8 tensor cores.*the CPU has compute capability none"
+    ):
         apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cpu"))
     # An H100 without torchao installed: the error names the package and the way out.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -175,7 +207,6 @@ def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
         apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cuda", 0))
 
 
-
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
 def test_bf16_hidden_states_stay_bf16_and_give_the_fp32_states_loss(arch: str):
     """Embeddings.out_dtype bf16 keeps every block's input and output bf16 under autocast (the
@@ -184,8 +215,11 @@ def test_bf16_hidden_states_stay_bf16_and_give_the_fp32_states_loss(arch: str):
     torch.manual_seed(0)
     model = build_model(ModelSpec(arch=arch, size="tiny", vocab_size=256))
     ids = torch.randint(0, 256, (2, 16))
-    kwargs = ({"labels": ids[:, :3], "mask_pos": torch.arange(3).expand(2, 3)} if arch == "bert"
-              else {"labels": ids})
+    kwargs = (
+        {"labels": ids[:, :3], "mask_pos": torch.arange(3).expand(2, 3)}
+        if arch == "bert"
+        else {"labels": ids}
+    )
     seen: list[torch.dtype] = []
     for block in model.blocks:
         block.register_forward_hook(lambda mod, args, out: seen.extend([args[0].dtype, out.dtype]))

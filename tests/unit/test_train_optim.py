@@ -62,15 +62,25 @@ def test_master_weights_make_the_parameters_bf16_views_and_keep_fp32_masters():
         assert id(p) == ids[i] and isinstance(p, nn.Parameter)  # the same Parameter objects
         assert p.dtype == torch.bfloat16 and p.shape == original.shape and p.requires_grad
         master = masters.master_of(p)
-        assert master.dtype == torch.float32 and torch.equal(master, original)  # exactly the fp32 values
+        assert master.dtype == torch.float32 and torch.equal(
+            master, original
+        )  # exactly the fp32 values
         assert torch.equal(p.detach(), original.bfloat16())  # rounded to nearest
-        assert lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= hi  # a view of flat
+        assert (
+            lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= hi
+        )  # a view of flat
         assert p.data_ptr() == flat.data_ptr() + masters.starts[i] * flat.element_size()
         assert masters.starts[i] % BLOCK == 0
     # each slice padded to whole blocks, nothing overlapping, the buffers no bigger than that
-    for (a, n), b in zip(zip(masters.starts, masters.numels, strict=True), masters.starts[1:], strict=False):
+    for (a, n), b in zip(
+        zip(masters.starts, masters.numels, strict=True), masters.starts[1:], strict=False
+    ):
         assert b == a + -(-n // BLOCK) * BLOCK
-    assert flat.numel() == sum(-(-p.numel() // BLOCK) * BLOCK for p in params) == masters.master.numel()
+    assert (
+        flat.numel()
+        == sum(-(-p.numel() // BLOCK) * BLOCK for p in params)
+        == masters.master.numel()
+    )
     # writing a parameter writes the flat buffer (a view, not a copy)
     with torch.no_grad():
         params[1].fill_(3.0)
@@ -141,7 +151,9 @@ def test_a_parameter_without_a_gradient_is_not_updated():
         opt.step()
     assert torch.equal(masters.master_of(skipped), before)
     assert torch.equal(skipped.detach(), weight_before)
-    assert (opt.state[skipped]["exp_avg"] == 0).all() and (opt.state[skipped]["exp_avg_sq"] == 0).all()
+    assert (opt.state[skipped]["exp_avg"] == 0).all() and (
+        opt.state[skipped]["exp_avg_sq"] == 0
+    ).all()
     other = params[2]
     assert not torch.equal(masters.master_of(other), fp32_params()[2])  # the others were
     assert (opt.state[other]["exp_avg"] != 0).any()
@@ -153,7 +165,9 @@ def test_the_norm_leaves_out_parameters_without_gradients():
         p.grad = g
     params[1].grad = None
     norm = opt.clip_grad_norm_(1.0)
-    want = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in params if p.grad is not None]))
+    want = torch.linalg.vector_norm(
+        torch.cat([p.grad.float().flatten() for p in params if p.grad is not None])
+    )
     torch.testing.assert_close(norm, want, rtol=1e-5, atol=0)
 
 
@@ -166,7 +180,10 @@ def test_one_gradient_table_serves_the_norm_and_every_group_until_an_address_cha
     params[3].grad = None
     table, present = opt._gradients()
     assert table.tolist() == [0 if p.grad is None else p.grad.data_ptr() for p in params]
-    assert present == [(0, 2, 4), (1,)]  # per group, the tensors with a gradient (groups(): matrices, vectors)
+    assert present == [
+        (0, 2, 4),
+        (1,),
+    ]  # per group, the tensors with a gradient (groups(): matrices, vectors)
     for _ in range(3):  # the norm and both groups' updates of three steps, gradients in place
         for _group in range(3):
             again, _ = opt._gradients()
@@ -174,7 +191,9 @@ def test_one_gradient_table_serves_the_norm_and_every_group_until_an_address_cha
     params[1].grad = params[1].grad.clone()  # a gradient moved
     moved, _ = opt._gradients()
     assert moved is not table and moved[1].item() == params[1].grad.data_ptr()
-    params[0].grad = params[0].grad.t().contiguous().t()  # the kernels read contiguous gradients only
+    params[0].grad = (
+        params[0].grad.t().contiguous().t()
+    )  # the kernels read contiguous gradients only
     with pytest.raises(RuntimeError, match="contiguous=False"):
         opt._gradients()
 
@@ -194,11 +213,16 @@ def test_load_state_dict_copies_into_the_optimizers_own_buffers():
     state = opt.state_dict()
 
     params2, masters2, opt2 = make(seed=1)  # other weights, fresh moments
-    own = {id(p): (opt2.state[p]["exp_avg"].data_ptr(), opt2.state[p]["exp_avg_sq"].data_ptr()) for p in params2}
+    own = {
+        id(p): (opt2.state[p]["exp_avg"].data_ptr(), opt2.state[p]["exp_avg_sq"].data_ptr())
+        for p in params2
+    }
     opt2.load_state_dict(state)
     for p, q in zip(params, params2, strict=True):
         mine, theirs = opt2.state[q], opt.state[p]
-        assert torch.equal(mine["exp_avg"], theirs["exp_avg"]) and torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"])
+        assert torch.equal(mine["exp_avg"], theirs["exp_avg"]) and torch.equal(
+            mine["exp_avg_sq"], theirs["exp_avg_sq"]
+        )
         assert float(mine["step"]) == 3
         # still views of opt2's flat buffers, not the loaded tensors
         assert (mine["exp_avg"].data_ptr(), mine["exp_avg_sq"].data_ptr()) == own[id(q)]
@@ -259,7 +283,9 @@ def test_substitute_masters_puts_the_fp32_masters_in_place_of_the_bf16_weights()
         if name in names:
             assert state[name].dtype == torch.bfloat16
             assert out[name].dtype == torch.float32 and torch.equal(out[name], masters.master_of(p))
-            assert out[name].data_ptr() == masters.master_of(p).data_ptr()  # the masters themselves: a load fills them
+            assert (
+                out[name].data_ptr() == masters.master_of(p).data_ptr()
+            )  # the masters themselves: a load fills them
     assert out["scale"] is state["scale"] and out["frozen"] is state["frozen"]  # left alone
     assert out["frozen"].dtype == torch.float32
     assert substitute_masters(state, None) is state
@@ -270,9 +296,17 @@ def test_substitute_masters_puts_the_fp32_masters_in_place_of_the_bf16_weights()
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def choose(requested: str, *, dtype: str = "bf16", grad_accum: int = 1, sharded: bool = False,
-           device: torch.device = CPU) -> str:
-    return choose_weights(requested, dtype=dtype, grad_accum=grad_accum, sharded=sharded, device=device)
+def choose(
+    requested: str,
+    *,
+    dtype: str = "bf16",
+    grad_accum: int = 1,
+    sharded: bool = False,
+    device: torch.device = CPU,
+) -> str:
+    return choose_weights(
+        requested, dtype=dtype, grad_accum=grad_accum, sharded=sharded, device=device
+    )
 
 
 def test_choose_weights_resolves_auto_and_honours_explicit_choices():
@@ -287,12 +321,15 @@ def test_choose_weights_resolves_auto_and_honours_explicit_choices():
         assert choose("auto", device=CUDA) == "bf16"
 
 
-@pytest.mark.parametrize(("kwargs", "reason"), [
-    ({"dtype": "fp16"}, "precision.dtype is fp16"),
-    ({"dtype": "fp32"}, "precision.dtype is fp32"),
-    ({"grad_accum": 2}, "train.grad_accum is 2"),
-    ({"sharded": True}, "FSDP shards the weights"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"dtype": "fp16"}, "precision.dtype is fp16"),
+        ({"dtype": "fp32"}, "precision.dtype is fp32"),
+        ({"grad_accum": 2}, "train.grad_accum is 2"),
+        ({"sharded": True}, "FSDP shards the weights"),
+    ],
+)
 def test_choose_weights_refuses_bf16_where_it_cannot_apply(kwargs: dict, reason: str):
     with pytest.raises(SpecError) as err:
         choose("bf16", **kwargs)
@@ -305,7 +342,9 @@ def test_choose_weights_names_every_reason():
     with pytest.raises(SpecError) as err:
         choose("bf16", dtype="fp16", grad_accum=2, sharded=True)
     message = str(err.value)
-    assert all(r in message for r in ("precision.dtype is fp16", "train.grad_accum is 2", "FSDP shards"))
+    assert all(
+        r in message for r in ("precision.dtype is fp16", "train.grad_accum is 2", "FSDP shards")
+    )
 
 
 def test_the_job_spec_takes_bf16_weights_with_bf16_training():
@@ -314,16 +353,32 @@ def test_the_job_spec_takes_bf16_weights_with_bf16_training():
     assert load_job(QUICKSTART).precision.weights == "auto"
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    (["resources.device=cuda", "precision.dtype=fp16"], "precision.dtype is fp16"),
-    (["precision.dtype=fp32"], "precision.dtype is fp32"),
-    (["precision.dtype=bf16", "train.grad_accum=2"], "train.grad_accum is 2 (raise train.micro_batch instead)"),
-    (["resources.device=cuda", "resources.nproc_per_node=1", "precision.dtype=bf16", "parallel.strategy=fsdp",
-      "parallel.fsdp.cpu_offload=true"], "FSDP shards the weights here"),  # even one process
-    # two ranks a node: FSDP shards over them (one process would train unwrapped)
-    (["precision.dtype=bf16", "parallel.strategy=fsdp"], "FSDP shards the weights here"),
-])
-def test_the_job_spec_refuses_bf16_weights_where_they_cannot_apply(overrides: list[str], expected: str):
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["resources.device=cuda", "precision.dtype=fp16"], "precision.dtype is fp16"),
+        (["precision.dtype=fp32"], "precision.dtype is fp32"),
+        (
+            ["precision.dtype=bf16", "train.grad_accum=2"],
+            "train.grad_accum is 2 (raise train.micro_batch instead)",
+        ),
+        (
+            [
+                "resources.device=cuda",
+                "resources.nproc_per_node=1",
+                "precision.dtype=bf16",
+                "parallel.strategy=fsdp",
+                "parallel.fsdp.cpu_offload=true",
+            ],
+            "FSDP shards the weights here",
+        ),  # even one process
+        # two ranks a node: FSDP shards over them (one process would train unwrapped)
+        (["precision.dtype=bf16", "parallel.strategy=fsdp"], "FSDP shards the weights here"),
+    ],
+)
+def test_the_job_spec_refuses_bf16_weights_where_they_cannot_apply(
+    overrides: list[str], expected: str
+):
     with pytest.raises(SpecError) as err:
         load_job(QUICKSTART, [*overrides, "precision.weights=bf16"])
     message = str(err.value)
@@ -332,7 +387,10 @@ def test_the_job_spec_refuses_bf16_weights_where_they_cannot_apply(overrides: li
     assert "\n" not in message and "Traceback" not in message
     assert expected in message, message
     # the trainer's refusal (choose_weights) and the spec's are one paragraph, worded alike
-    assert "precision.weights bf16 (bf16 weights with fp32 masters) cannot apply to this run: " in message
+    assert (
+        "precision.weights bf16 (bf16 weights with fp32 masters) cannot apply to this run: "
+        in message
+    )
     assert "Set precision.weights to auto or fp32." in message
 
 
@@ -343,8 +401,15 @@ def test_refusal_at_knows_the_world_size_and_reruns_the_checks(tmp_path: Path):
     from launcher.spec import ClusterSpec, check_fits
     from launcher.spec.job import refusal_at
 
-    one = load_job(QUICKSTART, ["precision.dtype=bf16", "precision.weights=bf16", "parallel.strategy=fsdp",
-                                "resources.nproc_per_node=1"])
+    one = load_job(
+        QUICKSTART,
+        [
+            "precision.dtype=bf16",
+            "precision.weights=bf16",
+            "parallel.strategy=fsdp",
+            "resources.nproc_per_node=1",
+        ],
+    )
     assert refusal_at(one, 1) is None  # one process: FSDP trains it unwrapped
     assert "FSDP shards the weights here" in refusal_at(one, 2)
     more = one.model_copy(update={"train": one.train.model_copy(update={"grad_accum": 2})})
@@ -352,9 +417,12 @@ def test_refusal_at_knows_the_world_size_and_reruns_the_checks(tmp_path: Path):
     ddp = load_job(QUICKSTART, ["precision.dtype=bf16", "precision.weights=bf16"])
     assert refusal_at(ddp, 8) is None
 
-    two_nodes = ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "10.0.0.1"},
-                                                      {"name": "b", "host": "10.0.0.2"}]})
-    with pytest.raises(SpecError, match="on 2 ranks: precision.weights bf16 .*FSDP shards the weights here") as err:
+    two_nodes = ClusterSpec.model_validate(
+        {"nodes": [{"name": "a", "host": "10.0.0.1"}, {"name": "b", "host": "10.0.0.2"}]}
+    )
+    with pytest.raises(
+        SpecError, match="on 2 ranks: precision.weights bf16 .*FSDP shards the weights here"
+    ) as err:
         check_fits(one, two_nodes, job_source=str(QUICKSTART))
     assert err.value.exit_code == 2 and err.value.field == "precision.weights"
     check_fits(one, ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}]}))

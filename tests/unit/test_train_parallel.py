@@ -9,8 +9,13 @@ from launcher.train.parallel import process_group_backend
 
 
 def job(**over) -> JobSpec:
-    spec = {"name": "pg", "model": {"size": "tiny"}, "data": {"seq_len": 16},
-            "train": {"steps": 2, "warmup_steps": 0}, "resources": {"device": "cuda"}}
+    spec = {
+        "name": "pg",
+        "model": {"size": "tiny"},
+        "data": {"seq_len": 16},
+        "train": {"steps": 2, "warmup_steps": 0},
+        "resources": {"device": "cuda"},
+    }
     for key, value in over.items():
         section, field = key.split("__", 1)
         node = spec.setdefault(section, {})
@@ -21,21 +26,46 @@ def job(**over) -> JobSpec:
     return JobSpec.model_validate(spec)
 
 
-@pytest.mark.parametrize(("over", "backend"), [
-    ({}, "nccl"),
-    ({"parallel__strategy": "fsdp"}, "nccl"),
-    # the offloaded gradient shards are CPU tensors: their norm's and the fp16 scaler's
-    # all-reduces need gloo beside NCCL
-    ({"parallel__strategy": "fsdp", "parallel__fsdp__cpu_offload": True}, "cuda:nccl,cpu:gloo"),
-    ({"parallel__strategy": "fsdp", "parallel__fsdp__cpu_offload": True, "precision__dtype": "fp16"},
-     "cuda:nccl,cpu:gloo"),
-    ({"parallel__strategy": "fsdp", "parallel__fsdp__cpu_offload": True, "nccl__backend": "nccl"},
-     "cuda:nccl,cpu:gloo"),
-    # gloo runs CPU tensors already
-    ({"parallel__strategy": "fsdp", "parallel__fsdp__cpu_offload": True, "nccl__backend": "gloo"}, "gloo"),
-    ({"parallel__strategy": "ddp", "parallel__fsdp__cpu_offload": True}, "nccl"),  # read with fsdp only
-    ({"resources__device": "cpu"}, "gloo"),
-])
+@pytest.mark.parametrize(
+    ("over", "backend"),
+    [
+        ({}, "nccl"),
+        ({"parallel__strategy": "fsdp"}, "nccl"),
+        # the offloaded gradient shards are CPU tensors: their norm's and the fp16 scaler's
+        # all-reduces need gloo beside NCCL
+        ({"parallel__strategy": "fsdp", "parallel__fsdp__cpu_offload": True}, "cuda:nccl,cpu:gloo"),
+        (
+            {
+                "parallel__strategy": "fsdp",
+                "parallel__fsdp__cpu_offload": True,
+                "precision__dtype": "fp16",
+            },
+            "cuda:nccl,cpu:gloo",
+        ),
+        (
+            {
+                "parallel__strategy": "fsdp",
+                "parallel__fsdp__cpu_offload": True,
+                "nccl__backend": "nccl",
+            },
+            "cuda:nccl,cpu:gloo",
+        ),
+        # gloo runs CPU tensors already
+        (
+            {
+                "parallel__strategy": "fsdp",
+                "parallel__fsdp__cpu_offload": True,
+                "nccl__backend": "gloo",
+            },
+            "gloo",
+        ),
+        (
+            {"parallel__strategy": "ddp", "parallel__fsdp__cpu_offload": True},
+            "nccl",
+        ),  # read with fsdp only
+        ({"resources__device": "cpu"}, "gloo"),
+    ],
+)
 def test_process_group_backend_adds_gloo_for_cpu_offloaded_shards(over, backend):
     assert process_group_backend(job(**over)) == backend
 
@@ -54,8 +84,13 @@ def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, 
         return "cpu:gloo"
 
     monkeypatch.setattr(parallel, "process_group_backend", backend)
-    cpu = job(resources__device="cpu", resources__nodes=1, resources__nproc_per_node=1,
-              precision__dtype="fp32", train__micro_batch=2)
+    cpu = job(
+        resources__device="cpu",
+        resources__nodes=1,
+        resources__nproc_per_node=1,
+        precision__dtype="fp32",
+        train__micro_batch=2,
+    )
     trainer = loop.Trainer(cpu)
     try:
         assert asked == [cpu] and dist.get_backend() == "cpu:gloo"
@@ -69,7 +104,11 @@ def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, 
 # with a newer release goes here, with the floor raised to match.
 TRAINER_TORCH_APIS = [
     ("torch.nn.utils", "get_total_norm", (2, 6)),  # optim: the gradient norm
-    ("torch.distributed.fsdp", "fully_shard", (2, 6)),  # FSDP2; torch.distributed._composable.fsdp before
+    (
+        "torch.distributed.fsdp",
+        "fully_shard",
+        (2, 6),
+    ),  # FSDP2; torch.distributed._composable.fsdp before
     ("torch.distributed.fsdp", "MixedPrecisionPolicy", (2, 6)),
     ("torch.distributed.fsdp", "CPUOffloadPolicy", (2, 6)),
 ]
@@ -83,8 +122,12 @@ def _declared_torch_specifier():
     from packaging.requirements import Requirement
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
-    torch_reqs = [r for r in map(Requirement, pyproject["project"]["dependencies"]) if r.name == "torch"]
-    assert len(torch_reqs) == 1, f"pyproject should declare torch once in [project] dependencies: {torch_reqs}"
+    torch_reqs = [
+        r for r in map(Requirement, pyproject["project"]["dependencies"]) if r.name == "torch"
+    ]
+    assert len(torch_reqs) == 1, (
+        f"pyproject should declare torch once in [project] dependencies: {torch_reqs}"
+    )
     return torch_reqs[0].specifier
 
 
@@ -98,8 +141,9 @@ def test_the_declared_torch_floor_is_the_oldest_torch_with_the_apis_the_trainer_
     major, minor = max(release for _, _, release in TRAINER_TORCH_APIS)
     needed = Version(f"{major}.{minor}")
     lower = [s for s in spec if s.operator in (">=", ">", "==", "~=", "===")]
-    assert [(s.operator, Version(s.version)) for s in lower] == [(">=", needed)], \
+    assert [(s.operator, Version(s.version)) for s in lower] == [(">=", needed)], (
         f"pyproject's torch{spec} should have the one lower bound >={needed}"
+    )
     assert spec.contains(f"{needed}.0") and spec.contains(f"{major}.{minor}.1")
     assert not spec.contains(f"{major}.{minor - 1}.99")
 
@@ -113,8 +157,13 @@ def test_the_trainer_uses_the_apis_the_torch_floor_is_for():
     import torch
     from packaging.version import Version
 
-    source = "\n".join(p.read_text() for p in (Path(__file__).resolve().parents[2] / "launcher" / "train").glob("*.py"))
+    source = "\n".join(
+        p.read_text()
+        for p in (Path(__file__).resolve().parents[2] / "launcher" / "train").glob("*.py")
+    )
     for module, name, _ in TRAINER_TORCH_APIS:
-        assert name in source, f"the trainer no longer uses {module}.{name}: update TRAINER_TORCH_APIS and the floor"
+        assert name in source, (
+            f"the trainer no longer uses {module}.{name}: update TRAINER_TORCH_APIS and the floor"
+        )
         assert hasattr(importlib.import_module(module), name)
     assert _declared_torch_specifier().contains(Version(torch.__version__).base_version)

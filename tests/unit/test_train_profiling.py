@@ -37,14 +37,18 @@ def run_steps(profiler: StepProfiler, steps: int) -> list[Path]:
 
 
 def test_the_chosen_window_is_written_as_a_trace_and_a_table(tmp_path: Path):
-    profiler = StepProfiler(ProfileSpec(start_step=2, steps=3), rank=0, device=CPU, out_dir=tmp_path)
+    profiler = StepProfiler(
+        ProfileSpec(start_step=2, steps=3), rank=0, device=CPU, out_dir=tmp_path
+    )
     assert run_steps(profiler, 6) == [tmp_path / "rank0.trace.json.gz"]
     trace = json.loads(gzip.decompress((tmp_path / "rank0.trace.json.gz").read_bytes()))
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "aten::mm" in names and "aten::tanh" in names
     table = (tmp_path / "rank0.ops.txt").read_text()
     assert table.startswith("rank 0, steps 2..4:") and "aten::mm" in table
-    assert "device timeline" not in table and "kernels by kind" not in table  # no device activity on the CPU
+    assert (
+        "device timeline" not in table and "kernels by kind" not in table
+    )  # no device activity on the CPU
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.ops.txt", "rank0.trace.json.gz"]
 
 
@@ -59,29 +63,45 @@ def test_only_the_listed_ranks_record(tmp_path: Path):
 
 
 def test_a_recording_cut_short_writes_nothing(tmp_path: Path):
-    profiler = StepProfiler(ProfileSpec(start_step=2, steps=5), rank=0, device=CPU, out_dir=tmp_path)
+    profiler = StepProfiler(
+        ProfileSpec(start_step=2, steps=5), rank=0, device=CPU, out_dir=tmp_path
+    )
     assert run_steps(profiler, 3) == []  # the window ends at step 6: still recording
     profiler.close()
     assert not any(tmp_path.iterdir())
-    assert run_steps(StepProfiler(ProfileSpec(start_step=2, steps=1), rank=0, device=CPU,
-                                  out_dir=tmp_path / "again"), 2)  # the profiler is usable again
+    assert run_steps(
+        StepProfiler(
+            ProfileSpec(start_step=2, steps=1), rank=0, device=CPU, out_dir=tmp_path / "again"
+        ),
+        2,
+    )  # the profiler is usable again
 
 
 def kernel(name: str, start: float, end: float, device: int = 0, cat: str = "kernel") -> dict:
-    return {"cat": cat, "name": name, "ts": start, "dur": end - start, "args": {"device": device, "stream": 7}}
+    return {
+        "cat": cat,
+        "name": name,
+        "ts": start,
+        "dur": end - start,
+        "args": {"device": device, "stream": 7},
+    }
 
 
 def test_the_device_timeline_splits_compute_communication_and_idle():
     # Two steps (µs): compute 0-10 and 12-20, 30-40 and 40-44 (touching); an all-reduce 15-25
     # (5 µs under compute) and 42-50 (2 µs under); a copy 26-28. Another device's and host
     # events are ignored.
-    events = [kernel("sm90_gemm", 0, 10), kernel("triton_poi_fused", 12, 20),
-              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 15, 25),
-              kernel("Memcpy DtoD", 26, 28, cat="gpu_memcpy"),
-              kernel("sm90_gemm", 30, 40), kernel("multi_tensor_apply_kernel", 40, 44),
-              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 42, 50),
-              kernel("sm90_gemm", 0, 1000, device=1),
-              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900}]
+    events = [
+        kernel("sm90_gemm", 0, 10),
+        kernel("triton_poi_fused", 12, 20),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 15, 25),
+        kernel("Memcpy DtoD", 26, 28, cat="gpu_memcpy"),
+        kernel("sm90_gemm", 30, 40),
+        kernel("multi_tensor_apply_kernel", 40, 44),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 42, 50),
+        kernel("sm90_gemm", 0, 1000, device=1),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900},
+    ]
     t = device_timeline(events, steps=2, device=0)
     assert t is not None
     assert t["span_ms"] == pytest.approx(50e-3 / 2)
@@ -91,11 +111,15 @@ def test_the_device_timeline_splits_compute_communication_and_idle():
     assert t["idle_ms"] == pytest.approx((2 + 1 + 2) * 1e-3 / 2)  # 10-12, 25-26, 28-30
     assert t["kernels"] == 3.5
     line = timeline_line(t)
-    assert line.startswith("device timeline per step: span 0.03 ms, compute 0.02 ms, communication 0.01 ms")
+    assert line.startswith(
+        "device timeline per step: span 0.03 ms, compute 0.02 ms, communication 0.01 ms"
+    )
 
 
 def test_a_trace_without_device_activity_has_no_timeline():
-    assert device_timeline([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1) is None
+    assert (
+        device_timeline([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1) is None
+    )
     # every device counts when none is named
     t = device_timeline([kernel("a", 0, 4), kernel("b", 2, 6, device=1)], steps=1)
     assert t is not None and t["compute_ms"] == pytest.approx(6e-3) and t["idle_ms"] == 0
@@ -109,8 +133,7 @@ NAMED = {
     "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64": "attention",
     "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)": "attention",
     "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
-    "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>":
-        "optimizer and gradient norm",
+    "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>": "optimizer and gradient norm",
     "triton_per_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_view_3": "normalization",
     "triton_poi_fused__unsafe_view_gelu_gelu_backward_view_2": "activation",
     "triton_red_fused__to_copy_exp_gather_logsumexp_scatter_sub_unsqueeze_view_7": "loss",
@@ -130,20 +153,39 @@ def test_kernels_are_named_for_what_they_do(name: str, kind: str):
 def test_the_breakdown_sums_each_kind_and_ranks_the_busiest_kernels():
     # Two steps (µs): two products of 6 and one of 4, an attention kernel twice, a memset;
     # the other device's kernel and the host event are left out.
-    gemm, attn = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "cudnn_generated_fort_native_sdpa_sm90_flash"
-    events = [kernel(gemm, 0, 6), kernel(gemm, 10, 16), kernel("sm90_xmma_gemm_bf16", 20, 24),
-              kernel(attn, 30, 33), kernel(attn, 40, 43), kernel("Memset (Unknown)", 50, 51, cat="gpu_memset"),
-              kernel(gemm, 0, 500, device=1), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900}]
+    gemm, attn = (
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT",
+        "cudnn_generated_fort_native_sdpa_sm90_flash",
+    )
+    events = [
+        kernel(gemm, 0, 6),
+        kernel(gemm, 10, 16),
+        kernel("sm90_xmma_gemm_bf16", 20, 24),
+        kernel(attn, 30, 33),
+        kernel(attn, 40, 43),
+        kernel("Memset (Unknown)", 50, 51, cat="gpu_memset"),
+        kernel(gemm, 0, 500, device=1),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900},
+    ]
     b = kernel_breakdown(events, steps=2, device=0, top=2)
     assert b is not None
-    assert b["kinds"] == pytest.approx({"matrix products": 8e-3, "attention": 3e-3, "copies, casts, memsets": 0.5e-3})
-    assert list(b["kinds"]) == ["matrix products", "attention", "copies, casts, memsets"]  # busiest first
+    assert b["kinds"] == pytest.approx(
+        {"matrix products": 8e-3, "attention": 3e-3, "copies, casts, memsets": 0.5e-3}
+    )
+    assert list(b["kinds"]) == [
+        "matrix products",
+        "attention",
+        "copies, casts, memsets",
+    ]  # busiest first
     assert b["total_ms"] == pytest.approx(11.5e-3)
     assert [(k["name"], k["launches"]) for k in b["top"]] == [(gemm, 1.0), (attn, 1.0)]
     assert b["top"][0]["ms"] == pytest.approx(6e-3)
     table = breakdown_table(b)
     assert "matrix products" in table and "69.6" in table  # 8 of 11.5
-    assert kernel_breakdown([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1) is None
+    assert (
+        kernel_breakdown([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1)
+        is None
+    )
 
 
 class _RecordedOnAGPU:
@@ -159,31 +201,48 @@ class _RecordedOnAGPU:
         class Table:
             def table(self, **_kw) -> str:
                 return "(operator table)"
+
         return Table()
 
 
 def test_a_gpu_profile_writes_the_timeline_and_the_breakdown(tmp_path: Path):
-    profiler = StepProfiler(ProfileSpec(start_step=3, steps=2), rank=1, device=torch.device("cuda", 0),
-                            out_dir=tmp_path)
-    events = [kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 30),
-              kernel("triton_poi_fused__unsafe_view_gelu_5", 30, 40)]
-    assert profiler._write(_RecordedOnAGPU(events), wall_ms=25.0) == tmp_path / "rank1.trace.json.gz"
+    profiler = StepProfiler(
+        ProfileSpec(start_step=3, steps=2), rank=1, device=torch.device("cuda", 0), out_dir=tmp_path
+    )
+    events = [
+        kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 30),
+        kernel("triton_poi_fused__unsafe_view_gelu_5", 30, 40),
+    ]
+    assert (
+        profiler._write(_RecordedOnAGPU(events), wall_ms=25.0) == tmp_path / "rank1.trace.json.gz"
+    )
     text = (tmp_path / "rank1.ops.txt").read_text()
     assert text.startswith("rank 1, steps 3..4: 25.0 ms per step")
     assert "device timeline per step: span 0.02 ms" in text
-    kinds = text[text.index("kernels by kind"):text.index("(operator table)")]
-    assert "matrix products" in kinds and "75.0" in kinds and "activation" in kinds and "25.0" in kinds
+    kinds = text[text.index("kernels by kind") : text.index("(operator table)")]
+    assert (
+        "matrix products" in kinds and "75.0" in kinds and "activation" in kinds and "25.0" in kinds
+    )
 
 
 def test_idle_gaps_split_kernel_to_kernel_gaps_from_waits_for_the_host():
     """Two steps on two streams: 2 µs gaps between kernels, one 400 µs wait on the host, and a
     kernel on a second stream that covers a gap of the first (no idle time there)."""
+
     def k(name, ts, dur, device=0):
         return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"device": device}}
 
-    events = [k("a", 0, 10), k("b", 12, 10), k("side", 20, 15), k("c", 35, 10),  # b..c covered by side
-              k("d", 47, 10), k("sync-wait-after", 457, 10), k("e", 469, 10),
-              k("other-gpu", 100, 300, device=1), {"cat": "cpu_op", "name": "aten::mm", "ts": 60, "dur": 5}]
+    events = [
+        k("a", 0, 10),
+        k("b", 12, 10),
+        k("side", 20, 15),
+        k("c", 35, 10),  # b..c covered by side
+        k("d", 47, 10),
+        k("sync-wait-after", 457, 10),
+        k("e", 469, 10),
+        k("other-gpu", 100, 300, device=1),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 60, "dur": 5},
+    ]
     g = idle_gaps(events, steps=2, device=0)
     # a→b, c→d and wait→e are 2 µs apart; side runs from b's end to c's start: no gap there
     assert g["short"] == 1.5 and g["short_ms"] == pytest.approx(3 * 2e-3 / 2)

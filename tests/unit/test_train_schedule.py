@@ -18,7 +18,9 @@ def factors(**kw) -> list[float]:
 
 
 def test_linear_warmup_then_cosine_to_the_floor():
-    f = factors(steps=100, lr_warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1, warmup_steps=0)
+    f = factors(
+        steps=100, lr_warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1, warmup_steps=0
+    )
     assert f[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
     assert f[10] == pytest.approx(1.0)
     assert all(a >= b for a, b in itertools.pairwise(f[10:]))
@@ -29,7 +31,10 @@ def test_linear_warmup_then_cosine_to_the_floor():
 def test_linear_decay_and_constant():
     lin = factors(steps=11, lr_schedule="linear", min_lr_ratio=0.0, warmup_steps=0)
     assert lin == pytest.approx([1 - i / 10 for i in range(11)])
-    assert factors(steps=20, lr_warmup_steps=4, lr_schedule="constant", warmup_steps=0)[4:] == [1.0] * 16
+    assert (
+        factors(steps=20, lr_warmup_steps=4, lr_schedule="constant", warmup_steps=0)[4:]
+        == [1.0] * 16
+    )
 
 
 def test_no_warmup_starts_at_the_peak():
@@ -37,7 +42,9 @@ def test_no_warmup_starts_at_the_peak():
 
 
 def test_no_weight_decay_on_biases_and_norms():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Embedding(10, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Embedding(10, 4)
+    )
     decay, no_decay = param_groups(model, 0.01)
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     assert {p.ndim for p in decay["params"]} == {2} and {p.ndim for p in no_decay["params"]} == {1}
@@ -50,26 +57,48 @@ def test_step_records_carry_the_lr_each_step_used(one_process_trainer_env):
     from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
 
-    job = JobSpec.model_validate({
-        "name": "lr", "model": {"arch": "gpt", "size": "tiny"}, "data": {"seq_len": 16},
-        "train": {"steps": 6, "warmup_steps": 0, "micro_batch": 2, "lr": 1e-3, "lr_warmup_steps": 3,
-                  "log_every": 1, "compile": False},
-        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-    })
+    job = JobSpec.model_validate(
+        {
+            "name": "lr",
+            "model": {"arch": "gpt", "size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {
+                "steps": 6,
+                "warmup_steps": 0,
+                "micro_batch": 2,
+                "lr": 1e-3,
+                "lr_warmup_steps": 3,
+                "log_every": 1,
+                "compile": False,
+            },
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+        }
+    )
     trainer = Trainer(job)
-    used = {1: trainer.optimizer.param_groups[0]["lr"]}  # after step s, the scheduler set step s+1's
+    used = {
+        1: trainer.optimizer.param_groups[0]["lr"]
+    }  # after step s, the scheduler set step s+1's
     try:
-        trainer.train(on_step=lambda step: used.__setitem__(step + 1, trainer.optimizer.param_groups[0]["lr"]))
+        trainer.train(
+            on_step=lambda step: used.__setitem__(step + 1, trainer.optimizer.param_groups[0]["lr"])
+        )
     finally:
         trainer.close()
-    steps = [r for r in read_records(one_process_trainer_env.with_name("rank0.jsonl")) if r["type"] == "step"]
+    steps = [
+        r
+        for r in read_records(one_process_trainer_env.with_name("rank0.jsonl"))
+        if r["type"] == "step"
+    ]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert [r["lr"] for r in steps] == pytest.approx([used[s] for s in range(1, 7)])
     assert steps[0]["lr"] == pytest.approx(1e-3 / 3) and steps[2]["lr"] == pytest.approx(1e-3)
 
 
-@pytest.mark.parametrize(("kernels", "supported", "on"),
-                         [("auto", True, True), ("torch", True, False), ("auto", False, False)])
+@pytest.mark.parametrize(
+    ("kernels", "supported", "on"),
+    [("auto", True, True), ("torch", True, False), ("auto", False, False)],
+)
 def test_train_kernels_sets_every_mlp(one_process_trainer_env, monkeypatch, kernels, supported, on):
     """``train.kernels`` reaches every block's MLP (``MLP.fused``) where the device supports the
     kernels (``fused.supported``, stood in for: this machine has no GPU); the MLP still computes
@@ -80,34 +109,59 @@ def test_train_kernels_sets_every_mlp(one_process_trainer_env, monkeypatch, kern
     from launcher.train.model import MLP
 
     monkeypatch.setattr(fused, "supported", lambda device: supported)
-    job = JobSpec.model_validate({
-        "name": "k", "model": {"arch": "bert", "size": "tiny"}, "data": {"seq_len": 16},
-        "train": {"steps": 1, "warmup_steps": 0, "micro_batch": 2, "compile": False, "kernels": kernels},
-        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-    })
+    job = JobSpec.model_validate(
+        {
+            "name": "k",
+            "model": {"arch": "bert", "size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {
+                "steps": 1,
+                "warmup_steps": 0,
+                "micro_batch": 2,
+                "compile": False,
+                "kernels": kernels,
+            },
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+        }
+    )
     trainer = Trainer(job)
     try:
         mlps = [m for m in trainer.model.modules() if isinstance(m, MLP)]
         assert mlps and {m.fused for m in mlps} == {on}
         x = torch.randn(3, 5, mlps[0].fc.in_features)
-        torch.testing.assert_close(mlps[0](x), mlps[0].proj(torch.nn.functional.gelu(mlps[0].fc(x))),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            mlps[0](x), mlps[0].proj(torch.nn.functional.gelu(mlps[0].fc(x))), rtol=0, atol=0
+        )
     finally:
         trainer.close()
 
 
-def _accumulated_step(in_place: bool, by_backward: bool, monkeypatch) -> tuple[dict, torch.Tensor | None]:
+def _accumulated_step(
+    in_place: bool, by_backward: bool, monkeypatch
+) -> tuple[dict, torch.Tensor | None]:
     """Two optimizer steps of a tiny BERT over 2 micro-batches; the parameters after them and
     the gradient of a trained parameter that no micro-batch uses (stale before each step)."""
     from launcher.spec.job import JobSpec
     from launcher.train import loop
 
     monkeypatch.setattr(loop.parallel, "needs_backward", lambda model, sync: by_backward)
-    job = JobSpec.model_validate({
-        "name": "acc", "model": {"arch": "bert", "size": "tiny"}, "data": {"seq_len": 16},
-        "train": {"steps": 2, "warmup_steps": 0, "micro_batch": 2, "grad_accum": 2, "compile": False},
-        "precision": {"dtype": "fp32"}, "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-    })
+    job = JobSpec.model_validate(
+        {
+            "name": "acc",
+            "model": {"arch": "bert", "size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {
+                "steps": 2,
+                "warmup_steps": 0,
+                "micro_batch": 2,
+                "grad_accum": 2,
+                "compile": False,
+            },
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+        }
+    )
     trainer = loop.Trainer(job)
     try:
         unused = torch.nn.Parameter(torch.zeros(3))
@@ -120,14 +174,20 @@ def _accumulated_step(in_place: bool, by_backward: bool, monkeypatch) -> tuple[d
             unused.grad = torch.ones(3)
             trainer.train_step(step)
             if not by_backward:  # stale: what it held before the step is gone
-                assert unused.grad is None if not in_place else torch.equal(unused.grad, torch.zeros(3))
+                assert (
+                    unused.grad is None
+                    if not in_place
+                    else torch.equal(unused.grad, torch.zeros(3))
+                )
         return {k: v.clone() for k, v in trainer.model.state_dict().items()}, unused.grad
     finally:
         trainer.close()
 
 
 @pytest.mark.parametrize("in_place", [False, True])
-def test_foreach_accumulation_sums_what_backward_sums(one_process_trainer_env, monkeypatch, in_place):
+def test_foreach_accumulation_sums_what_backward_sums(
+    one_process_trainer_env, monkeypatch, in_place
+):
     """Gradients taken by ``torch.autograd.grad`` and summed with foreach ops (``Trainer.backward``,
     for micro-batches no DDP or FSDP hook needs) train the model bit for bit as autograd's own
     accumulation does, with the gradients as fresh tensors or kept in their own memory (under

@@ -25,9 +25,12 @@ def _closed_port() -> int:
 
 
 def _ghost_cluster(tmp_path) -> ClusterSpec:
-    return ClusterSpec.model_validate({
-        "nodes": [{"name": "ghost", "host": "127.0.0.2", "port": _closed_port()}],
-        "ssh": {"connect_timeout_s": 3, "known_hosts": str(tmp_path / "known_hosts")}})
+    return ClusterSpec.model_validate(
+        {
+            "nodes": [{"name": "ghost", "host": "127.0.0.2", "port": _closed_port()}],
+            "ssh": {"connect_timeout_s": 3, "known_hosts": str(tmp_path / "known_hosts")},
+        }
+    )
 
 
 def test_starting_ray_on_an_unreachable_node_is_a_preflight_error_that_names_it(tmp_path):
@@ -41,14 +44,18 @@ def test_starting_ray_on_an_unreachable_node_is_a_preflight_error_that_names_it(
 
 
 @pytest.mark.parametrize("token", [True, False])
-def test_the_jobs_tunnel_to_an_unreachable_head_is_a_preflight_error_that_names_it(tmp_path, token: bool):
+def test_the_jobs_tunnel_to_an_unreachable_head_is_a_preflight_error_that_names_it(
+    tmp_path, token: bool
+):
     with pytest.raises(PreflightError) as err, api._tunnel(_ghost_cluster(tmp_path), token=token):
         pytest.fail("the tunnel opened")
     assert "cannot reach the head node ghost (127.0.0.2) over SSH" in str(err.value)
     assert "unreachable" in str(err.value)
 
 
-def test_launch_down_yes_forgets_a_bootstrapped_cluster_whose_head_is_gone(tmp_path, monkeypatch, capsys):
+def test_launch_down_yes_forgets_a_bootstrapped_cluster_whose_head_is_gone(
+    tmp_path, monkeypatch, capsys
+):
     from launcher.cli import main
     from launcher.jobs import head as heads
 

@@ -28,14 +28,21 @@ ROOT_CAUSE = [
 
 
 def job(**launch: object) -> JobSpec:
-    return JobSpec.model_validate({"name": "w", "resources": {"device": "cpu", "nproc_per_node": 1},
-                                   "precision": {"dtype": "fp32"}, "train": {"steps": 10, "warmup_steps": 1},
-                                   "launch": launch})
+    return JobSpec.model_validate(
+        {
+            "name": "w",
+            "resources": {"device": "cpu", "nproc_per_node": 1},
+            "precision": {"dtype": "fp32"},
+            "train": {"steps": 10, "warmup_steps": 1},
+            "launch": launch,
+        }
+    )
 
 
 def two_nodes() -> ClusterSpec:
-    return ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "198.18.0.10"},
-                                                 {"name": "b", "host": "198.18.0.11"}]})
+    return ClusterSpec.model_validate(
+        {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
+    )
 
 
 def step(rank: int, n: int) -> tuple[int, dict]:
@@ -45,8 +52,15 @@ def step(rank: int, n: int) -> tuple[int, dict]:
 class FakeAgents:
     """Answers each poll with the next scripted round: {agent: AgentUpdate | exception}."""
 
-    def __init__(self, rounds: Iterable[dict], *, unreachable: int | None = None, silent: int | None = None,
-                 tails: dict | None = None, errors: dict | None = None):
+    def __init__(
+        self,
+        rounds: Iterable[dict],
+        *,
+        unreachable: int | None = None,
+        silent: int | None = None,
+        tails: dict | None = None,
+        errors: dict | None = None,
+    ):
         self.rounds = list(rounds)
         self._unreachable = unreachable
         self._silent = silent
@@ -64,7 +78,11 @@ class FakeAgents:
         return self._silent if not self.rounds else None
 
     def unreachable(self, exclude: int):
-        return (self._unreachable, ConnectionError("actor died")) if self._unreachable is not None else None
+        return (
+            (self._unreachable, ConnectionError("actor died"))
+            if self._unreachable is not None
+            else None
+        )
 
     def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
         return self.tails.get((i, local_rank), [])[-n:]
@@ -92,23 +110,35 @@ def watch(agents: FakeAgents, *, hang_timeout_s=None, clock=None, **launch):
     lp = plan(job(**launch), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
     seen = []
     kwargs = {"clock": clock} if clock else {}
-    watcher = Watcher(agents, lp, on_update=lambda node, update: seen.append((node.name, update)),
-                      hang_timeout_s=hang_timeout_s, **kwargs)
+    watcher = Watcher(
+        agents,
+        lp,
+        on_update=lambda node, update: seen.append((node.name, update)),
+        hang_timeout_s=hang_timeout_s,
+        **kwargs,
+    )
     return watcher.run(), seen
 
 
 def test_every_node_exiting_0_is_success_and_every_update_is_handed_on():
-    rounds = [{0: AgentUpdate(lines=[(0, "hello")], records=[step(0, 5)]), 1: AgentUpdate(records=[step(1, 5)])},
-              {0: AgentUpdate(exit=ExitStatus(0))},
-              {1: AgentUpdate(lines=[(0, "bye")], exit=ExitStatus(0))}]
+    rounds = [
+        {
+            0: AgentUpdate(lines=[(0, "hello")], records=[step(0, 5)]),
+            1: AgentUpdate(records=[step(1, 5)]),
+        },
+        {0: AgentUpdate(exit=ExitStatus(0))},
+        {1: AgentUpdate(lines=[(0, "bye")], exit=ExitStatus(0))},
+    ]
     failure, seen = watch(FakeAgents(rounds))
     assert failure is None
     assert [name for name, _ in seen] == ["a", "b", "a", "b"]
 
 
 def test_a_failed_rank_is_named_from_torchruns_root_cause():
-    agents = FakeAgents([{1: AgentUpdate(exit=ExitStatus(1))}],
-                        tails={(1, None): ["noise", *ROOT_CAUSE], (1, 0): ["Traceback", "RuntimeError: x"]})
+    agents = FakeAgents(
+        [{1: AgentUpdate(exit=ExitStatus(1))}],
+        tails={(1, None): ["noise", *ROOT_CAUSE], (1, 0): ["Traceback", "RuntimeError: x"]},
+    )
     failure, _ = watch(agents)
     assert failure.kind is FailureKind.RANK and failure.restartable
     assert (failure.rank, failure.node, failure.exit_code, failure.signal) == (1, "b", 1, None)
@@ -117,43 +147,71 @@ def test_a_failed_rank_is_named_from_torchruns_root_cause():
 
 
 def test_the_structured_error_file_names_the_rank_and_its_exception():
-    error = RankError(local_rank=0, message="ValueError: bad batch", traceback="Traceback ...\nValueError: bad batch",
-                      timestamp=1.0)
-    agents = FakeAgents([{0: AgentUpdate(exit=ExitStatus(1))}], errors={0: [error]},
-                        tails={(0, 0): ["step 3", "[rank0]: something went wrong"]})
+    error = RankError(
+        local_rank=0,
+        message="ValueError: bad batch",
+        traceback="Traceback ...\nValueError: bad batch",
+        timestamp=1.0,
+    )
+    agents = FakeAgents(
+        [{0: AgentUpdate(exit=ExitStatus(1))}],
+        errors={0: [error]},
+        tails={(0, 0): ["step 3", "[rank0]: something went wrong"]},
+    )
     failure, _ = watch(agents)
     assert (failure.rank, failure.node) == (0, "a")
     assert failure.reason == "rank 0 on node a (198.18.0.10) raised ValueError: bad batch"
-    assert failure.log_tail.endswith("ValueError: bad batch")  # the traceback, as the rank's lines hold none
+    assert failure.log_tail.endswith(
+        "ValueError: bad batch"
+    )  # the traceback, as the rank's lines hold none
 
 
 def torchrun_report(failures: list[tuple[str, int, int]], root: tuple[str, int, int]) -> list[str]:
     """torchrun's failure report: (time, rank, exit code) of the other failures and the root cause."""
+
     def entry(i: int, when: str, rank: int, code: int) -> list[str]:
-        return [f"[{i}]:", f"  time      : 2026-12-02_08:10:{when}", "  host      : h",
-                f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {code} (pid: 1)"]
+        return [
+            f"[{i}]:",
+            f"  time      : 2026-12-02_08:10:{when}",
+            "  host      : h",
+            f"  rank      : {rank} (local_rank: {rank})",
+            f"  exitcode  : {code} (pid: 1)",
+        ]
+
     lines = ["script.py FAILED", "-" * 20, "Failures:"]
     for i, f in enumerate(failures, start=1):
         lines += entry(i, *f)
     return [*lines, "-" * 20, "Root Cause (first observed failure):", *entry(0, *root), "=" * 20]
 
 
-PEER = ["[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:931. This is typically "
-        "caused by a remote worker crashing.", "terminate called without an active exception"]
+PEER = [
+    "[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:931. This is typically "
+    "caused by a remote worker crashing.",
+    "terminate called without an active exception",
+]
 OWN = ["Traceback (most recent call last):", "RuntimeError: injected failure at step 30"]
 
 
-@pytest.mark.parametrize(("other_second", "root_tail", "named"), [
-    ("52", PEER, 1),  # the same second, and the root cause's log shows its peer's failure: the other rank
-    ("53", PEER, 0),  # a later second: torchrun's order stands
-    ("52", OWN, 0),   # the root cause failed on its own: it stands
-])
+@pytest.mark.parametrize(
+    ("other_second", "root_tail", "named"),
+    [
+        (
+            "52",
+            PEER,
+            1,
+        ),  # the same second, and the root cause's log shows its peer's failure: the other rank
+        ("53", PEER, 0),  # a later second: torchrun's order stands
+        ("52", OWN, 0),  # the root cause failed on its own: it stands
+    ],
+)
 def test_a_rank_failing_on_its_peer_in_the_same_second_is_not_named(other_second, root_tail, named):
     """torchrun names the lowest rank of failures within one second: rank 0 when it died on the
     broken connection that rank 1's crash left."""
     report = torchrun_report([(other_second, 1, 1)], root=("52", 0, -6))
-    agents = FakeAgents([{0: AgentUpdate(exit=ExitStatus(1))}],
-                        tails={(0, None): report, (0, 0): root_tail, (0, 1): OWN})
+    agents = FakeAgents(
+        [{0: AgentUpdate(exit=ExitStatus(1))}],
+        tails={(0, None): report, (0, 0): root_tail, (0, 1): OWN},
+    )
     lp = plan(job(), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
     node = dataclasses.replace(lp.nodes[0], nproc=2, ranks=[0, 1])
     failure = rank_failure(agents, 0, node, ExitStatus(1))
@@ -162,16 +220,23 @@ def test_a_rank_failing_on_its_peer_in_the_same_second_is_not_named(other_second
 
 
 def test_a_signal_is_read_from_the_exit_code():
-    agents = FakeAgents([{1: AgentUpdate(exit=ExitStatus(1))}],
-                        tails={(1, None): ROOT_CAUSE[:3] + ["  exitcode  : -9 (pid: 1)"]})
+    agents = FakeAgents(
+        [{1: AgentUpdate(exit=ExitStatus(1))}],
+        tails={(1, None): ROOT_CAUSE[:3] + ["  exitcode  : -9 (pid: 1)"]},
+    )
     failure, _ = watch(agents)
-    assert (failure.exit_code, failure.signal) == (-9, "SIGKILL") and "signal SIGKILL" in failure.reason
+    assert (failure.exit_code, failure.signal) == (
+        -9,
+        "SIGKILL",
+    ) and "signal SIGKILL" in failure.reason
 
 
 def test_a_lost_node_is_named_not_its_echo():
     """Node a's ranks fail with 'Connection reset' because node b is gone: blame b."""
-    agents = FakeAgents([{0: AgentUpdate(lines=[(0, "Connection reset by peer")], exit=ExitStatus(1))}],
-                        unreachable=1)
+    agents = FakeAgents(
+        [{0: AgentUpdate(lines=[(0, "Connection reset by peer")], exit=ExitStatus(1))}],
+        unreachable=1,
+    )
     failure, _ = watch(agents)
     assert failure.kind is FailureKind.LOST_NODE and not failure.restartable
     assert failure.node == "b" and "node b (198.18.0.11) was lost" in failure.reason
@@ -189,17 +254,25 @@ def test_a_failed_ranks_node_lost_before_its_log_is_read_is_a_lost_node():
             raise ConnectionError("the actor died")
 
     failure, _ = watch(Dying([{1: AgentUpdate(exit=ExitStatus(1))}]))
-    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "b") and "the actor died" in failure.reason
+    assert (failure.kind, failure.node) == (
+        FailureKind.LOST_NODE,
+        "b",
+    ) and "the actor died" in failure.reason
 
 
 def test_a_silent_agent_is_a_lost_node():
     failure, _ = watch(FakeAgents([{0: AgentUpdate(records=[step(0, 1)])}], silent=0))
-    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "a") and "no answer for 30 s" in failure.reason
+    assert (failure.kind, failure.node) == (
+        FailureKind.LOST_NODE,
+        "a",
+    ) and "no answer for 30 s" in failure.reason
 
 
 def test_the_hang_watchdog_blames_the_rank_that_got_least_far():
     """Both ranks go quiet (rank 1 hangs, rank 0 waits for it in a collective): rank 1 got least far."""
-    rounds = [{0: AgentUpdate(records=[step(0, 8)]), 1: AgentUpdate(records=[step(1, 5)])}] + [{}] * 10
+    rounds = [{0: AgentUpdate(records=[step(0, 8)]), 1: AgentUpdate(records=[step(1, 5)])}] + [
+        {}
+    ] * 10
     agents = FakeAgents(rounds, tails={(1, 0): ["step 5", "sleeping"]})
     now = [0.0]
     poll = agents.poll
@@ -216,7 +289,12 @@ def test_the_hang_watchdog_blames_the_rank_that_got_least_far():
 
 def test_a_node_that_finished_is_not_hung_while_another_works_on():
     """Node a's torchrun exited 0; node b's rank goes on reporting (an evaluation after training)."""
-    rounds = [{0: AgentUpdate(records=[step(0, 10)], exit=ExitStatus(0)), 1: AgentUpdate(records=[step(1, 10)])}]
+    rounds = [
+        {
+            0: AgentUpdate(records=[step(0, 10)], exit=ExitStatus(0)),
+            1: AgentUpdate(records=[step(1, 10)]),
+        }
+    ]
     rounds += [{1: AgentUpdate(records=[step(1, 10 + n)])} for n in range(1, 8)]
     rounds += [{1: AgentUpdate(exit=ExitStatus(0))}]
     clock = iter(range(0, 10**6, 10)).__next__  # 10 s a reading: node a is quiet for 80 s
@@ -224,8 +302,12 @@ def test_a_node_that_finished_is_not_hung_while_another_works_on():
 
 
 def test_no_hang_without_the_watchdog():
-    rounds = [{0: AgentUpdate(records=[step(0, 1)])}, {}, {}, {0: AgentUpdate(exit=ExitStatus(0)),
-                                                               1: AgentUpdate(exit=ExitStatus(0))}]
+    rounds = [
+        {0: AgentUpdate(records=[step(0, 1)])},
+        {},
+        {},
+        {0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))},
+    ]
     assert watch(FakeAgents(rounds), clock=iter(range(0, 10**6, 1000)).__next__)[0] is None
 
 
@@ -255,20 +337,27 @@ def test_a_failed_rank_restarts_every_node_with_a_new_plan(tmp_path):
     first, second = (json.loads(run_dir.plan_file(a).read_text()) for a in (0, 1))
     assert first["master_port"] != second["master_port"]  # a fresh port per attempt
     assert [n["env"]["LAUNCHER_RESTART_COUNT"] for n in second["nodes"]] == ["1", "1"]
-    assert all(f"--master-port {second['master_port']}" in " ".join(n["argv"]) for n in second["nodes"])
+    assert all(
+        f"--master-port {second['master_port']}" in " ".join(n["argv"]) for n in second["nodes"]
+    )
 
 
 def test_restarts_run_out(tmp_path):
-    agents = FakeAgents([failing_round(), failing_round(), done_round()], tails={(1, None): ROOT_CAUSE})
+    agents = FakeAgents(
+        [failing_round(), failing_round(), done_round()], tails={(1, None): ROOT_CAUSE}
+    )
     outcome, run_dir = attempts(tmp_path, agents, max_restarts=1)
     assert outcome.status is Status.FAILED and outcome.failure.rank == 1
     assert len(agents.started) == 2 and not run_dir.plan_file(2).exists()
 
 
-@pytest.mark.parametrize("script", [
-    [{1: RuntimeError("gone")}],                                   # a lost node
-    [{0: AgentUpdate(records=[step(0, 1)])}],                       # a silent agent
-])
+@pytest.mark.parametrize(
+    "script",
+    [
+        [{1: RuntimeError("gone")}],  # a lost node
+        [{0: AgentUpdate(records=[step(0, 1)])}],  # a silent agent
+    ],
+)
 def test_a_lost_node_is_not_restarted(tmp_path, script):
     agents = FakeAgents(script, silent=1)
     outcome, _ = attempts(tmp_path, agents, max_restarts=3)
@@ -280,16 +369,28 @@ def test_a_lost_node_is_not_restarted(tmp_path, script):
 
 
 def three_nodes_and_a_spare() -> ClusterSpec:
-    return ClusterSpec.model_validate({"nodes": [{"name": f"n{i}", "host": f"198.18.0.{10 + i}"} for i in range(4)]})
+    return ClusterSpec.model_validate(
+        {"nodes": [{"name": f"n{i}", "host": f"198.18.0.{10 + i}"} for i in range(4)]}
+    )
 
 
 def elastic_job(**train: object) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": "e", "precision": {"dtype": "fp32"},
-        "resources": {"device": "cpu", "nproc_per_node": 1, "nodes": 3, "min_nodes": 2},
-        "train": {"steps": 10, "warmup_steps": 1, "micro_batch": 4, "grad_accum": 2,
-                  "checkpoint": {"dir": "/shared/ckpt", "every_steps": 2}, **train},
-        "launch": {"max_restarts": 1}})
+    return JobSpec.model_validate(
+        {
+            "name": "e",
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu", "nproc_per_node": 1, "nodes": 3, "min_nodes": 2},
+            "train": {
+                "steps": 10,
+                "warmup_steps": 1,
+                "micro_batch": 4,
+                "grad_accum": 2,
+                "checkpoint": {"dir": "/shared/ckpt", "every_steps": 2},
+                **train,
+            },
+            "launch": {"max_restarts": 1},
+        }
+    )
 
 
 class FakeSession:
@@ -305,7 +406,9 @@ class FakeSession:
         self.added.append(node.name)
 
 
-def elastic_run(tmp_path, monkeypatch, job: JobSpec, cluster: ClusterSpec, rounds_per_attempt, session):
+def elastic_run(
+    tmp_path, monkeypatch, job: JobSpec, cluster: ClusterSpec, rounds_per_attempt, session
+):
     """Run attempts where each attempt's agents are a new FakeAgents with the next script."""
     from launcher.orchestrate import run as run_mod
 
@@ -336,22 +439,36 @@ def lost(i: int) -> dict:
 
 def test_a_lost_node_is_replaced_by_the_spare(tmp_path, monkeypatch):
     session = FakeSession()
-    launcher, outcome, placed = elastic_run(tmp_path, monkeypatch, elastic_job(), three_nodes_and_a_spare(),
-                                            [[lost(2)], [{i: AgentUpdate(exit=ExitStatus(0)) for i in range(3)}]],
-                                            session)
+    launcher, outcome, placed = elastic_run(
+        tmp_path,
+        monkeypatch,
+        elastic_job(),
+        three_nodes_and_a_spare(),
+        [[lost(2)], [{i: AgentUpdate(exit=ExitStatus(0)) for i in range(3)}]],
+        session,
+    )
     assert outcome.status is Status.SUCCEEDED
     assert placed == [["n0", "n1", "n3"]] and session.added == ["n3"]
     assert [p.world_size for p in launcher.plans] == [3, 3]
     [restart] = launcher.restarts
-    assert (restart.attempt, restart.failed_node, restart.nodes, restart.world_size) == (1, "n2", ["n0", "n1", "n3"], 3)
+    assert (restart.attempt, restart.failed_node, restart.nodes, restart.world_size) == (
+        1,
+        "n2",
+        ["n0", "n1", "n3"],
+        3,
+    )
 
 
 def test_without_a_spare_the_job_goes_on_smaller_with_the_same_global_batch(tmp_path, monkeypatch):
     session = FakeSession(refuse={"n3"})  # the spare does not join
-    launcher, outcome, placed = elastic_run(tmp_path, monkeypatch, elastic_job(micro_batch=4, grad_accum=2),
-                                            three_nodes_and_a_spare(),
-                                            [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)),
-                                                          1: AgentUpdate(exit=ExitStatus(0))}]], session)
+    launcher, outcome, placed = elastic_run(
+        tmp_path,
+        monkeypatch,
+        elastic_job(micro_batch=4, grad_accum=2),
+        three_nodes_and_a_spare(),
+        [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
+        session,
+    )
     assert outcome.status is Status.SUCCEEDED and placed == [["n0", "n1"]]
     assert [p.world_size for p in launcher.plans] == [3, 2]
     # 4 x 2 x 3 = 24 samples per step; on 2 ranks of 4: 3 micro-batches
@@ -363,20 +480,38 @@ def test_without_a_spare_the_job_goes_on_smaller_with_the_same_global_batch(tmp_
 def test_a_global_batch_that_does_not_divide_refuses_the_restart(tmp_path, monkeypatch):
     session = FakeSession(refuse={"n3"})
     job = elastic_job(micro_batch=4, grad_accum=1)  # 12 samples over 2 ranks of 4: no
-    _, outcome, placed = elastic_run(tmp_path, monkeypatch, job, three_nodes_and_a_spare(), [[lost(2)]], session)
+    _, outcome, placed = elastic_run(
+        tmp_path, monkeypatch, job, three_nodes_and_a_spare(), [[lost(2)]], session
+    )
     assert outcome.status is Status.FAILED and placed == []
-    assert "does not divide" in outcome.failure.reason and "elastic_batch: scale" in outcome.failure.reason
+    assert (
+        "does not divide" in outcome.failure.reason
+        and "elastic_batch: scale" in outcome.failure.reason
+    )
     scaled = elastic_job(micro_batch=4, grad_accum=1, elastic_batch="scale")
-    _, outcome, _ = elastic_run(tmp_path / "s", monkeypatch, scaled, three_nodes_and_a_spare(),
-                                [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
-                                FakeSession(refuse={"n3"}))
+    _, outcome, _ = elastic_run(
+        tmp_path / "s",
+        monkeypatch,
+        scaled,
+        three_nodes_and_a_spare(),
+        [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
+        FakeSession(refuse={"n3"}),
+    )
     assert outcome.status is Status.SUCCEEDED
 
 
 def test_fewer_than_min_nodes_ends_the_job(tmp_path, monkeypatch):
-    job = elastic_job().model_copy(update={"resources": elastic_job().resources.model_copy(update={"min_nodes": 3})})
-    _, outcome, placed = elastic_run(tmp_path, monkeypatch, job, three_nodes_and_a_spare(), [[lost(1)]],
-                                     FakeSession(refuse={"n3"}))
+    job = elastic_job().model_copy(
+        update={"resources": elastic_job().resources.model_copy(update={"min_nodes": 3})}
+    )
+    _, outcome, placed = elastic_run(
+        tmp_path,
+        monkeypatch,
+        job,
+        three_nodes_and_a_spare(),
+        [[lost(1)]],
+        FakeSession(refuse={"n3"}),
+    )
     assert outcome.status is Status.FAILED and placed == []
     assert "fewer than resources.min_nodes=3" in outcome.failure.reason
 
@@ -406,9 +541,17 @@ def test_a_grad_accum_the_job_cannot_run_with_refuses_the_restart():
     """bf16 weights need grad_accum 1: keeping the global batch on fewer ranks would raise it."""
     from launcher.orchestrate.elastic import RestartRefused, job_for_world
 
-    first = JobSpec.model_validate({**elastic_job().model_dump(), "precision": {"dtype": "bf16", "weights": "bf16"},
-                                    "train": {**elastic_job().train.model_dump(), "micro_batch": 2, "grad_accum": 1}})
-    with pytest.raises(RestartRefused, match="needs train.grad_accum 2, which the job cannot run with: .*grad_accum"):
+    first = JobSpec.model_validate(
+        {
+            **elastic_job().model_dump(),
+            "precision": {"dtype": "bf16", "weights": "bf16"},
+            "train": {**elastic_job().train.model_dump(), "micro_batch": 2, "grad_accum": 1},
+        }
+    )
+    with pytest.raises(
+        RestartRefused,
+        match="needs train.grad_accum 2, which the job cannot run with: .*grad_accum",
+    ):
         job_for_world(first, 2, 1)
 
 
@@ -416,8 +559,15 @@ def test_an_elastic_restart_keeps_the_failed_attempts_profile_traces(tmp_path, m
     """Closing the failed attempt's agents removes their node dirs: the traces are fetched first."""
     session = FakeSession(refuse={"n3"})
     job = elastic_job(profile={"start_step": 1, "steps": 1})
-    launcher, outcome, _ = elastic_run(tmp_path, monkeypatch, job, three_nodes_and_a_spare(),
-                                       [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)),
-                                                     1: AgentUpdate(exit=ExitStatus(0))}]], session)
+    launcher, outcome, _ = elastic_run(
+        tmp_path,
+        monkeypatch,
+        job,
+        three_nodes_and_a_spare(),
+        [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
+        session,
+    )
     assert outcome.status is Status.SUCCEEDED
-    assert sorted(p.parent.name for p in (launcher.run_dir.root / "profile").glob("*/trace.json")) == ["n0", "n1", "n2"]
+    assert sorted(
+        p.parent.name for p in (launcher.run_dir.root / "profile").glob("*/trace.json")
+    ) == ["n0", "n1", "n2"]

@@ -30,27 +30,63 @@ def test_the_pointer_table_holds_the_addresses_exactly():
 def test_cublas_takes_only_aligned_row_major_tensors_of_one_leading_dimension():
     base = torch.empty(4, 64, dtype=torch.bfloat16)
     assert wgrad._row_major([base[:, :32], base[:, 32:]]) == 64
-    assert wgrad._row_major([base[:, :32], torch.empty(4, 32, dtype=torch.bfloat16)]) is None  # two lds
-    assert wgrad._row_major([base.t()]) is None                                                 # column-major
-    assert wgrad._row_major([base[:, 1:33]]) is None                                           # 2 bytes off
-    assert wgrad._row_major([torch.empty(1, 64, dtype=torch.bfloat16).expand(4, 64)]) is None  # rows overlap
-    assert not wgrad._cublas_batched([base[:, :32]], [base[:, :32]], torch.empty(1, 32, 32))   # on the CPU
+    assert (
+        wgrad._row_major([base[:, :32], torch.empty(4, 32, dtype=torch.bfloat16)]) is None
+    )  # two lds
+    assert wgrad._row_major([base.t()]) is None  # column-major
+    assert wgrad._row_major([base[:, 1:33]]) is None  # 2 bytes off
+    assert (
+        wgrad._row_major([torch.empty(1, 64, dtype=torch.bfloat16).expand(4, 64)]) is None
+    )  # rows overlap
+    assert not wgrad._cublas_batched(
+        [base[:, :32]], [base[:, :32]], torch.empty(1, 32, 32)
+    )  # on the CPU
 
 
 def job(**train: object) -> JobSpec:
-    return JobSpec.model_validate({"name": "w", "model": {"arch": "gpt", "size": "tiny"},
-                                   "data": {"source": "synthetic", "seq_len": 16},
-                                   "precision": {"dtype": "bf16"}, "train": train})
+    return JobSpec.model_validate(
+        {
+            "name": "w",
+            "model": {"arch": "gpt", "size": "tiny"},
+            "data": {"source": "synthetic", "seq_len": 16},
+            "precision": {"dtype": "bf16"},
+            "train": train,
+        }
+    )
 
 
-@pytest.mark.parametrize(("spec", "weights", "device", "whole", "expected"), [
-    ({}, torch.bfloat16, "cuda", True, True),
-    ({"weight_grads": "per-layer"}, torch.bfloat16, "cuda", True, False),
-    ({}, torch.float32, "cuda", True, False),   # fp32 weights: each product is cast before it is a gradient
-    ({}, torch.bfloat16, "cuda", False, False),  # per-block graphs: the layers' products never meet
-    ({}, torch.bfloat16, "cpu", True, False),
-    ({"activation_checkpointing": True}, torch.bfloat16, "cuda", True, False),  # would hold every recomputed input
-])
+@pytest.mark.parametrize(
+    ("spec", "weights", "device", "whole", "expected"),
+    [
+        ({}, torch.bfloat16, "cuda", True, True),
+        ({"weight_grads": "per-layer"}, torch.bfloat16, "cuda", True, False),
+        (
+            {},
+            torch.float32,
+            "cuda",
+            True,
+            False,
+        ),  # fp32 weights: each product is cast before it is a gradient
+        (
+            {},
+            torch.bfloat16,
+            "cuda",
+            False,
+            False,
+        ),  # per-block graphs: the layers' products never meet
+        ({}, torch.bfloat16, "cpu", True, False),
+        (
+            {"activation_checkpointing": True},
+            torch.bfloat16,
+            "cuda",
+            True,
+            False,
+        ),  # would hold every recomputed input
+    ],
+)
 def test_when_the_trainer_batches(spec, weights, device, whole, expected):
     model = torch.nn.Linear(4, 4).to(weights)
-    assert batches_weight_grads(job(**spec), model, device=torch.device(device), whole=whole) is expected
+    assert (
+        batches_weight_grads(job(**spec), model, device=torch.device(device), whole=whole)
+        is expected
+    )
