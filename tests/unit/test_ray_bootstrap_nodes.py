@@ -21,7 +21,7 @@ import pytest
 
 from launcher.errors import PreflightError
 from launcher.orchestrate import ray_cluster
-from launcher.remote import INTERNAL, TIMEOUT, CommandResult, NodeError, Runner, _remote_command
+from launcher.remote import INTERNAL, TIMEOUT, CommandResult, NodeError, Runner, remote_command
 from launcher.spec import ClusterSpec
 from launcher.util import free_port
 
@@ -68,7 +68,7 @@ FAKE_SCRIPTS = textwrap.dedent("""\
 
 
 class DetachedRunner(Runner):
-    """Runs commands here as an SSH runner runs them on a node (``_remote_command``, under
+    """Runs commands here as an SSH runner runs them on a node (``remote_command``, under
     ``sh -c`` as sshd does): closing it ends the wait with NodeError but stops nothing."""
 
     procs: list[subprocess.Popen[str]] = []
@@ -80,7 +80,7 @@ class DetachedRunner(Runner):
         if self._closed:
             raise NodeError(INTERNAL, "the runner is closed")
         proc = subprocess.Popen(
-            ["/bin/sh", "-c", _remote_command(command, timeout)],
+            ["/bin/sh", "-c", remote_command(command, timeout)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -14,7 +14,7 @@ import pytest
 
 from launcher.errors import PreflightError
 from launcher.orchestrate import ray_cluster
-from launcher.remote import CommandResult, _remote_command
+from launcher.remote import CommandResult, remote_command
 from launcher.spec import ClusterSpec
 
 SHELLS = [
@@ -34,7 +34,7 @@ def login_shell(
     home: str | None = None,
 ) -> CommandResult:
     """``command`` as an SSH runner sends it, run as sshd does with ``shell`` as login shell."""
-    sent = _remote_command(command, timeout)
+    sent = remote_command(command, timeout)
     assert "\n" not in sent and "\r" not in sent and "!" not in sent, sent
     env = {**os.environ, "HOME": home} if home else None
     proc = subprocess.run(
@@ -60,7 +60,7 @@ def test_scripts_reach_sh_unchanged_under_any_login_shell(shell, timeout):
         7,
     ), result
     # one-line scripts without such characters are sent as they are (readable in ps and logs)
-    assert _remote_command("echo hi", None) == "sh -c 'echo hi'"
+    assert remote_command("echo hi", None) == "sh -c 'echo hi'"
 
 
 @pytest.mark.parametrize("shell", SHELLS)
@@ -125,7 +125,7 @@ def test_a_node_without_base64_is_an_error_not_a_silent_success(shell, timeout, 
     env = {**os.environ, "PATH": str(bin_dir)}
 
     def run(command: str) -> subprocess.CompletedProcess[str]:
-        sent = _remote_command(command, timeout)
+        sent = remote_command(command, timeout)
         assert "\n" not in sent and "!" not in sent, sent
         return subprocess.run(
             [str(bin_dir / shell), "-c", sent], capture_output=True, text=True, timeout=60, env=env
@@ -149,4 +149,4 @@ def test_a_node_without_base64_is_an_error_not_a_silent_success(shell, timeout, 
 
 
 def test_a_script_of_newlines_only_runs_nothing_and_needs_no_base64():
-    assert _remote_command("\n\n", None) == "sh -c ''"
+    assert remote_command("\n\n", None) == "sh -c ''"

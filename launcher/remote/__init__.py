@@ -1,0 +1,68 @@
+"""Run commands on nodes: one Runner interface for this machine and for SSH, and a fan-out.
+
+``runner_for(node, ssh)`` gives a LocalRunner for this machine, else an SSHRunner. Both run
+``sh`` commands and return a CommandResult, or raise NodeError when the node cannot be reached
+or a command outlives its timeout. ``fan_out`` runs a function on every node in threads and
+keeps every result or exception. Secrets go through ``stdin``, never the command line.
+"""
+
+from __future__ import annotations
+
+from launcher.remote.base import (
+    AUTH_FAILED,
+    BAD_JSON,
+    HOST_KEY_MISMATCH,
+    HOST_KEY_REVOKED,
+    INTERNAL,
+    INTERPRETER_MISSING,
+    PROBE_CRASHED,
+    SSH_ERROR,
+    TIMEOUT,
+    UNKNOWN_HOST_KEY,
+    UNREACHABLE,
+    CommandResult,
+    NodeError,
+    Runner,
+)
+from launcher.remote.classify import classify_ssh_error
+from launcher.remote.fanout import GroupResult, fan_out, parallel_map
+from launcher.remote.hostkeys import RevokedHostKeyError, UnknownHostKeyError, load_known_hosts
+from launcher.remote.local import LocalRunner
+from launcher.remote.quoting import BASE64_FAILED, REMOTE_TIMEOUT_MARGIN_S, remote_command
+from launcher.remote.ssh import SSHRunner
+from launcher.spec.cluster import NodeSpec, SSHSpec
+
+__all__ = [
+    "AUTH_FAILED",
+    "BAD_JSON",
+    "BASE64_FAILED",
+    "HOST_KEY_MISMATCH",
+    "HOST_KEY_REVOKED",
+    "INTERNAL",
+    "INTERPRETER_MISSING",
+    "PROBE_CRASHED",
+    "REMOTE_TIMEOUT_MARGIN_S",
+    "SSH_ERROR",
+    "TIMEOUT",
+    "UNKNOWN_HOST_KEY",
+    "UNREACHABLE",
+    "CommandResult",
+    "GroupResult",
+    "LocalRunner",
+    "NodeError",
+    "RevokedHostKeyError",
+    "Runner",
+    "SSHRunner",
+    "UnknownHostKeyError",
+    "classify_ssh_error",
+    "fan_out",
+    "load_known_hosts",
+    "parallel_map",
+    "remote_command",
+    "runner_for",
+]
+
+
+def runner_for(node: NodeSpec, ssh_spec: SSHSpec) -> Runner:
+    """A LocalRunner for this machine (``NodeSpec.is_local``), else an SSHRunner."""
+    return LocalRunner(node) if node.is_local else SSHRunner(node, ssh_spec)

@@ -1,0 +1,108 @@
+"""What paramiko or fabric raised while connecting, as a short NodeError that says what to do."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import TYPE_CHECKING
+
+import paramiko
+
+from launcher.remote.base import (
+    AUTH_FAILED,
+    HOST_KEY_MISMATCH,
+    HOST_KEY_REVOKED,
+    SSH_ERROR,
+    UNKNOWN_HOST_KEY,
+    UNREACHABLE,
+    NodeError,
+)
+from launcher.remote.hostkeys import RevokedHostKeyError, UnknownHostKeyError, known_hosts_name
+
+if TYPE_CHECKING:
+    from launcher.remote.ssh import SSHRunner
+
+ENCRYPTED = "key {key} is encrypted; load it into ssh-agent and leave ssh.key unset"
+
+
+def classify_ssh_error(err: BaseException, runner: SSHRunner) -> NodeError:
+    """Turn what paramiko/fabric raised while connecting into a short, actionable NodeError."""
+    node, ssh = runner.node, runner.ssh
+    where = f"{runner.user}@{node.host}:{node.port}"
+    timeout = ssh.connect_timeout_s
+    known = runner.known_hosts
+    if isinstance(err, paramiko.BadHostKeyException):
+        return NodeError(
+            HOST_KEY_MISMATCH,
+            f"{node.host} presented a {err.key.get_name()} key ({err.key.fingerprint}) that differs from "
+            f"the one in {known}: possibly a man-in-the-middle attack, or the node was reinstalled. "
+            f"It is never accepted automatically; if the change is expected, remove the old entry "
+            f"(ssh-keygen -R {known_hosts_name(node)} -f {known}) and add the new key",
+        )
+    if isinstance(err, RevokedHostKeyError):
+        return NodeError(
+            HOST_KEY_REVOKED,
+            f"{node.host} presented a {err.key.get_name()} key ({err.key.fingerprint}) that {known} marks "
+            f"@revoked; it is never accepted. Find out why it was revoked before giving the node a new key",
+        )
+    if isinstance(err, UnknownHostKeyError):
+        missing = "" if known.is_file() else f" ({known} does not exist)"
+        return NodeError(
+            UNKNOWN_HOST_KEY,
+            f"{node.host}'s {err.key.get_name()} key ({err.key.fingerprint}) is not in {known}{missing} and "
+            f"is refused. Verify it, then add it: ssh-keyscan -p {node.port} {node.host} >> {known}; "
+            f"or opt in with ssh.accept_unknown_host_keys: true",
+        )
+    if isinstance(err, paramiko.PasswordRequiredException):
+        return NodeError(AUTH_FAILED, ENCRYPTED.format(key=ssh.key))
+    if isinstance(err, paramiko.AuthenticationException) or (
+        isinstance(err, paramiko.SSHException) and "No authentication methods" in str(err)
+    ):
+        offered = f"key {ssh.key}" if ssh.key else "ssh-agent and ~/.ssh default keys"
+        return NodeError(
+            AUTH_FAILED,
+            f"{where} did not accept {offered}; check ssh.key and the user (ssh.user / nodes[].user), "
+            f"or add the public key to the node's authorized_keys",
+        )
+    if isinstance(err, FileNotFoundError) and ssh.key and str(ssh.key.expanduser()) in str(err):
+        return NodeError(
+            AUTH_FAILED, f"key file {ssh.key} not found; fix ssh.key in the cluster file"
+        )
+    if isinstance(err, socket.gaierror):
+        return NodeError(
+            UNREACHABLE,
+            f"cannot resolve host name {node.host!r} ({err.strerror}); check nodes[].host",
+        )
+    if isinstance(err, TimeoutError):
+        return NodeError(
+            UNREACHABLE,
+            f"no answer from {node.host}:{node.port} within {timeout:g} s (ssh.connect_timeout_s): "
+            f"host down, wrong address or a firewall",
+        )
+    if isinstance(err, paramiko.ssh_exception.NoValidConnectionsError):
+        codes = {e.errno for e in err.errors.values() if isinstance(e, OSError)}
+        err = OSError(next(iter(codes)) if len(codes) == 1 else None, str(err))
+    if isinstance(err, OSError) and err.errno == errno.ECONNREFUSED:
+        return NodeError(
+            UNREACHABLE,
+            f"{node.host} refused the connection on port {node.port}: is sshd running, is the port right?",
+        )
+    if isinstance(err, OSError) and err.errno in (
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ETIMEDOUT,
+    ):
+        return NodeError(
+            UNREACHABLE,
+            f"no route to {node.host}:{node.port} ({os.strerror(err.errno)}): host down or wrong address",
+        )
+    if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
+        return NodeError(
+            UNREACHABLE, f"cannot connect to {node.host}:{node.port}: {err.strerror or err}"
+        )
+    if isinstance(err, paramiko.SSHException) and "banner" in str(err).lower():
+        return NodeError(
+            UNREACHABLE, f"{node.host}:{node.port} did not speak SSH within {timeout:g} s: {err}"
+        )
+    return NodeError(SSH_ERROR, f"connecting to {where} failed: {type(err).__name__}: {err}")

@@ -1,0 +1,117 @@
+"""Run a function on every node (or item) in threads, keeping each one's result or exception.
+
+Like fabric's ``GroupResult``: it never stops at the first failure. Interrupted (Ctrl-C in the
+calling thread), it returns at once: nodes not yet started are skipped, the runners its
+threads made are closed (a local command is killed; a remote one runs on until its remote
+``timeout`` stops it) and the interrupt is raised again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+from launcher.remote.base import Runner, fan_out_scope
+from launcher.spec.cluster import NodeSpec
+
+T = TypeVar("T")
+
+
+class GroupResult(dict[str, Any], Generic[T]):
+    """Node name → ``fn``'s result or the exception it raised, in node order."""
+
+    @property
+    def succeeded(self) -> dict[str, T]:
+        return {k: v for k, v in self.items() if not isinstance(v, BaseException)}
+
+    @property
+    def failed(self) -> dict[str, BaseException]:
+        return {k: v for k, v in self.items() if isinstance(v, BaseException)}
+
+
+def fan_out(
+    nodes: Sequence[NodeSpec], fn: Callable[[NodeSpec], T], max_parallel: int = 32
+) -> GroupResult[T]:
+    """``fn(node)`` for every node, at most ``max_parallel`` at once; every result or exception
+    kept. Interrupted, it stops the nodes' work and re-raises at once (see ``parallel_map``)."""
+    outcomes = parallel_map(fn, nodes, max_parallel)
+    return GroupResult((node.name, outcome) for node, outcome in zip(nodes, outcomes, strict=True))
+
+
+class _Scope:
+    """The runners made in one ``parallel_map``'s threads, to close when it is interrupted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runners: list[Runner] = []
+        self.cancelled = False
+
+    def add(self, runner: Runner) -> None:
+        with self._lock:
+            self._runners.append(runner)
+            cancelled = self.cancelled
+        if cancelled:
+            runner.close()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            runners = list(self._runners)
+        for runner in runners:
+            with contextlib.suppress(Exception):
+                runner.close()
+
+
+def parallel_map(
+    fn: Callable[[Any], T], items: Sequence[Any], max_parallel: int = 32, *, grace_s: float = 0.0
+) -> list[T | BaseException]:
+    """``fn(item)`` for every item in daemon threads, at most ``max_parallel`` at once: each
+    result or the exception it raised, in item order.
+
+    When the calling thread is interrupted (KeyboardInterrupt, SystemExit, any exception while
+    waiting), items not yet started are skipped, every runner made in these threads is closed
+    (a local command is killed; a remote one is only given up on and keeps running on its
+    node: see ``Runner.close``), the threads get at most ``grace_s`` to finish (to record what
+    they did), and the exception is raised again. The threads are daemons: one still busy
+    holds up neither this call nor the interpreter's exit.
+    """
+    items = list(items)
+    outcomes: list[Any] = [None] * len(items)
+    if not items:
+        return outcomes
+    scope = _Scope()
+    lock = threading.Lock()
+    queue = iter(range(len(items)))
+
+    def work() -> None:
+        fan_out_scope.scope = scope
+        while True:
+            with lock:
+                index = None if scope.cancelled else next(queue, None)
+            if index is None:
+                return
+            try:
+                outcomes[index] = fn(items[index])
+            except BaseException as err:  # noqa: BLE001 - every item's outcome is kept
+                outcomes[index] = err
+
+    threads = [
+        threading.Thread(target=work, name=f"fan-out-{i}", daemon=True)
+        for i in range(max(1, min(max_parallel, len(items))))
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    except BaseException:
+        scope.cancel()
+        deadline = time.monotonic() + grace_s
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        raise
+    return outcomes

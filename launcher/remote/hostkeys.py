@@ -1,0 +1,146 @@
+"""known_hosts as OpenSSH reads it, and the policies that refuse or record unknown host keys."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import paramiko
+
+from launcher.remote.base import SSH_ERROR, NodeError
+from launcher.spec.cluster import NodeSpec
+
+log = logging.getLogger(__name__)
+
+
+class UnknownHostKeyError(paramiko.SSHException):
+    """The node's host key is not in known_hosts (and accepting new keys is off)."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey):
+        super().__init__(f"Server {hostname!r} not found in known_hosts")
+        self.hostname = hostname
+        self.key = key
+
+
+class RevokedHostKeyError(paramiko.SSHException):
+    """The node's host key is marked ``@revoked`` in known_hosts."""
+
+    def __init__(self, key: paramiko.PKey):
+        super().__init__(f"the host key {key.get_fingerprint().hex()} is revoked")
+        self.key = key
+
+
+def load_known_hosts(
+    path: Path,
+) -> tuple[list[paramiko.hostkeys.HostKeyEntry], set[tuple[str, bytes]]]:
+    """``path``'s host keys and its ``@revoked`` keys (as ``(type, blob)``), read as OpenSSH does.
+
+    paramiko's own loader raises on lines OpenSSH writes or tolerates. Here a
+    ``@cert-authority`` line is skipped (host certificates are not supported: list the
+    node's own key), ``@revoked`` keys are refused wherever they turn up, and a line that
+    cannot be parsed is skipped with a warning naming it. A missing file holds no keys; one
+    that cannot be read is a NodeError naming it.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], set()
+    except OSError as err:
+        raise NodeError(
+            SSH_ERROR,
+            f"cannot read the known_hosts file {path} (ssh.known_hosts): {err.strerror or err}",
+        ) from err
+    entries: list[paramiko.hostkeys.HostKeyEntry] = []
+    revoked: set[tuple[str, bytes]] = set()
+    for lineno, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        marker = None
+        if line.startswith("@"):
+            marker, _, line = line.partition(" ")
+            line = line.strip()
+            if marker not in ("@revoked", "@cert-authority"):
+                log.warning("%s:%d: unknown marker %s; line skipped", path, lineno, marker)
+                continue
+            if marker == "@cert-authority":
+                log.debug(
+                    "%s:%d: @cert-authority skipped (host certificates are not supported)",
+                    path,
+                    lineno,
+                )
+                continue
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(line, lineno)
+        except (
+            paramiko.hostkeys.InvalidHostKey,
+            paramiko.SSHException,
+            ValueError,
+            IndexError,
+        ) as err:
+            log.warning("%s:%d: not a host key line (%s); skipped", path, lineno, err)
+            continue
+        if entry is None:  # a key type paramiko does not know, or too few fields
+            continue
+        if marker == "@revoked":
+            revoked.add((entry.key.get_name(), entry.key.asbytes()))
+        else:
+            entries.append(entry)
+    return entries, revoked
+
+
+def refuse_revoked(key: paramiko.PKey | None, revoked: set[tuple[str, bytes]]) -> None:
+    if key is not None and (key.get_name(), key.asbytes()) in revoked:
+        raise RevokedHostKeyError(key)
+
+
+class RefuseUnknownHostKey(paramiko.RejectPolicy):
+    """paramiko's RejectPolicy, raising an error that carries the key for a useful message."""
+
+    def __init__(self, revoked: set[tuple[str, bytes]] | None = None):
+        self.revoked = revoked or set()
+
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
+        refuse_revoked(key, self.revoked)
+        raise UnknownHostKeyError(hostname, key)
+
+
+class RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
+    """Accept a new host key and append it to known_hosts (``ssh.accept_unknown_host_keys``).
+
+    Unlike paramiko's AutoAddPolicy + save, which rewrites the whole file from one client's
+    view, this appends one line under a lock, so a parallel fan-out loses no key.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, path: Path, revoked: set[tuple[str, bytes]] | None = None):
+        self.path = path
+        self.revoked = revoked or set()
+
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
+        refuse_revoked(key, self.revoked)  # never accepted, not even on opt-in
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line()
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a") as fh:
+                fh.write(line)
+        log.warning(
+            "accepted new host key for %s (%s %s) into %s",
+            hostname,
+            key.get_name(),
+            key.fingerprint,
+            self.path,
+        )
+
+
+def known_hosts_name(node: NodeSpec) -> str:
+    return node.host if node.port == 22 else f"'[{node.host}]:{node.port}'"

@@ -1,0 +1,315 @@
+"""A remote node over SSH (fabric/paramiko): key auth only, host keys verified."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import logging
+import select
+import shlex
+import threading
+import time
+from typing import Any
+
+import fabric
+import paramiko
+
+from launcher.remote.base import (
+    AUTH_FAILED,
+    INTERNAL,
+    SSH_ERROR,
+    TIMEOUT,
+    CommandResult,
+    NodeError,
+    Runner,
+    short,
+)
+from launcher.remote.classify import ENCRYPTED, classify_ssh_error
+from launcher.remote.hostkeys import (
+    RecordUnknownHostKey,
+    RefuseUnknownHostKey,
+    load_known_hosts,
+    refuse_revoked,
+)
+from launcher.remote.quoting import ENV_NAME, remote_command
+from launcher.spec.cluster import NodeSpec, SSHSpec
+
+log = logging.getLogger(__name__)
+
+EXIT_DRAIN_S = 5.0  # output read after a remote command exited without its channel's EOF
+
+
+class SSHRunner(Runner):
+    """A remote node over SSH (fabric/paramiko): key auth only, host keys verified.
+
+    One connection per runner, opened on first use and reused; a runner is meant for one
+    thread (fan-out gives each node its own).
+    """
+
+    def __init__(self, node: NodeSpec, ssh: SSHSpec):
+        self.ssh = ssh
+        self.user = node.user or ssh.user or local_user()
+        self.known_hosts = ssh.known_hosts.expanduser()
+        self._conn: fabric.Connection | None = None
+        self._connecting: fabric.Connection | None = None  # closed by close() from another thread
+        self._lock = threading.Lock()  # one connect at a time
+        self._state = threading.Lock()  # guards _conn, _connecting, _closed; never held long
+        self._revoked: set[tuple[str, bytes]] = set()  # @revoked keys of known_hosts
+        super().__init__(node)
+
+    def load_key(self) -> paramiko.PKey | None:
+        """``ssh.key`` read, or None without one; NodeError (authentication failed) naming the
+        file when it is missing, unreadable, encrypted, not a private key, or a key of a type
+        paramiko does not support (DSA, since paramiko 4.0) or that otherwise cannot be loaded.
+
+        Read here, not by paramiko from ``key_filename``: paramiko tries the file as every key
+        type in turn and re-raises the last type's parse error ("Invalid key"), which hides a
+        key the node refused and an unreadable file alike."""
+        if not self.ssh.key:
+            return None
+        path, shown = self.ssh.key.expanduser(), self.ssh.key
+        try:
+            return paramiko.PKey.from_path(str(path))
+        except FileNotFoundError:
+            raise NodeError(
+                AUTH_FAILED, f"key file {shown} not found; fix ssh.key in the cluster file"
+            ) from None
+        except OSError as err:
+            raise NodeError(
+                AUTH_FAILED,
+                f"cannot read key file {shown}: {err.strerror or err}; "
+                f"fix its permissions or ssh.key in the cluster file",
+            ) from None
+        except (TypeError, paramiko.PasswordRequiredException):  # cryptography: no password given
+            raise NodeError(AUTH_FAILED, ENCRYPTED.format(key=shown)) from None
+        except (
+            paramiko.pkey.UnknownKeyType
+        ) as err:  # e.g. DSA: paramiko 4.0 removed DSSKey (3.x loads it)
+            kind = getattr(err.key_type, "__name__", None) or str(err.key_type)
+            kind = short(kind.removesuffix("PrivateKey"), 40)
+            raise NodeError(
+                AUTH_FAILED,
+                f"key file {shown} holds a {kind} key, a type the launcher's SSH "
+                f"(paramiko) cannot use: it takes ed25519, RSA and ECDSA keys only. "
+                f"Make one (ssh-keygen -t ed25519), add its public key to the "
+                f"nodes' authorized_keys and set ssh.key to it",
+            ) from None
+        except (paramiko.SSHException, ValueError) as err:
+            raise NodeError(
+                AUTH_FAILED,
+                f"key file {shown} is not a private key that can be read "
+                f"({type(err).__name__}: {short(str(err), 120)}); fix ssh.key",
+            ) from None
+        except Exception as err:  # noqa: BLE001 - cryptography's UnsupportedAlgorithm, ...: never a traceback
+            raise NodeError(
+                AUTH_FAILED,
+                f"key file {shown} cannot be used ({type(err).__name__}: "
+                f"{short(str(err), 120)}); use an ed25519, RSA or ECDSA key "
+                f"and set ssh.key to it",
+            ) from None
+
+    def connect_kwargs(self, pkey: paramiko.PKey | None = None) -> dict[str, Any]:
+        """Everything handed to paramiko's ``SSHClient.connect``, each option explained;
+        ``pkey`` is ``load_key()``."""
+        key = self.ssh.key
+        timeout = self.ssh.connect_timeout_s
+        return {
+            # The configured key only, so a wrong key fails plainly instead of silently
+            # succeeding with some other identity; without one: ssh-agent, then ~/.ssh/id_*.
+            **({"pkey": pkey} if pkey is not None else {}),
+            "look_for_keys": key is None,
+            "allow_agent": key is None,
+            # Key auth only: no password is ever sent and nothing prompts for one.
+            "password": None,
+            "passphrase": None,
+            # Every phase of connecting is bounded by connect_timeout_s: the TCP connect
+            # (fabric's connect_timeout), the server's banner, and authentication.
+            "banner_timeout": timeout,
+            "auth_timeout": timeout,
+            "channel_timeout": timeout,
+            "compress": False,
+        }
+
+    def _client(self) -> paramiko.SSHClient:
+        """A client that knows ``ssh.known_hosts`` and refuses (or records, on opt-in) new keys.
+
+        The file is read as OpenSSH writes it (``load_known_hosts``); one that cannot be read
+        is a NodeError naming it."""
+        client = paramiko.SSHClient()
+        known, revoked = load_known_hosts(self.known_hosts)
+        for entry in known:
+            for name in entry.hostnames:
+                client.get_host_keys().add(name, entry.key.get_name(), entry.key)
+        if self.ssh.accept_unknown_host_keys:
+            client.set_missing_host_key_policy(RecordUnknownHostKey(self.known_hosts, revoked))
+        else:
+            client.set_missing_host_key_policy(RefuseUnknownHostKey(revoked))
+        self._revoked = revoked
+        return client
+
+    def _connection(self) -> fabric.Connection:
+        with self._lock:
+            if self._closed:
+                raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
+            if self._conn is not None and self._conn.is_connected:
+                return self._conn
+            config = fabric.Config(
+                overrides={
+                    # cluster.yaml is the one source of hosts, users, ports and keys.
+                    "load_ssh_configs": False,
+                }
+            )
+            conn = fabric.Connection(
+                self.node.host,
+                user=self.user,
+                port=self.node.port,
+                config=config,
+                connect_timeout=self.ssh.connect_timeout_s,
+                connect_kwargs=self.connect_kwargs(self.load_key()),
+            )
+            conn.client = self._client()
+            with self._state:
+                self._connecting = conn
+            started = time.monotonic()
+            try:
+                conn.open()
+                refuse_revoked(conn.transport.get_remote_server_key(), self._revoked)
+            except (paramiko.SSHException, OSError, EOFError) as err:
+                # fabric's close() does nothing here (it sets conn.transport only once open()
+                # succeeds): the client holds the transport's thread and socket.
+                conn.close()
+                conn.client.close()
+                if self._closed:
+                    raise NodeError(
+                        INTERNAL, f"the runner for {self.describe()} was closed while connecting"
+                    ) from err
+                raise classify_ssh_error(err, self) from err
+            finally:
+                with self._state:
+                    self._connecting = None
+            with self._state:
+                if not self._closed:
+                    self._conn = conn
+            if self._conn is not conn:  # closed while connecting
+                conn.close()
+                raise NodeError(
+                    INTERNAL, f"the runner for {self.describe()} was closed while connecting"
+                )
+            log.debug("connected to %s in %.2f s", self.describe(), time.monotonic() - started)
+            return conn
+
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: str | None = None,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> CommandResult:
+        # One paramiko session channel on fabric's connection. Not ``Connection.run``: invoke
+        # feeds a non-terminal stdin one character per 10 ms, and a probe is 20 kB.
+        conn = self._connection()
+        script = command
+        if env:
+            bad = [k for k in env if not ENV_NAME.fullmatch(k)]
+            if bad:
+                raise ValueError(f"not environment variable names: {bad}")
+            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+            script = f"export {exports} && {command}"
+        # sshd runs what it is sent with the user's login shell (``$SHELL -c``), which may be
+        # csh, tcsh or fish; the command is POSIX sh, so it goes to sh as one quoted word.
+        try:
+            return self._exec(
+                conn.transport,
+                remote_command(script, timeout),
+                stdin or "",
+                timeout,
+                shown=command,
+            )
+        except (paramiko.SSHException, OSError, EOFError) as err:
+            closed = self._closed
+            self.close()
+            if closed:
+                raise NodeError(
+                    INTERNAL, f"{short(command)!r} was stopped: the runner was closed"
+                ) from err
+            raise NodeError(SSH_ERROR, f"the connection to {self.describe()} broke: {err}") from err
+
+    def _exec(
+        self,
+        transport: paramiko.Transport,
+        command: str,
+        stdin: str,
+        timeout: float | None,
+        *,
+        shown: str,
+    ) -> CommandResult:
+        chan = transport.open_session(timeout=self.ssh.connect_timeout_s)
+        try:
+            chan.exec_command(command)
+            feeder = threading.Thread(
+                target=_feed, args=(chan, stdin.encode()), daemon=True, name="ssh-stdin"
+            )
+            feeder.start()
+            out, err = bytearray(), bytearray()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            exited_at = None
+            while True:
+                # sshd may report the exit status before the last of the output; the end of the
+                # output is the channel's EOF (read before draining: no data can follow it). A
+                # daemon the command started may keep the output open: then the exit status
+                # and EXIT_DRAIN_S without EOF end the read.
+                eof = chan.eof_received
+                while chan.recv_ready():
+                    out += chan.recv(65536)
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                if chan.exit_status_ready():
+                    exited_at = exited_at or time.monotonic()
+                    if eof or time.monotonic() - exited_at > EXIT_DRAIN_S:
+                        break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise NodeError(
+                        TIMEOUT, f"{short(shown)!r} did not finish within {timeout:g} s"
+                    )
+                if not transport.is_active():
+                    raise EOFError("the SSH transport closed")
+                select.select([chan], [], [], 0.05)
+            return CommandResult(
+                out.decode(errors="replace"), err.decode(errors="replace"), chan.recv_exit_status()
+            )
+        finally:
+            chan.close()
+
+    def describe(self) -> str:
+        return f"{self.node.name} ({self.user}@{self.node.host}:{self.node.port})"
+
+    def close(self) -> None:
+        """Close the connection; a command running on it (in another thread) ends with
+        NodeError, and a connect under way is closed and ends with NodeError too.
+
+        The command on the node is not stopped: sshd does not signal a command without a
+        terminal when its channel closes. It runs on until it ends by itself (a write to its
+        closed output may end it) or, run with a timeout, until its remote ``timeout`` stops it
+        (``remote_command``)."""
+        with self._state:
+            self._closed = True
+            conn, self._conn = self._conn, None
+            connecting = self._connecting
+        if conn is not None:
+            conn.close()
+        if connecting is not None:
+            with contextlib.suppress(Exception):
+                connecting.client.close()
+
+
+def _feed(chan: paramiko.Channel, data: bytes) -> None:
+    """Write stdin then EOF; a command that exits without reading it is not an error."""
+    with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+        if data:
+            chan.sendall(data)
+        chan.shutdown_write()
+
+
+def local_user() -> str:
+    return getpass.getuser()
