@@ -22,6 +22,7 @@ from pathlib import Path
 
 from launcher import __version__, signals
 from launcher.errors import EXIT_INTERRUPTED, EXIT_INVALID_INPUT, LauncherError, UsageError
+from launcher.util import setup_logging
 
 log = logging.getLogger("launcher")
 
@@ -144,7 +145,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
 
 def _run(args: argparse.Namespace) -> int:
     with _console_may_close() if args.command in WORKING_COMMANDS else contextlib.nullcontext():
-        _setup_logging(args.debug)  # its handler writes to the sys.stderr of this moment
+        setup_logging(args.debug)  # its handler writes to the sys.stderr of this moment
         signals.install()
         try:
             return int(args.func(args) or 0)
@@ -565,16 +566,6 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
     return values
-
-
-def _setup_logging(debug: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s",
-    )
-    if not debug:
-        for noisy in ("ray", "paramiko", "fabric", "invoke", "torch"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import math
 import os
 import socket
@@ -12,7 +13,15 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["first_line", "free_port", "percentile", "utc_stamp", "write_atomic", "write_private"]
+__all__ = [
+    "first_line",
+    "free_port",
+    "percentile",
+    "setup_logging",
+    "utc_stamp",
+    "write_atomic",
+    "write_private",
+]
 
 
 def first_line(err: BaseException) -> str:
@@ -82,3 +91,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def setup_logging(debug: bool) -> None:
+    """The launcher's log output on stderr: messages only, or levels, names and debug records
+    with ``--debug``; the chatty libraries at warnings unless debugging."""
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s",
+    )
+    if not debug:
+        for noisy in ("ray", "paramiko", "fabric", "invoke", "torch"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)

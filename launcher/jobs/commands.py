@@ -71,7 +71,7 @@ def submit(
     with tempfile.TemporaryDirectory(prefix="launcher-submit-") as tmp:
         upload = Path(tmp)
         facts = preflight_facts(
-            job, cluster, skip=skip_parity, run_dir=RunDir(upload), show=not as_json
+            job, cluster, skip=skip_parity, save_to=RunDir(upload).preflight, show=not as_json
         )
         workers = worker_counts(job, nodes, facts)
         with connect(cluster, start=True) as jobs:
@@ -356,11 +356,11 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
         stop_local_head(local)
         print("Stopped the launcher's Ray head on this machine", flush=True)
     else:
-        from launcher.jobs.head import cluster_lock, forget_cluster
-        from launcher.orchestrate.ray_cluster import _stop_ray
+        from launcher.jobs.head import cluster_lock, forget_cluster, saved_addresses
+        from launcher.orchestrate.ray_cluster import stop_ray
 
         with cluster_lock(spec):  # inside jobs_lock, as every holder of both takes them
-            left = _stop_ray(spec, list(spec.nodes))
+            left = stop_ray(spec, list(spec.nodes), saved_addresses(spec))
             forget_cluster(spec)
         stopped = [n.name for n in spec.nodes if n.name not in left]
         if left:  # forgotten all the same: a node that never answers again must not pin the record

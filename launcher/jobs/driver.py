@@ -40,13 +40,16 @@ from launcher.jobs import queue
 from launcher.jobs import state as job_state
 from launcher.jobs.api import ACTIVE, META_KEY
 from launcher.orchestrate.code import plan_code
-from launcher.orchestrate.plan import NodeFacts, worker_counts
+from launcher.orchestrate.plan import worker_counts
 from launcher.orchestrate.ray_cluster import open_session
 from launcher.orchestrate.records import Status
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
 from launcher.orchestrate.runlog import RunLog
+from launcher.preflight import NodeFacts
+from launcher.results.summary import summarize, write_summary
 from launcher.spec import ClusterSpec, JobSpec, nodes_for_job
+from launcher.util import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +65,8 @@ EXIT_CODES = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from launcher.cli import _setup_logging
-
     args = list(sys.argv[1:] if argv is None else argv)
-    _setup_logging(debug="--debug" in args)
+    setup_logging(debug="--debug" in args)
     signals.install()
     submission = json.loads(Path(args[0]).read_text())
     job = JobSpec.model_validate(submission["job"])
@@ -301,8 +302,6 @@ def _final(job: JobSpec, run_dir: RunDir | None, status: Status, reason: str | N
     reachable): a summary with no ranks that says so, and the final state line. ``run_dir``
     None: the job has no run directory (its folder was refused), the summary is the state
     line's alone."""
-    from launcher.results.summary import summarize, write_summary
-
     summary = None
     if run_dir is None or not (run_dir.root / "summary.json").is_file():
         failure = {"reason": reason} if reason else None

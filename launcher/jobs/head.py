@@ -446,17 +446,12 @@ def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:
 def saved_addresses(cluster: ClusterSpec) -> dict[str, str]:
     """The address each node's ``ray start`` was given (``--node-ip-address``; the head's is the
     ``--address`` the others joined), by node name, as the record of this cluster keeps them.
-    Empty without a record, for an unreadable one, or for one an older launcher wrote."""
+    Empty without a record or for an unreadable one."""
     try:
         record = _read_record(cluster)
     except (UnreadableRecord, OSError):  # OSError: no state folder to look in
         return {}
-    addresses = (record or {}).get(ADDRESSES_KEY)
-    if not isinstance(addresses, dict):
-        return {}
-    return {
-        name: ip for name, ip in addresses.items() if isinstance(name, str) and isinstance(ip, str)
-    }
+    return dict((record or {}).get(ADDRESSES_KEY) or {})
 
 
 def save_cluster(cluster: ClusterSpec, addresses: Mapping[str, str] | None = None) -> None:

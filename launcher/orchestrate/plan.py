@@ -29,7 +29,9 @@ from tabulate import tabulate
 from launcher import metrics
 from launcher.errors import PreflightError, SpecError
 from launcher.orchestrate.code import CodePlan, describe
+from launcher.preflight import NodeFacts
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
+from launcher.spec.fit import spec_layers
 
 DEFAULT_MASTER_PORT = 29500
 PROFILE_SUBDIR = (
@@ -53,13 +55,6 @@ NODE_PASSTHROUGH = (
 )
 SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
 MASK = "****"
-
-
-@dataclass(frozen=True)
-class NodeFacts:
-    """What the plan needs to know about a node that only the node can say."""
-
-    gpus: int
 
 
 @dataclass(frozen=True)
@@ -306,31 +301,6 @@ def declared_workers(job: JobSpec, node: NodeSpec) -> int | None:
     return node.gpus if isinstance(node.gpus, int) else None
 
 
-def gpus_needed(node: NodeSpec, job: JobSpec | None) -> int:
-    """GPUs the preflight requires of a node: what cluster.yaml declares, and what a cuda job runs there."""
-    declared = node.gpus if isinstance(node.gpus, int) else 0
-    if job is None or job.resources.device != "cuda":
-        return declared
-    per_node = job.resources.nproc_per_node
-    return max(declared, per_node if isinstance(per_node, int) else 1)
-
-
-def spec_env(node: NodeSpec, job: JobSpec | None) -> dict[str, str]:
-    """The worker environment the specs set (the later layer wins)."""
-    env: dict[str, str] = {}
-    for _, items in _spec_layers(job, node):
-        env.update(items)
-    return env
-
-
-def _spec_layers(job: JobSpec | None, node: NodeSpec) -> list[tuple[str, Mapping[str, str]]]:
-    """(source, variables) in precedence order, lowest first: nccl.env, launch.env, the node's env."""
-    layers: list[tuple[str, Mapping[str, str]]] = []
-    if job is not None:
-        layers += [("job nccl.env", job.nccl.env), ("job launch.env", job.launch.env)]
-    return [*layers, (f"cluster nodes.{node.name}.env", node.env)]
-
-
 # -- internals ------------------------------------------------------------------------------
 
 
@@ -383,7 +353,7 @@ def _worker_env(
             sources[key] = source
 
     put({k: v for k, v in launcher_env.items() if k.startswith(FORWARDED_PREFIXES)}, "launcher env")
-    for source, items in _spec_layers(job, node):
+    for source, items in spec_layers(job, node):
         put(items, source)
     put(
         {

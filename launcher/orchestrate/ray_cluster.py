@@ -93,7 +93,7 @@ _OTHER_RAY = (
     f"    sys.exit({OTHER_RAY_EXIT})\n"
 )
 # Run on a node before `ray stop`, with the node's address and the head's (as its `ray start` was
-# given them: _stop_ray) and this cluster's GCS port:
+# given them: stop_ray) and this cluster's GCS port:
 # SIGKILL to this user's `ray start` of this cluster bound to that address, a join to HEAD:PORT
 # (`--address`) or, on the head, the head's own start on PORT; a join to another head on the same
 # port, or another Ray's head on this node, is left alone. One the launcher gave up on (Ctrl-C
@@ -165,7 +165,7 @@ class RaySession:
 
         The node joins ``_started_on`` (what ``close`` stops) as its ``ray start`` is issued,
         so also when that fails, times out or is cut short by an interrupt (part of Ray may run
-        there, or the start itself may: ``_stop_ray`` kills it before ``ray stop``); it leaves
+        there, or the start itself may: ``stop_ray`` kills it before ``ray stop``); it leaves
         again when ``ray start --head`` reports a Ray already running at its address.
         """
         assert self._cluster is not None and self._token is not None
@@ -237,9 +237,9 @@ class RaySession:
             ray.shutdown()
         os.environ.pop("RAY_AUTH_TOKEN", None)
         if self._started_on and not keep_ray and self._cluster is not None:
-            # the head first (it starts first, the others only once it runs), as _stop_ray needs,
+            # the head first (it starts first, the others only once it runs), as stop_ray needs,
             # with the addresses their `ray start` was given
-            if left := _stop_ray(self._cluster, self._started_on, self.node_ips):
+            if left := stop_ray(self._cluster, self._started_on, self.node_ips):
                 log.warning(
                     "Ray may still run on %s (not reached); stop it with `ray stop` there",
                     ", ".join(left),
@@ -417,7 +417,7 @@ def _bootstrap(
             )
             # Interrupted: the joins under way are given up (their runners closed) and get
             # JOIN_GRACE_S to end; the close() below kills the `ray start`s that run on, on
-            # every node in _started_on, then stops Ray there (_stop_ray).
+            # every node in _started_on, then stops Ray there (stop_ray).
             outcomes = parallel_map(
                 session._start_ray, others, cluster.ssh.max_parallel, grace_s=JOIN_GRACE_S
             )
@@ -493,24 +493,17 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
     return result.stdout
 
 
-def _stop_ray(
-    cluster: ClusterSpec, nodes: list[NodeSpec], addresses: Mapping[str, str] | None = None
+def stop_ray(
+    cluster: ClusterSpec, nodes: list[NodeSpec], addresses: Mapping[str, str]
 ) -> list[str]:
     """On every node, in parallel: a ``ray start`` of this cluster still running there killed
     (``_KILL_START``: one the launcher gave up on would start Ray after the stop), then
     ``ray stop --force`` and the token file removed. ``nodes[0]`` is the head (whose address
     tells this cluster's joins from another's on the same port): the session's nodes start in
     that order, and a cluster file's first node is its head. ``addresses``: the address each
-    node's ``ray start`` was given, by node name (the session's ``node_ips``); None for
-    ``launch down``, which takes those its record of the cluster keeps (``saved_addresses``).
-    ``_KILL_START`` matches them exactly, so a node without one (a record of an older
-    launcher) has its host resolved now, which finds its ``ray start`` only while the name
-    resolves as it did then. Returns the names of the nodes where that could not be done
-    (unreachable, timed out, stop failed): Ray may still run there."""
-    if addresses is None:
-        from launcher.jobs.head import saved_addresses
-
-        addresses = saved_addresses(cluster)
+    node's ``ray start`` was given, by node name; a node without one has its host resolved now.
+    Returns the names of the nodes where that could not be done (unreachable, timed out, stop
+    failed): Ray may still run there."""
     known = dict(addresses)
 
     def address(node: NodeSpec) -> str:

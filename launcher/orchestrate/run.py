@@ -29,7 +29,6 @@ from launcher.orchestrate.plan import (
     DEFAULT_MASTER_PORT,
     PROFILE_SUBDIR,
     LaunchPlan,
-    NodeFacts,
     gpus_per_node,
     plan,
     render,
@@ -40,7 +39,9 @@ from launcher.orchestrate.records import Failure, FailureKind, Outcome, Status
 from launcher.orchestrate.rundir import RunDir, spec_yaml
 from launcher.orchestrate.runlog import RunLog
 from launcher.orchestrate.watch import Watcher
-from launcher.preflight import preflight_facts
+from launcher.preflight import NodeFacts, preflight_facts
+from launcher.results.summary import render as render_summary
+from launcher.results.summary import summarize, write_summary
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,11 @@ class Launch:
 
     def preflight(self) -> dict[str, NodeFacts] | None:
         return preflight_facts(
-            self.job, self.cluster, skip=self.skip_parity, run_dir=self.run_dir, show=not self.quiet
+            self.job,
+            self.cluster,
+            skip=self.skip_parity,
+            save_to=self.run_dir.preflight,
+            show=not self.quiet,
         )
 
     def connect_ray(self) -> None:
@@ -336,9 +341,6 @@ class Launch:
 
     def write_summary(self, outcome: Outcome) -> None:
         """summary.{json,csv,txt}: the last attempt's ranks, every restart, each attempt's totals."""
-        from launcher.results.summary import render as render_summary
-        from launcher.results.summary import summarize, write_summary
-
         # An interruption is no rank's failure: the status says it all.
         failure = (
             outcome.failure.to_json()

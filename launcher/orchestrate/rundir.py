@@ -277,10 +277,6 @@ class RunDir:
         write_private(path, json.dumps(launch_plan.to_json(), indent=2) + "\n")
         return path
 
-    def note_skipped_preflight(self) -> None:
-        self.preflight.mkdir(parents=True, exist_ok=True)
-        (self.preflight / "parity.txt").write_text("skipped (--skip-parity)\n")
-
 
 # -- reservations -----------------------------------------------------------------------------
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from launcher.errors import Interrupted, JobFailed, LauncherError, SpecError, UsageError
 from launcher.orchestrate.code import CodePlan, plan_code
-from launcher.orchestrate.plan import NodeFacts, declared_workers
+from launcher.orchestrate.plan import declared_workers
 from launcher.orchestrate.ray_cluster import RaySession, open_session
 from launcher.orchestrate.records import Status
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
-from launcher.preflight import preflight_facts
+from launcher.preflight import NodeFacts, preflight_facts
 from launcher.results.scaling import build_table, scale_job, write_scaling
 from launcher.spec import ClusterSpec, JobSpec
 from launcher.spec.job import refusal_at
@@ -59,7 +59,7 @@ def scale(
     measured: list[dict] = []
     try:
         facts = preflight_facts(
-            probe_job, cluster, skip=skip_parity, run_dir=RunDir(out_dir), show=False
+            probe_job, cluster, skip=skip_parity, save_to=RunDir(out_dir).preflight, show=False
         )
         session = open_session(cluster, list(used), code)
         try:

@@ -18,8 +18,9 @@ import json
 import logging
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher import signals
 from launcher.errors import EXIT_OK, EXIT_PREFLIGHT
@@ -35,20 +36,23 @@ from launcher.remote import (
     runner_for,
 )
 from launcher.spec.cluster import ClusterSpec, NodeSpec
+from launcher.spec.fit import gpus_needed, nodes_for_job, spec_env
 from launcher.spec.job import JobSpec
-from launcher.spec.loader import nodes_for_job
 
-if TYPE_CHECKING:  # the plan and the run directory import the preflight, not the other way
-    from launcher.orchestrate.plan import NodeFacts
-    from launcher.orchestrate.rundir import RunDir
-
-__all__ = ["PreflightReport", "check_command", "preflight_facts", "run_preflight"]
+__all__ = ["NodeFacts", "PreflightReport", "check_command", "preflight_facts", "run_preflight"]
 
 log = logging.getLogger(__name__)
 
 PROBE_SOURCE = (Path(__file__).parent / "probe.py").read_text()
 DEEP_TIMEOUT_S = 120.0
 COMMAND_MARGIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the plan needs to know about a node that only the node can say."""
+
+    gpus: int
 
 
 def run_preflight(
@@ -106,7 +110,6 @@ def probe_node(
     packages = parity_packages(cluster, job)
     if packages:
         args += ["--packages", ",".join(packages)]
-    from launcher.orchestrate.plan import gpus_needed, spec_env  # noqa: I001 - lazy: plan imports preflight
 
     needed = gpus_needed(node, job)
     if needed:
@@ -184,28 +187,27 @@ def preflight_facts(
     cluster: ClusterSpec,
     *,
     skip: bool,
-    run_dir: RunDir | None = None,
+    save_to: Path | None = None,
     show: bool = True,
     nodes: list[NodeSpec] | None = None,
 ) -> dict[str, NodeFacts] | None:
     """The preflight (unless skipped) and what the plan needs of it: each node's GPU count.
 
     Prints the parity table (always when the preflight fails) and raises PreflightError (exit 3)
-    for a failed one; saves the report into ``run_dir`` when given.
+    for a failed one; saves the report (or that it was skipped) into ``save_to`` when given.
     """
     if skip:
         log.warning(
             "PARITY CHECK SKIPPED (--skip-parity): nodes are not probed; GPU counts come "
             "from cluster.yaml and a mismatched node will not be caught"
         )
-        if run_dir is not None:
-            run_dir.note_skipped_preflight()
+        if save_to is not None:
+            save_to.mkdir(parents=True, exist_ok=True)
+            (save_to / "parity.txt").write_text("skipped (--skip-parity)\n")
         return None
-    from launcher.orchestrate.plan import NodeFacts  # noqa: F811 - at run time, lazily
-
     report = run_preflight(cluster, job, deep=True, nodes=nodes)
-    if run_dir is not None:
-        report.save(run_dir.preflight)
+    if save_to is not None:
+        report.save(save_to)
     if show or not report.ok:
         print(report.table(), flush=True)
     report.raise_for_failure()

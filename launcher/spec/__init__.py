@@ -1,8 +1,9 @@
 """Job and cluster specs: pydantic models and the YAML loader."""
 
 from launcher.spec.cluster import ClusterSpec, NodeSpec
+from launcher.spec.fit import check_fits, nodes_for_job
 from launcher.spec.job import JobSpec
-from launcher.spec.loader import apply_overrides, check_fits, load_cluster, load_job, nodes_for_job
+from launcher.spec.loader import apply_overrides, load_cluster, load_job
 
 __all__ = [
     "ClusterSpec",

@@ -18,8 +18,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from launcher.errors import SpecError, UsageError
-from launcher.spec.cluster import ClusterSpec, NodeSpec
-from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint, refusal_at
+from launcher.spec.cluster import ClusterSpec
+from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
+from launcher.tokenfile import check_token_file
 from launcher.util import first_line
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
@@ -150,64 +151,6 @@ def validate(
         raise SpecError(
             f"invalid {_kind(model)}{count}: " + "; ".join(lines), source=source
         ) from err
-
-
-def nodes_for_job(
-    cluster: ClusterSpec, job: JobSpec | None, *, job_source: str = "job"
-) -> list[NodeSpec]:
-    """The nodes a job runs on: the first ``resources.nodes`` (all for ``all`` or without a job).
-
-    Raises SpecError when the job asks for more nodes than the cluster has.
-    """
-    if job is None or job.resources.nodes == "all":
-        return list(cluster.nodes)
-    if job.resources.nodes > len(cluster.nodes):
-        names = ", ".join(n.name for n in cluster.nodes)
-        raise SpecError(
-            f"resources.nodes asks for {job.resources.nodes} nodes but the cluster has "
-            f"{len(cluster.nodes)} ({names}); lower resources.nodes or add nodes to cluster.yaml",
-            source=job_source,
-            field="resources.nodes",
-        )
-    return list(cluster.nodes[: job.resources.nodes])
-
-
-def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -> None:
-    """Checks between a job and a cluster that need no node: asking for more nodes than exist,
-    a cuda job on a node that declares no GPUs, what the trainer refuses at the world size the
-    cluster gives (bf16 weights that FSDP would shard over its ranks)."""
-    nodes = nodes_for_job(cluster, job, job_source=job_source)
-    if job.resources.min_nodes is not None and job.resources.min_nodes > len(nodes):
-        raise SpecError(
-            f"resources.min_nodes {job.resources.min_nodes} is more than the {len(nodes)} node(s) the "
-            f"job runs on; lower resources.min_nodes or add nodes",
-            source=job_source,
-            field="resources.min_nodes",
-        )
-    for node in nodes:
-        if job.resources.device == "cuda" and node.gpus == 0:
-            raise SpecError(
-                f"device cuda needs GPUs but cluster node {node.name!r} declares gpus: 0; "
-                f"use resources.device cpu or fix the node's gpus",
-                source=job_source,
-                field="resources.device",
-            )
-    if job.uses_builtin:
-        # At least this many ranks (nproc_per_node auto: the GPUs a node declares, else 1).
-        per_node = job.resources.nproc_per_node
-        world = sum(
-            per_node
-            if isinstance(per_node, int)
-            else node.gpus
-            if job.resources.device == "cuda" and isinstance(node.gpus, int)
-            else 1
-            for node in nodes
-        )
-        refusal = refusal_at(job, world)
-        if refusal is not None:  # the job's own checks passed: one that needs the world size
-            raise SpecError(
-                f"on {world} ranks: {refusal}", source=job_source, field="precision.weights"
-            )
 
 
 # -- internals ------------------------------------------------------------------------------
@@ -694,57 +637,6 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     if not job.uses_builtin:
         updates["entrypoint"] = _resolve_script(job.entrypoint, base, source)
     return job.model_copy(update=updates) if updates else job
-
-
-# Element sizes of token files: a .npy's descr (its header says), a raw .bin's data.token_dtype.
-NPY_ITEMSIZES = {"<u2": 2, "<i4": 4, "<i8": 8, "|u1": 1, "<u4": 4}
-RAW_ITEMSIZES = {"uint16": 2, "int32": 4, "int64": 8}
-
-
-def npy_layout(path: Path) -> tuple[int, str]:
-    """The data offset and dtype (``descr``, a key of ``NPY_ITEMSIZES``) of a .npy token file,
-    read from its header; ValueError naming the problem for a file that is not a readable .npy
-    of token ids (bad magic or header, Fortran order, a dtype token ids do not come in)."""
-    import ast
-    import struct
-
-    with open(path, "rb") as fh:
-        if fh.read(6) != b"\x93NUMPY":
-            raise ValueError(f"{path} is not a .npy file (bad magic); use .npy or a raw .bin")
-        try:
-            major = fh.read(2)[0]
-            (length,) = struct.unpack("<H" if major == 1 else "<I", fh.read(2 if major == 1 else 4))
-            header = ast.literal_eval(fh.read(length).decode("latin1"))
-            if not isinstance(header, dict):
-                raise ValueError("not a dict")
-        except (IndexError, struct.error, ValueError, SyntaxError, MemoryError) as err:
-            raise ValueError(
-                f"{path} has a .npy header that cannot be read ({type(err).__name__}: {err}); "
-                f"write the token ids with numpy.save"
-            ) from None
-        offset = fh.tell()
-    if header.get("fortran_order") and len(header.get("shape", ())) > 1:
-        raise ValueError(f"{path} is Fortran-ordered; save the token ids as a C-ordered array")
-    descr = header.get("descr")
-    if descr not in NPY_ITEMSIZES:
-        raise ValueError(
-            f"{path} holds dtype {descr!r}; .npy token files must be uint8, uint16, uint32, "
-            "int32 or int64"
-        )
-    return offset, descr
-
-
-def check_token_file(path: Path, token_dtype: str, sample_tokens: int) -> None:
-    """ValueError where a token file cannot give one sample of ``sample_tokens`` tokens: not a
-    readable .npy (``npy_layout``), or too short."""
-    offset, descr = npy_layout(path) if path.suffix == ".npy" else (0, None)
-    itemsize = NPY_ITEMSIZES[descr] if descr is not None else RAW_ITEMSIZES[token_dtype]
-    count = max(0, path.stat().st_size - offset) // itemsize
-    if count < sample_tokens:
-        raise ValueError(
-            f"{path} holds {count} tokens, fewer than the {sample_tokens} of one sample "
-            f"(data.seq_len {sample_tokens - 1}); use more data or a shorter seq_len"
-        )
 
 
 def _resolve_text_paths(job: JobSpec, source: Path) -> Any:

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.spec.job import JobSpec
-from launcher.spec.loader import npy_layout
+from launcher.tokenfile import npy_layout
 
 _M32 = 0xFFFFFFFF
 # Salts keep the hash streams of different uses apart.
@@ -694,6 +694,6 @@ def open_token_file(path: Path, token_dtype: str) -> torch.Tensor:
 
 def _npy_layout(path: Path) -> tuple[int, torch.dtype]:
     """Data offset and dtype of a .npy file, read from its header (no numpy needed; the job's
-    loader checked it already, ``launcher.spec.loader.npy_layout``)."""
+    loader checked it already, ``launcher.tokenfile.npy_layout``)."""
     offset, descr = npy_layout(path)
     return offset, _NPY_DTYPES[descr]

@@ -105,7 +105,7 @@ def test_a_broken_pipe_of_a_command_that_acts_is_not_hidden_when_stdout_is_close
     monkeypatch.setattr(cli, f"cmd_{command}", _raise_broken_pipe)
     monkeypatch.setattr(cli, "_stdout_closed", lambda: True)
     monkeypatch.setattr(cli, "_stdout_to_devnull", lambda: None)
-    monkeypatch.setattr(cli, "_setup_logging", lambda debug: None)
+    monkeypatch.setattr(cli, "setup_logging", lambda debug: None)
     monkeypatch.setattr(cli.signals, "install", lambda: None)
     argv = {"export": ["export", "x", "--out", "y"], "down": ["down"]}.get(command, [command, "x"])
     with pytest.raises(BrokenPipeError):
@@ -126,7 +126,6 @@ import errno, logging, os, select, sys, time
 from launcher import cli
 from launcher.orchestrate import run
 from launcher.orchestrate.records import Failure, FailureKind, Outcome, Status
-from launcher.results import summary
 
 outcome = sys.argv.pop(1)
 LINES = [f"[local/rank0] step {i} " + "x" * 60 for i in range(2000)]  # 140 kB: the writer still
@@ -169,7 +168,7 @@ run.Launch.connect_ray = lambda self: None
 run.Launch.place_agents = lambda self: None
 run.Launch.run_attempts = run_attempts
 if outcome == "full-disk":
-    summary.write_summary = full_disk
+    run.write_summary = full_disk
 if outcome == "fetch-foreign-pipe":
     cli.cmd_fetch = fetch
 sys.exit(cli.main(sys.argv[1:]))
@@ -394,7 +393,7 @@ def test_the_console_is_given_back_after_a_command(monkeypatch):
     before = sys.stdout, sys.stderr
     seen = []
     monkeypatch.setattr(cli, "cmd_export", lambda args: seen.append((sys.stdout, sys.stderr)) or 0)
-    monkeypatch.setattr(cli, "_setup_logging", lambda debug: None)
+    monkeypatch.setattr(cli, "setup_logging", lambda debug: None)
     monkeypatch.setattr(cli.signals, "install", lambda: None)
     assert cli.main(["export", "somewhere", "--out", "elsewhere"]) == 0
     assert all(isinstance(s, cli.ReaderMayGo) for s in seen[0])

@@ -46,7 +46,7 @@ def session(monkeypatch, answers):
     monkeypatch.setattr(ray_cluster, "_on_node", on_node)
     monkeypatch.setattr(
         ray_cluster,
-        "_stop_ray",
+        "stop_ray",
         lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes),
     )
     s = ray_cluster.RaySession(
@@ -324,7 +324,7 @@ def test_down_stops_ray_only_under_the_jobs_it_listed(monkeypatch, capsys):
         return []
 
     monkeypatch.setattr(api, "_client", client)
-    monkeypatch.setattr(ray_cluster, "_stop_ray", stop_ray)
+    monkeypatch.setattr(ray_cluster, "stop_ray", stop_ray)
     assert commands.down(CLUSTER, yes=False) == 0
     submitter.join(timeout=30)
     assert stopped_with_ray == [], "launch down stopped a job it never listed"
@@ -361,7 +361,7 @@ def test_down_waits_for_a_submission_that_found_ray_before_it(monkeypatch):
         return []
 
     monkeypatch.setattr(api, "_client", lambda url, token: ray)
-    monkeypatch.setattr(ray_cluster, "_stop_ray", stop_ray)
+    monkeypatch.setattr(ray_cluster, "stop_ray", stop_ray)
     submitter = threading.Thread(target=submit)
     submitter.start()
     assert connected.wait(10)

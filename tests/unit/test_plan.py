@@ -8,7 +8,8 @@ import pytest
 
 from launcher.errors import PreflightError, SpecError
 from launcher.orchestrate.code import plan_code
-from launcher.orchestrate.plan import MASK, NodeFacts, plan, render
+from launcher.orchestrate.plan import MASK, plan, render
+from launcher.preflight import NodeFacts
 from launcher.spec import ClusterSpec, JobSpec
 
 

@@ -281,7 +281,7 @@ def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(
     )
     monkeypatch.setattr(
         ray_cluster,
-        "_stop_ray",
+        "stop_ray",
         lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes),
     )
     session = ray_cluster.RaySession(
@@ -412,7 +412,7 @@ def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
         "head on a worker": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2"),
     }
     try:
-        assert ray_cluster._stop_ray(cluster, list(cluster.nodes), STARTED_WITH) == []
+        assert ray_cluster.stop_ray(cluster, list(cluster.nodes), STARTED_WITH) == []
         for name, proc in ours.items():
             assert proc.wait(10) == -signal.SIGKILL, f"this cluster's {name} was not killed"
         assert {name for name, proc in theirs.items() if proc.poll() is not None} == set(), (
@@ -505,25 +505,6 @@ def test_launch_down_kills_the_ray_start_by_the_addresses_its_record_keeps(
     )
     starts = leftover_starts(port)
     monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
-    assert ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []  # as `launch down` calls it
-    assert_killed(starts)
-
-
-def test_a_record_without_addresses_falls_back_to_resolving_the_names(
-    fake_ray, tmp_path, monkeypatch
-):
-    """A record an older launcher wrote (the spec alone) still reads, and `launch down` resolves
-    the names as before."""
-    from launcher.jobs import head as heads
-
-    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
-    port = free_port()
-    monkeypatch.setenv("FAKE_PORT", str(port))
-    cluster = two_nodes(port)
-    heads.cluster_record(cluster).write_text(json.dumps(cluster.model_dump(mode="json")))
-    assert heads.saved_cluster(cluster) == cluster and heads.saved_addresses(cluster) == {}
-    starts = leftover_starts(port)
-    assert (
-        ray_cluster._stop_ray(cluster, list(cluster.nodes)) == []
-    )  # _resolve: ADDRESSES, as at start
+    # as `launch down` calls it
+    assert ray_cluster.stop_ray(cluster, list(cluster.nodes), heads.saved_addresses(cluster)) == []
     assert_killed(starts)

@@ -20,8 +20,6 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from launcher.orchestrate.plan import gpus_needed
-from launcher.orchestrate.plan import spec_env as worker_env
 from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output, probe_node
 from launcher.remote import (
     AUTH_FAILED,
@@ -42,6 +40,8 @@ from launcher.remote import (
     runner_for,
 )
 from launcher.spec.cluster import ClusterSpec, NodeSpec, SSHSpec
+from launcher.spec.fit import gpus_needed
+from launcher.spec.fit import spec_env as worker_env
 from launcher.spec.job import JobSpec
 
 pytestmark = pytest.mark.timeout(60)

@@ -87,7 +87,7 @@ def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monk
     # processes: a raylet running here must not fail this test.
     monkeypatch.setattr(ray_cluster, "_OTHER_RAY", "pass")
     monkeypatch.setattr(ray_cluster, "_ray_cli", lambda cluster, node, args: "")
-    monkeypatch.setattr(ray_cluster, "_stop_ray", lambda cluster, nodes, addresses=None: [])
+    monkeypatch.setattr(ray_cluster, "stop_ray", lambda cluster, nodes, addresses: [])
     session = ray_cluster.RaySession(
         mode="bootstrap",
         address="ray://127.0.0.1:10001",
