@@ -5,10 +5,14 @@ The root namespace is the "login node" where the launcher runs. Each simulated n
 * its own network namespace (``lnch-<pid>-<n>-nodeI``) with a veth named ``eth0`` into a
   bridge in the root namespace; the bridge has ``198.18.X.1/24``, node ``i`` has
   ``198.18.X.(10+i)`` (198.18.0.0/15 is the benchmarking range, X is picked per cluster);
-* its own mount and UTS namespaces: its hostname is the node name and ``/tmp``, ``/dev/shm``
+* its own mount, UTS and PID namespaces: its hostname is the node name and ``/tmp``, ``/dev/shm``
   and ``/root/.ray`` are private tmpfs mounts, so nodes share nothing but the network and the
   read-mostly filesystem, as real machines on a shared home directory would;
 * a real ``sshd`` with a generated host key, root login by key only.
+
+With ``login_node=True`` node 0 is a login node: it joins the bridge and a second, inner
+bridge (``inner_subnet``); the other nodes join only the inner one, so the root namespace
+reaches them only through node 0 (SSH ProxyJump, tunnels).
 
 Keys, sshd configs and ``known_hosts`` live under ``/var/tmp/launcher-netns-<pid>-<n>/`` and
 never under ``/tmp`` (private inside each node). Every name (namespaces, bridge, veths,
@@ -82,6 +86,7 @@ class NetnsCluster:
         node_prefix: str = "node",
         ready_timeout_s: float = 20.0,
         bare_login: bool = False,
+        login_node: bool = False,
     ):
         if not 1 <= n_nodes <= 200:
             raise ValueError(f"n_nodes must be 1..200, not {n_nodes}")
@@ -90,6 +95,10 @@ class NetnsCluster:
         # bare_login: hide ~/.bashrc inside the nodes (an empty file is bind-mounted over it), so
         # a login costs no shell start-up work; for benchmarks that want the launcher's own cost.
         self.bare_login = bare_login
+        # login_node: node 0 joins the bridge and a second, inner bridge that the root namespace
+        # has no address on; the other nodes join only the inner one (reachable through node 0).
+        self.login_node = login_node
+        self.inner_subnet: ipaddress.IPv4Network | None = None
         self.owner_pid = os.getpid()
         count = next(_counter)
         self.uid = f"{self.owner_pid}-{count}"
@@ -98,11 +107,13 @@ class NetnsCluster:
         # Interface names are limited to 15 characters: pid and counter in hex keep them short.
         short = f"{self.owner_pid:x}x{count:x}"
         self.bridge = f"lnb{short}"
+        self.inner_bridge = f"lni{short}"
         self._veth_prefix = f"lv{short}"
         self.subnet: ipaddress.IPv4Network | None = None
         self._sshd: dict[str, subprocess.Popen[bytes]] = {}
         self._created_ns: list[str] = []
         self._bridge_created = False
+        self._inner_created = False
 
     # -- names and addresses ------------------------------------------------------------------
 
@@ -111,8 +122,15 @@ class NetnsCluster:
         return f"{NS_PREFIX}{self.uid}-{node}"
 
     def host(self, node: str | int) -> str:
-        """A node's address."""
-        return str(self._addr(10 + self._index(node)))
+        """A node's address (with ``login_node``: node 0's outer one, the others' inner one)."""
+        index = self._index(node)
+        if self.login_node and index > 0:
+            return str(self._inner_addr(10 + index))
+        return str(self._addr(10 + index))
+
+    def inner_host(self, node: str | int) -> str:
+        """A node's address on the inner bridge (``login_node`` clusters)."""
+        return str(self._inner_addr(10 + self._index(node)))
 
     @property
     def gateway(self) -> str:
@@ -217,9 +235,17 @@ class NetnsCluster:
         self, node: str, cmd: str, *, timeout: float = 60.0, check: bool = False
     ) -> subprocess.CompletedProcess[str]:
         """Run ``sh -c cmd`` on a node: in its network, mount and UTS namespaces (as sshd sees them)."""
-        pid = self._sshd[node].pid
-        argv = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "sh", "-c", cmd]
+        pid = self.sshd_pids(node)[-1]
+        argv = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "-p", "sh", "-c", cmd]
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=check)
+
+    def sshd_pids(self, node: str) -> list[int]:
+        """The node's ``unshare`` and, once it has forked, its sshd (PID 1 inside the node)."""
+        pid = self._sshd[node].pid
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        with contextlib.suppress(OSError):
+            return [pid, *(int(c) for c in children.read_text().split())]
+        return [pid]
 
     def pids(self, node: str) -> list[int]:
         """Every process running in a node's network namespace."""
@@ -260,10 +286,13 @@ class NetnsCluster:
             _run(["ip", "netns", "del", ns], check=False)
         if self._bridge_created:
             _run(["ip", "link", "del", self.bridge], check=False)
+        if self._inner_created:
+            _run(["ip", "link", "del", self.inner_bridge], check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
         self._sshd.clear()
         self._created_ns.clear()
         self._bridge_created = False
+        self._inner_created = False
         _alive.discard(self)
         if left:  # a namespace deleted by name lives on, nameless, while a process is in it
             raise RuntimeError(f"processes outlived SIGKILL in the simulated nodes: {left}")
@@ -279,6 +308,12 @@ class NetnsCluster:
             self._bridge_created = True
             _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
             _run(["ip", "link", "set", self.bridge, "up"])
+            if self.login_node:
+                # No address in the root namespace: only node 0 routes into this subnet.
+                self.inner_subnet = _free_subnet(self.owner_pid + 7919, avoid={self.subnet})
+                _run(["ip", "link", "add", self.inner_bridge, "type", "bridge"])
+                self._inner_created = True
+                _run(["ip", "link", "set", self.inner_bridge, "up"])
         known = []
         for i, node in enumerate(self.node_names):
             self._add_node(i, node)
@@ -294,14 +329,23 @@ class NetnsCluster:
         host_veth, node_veth = f"{self._veth_prefix}h{i}", f"{self._veth_prefix}n{i}"
         _run(["ip", "netns", "add", ns])
         self._created_ns.append(ns)
-        _run(["ip", "link", "add", host_veth, "type", "veth", "peer", "name", node_veth])
-        _run(
-            ["ip", "link", "set", node_veth, "netns", ns]
-        )  # deleting the namespace deletes the pair
-        _run(["ip", "link", "set", host_veth, "master", self.bridge, "up"])
-        _run(["ip", "-n", ns, "link", "set", node_veth, "name", "eth0"])
-        _run(["ip", "-n", ns, "addr", "add", f"{self.host(node)}/24", "dev", "eth0"])
-        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        links = []
+        if not self.login_node or i == 0:
+            links.append((self.bridge, "eth0", self.host(node), host_veth, node_veth))
+        if self.login_node:
+            name = "eth1" if i == 0 else "eth0"
+            links.append(
+                (self.inner_bridge, name, self.inner_host(i), host_veth + "i", node_veth + "i")
+            )
+        for bridge, name, addr, outside, inside in links:
+            _run(["ip", "link", "add", outside, "type", "veth", "peer", "name", inside])
+            _run(
+                ["ip", "link", "set", inside, "netns", ns]
+            )  # deleting the namespace deletes the pair
+            _run(["ip", "link", "set", outside, "master", bridge, "up"])
+            _run(["ip", "-n", ns, "link", "set", inside, "name", name])
+            _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", name])
+            _run(["ip", "-n", ns, "link", "set", name, "up"])
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
         host_key = self.dir / f"{node}_host_ed25519"
@@ -348,6 +392,9 @@ class NetnsCluster:
             "unshare",
             "--mount",
             "--uts",
+            "--pid",  # a node sees its own processes only (Ray's checks look at every raylet)
+            "--fork",
+            "--mount-proc",
             "--propagation",
             "private",
             "sh",
@@ -371,17 +418,44 @@ class NetnsCluster:
                 raise NetnsError(
                     f"sshd on {node} exited with {proc.returncode}: {self.sshd_log(node)[-2000:]}"
                 )
-            try:
-                with socket.create_connection((self.host(node), 22), timeout=1.0) as sock:
-                    if sock.recv(4).startswith(b"SSH-"):
-                        return
-            except OSError:
-                pass
+            if self._banner(node):
+                return
             if time.monotonic() > deadline:
                 raise NetnsError(
                     f"sshd on {node} did not accept connections within {self.ready_timeout_s} s"
                 )
             time.sleep(0.05)
+
+    def _banner(self, node: str) -> bool:
+        """Whether the node's sshd sends its banner (asked from node 0 behind a login node)."""
+        if not self.login_node or self._index(node) == 0:
+            try:
+                with socket.create_connection((self.host(node), 22), timeout=1.0) as sock:
+                    return sock.recv(4).startswith(b"SSH-")
+            except OSError:
+                return False
+        probe = (
+            "import socket,sys\n"
+            "try:\n"
+            f"    s = socket.create_connection(({self.host(node)!r}, 22), timeout=1.0)\n"
+            "    sys.exit(0 if s.recv(4).startswith(b'SSH-') else 1)\n"
+            "except OSError:\n"
+            "    sys.exit(1)\n"
+        )
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            self.namespace(self.node_names[0]),
+            sys.executable,
+            "-c",
+            probe,
+        ]
+        return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
+
+    def _inner_addr(self, last: int) -> ipaddress.IPv4Address:
+        assert self.inner_subnet is not None, "not a login_node cluster, or not started"
+        return self.inner_subnet.network_address + last
 
     def _index(self, node: str | int) -> int:
         return node if isinstance(node, int) else self.node_names.index(node)
@@ -412,7 +486,7 @@ def reap_stale() -> list[str]:
     }
     for link in json.loads(_run(["ip", "-j", "link", "show", "type", "bridge"]).stdout or "[]"):
         name = link.get("ifname", "")
-        if name.startswith("lnb") and "x" in name:
+        if name.startswith(("lnb", "lni")) and "x" in name:
             with contextlib.suppress(ValueError):
                 pid = int(name[3:].split("x")[0], 16)
                 if pid not in live_pids and not _pid_alive(pid):
@@ -425,9 +499,12 @@ def reap_stale() -> list[str]:
     return reaped
 
 
-def _free_subnet(seed: int) -> ipaddress.IPv4Network:
-    """A /24 of 198.18.0.0/15 that no interface on the machine uses (call under the lock)."""
-    used = set()
+def _free_subnet(
+    seed: int, avoid: set[ipaddress.IPv4Network | None] | None = None
+) -> ipaddress.IPv4Network:
+    """A /24 of 198.18.0.0/15 that no interface on the machine uses and not in ``avoid``
+    (call under the lock)."""
+    used: set[ipaddress.IPv4Network | None] = set(avoid or ())
     for link in json.loads(_run(["ip", "-j", "addr", "show"]).stdout or "[]"):
         for addr in link.get("addr_info", []):
             if addr.get("family") == "inet":

@@ -178,7 +178,7 @@ def plan(
             "--nnodes": len(nodes),
             "--node-rank": node_rank,
             "--nproc-per-node": nproc,
-            "--master-addr": nodes[0].host,
+            "--master-addr": nodes[0].net_address,
             "--master-port": master_port,
             "--max-restarts": 0,  # restarts are the launcher's (see run.py), not torchrun's
             "--tee": 3,
@@ -212,7 +212,7 @@ def plan(
         job=job.name,
         run_id=run_id,
         world_size=first_rank,
-        master_addr=nodes[0].host,
+        master_addr=nodes[0].net_address,
         master_port=master_port,
         backend=job.backend,
         device=job.resources.device,

@@ -10,7 +10,8 @@
   cluster.yaml. A fresh auth token for this cluster travels to every node on SSH stdin into
   a 0600 file (never on a command line) that ``RAY_AUTH_TOKEN_PATH`` names; the launcher,
   which may sit outside the cluster, drives it through Ray Client
-  (``ray://head:client_port``) with the token in its own environment only. A node where
+  (``ray://head:client_port``, through an SSH tunnel where the head is behind a jump host)
+  with the token in its own environment only. A node where
   another Ray runs is refused (``ray stop`` would stop that one too). ``close()`` kills a
   ``ray start`` of this cluster still running on those nodes (one cut short by Ctrl-C), runs
   ``ray stop`` there and removes the token file, unless ``keep_ray``.
@@ -35,7 +36,14 @@ from typing import Any
 from launcher import signals
 from launcher.errors import PreflightError
 from launcher.orchestrate.code import CodePlan, stage
-from launcher.remote import CommandResult, NodeError, parallel_map, runner_for
+from launcher.remote import (
+    CommandResult,
+    NodeError,
+    SSHRunner,
+    parallel_map,
+    runner_for,
+    tunnel_needed,
+)
 from launcher.spec import ClusterSpec, NodeSpec
 from launcher.util import first_line
 
@@ -131,13 +139,14 @@ class RaySession:
     _cluster: ClusterSpec | None = None
     _head_ip: str | None = None  # bootstrap: where the others join
     _token: str | None = field(default=None, repr=False)  # bootstrap: this cluster's auth token
+    _tunnel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # to Ray Client
     _closed: bool = False
 
     def add_node(self, node: NodeSpec) -> None:
         """Bring ``node`` into this Ray (an elastic restart's spare): started over SSH when the
         session bootstrapped Ray, else it must already be a node of it. PreflightError if not."""
         if self.mode == "bootstrap":
-            self.node_ips[node.name] = _resolve(node.host)
+            self.node_ips[node.name] = _resolve(node.net_address)
             self._start_ray(node)
             assert self._cluster is not None
             _wait_for_nodes([node], self.node_ips, self._cluster.ray.join_timeout_s)
@@ -170,7 +179,7 @@ class RaySession:
         """
         assert self._cluster is not None and self._token is not None
         cluster, rc = self._cluster, self._cluster.ray
-        ip = self.node_ips.get(node.name) or _resolve(node.host)
+        ip = self.node_ips.get(node.name) or _resolve(node.net_address)
         python = shlex.quote(node.interpreter())
         # Another Ray there: exit 3 (the head's port) or 4, and its token file stays as it is.
         write = (
@@ -235,6 +244,8 @@ class RaySession:
 
         with contextlib.suppress(Exception):
             ray.shutdown()
+        with contextlib.suppress(Exception):
+            self._tunnel.close()
         os.environ.pop("RAY_AUTH_TOKEN", None)
         if self._started_on and not keep_ray and self._cluster is not None:
             # the head first (it starts first, the others only once it runs), as stop_ray needs,
@@ -397,7 +408,7 @@ def _bootstrap(
     cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]
 ) -> RaySession:
     head = nodes[0]
-    ips = {n.name: _resolve(n.host) for n in nodes}
+    ips = {n.name: _resolve(n.net_address) for n in nodes}
     rc = cluster.ray
     session = RaySession(
         mode="bootstrap",
@@ -424,6 +435,15 @@ def _bootstrap(
             bad = [e for e in outcomes if isinstance(e, BaseException)]
             if bad:
                 raise bad[0]
+        if tunnel_needed(head, cluster.ssh):  # behind a login node: Ray Client over SSH
+            runner = session._tunnel.enter_context(SSHRunner(head, cluster.ssh))
+            try:
+                port = session._tunnel.enter_context(runner.forward(ips[head.name], rc.client_port))
+            except NodeError as err:
+                raise PreflightError(
+                    f"cannot open an SSH tunnel to Ray Client on {head.name}: {err}"
+                ) from err
+            session.address = f"ray://127.0.0.1:{port}"
         # Ray reads these when it is imported: set them first, in this process only.
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = session._token
@@ -507,7 +527,7 @@ def stop_ray(
     known = dict(addresses)
 
     def address(node: NodeSpec) -> str:
-        return known.get(node.name) or _resolve(node.host)
+        return known.get(node.name) or _resolve(node.net_address)
 
     head = shlex.quote(address(nodes[0])) if nodes else ""
 
@@ -572,7 +592,7 @@ def _alive_nodes() -> list[dict]:
 def _match(node: NodeSpec, alive: list[dict]) -> str | None:
     if node.is_local and len(alive) == 1:
         return alive[0]["NodeManagerAddress"]
-    wanted = {node.host, _resolve(node.host)}
+    wanted = {node.host, node.net_address, _resolve(node.net_address)}
     if node.is_local:
         wanted |= {socket.gethostname(), _resolve(socket.gethostname())}
     for entry in alive:

@@ -1,6 +1,7 @@
 """Run commands on nodes: one Runner interface for this machine and for SSH, and a fan-out.
 
-``runner_for(node, ssh)`` gives a LocalRunner for this machine, else an SSHRunner. Both run
+``runner_for(node, ssh)`` gives a LocalRunner for this machine, else an SSHRunner, which
+reaches the node as ``~/.ssh/config`` says (aliases, ProxyJump: ``route``). Both run
 ``sh`` commands and return a CommandResult, or raise NodeError when the node cannot be reached
 or a command outlives its timeout. ``fan_out`` runs a function on every node in threads and
 keeps every result or exception. Secrets go through ``stdin``, never the command line.
@@ -29,6 +30,7 @@ from launcher.remote.fanout import GroupResult, fan_out, parallel_map
 from launcher.remote.hostkeys import RevokedHostKeyError, UnknownHostKeyError, load_known_hosts
 from launcher.remote.local import LocalRunner
 from launcher.remote.quoting import BASE64_FAILED, REMOTE_TIMEOUT_MARGIN_S, remote_command
+from launcher.remote.route import route_to
 from launcher.remote.ssh import SSHRunner
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
@@ -60,9 +62,16 @@ __all__ = [
     "parallel_map",
     "remote_command",
     "runner_for",
+    "tunnel_needed",
 ]
 
 
 def runner_for(node: NodeSpec, ssh_spec: SSHSpec) -> Runner:
     """A LocalRunner for this machine (``NodeSpec.is_local``), else an SSHRunner."""
     return LocalRunner(node) if node.is_local else SSHRunner(node, ssh_spec)
+
+
+def tunnel_needed(node: NodeSpec, ssh_spec: SSHSpec) -> bool:
+    """True when this machine reaches ``node`` only through a jump host or ProxyCommand: its
+    ports (Ray Client, the Jobs API) must then be forwarded over SSH."""
+    return not node.is_local and route_to(node, ssh_spec).indirect

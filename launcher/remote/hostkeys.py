@@ -10,7 +10,6 @@ from pathlib import Path
 import paramiko
 
 from launcher.remote.base import SSH_ERROR, NodeError
-from launcher.spec.cluster import NodeSpec
 
 log = logging.getLogger(__name__)
 
@@ -142,5 +141,6 @@ class RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
         )
 
 
-def known_hosts_name(node: NodeSpec) -> str:
-    return node.host if node.port == 22 else f"'[{node.host}]:{node.port}'"
+def known_hosts_name(host: str, port: int) -> str:
+    """How known_hosts (and ``ssh-keygen -R``) name ``host`` on ``port``."""
+    return host if port == 22 else f"'[{host}]:{port}'"

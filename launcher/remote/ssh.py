@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import getpass
 import logging
 import select
 import shlex
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import fabric
@@ -19,6 +20,7 @@ from launcher.remote.base import (
     INTERNAL,
     SSH_ERROR,
     TIMEOUT,
+    UNREACHABLE,
     CommandResult,
     NodeError,
     Runner,
@@ -32,7 +34,9 @@ from launcher.remote.hostkeys import (
     refuse_revoked,
 )
 from launcher.remote.quoting import ENV_NAME, remote_command
+from launcher.remote.route import route_to
 from launcher.spec.cluster import NodeSpec, SSHSpec
+from launcher.util import free_port
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +52,10 @@ class SSHRunner(Runner):
 
     def __init__(self, node: NodeSpec, ssh: SSHSpec):
         self.ssh = ssh
-        self.user = node.user or ssh.user or local_user()
-        self.known_hosts = ssh.known_hosts.expanduser()
+        self.route = route_to(node, ssh)
+        self.user = self.route.node.user
+        self.known_hosts = self.route.node.known_hosts[0]
+        self._jumps: list[paramiko.SSHClient] = []  # the jump hosts' connections, in order
         self._conn: fabric.Connection | None = None
         self._connecting: fabric.Connection | None = None  # closed by close() from another thread
         self._lock = threading.Lock()  # one connect at a time
@@ -108,17 +114,24 @@ class SSHRunner(Runner):
                 f"and set ssh.key to it",
             ) from None
 
-    def connect_kwargs(self, pkey: paramiko.PKey | None = None) -> dict[str, Any]:
+    def connect_kwargs(
+        self, pkey: paramiko.PKey | None = None, key_files: tuple[Path, ...] = ()
+    ) -> dict[str, Any]:
         """Everything handed to paramiko's ``SSHClient.connect``, each option explained;
-        ``pkey`` is ``load_key()``."""
-        key = self.ssh.key
+        ``pkey`` is ``load_key()``, ``key_files`` the SSH config's IdentityFile for the hop."""
         timeout = self.ssh.connect_timeout_s
         return {
             # The configured key only, so a wrong key fails plainly instead of silently
-            # succeeding with some other identity; without one: ssh-agent, then ~/.ssh/id_*.
+            # succeeding with some other identity. The SSH config's IdentityFile: those and
+            # ssh-agent, as ssh tries them. Neither: ssh-agent, then ~/.ssh/id_*.
             **({"pkey": pkey} if pkey is not None else {}),
-            "look_for_keys": key is None,
-            "allow_agent": key is None,
+            **(
+                {"key_filename": [str(p) for p in key_files if p.is_file()]}
+                if pkey is None and key_files
+                else {}
+            ),
+            "look_for_keys": pkey is None and not key_files,
+            "allow_agent": pkey is None,
             # Key auth only: no password is ever sent and nothing prompts for one.
             "password": None,
             "passphrase": None,
@@ -130,22 +143,83 @@ class SSHRunner(Runner):
             "compress": False,
         }
 
-    def _client(self) -> paramiko.SSHClient:
-        """A client that knows ``ssh.known_hosts`` and refuses (or records, on opt-in) new keys.
+    def _client(self, files: tuple[Path, ...] | None = None) -> paramiko.SSHClient:
+        """A client that knows the hop's known_hosts ``files`` (default: the node's) and refuses
+        (or records into the first, on opt-in) new keys.
 
-        The file is read as OpenSSH writes it (``load_known_hosts``); one that cannot be read
-        is a NodeError naming it."""
+        The files are read as OpenSSH writes them (``load_known_hosts``); one that cannot be
+        read is a NodeError naming it."""
+        files = files or self.route.node.known_hosts
         client = paramiko.SSHClient()
-        known, revoked = load_known_hosts(self.known_hosts)
-        for entry in known:
-            for name in entry.hostnames:
-                client.get_host_keys().add(name, entry.key.get_name(), entry.key)
+        revoked: set[tuple[str, bytes]] = set()
+        for path in files:
+            known, bad = load_known_hosts(path)
+            revoked |= bad
+            for entry in known:
+                for name in entry.hostnames:
+                    client.get_host_keys().add(name, entry.key.get_name(), entry.key)
         if self.ssh.accept_unknown_host_keys:
-            client.set_missing_host_key_policy(RecordUnknownHostKey(self.known_hosts, revoked))
+            client.set_missing_host_key_policy(RecordUnknownHostKey(files[0], revoked))
         else:
             client.set_missing_host_key_policy(RefuseUnknownHostKey(revoked))
         self._revoked = revoked
         return client
+
+    def _hop_sock(self) -> Any:
+        """What the node's connection runs over: a channel through the last jump host (each
+        jump connected through the one before it, its host key checked against its own
+        known_hosts), a ProxyCommand's pipe, or None (a direct TCP connection)."""
+        route, sock = self.route, None
+        if route.proxy_command:
+            try:
+                return paramiko.ProxyCommand(route.proxy_command)
+            except paramiko.SSHException as err:
+                raise NodeError(
+                    SSH_ERROR, f"ProxyCommand for {self.node.host} failed to start: {err}"
+                ) from err
+        pkey = self.load_key()
+        targets = [*route.jumps, route.node]
+        for hop, after in zip(route.jumps, targets[1:], strict=True):
+            client = self._client(hop.known_hosts)
+            with self._state:
+                if self._closed:
+                    client.close()
+                    raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
+                self._jumps.append(client)
+            try:
+                client.connect(
+                    hop.host,
+                    hop.port,
+                    hop.user,
+                    sock=sock,
+                    timeout=self.ssh.connect_timeout_s,
+                    **self.connect_kwargs(None if hop.key_files else pkey, hop.key_files),
+                )
+                transport = client.get_transport()
+                assert transport is not None
+                refuse_revoked(transport.get_remote_server_key(), self._revoked)
+                sock = transport.open_channel(
+                    "direct-tcpip",
+                    (after.host, after.port),
+                    ("127.0.0.1", 0),
+                    timeout=self.ssh.connect_timeout_s,
+                )
+            except (paramiko.SSHException, OSError, EOFError) as err:
+                self._close_jumps()
+                if self._closed:
+                    raise NodeError(
+                        INTERNAL, f"the runner for {self.describe()} was closed while connecting"
+                    ) from err
+                if isinstance(err, paramiko.ChannelException):
+                    raise NodeError(
+                        UNREACHABLE,
+                        f"jump host {hop.name} ({hop.describe()}) cannot connect to "
+                        f"{after.host}:{after.port}: {err.text or err}; check the node's "
+                        f"HostName and Port, and that sshd allows TCP forwarding there",
+                    ) from err
+                found = classify_ssh_error(err, self, hop)
+                raise NodeError(found.kind, f"jump host {hop.name}: {found.message}") from err
+        return sock
 
     def _connection(self) -> fabric.Connection:
         with self._lock:
@@ -155,22 +229,29 @@ class SSHRunner(Runner):
                 return self._conn
             config = fabric.Config(
                 overrides={
-                    # cluster.yaml is the one source of hosts, users, ports and keys.
+                    # The route (launcher.remote.route) has read the SSH config already.
                     "load_ssh_configs": False,
                 }
             )
+            hop = self.route.node
+            started = time.monotonic()
+            self._close_jumps()
+            sock = self._hop_sock()
+            key_files = () if self.ssh.key else hop.key_files
             conn = fabric.Connection(
-                self.node.host,
-                user=self.user,
-                port=self.node.port,
+                hop.host,
+                user=hop.user,
+                port=hop.port,
                 config=config,
                 connect_timeout=self.ssh.connect_timeout_s,
-                connect_kwargs=self.connect_kwargs(self.load_key()),
+                connect_kwargs={
+                    **self.connect_kwargs(self.load_key(), key_files),
+                    **({"sock": sock} if sock is not None else {}),
+                },
             )
             conn.client = self._client()
             with self._state:
                 self._connecting = conn
-            started = time.monotonic()
             try:
                 conn.open()
                 refuse_revoked(conn.transport.get_remote_server_key(), self._revoked)
@@ -179,6 +260,7 @@ class SSHRunner(Runner):
                 # succeeds): the client holds the transport's thread and socket.
                 conn.close()
                 conn.client.close()
+                self._close_jumps()
                 if self._closed:
                     raise NodeError(
                         INTERNAL, f"the runner for {self.describe()} was closed while connecting"
@@ -281,8 +363,27 @@ class SSHRunner(Runner):
         finally:
             chan.close()
 
+    @contextlib.contextmanager
+    def forward(self, remote_host: str, remote_port: int) -> Iterator[int]:
+        """A port on this machine's 127.0.0.1 forwarded over this connection (through the jump
+        hosts) to ``remote_host:remote_port`` as the node sees it; yields the local port."""
+        from invoke.exceptions import ThreadException
+
+        local_port = free_port()
+        try:
+            with self._connection().forward_local(
+                local_port,
+                remote_port=remote_port,
+                remote_host=remote_host,
+                local_host="127.0.0.1",
+            ):
+                yield local_port
+        except ThreadException as err:  # a tunnel thread's error, raised as the block ends
+            log.debug("the tunnel to %s: %s", self.describe(), err)
+
     def describe(self) -> str:
-        return f"{self.node.name} ({self.user}@{self.node.host}:{self.node.port})"
+        via = f" via {', '.join(h.name for h in self.route.jumps)}" if self.route.jumps else ""
+        return f"{self.node.name} ({self.route.node.describe()}{via})"
 
     def close(self) -> None:
         """Close the connection; a command running on it (in another thread) ends with
@@ -301,6 +402,14 @@ class SSHRunner(Runner):
         if connecting is not None:
             with contextlib.suppress(Exception):
                 connecting.client.close()
+        self._close_jumps()
+
+    def _close_jumps(self) -> None:
+        with self._state:
+            jumps, self._jumps = self._jumps, []
+        for client in reversed(jumps):
+            with contextlib.suppress(Exception):
+                client.close()
 
 
 def _feed(chan: paramiko.Channel, data: bytes) -> None:
@@ -309,7 +418,3 @@ def _feed(chan: paramiko.Channel, data: bytes) -> None:
         if data:
             chan.sendall(data)
         chan.shutdown_write()
-
-
-def local_user() -> str:
-    return getpass.getuser()

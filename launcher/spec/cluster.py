@@ -31,7 +31,9 @@ class NodeSpec(Strict):
         min_length=1,
         description="pinned. Address or hostname that the other nodes and the launcher reach it on; localhost means this machine (no SSH).",
     )
-    port: int = Field(22, ge=1, le=65535, description="SSH port.")
+    port: int = Field(
+        22, ge=1, le=65535, description="SSH port; default: the SSH config's Port, else 22."
+    )
     user: str | None = Field(None, description="SSH user for this node; default ssh.user.")
     python: str | None = Field(
         None,
@@ -43,6 +45,10 @@ class NodeSpec(Strict):
     env: EnvDict = Field(
         default_factory=dict,
         description="Environment for this node's workers (e.g. NCCL_SOCKET_IFNAME).",
+    )
+    address: str | None = Field(
+        None,
+        description="Address the other nodes reach it on; default: the HostName the SSH config gives host, else host.",
     )
 
     @field_validator("gpus")
@@ -65,16 +71,21 @@ class NodeSpec(Strict):
             f"or a command on its PATH (python3); '~' and relative paths are not expanded"
         )
 
-    @field_validator("host")
+    @field_validator("host", "address")
     @classmethod
-    def _plain_host(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9.:_-]+", v):
-            raise ValueError(f"host {v!r} is not a hostname or IP address")
+    def _plain_host(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9.:_-]+", v):
+            raise ValueError(f"{v!r} is not a hostname or IP address")
         return v
 
     @property
     def is_local(self) -> bool:
         return is_local_host(self.host)
+
+    @property
+    def net_address(self) -> str:
+        """Where other nodes (and Ray, and torchrun's rendezvous) reach this node."""
+        return self.address or self.host
 
     def interpreter(self, local_python: str = sys.executable) -> str:
         """The Python that runs the launcher's code on this node (probe, Ray, torchrun)."""
@@ -82,12 +93,20 @@ class NodeSpec(Strict):
 
 
 class SSHSpec(Strict):
-    user: str | None = Field(None, description="pinned. SSH user; default: the current user.")
+    user: str | None = Field(
+        None, description="pinned. SSH user; default: the SSH config's User, else the current user."
+    )
     key: Path | None = Field(
-        None, description="pinned. Private key file; default: ssh-agent and ~/.ssh defaults."
+        None,
+        description="pinned. Private key file; default: the SSH config's IdentityFile and ssh-agent, else ~/.ssh defaults.",
     )
     known_hosts: Path = Field(
-        Path("~/.ssh/known_hosts"), description="pinned. Host keys to verify nodes against."
+        Path("~/.ssh/known_hosts"),
+        description="pinned. Host keys to verify nodes against; default: the SSH config's UserKnownHostsFile, else ~/.ssh/known_hosts.",
+    )
+    config: Path | None = Field(
+        Path("~/.ssh/config"),
+        description="OpenSSH client config read for host aliases, HostName, User, Port, IdentityFile, UserKnownHostsFile, ProxyJump and ProxyCommand; null: none.",
     )
     accept_unknown_host_keys: bool = Field(
         False,

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from launcher.errors import SpecError, UsageError
+from launcher.spec import sshconfig
 from launcher.spec.cluster import ClusterSpec
 from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
 from launcher.tokenfile import check_token_file
@@ -47,7 +48,20 @@ def load_cluster(path: str | os.PathLike[str] | None = None) -> ClusterSpec:
             return ClusterSpec.this_machine()
         path = DEFAULT_CLUSTER_FILE
     source = Path(path)
-    return validate(ClusterSpec, read_yaml(source), source=str(source))
+    return with_ssh_addresses(validate(ClusterSpec, read_yaml(source), source=str(source)))
+
+
+def with_ssh_addresses(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` with each remote node's ``address`` set to the HostName its SSH config
+    gives its host (an alias), where the cluster file sets none."""
+    nodes = []
+    for node in cluster.nodes:
+        if node.address is None and not node.is_local:
+            hostname = sshconfig.lookup(node.host, cluster.ssh.config).hostname
+            if hostname != node.host:
+                node = node.model_copy(update={"address": hostname})
+        nodes.append(node)
+    return cluster.model_copy(update={"nodes": nodes})
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

@@ -75,8 +75,8 @@ def kill_node_mid_run(cluster, node: str, run: Launcher, rank: int) -> None:
         what=f"rank {rank} past step 9",
         proc=run.proc,
     )
-    keep = cluster._sshd[node].pid
-    for pid in [p for p in cluster.pids(node) if p != keep]:
+    keep = cluster.sshd_pids(node)
+    for pid in [p for p in cluster.pids(node) if p not in keep]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

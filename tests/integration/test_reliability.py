@@ -305,10 +305,8 @@ def test_lost_node_is_detected_and_named(netns_cluster, tmp_path):
         str(job), "--cluster", str(cluster_file), "--skip-parity", run_dir=run_dir, cwd=tmp_path
     ) as run:
         run.wait_file("metrics/rank1.jsonl", timeout=300)
-        keep = cluster._sshd[
-            lost
-        ].pid  # its sshd stays, so the launcher's `ray stop` there is quick
-        victims = [pid for pid in cluster.pids(lost) if pid != keep]
+        keep = cluster.sshd_pids(lost)  # its sshd stays, so the launcher's `ray stop` is quick
+        victims = [pid for pid in cluster.pids(lost) if pid not in keep]
         assert victims, f"nothing runs on {lost}"
         lost_at = time.monotonic()
         for pid in victims:  # the node's raylet, agent, torchrun and worker die at once

@@ -1,0 +1,94 @@
+"""Which SSH hops reach a node: the cluster file and the user's SSH config merged.
+
+The cluster file wins where it sets a value (as ``ssh``'s command line beats its config);
+the SSH config fills the rest; OpenSSH's defaults come last. ``ProxyJump`` hosts are looked
+up in the config in turn, their own ``ProxyJump`` included.
+"""
+
+from __future__ import annotations
+
+import getpass
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.remote.base import SSH_ERROR, NodeError
+from launcher.spec import sshconfig
+from launcher.spec.cluster import NodeSpec, SSHSpec
+
+MAX_HOPS = 8
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One SSH connection of a route: where it goes, as whom, checked against which files."""
+
+    name: str  # as the cluster file or ProxyJump names it
+    host: str  # HostName: what is connected to and looked up in known_hosts
+    port: int
+    user: str
+    key_files: tuple[Path, ...]  # the config's IdentityFile; empty: ssh.key, else agent/defaults
+    known_hosts: tuple[Path, ...]
+
+    def describe(self) -> str:
+        return f"{self.user}@{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """The jump hosts in connection order, then the node; or a ProxyCommand to reach it."""
+
+    jumps: tuple[Hop, ...]
+    node: Hop
+    proxy_command: str | None
+
+    @property
+    def indirect(self) -> bool:
+        """True when the node is reached through another host (ports must be tunnelled)."""
+        return bool(self.jumps) or self.proxy_command is not None
+
+
+def route_to(node: NodeSpec, ssh: SSHSpec) -> Route:
+    """The route to ``node`` (a remote one) under ``ssh``; NodeError for a ProxyJump loop."""
+    explicit = node.model_fields_set
+    found = sshconfig.lookup(node.host, ssh.config)
+    final = Hop(
+        name=node.host,
+        host=found.hostname,
+        port=node.port if "port" in explicit else found.port or 22,
+        user=node.user or ssh.user or found.user or getpass.getuser(),
+        key_files=found.identity_files,
+        known_hosts=_known_hosts(ssh, found.known_hosts),
+    )
+    jumps = _jumps(found.proxy_jump, ssh, seen=(node.host,))
+    return Route(jumps, final, None if jumps else found.proxy_command)
+
+
+def _jumps(specs: tuple[str, ...], ssh: SSHSpec, seen: tuple[str, ...]) -> tuple[Hop, ...]:
+    hops: list[Hop] = []
+    for spec in specs:
+        user, name, port = sshconfig.parse_jump(spec)
+        if name in seen or len(seen) > MAX_HOPS:
+            raise NodeError(
+                SSH_ERROR,
+                f"ProxyJump loops or is longer than {MAX_HOPS} hops ({' -> '.join((*seen, name))}); "
+                f"fix ProxyJump in {ssh.config}",
+            )
+        found = sshconfig.lookup(name, ssh.config)
+        hops += _jumps(found.proxy_jump, ssh, (*seen, name))
+        hops.append(
+            Hop(
+                name=name,
+                host=found.hostname,
+                port=port or found.port or 22,
+                user=user or found.user or ssh.user or getpass.getuser(),
+                key_files=found.identity_files,
+                known_hosts=_known_hosts(ssh, found.known_hosts),
+            )
+        )
+    return tuple(hops)
+
+
+def _known_hosts(ssh: SSHSpec, configured: tuple[Path, ...]) -> tuple[Path, ...]:
+    if "known_hosts" in ssh.model_fields_set or not configured:
+        return (ssh.known_hosts.expanduser(),)
+    return configured

@@ -1,0 +1,102 @@
+"""Compute nodes behind a login node, named as the user's ~/.ssh/config names them.
+
+Node 0 of the simulated cluster is the login node (on the launcher's bridge and an inner one);
+the compute nodes sit on the inner bridge only. The cluster file has no ``ssh:`` section: the
+aliases, users, keys, known_hosts and ProxyJump come from ``$HOME/.ssh/config``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.netns
+
+
+def _ssh_config(cluster, home: Path) -> None:
+    (home / ".ssh").mkdir(mode=0o700, parents=True)
+    login, *compute = cluster.node_names
+    common = (
+        f"  User root\n  IdentityFile {cluster.ssh_key}\n"
+        f"  UserKnownHostsFile {cluster.known_hosts}\n"
+    )
+    text = f"Host login\n  HostName {cluster.host(login)}\n{common}\n"
+    for i, node in enumerate(compute):
+        text += f"Host gpu-{i}\n  HostName {cluster.host(node)}\n"
+    text += f"\nHost gpu-*\n  ProxyJump login\n{common}"
+    (home / ".ssh/config").write_text(text)
+
+
+def _ssh_answers(host: str) -> bool:
+    """Whether an sshd answers at ``host`` from here (this machine's default route may lead
+    to something that accepts any connection; what matters is that no sshd answers)."""
+    try:
+        with socket.create_connection((host, 22), timeout=2) as sock:
+            sock.settimeout(2)
+            return sock.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _launch(home: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=cwd,
+        env={**os.environ, "HOME": str(home)},
+    )
+
+
+def test_check_and_a_two_node_run_through_a_login_node(netns_cluster, tmp_path):
+    cluster = netns_cluster(3, login_node=True)
+    home = tmp_path / "home"
+    _ssh_config(cluster, home)
+    assert not _ssh_answers(cluster.host("node1")), "the compute nodes must be out of reach"
+    python = str(cluster.node_python())
+    cluster_file = tmp_path / "cluster.yaml"
+    cluster_file.write_text(
+        yaml.safe_dump(
+            {
+                "nodes": [
+                    {"name": f"gpu-{i}", "host": f"gpu-{i}", "python": python} for i in range(2)
+                ]
+            }
+        )
+    )
+
+    check = _launch(home, "check", "--cluster", str(cluster_file), "--json", cwd=tmp_path)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]
+
+    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
+    job["resources"].update(nodes=2, nproc_per_node=1)
+    job["train"].update(steps=6, warmup_steps=2, log_every=2)
+    job["launch"] = {**job.get("launch", {}), "env": {"GLOO_SOCKET_IFNAME": "eth0"}}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    run = _launch(
+        home, str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["world_size"] == 2
+    assert {r["rank"]: r["host"] for r in summary["ranks"]} == {0: "gpu-0", 1: "gpu-1"}
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["master_addr"] == cluster.host("node1")  # the alias's HostName
+    for node in ("node1", "node2"):
+        left = [
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for pid in cluster.pids(node)
+        ]
+        assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
