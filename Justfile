@@ -9,13 +9,24 @@ setup:
 demo:
     launch jobs/quickstart.yaml
 
-# The test suite (unit + integration; network-namespace tests need root)
+# The whole test suite, as CI runs it (network-namespace tests need root)
 test *ARGS:
     python3 -m pytest -q {{ARGS}}
 
-# Lint
+# Format the code and apply ruff's safe fixes
+fmt:
+    ruff format .
+    ruff check --fix launcher tests benchmarks examples
+
+# Lint, format check and the import layers (pyproject.toml's importlinter contracts)
 lint:
     ruff check launcher tests benchmarks examples
+    ruff format --check .
+    lint-imports
+
+# Type check (mypy, configured in pyproject.toml)
+typecheck:
+    mypy
 
 # Benchmarks on this machine (GPU ones live in benchmarks/gpu_bench.py)
 bench:

@@ -61,11 +61,12 @@ def read_model_state(path: Path) -> dict:
     """The model's tensors of a DCP checkpoint folder, full (unsharded), on the CPU."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state = {}
     for key, meta in metadata.items():
-        if key.startswith("model.") and hasattr(meta, "size"):
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             state[key.removeprefix("model.")] = torch.empty(
                 tuple(meta.size), dtype=meta.properties.dtype
             )

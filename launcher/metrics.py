@@ -115,7 +115,7 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def gpu_summary(
-    records: list[dict[str, Any]], *, seconds: float, tokens: int
+    records: list[dict[str, Any]], *, seconds: float, tokens: float
 ) -> dict[str, float | None]:
     """The GPU over measured ``step`` records that took ``seconds`` for ``tokens``: mean
     utilisation and SM clock, the share of records whose clock something limited (power,

@@ -79,8 +79,8 @@ def keep_handlers() -> Iterator[None]:
             return signal.getsignal(signalnum)
         return original(signalnum, handler)
 
-    signal.signal = guarded  # type: ignore[assignment]
+    signal.signal = guarded
     try:
         yield
     finally:
-        signal.signal = original  # type: ignore[assignment]
+        signal.signal = original

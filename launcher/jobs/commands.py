@@ -207,11 +207,15 @@ def logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
     try:
         return _logs(cluster, job_id, follow=follow)
     except _StdoutClosed as closed:
-        raise closed.__cause__ from None  # the BrokenPipeError, out of api_failures' reach
+        raise closed.error from None  # the BrokenPipeError, out of api_failures' reach
 
 
 class _StdoutClosed(Exception):
     """stdout's reader went away (EPIPE): no error of the Jobs API."""
+
+    def __init__(self, error: BrokenPipeError):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _out(text: str, *, end: str = "\n") -> None:
@@ -219,7 +223,7 @@ def _out(text: str, *, end: str = "\n") -> None:
         sys.stdout.write(text + end)
         sys.stdout.flush()
     except BrokenPipeError as err:
-        raise _StdoutClosed() from err
+        raise _StdoutClosed(err) from err
 
 
 def _logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:

@@ -238,7 +238,9 @@ def _alive_jobs() -> list[queue.Alive]:
     return [
         queue.Alive(j.submission_id, (j.metadata or {}).get("name", ""), j.start_time or 0)
         for j in jobs
-        if META_KEY in (j.metadata or {}) and str(j.status.value) in ACTIVE
+        if j.submission_id is not None
+        and META_KEY in (j.metadata or {})
+        and str(j.status.value) in ACTIVE
     ]
 
 
@@ -270,9 +272,9 @@ def _leave_upload_out() -> None:
 
 def _with_shipped_code(job: JobSpec, shipped: Path) -> JobSpec:
     """A script job whose workdir travelled with the submission runs from that copy."""
-    if job.uses_builtin or not shipped.is_dir():
+    entry = job.script_entry
+    if entry is None or not shipped.is_dir():
         return job
-    entry = job.entrypoint
     workdir = Path(entry.workdir) if entry.workdir is not None else Path(entry.script).parent
     script = shipped / Path(entry.script).relative_to(workdir)
     return job.model_copy(

@@ -68,9 +68,9 @@ def plan_code(job: JobSpec, nodes: list[NodeSpec]) -> CodePlan | None:
     Raises SpecError (exit 2) for a script outside a workdir that travels and for a workdir
     over ``SYNC_LIMIT_BYTES`` after excludes, naming its largest folders.
     """
-    if job.uses_builtin:
+    entry = job.script_entry
+    if entry is None:
         return None
-    entry = job.entrypoint
     # The loader resolves workdir (default: the job file's folder); a spec built in code without
     # one runs in its script's folder.
     workdir = Path(entry.workdir) if entry.workdir is not None else Path(entry.script).parent

@@ -138,8 +138,8 @@ def with_steps(
 
 def _start_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
     starts = [r.get("start_step") for rs in records.values() for r in rs if r.get("type") == "meta"]
-    starts = [s for s in starts if isinstance(s, int)]
-    return min(starts) if starts else None
+    steps = [s for s in starts if isinstance(s, int)]
+    return min(steps) if steps else None
 
 
 def _last_step(records: dict[int, list[dict[str, Any]]]) -> int | None:

@@ -23,6 +23,7 @@ import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from tabulate import tabulate
 
@@ -95,7 +96,7 @@ class LaunchPlan:
     attempt: int = 0
     run_name: str = ""  # LAUNCHER_RUN_ID: the run directory's name (``run_id`` adds a suffix)
 
-    def ranks(self) -> list[dict[str, object]]:
+    def ranks(self) -> list[dict[str, Any]]:
         """The rank layout: one entry per global rank."""
         out = []
         for node in self.nodes:
@@ -328,11 +329,11 @@ def _nproc(job: JobSpec, node: NodeSpec, facts: NodeFacts | None) -> int:
 
 
 def _entry_argv(job: JobSpec, code: CodePlan | None, node_dir: str) -> list[str]:
-    if job.uses_builtin:
+    if job.script_entry is None:
         return ["-m", "launcher.train", "--job", f"{node_dir}/job.yaml"]
     if code is None:
         raise ValueError("a script entrypoint needs its CodePlan (code.plan_code)")
-    return [code.script, *job.entrypoint.args]
+    return [code.script, *job.script_entry.args]
 
 
 def _worker_env(

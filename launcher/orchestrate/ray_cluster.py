@@ -410,13 +410,14 @@ def _bootstrap(
     head = nodes[0]
     ips = {n.name: _resolve(n.net_address) for n in nodes}
     rc = cluster.ray
+    token = secrets.token_hex(32)
     session = RaySession(
         mode="bootstrap",
         address=f"ray://{ips[head.name]}:{rc.client_port}",
         node_ips=ips,
         _cluster=cluster,
         _head_ip=ips[head.name],
-        _token=secrets.token_hex(32),
+        _token=token,
     )
     try:
         log.info("Starting Ray head on %s (%s)", head.name, head.host)
@@ -436,7 +437,8 @@ def _bootstrap(
             if bad:
                 raise bad[0]
         if tunnel_needed(head, cluster.ssh):  # behind a login node: Ray Client over SSH
-            runner = session._tunnel.enter_context(SSHRunner(head, cluster.ssh))
+            runner = SSHRunner(head, cluster.ssh)
+            session._tunnel.enter_context(runner)
             try:
                 port = session._tunnel.enter_context(runner.forward(ips[head.name], rc.client_port))
             except NodeError as err:
@@ -446,7 +448,7 @@ def _bootstrap(
             session.address = f"ray://127.0.0.1:{port}"
         # Ray reads these when it is imported: set them first, in this process only.
         os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN"] = session._token
+        os.environ["RAY_AUTH_TOKEN"] = token
         try:
             _connect_client(session.address, runtime_env)
         except Exception as err:

@@ -38,7 +38,7 @@ class RunLog:
     def ingest(self, node: NodePlan, update: AgentUpdate) -> None:
         for local_rank, text in update.lines:
             known = local_rank is not None and local_rank < node.nproc
-            rank = node.rank_of(local_rank) if known else None
+            rank = node.rank_of(local_rank) if local_rank is not None and known else None
             self._file(node.name, rank).write(text + "\n")
             if not self.quiet and (rank == 0 or ERROR_LINE.search(text)):
                 self.show(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from launcher.errors import Interrupted, JobFailed, LauncherError, SpecError, UsageError
 from launcher.orchestrate.code import CodePlan, plan_code
@@ -131,7 +132,7 @@ def _point(
     assert isinstance(n_nodes, int) and isinstance(nproc, int)
     world_size = n_nodes * nproc
     train = point_job.train
-    entry = {
+    entry: dict[str, Any] = {
         "nodes": n_nodes,
         "ranks": world_size,
         "global_batch": train.micro_batch * train.grad_accum * world_size,
@@ -194,6 +195,7 @@ def _points(
                 "and equal in cluster.yaml; or set resources.nproc_per_node"
             )
         count = counts.pop()
+        assert count is not None
         return [(n, count) for n in sorted(set(nodes))]
     assert world is not None
     if len(cluster.nodes) == 1:

@@ -167,14 +167,15 @@ def parse_probe_output(result: CommandResult, python: str) -> dict[str, Any]:
 
 def shared_code_args(job: JobSpec | None) -> list[str]:
     """Probe arguments that check and hash the job's workdir on a shared filesystem (sync: false)."""
-    if job is None or job.uses_builtin or job.entrypoint.sync is not False:
+    entry = job.script_entry if job is not None else None
+    if entry is None or entry.sync is not False:
         return []
-    entry = job.entrypoint
     script = Path(entry.script)
-    relative = script.relative_to(entry.workdir) if script.is_relative_to(entry.workdir) else script
+    workdir = Path(entry.workdir) if entry.workdir is not None else script.parent
+    relative = script.relative_to(workdir) if script.is_relative_to(workdir) else script
     return [
         "--workdir",
-        str(entry.workdir),
+        str(workdir),
         "--script",
         str(relative),
         "--exclude",

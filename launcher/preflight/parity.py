@@ -20,12 +20,13 @@ downgrades them; any other value leaves them failing.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import textwrap
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ class Row:
     field: FieldDef
     policy: str
     values: dict[str, Any]  # node → value (reachable nodes)
-    marks: dict[str, str] = field(default_factory=dict)  # node → "fail" | "warn"
+    marks: dict[str, str] = dataclasses.field(default_factory=dict)  # node → "fail" | "warn"
     reference: Any = None
 
 
@@ -455,10 +456,11 @@ def _checks(
 ) -> list[Problem]:
     found: list[tuple[str, str]] = []
     request = probe.get("request") or {}
-    dp = probe.get("deep")
-    deep_ok = isinstance(dp, dict) and "error" not in dp
+    found_deep = probe.get("deep")
+    dp: dict[str, Any] = found_deep if isinstance(found_deep, dict) else {}
+    deep_ok = isinstance(found_deep, dict) and "error" not in dp
     if deep and not deep_ok:
-        reason = dp.get("error") if isinstance(dp, dict) else "no deep section in the probe"
+        reason = dp.get("error") if isinstance(found_deep, dict) else "no deep section in the probe"
         found.append(("deep_probe", f"deep probe failed: {reason}"))
     if probe.get("launcher") is None:
         python = _get("python", "executable")(probe) or "the node's python"

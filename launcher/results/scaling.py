@@ -101,7 +101,7 @@ def build_table(points: list[dict], *, job: str, mode: str) -> dict:
     """
     if mode not in MODES:
         raise UsageError(f"--mode {mode!r}: choose weak or strong")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for point in sorted(points, key=lambda p: (int(p["ranks"]), int(p["nodes"]))):
         values = [_tokens_per_s(r) for r in point.get("repeats", [])]
         measured = [v for v in values if v is not None]

@@ -136,16 +136,19 @@ def load_run(run_dir: Path) -> dict:
         raise UsageError(f"{run_dir}: {what}; give a run directory (runs/<job>-<time>/)")
     plan = _read_json(run_dir / "plan.json")
     previous = _read_json(run_dir / "summary.json")
-    if plan is None and previous is None:
+    source = plan if plan is not None else previous
+    if source is None:
         raise UsageError(
             f"{run_dir} is not a run directory: it has neither plan.json nor summary.json; "
             f"give a directory made by 'launch' (runs/<job>-<time>/)"
         )
-    if plan is None and not (run_dir / "metrics").is_dir():
-        return previous  # nothing to rebuild from: the summary as it was written
-    if previous is not None and (previous.get("restarts") or previous.get("attempts")):
+    if previous is not None and (
+        plan is None
+        and not (run_dir / "metrics").is_dir()  # nothing to rebuild from
+        or previous.get("restarts")
+        or previous.get("attempts")
+    ):
         return previous
-    source = plan if plan is not None else previous
     layout = [
         {k: r.get(k) for k in ("rank", "node", "host", "local_rank", "device")}
         for r in source.get("ranks", [])

@@ -574,6 +574,11 @@ class JobSpec(Strict):
         return self.entrypoint == "builtin"
 
     @property
+    def script_entry(self) -> ScriptEntrypoint | None:
+        """The user's script entrypoint; None for the built-in trainer."""
+        return self.entrypoint if isinstance(self.entrypoint, ScriptEntrypoint) else None
+
+    @property
     def kernel_packages(self) -> list[str]:
         """Optional packages whose presence changes the kernels the built-in trainer runs, so
         preflight checks that every node has the same version of each (or none): flash-attn-4

@@ -10,6 +10,7 @@ import difflib
 import os
 import re
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -379,16 +380,17 @@ def _describe(
     """Turn pydantic's errors into (dotted field, message) pairs a person can act on."""
     raw: list[tuple[tuple[str, ...], dict[str, Any]]] = []
     for e in err.errors(include_url=False):
+        details: dict[str, Any] = dict(e)
         if e["type"] == "extra_forbidden":
-            e = {**e, "given": _keys_beside(data, e["loc"])}
-        raw.append((_field_path(model, e["loc"]), e))
+            details["given"] = _keys_beside(data, e["loc"])
+        raw.append((_field_path(model, e["loc"]), details))
     # A union (e.g. entrypoint: builtin | {script, ...}) reports one error per branch; when a
     # branch got further (a nested field is wrong), the shallow "expected X" error is noise.
     paths = [p for p, _ in raw]
-    kept = [(p, e) for p, e in raw if not any(len(q) > len(p) and q[: len(p)] == p for q in paths)]
+    kept = [(p, d) for p, d in raw if not any(len(q) > len(p) and q[: len(p)] == p for q in paths)]
     merged: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for p, e in kept:
-        merged.setdefault(p, []).append(e)
+    for p, d in kept:
+        merged.setdefault(p, []).append(d)
     out = []
     for path, errs in merged.items():
         dotted = ".".join(path)
@@ -510,7 +512,7 @@ def _mapping_of(model: type[BaseModel], path: tuple[str, ...], name: str) -> str
 
 
 def _unknown_key(
-    model: type[BaseModel], path: tuple[str, ...], given: set[str] = frozenset()
+    model: type[BaseModel], path: tuple[str, ...], given: AbstractSet[str] = frozenset()
 ) -> str:
     key = path[-1]
     parent = _model_at(model, path[:-1])
@@ -535,6 +537,7 @@ def _with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str])
     against them (names and shapes), and any arch, size or dim the job gives must agree."""
     from launcher.spec.hf import FolderError, check_folder
 
+    assert job.model.init_from is not None
     folder = _local_folder(
         job.model.init_from, source.parent, "model.init_from", "model weights", source
     )
@@ -575,8 +578,8 @@ def _with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str])
             field="model",
         )
     data = job.model_dump(mode="json", exclude_unset=True)
-    shape = (dims["n_layers"], dims["d_model"], dims["n_heads"])
-    size = next((name for name, preset in SIZE_PRESETS.items() if preset == shape), None)
+    layers = (dims["n_layers"], dims["d_model"], dims["n_heads"])
+    size = next((name for name, preset in SIZE_PRESETS.items() if preset == layers), None)
     data["model"] = {
         **data.get("model", {}),
         "arch": arch,
@@ -602,7 +605,7 @@ def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) 
 def _refuse_nul_paths(job: JobSpec, source: Path) -> None:
     """A path with a NUL character is a SpecError naming the field (the OS would refuse it
     with a ValueError wherever it is first used)."""
-    entry = None if job.uses_builtin else job.entrypoint
+    entry = job.script_entry
     for field, value in (
         ("data.path", job.data.path),
         ("train.checkpoint.dir", job.train.checkpoint.dir),
@@ -648,8 +651,8 @@ def _resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     if job.train.checkpoint.dir is not None and not job.train.checkpoint.dir.is_absolute():
         ckpt = job.train.checkpoint.model_copy(update={"dir": job.train.checkpoint.dir.resolve()})
         updates["train"] = job.train.model_copy(update={"checkpoint": ckpt})
-    if not job.uses_builtin:
-        updates["entrypoint"] = _resolve_script(job.entrypoint, base, source)
+    if job.script_entry is not None:
+        updates["entrypoint"] = _resolve_script(job.script_entry, base, source)
     return job.model_copy(update=updates) if updates else job
 
 

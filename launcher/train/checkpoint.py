@@ -206,7 +206,7 @@ class Checkpointer:
         for group, kept in zip(optimizer.param_groups, flags, strict=True):
             group.update(kept)
         scheduler.load_state_dict(pickle.loads(state["train"]["scheduler"]))
-        if has_scaler:
+        if has_scaler and scaler is not None:
             scaler.load_state_dict(pickle.loads(state["train"]["scaler"]))
         elif scaler is not None:
             log.warning(

@@ -47,7 +47,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ class DataError(ValueError):
 def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device) -> Batches:
     """The batch source a job asks for."""
     dims = job.model.dims()
-    common = dict(
+    common: dict[str, Any] = dict(
         arch=job.model.arch,
         vocab_size=dims["vocab_size"],
         seq_len=job.data.seq_len,
@@ -475,8 +475,9 @@ class TokenFileBatches(MadeAhead):
                     took,
                 )
         if world > 1:
-            seen: list[tuple[int, BadIds | None] | None] = [None] * world
-            dist.all_gather_object(seen, (n, bad))
+            gathered: list[tuple[int, BadIds | None] | None] = [None] * world
+            dist.all_gather_object(gathered, (n, bad))
+            seen = [entry for entry in gathered if entry is not None]
             sizes = [size for size, _ in seen]
             if len(set(sizes)) > 1:
                 other = next(r for r, size in enumerate(sizes) if size != sizes[0])
@@ -502,9 +503,9 @@ class TokenFileBatches(MadeAhead):
         )
         whole = bad.start == 0 and bad.span == n
         others = (
-            f"ids outside 0..{v - 1}: {bad.count} of the file's {n}"
+            f"ids outside 0..{v - 1}: {bad.outside} of the file's {n}"
             if whole
-            else f"ids outside 0..{v - 1}: {bad.count} of the {bad.span} from position {bad.start} (the "
+            else f"ids outside 0..{v - 1}: {bad.outside} of the {bad.span} from position {bad.start} (the "
             f"check stops at the first chunk of {bad.span} ids that holds one)"
         )
         others += (f", the largest {bad.top}" if bad.top is not None else "") + (
@@ -573,7 +574,7 @@ class BadIds(NamedTuple):
 
     position: int
     id: int
-    count: int
+    outside: int
     top: int | None
     low: int | None
     start: int
@@ -662,7 +663,7 @@ def scan_ids(
         return BadIds(
             position=begin + int(outside.view(torch.uint8).argmax()),
             id=int(values[0]),
-            count=values.numel(),
+            outside=values.numel(),
             top=top if top >= vocab_size else None,
             low=low if low < 0 else None,
             start=begin,

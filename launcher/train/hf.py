@@ -56,7 +56,7 @@ def load_pretrained(
         model.to_empty(device=device)
     distributed = dist.is_available() and dist.is_initialized() and not every_rank
     rank0 = not distributed or dist.get_rank() == 0
-    state = hf_state_dict(spec.init_from, spec) if rank0 else {}
+    state: dict[str, Any] = hf_state_dict(spec.init_from, spec) if rank0 else {}
     if not distributed:
         model.load_state_dict(state, strict=True)
         return

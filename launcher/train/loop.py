@@ -88,7 +88,8 @@ def lr_factor(i: int, spec: TrainSpec) -> float:
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices (linear weights, embeddings); none on biases and norms."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
@@ -104,7 +105,7 @@ class Trainer:
     def __init__(self, job: JobSpec):
         self.job = job
         self.gpu: GpuMonitor | None = None
-        self.data: Batches | None = None
+        self.data: Batches  # build_data
         self._contexts = ExitStack()  # process-wide settings held for the trainer's lifetime
         try:
             self.init_distributed()
@@ -293,6 +294,7 @@ class Trainer:
         )
         betas = (0.9, 0.95) if self.job.model.arch == "gpt" else (0.9, 0.999)
         groups = param_groups(self.model, t.weight_decay)
+        self.optimizer: torch.optim.Optimizer
         if (
             self.masters is not None
         ):  # bf16 weights: AdamW on their fp32 masters, one kernel a group
@@ -304,7 +306,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: lr_factor(i, t)
         )
-        self.scaler = None
+        self.scaler: torch.amp.GradScaler | None = None
         if self.job.precision.dtype == "fp16":
             if parallel.is_sharded(self.model):
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -547,7 +549,7 @@ class Trainer:
                 progress_line(record, self.job.train.steps, self.flops_per_token, self.peak_tflops)
             )
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, Any]:
         """Unsharded CPU copies of the parameters (the fp32 masters of bf16 weights): on every
         rank for bf16 weights (never sharded), else on rank 0 (a collective under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -559,7 +561,7 @@ class Trainer:
         return get_model_state_dict(self.model, options=options)
 
     def close(self) -> None:
-        if self.data is not None:
+        if hasattr(self, "data"):  # a trainer that failed before build_data has none
             self.data.close()
         self._contexts.close()
         if self.gpu is not None:

@@ -390,7 +390,7 @@ class Meter:
         self._energy_at = counter
         return gpu
 
-    def throughput(self, tokens: int, seconds: float) -> dict[str, float | None]:
+    def throughput(self, tokens: float, seconds: float) -> dict[str, float | None]:
         """tokens/s, TFLOP/s and MFU for ``tokens`` processed in ``seconds``."""
         if seconds <= 0:
             return {"tokens_per_s": None, "tflops": None, "mfu": None}

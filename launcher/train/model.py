@@ -54,7 +54,7 @@ GPT_LN_EPS = 1e-5
 INIT_STD = 0.02
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
+def build_model(spec: ModelSpec) -> LanguageModel:
     """The model a job asks for, initialised (call under ``torch.device(...)`` to place it)."""
     dims = spec.dims()
     if spec.arch == "bert":
@@ -286,9 +286,12 @@ class LMHead(nn.Module):
         return F.linear(self.ln(hidden), decoder)
 
 
-class _LM(nn.Module):
+class LanguageModel(nn.Module):
+    """The trunk BERT and GPT share: embeddings, blocks, a head."""
+
     embed: Embeddings
-    head: nn.Module
+    blocks: nn.ModuleList
+    head: LMHead | MLMHead
 
     def __init__(
         self,
@@ -337,7 +340,7 @@ class _LM(nn.Module):
                 nn.init.zeros_(module.bias)
 
 
-class BertForMaskedLM(_LM):
+class BertForMaskedLM(LanguageModel):
     """Post-LN encoder, learned positions and token types, GELU; MLM head on masked tokens."""
 
     def __init__(
@@ -357,7 +360,7 @@ class BertForMaskedLM(_LM):
         self._init_weights(INIT_STD)
 
 
-class GPT(_LM):
+class GPT(LanguageModel):
     """Pre-LN causal decoder with learned positions and a tied LM head (GPT-2 shape)."""
 
     def __init__(

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -124,7 +124,8 @@ class MasterWeights:
     def blocks(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The block table of tensors ``indices``: each block's tensor index (int32) and its
         first element within that tensor (int64), on the device."""
-        tensor, first = [], []
+        tensor: list[int] = []
+        first: list[int] = []
         for i in indices:
             n = -(-self.numels[i] // self.block)
             tensor += [i] * n
@@ -254,8 +255,14 @@ class MasterAdamW(torch.optim.Optimizer):
 
     # -- the update ----------------------------------------------------------------------
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if closure is not None:
             raise ValueError("MasterAdamW.step takes no closure")
         self._step += 1
@@ -277,11 +284,13 @@ class MasterAdamW(torch.optim.Optimizer):
             )
             if self.kernels:
                 if indices:
+                    assert grads is not None
                     _launch_adamw(self, self._blocks(indices), grads, coef, **hyper)
                 continue
             for p in group["params"]:
                 if p.grad is not None:
                     self._reference_update(p, coef, **hyper)
+        return None
 
     def _reference_update(
         self,
@@ -297,6 +306,7 @@ class MasterAdamW(torch.optim.Optimizer):
         bias_correction2: float,
     ) -> None:
         """``torch.optim.AdamW``'s update of one parameter, on its master, in fp32."""
+        assert p.grad is not None
         g = p.grad.float()
         if coef is not None:
             g = g * coef

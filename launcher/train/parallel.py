@@ -16,12 +16,14 @@ import logging
 import math
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from launcher.spec.job import JobSpec
+from launcher.train.model import Block, LanguageModel
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ DTYPES = {
 
 
 def parallelize(
-    model: nn.Module, job: JobSpec, *, device: torch.device, world_size: int
+    model: LanguageModel, job: JobSpec, *, device: torch.device, world_size: int
 ) -> nn.Module:
     """Apply float8 → AC → compile → FSDP/DDP as the job asks; returns the module to train."""
     if job.precision.dtype == "fp8":
@@ -163,9 +165,10 @@ def apply_float8(model: nn.Module, *, recipe: str, layers: str, device: torch.de
     return len(chosen)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: LanguageModel) -> None:
     """Recompute each block's activations in backward (see ``model.Block``)."""
     for block in model.blocks:
+        assert isinstance(block, Block)
         block.checkpoint_activations = True
 
 
@@ -190,7 +193,7 @@ def batches_weight_grads(
 
 
 def apply_compile(
-    model: nn.Module,
+    model: LanguageModel,
     *,
     cuda_graphs: bool = False,
     whole: bool = False,
@@ -220,7 +223,7 @@ def apply_compile(
     same-shaped linears as one batched product each, at its end.
     """
     torch._dynamo.config.optimize_ddp = False
-    options = {"mode": "reduce-overhead"} if cuda_graphs else {}
+    options: dict[str, Any] = {"mode": "reduce-overhead"} if cuda_graphs else {}
     if whole:
         if batch_weight_grads:
             from torch._inductor import list_mode_options
@@ -287,14 +290,12 @@ def allreduce_in_fp32(group, bucket):  # no annotations: DDP compares them to it
 def fsdp_param_dtype(job: JobSpec) -> torch.dtype | None:
     """The dtype FSDP gathers parameters in; None keeps them fp32."""
     name = job.parallel.fsdp.param_dtype
-    if name == "auto":
-        name = job.precision.dtype
-    dtype = DTYPES[name]
+    dtype = DTYPES[job.precision.dtype if name == "auto" else name]
     return None if dtype == torch.float32 else dtype
 
 
 def apply_fsdp(
-    model: nn.Module, job: JobSpec, *, device: torch.device, world_size: int
+    model: LanguageModel, job: JobSpec, *, device: torch.device, world_size: int
 ) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
@@ -306,9 +307,8 @@ def apply_fsdp(
 
     cfg = job.parallel.fsdp
     mesh = init_device_mesh(device.type, (world_size,))
-    options = dict(
+    policies: dict[str, Any] = dict(
         mesh=mesh,
-        reshard_after_forward=cfg.reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(
             param_dtype=fsdp_param_dtype(job), reduce_dtype=DTYPES[cfg.reduce_dtype]
         ),
@@ -319,13 +319,14 @@ def apply_fsdp(
     for i, unit in enumerate(units):
         # The last unit's backward runs right after the head's: resharding it after forward
         # would only all-gather it again at once (torchtitan does the same).
-        reshard = options["reshard_after_forward"] and i < len(units) - 1
+        reshard = cfg.reshard_after_forward and i < len(units) - 1
         # A list is one unit: one all-gather, one reduce-scatter and one set of hooks for
         # all its blocks (FSDP's per-unit host work is what a small model's step waits on).
-        fully_shard(
-            unit if len(unit) > 1 else unit[0], **{**options, "reshard_after_forward": reshard}
-        )
-    fully_shard(model, **options)
+        if len(unit) > 1:
+            fully_shard(unit, reshard_after_forward=reshard, **policies)
+        else:
+            fully_shard(unit[0], reshard_after_forward=reshard, **policies)
+    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **policies)
     return model
 
 
@@ -352,7 +353,7 @@ def gradient_sync(
             model.set_requires_gradient_sync(enabled)
             if keep_gathered:
                 model.set_reshard_after_backward(enabled)
-            model._launcher_grad_sync = enabled
+            setattr(model, "_launcher_grad_sync", enabled)  # noqa: B010 - a flag of our own
         return nullcontext()
     if isinstance(model, DDP) and not enabled:
         return model.no_sync()
@@ -390,7 +391,7 @@ def clip_grad_norm_(
         return torch.tensor(0.0)
     total = grad_norm(params, norm_type)
     coef = clip_coefficient(total, max_norm)
-    local = [_local(p.grad) for p in params]
+    local = [_local(p.grad) for p in params if p.grad is not None]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in local:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -411,7 +412,8 @@ def clip_in_fused_optimizer(
     ``grad_scale`` slot (the one ``GradScaler`` unscales through) gets 1 / the coefficient,
     and the kernel divides every gradient by it as it reads them. No pass over the gradients
     of its own; not for an optimizer that a ``GradScaler`` drives, which owns that slot."""
-    optimizer.grad_scale = clip_coefficient(grad_norm(parameters), max_norm).reciprocal()
+    scale = clip_coefficient(grad_norm(parameters), max_norm).reciprocal()
+    optimizer.grad_scale = scale  # type: ignore[attr-defined]  # torch's fused kernel reads it
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -448,7 +450,7 @@ def grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> tor
         total = torch.nn.utils.get_total_norm(grads, norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
     norm_type = float(norm_type)
-    local = [g.to_local() for g in grads]
+    local = [g.to_local() for g in grads if isinstance(g, DTensor)]
     # The local norm in fp32 (torch computes it in the gradients' dtype; with bf16 gradients
     # fp32 is the more accurate choice and the reduced scalar must share one dtype anyway).
     # Empty shards (a dim 0 smaller than the world) are left out: 0 is the identity of the

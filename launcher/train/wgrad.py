@@ -66,6 +66,13 @@ def _(dys, xs):
     return _empty_stack(dys, xs)
 
 
+def _arg(node: torch.fx.Node, i: int) -> torch.fx.Node:
+    """The ``i``-th argument of a node the pass matched, which is a node."""
+    arg = node.args[i]
+    assert isinstance(arg, torch.fx.Node)
+    return arg
+
+
 def _empty_stack(dys: list[torch.Tensor], xs: list[torch.Tensor]) -> torch.Tensor:
     """The op's output, unfilled: (len(dys), n, k) in dys' dtype, on their device."""
     return dys[0].new_empty((len(dys), dys[0].shape[1], xs[0].shape[1]))
@@ -179,8 +186,8 @@ class WeightGradBatching(CustomGraphPass):
             if len(nodes) < 2:
                 continue
             with graph.inserting_before(output):
-                dys = [node.args[0].args[0] for node in nodes]
-                xs = [node.args[1] for node in nodes]
+                dys = [_arg(_arg(node, 0), 0) for node in nodes]
+                xs = [_arg(node, 1) for node in nodes]
                 stacked = graph.call_function(torch.ops.launcher.batched_wgrad.default, (dys, xs))
                 stacked.meta["val"] = _empty_stack(
                     [n.meta["val"] for n in dys], [n.meta["val"] for n in xs]
@@ -190,7 +197,7 @@ class WeightGradBatching(CustomGraphPass):
                     picked.meta["val"] = node.meta["val"]
                     node.replace_all_uses_with(picked)
             for node in nodes:
-                transposed = node.args[0]
+                transposed = _arg(node, 0)
                 graph.erase_node(node)
                 if not transposed.users:
                     graph.erase_node(transposed)
@@ -209,19 +216,16 @@ def _weight_grad_key(node: torch.fx.Node, output: torch.fx.Node) -> tuple | None
     if (
         not isinstance(transposed, torch.fx.Node)
         or transposed.target is not aten.permute.default
-        or list(transposed.args[1]) != [1, 0]
+        or not isinstance(perm := transposed.args[1], list | tuple)
+        or list(perm) != [1, 0]
         or not isinstance(x, torch.fx.Node)
+        or not isinstance(dy := transposed.args[0], torch.fx.Node)
     ):
         return None
-    dy = transposed.args[0]
-    vals = [n.meta.get("val") for n in (dy, x, node)]
-    if any(
-        not isinstance(v, torch.Tensor)
-        or v.dim() != 2
-        or not all(isinstance(d, int) for d in v.shape)
-        for v in vals
-    ):  # static shapes only
-        return None
+    found = [n.meta.get("val") for n in (dy, x, node)]
+    vals = [v for v in found if isinstance(v, torch.Tensor) and v.dim() == 2]
+    if len(vals) < 3 or not all(isinstance(d, int) for v in vals for d in v.shape):
+        return None  # static shapes only
     if {v.dtype for v in vals} != {vals[2].dtype} or vals[2].dtype not in _DATA_TYPE:
         return None
     return tuple(vals[0].shape), tuple(vals[1].shape), vals[2].dtype
