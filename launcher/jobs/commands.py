@@ -49,15 +49,15 @@ def submit(
 ) -> dict[str, Any]:
     """Preflight here, then the job to the cluster's Ray Jobs; returns ``{job_id, name, cluster,
     run_dir}`` once Ray has it."""
+    from launcher.jobs import claim
     from launcher.jobs.driver import CODE_DIR, SUBMISSION_FILE
     from launcher.orchestrate.code import stage
     from launcher.orchestrate.plan import worker_counts
     from launcher.orchestrate.run import checked_code
-    from launcher.orchestrate.rundir import RunDir
     from launcher.preflight import preflight_facts
 
     if run_dir is not None and cluster.all_local:  # the head is this machine: look before anything
-        RunDir.check_free(run_dir)
+        claim.refuse_used(run_dir)
     if cluster.all_local and cluster.ray.address is None:
         # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs. Only
         # for the local head, whose token goes in a header: Ray reads its auth settings when it
@@ -71,30 +71,17 @@ def submit(
     with tempfile.TemporaryDirectory(prefix="launcher-submit-") as tmp:
         upload = Path(tmp)
         facts = preflight_facts(
-            job, cluster, skip=skip_parity, save_to=RunDir(upload).preflight, show=not as_json
+            job, cluster, skip=skip_parity, save_to=upload / "preflight", show=not as_json
         )
         workers = worker_counts(job, nodes, facts)
         with connect(cluster, start=True) as jobs:
             release = None
             if jobs.head_is_local:
                 where = str((run_dir or Path("runs") / job_id).resolve())
-                # One run per run directory, as a foreground run (exit 2): reserved for this job
-                # now, inside the submission's lock (connect), so a second submission given the
-                # same folder while this job waits in the queue is refused. The driver takes it. A
-                # reservation of a job that ended before its driver took it (stopped while it
-                # waited, a failed runtime_env, its head stopped) is taken over: this Jobs API says
-                # so, or this user's own local head where the reservation (this user's) names it;
-                # so is one of this head whose submission was cut off before Ray had the job (the
-                # head does not know it, and this holds its jobs_lock, as that submission did).
-                # The reservation records who the head is, never how to reach it.
-                from launcher.jobs.head import reservation_head
-
-                release = RunDir.reserve(
-                    Path(where),
-                    job_id,
-                    lookup=lambda other: _job_status(jobs, other),
-                    head=reservation_head(jobs.local_head) if jobs.local_head is not None else None,
-                )
+                # One run per run directory, as a foreground run (exit 2): marked for this job
+                # now, so a second submission given the same folder while this job waits in the
+                # queue is refused. The driver takes it.
+                release = claim.mark(Path(where), job_id)
             else:  # a path on the head; relative ones are under its home directory (the driver claims it)
                 where = str(run_dir or Path("runs") / job_id)
             with _released_unless_submitted(release):
@@ -398,7 +385,7 @@ def _staging_failed(err: OSError, code: Any, upload: Path) -> PreflightError:
 
 @contextlib.contextmanager
 def _released_unless_submitted(release: Any) -> Iterator[None]:
-    """A run directory reserved for a submission that fails before Ray has the job (staging,
+    """A run directory marked for a submission that fails before Ray has the job (staging,
     the Jobs API, Ctrl-C) is free again."""
     try:
         yield
@@ -407,11 +394,7 @@ def _released_unless_submitted(release: Any) -> Iterator[None]:
             try:
                 release()
             except OSError as err:  # the submission's own error is the one to report
-                log.warning(
-                    "could not free the reserved run directory (%s); the next run or "
-                    "submission with it takes it over",
-                    err,
-                )
+                log.warning("could not free the marked run directory (%s)", err)
         raise
 
 
@@ -460,11 +443,6 @@ def _wait_ended(jobs: JobsCluster, job_id: str, *, timeout_s: float) -> Any:
 
 def _status(details: Any) -> str:
     return str(details.status.value)
-
-
-def _job_status(jobs: JobsCluster, job_id: str) -> str | None:
-    """Ray's status of one of the launcher's jobs on this Jobs API; None: it knows no such job."""
-    return next((_status(d) for d in jobs.jobs() if d.submission_id == job_id), None)
 
 
 def _shown(jobs: JobsCluster, details: Any) -> str:

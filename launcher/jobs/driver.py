@@ -36,7 +36,7 @@ from typing import Any
 
 from launcher import signals
 from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, LauncherError
-from launcher.jobs import queue
+from launcher.jobs import claim, queue
 from launcher.jobs import state as job_state
 from launcher.jobs.api import ACTIVE, META_KEY
 from launcher.orchestrate.code import plan_code
@@ -71,10 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     submission = json.loads(Path(args[0]).read_text())
     job = JobSpec.model_validate(submission["job"])
     try:
-        # One run per run directory, on the head as for a foreground run: a folder that holds
-        # anything (another run) is refused, exit 2; the reservation of this job's own
-        # submission (a head on the submitter's machine) is taken.
-        run_dir = RunDir.claim(_on_this_node(submission["run_dir"]), job_id=submission["job_id"])
+        # One run per run directory, on the head as for a foreground run: the folder this job's
+        # submission marked for it, else a new or empty one; anything else is refused, exit 2.
+        run_dir = claim.take(_on_this_node(submission["run_dir"]), submission["job_id"])
     except LauncherError as err:  # the folder is not this job's: nothing is written into it
         print(f"error: {err}", flush=True)
         _final(

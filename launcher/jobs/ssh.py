@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import PreflightError
+from launcher.jobs.claim import MARKER
 from launcher.remote import NodeError, SSHRunner, runner_for
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
 __all__ = ["NodeError", "SSHRunner", "copy_dir", "paramiko_connection"]
 
 FETCH_TIMEOUT_S = 600.0
-RESERVED = ".launcher-job"  # launcher.orchestrate.rundir.RESERVED
 
 
 def paramiko_connection(runner: SSHRunner) -> Any:
@@ -38,8 +38,8 @@ def copy_dir(node: NodeSpec, ssh: SSHSpec, source: str, dest: Path) -> None:
     if node.is_local:
         if not Path(source).is_dir():
             raise PreflightError(f"the run directory {source} does not exist on this machine")
-        # Without a submission's reservation (a job not started yet): the copy is no reservation.
-        shutil.copytree(source, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(RESERVED))
+        # Without a submission's marker (a job not started yet): the copy is no marked folder.
+        shutil.copytree(source, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MARKER))
         return
     with runner_for(node, ssh) as runner:
         try:

@@ -9,7 +9,7 @@ driver writes its own state into that log as single lines ``::launcher-state:: {
 - ``{"state": "running", "step": 40, "tokens_per_s": 51234.0}``: every few seconds as it moves;
 - ``{"state": "done", "status": "succeeded"|"failed"|"interrupted", "tokens_per_s", "mfu",
   "failure", "run_dir"}``: from the run's summary; ``run_dir`` null where the driver refused the
-  folder (it held another run, or another job's reservation): the job has no run directory.
+  folder (it held another run, or another job's marker): the job has no run directory.
 
 ``status``/``list`` read the last such line; ``launch logs`` leaves them out. Ray's status
 says whether the driver runs; the state line says what it does: a RUNNING driver that waits

@@ -10,6 +10,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.errors import UsageError
+from launcher.jobs import claim
 from launcher.orchestrate import run as run_mod
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
@@ -166,52 +167,38 @@ def test_submit_to_this_machine_refuses_a_run_dir_that_holds_a_run(tmp_path, mon
     assert f"--run-dir {old} is not empty" in err and err.count("\n") == 1
 
 
-def test_a_submissions_reservation_is_taken_by_its_own_job_only(tmp_path):
-    """`launch submit` to a head on this machine reserves the folder for its job; nothing else
+def test_a_submissions_marker_gives_the_folder_to_its_own_job_only(tmp_path):
+    """`launch submit` to a head on this machine marks the folder for its job; nothing else
     (a foreground run, another job's driver, another submission) gets it, the job's driver does."""
     path = tmp_path / "r"
-    RunDir.reserve(path, "job-1")
-    assert sorted(p.name for p in path.iterdir()) == [".launcher-job", "logs"]
-    for take in (
-        lambda: RunDir.claim(path),
-        lambda: RunDir.claim(path, job_id="job-2"),
-        lambda: RunDir.reserve(path, "job-2"),
-    ):
+    claim.mark(path, "job-1")
+    assert [p.name for p in path.iterdir()] == [".launcher-job"]
+    for other in (lambda: claim.take(path, "job-2"), lambda: claim.mark(path, "job-2")):
         with pytest.raises(
-            UsageError, match=r"is reserved for job job-1, submitted before .*`launch status job-1`"
+            UsageError,
+            match=r"is marked for job job-1, submitted before .*`launch status job-1`.* "
+            r"remove it if that job has ended",
         ):
-            take()
-    taken = RunDir.claim(path, job_id="job-1")
-    assert taken.root == path and [p.name for p in path.iterdir()] == [
-        "logs"
-    ]  # the reservation is gone
+            other()
+    with pytest.raises(UsageError, match=r"is not empty \(.launcher-job\)"):
+        RunDir.claim(path)
+    taken = claim.take(path, "job-1")
+    assert taken.root == path and [p.name for p in path.iterdir()] == ["logs"]  # marker gone
     with pytest.raises(UsageError, match="is not empty"):  # now the job's own: taken once
-        RunDir.claim(path, job_id="job-1")
+        claim.take(path, "job-1")
 
 
-def test_a_reservation_written_into_since_is_refused_to_its_job(tmp_path):
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1")
-    (path / "summary.json").write_text("{}")
-    with pytest.raises(
-        UsageError, match=r"reserved for this job .* put into it since \(summary.json\)"
-    ):
-        RunDir.claim(path, job_id="job-1")
-
-
-def test_a_released_reservation_leaves_the_folder_as_it_was(tmp_path):
-    """A submission that fails before Ray has the job frees the folder: what the reservation
-    made is removed, a folder that was there stays."""
-    release = RunDir.reserve(tmp_path / "a" / "b", "job-1")
-    release()
+def test_an_undone_mark_leaves_the_folder_as_it_was(tmp_path):
+    """A submission that fails before Ray has the job frees the folder: what marking it made
+    is removed, a folder that was there stays, and one its driver took is left alone."""
+    claim.mark(tmp_path / "a" / "b", "job-1")()
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "empty").mkdir()
-    release = RunDir.reserve(tmp_path / "empty", "job-2")
-    release()
+    claim.mark(tmp_path / "empty", "job-2")()
     assert (tmp_path / "empty").is_dir() and list((tmp_path / "empty").iterdir()) == []
-    release = RunDir.reserve(tmp_path / "c", "job-3")
-    RunDir.claim(tmp_path / "c", job_id="job-3")  # the driver took it: a late release leaves it
-    release()
+    undo = claim.mark(tmp_path / "c", "job-3")
+    claim.take(tmp_path / "c", "job-3")
+    undo()
     assert (tmp_path / "c" / "logs").is_dir()
 
 
@@ -293,7 +280,7 @@ def test_two_queued_submits_to_one_run_dir_the_second_is_refused(tmp_path, local
     rc, out = submit(run_dir, capsys)
     assert rc == 2 and len(client.submitted) == 1
     assert (
-        out.err.startswith(f"error: --run-dir {run_dir} is reserved for job {first}")
+        out.err.startswith(f"error: --run-dir {run_dir} is marked for job {first}")
         and out.err.count("\n") == 1
     )
 
@@ -354,191 +341,20 @@ def test_the_driver_refuses_a_run_dir_that_holds_a_run(tmp_path, monkeypatch):
     assert (old / "summary.json").read_text() == '{"status": "succeeded"}'
 
 
-def test_the_driver_takes_its_own_submissions_reservation_and_no_other(tmp_path, monkeypatch):
+def test_the_driver_takes_the_folder_marked_for_its_job_and_no_other(tmp_path, monkeypatch):
     mine = tmp_path / "mine"
-    RunDir.reserve(mine, "q-1")
+    claim.mark(mine, "q-1")
     rc, log, got = driven(tmp_path, monkeypatch, mine, job_id="q-1")
     assert rc == 0 and got is not None and got.root == mine, log
     assert not (mine / ".launcher-job").exists()
     theirs = tmp_path / "theirs"
-    RunDir.reserve(theirs, "q-2")
+    claim.mark(theirs, "q-2")
     rc, log, got = driven(tmp_path, monkeypatch, theirs, job_id="q-3")
-    assert rc == 2 and got is None and "reserved for job q-2" in log
+    assert rc == 2 and got is None and "marked for job q-2" in log
     assert (theirs / ".launcher-job").read_text().strip() == "q-2"
 
 
-# -- reservations whose job can no longer take them ------------------------------------------------
-
-
-def test_a_submission_takes_over_the_reservation_of_a_job_that_ended_before_its_driver_ran(
-    tmp_path, local_submit, capsys, caplog
-):
-    """The first job was stopped while it waited (or its runtime_env failed): its driver never
-    took the folder, and never will. A later submission to the same Jobs API sees that and
-    takes the folder; while the first job still waits, it is refused."""
-    import logging
-
-    caplog.set_level(logging.INFO)
-    submit, client = local_submit
-    run_dir = tmp_path / "shared"
-    rc, out = submit(run_dir, capsys)
-    first = json.loads(out.out)["job_id"]
-    rc, out = submit(run_dir, capsys)
-    assert rc == 2 and f"reserved for job {first}" in out.err and "still pending" in out.err
-    client.status[first] = "STOPPED"
-    rc, out = submit(run_dir, capsys)
-    assert rc == 0, out.err
-    second = json.loads(out.out)["job_id"]
-    assert (
-        f"was reserved for job {first}, which ended (STOPPED) before its driver took it"
-        in caplog.text
-    )
-    assert (run_dir / ".launcher-job").read_text().splitlines()[0] == second
-    assert sorted(p.name for p in run_dir.iterdir()) == [".launcher-job", "logs"]
-
-
-def local_head_record(tmp_path, pid: int, port: int = 1):
-    """What a reservation records of a local head (``head.reservation_head``): who it is."""
-    from launcher.jobs import head
-
-    return head.reservation_head(
-        head.LocalHead(
-            pid=pid,
-            gcs_port=1,
-            dashboard_port=port,
-            agent_port=1,
-            temp_dir=str(tmp_path / "ray-temp"),
-            token_file=str(tmp_path / "auth_token"),
-        )
-    )
-
-
-def gone_pid() -> int:
-    import subprocess
-
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
-
-
-@pytest.fixture
-def machine(tmp_path, monkeypatch):
-    """This machine's id is the test's (``/etc/machine-id`` may be missing): returns a function
-    that changes it."""
-    from launcher.jobs import head
-
-    path = tmp_path / "machine-id"
-    path.write_text("0123456789abcdef0123456789abcdef\n")
-    monkeypatch.setattr(head, "MACHINE_ID", str(path), raising=False)
-
-    def change(text: str | None) -> None:
-        if text is None:
-            path.unlink()
-        else:
-            path.write_text(text + "\n")
-
-    return change
-
-
-def test_a_run_takes_over_the_reservation_of_a_job_whose_local_head_is_gone(tmp_path, caplog):
-    """`launch down --yes` (or a crash) while the job waited: the head it went to runs no more,
-    and its jobs went with it. `launch run` and `launch submit` take the folder, without a Jobs
-    API and without starting Ray (the head's process is looked up in /proc)."""
-    import logging
-
-    caplog.set_level(logging.INFO)
-    record = local_head_record(tmp_path, gone_pid())
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1", head=record)
-    taken = RunDir.claim(path)  # launch run --run-dir
-    assert taken.root == path and [p.name for p in path.iterdir()] == ["logs"]
-    assert (
-        "reserved for job job-1, whose Ray runs no more: this run takes the folder" in caplog.text
-    )
-    other = tmp_path / "s"
-    RunDir.reserve(other, "job-1", head=record)
-    RunDir.check_free(other)  # submit's first look leaves it to the reservation
-    RunDir.reserve(other, "job-2")  # launch submit --run-dir
-    assert (other / ".launcher-job").read_text().strip() == "job-2"
-
-
-def test_a_reservation_made_on_another_machine_or_boot(tmp_path, machine):
-    """A shared home directory: a head recorded on another machine cannot be looked at from
-    here (the folder stays reserved); one recorded on this machine before it rebooted is gone."""
-    path = tmp_path / "r"
-    RunDir.reserve(
-        path, "job-1", head={**local_head_record(tmp_path, gone_pid()), "host": "elsewhere"}
-    )
-    with pytest.raises(UsageError, match=r"reserved for job job-1, submitted before .*cannot ask"):
-        RunDir.claim(path)
-    with pytest.raises(UsageError, match="reserved for job job-1"):
-        RunDir.reserve(path, "job-2")
-    RunDir.check_free(path)  # left to the submission's Jobs API
-    rebooted = tmp_path / "b"
-    RunDir.reserve(
-        rebooted, "job-1", head={**local_head_record(tmp_path, 1), "boot": "another-boot"}
-    )
-    assert RunDir.claim(rebooted).root == rebooted
-
-
-def test_a_machine_of_the_same_name_is_another_machine(tmp_path, machine):
-    """Two machines named alike share a home directory: the other's boot id differs from this
-    one's, which is no reboot of this machine; its machine id differs too. Its head may run: the
-    folder stays reserved. Without a machine id, another boot cannot be told from another
-    machine: it stays reserved too."""
-    path = tmp_path / "r"
-    record = local_head_record(tmp_path, gone_pid())
-    RunDir.reserve(path, "job-1", head={**record, "machine": "f" * 32, "boot": "its-boot"})
-    with pytest.raises(UsageError, match="reserved for job job-1"):
-        RunDir.claim(path)
-    machine(None)  # no /etc/machine-id here
-    for n, head in enumerate(
-        ({**record, "machine": None, "boot": "its-boot"}, {**record, "boot": "its-boot"})
-    ):
-        RunDir.reserve(tmp_path / f"s{n}", "job-1", head=head)
-        with pytest.raises(UsageError, match="reserved for job job-1"):
-            RunDir.claim(tmp_path / f"s{n}")
-    same = tmp_path / "t"  # this boot, no machine id: the head's process tells
-    RunDir.reserve(same, "job-1", head={**record, "machine": None})
-    assert RunDir.claim(same).root == same
-
-
-def test_only_the_reservations_own_user_takes_it_for_gone(tmp_path, monkeypatch):
-    """Another user's head (hidepid hides its processes) or a head in another PID namespace is
-    not seen in /proc: not seeing it proves nothing, and the folder stays reserved."""
-    from launcher.jobs import head
-
-    path = tmp_path / "r"
-    record = local_head_record(tmp_path, gone_pid())
-    RunDir.reserve(path, "job-1", head=record)
-    me = os.getuid()
-    monkeypatch.setattr(os, "getuid", lambda: me + 1)  # the file is another user's
-    with pytest.raises(UsageError, match="reserved for job job-1"):
-        RunDir.claim(path)
-    monkeypatch.setattr(os, "getuid", lambda: me)
-    real = head._pid_namespace
-    monkeypatch.setattr(head, "_pid_namespace", lambda: "pid:[1]")
-    with pytest.raises(UsageError, match="reserved for job job-1"):
-        RunDir.claim(path)
-    monkeypatch.setattr(head, "_pid_namespace", real)
-    assert RunDir.claim(path).root == path
-
-
-def this_machine() -> dict[str, str | None]:
-    """What a reservation made here says of this machine."""
-
-    def read(path: str) -> str | None:
-        try:
-            return open(path).read().strip() or None
-        except OSError:
-            return None
-
-    return {
-        "host": os.uname().nodename,
-        "machine": read("/etc/machine-id"),
-        "boot": read("/proc/sys/kernel/random/boot_id"),
-        "pidns": os.readlink("/proc/self/ns/pid"),
-    }
+# -- requests to a head's 127.0.0.1 ----------------------------------------------------------
 
 
 @pytest.fixture
@@ -625,151 +441,22 @@ def _listener_handler(statuses, asked):
     return Handler
 
 
-@pytest.fixture
-def own_head(tmp_path, own_state, jobs_api):
-    """This user's running local head as its record (``head.json``) names it: a process whose
-    command line names the head's temp dir (as each of the head's does), its Jobs API
-    (``jobs_api``), its token ("secret")."""
-    import subprocess
-    import sys
-    import time
-    from dataclasses import asdict
-
-    from launcher.jobs import head
-
-    port, _ = jobs_api
-    folder = own_state / "local"
-    folder.mkdir(parents=True)
-    (folder / "auth_token").write_text("secret\n")
-    temp_dir = str(tmp_path / "launcher-ray-own")
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", temp_dir])
-    try:
-        me = head.LocalHead(
-            pid=proc.pid,
-            gcs_port=61001,
-            dashboard_port=port,
-            agent_port=61002,
-            temp_dir=temp_dir,
-            token_file=str(folder / "auth_token"),
-        )
-        (folder / "head.json").write_text(json.dumps(asdict(me)))
-        deadline = time.monotonic() + 10
-        while (
-            not head._is_head(me) and time.monotonic() < deadline
-        ):  # its command line, once exec'd
-            time.sleep(0.02)
-        yield me
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_a_run_asks_the_running_local_head_whether_the_reserved_job_ended(
-    tmp_path, jobs_api, own_head
-):
-    """The head runs, and it is this user's own (its record names it): one request to its Jobs
-    API, with the token of that record, says where the job stands. Waiting or running: refused,
-    naming it; ended (stopped while it waited): taken; unknown to the head, or a refused token:
-    refused (nothing is assumed)."""
-    from launcher.jobs import head
-
-    port, statuses = jobs_api
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1", head=head.reservation_head(own_head))
-    statuses["job-1"] = "PENDING"
-    with pytest.raises(
-        UsageError, match=r"reserved for job job-1, .* still pending \(`launch status job-1`\)"
-    ):
-        RunDir.claim(path)
-    with pytest.raises(UsageError, match="still pending"):
-        RunDir.check_free(path)
-    del statuses["job-1"]
-    with pytest.raises(UsageError, match="cannot ask"):
-        RunDir.claim(path)
-    statuses["job-1"] = "FAILED"
-    token = own_head.token_file
-    with open(token, "w") as fh:
-        fh.write("wrong\n")
-    with pytest.raises(UsageError, match="cannot ask"):
-        RunDir.claim(path)
-    with open(token, "w") as fh:
-        fh.write("secret\n")
-    assert RunDir.claim(path).root == path
-    assert [p.name for p in path.iterdir()] == ["logs"]
-
-
-# -- a reservation is an identity, never an address or a token --------------------------------------
-
-
-def test_a_forged_reservation_sends_no_token_anywhere(tmp_path, jobs_api, own_head, listener):
-    """Anyone who can write the folder can write its reservation: a head block naming pid 1, an
-    empty temp dir (named by every process), the victim's token file (or any file it can read)
-    and a port someone else listens on. The victim's run and submission send nothing there, and
-    read no file it names: the head block is only compared with the victim's own head's record.
-    A block naming the victim's own running head with another port is not that head either."""
-    from dataclasses import asdict
-
+def test_the_head_is_asked_without_a_redirect_or_a_proxy(jobs_api, listener, monkeypatch):
+    """The token goes to the head's 127.0.0.1 only: a redirect (urllib's handler would resend
+    the Authorization header) is not followed, and http_proxy is not used."""
     from launcher.jobs import head
 
     port, asked = listener
-    _, statuses = jobs_api
-    statuses["job-1"] = "FAILED"  # what the victim's own head would say of it
-    here = this_machine()
-    forged = [
-        {
-            "pid": 1,
-            "gcs_port": 1,
-            "dashboard_port": port,
-            "agent_port": 1,
-            "temp_dir": "",
-            "token_file": own_head.token_file,
-            **here,
-        },
-        {**asdict(own_head), "dashboard_port": port, **here},
-        {
-            **head.reservation_head(own_head),
-            "dashboard_port": port,
-            "token_file": own_head.token_file,
-        },
-    ]
-    for n, record in enumerate(forged):
-        path = tmp_path / f"r{n}"
-        (path / "logs").mkdir(parents=True)
-        (path / ".launcher-job").write_text("job-1\n" + json.dumps({"head": record}) + "\n")
-        with pytest.raises(UsageError, match="reserved for job job-1"):
-            RunDir.claim(path)
-        RunDir.check_free(path)
-        with pytest.raises(UsageError, match="reserved for job job-1"):
-            RunDir.reserve(path, "job-2")
-        assert (path / ".launcher-job").read_text().startswith("job-1\n")
-    assert asked == []
-
-
-def test_the_head_is_asked_without_a_redirect_or_a_proxy(
-    tmp_path, jobs_api, own_head, listener, monkeypatch
-):
-    """The token goes to the own head's 127.0.0.1 only: a redirect (urllib's handler would
-    resend the Authorization header) is not followed, and http_proxy is not used."""
-    from launcher.jobs import head
-
-    port, asked = listener
-    _, statuses = jobs_api
-    statuses["job-1"] = f"redirect:http://127.0.0.1:{port}/api/jobs/job-1"
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1", head=head.reservation_head(own_head))
-    with pytest.raises(UsageError, match="cannot ask"):
-        RunDir.claim(path)
-    assert head._job_status(own_head.jobs_url, "secret", "job-1") is None
+    api_port, statuses = jobs_api
+    url = f"http://127.0.0.1:{api_port}"
     statuses["/api/version"] = f"redirect:http://127.0.0.1:{port}/api/version"
-    assert head.api_status(own_head.jobs_url, "secret") == 302
+    assert head.api_status(url, "secret") == 302
     assert asked == []
     del statuses["/api/version"]
     for name in ("no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
-    statuses["job-1"] = "FAILED"
-    assert head._job_status(own_head.jobs_url, "secret", "job-1") == "FAILED"
-    assert head.api_status(own_head.jobs_url, "secret") == 404  # the head's own answer, unproxied
+    assert head.api_status(url, "secret") == 404  # the head's own answer, unproxied
     assert asked == []
 
 
@@ -804,210 +491,7 @@ def test_rays_jobs_client_bypasses_the_proxy_for_a_heads_loopback(jobs_api, list
     assert os.environ["NO_PROXY"] == os.environ["no_proxy"]
 
 
-def test_a_linked_or_special_reservation_file_is_not_trusted(tmp_path):
-    """A reservation with a second link (someone's file linked in) is not taken for this
-    user's; a FIFO in its place is never waited on."""
-    import threading
-
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1", head=local_head_record(tmp_path, gone_pid()))
-    os.link(path / ".launcher-job", tmp_path / "elsewhere")
-    with pytest.raises(UsageError, match="reserved for job job-1"):
-        RunDir.claim(path)
-    fifo = tmp_path / "f"
-    (fifo / "logs").mkdir(parents=True)
-    os.mkfifo(fifo / ".launcher-job")
-    result: list = []
-
-    def claim():
-        try:
-            RunDir.claim(fifo)
-        except UsageError as err:
-            result.append(str(err))
-
-    worker = threading.Thread(target=claim, daemon=True)
-    worker.start()
-    worker.join(10)
-    assert result and "reserved by a submission" in result[0]
-
-
-# -- a submission cut off between its reservation and Ray -------------------------------------------
-
-
-def test_a_reservation_whose_submission_was_cut_off_is_taken_under_the_jobs_lock(
-    tmp_path, jobs_api, own_head, caplog
-):
-    """A submission reserves the folder and hands Ray the job under the head's jobs_lock: killed
-    in between, its reservation names a job the head does not know. A later submission to the
-    same head, holding that lock, takes the folder; without the lock (a run, a first look), or
-    for another head, an unknown job tells nothing."""
-    import logging
-
-    from launcher.jobs import head
-
-    caplog.set_level(logging.INFO)
-    local = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1", head=head.reservation_head(own_head))
-    with pytest.raises(UsageError, match="cannot ask"):
-        RunDir.claim(path)
-    RunDir.check_free(path)
-    other = tmp_path / "o"  # the head of another state folder of this user's, running
-    RunDir.reserve(other, "job-1", head={**head.reservation_head(own_head), "gcs_port": 61003})
-    with head.jobs_lock(local):
-        with pytest.raises(UsageError, match="reserved for job job-1"):
-            RunDir.reserve(other, "job-3", lookup=lambda job_id: None)
-        RunDir.reserve(path, "job-2", lookup=lambda job_id: None)
-    assert (path / ".launcher-job").read_text().splitlines()[0] == "job-2"
-    assert (
-        "reserved for job job-1, whose submission was cut off before Ray had the job" in caplog.text
-    )
-
-
-# -- the reservation's own lock for undoing it, and undoing a cut-off reservation -------------------
-
-
-def test_a_release_waits_for_a_take_over_and_leaves_its_reservation(tmp_path):
-    """A submission that fails releases its reservation under the reservation's lock: a run that
-    took the folder over meanwhile (its job taken for ended) keeps its own reservation."""
-    import threading
-    import time
-
-    from launcher.orchestrate import rundir
-
-    path = tmp_path / "r"
-    path.mkdir()
-    release = RunDir.reserve(path, "job-1")
-    late = threading.Thread(target=release)
-    with rundir._holding(path, "job-1") as held:  # a submission taking it over holds it
-        assert held
-        late.start()
-        time.sleep(0.3)
-        assert (path / ".launcher-job").exists() and (path / "logs").is_dir()  # release waits
-        rundir.Reservation("job-2").write(path)
-    late.join(10)
-    assert (path / ".launcher-job").read_text().strip() == "job-2" and (path / "logs").is_dir()
-
-
-def test_a_reservation_cut_off_half_made_is_undone(tmp_path, monkeypatch):
-    """Ctrl-C (or any error) between making logs/ and writing the reservation: logs/ goes too,
-    else the folder would be refused for good as "not empty (logs/)". A folder made for a run
-    whose logs/ cannot be made goes as well."""
-    from pathlib import Path
-
-    from launcher.orchestrate import rundir
-
-    def interrupted(self, path):
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patched:
-        patched.setattr(rundir.Reservation, "write", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            RunDir.reserve(tmp_path / "a" / "b", "job-1")
-        (tmp_path / "empty").mkdir()
-        with pytest.raises(KeyboardInterrupt):
-            RunDir.reserve(tmp_path / "empty", "job-1")
-    assert not (tmp_path / "a").exists()
-    assert list((tmp_path / "empty").iterdir()) == []
-    RunDir.reserve(tmp_path / "empty", "job-2")  # free again
-    real_mkdir = Path.mkdir
-
-    def no_logs(self, *a, **k):
-        if self.name == "logs":
-            raise PermissionError(13, "Permission denied")
-        return real_mkdir(self, *a, **k)
-
-    monkeypatch.setattr(Path, "mkdir", no_logs)
-    with pytest.raises(UsageError, match="cannot make the run directory"):
-        RunDir.claim(tmp_path / "c" / "d")
-    assert not (tmp_path / "c").exists()
-
-
-def test_the_driver_of_a_job_whose_reservation_was_taken_over_is_refused(tmp_path, monkeypatch):
-    """A job stopped while it waited whose driver starts all the same (late): the folder was
-    taken over, so the driver writes nothing into it."""
-    path = tmp_path / "r"
-    RunDir.reserve(path, "q-1", head=local_head_record(tmp_path, gone_pid()))
-    RunDir.reserve(path, "q-2")  # taken over by a later submission
-    rc, log, got = driven(tmp_path, monkeypatch, path, job_id="q-1")
-    assert rc == 2 and got is None and "reserved for job q-2" in log
-    assert (path / ".launcher-job").read_text().strip() == "q-2"
-
-
-def test_of_two_taking_a_reservation_one_gets_it(tmp_path):
-    """The job's driver, started late, and a run taking the reservation over at the same time:
-    each holds the reservation locked and checks it is still the same file naming the same job,
-    so the one that comes second finds it replaced, and takes nothing."""
-    import threading
-    import time
-
-    from launcher.orchestrate import rundir
-
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1")
-    result: dict[str, str] = {}
-
-    def driver() -> None:
-        try:
-            rundir._take(path, "job-1")
-            result["driver"] = "took it"
-        except UsageError as err:
-            result["driver"] = str(err)
-
-    late = threading.Thread(target=driver)
-    with rundir._holding(path, "job-1") as held:  # a later run taking it over holds it
-        assert held
-        late.start()
-        time.sleep(0.3)
-        assert "driver" not in result  # waits for the lock
-        rundir.Reservation("job-2").write(path)  # ... and hands it to its own job
-    late.join(10)
-    assert "is reserved for job job-2" in result["driver"]
-    assert (path / ".launcher-job").read_text().strip() == "job-2"
-    with rundir._holding(path, "job-1") as held:
-        assert not held
-
-
-# -- a reservation the job's driver can read (C) ---------------------------------------------------
-
-
-def test_the_reservation_is_readable_by_a_driver_of_another_user(tmp_path):
-    """An attached Ray someone else started on this machine runs the job's driver as that user:
-    the reservation holds no secret and is not private to the submitter."""
-    import stat
-
-    RunDir.reserve(tmp_path / "r", "job-1", head=local_head_record(tmp_path, 1))
-    mode = stat.S_IMODE((tmp_path / "r" / ".launcher-job").stat().st_mode)
-    assert mode & 0o044 == 0o044 & ~_umask()
-    text = (tmp_path / "r" / ".launcher-job").read_text()
-    assert "secret" not in text and "auth_token" not in text  # not even the token's path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def test_a_reservation_this_user_cannot_read_is_named_as_such(tmp_path, monkeypatch):
-    from launcher.orchestrate import rundir
-
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1")
-
-    def denied(folder):
-        raise PermissionError(13, "Permission denied")
-
-    monkeypatch.setattr(rundir, "_open_reservation", denied)  # the one way the file is opened
-    with pytest.raises(
-        UsageError,
-        match=r"reserved by a submission, and user \S+ cannot read .*Permission denied.*"
-        r"as the user that started the cluster's Ray",
-    ):
-        RunDir.claim(path, job_id="job-1")
-
-
-# -- status and fetch of a job without a run directory (A) ------------------------------------------
+# -- detached jobs' run directories: status and fetch -----------------------------------------
 
 
 @pytest.fixture
@@ -1101,8 +585,8 @@ def test_fetch_of_a_job_whose_driver_refused_its_run_dir_copies_nothing(
 def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(
     tmp_path, jobs_here, capsys
 ):
-    """Stopped while Ray had not started its driver: the folder was reserved, never this job's,
-    and may hold a later run by now (its reservation was taken over)."""
+    """Stopped while Ray had not started its driver: the folder was marked, never this job's,
+    and may hold a later run by now (removed and used again)."""
     add, flags = jobs_here
     later = tmp_path / "r"
     later.mkdir()
@@ -1115,14 +599,13 @@ def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(
     assert json.loads(capsys.readouterr().out)["run_dir"] is None
 
 
-def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_reservation(
-    tmp_path, jobs_here, capsys
-):
+def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_marker(tmp_path, jobs_here, capsys):
     from launcher.jobs import state
 
     add, flags = jobs_here
     mine = tmp_path / "mine"
-    RunDir.reserve(mine, "q-1")
+    claim.mark(mine, "q-1")
+    (mine / "logs").mkdir()
     (mine / "logs" / "x.log").write_text("hello\n")
     add("q-1", "RUNNING", mine, state.line({"state": "starting", "run_dir": str(mine)}) + "\n")
     assert main(["fetch", "q-1", *flags, "--to", str(tmp_path / "f")]) == 0
@@ -1141,7 +624,7 @@ def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
     from launcher.jobs import driver, state
 
     mine = tmp_path / "mine"
-    RunDir.reserve(mine, "q-1")
+    claim.mark(mine, "q-1")
 
     def stop_here():
         raise UsageError("stopped here")
@@ -1164,19 +647,6 @@ def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
     ]
 
 
-def test_a_reboot_that_cannot_be_told_leaves_the_reservation(tmp_path, machine, monkeypatch):
-    """This machine's id matches but its boot id cannot be read (or the record has none): a
-    reboot cannot be told from a live head, so the folder stays reserved."""
-    from launcher.jobs import head
-
-    record = local_head_record(tmp_path, 1)
-    monkeypatch.setattr(head, "BOOT_ID", str(tmp_path / "no-boot-id"))
-    path = tmp_path / "r"
-    RunDir.reserve(path, "job-1", head={**record, "boot": "some-boot"})
-    with pytest.raises(UsageError, match="reserved for job job-1"):
-        RunDir.claim(path)
-
-
 def test_something_that_is_no_http_server_on_the_heads_port_is_no_answer():
     """Garbage on the dashboard's port (``http.client.HTTPException``, not an OSError) is no
     answer, not a traceback."""
@@ -1190,17 +660,15 @@ def test_something_that_is_no_http_server_on_the_heads_port_is_no_answer():
     server.listen(4)
 
     def serve():
-        for _ in range(2):
-            conn, _ = server.accept()
-            with conn:
-                conn.recv(4096)
-                conn.sendall(b"not http at all\r\n\r\n")
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"not http at all\r\n\r\n")
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.getsockname()[1]}"
     try:
-        assert head._job_status(url, "t", "job-1") is None
         assert head.api_status(url, "t") is None
     finally:
         thread.join(10)
