@@ -24,14 +24,16 @@ def test_values_are_python_literals():
         tool.parse_option("combo_kernels=yes please")
 
 
-def test_apply_sets_known_keys_and_refuses_others(monkeypatch):
+def test_apply_sets_known_keys_and_refuses_others():
     import torch._inductor.config as config
 
-    monkeypatch.setattr(
-        config, "aggressive_fusion", config.aggressive_fusion
-    )  # restored afterwards
-    tool.apply([("aggressive_fusion", True)])
-    assert config.aggressive_fusion is True
+    before = config.aggressive_fusion
+    # config.patch restores the value as inductor keeps it (monkeypatch's delattr would hide
+    # the key from later compiles: torch keeps overrides in ContextVars).
+    with config.patch(aggressive_fusion=before):
+        tool.apply([("aggressive_fusion", True)])
+        assert config.aggressive_fusion is True
+    assert config.aggressive_fusion is before
     with pytest.raises(ValueError, match="no option 'not_an_option'"):
         tool.apply([("not_an_option", 1)])
 
