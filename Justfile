@@ -9,9 +9,14 @@ setup:
 demo:
     launch jobs/quickstart.yaml
 
-# The whole test suite, as CI runs it (network-namespace tests need root)
+# The whole test suite, as CI runs it: two workers, a file's tests on one, the
+# network-namespace tests one at a time (they need root)
 test *ARGS:
-    python3 -m pytest -q {{ARGS}}
+    python3 -m pytest -q -n 2 --dist loadgroup {{ARGS}}
+
+# Pure logic only: no process, Ray, network namespace or GPU (markers in pyproject.toml)
+test-fast *ARGS:
+    python3 -m pytest -q -m "not (processes or ray or netns or gpu)" tests/unit {{ARGS}}
 
 # Format the code and apply ruff's safe fixes
 fmt:

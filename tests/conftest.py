@@ -93,3 +93,60 @@ def one_process_trainer_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     ).items():
         monkeypatch.setenv(name, value)
     return metrics
+
+
+# -- tiers: a test that starts a process says so with a marker -----------------------------------
+
+PROCESS_MARKERS = ("processes", "ray", "netns", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Integration tests start processes (marked so); under ``pytest-xdist --dist loadgroup``
+    a file's tests share a worker (their module fixtures: one head, one cluster) and the
+    network-namespace tests run one at a time."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.processes)
+        group = "netns" if item.get_closest_marker("netns") else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_marked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """In a run that leaves the process markers out (``just test-fast``), a test that starts a
+    process fails: the marker is what keeps that tier free of them."""
+    markexpr = request.config.getoption("markexpr") or ""
+    if (
+        "not" not in markexpr
+        or "processes" not in markexpr
+        or any(request.node.get_closest_marker(m) for m in PROCESS_MARKERS)
+    ):
+        yield
+        return
+    started: list[str] = []
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    fork = os.fork
+
+    def recording_execute_child(self: subprocess.Popen, args: object, *rest: object) -> None:
+        started.append(str(args)[:200])
+        execute_child(self, args, *rest)
+
+    def recording_fork() -> int:
+        started.append("os.fork()")
+        return fork()
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", recording_execute_child)
+    monkeypatch.setattr(os, "fork", recording_fork)
+    yield
+    record = os.environ.get("LAUNCHER_RECORD_PROCESSES")
+    if started and record:
+        with open(record, "a") as out:
+            out.write(f"{request.node.nodeid}\t{started[0]}\n")
+    elif started:
+        pytest.fail(
+            f"started a process ({started[0]}) without a marker: mark the test "
+            f"{' / '.join(PROCESS_MARKERS)} (pyproject.toml) or keep it to pure logic"
+        )

@@ -94,6 +94,7 @@ def test_plan_of_the_multinode_example(capsys):
     assert "world size 16" in out and "--node-rank 1" in out and "gpu01.example.internal:" in out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("argv", [["--version"], ["-m", "launcher", "--version"]])
 def test_entry_points(argv):
     cmd = ["launch", "--version"] if argv == ["--version"] else [sys.executable, *argv]

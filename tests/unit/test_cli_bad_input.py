@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "jobs/quickstart.yaml")
 

@@ -17,6 +17,8 @@ import pytest
 
 from launcher import cli
 
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

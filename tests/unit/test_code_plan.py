@@ -234,6 +234,7 @@ def test_a_missing_workdir_or_script_fails_the_node(tmp_path):
     assert "does not exist here" in messages["a"] and "script train.py is missing" in messages["b"]
 
 
+@pytest.mark.processes
 def test_the_probe_reports_the_installed_launcher_not_a_folder_named_launcher(tmp_path):
     (tmp_path / "launcher").mkdir()  # like /tmp/launcher, the nodes' run folders
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -253,6 +254,7 @@ def test_the_probe_reports_the_installed_launcher_not_a_folder_named_launcher(tm
     assert report["user_code"]["exists"] and report["user_code"]["code_files"] == 0
 
 
+@pytest.mark.processes
 def test_the_probe_still_finds_a_launcher_named_on_pythonpath_in_the_current_folder(tmp_path):
     """A checkout on PYTHONPATH, run from that checkout, as on a machine without an install
     (``-S``: no site-packages, so no installed launcher to fall back on)."""

@@ -38,6 +38,7 @@ def test_apply_sets_known_keys_and_refuses_others():
         tool.apply([("not_an_option", 1)])
 
 
+@pytest.mark.processes
 def test_an_unknown_option_exits_2_before_training():
     proc = subprocess.run(
         [

@@ -109,6 +109,7 @@ sys.exit(cli.main(["logs", "job-1", "--follow"]))
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("status", ["RUNNING", "SUCCEEDED"])  # followed, or the whole log at once
 def test_logs_into_a_pipe_closed_early_exit_quietly(status, tmp_path):
     """`launch logs ID --follow | head -n 1`: the closed pipe is no failure of the Jobs API (not

@@ -14,6 +14,8 @@ import pytest
 
 from launcher.util import free_port
 
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

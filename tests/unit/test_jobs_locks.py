@@ -23,6 +23,7 @@ from launcher.jobs import head as heads
 from launcher.spec import ClusterSpec
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 LOCAL = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
 REMOTE = ClusterSpec.model_validate(
     {

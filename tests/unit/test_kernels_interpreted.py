@@ -23,6 +23,8 @@ pytest.importorskip("triton", reason="Triton is not installed (the test extra in
 
 REPO = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
+
 SCRIPT = r"""
 import torch, torch.nn.functional as F
 from launcher.train import fused

@@ -15,6 +15,8 @@ from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
 from launcher.spec import ClusterSpec, JobSpec
 
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
+
 
 def node_argv(run_dir: RunDir) -> list[str]:
     """The command line (after the interpreter) the launch into ``run_dir`` gives node ``a``."""

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import launcher
 import launcher.metrics
 from launcher import report
@@ -38,6 +40,7 @@ def test_report_without_the_variable_writes_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.processes
 def test_importing_results_leaves_report_alone():
     # A fresh interpreter: here launcher.results may already be imported by other tests.
     code = (

@@ -25,7 +25,7 @@ from launcher.remote import INTERNAL, TIMEOUT, CommandResult, NodeError, Runner,
 from launcher.spec import ClusterSpec
 from launcher.util import free_port
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 HOSTS = [f"198.18.250.{10 + i}" for i in range(3)]
 ADDRESSES = {

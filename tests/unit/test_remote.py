@@ -54,6 +54,7 @@ def test_runner_for_picks_local_or_ssh() -> None:
     assert isinstance(runner_for(NodeSpec(name="n", host="10.1.2.3"), SSHSpec()), SSHRunner)
 
 
+@pytest.mark.processes
 def test_local_runner_stdin_env_and_exit_code() -> None:
     runner = LocalRunner(LOCAL)
     result = runner.run(
@@ -64,11 +65,13 @@ def test_local_runner_stdin_env_and_exit_code() -> None:
     assert runner.run("cat | wc -c").stdout.strip() == "0"  # no stdin: empty, never the terminal
 
 
+@pytest.mark.processes
 def test_local_runner_output_that_is_not_utf8_is_replaced_not_an_error() -> None:
     result = LocalRunner(LOCAL).run("printf 'caf\\351'; printf 'caf\\351' >&2", stdin="caf\u00e9")
     assert result == CommandResult("caf\ufffd", "caf\ufffd", 0)
 
 
+@pytest.mark.processes
 def test_local_runner_timeout_kills_the_whole_group() -> None:
     runner = LocalRunner(LOCAL)
     started = time.monotonic()
@@ -78,6 +81,7 @@ def test_local_runner_timeout_kills_the_whole_group() -> None:
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.processes
 def test_local_runner_runs_the_probe() -> None:
     result = LocalRunner(LOCAL).run(
         f"{sys.executable} - --packages pytest", stdin=PROBE_SOURCE, timeout=60
@@ -87,6 +91,7 @@ def test_local_runner_runs_the_probe() -> None:
     assert probe["deep"] is None and probe["python"]["executable"]
 
 
+@pytest.mark.processes
 def test_every_node_runs_the_launchers_own_probe(monkeypatch) -> None:
     """The probe's source goes on stdin to ``python -``: no node runs a probe of its own, so
     the document needs no format version to be read right."""
@@ -166,6 +171,7 @@ def _alive(pid: int) -> bool:
     return False
 
 
+@pytest.mark.processes
 def test_interrupted_fan_out_returns_at_once_and_kills_the_local_commands(tmp_path: Path) -> None:
     """Ctrl-C during a fan-out: raised at once, not after every node's command ended; the
     commands (each a process group) are killed and the threads end with them."""
@@ -196,6 +202,7 @@ def test_interrupted_fan_out_returns_at_once_and_kills_the_local_commands(tmp_pa
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
+@pytest.mark.processes
 def test_an_interrupted_fan_out_never_holds_up_the_interpreters_exit() -> None:
     """Work that no runner can stop (here a sleep) keeps its thread busy: the process still
     exits right after the interrupt, as the threads are daemons."""

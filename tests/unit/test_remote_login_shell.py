@@ -17,6 +17,8 @@ from launcher.orchestrate import ray_cluster
 from launcher.remote import CommandResult, remote_command
 from launcher.spec import ClusterSpec
 
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
+
 SHELLS = [
     pytest.param(
         name, marks=pytest.mark.skipif(shutil.which(name) is None, reason=f"no {name} here")

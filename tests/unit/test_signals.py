@@ -56,6 +56,7 @@ def test_an_interrupt_python_dropped_is_raised_at_the_next_check(installed, monk
         signals.check()
 
 
+@pytest.mark.processes
 def test_a_dropped_interrupt_prints_no_traceback_but_other_dropped_errors_still_do():
     # A fresh interpreter, so its stderr is exactly what a user of `launch` would see.
     child = textwrap.dedent("""

@@ -64,6 +64,7 @@ def test_shipped_files_exist():
     assert any(p.parent.name == "examples" for p in SHIPPED)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO)))
 def test_shipped_file_validates(path, tmp_path):
     if (path.parent / "make_assets.py").is_file():

@@ -355,6 +355,7 @@ def _split_scan_worker(rank: int, world: int, port: int, paths: list[str], out: 
     Path(out, f"rank{rank}.json").write_text(json.dumps({**result, "seen": seen}))
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bad_at", [[8_765], [1_234, 8_765], [], "sizes differ"])
 def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(

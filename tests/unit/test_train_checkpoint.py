@@ -340,6 +340,7 @@ def _resume_in_two_ranks(base: Path, roots: dict[int, list[int]]) -> list[str]:
     return [(base / f"outcome{rank}.txt").read_text() for rank in range(2)]
 
 
+@pytest.mark.processes
 def test_every_rank_resumes_from_the_checkpoint_rank_0_picks(tmp_path: Path):
     """Real gloo ranks whose checkpoint folders differ (a node-local folder on several nodes, or
     a marker one node sees before another): every rank loads rank 0's latest, or every rank

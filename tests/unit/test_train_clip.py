@@ -48,6 +48,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_sharded_clip_matches_torch_on_the_full_model(tmp_path: Path):
     out = tmp_path / "clip.pt"

@@ -20,6 +20,8 @@ from launcher.spec.job import JobSpec
 from launcher.train.checkpoint import ResumeError
 from launcher.train.model import build_model
 
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
+
 STEPS, CUT = 6, 3  # train to step 6; the first attempt stops after its checkpoint at step 3
 MICRO, GLOBAL_BATCH = 2, 12  # 3 ranks x 2 micro-batches, 2 x 3, or 1 x 6
 LR = 1e-3

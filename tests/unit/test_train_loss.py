@@ -59,6 +59,7 @@ def test_loss_and_gradients_match_plain_autograd(bias: bool, dtype, tol: float, 
         )
 
 
+@pytest.mark.processes  # inductor runs g++ and compile workers
 def test_the_compiled_head_matches_eager():
     x, w, b, labels = inputs(bias=True, seed=1)
     compiled = torch.compile(linear_cross_entropy)

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
+
 REPO = Path(__file__).resolve().parents[2]
 
 
