@@ -28,7 +28,9 @@ Record types (every record has ``type``, ``rank`` and ``time``, Unix seconds):
            thermal", "hw thermal", "power brake"), ``energy_j`` (the GPU's energy since the
            previous record, from a counter that moves in coarse steps; the GPU values null
            where NVML is unavailable). A user script's ``report()`` writes ``step`` records
-           without ``interval_s``: readers derive it from consecutive ``time`` values.
+           without ``interval_s``: readers derive it from consecutive ``time`` values; it may
+           add ``compute_s``, this rank's own compute seconds since its previous record
+           (without waiting for other ranks), which the straggler check prefers.
 ``final``  once at the end of the built-in trainer: ``steps``, ``measured_steps``,
            ``step_time_ms_p50``, ``step_time_ms_p95``, ``tokens_per_s``, ``samples_per_s``,
            ``tflops``, ``mfu`` (fraction, null where the peak is unknown), ``peak_mem_gib``,
@@ -88,7 +90,9 @@ def report(
 ) -> None:
     """For user scripts: record progress since the previous call. A no-op outside the launcher.
 
-    ``tokens`` and ``samples`` count what this rank processed since its previous call.
+    ``tokens`` and ``samples`` count what this rank processed since its previous call;
+    ``compute_s=`` (seconds of this rank's own work since then, not waiting for other ranks)
+    lets the launcher tell a slow rank from one that waits for it.
     """
     write_record(
         {

@@ -32,11 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher import metrics
+from launcher import metrics, telemetry
 from launcher.orchestrate import reaper
-from launcher.orchestrate.plan import NODE_PASSTHROUGH
+from launcher.orchestrate.plan import NODE_PASSTHROUGH, STACKS_SUBDIR
 from launcher.orchestrate.reaper import alive, descendants, kill_after, signal_all, started
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
+from launcher.orchestrate.stacks import header
 from launcher.util import free_port, write_private
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
@@ -45,6 +46,7 @@ TORCHRUN_TAIL_LINES = 200  # torchrun's own lines: its failure report can be lon
 REAPER_GRACE_S = 10.0  # after the agent's death: torchrun's own SIGTERM handling, then SIGKILL
 WORKER_SCAN_S = 2.0  # how often the agent notes torchrun's workers (a /proc scan)
 ORPHAN_GRACE_S = 5.0  # workers left by a torchrun that died: SIGTERM, then SIGKILL after this
+HOOKS = Path(__file__).resolve().parents[1] / "hooks"  # the workers' sitecustomize (stack dumps)
 
 
 def _fresh_tails() -> dict[int | None, collections.deque[str]]:
@@ -65,6 +67,7 @@ class NodeAgent:
         self._changed = threading.Condition(self._lock)  # new output, a record, or a thread ended
         self._lines: list[tuple[int | None, str]] = []
         self._records: list[tuple[int, dict[str, Any]]] = []
+        self._telemetry: list[dict[str, Any]] = []
         self._tails = _fresh_tails()
         self._offsets: dict[Path, int] = {}
         self._stopping = False
@@ -109,6 +112,8 @@ class NodeAgent:
             write_private(node_dir / name, text)
         env = {k: os.environ[k] for k in NODE_PASSTHROUGH if k in os.environ}
         env.update(node_plan["env"])
+        if "LAUNCHER_STACKS_DIR" in env:  # the stack-dump hook, found first on the workers' path
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS), env.get("PYTHONPATH")]))
         self._proc = subprocess.Popen(
             node_plan["argv"],
             env=env,
@@ -120,7 +125,7 @@ class NodeAgent:
             preexec_fn=_prepare_child,
         )
         self._start_reaper(self._proc.pid)
-        for target in (self._read_output, self._tail_metrics):
+        for target in (self._read_output, self._tail_metrics, self._sample_gpus):
             thread = threading.Thread(target=target, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -142,9 +147,13 @@ class NodeAgent:
                 self._changed.wait(min(remaining, 0.05))
             lines, self._lines = self._lines, []
             records, self._records = self._records, []
+            samples, self._telemetry = self._telemetry, []
         # exited, but output still being drained: report the exit on a later poll
         return AgentUpdate(
-            lines=lines, records=records, exit=self._status() if self._drained() else None
+            lines=lines,
+            records=records,
+            exit=self._status() if self._drained() else None,
+            telemetry=samples,
         )
 
     def _drained(self) -> bool:
@@ -164,6 +173,36 @@ class NodeAgent:
         for thread in self._threads:
             thread.join(timeout=5)
         return self._status()
+
+    def stacks(self, wait_s: float = 5.0) -> dict[str, bytes]:
+        """Every worker's Python stacks now, and any collective trace: the files of
+        ``<node dir>/stacks`` after signalling each live worker whose fault handler is installed
+        (its header names the signal), once their dumps have stopped growing."""
+        if self._proc is None or self._plan is None:
+            return {}
+        folder = Path(self._plan["node_dir"]) / STACKS_SUBDIR
+        family = set(descendants(self._proc.pid)) if self._proc.poll() is None else set()
+        sizes: dict[Path, int] = {}
+        for path in folder.glob("rank*.txt"):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                with open(path, encoding="utf-8") as fh:
+                    head = header(fh.readline())
+                if head is not None and head[0] in family:
+                    sizes[path] = path.stat().st_size
+                    os.kill(head[0], head[1])
+        deadline = time.monotonic() + wait_s
+        while sizes and time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = {p: p.stat().st_size for p in sizes}
+            if all(now[p] > sizes[p] for p in sizes):  # every one began; let them finish
+                time.sleep(0.3)
+                if all(p.stat().st_size == now[p] for p in sizes):
+                    break
+        out = {}
+        for path in sorted(folder.glob("*")) if folder.is_dir() else []:
+            with contextlib.suppress(OSError):
+                out[path.name] = path.read_bytes()[-(4 << 20) :]
+        return out
 
     def tail(self, local_rank: int | None, n: int = RANK_TAIL_LINES) -> list[str]:
         """The last lines of one local rank's output (None: torchrun's own lines)."""
@@ -255,6 +294,23 @@ class NodeAgent:
                 self._end_orphans()
                 return
             time.sleep(0.25)
+
+    def _sample_gpus(self) -> None:
+        """This node's GPUs every ``telemetry.INTERVAL_S`` while torchrun runs (nothing without
+        NVML); samples go out with the next poll, not on their own."""
+        assert self._proc is not None
+        sampler = telemetry.GpuSampler()
+        try:
+            due = 0.0
+            while sampler.available and self._proc.poll() is None:
+                if time.monotonic() >= due:
+                    due = time.monotonic() + telemetry.INTERVAL_S
+                    samples = sampler.sample()
+                    with self._lock:
+                        self._telemetry.extend(samples)
+                time.sleep(0.25)
+        finally:
+            sampler.close()
 
     def _note_workers(self) -> None:
         assert self._proc is not None

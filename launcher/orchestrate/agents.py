@@ -176,6 +176,20 @@ class AgentGroup:
                 return i, err
         return None
 
+    def stacks(self, wait_s: float = 5.0) -> dict[str, bytes]:
+        """Every reachable node's stack dumps and collective traces (``NodeAgent.stacks``), asked
+        of all at once; a node that does not answer in time gives none."""
+        import ray
+
+        live = [i for i in range(len(self.handles)) if i not in self._lost]
+        refs = [self.handles[i].stacks.remote(wait_s) for i in live]
+        ray.wait(refs, num_returns=len(refs), timeout=wait_s + REACH_TIMEOUT_S)
+        out: dict[str, bytes] = {}
+        for ref in refs:
+            with contextlib.suppress(Exception):
+                out.update(ray.get(ref, timeout=0.1))
+        return out
+
     def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
         import ray
 

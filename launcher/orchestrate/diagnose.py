@@ -90,8 +90,9 @@ def lost_node(node: NodePlan, err: BaseException) -> Failure:
 
 
 def hung_rank(
-    node: NodePlan, rank: int, quiet_s: float, limit_s: float, tail: list[str]
+    node: NodePlan, rank: int, quiet_s: float, limit_s: float, tail: list[str], *, where: str = ""
 ) -> Failure:
+    """``where``: what its stack shows (the collective it is not in, its top frames)."""
     return Failure(
         kind=FailureKind.HANG,
         rank=rank,
@@ -99,7 +100,8 @@ def hung_rank(
         host=node.host,
         log_tail="\n".join(tail),
         reason=f"rank {rank} on node {node.name} made no progress (no metrics record) for "
-        f"{quiet_s:.0f} s > launch.hang_timeout_s={limit_s:g}",
+        f"{quiet_s:.0f} s > launch.hang_timeout_s={limit_s:g}"
+        + (f"; {where} (every rank's stack is in stacks/)" if where else ""),
     )
 
 

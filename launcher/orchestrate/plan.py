@@ -11,8 +11,10 @@ each node's part to that node's agent unchanged.
 
 Worker environment, lowest precedence first:
   1. the node's own basics (``NODE_PASSTHROUGH``: PATH, HOME, PYTHONPATH, ...; and
-     CUDA_VISIBLE_DEVICES as Ray assigned it) — taken on the node by its agent;
-  2. ``NCCL_*``, ``TORCH_*`` and ``NVSHMEM_*`` from the launcher's own environment;
+     CUDA_VISIBLE_DEVICES as Ray assigned it) — taken on the node by its agent, which puts
+     the launcher's stack-dump hook first on PYTHONPATH;
+  2. on nccl, NCCL's Flight Recorder (``FLIGHT_RECORDER``), then ``NCCL_*``, ``TORCH_*`` and
+     ``NVSHMEM_*`` from the launcher's own environment;
   3. the job's ``nccl.env``, then ``launch.env``, then the node's ``env`` from cluster.yaml;
   4. the launcher's own: ``LAUNCHER_*`` and ``PYTHONUNBUFFERED``.
 """
@@ -39,6 +41,10 @@ PROFILE_SUBDIR = (
     "profile"  # train.profile output: <node dir>/profile on a node, <run dir>/profile/<node> after
 )
 FORWARDED_PREFIXES = ("NCCL_", "TORCH_", "NVSHMEM_")
+STACKS_SUBDIR = "stacks"  # workers' stack dumps and collective traces, on a node and in the run dir
+# NCCL's Flight Recorder: the last collectives of every rank, kept in a bounded ring and dumped
+# when a collective times out (TORCH_NCCL_DEBUG_INFO_TEMP_FILE is set per node in the plan).
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 NODE_PASSTHROUGH = (
     "PATH",
     "HOME",
@@ -353,6 +359,9 @@ def _worker_env(
             env[key] = value
             sources[key] = source
 
+    if job.backend == "nccl":
+        trace = f"{node_dir}/{STACKS_SUBDIR}/nccl_trace_rank_"
+        put({**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}, "launcher (hangs)")
     put({k: v for k, v in launcher_env.items() if k.startswith(FORWARDED_PREFIXES)}, "launcher env")
     for source, items in spec_layers(job, node):
         put(items, source)
@@ -362,6 +371,7 @@ def _worker_env(
             "LAUNCHER_NODE": node.name,
             "LAUNCHER_RESTART_COUNT": str(attempt),
             metrics.ENV_VAR: f"{node_dir}/{metrics.SUBDIR}/{metrics.file_name('{rank}')}",
+            "LAUNCHER_STACKS_DIR": f"{node_dir}/{STACKS_SUBDIR}",
             "PYTHONUNBUFFERED": "1",
         },
         "launcher",

@@ -46,11 +46,13 @@ class RankError:
 
 @dataclass(frozen=True)
 class AgentUpdate:
-    """One poll of a node agent: output lines since the last poll, metrics records, the exit."""
+    """One poll of a node agent: output lines since the last poll, metrics records, GPU telemetry
+    samples, the exit."""
 
     lines: list[tuple[int | None, str]] = field(default_factory=list)  # (local rank or None, text)
     records: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (global rank, record)
     exit: ExitStatus | None = None
+    telemetry: list[dict[str, Any]] = field(default_factory=list)  # one per GPU and sample
 
 
 class FailureKind(str, enum.Enum):

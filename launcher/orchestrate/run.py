@@ -374,6 +374,7 @@ class Launch:
                 }
                 for p in self.plans
             ]
+        summary["stragglers"] = [s.to_json() for s in self.log.stragglers.found.values()]
         summary["launcher_timings_s"] = {k: round(v, 2) for k, v in self.timings.items()}
         write_summary(self.run_dir.root, summary)
         outcome.summary = summary
@@ -403,6 +404,7 @@ class Launch:
                 self.plan,
                 on_update=self.log.ingest,
                 hang_timeout_s=self.job.launch.hang_timeout_s,
+                on_stacks=self.run_dir.write_stacks,
             ).run()
         finally:
             self.log.stop_progress()

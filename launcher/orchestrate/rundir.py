@@ -3,7 +3,7 @@
 Layout (DESIGN.md): ``job.yaml``, ``cluster.yaml``, ``plan.json`` (then ``plan.attempt<N>.json``
 per restart), ``preflight/<node>.json``, ``preflight/parity.txt``, ``logs/<node>/rank<R>.log``
 (+ ``torchrun.log``), ``metrics/rank<R>.jsonl``, ``summary.{json,csv,txt}``; ``profile/<node>/``
-with ``train.profile``. The spec copies and plans are mode 0600 with secret-looking values
+with ``train.profile``; ``telemetry/<node>.jsonl`` on GPUs; ``stacks/`` after a hang. The spec copies and plans are mode 0600 with secret-looking values
 masked: workers get the real values from the plan's environment, never from these files.
 
 One run per folder: ``--run-dir`` must be new or empty (``claim``).
@@ -24,9 +24,9 @@ from typing import Any
 
 import yaml
 
-from launcher import metrics
+from launcher import metrics, telemetry
 from launcher.errors import UsageError
-from launcher.orchestrate.plan import LaunchPlan, mask_env
+from launcher.orchestrate.plan import STACKS_SUBDIR, LaunchPlan, mask_env
 from launcher.util import utc_stamp, write_private
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,26 @@ class RunDir:
 
     def metrics_file(self, rank: int) -> Path:
         return self.root / metrics.SUBDIR / metrics.file_name(rank)
+
+    def telemetry_file(self, node: str) -> Path:
+        return self.root / telemetry.SUBDIR / f"{node}.jsonl"
+
+    def preflight_facts(self) -> dict[str, dict[str, Any]]:
+        """Each node's preflight facts (``preflight/<node>.json``), where they were recorded."""
+        out = {}
+        for path in sorted(self.preflight.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                data = json.loads(path.read_text())
+                if isinstance(data, dict):
+                    out[path.stem] = data
+        return out
+
+    def write_stacks(self, files: dict[str, bytes]) -> None:
+        """``stacks/``: the workers' stack dumps (``rank<R>.txt``) and collective traces."""
+        folder = self.root / STACKS_SUBDIR
+        folder.mkdir(exist_ok=True)
+        for name, data in files.items():
+            (folder / Path(name).name).write_bytes(data)
 
     def node_files(self, subdir: str, node: str) -> Path:
         """Where files fetched from a node's ``<node dir>/<subdir>`` land (e.g. profile/<node>)."""

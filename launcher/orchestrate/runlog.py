@@ -1,8 +1,10 @@
 """What the node agents report, into the run directory and onto the console.
 
 Every output line goes to its rank's log (``logs/<node>/rank<R>.log``; torchrun's own lines to
-``torchrun.log``), every metrics record to ``metrics/rank<R>.jsonl``. The console shows rank 0's
-lines and any line that looks like an error, above a progress bar when stderr is a terminal.
+``torchrun.log``), every metrics record to ``metrics/rank<R>.jsonl``, GPU telemetry to
+``telemetry/<node>.jsonl``. The console shows rank 0's
+lines, any line that looks like an error and a straggler when one is first named
+(``results.stragglers``), above a progress bar when stderr is a terminal.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, TextIO
 from launcher.orchestrate.plan import LaunchPlan, NodePlan
 from launcher.orchestrate.records import AgentUpdate
 from launcher.orchestrate.rundir import RunDir
+from launcher.results.stragglers import StragglerWatch
 
 ERROR_LINE = re.compile(r"Traceback|Error|Exception|FAILED|Signal \d+", re.IGNORECASE)
 
@@ -27,10 +30,13 @@ class RunLog:
         self.by_attempt: dict[int, dict[int, list[dict[str, Any]]]] = {}  # attempt → rank → records
         self._files: dict[tuple[str, int | None], TextIO] = {}
         self._progress: Progress | None = None
+        self.stragglers = StragglerWatch({})  # this attempt's
 
     def open(self, launch_plan: LaunchPlan) -> None:
         """A new attempt: every rank gets its log file, even one that never prints."""
         self.attempt = launch_plan.attempt
+        nodes = {r: n.name for n in launch_plan.nodes for r in n.ranks}
+        self.stragglers = StragglerWatch(nodes, self.run_dir.preflight_facts())
         for node in launch_plan.nodes:
             for rank in node.ranks:
                 self._file(node.name, rank)
@@ -46,12 +52,20 @@ class RunLog:
                 )
         for fh in self._files.values():
             fh.flush()
+        if update.telemetry:
+            path = self.run_dir.telemetry_file(node.name)
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(sample) + "\n" for sample in update.telemetry)
         for rank, record in update.records:
             self.by_attempt.setdefault(self.attempt, {}).setdefault(rank, []).append(record)
             with open(self.run_dir.metrics_file(rank), "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
             if self._progress is not None:
                 self._progress.update(rank, record)
+            straggler = self.stragglers.add(rank, record)
+            if straggler is not None:
+                self.show(straggler.line())
 
     def show(self, text: str) -> None:
         if self._progress is not None:

@@ -9,8 +9,10 @@ update to the run log, and then judges:
   before Ray reports its agent gone, so the node is named, not the echo;
 - every torchrun exited 0: success;
 - an agent silent for ``NODE_SILENCE_S`` is a lost node; a rank that wrote no metrics record
-  for ``launch.hang_timeout_s`` is a hang (of several silent ranks, the one that got least far;
-  the ranks of a node whose torchrun exited 0 are done, not silent).
+  for ``launch.hang_timeout_s`` is a hang. Before anything is stopped every worker's stack is
+  dumped (``stacks.py``); the rank blamed is the one outside the collective the others wait
+  in, else, of the silent ranks, the one that got least far (the ranks of a node whose
+  torchrun exited 0 are done, not silent).
 
 Restarts are not decided here: ``run.py`` restarts an attempt whose failure is restartable.
 """
@@ -26,9 +28,13 @@ from launcher import signals
 from launcher.orchestrate.diagnose import TAIL_LINES, Tails, hung_rank, lost_node, rank_failure
 from launcher.orchestrate.plan import LaunchPlan, NodePlan
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, Failure
+from launcher.orchestrate.stacks import blame, describe, main_frames, user_frames
 
 POLL_INTERVAL_S = 0.5
 NODE_SILENCE_S = 30.0  # an agent that answers no poll for this long is a lost node
+STARTUP_S = (
+    120.0  # the hang watchdog's least limit before a rank's first record (imports, rendezvous)
+)
 
 
 class Agents(Tails, Protocol):
@@ -40,6 +46,8 @@ class Agents(Tails, Protocol):
 
     def unreachable(self, exclude: int) -> tuple[int, BaseException] | None: ...
 
+    def stacks(self) -> dict[str, bytes]: ...
+
 
 class Watcher:
     def __init__(
@@ -49,6 +57,7 @@ class Watcher:
         *,
         on_update: Callable[[NodePlan, AgentUpdate], None],
         hang_timeout_s: float | None,
+        on_stacks: Callable[[dict[str, bytes]], None] = lambda files: None,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = POLL_INTERVAL_S,
         silence_s: float = NODE_SILENCE_S,
@@ -57,6 +66,7 @@ class Watcher:
         self.plan = launch_plan
         self.on_update = on_update
         self.hang_timeout_s = hang_timeout_s
+        self.on_stacks = on_stacks
         self.clock = clock
         self.poll_s = poll_s
         self.silence_s = silence_s
@@ -121,16 +131,43 @@ class Watcher:
         silent = [
             e
             for e in self.plan.ranks()
-            if e["node"] not in done and now - self._last_seen.get(e["rank"], self._started) > limit
+            if e["node"] not in done
+            and now - self._last_seen.get(e["rank"], self._started)
+            > (limit if e["rank"] in self._last_seen else max(limit, STARTUP_S))
         ]
         if not silent:
             return None
+        stacks = self._dump_stacks()
         # A hung rank stalls the others at their next collective, so several go silent at
-        # once: blame the one that got least far (lowest step, then the oldest record).
-        entry = min(silent, key=lambda e: self._last_step.get(e["rank"], (-1, 0.0)))
+        # once: blame the one outside the collective the others are in, else the one that got
+        # least far (lowest step, then the oldest record).
+        found = blame(stacks)
+        if found is not None:
+            entry = next(e for e in self.plan.ranks() if e["rank"] == found[0])
+            where = (
+                f"is not in the {found[1]} the other ranks wait in: it is at {describe(found[2])}"
+            )
+        else:
+            entry = min(silent, key=lambda e: self._last_step.get(e["rank"], (-1, 0.0)))
+            frames = user_frames(main_frames(stacks.get(entry["rank"], "")))
+            where = f"it is at {describe(frames)}" if frames else ""
         i = next(i for i, n in enumerate(self.plan.nodes) if n.name == entry["node"])
         tail: list[str] = []
         with contextlib.suppress(Exception):  # a lost agent has no tail to give; the logs remain
             tail = self.agents.tail(i, entry["local_rank"], TAIL_LINES)
         quiet_s = now - self._last_seen.get(entry["rank"], self._started)
-        return hung_rank(self.plan.nodes[i], entry["rank"], quiet_s, limit, tail)
+        return hung_rank(self.plan.nodes[i], entry["rank"], quiet_s, limit, tail, where=where)
+
+    def _dump_stacks(self) -> dict[int, str]:
+        """Every worker's stack files, handed to ``on_stacks``; the text of each rank's."""
+        files: dict[str, bytes] = {}
+        with contextlib.suppress(Exception):  # no stacks: the hang is still reported
+            files = self.agents.stacks()
+        if files:
+            self.on_stacks(files)
+        out = {}
+        for name, data in files.items():
+            rank = name.removeprefix("rank").removesuffix(".txt")
+            if name.endswith(".txt") and rank.isdigit():
+                out[int(rank)] = data.decode("utf-8", "replace")
+        return out

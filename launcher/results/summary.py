@@ -104,6 +104,12 @@ def render(summary: dict) -> str:
     parts += ["Per node", _node_table(summary["ranks"]), ""]
     parts += ["Job", _totals_table(summary), ""]
     parts.append(_straggler_line(summary))
+    for found in summary.get("stragglers") or []:  # named while the run went
+        parts.append(
+            f"Straggler while running: rank {found['rank']} on node {found['node']}, "
+            f"{found['slower_pct']:.0f}% slower than the other ranks' median ({found['from']})"
+            + "".join(f"; {d}" for d in found.get("details") or [])
+        )
     return "\n".join(parts) + "\n"
 
 

@@ -456,7 +456,7 @@ class LaunchSpec(Strict):
     hang_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="Fail the job when a rank writes no metrics record for this long (a hang watchdog); null disables it.",
+        description="Fail the job when a rank writes no metrics record for this long (a hang watchdog; before a rank's first record, at least 120 s), after writing every rank's Python stack to stacks/rank<R>.txt; null disables it.",
     )
     stop_grace_s: float = Field(
         5.0, gt=0, le=120, description="Seconds between SIGTERM and SIGKILL when stopping workers."

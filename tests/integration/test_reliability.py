@@ -328,3 +328,34 @@ def test_lost_node_is_detected_and_named(netns_cluster, tmp_path):
             for pid in cluster.pids(node)
         ]
         assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
+
+
+def test_a_hang_names_the_rank_the_others_wait_for_from_every_ranks_stack(tmp_path):
+    """Rank 1 blocks in its own function, rank 0 waits in the all-reduce: the stacks dumped
+    before the stop show both, and rank 1 is blamed with its frames."""
+    run_dir = tmp_path / f"stuck-{tmp_path.name}"
+    job = write_job(
+        tmp_path,
+        {"script": str(FIXTURES / "stuck_rank.py")},
+        launch={"hang_timeout_s": 15, "stop_grace_s": 2},
+    )
+    with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        log1 = run.run_dir / "logs/local/rank1.log"
+        wait_for(
+            lambda: log1.is_file() and "blocks in load_batch" in log1.read_text(),
+            timeout=180,
+            what="rank 1 to block",
+            proc=run.proc,
+        )
+        stalled_at = time.monotonic()
+        assert run.wait(timeout=120) == 4, run.output[-3000:]
+        took = time.monotonic() - stalled_at
+        run.assert_nothing_left()
+    assert took < 60, f"the hang was reported {took:.0f} s after the stall"
+    failure = summary_of(run_dir)["failure"]
+    assert (failure["rank"], failure["node"]) == (1, "local"), failure["reason"]
+    assert "all_reduce" in failure["reason"] and "load_batch (stuck_rank.py:" in failure["reason"]
+    stack0 = (run_dir / "stacks/rank0.txt").read_text()
+    stack1 = (run_dir / "stacks/rank1.txt").read_text()
+    assert "in all_reduce" in stack0 and "stuck_rank.py" in stack0
+    assert "in load_batch" in stack1 and "in all_reduce" not in stack1

@@ -571,3 +571,39 @@ def test_an_elastic_restart_keeps_the_failed_attempts_profile_traces(tmp_path, m
     assert sorted(
         p.parent.name for p in (launcher.run_dir.root / "profile").glob("*/trace.json")
     ) == ["n0", "n1", "n2"]
+
+
+def test_the_hang_blames_the_rank_outside_the_collective_from_the_stacks():
+    """Rank 0 got least far by its records, but the stacks show it waits in the all-reduce
+    while rank 1 is in its own function: rank 1 is blamed, its frames in the reason, and the
+    dumps are handed on before anything is stopped."""
+    rounds = [{0: AgentUpdate(records=[step(0, 5)]), 1: AgentUpdate(records=[step(1, 6)])}]
+    agents = FakeAgents(rounds + [{}] * 10)
+    waiting = (
+        "pid 1 signal 41 main 0x0000000000000001\n"
+        "Current thread 0x0000000000000001 (most recent call first):\n"
+        '  File "/v/torch/distributed/distributed_c10d.py", line 9 in all_reduce\n'
+        '  File "/w/train.py", line 30 in main\n'
+    )
+    stuck = (
+        "pid 2 signal 41 main 0x0000000000000002\n"
+        "Thread 0x0000000000000002 (most recent call first):\n"
+        '  File "/w/train.py", line 12 in load_batch\n'
+        '  File "/w/train.py", line 29 in main\n'
+    )
+    agents.stacks = lambda: {"rank0.txt": waiting.encode(), "rank1.txt": stuck.encode()}
+    handed: list = []
+    lp = plan(job(), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
+    clock = iter(range(0, 10**6, 10)).__next__
+    failure = Watcher(
+        agents,
+        lp,
+        on_update=lambda node, update: None,
+        hang_timeout_s=25.0,
+        on_stacks=handed.append,
+        clock=clock,
+    ).run()
+    assert failure.kind is FailureKind.HANG and (failure.rank, failure.node) == (1, "b")
+    assert "not in the all_reduce" in failure.reason
+    assert "load_batch (train.py:12) ← main (train.py:29)" in failure.reason
+    assert handed and set(handed[0]) == {"rank0.txt", "rank1.txt"}

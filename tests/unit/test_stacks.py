@@ -1,0 +1,57 @@
+"""Reading workers' faulthandler dumps and naming the rank a hang waits for."""
+
+from __future__ import annotations
+
+from launcher.orchestrate.stacks import blame, collective, header, main_frames
+
+WAITING = """pid 101 signal 41 main 0x00007f0000000001
+Thread 0x00007f0000000002 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000001 (most recent call first):
+  File "/venv/lib/torch/distributed/distributed_c10d.py", line 2806 in all_reduce
+  File "/venv/lib/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/work/train.py", line 30 in main
+  File "/work/train.py", line 34 in <module>
+"""
+
+STUCK = """pid 102 signal 41 main 0x00007f0000000009
+Thread 0x00007f0000000009 (most recent call first):
+  File "/work/train.py", line 18 in load_batch
+  File "/work/train.py", line 29 in main
+  File "/work/train.py", line 34 in <module>
+"""
+
+
+def test_the_header_names_pid_signal_and_main_thread():
+    assert header(WAITING) == (101, 41, "0x00007f0000000001")
+    assert header("Thread 0x1 (most recent call first):") is None
+
+
+def test_the_main_threads_frames_innermost_first_and_the_collective_they_wait_in():
+    frames = main_frames(WAITING)
+    assert [f.func for f in frames] == ["all_reduce", "wrapper", "main", "<module>"]
+    assert collective(frames) == "all_reduce"
+    assert collective(main_frames(STUCK)) is None
+
+
+def test_the_latest_dump_of_a_file_counts():
+    second = STUCK.split("\n", 1)[1].replace("line 18 in load_batch", "line 20 in decode")
+    assert main_frames(STUCK + "\n" + second)[0].func == "decode"
+
+
+def test_the_rank_outside_the_collective_is_blamed_with_its_own_frames():
+    rank, where, frames = blame({0: WAITING, 1: STUCK, 2: WAITING})
+    assert (rank, where) == (1, "all_reduce")
+    assert [str(f) for f in frames] == [
+        "load_batch (train.py:18)",
+        "main (train.py:29)",
+        "<module> (train.py:34)",
+    ]
+
+
+def test_no_blame_when_all_wait_or_none_do():
+    assert blame({0: WAITING, 1: WAITING}) is None
+    assert blame({0: STUCK, 1: STUCK}) is None
+    assert blame({}) is None
