@@ -1,0 +1,101 @@
+"""A Ray cluster started by hand on two simulated nodes, as a user would: `ray start --head` on
+one, `ray start --address` on the other, token auth on. The launcher attaches to it (Ray
+Client) for a foreground run and submits to its Jobs API with the cluster's token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.netns
+
+
+def _ray(cluster, node: str, args: str, token: str | None = None) -> str:
+    python = cluster.node_python()
+    write = (  # the head makes the cluster's token; the others are given it
+        f"mkdir -p $HOME/.ray && printf %s {token} > $HOME/.ray/auth_token && "
+        if token
+        else f"{python} -m ray.scripts.scripts get-auth-token --generate > /dev/null && "
+    )
+    done = cluster.exec(
+        node,
+        f"{write}RAY_AUTH_MODE=token {python} -m ray.scripts.scripts {args} "
+        f"--disable-usage-stats > /tmp/ray-start.log 2>&1; rc=$?; cat /tmp/ray-start.log; exit $rc",
+        timeout=180,
+    )
+    assert done.returncode == 0, (node, done.stdout[-1500:], done.stderr[-2000:])
+    return done.stdout
+
+
+def test_a_run_and_a_submission_on_a_ray_cluster_started_by_hand(netns_cluster, tmp_path):
+    cluster = netns_cluster(2)
+    head, other = cluster.node_names
+    ip = cluster.host(head)
+    _ray(
+        cluster,
+        head,
+        f"start --head --node-ip-address {ip} --port 6379 --ray-client-server-port 10001 "
+        f"--dashboard-host 0.0.0.0 --dashboard-port 8265",
+    )
+    token = cluster.exec(head, "cat $HOME/.ray/auth_token").stdout.strip()
+    assert token
+    _ray(
+        cluster,
+        other,
+        f"start --address {ip}:6379 --node-ip-address {cluster.host(other)}",
+        token=token,
+    )
+    cluster_file = cluster.cluster_yaml(
+        tmp_path / "cluster.yaml",
+        ray={"address": f"ray://{ip}:10001", "jobs_address": f"http://{ip}:8265"},
+    )
+    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
+    job["resources"].update(nodes=2, nproc_per_node=1)
+    job["train"].update(steps=6, warmup_steps=2, log_every=2)
+    job["launch"] = {"env": {"GLOO_SOCKET_IFNAME": "eth0"}}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    env = {**os.environ, "RAY_AUTH_TOKEN": token}
+
+    def launch(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "launcher", *args, "--cluster", str(cluster_file)],
+            capture_output=True,
+            text=True,
+            timeout=420,
+            cwd=tmp_path,
+            env=env,
+        )
+
+    run_dir = tmp_path / "run"
+    run = launch(str(job_file), "--run-dir", str(run_dir))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["nodes"] == 2
+    assert {r["host"] for r in summary["ranks"]} == {ip, cluster.host(other)}
+
+    submitted = launch("submit", str(job_file), "--json")
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
+    deadline = time.monotonic() + 300
+    while True:
+        state = json.loads(launch("status", job_id, "--json").stdout)
+        if state["status"] in ("SUCCEEDED", "FAILED", "STOPPED") or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert state["status"] == "SUCCEEDED" and state["world_size"] == 2, (
+        state,
+        launch("logs", job_id).stdout[-3000:],
+    )
+    # The cluster is the user's: still running, with both nodes.
+    alive = cluster.exec(head, "pgrep -c raylet").stdout.strip()
+    assert alive == "1" and cluster.exec(other, "pgrep -c raylet").stdout.strip() == "1"
