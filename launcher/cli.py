@@ -222,11 +222,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.detach:
         return cmd_submit(args)
     job, cluster = _load(args)
-    if args.dry_run:
-        print(dry_run(job, cluster, skip_parity=args.skip_parity))
-        return 0
-    run(job, cluster, run_dir=args.run_dir, skip_parity=args.skip_parity, keep_ray=args.keep_ray)
+    with _allocated(job, cluster, args) as cluster:
+        if args.dry_run:
+            print(dry_run(job, cluster, skip_parity=args.skip_parity))
+            return 0
+        run(
+            job,
+            cluster,
+            run_dir=args.run_dir,
+            skip_parity=args.skip_parity,
+            keep_ray=args.keep_ray,
+        )
     return 0
+
+
+@contextlib.contextmanager
+def _allocated(job, cluster, args: argparse.Namespace):  # noqa: ANN001, ANN202
+    """A ``slurm:`` cluster with the nodes of its allocation (the launcher's own, released
+    after); any other cluster as it is."""
+    if cluster.slurm is None:
+        yield cluster
+        return
+    from launcher.orchestrate.slurm import allocation
+    from launcher.spec import check_fits
+
+    with allocation(job, cluster) as allocated:
+        check_fits(job, allocated, job_source=args.job)
+        yield allocated
 
 
 # -- detached jobs (launcher/jobs) --------------------------------------------------------------
@@ -359,7 +381,13 @@ def _load(args: argparse.Namespace):  # noqa: ANN202
 
     job = load_job(args.job, args.set)
     cluster = load_cluster(args.cluster)
-    check_fits(job, cluster, job_source=args.job)
+    if cluster.slurm is None:  # a Slurm cluster's nodes are known once allocated
+        check_fits(job, cluster, job_source=args.job)
+    elif args.command not in ("run", "submit"):
+        raise UsageError(
+            f"launch {args.command} does not take a slurm: cluster; run the job "
+            f"(launch JOB.yaml) or submit it (launch submit JOB.yaml)"
+        )
     return job, cluster
 
 

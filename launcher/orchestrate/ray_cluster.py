@@ -27,10 +27,13 @@ import shlex
 import shutil
 import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from launcher import signals
@@ -39,6 +42,7 @@ from launcher.orchestrate.code import CodePlan, stage
 from launcher.remote import (
     CommandResult,
     NodeError,
+    SrunRunner,
     SSHRunner,
     parallel_map,
     runner_for,
@@ -140,6 +144,7 @@ class RaySession:
     _head_ip: str | None = None  # bootstrap: where the others join
     _token: str | None = field(default=None, repr=False)  # bootstrap: this cluster's auth token
     _tunnel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # to Ray Client
+    _steps: list[tuple[SrunRunner, subprocess.Popen, str]] = field(default_factory=list)
     _closed: bool = False
 
     def add_node(self, node: NodeSpec) -> None:
@@ -228,12 +233,49 @@ class RaySession:
         else:
             args = ["start", "--address", f"{self._head_ip}:{rc.port}"]
         self._started_on.append(node)  # before the start: an interrupt may cut it short anywhere
+        args = [*args, "--node-ip-address", ip, "--disable-usage-stats"]
         try:
-            _ray_cli(cluster, node, [*args, "--node-ip-address", ip, "--disable-usage-stats"])
+            if node.slurm_job is not None:
+                self._ray_step(node, args, wait_for=(ip, rc.port) if head else None)
+            else:
+                _ray_cli(cluster, node, args)
         except PreflightError as err:
             if ALREADY_RUNNING in str(err):  # Ray ran there before; not ours to stop
                 self._started_on.remove(node)
             raise
+
+    def _ray_step(
+        self, node: NodeSpec, args: list[str], *, wait_for: tuple[str, int] | None
+    ) -> None:
+        """``ray start --block`` as a job step that lasts the session: a step's processes end
+        with it, so Ray's daemons cannot outlive a ``ray start`` that returns. With
+        ``wait_for``, until that address accepts connections (the head's GCS)."""
+        assert self._cluster is not None
+        runner = SrunRunner(node)
+        fd, log_path = tempfile.mkstemp(prefix=f"launcher-ray-{node.name}-", suffix=".log")
+        os.close(fd)
+        command = (
+            f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts "
+            f"{shlex.join([*args, '--block'])}"
+        )
+        proc = runner.spawn(command, log_path)
+        self._steps.append((runner, proc, log_path))
+        deadline = time.monotonic() + self._cluster.ray.join_timeout_s
+        while wait_for is not None:
+            if proc.poll() is not None:
+                tail = Path(log_path).read_text(errors="replace").strip().splitlines()[-3:]
+                raise PreflightError(
+                    f"`ray start` on node {node.name!r} (Slurm job {node.slurm_job}) ended with "
+                    f"exit code {proc.returncode}: {' | '.join(tail) or 'no output'}"
+                )
+            with contextlib.suppress(OSError), socket.create_connection(wait_for, timeout=1):
+                return
+            if time.monotonic() > deadline:
+                raise PreflightError(
+                    f"Ray's head on {node.name!r} did not answer on {wait_for[0]}:{wait_for[1]} "
+                    f"within ray.join_timeout_s = {self._cluster.ray.join_timeout_s:g} s"
+                )
+            time.sleep(0.5)
 
     def close(self, *, keep_ray: bool = False) -> None:
         """Disconnect; stop the Ray this session started (embedded, or bootstrapped unless keep_ray)."""
@@ -260,6 +302,11 @@ class RaySession:
                 "Ray left running on %s (--keep-ray); stop it with `ray stop` there",
                 ", ".join(n.name for n in self._started_on),
             )
+        for runner, proc, log_path in self._steps:  # Slurm: the steps that held Ray
+            runner.stop(proc)
+            with contextlib.suppress(OSError):
+                os.unlink(log_path)
+        self._steps.clear()
 
 
 def open_session(

@@ -31,6 +31,7 @@ from launcher.remote.hostkeys import RevokedHostKeyError, UnknownHostKeyError, l
 from launcher.remote.local import LocalRunner
 from launcher.remote.quoting import BASE64_FAILED, REMOTE_TIMEOUT_MARGIN_S, remote_command
 from launcher.remote.route import route_to
+from launcher.remote.srun import SrunRunner, expand_nodelist
 from launcher.remote.ssh import SSHRunner
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
@@ -55,8 +56,10 @@ __all__ = [
     "RevokedHostKeyError",
     "Runner",
     "SSHRunner",
+    "SrunRunner",
     "UnknownHostKeyError",
     "classify_ssh_error",
+    "expand_nodelist",
     "fan_out",
     "load_known_hosts",
     "parallel_map",
@@ -67,7 +70,10 @@ __all__ = [
 
 
 def runner_for(node: NodeSpec, ssh_spec: SSHSpec) -> Runner:
-    """A LocalRunner for this machine (``NodeSpec.is_local``), else an SSHRunner."""
+    """An SrunRunner for a node of a Slurm allocation, a LocalRunner for this machine
+    (``NodeSpec.is_local``), else an SSHRunner."""
+    if node.slurm_job is not None:
+        return SrunRunner(node)
     return LocalRunner(node) if node.is_local else SSHRunner(node, ssh_spec)
 
 

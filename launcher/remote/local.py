@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+from typing import Any
 
 from launcher.remote.base import INTERNAL, TIMEOUT, CommandResult, NodeError, Runner, short
 from launcher.spec.cluster import NodeSpec
@@ -32,7 +33,7 @@ class LocalRunner(Runner):
             if self._closed:
                 raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
             proc = subprocess.Popen(
-                ["/bin/sh", "-c", command],
+                self.argv(command),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -45,12 +46,12 @@ class LocalRunner(Runner):
         try:
             out, err = proc.communicate(stdin or "", timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_group(proc)
+            self.stop(proc)
             raise NodeError(
                 TIMEOUT, f"{short(command)!r} did not finish within {timeout:g} s"
             ) from None
         except BaseException:
-            kill_group(proc)
+            self.stop(proc)
             raise
         finally:
             with self._lock:
@@ -58,6 +59,14 @@ class LocalRunner(Runner):
         if self._closed:
             raise NodeError(INTERNAL, f"{short(command)!r} was stopped: the runner was closed")
         return CommandResult(out, err, proc.returncode)
+
+    def argv(self, command: str) -> list[str]:
+        """What runs ``command`` (for ``sh``) on the node."""
+        return ["/bin/sh", "-c", command]
+
+    def stop(self, proc: subprocess.Popen[Any]) -> None:
+        """End a command given up on, and reap it."""
+        kill_group(proc)
 
     def describe(self) -> str:
         return f"{self.node.name} (this machine)"
@@ -71,7 +80,7 @@ class LocalRunner(Runner):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def kill_group(proc: subprocess.Popen[str]) -> None:
+def kill_group(proc: subprocess.Popen[Any]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):

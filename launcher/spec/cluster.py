@@ -46,6 +46,10 @@ class NodeSpec(Strict):
         default_factory=dict,
         description="Environment for this node's workers (e.g. NCCL_SOCKET_IFNAME).",
     )
+    slurm_job: str | None = Field(
+        None,
+        description="Set by the launcher: the Slurm job whose allocation holds this node; its commands go through srun.",
+    )
     address: str | None = Field(
         None,
         description="Address the other nodes reach it on; default: the HostName the SSH config gives host, else host.",
@@ -175,6 +179,41 @@ class RaySpec(Strict):
         return v
 
 
+class SlurmSpec(Strict):
+    partition: str | None = Field(
+        None, description="Partition to allocate from; default: Slurm's default partition."
+    )
+    account: str | None = Field(None, description="Account to charge (sbatch --account).")
+    time: str | None = Field(
+        None, description="Time limit of the allocation, as Slurm writes it (e.g. 2:00:00)."
+    )
+    gpus_per_node: int | None = Field(
+        None,
+        ge=0,
+        description="GPUs to ask for on each node (--gpus-per-node); default: none asked.",
+    )
+    constraint: str | None = Field(None, description="Node features required (--constraint).")
+    qos: str | None = Field(None, description="Quality of service (--qos).")
+    sbatch_options: list[str] = Field(
+        default_factory=list,
+        description="More options for salloc and sbatch, each as on their command line (e.g. --exclusive).",
+    )
+    wait_s: float = Field(
+        600.0, gt=0, description="Give up when the allocation has not started after this long."
+    )
+    python: str | None = Field(
+        None,
+        description="Python on the nodes with torch and the launcher; default: this interpreter (a shared filesystem).",
+    )
+
+    @field_validator("python")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/") and "/" in v:
+            raise ValueError(f"python {v!r}: give an absolute path or a command on the nodes' PATH")
+        return v
+
+
 class ParitySpec(Strict):
     packages: list[str] = Field(
         default_factory=list,
@@ -188,8 +227,12 @@ class ParitySpec(Strict):
 
 class ClusterSpec(Strict):
     nodes: list[NodeSpec] = Field(
-        min_length=1,
-        description="pinned. The nodes; the first is the head (node_rank 0, master address).",
+        default_factory=list,
+        description="pinned. The nodes; the first is the head (node_rank 0, master address). Or slurm: instead.",
+    )
+    slurm: SlurmSpec | None = Field(
+        None,
+        description="The nodes of a Slurm allocation instead of nodes: the current one (SLURM_JOB_ID), else one the launcher asks for.",
     )
     ssh: SSHSpec = Field(default_factory=SSHSpec, description="pinned. How to reach remote nodes.")
     ray: RaySpec = Field(
@@ -198,6 +241,17 @@ class ClusterSpec(Strict):
     parity: ParitySpec = Field(
         default_factory=ParitySpec, description="pinned. What must agree across nodes."
     )
+
+    @model_validator(mode="after")
+    def _nodes_or_slurm(self) -> ClusterSpec:
+        if self.slurm is not None and self.nodes:
+            raise ValueError(
+                "slurm: and nodes: are given together; a cluster is either a list of nodes "
+                "(reached over SSH) or a Slurm allocation: keep one"
+            )
+        if self.slurm is None and not self.nodes:
+            raise ValueError("the cluster needs nodes: (at least one) or slurm:")
+        return self
 
     @model_validator(mode="after")
     def _unique(self) -> ClusterSpec:

@@ -1,0 +1,152 @@
+"""A real Slurm (slurmctld here, a slurmd in each of 2 network-namespace nodes): the quickstart
+inside an allocation, outside one (the launcher allocates and releases), and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from slurm import SlurmCluster, missing_slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.netns
+
+
+@pytest.fixture(scope="module")
+def slurm(netns_cluster_module):
+    reason = missing_slurm()
+    if reason:
+        pytest.skip(f"no Slurm here: {reason}")
+    with SlurmCluster(netns_cluster_module(2)) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def files(tmp_path):
+    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
+    job["resources"].update(nodes=2, nproc_per_node=1)
+    job["train"].update(steps=6, warmup_steps=2, log_every=2)
+    job["launch"] = {"env": {"GLOO_SOCKET_IFNAME": "eth0"}}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    cluster_file = tmp_path / "slurm.yaml"
+    cluster_file.write_text(yaml.safe_dump({"slurm": {"partition": "main"}}))
+    return job_file, cluster_file
+
+
+def launch(slurm, *argv: str, cwd: Path, prefix=(), timeout=420):  # noqa: ANN001, ANN201
+    env = {k: v for k, v in slurm.env.items() if not k.startswith("SLURM_JOB")}
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "launcher", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def ranks_on_both_nodes(slurm, run_dir: Path) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["world_size"] == 2
+    assert {r["node"] for r in summary["ranks"]} == set(slurm.names)
+
+
+def test_inside_an_allocation(slurm, files, tmp_path):
+    job_file, cluster_file = files
+    run_dir = tmp_path / "run"
+    run = launch(
+        slurm,
+        str(job_file),
+        "--cluster",
+        str(cluster_file),
+        "--run-dir",
+        str(run_dir),
+        cwd=tmp_path,
+        prefix=("salloc", "-N2", "--quiet"),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks_on_both_nodes(slurm, run_dir)
+    assert slurm.queue() == []
+
+
+def test_outside_an_allocation_the_launcher_allocates_and_releases(slurm, files, tmp_path):
+    job_file, cluster_file = files
+    run_dir = tmp_path / "run"
+    run = launch(
+        slurm,
+        str(job_file),
+        "--cluster",
+        str(cluster_file),
+        "--run-dir",
+        str(run_dir),
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks_on_both_nodes(slurm, run_dir)
+    assert slurm.queue() == []
+    for node in slurm.nodes.node_names:  # Ray's steps ended with the allocation
+        assert "raylet" not in slurm.nodes.exec(node, "ps -eo comm").stdout
+
+
+def test_an_allocation_smaller_than_the_job_is_exit_2(slurm, files, tmp_path):
+    job_file, cluster_file = files
+    run = launch(
+        slurm,
+        str(job_file),
+        "--cluster",
+        str(cluster_file),
+        cwd=tmp_path,
+        prefix=("salloc", "-N1", "--quiet"),
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "asks for 2 nodes" in run.stderr and "has 1" in run.stderr
+    assert slurm.queue() == []
+
+
+def test_an_unknown_partition_is_exit_2_and_queues_nothing(slurm, files, tmp_path):
+    job_file, cluster_file = files
+    cluster_file.write_text(yaml.safe_dump({"slurm": {"partition": "nope"}}))
+    run = launch(slurm, str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "partition 'nope'" in run.stderr and "main" in run.stderr
+    assert slurm.queue() == []
+
+
+def test_an_allocation_that_does_not_start_in_wait_s_is_exit_3_and_cancelled(
+    slurm, files, tmp_path
+):
+    job_file, cluster_file = files
+    cluster_file.write_text(yaml.safe_dump({"slurm": {"partition": "main", "wait_s": 6}}))
+    blocker = slurm.run("sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 300")
+    assert blocker.returncode == 0, blocker.stderr
+    blocker_id = blocker.stdout.strip()
+    try:
+        time.sleep(1)
+        run = launch(slurm, str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
+        assert run.returncode == 3, run.stderr[-2000:]
+        assert "waits for its allocation" in run.stderr and "slurm.wait_s" in run.stderr
+        assert slurm.queue() == [blocker_id]
+    finally:
+        slurm.run("scancel", blocker_id)
+
+
+def test_no_slurm_commands_is_exit_2(files, tmp_path):
+    job_file, cluster_file = files
+    run = subprocess.run(
+        [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PATH": str(Path(sys.executable).parent)},
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "no srun" in run.stderr and "Traceback" not in run.stderr

@@ -1,0 +1,213 @@
+"""A real Slurm on simulated nodes: slurmctld here, one slurmd inside each network-namespace node.
+
+Everything is private to one cluster: its own munged (key and socket), slurm.conf, state and
+spool folders and ports; clients find it through ``SLURM_CONF`` (``env``). Inside each node
+slurmd sees the node's own /tmp and ~/.ray (it runs in the node's namespaces) and a tmpfs of
+cgroup v1 hierarchies (this kernel's; ``ip netns exec`` leaves /sys/fs/cgroup empty).
+
+Usage::
+
+    with NetnsCluster(2) as nodes, SlurmCluster(nodes) as slurm:
+        subprocess.run(["srun", "-N2", "hostname"], env=slurm.env)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from netns import NetnsCluster
+
+REQUIRED = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sinfo", "scontrol")
+CGROUPS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "pids")
+
+
+def missing_slurm() -> str | None:
+    """Why a Slurm cannot run here, or None."""
+    missing = [t for t in REQUIRED if shutil.which(t) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (apt-get install slurmctld slurmd slurm-client munge)"
+    return None
+
+
+class SlurmCluster:
+    """slurmctld on the bridge's address, slurmd ``nN`` on each node of ``nodes``."""
+
+    def __init__(self, nodes: NetnsCluster, *, partition: str = "main"):
+        self.nodes = nodes
+        self.partition = partition
+        self.dir = nodes.dir / "slurm"
+        self.conf = self.dir / "slurm.conf"
+        self.names = [f"n{i}" for i in range(len(nodes.node_names))]
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def env(self) -> dict[str, str]:
+        """This process's environment with SLURM_CONF pointing at this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def __enter__(self) -> SlurmCluster:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env)
+
+    def queue(self) -> list[str]:
+        """The job ids in the queue."""
+        return self.run("squeue", "-h", "-o", "%i").stdout.split()
+
+    def close(self) -> None:
+        for proc in reversed(self._procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        self._procs.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _start(self) -> None:
+        d = self.dir
+        for sub in ("state", "spool", "munge"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(d / "munge", 0o700)
+        key, sock = d / "munge/munge.key", d / "munge/socket"
+        subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
+        self._spawn(
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={sock}",
+                f"--pid-file={d / 'munge/pid'}",
+                f"--log-file={d / 'munge/log'}",
+                f"--seed-file={d / 'munge/seed'}",
+            ],
+            d / "munged.out",
+        )
+        _wait(lambda: sock.exists(), 20, "munged's socket")
+        ctld_port, d_port = _free_port(), _free_port()
+        gateway = self.nodes.gateway
+        lines = [
+            f"ClusterName=l{self.nodes.uid.replace('-', 'x')}",
+            f"SlurmctldHost={socket.gethostname()}({gateway})",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmdPort={d_port}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={sock}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={d / 'state'}",
+            f"SlurmdSpoolDir={d / 'spool'}/%n",
+            f"SlurmctldPidFile={d / 'ctld.pid'}",
+            f"SlurmdPidFile={d / 'spool'}/d-%n.pid",
+            f"SlurmctldLogFile={d / 'ctld.log'}",
+            f"SlurmdLogFile={d / 'spool'}/d-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "SchedulerType=sched/backfill",
+            "MailProg=/bin/true",
+            "SlurmctldTimeout=30",
+            "SlurmdTimeout=30",
+            "InactiveLimit=0",
+            "KillWait=5",
+        ]
+        cpus = os.cpu_count() or 1
+        for name, node in zip(self.names, self.nodes.node_names, strict=True):
+            lines.append(
+                f"NodeName={name} NodeAddr={self.nodes.host(node)} CPUs={cpus} State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+        )
+        self.conf.write_text("\n".join(lines) + "\n")
+        (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
+        env = self.env
+        self._spawn(["slurmctld", "-D", "-f", str(self.conf)], d / "ctld.out", env=env)
+        mounts = " && ".join(
+            ["mount -t tmpfs none /sys/fs/cgroup"]
+            + [
+                f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {c} cgroup /sys/fs/cgroup/{c}"
+                for c in CGROUPS
+            ]
+            + [
+                "mkdir -p /sys/fs/cgroup/systemd && mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd"
+            ]
+        )
+        for name, node in zip(self.names, self.nodes.node_names, strict=True):
+            pid = self.nodes.sshd_pids(node)[-1]
+            self._spawn(
+                [
+                    "nsenter",
+                    "-t",
+                    str(pid),
+                    "-n",
+                    "-m",
+                    "-u",
+                    "-p",
+                    "sh",
+                    "-c",
+                    f"{mounts} && exec slurmd -D -f {self.conf} -N {name}",
+                ],
+                d / f"slurmd-{name}.out",
+                env=env,
+            )
+
+        def idle() -> bool:
+            states = self.run("sinfo", "-h", "-N", "-o", "%t").stdout.split()
+            return len(states) == len(self.names) and all(s == "idle" for s in states)
+
+        _wait(idle, 60, "every slurmd idle", lambda: self._logs())
+
+    def _logs(self) -> str:
+        out = []
+        for path in sorted(self.dir.glob("*.out")) + sorted(self.dir.glob("*.log")):
+            out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-1500:]}")
+        return "\n".join(out)
+
+    def _spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        with open(log, "wb") as out:
+            self._procs.append(
+                subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _wait(ok, timeout: float, what: str, detail=lambda: "") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}\n{detail()}")
+        time.sleep(0.3)
