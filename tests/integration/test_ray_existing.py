@@ -16,7 +16,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.ray]
 
 
 def _ray(cluster, node: str, args: str, token: str | None = None) -> str:

@@ -16,7 +16,7 @@ from slurm import SlurmCluster, missing_slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
