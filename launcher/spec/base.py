@@ -13,21 +13,24 @@ class Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
-def _scalar_to_str(value: object) -> object:
-    """Environment values are strings. Job and cluster files and ``--set`` give them as the
-    text written (the loader reads every scalar under an ``env`` key as text); a number or bool
-    given from Python or JSON becomes text here. A null is refused: a variable needs a value."""
+_KINDS = {"bool": "a boolean", "int": "a number", "float": "a number", "date": "a date"}
+
+
+def _text_only(value: object) -> object:
+    """Environment values are text. YAML reads ``1.10`` as 1.1, ``true`` as True and ``0022``
+    as 18, so anything but a string is refused rather than guessed at."""
     if value is None:
         raise ValueError(
-            "null is not an environment value; give the text (quote it, 'null', to mean "
-            "the word) or leave the variable out"
+            "null is not an environment value; quote it ('null') to mean the word, or leave "
+            "the variable out"
         )
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int | float):
-        return str(value)
+    if not isinstance(value, str):
+        raise ValueError(
+            f"YAML read this value as {_KINDS.get(type(value).__name__, 'no text')}; quote it "
+            f"(e.g. '1.10', 'true', '0022') so the workers get exactly what you wrote"
+        )
     return value
 
 
-EnvValue = Annotated[str, BeforeValidator(_scalar_to_str)]
+EnvValue = Annotated[str, BeforeValidator(_text_only)]
 EnvDict = dict[str, EnvValue]

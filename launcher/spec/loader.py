@@ -122,14 +122,11 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             raise UsageError(
                 f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set train.steps=50"
             )
-        loader = (
-            _SetEnvLoader if parts[-1] == "env" else _SetValueLoader
-        )  # --set 'launch.env={A: 1.10}'
         try:
             if len(parts) > 1 and parts[-2] == "env":
                 value = _env_text(raw)
             else:
-                value = yaml.load(raw, Loader=loader) if raw.strip() else ""
+                value = yaml.load(raw, Loader=_SetValueLoader) if raw.strip() else ""
         except _TagError as err:
             raise UsageError(
                 f"--set {_shortened(item)!r}: the value cannot be read: {err.problem}"
@@ -204,83 +201,7 @@ def _value_problem(err: BaseException) -> str:
     return f"a value cannot be read ({type(err).__name__}: {first_line(err)}); fix it or quote it"
 
 
-_STR_TAG, _NULL_TAG, _MERGE_TAG = (f"tag:yaml.org,2002:{t}" for t in ("str", "null", "merge"))
 _NULL_WORDS = {"~", "null", "Null", "NULL"}  # YAML 1.1's nulls
-
-
-def _env_values_as_text(root: yaml.Node, root_is_env: bool = False) -> yaml.Node:
-    """Environment values are text, read as written: in every mapping under an ``env`` key
-    (``launch.env``, ``nccl.env``, ``nodes[].env``), each scalar value is retagged as a string,
-    so that ``true``, ``1.10``, ``0022`` and ``1:30`` stay so (YAML 1.1 would make them True,
-    1.1, 18 and 90, and the worker would get ``1``, ``1.1``, ``18`` and ``90``). A null (``~``,
-    ``null``, an empty value) stays null, which the spec refuses. Mappings merged in
-    (``<<: *anchor``) are part of the env mapping. Walks the node graph without recursion.
-
-    An env mapping and the mappings merged into it may be anchored nodes that are used
-    elsewhere too (``train: &t {...}`` then ``env: {<<: *t}``): the retagging is done on
-    copies (``_env_copy``), which replace them under the ``env`` key only, so every other use
-    of an anchor keeps its typed values. Returns the root (a copy where it is itself env)."""
-    copies: dict[int, yaml.Node] = {}
-    if root_is_env:
-        root = _env_copy(root, copies)
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            for i, (key, value) in enumerate(node.value):
-                if isinstance(key, yaml.ScalarNode) and key.tag == _STR_TAG and key.value == "env":
-                    # Replacing the pair in this mapping is right for every use of it: wherever
-                    # it appears, its 'env' key is an env mapping.
-                    value = _env_copy(value, copies)
-                    node.value[i] = (key, value)
-                stack.append(value)  # an env copy's own mappings may hold an 'env' key
-    return root
-
-
-def _env_copy(root: yaml.Node, copies: dict[int, yaml.Node]) -> yaml.Node:
-    """``root`` as an env value: a copy of the mapping (and of the mappings merged into it, and
-    of a merge list) whose scalar values are text; other values (a nested mapping, which the
-    spec refuses) are shared as they are. ``copies`` maps an original node's id to its copy, so
-    that a node used twice (or a recursive anchor) has one copy. No recursion."""
-
-    def shell(node: yaml.Node) -> yaml.Node:
-        if id(node) in copies:
-            return copies[id(node)]
-        if isinstance(node, yaml.MappingNode):
-            copy: yaml.Node = yaml.MappingNode(
-                node.tag, [], node.start_mark, node.end_mark, node.flow_style
-            )
-        elif isinstance(node, yaml.SequenceNode):  # under env only as a merge list, '<<: [*a, *b]'
-            copy = yaml.SequenceNode(node.tag, [], node.start_mark, node.end_mark, node.flow_style)
-        else:
-            return node
-        copies[id(node)] = copy
-        todo.append((node, copy))
-        return copy
-
-    todo: list[tuple[yaml.Node, yaml.Node]] = []
-    out = shell(root)
-    while todo:
-        node, copy = todo.pop()
-        if isinstance(node, yaml.SequenceNode):
-            copy.value = [shell(item) for item in node.value]
-            continue
-        pairs = []
-        for key, value in node.value:
-            if key.tag == _MERGE_TAG:
-                value = shell(value)
-            elif isinstance(value, yaml.ScalarNode) and value.tag != _NULL_TAG:
-                value = yaml.ScalarNode(
-                    _STR_TAG, value.value, value.start_mark, value.end_mark, value.style
-                )
-            pairs.append((key, value))
-        copy.value = pairs
-    return out
 
 
 def _env_text(raw: str) -> str | None:
@@ -301,14 +222,8 @@ def _env_text(raw: str) -> str | None:
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """A SafeLoader that reads environment values as their text (``_env_values_as_text``) and
-    whose failures to construct a tagged scalar (``!!int 1e3``) are _TagErrors naming the value,
-    its tag and its line, instead of a bare ValueError or KeyError."""
-
-    env_root = False  # the document itself is an env mapping (--set launch.env={...})
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        return super().construct_document(_env_values_as_text(node, self.env_root))
+    """A SafeLoader whose failures to construct a tagged scalar (``!!int 1e3``) are _TagErrors
+    naming the value, its tag and its line, instead of a bare ValueError or KeyError."""
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
@@ -327,12 +242,6 @@ class _SpecLoader(yaml.SafeLoader):
 
 class _SetValueLoader(_SpecLoader):
     """The value of one ``--set`` override."""
-
-
-class _SetEnvLoader(_SetValueLoader):
-    """The value of ``--set ...env=...``: a mapping of environment variables."""
-
-    env_root = True
 
 
 class _StrictLoader(_SpecLoader):
