@@ -62,3 +62,36 @@ class Interrupted(LauncherError):
     """SIGINT or SIGTERM stopped the launch (exit 130)."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+def untrusted_checkpoint(path: object, reason: str) -> str:
+    """The paragraph that refuses to resume from ``path`` (a run resumes by unpickling what the
+    checkpoint folder holds: whoever can change it runs code as the training user)."""
+    return (
+        f"refusing to resume from the checkpoint folder: {path} is not safe to load, {reason}. "
+        f"Resuming unpickles what that folder holds, so whoever can change it runs code as you. "
+        f"Make the folder and its files yours and writable by you alone (`chown -R`, "
+        f"`chmod -R go-w`), or set train.checkpoint.resume: never to start fresh"
+    )
+
+
+class UnsafePath(LauncherError):
+    """A folder or file the launcher must trust can be changed by another user (exit 2)."""
+
+    exit_code = EXIT_INVALID_INPUT
+
+    def __init__(self, what: str, path: object, reason: str, fix: str):
+        super().__init__(
+            f"{what} {path} is not safe to use: {reason}, so another user could change what the "
+            f"launcher reads or runs from it. {fix}"
+        )
+        self.path = path
+
+
+class UntrustedCheckpoint(LauncherError):
+    """The checkpoint folder to resume from can be changed by another user (exit 2)."""
+
+    exit_code = EXIT_INVALID_INPUT
+
+    def __init__(self, path: object, reason: str):
+        super().__init__(untrusted_checkpoint(path, reason))

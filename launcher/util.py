@@ -8,16 +8,27 @@ import datetime as dt
 import logging
 import math
 import os
+import re
 import socket
+import stat
+import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
+    "MASK",
     "first_line",
     "free_port",
+    "is_secret",
+    "make_private_dir",
+    "mask_env",
+    "mask_urls",
     "percentile",
+    "private_dir",
     "setup_logging",
+    "unsafe_path",
+    "unsafe_reason",
     "utc_stamp",
     "write_atomic",
     "write_private",
@@ -65,6 +76,36 @@ def _replace(path: Path, text: str, *, private: bool) -> None:
         raise
 
 
+MASK = "****"
+# A name holding one of these is secret. Wide on purpose: a masked value that was not secret
+# costs a look at the spec; a shown one that was costs a rotated credential.
+SECRET_MARKERS = ("TOKEN", "SECRET", "PASS", "CREDENTIAL", "AUTH", "PRIVATE", "KEY")
+SECRET_WORDS = ("PWD",)  # one of the name's _-separated words (DB_PWD; not the shell's OLDPWD)
+NOT_SECRET = ("PWD",)  # the shell's current directory
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s]*(@)")
+
+
+def is_secret(name: str) -> bool:
+    """Whether a variable's name looks secret (``SECRET_MARKERS``, ``SECRET_WORDS``)."""
+    upper = name.upper()
+    if upper in NOT_SECRET:
+        return False
+    return any(m in upper for m in SECRET_MARKERS) or any(
+        w in upper.split("_") for w in SECRET_WORDS
+    )
+
+
+def mask_urls(text: str) -> str:
+    """The password of every URL in ``text`` replaced: ``scheme://user:****@host``."""
+    return _URL_PASSWORD.sub(rf"\g<1>{MASK}\g<2>", text)
+
+
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """An environment fit to show or write: secret-looking names' values replaced by ****, and
+    the password of any URL in the other values."""
+    return {k: (MASK if is_secret(k) else mask_urls(v)) for k, v in env.items()}
+
+
 def utc_stamp() -> str:
     """Now in UTC as run and study directories are named: ``20261201-084500``."""
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -103,3 +144,46 @@ def setup_logging(debug: bool) -> None:
     if not debug:
         for noisy in ("ray", "paramiko", "fabric", "invoke", "torch"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def make_private_dir(prefix: str, parent: str | None = None) -> Path:
+    """A new folder only this user can enter (0700, ``mkdtemp``: a name no one can guess or
+    take first), in ``parent`` (default: the temp folder)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
+def private_dir(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
+    """``path`` made (0700, with its parents) where missing; with the reason it is not private
+    where it was there already and is not (``unsafe_reason``), else None."""
+    folder = Path(path)
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        return folder, unsafe_reason(folder)
+    return folder, None
+
+
+def unsafe_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why another user could change ``path`` (never followed if a symbolic link): it is a link,
+    another user owns it, or others may write it. None when only this user can (or it is gone)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"other users may write it (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def unsafe_path(root: str | os.PathLike[str]) -> tuple[Path, str] | None:
+    """The first path at or under ``root`` that another user could change (``unsafe_reason``),
+    with the reason; None where there is none (or ``root`` is missing)."""
+    for folder, dirs, files in os.walk(root):
+        for path in (folder, *(os.path.join(folder, name) for name in (*dirs, *files))):
+            if reason := unsafe_reason(path):
+                return Path(path), reason
+    return None

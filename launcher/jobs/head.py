@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import http.client
 import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -60,9 +58,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.errors import PreflightError
+from launcher.errors import PreflightError, UnsafePath
 from launcher.spec import ClusterSpec
-from launcher.util import first_line, free_port, write_private
+from launcher.util import first_line, free_port, private_dir, write_private
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +68,6 @@ STATE_ENV = "LAUNCHER_STATE_DIR"
 START_TIMEOUT_S = 120.0  # `ray start` with the dashboard takes ~8 s on a 2-core machine
 STOP_TIMEOUT_S = 20.0
 ANSWER_WAIT_S = 30.0  # a head busy starting jobs on 2 cores can take seconds to answer
-KILL_CHILDREN_ENV = "RAY_kill_child_processes_on_worker_exit"
 
 
 class UnreadableRecord(PreflightError):
@@ -84,9 +81,16 @@ class UnreadableRecord(PreflightError):
 
 
 def state_dir() -> Path:
-    """The launcher's private state folder (created 0700)."""
-    path = _state_root()
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """The launcher's private state folder (created 0700). UnsafePath (exit 2) where it exists
+    and another user owns it or may write it."""
+    path, reason = private_dir(_state_root())
+    if reason:
+        raise UnsafePath(
+            "the launcher's state folder",
+            path,
+            reason,
+            f"Remove it (or `chmod 700` it, as its owner), or point ${STATE_ENV} at a folder of yours",
+        )
     return path
 
 
@@ -181,7 +185,7 @@ def stop_local_head(head: LocalHead) -> None:
     folder = _local_folder()
     with _locked(folder / ".lock"):
         _stop(head)
-        for name in ("head.json", "auth_token"):
+        for name in ("head.json", "auth_token", TEMP_DIR_FILE):
             (folder / name).unlink(missing_ok=True)
 
 
@@ -359,19 +363,33 @@ def _load(folder: Path) -> LocalHead | None:
     return head
 
 
+TEMP_DIR_FILE = "temp_dir"  # in the local folder: the running (or last) head's temp dir
+
+
 def _temp_dir(folder: Path) -> str:
-    """The head's temp dir: one per state folder. Ray's Unix socket paths live under it and
-    must stay under ~107 characters."""
-    digest = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:8]
-    return f"/tmp/launcher-ray-{os.getuid()}-{digest}"
+    """The temp dir of the last head started from this state folder ("" where none is known)."""
+    try:
+        return (folder / TEMP_DIR_FILE).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _new_temp_dir(folder: Path) -> str:
+    """A new temp dir for a head in a private parent (``private_ray_temp``), recorded in the
+    state folder before Ray runs in it."""
+    from launcher.orchestrate.ray_cluster import private_ray_temp
+
+    temp_dir = private_ray_temp()
+    write_private(folder / TEMP_DIR_FILE, temp_dir + "\n")
+    return temp_dir
 
 
 def _start(folder: Path) -> LocalHead:
-    from launcher.orchestrate.ray_cluster import NICENESS_ENV
+    from launcher.orchestrate.ray_cluster import KILL_CHILDREN_ENV, NICENESS_ENV
 
     token_file = folder / "auth_token"
     write_private(token_file, secrets.token_hex(32) + "\n")
-    temp_dir = _temp_dir(folder)
+    temp_dir = _new_temp_dir(folder)
     head = LocalHead(
         pid=0,
         gcs_port=free_port(),
@@ -474,7 +492,10 @@ def _stop(head: LocalHead) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     _pid_alive(head.pid)  # reaps it when this process started it
-    shutil.rmtree(head.temp_dir, ignore_errors=True)
+    if head.temp_dir:
+        from launcher.orchestrate.ray_cluster import remove_ray_temp
+
+        remove_ray_temp(head.temp_dir)
 
 
 def _listening(port: int) -> bool:
@@ -486,9 +507,12 @@ def _listening(port: int) -> bool:
 
 
 def _processes_under(temp_dir: str) -> list[int]:
-    """Processes whose command line names the head's temp dir (Ray's own, each one)."""
+    """Processes whose command line names the head's temp dir (Ray's own, each one); none for
+    an unknown ("") temp dir."""
     needle = temp_dir.encode()
-    found = []
+    found: list[int] = []
+    if not temp_dir:
+        return found
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as fh:
@@ -513,6 +537,8 @@ def _group_is_heads(head: LocalHead) -> bool:
 
 
 def _names(pid: int, needle: bytes) -> bool:
+    if not needle:
+        return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             return needle in fh.read()

@@ -34,11 +34,11 @@ from typing import Any
 
 from launcher import metrics, telemetry
 from launcher.orchestrate import reaper
-from launcher.orchestrate.plan import NODE_PASSTHROUGH, STACKS_SUBDIR
+from launcher.orchestrate.plan import NODE_DIR, NODE_PASSTHROUGH, STACKS_SUBDIR
 from launcher.orchestrate.reaper import alive, descendants, kill_after, signal_all, started
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
 from launcher.orchestrate.stacks import header
-from launcher.util import free_port, write_private
+from launcher.util import free_port, make_private_dir, write_private
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 RANK_TAIL_LINES = 40  # per local rank: a failure's log tail
@@ -63,6 +63,7 @@ class NodeAgent:
         self._proc: subprocess.Popen[bytes] | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
         self._plan: dict[str, Any] | None = None
+        self._node_dir: Path | None = None  # this run's private folder here, for every attempt
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # new output, a record, or a thread ended
         self._lines: list[tuple[int | None, str]] = []
@@ -80,6 +81,10 @@ class NodeAgent:
     def hostname(self) -> str:
         return socket.gethostname()
 
+    def node_dir(self) -> str | None:
+        """This run's private folder on the node (None before the first start, after cleanup)."""
+        return None if self._node_dir is None else str(self._node_dir)
+
     def free_port(self) -> int:
         """A TCP port free on this node now (the rendezvous port when this is node 0)."""
         return free_port()
@@ -89,8 +94,9 @@ class NodeAgent:
     def start(self, node_plan: dict[str, Any], files: dict[str, str]) -> int:
         """Write the node's files (mode 0600) into its node dir and start torchrun; returns its pid.
 
-        ``node_plan``: ``node_dir``, ``cwd`` (None: the copy of the workdir Ray made here),
-        ``argv`` and ``env``.
+        ``node_plan``: ``run_id``, ``cwd`` (None: the copy of the workdir Ray made here),
+        ``argv`` and ``env``, where ``NODE_DIR`` stands for the node dir: a private folder
+        (0700, ``mkdtemp``) the agent makes at its first start and keeps for its later ones.
         """
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(
@@ -103,11 +109,13 @@ class NodeAgent:
         self._workers = {}
         with self._lock:  # a failure's tail is this attempt's, not the previous one's
             self._tails = _fresh_tails()
+        if self._node_dir is None:
+            self._node_dir = make_private_dir(f"launcher-{node_plan['run_id']}-{self.node}-")
+        node_plan = _with_node_dir(node_plan, str(self._node_dir))
         self._plan = node_plan
         self._started_at = time.time()
-        node_dir = Path(node_plan["node_dir"])
-        (node_dir / metrics.SUBDIR).mkdir(parents=True, exist_ok=True)
-        os.chmod(node_dir, 0o700)
+        node_dir = self._node_dir
+        (node_dir / metrics.SUBDIR).mkdir(exist_ok=True)
         for name, text in files.items():
             write_private(node_dir / name, text)
         env = {k: os.environ[k] for k in NODE_PASSTHROUGH if k in os.environ}
@@ -211,10 +219,10 @@ class NodeAgent:
 
     def errors(self) -> list[RankError]:
         """This attempt's per-rank error files (``@record``), earliest first."""
-        if self._plan is None:
+        if self._node_dir is None:
             return []
         found = []
-        for path in (Path(self._plan["node_dir"]) / "torchrun").rglob("error.json"):
+        for path in (self._node_dir / "torchrun").rglob("error.json"):
             with contextlib.suppress(OSError, ValueError):
                 if path.stat().st_mtime >= self._started_at - 1 and path.parent.name.isdigit():
                     found.append(_rank_error(int(path.parent.name), json.loads(path.read_text())))
@@ -223,9 +231,9 @@ class NodeAgent:
     def collect(self, subdir: str, max_bytes: int = 256 << 20) -> dict[str, bytes]:
         """The files under ``<node dir>/<subdir>`` (e.g. profiler traces), by relative path, before
         ``cleanup`` removes them; files past ``max_bytes`` in total are left out."""
-        if self._plan is None:
+        if self._node_dir is None:
             return {}
-        root = Path(self._plan["node_dir"]) / subdir
+        root = self._node_dir / subdir
         out: dict[str, bytes] = {}
         total = 0
         for path in sorted(p for p in root.rglob("*") if p.is_file()):  # none if root is missing
@@ -238,8 +246,9 @@ class NodeAgent:
 
     def cleanup(self) -> None:
         """Remove the node dir (the driver holds copies of logs and metrics)."""
-        if self._plan is not None:
-            shutil.rmtree(self._plan["node_dir"], ignore_errors=True)
+        if self._node_dir is not None:
+            shutil.rmtree(self._node_dir, ignore_errors=True)
+            self._node_dir = None
 
     # -- internals -----------------------------------------------------------------------
 
@@ -248,7 +257,14 @@ class NodeAgent:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._reaper.wait(timeout=5)  # the last attempt's: gone with its torchrun
         self._reaper = subprocess.Popen(
-            [sys.executable, reaper.__file__, str(pid), str(REAPER_GRACE_S), str(os.getpid())],
+            [
+                sys.executable,
+                reaper.__file__,
+                str(pid),
+                str(REAPER_GRACE_S),
+                str(os.getpid()),
+                str(self._node_dir),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -281,8 +297,8 @@ class NodeAgent:
                 self._changed.notify_all()
 
     def _tail_metrics(self) -> None:
-        assert self._proc is not None and self._plan is not None
-        folder = Path(self._plan["node_dir"]) / metrics.SUBDIR
+        assert self._proc is not None and self._node_dir is not None
+        folder = self._node_dir / metrics.SUBDIR
         scanned = 0.0
         while True:
             done = self._proc.poll() is not None
@@ -348,6 +364,21 @@ class NodeAgent:
             with self._changed:
                 self._records.extend(parsed)
                 self._changed.notify_all()
+
+
+def _with_node_dir(node_plan: dict[str, Any], node_dir: str) -> dict[str, Any]:
+    """The plan with ``NODE_DIR`` replaced by this node's folder in its argv, env and cwd."""
+
+    def put(text: str) -> str:
+        return text.replace(NODE_DIR, node_dir)
+
+    return {
+        **node_plan,
+        "node_dir": node_dir,
+        "cwd": put(node_plan["cwd"]) if node_plan.get("cwd") else None,
+        "argv": [put(a) for a in node_plan["argv"]],
+        "env": {k: put(v) for k, v in node_plan["env"].items()},
+    }
 
 
 def _rank_error(local_rank: int, data: dict[str, Any]) -> RankError:

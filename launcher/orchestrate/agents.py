@@ -103,7 +103,7 @@ class AgentGroup:
 
         starts = [
             handle.start.remote(
-                {"node_dir": n.node_dir, "cwd": n.cwd, "argv": n.argv, "env": n.env}, files
+                {"run_id": launch_plan.run_id, "cwd": n.cwd, "argv": n.argv, "env": n.env}, files
             )
             for handle, n in zip(self.handles, launch_plan.nodes, strict=True)
         ]

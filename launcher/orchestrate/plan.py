@@ -35,6 +35,7 @@ from launcher.orchestrate.code import CodePlan, describe
 from launcher.preflight import NodeFacts
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 from launcher.spec.fit import spec_layers
+from launcher.util import mask_env
 
 DEFAULT_MASTER_PORT = 29500
 PROFILE_SUBDIR = (
@@ -60,8 +61,9 @@ NODE_PASSTHROUGH = (
     "CUDA_HOME",
     "CUDA_VISIBLE_DEVICES",
 )
-SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
-MASK = "****"
+# The node's folder for a run, in argv, env and cwd: each node's agent puts there a private
+# folder it makes (``make_node_dir``), as only the node knows its user and temp folder.
+NODE_DIR = "{node_dir}"
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class NodePlan:
     nproc: int
     ranks: list[int]
     python: str
-    node_dir: str  # the launcher's files on the node: job.yaml, metrics/, torchrun/, profile/
+    node_dir: str  # NODE_DIR: the launcher's files on the node (job.yaml, metrics/, torchrun/, ...)
     cwd: str | None  # the workers' current directory; None: the copy of the workdir Ray made there
     argv: list[str]
     env: dict[str, str]
@@ -166,8 +168,8 @@ def plan(
     ``nodes`` (default: the job's, ``nodes_for_job``) is an elastic restart's node set.
 
     ``run_id`` is unique to this launch (``RunDir.run_id``: the run directory's name and a
-    random suffix): each node's folder is ``/tmp/launcher/<run_id>/<node>``, so two runs whose
-    directories share a name never share (or remove) each other's files on a node.
+    random suffix). Each node's folder is ``NODE_DIR`` here: the agent makes it private on the
+    node (``make_node_dir``), so no two runs, and no other user, share it.
     ``run_name`` (default ``run_id``), the run directory's name, is the workers'
     ``LAUNCHER_RUN_ID``.
     """
@@ -176,7 +178,7 @@ def plan(
     counts = list(worker_counts(job, nodes, facts).values())
     plans, first_rank = [], 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
-        node_dir = f"/tmp/launcher/{run_id}/{node.name}"
+        node_dir = NODE_DIR
         env, sources = _worker_env(
             job, node, launcher_env, run_name=run_name, node_dir=node_dir, attempt=attempt
         )
@@ -260,22 +262,13 @@ def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
         )
         parts += [
             "",
-            f"[{node.name}] command (in {where}):",
+            f"[{node.name}] command (in {where}; {NODE_DIR}: a private folder made on the node "
+            f"for this run, removed at its end):",
             "  " + node.command,
             f"[{node.name}] worker environment (plus the node's own {', '.join(NODE_PASSTHROUGH[:4])}, ...):",
             tabulate(env_rows, headers=["name", "value", "from"], tablefmt="plain"),
         ]
     return "\n".join(parts)
-
-
-def mask_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Values of variables whose names look secret are replaced by ****."""
-    return {k: (MASK if is_secret(k) else v) for k, v in env.items()}
-
-
-def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(marker in upper for marker in SECRET_MARKERS)
 
 
 def worker_counts(

@@ -14,12 +14,14 @@
   with the token in its own environment only. A node where
   another Ray runs is refused (``ray stop`` would stop that one too). ``close()`` kills a
   ``ray start`` of this cluster still running on those nodes (one cut short by Ctrl-C), runs
-  ``ray stop`` there and removes the token file, unless ``keep_ray``.
+  ``ray stop`` there and removes the token file, unless ``keep_ray``. Ray's temp dir on each
+  node is a fresh private folder (``NODE_TEMP_PREFIX``), never the shared ``/tmp/ray``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -28,6 +30,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -49,17 +52,20 @@ from launcher.remote import (
     tunnel_needed,
 )
 from launcher.spec import ClusterSpec, NodeSpec
-from launcher.util import first_line
+from launcher.util import first_line, make_private_dir
 
 log = logging.getLogger(__name__)
 
 TOKEN_FILE = "$HOME/.ray/launcher_auth_token"
+# The private parent (0700, mktemp -d, per start; removed by the stop) of a bootstrapped node's
+# Ray temp dir, as ``private_ray_temp`` makes one on this machine.
+NODE_TEMP_PREFIX = "/tmp/launcher-ray-node-$(id -u)-"
 NICENESS_ENV = "RAY_worker_niceness"
-# RAY_kill_child_processes_on_worker_exit=0: a dead agent's torchrun gets its death signal
-# (SIGTERM) and stops its workers, instead of a SIGKILL from the raylet that orphans them.
+# =0: a dead agent's torchrun gets its death signal (SIGTERM) and stops its workers, and the
+# agent's reaper gets its chance, instead of a SIGKILL from the raylet that orphans them.
+KILL_CHILDREN_ENV = "RAY_kill_child_processes_on_worker_exit"
 TOKEN_ENV = (
-    f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_ENV}=0 "
-    "RAY_kill_child_processes_on_worker_exit=0 "
+    f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE} {NICENESS_ENV}=0 {KILL_CHILDREN_ENV}=0 "
 )
 ALREADY_RUNNING = "but is already running at"  # `ray start --head` where a GCS runs on that address
 PORT_TAKEN_EXIT = 3
@@ -145,7 +151,21 @@ class RaySession:
     _token: str | None = field(default=None, repr=False)  # bootstrap: this cluster's auth token
     _tunnel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # to Ray Client
     _steps: list[tuple[SrunRunner, subprocess.Popen, str]] = field(default_factory=list)
+    _temp_dir: str | None = None  # embedded: Ray's private temp dir, removed at close
+    _watchdog: Watchdog | None = None  # stops this Ray if the launcher is killed
     _closed: bool = False
+
+    def _watch_nodes(self) -> None:
+        """Tell the watchdog which nodes run this bootstrapped Ray now."""
+        if self._watchdog is not None and self._cluster is not None:
+            self._watchdog.update(
+                {
+                    "mode": "bootstrap",
+                    "cluster": self._cluster.model_dump(mode="json"),
+                    "nodes": [n.name for n in self._started_on],
+                    "addresses": self.node_ips,
+                }
+            )
 
     def add_node(self, node: NodeSpec) -> None:
         """Bring ``node`` into this Ray (an elastic restart's spare): started over SSH when the
@@ -189,7 +209,8 @@ class RaySession:
         # Another Ray there: exit 3 (the head's port) or 4, and its token file stays as it is.
         write = (
             f"{python} -c {shlex.quote(_OTHER_RAY)} {shlex.quote(f'{self._head_ip}:{rc.port}')} "
-            f"&& umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE}"
+            f"&& umask 077 && mkdir -p $HOME/.ray && cat > {TOKEN_FILE} "
+            f"&& mktemp -d {NODE_TEMP_PREFIX}XXXXXXXX"
         )
         if head:
             write = f"{python} -c {shlex.quote(_PORT_TAKEN)} {shlex.quote(ip)} {rc.port} && {write}"
@@ -211,10 +232,11 @@ class RaySession:
                 f"`launch down --yes` if the launcher started it for detached jobs), leave the node "
                 f"out, or attach to that Ray with ray.address in cluster.yaml. Nothing was started or stopped"
             )
-        if not result.ok:
+        temp_dir = result.stdout.strip().splitlines()[-1:] if result.ok else []
+        if not temp_dir:
             raise PreflightError(
-                f"cannot write Ray's token file on node {node.name!r} ({node.host}): "
-                f"{result.stderr_tail() or f'exit code {result.exit_code}'}"
+                f"cannot write Ray's token file and make its temp dir on node {node.name!r} "
+                f"({node.host}): {result.stderr_tail() or f'exit code {result.exit_code}'}"
             )
         if head:
             args = [
@@ -233,7 +255,15 @@ class RaySession:
         else:
             args = ["start", "--address", f"{self._head_ip}:{rc.port}"]
         self._started_on.append(node)  # before the start: an interrupt may cut it short anywhere
-        args = [*args, "--node-ip-address", ip, "--disable-usage-stats"]
+        args = [
+            *args,
+            "--node-ip-address",
+            ip,
+            "--temp-dir",
+            f"{temp_dir[0]}/{RAY_TEMP_NAME}",
+            "--disable-usage-stats",
+        ]
+        self._watch_nodes()
         try:
             if node.slurm_job is not None:
                 self._ray_step(node, args, wait_for=(ip, rc.port) if head else None)
@@ -242,6 +272,7 @@ class RaySession:
         except PreflightError as err:
             if ALREADY_RUNNING in str(err):  # Ray ran there before; not ours to stop
                 self._started_on.remove(node)
+                self._watch_nodes()
             raise
 
     def _ray_step(
@@ -289,6 +320,10 @@ class RaySession:
         with contextlib.suppress(Exception):
             self._tunnel.close()
         os.environ.pop("RAY_AUTH_TOKEN", None)
+        if self._temp_dir:
+            remove_ray_temp(self._temp_dir)
+        if self._watchdog is not None and keep_ray:
+            self._watchdog.stop()  # Ray stays up on purpose
         if self._started_on and not keep_ray and self._cluster is not None:
             # the head first (it starts first, the others only once it runs), as stop_ray needs,
             # with the addresses their `ray start` was given
@@ -307,6 +342,8 @@ class RaySession:
             with contextlib.suppress(OSError):
                 os.unlink(log_path)
         self._steps.clear()
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
 
 def open_session(
@@ -370,6 +407,58 @@ def _signals_kept():  # noqa: ANN202 - a context manager
             signal.signal(signal.SIGTERM, previous)
 
 
+class Watchdog:
+    """``watchdog.py`` beside this process: stops the Ray of ``record`` should the launcher be
+    killed; ``update`` replaces the record, ``stop`` ends the watchdog (the session closed)."""
+
+    def __init__(self, record: dict[str, Any] | None):
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher.orchestrate.watchdog", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd="/",  # `-m` puts the current folder on sys.path: one no one else may write
+            start_new_session=True,  # Ctrl-C to the terminal's process group is not for it
+        )
+        if record is not None:
+            self.update(record)
+
+    def update(self, record: dict[str, Any]) -> None:
+        assert self._proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self._proc.stdin.write(json.dumps(record).encode() + b"\n")
+            self._proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5)
+        with contextlib.suppress(OSError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+
+
+RAY_TEMP_NAME = "ray"  # Ray's temp dir, inside a private parent of its own
+
+
+def private_ray_temp() -> str:
+    """A new temp dir for a Ray this launcher starts on this machine: ``ray`` in a new private
+    parent (0700, ``mkdtemp``). Ray makes its temp dir and the folders in it world-writable
+    (0777) and runs code it unpacks there; the parent keeps every other user out. Short, as
+    Ray's Unix socket paths under it must stay under ~107 characters."""
+    parent = make_private_dir(f"launcher-ray-{os.getuid()}-")
+    return str(parent / RAY_TEMP_NAME)
+
+
+def remove_ray_temp(temp_dir: str) -> None:
+    """Remove a ``private_ray_temp`` with its parent (any other folder: itself only)."""
+    path = Path(temp_dir)
+    if path.name == RAY_TEMP_NAME and path.parent.name.startswith("launcher-ray-"):
+        path = path.parent
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _shutdown() -> None:
     import ray
 
@@ -389,6 +478,10 @@ def _embedded(
     # address="local": always a new private instance, never a Ray someone else runs here.
     # Ray runs its workers at niceness 15 unless told otherwise; training must not be niced.
     os.environ.setdefault(NICENESS_ENV, "0")
+    # A dead agent's torchrun gets its death signal and the reaper its chance (see TOKEN_ENV).
+    os.environ.setdefault(KILL_CHILDREN_ENV, "0")
+    temp_dir = private_ray_temp()
+    watchdog = Watchdog({"mode": "embedded", "temp_dir": temp_dir})
     try:
         ray.init(
             address="local",
@@ -397,16 +490,27 @@ def _embedded(
             log_to_driver=False,
             configure_logging=False,
             runtime_env=runtime_env or None,
+            _temp_dir=temp_dir,
         )
-    except Exception as err:  # Ray raises RuntimeError, ConnectionError, TimeoutError, ...
+    except BaseException as err:  # Ray raises RuntimeError, ConnectionError, TimeoutError, ...
         with contextlib.suppress(Exception):
             ray.shutdown()
+        remove_ray_temp(temp_dir)
+        watchdog.stop()
+        if not isinstance(err, Exception):
+            raise
         raise PreflightError(
             f"could not start the embedded Ray on this machine: {first_line(err)}. Check free "
             f"memory and /tmp space; `--debug` shows Ray's traceback"
         ) from err
     ip = _alive_nodes()[0]["NodeManagerAddress"]
-    return RaySession(mode="embedded", address="local", node_ips={n.name: ip for n in nodes})
+    return RaySession(
+        mode="embedded",
+        address="local",
+        node_ips={n.name: ip for n in nodes},
+        _temp_dir=temp_dir,
+        _watchdog=watchdog,
+    )
 
 
 def _attach(
@@ -465,6 +569,7 @@ def _bootstrap(
         _cluster=cluster,
         _head_ip=ips[head.name],
         _token=token,
+        _watchdog=Watchdog(None),
     )
     try:
         log.info("Starting Ray head on %s (%s)", head.name, head.host)
@@ -567,7 +672,7 @@ def stop_ray(
 ) -> list[str]:
     """On every node, in parallel: a ``ray start`` of this cluster still running there killed
     (``_KILL_START``: one the launcher gave up on would start Ray after the stop), then
-    ``ray stop --force`` and the token file removed. ``nodes[0]`` is the head (whose address
+    ``ray stop --force``, the token file and Ray's temp dirs (``NODE_TEMP_PREFIX``) removed. ``nodes[0]`` is the head (whose address
     tells this cluster's joins from another's on the same port): the session's nodes start in
     that order, and a cluster file's first node is its head. ``addresses``: the address each
     node's ``ray start`` was given, by node name; a node without one has its host resolved now.
@@ -591,7 +696,7 @@ def stop_ray(
                 cluster,
                 node,
                 f"{kill}; {python} -m ray.scripts.scripts stop --force; rc=$?; "
-                f"rm -f {TOKEN_FILE}; exit $rc",
+                f"rm -f {TOKEN_FILE}; rm -rf {NODE_TEMP_PREFIX}*; exit $rc",
                 timeout=cluster.ssh.connect_timeout_s + 60,
             )
         except Exception as err:  # noqa: BLE001 - every node gets its try; the caller names the failed

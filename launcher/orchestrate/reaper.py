@@ -6,11 +6,11 @@ forwards it to its workers. Nobody is left to send SIGKILL if torchrun then hang
 seen once, the workers exited and torchrun waited on a lock for good. So the agent also
 starts this reaper, in its own session, with the same death signal:
 
-    python reaper.py TORCHRUN_PID GRACE_S AGENT_PID
+    python reaper.py TORCHRUN_PID GRACE_S AGENT_PID NODE_DIR
 
 It exits as soon as torchrun does. When the agent dies (SIGTERM, or its parent is no longer
 the agent), it waits ``GRACE_S`` for torchrun and every descendant to exit, then SIGKILLs what
-is left. The agent starts it with SIGTERM ignored, which survives the exec: a death signal
+is left and removes the run's node folder, which the agent can no longer remove. The agent starts it with SIGTERM ignored, which survives the exec: a death signal
 that comes before the handler is set cannot kill it, and the parent check still sees the
 agent gone. Standard library only, and run by its file path: it needs nothing importable.
 The /proc helpers here are also the agent's.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
@@ -85,12 +86,13 @@ def kill_after(pid: int, grace_s: float, family: list[int] | None = None) -> Non
 
 
 def main(argv: list[str]) -> int:
-    pid, grace_s, agent = int(argv[0]), float(argv[1]), int(argv[2])
+    pid, grace_s, agent, node_dir = int(argv[0]), float(argv[1]), int(argv[2]), argv[3]
     agent_gone: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: agent_gone.append(signum))
     while alive(pid):
         if agent_gone or os.getppid() != agent:
             kill_after(pid, grace_s)
+            shutil.rmtree(node_dir, ignore_errors=True)
             return 0
         time.sleep(POLL_S)
     return 0

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from launcher import signals
-from launcher.errors import Interrupted, JobFailed, LauncherError, PreflightError
+from launcher.errors import (
+    Interrupted,
+    JobFailed,
+    LauncherError,
+    PreflightError,
+    UntrustedCheckpoint,
+)
 from launcher.orchestrate import elastic
 from launcher.orchestrate.agents import AgentGroup
 from launcher.orchestrate.code import CodePlan, plan_code
@@ -43,6 +49,7 @@ from launcher.preflight import NodeFacts, preflight_facts
 from launcher.results.summary import render as render_summary
 from launcher.results.summary import summarize, write_summary
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
+from launcher.util import unsafe_path
 
 log = logging.getLogger(__name__)
 
@@ -442,10 +449,16 @@ class Launch:
 
 def checked_code(job: JobSpec, cluster: ClusterSpec) -> CodePlan | None:
     """What ``run``, ``dry_run`` and ``launch submit`` check before anything: the workdir can travel (exit 2), an
-    elastic job's checkpoints are not private to each machine (exit 2). The workdir's plan."""
+    elastic job's checkpoints are not private to each machine (exit 2), the checkpoint folder
+    it would resume from is not another user's to change (as this machine sees it; exit 2).
+    The workdir's plan."""
     nodes = nodes_for_job(cluster, job)
     code = plan_code(job, nodes)
     elastic.check_shared_checkpoints(job, nodes)
+    ckpt = job.train.checkpoint
+    resumes = job.uses_builtin and ckpt.resume == "auto"
+    if resumes and ckpt.dir is not None and (found := unsafe_path(ckpt.dir)):
+        raise UntrustedCheckpoint(*found)
     return code
 
 

@@ -26,8 +26,8 @@ import yaml
 
 from launcher import metrics, telemetry
 from launcher.errors import UsageError
-from launcher.orchestrate.plan import STACKS_SUBDIR, LaunchPlan, mask_env
-from launcher.util import utc_stamp, write_private
+from launcher.orchestrate.plan import STACKS_SUBDIR, LaunchPlan
+from launcher.util import mask_env, utc_stamp, write_private
 
 log = logging.getLogger(__name__)
 

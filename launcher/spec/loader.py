@@ -23,7 +23,7 @@ from launcher.spec import sshconfig
 from launcher.spec.cluster import ClusterSpec
 from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
 from launcher.tokenfile import check_token_file
-from launcher.util import first_line
+from launcher.util import MASK, first_line, is_secret, mask_urls
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # job and node names
@@ -405,11 +405,13 @@ def _message(model: type[BaseModel], path: tuple[str, ...], errs: list[dict[str,
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         msg = _MODEL_INPUT.sub(lambda m: _mapping_of(model, path, m.group(1)), msg)
         texts.append(msg.removeprefix("Input should be ") if len(errs) > 1 else msg)
+    # the value as given, a URL's password masked; a secret-looking key's value not shown at all
+    given = MASK if any(is_secret(str(p)) for p in path) else mask_urls(repr(first.get("input")))
     if len(errs) > 1:
-        return f"got {first.get('input')!r}; expected " + " or ".join(dict.fromkeys(texts))
+        return f"got {given}; expected " + " or ".join(dict.fromkeys(texts))
     if first["type"] in {"value_error", "assertion_error"}:
         return texts[0]
-    return f"{texts[0]} (got {first.get('input')!r})"
+    return f"{texts[0]} (got {given})"
 
 
 def _mapping_of(model: type[BaseModel], path: tuple[str, ...], name: str) -> str:

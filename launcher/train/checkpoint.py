@@ -38,9 +38,11 @@ from torch import nn
 from torch.amp import GradScaler
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from launcher.errors import untrusted_checkpoint
 from launcher.spec.job import CheckpointSpec
 from launcher.train.data import Batches
 from launcher.train.optim import substitute_masters
+from launcher.util import unsafe_path, unsafe_reason
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +182,9 @@ class Checkpointer:
         path = self._agreed_checkpoint()
         if path is None:
             return 0
+        # DCP's .metadata and the train state are unpickled: only from what no one else can change
+        if found := _unsafe_folder(self.root) or unsafe_path(path):
+            raise ResumeError(untrusted_checkpoint(*found))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         model_sd = substitute_masters(model_sd, getattr(optimizer, "masters", None))
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -304,6 +309,11 @@ class Checkpointer:
             resumed.samples,
         )
         return resumed
+
+
+def _unsafe_folder(folder: Path) -> tuple[Path, str] | None:
+    reason = unsafe_reason(folder)
+    return (folder, reason) if reason else None
 
 
 def _rng_state() -> bytes:

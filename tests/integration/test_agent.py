@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from launcher.orchestrate.agent import REAPER_GRACE_S, WORKER_SCAN_S, NodeAgent
+from launcher.orchestrate.plan import NODE_DIR
 from launcher.orchestrate.reaper import alive
 
 SCRIPT = """
@@ -52,7 +53,6 @@ def run_to_exit(agent: NodeAgent, timeout_s: float = 120) -> list:
 def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
     script = tmp_path / "boom.py"
     script.write_text(SCRIPT)
-    node_dir = tmp_path / "node"
     argv = [
         sys.executable,
         "-m",
@@ -65,14 +65,14 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         "--tee",
         "3",
         "--log-dir",
-        f"{node_dir}/torchrun",
+        f"{NODE_DIR}/torchrun",
         str(script),
     ]
     agent = NodeAgent("local")
     try:
         agent.start(
             {
-                "node_dir": str(node_dir),
+                "run_id": "t-0a1b2c",
                 "cwd": str(tmp_path),
                 "argv": argv,
                 "env": {"PYTHONUNBUFFERED": "1", "SAID_DIR": str(tmp_path)},
@@ -87,11 +87,15 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         assert (error.local_rank, error.message) == (1, "ValueError: bad batch at step 3")
         assert "boom.py" in error.traceback and error.timestamp > 0
         assert any("Root Cause" in line for line in agent.tail(None, 200))
-        assert (Path(node_dir) / "job.yaml").stat().st_mode & 0o777 == 0o600
+        node_dir = Path(agent.node_dir())
+        assert (node_dir / "job.yaml").stat().st_mode & 0o777 == 0o600
+        # the node's folder: private to this user, named after the run, made by mkdtemp
+        assert node_dir.name.startswith("launcher-t-0a1b2c-local-")
+        assert node_dir.stat().st_mode & 0o777 == 0o700 and node_dir.stat().st_uid == os.getuid()
         # A restart's tails are its own: the first attempt's report must not blame the second.
         agent.start(
             {
-                "node_dir": str(node_dir),
+                "run_id": "t-0a1b2c",
                 "cwd": str(tmp_path),
                 "argv": [sys.executable, "-c", "print('again')"],
                 "env": {},
@@ -100,6 +104,7 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         )
         assert run_to_exit(agent)[-1].exit.exit_code == 0
         assert agent.tail(None, 200) == ["again"] and agent.tail(1) == []
+        assert agent.node_dir() == str(node_dir)  # every attempt of the run: one folder
     finally:
         agent.stop(1.0)
         agent.cleanup()
@@ -121,7 +126,8 @@ import sys, time
 from launcher.orchestrate.agent import NodeAgent
 agent = NodeAgent("local")
 argv = [sys.executable, sys.argv[1]]
-agent.start({"node_dir": sys.argv[2], "cwd": sys.argv[2], "argv": argv, "env": {}}, {})
+agent.start({"run_id": "t-0a1b2c", "cwd": sys.argv[2], "argv": argv, "env": {}}, {})
+print("dir", agent.node_dir(), flush=True)
 while True:
     for _, line in agent.poll(0.5).lines:
         print(line, flush=True)
@@ -140,6 +146,8 @@ def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path)
     )
     pids: list[int] = []
     try:
+        node_dir = Path(agent.stdout.readline().split()[1])
+        assert node_dir.is_dir()
         line = agent.stdout.readline()
         assert line.startswith("pids "), line
         pids = [int(p) for p in line.split()[1:]]
@@ -152,6 +160,8 @@ def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path)
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [p for p in pids if alive(p)], "torchrun or its worker outlived the agent"
+        time.sleep(1)
+        assert not node_dir.exists(), "the reaper removes the node folder the agent cannot"
     finally:
         agent.kill()
         for pid in pids:
@@ -170,7 +180,7 @@ def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_i
     try:
         agent.start(
             {
-                "node_dir": str(tmp_path / "node"),
+                "run_id": "t-0a1b2c",
                 "cwd": str(tmp_path),
                 "argv": [sys.executable, str(tmp_path / "torchrun.py")],
                 "env": {},
@@ -193,6 +203,7 @@ def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_i
         assert not alive(worker), "the exit was reported with torchrun's worker still running"
     finally:
         agent.stop(1.0)
+        agent.cleanup()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import env_of, kill, processes, wait_for
+from fixtures.launching import env_of, kill, processes, wait_for, what_nobody_can_touch
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = (
@@ -242,6 +242,33 @@ def test_stop_tears_down_within_15_s(jobs):
     summary = json.loads((Path(state["run_dir"]) / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["ranks"], summary["status"]
     assert "interrupted" in jobs.run("logs", job_id).stdout
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching to user nobody needs root")
+def test_another_user_can_touch_nothing_of_the_head_or_its_jobs(jobs):
+    """User nobody can create no file under the head's temp dir (where Ray unpacks the code its
+    drivers run), the job's node folder or the state dir, and can read none of them (the job
+    driver logs hold rank 0's output)."""
+    job_id = jobs.submit("--skip-parity", *SLOW)["job_id"]
+    try:
+        wait_for(lambda: jobs.status(job_id)["step"], timeout=180, what="a step", poll=0.5)
+        temp_dir = Path(jobs.head()["temp_dir"]).parent  # Ray's own (0777) is in there
+        assert temp_dir.stat().st_mode & 0o777 == 0o700
+        assert list(temp_dir.rglob("job-driver-*.log")), "the job's driver log"
+        assert list(temp_dir.rglob("_ray_pkg_*")), "the code Ray unpacked for the driver"
+        node_dirs = {
+            Path(b).parent
+            for cmd in job_processes(job_id).values()
+            for a, b in zip(cmd.split(), cmd.split()[1:], strict=False)
+            if a == "--log-dir"
+        }
+        assert len(node_dirs) == 1, node_dirs
+        state = Path(jobs.env["LAUNCHER_STATE_DIR"])
+        touched = what_nobody_can_touch([temp_dir, *node_dirs, state])
+        assert touched == [], touched
+    finally:
+        jobs.run("stop", job_id, timeout=60)
+    assert_job_gone(job_id)
 
 
 def test_two_all_cpu_jobs_run_one_after_the_other(jobs):

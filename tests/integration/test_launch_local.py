@@ -91,7 +91,7 @@ def test_quickstart_end_to_end(tmp_path):
     # the workers' LAUNCHER_RUN_ID stays the run dir's name
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["run_id"].startswith(f"{run_dir.name}-") and plan["run_name"] == run_dir.name
-    assert plan["nodes"][0]["node_dir"] == f"/tmp/launcher/{plan['run_id']}/local"
+    assert plan["nodes"][0]["node_dir"] == "{node_dir}"  # each agent makes its own, private
     assert plan["nodes"][0]["env"]["LAUNCHER_RUN_ID"] == run_dir.name
     assert_none_left(before, marker=run_dir.name)
     # the same --run-dir again: refused (exit 2) before anything starts, the first run untouched

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -73,5 +74,55 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
         ]
         assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
         assert "launcher_auth_token" not in cluster.exec(node, "ls -a $HOME/.ray").stdout
+        # Ray's private temp dir and the run's node folder are gone; Ray never used /tmp/ray
+        assert "launcher" not in cluster.exec(node, "ls -a /tmp").stdout
     # the token never reached a command line or a run record
     assert "RAY_AUTH_TOKEN=" not in result.stderr + result.stdout
+
+
+def test_kill_9_of_the_launcher_stops_a_bootstrapped_ray_within_15_s(netns_cluster, tmp_path):
+    """The launcher (outside the nodes) is SIGKILLed mid-run: its watchdog stops Ray on every
+    node over SSH, and the agents' reapers end torchrun there; nothing but sshd is left."""
+    cluster = netns_cluster(2)
+    cluster_file = cluster.cluster_yaml(
+        tmp_path / "cluster.yaml",
+        nodes={name: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for name in cluster.node_names},
+    )
+    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
+    job["resources"]["nproc_per_node"] = 1
+    job["train"].update(steps=100000, warmup_steps=2, log_every=1)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]
+        + ["--run-dir", str(run_dir), "--skip-parity"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics/rank1.jsonl").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, "no step on node 1"
+            time.sleep(0.5)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    killed = time.monotonic()
+
+    def left() -> dict[str, list[str]]:
+        out = {}
+        for node in cluster.node_names:
+            cmds = []
+            for pid in cluster.pids(node):
+                try:
+                    cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
+                except OSError:
+                    continue
+            out[node] = [c.decode() for c in cmds if b"sshd" not in c]
+        return {n: c for n, c in out.items() if c}
+
+    while (running := left()) and time.monotonic() < killed + 15:
+        time.sleep(0.5)
+    assert not running, f"left running 15 s after kill -9 of the launcher: {running}"

@@ -1,5 +1,6 @@
 """Secrets and exposure on a real local launch: masked env values, private run records, no
-secret on any command line, workers still get the real value, Ray's dashboard not exposed.
+secret on any command line, workers still get the real value, Ray's dashboard not exposed;
+nothing another user could write or read; nothing left running after ``kill -9``.
 
 SSH host-key verification is covered by tests/integration/test_preflight_ssh.py and
 test_preflight_netns.py (unknown or changed host keys are refused by default)."""
@@ -11,10 +12,24 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
+from pathlib import Path
 
+import pytest
 import yaml
-from fixtures.launching import FIXTURES, ROOT, Launcher, env_of, ours, wait_for
+from fixtures.launching import (
+    FIXTURES,
+    ROOT,
+    Launcher,
+    env_of,
+    ours,
+    processes,
+    wait_for,
+    what_nobody_can_touch,
+)
+
+as_root = pytest.mark.skipif(os.getuid() != 0, reason="switching to user nobody needs root")
 
 
 def _cmdlines() -> dict[int, bytes]:
@@ -50,7 +65,14 @@ def test_secrets_masked_everywhere_yet_workers_get_them(tmp_path):
         "resources": {"nproc_per_node": 2, "device": "cpu"},
         "precision": {"dtype": "fp32"},
         "launch": {
-            "env": {"MY_API_TOKEN": secret, "DB_PASSWORD": password, "PLAIN_SETTING": "visible-1"}
+            "env": {
+                "MY_API_TOKEN": secret,
+                "DB_PASSWORD": password,
+                "DB_PASSWD": password,
+                "AWS_CREDENTIALS": password,
+                "DATABASE_URL": f"postgres://user:{password}@db/x",
+                "PLAIN_SETTING": "visible-1",
+            }
         },
         "entrypoint": {
             "script": str(FIXTURES / "fault_train.py"),
@@ -130,19 +152,108 @@ def test_secrets_masked_everywhere_yet_workers_get_them(tmp_path):
     assert f"secret sha256 {digest}" in (run_dir / "logs/local/rank0.log").read_text()
     plan = json.loads((run_dir / "plan.json").read_text())
     env = plan["nodes"][0]["env"]
-    assert (
-        env["MY_API_TOKEN"] == "****"
-        and env["DB_PASSWORD"] == "****"
-        and env["PLAIN_SETTING"] == "visible-1"
-    )
-    recorded = yaml.safe_load((run_dir / "job.yaml").read_text())
-    assert recorded["launch"]["env"] == {
+    masked = {
         "MY_API_TOKEN": "****",
         "DB_PASSWORD": "****",
+        "DB_PASSWD": "****",
+        "AWS_CREDENTIALS": "****",
+        "DATABASE_URL": "postgres://user:****@db/x",
         "PLAIN_SETTING": "visible-1",
     }
+    assert {k: env[k] for k in masked} == masked
+    assert "postgres://user:****@db/x" in planned.stdout
+    recorded = yaml.safe_load((run_dir / "job.yaml").read_text())
+    assert recorded["launch"]["env"] == masked
     # files that hold (masked) env are private to their owner
     for name in ("job.yaml", "cluster.yaml", "plan.json"):
         mode = (run_dir / name).stat().st_mode & 0o777
         assert mode == 0o600, f"{name} is {oct(mode)}"
     assert not (ROOT / "runs" / run_dir.name).exists()
+
+
+def _slow_job(tmp_path) -> Path:
+    job = {
+        "name": "priv",
+        "resources": {"nproc_per_node": 2, "device": "cpu"},
+        "precision": {"dtype": "fp32"},
+        "entrypoint": {
+            "script": str(FIXTURES / "fault_train.py"),
+            "args": ["--steps", "2000", "--step-sleep", "0.1"],
+        },
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _arg(pids, prefix: str) -> set[str]:
+    """The values of ``prefix``-led arguments (``--session_dir=``) on these processes' lines."""
+    return {a[len(prefix) :] for cmd in pids.values() for a in cmd.split() if a.startswith(prefix)}
+
+
+def _node_dirs(pids) -> set[Path]:
+    """The node folders that torchrun's ``--log-dir <node dir>/torchrun`` names."""
+    out = set()
+    for cmd in pids.values():
+        parts = cmd.split()
+        out |= {Path(b).parent for a, b in zip(parts, parts[1:], strict=False) if a == "--log-dir"}
+    return out
+
+
+@as_root
+def test_another_user_can_touch_nothing_a_foreground_run_makes(tmp_path):
+    """Ray's temp dir (its session, sockets and logs) and the node's folder: user nobody can
+    create no file anywhere under them, nor read one."""
+    run_dir = tmp_path / f"priv-{uuid.uuid4().hex[:8]}"
+    with Launcher(str(_slow_job(tmp_path)), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        run.wait_file("metrics/rank1.jsonl")
+        pids = ours(run.mark, run.run_id)
+        sessions = _arg(pids, "--session_dir=")
+        node_dirs = _node_dirs(pids)
+        assert len(sessions) == 1 and len(node_dirs) == 1, (sessions, node_dirs)
+        temp_dir = Path(next(iter(sessions))).parent.parent  # Ray's own (0777) is in there
+        assert temp_dir.stat().st_mode & 0o777 == 0o700 and temp_dir.name.startswith("launcher-ray")
+        node_dir = next(iter(node_dirs))
+        assert node_dir.stat().st_mode & 0o777 == 0o700
+        assert not str(node_dir).startswith("/tmp/launcher/")
+        touched = what_nobody_can_touch([temp_dir, node_dir])
+        assert touched == [], touched
+        run.proc.send_signal(2)
+        assert run.wait(timeout=120) == 130, run.output[-3000:]
+        run.assert_nothing_left()
+    assert not temp_dir.exists() and not node_dir.exists(), "removed at the end of the run"
+
+
+@pytest.mark.parametrize("victim", ["launch", "agent"])
+def test_kill_9_leaves_nothing_running_within_15_s(tmp_path, victim):
+    """SIGKILL to a foreground ``launch`` (embedded Ray) mid-run, or to its node's agent: no
+    worker, torchrun, agent or raylet of the run within 15 s."""
+    run_dir = tmp_path / f"priv-{uuid.uuid4().hex[:8]}"
+    with Launcher(str(_slow_job(tmp_path)), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        run.wait_file("metrics/rank1.jsonl")
+        pids = ours(run.mark, run.run_id)
+        assert [p for p, cmd in pids.items() if "raylet" in cmd], pids
+        assert len(_workers(run.run_id)) >= 3, pids  # torchrun and its two workers
+        [session] = _arg(pids, "--session_dir=")
+        if victim == "launch":
+            run.proc.kill()
+            what = lambda: ours(run.mark, run.run_id)  # noqa: E731
+        else:
+            [agent] = [p for p, cmd in pids.items() if "NodeAgent" in cmd]
+            os.kill(agent, 9)
+            what = lambda: _workers(run.run_id)  # noqa: E731 - the launcher then stops Ray
+        killed = time.monotonic()
+        while (left := what()) and (time.monotonic() < killed + 15):
+            time.sleep(0.5)
+        assert not left, f"left running 15 s after kill -9 of the {victim}: {left}"
+        if victim == "agent":
+            assert run.wait(timeout=120) == 4, run.output[-3000:]
+        run.assert_nothing_left()
+    assert not Path(session).parent.parent.exists(), "Ray's private temp dir is removed"
+
+
+def _workers(run_id: str) -> dict[int, str]:
+    """torchrun and the workers of a run (their environment names the run)."""
+    return {
+        pid: cmd for pid, cmd in processes().items() if env_of(pid).get("LAUNCHER_RUN_ID") == run_id
+    }

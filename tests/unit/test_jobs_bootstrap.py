@@ -28,6 +28,9 @@ CLUSTER = ClusterSpec.model_validate(
 )
 
 
+NODE_TEMP = "/tmp/launcher-ray-node-0-x1y2z3"
+
+
 @pytest.fixture(autouse=True)
 def state(tmp_path, monkeypatch):
     monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
@@ -41,7 +44,10 @@ def session(monkeypatch, answers):
 
     def on_node(cluster, node, command, *, stdin=None, timeout):
         ran.append(command)
-        return answers(command)
+        answer = answers(command)
+        if "mktemp -d" in command and answer.exit_code == 0:  # Ray's private temp dir there
+            return CommandResult(f"{NODE_TEMP}\n", "", 0)
+        return answer
 
     monkeypatch.setattr(ray_cluster, "_on_node", on_node)
     monkeypatch.setattr(
@@ -97,11 +103,12 @@ def test_a_ray_start_that_failed_midway_is_stopped(monkeypatch):
             else CommandResult("", "", 0)
         )
 
-    s, _, stopped = session(monkeypatch, answers)
+    s, ran, stopped = session(monkeypatch, answers)
     with pytest.raises(PreflightError, match="raylet died"):
         s._start_ray(CLUSTER.nodes[1])
     s.close()
     assert stopped == ["node1"]
+    assert f"--temp-dir {NODE_TEMP}/ray " in ran[-1]  # never the shared /tmp/ray
 
 
 def tunnel_to(url="http://127.0.0.1:1", error=None):

@@ -101,7 +101,7 @@ def head_process(tmp_path, monkeypatch):
     from launcher.jobs import head as heads
 
     monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
-    temp_dir = heads._temp_dir(heads._local_folder())
+    temp_dir = heads._new_temp_dir(heads._local_folder())  # recorded, as a head's start does
     proc = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(300)", temp_dir], start_new_session=True
     )

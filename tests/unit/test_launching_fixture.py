@@ -1,6 +1,7 @@
 """The integration tests' process finder (``fixtures.launching.ours``) finds a launch's torchrun
 and workers by the node folder their command lines name, as the launcher names it now
-(``/tmp/launcher/<run dir name>-<6 hex>/<node>``), and never another run's whose name only
+(``<temp>/launcher-<run dir name>-<6 hex>-<node>-<random>``, with the agent's folder put in
+for the plan's ``{node_dir}``), and never another run's whose name only
 begins the same. The command lines are the plan's own; the processes are sleepers."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 import pytest
 from fixtures.launching import ours
 
+from launcher.orchestrate.plan import NODE_DIR
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
 from launcher.spec import ClusterSpec, JobSpec
@@ -43,8 +45,7 @@ def node_argv(run_dir: RunDir) -> list[str]:
     launch.start_attempt(Agents(), 0)
     launch.log.close()
     (node,) = plans[0].nodes
-    assert f"/tmp/launcher/{run_dir.run_id}/a" in " ".join(node.argv)
-    return list(node.argv)
+    return [a.replace(NODE_DIR, f"/tmp/launcher-{run_dir.run_id}-a-x1y2z3") for a in node.argv]
 
 
 @pytest.fixture

@@ -8,9 +8,10 @@ import pytest
 
 from launcher.errors import PreflightError, SpecError
 from launcher.orchestrate.code import plan_code
-from launcher.orchestrate.plan import MASK, plan, render
+from launcher.orchestrate.plan import plan, render
 from launcher.preflight import NodeFacts
 from launcher.spec import ClusterSpec, JobSpec
+from launcher.util import MASK
 
 
 def two_nodes(**node_env) -> ClusterSpec:
@@ -78,9 +79,9 @@ def test_two_node_ranks_master_and_argv():
         "--master-port": "29400",
         "--max-restarts": "0",
         "--tee": "3",
-        "--log-dir": "/tmp/launcher/t-1/b/torchrun",
+        "--log-dir": "{node_dir}/torchrun",
     }
-    assert b.argv[-4:] == ["-m", "launcher.train", "--job", "/tmp/launcher/t-1/b/job.yaml"]
+    assert b.argv[-4:] == ["-m", "launcher.train", "--job", "{node_dir}/job.yaml"]
     assert (
         p.max_restarts == 2 and p.to_json()["max_restarts"] == 2
     )  # the launcher restarts, not torchrun
@@ -106,7 +107,7 @@ def test_env_layers_and_sources():
     assert a.env["NCCL_DEBUG"] == "WARN" and a.env_sources["NCCL_DEBUG"] == "cluster nodes.a.env"
     assert b.env["NCCL_DEBUG"] == "INFO" and b.env_sources["NCCL_DEBUG"] == "job nccl.env"
     assert a.env["NCCL_SOCKET_IFNAME"] == "eth0" and "NCCL_SOCKET_IFNAME" not in b.env
-    assert a.env["LAUNCHER_METRICS_FILE"] == "/tmp/launcher/t-1/a/metrics/rank{rank}.jsonl"
+    assert a.env["LAUNCHER_METRICS_FILE"] == "{node_dir}/metrics/rank{rank}.jsonl"
     assert a.env["FOO"] == "bar"
     assert "LAUNCHER_PROFILE_DIR" not in a.env  # only when train.profile records
 
@@ -116,7 +117,7 @@ def test_profiling_gives_each_node_a_profile_folder():
         {"name": "t", "train": {"profile": {"start_step": 5}}, "resources": {"device": "cuda"}}
     )
     a, b = make(job, two_nodes()).nodes
-    assert a.env["LAUNCHER_PROFILE_DIR"] == "/tmp/launcher/t-1/a/profile"
+    assert a.env["LAUNCHER_PROFILE_DIR"] == "{node_dir}/profile"
     assert b.env_sources["LAUNCHER_PROFILE_DIR"] == "launcher (train.profile)"
 
 

@@ -12,6 +12,7 @@ from launcher.cli import main
 from launcher.errors import UsageError
 from launcher.jobs import claim
 from launcher.orchestrate import run as run_mod
+from launcher.orchestrate.plan import NODE_DIR
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
 from launcher.spec import ClusterSpec, JobSpec
@@ -62,21 +63,18 @@ def started(run_dir: RunDir, attempt: int = 0, launch: Launch | None = None):
     return agents.plans[0], launch
 
 
-def test_runs_whose_folders_share_a_name_get_their_own_node_folders(tmp_path):
+def test_runs_whose_folders_share_a_name_get_their_own_run_ids(tmp_path):
     """`--run-dir a/x` and `--run-dir b/x` (or two clusters' runs/<job>-<time>): the same name,
-    yet neither's workers write into (or remove) the other's /tmp/launcher/<run id>/<node>."""
+    yet two run ids (which the agents' private node folders are named after)."""
     one, _ = started(RunDir(tmp_path / "a" / "x"))
     two, _ = started(RunDir(tmp_path / "b" / "x"))
-    dirs_one = {n.node_dir for n in one.nodes}
-    dirs_two = {n.node_dir for n in two.nodes}
-    assert not dirs_one & dirs_two, (dirs_one, dirs_two)
+    assert one.run_id != two.run_id
     for lp, root in ((one, tmp_path / "a" / "x"), (two, tmp_path / "b" / "x")):
         assert lp.run_id.startswith("x-") and lp.run_id != "x"  # readable: the folder's name first
-        assert all(n.node_dir == f"/tmp/launcher/{lp.run_id}/{n.name}" for n in lp.nodes)
+        assert all(n.node_dir == NODE_DIR for n in lp.nodes)  # the agent makes it on the node
         assert all(n.env["LAUNCHER_RUN_ID"] == "x" for n in lp.nodes)  # what scripts and tests read
         recorded = json.loads((root / "plan.json").read_text())
         assert recorded["run_id"] == lp.run_id and recorded["run_name"] == "x"
-        assert recorded["nodes"][0]["node_dir"].startswith(f"/tmp/launcher/{lp.run_id}/")
 
 
 def test_a_restart_keeps_the_launchs_run_id(tmp_path):

@@ -354,3 +354,41 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_picks(tmp_path: Path):
         assert outcome.startswith("ResumeError: rank 0 resumes from "), outcome
         assert "step_00000004, which rank(s) 1 do not find complete" in outcome
         assert "one folder every node shares" in outcome
+
+
+def test_a_checkpoint_others_may_change_is_refused_before_anything_is_unpickled(tmp_path: Path):
+    """Resuming unpickles DCP's .metadata and the train state: a folder or file that another
+    user may write is refused by the trainer (exit 4 for the job) and, where the launcher's
+    machine sees the folder, by the launcher before anything starts (exit 2)."""
+    from launcher.errors import UntrustedCheckpoint
+    from launcher.orchestrate.run import checked_code
+    from launcher.spec import ClusterSpec, JobSpec
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    spec = CheckpointSpec(dir=tmp_path / "ckpt", resume="auto")
+    checkpointer(spec).save(3, model, opt, sched)
+    assert checkpointer(spec).maybe_resume(model, opt, sched) == 3
+    job = JobSpec.model_validate({"name": "t", "train": {"checkpoint": spec.model_dump()}})
+    local = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
+    checked_code(job, local)  # private: accepted
+    planted = step_dir(spec.dir, 3) / ".metadata"
+    for loose in (planted, spec.dir):
+        loose.chmod(0o666 if loose.is_file() else 0o777)
+        with pytest.raises(ResumeError, match="refusing to resume") as err:
+            checkpointer(spec).maybe_resume(model, opt, sched)
+        assert str(loose) in str(err.value) and "chmod -R go-w" in str(err.value)
+        with pytest.raises(UntrustedCheckpoint) as refused:
+            checked_code(job, local)
+        assert refused.value.exit_code == 2 and str(loose) in str(refused.value)
+        loose.chmod(0o600 if loose.is_file() else 0o700)
+    never = job.model_copy(
+        update={
+            "train": job.train.model_copy(
+                update={"checkpoint": spec.model_copy(update={"resume": "never"})}
+            )
+        }
+    )
+    spec.dir.chmod(0o777)
+    checked_code(never, local)  # nothing is resumed: nothing to refuse

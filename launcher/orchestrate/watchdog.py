@@ -1,0 +1,86 @@
+"""Stops the Ray a launch started when the launcher itself is killed (``kill -9``, the OOM killer).
+
+``open_session`` starts it beside the launcher, in a session of its own, and writes the session
+to its stdin as JSON lines (each replaces the one before)::
+
+    python -m launcher.orchestrate.watchdog LAUNCHER_PID
+
+- embedded (``{"mode": "embedded", "temp_dir": ...}``): it notes the launcher's descendants
+  (Ray's processes, the agents, torchrun and its workers) every ``SCAN_S``; once the launcher
+  is gone, SIGTERM to those noted, SIGKILL after ``GRACE_S``, and Ray's temp dir removed.
+- bootstrap (``{"mode": "bootstrap", "cluster": ..., "nodes": [...], "addresses": {...}}``):
+  ``ray stop`` on those nodes over SSH, as ``RaySession.close`` does; each node's agent reaper
+  then ends torchrun there.
+
+A session that closes normally ends its watchdog first (SIGTERM). The launcher is gone when
+its stdin reaches EOF or its parent is no longer the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+from typing import Any
+
+from launcher.orchestrate.reaper import alive, descendants, signal_all, started
+
+SCAN_S = 1.0
+GRACE_S = 3.0
+
+
+def main(argv: list[str]) -> int:
+    launcher = int(argv[0])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    record: dict[str, Any] = {}
+    noted: dict[int, int] = {}  # pid → start time
+    buffer = b""
+    scanned = 0.0
+    while os.getppid() == launcher:
+        ready, _, _ = select.select([sys.stdin.buffer], [], [], 0.2)
+        if ready:
+            chunk = os.read(sys.stdin.fileno(), 65536)
+            if not chunk:
+                break  # the launcher's end of the pipe closed: it is gone
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+        if record.get("mode") == "embedded" and time.monotonic() - scanned > SCAN_S:
+            for pid in descendants(launcher):
+                if pid != os.getpid() and pid not in noted and (start := started(pid)):
+                    noted[pid] = start
+            scanned = time.monotonic()
+    if record.get("mode") == "embedded":
+        _end(noted)
+        from launcher.orchestrate.ray_cluster import remove_ray_temp
+
+        remove_ray_temp(record["temp_dir"])
+    elif record.get("mode") == "bootstrap":
+        from launcher.orchestrate.ray_cluster import stop_ray
+        from launcher.spec import ClusterSpec
+
+        cluster = ClusterSpec.model_validate(record["cluster"])
+        nodes = [n for name in record["nodes"] for n in cluster.nodes if n.name == name]
+        stop_ray(cluster, nodes, record["addresses"])
+    return 0
+
+
+def _end(noted: dict[int, int]) -> None:
+    """SIGTERM to the noted processes still running (the same pid and start time), SIGKILL to
+    those left after ``GRACE_S``."""
+    left = [pid for pid, start in noted.items() if alive(pid) and started(pid) == start]
+    signal_all(left, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and any(alive(p) for p in left):
+        time.sleep(0.1)
+    signal_all([p for p in left if alive(p) and started(p) == noted[p]], signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
