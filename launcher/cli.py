@@ -14,13 +14,11 @@ import argparse
 import contextlib
 import json
 import logging
-import os
-import select
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from launcher import __version__, signals
+from launcher import __version__, console, signals
 from launcher.errors import EXIT_INTERRUPTED, EXIT_INVALID_INPUT, LauncherError, UsageError
 from launcher.util import setup_logging
 
@@ -53,16 +51,12 @@ WORKING_COMMANDS = frozenset(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; its exit code. Output into a pipe closed early (``launch list | head -1``)
-    ends a command that only shows something quietly: exit 0, or the code of a command that had
-    finished (``launch check`` that found a mismatch: 3) when only the last flush found the pipe
-    closed. A command of ``WORKING_COMMANDS`` goes on to its end, what it writes to the stream
-    whose reader went dropped (``_console_may_close``): ``launch run job.yaml | head -3`` runs the
-    job, writes the run directory in full and exits as the run does. A BrokenPipeError such a command raises is then
-    never its console's: another pipe's or socket's (SSH, Ray, a child's stdin), it is an
-    unexpected error like any other (a traceback, exit 1), even when stdout's reader has gone.
-    A stdout or stderr closed from the start (``>&-``, ``2>&-``) is /dev/null."""
-    _closed_console_to_devnull()
+    """Run one command; its exit code. Output into a pipe closed early (``launch list | head
+    -1``) ends a command that only shows something quietly: exit 0, or the code it had when only
+    the last flush found the pipe closed. A command of ``WORKING_COMMANDS`` goes on to its end,
+    what it writes to the stream whose reader went dropped (``console.ReaderMayGo``); a
+    BrokenPipeError it raises is another pipe's (SSH, Ray, a child's stdin): a traceback, exit 1."""
+    console.open_closed_streams()
     command = None
     try:
         args = _parse(argv)
@@ -72,67 +66,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = args.command
             code = _run(args)
     except BrokenPipeError:
-        if command in WORKING_COMMANDS or not _stdout_closed():  # not stdout's: not ours to hide
-            raise
-        _stdout_to_devnull()
+        if command in WORKING_COMMANDS or not console.stdout_reader_gone():
+            raise  # not stdout's: not ours to hide
+        console.stdout_to_devnull()
         return 0
     try:
         if sys.stdout is not None:
             sys.stdout.flush()  # here, not at exit: a closed pipe is then still ours to handle
     except BrokenPipeError:  # the command has ended; the last of its output had no reader
-        _stdout_to_devnull()
+        console.stdout_to_devnull()
     return code
-
-
-def _stdout_to_devnull() -> None:
-    """As the Python docs advise for SIGPIPE: stdout to devnull, so that flushing it at exit
-    does not fail again ("Exception ignored ... BrokenPipeError")."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-
-
-def _closed_console_to_devnull() -> None:
-    """A stdout or stderr that was closed when the command started (``launch run job.yaml
-    2>&-``: Python then makes sys.stderr None) becomes /dev/null: what writes to it, or asks it
-    ``isatty()``, finds a stream, and its descriptor is no file that the command opens later
-    (which a child's output would then be written into)."""
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        if getattr(sys, name) is not None:
-            continue
-        try:
-            os.fstat(fd)
-            continue  # opened since for something else: not ours to take
-        except OSError:
-            pass
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            if devnull != fd:
-                os.dup2(devnull, fd)
-                os.close(devnull)
-            setattr(
-                sys,
-                name,
-                open(  # noqa: SIM115
-                    fd,
-                    "w",
-                    encoding="utf-8",
-                    errors="backslashreplace",
-                    buffering=1,
-                    closefd=False,
-                ),
-            )
-
-
-def _stdout_closed() -> bool:
-    """stdout is a pipe whose reader has gone (poll says POLLERR on its write end)."""
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
-    except (OSError, ValueError, AttributeError):  # no fileno (tests), no poll (Windows)
-        return False
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
@@ -144,7 +87,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    with _console_may_close() if args.command in WORKING_COMMANDS else contextlib.nullcontext():
+    with console.reader_may_go() if args.command in WORKING_COMMANDS else contextlib.nullcontext():
         setup_logging(args.debug)  # its handler writes to the sys.stderr of this moment
         signals.install()
         try:
@@ -157,60 +100,6 @@ def _run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
             return EXIT_INTERRUPTED
-
-
-class ReaderMayGo:
-    """A console stream (sys.stdout, sys.stderr) whose reader may go away while the command
-    works: from the first BrokenPipeError on, what it is given is dropped, not raised into the
-    command (which took it for a failure of its own: "could not write the summary", exit 4).
-
-    Its descriptor is then pointed at /dev/null, as the Python docs advise for SIGPIPE: what is
-    still buffered, the flush at exit and the processes started from then on write there."""
-
-    def __init__(self, stream):  # noqa: ANN001 - any text stream
-        self.stream = stream
-        self.reader_gone = False
-
-    def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self._drop()
-            return len(text)
-
-    def writelines(self, lines) -> None:  # noqa: ANN001
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            self._drop()
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - fileno, isatty, encoding, buffer ...
-        return getattr(self.stream, name)
-
-    def _drop(self) -> None:
-        self.reader_gone = True
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(devnull, self.stream.fileno())
-            finally:
-                os.close(devnull)
-            self.stream.flush()  # what the broken write left in the buffer, to /dev/null
-
-
-@contextlib.contextmanager
-def _console_may_close() -> Iterator[None]:
-    """sys.stdout and sys.stderr as ``ReaderMayGo`` while a command of ``WORKING_COMMANDS`` runs."""
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = (None if stream is None else ReaderMayGo(stream) for stream in saved)
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
 
 
 # -- commands -------------------------------------------------------------------------------

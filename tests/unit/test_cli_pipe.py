@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import cli
+from launcher import cli, console
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 
@@ -85,15 +85,15 @@ def _raise_broken_pipe(args):
 def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch):
     """A BrokenPipeError of another pipe or socket (SSH, Ray) is a real failure: not exit 0."""
     monkeypatch.setattr(cli, "cmd_schema", _raise_broken_pipe)
-    monkeypatch.setattr(cli, "_stdout_closed", lambda: False)  # stdout reads on
+    monkeypatch.setattr(console, "stdout_reader_gone", lambda: False)  # stdout reads on
     with pytest.raises(BrokenPipeError):
         cli.main(["schema", "job"])
 
 
 def test_a_command_that_only_shows_something_ends_quietly_on_its_closed_stdout(monkeypatch):
     monkeypatch.setattr(cli, "cmd_schema", _raise_broken_pipe)
-    monkeypatch.setattr(cli, "_stdout_closed", lambda: True)
-    monkeypatch.setattr(cli, "_stdout_to_devnull", lambda: None)  # pytest's stdout stays
+    monkeypatch.setattr(console, "stdout_reader_gone", lambda: True)
+    monkeypatch.setattr(console, "stdout_to_devnull", lambda: None)  # pytest's stdout stays
     assert cli.main(["schema", "job"]) == 0
 
 
@@ -105,8 +105,8 @@ def test_a_broken_pipe_of_a_command_that_acts_is_not_hidden_when_stdout_is_close
     (SSH, Ray, a child's stdin), an unexpected error as any other, not exit 0 because stdout's
     reader happens to have gone as well."""
     monkeypatch.setattr(cli, f"cmd_{command}", _raise_broken_pipe)
-    monkeypatch.setattr(cli, "_stdout_closed", lambda: True)
-    monkeypatch.setattr(cli, "_stdout_to_devnull", lambda: None)
+    monkeypatch.setattr(console, "stdout_reader_gone", lambda: True)
+    monkeypatch.setattr(console, "stdout_to_devnull", lambda: None)
     monkeypatch.setattr(cli, "setup_logging", lambda debug: None)
     monkeypatch.setattr(cli.signals, "install", lambda: None)
     argv = {"export": ["export", "x", "--out", "y"], "down": ["down"]}.get(command, [command, "x"])
@@ -374,7 +374,7 @@ def test_a_run_with_a_console_closed_from_the_start_runs_to_its_end(tmp_path, re
 def test_reader_may_go_drops_what_comes_after_the_reader_and_points_the_fd_at_devnull():
     read, write = os.pipe()
     stream = open(write, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-    guarded = cli.ReaderMayGo(stream)
+    guarded = console.ReaderMayGo(stream)
     try:
         guarded.write("seen\n")
         guarded.flush()
@@ -398,5 +398,5 @@ def test_the_console_is_given_back_after_a_command(monkeypatch):
     monkeypatch.setattr(cli, "setup_logging", lambda debug: None)
     monkeypatch.setattr(cli.signals, "install", lambda: None)
     assert cli.main(["export", "somewhere", "--out", "elsewhere"]) == 0
-    assert all(isinstance(s, cli.ReaderMayGo) for s in seen[0])
+    assert all(isinstance(s, console.ReaderMayGo) for s in seen[0])
     assert (sys.stdout, sys.stderr) == before
