@@ -79,7 +79,8 @@ def read_model_state(path: Path) -> dict:
 
 
 def _run_job(run_dir: Path) -> JobSpec:
-    from launcher.spec.loader import read_yaml, validate
+    from launcher.spec.messages import validate
+    from launcher.spec.yamlfile import read_yaml
 
     job_file = run_dir / "job.yaml"
     if not job_file.is_file():

@@ -1,0 +1,199 @@
+"""A loaded job's paths made absolute from its file's folder and checked: data, tokenizer,
+checkpoints, the script, and a model folder whose config.json gives the model's shape."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import SpecError
+from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
+from launcher.spec.messages import validate
+from launcher.tokenfile import check_token_file
+
+
+def with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str]) -> JobSpec:
+    """model.init_from: arch and dims come from the folder's config.json, its tensors are checked
+    against them (names and shapes), and any arch, size or dim the job gives must agree."""
+    from launcher.spec.hf import FolderError, check_folder
+
+    assert job.model.init_from is not None
+    folder = _local_folder(
+        job.model.init_from, source.parent, "model.init_from", "model weights", source
+    )
+    try:
+        arch, dims = check_folder(folder)
+    except FolderError as err:
+        raise SpecError(str(err), source=str(source), field=err.field) from None
+    model, given = job.model, job.model.model_fields_set
+    conflicts = (
+        [f"model.arch {model.arch} (the folder holds a {arch})"]
+        if "arch" in given and model.arch != arch
+        else []
+    )
+    conflicts += [
+        f"model.{k} {getattr(model, k)} (config.json: {v})"
+        for k, v in dims.items()
+        if k in given and getattr(model, k) != v
+    ]
+    if not model.bias:
+        conflicts.append("model.bias false (the folder's weights have biases)")
+    # A size preset decides only the dims the job does not give explicitly.
+    if "size" in given:
+        preset = dict(
+            zip(("n_layers", "d_model", "n_heads"), SIZE_PRESETS[model.size], strict=True)
+        )
+        wrong = [k for k, v in preset.items() if k not in given and v != dims[k]]
+        if wrong:
+            shape = "x".join(str(dims[k]) for k in preset)
+            conflicts.append(
+                f"model.size {model.size} (config.json: {shape} layers x d_model x heads)"
+            )
+    if conflicts:
+        raise SpecError(
+            f"model.init_from {str(folder)!r} gives the model's shape, and the job disagrees: "
+            f"{'; '.join(conflicts)}. Remove these keys (the folder's config.json decides) or "
+            f"point init_from at the model you meant",
+            source=str(source),
+            field="model",
+        )
+    data = job.model_dump(mode="json", exclude_unset=True)
+    layers = (dims["n_layers"], dims["d_model"], dims["n_heads"])
+    size = next((name for name, preset in SIZE_PRESETS.items() if preset == layers), None)
+    data["model"] = {
+        **data.get("model", {}),
+        "arch": arch,
+        **dims,
+        "init_from": str(folder),
+        **({"size": size} if size and "size" not in given else {}),
+    }
+    return validate(JobSpec, data, source=str(source), overrides=overrides)
+
+
+def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) -> Path:
+    """A folder on this machine (relative to the job file's folder), or the download hint."""
+    folder = value if value.is_absolute() else (base / value).resolve()
+    if not folder.is_dir():
+        from launcher.spec.hf import not_a_folder
+
+        raise SpecError(
+            str(not_a_folder(field, str(value), folder, what)), source=str(source), field=field
+        )
+    return folder
+
+
+def refuse_nul_paths(job: JobSpec, source: Path) -> None:
+    """A path with a NUL character is a SpecError naming the field (the OS would refuse it
+    with a ValueError wherever it is first used)."""
+    entry = job.script_entry
+    for field, value in (
+        ("data.path", job.data.path),
+        ("train.checkpoint.dir", job.train.checkpoint.dir),
+        ("entrypoint.script", entry and entry.script),
+        ("entrypoint.workdir", entry and entry.workdir),
+        ("model.init_from", job.model.init_from),
+        ("data.tokenizer", job.data.tokenizer),
+        ("data.cache_dir", job.data.cache_dir),
+    ):
+        if value is not None and "\x00" in str(value):
+            raise SpecError(
+                f"{field} {str(value)!r} contains a NUL character; give a plain path",
+                source=str(source),
+                field=field,
+            )
+
+
+def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
+    """Relative data, model and script paths are taken from the job file's folder (a relative
+    checkpoint folder from where ``launch`` runs, as every checkpoint folder); scripts must exist."""
+    base = source.parent
+    updates: dict[str, Any] = {}
+    if job.data.source == "text":
+        updates["data"] = _resolve_text_paths(job, source)
+    elif job.data.path is not None:
+        tokens = job.data.path if job.data.path.is_absolute() else (base / job.data.path).resolve()
+        if not tokens.is_file():
+            raise SpecError(
+                f"data.path {str(job.data.path)!r} does not exist (looked for {tokens}); give the "
+                f"token file (.npy or .bin) on a path every node sees; relative paths are taken "
+                f"from the job file's folder",
+                source=str(source),
+                field="data.path",
+            )
+        if (
+            job.uses_builtin
+        ):  # what its trainer refuses at start: a window of data.seq_len + 1 tokens
+            try:
+                check_token_file(tokens, job.data.token_dtype, job.data.seq_len + 1)
+            except (OSError, ValueError) as err:
+                raise SpecError(str(err), source=str(source), field="data.path") from None
+        updates["data"] = job.data.model_copy(update={"path": tokens})
+    if job.train.checkpoint.dir is not None and not job.train.checkpoint.dir.is_absolute():
+        ckpt = job.train.checkpoint.model_copy(update={"dir": job.train.checkpoint.dir.resolve()})
+        updates["train"] = job.train.model_copy(update={"checkpoint": ckpt})
+    if job.script_entry is not None:
+        updates["entrypoint"] = _resolve_script(job.script_entry, base, source)
+    return job.model_copy(update=updates) if updates else job
+
+
+def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
+    """data.source text: the text (a .txt/.jsonl file or a folder of them), the tokenizer folder
+    (with tokenizer.json) and the cache folder, taken from the job file's folder."""
+    from launcher.spec.hf import FolderError, check_tokenizer, require
+
+    data, base = job.data, source.parent
+    assert data.path is not None and data.tokenizer is not None
+    text = data.path if data.path.is_absolute() else (base / data.path).resolve()
+    if not (
+        text.is_file()
+        and text.suffix in (".txt", ".jsonl")
+        or text.is_dir()
+        and any(p.suffix in (".txt", ".jsonl") for p in text.rglob("*"))
+    ):
+        raise SpecError(
+            f"data.path {str(data.path)!r} (looked for {text}) is neither a .txt or .jsonl file nor "
+            f"a folder holding some; give the text on a path every node sees",
+            source=str(source),
+            field="data.path",
+        )
+    tokenizer = _local_folder(data.tokenizer, base, "data.tokenizer", "the tokenizer", source)
+    if not (tokenizer / "tokenizer.json").is_file():
+        raise SpecError(
+            f"data.tokenizer {str(tokenizer)!r} has no tokenizer.json; save the tokenizer with the "
+            f"tokenizers library (tokenizer.save) or with transformers "
+            f"(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))",
+            source=str(source),
+            field="data.tokenizer",
+        )
+    try:
+        require("tokenizers", "data.source text", "data.tokenizer")
+        check_tokenizer(tokenizer, job.model.arch, job.model.dims()["vocab_size"])
+    except FolderError as err:
+        raise SpecError(str(err), source=str(source), field=err.field) from None
+    update: dict[str, Any] = {"path": text, "tokenizer": tokenizer}
+    if data.cache_dir is not None and not data.cache_dir.is_absolute():
+        update["cache_dir"] = (base / data.cache_dir).resolve()
+    return data.model_copy(update=update)
+
+
+def _resolve_script(entry: ScriptEntrypoint, base: Path, source: Path) -> ScriptEntrypoint:
+    """The workdir from the job file's folder (default: that folder), the script from the workdir."""
+    workdir = (base / entry.workdir).resolve() if entry.workdir is not None else base.resolve()
+    if not workdir.is_dir():
+        raise SpecError(
+            f"entrypoint.workdir {str(entry.workdir)!r} is not a folder (looked for {workdir}); give the "
+            f"folder your script runs in, relative to the job file's folder, or leave it out to use "
+            f"that folder",
+            source=str(source),
+            field="entrypoint.workdir",
+        )
+    script = (workdir / entry.script).resolve()
+    if not script.is_file():
+        raise SpecError(
+            f"entrypoint.script {str(entry.script)!r} does not exist (looked for {script}); the script "
+            f"is taken relative to entrypoint.workdir ({workdir})",
+            source=str(source),
+            field="entrypoint.script",
+        )
+    return entry.model_copy(update={"workdir": workdir, "script": script})
