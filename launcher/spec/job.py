@@ -158,7 +158,7 @@ class DataSpec(Strict):
 class CheckpointSpec(Strict):
     dir: Path | None = Field(
         None,
-        description="Checkpoint folder (torch.distributed.checkpoint); null disables checkpoints. A relative folder is taken from where launch runs (data and model paths: from the job file's folder). On several nodes it must be a shared filesystem.",
+        description="Checkpoint folder (torch.distributed.checkpoint); null disables checkpoints. Relative to the job file's folder; on several nodes, a shared filesystem.",
     )
     every_steps: int = Field(
         0, ge=0, description="Save every N optimizer steps (0: only at the end when dir is set)."

@@ -105,8 +105,8 @@ def refuse_nul_paths(job: JobSpec, source: Path) -> None:
 
 
 def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
-    """Relative data, model and script paths are taken from the job file's folder (a relative
-    checkpoint folder from where ``launch`` runs, as every checkpoint folder); scripts must exist."""
+    """Relative data, model, checkpoint and script paths are taken from the job file's folder;
+    scripts must exist."""
     base = source.parent
     updates: dict[str, Any] = {}
     if job.data.source == "text":
@@ -130,7 +130,8 @@ def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
                 raise SpecError(str(err), source=str(source), field="data.path") from None
         updates["data"] = job.data.model_copy(update={"path": tokens})
     if job.train.checkpoint.dir is not None and not job.train.checkpoint.dir.is_absolute():
-        ckpt = job.train.checkpoint.model_copy(update={"dir": job.train.checkpoint.dir.resolve()})
+        ckpt_dir = (base / job.train.checkpoint.dir).resolve()
+        ckpt = job.train.checkpoint.model_copy(update={"dir": ckpt_dir})
         updates["train"] = job.train.model_copy(update={"checkpoint": ckpt})
     if job.script_entry is not None:
         updates["entrypoint"] = _resolve_script(job.script_entry, base, source)

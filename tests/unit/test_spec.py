@@ -175,10 +175,12 @@ def test_relative_paths_are_taken_from_the_job_folder(tmp_path, monkeypatch):
         write(
             jobs,
             "name: j\nentrypoint: {script: train.py, args: [--fast]}\n"
-            "data: {source: tokens, path: tokens.bin}\nresources: {device: cpu}\n",
+            "data: {source: tokens, path: tokens.bin}\nresources: {device: cpu}\n"
+            "train: {checkpoint: {dir: ckpt}}\n",
         )
     )
     assert job.entrypoint.script == (jobs / "train.py").resolve()
+    assert job.train.checkpoint.dir == (jobs / "ckpt").resolve()
     assert job.entrypoint.args == ["--fast"]
     assert job.data.path == (jobs / "tokens.bin").resolve()
     assert not job.uses_builtin
