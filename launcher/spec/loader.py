@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from launcher.errors import SpecError
 from launcher.spec import sshconfig
 from launcher.spec.cluster import ClusterSpec
 from launcher.spec.job import JobSpec
@@ -20,6 +21,12 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Job
     """Read a job file, apply ``--set KEY=VALUE`` overrides and validate."""
     source = Path(path)
     data = read_yaml(source)
+    if set(data) & {"nodes", "slurm"} and not set(data) & set(JobSpec.model_fields):
+        raise SpecError(
+            f"this is a cluster file (it lists 'nodes' or 'slurm'), not a job file: give a job file and "
+            f"this one as --cluster, e.g. launch jobs/quickstart.yaml --cluster {source}",
+            source=str(source),
+        )
     data = apply_overrides(data, overrides)
     job = validate(JobSpec, data, source=str(source), overrides=overrides)
     refuse_nul_paths(job, source)  # before any path is resolved (init_from's is, next)
@@ -35,7 +42,16 @@ def load_cluster(path: str | os.PathLike[str] | None = None) -> ClusterSpec:
             return ClusterSpec.this_machine()
         path = DEFAULT_CLUSTER_FILE
     source = Path(path)
-    return with_ssh_addresses(validate(ClusterSpec, read_yaml(source), source=str(source)))
+    data = read_yaml(source)
+    if not set(data) & {"nodes", "slurm"} and set(data) & (
+        set(JobSpec.model_fields) - set(ClusterSpec.model_fields)
+    ):
+        raise SpecError(
+            f"this is a job file, not a cluster file (it has neither 'nodes' nor 'slurm'): give "
+            f"it as the job, e.g. launch {source}, and a cluster file as --cluster",
+            source=str(source),
+        )
+    return with_ssh_addresses(validate(ClusterSpec, data, source=str(source)))
 
 
 def with_ssh_addresses(cluster: ClusterSpec) -> ClusterSpec:

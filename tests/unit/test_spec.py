@@ -162,6 +162,16 @@ def test_anchors_and_merge_keys_still_work(tmp_path):
     assert job.nccl.env == {"A": "1", "B": "3"}
 
 
+def test_a_cluster_file_given_as_the_job_says_to_pass_it_as_cluster(tmp_path):
+    with pytest.raises(SpecError) as err:
+        load_job(REPO / "cluster.yaml")
+    assert err.value.exit_code == 2
+    assert "this is a cluster file" in str(err.value) and "--cluster" in str(err.value)
+    assert "did you mean" not in str(err.value)
+    with pytest.raises(SpecError, match="this is a job file, not a cluster file"):
+        load_cluster(REPO / "jobs" / "quickstart.yaml")
+
+
 # -- paths -----------------------------------------------------------------------------------
 
 
