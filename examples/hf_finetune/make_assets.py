@@ -163,6 +163,18 @@ def make_bert(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     return out
 
 
+def require_hf() -> None:
+    """Exit with the install command when the hf extra is missing."""
+    try:
+        import safetensors  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as err:
+        raise SystemExit(
+            f"make_assets.py needs the hf extra ({err.name} is not installed): "
+            f"pip install -e '.[hf]' in the launcher's folder"
+        ) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -172,6 +184,7 @@ def main() -> None:
         "--text-mb", type=float, default=0.3, help="size of the corpus (default: %(default)s MB)"
     )
     args = parser.parse_args()
+    require_hf()
     text = write_text(args.out / "text" / "corpus.txt", n_bytes=int(args.text_mb * 1e6))
     tokenizer = train_tokenizer([text], args.out / "tokenizer", vocab_size=1024)
     from tokenizers import Tokenizer

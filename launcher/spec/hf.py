@@ -34,7 +34,7 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-INSTALL_HINT = "pip install 'launcher[hf]'"
+INSTALL_HINT = "pip install -e '.[hf]' in the launcher's folder"
 BERT_TYPE_VOCAB = 2
 FIELD = "model.init_from"
 

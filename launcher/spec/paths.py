@@ -72,15 +72,28 @@ def with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str]) 
 
 
 def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) -> Path:
-    """A folder on this machine (relative to the job file's folder), or the download hint."""
+    """A folder on this machine (relative to the job file's folder), or the hint that makes it."""
     folder = value if value.is_absolute() else (base / value).resolve()
     if not folder.is_dir():
         from launcher.spec.hf import not_a_folder
 
-        raise SpecError(
-            str(not_a_folder(field, str(value), folder, what)), source=str(source), field=field
+        message = _assets_hint(field, value, folder, source) or str(
+            not_a_folder(field, str(value), folder, what)
         )
+        raise SpecError(message, source=str(source), field=field)
     return folder
+
+
+def _assets_hint(field: str, value: Path, looked: Path, source: Path) -> str | None:
+    """Where the job file's folder has a make_assets.py (as the examples do), the way to make
+    a missing path is to run it."""
+    script = source.parent / "make_assets.py"
+    if not script.is_file():
+        return None
+    return (
+        f"{field} {str(value)!r} does not exist (looked for {looked}). This job's folder makes "
+        f"its own assets: run `python {script}` first (it needs the hf extra), then launch again"
+    )
 
 
 def refuse_nul_paths(job: JobSpec, source: Path) -> None:
@@ -153,8 +166,9 @@ def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
         and any(p.suffix in (".txt", ".jsonl") for p in text.rglob("*"))
     ):
         raise SpecError(
-            f"data.path {str(data.path)!r} (looked for {text}) is neither a .txt or .jsonl file nor "
-            f"a folder holding some; give the text on a path every node sees",
+            _assets_hint("data.path", data.path, text, source)
+            or f"data.path {str(data.path)!r} (looked for {text}) is neither a .txt or .jsonl file "
+            f"nor a folder holding some; give the text on a path every node sees",
             source=str(source),
             field="data.path",
         )

@@ -78,7 +78,7 @@ def choose(
     if not reasons and (missing := fa4_import_error()) is not None:
         reasons.append(
             f"flash_attn.cute (the flash-attn-4 package) is not importable "
-            f"({missing}); install it on every node: pip install 'launcher[fa4]'"
+            f"({missing}); install it on every node: pip install -e '.[fa4]' in the launcher's folder"
         )
     if not reasons:
         return "cudnn-fa4"

@@ -172,7 +172,7 @@ def test_choose_on_gpus(monkeypatch):
             _choose("cudnn-fa4", gpu, head_dim=head_dim)
     missing["value"] = "ModuleNotFoundError: No module named 'flash_attn'"
     assert _choose("auto", gpu) == "auto"
-    with pytest.raises(SpecError, match=r"not importable .*flash_attn.*launcher\[fa4\]"):
+    with pytest.raises(SpecError, match=r"not importable .*flash_attn.*pip install -e '.\[fa4\]'"):
         _choose("cudnn-fa4", gpu)
     missing["value"], cap["value"] = None, (8, 0)
     assert _choose("auto", gpu) == "auto"
