@@ -194,11 +194,23 @@ def write_scaling(out_dir: Path, table: dict) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "scaling.json", json.dumps(table, indent=2) + "\n")
     (out_dir / "scaling.csv").write_text(to_csv(table))
-    try:
-        plot_scaling(table, out_dir / "scaling.png")
-    except ImportError:
-        log.warning("matplotlib is not installed: no scaling.png (pip install 'launcher[plot]')")
+    draw_plot(out_dir, table)
     return render_scaling(table)
+
+
+PLOT_HINT = (
+    "matplotlib is not installed: no scaling.png. Install the plot extra (pip install -e "
+    "'.[plot]' in the launcher's folder), then 'launch report %s' draws it."
+)
+
+
+def draw_plot(study_dir: Path, table: dict) -> Path | None:
+    """Draw ``scaling.png`` into the study folder; without matplotlib, say how to get it."""
+    try:
+        return plot_scaling(table, Path(study_dir) / "scaling.png")
+    except ImportError:
+        log.warning(PLOT_HINT, study_dir)
+        return None
 
 
 def load_scaling(study_dir: Path) -> dict:

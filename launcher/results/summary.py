@@ -199,6 +199,8 @@ def report_command(path: str, *, fmt: str = "table") -> int:
         )
     if (run_dir / "scaling.json").is_file():
         table = scaling.load_scaling(run_dir)
+        if not (run_dir / "scaling.png").is_file():
+            scaling.draw_plot(run_dir, table)  # a study run before the plot extra was installed
         out = {"table": scaling.render_scaling, "json": _json_text, "csv": scaling.to_csv}[fmt](
             table
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 import types
 
 import pytest
@@ -284,6 +285,23 @@ def test_report_command_renders_a_study(tmp_path, capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) == 5
     assert report_command(str(tmp_path), fmt="json") == 0
     assert json.loads(capsys.readouterr().out)["mode"] == "strong"
+
+
+def test_report_draws_the_plot_a_study_lacks(tmp_path, monkeypatch, caplog, capsys):
+    write_scaling(tmp_path, study(tmp_path))
+    (tmp_path / "scaling.png").unlink()
+    installed = sys.modules.get("matplotlib")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the plot extra not installed
+    assert report_command(str(tmp_path)) == 0
+    assert not (tmp_path / "scaling.png").exists()
+    assert "pip install -e '.[plot]'" in caplog.text and f"launch report {tmp_path}" in caplog.text
+    if installed is None:  # installed now: report draws it
+        monkeypatch.delitem(sys.modules, "matplotlib")
+    else:
+        monkeypatch.setitem(sys.modules, "matplotlib", installed)
+    assert report_command(str(tmp_path)) == 0
+    assert (tmp_path / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "weak scaling" in capsys.readouterr().out
 
 
 def test_damaged_scaling_json(tmp_path):
