@@ -531,10 +531,16 @@ def _totals_table(summary: dict) -> str:
         ["ranks measured", f"{measured} of {summary['world_size']}"],
         ["tokens/s (all ranks)", _fmt(t["tokens_per_s"], thousands=True)],
         ["samples/s (all ranks)", _fmt(t["samples_per_s"])],
-        ["tokens/s per GPU", _fmt(t["tokens_per_s_per_gpu"], thousands=True)],
+        [f"tokens/s per {_worker(summary)}", _fmt(t["tokens_per_s_per_gpu"], thousands=True)],
         ["MFU % (mean of ranks)", _fmt(t["mfu"], pct=True)],
     ]
     return tabulate(body, tablefmt="simple", disable_numparse=True, colalign=("left", "right"))
+
+
+def _worker(summary: dict) -> str:
+    """GPU where the ranks ran on GPUs; rank for a CPU job (or one whose devices are unknown)."""
+    devices = {r.get("device") for r in summary["ranks"]}
+    return "GPU" if devices and all(d and d.startswith("cuda") for d in devices) else "rank"
 
 
 def _straggler_line(summary: dict) -> str:

@@ -313,6 +313,15 @@ def test_gpu_clock_in_the_tables_and_the_straggler_line():
     assert rows[1]["sm_clock_mhz"] is None
 
 
+def test_the_job_table_says_per_gpu_or_per_rank_by_device():
+    recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
+    assert "tokens/s per GPU" in render(summarize("j", layout(1, 2), recs, status="succeeded"))
+    for r in recs.values():
+        r[0]["device"] = "cpu"
+    text = render(summarize("j", layout(1, 2, device="cpu"), recs, status="succeeded"))
+    assert "tokens/s per rank" in text and "per GPU" not in text
+
+
 def test_cpu_runs_have_no_clock_columns():
     recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
     s = summarize("j", layout(1, 2, device="cpu"), recs, status="succeeded")
