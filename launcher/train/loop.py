@@ -46,6 +46,7 @@ from launcher.train.model import (
     MLMHead,
     build_model,
     count_params,
+    describe,
     flops_per_token,
 )
 from launcher.train.optim import MasterAdamW, MasterWeights, choose_weights, substitute_masters
@@ -494,11 +495,9 @@ class Trainer:
         total = self.job.train.steps
         if self.rank == 0:
             log.info(
-                "training %s: %s %s, %.1fM params, world %d, %s, %s, %s weights, attention %s, steps %d..%d",
+                "training %s: %s, world %d, %s, %s, %s weights, attention %s, steps %d..%d",
                 self.job.name,
-                self.job.model.arch,
-                self.job.model.size,
-                self.n_params / 1e6,
+                describe(self.job.model, self.n_params),
                 self.world_size,
                 self.job.parallel.strategy,
                 self.job.precision.dtype,

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from launcher.spec.job import ModelSpec
+from launcher.spec.job import SIZE_PRESETS, ModelSpec
 from launcher.train import fused
 from launcher.train.attention import packed_attention, sdpa_attention
 from launcher.train.loss import linear_cross_entropy
@@ -70,6 +70,15 @@ def mask_count(seq_len: int, mask_prob: float) -> int:
 def count_params(model: nn.Module) -> int:
     """Distinct parameters (a tied weight counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def describe(spec: ModelSpec, n_params: int) -> str:
+    """``bert tiny, 4.4M params``; a shape no preset has is given by its dims."""
+    d = spec.dims()
+    shape = (d["n_layers"], d["d_model"], d["n_heads"])
+    size = spec.size if SIZE_PRESETS[spec.size] == shape else f"{shape[0]}x{shape[1]}"
+    count = f"{n_params / 1e6:.1f}M" if n_params >= 1e6 else f"{n_params / 1e3:.1f}K"
+    return f"{spec.arch} {size}, {count} params"
 
 
 def matmul_params_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> float:

@@ -231,3 +231,11 @@ def test_bf16_hidden_states_stay_bf16_and_give_the_fp32_states_loss(arch: str):
             losses[states] = model(ids, **kwargs).item()
         assert set(seen) == {states}
     assert abs(losses[torch.bfloat16] - losses[torch.float32]) < 0.02 * losses[torch.float32]
+
+
+def test_the_banner_names_a_preset_or_the_dims_and_a_small_count():
+    from launcher.train.model import describe
+
+    assert describe(ModelSpec(arch="bert", size="tiny"), 4_400_000) == "bert tiny, 4.4M params"
+    custom = ModelSpec(arch="bert", n_layers=2, d_model=64, n_heads=2, vocab_size=1024)
+    assert describe(custom, 120_300) == "bert 2x64, 120.3K params"
