@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +237,8 @@ def save_pretrained(
     written = [out / fmt.CONFIG, out / "model.safetensors"]
     save_file(to_hf(state, spec), str(written[1]), metadata={"format": "pt"})
     written[0].write_text(json.dumps(hf_config(spec, base), indent=2, sort_keys=True) + "\n")
+    # safetensors writes 0600; give it the mode of every other file here (the umask's: 0644).
+    os.chmod(written[1], stat.S_IMODE(written[0].stat().st_mode))
     for folder in (tokenizer, spec.init_from):
         if folder is not None and (folder / "tokenizer.json").is_file():
             for name in TOKENIZER_FILES:

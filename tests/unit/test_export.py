@@ -4,6 +4,7 @@ folder; the step it picks; the errors a user can cause (exit 2)."""
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,10 @@ def test_export_writes_the_latest_checkpoint_or_the_step_asked(tmp_path):
             config["n_inner"],
             config["vocab_size"],
         ) == ("gpt2", 2, 96, 64)
+    (tmp_path / "new-file").write_text("")  # the mode a new file gets under this umask
+    umask_mode = stat.S_IMODE((tmp_path / "new-file").stat().st_mode)
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "latest").iterdir()}
+    assert modes == {umask_mode}
 
 
 def test_export_errors_say_what_to_do(tmp_path, capsys):
