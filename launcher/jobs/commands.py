@@ -314,6 +314,11 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
                     f"{len(active)} job(s) still running: {', '.join(d.submission_id for d in active)}; "
                     f"stop them first (`launch stop ID`) or pass --yes to stop them and Ray"
                 )
+            if active:
+                ids = ", ".join(d.submission_id for d in active)
+                print(
+                    f"Stopping {len(active)} job(s) and waiting for them to end: {ids}", flush=True
+                )
             for details in active:
                 jobs.client.stop_job(details.submission_id)
             for details in active:
@@ -344,12 +349,15 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
         from launcher.jobs.head import stop_local_head
 
         assert local is not None
+        print("Stopping the launcher's Ray head on this machine ...", flush=True)
         stop_local_head(local)
         print("Stopped the launcher's Ray head on this machine", flush=True)
     else:
         from launcher.jobs.head import cluster_lock, forget_cluster, saved_addresses
         from launcher.orchestrate.ray_cluster import stop_ray
 
+        names = ", ".join(n.name for n in spec.nodes)
+        print(f"Stopping the launcher's Ray on {names} over SSH ...", flush=True)
         with cluster_lock(spec):  # inside jobs_lock, as every holder of both takes them
             left = stop_ray(spec, list(spec.nodes), saved_addresses(spec))
             forget_cluster(spec)

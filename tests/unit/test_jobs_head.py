@@ -141,6 +141,7 @@ def test_a_lost_token_file_is_exit_3_and_down_yes_stops_the_head(tmp_path, head_
     assert "Traceback" not in status.stderr
     down = launch(tmp_path, "down", "--yes")
     assert down.returncode == 0 and not record.exists(), down.stderr[-2000:]
+    assert "Stopping the launcher's Ray head on this machine ..." in down.stdout
     proc.wait(timeout=30)
 
 
