@@ -39,11 +39,12 @@ bench:
     python3 benchmarks/preflight_fanout.py
     python3 benchmarks/trainer_vs_hf.py --device cpu
 
-# The GPU comparison (README "Performance"): 3 interleaved rounds, medians and ranges
+# The GPU comparison (docs/performance.md): 3 interleaved rounds, medians and ranges
 gpu-bench *ARGS:
     python3 benchmarks/gpu_bench.py --repeat 3 {{ARGS}}
 
-# Regenerate the JSON Schemas editors use for jobs/*.yaml and cluster.yaml
+# Regenerate the JSON Schemas editors use for jobs/*.yaml and cluster.yaml, and docs/spec-reference.md
 schema:
     launch schema job > launcher/spec/schemas/job.schema.json
     launch schema cluster > launcher/spec/schemas/cluster.schema.json
+    python3 docs/spec_reference.py

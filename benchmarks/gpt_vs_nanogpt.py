@@ -21,7 +21,7 @@ every token, AdamW (β 0.9/0.95, weight decay 0.1, clip 1.0) and the same schedu
 Throughput: tokens per step × steps over those steps' seconds, after ``--warmup`` steps:
 nanoGPT's printed per-iteration times, summed; ours the trainer's measured interval (the
 wall time between synchronised log steps). MFU = 6·N + 6·L·d·S FLOPs per token (N the
-matmul weights incl. the tied head; README "Performance") over 989 TFLOP/s, for both.
+matmul weights incl. the tied head; docs/performance.md) over 989 TFLOP/s, for both.
 Loss: the mean over the last 20 steps on both sides. The GPU (NVML, sampled every 50 ms by
 this process) over each side's timed steps: mean SM clock, the share of samples held down by
 the power cap, mean power and energy per token from the GPU's energy counter. A GPU at its power

@@ -1,4 +1,4 @@
-"""The GPU performance comparison in one run (see README "Performance").
+"""The GPU performance comparison in one run (docs/performance.md).
 
 Runs, side by side on this machine's GPUs:
   * Hugging Face ``BertForMaskedLM`` vs this trainer's BERT, eager and compiled, one process

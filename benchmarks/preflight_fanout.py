@@ -8,7 +8,7 @@ time of 16 nodes close to that of one (target: within 3x); a serial one would be
 
 All simulated nodes share this machine's cores: each costs 120-280 ms of CPU (sshd, login
 shell, Python, probe), so on 2 cores 16 nodes are CPU-bound on the *nodes'* side (4.7-6.7x of
-one), while on 32 cores they take 1.7-1.8x (README "Preflight fan-out"). The table therefore
+one), while on 32 cores they take 1.7-1.8x (benchmarks/RESULTS.md). The table therefore
 also shows the floor any SSH fan-out pays here (``ssh true`` on every node at once), and
 ``--bare-login`` hides ~/.bashrc inside the nodes (a login that runs none).
 
