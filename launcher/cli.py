@@ -30,6 +30,7 @@ COMMANDS = (
     "check",
     "scale",
     "report",
+    "doctor",
     "schema",
     "export",
     "tokenize",
@@ -178,7 +179,29 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     from launcher.jobs.commands import logs
 
+    if args.rank is not None or args.node is not None or Path(args.job_id).is_dir():
+        from launcher.results.logs import rank_logs
+
+        if args.follow:
+            raise UsageError("--follow streams a job's driver output; leave out --rank and --node")
+        print(rank_logs(_run_dir_of(args), rank=args.rank, node=args.node), end="")
+        return 0
     return logs(_load_cluster(args), args.job_id, follow=args.follow)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from launcher.results.doctor import doctor_command
+
+    return doctor_command(str(_run_dir_of(args)), as_json=args.json)
+
+
+def _run_dir_of(args: argparse.Namespace) -> Path:
+    """``job_id`` as given: a run directory, else a detached job's, fetched from its head."""
+    if Path(args.job_id).is_dir():
+        return Path(args.job_id)
+    from launcher.jobs.commands import fetch
+
+    return fetch(_load_cluster(args), args.job_id, to=None)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -388,7 +411,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stream until the job ends (Ctrl-C stops following, not the job)",
     )
+    p.add_argument("--rank", type=int, help="that rank's output (ID may be a run directory)")
+    p.add_argument("--node", help="that node's ranks' output, each line marked with its rank")
     p.set_defaults(func=cmd_logs)
+    p = jobs_parser("doctor", "what made a run slow, most costly first (ID or a run directory)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=cmd_doctor)
     jobs_parser("stop", "stop a detached job as Ctrl-C stops a foreground run").set_defaults(
         func=cmd_stop
     )

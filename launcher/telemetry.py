@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 INTERVAL_S = 5.0
+ENV_VAR = "LAUNCHER_TELEMETRY_S"  # in launch.env: seconds between samples, 0 turns it off
 SUBDIR = "telemetry"
 # NVML's clock event (throttle) reasons that hold the SM clock below what the load asks for.
 CLOCK_LIMITS = {

@@ -312,15 +312,19 @@ class NodeAgent:
             time.sleep(0.25)
 
     def _sample_gpus(self) -> None:
-        """This node's GPUs every ``telemetry.INTERVAL_S`` while torchrun runs (nothing without
-        NVML); samples go out with the next poll, not on their own."""
-        assert self._proc is not None
+        """This node's GPUs every ``telemetry.INTERVAL_S`` (``$LAUNCHER_TELEMETRY_S`` in the
+        plan's environment; 0 turns it off) while torchrun runs, nothing without NVML; samples
+        go out with the next poll, not on their own."""
+        assert self._proc is not None and self._plan is not None
+        every_s = float(self._plan["env"].get(telemetry.ENV_VAR) or telemetry.INTERVAL_S)
+        if every_s <= 0:  # turned off
+            return
         sampler = telemetry.GpuSampler()
         try:
             due = 0.0
             while sampler.available and self._proc.poll() is None:
                 if time.monotonic() >= due:
-                    due = time.monotonic() + telemetry.INTERVAL_S
+                    due = time.monotonic() + every_s
                     samples = sampler.sample()
                     with self._lock:
                         self._telemetry.extend(samples)

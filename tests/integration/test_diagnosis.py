@@ -4,13 +4,15 @@ doctor`` afterwards."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
 from fixtures.launching import FIXTURES, Launcher
 
 
-def write_job(tmp_path: Path, entry: dict, **extra) -> Path:
+def write_job(tmp_path: Path, entry: dict | str, **extra) -> Path:
     job = {
         "name": "diag",
         "resources": {"nproc_per_node": 2, "device": "cpu"},
@@ -38,3 +40,65 @@ def test_a_rank_that_computes_longer_is_named_live_and_in_the_summary(tmp_path):
     found = json.loads((run_dir / "summary.json").read_text())["stragglers"]
     assert [s["rank"] for s in found] == [1] and found[0]["from"] == "compute_s"
     assert 40 < found[0]["slower_pct"] < 80
+
+
+def doctor(run_dir: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher", "doctor", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_doctor_names_the_straggler_of_a_finished_run(tmp_path):
+    run_dir = tmp_path / f"slow-{tmp_path.name}"
+    job = write_job(tmp_path, {"script": str(FIXTURES / "slow_rank.py"), "args": ["--steps", "40"]})
+    with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        assert run.wait(timeout=240) == 0, run.output[-3000:]
+    found = doctor(run_dir)
+    assert not found["clean"]
+    straggler = next(f for f in found["findings"] if f["kind"] == "straggler")
+    assert straggler["title"] == "Straggler: rank 1 on node local"
+
+
+PLANTED = """
+import os
+
+if "LOCAL_RANK" in os.environ:  # a worker: every batch takes 80 ms longer to come
+    import time
+
+    from launcher.train import data
+
+    made = data.MadeAhead.batch
+
+    def batch(self, step, micro=0):
+        time.sleep(0.08)
+        return made(self, step, micro)
+
+    data.MadeAhead.batch = batch
+"""
+
+
+def test_doctor_names_data_loading_first_on_a_builtin_run_that_waits_for_data(tmp_path):
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(PLANTED)
+    run_dir = tmp_path / f"wait-{tmp_path.name}"
+    job = write_job(
+        tmp_path,
+        "builtin",
+        model={"arch": "bert", "size": "tiny"},
+        data={"source": "synthetic", "seq_len": 32},
+        train={"steps": 24, "warmup_steps": 4, "micro_batch": 4, "log_every": 4},
+        cudnn={"benchmark": False},
+        launch={"env": {"PYTHONPATH": str(plant)}},
+    )
+    with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
+        assert run.wait(timeout=300) == 0, run.output[-3000:]
+    found = doctor(run_dir)
+    first = found["findings"][0]
+    assert first["kind"] == "data_wait" and first["cost_pct"] > 30, found
+    assert "waits for data" in first["evidence"] and "data" in first["change"]
