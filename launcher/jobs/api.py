@@ -35,6 +35,7 @@ from typing import Any
 
 from launcher.errors import LauncherError, PreflightError, UsageError
 from launcher.jobs import head as heads
+from launcher.jobs import records
 from launcher.spec import ClusterSpec, NodeSpec
 from launcher.util import first_line, free_port
 
@@ -105,9 +106,9 @@ class JobsCluster:
 def connect(cluster: ClusterSpec, *, start: bool = False) -> Iterator[JobsCluster]:
     """The cluster's Jobs API; ``start`` starts (or bootstraps) the launcher's Ray when none
     runs, else NoJobs is raised for a cluster without one. With ``start`` (a submission) the
-    launcher's Ray is locked (``head.jobs_lock``) until the block ends: ``launch down`` does
+    launcher's Ray is locked (``records.jobs_lock``) until the block ends: ``launch down`` does
     not stop it between finding it and handing it the job."""
-    with heads.jobs_lock(cluster) if start else contextlib.nullcontext():
+    with records.jobs_lock(cluster) if start else contextlib.nullcontext():
         if cluster.ray.address is not None:
             with _attached(cluster) as jobs:
                 yield jobs
@@ -149,8 +150,8 @@ def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]
     reach, or whose Jobs API does not answer, keeps its record (its jobs may run on) and is a
     PreflightError."""
     with contextlib.ExitStack() as stack:
-        with heads.cluster_lock(cluster):
-            saved = heads.saved_cluster(cluster)
+        with records.cluster_lock(cluster):
+            saved = records.saved_cluster(cluster)
             if saved is None and not start:
                 raise NoJobs()
             if saved is None:
@@ -223,7 +224,7 @@ def _not_answering(saved: ClusterSpec, err: BaseException) -> PreflightError:
 def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
     """Start Ray on every node of the cluster as a foreground run does, dashboard on, and
     leave it running for detached jobs; remember it and the address each node's ``ray start``
-    was given (``head.save_cluster``; ``launch down`` tells this cluster's ``ray start`` by them)."""
+    was given (``records.save_cluster``; ``launch down`` tells this cluster's ``ray start`` by them)."""
     from launcher.orchestrate.ray_cluster import open_session
 
     spec = cluster.model_copy(update={"ray": cluster.ray.model_copy(update={"dashboard": True})})
@@ -234,7 +235,7 @@ def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
     # without its warning, which speaks of --keep-ray).
     ray.shutdown()
     os.environ.pop("RAY_AUTH_TOKEN", None)
-    heads.save_cluster(spec, session.node_ips)
+    records.save_cluster(spec, session.node_ips)
     return spec
 
 

@@ -290,7 +290,7 @@ def fetch(cluster: ClusterSpec, job_id: str, *, to: Path | None) -> Path:
 
 def down(cluster: ClusterSpec, *, yes: bool) -> int:
     """Stop the Ray the launcher started for detached jobs (never one it attached to)."""
-    from launcher.jobs.head import jobs_lock
+    from launcher.jobs.records import jobs_lock
 
     if cluster.ray.address is not None:
         print(
@@ -330,7 +330,8 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
     except PreflightError:
         # Ray that does not answer: --yes stops what is left of it unasked (and forgets a
         # bootstrapped cluster), without the job list it cannot give
-        from launcher.jobs.head import UnreadableRecord, recorded_local_head, saved_cluster
+        from launcher.jobs.head import recorded_local_head
+        from launcher.jobs.records import UnreadableRecord, saved_cluster
 
         if cluster.all_local:
             kind, spec, local = "local", cluster, recorded_local_head()
@@ -353,7 +354,7 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
         stop_local_head(local)
         print("Stopped the launcher's Ray head on this machine", flush=True)
     else:
-        from launcher.jobs.head import cluster_lock, forget_cluster, saved_addresses
+        from launcher.jobs.records import cluster_lock, forget_cluster, saved_addresses
         from launcher.orchestrate.ray_cluster import stop_ray
 
         names = ", ".join(n.name for n in spec.nodes)

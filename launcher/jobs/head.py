@@ -1,4 +1,5 @@
-"""The Ray that the launcher starts for detached jobs, and the private files that find it again.
+"""The Ray that the launcher starts on this machine for detached jobs, found again through
+its record in the launcher's state folder (``records``).
 
 State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, else
 ``~/.local/state/launcher``), a 0700 folder:
@@ -8,28 +9,6 @@ State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, el
   it is never on a command line), ``head.log`` (Ray's start-up output). The head runs in a
   session of its own, so it outlives the ``launch submit`` that started it; every later
   command finds it through ``head.json``, and ``launch down`` stops exactly it.
-- ``clusters/<head host>-<gcs port>.json``: a cluster bootstrapped over SSH that stays up for
-  its jobs: its resolved cluster spec, so ``launch down`` stops Ray on exactly those nodes, and
-  under ``ray_start_addresses`` the address each node's ``ray start`` was given (the head's is
-  the one the others joined), so ``launch down`` finds a ``ray start`` left running there
-  whatever the nodes' names resolve to by then (a record without it: resolved again).
-  Its token stays on the nodes (``$HOME/.ray/launcher_auth_token``); commands read it over
-  SSH when they open the tunnel to the head. ``clusters/<head host>-<gcs port>.lock`` is held
-  while a command reads the record, bootstraps and saves it, and while ``launch down`` stops
-  and forgets it.
-
-Two locks (flock) for each launcher Ray, in two files, always taken in this order:
-
-1. ``jobs_lock`` (``local/.jobs.lock``, or ``clusters/<head host>-<gcs port>.jobs.lock``): held
-   by ``launch submit`` from finding (or starting) the launcher's Ray until Ray has the job
-   (the code's upload included), and by ``launch down`` from listing the jobs until Ray is
-   stopped: down stops no job it did not list. ``status``, ``list``, ``logs``, ``stop`` and
-   ``fetch`` never take it, so they answer while a submission uploads or ``down`` waits for
-   its jobs to stop.
-2. the head's lock (``local/.lock``, or the cluster's ``.lock`` above): held only while a
-   command finds, starts or stops the Ray (or reads, saves or forgets its record); every
-   command takes it, and a command that holds both took ``jobs_lock`` first.
-
 The local head binds its dashboard and Jobs API to 127.0.0.1 and needs the token for every
 request (``RAY_AUTH_MODE=token``); its other ports are free ports picked at start (Ray's
 defaults, such as the client server's 10001, would clash with a Ray someone else runs here).
@@ -38,7 +17,6 @@ defaults, such as the client server's 10001, would clash with a Ray someone else
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import http.client
 import json
 import logging
@@ -48,59 +26,22 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-from launcher.errors import PreflightError, UnsafePath
-from launcher.spec import ClusterSpec
-from launcher.util import first_line, free_port, private_dir, write_private
+from launcher.errors import PreflightError
+from launcher.jobs.records import UnreadableRecord, local_folder, locked
+from launcher.util import free_port, write_private
 
 log = logging.getLogger(__name__)
 
-STATE_ENV = "LAUNCHER_STATE_DIR"
 START_TIMEOUT_S = 120.0  # `ray start` with the dashboard takes ~8 s on a 2-core machine
 STOP_TIMEOUT_S = 20.0
 ANSWER_WAIT_S = 30.0  # a head busy starting jobs on 2 cores can take seconds to answer
-
-
-class UnreadableRecord(PreflightError):
-    """A state file of the launcher that cannot be read (exit 3): ``launch down --yes`` forgets it."""
-
-    def __init__(self, path: Path, err: BaseException):
-        super().__init__(
-            f"the launcher's record {path} cannot be read ({first_line(err)}); `launch down --yes` "
-            f"stops what it recorded and forgets it"
-        )
-
-
-def state_dir() -> Path:
-    """The launcher's private state folder (created 0700). UnsafePath (exit 2) where it exists
-    and another user owns it or may write it."""
-    path, reason = private_dir(_state_root())
-    if reason:
-        raise UnsafePath(
-            "the launcher's state folder",
-            path,
-            reason,
-            f"Remove it (or `chmod 700` it, as its owner), or point ${STATE_ENV} at a folder of yours",
-        )
-    return path
-
-
-def _state_root() -> Path:
-    return Path(
-        os.environ.get(STATE_ENV)
-        or os.path.join(
-            os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "launcher"
-        )
-    )
 
 
 @dataclass(frozen=True)
@@ -142,8 +83,8 @@ def local_head(*, start: bool) -> LocalHead | None:
     recorded pid is the head only while that process's command line names the head's temp
     dir: after a reboot the pid may be another process's, which is left alone.
     """
-    folder = _local_folder()
-    with _locked(folder / ".lock"):
+    folder = local_folder()
+    with locked(folder / ".lock"):
         head = _load(folder)
         if head is not None and _is_head(head):
             deadline = time.monotonic() + ANSWER_WAIT_S
@@ -166,7 +107,7 @@ def recorded_local_head() -> LocalHead | None:
     """The local head's record, whether it answers or not (for ``launch down --yes``). An
     unreadable record gives what is known without it: the head's temp dir, whose processes
     ``stop_local_head`` stops (no pid: none is signalled by pid)."""
-    folder = _local_folder()
+    folder = local_folder()
     try:
         return _load(folder)
     except UnreadableRecord:
@@ -182,8 +123,8 @@ def recorded_local_head() -> LocalHead | None:
 
 def stop_local_head(head: LocalHead) -> None:
     """Stop the local head and everything it started; forget it."""
-    folder = _local_folder()
-    with _locked(folder / ".lock"):
+    folder = local_folder()
+    with locked(folder / ".lock"):
         _stop(head)
         for name in ("head.json", "auth_token", TEMP_DIR_FILE):
             (folder / name).unlink(missing_ok=True)
@@ -223,126 +164,7 @@ def no_proxy_for_loopback(env: dict[str, str] | os._Environ[str]) -> None:
             env[name] = ",".join(have + [h for h in LOOPBACK if h not in have])
 
 
-# -- bootstrapped clusters kept up for their jobs -------------------------------------------------
-
-
-def cluster_record(cluster: ClusterSpec) -> Path:
-    head = cluster.nodes[0]
-    folder = state_dir() / "clusters"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder / f"{head.host}-{cluster.ray.port}.json"
-
-
-@contextlib.contextmanager
-def cluster_lock(cluster: ClusterSpec) -> Iterator[None]:
-    """One process at a time reads, bootstraps and saves (or stops and forgets) this cluster's
-    record (``clusters/<head host>-<gcs port>.lock``)."""
-    with _locked(cluster_record(cluster).with_suffix(".lock")):
-        yield
-
-
-@contextlib.contextmanager
-def jobs_lock(cluster: ClusterSpec) -> Iterator[None]:
-    """The jobs lock of the launcher's Ray for ``cluster`` (none for a Ray it attaches to): held
-    by a submission until Ray has the job and by ``launch down`` from listing the jobs to
-    stopping Ray. A file of its own (``.jobs.lock``), not the head's lock that every command
-    takes briefly (``local_head``, ``cluster_lock``): those are taken inside it, never around
-    it, so ``status`` and ``list`` do not wait for a submission's upload."""
-    if cluster.ray.address is not None:
-        yield
-    elif cluster.all_local:
-        with _locked(_local_folder() / ".jobs.lock"):
-            yield
-    else:
-        with _locked(cluster_record(cluster).with_suffix(".jobs.lock")):
-            yield
-
-
-ADDRESSES_KEY = (
-    "ray_start_addresses"  # in a cluster's record, beside its spec: node name -> address
-)
-
-
-def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:
-    """The spec a bootstrapped cluster with this head was started with, if the launcher keeps one."""
-    record = _read_record(cluster)
-    if record is None:
-        return None
-    record.pop(ADDRESSES_KEY, None)
-    try:
-        return ClusterSpec.model_validate(record)
-    except ValueError as err:  # a record of another version
-        raise UnreadableRecord(cluster_record(cluster), err) from err
-
-
-def saved_addresses(cluster: ClusterSpec) -> dict[str, str]:
-    """The address each node's ``ray start`` was given (``--node-ip-address``; the head's is the
-    ``--address`` the others joined), by node name, as the record of this cluster keeps them.
-    Empty without a record or for an unreadable one."""
-    try:
-        record = _read_record(cluster)
-    except (UnreadableRecord, OSError):  # OSError: no state folder to look in
-        return {}
-    return dict((record or {}).get(ADDRESSES_KEY) or {})
-
-
-def save_cluster(cluster: ClusterSpec, addresses: Mapping[str, str] | None = None) -> None:
-    """Record a bootstrapped cluster: its spec, and ``addresses`` (``saved_addresses``) if given."""
-    record = cluster.model_dump(mode="json")
-    if addresses:
-        record[ADDRESSES_KEY] = dict(addresses)
-    write_private(cluster_record(cluster), json.dumps(record, indent=2) + "\n")
-
-
-def forget_cluster(cluster: ClusterSpec) -> None:
-    cluster_record(cluster).unlink(missing_ok=True)
-
-
-def _read_record(cluster: ClusterSpec) -> dict[str, Any] | None:
-    """The cluster's record as written; None without one; UnreadableRecord for one that is not
-    a JSON object."""
-    path = cluster_record(cluster)
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as err:  # ValueError: bad JSON
-        raise UnreadableRecord(path, err) from err
-    if not isinstance(record, dict):
-        raise UnreadableRecord(path, ValueError("not a JSON object"))
-    return record
-
-
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def _local_folder() -> Path:
-    folder = state_dir() / "local"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder
-
-
-_held = threading.local()  # the lock files this thread holds
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One process at a time holds ``path`` (flock): starts or stops a head, two submits at
-    once share one. A thread that holds it already goes on (a second flock of the same file
-    would wait for itself); other threads wait as other processes do."""
-    held: set[str] = _held.__dict__.setdefault("paths", set())
-    key = str(path.resolve())
-    if key in held:
-        yield
-        return
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        held.add(key)
-        try:
-            yield
-        finally:
-            held.discard(key)
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _load(folder: Path) -> LocalHead | None:

@@ -12,8 +12,7 @@ import types
 import pytest
 
 from launcher.errors import PreflightError
-from launcher.jobs import api
-from launcher.jobs import head as heads
+from launcher.jobs import api, records
 from launcher.orchestrate import ray_cluster
 from launcher.remote import CommandResult
 from launcher.spec import ClusterSpec
@@ -33,7 +32,7 @@ NODE_TEMP = "/tmp/launcher-ray-node-0-x1y2z3"
 
 @pytest.fixture(autouse=True)
 def state(tmp_path, monkeypatch):
-    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
 
 
 def session(monkeypatch, answers):
@@ -134,21 +133,23 @@ def test_the_bootstrap_records_the_addresses_its_ray_start_was_given(monkeypatch
     )
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     spec = api._bootstrap(CLUSTER)
-    assert heads.saved_cluster(CLUSTER) == spec and heads.saved_addresses(CLUSTER) == started_with
+    assert (
+        records.saved_cluster(CLUSTER) == spec and records.saved_addresses(CLUSTER) == started_with
+    )
 
 
 def test_a_record_that_cannot_be_read_has_no_addresses(monkeypatch):
-    heads.cluster_record(CLUSTER).write_text("{not json")
-    with pytest.raises(heads.UnreadableRecord):
-        heads.saved_cluster(CLUSTER)
-    assert heads.saved_addresses(CLUSTER) == {}
+    records.cluster_record(CLUSTER).write_text("{not json")
+    with pytest.raises(records.UnreadableRecord):
+        records.saved_cluster(CLUSTER)
+    assert records.saved_addresses(CLUSTER) == {}
 
 
 def stub_bootstrap(monkeypatch, calls):
     def bootstrap(cluster):
         calls.append(time.monotonic())
         time.sleep(0.3)
-        heads.save_cluster(cluster)
+        records.save_cluster(cluster)
         return cluster
 
     monkeypatch.setattr(api, "_bootstrap", bootstrap)
@@ -163,7 +164,7 @@ def stub_bootstrap(monkeypatch, calls):
     ],
 )
 def test_a_head_that_ssh_cannot_reach_keeps_its_record_and_ray(monkeypatch, error):
-    heads.save_cluster(CLUSTER)
+    records.save_cluster(CLUSTER)
     calls: list[float] = []
     stub_bootstrap(monkeypatch, calls)
     monkeypatch.setattr(api, "_tunnel", tunnel_to(error=error))
@@ -172,11 +173,11 @@ def test_a_head_that_ssh_cannot_reach_keeps_its_record_and_ray(monkeypatch, erro
         api.connect(CLUSTER, start=True),
     ):
         pass
-    assert calls == [] and heads.saved_cluster(CLUSTER) == CLUSTER
+    assert calls == [] and records.saved_cluster(CLUSTER) == CLUSTER
 
 
 def test_a_head_without_the_token_is_bootstrapped_again(monkeypatch):
-    heads.save_cluster(CLUSTER)
+    records.save_cluster(CLUSTER)
     calls: list[float] = []
     stub_bootstrap(monkeypatch, calls)
     tunnels = iter([api.NoToken("no launcher token on node0"), None])
@@ -228,7 +229,7 @@ def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
     from launcher.errors import UsageError
 
     saved = CLUSTER.model_copy(update={"ray": CLUSTER.ray.model_copy(update={"dashboard": True})})
-    heads.save_cluster(saved)
+    records.save_cluster(saved)
     calls: list[float] = []
     stub_bootstrap(monkeypatch, calls)
     monkeypatch.setattr(api, "_tunnel", tunnel_to())
@@ -301,7 +302,7 @@ def test_down_stops_ray_only_under_the_jobs_it_listed(monkeypatch, capsys):
     must not be stopped with that Ray, unlisted: it waits, and runs on a Ray started again."""
     from launcher.jobs import commands
 
-    heads.save_cluster(CLUSTER)
+    records.save_cluster(CLUSTER)
     calls: list[float] = []
     stub_bootstrap(monkeypatch, calls)
     monkeypatch.setattr(api, "_tunnel", tunnel_to())
@@ -345,7 +346,7 @@ def test_down_waits_for_a_submission_that_found_ray_before_it(monkeypatch):
     from launcher.errors import UsageError
     from launcher.jobs import commands
 
-    heads.save_cluster(CLUSTER)
+    records.save_cluster(CLUSTER)
     stub_bootstrap(monkeypatch, [])
     monkeypatch.setattr(api, "_tunnel", tunnel_to())
     ray = FakeRay()
@@ -376,4 +377,4 @@ def test_down_waits_for_a_submission_that_found_ray_before_it(monkeypatch):
     with pytest.raises(UsageError, match="1 job.s. still running: later"):
         commands.down(CLUSTER, yes=False)
     submitter.join(timeout=30)
-    assert stopped_with_ray == [] and heads.saved_cluster(CLUSTER) == CLUSTER
+    assert stopped_with_ray == [] and records.saved_cluster(CLUSTER) == CLUSTER

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.jobs import records
 from launcher.util import free_port
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
@@ -86,7 +87,7 @@ def test_a_reused_pid_is_not_the_head(tmp_path, unrelated):
 def test_stop_leaves_a_reused_pid_alone(tmp_path, unrelated, monkeypatch):
     from launcher.jobs import head as heads
 
-    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
     write_record(tmp_path, unrelated.pid)
     recorded = heads.recorded_local_head()
     assert recorded is not None and recorded.pid == unrelated.pid
@@ -100,8 +101,8 @@ def head_process(tmp_path, monkeypatch):
     """A process whose command line names the head's temp dir, as each of the head's does."""
     from launcher.jobs import head as heads
 
-    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
-    temp_dir = heads._new_temp_dir(heads._local_folder())  # recorded, as a head's start does
+    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
+    temp_dir = heads._new_temp_dir(records.local_folder())  # recorded, as a head's start does
     proc = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(300)", temp_dir], start_new_session=True
     )

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from launcher.jobs import api, commands
+from launcher.jobs import api, commands, records
 from launcher.jobs import head as heads
 from launcher.spec import ClusterSpec
 
@@ -37,11 +37,11 @@ PROMPTLY_S = 10.0
 
 HOLDER = """
 import json, sys
-from launcher.jobs import head
+from launcher.jobs import records
 from launcher.spec import ClusterSpec
 cluster = ClusterSpec.model_validate(json.loads(sys.argv[2]))
-lock = head.jobs_lock(cluster) if sys.argv[1] == "jobs" else (
-    head.cluster_lock(cluster) if not cluster.all_local else head._locked(head._local_folder() / ".lock"))
+lock = records.jobs_lock(cluster) if sys.argv[1] == "jobs" else (
+    records.cluster_lock(cluster) if not cluster.all_local else records.locked(records.local_folder() / ".lock"))
 with lock:
     print("held", flush=True)
     sys.stdin.read()  # until the test closes stdin
@@ -50,7 +50,7 @@ with lock:
 
 @pytest.fixture(autouse=True)
 def state(tmp_path, monkeypatch):
-    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
 
 
 @contextlib.contextmanager
@@ -114,7 +114,7 @@ def takes(lock: Callable[[], contextlib.AbstractContextManager[None]], what: str
 
 def test_local_status_and_list_answer_while_a_submission_holds_the_jobs_lock(capsys):
     with held_elsewhere("jobs", LOCAL):
-        takes(lambda: heads._locked(heads._local_folder() / ".lock"), "taking the head's lock")
+        takes(lambda: records.locked(records.local_folder() / ".lock"), "taking the head's lock")
         assert finishes(lambda: heads.local_head(start=False), "finding the local head") is None
         assert finishes(lambda: commands.list_jobs(LOCAL, as_json=True), "launch list") == 0
         assert finishes(lambda: commands.status(LOCAL, None, as_json=False), "launch status") == 0
@@ -129,7 +129,7 @@ def bootstrapped(monkeypatch) -> None:
     def tunnel(cluster, *, token=False):
         yield "http://127.0.0.1:1", "secret"
 
-    heads.save_cluster(REMOTE)
+    records.save_cluster(REMOTE)
     monkeypatch.setattr(api, "_tunnel", tunnel)
     monkeypatch.setattr(
         api, "_client", lambda url, token: type("C", (), {"list_jobs": lambda self: []})()
@@ -142,7 +142,7 @@ def test_bootstrapped_status_and_list_answer_while_a_submission_holds_the_jobs_l
 ):
     bootstrapped(monkeypatch)
     with held_elsewhere("jobs", REMOTE):
-        takes(lambda: heads.cluster_lock(REMOTE), "taking the cluster's lock")
+        takes(lambda: records.cluster_lock(REMOTE), "taking the cluster's lock")
         assert finishes(lambda: commands.list_jobs(REMOTE, as_json=True), "launch list") == 0
         assert finishes(lambda: commands.status(REMOTE, None, as_json=True), "launch status") == 0
     assert capsys.readouterr().out == "[]\n[]\n"
@@ -153,12 +153,12 @@ def test_the_jobs_lock_is_not_the_heads_lock(cluster):
     """Either is free while another process holds the other (a file each); a submission waits
     for another's jobs lock."""
     with held_elsewhere("head", cluster):
-        takes(lambda: heads.jobs_lock(cluster), "taking the jobs lock")
+        takes(lambda: records.jobs_lock(cluster), "taking the jobs lock")
     with held_elsewhere("jobs", cluster):
         entered = threading.Event()
 
         def submit() -> None:
-            with heads.jobs_lock(cluster):
+            with records.jobs_lock(cluster):
                 entered.set()
 
         threading.Thread(target=submit, daemon=True).start()

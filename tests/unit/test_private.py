@@ -9,6 +9,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.errors import UnsafePath
+from launcher.jobs import records
 from launcher.orchestrate.ray_cluster import remove_ray_temp
 from launcher.util import (
     MASK,
@@ -91,7 +92,7 @@ def test_a_folder_of_another_user_is_not_trusted(tmp_path):
 
 
 def test_a_state_folder_others_may_write_is_refused(tmp_path, monkeypatch, capsys):
-    from launcher.jobs.head import STATE_ENV, state_dir
+    from launcher.jobs.records import STATE_ENV, state_dir
 
     state = tmp_path / "state"
     state.mkdir()
@@ -107,8 +108,8 @@ def test_a_state_folder_others_may_write_is_refused(tmp_path, monkeypatch, capsy
 def test_the_local_heads_temp_dir_is_new_private_and_recorded(tmp_path, monkeypatch):
     from launcher.jobs import head as heads
 
-    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
-    folder = heads._local_folder()
+    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
+    folder = records.local_folder()
     assert heads._temp_dir(folder) == ""  # none known yet: nothing is signalled by it
     first = heads._new_temp_dir(folder)
     try:

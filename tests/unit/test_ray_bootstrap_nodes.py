@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import PreflightError
+from launcher.jobs import records
 from launcher.orchestrate import ray_cluster
 from launcher.remote import INTERNAL, TIMEOUT, CommandResult, NodeError, Runner, remote_command
 from launcher.spec import ClusterSpec
@@ -493,18 +494,20 @@ def test_launch_down_kills_the_ray_start_by_the_addresses_its_record_keeps(
 ):
     """`launch down` (another process, later) stops a bootstrapped cluster by its record, which
     keeps the addresses its `ray start`s were given: they are matched, not the names resolved now."""
-    from launcher.jobs import head as heads
 
-    monkeypatch.setenv(heads.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
     cluster = two_nodes(port)
-    heads.save_cluster(cluster, STARTED_WITH)
+    records.save_cluster(cluster, STARTED_WITH)
     assert (
-        heads.saved_cluster(cluster) == cluster and heads.saved_addresses(cluster) == STARTED_WITH
+        records.saved_cluster(cluster) == cluster
+        and records.saved_addresses(cluster) == STARTED_WITH
     )
     starts = leftover_starts(port)
     monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
     # as `launch down` calls it
-    assert ray_cluster.stop_ray(cluster, list(cluster.nodes), heads.saved_addresses(cluster)) == []
+    assert (
+        ray_cluster.stop_ray(cluster, list(cluster.nodes), records.saved_addresses(cluster)) == []
+    )
     assert_killed(starts)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from launcher.errors import EXIT_PREFLIGHT, PreflightError
-from launcher.jobs import api
+from launcher.jobs import api, records
 from launcher.orchestrate import ray_cluster
 from launcher.spec import ClusterSpec
 
@@ -57,20 +57,19 @@ def test_launch_down_yes_forgets_a_bootstrapped_cluster_whose_head_is_gone(
     tmp_path, monkeypatch, capsys
 ):
     from launcher.cli import main
-    from launcher.jobs import head as heads
 
     monkeypatch.setenv("LAUNCHER_STATE_DIR", str(tmp_path / "state"))
     cluster = _ghost_cluster(tmp_path)
     path = tmp_path / "cluster.yaml"
     path.write_text(json.dumps(cluster.model_dump(mode="json")))
-    heads.save_cluster(cluster)  # what a `launch submit` left: Ray started there, since gone
+    records.save_cluster(cluster)  # what a `launch submit` left: Ray started there, since gone
 
     assert main(["down", "--cluster", str(path)]) == EXIT_PREFLIGHT  # not unasked
     assert "does not answer" in capsys.readouterr().err
-    assert heads.saved_cluster(cluster) is not None
+    assert records.saved_cluster(cluster) is not None
     assert main(["down", "--cluster", str(path), "--yes"]) == EXIT_PREFLIGHT
     out = capsys.readouterr()
     assert "could not reach ghost: Ray may still run there" in out.err and "Stopped" not in out.out
-    assert heads.saved_cluster(cluster) is None  # forgotten all the same
+    assert records.saved_cluster(cluster) is None  # forgotten all the same
     assert main(["down", "--cluster", str(path)]) == 0
     assert "nothing to stop" in capsys.readouterr().out
