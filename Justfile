@@ -9,10 +9,10 @@ setup:
 demo:
     launch jobs/quickstart.yaml
 
-# The whole test suite, as CI runs it: two workers, a file's tests on one, the
-# network-namespace tests one at a time (they need root)
+# The whole test suite, as CI runs it (network-namespace tests need root). Add
+# `-n 2 --dist loadgroup` for two workers: a file's tests share one, netns tests go one at a time.
 test *ARGS:
-    python3 -m pytest -q -n 2 --dist loadgroup {{ARGS}}
+    python3 -m pytest -q {{ARGS}}
 
 # Pure logic only: no process, Ray, network namespace or GPU (markers in pyproject.toml)
 test-fast *ARGS:
