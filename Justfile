@@ -9,8 +9,8 @@ setup:
 demo:
     launch jobs/quickstart.yaml
 
-# The whole test suite, as CI runs it (network-namespace tests need root). Add
-# `-n 2 --dist loadgroup` for two workers: a file's tests share one, netns tests go one at a time.
+# Add `-n 2 --dist loadgroup` for two workers (a file's tests share one, netns tests one at a time).
+# The whole test suite, as CI runs it (network-namespace tests need root)
 test *ARGS:
     python3 -m pytest -q {{ARGS}}
 
