@@ -47,9 +47,12 @@ POINT_KEYS = (
     "repeats",
     "failed_repeats",
     "run_dirs",
+    "noisy",
 )
 CSV_KEYS = POINT_KEYS[:8] + ("failed_repeats",)
 DASH = "–"
+SPREAD_LIMIT = 2.0  # a rank's p95 step time above this many times its p50: a noisy measurement
+DISAGREE_LIMIT = 0.10  # repeats whose range exceeds this share of their median disagree
 
 
 def scale_job(job: JobSpec, world: int, base_world: int, mode: str) -> JobSpec:
@@ -121,6 +124,7 @@ def build_table(points: list[dict], *, job: str, mode: str) -> dict:
                 "repeats": measured,
                 "failed_repeats": len(values) - len(measured),
                 "run_dirs": [str(d) for d in run_dirs],
+                "noisy": noise(point.get("repeats", []), measured),
             }
         )
     base = next((r for r in rows if r["tokens_per_s"]), None)
@@ -134,6 +138,28 @@ def build_table(points: list[dict], *, job: str, mode: str) -> dict:
         "base_ranks": base["ranks"] if base is not None else None,
         "points": rows,
     }
+
+
+def noise(repeats: list[Any], measured: list[float]) -> str | None:
+    """Why a point's measurement is noise, or None: a rank's step times spread (p95 far above
+    p50), or repeats that disagree."""
+    why = []
+    spreads = [
+        r["step_time_ms_p95"] / r["step_time_ms_p50"]
+        for rep in repeats
+        if isinstance(rep, dict)
+        for r in rep.get("ranks") or []
+        if r.get("step_time_ms_p50") and r.get("step_time_ms_p95")
+    ]
+    if spreads and max(spreads) > SPREAD_LIMIT:
+        why.append(f"p95 step time {max(spreads):.1f}x p50")
+    if (
+        len(measured) > 1
+        and (spread := (max(measured) - min(measured)) / statistics.median(measured))
+        > DISAGREE_LIMIT
+    ):
+        why.append(f"repeats differ by {100 * spread:.0f}%")
+    return "; ".join(why) or None
 
 
 def render_scaling(table: dict) -> str:
@@ -161,7 +187,8 @@ def render_scaling(table: dict) -> str:
                 _num(p["tokens_per_s_min"]),
                 _num(p["tokens_per_s_per_rank"]),
                 DASH if p["speedup"] is None else f"{p['speedup']:.2f}x",
-                DASH if p["efficiency"] is None else f"{100 * p['efficiency']:.1f}",
+                (DASH if p["efficiency"] is None else f"{100 * p['efficiency']:.1f}")
+                + (" *" if p.get("noisy") else ""),
                 f"{len(p['repeats'])}/{runs}" if p["failed_repeats"] else str(runs),
             ]
         )
@@ -184,6 +211,12 @@ def render_scaling(table: dict) -> str:
     )
     if base is None:
         note = "No point measured a throughput; nothing to compare."
+    noisy = [p for p in table["points"] if p.get("noisy")]
+    if noisy:
+        note += "\n* noise, not scaling: " + "; ".join(
+            f"{p['ranks']} rank(s): {p['noisy']}" for p in noisy
+        )
+        note += ". Repeat on a quiet machine with --repeat 3 or more."
     return f"{table['job']}: {table['mode']} scaling\n\n{grid}\n\n{note}\n"
 
 
@@ -281,6 +314,16 @@ def plot_scaling(table: dict, path: Path) -> Path:
             if base_ranks
             else "efficiency"
         )
+        noisy = [p for p in rated if p.get("noisy")]
+        if noisy:
+            ax_eff.plot(
+                [p["ranks"] for p in noisy],
+                [100 * p["efficiency"] for p in noisy],
+                "x",
+                color="red",
+                markersize=12,
+                label="noisy: repeat (--repeat)",
+            )
         top = max([110.0] + [105.0 * p["efficiency"] for p in rated])
         ax_eff.set_ylim(0, top)
         fig.tight_layout()

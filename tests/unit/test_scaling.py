@@ -444,3 +444,28 @@ def test_a_point_whose_world_size_the_job_refuses_is_refused_before_any_point_ru
     assert rc == EXIT_INVALID_INPUT
     assert "scaling point of 2 rank(s)" in stderr and "Traceback" not in stderr
     assert not (tmp_path / "study").exists()
+
+
+def test_a_point_whose_step_times_spread_or_whose_repeats_disagree_is_flagged(tmp_path):
+    def run(tokens: float, p50: float, p95: float) -> dict:
+        return {
+            "totals": {"tokens_per_s": tokens},
+            "ranks": [{"step_time_ms_p50": p50, "step_time_ms_p95": p95}],
+        }
+
+    table = build_table(
+        [
+            {"nodes": 1, "ranks": 1, "repeats": [run(100.0, 10.0, 90.0)]},
+            {"nodes": 1, "ranks": 2, "repeats": [run(190.0, 10.0, 11.0), run(240.0, 10.0, 11.0)]},
+            {"nodes": 1, "ranks": 4, "repeats": [run(400.0, 10.0, 11.0), run(404.0, 10.0, 11.0)]},
+        ],
+        job="j",
+        mode="weak",
+    )
+    noisy = [p["noisy"] for p in table["points"]]
+    assert noisy == ["p95 step time 9.0x p50", "repeats differ by 23%", None]
+    text = render_scaling(table)
+    assert "* noise, not scaling: 1 rank(s): p95 step time 9.0x p50" in text
+    assert "--repeat 3" in text
+    write_scaling(tmp_path, table)
+    assert json.loads((tmp_path / "scaling.json").read_text())["points"][0]["noisy"]
