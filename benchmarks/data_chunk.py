@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 
 from launcher.train import data as data_module
-from launcher.train.data import MadeAhead, SyntheticBatches, TokenFileBatches
+from launcher.train import tokens as tokens_module
+from launcher.train.data import MadeAhead, SyntheticBatches
+from launcher.train.tokens import TokenFileBatches
 
 CASES = {
     "bert-base": dict(arch="bert", micro_batch=64, grad_accum=4, seq_len=512, vocab_size=30522),
@@ -101,12 +103,12 @@ def scan_ms(n: int, *, repeat: int, world: int, cold: bool, threads: int) -> Non
                 if world > 1 and hasattr(data_module, "scan_slice"):
                     if cold:
                         drop_from_page_cache(path)
-                    ids = data_module.open_token_file(path, "uint16").view(torch.int16)
+                    ids = tokens_module.open_token_file(path, "uint16").view(torch.int16)
                     slowest = 0.0
                     for rank in range(world):
-                        start, stop = data_module.scan_slice(n, rank, world)
+                        start, stop = tokens_module.scan_slice(n, rank, world)
                         began = time.perf_counter()
-                        data_module.scan_ids(ids, vocab, low_bits=0xFFFF, start=start, stop=stop)
+                        tokens_module.scan_ids(ids, vocab, low_bits=0xFFFF, start=start, stop=stop)
                         slowest = max(slowest, time.perf_counter() - began)
                     rank_times.append(1e3 * slowest)
             row = {

@@ -41,7 +41,8 @@ import torch
 
 from launcher.spec.hf import FolderError, load_tokenizer, special_ids, special_names
 from launcher.spec.job import DataSpec, JobSpec
-from launcher.train.data import DataError, TokenFileBatches
+from launcher.train.data import DataError
+from launcher.train.tokens import TokenFileBatches
 
 log = logging.getLogger(__name__)
 

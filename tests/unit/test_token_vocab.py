@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 import yaml
 
 from launcher.train import data as data_module
-from launcher.train.data import TokenFileBatches
+from launcher.train import tokens as tokens_module
+from launcher.train.tokens import TokenFileBatches
 from launcher.util import free_port
 
 CPU = torch.device("cpu")
@@ -141,7 +142,7 @@ def test_the_scan_is_chunked_and_finds_an_id_in_a_later_chunk(
     ids = (torch.arange(n, dtype=torch.int64) * 7919 % vocab).to(dtype)
     ids[at] = bad
     path = write_npy(tmp_path / "t.npy", ids, descr)
-    monkeypatch.setattr(data_module, "SCAN_CHUNK", chunk, raising=False)
+    monkeypatch.setattr(tokens_module, "SCAN_CHUNK", chunk, raising=False)
     seen: list[int] = []  # the size of every tensor the scan reduces
     for name in ("aminmax", "bitwise_xor"):
         op = getattr(torch, name)
@@ -165,11 +166,11 @@ def test_the_scan_is_chunked_and_finds_an_id_in_a_later_chunk(
 
 def test_scan_reports_the_first_bad_id_and_stops_at_its_chunk():
     ids = torch.tensor([5, 9, -3, 2, 12, 0, -7, 11], dtype=torch.int32)
-    found = data_module.scan_ids(ids, 10, chunk=3)
+    found = tokens_module.scan_ids(ids, 10, chunk=3)
     assert found == (2, -3, 1, None, -3, 0, 3)  # position, id, count, top, low, chunk start, span
-    assert data_module.scan_ids(ids, 10, chunk=3, start=3) == (4, 12, 1, 12, None, 3, 3)
-    assert data_module.scan_ids(ids, 10, chunk=8) == (2, -3, 4, 12, -7, 0, 8)
-    assert data_module.scan_ids(ids.clamp(0, 9), 10, chunk=3) is None
+    assert tokens_module.scan_ids(ids, 10, chunk=3, start=3) == (4, 12, 1, 12, None, 3, 3)
+    assert tokens_module.scan_ids(ids, 10, chunk=8) == (2, -3, 4, 12, -7, 0, 8)
+    assert tokens_module.scan_ids(ids.clamp(0, 9), 10, chunk=3) is None
 
 
 @pytest.mark.parametrize(
@@ -197,10 +198,10 @@ def test_the_first_bad_chunk_is_read_as_the_widened_ids_say(dtype: torch.dtype, 
             wide[picks[:1]] = -100
         ids = wide.to(dtype)
         low_bits = None
-        if dtype in data_module._SIGNED_VIEWS:
-            view, low_bits = data_module._SIGNED_VIEWS[dtype]
+        if dtype in tokens_module._SIGNED_VIEWS:
+            view, low_bits = tokens_module._SIGNED_VIEWS[dtype]
             ids = ids.view(view)
-        found = data_module.scan_ids(ids, vocab, low_bits=low_bits, chunk=100)
+        found = tokens_module.scan_ids(ids, vocab, low_bits=low_bits, chunk=100)
         bad = ((wide >= vocab) | (wide < 0)).nonzero().view(-1)
         if not bad.numel():
             assert found is None
@@ -225,7 +226,7 @@ def test_a_wrong_vocabulary_stops_the_scan_at_the_first_chunk(tmp_path: Path, mo
     says where the check stopped."""
     chunk, n = 1_000, 10_500
     path = write_npy(tmp_path / "t.npy", gpt2_ids(n), "<u2")
-    monkeypatch.setattr(data_module, "SCAN_CHUNK", chunk)
+    monkeypatch.setattr(tokens_module, "SCAN_CHUNK", chunk)
     widened: list[int] = []
     to = torch.Tensor.to
     monkeypatch.setattr(
@@ -276,11 +277,11 @@ def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(
     data.close()
     if vocab >= 1 << 16:
         assert (
-            data_module.scan_ids(torch.full((5,), -1, dtype=torch.int16), vocab, low_bits=0xFFFF)
+            tokens_module.scan_ids(torch.full((5,), -1, dtype=torch.int16), vocab, low_bits=0xFFFF)
             is None
         )
     # Signed ids are read whatever the vocabulary: a negative id fits none.
-    assert data_module.scan_ids(torch.tensor([1, -100, 2], dtype=torch.int32), 1 << 31) == (
+    assert tokens_module.scan_ids(torch.tensor([1, -100, 2], dtype=torch.int32), 1 << 31) == (
         1,
         -100,
         1,
@@ -296,7 +297,7 @@ def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(
 @pytest.mark.parametrize("n", [1, 7, 999, 1_000, 1_001, 2_999, 10_500, 12_345])
 def test_the_ranks_slices_cover_every_chunk_once(world: int, n: int):
     chunk = 1_000
-    slices = [data_module.scan_slice(n, rank, world, chunk=chunk) for rank in range(world)]
+    slices = [tokens_module.scan_slice(n, rank, world, chunk=chunk) for rank in range(world)]
     assert slices[0][0] == 0 and slices[-1][1] == n
     for (_, stop), (start, _) in zip(slices, slices[1:], strict=False):
         assert stop == start  # back to back: every id once, in order
@@ -313,11 +314,11 @@ def test_the_ranks_slices_cover_every_chunk_once(world: int, n: int):
     ):
         ids[at] = 77
         found = [
-            data_module.scan_ids(ids, 50, chunk=chunk, start=start, stop=stop)
+            tokens_module.scan_ids(ids, 50, chunk=chunk, start=start, stop=stop)
             for start, stop in slices
         ]
         assert [bad is not None for bad in found] == [start <= at < stop for start, stop in slices]
-        assert min((b for b in found if b), key=lambda b: b.position) == data_module.scan_ids(
+        assert min((b for b in found if b), key=lambda b: b.position) == tokens_module.scan_ids(
             ids, 50, chunk=chunk
         )
         ids[at] = at % 50
@@ -364,7 +365,7 @@ def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(
     """Two processes of a gloo group each read half the chunks (0-4 and 5-10 of eleven) and
     agree: the file's first bad id (the one a lone process reports), raised by both ranks."""
     chunk, n = 1_000, 10_500
-    monkeypatch.setattr(data_module, "SCAN_CHUNK", chunk)  # the forked workers inherit it
+    monkeypatch.setattr(tokens_module, "SCAN_CHUNK", chunk)  # the forked workers inherit it
     ids = torch.arange(n, dtype=torch.int32) % 1000
     for at in bad_at if isinstance(bad_at, list) else []:
         ids[at] = 5_000 + at

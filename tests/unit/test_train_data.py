@@ -15,12 +15,11 @@ from hypothesis import strategies as st
 from launcher.train.data import (
     Batches,
     SyntheticBatches,
-    TokenFileBatches,
     global_indices,
     hash_ints,
     mask_token_id,
-    open_token_file,
 )
+from launcher.train.tokens import TokenFileBatches, open_token_file
 
 CPU = torch.device("cpu")
 
