@@ -42,15 +42,18 @@ class RunLog:
                 self._file(node.name, rank)
 
     def ingest(self, node: NodePlan, update: AgentUpdate) -> None:
+        written = set()
         for local_rank, text in update.lines:
             known = local_rank is not None and local_rank < node.nproc
             rank = node.rank_of(local_rank) if local_rank is not None and known else None
-            self._file(node.name, rank).write(text + "\n")
+            fh = self._file(node.name, rank)
+            fh.write(text + "\n")
+            written.add(fh)
             if not self.quiet and (rank == 0 or ERROR_LINE.search(text)):
                 self.show(
                     f"[{node.name}/{'rank' + str(rank) if rank is not None else 'torchrun'}] {text}"
                 )
-        for fh in self._files.values():
+        for fh in written:  # only this node's files: the cost stays flat as the job grows
             fh.flush()
         if update.telemetry:
             path = self.run_dir.telemetry_file(node.name)

@@ -17,6 +17,7 @@ WINDOW = 20  # steps
 THRESHOLD = 0.2  # slower than the others' median by more than this
 CONFIRM = 3  # records in a row
 MIN_STEPS = 5  # per rank, before any rank is judged
+EXACT_RANKS = 16  # up to this many ranks the others' median is computed for every record
 # Preflight facts that differ between healthy nodes too: not a reason for a slow node.
 VOLATILE = ("host", "time", "clock", "free", "addr", "interface", "pid", "elapsed", "took", "path")
 
@@ -66,6 +67,9 @@ class StragglerWatch:
         self._compute: dict[int, bool] = {}
         self._slow_in_a_row: dict[int, int] = {}
         self._clock: dict[int, float] = {}
+        self._median: float | None = None  # many ranks: all ranks' median, refreshed a round
+        self._since = 0  # records judged since
+        self._ready: set[int] = set()  # ranks with MIN_STEPS steps
 
     def add(self, rank: int, record: dict[str, Any]) -> Straggler | None:
         if record.get("type") != "step" or not isinstance(record.get("step"), int):
@@ -91,12 +95,14 @@ class StragglerWatch:
         return self._judge(rank)
 
     def _judge(self, rank: int) -> Straggler | None:
-        means = {r: statistics.fmean(t) for r, t in self._times.items() if len(t) >= MIN_STEPS}
-        others = [m for r, m in means.items() if r != rank]
-        if rank not in means or len(others) < 1 or len(means) < len(self.nodes):
+        if len(self._times[rank]) >= MIN_STEPS:
+            self._ready.add(rank)
+        ready = self._ready
+        if rank not in ready or len(ready) < max(2, len(self.nodes)):
             return None
-        median = statistics.median(others)
-        slower = means[rank] / median - 1 if median > 0 else 0.0
+        mine = statistics.fmean(self._times[rank])
+        median = self._others_median(rank, ready)
+        slower = mine / median - 1 if median > 0 else 0.0
         if slower <= THRESHOLD:
             self._slow_in_a_row[rank] = 0
             return None
@@ -109,12 +115,24 @@ class StragglerWatch:
             rank=rank,
             node=node,
             slower_pct=100 * slower,
-            step_ms=1e3 * means[rank],
+            step_ms=1e3 * mine,
             others_ms=1e3 * median,
             compute=self._compute.get(rank, False),
             details=self._details(rank, node),
         )
         return self.found[rank] if first else None
+
+    def _others_median(self, rank: int, ready: set[int]) -> float:
+        """The median of the other ranks' means: exact for a few ranks; for many, the median
+        of all ranks', refreshed once a round of records (one rank moves it little), so that
+        the cost per record stays flat as the job grows."""
+        if len(ready) <= EXACT_RANKS:
+            return statistics.median(statistics.fmean(self._times[r]) for r in ready if r != rank)
+        self._since += 1
+        if self._median is None or self._since >= len(ready):
+            self._median = statistics.median(statistics.fmean(self._times[r]) for r in ready)
+            self._since = 0
+        return self._median
 
     def _details(self, rank: int, node: str) -> list[str]:
         out = []

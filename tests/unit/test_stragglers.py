@@ -58,3 +58,11 @@ def test_what_differs_on_the_slow_node_among_its_preflight_facts():
         watch, 20, {0: {"compute_s": 0.1}, 1: {"compute_s": 0.1}, 2: {"compute_s": 0.2}}
     )
     assert "node c differs in its preflight facts: driver 535.2 vs 550.1" in found.line()
+
+
+def test_among_many_ranks_the_slow_one_is_named_against_the_round_median():
+    watch = StragglerWatch({r: f"n{r // 8}" for r in range(32)})
+    per_rank = {r: {"compute_s": 0.1} for r in range(32)}
+    per_rank[19] = {"compute_s": 0.15}
+    named = feed(watch, 20, per_rank)
+    assert [(f.rank, f.node, round(f.slower_pct)) for _, f in named] == [(19, "n2", 50)]
