@@ -153,7 +153,7 @@ class RaySpec(Strict):
     )
     jobs_address: str | None = Field(
         None,
-        description="Jobs API address of an attached cluster (ray.address set), e.g. http://ray-head.example:8265 for a Ray cluster on Kubernetes; null: the head's 127.0.0.1:dashboard_port, directly when the head is this machine, else through an SSH tunnel to nodes[0]. The token is Ray's own ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).",
+        description="Jobs API address of an attached cluster, e.g. http://ray-head.example:8265; null: the head's dashboard port on 127.0.0.1, through an SSH tunnel when the head is remote.",
     )
     join_timeout_s: float = Field(
         60.0,
@@ -217,7 +217,7 @@ class SlurmSpec(Strict):
 class ParitySpec(Strict):
     packages: list[str] = Field(
         default_factory=list,
-        description="pinned. Extra Python packages whose versions must agree across nodes (a job's own kernel packages are added to them: flash-attn-4 where train.attention may pick FlashAttention-4, triton where train.kernels or precision.weights may use it, torchao for fp8).",
+        description="pinned. Extra Python packages whose versions must agree across nodes; a job's kernel packages (flash-attn-4, triton, torchao) are added where it uses them.",
     )
     policies: dict[str, Policy] = Field(
         default_factory=dict,

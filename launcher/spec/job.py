@@ -76,11 +76,11 @@ class ModelSpec(Strict):
     )
     bias: bool = Field(
         True,
-        description="Biases in every linear layer and LayerNorm, as BERT and GPT-2 have them. false: none (nanoGPT's default, and most recent decoders'): fewer elementwise kernels and bias gradients. A Hugging Face folder's weights (init_from) have biases and need true; a model exported without them gets zero biases.",
+        description="Biases in every linear layer and LayerNorm, as BERT and GPT-2 have them; false drops them, as nanoGPT does. A Hugging Face folder (init_from) needs true.",
     )
     init_from: Path | None = Field(
         None,
-        description="Start from a local Hugging Face model folder (config.json + model.safetensors or pytorch_model.bin) of BertForMaskedLM/BertModel or GPT2LMHeadModel: arch and dims come from its config.json (any given here must agree), the weights from its files. Relative paths are taken from the job file's folder; every node reads it at the same path; nothing is downloaded. Needs the hf extra.",
+        description="A local Hugging Face folder (BertForMaskedLM, BertModel or GPT2LMHeadModel) to start from; its config.json gives the arch and dims. Relative to the job file's folder; nothing is downloaded (hf extra).",
     )
 
     def dims(self) -> dict[str, int]:
@@ -125,7 +125,7 @@ class DataSpec(Strict):
     )
     tokenizer: Path | None = Field(
         None,
-        description="source text: a local tokenizer folder holding tokenizer.json (read with the tokenizers library; special tokens from its tokenizer_config.json). Relative paths are taken from the job file's folder. Needs the hf extra.",
+        description="source text: a local folder holding tokenizer.json (hf extra). Relative paths are taken from the job file's folder.",
     )
     text_field: str = Field(
         "text", min_length=1, description="source text: the key of each .jsonl line's text."
@@ -208,23 +208,23 @@ class TrainSpec(Strict):
     compile: bool = Field(False, description="torch.compile the model.")
     compile_scope: Literal["auto", "block", "model"] = Field(
         "auto",
-        description="What train.compile compiles as one graph. block: the embeddings, each block and the head apart (one graph reused by every block; DDP's all-reduce and FSDP's gathers run between graphs); model: the whole model at once (fewer graph boundaries and launches, longer compilation, no overlap of DDP's all-reduce with the backward); auto: model for a single process, block under DDP or FSDP of several.",
+        description="What train.compile compiles as one graph: block (each block apart), model (the whole model), or auto (model in one process, block under DDP or FSDP of several).",
     )
     cuda_graphs: bool = Field(
         False,
-        description="Replay each compiled block's forward and backward as CUDA graphs (torch.compile mode reduce-overhead): far less host work per step, which keeps multi-GPU DDP GPU-bound. Needs train.compile, device cuda and strategy ddp.",
+        description="Replay the compiled graphs as CUDA graphs (mode reduce-overhead), for less host work per step. Needs train.compile, device cuda and strategy ddp.",
     )
     attention: Literal["auto", "cudnn-fa4", "flash", "cudnn", "efficient", "math"] = Field(
         "auto",
-        description="The attention kernels on GPUs. cudnn-fa4: cuDNN's fused attention forward and FlashAttention-4's backward, which writes the packed QKV gradient directly (the fastest pair on an H200; needs the flash-attn-4 package, pip install 'launcher[fa4]', a GPU of compute capability 9.0 or above, bf16, fp16 or fp8 precision, no dropout and a head dimension that is a multiple of 8 up to 128); auto: cudnn-fa4 where all of that holds, else torch's own scaled_dot_product_attention choice (cuDNN's fused attention for the built-in models on an H200 with torch 2.11); flash, cudnn, efficient, math: that scaled_dot_product_attention kernel both ways (math: the unfused reference). A kernel that cannot run a shape fails the run instead of falling back.",
+        description="Attention kernels on GPUs: cudnn-fa4 (cuDNN's forward, FlashAttention-4's backward; fa4 extra, compute capability 9.0 or above), auto (cudnn-fa4 where it applies, else torch's choice), or one scaled_dot_product_attention kernel both ways: flash, cudnn, efficient or math.",
     )
     kernels: Literal["auto", "torch"] = Field(
         "auto",
-        description="auto: the launcher's Triton kernels where they apply, on CUDA GPUs of compute capability 8.0 or above (the MLP's bias and GELU, and the LM head's softmax cross-entropy: launcher/train/fused.py); torch: PyTorch's own (inductor's when compiled). The function is the same to fp32 rounding; on CPU both are PyTorch's.",
+        description="auto: the launcher's Triton kernels for the MLP's bias and GELU and the LM head's loss, on CUDA GPUs of compute capability 8.0 or above; torch: PyTorch's own. The function is the same.",
     )
     weight_grads: Literal["auto", "per-layer"] = Field(
         "auto",
-        description="How the compiled backward computes the blocks' weight gradients. auto: where the model compiles as one graph (train.compile_scope model, or auto in a single process) on a CUDA GPU with bf16 weights (precision.weights) and without activation checkpointing, each linear's gradients over all the layers as one batched product at the end of the backward (cuBLAS's pointer-array batched product: 9% fewer joules for those products on an H200, and GPT-2 124M's step 1.7% faster; each layer's input and output gradient are held to the end of the backward, up to about 4.8 GB at 16 x 1024 tokens, and that job's peak memory did not change; launcher/train/wgrad.py), elsewhere per layer; per-layer: each in its own layer's backward.",
+        description="auto: where the whole model compiles as one graph on a CUDA GPU with bf16 weights, each linear's weight gradients over all layers are one batched product at the end of the backward; per-layer: each in its own layer's backward.",
     )
     activation_checkpointing: bool = Field(
         False,
@@ -242,7 +242,7 @@ class TrainSpec(Strict):
     )
     elastic_batch: Literal["keep", "scale"] = Field(
         "keep",
-        description="An elastic restart at a different world size: keep the global batch (grad_accum is raised or lowered for the new world size; a world size it does not divide over refuses the restart) or scale it with the world size (grad_accum kept, the learning-rate schedule unchanged). Either way the data go on at the next global sample. The built-in trainer refuses to resume under keep from a checkpoint written at another global batch.",
+        description="After an elastic restart at another world size: keep the global batch (grad_accum adjusted) or scale it with the world size. Either way the data go on at the next sample.",
     )
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec, description="Periodic checkpoints and resume."
@@ -275,7 +275,7 @@ class DDPSpec(Strict):
 class FSDPSpec(Strict):
     reshard_after_forward: bool = Field(
         True,
-        description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like, more memory) and, with grad_accum above 1, until the last micro-batch's backward (one all-gather per step).",
+        description="Free gathered parameters after the forward (ZeRO-3); false keeps them until the backward (more memory, fewer all-gathers).",
     )
     param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
@@ -306,7 +306,7 @@ class ParallelSpec(Strict):
 class PrecisionSpec(Strict):
     dtype: Literal["fp32", "tf32", "bf16", "fp16", "fp8"] = Field(
         "bf16",
-        description="pinned. fp32; tf32 (fp32 with TF32 matmul and cuDNN); bf16 autocast; fp16 autocast with a GradScaler; fp8: the Transformer blocks' linear layers in float8 through torchao's float8 training, bf16 autocast elsewhere (needs GPUs with FP8 tensor cores, compute capability 8.9 or above: Ada, Hopper, Blackwell, and the torchao package).",
+        description="pinned. fp32; tf32 (TF32 matmuls); bf16 or fp16 autocast (fp16 with a GradScaler); fp8: torchao's float8 training for the blocks' linear layers and bf16 elsewhere (compute capability 8.9 or above, fp8 extra).",
     )
     fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
         "tensorwise",
@@ -314,15 +314,15 @@ class PrecisionSpec(Strict):
     )
     fp8_layers: Literal["auto", "all"] = Field(
         "auto",
-        description="Read with dtype fp8 only: which of the blocks' linear layers run in float8. auto: those torchao's size filter for the recipe expects to gain (small layers stay bf16); all: every one whose dims divide by 16. The embeddings and the tied LM head stay bf16 either way, as torchao advises for the first and last layers.",
+        description="With dtype fp8, which blocks' linear layers run in float8: auto, those torchao's size filter expects to gain; all, every one whose dims divide by 16.",
     )
     activations: Literal["auto", "fp32"] = Field(
         "auto",
-        description="The dtype of the hidden states between the layers (the residual stream, LayerNorm outputs) under bf16 and fp8 autocast. auto: bf16, half the memory traffic of the elementwise work around the matmuls (LayerNorm statistics, the loss, gradients of the weights and the master weights stay fp32, as under FSDP's bf16 parameters); fp32: fp32, as plain autocast leaves them. fp16 keeps them fp32 either way (its range is too narrow for the residual stream); fp32 and tf32 have no autocast.",
+        description="The hidden states' dtype between layers under bf16 and fp8 autocast: auto keeps them bf16; fp32 as plain autocast leaves them.",
     )
     weights: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
-        description="The model's weights under bf16. bf16: the weights are bf16 and the optimizer keeps their fp32 masters, updating them with AdamW's fp32 arithmetic in one fused kernel per parameter group (Triton, on CUDA) that also writes the new bf16 weights: no weight casts in the forward, no gradient casts in the backward, bf16 gradients (DDP all-reduces them in fp32 unless parallel.ddp.comm_hook says otherwise); checkpoints hold the fp32 masters. Needs dtype bf16, train.grad_accum 1 (bf16 gradients are not summed over micro-batches) and no FSDP sharding (FSDP on one process trains unwrapped and may use it). fp32: fp32 weights that autocast casts to bf16 in every forward. auto: bf16 where it applies on a CUDA GPU with Triton, else fp32.",
+        description="The weights under bf16: bf16 weights with fp32 masters in the optimizer (needs grad_accum 1 and no FSDP sharding), or fp32 weights that autocast casts; auto picks bf16 on a CUDA GPU with Triton.",
     )
 
 
@@ -418,7 +418,7 @@ class ResourcesSpec(Strict):
     min_nodes: int | None = Field(
         None,
         ge=1,
-        description="Elastic restarts: with launch.max_restarts above 0, a lost node (or one whose ranks fail) is left out, a spare cluster node the job was not using takes its place if one passes the preflight, and the job restarts from its last checkpoint on the nodes it has, never fewer than this. Unset: not elastic (a failed rank restarts on the same nodes, a lost node ends the job).",
+        description="Elastic restarts: with launch.max_restarts above 0, a failed node is left out (or a spare takes its place) and the job restarts on at least this many nodes. Unset: not elastic.",
     )
 
     @model_validator(mode="after")
@@ -444,7 +444,7 @@ class LaunchSpec(Strict):
         0,
         ge=0,
         le=100,
-        description="Restart the job this many times after a failure: the launcher stops every node's torchrun and starts fresh ones on a new rendezvous port (torchrun's own --max-restarts stays 0); the built-in trainer resumes from its last checkpoint when train.checkpoint saves one.",
+        description="Restart the job this many times after a failure, with fresh torchruns on a new port; the built-in trainer resumes from its last checkpoint.",
     )
     env: EnvDict = Field(default_factory=dict, description="Extra environment for every worker.")
     master_port: int | None = Field(
@@ -485,15 +485,15 @@ class ScriptEntrypoint(Strict):
     args: list[str] = Field(default_factory=list, description="Arguments after the script.")
     workdir: Path | None = Field(
         None,
-        description="The script's current directory on every node, as `cd workdir && torchrun ... script` would have it (relative open(), imports next to the script, relative output folders). Default: the job file's folder; relative paths are taken from the job file's folder.",
+        description="The script's current directory on every node, as `cd workdir && torchrun ...` would have it. Default: the job file's folder, from which relative paths are taken.",
     )
     sync: Literal["auto", True, False] = Field(
         "auto",
-        description="How the workdir reaches the nodes. auto: nothing is copied when every node is this machine, else the workdir travels to every node through Ray (runtime_env working_dir) and the script runs in that copy; true: always run in a copy taken at launch; false: a shared filesystem: the preflight checks that the workdir and script exist on every node and that their code files hash the same.",
+        description="How the workdir reaches the nodes: auto copies it through Ray to nodes that are not this machine; true always runs in a copy; false expects a shared filesystem and checks its code hash on every node.",
     )
     exclude: list[str] = Field(
         default_factory=lambda: list(DEFAULT_EXCLUDE),
-        description="gitignore-style patterns left out of the copy and the code hash (name patterns match at any depth, a slash anchors at the workdir, a trailing slash means folders only). Replaces the default list. .gitignore files are not read.",
+        description="gitignore-style patterns left out of the copy and the code hash; replaces the default list (.gitignore files are not read).",
     )
 
     @model_validator(mode="after")
