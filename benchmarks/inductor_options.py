@@ -9,7 +9,7 @@ it prints inductor's counters, which show whether an option took effect (e.g.
     python benchmarks/inductor_options.py --option combo_kernels=True -- \\
         --job jobs/gpt.yaml --set train.steps=100 --set train.warmup_steps=20
 
-    # the weight gradients of the 12 layers as batched products (calls 67-70)
+    # the weight gradients of the 12 layers as batched products
     python benchmarks/inductor_options.py \\
         --option "post_grad_fusion_options={'batch_linear_post_grad': {'min_fuse_set_size': 4}}" -- \\
         --job jobs/gpt.yaml --set train.steps=100 --set train.warmup_steps=20

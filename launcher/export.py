@@ -1,12 +1,5 @@
-"""``launch export RUN_DIR [--step N] --out DIR``: a run's checkpoint as a Hugging Face folder.
-
-The run directory's ``job.yaml`` names the model and the checkpoint folder; the checkpoint
-(``torch.distributed.checkpoint``, saved under DDP or FSDP alike: DCP stores the full shape of
-every tensor and reassembles FSDP's shards on load) is read in this one process on the CPU,
-and ``launcher.train.hf`` writes ``config.json`` + ``model.safetensors`` with
-``BertForMaskedLM`` / ``GPT2LMHeadModel`` names, plus the tokenizer's files when the job had
-one (``data.tokenizer``, else the ``init_from`` folder's), so that
-``AutoModelForMaskedLM.from_pretrained(DIR)`` (or ``AutoModelForCausalLM``) loads it.
+"""``launch export RUN_DIR [--step N] --out DIR``: a run's checkpoint as a Hugging Face folder
+that ``from_pretrained`` loads.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """What a local Hugging Face model folder holds, and how its tensors map to the built-in models.
 
-Read without torch (the launcher checks a job before any worker starts): ``config.json`` gives
-the architecture and its dims, the safetensors headers give every tensor's name and shape
-(a ``pytorch_model.bin`` is opened with torch, memory-mapped). ``match_tensors`` checks the
-names and shapes against what the config implies and says which tensor goes where; the
-trainer (``launcher.train.hf``) then reads the values on one rank and the exporter writes
-them back under the same names.
-
-Supported: ``BertForMaskedLM`` / ``BertModel`` (``model_type: bert``; a ``BertModel`` folder has
-no MLM head, which then starts fresh) and ``GPT2LMHeadModel`` / ``GPT2Model`` (``model_type:
-gpt2``). Folders saved by older transformers versions load too: a ``bert.`` or
-``transformer.`` prefix, ``LayerNorm.gamma``/``beta``, GPT-2's causal-mask buffers, BERT's
-pooler and next-sentence head (kept out: the built-in BERT has neither).
+Read without torch, so the launcher checks a folder before any worker starts.
 """
 
 from __future__ import annotations

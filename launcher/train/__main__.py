@@ -1,20 +1,8 @@
 """The built-in trainer's entry point: parse → build → train → close.
 
-One process (world of one)::
-
-    python -m launcher.train --job jobs/quickstart.yaml --set train.steps=50
-
-Two workers on this machine, and two nodes of 8 GPUs (run on each node)::
-
     torchrun --nproc-per-node 2 -m launcher.train --job jobs/quickstart.yaml
-    torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint HEAD:29500 -m launcher.train --job jobs/bert_ddp.yaml
 
-Metrics records go to ``$LAUNCHER_METRICS_FILE`` (see ``launcher.metrics``) when it is set.
-``main`` is wrapped in torchelastic's ``@record``: an uncaught exception is written to the error
-file torchrun names for each worker, which the launcher reads to name the failed rank. Problems
-with the job's inputs that only a worker can find (a checkpoint it cannot resume from, text or a
-model folder it cannot use) are printed as one paragraph, like a SpecError, with exit code 2.
+Wrapped in torchelastic's ``@record``, so a crash names its rank; input problems exit 2.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Attention on the packed QKV projection: cuDNN's forward, FlashAttention-4's backward.
 
-``packed_attention(qkv, causal)`` is ``F.scaled_dot_product_attention`` for the models' one
-QKV projection, ``qkv`` (batch, seq, 3, heads, head_dim): it returns the attention output as
-(batch, seq, heads, head_dim) (the layout the output projection reads), and its backward
-returns the gradient of ``qkv`` as one packed tensor of the same layout.
-
-Why (``train.attention: cudnn-fa4``, the choice of ``auto`` where it applies): on one H200,
-cuDNN's fused attention has the fastest forward at the models' shapes and FlashAttention-4's
-CuTe kernels (the ``flash-attn-4`` package) the fastest backward. FA4 also writes dq, dk and
-dv straight into the packed gradient (it takes output buffers), where torch's path stacks
-three separate gradients into it, one more read and write of it per layer. The forward's
-log-sum-exp (cuDNN's softmax statistics) is what FA4's backward reads. The backward per layer:
-0.422 → 0.255 ms at GPT-2's shape, 1.476 → 0.894 ms at BERT's; both models train 3.5% faster
-(``benchmarks/attention_kernels.py``; ``benchmarks/RESULTS.md``, calls 37–39).
-
-The two halves are ``torch.library`` custom ops, so ``torch.compile`` and CUDA graphs treat
-each as one opaque call. On the CPU they run a plain reference of the same function (the
-scores, their log-sum-exp, and FlashAttention's backward formulas from them), which is what
-the CPU tests check the packing and the autograd wiring with; the trainer uses the ops on GPUs
-only. FA4 compiles its kernels on their first call and caches them on disk.
+Two ``torch.library`` custom ops; on the CPU a plain reference of the same function runs.
 """
 
 from __future__ import annotations

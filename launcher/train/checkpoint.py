@@ -1,24 +1,5 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, LR scheduler,
-fp16's loss scaler, step, the data position and each rank's RNG state.
-
-Layout: ``<dir>/step_00000100/`` holds DCP's files; ``COMPLETE`` is written there last, by
-rank 0, after every rank finished writing (a barrier). Resume picks the highest step folder
-with the marker, so a checkpoint cut short by a crash is never loaded; rank 0 picks it for
-every rank. DCP writes each rank's
-shard in parallel and works alike under DDP (replicated state, written once) and FSDP
-(sharded DTensors); ``get_state_dict``/``set_state_dict`` translate between the wrapped
-model's parameter names and the plain ones, so a checkpoint does not depend on the wrapper.
-
-Resuming at a different world size (an elastic restart on fewer or other nodes): DCP's
-metadata records every tensor's global shape and which slice each file holds, so each rank
-of the new world reads exactly its new shard (FSDP) or the whole replicated tensor (DDP) —
-parameters and AdamW moments alike, written by 3 ranks and read by 2 or the other way
-round. The step (and with it the LR schedule, which goes by optimizer step) continues
-unchanged. The data continue at the next global sample: the checkpoint records how many
-samples the run had used (``train.samples``) and the global batch and world size it ran at;
-``Batches.continue_at`` takes it from there (see ``launcher.train.data``). Under
-``train.elastic_batch: keep`` a resume at another global batch is refused (it would not be
-the same training); ``scale`` accepts it and logs the change.
+"""Checkpoints with ``torch.distributed.checkpoint``: model, optimizer, scheduler, loss scale,
+step, data position and RNG state, resumable at another world size.
 """
 
 from __future__ import annotations

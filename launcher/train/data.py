@@ -1,42 +1,8 @@
 """Batches: synthetic, windows of a token file (``launcher.train.tokens``) or of tokenized text
 (``launcher.train.text``), with MLM masking, made on the host ahead of the steps that use them.
 
-Data order: one sequence of samples for the whole run, numbered by a global sample index
-n = 0, 1, 2, ... Sample n is a pure function of (seed, n): its synthetic tokens and its MLM
-mask are hashed from them, and a token file's sample n is window n (mod the windows in the
-file). Optimizer step t (1-based) takes the G samples (global batch G = W·m·A: world size,
-micro-batch, grad_accum)::
-
-    first(t) … first(t) + G − 1,     first(t) = start_sample + (t − start_step − 1)·G
-
-where a fresh run has start_step = start_sample = 0, so first(t) = (t − 1)·G; a resumed one
-continues after its checkpoint's step at the next sample the checkpoint's run had not used
-(``Batches.continue_at``), whatever world size and global batch it ran at. Within a step,
-rank ``r`` of ``W``, micro-batch ``a`` of ``A``, sample ``j`` of ``m`` takes the sample at
-offset::
-
-    g = a·(W·m) + r·m + j          (0 ≤ g < G)
-
-so the set of samples (and their order) in a step depends on G only, not on how G is split
-over ranks and micro-batches: 2 ranks with micro-batch m see exactly the samples one process
-with micro-batch 2m sees, or one process with micro-batch m and grad_accum 2, or 3 ranks
-that ran the steps before. A restart at a new world size that keeps G (grad_accum raised or
-lowered) trains on exactly the samples an uninterrupted run would have; one that changes G
-(``train.elastic_batch: scale``) repeats and skips none either.
-
-The random numbers come from an integer hash evaluated with tensor ops (no generator
-state), identical on CPU and CUDA and cheap: a few elementwise ops per batch.
-
-Where batches are made: on the host. Every op of a batch (synthetic tokens, the rows of a
-token file, the masking) runs on CPU tensors and the finished tensors go to the device. On a
-GPU the same ops would be some 150 kernel launches per chunk from the training thread, which
-block it whenever the GPU's launch queue is full; on the host they run in a background thread
-(``MadeAhead``) while the GPU trains on the steps before.
-
-Synthetic tokens follow a noisy deterministic chain: a sequence restarts at a random state
-with probability 10% per position, otherwise the state advances by one; a fixed
-permutation maps the state to a token. A model can learn the successor table (and the loss
-falls well below the uniform ln V), which makes the synthetic loss curve meaningful.
+Sample n is a pure function of (seed, n), so the data do not depend on how the global batch is
+split over ranks and micro-batches.
 """
 
 from __future__ import annotations

@@ -1,49 +1,5 @@
 """Triton kernels on CUDA: the MLP's bias and GELU (``bias_gelu``) and the LM head's softmax
-cross-entropy (``softmax_xent_``). ``train.kernels: auto`` turns them on; on CPU or without
-Triton the reference functions run.
-
-**bias_gelu.** ``bias_gelu(y, b, a)`` is ``F.gelu(y + b, approximate=a)`` for the fc product's output ``y``
-(rows × d_ff), with the same gradients. What changes is the memory traffic and the work per
-element:
-
-- **The forward** reads ``y`` once, adds the bias and writes the activation, as inductor's
-  kernel does, but with a cheaper exact GELU: ``Φ(-|x|) = erfc(|x|/√2)/2`` is a Chebyshev fit
-  (Numerical Recipes' ``erfcc``: relative error under 1.2e-7, fp32's rounding, tails
-  included) with one reciprocal and one exponential, where libdevice's ``erf`` branches. The
-  tanh approximation is ``x·sigmoid(2u)``. Neither forms ``1 + erf`` or ``1 + tanh``, which
-  cancel for negative ``x``.
-- **The backward** reads ``y`` and the incoming gradient and writes the gradient of ``y``;
-  the same pass sums that gradient over each tile's rows in fp32 (the bias gradient, from
-  per-tile partial sums: deterministic, no atomics). Inductor's backward also writes the
-  activation again (its partitioner recomputes it for the proj product's weight gradient
-  rather than keep it) and sums the bias gradient in a pass of its own. Here the proj product
-  keeps the forward's activation, as eager PyTorch does: one rows × d_ff tensor per block
-  stays alive until the backward.
-
-At BERT-base's fc shape on one H200 (128 × 512 rows × 3072, bf16, exact GELU with its bias;
-``python benchmarks/mlp_kernels.py``, 2026-12-01): forward 0.240 ms against inductor's 0.294,
-backward with the bias gradient 0.418 against 0.527; BERT-base trains 1.6% faster through
-``launch`` (``benchmarks/RESULTS.md``, calls 20–25).
-
-On CPU or without Triton, ``bias_gelu`` is ``F.gelu(y + b)``: the reference the GPU tests
-compare against (tests/integration/test_gpu_fused.py).
-
-**softmax_xent_.** ``softmax_xent_(logits, labels, classes)`` returns each row's cross-entropy
-and writes ``softmax - onehot(labels)`` over the logits, the gradient that
-``launcher.train.loss`` keeps for the LM head's backward. One program a row: an online max and
-sum over chunks of 4096 columns, then a second pass that reads the row again, backwards (its
-first chunks are the likeliest still in L2), and writes its gradient in place. Inductor's
-kernel for the same function (``loss.loss_and_dlogits``, the reference) writes a new tensor: on
-GPT-2's 16k × 50304 bf16 logits it took 1.73 ms against this kernel's 1.18 (2.8 TB/s) in its
-first form (second pass forwards, no cache hints), on BERT-base's masked rows 0.88 ms against
-0.50, and it kept the logits and their gradient alive together (1.5 GiB more at GPT-2's peak).
-The backward second pass with L2 hints (``L2``) took 1.07 ms against 1.19 for the first form,
-timed side by side (3.1 TB/s; ``python benchmarks/loss_kernels.py --sweep``; "l2_order" in
-benchmarks/results/loss-kernel-1xh200.json). Keeping the
-whole row in registers (``BLOCK=None``) measured slower (1.50 ms at 16 and 32 warps: too few
-rows in flight), and so did a grid of a few programs an SM looping over rows to keep them in
-L2 (1.24 ms at best).
-Tests: tests/integration/test_gpu_loss_kernel.py.
+cross-entropy (``softmax_xent_``). On CPU or without Triton the reference functions run.
 """
 
 import torch
@@ -56,8 +12,8 @@ except ImportError:  # CPU-only installs: the reference path below
     triton = None
 
 # Tiles (rows × columns of y) and warps per program, the fastest of a sweep at BERT-base's and
-# GPT-2's fc shapes on an H200 (.., 3072). A backward tile's column sums are one row of the
-# bias gradient's partial sums: (rows / 32) × d_ff fp32, 6% of y's bytes.
+# GPT-2's fc shapes (``benchmarks/mlp_kernels.py``). A backward tile's column sums are one row
+# of the bias gradient's partial sums: (rows / 32) × d_ff fp32.
 FWD = {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4}
 BWD = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
 # The loss kernel's chunk of columns and warps (``python benchmarks/loss_kernels.py --sweep``).

@@ -1,17 +1,5 @@
-"""Hugging Face weights into the built-in models (``model.init_from``) and back out (export).
-
-The name and shape table lives in ``launcher.spec.hf`` (the launcher checks a folder with it
-before any worker starts); here the values move. In: the folder's tensors are read on rank 0
-only, on the CPU (safetensors or a memory-mapped ``pytorch_model.bin``), turned into the
-built-in parameters (BERT's query, key and value concatenated into the fused QKV, GPT-2's
-Conv1D weights transposed) and handed to ``set_model_state_dict`` with
-``broadcast_from_rank0``: one tensor at a time goes to the other ranks, and under FSDP each
-rank keeps only its shard of it. The model is built on the meta device under FSDP, so no
-rank ever holds a full copy on its GPU. Out: the same table backwards, written as
-``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads.
-
-Tied embeddings stay tied: the built-in decoder *is* the word embedding, and a folder that
-stores the decoder separately must store the same values.
+"""Hugging Face weights into the built-in models (``model.init_from``) and back out (export);
+the name table lives in ``launcher.spec.hf``.
 """
 
 from __future__ import annotations

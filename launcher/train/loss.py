@@ -1,32 +1,7 @@
 """The LM head's matmul and its cross-entropy as one autograd step.
 
-``linear_cross_entropy(x, weight, bias, labels)`` is
-``F.cross_entropy(F.linear(x, weight, bias).float(), labels)``: the mean over every row, the
-logits in the autocast dtype, the softmax and the loss in fp32. It differs in when the work
-happens. Plain autograd reads the logits three times: once in the forward (their log-sum-exp),
-twice in the backward (to form ``softmax - onehot`` and write it). Here the forward forms that
-gradient right away, in the pass that reads the logits for the loss, and keeps it instead of
-the logits; the backward only multiplies by it. The log-sum-exp and the gradient are one
-kernel: with ``kernels`` (``train.kernels: auto`` on CUDA) the launcher's Triton kernel
-(``launcher.train.fused.softmax_xent_``), which writes the gradient over the logits, 1.07 ms a
-step for GPT-2's 16k × 50304 bf16 logits on one H200; else inductor's compiled
-``loss_and_dlogits``, 1.73 ms, against 2.1 ms (1.1 forward, 1.0 backward) for plain
-autograd's. Splitting the rows into chunks whose logits fit in L2 measured slower (inductor
-then splits each chunk's reduction into three kernels).
-
-The loss's own gradient (1/rows, times whatever scales the loss: accumulation, a loss scaler)
-is applied to the two products' outputs, (rows × d) and (vocab × d), not to the logits. So the
-stored ``softmax - onehot`` never depends on it: in bf16 it is the same tensor autograd would
-form, up to that scale. fp16 is not handled here (its small gradients need the loss scale
-applied before the cast to fp16): ``linear_cross_entropy`` takes the plain path for it.
-
-A vocabulary that is not a multiple of 64 (BERT's 30522, GPT-2's own 50257) is padded to one
-inside the step: the bf16 copy of the weight that the products read gets zero rows, and the
-padded columns of the logits are masked out of the softmax, so the loss and every gradient are
-those of the unpadded head. Unpadded, the logits' rows (61,044 bytes for 30522 columns) are not
-16-byte aligned and cuBLAS falls back to slower kernels without Hopper's TMA loads.
-
-Every label must be a class index (no ``ignore_index``): the trainer's batches have no padding.
+``linear_cross_entropy(x, weight, bias, labels)`` is ``F.cross_entropy(F.linear(x, weight,
+bias).float(), labels)``, with the logits' gradient formed in the forward's one pass.
 """
 
 from __future__ import annotations
@@ -69,8 +44,8 @@ def loss_and_dlogits(
     if classes is not None and classes < z.shape[1]:
         column = torch.arange(z.shape[1], device=z.device)
         z = torch.where(column < classes, z, float("-inf"))
-    # logsumexp, not softmax's spelling (max, exp, sum), which inductor turns into an online
-    # softmax: that kernel took 1.81 ms against this one's 1.70 on GPT-2's logits (one H200).
+    # logsumexp, not softmax's spelling (max, exp, sum), which inductor turns into a slower
+    # online softmax.
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     target = z.gather(1, labels.unsqueeze(1))
     loss = (lse - target).mean()

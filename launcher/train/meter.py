@@ -1,48 +1,7 @@
 """Honest per-rank throughput: step times, tokens/s, TFLOP/s, MFU, memory, data wait.
 
-No device synchronisation in the loop. Each step ends with a timer mark: a CUDA event
-recorded on the stream (asynchronous) on GPUs, ``time.perf_counter`` on the CPU. A log
-step's loss (summed on the device, averaged over ranks) is copied to pinned host memory
-behind it, also asynchronously. The host then waits for the log step's own marks, resolves
-them into per-step times and writes a ``step`` record (``launcher.metrics``). On GPUs
-(``read_late``) it does so one step later, once it has queued the next step, so the device
-runs on while the host logs: waiting at the log step itself left the device idle while the
-host logged and queued the next step (2.3 ms every log step on one H200 for GPT-2 124M). A
-rank killed between a log step and the next loses that record as well. The last record is
-read by ``flush`` (or ``finish``), after a device synchronisation.
-
-Throughput excludes the warm-up: the first ``warmup_steps`` steps of this process
-(compilation, allocator and cuDNN warm-up). The meter also logs at the end of the warm-up,
-so every interval is either all warm-up or all measured, and ``final`` counts measured
-intervals only: ``tokens_per_s = measured tokens / measured wall seconds``, the wall
-seconds between the marks that end the log steps (the device's clock on GPUs: idle time
-between steps counts).
-
-TFLOP/s = ``flops_per_token`` × tokens/s, with ``flops_per_token`` from
-``model.flops_per_token`` (6·N + 12·L·d·S; N counts the weights a token multiplies by,
-embedding lookups excluded, BERT's MLM head only on the masked fraction; GPT's attention
-term halved for causality). MFU = TFLOP/s ÷ the device's dense peak for the precision
-(``PEAK_TFLOPS``), null where the device or precision is not in the table (e.g. CPU). fp8
-runs are divided by the bf16 peak (the trainer asks for it): only some matmuls run in
-float8, and one peak for both makes an fp8 run's MFU over a bf16 run's its speed-up.
-
-Peak memory: ``torch.cuda.max_memory_allocated`` on GPUs; on the CPU the process's peak
-resident set size (``ru_maxrss``), which includes Python and libraries. Data wait: host
-seconds the training loop spends waiting for or handing over its next batch, as a share of
-wall time. The batches are made ahead in a background thread (``launcher.train.data``), so
-this is the time a chunk of them was not ready yet, or had to be made in the training thread
-(the first, one after a resume), and its hand-over (starting its copy to the device). The
-GPU (``GpuMonitor``, NVML through ``pynvml``), sampled as each log step's record is read:
-utilisation, SM clock, what limits the clock (``clock_limits``: "power cap", "hw slowdown",
-"sw thermal", "hw thermal", "power brake"), board power, and the GPU's energy counter, whose
-difference between reads is the record's ``energy_j``. The counter moves in coarse steps (it
-read no change over the GPU tests' short records), so only long spans are meaningful:
-``final`` averages the measured samples, gives the share of them with a limit
-(``clock_limited_pct``), and the measured steps' energy, as mean power (``power_w``) and per
-token. A GPU held below its clock by power or heat runs the same kernels slower, which step
-times alone do not tell apart from the host; at its power cap (an H200 at 700 W runs GPT-2
-124M at 1.6-1.8 GHz of its 1.98) its speed is set by the energy a step takes. Null where NVML
-is unavailable.
+No device synchronisation in the loop: a log step's marks are read once the next step is
+queued. The warm-up is excluded.
 """
 
 from __future__ import annotations

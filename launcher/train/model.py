@@ -1,38 +1,7 @@
 """BERT (masked LM) and GPT (causal LM), written for throughput.
 
-Both models have the same three parts, so parallelisation treats them alike:
-``embed`` (token + position embeddings), ``blocks`` (a ModuleList of Transformer blocks)
-and ``head`` (the LM head and its loss). ``model(input_ids, labels, mask_pos)`` returns the
-mean cross-entropy, a 0-d tensor.
-
-What makes them fast:
-- one fused QKV projection per block and ``F.scaled_dot_product_attention`` (flash /
-  memory-efficient kernels on CUDA) without a materialised mask: there is no padding in
-  our batches, and GPT uses ``is_causal=True``; with ``packed`` (``train.attention:
-  cudnn-fa4``) cuDNN's forward and FlashAttention-4's backward, which writes the packed QKV
-  gradient directly (``launcher.train.attention``);
-- BERT's MLM head (dense + GELU + LayerNorm, then the decoder tied to the word embedding,
-  plus a bias) runs only on the masked positions, gathered first: a fixed number per
-  sequence (``mask_count``), so shapes stay static for ``torch.compile``;
-- token types are all zero (single-segment batches), so their embedding is added as one
-  broadcast row instead of a lookup;
-- the LM head's product and its cross-entropy run as one autograd step
-  (``launcher.train.loss``): the gradient of the logits is formed in the forward's one pass
-  over them (on CUDA a Triton kernel that writes it over the logits), instead of two more
-  passes in the backward, and a vocabulary that is not a multiple of 64 (BERT's 30522) is
-  padded there so that the products get aligned rows;
-- on CUDA the MLP's fc bias and GELU run as two Triton kernels (``launcher.train.fused``,
-  ``train.kernels``): one pass forward, one pass backward that also sums the bias gradient;
-- ``bias=False`` (``model.bias``) drops every linear and LayerNorm bias, as nanoGPT does;
-- the hidden states can stay bf16 under autocast (``Embeddings.out_dtype``, and LayerNorms
-  that return their input's dtype): half the bytes for every elementwise kernel between the
-  matmuls.
-
-With biases (the default), parameter counts match Hugging Face: bert-base (no pooler, tied
-decoder) has 109,514,298, exactly ``BertForMaskedLM``'s. So does the function: loaded from a Hugging Face folder
-(``launcher.train.hf``), ``logits`` equals ``BertForMaskedLM``'s and ``GPT2LMHeadModel``'s
-within 1e-5 in fp32 (tests/unit/test_hf_parity.py): the same exact-erf GELU (BERT) and tanh
-GELU (GPT-2), LayerNorm epsilons 1e-12 and 1e-5, and token type 0.
+Both have ``embed``, ``blocks`` and ``head``, so parallelisation treats them alike;
+``model(input_ids, labels, mask_pos)`` returns the mean cross-entropy.
 """
 
 from __future__ import annotations

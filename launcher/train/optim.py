@@ -1,31 +1,6 @@
 """bf16 working weights with fp32 master weights (``precision.weights: bf16``).
 
-Under plain autocast the model's weights are fp32: every forward casts each weight matrix to
-bf16 (a read of 4 bytes and a write of 2 a parameter, one kernel a tensor), and every backward
-casts each weight gradient, which the bf16 product made, back to fp32 (2 and 4 bytes, another
-kernel). Here the model's parameters are bf16 and stay bf16: the products read them as they are
-and their gradients land in bf16. The fp32 truth lives beside them:
-
-- ``MasterWeights`` holds the fp32 master copy of every trained parameter in one flat buffer and
-  makes the parameters bf16 views into a second one, each tensor's slice padded to ``BLOCK``
-  elements so that a program of the kernels below touches one tensor only.
-- ``MasterAdamW`` is torch's AdamW (decoupled weight decay, bias correction, fp32 moments in
-  flat buffers laid out like the masters). On CUDA one Triton kernel a parameter group reads
-  every bf16 gradient through a table of their addresses (they live wherever autograd or a
-  replayed CUDA graph put them), applies the clipping coefficient, updates master weight and
-  moments in fp32 and writes the new bf16 weight. The gradients' global norm for clipping
-  takes two more kernels, and nothing waits on the host. Elsewhere (the CPU) the same arithmetic
-  runs as torch ops: the reference the kernel is tested against.
-
-With one micro-batch a step the bf16 weight gradients are the values the products produced
-(plain autocast casts the same bf16 values to fp32); LayerNorm and embedding gradients are
-summed in fp32 and rounded once. Gradients are not summed over micro-batches in bf16: the
-trainer uses this for ``grad_accum: 1`` only. Checkpoints hold the fp32 masters as the model's
-weights (``substitute_masters``); the optimizer's own state is its moments and step, in torch
-AdamW's format.
-
-GPT-2 124M on one H200 (`benchmarks/RESULTS.md`, calls 40–42): 2.6% more tokens/s than fp32 weights, 93 fewer
-kernel launches a step; the update runs at about 4 TB/s (28 bytes a parameter).
+``MasterWeights`` holds the masters; ``MasterAdamW`` updates them in one kernel per group.
 """
 
 from __future__ import annotations

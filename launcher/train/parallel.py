@@ -1,13 +1,5 @@
-"""Float8 layers, activation checkpointing, torch.compile, then DDP or FSDP2 — in that order.
-
-The order follows torchtitan: float8 first (it swaps the blocks' linear layers for torchao's
-``Float8Linear``, which the rest then wraps like any layer), then activation checkpointing
-(it changes what a block's forward does), then ``torch.compile`` per block (so the compiled
-graph includes the recomputation and DDP/FSDP hooks stay outside it; a single process
-compiles the whole model instead), then the data-parallel wrapper (DDP
-around the whole model, or FSDP2's ``fully_shard`` per block and then at the root so the
-embeddings and the tied head form the root's group). Compiling with ``Module.compile()``
-in place keeps parameter names unchanged, which keeps checkpoints portable.
+"""Float8 layers, activation checkpointing, torch.compile, then DDP or FSDP2, in that order
+(torchtitan's).
 """
 
 from __future__ import annotations
@@ -84,8 +76,7 @@ def shards_alone(job: JobSpec) -> bool:
     """Whether FSDP applies to a world of one process.
 
     One process has nothing to shard or reduce: like DDP there, the model trains unwrapped
-    (FSDP's per-unit hooks and DTensor parameters cost host time that one GPU waits on:
-    264k against 490k tokens/s for GPT-2 124M on one H200, ``benchmarks/RESULTS.md``). The
+    (FSDP's per-unit hooks and DTensor parameters cost host time that one GPU waits on). The
     exception is ``parallel.fsdp.cpu_offload``, which one process uses for its memory.
     """
     return job.parallel.strategy == "fsdp" and job.parallel.fsdp.cpu_offload
@@ -214,9 +205,8 @@ def apply_compile(
 
     Dynamo's DDP optimizer is turned off: it splits every graph compiled under DDP at
     gradient-bucket boundaries, so that a whole-model graph still overlaps its all-reduce.
-    A block is already the unit of overlap here, and splitting it (28 MB of parameters
-    against 25 MB buckets) doubled the compiled graphs run per step: 28 backward graphs
-    instead of 14, measured on 2 H200s (``benchmarks/RESULTS.md``).
+    A block is already the unit of overlap here, and splitting it (a block's parameters
+    exceed a bucket) would double the compiled graphs run per step.
 
     ``batch_weight_grads`` (whole only) adds ``wgrad.WeightGradBatching`` to the inductor
     options of this compilation: the backward computes the weight gradients of the layers'

@@ -1,19 +1,5 @@
-"""``train.profile``: torch.profiler over a window of optimizer steps on chosen ranks.
-
-Each recording rank writes, to ``$LAUNCHER_PROFILE_DIR`` (the launcher points it at the node's
-workdir and brings the files back into the run directory's ``profile/<node>/``; ``./profile``
-under bare torchrun):
-
-* ``rank<R>.trace.json.gz``: the Chrome/Perfetto trace (open it in https://ui.perfetto.dev);
-* ``rank<R>.ops.txt``: the recorded steps' wall time; on GPUs the device timeline per step
-  (``device_timeline``: compute, communication and how much of it no compute hides, idle),
-  where the idle time lies (``idle_gaps``: short gaps from one kernel to the next against
-  longer ones, the device waiting for the host, the longest with the kernels around them),
-  the device time per step by kind of kernel and the top kernels (``kernel_breakdown``);
-  then the top operators by self device time (self CPU time on the CPU).
-
-The profiler starts before step ``start_step`` and stops after ``start_step + steps - 1``,
-with a device synchronisation at both ends so the trace holds every kernel of those steps.
+"""``train.profile``: torch.profiler over a window of optimizer steps on chosen ranks, written
+as a Perfetto trace and an ops table per rank.
 """
 
 from __future__ import annotations

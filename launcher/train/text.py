@@ -1,27 +1,4 @@
-"""Text in: tokenized once, in parallel, into a cached token file that every rank memory-maps.
-
-``data.source: text`` reads ``data.path``: a ``.txt`` or ``.jsonl`` file, or a folder of them
-(searched recursively, in sorted order). A document is a paragraph of a ``.txt`` file (blank
-lines separate them) or one ``.jsonl`` line's ``data.text_field``. The tokenizer is a local
-folder with ``tokenizer.json`` (the ``tokenizers`` library; its special tokens are named in
-``tokenizer_config.json`` or ``special_tokens_map.json``, else BERT's ``[CLS]`` ``[SEP]``
-``[MASK]`` and GPT-2's ``<|endoftext|>``).
-
-Packing. Every document's tokens, then a separator, make one stream: ``[SEP]`` for BERT, the
-EOS token for GPT. GPT reads windows of ``seq_len + 1`` tokens of it, as from a token file;
-a BERT sample is ``[CLS]`` + ``seq_len - 2`` tokens of the stream + ``[SEP]``, masked with the
-tokenizer's ``[MASK]`` and random ids from its vocabulary, never at a ``[CLS]`` or ``[SEP]``.
-
-The cache: ``<cache_dir>/<key>.bin`` (uint16 ids when the vocabulary fits, else int32) and
-``<key>.json``, written last (its presence says the token file is complete). The key hashes
-the text files' contents (in order), ``tokenizer.json``, the special tokens, the arch and the
-jsonl field, so changing any of them tokenizes again and nothing else does. Local rank 0 of
-each node tokenizes when the file is missing, with ``encode_batch`` (the tokenizers library's
-threads, every core) and a progress bar; the other ranks wait for the ``.json`` (polling a
-file rather than a collective, whose timeout a large corpus could outlast). ``launch tokenize
-JOB.yaml`` does the same ahead of a run. Files are written under temporary names and renamed,
-so two nodes sharing a cache folder may both tokenize without harm.
-"""
+"""Text in: tokenized once, in parallel, into a cached token file that every rank memory-maps."""
 
 from __future__ import annotations
 

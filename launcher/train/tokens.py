@@ -69,9 +69,8 @@ class TokenFileBatches(MadeAhead):
         model's embedding (0 to vocab_size - 1), found now rather than at the step whose batch
         holds it (where CUDA's embedding fails with a device-side assert).
 
-        The whole file, every id a window can take, in chunks (``scan_ids``): on one core, with
-        the file in the page cache, about 0.5 ns a uint16 id for GPT-2's vocabulary and 0.25 ns
-        for one under 2^15 (45 and 25 ms for 10^8 ids, ``benchmarks/data_chunk.py --scan``).
+        The whole file, every id a window can take, in chunks (``scan_ids``; its cost:
+        ``benchmarks/data_chunk.py --scan``).
         Under a process group of this world size each rank scans its own slice of the chunks
         (``scan_slice``: the ranks together read the file once, not once each) and one
         ``all_gather_object`` of every rank's token count and first bad id gives every rank the

@@ -1,32 +1,5 @@
-"""The blocks' weight gradients as one batched product per linear, at the end of the backward.
-
-Each layer's weight gradient dW = dYᵀ·X reduces over every token of the micro-batch (16 × 1024
-for GPT-2's job) into a small output (768 × 768 for the attention's projection), so cuBLAS
-runs it on few output tiles with a split reduction. The 12 layers' products of one linear,
-batched, have 12 times the tiles. On one H200 at its power cap, GPT-2 124M's 48 weight
-gradients take 3.16 J a step batched against 3.48 J one by one, 9% less
-(``python benchmarks/wgrad_batching.py``; ``benchmarks/RESULTS.md``, calls 61–62 and 71–74).
-
-How (``train.weight_grads: auto``, where the model compiles as one graph on a CUDA GPU):
-``WeightGradBatching`` is a post-grad pass of inductor over the compiled backward. It finds
-the products mm(dYᵀ, X) in bf16 or fp16 whose result is a graph output (a parameter's
-gradient), groups those of one shape, and replaces each group of two or more with one call
-of ``launcher::batched_wgrad`` at the end of the graph. That op reads every layer's dY and X
-where they lie, through cuBLAS's pointer-array batched product (``cublasGemmBatchedEx``),
-so nothing is stacked first (stacking by copies costs more than batching saves: inductor's
-own ``batch_linear_post_grad`` made the step 6.6% slower). The sums are the same products
-in fp32 with bf16 outputs; cuBLAS may split the reduction differently, so a gradient can
-differ from the per-layer one by a rounding step.
-
-GPT-2 124M's step runs 1.7% faster with it (605,099 against 595,163 tokens/s, call 73).
-Costs: each product's dY and X stay alive to the end of the backward (up to about 4.8 GB for
-GPT-2 124M at 16 × 1024 tokens; that job's peak memory, reached elsewhere, did not change;
-``parallel.batches_weight_grads`` leaves it off under activation checkpointing), and every
-block's gradient appears at the end, which is where a whole-model graph hands its gradients
-to DDP anyway. The pass finds the products only where the weights are bf16: with fp32
-weights each product goes through a cast to fp32 before it becomes a gradient. Where cuBLAS
-cannot take the tensors (on the CPU, other strides, unaligned addresses), the op runs one
-``torch.mm`` per layer.
+"""The blocks' weight gradients as one batched product per linear, at the end of the backward:
+an inductor post-grad pass and a cuBLAS pointer-array batched op.
 """
 
 from __future__ import annotations
