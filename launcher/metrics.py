@@ -1,44 +1,8 @@
 """Metrics records: JSON lines appended to ``$LAUNCHER_METRICS_FILE``, one file per rank.
 
-This module is the contract between what runs in a worker (the built-in trainer's meter, or a
-user script calling ``launcher.report``) and what reads the records (the node agent, which
-streams them to the launcher, and ``launcher.results.summary``). Standard library only.
-
-``$LAUNCHER_METRICS_FILE`` may contain ``{rank}``, replaced by the worker's ``RANK``.
-
-Record types (every record has ``type``, ``rank`` and ``time``, Unix seconds):
-
-``meta``   once at start: ``local_rank``, ``world_size``, ``host``, ``device`` ("cuda:0",
-           "cpu"), ``device_name``, ``params``, ``flops_per_token`` and ``peak_tflops``
-           (null where unknown), ``seq_len``, ``micro_batch``, ``grad_accum``. The built-in
-           trainer adds where this attempt starts: ``start_step`` (the step of the
-           checkpoint it resumed from, 0 when fresh), ``global_batch`` (micro_batch x
-           grad_accum x world_size), ``start_sample`` (the global index of its first sample),
-           ``resumed_from_step``, ``resumed_world_size`` and ``resumed_global_batch`` (the
-           checkpoint's step, and the world size and global batch it was written at; null
-           when fresh, the last two also for a checkpoint that predates them) and
-           ``restart_count`` (``$LAUNCHER_RESTART_COUNT``, 0 when unset).
-``step``   every ``log_every`` steps: ``step`` (optimizer steps done), ``tokens`` and
-           ``samples`` processed by this rank since the previous record, ``interval_s``
-           (wall seconds since the previous record), ``measured`` (false inside warm-up),
-           optional ``step_times_ms`` (each step in the interval), ``loss``, ``lr`` (the
-           learning rate the record's step used), ``data_wait_s``, ``peak_mem_gib``,
-           ``gpu_util_pct``, ``sm_clock_mhz``, ``power_w``, ``clock_limits`` (what held the
-           GPU's clock down when sampled: a list of "power cap", "hw slowdown", "sw
-           thermal", "hw thermal", "power brake"), ``energy_j`` (the GPU's energy since the
-           previous record, from a counter that moves in coarse steps; the GPU values null
-           where NVML is unavailable). A user script's ``report()`` writes ``step`` records
-           without ``interval_s``: readers derive it from consecutive ``time`` values; it may
-           add ``compute_s``, this rank's own compute seconds since its previous record
-           (without waiting for other ranks), which the straggler check prefers.
-``final``  once at the end of the built-in trainer: ``steps``, ``measured_steps``,
-           ``step_time_ms_p50``, ``step_time_ms_p95``, ``tokens_per_s``, ``samples_per_s``,
-           ``tflops``, ``mfu`` (fraction, null where the peak is unknown), ``peak_mem_gib``,
-           ``data_wait_pct``, ``gpu_util_pct``, ``sm_clock_mhz`` (means of the measured
-           records), ``clock_limited_pct`` (the share of those whose clock was limited),
-           ``energy_j``, ``power_w`` and ``energy_mj_per_token`` (the measured steps' GPU
-           energy, as mean power and per token; null unless every measured record has it),
-           ``loss``.
+The contract between what runs in a worker (the trainer's meter, or a script calling
+``launcher.report``) and what reads the records; docs/running.md lists the record types.
+Standard library only.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """SIGINT and SIGTERM stop the launch (exit 130), even when Python drops the exception.
 
-A signal handler's exception is raised wherever the main thread happens to be. Where that is
-an at-fork callback or a finaliser (Ray forks its processes while it starts), Python prints
-"Exception ignored in ..." and goes on: the interrupt is lost and the launcher would run on.
-So the handler also remembers the signal, and the launcher calls ``check()`` at every stage
-boundary and watch-loop turn, which raises it again. The dropped exception is kept out of the
-user's terminal too: a ``sys.unraisablehook`` swallows exactly that KeyboardInterrupt (nothing
-else) instead of printing its traceback.
-
-Third-party start-up code may install its own SIGTERM handler (``ray.init`` installs one
-that calls ``sys.exit``); ``keep_handlers()`` keeps ours in place around such calls.
+The handler remembers the signal, and ``check()`` raises it again at every stage boundary.
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
-"""Reaching a cluster's Jobs API, and the launcher's jobs on it.
-
-``connect(cluster, start=...)`` yields a ``JobsCluster``: a ``JobSubmissionClient`` that sends
-the cluster's token, and where the head (the node the drivers run on) is. Which Jobs API:
-
-- **this machine alone** (``ray.address: null``, every node local): the launcher's own head
-  (``head.py``), started by the first ``launch submit`` and reused after;
-- **bootstrapped** (``ray.address: null``, remote nodes): ``launch submit`` bootstraps Ray over
-  SSH as a foreground run does, with the dashboard on the head's 127.0.0.1, and leaves it up
-  for its jobs (``launch down`` stops it). Every command reaches it through an SSH tunnel
-  (paramiko port forwarding on the cluster's SSH settings) to the head's 127.0.0.1
-  ``ray.dashboard_port``, with the token read from the head over that same connection;
-- **attached** (``ray.address`` set): used as it is, at ``ray.jobs_address`` where given
-  (e.g. a Ray cluster on Kubernetes), else at the head's 127.0.0.1 dashboard port, directly
-  when the head is this machine, otherwise through the SSH tunnel. The token is Ray's own
-  (``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``).
-
-The dashboard and Jobs API listen on the head's 127.0.0.1 only, and the token travels only in
-the HTTP header, never through a proxy (127.0.0.1 and localhost are added to ``no_proxy``). Ray's other ports (GCS, Ray Client server, raylet, ...) listen on the node's
-address as for any Ray, the local head's too, and refuse requests without the token.
+"""Reaching a cluster's Jobs API (the local head, a bootstrapped head through an SSH tunnel,
+or an attached cluster as it is) and the launcher's jobs on it.
 """
 
 from __future__ import annotations

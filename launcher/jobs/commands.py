@@ -1,10 +1,4 @@
-"""``launch submit | status | logs | stop | list | fetch | down``: detached jobs on Ray Jobs.
-
-``submit`` validates and runs the preflight here, on the launcher's machine, exactly as a
-foreground run does (a failed preflight submits nothing, exit 3), then hands the job to the
-cluster's Ray as a Ray Job whose entrypoint is the launch driver (``driver.py``) on the head,
-and returns once Ray has it. The other commands ask the cluster's Jobs API (``api.py``).
-"""
+"""``launch submit | status | logs | stop | list | fetch | down``: detached jobs on Ray Jobs."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
-"""A detached job's driver: the Ray Job's entrypoint, on the head node.
+"""A detached job's driver: the Ray Job's entrypoint on the head node.
 
-``python -m launcher.jobs.driver submission.json`` runs in the job's working_dir, which Ray
-unpacked from what ``launch submit`` uploaded: ``submission.json`` (the validated job and
-cluster specs, the preflight's GPU counts, the run directory, the job id), ``preflight/``
-(the report made on the launcher's machine) and, for a script whose workdir travels, its
-snapshot in ``code/``. Then, in order:
-
-1. attach to this node's Ray (the cluster's ``ray.address`` becomes ``auto``: Ray Jobs
-   tells the driver where its GCS is) and take its turn in the queue (``queue.py``);
-2. run ``Launch`` as a foreground run does, with the preflight's facts: the same agents,
-   watch loop, teardown and summary. Its console output is the job's log;
-3. write the job's state into that log as it goes (``state.py``).
-
-``launch stop`` gets SIGINT here (``RAY_JOB_STOP_SIGNAL``): the foreground's interrupted path
-stops every worker, removes the placement group and writes a summary marked interrupted;
-exit 130. Exit codes as ``launch``: 0 succeeded, 4 failed, 130 interrupted; 2 for a run
-directory that is not new or empty on the head (checked first, as a foreground run does).
-The state lines say which run directory is the job's: ``starting`` and ``done`` carry
-``run_dir``, its path, or null where the folder was refused (it is another's: ``status``
-and ``fetch`` do not present it as this job's).
+``python -m launcher.jobs.driver submission.json`` attaches to the node's Ray, waits its turn
+in the queue, runs the same ``Launch`` as a foreground run and writes the job's state into its
+log.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """One job at a time on the same GPUs or CPU slots, in submission order.
 
-Ray Jobs starts every submitted driver at once; each of ours first waits for its turn here,
-before it places anything (so no placement times out for waiting). A job's *demand* is, per
-node, the GPUs its workers use (device cuda) or its worker processes (device cpu: CPU slots);
-a node's *capacity* is its GPUs or CPUs as Ray counts them (a demand above the capacity is
-clamped to it: that job needs the node to itself). A job may start when
-
-1. every earlier-submitted launcher job that is still alive has started (strict submission
-   order: a small job never overtakes a waiting big one, so nothing starves), and
-2. its demand fits beside what the started, still alive jobs hold on each of its nodes.
-
-Who has started is kept by a named detached actor (``JobBoard``); whether a job is alive and
-when it was submitted come from Ray Jobs itself (PENDING or RUNNING; ``start_time``), so a
-driver that was SIGKILLed holds nothing. The decision is the pure ``decide``; only the driver
-whose rule 1 holds can start, so two drivers never decide against each other.
+``decide`` is the pure rule; a named actor (``JobBoard``) keeps which jobs have started.
 """
 
 from __future__ import annotations

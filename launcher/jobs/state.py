@@ -1,22 +1,5 @@
-"""A detached job's state as its driver tells it, and the status row the commands show.
-
-The Jobs API gives a job's Ray status, metadata and the driver's log, nothing more; so the
-driver writes its own state into that log as single lines ``::launcher-state:: {json}``:
-
-- ``{"state": "starting", "run_dir": "/abs/path"}``: the driver runs and took its run directory,
-  Ray is being attached;
-- ``{"state": "pending", "reason": "waiting for 2 CPU slots on local, held by job …"}``;
-- ``{"state": "running", "step": 40, "tokens_per_s": 51234.0}``: every few seconds as it moves;
-- ``{"state": "done", "status": "succeeded"|"failed"|"interrupted", "tokens_per_s", "mfu",
-  "failure", "run_dir"}``: from the run's summary; ``run_dir`` null where the driver refused the
-  folder (it held another run, or another job's marker): the job has no run directory.
-
-``status``/``list`` read the last such line; ``launch logs`` leaves them out. Ray's status
-says whether the driver runs; the state line says what it does: a RUNNING driver that waits
-for its turn is PENDING here. A job has no run directory (``run_dir`` null in ``--json``, and
-``launch fetch`` refuses) where its driver refused the folder, or where the job ended before
-its driver started (no state line at all): the folder named at submission is not its own, and
-may hold another run by now.
+"""A detached job's state lines (``::launcher-state:: {json}`` in its driver's log) and the
+status row the commands make of them.
 """
 
 from __future__ import annotations

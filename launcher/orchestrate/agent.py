@@ -1,17 +1,7 @@
 """NodeAgent: the Ray actor on each node that runs that node's torchrun and reports back.
 
-The agent starts torchrun with the plan's argv and environment in a new session, in the
-plan's directory (or, for a workdir that Ray ships, in the copy Ray unpacked for this agent:
-its own current directory at start-up), splits
-torchrun's ``--tee`` output into per-rank logs (``[default<local_rank>]:`` prefixes), tails
-the workers' metrics files, and hands both to the driver on ``poll()``: no shared filesystem
-is assumed. ``stop()`` sends SIGTERM to torchrun and all its descendants, then SIGKILL after a
-grace period. If the agent process itself dies, the kernel sends torchrun SIGTERM
-(``PR_SET_PDEATHSIG``), and a reaper started beside it (``reaper.py``) SIGKILLs whatever of
-torchrun's family is left ``REAPER_GRACE_S`` later, so a lost driver or a killed Ray never
-leaves workers behind. Nor does a torchrun that dies first (the OOM killer, ``kill -9``): its
-workers run in sessions of their own and would go on holding the GPUs, so the agent notes
-them while torchrun runs and ends those left when it exits, before it reports the exit.
+It splits torchrun's output into per-rank logs, tails the metrics files, and stops torchrun and
+every worker on ``stop()`` or when the agent itself dies (with ``reaper.py``).
 """
 
 from __future__ import annotations
@@ -418,8 +408,8 @@ def _prepare_child() -> None:
 
     - Get SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``).
     - Undo Ray's worker niceness (15 by default): training processes niced to 15 lose CPU
-      time to anything else on the node, which starves the GPUs' kernel launches (seen as
-      10-15% fewer tokens/s on a shared 2-GPU host). Allowed for root, or where RLIMIT_NICE
+      time to anything else on the node, which starves the GPUs' kernel launches. Allowed
+      for root, or where RLIMIT_NICE
       permits; otherwise the Ray the launcher starts already runs workers at niceness 0.
     """
     with contextlib.suppress(OSError):

@@ -1,9 +1,7 @@
 """The node agents as one group: one ``NodeAgent`` actor per node, placed by a placement group.
 
-Bundle ``i`` is pinned to node ``i`` (a ``node:<ip>`` resource; STRICT_SPREAD across nodes), so
-agent ``i`` runs node rank ``i``. The group is the only code that talks to the actors; the
-watch loop (``watch.py``) and diagnosis (``diagnose.py``) see it through these methods, which
-unit tests replace with a fake that needs no Ray.
+Bundle ``i`` is pinned to node ``i``; the watch loop and diagnosis see the actors only through
+this group, which unit tests replace with a fake.
 """
 
 from __future__ import annotations

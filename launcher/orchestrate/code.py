@@ -1,18 +1,5 @@
-"""The user's code on every node: where a script entrypoint runs and how its folder gets there.
-
-A script runs with ``entrypoint.workdir`` as its current directory, as ``cd workdir &&
-torchrun ... script.py`` would. ``plan_code`` decides how that folder reaches each node
-(``CodePlan.mode``):
-
-- ``local``: every node is this machine (``sync: auto``): the script runs in the folder itself.
-- ``ray``: the folder, less ``entrypoint.exclude``, is copied into a snapshot (``stage``) that
-  Ray ships as the job's ``runtime_env`` ``working_dir``; every node's agent starts torchrun in
-  the copy Ray unpacks on that node (``sync: auto`` with remote nodes, or ``sync: true``).
-- ``shared``: ``sync: false``, a shared filesystem: the same path on every node. The preflight
-  checks that it exists there and that its code files hash the same on each node.
-
-The folder is walked and hashed by the probe's own functions (``launcher/preflight/probe.py``),
-so the launcher and the nodes apply the excludes by the same rules.
+"""The user's code on every node: where a script entrypoint runs and how its folder gets there
+(in place, a shared path, or a snapshot that Ray ships).
 """
 
 from __future__ import annotations

@@ -1,14 +1,4 @@
-"""From what an agent saw to a ``Failure``: which rank, how it ended, and its last lines.
-
-A failed rank is named from the structured error file torchrun has each worker write
-(``@record``: exception, message, traceback, timestamp; the built-in trainer's entry is wrapped).
-Scripts that write none are named from torchrun's own "Root Cause" report, the fallback. That
-report times failures to the second and names the lowest rank on a tie, so when one rank
-crashes and its peers fail on the broken connection within the same second, it may name an
-echo. Among the ranks its report lists with the root cause's second, the first whose log does
-not end in a peer's failure ("Connection closed by peer", ...) is named instead. A lost node and
-a hung rank are named by the watch loop and described here.
-"""
+"""From what an agent saw to a ``Failure``: which rank, how it ended, and its last lines."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""Elastic restarts: which nodes the next attempt runs on, and the batch it runs with.
-
-With ``resources.min_nodes`` set and ``launch.max_restarts`` above 0 (``JobSpec.elastic``), a
-failed attempt's node (lost, or whose ranks failed) is left out; a spare node from cluster.yaml
-that the job never used takes its place when one passes the preflight; and the job goes on
-from its last checkpoint on what it has, never fewer than ``min_nodes``. The built-in trainer
-keeps the global batch (micro_batch × grad_accum × world size) by raising or lowering
-``grad_accum`` for the new world size; where that does not divide, the restart is refused
-unless ``train.elastic_batch: scale`` lets the global batch change.
-
-Pure: the run stage (``run.py``) probes spares and places agents; this module only decides.
-"""
+"""Elastic restarts: which nodes the next attempt runs on, and the batch it runs with (pure)."""
 
 from __future__ import annotations
 

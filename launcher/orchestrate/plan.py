@@ -1,22 +1,7 @@
 """The launch plan: a pure function from (job, cluster, node facts) to what runs where.
 
-Nothing here touches a node. ``plan()`` decides, for every node, its node rank, its global
-ranks, the exact torchrun argv (a list, quoted once when shown) and the exact environment of
-its workers, with the source of each variable, and where they run: a script's workdir
-(``code.CodePlan``: in place, a shared path, or the copy Ray ships) or, for the built-in
-trainer, the node's own folder. The launcher's per-node files (job.yaml, metrics, torchrun
-logs, profiles) live in that node folder, reached through absolute paths and ``LAUNCHER_*``
-variables, never in the user's folder. ``launch plan`` prints the plan; ``launch run`` hands
-each node's part to that node's agent unchanged.
-
-Worker environment, lowest precedence first:
-  1. the node's own basics (``NODE_PASSTHROUGH``: PATH, HOME, PYTHONPATH, ...; and
-     CUDA_VISIBLE_DEVICES as Ray assigned it) — taken on the node by its agent, which puts
-     the launcher's stack-dump hook first on PYTHONPATH;
-  2. on nccl, NCCL's Flight Recorder (``FLIGHT_RECORDER``), then ``NCCL_*``, ``TORCH_*`` and
-     ``NVSHMEM_*`` from the launcher's own environment;
-  3. the job's ``nccl.env``, then ``launch.env``, then the node's ``env`` from cluster.yaml;
-  4. the launcher's own: ``LAUNCHER_*`` and ``PYTHONUNBUFFERED``.
+For every node: its ranks, the exact torchrun argv and the workers' environment with the
+source of each variable. ``launch plan`` prints it; ``launch run`` hands it to the agents.
 """
 
 from __future__ import annotations

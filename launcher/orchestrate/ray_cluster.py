@@ -1,22 +1,4 @@
-"""Which Ray runs the node agents: embedded, attached, or bootstrapped over SSH.
-
-- **embedded** (``ray.address: null`` and every node local): ``ray.init()`` starts a private
-  Ray for this launch and ``close()`` stops it.
-- **attach** (``auto``, ``host:port`` or ``ray://host:port``): connect to a running cluster;
-  ``close()`` only disconnects. ``host:port`` needs the launcher to run on a Ray node; from a
-  login node use ``ray://head:10001``.
-- **bootstrap** (``ray.address: null`` with remote nodes): ``ray start --head`` on the first
-  node and ``ray start --address`` on the others over SSH, each bound to its address from
-  cluster.yaml. A fresh auth token for this cluster travels to every node on SSH stdin into
-  a 0600 file (never on a command line) that ``RAY_AUTH_TOKEN_PATH`` names; the launcher,
-  which may sit outside the cluster, drives it through Ray Client
-  (``ray://head:client_port``, through an SSH tunnel where the head is behind a jump host)
-  with the token in its own environment only. A node where
-  another Ray runs is refused (``ray stop`` would stop that one too). ``close()`` kills a
-  ``ray start`` of this cluster still running on those nodes (one cut short by Ctrl-C), runs
-  ``ray stop`` there and removes the token file, unless ``keep_ray``. Ray's temp dir on each
-  node is a fresh private folder (``NODE_TEMP_PREFIX``), never the shared ``/tmp/ray``.
-"""
+"""Which Ray runs the node agents: embedded, attached, or bootstrapped over SSH."""
 
 from __future__ import annotations
 

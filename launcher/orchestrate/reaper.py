@@ -1,19 +1,8 @@
 """Ends a node's torchrun and its workers when the agent that started them is gone.
 
-The agent (``agent.py``) stops torchrun itself while it lives. If the agent dies (a killed
-driver, a killed Ray), the kernel sends torchrun SIGTERM (``PR_SET_PDEATHSIG``), and torchrun
-forwards it to its workers. Nobody is left to send SIGKILL if torchrun then hangs: it was
-seen once, the workers exited and torchrun waited on a lock for good. So the agent also
-starts this reaper, in its own session, with the same death signal:
-
     python reaper.py TORCHRUN_PID GRACE_S AGENT_PID NODE_DIR
 
-It exits as soon as torchrun does. When the agent dies (SIGTERM, or its parent is no longer
-the agent), it waits ``GRACE_S`` for torchrun and every descendant to exit, then SIGKILLs what
-is left and removes the run's node folder, which the agent can no longer remove. The agent starts it with SIGTERM ignored, which survives the exec: a death signal
-that comes before the handler is set cannot kill it, and the parent check still sees the
-agent gone. Standard library only, and run by its file path: it needs nothing importable.
-The /proc helpers here are also the agent's.
+Standard library only, run by its file path. The /proc helpers here are also the agent's.
 """
 
 from __future__ import annotations

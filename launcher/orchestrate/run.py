@@ -1,12 +1,7 @@
 """Drive one job end to end: run dir → preflight → Ray → agents → attempts → summary.
 
-``Launch.execute()`` runs the stages in order; each is a method named after what it does.
-An attempt is planned (``plan.plan``, saved as ``plan.json``, then ``plan.attempt<N>.json`` per
-restart), started on every node and watched (``watch.Watcher``) until it succeeds or fails; a
-failed rank is restarted on every node while ``launch.max_restarts`` allows. Whatever happens
-(a failed rank, Ctrl-C, SIGTERM, a lost node) the ``finally`` path stops every worker, removes
-the placement group and closes the Ray session, and the run directory keeps the logs, the
-metrics so far and a summary that names the failure.
+``Launch.execute()`` runs the stages in order; whatever happens, the teardown stops every
+worker and the run directory keeps the logs, the metrics and a summary.
 """
 
 from __future__ import annotations

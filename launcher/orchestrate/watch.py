@@ -1,20 +1,5 @@
-"""One attempt's watch loop: poll the agents until every node's torchrun is done or one fails.
-
-Each round long-polls the agents (an agent answers at once when it has news), hands every
-update to the run log, and then judges:
-
-- an agent that answers with an exception is a lost node;
-- a torchrun that exited non-zero is a failed rank, unless another agent no longer answers:
-  a lost node makes the ranks elsewhere fail too ("Connection reset by peer"), sometimes
-  before Ray reports its agent gone, so the node is named, not the echo;
-- every torchrun exited 0: success;
-- an agent silent for ``NODE_SILENCE_S`` is a lost node; a rank that wrote no metrics record
-  for ``launch.hang_timeout_s`` is a hang. Before anything is stopped every worker's stack is
-  dumped (``stacks.py``); the rank blamed is the one outside the collective the others wait
-  in, else, of the silent ranks, the one that got least far (the ranks of a node whose
-  torchrun exited 0 are done, not silent).
-
-Restarts are not decided here: ``run.py`` restarts an attempt whose failure is restartable.
+"""One attempt's watch loop: poll the agents until every node's torchrun is done or one fails
+(a failed rank, a lost node or a hang).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Preflight: probe every node in parallel, compare under parity policies, fail before any
 worker starts.
 
-    report = run_preflight(cluster, job)        # every node, deep probe (imports torch)
-    print(report.table())                       # fields × nodes, odd cells marked, verdict
-    report.save(run_dir / "preflight")          # <node>.json per node + parity.txt
-    report.raise_for_failure()                  # PreflightError (exit 3) naming every bad node
-
-The probe (``probe.py``) is sent to each node on stdin and run with that node's ``python``;
-``launcher.remote`` reaches the nodes (locally or over SSH) and ``parity.py`` judges the results.
-A node that cannot be reached or probed gets an error record in ``report.probes`` and its
-column says why; the other nodes are still probed and reported.
+    report = run_preflight(cluster, job)
+    report.raise_for_failure()      # PreflightError (exit 3) naming every bad node
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
-"""Judge node probes: compare fields under per-field policies, run the non-comparison checks,
-render the fields × nodes table and the one-line verdict.
-
-Pure: takes the probe documents (``probe.py``'s JSON, or an error record for a node that
-could not be probed) and returns a ``PreflightReport``; no I/O but ``save``.
-
-Policies, per field (defaults in ``FIELDS``, overridable in cluster.yaml ``parity.policies``):
-
-* ``exact``  the whole value must agree (``2.13.0+cu128``)
-* ``minor``  major.minor must agree (Python ``3.11.7`` and ``3.11.9`` agree)
-* ``major``  the major component must agree (driver ``550.54.15`` and ``550.90.07``)
-* ``warn``   differences are shown and named in the verdict, but do not fail
-* ``ignore`` informational: shown, never compared
-
-The odd cell is the one whose value differs from the majority (ties: the head node's).
-Checks that are not comparisons (cuDNN working, driver minimum, GPUs for the job, the NCCL
-interface, clock skew, a failed deep probe) have keys too: a policy of ``warn`` or ``ignore``
-downgrades them; any other value leaves them failing.
+"""Judge node probes: compare fields under per-field policies, run the other checks, and
+render the fields × nodes table and the verdict. Pure.
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
 """The node probe: what this machine has, as one JSON document on stdout.
 
-Self-contained on purpose: the launcher sends this file over SSH on stdin and runs it with
-the node's own interpreter (``python - --deep --packages transformers``), so it imports only
-the standard library, plus torch in the deep part. It never imports the launcher, torch or
-Ray to learn their versions (``importlib.metadata`` / ``find_spec`` only): a broken install
-is reported, not crashed on.
-
-Torch-free part (fast, ~0.1 s): hostname, OS and kernel, Python, versions of torch, ray, the
-launcher (+ a hash of its .py files, to catch stale code) and the listed packages, driver and
-GPUs from ``nvidia-smi`` (or NVML), IPv4 interfaces, free disk, clock.
-
-User code (``--workdir DIR --script PATH [--exclude JSON]``, for ``entrypoint.sync: false``):
-whether the job's working directory and script exist on this node, and a hash of its code
-files after the job's excludes. The gitignore-style matcher and the hash live here, in the one
-self-contained file, and the launcher imports them too: the node and the launcher walk a tree
-by the same rules.
-
-Deep part (``--deep``, imports torch): CUDA build and availability, devices, cuDNN
-available/enabled/version and one real convolution timed with cuDNN on and off, the NCCL
-version, and which libcudnn/libnccl/libcudart files the process actually mapped. It runs in a
-thread under ``--deep-timeout``: a wedged driver yields an error record, never a hang.
-
-Every section that fails records ``{"error": ...}`` instead of aborting the probe. The
-launcher judges the facts (``launcher/preflight/parity.py``); the probe only reports them.
-The document carries no format version: every node runs the file the launcher sends, so the
-launcher always reads what its own probe wrote (a different launcher installed on a node
-shows in the ``launcher`` and ``launcher code`` rows).
+Self-contained: the launcher sends this file to each node and runs it with the node's own
+interpreter, so it imports only the standard library (and torch in ``--deep``).
 """
 
 from __future__ import annotations

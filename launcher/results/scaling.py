@@ -1,20 +1,6 @@
 """Scaling studies: adjust a job per point, aggregate repeats, write the table and plot.
 
-``launch scale`` runs one job at several world sizes (the driver lives in
-``launcher.orchestrate``); this module is the pure part around it:
-
-* ``scale_job`` adapts the job to a point's world size (weak or strong scaling);
-* ``build_table`` turns the measured points into the study table;
-* ``write_scaling`` saves ``scaling.json``, ``scaling.csv`` and ``scaling.png``.
-
-Definitions (N ranks, N0 the smallest measured point, T = tokens/s, the median over repeats):
-
-* speedup(N)    = T(N) / T(N0); ideal: N / N0.
-* efficiency(N) = (T(N) / N) / (T(N0) / N0), per-rank throughput relative to the base point.
-  Weak scaling keeps the per-rank batch, so this asks "does each rank stay as fast?".
-  Strong scaling keeps the global batch, so it reads as speedup / (N / N0), the usual
-  strong-scaling efficiency; the two expressions are the same ratio. It is stored as a
-  fraction (0.93) and shown as a percentage.
+speedup(N) = T(N) / T(N0); efficiency(N) = (T(N) / N) / (T(N0) / N0), T the median tokens/s.
 """
 
 from __future__ import annotations

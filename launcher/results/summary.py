@@ -1,20 +1,7 @@
 """Per-rank, per-node and job throughput tables from every rank's metrics records.
 
-Input: the plan's rank layout and each rank's records (``launcher.metrics`` describes them).
-Output: the ``summary.json`` dict, the text tables, and ``summary.{json,csv,txt}`` in the run
-directory. The keys of ``summary.json`` (``summarize`` below, with ``RANK_KEYS``, ``TOTAL_KEYS``
-and ``FAILURE_KEYS``) are a contract other tools read: keep their names and meaning.
-
-Two flavours of records reach this module:
-
-* the built-in trainer writes ``meta``, ``step`` records (``interval_s``, ``measured``,
-  ``step_times_ms``, ...) and a ``final`` record with ready statistics, which wins;
-* a user script calling ``launcher.report()`` writes only ``step`` records counting the
-  tokens/samples since its previous call; the interval is the gap between consecutive
-  ``time`` values, so the first record only starts the clock.
-
-A failed or interrupted run still gets a summary of what was measured: ranks without
-records keep their row with nulls ("–" in the tables).
+The keys of ``summary.json`` (``RANK_KEYS``, ``TOTAL_KEYS``, ``FAILURE_KEYS``) are a contract
+other tools read: keep their names and meaning.
 """
 
 from __future__ import annotations
