@@ -207,7 +207,9 @@ def _new_temp_dir(folder: Path) -> str:
 
 
 def _start(folder: Path) -> LocalHead:
-    from launcher.orchestrate.ray_cluster import KILL_CHILDREN_ENV, NICENESS_ENV
+    from launcher.orchestrate.ray_cluster import KILL_CHILDREN_ENV, NICENESS_ENV, check_ray_version
+
+    check_ray_version()
 
     token_file = folder / "auth_token"
     write_private(token_file, secrets.token_hex(32) + "\n")

@@ -29,8 +29,9 @@ def line(state: dict[str, Any]) -> str:
 
 
 def last_state(logs: str) -> dict[str, Any] | None:
-    """The last state line of a driver's log, if any."""
-    for text in reversed(logs.splitlines()):
+    """The last state line of a driver's log, if any. Lines end at ``\n`` only: a job's output
+    cannot start a line of its own with ``\r`` or U+2028 (``splitlines`` would split there)."""
+    for text in reversed(logs.split("\n")):
         if text.startswith(MARK):
             try:
                 return json.loads(text[len(MARK) :])
@@ -40,8 +41,8 @@ def last_state(logs: str) -> dict[str, Any] | None:
 
 
 def strip(logs: str) -> str:
-    """The log as a user reads it: without the state lines."""
-    return "".join(t for t in logs.splitlines(keepends=True) if not t.startswith(MARK))
+    """The log as a user reads it: without the state lines (lines end at ``\n`` only)."""
+    return "\n".join(t for t in logs.split("\n") if not t.startswith(MARK))
 
 
 def status_of(ray_status: str, state: dict[str, Any] | None) -> str:

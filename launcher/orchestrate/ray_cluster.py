@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -336,6 +338,7 @@ def open_session(
     With a ``code`` that travels, the session ships its snapshot to every node. SIGINT and
     SIGTERM during start-up raise KeyboardInterrupt, with a half-started Ray of ours stopped.
     """
+    check_ray_version()
     snapshot = stage(code) if code is not None and code.travels else None
     runtime_env: dict[str, Any] = {"working_dir": str(snapshot)} if snapshot else {}
     if snapshot:
@@ -419,6 +422,26 @@ class Watchdog:
         with contextlib.suppress(OSError):
             assert self._proc.stdin is not None
             self._proc.stdin.close()
+
+
+RAY_FLOOR = (2, 52)  # token authentication (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH)
+
+
+def check_ray_version() -> None:
+    """PreflightError (exit 3) where the Ray installed here predates ``RAY_FLOOR``: an older
+    Ray ignores ``RAY_AUTH_MODE=token`` and would serve its ports and Jobs API to anyone."""
+    try:
+        version = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        return  # the import that follows says it is missing
+    parts = [int(p) for p in re.findall(r"\d+", version)[:2]]
+    if tuple(parts) < RAY_FLOOR:
+        floor = ".".join(map(str, RAY_FLOOR))
+        raise PreflightError(
+            f"Ray {version} is installed here, but the launcher needs Ray {floor} or later: it "
+            f"relies on Ray's token authentication, which older versions ignore. Upgrade it: "
+            f"pip install 'ray[client,default]>={floor}'"
+        )
 
 
 RAY_TEMP_NAME = "ray"  # Ray's temp dir, inside a private parent of its own

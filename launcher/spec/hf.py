@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -218,10 +219,18 @@ def load_bin(path: Path) -> dict[str, Any]:
         raise FolderError(f"cannot read {path}: {first_line(err)}") from None
 
 
+SAFETENSORS_MAX_HEADER = 100_000_000  # bytes: what the safetensors library itself reads
+
+
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     try:
         with open(path, "rb") as fh:
             (length,) = struct.unpack("<Q", fh.read(8))
+            if length > min(SAFETENSORS_MAX_HEADER, os.fstat(fh.fileno()).st_size - 8):
+                raise ValueError(
+                    f"its header length {length} is more than the file holds (or than "
+                    f"{SAFETENSORS_MAX_HEADER} bytes)"
+                )
             header = json.loads(fh.read(length))
     except (OSError, ValueError, struct.error) as err:
         raise FolderError(
