@@ -1,11 +1,6 @@
 """The ``launch`` command: parse, build, run, report. No logic of its own.
 
 Exit codes: 0 ok · 2 invalid input · 3 preflight failed · 4 job failed · 130 interrupted.
-User errors print one paragraph and no traceback; ``--debug`` shows it. A closed stdout pipe
-(``| head``) ends a command that only shows something quietly, exit 0; a command that does
-something (``run``, ``submit``, ``scale``, ...) does it whole, what it writes to that stream (stdout
-or stderr: the one whose reader went) dropped, with its own exit code. A stdout or stderr closed
-from the start (``2>&-``) is /dev/null.
 """
 
 from __future__ import annotations

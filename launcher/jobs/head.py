@@ -1,17 +1,5 @@
 """The Ray that the launcher starts on this machine for detached jobs, found again through
 its record in the launcher's state folder (``records``).
-
-State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, else
-``~/.local/state/launcher``), a 0700 folder:
-
-- ``local/``: this machine's head. ``head.json`` (the pid of ``ray start --head --block``,
-  its ports and temp dir), ``auth_token`` (0600; Ray reads it through ``RAY_AUTH_TOKEN_PATH``,
-  it is never on a command line), ``head.log`` (Ray's start-up output). The head runs in a
-  session of its own, so it outlives the ``launch submit`` that started it; every later
-  command finds it through ``head.json``, and ``launch down`` stops exactly it.
-The local head binds its dashboard and Jobs API to 127.0.0.1 and needs the token for every
-request (``RAY_AUTH_MODE=token``); its other ports are free ports picked at start (Ray's
-defaults, such as the client server's 10001, would clash with a Ray someone else runs here).
 """
 
 from __future__ import annotations

@@ -1,29 +1,5 @@
 """The launcher's private state folder, its locks, and the records of clusters kept up for
 detached jobs.
-
-State lives in ``$LAUNCHER_STATE_DIR`` (default ``$XDG_STATE_HOME/launcher``, else
-``~/.local/state/launcher``), a 0700 folder: ``local/`` for this machine's head (``head``) and
-- ``clusters/<head host>-<gcs port>.json``: a cluster bootstrapped over SSH that stays up for
-  its jobs: its resolved cluster spec, so ``launch down`` stops Ray on exactly those nodes, and
-  under ``ray_start_addresses`` the address each node's ``ray start`` was given (the head's is
-  the one the others joined), so ``launch down`` finds a ``ray start`` left running there
-  whatever the nodes' names resolve to by then (a record without it: resolved again).
-  Its token stays on the nodes (``$HOME/.ray/launcher_auth_token``); commands read it over
-  SSH when they open the tunnel to the head. ``clusters/<head host>-<gcs port>.lock`` is held
-  while a command reads the record, bootstraps and saves it, and while ``launch down`` stops
-  and forgets it.
-
-Two locks (flock) for each launcher Ray, in two files, always taken in this order:
-
-1. ``jobs_lock`` (``local/.jobs.lock``, or ``clusters/<head host>-<gcs port>.jobs.lock``): held
-   by ``launch submit`` from finding (or starting) the launcher's Ray until Ray has the job
-   (the code's upload included), and by ``launch down`` from listing the jobs until Ray is
-   stopped: down stops no job it did not list. ``status``, ``list``, ``logs``, ``stop`` and
-   ``fetch`` never take it, so they answer while a submission uploads or ``down`` waits for
-   its jobs to stop.
-2. the head's lock (``local/.lock``, or the cluster's ``.lock`` above): held only while a
-   command finds, starts or stops the Ray (or reads, saves or forgets its record); every
-   command takes it, and a command that holds both took ``jobs_lock`` first.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """A run's directory: every path in it, and every write of a file that holds environment values.
 
-Layout (DESIGN.md): ``job.yaml``, ``cluster.yaml``, ``plan.json`` (then ``plan.attempt<N>.json``
-per restart), ``preflight/<node>.json``, ``preflight/parity.txt``, ``logs/<node>/rank<R>.log``
-(+ ``torchrun.log``), ``metrics/rank<R>.jsonl``, ``summary.{json,csv,txt}``; ``profile/<node>/``
-with ``train.profile``; ``telemetry/<node>.jsonl`` on GPUs; ``stacks/`` after a hang. The spec copies and plans are mode 0600 with secret-looking values
-masked: workers get the real values from the plan's environment, never from these files.
-
 One run per folder: ``--run-dir`` must be new or empty (``claim``).
-
-``name`` is the folder's name (the workers' ``LAUNCHER_RUN_ID``); ``run_id`` adds a random
-suffix, unique to the launch, and names each node's folder ``/tmp/launcher/<run_id>/<node>``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Stops the Ray a launch started when the launcher itself is killed (``kill -9``, the OOM killer).
 
-``open_session`` starts it beside the launcher, in a session of its own, and writes the session
-to its stdin as JSON lines (each replaces the one before)::
-
-    python -m launcher.orchestrate.watchdog LAUNCHER_PID
-
-- embedded (``{"mode": "embedded", "temp_dir": ...}``): it notes the launcher's descendants
-  (Ray's processes, the agents, torchrun and its workers) every ``SCAN_S``; once the launcher
-  is gone, SIGTERM to those noted, SIGKILL after ``GRACE_S``, and Ray's temp dir removed.
-- bootstrap (``{"mode": "bootstrap", "cluster": ..., "nodes": [...], "addresses": {...}}``):
-  ``ray stop`` on those nodes over SSH, as ``RaySession.close`` does; each node's agent reaper
-  then ends torchrun there.
-
-A session that closes normally ends its watchdog first (SIGTERM). The launcher is gone when
-its stdin reaches EOF or its parent is no longer the launcher.
+python -m launcher.orchestrate.watchdog LAUNCHER_PID
 """
 
 from __future__ import annotations
