@@ -254,7 +254,12 @@ def cmd_scale(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from launcher.results import report_command
 
-    return report_command(args.run_dir, fmt=args.format)
+    code = report_command(args.run_dir, fmt=args.format)
+    if args.plot:
+        from launcher.results.runplot import plot_run
+
+        print(f"Plot: {plot_run(Path(args.run_dir))}")
+    return code
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -458,6 +463,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", help="a run directory or a scaling study directory")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    p.add_argument(
+        "--plot",
+        action="store_true",
+        help="a run: steps.png, loss and tokens/s per rank (plot extra)",
+    )
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser(
