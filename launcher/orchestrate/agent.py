@@ -36,6 +36,12 @@ TORCHRUN_TAIL_LINES = 200  # torchrun's own lines: its failure report can be lon
 REAPER_GRACE_S = 10.0  # after the agent's death: torchrun's own SIGTERM handling, then SIGKILL
 WORKER_SCAN_S = 2.0  # how often the agent notes torchrun's workers (a /proc scan)
 ORPHAN_GRACE_S = 5.0  # workers left by a torchrun that died: SIGTERM, then SIGKILL after this
+# Bounds on what waits for the driver's next poll: a rank that floods its output loses lines
+# (a note says how many), never grows the agent's memory; metrics wait in their files.
+LINE_MAX_BYTES = 64 << 10  # a longer line is cut there
+PENDING_LINES_MAX = 20_000
+PENDING_RECORDS_MAX = 20_000
+METRICS_READ_BYTES = 4 << 20  # per file and pass
 HOOKS = Path(__file__).resolve().parents[1] / "hooks"  # the workers' sitecustomize (stack dumps)
 
 
@@ -58,6 +64,7 @@ class NodeAgent:
         self._changed = threading.Condition(self._lock)  # new output, a record, or a thread ended
         self._lines: list[tuple[int | None, str]] = []
         self._records: list[tuple[int, dict[str, Any]]] = []
+        self._dropped = 0  # output lines dropped since the last poll (PENDING_LINES_MAX)
         self._telemetry: list[dict[str, Any]] = []
         self._tails = _fresh_tails()
         self._offsets: dict[Path, int] = {}
@@ -145,6 +152,15 @@ class NodeAgent:
                 self._changed.wait(min(remaining, 0.05))
             lines, self._lines = self._lines, []
             records, self._records = self._records, []
+            if self._dropped:
+                lines.append(
+                    (
+                        None,
+                        f"[launcher: {self._dropped} line(s) of output dropped on node "
+                        f"{self.node}: the ranks wrote faster than they could be passed on]",
+                    )
+                )
+                self._dropped = 0
             samples, self._telemetry = self._telemetry, []
         # exited, but output still being drained: report the exit on a later poll
         return AgentUpdate(
@@ -274,14 +290,25 @@ class NodeAgent:
 
     def _read_output(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
-        for raw in self._proc.stdout:
+        cut = False  # the rest of a line cut at LINE_MAX_BYTES is skipped
+        while raw := self._proc.stdout.readline(LINE_MAX_BYTES):
+            whole = raw.endswith(b"\n")
+            if cut:
+                cut = not whole
+                continue
+            cut = not whole
             text = raw.decode("utf-8", "replace").rstrip("\n")
+            if cut:
+                text += f" [line cut at {LINE_MAX_BYTES} bytes]"
             match = RANK_PREFIX.match(text)
             local_rank = int(match.group(1)) if match else None
             if match:
                 text = match.group(2)
             with self._changed:
-                self._lines.append((local_rank, text))
+                if len(self._lines) < PENDING_LINES_MAX:
+                    self._lines.append((local_rank, text))
+                else:
+                    self._dropped += 1
                 tail = self._tails.setdefault(local_rank, collections.deque(maxlen=RANK_TAIL_LINES))
                 tail.append(text)
                 self._changed.notify_all()
@@ -341,12 +368,17 @@ class NodeAgent:
             rank = metrics.rank_of(path.name)
             if rank is None:
                 continue
+            with self._lock:
+                if len(self._records) >= PENDING_RECORDS_MAX:
+                    return  # the driver has not taken what is here yet: the rest waits in the files
             offset = self._offsets.get(path, 0)
             with open(path, "rb") as fh:
                 fh.seek(offset)
-                chunk = fh.read()
+                chunk = fh.read(METRICS_READ_BYTES)
             end = chunk.rfind(b"\n") + 1  # only complete lines; a torn tail waits
             if not end:
+                if len(chunk) == METRICS_READ_BYTES:  # one record past the bound: skipped
+                    self._offsets[path] = offset + len(chunk)
                 continue
             self._offsets[path] = offset + end
             parsed = []

@@ -207,3 +207,46 @@ def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_i
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+FLOOD = """
+import sys
+out = sys.stdout
+out.write("x" * (1 << 20) + "\\n")  # one line of 1 MiB
+for i in range(60000):
+    out.write(f"line {i}\\n")
+out.flush()
+"""
+
+
+def test_a_rank_that_floods_its_output_is_cut_and_dropped_with_a_note(tmp_path):
+    """Nobody polls while a process writes a 1 MiB line and 60,000 more: the agent keeps at most
+    PENDING_LINES_MAX of them (and a note of how many it dropped), the long line cut."""
+    from launcher.orchestrate.agent import LINE_MAX_BYTES, PENDING_LINES_MAX
+
+    (tmp_path / "flood.py").write_text(FLOOD)
+    agent = NodeAgent("local")
+    try:
+        agent.start(
+            {
+                "run_id": "t-0a1b2c",
+                "cwd": str(tmp_path),
+                "argv": [sys.executable, str(tmp_path / "flood.py")],
+                "env": {},
+            },
+            {},
+        )
+        deadline = time.monotonic() + 60
+        while agent._status() is None or any(t.is_alive() for t in agent._threads):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        lines = [text for _, text in agent.poll(0).lines]
+        assert len(lines) == PENDING_LINES_MAX + 1
+        assert lines[0].endswith(f"[line cut at {LINE_MAX_BYTES} bytes]")
+        assert len(lines[0]) < LINE_MAX_BYTES + 100
+        assert lines[1] == "line 0"
+        dropped = 60001 - PENDING_LINES_MAX
+        assert lines[-1].startswith(f"[launcher: {dropped} line(s) of output dropped on node local")
+    finally:
+        agent.stop(1.0)
+        agent.cleanup()
