@@ -25,9 +25,11 @@ from typing import Any
 from launcher import metrics, telemetry
 from launcher.orchestrate import reaper
 from launcher.orchestrate.plan import NODE_DIR, NODE_PASSTHROUGH, STACKS_SUBDIR
+from launcher.orchestrate.reach import Listener, reach
 from launcher.orchestrate.reaper import alive, descendants, kill_after, signal_all, started
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
 from launcher.orchestrate.stacks import header
+from launcher.preflight.probe import interfaces, route_to
 from launcher.util import free_port, make_private_dir, write_private
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
@@ -72,6 +74,7 @@ class NodeAgent:
         self._started_at = 0.0
         self._workers: dict[int, int] = {}  # torchrun's descendants seen: pid → start time
         self._threads: list[threading.Thread] = []
+        self._listener: Listener | None = None
 
     # -- facts ---------------------------------------------------------------------------
 
@@ -85,6 +88,32 @@ class NodeAgent:
     def free_port(self) -> int:
         """A TCP port free on this node now (the rendezvous port when this is node 0)."""
         return free_port()
+
+    def route(self, host: str) -> dict[str, Any]:
+        """The route from this node to ``host`` and its interfaces, as the probe reports them."""
+        try:
+            found: dict[str, Any] = route_to(host)
+        except OSError as err:
+            found = {"to": host, "error": f"{type(err).__name__}: {err}"}
+        return {"route": found, "interfaces": interfaces()}
+
+    # -- the rendezvous check (reach.py) ----------------------------------------------------
+
+    def listen(self, port: int) -> None:
+        """Listen on ``port`` until ``unlisten``: the head's side of the rendezvous check."""
+        self.unlisten()
+        self._listener = Listener(port)
+
+    def unlisten(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
+
+    def reach(
+        self, master_addr: str, port: int, ifname: str | None, timeout_s: float
+    ) -> str | None:
+        """None when this node connects to the rendezvous port from ``ifname``, else why not."""
+        return reach(master_addr, port, ifname, timeout_s)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -94,6 +94,53 @@ class AgentGroup:
                 f"the agent on the first node did not give a free port: {_reason(err)}"
             ) from err
 
+    def routes(self, nodes: list[NodeSpec]) -> dict[str, dict[str, Any]]:
+        """Each node's route to the head (``nodes[0]``) and its interfaces, as its agent finds
+        them (``NodeAgent.route``); a node whose agent fails gets ``{"route": {"error": ...}}``."""
+        import ray
+
+        head = nodes[0].net_address
+        refs = [h.route.remote(head) for h in self.handles]
+        ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S)
+        out: dict[str, dict[str, Any]] = {}
+        for ref, node in zip(refs, nodes, strict=True):
+            try:
+                out[node.name] = ray.get(ref, timeout=0.1)
+            except Exception as err:
+                reason = f"its agent did not answer: {_reason(err)}"
+                out[node.name] = {"route": {"to": head, "error": reason}}
+        return out
+
+    def check_reach(self, launch_plan: LaunchPlan, timeout_s: float) -> dict[str, str]:
+        """Every node opens a TCP connection to the head's rendezvous port from its workers'
+        interface while the head's agent listens there (``reach.py``); node → what failed."""
+        import ray
+
+        port, master = launch_plan.master_port, launch_plan.master_addr
+        head = self.handles[0]
+        try:
+            ray.get(head.listen.remote(port), timeout=CALL_TIMEOUT_S)
+        except Exception as err:
+            return {launch_plan.nodes[0].name: f"cannot listen on port {port}: {_reason(err)}"}
+        try:
+            refs = [
+                h.reach.remote(master, port, n.env.get("GLOO_SOCKET_IFNAME"), timeout_s)
+                for h, n in zip(self.handles, launch_plan.nodes, strict=True)
+            ]
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s + REACH_TIMEOUT_S)
+            failed: dict[str, str] = {}
+            for ref, node in zip(refs, launch_plan.nodes, strict=True):
+                try:
+                    problem = ray.get(ref, timeout=0.1)
+                except Exception as err:
+                    problem = f"its agent did not answer the check: {_reason(err)}"
+                if problem:
+                    failed[node.name] = problem
+            return failed
+        finally:
+            with contextlib.suppress(Exception):
+                ray.get(head.unlisten.remote(), timeout=CALL_TIMEOUT_S)
+
     def start(self, launch_plan: LaunchPlan, files: dict[str, str]) -> None:
         """Start every node's torchrun as the plan says; JobFailed naming the first node whose
         agent could not (a missing interpreter or working directory, a lost node, no answer)."""

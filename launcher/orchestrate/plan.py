@@ -6,6 +6,7 @@ source of each variable. ``launch plan`` prints it; ``launch run`` hands it to t
 
 from __future__ import annotations
 
+import ipaddress
 import shlex
 import sys
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from tabulate import tabulate
 from launcher import metrics
 from launcher.errors import PreflightError, SpecError
 from launcher.orchestrate.code import CodePlan, describe
-from launcher.preflight import NodeFacts
+from launcher.preflight import NodeFacts, Route
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
 from launcher.spec.fit import spec_layers
 from launcher.util import mask_env
@@ -65,6 +66,7 @@ class NodePlan:
     env: dict[str, str]
     env_sources: dict[str, str] = field(repr=False)
     is_local: bool = False
+    route: dict[str, str] | None = None  # Route.to_json: the interface towards the head, and why
 
     @property
     def command(self) -> str:
@@ -88,6 +90,7 @@ class LaunchPlan:
     code: CodePlan | None = None
     attempt: int = 0
     run_name: str = ""  # LAUNCHER_RUN_ID: the run directory's name (``run_id`` adds a suffix)
+    master_addr_source: str = "cluster.yaml"
 
     def ranks(self) -> list[dict[str, Any]]:
         """The rank layout: one entry per global rank."""
@@ -120,6 +123,7 @@ class LaunchPlan:
             "attempt": self.attempt,
             "world_size": self.world_size,
             "master_addr": self.master_addr,
+            "master_addr_source": self.master_addr_source,
             "master_port": self.master_port,
             "backend": self.backend,
             "device": self.device,
@@ -143,6 +147,7 @@ def plan(
     code: CodePlan | None = None,
     nodes: list[NodeSpec] | None = None,
     local_python: str = sys.executable,
+    routes: Mapping[str, Route] | None = None,
 ) -> LaunchPlan:
     """Decide every node's ranks, torchrun argv, worker environment and directory. Pure.
 
@@ -157,22 +162,38 @@ def plan(
     node (``make_node_dir``), so no two runs, and no other user, share it.
     ``run_name`` (default ``run_id``), the run directory's name, is the workers'
     ``LAUNCHER_RUN_ID``.
+
+    ``routes`` (default: the facts' ``route``) say through which interface each node reaches
+    the head: with more than one node, the workers' ``GLOO_SOCKET_IFNAME`` (unless the user set
+    it) and the master address (unless cluster.yaml gives an IP or ``address``).
     """
     run_name = run_id if run_name is None else run_name
     nodes = nodes if nodes is not None else nodes_for_job(cluster, job)
     counts = list(worker_counts(job, nodes, facts).values())
+    if routes is None:
+        routes = {n: f.route for n, f in (facts or {}).items() if f.route is not None}
+    if len(nodes) < 2:  # one node: loopback is fine, whatever the routes say
+        routes = {}
+    master_addr, master_source = master_address(nodes[0], routes)
     plans, first_rank = [], 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
         node_dir = NODE_DIR
+        route = routes.get(node.name)
         env, sources = _worker_env(
-            job, node, launcher_env, run_name=run_name, node_dir=node_dir, attempt=attempt
+            job,
+            node,
+            launcher_env,
+            run_name=run_name,
+            node_dir=node_dir,
+            attempt=attempt,
+            route=route,
         )
         python = node.interpreter(local_python)
         torchrun = {
             "--nnodes": len(nodes),
             "--node-rank": node_rank,
             "--nproc-per-node": nproc,
-            "--master-addr": nodes[0].net_address,
+            "--master-addr": master_addr,
             "--master-port": master_port,
             "--max-restarts": 0,  # restarts are the launcher's (see run.py), not torchrun's
             "--tee": 3,
@@ -199,6 +220,7 @@ def plan(
                 env=env,
                 env_sources=sources,
                 is_local=node.is_local,
+                route=route.to_json() if route else None,
             )
         )
         first_rank += nproc
@@ -206,7 +228,8 @@ def plan(
         job=job.name,
         run_id=run_id,
         world_size=first_rank,
-        master_addr=nodes[0].net_address,
+        master_addr=master_addr,
+        master_addr_source=master_source,
         master_port=master_port,
         backend=job.backend,
         device=job.resources.device,
@@ -218,6 +241,20 @@ def plan(
     )
 
 
+def master_address(head: NodeSpec, routes: Mapping[str, Route]) -> tuple[str, str]:
+    """The head's address for torchrun's rendezvous, and where it comes from.
+
+    cluster.yaml's ``address``, or a ``host`` that is an IP, as given; a host name as the other
+    nodes resolve it (``routes``), since the head may resolve its own name to loopback.
+    """
+    if head.address:
+        return head.address, "cluster.yaml (the head's address)"
+    if _is_ip(head.host) or not routes:
+        return head.host, "cluster.yaml (the head's host)"
+    master_ip = next(iter(routes.values())).master_ip
+    return master_ip, f"{head.host} as the other nodes resolve it"
+
+
 def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
     """The plan for people: a node/rank table, then each node's command and environment."""
     lp = launch_plan
@@ -226,6 +263,8 @@ def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
         f"{len(lp.nodes)} node(s), world size {lp.world_size}, "
         f"backend {lp.backend}, master {lp.master_addr}:{lp.master_port}{port_note}"
     )
+    if not lp.master_addr_source.startswith("cluster.yaml"):
+        head += f" ({lp.master_addr_source})"
     if lp.max_restarts:
         head += (
             f"\nOn a failure the launcher restarts every node's torchrun up to {lp.max_restarts} "
@@ -328,6 +367,7 @@ def _worker_env(
     run_name: str,
     node_dir: str,
     attempt: int,
+    route: Route | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     env: dict[str, str] = {}
     sources: dict[str, str] = {}
@@ -343,6 +383,8 @@ def _worker_env(
     put({k: v for k, v in launcher_env.items() if k.startswith(FORWARDED_PREFIXES)}, "launcher env")
     for source, items in spec_layers(job, node):
         put(items, source)
+    if route is not None and "GLOO_SOCKET_IFNAME" not in env:
+        put({"GLOO_SOCKET_IFNAME": route.interface}, route.source)
     put(
         {
             "LAUNCHER_RUN_ID": run_name,
@@ -357,6 +399,14 @@ def _worker_env(
     if job.records_profile:
         put({"LAUNCHER_PROFILE_DIR": f"{node_dir}/{PROFILE_SUBDIR}"}, "launcher (train.profile)")
     return env, sources
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _span(ranks: list[int]) -> str:

@@ -36,11 +36,13 @@ from launcher.orchestrate.plan import (
     worker_counts,
 )
 from launcher.orchestrate.ray_cluster import RaySession, open_session
+from launcher.orchestrate.reach import REACH_TIMEOUT_S
 from launcher.orchestrate.records import Failure, FailureKind, Outcome, Status
 from launcher.orchestrate.rundir import RunDir, spec_yaml
 from launcher.orchestrate.runlog import RunLog
 from launcher.orchestrate.watch import Watcher
-from launcher.preflight import NodeFacts, preflight_facts
+from launcher.preflight import NodeFacts, Route, preflight_facts
+from launcher.preflight.network import choose_routes
 from launcher.results.summary import render as render_summary
 from launcher.results.summary import summarize, write_summary
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
@@ -270,7 +272,10 @@ class Launch:
         the same port or not), and restarts every node, not just the one whose worker failed.
         """
         job = job or self.job
+        nodes = nodes or self.nodes
         port = job.launch.master_port or agents.free_port()
+        with self._timed("network"):
+            routes = self.routes(agents, nodes, attempt)
         launch_plan = plan(
             job,
             self.cluster,
@@ -282,8 +287,12 @@ class Launch:
             launcher_env=os.environ,
             code=self.code,
             nodes=nodes,
+            routes=routes,
         )
         self.run_dir.write_plan(launch_plan)
+        if len(nodes) > 1:
+            with self._timed("network"):
+                self.check_reach(agents, launch_plan)
         self.plan = launch_plan  # from here on the agents' updates are this attempt's
         self.plans.append(launch_plan)
         self._first_world = self._first_world or launch_plan.world_size
@@ -302,6 +311,46 @@ class Launch:
         )
         signals.check()
         return launch_plan
+
+    def routes(self, agents: AgentGroup, nodes: list[NodeSpec], attempt: int) -> dict[str, Route]:
+        """Each node's interface towards the head: the preflight's, else (no preflight, or a
+        head it did not route to) what the agents find themselves."""
+        if len(nodes) < 2:
+            return {}
+        head = nodes[0].net_address
+        known = {
+            n.name: f.route
+            for n in nodes
+            if (f := (self.facts or {}).get(n.name)) and f.route and f.route.head == head
+        }
+        if len(known) == len(nodes):
+            return known
+        routes, problems = choose_routes(agents.routes(nodes), origin="agent")
+        if problems:
+            self._network_failed(problems, attempt)
+        return routes
+
+    def check_reach(self, agents: AgentGroup, launch_plan: LaunchPlan) -> None:
+        """Every node connects to the rendezvous port from its workers' interface (exit 3)."""
+        failed = agents.check_reach(launch_plan, REACH_TIMEOUT_S)
+        if failed:
+            self._network_failed(
+                failed,
+                launch_plan.attempt,
+                f" (master {launch_plan.master_addr}:{launch_plan.master_port}, "
+                f"{launch_plan.master_addr_source})",
+            )
+
+    def _network_failed(self, problems: dict[str, str], attempt: int, where: str = "") -> None:
+        what = "; ".join(f"node {n}: {m}" for n, m in problems.items())
+        message = (
+            f"{len(problems)} node(s) cannot reach the head's rendezvous port{where}: {what}. "
+            f"No worker of this attempt was started. Check the route and firewall between the nodes, or set "
+            f"GLOO_SOCKET_IFNAME (and the head's address: in cluster.yaml) by hand"
+        )
+        if attempt == 0:
+            raise PreflightError(message)
+        raise JobFailed(message)
 
     def finish(self, outcome: Outcome) -> None:
         """Teardown, then the summary: nothing is left running, everything measured is kept.

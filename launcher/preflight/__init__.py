@@ -17,6 +17,7 @@ from typing import Any
 
 from launcher import signals
 from launcher.errors import EXIT_OK, EXIT_PREFLIGHT
+from launcher.preflight.network import Route
 from launcher.preflight.parity import PreflightReport, error_record, evaluate, resolve_policies
 from launcher.remote import (
     BAD_JSON,
@@ -32,7 +33,14 @@ from launcher.spec.cluster import ClusterSpec, NodeSpec
 from launcher.spec.fit import gpus_needed, nodes_for_job, spec_env
 from launcher.spec.job import JobSpec
 
-__all__ = ["NodeFacts", "PreflightReport", "check_command", "preflight_facts", "run_preflight"]
+__all__ = [
+    "NodeFacts",
+    "PreflightReport",
+    "Route",
+    "check_command",
+    "preflight_facts",
+    "run_preflight",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +51,11 @@ COMMAND_MARGIN_S = 30.0
 
 @dataclass(frozen=True)
 class NodeFacts:
-    """What the plan needs to know about a node that only the node can say."""
+    """What the plan needs to know about a node that only the node can say: its GPUs and,
+    on a multi-node run, the interface through which it reaches the head."""
 
     gpus: int
+    route: Route | None = None
 
 
 def run_preflight(
@@ -65,8 +75,10 @@ def run_preflight(
     policies = resolve_policies(dict(cluster.parity.policies), packages)
     started = time.monotonic()
 
+    head = targets[0].net_address if len(targets) > 1 else None
+
     def probe(node: NodeSpec) -> dict[str, Any]:
-        return probe_node(node, cluster, job, deep=deep)
+        return probe_node(node, cluster, job, deep=deep, route_to=head)
 
     group = fan_out(targets, probe, max_parallel=cluster.ssh.max_parallel)
     probes: dict[str, dict[str, Any]] = {}
@@ -93,9 +105,15 @@ def parity_packages(cluster: ClusterSpec, job: JobSpec | None) -> list[str]:
 
 
 def probe_node(
-    node: NodeSpec, cluster: ClusterSpec, job: JobSpec | None, *, deep: bool
+    node: NodeSpec,
+    cluster: ClusterSpec,
+    job: JobSpec | None,
+    *,
+    deep: bool,
+    route_to: str | None = None,
 ) -> dict[str, Any]:
-    """Run the probe on one node; raises NodeError with the reason when that fails."""
+    """Run the probe on one node (``route_to``: the head's address, to find the route there);
+    raises NodeError with the reason when that fails."""
     python = node.interpreter()
     args = ["-"]
     if deep:
@@ -110,6 +128,8 @@ def probe_node(
     ifname = spec_env(node, job).get("NCCL_SOCKET_IFNAME")
     if ifname:
         args += ["--nccl-socket-ifname", ifname]
+    if route_to:
+        args += ["--route-to", route_to]
     args += shared_code_args(job)
     command = " ".join(shlex.quote(a) for a in [python, *args])
     timeout = cluster.ssh.connect_timeout_s + COMMAND_MARGIN_S + (DEEP_TIMEOUT_S if deep else 0)
@@ -206,7 +226,7 @@ def preflight_facts(
         print(report.table(), flush=True)
     report.raise_for_failure()
     signals.check()
-    return {n: NodeFacts(gpus=report.gpus(n)) for n in report.nodes}
+    return {n: NodeFacts(gpus=report.gpus(n), route=report.routes.get(n)) for n in report.nodes}
 
 
 def check_command(

@@ -17,6 +17,7 @@ from typing import Any
 from tabulate import tabulate
 
 from launcher.errors import PreflightError, SpecError
+from launcher.preflight.network import Route, choose_routes, route_cell
 
 FAIL_MARK = "✗"
 WARN_MARK = "!"
@@ -143,6 +144,7 @@ FIELDS: tuple[FieldDef, ...] = (
     ),
     FieldDef("cudnn", "cudnn", "exact", _get("deep", "cudnn", "version"), deep=True),
     FieldDef("nccl", "nccl", "exact", _get("deep", "nccl"), deep=True),
+    FieldDef("route", "route to head", "ignore", route_cell),
     FieldDef("clock", "clock skew", "ignore", _skew),
     FieldDef("disk", "free disk (home)", "ignore", _disk),
 )
@@ -155,6 +157,7 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("driver_min", "the driver is new enough for torch's CUDA build"),
     CheckDef("gpus_needed", "the node has the GPUs the job (or cluster.yaml) asks for"),
     CheckDef("nccl_socket_ifname", "NCCL_SOCKET_IFNAME names an interface of the node"),
+    CheckDef("route_to_head", "the node has a route to the head that is not loopback"),
     CheckDef(
         "clock_skew", f"the clock is within {CLOCK_SKEW_WARN_S:g} s of the launcher's (warns)"
     ),
@@ -174,6 +177,7 @@ class PreflightReport:
     problems: list[Problem]
     deep: bool
     field_keys: frozenset[str] = frozenset()
+    routes: dict[str, Route] = dataclasses.field(default_factory=dict)
 
     @property
     def nodes(self) -> list[str]:
@@ -356,9 +360,15 @@ def evaluate(
         rows.append(row)
     for node, probe in reachable.items():
         problems.extend(_checks(node, probe, resolved, deep))
+    routes, unrouted = choose_routes(probes, origin="preflight")
+    if resolved["route_to_head"] != "ignore":
+        severity = "warn" if resolved["route_to_head"] == "warn" else "fail"
+        problems += [Problem(n, "route_to_head", severity, m) for n, m in unrouted.items()]
     order = {n: i for i, n in enumerate(probes)}
     problems.sort(key=lambda p: order[p.node])
-    return PreflightReport(probes, rows, problems, deep, frozenset(f.key for f in fields))
+    return PreflightReport(
+        probes, rows, problems, deep, frozenset(f.key for f in fields), routes=routes
+    )
 
 
 def field_defs(packages: Sequence[str]) -> list[FieldDef]:

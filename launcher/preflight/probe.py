@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         "--nccl-socket-ifname", default=None, help="the workers' NCCL_SOCKET_IFNAME (recorded)"
     )
     parser.add_argument(
+        "--route-to", default=None, help="the head's address: report the route to it"
+    )
+    parser.add_argument(
         "--workdir", default=None, help="the user's working directory: report and hash it"
     )
     parser.add_argument("--script", default=None, help="the user's script, relative to --workdir")
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             "packages": packages,
             "gpus_needed": args.gpus_needed,
             "nccl_socket_ifname": args.nccl_socket_ifname,
+            "route_to": args.route_to,
         },
     }
     report["hostname"] = _safe(socket.gethostname)
@@ -102,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     report["nvidia"] = _safe(nvidia_info)
     report["interfaces"] = _safe(interfaces)
     report["disk"] = _safe(disk_free)
+    if args.route_to:
+        report["route"] = _safe(lambda: route_to(args.route_to))
     if args.workdir:
         patterns = json.loads(args.exclude)
         report["user_code"] = _safe(
@@ -393,6 +399,29 @@ def _interfaces_ioctl() -> dict[str, list[str]]:
             except OSError:
                 out[name] = []
     return out
+
+
+def route_to(host: str) -> dict[str, Any]:
+    """The interface and address through which this machine reaches ``host`` (IPv4).
+
+    ``resolved``: what ``host`` resolves to here. The kernel picks the source address of a
+    UDP socket connected there (nothing is sent); the interface is the one holding it.
+    """
+    resolved = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((resolved, 9))
+        address = sock.getsockname()[0]
+    return {
+        "to": host,
+        "resolved": resolved,
+        "address": address,
+        "interface": interface_of(address, interfaces()),
+    }
+
+
+def interface_of(address: str, found: dict[str, list[str]]) -> str | None:
+    """The interface that holds ``address`` (``interfaces()``'s map), or None."""
+    return next((name for name, addrs in found.items() if address in addrs), None)
 
 
 def disk_free() -> dict[str, Any]:

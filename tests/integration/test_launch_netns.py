@@ -16,10 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
-    cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml",
-        nodes={name: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for name in cluster.node_names},
-    )
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"]["nproc_per_node"] = 1
     job["train"].update(
@@ -66,6 +63,16 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
         assert (run_dir / f"profile/{node}/rank{rank}.trace.json.gz").stat().st_size > 0
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["master_addr"] == cluster.host(cluster.node_names[0])
+    # No GLOO_SOCKET_IFNAME in the files: each node's route to the head chose eth0, not the
+    # loopback its host name resolves to; the plan records it and why, the preflight shows it.
+    parity = (run_dir / "preflight/parity.txt").read_text()
+    for node in plan["nodes"]:
+        assert node["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert node["env_sources"]["GLOO_SOCKET_IFNAME"].startswith("preflight: ")
+        assert node["route"]["interface"] == "eth0"
+        assert node["route"]["address"] == cluster.host(node["name"])
+        assert f"eth0 {cluster.host(node['name'])}" in parity
+    assert "route to head" in parity
     # Ray was stopped on both nodes, its token file removed, nothing but sshd left in them
     for node in cluster.node_names:
         left = [
@@ -80,14 +87,45 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
     assert "RAY_AUTH_TOKEN=" not in result.stderr + result.stdout
 
 
+def test_a_node_that_cannot_reach_the_master_port_stops_the_launch(netns_cluster, tmp_path):
+    """node1 has no route to the head's rendezvous port (a prohibit rule for that port in its
+    namespace; SSH and Ray still pass): exit 3 naming node1 within seconds, no worker started."""
+    cluster = netns_cluster(2)
+    blocked = cluster.node_names[1]
+    port = 29555
+    cluster.exec(blocked, f"ip rule add ipproto tcp dport {port} prohibit", check=True)
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
+    job["resources"]["nproc_per_node"] = 1
+    job["train"].update(steps=4, warmup_steps=1, log_every=1)
+    job["launch"] = {"master_port": port}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]
+        + ["--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        cwd=tmp_path,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 3, out[-3000:]
+    assert f"node {blocked}: cannot connect to {cluster.host(0)}:{port} from eth0" in out, out[
+        -3000:
+    ]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["ranks"] == []
+    assert summary["launcher_timings_s"]["network"] < 15
+    assert not list((run_dir / "logs").glob("*/rank*.log"))
+
+
 def test_kill_9_of_the_launcher_stops_a_bootstrapped_ray_within_15_s(netns_cluster, tmp_path):
     """The launcher (outside the nodes) is SIGKILLed mid-run: its watchdog stops Ray on every
     node over SSH, and the agents' reapers end torchrun there; nothing but sshd is left."""
     cluster = netns_cluster(2)
-    cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml",
-        nodes={name: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for name in cluster.node_names},
-    )
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"]["nproc_per_node"] = 1
     job["train"].update(steps=100000, warmup_steps=2, log_every=1)

@@ -36,10 +36,17 @@ def cluster() -> ClusterSpec:
 class Agents:
     """Records what the launch asked; ``fail`` maps a method name to the error it raises."""
 
-    def __init__(self, fail: dict[str, BaseException] | None = None, rounds: list | None = None):
+    def __init__(
+        self,
+        fail: dict[str, BaseException] | None = None,
+        rounds: list | None = None,
+        refused: dict[str, str] | None = None,
+    ):
         self.fail = fail or {}
         self.rounds = rounds or []
+        self.refused = refused or {}  # the rendezvous check's answer: node → what failed
         self.calls: list[str] = []
+        self.checked: list[tuple[str, int, list]] = []
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -48,6 +55,26 @@ class Agents:
 
     def free_port(self) -> int:
         return 29500
+
+    def routes(self, nodes) -> dict:
+        """Every node on its eth0 at its host's address (an IP in these clusters)."""
+        return {
+            n.name: {
+                "route": {
+                    "to": nodes[0].host,
+                    "resolved": nodes[0].host,
+                    "address": n.host,
+                    "interface": "eth0",
+                },
+                "interfaces": {"lo": ["127.0.0.1"], "eth0": [n.host]},
+            }
+            for n in nodes
+        }
+
+    def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
+        ifnames = [n.env.get("GLOO_SOCKET_IFNAME") for n in launch_plan.nodes]
+        self.checked.append((launch_plan.master_addr, launch_plan.master_port, ifnames))
+        return self.refused
 
     def start(self, launch_plan, files) -> None:
         self._call("start")
@@ -265,3 +292,23 @@ def job_with_restarts() -> JobSpec:
             "train": {"steps": 10, "warmup_steps": 1},
         }
     )
+
+
+def test_a_node_that_cannot_reach_the_rendezvous_port_is_exit_3_before_any_worker(
+    tmp_path, monkeypatch
+):
+    """Without preflight facts the agents find each node's interface; the rendezvous check
+    runs with it, and a node that fails it stops the launch (exit 3) naming it."""
+    from launcher.errors import EXIT_PREFLIGHT, PreflightError
+
+    agents = Agents(refused={"b": "cannot connect to 198.18.0.10:29500 from eth0"})
+    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    with pytest.raises(PreflightError, match="node b: cannot connect to 198.18.0.10:29500") as err:
+        launcher.execute()
+    assert err.value.exit_code == EXIT_PREFLIGHT
+    assert agents.checked == [("198.18.0.10", 29500, ["eth0", "eth0"])]
+    assert "start" not in agents.calls and agents.calls[-1] == "close" and session.closed
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["nodes"][1]["env_sources"]["GLOO_SOCKET_IFNAME"].startswith("agent: ")
+    assert summary(tmp_path)["status"] == "failed"
+    assert "network" in summary(tmp_path)["launcher_timings_s"]

@@ -49,6 +49,24 @@ class Agents:
     def free_port(self) -> int:
         return 29500
 
+    def routes(self, nodes) -> dict:
+        """Every node on its eth0 at its host's address (an IP in these clusters)."""
+        return {
+            n.name: {
+                "route": {
+                    "to": nodes[0].host,
+                    "resolved": nodes[0].host,
+                    "address": n.host,
+                    "interface": "eth0",
+                },
+                "interfaces": {"lo": ["127.0.0.1"], "eth0": [n.host]},
+            }
+            for n in nodes
+        }
+
+    def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
+        return {}
+
     def start(self, launch_plan, files) -> None:
         self.plans.append(launch_plan)
 

@@ -94,6 +94,24 @@ class FakeAgents:
     def free_port(self) -> int:
         return next(self.ports)
 
+    def routes(self, nodes) -> dict:
+        """Every node on its eth0 at its host's address (an IP in these clusters)."""
+        return {
+            n.name: {
+                "route": {
+                    "to": nodes[0].host,
+                    "resolved": nodes[0].host,
+                    "address": n.host,
+                    "interface": "eth0",
+                },
+                "interfaces": {"lo": ["127.0.0.1"], "eth0": [n.host]},
+            }
+            for n in nodes
+        }
+
+    def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
+        return {}
+
     def start(self, launch_plan, files) -> None:
         self.started.append(launch_plan)
         self.files = files

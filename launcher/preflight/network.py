@@ -1,0 +1,143 @@
+"""Which interface each node's workers talk on: chosen from the route each node has to the head.
+
+A node reaches the head through one interface; gloo must bind there, not to the address the
+host name resolves to (often loopback). Pure: it reads probes' ``route`` and ``interfaces``.
+
+    routes, problems = choose_routes(probes, origin="preflight")
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Route", "choose_routes", "is_loopback", "route_cell"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a node's workers bind: ``interface`` and its ``address``, and why (``source``).
+
+    ``head`` is the head's name or address that was routed to; ``master_ip`` that head's
+    address as the other nodes reach it.
+    """
+
+    interface: str
+    address: str
+    master_ip: str
+    source: str
+    head: str
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "interface": self.interface,
+            "address": self.address,
+            "master_ip": self.master_ip,
+            "source": self.source,
+            "head": self.head,
+        }
+
+
+def is_loopback(address: str | None) -> bool:
+    """True for 127.0.0.0/8 and ::1 (Debian's 127.0.1.1 included); False for a name or None."""
+    try:
+        return address is not None and ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def route_cell(probe: Mapping[str, Any]) -> str | None:
+    """The preflight table's cell: ``eth0 198.18.0.11``, or the route's error."""
+    route = probe.get("route")
+    if not isinstance(route, dict):
+        return None
+    if "error" in route:
+        return f"error: {route['error']}"
+    return f"{route.get('interface') or '?'} {route.get('address')}"
+
+
+def choose_routes(
+    probes: Mapping[str, Mapping[str, Any]], *, origin: str
+) -> tuple[dict[str, Route], dict[str, str]]:
+    """Each node's interface towards the head, and the nodes for which none fits (→ why).
+
+    ``probes``: node → a probe document (``route``, ``interfaces``), the head first; nodes
+    without a ``route`` section are left out. The head's address as the others reach it is what
+    the first other node resolved the head's name to (the head's own view where it is alone).
+    The head binds on the interface holding that address; every other node on the interface of
+    its route there. ``origin`` names who looked (``preflight``, ``agent``), for ``source``.
+    """
+    routed = {n: p for n, p in probes.items() if isinstance(p.get("route"), dict)}
+    if not routed:
+        return {}, {}
+    head = next(iter(probes))
+    problems: dict[str, str] = {}
+    for node, probe in routed.items():
+        route = probe["route"]
+        if "error" in route:
+            problems[node] = f"no route to the head ({route.get('to', '?')}): {route['error']}"
+        elif node != head and is_loopback(route.get("resolved")):
+            problems[node] = (
+                f"the head's name {route.get('to')} resolves to {route['resolved']} (loopback) "
+                f"here; set the head's address: in cluster.yaml to an address the nodes reach "
+                f"it on"
+            )
+    seen = [
+        p["route"]["resolved"]
+        for n, p in routed.items()
+        if n != head and n not in problems and p["route"].get("resolved")
+    ]
+    head_probe = routed.get(head)
+    if not seen and head_probe is not None and head not in problems:
+        seen = [head_probe["route"].get("resolved")]
+    if not seen or seen[0] is None:
+        return {}, problems
+    master_ip = seen[0]
+    routes: dict[str, Route] = {}
+    for node, probe in routed.items():
+        if node in problems:
+            continue
+        route = probe["route"]
+        if node == head:
+            holder = _holder(master_ip, probe.get("interfaces"))
+            if holder is not None:
+                routes[node] = Route(
+                    holder,
+                    master_ip,
+                    master_ip,
+                    f"{origin}: the head's interface holding {master_ip}",
+                    route.get("to", ""),
+                )
+                continue
+            if len(routed) > 1 and is_loopback(route.get("address")):
+                problems[node] = (
+                    f"no interface here holds {master_ip}, the address the other nodes reach "
+                    f"the head on; set GLOO_SOCKET_IFNAME in the head's env"
+                )
+                continue
+        if not route.get("interface"):
+            problems[node] = f"no interface holds {route.get('address')}, the route's address"
+            continue
+        routes[node] = Route(
+            route["interface"],
+            route["address"],
+            master_ip,
+            f"{origin}: the route from {node} to {master_ip}",
+            route.get("to", ""),
+        )
+    return routes, problems
+
+
+def _holder(address: str, interfaces: Any) -> str | None:
+    if not isinstance(interfaces, dict) or "error" in interfaces:
+        return None
+    return next(
+        (
+            name
+            for name, addrs in interfaces.items()
+            if isinstance(addrs, list) and address in addrs
+        ),
+        None,
+    )
