@@ -81,6 +81,36 @@ def summarize(
         "ranks": rows,
         "totals": _totals(rows),
         "failure": _failure(failure),
+        "checkpoints": checkpoint_summary(records),
+    }
+
+
+def checkpoint_summary(records: dict[int, list[dict]]) -> dict | None:
+    """What checkpoints cost the run: how many completed, the last one's step, and how long
+    training was held per checkpoint (the slowest rank's, per step); None without any."""
+    held: dict[int, float] = {}
+    complete: set[int] = set()
+    modes: set[bool] = set()
+    for recs in records.values():
+        for rec in recs:
+            if rec.get("type") == "checkpoint" and rec.get("blocking_s") is not None:
+                step = int(rec["step"])
+                held[step] = max(held.get(step, 0.0), float(rec["blocking_s"]))
+                modes.add(bool(rec.get("async")))
+                if not rec.get("async"):
+                    complete.add(step)
+            elif rec.get("type") == "checkpoint_complete":
+                complete.add(int(rec["step"]))
+    if not held:
+        return None
+    times = list(held.values())
+    return {
+        "async": modes == {True},
+        "saved": len(complete),
+        "last_complete_step": max(complete, default=None),
+        "blocking_s_mean": round(statistics.fmean(times), 4),
+        "blocking_s_max": round(max(times), 4),
+        "blocking_s_total": round(sum(times), 3),
     }
 
 
@@ -91,6 +121,14 @@ def render(summary: dict) -> str:
     parts += ["Per node", _node_table(summary["ranks"]), ""]
     parts += ["Job", _totals_table(summary), ""]
     parts.append(_straggler_line(summary))
+    ckpt = summary.get("checkpoints")
+    if ckpt:
+        mode = "in the background" if ckpt["async"] else "synchronously"
+        parts.append(
+            f"Checkpoints: {ckpt['saved']} complete (last at step {ckpt['last_complete_step']}), "
+            f"written {mode}; training held {ckpt['blocking_s_mean']:.2f} s each "
+            f"(max {ckpt['blocking_s_max']:.2f} s)"
+        )
     for found in summary.get("stragglers") or []:  # named while the run went
         parts.append(
             f"Straggler while running: rank {found['rank']} on node {found['node']}, "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from launcher.spec.base import EnvDict, Strict
 
@@ -156,6 +156,14 @@ class DataSpec(Strict):
 
 
 class CheckpointSpec(Strict):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        validate_default=True,
+        validate_by_name=True,
+        serialize_by_alias=True,
+    )
+
     dir: Path | None = Field(
         None,
         description="Checkpoint folder (torch.distributed.checkpoint); null disables checkpoints. Relative to the job file's folder; on several nodes, a shared filesystem.",
@@ -166,6 +174,11 @@ class CheckpointSpec(Strict):
     resume: Literal["auto", "never"] = Field(
         "auto",
         description="auto: continue from the latest checkpoint in dir if there is one; never: always start fresh.",
+    )
+    async_save: bool = Field(
+        True,
+        alias="async",
+        description="Write checkpoints in the background (DCP async_save): training waits only while the state is copied to host memory. A checkpoint counts once it is complete.",
     )
 
 

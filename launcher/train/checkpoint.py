@@ -1,5 +1,8 @@
 """Checkpoints with ``torch.distributed.checkpoint``: model, optimizer, scheduler, loss scale,
 step, data position and RNG state, resumable at another world size.
+
+Saved synchronously, or in the background (``train.checkpoint.async``): the state is copied to
+host memory, written by a thread, and marked complete only once every rank's part is on disk.
 """
 
 from __future__ import annotations
@@ -8,6 +11,8 @@ import logging
 import os
 import pickle
 import shutil
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,7 @@ from torch.amp import GradScaler
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from launcher.errors import untrusted_checkpoint
+from launcher.metrics import write_record
 from launcher.spec.job import CheckpointSpec
 from launcher.train.data import Batches
 from launcher.train.optim import substitute_masters
@@ -46,6 +52,20 @@ def latest_checkpoint(root: Path | None) -> Path | None:
 
 class ResumeError(ValueError):
     """A checkpoint this job cannot go on from as configured (the message names the fix)."""
+
+
+class CheckpointFailed(RuntimeError):
+    """A background save failed; the checkpoints completed before it are untouched."""
+
+
+@dataclass
+class _Pending:
+    """A background save in flight: its step, folder, DCP future and when it began."""
+
+    step: int
+    path: Path
+    future: Future
+    started: float
 
 
 @dataclass(frozen=True)
@@ -76,6 +96,11 @@ class Checkpointer:
         self.data = data
         self.elastic_batch = elastic_batch
         self.resumed: Resumed | None = None
+        self.async_save = spec.async_save and hasattr(dcp, "async_save")
+        self.blocking_s: list[float] = []  # the time each save held training, in order
+        self._pending: _Pending | None = None
+        self._group: Any = None  # the background writes' own gloo group (created at first save)
+        self._stager: Any = None  # host memory the state is copied into, kept between saves
 
     def record(self) -> dict[str, Any]:
         """The ``meta`` record's resume fields: null for a fresh start."""
@@ -108,8 +133,14 @@ class Checkpointer:
     ) -> Path:
         """Save step ``step``'s state (a collective). bf16 weights are saved as the fp32 masters
         their optimizer (``MasterAdamW``) keeps; fp16's ``scaler`` (the loss scale and its
-        growth tracker) is saved with the step."""
+        growth tracker) is saved with the step.
+
+        With ``async_save`` it returns once the state is in host memory (after the previous
+        background save has finished); ``poll``, ``wait`` or the next save mark it complete.
+        The time training was held goes to ``blocking_s`` and a ``checkpoint`` metrics record."""
         assert self.root is not None
+        started = time.perf_counter()
+        self.wait()  # one save in flight: its host copy is reused by this one
         path = step_dir(self.root, step)
         if self.rank == 0:
             if path.exists():  # a leftover from a run that died while saving this step
@@ -135,15 +166,92 @@ class Checkpointer:
             "train": train,
             "rng": {f"rank{self.rank}": _rng_state()},
         }
-        dcp.save(state, checkpoint_id=str(path))
-        _barrier()
+        if self.async_save:
+            self._pending = _Pending(step, path, self._save_in_background(state, path), started)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+            _barrier()
+            self._mark_complete(step, path)
+            _barrier()
+            log.info("checkpoint saved: %s", path)
+        blocking = time.perf_counter() - started
+        self.blocking_s.append(blocking)
+        write_record(
+            {
+                "type": "checkpoint",
+                "step": step,
+                "async": self.async_save,
+                "blocking_s": round(blocking, 4),
+            }
+        )
+        return path
+
+    def poll(self) -> None:
+        """Mark a finished background save complete (no collective: call it at any step)."""
+        if self._pending is not None and self._pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, then mark it complete; raises
+        ``CheckpointFailed`` when it failed (its folder never gets the marker)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except (Exception, dcp.CheckpointException) as err:  # DCP's is a BaseException
+            last = latest_checkpoint(self.root)
+            raise CheckpointFailed(
+                f"the checkpoint of step {pending.step} ({pending.path}) failed while it was "
+                f"written in the background: {_cause(err)}. The last complete checkpoint is "
+                f"{last or 'none'}"
+            ) from err
+        # DCP's coordinator (rank 0) finishes the save only after every rank's writes: rank 0's
+        # future done means the whole checkpoint is on disk.
+        self._mark_complete(pending.step, pending.path)
+        total = time.perf_counter() - pending.started
+        log.info("checkpoint saved: %s (in the background, %.1f s)", pending.path, total)
+        write_record(
+            {"type": "checkpoint_complete", "step": pending.step, "save_s": round(total, 3)}
+        )
+
+    def close(self) -> None:
+        """Finish the save in flight (a failure is logged: the run is ending anyway) and free
+        the host memory staged for it."""
+        try:
+            self.wait()
+        except CheckpointFailed as err:
+            log.error("%s", err)
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _save_in_background(self, state: dict[str, Any], path: Path) -> Future:
+        """Copy ``state`` to host memory (pinned on CUDA, reused by later saves) and start the
+        write on DCP's thread, over a gloo group of its own: the writer's collectives never
+        interleave with training's on the default group."""
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        if self._stager is None:
+            self._stager = _host_stager()
+        kwargs: dict[str, Any] = {"checkpoint_id": str(path)}
+        if distributed:
+            kwargs["process_group"] = self._group
+        else:
+            kwargs["no_dist"] = True
+        if self._stager is not None:
+            kwargs["async_stager"] = self._stager
+        response: Any = dcp.async_save(state, **kwargs)
+        # torch returns an AsyncSaveResponse instead of a future where staging itself is async
+        return getattr(response, "upload_completion", response)
+
+    def _mark_complete(self, step: int, path: Path) -> None:
         if self.rank == 0:
             tmp = path / f".{MARKER}.tmp"
             tmp.write_text(f"{step}\n")
             os.replace(tmp, path / MARKER)
-        _barrier()
-        log.info("checkpoint saved: %s", path)
-        return path
 
     def maybe_resume(
         self,
@@ -295,6 +403,36 @@ class Checkpointer:
 def _unsafe_folder(folder: Path) -> tuple[Path, str] | None:
     reason = unsafe_reason(folder)
     return (folder, reason) if reason else None
+
+
+def _cause(err: BaseException) -> str:
+    """One line per failed rank (DCP's CheckpointException maps a rank to its exception and
+    traceback)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes = {rank: e[0] if isinstance(e, tuple) else e for rank, e in failures.items()}
+        return "; ".join(
+            f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(causes.items())
+        )
+    return f"{type(err).__name__}: {err}"
+
+
+def _host_stager() -> Any:
+    """DCP's stager into pinned host memory kept between saves (copies made on a side stream),
+    or None where this torch has none (its own default stages to host memory per save)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+    )
 
 
 def _rng_state() -> bytes:

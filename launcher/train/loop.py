@@ -523,6 +523,7 @@ class Trainer:
         finally:
             profiler.close()
             self.collector.close()
+        self.checkpointer.wait()  # the last checkpoint is complete before the run says it ended
         self._progress(self.meter.flush())
         final = self.meter.finish()
         if self.rank == 0:
@@ -539,6 +540,8 @@ class Trainer:
         self.collector.after_step(step, logged=record is not None)
         if self.checkpointer.due(step, total):
             self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.scaler)
+        else:
+            self.checkpointer.poll()
         if on_step is not None:
             on_step(step)
 
@@ -560,6 +563,13 @@ class Trainer:
         return get_model_state_dict(self.model, options=options)
 
     def close(self) -> None:
+        try:
+            if hasattr(self, "checkpointer"):  # finish a background save still in flight
+                self.checkpointer.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if hasattr(self, "data"):  # a trainer that failed before build_data has none
             self.data.close()
         self._contexts.close()

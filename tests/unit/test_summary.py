@@ -15,7 +15,7 @@ from launcher.results import load_run, render, report_command, summarize, write_
 from launcher.results.summary import stragglers
 from launcher.util import percentile
 
-SCHEMA_TOP = {"job", "status", "world_size", "nodes", "ranks", "totals", "failure"}
+SCHEMA_TOP = {"job", "status", "world_size", "nodes", "ranks", "totals", "failure", "checkpoints"}
 SCHEMA_RANK = {
     "rank",
     "node",
@@ -574,3 +574,41 @@ def test_report_command_rejects_bad_format_and_damaged_plan(tmp_path):
         report_command(str(run), fmt="xml")
     with pytest.raises(UsageError, match="plan.json: not valid JSON"):
         report_command(str(run))
+
+
+def test_checkpoints_count_once_complete_and_say_how_long_training_waited(tmp_path):
+    """Per checkpoint the slowest rank's wait counts; a background save counts as saved only
+    with its checkpoint_complete record (step 30's never came: the run ended while it wrote)."""
+    recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
+    for step, waits in ((10, (0.02, 0.05)), (20, (0.04, 0.03)), (30, (0.01, 0.01))):
+        for rank, wait in enumerate(waits):
+            recs[rank].append(
+                {
+                    "type": "checkpoint",
+                    "rank": rank,
+                    "step": step,
+                    "async": True,
+                    "blocking_s": wait,
+                }
+            )
+    recs[0] += [
+        {"type": "checkpoint_complete", "rank": 0, "step": s, "save_s": 1.5} for s in (10, 20)
+    ]
+    s = summarize("gpt", layout(1, 2), recs, status="succeeded")
+    assert s["checkpoints"] == {
+        "async": True,
+        "saved": 2,
+        "last_complete_step": 20,
+        "blocking_s_mean": pytest.approx((0.05 + 0.04 + 0.01) / 3, abs=1e-4),
+        "blocking_s_max": 0.05,
+        "blocking_s_total": 0.1,
+    }
+    assert "Checkpoints: 2 complete (last at step 20), written in the background" in write_summary(
+        tmp_path, s
+    )
+    assert (
+        summarize("gpt", layout(1, 2), {0: builtin_records(0, step_ms=1.0)}, status="succeeded")[
+            "checkpoints"
+        ]
+        is None
+    )

@@ -3,6 +3,7 @@ in test_train_elastic)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,7 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
         sched.step()
     ckpt = checkpointer(CheckpointSpec(dir=tmp_path, resume="auto"))
     ckpt.save(3, model, opt, sched)
+    ckpt.wait()  # written in the background (train.checkpoint.async)
     masters = {i: opt.masters.master_of(p).clone() for i, p in enumerate(model.parameters())}
     moments = {i: opt.state[p]["exp_avg_sq"].clone() for i, p in enumerate(model.parameters())}
 
@@ -239,7 +241,9 @@ def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
         sched.step()
     assert scaler.get_scale() == 2.0**14 and scaler._get_growth_tracker() == 3
     spec = CheckpointSpec(dir=tmp_path / "fp16", resume="auto")
-    checkpointer(spec).save(5, model, opt, sched, scaler)
+    saved = checkpointer(spec)
+    saved.save(5, model, opt, sched, scaler)
+    saved.wait()
 
     model, opt, sched, fresh = build()
     assert checkpointer(spec).maybe_resume(model, opt, sched, fresh) == 5
@@ -249,7 +253,9 @@ def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
     assert checkpointer(spec).maybe_resume(model, opt, sched) == 5  # e.g. bf16 from here on
 
     older = CheckpointSpec(dir=tmp_path / "older", resume="auto")
-    checkpointer(older).save(5, model, opt, sched)
+    saved = checkpointer(older)
+    saved.save(5, model, opt, sched)
+    saved.wait()
     model, opt, sched, fresh = build()
     assert checkpointer(older).maybe_resume(model, opt, sched, fresh) == 5
     assert fresh.get_scale() == 2.0**16
@@ -292,6 +298,7 @@ def _resume_worker(
         )
         for step in (2, 4):
             shared.save(step, model, opt, sched)
+        shared.wait()
         if rank == 0:
             for r, steps in roots.items():
                 for step in steps:
@@ -368,7 +375,9 @@ def test_a_checkpoint_others_may_change_is_refused_before_anything_is_unpickled(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
     spec = CheckpointSpec(dir=tmp_path / "ckpt", resume="auto")
-    checkpointer(spec).save(3, model, opt, sched)
+    saved = checkpointer(spec)
+    saved.save(3, model, opt, sched)
+    saved.wait()
     assert checkpointer(spec).maybe_resume(model, opt, sched) == 3
     job = JobSpec.model_validate({"name": "t", "train": {"checkpoint": spec.model_dump()}})
     local = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
@@ -392,3 +401,157 @@ def test_a_checkpoint_others_may_change_is_refused_before_anything_is_unpickled(
     )
     spec.dir.chmod(0o777)
     checked_code(never, local)  # nothing is resumed: nothing to refuse
+
+
+def _tiny_job(ckpt: Path, *, background: bool, steps: int = 6):
+    from launcher.spec.job import JobSpec
+
+    return JobSpec.model_validate(
+        {
+            "name": "async-ckpt",
+            "model": {"arch": "gpt", "size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {
+                "steps": steps,
+                "warmup_steps": 0,
+                "micro_batch": 2,
+                "compile": False,
+                "log_every": 1,
+                "checkpoint": {"dir": str(ckpt), "every_steps": 3, "async": background},
+            },
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
+        }
+    )
+
+
+def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
+    one_process_trainer_env: Path, monkeypatch, tmp_path: Path
+):
+    """Two runs of one job, checkpoints every 3 of 6 steps, one written in the background while
+    steps 4-6 change the weights. Resumed from step 3, both hold the same weights and AdamW state
+    bit for bit, and both end where the uninterrupted run ended."""
+    import json
+
+    from launcher.train.loop import Trainer
+    from launcher.util import free_port
+
+    def trainer(job) -> Trainer:
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        return Trainer(job)
+
+    finals, resumed_state = {}, {}
+    for mode, background in (("sync", False), ("async", True)):
+        job = _tiny_job(tmp_path / mode, background=background)
+        whole = trainer(job)
+        try:
+            assert whole.checkpointer.async_save is background
+            whole.train()
+        finally:
+            whole.close()
+        assert latest_checkpoint(tmp_path / mode) == step_dir(tmp_path / mode, 6)
+        shutil.rmtree(step_dir(tmp_path / mode, 6))  # resume from step 3
+        again = trainer(job)
+        try:
+            assert again.start_step == 3
+            resumed_state[mode] = (
+                {k: v.clone() for k, v in again.model.state_dict().items()},
+                [
+                    {k: v.clone() for k, v in again.optimizer.state[p].items()}
+                    for p in again.trained_params
+                ],
+            )
+            again.train()
+            finals[mode] = {k: v.clone() for k, v in again.model.state_dict().items()}
+        finally:
+            again.close()
+        if mode == "sync":
+            uninterrupted = {k: v.clone() for k, v in whole.model.state_dict().items()}
+    (sync_model, sync_optim), (async_model, async_optim) = (
+        resumed_state["sync"],
+        resumed_state["async"],
+    )
+    assert sync_model.keys() == async_model.keys()
+    for name in sync_model:
+        assert torch.equal(sync_model[name], async_model[name]), name
+    for a, b in zip(sync_optim, async_optim, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name, value in uninterrupted.items():
+        assert torch.equal(finals["sync"][name], value), name
+        assert torch.equal(finals["async"][name], value), name
+    records = [
+        json.loads(line)
+        for line in one_process_trainer_env.with_name("rank0.jsonl").read_text().splitlines()
+    ]
+    saves = [r for r in records if r["type"] == "checkpoint"]
+    assert {(r["step"], r["async"]) for r in saves} >= {
+        (3, True),
+        (6, True),
+        (3, False),
+        (6, False),
+    }
+    assert all(r["blocking_s"] >= 0 for r in saves)
+    assert sorted(r["step"] for r in records if r["type"] == "checkpoint_complete") == [3, 6, 6]
+
+
+def test_a_failed_background_save_leaves_the_last_complete_checkpoint_loadable(
+    tmp_path: Path, monkeypatch
+):
+    """The writer fails half-way through step 2's files (a full disk): waiting on it raises
+    CheckpointFailed naming step 2 and the checkpoint still complete; step 2 never gets its
+    marker, step 1's files are untouched, and a resume loads step 1's weights."""
+    import hashlib
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from launcher.train.checkpoint import CheckpointFailed
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+
+    def train_one(model, opt, sched):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        sched.step()
+
+    spec = CheckpointSpec(dir=tmp_path, resume="auto", every_steps=1)
+    assert spec.async_save
+    ckpt = checkpointer(spec)
+    model, opt, sched = build()
+    train_one(model, opt, sched)
+    ckpt.save(1, model, opt, sched)
+    ckpt.wait()
+    step1 = step_dir(tmp_path, 1)
+    assert (step1 / MARKER).is_file()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def digest() -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(step1.iterdir())}
+
+    before = digest()
+    real_write = FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        real_write(self, plan, planner).wait()  # the data files are written, then it fails
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    train_one(model, opt, sched)
+    ckpt.save(2, model, opt, sched)
+    train_one(model, opt, sched)  # training goes on while it is written
+    with pytest.raises(CheckpointFailed, match=r"step 2 .*No space left.*step_00000001"):
+        ckpt.wait()
+    step2 = step_dir(tmp_path, 2)
+    assert step2.is_dir() and not (step2 / MARKER).exists()
+    assert latest_checkpoint(tmp_path) == step1 and digest() == before
+    monkeypatch.undo()
+    fresh, fresh_opt, fresh_sched = build()
+    for p in fresh.parameters():
+        p.data.add_(1.0)
+    assert checkpointer(spec).maybe_resume(fresh, fresh_opt, fresh_sched) == 1
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    ckpt.close()
