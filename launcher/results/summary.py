@@ -49,6 +49,7 @@ RANK_KEYS = (
 GPU_KEYS = RANK_KEYS[-4:]  # from NVML (launcher.metrics.gpu_summary); null without it
 TOTAL_KEYS = ("tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks")
 FAILURE_KEYS = ("rank", "node", "host", "exit_code", "signal", "log_tail", "reason")
+TRAINING_KEYS = ("step", "loss", "grad_norm", "eval_loss", "eval_step", "skipped_steps")
 DASH = "–"
 
 
@@ -80,6 +81,7 @@ def summarize(
         "nodes": len(nodes),
         "ranks": rows,
         "totals": _totals(rows),
+        "training": _training(records),
         "failure": _failure(failure),
         "checkpoints": checkpoint_summary(records),
     }
@@ -374,6 +376,28 @@ def _totals(rows: list[dict]) -> dict:
     }
 
 
+def _training(records: dict[int, list[dict]]) -> dict | None:
+    """How training went, from the step records of the lowest rank that wrote any (the loss
+    and eval loss are means over the ranks, the gradient norm global): the last step logged,
+    its loss and gradient norm, the last evaluation and the steps skipped as non-finite."""
+    for rank in sorted(records):
+        steps = [r for r in records[rank] if r.get("type") == "step"]
+        if steps:
+            break
+    else:
+        return None
+    last = steps[-1]
+    evals = [r for r in steps if r.get("eval_loss") is not None]
+    return {
+        "step": last.get("step"),
+        "loss": next((r["loss"] for r in reversed(steps) if r.get("loss") is not None), None),
+        "grad_norm": last.get("grad_norm"),
+        "eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_step": evals[-1].get("step") if evals else None,
+        "skipped_steps": sum(r.get("skipped_steps") or 0 for r in steps),
+    }
+
+
 def _failure(failure: dict | None) -> dict | None:
     if failure is None:
         return None
@@ -390,6 +414,18 @@ def _status_lines(summary: dict) -> str:
         f"rank{'s' if summary['world_size'] != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}"
     )
     lines = [head]
+    training = summary.get("training")
+    if training and training.get("step") is not None:
+        done = [f"Training: step {training['step']}"]
+        if training.get("loss") is not None:
+            done.append(f"loss {training['loss']:.4g}")
+        if training.get("grad_norm") is not None:
+            done.append(f"grad norm {training['grad_norm']:.3g}")
+        if training.get("eval_loss") is not None:
+            done.append(f"eval loss {training['eval_loss']:.4g} (step {training['eval_step']})")
+        if training.get("skipped_steps"):
+            done.append(f"{training['skipped_steps']} non-finite step(s) skipped")
+        lines.append(", ".join(done))
     if summary["status"] != "succeeded":
         lines.append(
             "Partial results: the tables show what was measured before the run stopped; "

@@ -130,6 +130,16 @@ class DataSpec(Strict):
     text_field: str = Field(
         "text", min_length=1, description="source text: the key of each .jsonl line's text."
     )
+    val_path: Path | None = Field(
+        None,
+        description="source tokens or text: held-out data for train.eval_every, in data.path's format. Relative paths are taken from the job file's folder.",
+    )
+    val_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="source tokens or text: the fraction of data.path's tokens, at its end, kept out of training for train.eval_every (0: none; data.val_path instead).",
+    )
     cache_dir: Path | None = Field(
         None,
         description="source text: where tokenized text is cached (keyed by the text files' and the tokenizer's hashes); default ~/.cache/launcher/tokens. On several nodes a shared folder tokenizes once.",
@@ -147,6 +157,15 @@ class DataSpec(Strict):
         if self.source == "synthetic" and self.path is not None:
             raise ValueError(
                 "data.path is only read when source is 'tokens' or 'text'; set the source or remove path"
+            )
+        if self.source == "synthetic" and (self.val_path is not None or self.val_fraction):
+            raise ValueError(
+                "data.val_path and data.val_fraction split a token file or text; synthetic data "
+                "draw their held-out samples from a separate seed stream: remove them"
+            )
+        if self.val_path is not None and self.val_fraction:
+            raise ValueError(
+                "data.val_path and data.val_fraction are two ways to hold data out; set one"
             )
         if self.source != "text" and self.tokenizer is not None:
             raise ValueError(
@@ -253,6 +272,21 @@ class TrainSpec(Strict):
         ge=1,
         description="Log and write a metrics record every N steps (the only steps that synchronise the device).",
     )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A non-finite loss or gradient norm: stop the run (exit 4, naming the step), or skip that step's update and go on.",
+    )
+    max_nonfinite_skips: int = Field(
+        10,
+        ge=1,
+        description="on_nonfinite skip: stop once more than this many steps in a row were skipped.",
+    )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Compute eval_loss on held-out data every N steps and at the last step (0: never).",
+    )
+    eval_steps: int = Field(10, ge=1, description="Micro-batches per rank in each evaluation.")
     elastic_batch: Literal["keep", "scale"] = Field(
         "keep",
         description="After an elastic restart at another world size: keep the global batch (grad_accum adjusted) or scale it with the world size. Either way the data go on at the next sample.",
@@ -676,6 +710,18 @@ class JobSpec(Strict):
                 "an elastic job (resources.min_nodes with launch.max_restarts above 0) "
                 "restarts from its last checkpoint: set train.checkpoint.dir to a folder every "
                 "node sees, and train.checkpoint.every_steps"
+            )
+        if (
+            self.uses_builtin
+            and self.train.eval_every
+            and self.data.source != "synthetic"
+            and self.data.val_path is None
+            and not self.data.val_fraction
+        ):
+            raise ValueError(
+                f"train.eval_every needs held-out data for source {self.data.source}: set "
+                f"data.val_path (a file like data.path) or data.val_fraction (e.g. 0.01: the "
+                f"end of data.path kept out of training)"
             )
         if self.train.checkpoint.every_steps and self.train.checkpoint.dir is None:
             raise ValueError("train.checkpoint.every_steps needs train.checkpoint.dir")

@@ -102,6 +102,7 @@ def refuse_nul_paths(job: JobSpec, source: Path) -> None:
     entry = job.script_entry
     for field, value in (
         ("data.path", job.data.path),
+        ("data.val_path", job.data.val_path),
         ("train.checkpoint.dir", job.train.checkpoint.dir),
         ("entrypoint.script", entry and entry.script),
         ("entrypoint.workdir", entry and entry.workdir),
@@ -125,23 +126,10 @@ def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     if job.data.source == "text":
         updates["data"] = _resolve_text_paths(job, source)
     elif job.data.path is not None:
-        tokens = job.data.path if job.data.path.is_absolute() else (base / job.data.path).resolve()
-        if not tokens.is_file():
-            raise SpecError(
-                f"data.path {str(job.data.path)!r} does not exist (looked for {tokens}); give the "
-                f"token file (.npy or .bin) on a path every node sees; relative paths are taken "
-                f"from the job file's folder",
-                source=str(source),
-                field="data.path",
-            )
-        if (
-            job.uses_builtin
-        ):  # what its trainer refuses at start: a window of data.seq_len + 1 tokens
-            try:
-                check_token_file(tokens, job.data.token_dtype, job.data.seq_len + 1)
-            except (OSError, ValueError) as err:
-                raise SpecError(str(err), source=str(source), field="data.path") from None
-        updates["data"] = job.data.model_copy(update={"path": tokens})
+        update = {"path": _token_file(job, job.data.path, "data.path", source)}
+        if job.data.val_path is not None:
+            update["val_path"] = _token_file(job, job.data.val_path, "data.val_path", source)
+        updates["data"] = job.data.model_copy(update=update)
     if job.train.checkpoint.dir is not None and not job.train.checkpoint.dir.is_absolute():
         ckpt_dir = (base / job.train.checkpoint.dir).resolve()
         ckpt = job.train.checkpoint.model_copy(update={"dir": ckpt_dir})
@@ -151,14 +139,29 @@ def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
     return job.model_copy(update=updates) if updates else job
 
 
-def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
-    """data.source text: the text (a .txt/.jsonl file or a folder of them), the tokenizer folder
-    (with tokenizer.json) and the cache folder, taken from the job file's folder."""
-    from launcher.spec.hf import FolderError, check_tokenizer, require
+def _token_file(job: JobSpec, path: Path, field: str, source: Path) -> Path:
+    """A token file (``data.path``, ``data.val_path``) from the job file's folder, checked."""
+    tokens = path if path.is_absolute() else (source.parent / path).resolve()
+    if not tokens.is_file():
+        raise SpecError(
+            f"{field} {str(path)!r} does not exist (looked for {tokens}); give the "
+            f"token file (.npy or .bin) on a path every node sees; relative paths are taken "
+            f"from the job file's folder",
+            source=str(source),
+            field=field,
+        )
+    if job.uses_builtin:  # what its trainer refuses at start: a window of data.seq_len + 1 tokens
+        try:
+            check_token_file(tokens, job.data.token_dtype, job.data.seq_len + 1)
+        except (OSError, ValueError) as err:
+            raise SpecError(str(err), source=str(source), field=field) from None
+    return tokens
 
-    data, base = job.data, source.parent
-    assert data.path is not None and data.tokenizer is not None
-    text = data.path if data.path.is_absolute() else (base / data.path).resolve()
+
+def _text(path: Path, field: str, source: Path) -> Path:
+    """Text (a .txt/.jsonl file or a folder of them: ``data.path``, ``data.val_path``) from the
+    job file's folder, checked."""
+    text = path if path.is_absolute() else (source.parent / path).resolve()
     if not (
         text.is_file()
         and text.suffix in (".txt", ".jsonl")
@@ -166,12 +169,23 @@ def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
         and any(p.suffix in (".txt", ".jsonl") for p in text.rglob("*"))
     ):
         raise SpecError(
-            _assets_hint("data.path", data.path, text, source)
-            or f"data.path {str(data.path)!r} (looked for {text}) is neither a .txt or .jsonl file "
+            _assets_hint(field, path, text, source)
+            or f"{field} {str(path)!r} (looked for {text}) is neither a .txt or .jsonl file "
             f"nor a folder holding some; give the text on a path every node sees",
             source=str(source),
-            field="data.path",
+            field=field,
         )
+    return text
+
+
+def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
+    """data.source text: the text (a .txt/.jsonl file or a folder of them), the tokenizer folder
+    (with tokenizer.json) and the cache folder, taken from the job file's folder."""
+    from launcher.spec.hf import FolderError, check_tokenizer, require
+
+    data, base = job.data, source.parent
+    assert data.path is not None and data.tokenizer is not None
+    text = _text(data.path, "data.path", source)
     tokenizer = _local_folder(data.tokenizer, base, "data.tokenizer", "the tokenizer", source)
     if not (tokenizer / "tokenizer.json").is_file():
         raise SpecError(
@@ -187,6 +201,8 @@ def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
     except FolderError as err:
         raise SpecError(str(err), source=str(source), field=err.field) from None
     update: dict[str, Any] = {"path": text, "tokenizer": tokenizer}
+    if data.val_path is not None:
+        update["val_path"] = _text(data.val_path, "data.val_path", source)
     if data.cache_dir is not None and not data.cache_dir.is_absolute():
         update["cache_dir"] = (base / data.cache_dir).resolve()
     return data.model_copy(update=update)

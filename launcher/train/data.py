@@ -18,7 +18,7 @@ from launcher.spec.job import JobSpec
 
 _M32 = 0xFFFFFFFF
 # Salts keep the hash streams of different uses apart.
-_SALT_RESET, _SALT_START, _SALT_MASK, _SALT_ACTION, _SALT_RANDOM = 1, 2, 3, 4, 5
+_SALT_RESET, _SALT_START, _SALT_MASK, _SALT_ACTION, _SALT_RANDOM, _SALT_VAL = 1, 2, 3, 4, 5, 6
 RESET_PER_MILLE = 100
 MAX_STATES = 256
 
@@ -39,38 +39,67 @@ class DataError(ValueError):
         self.field = field
 
 
-def build_data(job: JobSpec, *, rank: int, world_size: int, device: torch.device) -> Batches:
-    """The batch source a job asks for."""
+def build_data(
+    job: JobSpec, *, rank: int, world_size: int, device: torch.device, held_out: bool = False
+) -> Batches:
+    """The batch source a job asks for: its training data, or (``held_out``) the data its
+    evaluations read, one micro-batch a step: ``data.val_path``, the end of ``data.path`` that
+    ``data.val_fraction`` keeps out of training, or synthetic samples of another seed."""
     dims = job.model.dims()
+    data = job.data
     common: dict[str, Any] = dict(
         arch=job.model.arch,
         vocab_size=dims["vocab_size"],
-        seq_len=job.data.seq_len,
+        seq_len=data.seq_len,
         micro_batch=job.train.micro_batch,
-        grad_accum=job.train.grad_accum,
-        mask_prob=job.data.mask_prob,
-        seed=job.train.seed,
+        grad_accum=1 if held_out else job.train.grad_accum,
+        mask_prob=data.mask_prob,
+        seed=val_seed(job.train.seed) if held_out else job.train.seed,
         rank=rank,
         world_size=world_size,
         device=device,
     )
-    if job.data.source == "tokens":
+    if data.source != "synthetic":
+        if held_out and data.val_path is not None:
+            data = data.model_copy(update={"path": data.val_path})
+        elif data.val_fraction:
+            cut = 1.0 - data.val_fraction
+            common["span"] = (cut, 1.0) if held_out else (0.0, cut)
+    if data.source == "tokens":
         from launcher.train.tokens import TokenFileBatches
 
-        assert job.data.path is not None
+        assert data.path is not None
         return TokenFileBatches(
-            path=job.data.path,
-            token_dtype=job.data.token_dtype,
+            path=data.path,
+            token_dtype=data.token_dtype,
             vocab_origin=vocab_origin(job),
             **common,
         )
-    if job.data.source == "text":
+    if data.source == "text":
         from launcher.train.text import TextBatches, prepare
 
         return TextBatches(
-            meta=prepare(job.data, job.model.arch), vocab_origin=vocab_origin(job), **common
+            meta=prepare(data, job.model.arch), vocab_origin=vocab_origin(job), **common
         )
     return SyntheticBatches(**common)
+
+
+def build_val_batches(
+    job: JobSpec, *, rank: int, world_size: int, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's ``train.eval_steps`` held-out micro-batches (``build_data(held_out=True)``),
+    made once and kept on the device: every evaluation reads the same samples, so its losses
+    compare over the run. The ranks' samples are disjoint."""
+    source = build_data(job, rank=rank, world_size=world_size, device=device, held_out=True)
+    try:
+        return [source.batch(i + 1) for i in range(job.train.eval_steps)]
+    finally:
+        source.close()
+
+
+def val_seed(seed: int) -> int:
+    """The seed of the held-out synthetic samples: a stream apart from ``seed``'s."""
+    return int(hash_ints(torch.tensor(seed), _SALT_VAL))
 
 
 def vocab_origin(job: JobSpec) -> str:

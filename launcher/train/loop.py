@@ -4,7 +4,8 @@ build_optimizer → build_data → (resume) → allocate_grads → train (train_
 ``train(job, on_step=...)`` runs it all; ``Trainer`` exposes the stages to a wrapper (a test
 harness that injects a fault at step N or dumps the final parameters).
 
-Host–device synchronisation happens only on log steps (the meter) and at checkpoints.
+Host–device synchronisation happens only on log steps (the meter), at evaluations and at
+checkpoints.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from torch import nn
 from launcher.metrics import write_record
 from launcher.spec.job import JobSpec, TrainSpec
 from launcher.train import attention, fused, parallel
-from launcher.train.checkpoint import Checkpointer
+from launcher.train.checkpoint import Checkpointer, latest_checkpoint
 from launcher.train.collector import ManualCollector
-from launcher.train.data import Batches, build_data
+from launcher.train.data import Batches, build_data, build_val_batches
+from launcher.train.health import NonFiniteError, stop_reason
 from launcher.train.meter import (
     CudaTimer,
     GpuMonitor,
@@ -322,9 +324,16 @@ class Trainer:
         )
 
     def build_data(self) -> None:
+        """The training batches and, with ``train.eval_every``, the held-out batches every
+        evaluation reads (made once, kept on the device)."""
         self.data = build_data(
             self.job, rank=self.rank, world_size=self.world_size, device=self.device
         )
+        self.val_batches: list[dict[str, torch.Tensor]] = []
+        if self.job.train.eval_every:
+            self.val_batches = build_val_batches(
+                self.job, rank=self.rank, world_size=self.world_size, device=self.device
+            )
 
     def allocate_grads(self) -> None:
         """Give every trained parameter its own gradient memory where the micro-batches are
@@ -362,6 +371,10 @@ class Trainer:
             gpu=self.gpu,
             lr=lambda step: t.lr * lr_factor(step - 1, t),  # the scheduler's rule (LambdaLR)
             read_late=cuda,  # the GPU runs the next step while the host logs
+            # read before a checkpoint (a checkpoint holds finite steps only) and at evaluations
+            also_log=lambda step: self.checkpointer.due(step, t.steps) or self.eval_due(step),
+            norm_counts=self.scaler is None,  # a loss scaler skips its overflows itself
+            skips=t.on_nonfinite == "skip",
         )
         write_record(
             {
@@ -461,21 +474,41 @@ class Trainer:
         # Summed into a fresh tensor as each micro-batch ends, before any replay can reuse the
         # graph memory that holds a micro-batch's loss.
         loss = sum(self.forward_backward(step, micro) for micro in range(self.job.train.grad_accum))
+        assert isinstance(loss, torch.Tensor)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
-        if self.job.train.grad_clip > 0:
-            self.clip_gradients()
+        self.grad_norm = self.clip_gradients()
+        bad = (
+            self.nonfinite(loss, self.grad_norm) if self.job.train.on_nonfinite == "skip" else None
+        )
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            if bad is None or not bool(bad):  # a host sync (the scaler's own step has one)
+                self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif bad is None:
+            self.optimizer.step()
+        elif getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            # fused AdamW: skipped on the device (parameters, moments and step count kept)
+            self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
+            self.optimizer.step()
+        elif not bool(bad):  # a host sync: free on the CPU; on GPUs bf16 weights and FSDP offload
             self.optimizer.step()
         self.scheduler.step()
-        assert isinstance(loss, torch.Tensor)
         return loss
 
-    def clip_gradients(self) -> None:
-        """Clip the gradients' global norm to ``train.grad_clip`` (torch's rule).
+    def nonfinite(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """Whether this step is skipped (``train.on_nonfinite: skip``), a 0-d bool on the
+        device that every rank agrees on: a non-finite loss on any rank (one all-reduce of a
+        scalar), or a non-finite gradient norm (the same on every rank; not under a loss
+        scaler, which skips overflows itself)."""
+        bad = ~torch.isfinite(parallel.all_reduce_mean(loss.detach().float()))
+        if self.scaler is None:
+            bad |= ~torch.isfinite(norm)
+        return bad
+
+    def clip_gradients(self) -> torch.Tensor:
+        """The gradients' global norm before clipping, a 0-d tensor on the device (no sync),
+        and the gradients clipped to ``train.grad_clip`` (torch's rule) where it is above 0.
 
         A fused AdamW without a loss scaler gets the clipping folded into its kernel
         (``parallel.clip_in_fused_optimizer``; ``MasterAdamW.clip_grad_norm_``): one read and
@@ -483,12 +516,35 @@ class Trainer:
         (``parallel.clip_grad_norm_``).
         """
         clip = self.job.train.grad_clip
-        if isinstance(self.optimizer, MasterAdamW):
-            self.optimizer.clip_grad_norm_(clip)
-        elif self.clip_in_optimizer:
-            parallel.clip_in_fused_optimizer(self.optimizer, self.model.parameters(), clip)
-        else:
-            parallel.clip_grad_norm_(self.model.parameters(), clip)
+        if isinstance(self.optimizer, MasterAdamW):  # the norm in fp32 (the gradients are bf16)
+            return self.optimizer.clip_grad_norm_(clip if clip > 0 else math.inf)
+        if clip <= 0:
+            return parallel.grad_norm(self.trained_params)
+        if self.clip_in_optimizer:
+            return parallel.clip_in_fused_optimizer(self.optimizer, self.model.parameters(), clip)
+        return parallel.clip_grad_norm_(self.model.parameters(), clip)
+
+    def eval_due(self, step: int) -> bool:
+        """Whether an evaluation follows optimizer step ``step``: every ``train.eval_every``
+        steps and at the last."""
+        every = self.job.train.eval_every
+        return bool(every) and (step % every == 0 or step == self.job.train.steps)
+
+    @torch.no_grad()
+    def evaluate(self) -> torch.Tensor:
+        """The mean loss over the held-out batches and the ranks (a 0-d tensor on the device):
+        the model in eval mode (no dropout), forward only, under the training precision."""
+        self.model.eval()
+        try:
+            total = torch.zeros((), device=self.device)
+            for batch in self.val_batches:
+                if self.job.train.cuda_graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                with self._autocast():
+                    total += self.model(**batch).float()
+        finally:
+            self.model.train()
+        return parallel.all_reduce_mean(total / len(self.val_batches))
 
     def train(self, *, on_step: StepCallback | None = None) -> dict[str, Any]:
         """Run steps start_step+1 .. train.steps; returns this rank's ``final`` record."""
@@ -535,10 +591,17 @@ class Trainer:
     ) -> None:
         """Meter (and log the last log step's record, read now), checkpoint when due, then the
         caller's callback."""
-        record = self.meter.step_end(step, loss)
+        eval_loss = None
+        if self.eval_due(step):
+            with self.meter.set_aside():
+                eval_loss = self.evaluate()
+        record = self.meter.step_end(step, loss, grad_norm=self.grad_norm, eval_loss=eval_loss)
         self._progress(record)
         self.collector.after_step(step, logged=record is not None)
         if self.checkpointer.due(step, total):
+            # A checkpoint holds finite steps only: this step's record is read first (the save
+            # waits for the device anyway).
+            self._progress(self.meter.flush())
             self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.scaler)
         else:
             self.checkpointer.poll()
@@ -546,10 +609,24 @@ class Trainer:
             on_step(step)
 
     def _progress(self, record: dict[str, Any] | None) -> None:
-        if record is not None and self.rank == 0:
+        """Log a record (rank 0) and stop on a non-finite step (every rank reads the same)."""
+        if record is None:
+            return
+        if self.rank == 0:
             log.info(
                 progress_line(record, self.job.train.steps, self.flops_per_token, self.peak_tflops)
             )
+        if record.get("first_nonfinite") is None:
+            return
+        t = self.job.train
+        reason = stop_reason(
+            record,
+            mode=t.on_nonfinite,
+            max_skips=t.max_nonfinite_skips,
+            checkpoint=latest_checkpoint(self.checkpointer.root),
+        )
+        if reason is not None:
+            raise NonFiniteError(reason)
 
     def full_state_dict(self) -> dict[str, Any]:
         """Unsharded CPU copies of the parameters (the fp32 masters of bf16 weights): on every

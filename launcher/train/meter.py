@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from launcher.metrics import gpu_summary, write_record
+from launcher.train.health import read_interval
 from launcher.util import percentile
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,10 @@ class _Interval:
     step: int  # the log step that closed it
     steps: int
     marks: list[Any]  # the timer marks ending each step, after the previous interval's last
-    loss: torch.Tensor  # the mean loss over its steps and the ranks, on its way to the host
+    first_step: int
+    rows: torch.Tensor  # per step: the loss (mean over the ranks) and grad norm, to the host
+    eval_loss: torch.Tensor | None  # at its log step, on its way to the host
+    aside: list[tuple[Any, Any]]  # marks around the time set aside in its last step
     ready: Any  # a mark behind the loss's copy
     data_wait_s: float
     measured: bool
@@ -194,6 +198,9 @@ class Meter:
 
     ``sync`` (``torch.cuda.synchronize`` on GPUs) is called by ``start`` and ``flush`` only;
     ``reduce_loss`` may be a collective (it is called on the log steps, on every rank).
+    ``also_log(step)``: further log steps (checkpoints, evaluations). ``norm_counts``: a
+    non-finite gradient norm makes a step non-finite (not under a loss scaler); ``skips``:
+    non-finite steps were skipped (``train.on_nonfinite: skip``), counted as ``skipped_steps``.
     """
 
     def __init__(
@@ -216,6 +223,9 @@ class Meter:
         clock: Callable[[], float] = time.perf_counter,
         write: Callable[[dict[str, Any]], None] = write_record,
         read_late: bool = False,
+        also_log: Callable[[int], bool] = lambda step: False,
+        norm_counts: bool = True,
+        skips: bool = False,
     ):
         self.total_steps = total_steps
         self.start_step = start_step
@@ -234,8 +244,22 @@ class Meter:
         self.clock = clock
         self.write = write
         self.read_late = read_late
+        self.also_log = also_log
+        self.norm_counts = norm_counts
+        self.skips = skips
         self._marks: list[Any] = []
-        self._loss_sum: torch.Tensor | None = None
+        self._rows: list[torch.Tensor] = []  # this interval's (loss, grad norm) per step
+        self._has_norm = False
+        self._eval_loss: torch.Tensor | None = None
+        self._aside: list[tuple[Any, Any]] = []
+        self._run = 0  # non-finite steps in a row before the next record
+        # the final record's: the run's skipped steps, the last gradient norm and evaluation
+        self._health: dict[str, Any] = {
+            "skipped_steps": 0,
+            "grad_norm": None,
+            "eval_loss": None,
+            "eval_step": None,
+        }
         self._pending: _Interval | None = None
         self._last_logged = start_step
         self._wait_s = 0.0
@@ -246,7 +270,12 @@ class Meter:
         self._energy_at: float | None = None  # the GPU's energy counter at the last read
 
     def is_log_step(self, step: int) -> bool:
-        return step % self.log_every == 0 or step == self.warmup_end or step == self.total_steps
+        return (
+            step % self.log_every == 0
+            or step == self.warmup_end
+            or step == self.total_steps
+            or self.also_log(step)
+        )
 
     def start(self) -> None:
         """Start the clock (one sync, before the first step)."""
@@ -263,13 +292,37 @@ class Meter:
         finally:
             self._wait_s += self.clock() - began
 
-    def step_end(self, step: int, loss: torch.Tensor) -> dict[str, Any] | None:
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Leave the time of the block (an evaluation, before ``step_end``) out of the step's
+        time and the throughput; the record's ``eval_s`` holds it."""
+        start = self.timer.mark()
+        try:
+            yield
+        finally:
+            self._aside.append((start, self.timer.mark()))
+
+    def step_end(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        *,
+        grad_norm: torch.Tensor | None = None,
+        eval_loss: torch.Tensor | None = None,
+    ) -> dict[str, Any] | None:
         """Mark the end of optimizer step ``step``; read the previous log step's record if one
         waits (``read_late``: the device has this step queued meanwhile); on a log step, close
-        the interval, and read it unless ``read_late``."""
+        the interval, and read it unless ``read_late``. ``grad_norm``: the step's total
+        gradient norm before clipping; ``eval_loss``: an evaluation's at this (log) step."""
         self._marks.append(self.timer.mark())
-        loss = loss.detach()
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        loss = loss.detach().float()
+        if grad_norm is None:
+            norm = torch.zeros_like(loss)
+        else:
+            norm, self._has_norm = grad_norm.detach().float().to(loss.device), True
+        self._rows.append(torch.stack([loss, norm]))  # one small kernel: no sync
+        if eval_loss is not None:
+            self._eval_loss = eval_loss.detach().float()
         record = self._read() if self._pending is not None else None
         if self.is_log_step(step):
             self._close(step)
@@ -286,20 +339,29 @@ class Meter:
 
     def _close(self, step: int) -> None:
         steps = step - self._last_logged
-        assert self._loss_sum is not None and steps == len(self._marks) - 1
-        # Queued now, read later: the mean over ranks, then a copy to pinned host memory.
-        loss = self.reduce_loss(self._loss_sum / steps).detach().to("cpu", non_blocking=True)
+        assert len(self._rows) == steps == len(self._marks) - 1
+        # Queued now, read later: each step's loss as the mean over ranks (a NaN on any rank is
+        # a NaN on every one), then a copy to pinned host memory.
+        rows = torch.stack(self._rows)
+        losses = self.reduce_loss(rows[:, 0]).detach()
+        rows = torch.stack([losses, rows[:, 1]], dim=1).to("cpu", non_blocking=True)
+        eval_loss = self._eval_loss
         self._pending = _Interval(
             step=step,
             steps=steps,
             marks=self._marks,
-            loss=loss,
+            first_step=self._last_logged + 1,
+            rows=rows,
+            eval_loss=None if eval_loss is None else eval_loss.to("cpu", non_blocking=True),
+            aside=self._aside,
             ready=self.timer.mark(),
             data_wait_s=self._wait_s,
             measured=self._last_logged >= self.warmup_end,
         )
         self._marks = [self._marks[-1]]
-        self._loss_sum = None
+        self._rows = []
+        self._eval_loss = None
+        self._aside = []
         self._last_logged = step
         self._wait_s = 0.0
 
@@ -309,7 +371,18 @@ class Meter:
         self.timer.wait(p.ready)
         times = [self.timer.elapsed_ms(a, b) for a, b in itertools.pairwise(p.marks)]
         interval_s = self.timer.elapsed_ms(p.marks[0], p.marks[-1]) / 1e3
-        loss = float(p.loss.item())
+        aside_s = sum(self.timer.elapsed_ms(a, b) for a, b in p.aside) / 1e3
+        if p.aside:  # set aside in the interval's last step
+            times[-1] -= aside_s * 1e3
+            interval_s -= aside_s
+        health, self._run = read_interval(
+            p.rows,
+            first_step=p.first_step,
+            has_norm=self._has_norm,
+            norm_counts=self.norm_counts,
+            run=self._run,
+        )
+        eval_loss = None if p.eval_loss is None else float(p.eval_loss.item())
         gpu = self._gpu_sample()
         record = {
             "type": "step",
@@ -319,7 +392,11 @@ class Meter:
             "interval_s": interval_s,
             "measured": p.measured,
             "step_times_ms": [round(t, 4) for t in times],
-            "loss": loss,
+            "loss": health.pop("loss"),
+            **health,
+            "skipped_steps": health["nonfinite_steps"] if self.skips else 0,
+            "eval_loss": eval_loss,
+            "eval_s": aside_s if p.aside else None,
             "lr": self.lr(p.step),
             "data_wait_s": p.data_wait_s,
             "peak_mem_gib": self.peak_mem_gib(),
@@ -335,7 +412,14 @@ class Meter:
             self._measured_times.extend(times)
             self._gpu_samples.append(gpu)
         self.write(record)
-        self._last_loss = loss
+        if record["loss"] is not None:
+            self._last_loss = record["loss"]
+        h = self._health
+        h["skipped_steps"] += record["skipped_steps"]
+        if record["grad_norm"] is not None:
+            h["grad_norm"] = record["grad_norm"]
+        if eval_loss is not None:
+            h["eval_loss"], h["eval_step"] = eval_loss, p.step
         return record
 
     def _gpu_sample(self) -> dict[str, Any]:
@@ -380,6 +464,7 @@ class Meter:
             "data_wait_pct": 100 * m["wait_s"] / m["seconds"] if m["seconds"] > 0 else None,
             **gpu_summary(self._gpu_samples, seconds=m["seconds"], tokens=m["tokens"]),
             "loss": self._last_loss,
+            **self._health,
         }
         self.write(record)
         return record
@@ -395,18 +480,27 @@ def _si(value: float) -> str:
 def progress_line(
     record: dict[str, Any], total_steps: int, flops_per_token: float, peak: float | None
 ) -> str:
-    """``step 20/200 | loss 7.412 | 310.2k tok/s | 52.1 ms/step | mfu 41.3%`` (this rank)."""
+    """``step 20/200 | loss 7.412 | grad norm 0.82 | 310.2k tok/s | 52.1 ms/step | mfu 41.3%``
+    (this rank)."""
     times = record["step_times_ms"]
     ms = sum(times) / len(times)
     tok_s = record["tokens"] / record["interval_s"] if record["interval_s"] > 0 else 0.0
     parts = [
         f"step {record['step']}/{total_steps}",
-        f"loss {record['loss']:.3f}",
-        f"{_si(tok_s)} tok/s",
-        f"{ms:.1f} ms/step",
+        "loss n/a" if record.get("loss") is None else f"loss {record['loss']:.3f}",
     ]
+    if record.get("grad_norm") is not None:
+        parts.append(f"grad norm {record['grad_norm']:.3g}")
+    if record.get("eval_loss") is not None:
+        parts.append(f"eval loss {record['eval_loss']:.3f}")
+    parts += [f"{_si(tok_s)} tok/s", f"{ms:.1f} ms/step"]
     if peak:
         parts.append(f"mfu {100 * tok_s * flops_per_token / 1e12 / peak:.1f}%")
+    if record.get("nonfinite_steps"):
+        parts.append(
+            f"{record['nonfinite_steps']} non-finite step(s)"
+            + (" skipped" if record.get("skipped_steps") else "")
+        )
     if not record["measured"]:
         parts.append("(warm-up)")
     return " | ".join(parts)

@@ -397,13 +397,16 @@ def clip_grad_norm_(
 @torch.no_grad()
 def clip_in_fused_optimizer(
     optimizer: torch.optim.Optimizer, parameters: Iterable[nn.Parameter], max_norm: float
-) -> None:
+) -> torch.Tensor:
     """Clip as ``clip_grad_norm_`` does, inside the next step of a fused Adam/AdamW: its
     ``grad_scale`` slot (the one ``GradScaler`` unscales through) gets 1 / the coefficient,
     and the kernel divides every gradient by it as it reads them. No pass over the gradients
-    of its own; not for an optimizer that a ``GradScaler`` drives, which owns that slot."""
-    scale = clip_coefficient(grad_norm(parameters), max_norm).reciprocal()
+    of its own; not for an optimizer that a ``GradScaler`` drives, which owns that slot.
+    Returns the total norm before clipping."""
+    total = grad_norm(parameters)
+    scale = clip_coefficient(total, max_norm).reciprocal()
     optimizer.grad_scale = scale  # type: ignore[attr-defined]  # torch's fused kernel reads it
+    return total
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

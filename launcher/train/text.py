@@ -268,7 +268,7 @@ class TextBatches(TokenFileBatches):
 
     def describe(self) -> str:
         return (
-            f"the tokenized text {self.path} (data.path tokenized with the tokenizer "
+            f"the tokenized text {self.path}{self.part()} (data.path tokenized with the tokenizer "
             f"{self.meta['tokenizer']}, of {self.meta['vocab_size']} tokens)"
         )
 
@@ -282,7 +282,8 @@ class TextBatches(TokenFileBatches):
 
 
 def tokenize_command(job: JobSpec, *, source: str) -> int:
-    """``launch tokenize JOB.yaml``: fill the cache for the job's text and say where it is."""
+    """``launch tokenize JOB.yaml``: fill the cache for the job's text (and its held-out text)
+    and say where it is."""
     from launcher.errors import SpecError
 
     if job.data.source != "text":
@@ -291,12 +292,16 @@ def tokenize_command(job: JobSpec, *, source: str) -> int:
             source=source,
             field="data.source",
         )
-    try:
-        meta = tokenize(job.data, job.model.arch)
-    except (TextError, FolderError) as err:
-        raise SpecError(str(err), source=source, field=getattr(err, "field", "data.path")) from None
-    print(
-        f"{meta['path']}: {meta['tokens']} tokens from {meta['documents']} documents "
-        f"({len(meta['files'])} files, vocabulary {meta['vocab_size']})"
-    )
+    texts = [("data.path", job.data)]
+    if job.data.val_path is not None:  # the held-out text has a cache file of its own
+        texts.append(("data.val_path", job.data.model_copy(update={"path": job.data.val_path})))
+    for field, data in texts:
+        try:
+            meta = tokenize(data, job.model.arch)
+        except (TextError, FolderError) as err:
+            raise SpecError(str(err), source=source, field=getattr(err, "field", field)) from None
+        print(
+            f"{meta['path']}: {meta['tokens']} tokens from {meta['documents']} documents "
+            f"({len(meta['files'])} files, vocabulary {meta['vocab_size']})"
+        )
     return 0

@@ -32,6 +32,7 @@ class TokenFileBatches(MadeAhead):
 
     Opening the file checks it (``DataError``, before the first step, the same on every rank):
     at least one window long, and every id a row of the model's embedding (``check_ids``).
+    ``span``: the part of the file's tokens read, as fractions (``data.val_fraction``).
     """
 
     def __init__(
@@ -41,12 +42,17 @@ class TokenFileBatches(MadeAhead):
         token_dtype: str,
         row_len: int | None = None,
         vocab_origin: str = "model.vocab_size",
+        span: tuple[float, float] = (0.0, 1.0),
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.path = Path(path)
         self.vocab_origin = vocab_origin
         self.ids = open_token_file(self.path, token_dtype)
+        self.span = span
+        if span != (0.0, 1.0):
+            n = self.ids.numel()
+            self.ids = self.ids[round(span[0] * n) : round(span[1] * n)]
         self.row_len = row_len or self.seq_len + 1
         self.stride = row_len or self.seq_len
         self.n_windows = (self.ids.numel() - self.row_len) // self.stride + 1
@@ -62,7 +68,15 @@ class TokenFileBatches(MadeAhead):
 
     def describe(self) -> str:
         """The file, as messages name it."""
-        return f"token file {self.path}"
+        return f"token file {self.path}{self.part()}"
+
+    def part(self) -> str:
+        """The part of the file read, as messages name it ("" for all of it)."""
+        lo, hi = self.span
+        if (lo, hi) == (0.0, 1.0):
+            return ""
+        which = "held out" if lo > 0 else "trained on"
+        return f" (the {which} {100 * (hi - lo):.3g}% of it, data.val_fraction {1 - lo if lo > 0 else 1 - hi:g})"
 
     def check_ids(self) -> None:
         """DataError unless the file holds at least one sample and every id in it is a row of the

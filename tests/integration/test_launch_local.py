@@ -185,6 +185,34 @@ def test_failing_rank_stops_everything_and_is_named(tmp_path):
     assert_none_left(before, marker=run_dir.name)
 
 
+def test_a_diverging_quickstart_stops_with_exit_4_naming_the_step(tmp_path):
+    """Issue 46's run: the loss went NaN from step 5 and the run exited 0. Now every rank stops
+    at the first log step that reads a non-finite step, and the summary says which."""
+    before = matching()
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    result = launch(
+        str(ROOT / "jobs/quickstart.yaml"),
+        *("--set", "train.lr=1.0", "--set", "train.weight_decay=1e30"),
+        *("--set", "train.steps=40", "--run-dir", str(run_dir)),
+        cwd=ROOT,
+    )
+    assert result.returncode == 4, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    reason = summary["failure"]["reason"]
+    assert "NonFiniteError: non-finite at step " in reason, reason
+    step = int(reason.split("non-finite at step ")[1].split(":")[0])
+    assert 1 <= step <= 5 and "the loss is nan" in reason, reason  # checked at step 5 (log_every)
+    assert "no checkpoint was saved before it" in reason and reason in result.stderr
+    records = [
+        json.loads(line) for line in (run_dir / "metrics/rank1.jsonl").read_text().splitlines()
+    ]
+    logged = [r for r in records if r["type"] == "step"]
+    assert logged[-1]["step"] == 5 and logged[-1]["first_nonfinite"]["step"] == step
+    assert summary["training"]["step"] == 5
+    assert_none_left(before, marker=run_dir.name)
+
+
 def test_torchrun_that_cannot_start_on_a_node_fails_the_job_naming_the_node(tmp_path):
     """A node whose interpreter does not exist (the preflight skipped, which would have caught
     it): exit 4 and one paragraph naming the node and the missing file, no traceback."""

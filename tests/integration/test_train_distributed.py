@@ -158,13 +158,12 @@ def ddp_fp32(base: Path) -> Run:
 
 @pytest.fixture(scope="module")
 def fsdp_fp32(base: Path) -> Run:
+    """The ddp_fp32 job under FSDP, evaluating every 20 steps (evaluations change no parameter:
+    the tests below hold it to ddp_fp32's, and to a resumed run's without evaluations)."""
     job = write_job(base / "fsdp.yaml", "fsdp", base / "ckpt-fsdp")
-    return ok(
-        launch(
-            base / "fsdp",
-            ["--job", str(job), "--params-out", "params.pt", "--set", "parallel.strategy=fsdp"],
-        )
-    )
+    args = ["--params-out", "params.pt", "--set", "parallel.strategy=fsdp"]
+    args += ["--set", "train.eval_every=20", "--set", "train.eval_steps=4"]
+    return ok(launch(base / "fsdp", ["--job", str(job), *args]))
 
 
 def test_ddp_fp32_loss_falls_and_writes_the_metrics_contract(ddp_fp32: Run):
@@ -243,6 +242,26 @@ def test_fsdp_fp32_loss_falls_and_matches_ddp(fsdp_fp32: Run, ddp_fp32: Run):
     assert_params_close(ddp_fp32.params(), fsdp_fp32.params(), atol=1e-4)
 
 
+def test_health_fields_and_evaluations_under_ddp_and_fsdp(fsdp_fp32: Run, ddp_fp32: Run):
+    """grad_norm in every record (the same on both ranks: the norm of the whole gradient),
+    eval_loss at 20, 40 and the last step (the same on both ranks: a mean over them), falling."""
+    for run in (ddp_fp32, fsdp_fp32):
+        for rank in (0, 1):
+            steps = run.records(rank, "step")
+            assert all(r["grad_norm"] > 0 and r["nonfinite_steps"] == 0 for r in steps)
+        norms = [[r["grad_norm"] for r in run.records(rank, "step")] for rank in (0, 1)]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+    evals = [
+        {r["step"]: r["eval_loss"] for r in fsdp_fp32.records(rank, "step") if r["eval_loss"]}
+        for rank in (0, 1)
+    ]
+    assert list(evals[0]) == [20, 40, 50] and evals[0] == evals[1]
+    assert evals[0][50] < evals[0][20]
+    final = fsdp_fp32.records(0, "final")[0]
+    assert final["eval_loss"] == evals[0][50] and final["eval_step"] == 50
+    assert not any(r["eval_loss"] for r in ddp_fp32.records(0, "step"))
+
+
 def test_fsdp_with_several_blocks_per_unit_matches_ddp(base: Path, ddp_fp32: Run):
     """Two blocks in one FSDP unit (one all-gather, one reduce-scatter): the same training."""
     job = write_job(base / "fsdp-units.yaml", "fsdp-units", base / "ckpt-fsdp-units")
@@ -311,6 +330,8 @@ def test_bf16_loss_falls(base: Path, strategy: str):
         "train.micro_batch=2",
         "--set",
         "train.grad_accum=2",
+        "--set",
+        "train.eval_every=25",
     ]
     if strategy == "ddp":
         extra += ["--set", "parallel.ddp.comm_hook=fp16"]
@@ -318,6 +339,8 @@ def test_bf16_loss_falls(base: Path, strategy: str):
         extra += ["--set", "train.activation_checkpointing=true"]
     run = ok(launch(base / f"bf16-{strategy}", ["--job", str(job), *extra], module=True))
     assert_loss_falls(run)
+    evals = [r["eval_loss"] for r in run.records(1, "step") if r["eval_loss"] is not None]
+    assert len(evals) == 2 and evals[1] < evals[0]
 
 
 @pytest.fixture(scope="module")
@@ -468,7 +491,8 @@ def write_npy(path: Path, ids: torch.Tensor) -> None:
 
 
 def test_gpt_on_a_token_file_sharded_by_rank(base: Path):
-    """GPT reading a .npy token file (structured ids from the synthetic generator)."""
+    """GPT reading a .npy token file (structured ids from the synthetic generator), its last
+    10% held out for evaluations."""
     from launcher.train.data import SyntheticBatches
 
     gen = SyntheticBatches(
@@ -488,14 +512,17 @@ def test_gpt_on_a_token_file_sharded_by_rank(base: Path):
     job.write_text(
         "name: gpt-tokens\n"
         "model: {arch: gpt, size: tiny, vocab_size: 1024}\n"
-        f"data: {{source: tokens, path: {base / 'tokens.npy'}, seq_len: 32}}\n"
-        "train: {steps: 30, warmup_steps: 2, micro_batch: 4, lr: 3.0e-3, log_every: 5}\n"
+        f"data: {{source: tokens, path: {base / 'tokens.npy'}, seq_len: 32, val_fraction: 0.1}}\n"
+        "train: {steps: 30, warmup_steps: 2, micro_batch: 4, lr: 3.0e-3, log_every: 5,\n"
+        "        eval_every: 10, eval_steps: 2}\n"
         "precision: {dtype: fp32}\ncudnn: {benchmark: false}\n"
         "resources: {nodes: all, nproc_per_node: 2, device: cpu}\n"
     )
     run = ok(launch(base / "gpt", ["--job", str(job)], module=True))
     assert_loss_falls(run, by=1.0)
     assert run.records(1, "meta")[0]["arch"] == "gpt"
+    evals = [r["eval_loss"] for r in run.records(0, "step") if r["eval_loss"] is not None]
+    assert len(evals) == 3 and evals[-1] < evals[0] - 1.0
 
 
 def test_quickstart_runs_as_one_process_without_torchrun(base: Path):

@@ -196,6 +196,22 @@ def test_relative_paths_are_taken_from_the_job_folder(tmp_path, monkeypatch):
     assert not job.uses_builtin
 
 
+def test_held_out_token_files_are_taken_from_the_job_folder_and_checked(tmp_path, monkeypatch):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    for name in ("tokens.bin", "val.bin"):
+        (jobs / name).write_bytes(b"\0" * 4096)
+    monkeypatch.chdir(tmp_path)
+    text = "name: j\ndata: {source: tokens, path: tokens.bin, val_path: VAL, seq_len: 16}\n"
+    text += "train: {eval_every: 10}\nresources: {device: cpu}\n"
+    job = load_job(write(jobs, text.replace("VAL", "val.bin")))
+    assert job.data.val_path == (jobs / "val.bin").resolve()
+    missing = write(jobs, text.replace("VAL", "nope.bin"))
+    with pytest.raises(SpecError, match=r"data.val_path 'nope.bin' does not exist") as err:
+        load_job(missing)
+    assert err.value.field == "data.val_path"
+
+
 def _npy(header: bytes, data: bytes = b"\0" * 4096) -> bytes:
     return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + data
 

@@ -12,10 +12,20 @@ import pytest
 from launcher.errors import UsageError
 from launcher.metrics import read_records, write_record
 from launcher.results import load_run, render, report_command, summarize, write_summary
-from launcher.results.summary import stragglers
+from launcher.results.summary import TRAINING_KEYS, stragglers
 from launcher.util import percentile
 
-SCHEMA_TOP = {"job", "status", "world_size", "nodes", "ranks", "totals", "failure", "checkpoints"}
+SCHEMA_TOP = {
+    "job",
+    "status",
+    "world_size",
+    "nodes",
+    "ranks",
+    "totals",
+    "training",
+    "failure",
+    "checkpoints",
+}
 SCHEMA_RANK = {
     "rank",
     "node",
@@ -361,6 +371,7 @@ def assert_schema(s: dict) -> None:
         assert set(row) == SCHEMA_RANK
     assert set(s["totals"]) == SCHEMA_TOTALS
     assert all(isinstance(r, int) for r in s["totals"]["straggler_ranks"])
+    assert s["training"] is None or set(s["training"]) == set(TRAINING_KEYS)
     assert s["failure"] is None or set(s["failure"]) == SCHEMA_FAILURE
 
 
@@ -612,3 +623,30 @@ def test_checkpoints_count_once_complete_and_say_how_long_training_waited(tmp_pa
         ]
         is None
     )
+
+
+def test_training_holds_the_last_loss_eval_loss_and_skips_also_for_a_failed_run():
+    """From the lowest rank's step records: the last finite loss (a stop leaves the last record
+    without one), its gradient norm, the last evaluation and every skipped step."""
+    steps = [
+        {"step": 10, "loss": 5.0, "grad_norm": 2.0, "eval_loss": 5.5, "skipped_steps": 1},
+        {"step": 20, "loss": 4.0, "grad_norm": 1.5, "eval_loss": 4.6, "skipped_steps": 2},
+        {"step": 30, "loss": None, "grad_norm": None, "eval_loss": None, "skipped_steps": 0},
+    ]
+    records = {1: [{"type": "step", **r} for r in steps], 2: []}
+    s = summarize(
+        "j", layout(1, 2)[1:] + [{**layout(1, 2)[0], "rank": 2}], records, status="failed"
+    )
+    assert s["training"] == {
+        "step": 30,
+        "loss": 4.0,
+        "grad_norm": None,
+        "eval_loss": 4.6,
+        "eval_step": 20,
+        "skipped_steps": 3,
+    }
+    assert (
+        "Training: step 30, loss 4, eval loss 4.6 (step 20), 3 non-finite step(s) skipped"
+        in render(s)
+    )
+    assert summarize("j", layout(1, 1), {0: []}, status="failed")["training"] is None

@@ -301,3 +301,43 @@ def test_text_goes_on_at_the_next_sample_after_a_restart_at_another_world_size(t
     uninterrupted = samples(1, 4, range(1, 7))
     restarted = torch.cat([samples(2, 2, range(1, 4)), samples(1, 4, range(4, 7), resume=True)])
     assert torch.equal(restarted, uninterrupted)
+
+
+def test_held_out_text_is_the_end_of_the_stream_or_a_file_of_its_own(tmp_path, assets):
+    """data.val_fraction: training reads the first 90% of the tokenized text, evaluations the
+    last 10%; data.val_path: evaluations read another text, tokenized into its own cache file."""
+    from launcher.train.data import build_val_batches
+
+    j = job(tmp_path, assets, arch="gpt", val_fraction=0.1)
+    meta = text.tokenize(j.data, "gpt", progress=False)
+    stream = torch.from_file(meta["path"], size=meta["tokens"], dtype=torch.uint16).long()
+    cut = round(0.9 * meta["tokens"])
+    cpu = torch.device("cpu")
+    trained = build_data(j, rank=0, world_size=1, device=cpu)
+    held_out = build_data(j, rank=0, world_size=1, device=cpu, held_out=True)
+    try:
+        assert trained.ids.numel() == cut and held_out.ids.numel() == meta["tokens"] - cut
+        assert torch.equal(held_out.batch(1)["input_ids"][0], stream[cut : cut + SEQ])
+        assert "data.val_fraction 0.1" in held_out.describe()
+        last = trained.n_windows - 1  # the last training window ends before the cut
+        assert last * SEQ + SEQ + 1 <= cut
+    finally:
+        trained.close()
+        held_out.close()
+    other = tmp_path / "val.txt"
+    other.write_text(
+        "A held-out paragraph of its own.\n\nAnd a second one, a little longer.\n" * 40
+    )
+    k = job(tmp_path, assets, arch="gpt", val_path=str(other))
+    batches = build_val_batches(
+        k.model_copy(update={"train": k.train.model_copy(update={"eval_steps": 2})}),
+        rank=0,
+        world_size=1,
+        device=cpu,
+    )
+    other_meta = text.tokenize(k.data.model_copy(update={"path": other}), "gpt", progress=False)
+    assert other_meta["path"] != meta["path"] and len(batches) == 2
+    other_stream = torch.from_file(
+        other_meta["path"], size=other_meta["tokens"], dtype=torch.uint16
+    ).long()
+    assert torch.equal(batches[0]["input_ids"][0], other_stream[:SEQ])

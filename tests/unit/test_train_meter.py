@@ -28,6 +28,14 @@ STEP_KEYS = {
     "measured",
     "step_times_ms",
     "loss",
+    "grad_norm",
+    "grad_norm_max",
+    "nonfinite_steps",
+    "nonfinite_in_a_row",
+    "first_nonfinite",
+    "skipped_steps",
+    "eval_loss",
+    "eval_s",
     "lr",
     "data_wait_s",
     "peak_mem_gib",
@@ -56,6 +64,10 @@ FINAL_KEYS = {
     "power_w",
     "energy_mj_per_token",
     "loss",
+    "skipped_steps",
+    "grad_norm",
+    "eval_loss",
+    "eval_step",
 }
 
 

@@ -1,0 +1,101 @@
+"""Training health: the gradient norm, non-finite losses and gradient norms, skipped steps.
+
+Each step leaves its loss and gradient norm on the device; the meter copies a log interval's
+to the host with its record (``read_interval``), and ``stop_reason`` says whether the run
+stops. Why this costs no host sync per step: docs/trainer.md#training-health.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class NonFiniteError(RuntimeError):
+    """The run stops on a non-finite loss or gradient norm (``train.on_nonfinite``); the
+    message names the step, what went non-finite and the last complete checkpoint."""
+
+
+def read_interval(
+    rows: torch.Tensor, *, first_step: int, has_norm: bool, norm_counts: bool, run: int
+) -> tuple[dict[str, Any], int]:
+    """The health fields of a record from its interval's rows on the host, and the run of
+    non-finite steps at its end.
+
+    ``rows``: one row per step from ``first_step`` on: the loss (the mean over the ranks) and
+    the gradient norm. A step is non-finite where its loss is, or (``norm_counts``: no loss
+    scaler, which skips overflows itself) its gradient norm. ``loss``, ``grad_norm`` and
+    ``grad_norm_max`` are taken over the finite steps only (None without one). ``run``: the
+    non-finite steps in a row just before this interval.
+    """
+    loss, norm = rows[:, 0].double(), rows[:, 1].double()
+    bad = ~torch.isfinite(loss)
+    if has_norm and norm_counts:
+        bad |= ~torch.isfinite(norm)
+    kept = ~bad
+    longest = 0
+    for is_bad in bad.tolist():
+        run = run + 1 if is_bad else 0
+        longest = max(longest, run)
+    first = None
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        first = {
+            "step": first_step + i,
+            "loss": _number(float(loss[i])),
+            "grad_norm": _number(float(norm[i])) if has_norm else None,
+        }
+    any_kept = bool(kept.any())
+    fields = {
+        "loss": float(loss[kept].mean()) if any_kept else None,
+        "grad_norm": float(norm[kept].mean()) if has_norm and any_kept else None,
+        "grad_norm_max": float(norm[kept].max()) if has_norm and any_kept else None,
+        "nonfinite_steps": int(bad.sum()),
+        "nonfinite_in_a_row": longest,
+        "first_nonfinite": first,
+    }
+    return fields, run
+
+
+def _number(value: float) -> float | str:
+    """A finite value as it is, else ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has none of them)."""
+    return value if math.isfinite(value) else str(value)
+
+
+def stop_reason(
+    record: dict[str, Any], *, mode: str, max_skips: int, checkpoint: Path | None
+) -> str | None:
+    """Why the run stops after this step record, or None to go on.
+
+    ``stop``: any non-finite step. ``skip``: more than ``max_skips`` in a row.
+    ``checkpoint``: the last complete checkpoint (None: there is none)."""
+    first = record.get("first_nonfinite")
+    if first is None:
+        return None
+    if mode == "skip" and record["nonfinite_in_a_row"] <= max_skips:
+        return None
+    what = " and ".join(
+        f"{name} is {first[key]}"
+        for key, name in (("loss", "the loss"), ("grad_norm", "the gradient norm"))
+        if isinstance(first.get(key), str)
+    )
+    kept = (
+        f"the last complete checkpoint is {checkpoint}"
+        if checkpoint is not None
+        else "no checkpoint was saved before it"
+    )
+    if mode == "skip":
+        return (
+            f"{record['nonfinite_in_a_row']} steps in a row up to step {record['step']} were "
+            f"non-finite and skipped, more than train.max_nonfinite_skips ({max_skips}); the "
+            f"first of them in this record: step {first['step']} ({what}); {kept}. Lower "
+            f"train.lr or set train.grad_clip"
+        )
+    return (
+        f"non-finite at step {first['step']}: {what} (train.on_nonfinite: stop, checked at "
+        f"step {record['step']}); {kept}. Lower train.lr, set train.grad_clip, or set "
+        f"train.on_nonfinite: skip to skip such steps"
+    )
