@@ -28,6 +28,8 @@ from launcher.util import first_line, utc_stamp, write_private
 
 STOP_WAIT_MIN_S = 30  # RAY_JOB_STOP_WAIT_TIME_S: SIGINT, then this long to tear down, then SIGKILL
 POLL_S = 0.5
+RECONNECTS = 5  # broken log streams in a row that bring nothing new, then exit 3
+RECONNECT_WAIT_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +218,7 @@ def _logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
                 _out(f"job {job_id} has ended ({_shown(jobs, details)}); nothing to follow")
             return 0
         try:
-            asyncio.run(_tail(jobs, job_id))
+            _follow(jobs, job_id)
         except KeyboardInterrupt:
             print(
                 f"\nstopped following; job {job_id} goes on (`launch stop {job_id}` stops it)",
@@ -224,11 +226,6 @@ def _logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
                 flush=True,
             )
             return 0
-        except api_failures() as err:  # the log stream broke off (Ray stopped, the tunnel closed)
-            raise PreflightError(
-                f"following job {job_id} stopped: the Ray Jobs API at {jobs.url} broke off the log "
-                f"stream ({first_line(err)}); the job may go on (`launch status {job_id}`)"
-            ) from err
         _out(f"job {job_id} ended: {_shown(jobs, jobs.job(job_id))}")
     return 0
 
@@ -413,16 +410,65 @@ def _connect_for(cluster: ClusterSpec, job_id: str) -> Iterator[JobsCluster]:
         ) from None
 
 
-async def _tail(jobs: JobsCluster, job_id: str) -> None:
-    pending = ""
-    async for chunk in jobs.client.tail_job_logs(job_id):
-        pending += chunk
-        *lines, pending = pending.split("\n")
-        for text in lines:
-            if not text.startswith(job_state.MARK):
-                _out(text)
-    if pending and not pending.startswith(job_state.MARK):
-        _out(pending)
+def _follow(jobs: JobsCluster, job_id: str) -> None:
+    """Stream the job's log until the job ends. A stream that breaks off (a WebSocket closed
+    with 1006 on a loaded head) is opened again; it starts at the log's beginning, so what was
+    printed already is skipped. Exit 3 when the Jobs API no longer answers, or after
+    ``RECONNECTS`` broken streams in a row that brought nothing new."""
+    follower = _Follower()
+    broken = 0
+    while True:
+        before = follower.received
+        try:
+            asyncio.run(follower.tail(jobs.client, job_id))
+            follower.flush()
+            return
+        except api_failures() as err:
+            broken = 1 if follower.received > before else broken + 1
+            reason = first_line(err)
+        if broken > RECONNECTS:
+            raise _follow_failed(
+                jobs, job_id, f"{reason}; {RECONNECTS} reconnections brought nothing"
+            )
+        log.info("the log stream of job %s broke off (%s); reconnecting", job_id, reason)
+        time.sleep(RECONNECT_WAIT_S * broken)
+        try:
+            jobs.job(job_id)  # the Jobs API still answers (guarded: exit 3 where it does not)
+        except PreflightError as err:
+            raise _follow_failed(jobs, job_id, f"{reason}; then {err}") from err
+
+
+def _follow_failed(jobs: JobsCluster, job_id: str, reason: str) -> PreflightError:
+    return PreflightError(
+        f"following job {job_id} stopped: the Ray Jobs API at {jobs.url} broke off the log "
+        f"stream ({reason}); the job may go on (`launch status {job_id}`)"
+    )
+
+
+class _Follower:
+    """Prints a job's log lines once each, across streams that each start at the beginning."""
+
+    def __init__(self) -> None:
+        self.received = 0  # characters of the log taken so far
+        self._pending = ""  # a line not ended yet
+
+    async def tail(self, client: Any, job_id: str) -> None:
+        skip = self.received
+        async for chunk in client.tail_job_logs(job_id):
+            if skip:
+                taken = min(skip, len(chunk))
+                chunk, skip = chunk[taken:], skip - taken
+            self.received += len(chunk)
+            self._pending += chunk
+            *lines, self._pending = self._pending.split("\n")
+            for text in lines:
+                if not text.startswith(job_state.MARK):
+                    _out(text)
+
+    def flush(self) -> None:
+        if self._pending and not self._pending.startswith(job_state.MARK):
+            _out(self._pending)
+        self._pending = ""
 
 
 def _stop_wait(details: Any) -> float:

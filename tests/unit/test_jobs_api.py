@@ -57,29 +57,84 @@ def test_our_errors_and_ctrl_c_pass_through(error):
         client.list_jobs()
 
 
-def test_a_broken_log_stream_is_a_preflight_error(monkeypatch, capsys):
+class Breaking:
+    """A Jobs API whose log stream starts at the log's beginning each time and breaks off
+    (WebSocket 1006) after ``breaks[i]`` characters on the i-th stream."""
+
+    def __init__(self, log: str, breaks: list[int], list_error: BaseException | None = None):
+        self.log = log
+        self.breaks = list(breaks)
+        self.streams = 0
+        self.list_error = list_error
+
+    def list_jobs(self):
+        if self.list_error is not None and self.streams:  # gone once the stream has broken
+            raise self.list_error
+        return []
+
+    async def tail_job_logs(self, job_id):
+        self.streams += 1
+        end = self.breaks.pop(0) if self.breaks else None
+        text = self.log if end is None else self.log[:end]
+        for i in range(0, len(text), 5):  # chunks that split lines, as Ray's may
+            yield text[i : i + 5]
+        if end is not None:
+            raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+
+
+def _follow(monkeypatch, client):
     import contextlib
 
     running = types.SimpleNamespace(
         submission_id="job-1", status=types.SimpleNamespace(value="RUNNING")
     )
-    client = api._Guarded(
-        Failing(RuntimeError("Websocket closed abnormally")), "http://127.0.0.1:8265"
-    )
-    jobs = types.SimpleNamespace(
-        client=client, url="http://127.0.0.1:8265", job=lambda job_id: running
-    )
+    guarded = api._Guarded(client, "http://127.0.0.1:8265")
+
+    def job(job_id):
+        guarded.list_jobs()
+        return running
+
+    jobs = types.SimpleNamespace(client=guarded, url="http://127.0.0.1:8265", job=job)
 
     @contextlib.contextmanager
     def connect_for(cluster, job_id):
         yield jobs
 
     monkeypatch.setattr(commands, "_connect_for", connect_for)
+    monkeypatch.setattr(commands, "_shown", lambda jobs, details: "SUCCEEDED")
+    monkeypatch.setattr(commands, "RECONNECT_WAIT_S", 0.0)
+    return commands.logs(None, "job-1", follow=True)
+
+
+LOG = "".join(f"step {i}\n" for i in range(1, 9))
+
+
+def test_a_broken_log_stream_is_followed_on_without_repeating_a_line(monkeypatch, capsys):
+    client = Breaking(LOG, breaks=[10, 10, 33])  # mid-line; no progress once; then on
+    assert _follow(monkeypatch, client) == 0
+    out = capsys.readouterr().out
+    assert out == LOG + "job job-1 ended: SUCCEEDED\n"
+    assert client.streams == 4
+
+
+def test_a_stream_that_keeps_breaking_without_news_is_exit_3(monkeypatch, capsys):
+    client = Breaking(LOG, breaks=[14] * 20)
     with pytest.raises(
-        PreflightError, match="following job job-1 stopped: .*Websocket closed abnormally"
+        PreflightError, match=r"following job job-1 stopped: .*1006.*5 reconnections"
     ):
-        commands.logs(None, "job-1", follow=True)
-    assert "step 1" in capsys.readouterr().out
+        _follow(monkeypatch, client)
+    assert capsys.readouterr().out == "step 1\nstep 2\n"
+    assert client.streams == 1 + commands.RECONNECTS
+
+
+def test_a_jobs_api_gone_ends_following_with_exit_3(monkeypatch, capsys):
+    client = Breaking(LOG, breaks=[7], list_error=requests.ConnectionError("Connection refused"))
+    with pytest.raises(
+        PreflightError, match="following job job-1 stopped: .*1006.*Connection refused"
+    ):
+        _follow(monkeypatch, client)
+    assert client.streams == 1
+    assert capsys.readouterr().out == "step 1\n"
 
 
 FOLLOWED = """
