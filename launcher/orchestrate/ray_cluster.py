@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -529,15 +529,18 @@ def _attach(
 
     log.info("Attaching to the running Ray at %s", address)
     try:
-        ray.init(
-            address=address,
-            log_to_driver=False,
-            configure_logging=False,
-            runtime_env=runtime_env or None,
-        )
+        if address.startswith("ray://"):
+            _connect_client(address, runtime_env, retry=_server_side, configure_logging=False)
+        else:
+            ray.init(
+                address=address,
+                log_to_driver=False,
+                configure_logging=False,
+                runtime_env=runtime_env or None,
+            )
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
         raise PreflightError(
-            f"cannot attach to Ray at {address!r}: {first_line(err)}. Check that the cluster "
+            f"cannot attach to Ray at {address!r}: {_client_error(err)}. Check that the cluster "
             f"is running there (`ray status`); from outside the cluster use ray://HEAD:10001"
         ) from err
     alive = _alive_nodes()
@@ -611,7 +614,7 @@ def _bootstrap(
         except Exception as err:
             raise PreflightError(
                 f"Ray started on the nodes but the launcher cannot reach it at {session.address}: "
-                f"{first_line(err)}. The launcher drives a bootstrapped cluster through Ray Client: "
+                f"{_client_error(err)}. The launcher drives a bootstrapped cluster through Ray Client: "
                 f"port {rc.client_port} on {head.host} must be reachable from this machine"
             ) from err
         _wait_for_nodes(nodes, ips, rc.join_timeout_s)
@@ -624,22 +627,55 @@ def _bootstrap(
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _connect_client(address: str, runtime_env: dict[str, Any], attempts: int = 3) -> None:
-    """Ray Client connect, retried: a freshly started head's client server can fail its first
-    session (its per-client server process dies during start-up under load)."""
+def _connect_client(
+    address: str,
+    runtime_env: dict[str, Any],
+    attempts: int = 3,
+    retry: Callable[[Exception], bool] = lambda err: True,
+    **init: Any,
+) -> None:
+    """Ray Client connect, retried where ``retry`` says: the head's client server starts a
+    server process per connection, which can die or miss Ray's 30 s channel timeout while the
+    head is starting or loaded."""
     import ray
 
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env or None)
+            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env or None, **init)
             return
         except Exception as err:
-            if attempt == attempts:
+            if attempt == attempts or not retry(err):
                 raise
-            log.warning("Ray Client connect to %s failed (%s); retrying", address, first_line(err))
+            log.warning(
+                "Ray Client connect to %s failed (%s); retrying", address, _client_error(err)
+            )
             with contextlib.suppress(Exception):
                 ray.shutdown()
-            time.sleep(2.0 * attempt)
+            time.sleep(CLIENT_RETRY_WAIT_S * attempt)
+
+
+CLIENT_RETRY_WAIT_S = 2.0
+SERVER_INIT_FAILED = "Initialization failure from server:"
+
+
+def _server_side(err: Exception) -> bool:
+    """The head's client server was reached, but the server process for this connection failed
+    to start (not a runtime environment that cannot be built): worth another connection."""
+    return (
+        isinstance(err, ConnectionAbortedError)
+        and str(err).startswith(SERVER_INIT_FAILED)
+        and "Failed to create runtime_env" not in str(err)
+    )
+
+
+def _client_error(err: BaseException) -> str:
+    """One line for a Ray Client error: a failure on the server comes as a traceback whose last
+    line says what failed."""
+    text = str(err)
+    if text.startswith(SERVER_INIT_FAILED):
+        lines = [line.strip() for line in text.splitlines()[1:] if line.strip()]
+        return f"{SERVER_INIT_FAILED} {lines[-1]}" if lines else SERVER_INIT_FAILED
+    return first_line(err)
 
 
 def _on_node(
