@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -275,13 +276,25 @@ class NetnsCluster:
 
     def close(self) -> None:
         """Kill every process in the namespaces, delete namespaces, veths, bridge and folder."""
-        for proc in self._sshd.values():
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        left = {ns: pids for ns in self._created_ns if (pids := _kill_ns(ns))}
+        # Every node's processes are killed and waited for until they are gone from /proc, not
+        # only from the namespace: a process killed leaves it before it has exited and been
+        # reaped. Each node's sshd (PID 1 of its PID namespace) dies first, while its `unshare`
+        # parent lives to reap it, and that `unshare` is this process's child, reaped here.
+        seen = {p: _start_time(p) for ns in self._created_ns for p in _ns_pids(ns)}
+        seen.update({proc.pid: _start_time(proc.pid) for proc in self._sshd.values()})
+        own = {proc.pid for proc in self._sshd.values()}
+        for ns in self._created_ns:
+            _kill_ns(ns, spare=own)
         for proc in self._sshd.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        left = {ns: pids for ns in self._created_ns if (pids := _kill_ns(ns))}
+        if alive := _wait_gone(seen, wait_s=20.0):
+            left["(exiting)"] = alive
         for ns in self._created_ns:
             _run(["ip", "netns", "del", ns], check=False)
         if self._bridge_created:
@@ -543,11 +556,12 @@ def _ns_pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
-def _kill_ns(ns: str, wait_s: float = 20.0) -> list[int]:
-    """SIGKILL every process in a namespace until none is left (forks included); the pids still
-    there after ``wait_s`` (many large processes exiting on a loaded machine take seconds)."""
+def _kill_ns(ns: str, wait_s: float = 20.0, spare: Collection[int] = ()) -> list[int]:
+    """SIGKILL every process in a namespace but ``spare`` until none is left (forks included);
+    the pids still there after ``wait_s`` (many large processes exiting on a loaded machine take
+    seconds)."""
     deadline = time.monotonic() + wait_s
-    while pids := _ns_pids(ns):
+    while pids := [p for p in _ns_pids(ns) if p not in spare]:
         if time.monotonic() > deadline:
             return pids
         for pid in pids:
@@ -555,6 +569,40 @@ def _kill_ns(ns: str, wait_s: float = 20.0) -> list[int]:
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
     return []
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command: [state, ppid, ...]; [] for no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat): a pid used again differs."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
+
+
+def _exists(pid: int, start: str | None) -> bool:
+    """The process is there: running, exiting, or a zombie that another process must reap (this
+    process's own zombies are reaped by their ``Popen``)."""
+    fields = _stat(pid)
+    if not fields or start is None or fields[19] != start:
+        return False
+    return not (fields[0] == "Z" and int(fields[1]) == os.getpid())
+
+
+def _wait_gone(pids: dict[int, str | None], wait_s: float) -> list[int]:
+    """Wait until each process (pid → start time) has exited and been reaped; those that have
+    not after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [p for p, start in pids.items() if _exists(p, start)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -590,10 +638,10 @@ def _exit_cleanly_on_sigterm() -> None:
         threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     ):
-        signal.signal(signal.SIGTERM, _raise_system_exit)
+        signal.signal(signal.SIGTERM, raise_system_exit)
 
 
-def _raise_system_exit(signum: int, frame: object) -> None:
+def raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
