@@ -150,3 +150,41 @@ def _no_process_unless_marked(
             f"started a process ({started[0]}) without a marker: mark the test "
             f"{' / '.join(PROCESS_MARKERS)} (pyproject.toml) or keep it to pure logic"
         )
+
+
+# -- the checkout stays clean: no test (or Slurm job) writes output into it ----------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+_UNTRACKED = pytest.StashKey[set[str] | None]()
+
+
+def _untracked() -> set[str] | None:
+    """Files in the checkout that git neither tracks nor ignores; None outside a git checkout."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "--others", "--exclude-standard", "-z"],
+        capture_output=True,
+        text=True,
+    )
+    return set(listed.stdout.split("\0")) - {""} if listed.returncode == 0 else None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_UNTRACKED] = _untracked()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that left new files in the checkout fails, naming them (under xdist the controller
+    checks, once every worker has ended)."""
+    before = session.config.stash.get(_UNTRACKED, None)
+    if before is None or hasattr(session.config, "workerinput"):
+        return
+    new = sorted((_untracked() or set()) - before)
+    if new:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                f"tests wrote into the checkout ({ROOT}): {', '.join(new[:10])}; write into "
+                f"tmp_path or the cluster's folder instead",
+                red=True,
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -63,7 +63,11 @@ class SlurmCluster:
         self.close()
 
     def run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env)
+        """A Slurm command, run in the cluster's folder: a batch job's default output file
+        (``slurm-<id>.out`` in the folder it was submitted from) lands there, not in the checkout."""
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.dir
+        )
 
     def queue(self) -> list[str]:
         """The job ids in the queue."""

@@ -125,7 +125,9 @@ def test_an_allocation_that_does_not_start_in_wait_s_is_exit_3_and_cancelled(
 ):
     job_file, cluster_file = files
     cluster_file.write_text(yaml.safe_dump({"slurm": {"partition": "main", "wait_s": 6}}))
-    blocker = slurm.run("sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 300")
+    blocker = slurm.run(
+        "sbatch", "--parsable", "-N2", "--exclusive", "--output", "/dev/null", "--wrap", "sleep 300"
+    )
     assert blocker.returncode == 0, blocker.stderr
     blocker_id = blocker.stdout.strip()
     try:
