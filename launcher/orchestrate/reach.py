@@ -9,6 +9,7 @@ instead of as a gloo timeout.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 import threading
 
@@ -68,10 +69,22 @@ def reach(master_addr: str, port: int, ifname: str | None, timeout_s: float) -> 
             )
         if not found[name]:
             return f"interface {name} (GLOO_SOCKET_IFNAME) has no IPv4 address here"
+        if _loopback(found[name][0]) and not _loopback(master_addr):
+            return (
+                f"GLOO_SOCKET_IFNAME={ifname}: {name} ({found[name][0]}) is loopback, from "
+                f"which the head at {master_addr} cannot be reached"
+            )
         failed = _connect(master_addr, port, (name, found[name][0]), timeout_s)
         if failed:
             return failed
     return None
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a name: connecting tells
+        return False
 
 
 def _connect(

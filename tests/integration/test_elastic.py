@@ -116,10 +116,7 @@ def run_and_lose_node3(
     """Launch a 3-node elastic job on ``n_nodes`` simulated nodes, kill node 3 mid-run; returns
     (cluster, run dir, seconds from the kill to the exit) once it exited ``expect``."""
     cluster = netns_cluster(n_nodes)
-    cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml",
-        nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names},
-    )
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job = elastic_job(tmp_path, ckpt, nodes=3, min_nodes=min_nodes)
     run_dir = tmp_path / f"elastic-{tmp_path.name}"
     args = [str(job), "--cluster", str(cluster_file), *(["--skip-parity"] if skip_parity else [])]

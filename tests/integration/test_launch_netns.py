@@ -88,37 +88,47 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
 
 
 def test_a_node_that_cannot_reach_the_master_port_stops_the_launch(netns_cluster, tmp_path):
-    """node1 has no route to the head's rendezvous port (a prohibit rule for that port in its
-    namespace; SSH and Ray still pass): exit 3 naming node1 within seconds, no worker started."""
+    """Before any worker starts, each node connects to the head's rendezvous port from its
+    workers' interface. node1 given loopback as its GLOO_SOCKET_IFNAME, then node1 with no
+    route to that port (a prohibit rule in its namespace; SSH and Ray still pass): each time
+    exit 3 naming node1 and what failed, the check under 15 s, no worker started."""
     cluster = netns_cluster(2)
-    blocked = cluster.node_names[1]
+    bad = cluster.node_names[1]
     port = 29555
-    cluster.exec(blocked, f"ip rule add ipproto tcp dport {port} prohibit", check=True)
-    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"]["nproc_per_node"] = 1
     job["train"].update(steps=4, warmup_steps=1, log_every=1)
     job["launch"] = {"master_port": port}
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
-    run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]
-        + ["--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=420,
-        cwd=tmp_path,
+    head = cluster.host(0)
+
+    def launch(name: str, cluster_file: Path, expect: str) -> None:
+        run_dir = tmp_path / name
+        result = subprocess.run(
+            [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]
+            + ["--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=420,
+            cwd=tmp_path,
+        )
+        out = result.stdout + result.stderr
+        assert result.returncode == 3, out[-3000:]
+        assert f"node {bad}: {expect}" in out, out[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["ranks"] == []
+        assert summary["launcher_timings_s"]["network"] < 15
+        assert not list((run_dir / "logs").glob("*/rank*.log"))
+
+    wrong = cluster.cluster_yaml(
+        tmp_path / "wrong.yaml", nodes={bad: {"env": {"GLOO_SOCKET_IFNAME": "lo"}}}
     )
-    out = result.stdout + result.stderr
-    assert result.returncode == 3, out[-3000:]
-    assert f"node {blocked}: cannot connect to {cluster.host(0)}:{port} from eth0" in out, out[
-        -3000:
-    ]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["ranks"] == []
-    assert summary["launcher_timings_s"]["network"] < 15
-    assert not list((run_dir / "logs").glob("*/rank*.log"))
+    launch("wrong-interface", wrong, "GLOO_SOCKET_IFNAME=lo: lo (127.0.0.1) is loopback")
+
+    cluster.exec(bad, f"ip rule add ipproto tcp dport {port} prohibit", check=True)
+    blocked = cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    launch("blocked", blocked, f"cannot connect to {head}:{port} from eth0 ({cluster.host(1)})")
 
 
 def test_kill_9_of_the_launcher_stops_a_bootstrapped_ray_within_15_s(netns_cluster, tmp_path):

@@ -64,10 +64,7 @@ def test_workdir_travels_to_nodes_that_cannot_see_it(netns_cluster, tmp_path):
     """The project lies under the launcher's /tmp, which the nodes' private /tmp hides: Ray
     ships it, and each rank runs in its node's copy."""
     cluster = netns_cluster(2)
-    cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml",
-        nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names},
-    )
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job_file = project(tmp_path)
     workdir = job_file.parent
     (workdir / "checkpoints").mkdir()

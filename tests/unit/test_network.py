@@ -167,6 +167,8 @@ def test_reach_connects_to_a_listener_and_names_what_fails():
         assert missing and "GLOO_SOCKET_IFNAME=nosuch9 names no interface" in missing
     finally:
         listener.close()
+    loopback = reach("198.18.0.10", port, "lo", 2.0)
+    assert loopback and "GLOO_SOCKET_IFNAME=lo: lo (127.0.0.1) is loopback" in loopback
     refused = reach("127.0.0.1", port, "lo", 2.0)
     assert refused and f"127.0.0.1:{port} from lo (127.0.0.1)" in refused
     # the port is free again for torchrun's store once the check is over
