@@ -40,6 +40,7 @@ from launcher.orchestrate.reach import REACH_TIMEOUT_S
 from launcher.orchestrate.records import Failure, FailureKind, Outcome, Status
 from launcher.orchestrate.rundir import RunDir, spec_yaml
 from launcher.orchestrate.runlog import RunLog
+from launcher.orchestrate.sinks import ReportSinks
 from launcher.orchestrate.watch import Watcher
 from launcher.preflight import NodeFacts, Route, preflight_facts
 from launcher.preflight.network import choose_routes
@@ -92,6 +93,8 @@ class Launch:
         try:
             with self._timed("run dir"):
                 self.run_dir.prepare(self.job, self.cluster)
+                if self.job.report.tensorboard or self.job.report.mlflow is not None:
+                    self.log.sinks = ReportSinks(self.job, self.run_dir)
             if self.facts is None:
                 with self._timed("preflight"):
                     self.facts = self.preflight()
@@ -353,7 +356,8 @@ class Launch:
         raise JobFailed(message)
 
     def finish(self, outcome: Outcome) -> None:
-        """Teardown, then the summary: nothing is left running, everything measured is kept.
+        """Teardown, then the summary and the report sinks' last writes: nothing is left
+        running, everything measured is kept.
 
         The summary is written also when the teardown failed (a second Ctrl-C, a lost Ray
         connection, a full disk); a teardown error or a summary that cannot be written is
@@ -374,6 +378,8 @@ class Launch:
                 self.write_summary(outcome)
             except OSError as err:
                 log.error("could not write the summary into %s: %s", self.run_dir, err)
+            if self.log.sinks is not None:
+                self.log.sinks.close(outcome.status.value)
 
     def teardown(self) -> None:
         """Stop every agent's workers, remove the placement group, close what we opened.

@@ -197,7 +197,12 @@ def _taken(path: Path) -> UsageError:
 
 def spec_yaml(model: Any) -> str:
     """A spec as YAML for run records, every ``env`` mapping's secret-looking values masked."""
-    return yaml.safe_dump(_mask_envs(model.model_dump(mode="json")), sort_keys=False)
+    return yaml.safe_dump(masked_spec(model), sort_keys=False)
+
+
+def masked_spec(model: Any) -> dict[str, Any]:
+    """A spec as plain data, every ``env`` mapping's secret-looking values masked."""
+    return _mask_envs(model.model_dump(mode="json"))
 
 
 def _mask_envs(data: Any) -> Any:

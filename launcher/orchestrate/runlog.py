@@ -2,7 +2,8 @@
 
 Every output line goes to its rank's log (``logs/<node>/rank<R>.log``; torchrun's own lines to
 ``torchrun.log``), every metrics record to ``metrics/rank<R>.jsonl``, GPU telemetry to
-``telemetry/<node>.jsonl``. The console shows rank 0's
+``telemetry/<node>.jsonl``, and both to the job's report sinks (TensorBoard, MLflow) where it
+has them. The console shows rank 0's
 lines, any line that looks like an error and a straggler when one is first named
 (``results.stragglers``), above a progress bar when stderr is a terminal.
 """
@@ -17,6 +18,7 @@ from typing import Any, TextIO
 from launcher.orchestrate.plan import LaunchPlan, NodePlan
 from launcher.orchestrate.records import AgentUpdate
 from launcher.orchestrate.rundir import RunDir
+from launcher.orchestrate.sinks import ReportSinks
 from launcher.results.stragglers import StragglerWatch
 
 ERROR_LINE = re.compile(r"Traceback|Error|Exception|FAILED|Signal \d+", re.IGNORECASE)
@@ -31,12 +33,15 @@ class RunLog:
         self._files: dict[tuple[str, int | None], TextIO] = {}
         self._progress: Progress | None = None
         self.stragglers = StragglerWatch({})  # this attempt's
+        self.sinks: ReportSinks | None = None
 
     def open(self, launch_plan: LaunchPlan) -> None:
         """A new attempt: every rank gets its log file, even one that never prints."""
         self.attempt = launch_plan.attempt
         nodes = {r: n.name for n in launch_plan.nodes for r in n.ranks}
         self.stragglers = StragglerWatch(nodes, self.run_dir.preflight_facts())
+        if self.sinks is not None:
+            self.sinks.attempt(launch_plan.world_size)
         for node in launch_plan.nodes:
             for rank in node.ranks:
                 self._file(node.name, rank)
@@ -60,10 +65,14 @@ class RunLog:
             path.parent.mkdir(exist_ok=True)
             with open(path, "a", encoding="utf-8") as fh:
                 fh.writelines(json.dumps(sample) + "\n" for sample in update.telemetry)
+            if self.sinks is not None:
+                self.sinks.telemetry(node.name, update.telemetry)
         for rank, record in update.records:
             self.by_attempt.setdefault(self.attempt, {}).setdefault(rank, []).append(record)
             with open(self.run_dir.metrics_file(rank), "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
+            if self.sinks is not None:
+                self.sinks.record(rank, record)
             if self._progress is not None:
                 self._progress.update(rank, record)
             straggler = self.stragglers.add(rank, record)

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from launcher.spec.base import EnvDict, Strict
+from launcher.spec.report import ReportSpec
 
 Arch = Literal["bert", "gpt"]
 Size = Literal["tiny", "mini", "small", "base", "large"]
@@ -584,6 +585,10 @@ class JobSpec(Strict):
     entrypoint: Literal["builtin"] | ScriptEntrypoint = Field(
         "builtin",
         description="pinned. builtin (the launcher's Transformer trainer) or {script: path.py, args: [...], workdir: ., sync: auto, exclude: [...]}.",
+    )
+    report: ReportSpec = Field(
+        default_factory=ReportSpec,
+        description="Where the run's metrics go besides the run directory: TensorBoard, MLflow.",
     )
 
     @property

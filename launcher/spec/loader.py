@@ -12,6 +12,7 @@ from launcher.spec.cluster import ClusterSpec
 from launcher.spec.job import JobSpec
 from launcher.spec.messages import validate
 from launcher.spec.paths import refuse_nul_paths, resolve_job_paths, with_pretrained_shape
+from launcher.spec.report import check_packages
 from launcher.spec.yamlfile import apply_overrides, read_yaml
 
 DEFAULT_CLUSTER_FILE = Path("cluster.yaml")
@@ -32,7 +33,9 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Job
     refuse_nul_paths(job, source)  # before any path is resolved (init_from's is, next)
     if job.model.init_from is not None:
         job = with_pretrained_shape(job, source, overrides)
-    return resolve_job_paths(job, source)
+    job = resolve_job_paths(job, source)
+    check_packages(job.report, str(source))
+    return job
 
 
 def load_cluster(path: str | os.PathLike[str] | None = None) -> ClusterSpec:

@@ -10,6 +10,7 @@ from typing import Any
 from launcher.errors import SpecError
 from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
 from launcher.spec.messages import validate
+from launcher.spec.report import resolve_store
 from launcher.tokenfile import check_token_file
 
 
@@ -119,8 +120,8 @@ def refuse_nul_paths(job: JobSpec, source: Path) -> None:
 
 
 def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
-    """Relative data, model, checkpoint and script paths are taken from the job file's folder;
-    scripts must exist."""
+    """Relative data, model, checkpoint and script paths (and an MLflow folder) are taken from
+    the job file's folder; scripts must exist."""
     base = source.parent
     updates: dict[str, Any] = {}
     if job.data.source == "text":
@@ -136,6 +137,8 @@ def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
         updates["train"] = job.train.model_copy(update={"checkpoint": ckpt})
     if job.script_entry is not None:
         updates["entrypoint"] = _resolve_script(job.script_entry, base, source)
+    if job.report.mlflow is not None:
+        updates["report"] = resolve_store(job.report, base)
     return job.model_copy(update=updates) if updates else job
 
 

@@ -222,6 +222,18 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     assert report.returncode == 0 and "Per rank" in report.stdout and "SUCCEEDED" in report.stdout
 
 
+def test_a_detached_jobs_driver_writes_its_tensorboard_files(jobs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job_id = jobs.submit("--skip-parity", *QUICK, "--set", "report.tensorboard=true")["job_id"]
+    done = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=180)
+    assert done["status"] == "SUCCEEDED", done
+    board = EventAccumulator(str(Path(done["run_dir"]) / "tensorboard" / "job"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("loss")] == [2, 4, 6]
+    assert all(e.value > 0 for e in board.Scalars("tokens_per_s"))
+
+
 def test_stop_tears_down_within_15_s(jobs):
     job_id = jobs.submit(*SLOW)["job_id"]  # with the preflight, as a real submit
     wait_for(
