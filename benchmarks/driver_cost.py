@@ -2,11 +2,13 @@
 many simulated node agents (no Ray, no torch).
 
     python benchmarks/driver_cost.py [--nodes 8,64,256] [--ranks-per-node 8] [--rounds 100]
+                                     [--tensorboard]
 
 Each round, every node's agent answers one poll with one metrics record and two log lines per
 rank (a built-in run at log_every 1: the most the driver sees) and one telemetry sample per
-GPU. Prints, per job size, the driver's CPU milliseconds per round and per node, and its peak
-RSS growth. What it leaves out: Ray's own cost of carrying the answers.
+GPU. Prints, per job size, the driver's CPU milliseconds per round and per node (with
+``--tensorboard`` also the watch loop's own thread, and the event files written at the end
+included), and its peak RSS growth. What it leaves out: Ray's own cost of carrying the answers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from launcher.orchestrate.plan import plan
 from launcher.orchestrate.records import AgentUpdate, ExitStatus
 from launcher.orchestrate.rundir import RunDir
 from launcher.orchestrate.runlog import RunLog
+from launcher.orchestrate.sinks import ReportSinks
 from launcher.orchestrate.watch import Watcher
 from launcher.spec import ClusterSpec, JobSpec
 
@@ -89,10 +92,17 @@ class SimulatedAgents:
         return {}
 
 
-def measure(nodes: int, per_node: int, rounds: int) -> tuple[float, float]:
-    """(CPU ms per round, RSS growth in MiB) of a run of ``rounds`` rounds."""
+def measure(
+    nodes: int, per_node: int, rounds: int, tensorboard: bool = False
+) -> tuple[float, float, float]:
+    """(CPU ms per round, the watch loop's thread's alone, RSS growth in MiB) of a run of
+    ``rounds`` rounds."""
     job = JobSpec.model_validate(
-        {"name": "bench", "resources": {"device": "cpu", "nproc_per_node": per_node}}
+        {
+            "name": "bench",
+            "resources": {"device": "cpu", "nproc_per_node": per_node},
+            "report": {"tensorboard": tensorboard},
+        }
     )
     cluster = ClusterSpec.model_validate(
         {
@@ -106,16 +116,21 @@ def measure(nodes: int, per_node: int, rounds: int) -> tuple[float, float]:
         run_dir.prepare(job, cluster)
         lp = plan(job, cluster, None, run_id="bench-000000", master_port=29500, launcher_env={})
         log = RunLog(run_dir, quiet=True)
-        log.open(lp)
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        cpu0 = time.process_time()
+        cpu0, own0 = time.process_time(), time.thread_time()
+        if tensorboard:
+            log.sinks = ReportSinks(job, run_dir)
+        log.open(lp)
         Watcher(
             SimulatedAgents(nodes, per_node, rounds), lp, on_update=log.ingest, hang_timeout_s=600
         ).run()
+        own = time.thread_time() - own0
+        if log.sinks is not None:
+            log.sinks.close("succeeded", timeout_s=3600)
         cpu = time.process_time() - cpu0
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
         log.close()
-    return 1e3 * cpu / rounds, rss / 1024
+    return 1e3 * cpu / rounds, 1e3 * own / rounds, rss / 1024
 
 
 def main() -> None:
@@ -123,13 +138,20 @@ def main() -> None:
     parser.add_argument("--nodes", default="8,64,256")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument(
+        "--tensorboard", action="store_true", help="with report.tensorboard (its writer thread)"
+    )
     args = parser.parse_args()
-    print("| nodes | ranks | CPU ms per round | CPU ms per node and round | peak RSS growth MiB |")
-    print("|---|---|---|---|---|")
+    print(
+        "| nodes | ranks | CPU ms per round | CPU ms per node and round | watch loop's thread "
+        "ms per round | peak RSS growth MiB |"
+    )
+    print("|---|---|---|---|---|---|")
     for n in (int(x) for x in args.nodes.split(",")):
-        ms, mib = measure(n, args.ranks_per_node, args.rounds)
+        ms, own, mib = measure(n, args.ranks_per_node, args.rounds, args.tensorboard)
         print(
-            f"| {n} | {n * args.ranks_per_node} | {ms:.1f} | {ms / n:.2f} | {mib:.0f} |", flush=True
+            f"| {n} | {n * args.ranks_per_node} | {ms:.1f} | {ms / n:.2f} | {own:.1f} | {mib:.0f} |",
+            flush=True,
         )
 
 

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 FLUSH_S = 5.0  # between writes
 CLOSE_S = 30.0  # the most the end of a run waits for the last writes
+BACKLOG = 500_000  # records waiting for the writer thread; more are left out, with a warning
 
 
 class Sink(Protocol):
@@ -58,6 +59,8 @@ class ReportSinks:
         self.flush_s = flush_s
         self._inbox: deque[tuple[Any, ...]] = deque()
         self._taking = True  # false once no sink is left to write to
+        self._left_out = 0
+        self._said_left_out = False
         self._scalars = Scalars()
         self._status = "succeeded"
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -74,8 +77,12 @@ class ReportSinks:
         self._take(("telemetry", node, samples))
 
     def _take(self, item: tuple[Any, ...]) -> None:
-        if self._taking:
-            self._inbox.append(item)
+        if not self._taking:
+            return
+        if len(self._inbox) >= BACKLOG and item[0] != "attempt":
+            self._left_out += 1
+            return
+        self._inbox.append(item)
 
     def close(self, status: str, timeout_s: float = CLOSE_S) -> None:
         """Write what waits and end the sinks (the MLflow run's status), ``timeout_s`` at most."""
@@ -117,6 +124,14 @@ class ReportSinks:
 
     def _drain(self) -> list[Point]:
         points: list[Point] = []
+        if self._left_out and not self._said_left_out:
+            self._said_left_out = True
+            log.warning(
+                "the report sinks fall behind the records (%d waiting): records are left out of "
+                "them from now on while the backlog is full (metrics/ keeps every record); log "
+                "less often (train.log_every) for TensorBoard and MLflow to keep up",
+                BACKLOG,
+            )
         while self._inbox:
             kind, *args = self._inbox.popleft()
             if kind == "attempt":

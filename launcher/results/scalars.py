@@ -9,9 +9,8 @@ derived from it: tokens_per_s, samples_per_s, step_time_ms, data_wait_pct, tflop
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from statistics import median
-from typing import Any
+from typing import Any, NamedTuple
 
 JOB = "job"
 PENDING_STEPS = 256  # job steps waiting for their last ranks (a dead rank never completes one)
@@ -24,8 +23,7 @@ SUMMED = frozenset({"tokens_per_s", "samples_per_s", "tflops", "power_w", "energ
 HIGHEST = frozenset({"step_time_ms", "peak_mem_gib"})
 
 
-@dataclass(frozen=True)
-class Point:
+class Point(NamedTuple):
     """One value of one series: ``series`` is ``job``, ``rank<R>`` or ``gpu/<node>/<index>``."""
 
     series: str

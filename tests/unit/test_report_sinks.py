@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -316,3 +317,33 @@ def test_a_sink_that_cannot_open_is_a_warning_and_records_are_no_longer_kept(
         sinks.close("succeeded", timeout_s=5)
     assert "TensorBoard: nothing is written there: No module named 'tensorboard'" in caplog.text
     assert not sinks._inbox and not (run_dir.root / "tensorboard").exists()
+
+
+def test_records_beyond_the_backlog_are_left_out_with_one_warning(tmp_path, monkeypatch, caplog):
+    import launcher.orchestrate.sinks as sinks_module
+
+    monkeypatch.setattr(sinks_module, "BACKLOG", 3)
+    go = threading.Event()
+    real = sinks_module.EventFiles
+
+    def held(root):  # the writer thread takes nothing until every record is given
+        go.wait(30)
+        return real(root)
+
+    monkeypatch.setattr(sinks_module, "EventFiles", held)
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    job = JobSpec.model_validate({"name": "t", "report": {"tensorboard": True}})
+    with caplog.at_level(logging.WARNING):
+        sinks = ReportSinks(job, run_dir, flush_s=3600)
+        sinks.attempt(1)
+        for step in range(1, 7):
+            sinks.record(0, {"type": "step", "step": step, "loss": 1.0})
+        go.set()
+        sinks.close("succeeded", timeout_s=30)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir.root / "tensorboard" / "rank0"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2]
+    assert caplog.text.count("fall behind") == 1
