@@ -18,7 +18,7 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 class MlflowSpec(Strict):
     tracking_uri: str = Field(
-        description="An MLflow tracking server (http:// or https://, written to through its REST API) or a store the mlflow package opens (a folder, file:, sqlite:, postgresql:, ...). A relative folder is taken from the job file's folder."
+        description="An MLflow tracking server (http:// or https://, written to through its REST API) or a store the mlflow package opens (sqlite:///FILE, postgresql://..., a folder). A relative file is taken from the job file's folder."
     )
     experiment: str | None = Field(
         None,
@@ -81,15 +81,20 @@ def check_packages(report: ReportSpec, source: str | None = None) -> None:
 
 
 def resolve_store(report: ReportSpec, base: Path) -> ReportSpec:
-    """``report`` with a relative MLflow folder (``mlruns``, ``file:mlruns``) taken from
-    ``base``, the job file's folder, as the absolute path the driver will open."""
+    """``report`` with a relative MLflow store (``mlruns``, ``file:mlruns``,
+    ``sqlite:///mlflow.db``) taken from ``base``, the job file's folder, as the absolute path
+    the driver will open."""
     mlflow = report.mlflow
     if mlflow is None or mlflow.server:
         return report
     uri = mlflow.tracking_uri
-    path = uri.removeprefix("file:")
-    if path.startswith("//") or _SCHEME.match(path):
-        return report  # file:///abs, sqlite:///..., postgresql://...: as given
-    folder = (base / Path(path).expanduser()).resolve()
-    resolved = mlflow.model_copy(update={"tracking_uri": str(folder)})
+    if uri.startswith("sqlite:///"):  # sqlite:///relative.db, sqlite:////absolute.db
+        path, prefix = uri.removeprefix("sqlite:///"), "sqlite:///"
+    else:
+        path, prefix = uri.removeprefix("file:"), ""
+    if path.startswith("//") or _SCHEME.match(path) or not path or path == ":memory:":
+        return report  # file:///abs, postgresql://..., databricks: as given
+    resolved = mlflow.model_copy(
+        update={"tracking_uri": prefix + str((base / Path(path).expanduser()).resolve())}
+    )
     return report.model_copy(update={"mlflow": resolved})

@@ -218,3 +218,19 @@ def test_a_tracking_server_that_is_down_is_a_warning_and_a_scripts_metrics_still
     rates = scalars(board / "rank0", "tokens_per_s")
     assert [s for s, _ in rates] == [2, 3, 4] and all(0 < v <= 5000 for _, v in rates)
     assert took < 240, f"the launch took {took:.0f} s"
+
+
+def test_a_sqlite_store_is_written_through_the_mlflow_package(tmp_path):
+    from launcher.results.mlflow_run import MlflowRun
+    from launcher.results.scalars import Point
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = MlflowRun(uri, experiment="e", run_name="r", params={"train.steps": "3"}, tags={})
+    run.write([Point("job", "loss", 1, 2.5, 100.0), Point("rank1", "loss", 1, 3.0, 100.0)])
+    run.close("failed")
+    assert run.run_id is not None
+    found = MlflowClient(uri).get_run(run.run_id)
+    assert found.info.status == "FAILED" and found.info.run_name == "r"
+    assert found.data.params == {"train.steps": "3"}
+    assert found.data.metrics == {"loss": 2.5, "rank1/loss": 3.0}
+    assert found.data.tags["launcher.status"] == "failed"

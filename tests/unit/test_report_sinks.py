@@ -149,7 +149,9 @@ def test_a_missing_package_is_one_paragraph_naming_the_extra(tmp_path, monkeypat
         ("file:mlruns", "{base}/mlruns"),
         ("/abs/mlruns", "/abs/mlruns"),
         ("file:///abs/mlruns", "file:///abs/mlruns"),
-        ("sqlite:///mlflow.db", "sqlite:///mlflow.db"),
+        ("sqlite:///mlflow.db", "sqlite:///{base}/mlflow.db"),
+        ("sqlite:////abs/mlflow.db", "sqlite:////abs/mlflow.db"),
+        ("postgresql://u@db/mlflow", "postgresql://u@db/mlflow"),
         ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
     ],
 )
