@@ -35,6 +35,7 @@ COMMANDS = (
     "stop",
     "list",
     "fetch",
+    "up",
     "down",
 )
 # Commands that start, submit, stop or write something: a reader of their stdout or stderr that
@@ -42,7 +43,7 @@ COMMANDS = (
 # code; what they print from then on is dropped. The others only show something: a closed
 # stdout pipe ends them quietly (``main``).
 WORKING_COMMANDS = frozenset(
-    {"run", "submit", "scale", "tokenize", "export", "fetch", "stop", "down"}
+    {"run", "submit", "scale", "tokenize", "export", "fetch", "stop", "up", "down"}
 )
 
 
@@ -111,6 +112,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(dry_run(job, cluster, skip_parity=args.skip_parity))
             return 0
+        from launcher.jobs.head import attach_to_local_head
+
+        cluster = attach_to_local_head(cluster, job)
         run(
             job,
             cluster,
@@ -210,6 +214,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
     fetch(_load_cluster(args), args.job_id, to=args.to)
     return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from launcher.jobs.commands import up
+
+    return up(_load_cluster(args))
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -423,6 +433,11 @@ def _parser() -> argparse.ArgumentParser:
     p = jobs_parser("fetch", "copy a detached job's run directory from the head here")
     p.add_argument("--to", type=Path, help="where to put it (default runs/<job id>)")
     p.set_defaults(func=cmd_fetch)
+    jobs_parser(
+        "up",
+        "start the launcher's Ray on this machine: detached jobs and runs attach",
+        job_id="none",
+    ).set_defaults(func=cmd_up)
     p = jobs_parser("down", "stop the Ray the launcher started for detached jobs", job_id="none")
     p.add_argument("--yes", action="store_true", help="also stop jobs that still run")
     p.set_defaults(func=cmd_down)

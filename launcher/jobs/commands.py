@@ -279,6 +279,26 @@ def fetch(cluster: ClusterSpec, job_id: str, *, to: Path | None) -> Path:
     return dest
 
 
+def up(cluster: ClusterSpec) -> int:
+    """Start the launcher's Ray head on this machine (once): detached jobs go to it, and a
+    foreground run on this machine attaches to it instead of starting Ray."""
+    from launcher.jobs.head import local_head
+
+    if cluster.ray.address is not None or not cluster.all_local:
+        raise UsageError(
+            "launch up starts the launcher's Ray on this machine only; this cluster file names "
+            "other nodes or a ray.address (`launch submit` bootstraps or attaches to those)"
+        )
+    head = local_head(start=True)
+    assert head is not None
+    print(
+        f"The launcher's Ray head runs on this machine (127.0.0.1:{head.gcs_port}, pid {head.pid}); "
+        f"runs and jobs here use it; `launch down` stops it",
+        flush=True,
+    )
+    return 0
+
+
 def down(cluster: ClusterSpec, *, yes: bool) -> int:
     """Stop the Ray the launcher started for detached jobs (never one it attached to)."""
     from launcher.jobs.records import jobs_lock

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from launcher.errors import PreflightError
 from launcher.jobs.records import UnreadableRecord, local_folder, locked
+from launcher.spec import ClusterSpec, JobSpec, nodes_for_job
 from launcher.util import free_port, write_private
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,29 @@ def local_head(*, start: bool) -> LocalHead | None:
             _stop(head)
             (folder / "head.json").unlink(missing_ok=True)
         return _start(folder) if start else None
+
+
+def attach_to_local_head(cluster: ClusterSpec, job: JobSpec) -> ClusterSpec:
+    """The cluster a foreground run uses: where the job runs on this machine alone, ``ray.address``
+    is unset and the launcher's head is up (``launch up``, ``launch submit``), that head, whose
+    Ray runs already (attaching costs ~0.1 s, starting Ray ~8 s); else ``cluster`` unchanged."""
+    if cluster.ray.address is not None or cluster.slurm is not None:
+        return cluster
+    if not all(node.is_local for node in nodes_for_job(cluster, job)):
+        return cluster
+    try:
+        head = local_head(start=False)
+    except (PreflightError, UnreadableRecord) as err:  # a head that does not answer: start Ray
+        log.info("not using the launcher's Ray head: %s", err)
+        return cluster
+    if head is None:
+        return cluster
+    print("Using the launcher's Ray head on this machine (`launch down` stops it)", flush=True)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = head.token_file
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # another cluster's
+    ray = cluster.ray.model_copy(update={"address": f"127.0.0.1:{head.gcs_port}"})
+    return cluster.model_copy(update={"ray": ray})
 
 
 def recorded_local_head() -> LocalHead | None:

@@ -47,7 +47,7 @@ from launcher.preflight.network import choose_routes
 from launcher.results.summary import render as render_summary
 from launcher.results.summary import summarize, write_summary
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
-from launcher.util import unsafe_path
+from launcher.util import process_started, unsafe_path
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ class Launch:
 
     def execute(self) -> Outcome:
         outcome = Outcome(Status.FAILED, self.run_dir.root)
+        started = process_started()
+        if started is not None and self.session is None:  # one launch per process (not scale's)
+            self.timings["start"] = time.time() - started  # Python, imports, the spec
         try:
             with self._timed("run dir"):
                 self.run_dir.prepare(self.job, self.cluster)

@@ -239,6 +239,10 @@ class TrainSpec(Strict):
         1.0, ge=0.0, description="Clip the global gradient norm to this (0 disables clipping)."
     )
     compile: bool = Field(False, description="torch.compile the model.")
+    compile_cache: bool = Field(
+        True,
+        description="Keep compiled graphs between runs in $LAUNCHER_COMPILE_CACHE (default ~/.cache/launcher/compile; shared by every node on a shared home): loaded by every rank, written by rank 0.",
+    )
     compile_scope: Literal["auto", "block", "model"] = Field(
         "auto",
         description="What train.compile compiles as one graph: block (each block apart), model (the whole model), or auto (model in one process, block under DDP or FSDP of several).",

@@ -4,8 +4,8 @@ build_optimizer → build_data → (resume) → allocate_grads → train (train_
 ``train(job, on_step=...)`` runs it all; ``Trainer`` exposes the stages to a wrapper (a test
 harness that injects a fault at step N or dumps the final parameters).
 
-Host–device synchronisation happens only on log steps (the meter), at evaluations and at
-checkpoints.
+Host–device synchronisation happens only on log steps (the meter), after the first step, at
+evaluations and at checkpoints.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import os
 import random
 import socket
+import time
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
@@ -29,6 +30,7 @@ from launcher.spec.job import JobSpec, TrainSpec
 from launcher.train import attention, fused, parallel
 from launcher.train.checkpoint import Checkpointer, latest_checkpoint
 from launcher.train.collector import ManualCollector
+from launcher.train.compile_cache import CompileCache, open_cache
 from launcher.train.data import Batches, build_data, build_val_batches
 from launcher.train.health import NonFiniteError, stop_reason
 from launcher.train.meter import (
@@ -53,7 +55,7 @@ from launcher.train.model import (
 )
 from launcher.train.optim import MasterAdamW, MasterWeights, choose_weights, substitute_masters
 from launcher.train.profiling import StepProfiler
-from launcher.util import free_port
+from launcher.util import free_port, process_started
 
 log = logging.getLogger(__name__)
 
@@ -110,21 +112,24 @@ class Trainer:
         self.gpu: GpuMonitor | None = None
         self.data: Batches  # build_data
         self._contexts = ExitStack()  # process-wide settings held for the trainer's lifetime
+        # Seconds per start-up stage, for the meta record; "process" is Python's start and imports.
+        started = process_started()
+        self.startup_s: dict[str, float] = {
+            "process": round(time.time() - started, 3) if started else 0.0
+        }
         try:
-            self.init_distributed()
-            self.configure_runtime()
-            self.build_model()
-            self.build_optimizer()
-            self.build_data()
-            self.checkpointer = Checkpointer(
-                job.train.checkpoint,
-                rank=self.rank,
-                data=self.data,
-                elastic_batch=job.train.elastic_batch,
-            )
-            self.start_step = self.checkpointer.maybe_resume(
-                self.model, self.optimizer, self.scheduler, self.scaler
-            )
+            for name, stage in (
+                ("init_distributed", self.init_distributed),
+                ("configure_runtime", self.configure_runtime),
+                ("build_model", self.build_model),
+                ("compile_cache", self.load_compile_cache),
+                ("build_optimizer", self.build_optimizer),
+                ("build_data", self.build_data),
+                ("resume", self.resume),
+            ):
+                begun = time.perf_counter()
+                stage()
+                self.startup_s[name] = round(time.perf_counter() - begun, 3)
             self.allocate_grads()
             self.build_meter()
         except BaseException:
@@ -287,6 +292,16 @@ class Trainer:
         self.grads_in_place = job.train.cuda_graphs and job.train.grad_accum > 1
         self.trained_params = [p for p in self.model.parameters() if p.requires_grad]
 
+    def load_compile_cache(self) -> None:
+        """Hand the job's cached compiled graphs to torch before anything compiles
+        (``launcher.train.compile_cache``); they compile on the first step."""
+        self.compile_cache: CompileCache | None = None
+        if self.job.train.compile and self.job.train.compile_cache:
+            self.compile_cache = open_cache(
+                self.job, device=self.device, rank=self.rank, world_size=self.world_size
+            )
+            self.compile_cache.load()
+
     def build_optimizer(self) -> None:
         t = self.job.train
         fsdp = self.job.parallel.strategy == "fsdp"
@@ -334,6 +349,19 @@ class Trainer:
             self.val_batches = build_val_batches(
                 self.job, rank=self.rank, world_size=self.world_size, device=self.device
             )
+
+    def resume(self) -> None:
+        """Continue from the latest complete checkpoint where there is one (``start_step``)."""
+        job = self.job
+        self.checkpointer = Checkpointer(
+            job.train.checkpoint,
+            rank=self.rank,
+            data=self.data,
+            elastic_batch=job.train.elastic_batch,
+        )
+        self.start_step = self.checkpointer.maybe_resume(
+            self.model, self.optimizer, self.scheduler, self.scaler
+        )
 
     def allocate_grads(self) -> None:
         """Give every trained parameter its own gradient memory where the micro-batches are
@@ -404,6 +432,7 @@ class Trainer:
                 "restart_count": int(os.environ.get("LAUNCHER_RESTART_COUNT") or 0),
                 "peak_mem_source": "cuda_max_memory_allocated" if cuda else "host_peak_rss",
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "startup_s": self.startup_s,
             }
         )
 
@@ -575,11 +604,16 @@ class Trainer:
                 profiler.before_step(step)
                 loss = self.train_step(step)
                 profiler.after_step(step)
+                if step == self.start_step + 1:
+                    self._first_step_done(step)
                 self._after_step(step, loss, total, on_step)
         finally:
             profiler.close()
             self.collector.close()
         self.checkpointer.wait()  # the last checkpoint is complete before the run says it ended
+        # Graphs compiled after the first step (evaluation, a last shorter step) join the cache.
+        if self.compile_cache is not None:
+            self.compile_cache.save()
         self._progress(self.meter.flush())
         final = self.meter.finish()
         if self.rank == 0:
@@ -608,6 +642,22 @@ class Trainer:
         if on_step is not None:
             on_step(step)
 
+    def _first_step_done(self, step: int) -> None:
+        """Record when the first step ended (compilation included): one host sync, once."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        write_record(
+            {
+                "type": "first_step",
+                "step": step,
+                "compile": self.job.train.compile,
+                "compile_cache_loaded": bool(self.compile_cache and self.compile_cache.loaded),
+                "compile_s": _compile_times(),
+            }
+        )
+        if self.compile_cache is not None:
+            self.compile_cache.save()
+
     def _progress(self, record: dict[str, Any] | None) -> None:
         """Log a record (rank 0) and stop on a non-finite step (every rank reads the same)."""
         if record is None:
@@ -619,6 +669,7 @@ class Trainer:
         if record.get("first_nonfinite") is None:
             return
         t = self.job.train
+        self.checkpointer.wait()  # a background save holds earlier, finite steps: it counts
         reason = stop_reason(
             record,
             mode=t.on_nonfinite,
@@ -659,6 +710,29 @@ class Trainer:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+# torch.compile's phases as dynamo's own accounting names them: all of it, tracing the bytecode,
+# the backend (AOTAutograd, inductor), inductor's code generation, waiting for Triton's compiles.
+COMPILE_PHASES = {
+    "_compile.compile_inner": "total",
+    "bytecode_tracing": "dynamo",
+    "OutputGraph.call_user_compiler": "backend",
+    "fx_codegen_and_compile": "inductor_codegen",
+    "async_compile.wait": "triton_wait",
+}
+
+
+def _compile_times() -> dict[str, float]:
+    """Seconds torch.compile spent so far, by phase (``COMPILE_PHASES``; empty without)."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+    except Exception:
+        return {}
+    spent = {str(n): str(v) for n, v in zip(names, values, strict=False)}
+    return {short: round(float(spent[n]), 3) for n, short in COMPILE_PHASES.items() if n in spent}
 
 
 def _cpu_name() -> str:

@@ -458,3 +458,22 @@ def test_ctrl_c_while_the_head_starts_leaves_no_head_behind(tmp_path):
             proc.kill()
             proc.wait()
         kill(head_processes())
+
+
+def test_a_foreground_run_attaches_to_the_running_head(jobs, tmp_path):
+    """``launch up`` finds the module's head running; a foreground run on this machine uses it
+    instead of starting Ray, and leaves it running."""
+    up = jobs.run("up")
+    assert up.returncode == 0 and "runs on this machine" in up.stdout, up.stdout + up.stderr
+    pid = up.stdout.split("pid ")[1].split(")")[0]
+    run_dir = tmp_path / "foreground"
+    run = jobs.run(
+        "run", str(ROOT / "jobs/quickstart.yaml"), *QUICK, "--run-dir", str(run_dir), timeout=300
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Using the launcher's Ray head on this machine" in run.stdout
+    assert "Starting an embedded Ray" not in run.stdout + run.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["launcher_timings_s"]["ray"] >= 0
+    again = jobs.run("up")
+    assert again.returncode == 0 and f"pid {pid})" in again.stdout

@@ -544,7 +544,11 @@ def test_quickstart_runs_as_one_process_without_torchrun(base: Path):
         )
     )
     assert "world 1" in run.output and "step 4/4" in run.output and "done: 4 steps" in run.output
-    assert [r["type"] for r in run.records()] == ["meta", "step", "step", "step", "final"]
+    records = run.records()
+    assert [r["type"] for r in records] == ["meta", "first_step", "step", "step", "step", "final"]
+    meta, first = records[0], records[1]
+    assert set(meta["startup_s"]) >= {"process", "init_distributed", "build_model", "resume"}
+    assert first["step"] == 1 and first["time"] >= meta["time"]
 
 
 def test_the_host_bound_benchmark_reports_issue_and_synced_time_per_rank(base: Path):

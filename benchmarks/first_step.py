@@ -1,0 +1,143 @@
+"""Time from the command to the first optimizer step, per stage, in several cache states.
+
+    python benchmarks/first_step.py [--job jobs/gpt.yaml] [--scenarios cold,before,warm,node,head]
+                                    [--set KEY=VALUE ...] [--out DIR]
+
+Each scenario runs ``launch JOB --set train.steps=N`` once and reads the stages from what the
+run recorded: the launcher's own (``summary.json`` ``launcher_timings_s``: Python and imports,
+run dir, preflight, Ray, agents), the gap to the worker's start (torchrun), the worker's
+(``meta.startup_s``: imports, process group, model, compile cache, optimizer, data, resume) and
+the first step (``first_step``: compilation included, with torch.compile's phases). Scenarios:
+
+  cold    fresh inductor, Triton and launcher compile caches; Ray started for the run
+  before  as the launcher ran before the compile cache and head reuse: inductor's on-disk cache
+          warm, ``train.compile_cache: false``, Ray started for the run
+  warm    inductor's and the launcher's caches warm, Ray started for the run
+  node    a new node of the job: fresh inductor and Triton caches, the launcher's compile cache
+          (a shared folder) filled; Ray started for the run
+  head    warm caches, ``launch up`` beforehand: the run attaches to the running head
+
+Writes ``first_step.json`` in --out and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER_STAGES = ("start", "run dir", "preflight", "ray", "agents")
+
+
+def run_once(job: str, run_dir: Path, env: dict[str, str], overrides: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "launcher", "run", job, "--run-dir", str(run_dir)]
+    for item in overrides:
+        cmd += ["--set", item]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.time() - t0
+    (run_dir.parent / f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}", "wall_s": wall}
+    return stages(run_dir, t0) | {"wall_s": round(wall, 2)}
+
+
+def stages(run_dir: Path, t0: float) -> dict[str, Any]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [
+        json.loads(line) for line in (run_dir / "metrics/rank0.jsonl").read_text().splitlines()
+    ]
+    meta = next(r for r in records if r["type"] == "meta")
+    first = next(r for r in records if r["type"] == "first_step")
+    timings = summary.get("launcher_timings_s", {})
+    out: dict[str, Any] = {f"launcher {k}": timings.get(k) for k in LAUNCHER_STAGES}
+    launcher_s = sum(v or 0.0 for v in out.values())
+    startup = dict(meta["startup_s"])
+    worker_started = meta["time"] - sum(startup.values())  # the worker process's own start
+    out["torchrun start"] = round(worker_started - t0 - launcher_s, 2)
+    for name, seconds in startup.items():
+        out[f"worker {'imports' if name == 'process' else name}"] = seconds
+    out["first step"] = round(first["time"] - meta["time"], 2)
+    out["to first step"] = round(first["time"] - t0, 2)
+    out["compile phases"] = first.get("compile_s")
+    out["compile cache loaded"] = first.get("compile_cache_loaded")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--job", default=str(ROOT / "jobs/gpt.yaml"))
+    p.add_argument("--scenarios", default="cold,before,warm,node,head")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--out", type=Path, default=Path(f"runs/first-step-{int(time.time())}"))
+    args = p.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    shared = out / "launcher-compile-cache"
+    caches = {"n": 0}
+
+    def fresh_node_caches() -> dict[str, str]:
+        caches["n"] += 1
+        base = out / f"node{caches['n']}"
+        return {
+            "TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"),
+            "TRITON_CACHE_DIR": str(base / "triton"),
+        }
+
+    node_env = fresh_node_caches()
+    base_env = {**os.environ, "LAUNCHER_COMPILE_CACHE": str(shared), "RAY_USAGE_STATS_ENABLED": "0"}
+    overrides = [f"train.steps={args.steps}", *args.overrides]
+    results: dict[str, Any] = {}
+    head_up = False
+    try:
+        for name in args.scenarios.split(","):
+            env = {**base_env, **node_env}
+            extra: list[str] = []
+            if name == "before":
+                extra = ["train.compile_cache=false"]
+            elif name == "node":
+                env = {**base_env, **fresh_node_caches()}
+            elif name == "head" and not head_up:
+                subprocess.run([sys.executable, "-m", "launcher", "up"], env=base_env, check=True)
+                head_up = True
+            elif name not in ("cold", "warm", "head"):
+                raise SystemExit(f"unknown scenario {name!r}")
+            results[name] = run_once(args.job, out / name, env, overrides + extra)
+            print(name, json.dumps(results[name]), flush=True)
+            (out / "first_step.json").write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        if head_up:
+            subprocess.run([sys.executable, "-m", "launcher", "down", "--yes"], env=base_env)
+    print_table(results)
+
+
+def print_table(results: dict[str, Any]) -> None:
+    rows = list(
+        dict.fromkeys(
+            k
+            for r in results.values()
+            for k, v in r.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        )
+    )
+    names = list(results)
+    print(f"{'stage (s)':28}" + "".join(f"{n:>10}" for n in names))
+    for row in rows:
+        cells = []
+        for n in names:
+            v = results[n].get(row)
+            cells.append(f"{v:10.2f}" if isinstance(v, (int, float)) else f"{'-':>10}")
+        print(f"{row:28}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()
