@@ -58,6 +58,12 @@ class JobFailed(LauncherError):
     exit_code = EXIT_JOB_FAILED
 
 
+class NonFiniteError(JobFailed):
+    """The built-in trainer stopped on a non-finite loss or gradient norm
+    (``train.on_nonfinite``): the message names the step, what went non-finite and the last
+    complete checkpoint. Raised in every worker; the launcher does not restart the run."""
+
+
 class Interrupted(LauncherError):
     """SIGINT or SIGTERM stopped the launch (exit 130)."""
 

@@ -7,6 +7,7 @@ import re
 import signal
 from typing import Protocol
 
+from launcher.errors import NonFiniteError
 from launcher.orchestrate.plan import NodePlan
 from launcher.orchestrate.records import ExitStatus, Failure, FailureKind, RankError
 from launcher.util import first_line
@@ -56,8 +57,9 @@ def rank_failure(agents: Tails, i: int, node: NodePlan, status: ExitStatus) -> F
     if first is not None and first.traceback and not any("Traceback" in line for line in tail):
         tail = first.traceback.rstrip("\n").splitlines()[-TAIL_LINES:]
     who = f"rank {rank if rank is not None else '?'} on node {node.name} ({node.host})"
+    diverged = first is not None and first.message.startswith(f"{NonFiniteError.__name__}: ")
     return Failure(
-        kind=FailureKind.RANK,
+        kind=FailureKind.NONFINITE if diverged else FailureKind.RANK,
         reason=f"{who} {how}",
         rank=rank,
         node=node.name,

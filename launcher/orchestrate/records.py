@@ -57,6 +57,7 @@ class AgentUpdate:
 
 class FailureKind(str, enum.Enum):
     RANK = "rank"  # a worker exited non-zero or was killed
+    NONFINITE = "nonfinite"  # the built-in trainer stopped on a non-finite loss or gradient norm
     LOST_NODE = "lost_node"  # a node's agent stopped answering
     HANG = "hang"  # a rank wrote no record for launch.hang_timeout_s
     LAUNCHER = "launcher"  # the launch itself failed (placement, Ray)
@@ -77,7 +78,8 @@ class Failure:
 
     @property
     def restartable(self) -> bool:
-        """A failed rank may be restarted (``launch.max_restarts``); a lost node or a hang stop the job."""
+        """A failed rank may be restarted (``launch.max_restarts``); a lost node or a hang stop the
+        job, and so does a non-finite step (a restart would train the same steps again)."""
         return self.kind is FailureKind.RANK
 
     def to_json(self) -> dict[str, Any]:

@@ -178,7 +178,8 @@ class Launch:
             if failure is None:
                 return Outcome(Status.SUCCEEDED, self.run_dir.root)
             if attempt >= self.job.launch.max_restarts or not (
-                failure.restartable or self.job.elastic
+                failure.restartable
+                or (self.job.elastic and failure.kind is not FailureKind.NONFINITE)
             ):
                 return self._failed(failure)
             attempt += 1

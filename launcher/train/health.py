@@ -2,7 +2,8 @@
 
 Each step leaves its loss and gradient norm on the device; the meter copies a log interval's
 to the host with its record (``read_interval``), and ``stop_reason`` says whether the run
-stops. Why this costs no host sync per step: docs/trainer.md#training-health.
+stops (the trainer raises ``launcher.errors.NonFiniteError``). Why no host sync per step:
+docs/trainer.md#training-health-and-evaluation.
 """
 
 from __future__ import annotations
@@ -12,11 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-class NonFiniteError(RuntimeError):
-    """The run stops on a non-finite loss or gradient norm (``train.on_nonfinite``); the
-    message names the step, what went non-finite and the last complete checkpoint."""
 
 
 def read_interval(

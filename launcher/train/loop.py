@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from launcher.errors import NonFiniteError
 from launcher.metrics import write_record
 from launcher.spec.job import JobSpec, TrainSpec
 from launcher.train import attention, fused, parallel
@@ -32,7 +33,7 @@ from launcher.train.checkpoint import Checkpointer, latest_checkpoint
 from launcher.train.collector import ManualCollector
 from launcher.train.compile_cache import CompileCache, open_cache
 from launcher.train.data import Batches, build_data, build_val_batches
-from launcher.train.health import NonFiniteError, stop_reason
+from launcher.train.health import stop_reason
 from launcher.train.meter import (
     CudaTimer,
     GpuMonitor,

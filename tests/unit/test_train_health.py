@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from launcher.errors import NonFiniteError
 from launcher.metrics import read_records
 from launcher.spec.job import JobSpec
 from launcher.train.checkpoint import latest_checkpoint, step_dir
-from launcher.train.health import NonFiniteError, read_interval, stop_reason
+from launcher.train.health import read_interval, stop_reason
 
 
 def job(arch: str = "gpt", **train) -> JobSpec:

@@ -184,6 +184,16 @@ def test_the_structured_error_file_names_the_rank_and_its_exception():
     )  # the traceback, as the rank's lines hold none
 
 
+def test_a_non_finite_stop_is_its_own_kind_and_is_not_restarted():
+    """The built-in trainer's NonFiniteError: a restart from the last checkpoint would train the
+    same steps into the same NaN, so launch.max_restarts does not apply."""
+    error = RankError(local_rank=0, message="NonFiniteError: non-finite at step 5: the loss is nan")
+    agents = FakeAgents([{0: AgentUpdate(exit=ExitStatus(1))}], errors={0: [error]})
+    failure, _ = watch(agents)
+    assert failure.kind is FailureKind.NONFINITE and not failure.restartable
+    assert failure.reason.endswith("raised NonFiniteError: non-finite at step 5: the loss is nan")
+
+
 def torchrun_report(failures: list[tuple[str, int, int]], root: tuple[str, int, int]) -> list[str]:
     """torchrun's failure report: (time, rank, exit code) of the other failures and the root cause."""
 
