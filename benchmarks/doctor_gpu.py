@@ -3,7 +3,7 @@
     python benchmarks/doctor_gpu.py [--job jobs/gpt.yaml] [--repeat 3] [--out runs/doctor-gpu]
 
 Runs the job on one GPU through `launch`, alternating telemetry off (``LAUNCHER_TELEMETRY_S=0``)
-and on (the default 5 s), ``--repeat`` times each; prints each run's tokens/s from its
+and on (the default 5 s, or ``--on-every``), ``--repeat`` times each; prints each run's tokens/s from its
 summary.json, the median ratio on/off (the overhead; the target is under 0.5%), and `launch
 doctor` on the last run with telemetry. Needs a CUDA GPU and nvidia-ml-py (the gpu extra).
 """
@@ -45,12 +45,15 @@ def main() -> None:
     parser.add_argument("--job", default="jobs/gpt.yaml")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--on-every", default="5", help="seconds between samples with telemetry on (default 5)"
+    )
     parser.add_argument("--out", type=Path, default=Path(f"runs/doctor-gpu-{int(time.time())}"))
     args = parser.parse_args()
     rates: dict[str, list[float]] = {"off": [], "on": []}
     last_on = None
     for i in range(args.repeat):
-        for name, every in (("off", "0"), ("on", "5")):
+        for name, every in (("off", "0"), ("on", args.on_every)):
             run_dir = args.out / f"{name}-{i}"
             rate = launch(args.job, run_dir, every, args.steps)
             rates[name].append(rate)
