@@ -349,3 +349,23 @@ def test_records_beyond_the_backlog_are_left_out_with_one_warning(tmp_path, monk
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1, 2]
     assert caplog.text.count("fall behind") == 1
+
+
+@pytest.mark.parametrize("command", ["plan", "run", "submit"])
+def test_launch_plan_run_and_submit_refuse_a_missing_package_with_exit_2(
+    tmp_path, monkeypatch, capsys, command
+):
+    from launcher import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
+    job = write_job(tmp_path, {"tensorboard": True})
+    run_dir = [] if command == "plan" else ["--run-dir", str(tmp_path / "run")]
+    assert cli.main([command, str(job), *run_dir]) == 2
+    err = capsys.readouterr().err
+    assert "report.tensorboard" in err and "pip install -e '.[tensorboard]'" in err
+    assert not (tmp_path / "run").exists()
