@@ -490,9 +490,10 @@ def write_npy(path: Path, ids: torch.Tensor) -> None:
     )
 
 
-def test_gpt_on_a_token_file_sharded_by_rank(base: Path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_gpt_on_a_token_file_sharded_by_rank(base: Path, strategy: str):
     """GPT reading a .npy token file (structured ids from the synthetic generator), its last
-    10% held out for evaluations."""
+    10% held out for evaluations, under DDP and FSDP."""
     from launcher.train.data import SyntheticBatches
 
     gen = SyntheticBatches(
@@ -508,17 +509,18 @@ def test_gpt_on_a_token_file_sharded_by_rank(base: Path):
         device=torch.device("cpu"),
     )
     write_npy(base / "tokens.npy", gen.batch(1)["input_ids"].reshape(-1))
-    job = base / "gpt.yaml"
+    job = base / f"gpt-{strategy}.yaml"
     job.write_text(
         "name: gpt-tokens\n"
         "model: {arch: gpt, size: tiny, vocab_size: 1024}\n"
         f"data: {{source: tokens, path: {base / 'tokens.npy'}, seq_len: 32, val_fraction: 0.1}}\n"
         "train: {steps: 30, warmup_steps: 2, micro_batch: 4, lr: 3.0e-3, log_every: 5,\n"
         "        eval_every: 10, eval_steps: 2}\n"
+        f"parallel: {{strategy: {strategy}}}\n"
         "precision: {dtype: fp32}\ncudnn: {benchmark: false}\n"
         "resources: {nodes: all, nproc_per_node: 2, device: cpu}\n"
     )
-    run = ok(launch(base / "gpt", ["--job", str(job)], module=True))
+    run = ok(launch(base / f"gpt-{strategy}", ["--job", str(job)], module=True))
     assert_loss_falls(run, by=1.0)
     assert run.records(1, "meta")[0]["arch"] == "gpt"
     evals = [r["eval_loss"] for r in run.records(0, "step") if r["eval_loss"] is not None]
