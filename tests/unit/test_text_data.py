@@ -282,6 +282,17 @@ def test_launch_tokenize_fills_the_cache_and_prints_where(tmp_path, assets, caps
     assert cli_main(["tokenize", str(file)]) == 2
 
 
+def test_launch_tokenize_fills_the_held_out_texts_cache_too(tmp_path, assets, capsys):
+    held_out = tmp_path / "val.txt"
+    held_out.write_text("One held-out paragraph.\n\nAnd another, a little longer than it.\n" * 20)
+    j = job(tmp_path, assets, val_path=str(held_out))
+    assert cli_main(["tokenize", str(tmp_path / "job.yaml")]) == 0
+    out = capsys.readouterr().out
+    for data in (j.data, j.data.model_copy(update={"path": held_out})):
+        bin_path, meta_path = text.cache_paths(data, "bert")
+        assert meta_path.is_file() and f"{bin_path}: " in out
+
+
 def test_text_goes_on_at_the_next_sample_after_a_restart_at_another_world_size(tmp_path, assets):
     """BERT on text: 2 ranks x grad_accum 2 for 3 steps, then 1 rank x grad_accum 4 resumed
     after step 3: every step's samples (words and masks) are an uninterrupted 1-rank run's."""
