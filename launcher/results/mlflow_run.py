@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from launcher.results.scalars import JOB, Point
+from launcher.results.scalars import JOB, RESTART, Point
 from launcher.util import first_line, mask_urls
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,8 @@ class MlflowRun:
     def write(self, points: Iterable[Point]) -> None:
         """Take points and send what is waiting."""
         for p in points:
+            if p.key == RESTART:  # MLflow keeps every value of a step
+                continue
             key = p.key if p.series == JOB else f"{p.series}/{p.key}"
             self._metrics.append(
                 {

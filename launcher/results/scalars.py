@@ -8,11 +8,13 @@ derived from it: tokens_per_s, samples_per_s, step_time_ms, data_wait_pct, tflop
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from statistics import median
 from typing import Any, NamedTuple
 
 JOB = "job"
+RESTART = ""  # the key of a point that marks where a restarted attempt's series go on
 PENDING_STEPS = 256  # job steps waiting for their last ranks (a dead rank never completes one)
 # Fields that count, name or place a record rather than measure the run.
 BOOKKEEPING = frozenset(
@@ -24,7 +26,10 @@ HIGHEST = frozenset({"step_time_ms", "peak_mem_gib"})
 
 
 class Point(NamedTuple):
-    """One value of one series: ``series`` is ``job``, ``rank<R>`` or ``gpu/<node>/<index>``."""
+    """One value of one series: ``series`` is ``job``, ``rank<R>`` or ``gpu/<node>/<index>``.
+
+    A point whose key is ``RESTART`` carries no value: the series goes on from ``step`` after
+    a restart, and what an earlier attempt recorded from there on is stale."""
 
     series: str
     key: str
@@ -42,10 +47,14 @@ class Scalars:
         self._last: dict[int, tuple[int, float]] = {}  # rank → (step, time) of its last record
         self._pending: OrderedDict[int, dict[int, tuple[float, dict[str, float]]]] = OrderedDict()
         self.step = 0  # the latest step any rank reported: the x of telemetry samples
+        self._attempts = 0
+        self._restarted: set[str] = set()  # the series marked in this attempt
 
     def attempt(self, world_size: int) -> None:
         """A new attempt on ``world_size`` ranks: rates start afresh, steps may go back."""
         self.world_size = world_size
+        self._attempts += 1
+        self._restarted.clear()
         self._meta.clear()
         self._last.clear()
         self._pending.clear()
@@ -55,7 +64,7 @@ class Scalars:
         kind = record.get("type")
         if kind == "meta":
             self._meta[rank] = record
-            return []
+            return self._restart(rank, record)
         step = record.get("step")
         if kind == "final" or not isinstance(step, int) or isinstance(step, bool):
             return []
@@ -67,6 +76,17 @@ class Scalars:
             return []
         points = [Point(f"rank{rank}", k, step, v, when) for k, v in values.items()]
         return points + self._job(rank, step, when, values)
+
+    def _restart(self, rank: int, meta: dict[str, Any]) -> list[Point]:
+        """After a restart, the built-in trainer's ``meta`` says the step it resumed from: its
+        rank's series and the job's go on from the next one."""
+        start = meta.get("start_step")
+        if self._attempts < 2 or not isinstance(start, int) or isinstance(start, bool):
+            return []
+        when = _number(meta.get("time")) or 0.0
+        marks = [s for s in (f"rank{rank}", JOB) if s not in self._restarted]
+        self._restarted.update(marks)
+        return [Point(s, RESTART, start + 1, math.nan, when) for s in marks]
 
     def telemetry(self, node: str, sample: dict[str, Any]) -> list[Point]:
         """One GPU sample (``launcher.telemetry``) as points at the latest step."""

@@ -2,7 +2,8 @@
 folder (a TensorBoard run) per series, so each chart overlays the job and its ranks.
 
 Written with the ``tensorboard`` package's protobufs and record framing (the tensorboard
-extra), appended in batches without a writer thread per file.
+extra), appended in batches without a writer thread per file. A restart is a SessionLog START
+event at the step the series goes on from.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from launcher.results.scalars import Point
+from launcher.results.scalars import RESTART, Point
 
 SUBDIR = "tensorboard"
 
@@ -27,11 +28,8 @@ class EventFiles:
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         self.root = root
-        self._event, self._summary, self._records = (
-            event_pb2.Event,
-            summary_pb2.Summary,
-            RecordWriter,
-        )
+        self._event, self._session = event_pb2.Event, event_pb2.SessionLog
+        self._summary, self._records = summary_pb2.Summary, RecordWriter
         self._files: dict[str, Path] = {}
         self._suffix = f"{socket.gethostname()}.{os.getpid()}"
 
@@ -44,11 +42,20 @@ class EventFiles:
             with open(self._file(series), "ab") as fh:
                 out = self._records(fh)
                 for (step, when), group in events.items():
-                    values = [self._summary.Value(tag=p.key, simple_value=p.value) for p in group]
-                    event = self._event(
-                        wall_time=when, step=step, summary=self._summary(value=values)
-                    )
-                    out.write(event.SerializeToString())
+                    if any(p.key == RESTART for p in group):  # TensorBoard drops steps >= step
+                        start = self._session(status=self._session.START)
+                        restart = self._event(wall_time=when, step=step, session_log=start)
+                        out.write(restart.SerializeToString())
+                    values = [
+                        self._summary.Value(tag=p.key, simple_value=p.value)
+                        for p in group
+                        if p.key != RESTART
+                    ]
+                    if values:
+                        event = self._event(
+                            wall_time=when, step=step, summary=self._summary(value=values)
+                        )
+                        out.write(event.SerializeToString())
 
     def close(self, status: str) -> None:
         """Nothing stays open between writes."""

@@ -369,3 +369,38 @@ def test_launch_plan_run_and_submit_refuse_a_missing_package_with_exit_2(
     err = capsys.readouterr().err
     assert "report.tensorboard" in err and "pip install -e '.[tensorboard]'" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_restart_replaces_the_steps_the_earlier_attempt_recorded_past_its_checkpoint(
+    tmp_path,
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from launcher.results.scalars import RESTART
+    from launcher.results.tensorboard_files import EventFiles
+
+    s = Scalars()
+    s.attempt(1)
+    points = s.record(0, {"type": "meta", "start_step": 0, "time": 1.0})
+    assert points == [], "a first attempt marks nothing"
+    for step, loss in ((5, 5.0), (10, 4.0), (15, 3.0)):
+        points += s.record(0, {"type": "step", "step": step, "time": 1.0 + step, "loss": loss})
+    s.attempt(1)  # the node was lost after step 15; the checkpoint is step 10's
+    marks = s.record(0, {"type": "meta", "start_step": 10, "time": 30.0})
+    assert {(p.series, p.key, p.step) for p in marks} == {
+        ("rank0", RESTART, 11),
+        ("job", RESTART, 11),
+    }
+    points += marks
+    points += s.record(0, {"type": "step", "step": 15, "time": 40.0, "loss": 2.5})
+    files = EventFiles(tmp_path)
+    files.write(points)
+    for series in ("rank0", "job"):
+        acc = EventAccumulator(str(tmp_path / series))
+        acc.Reload()
+        assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(5, 5.0), (10, 4.0), (15, 2.5)]
+    store = FakeStore()
+    run = MlflowRun("http://h:1", experiment="e", run_name="r", params={}, tags={}, store=store)
+    run.write(points)
+    assert RESTART not in {m["key"] for m in store.metrics}
+    assert [m["step"] for m in store.metrics if m["key"] == "loss"] == [5, 10, 15, 15]
