@@ -7,6 +7,7 @@ host memory, written by a thread, and marked complete only once every rank's par
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pickle
@@ -235,7 +236,7 @@ class Checkpointer:
         if distributed and self._group is None:
             self._group = dist.new_group(backend="gloo")
         if self._stager is None:
-            self._stager = _host_stager()
+            self._stager = HostCopy() if _plain_tensors(state) else _dcp_stager()
         kwargs: dict[str, Any] = {"checkpoint_id": str(path)}
         if distributed:
             kwargs["process_group"] = self._group
@@ -417,9 +418,57 @@ def _cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _host_stager() -> Any:
-    """DCP's stager into pinned host memory kept between saves (copies made on a side stream),
-    or None where this torch has none (its own default stages to host memory per save)."""
+class HostCopy:
+    """DCP's stager protocol for plain tensors: each tensor copied into a host buffer kept
+    between saves (pinned for GPU tensors, copied asynchronously, then one sync); everything
+    else copied with ``copy.deepcopy``. DCP's own stager of torch 2.11 fails on some Python
+    objects (``KeyError: <class 'type'>``)."""
+
+    should_synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def stage(self, state: Any) -> Any:
+        copied = self._copy(state, ())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
+        return copied
+
+    def _copy(self, obj: Any, path: tuple) -> Any:
+        if isinstance(obj, torch.Tensor):
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                pin = obj.is_cuda
+                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=pin)
+                self._buffers[path] = buf
+            buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
+            return buf
+        if isinstance(obj, dict):
+            return {k: self._copy(v, (*path, k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(v, (*path, i)) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+
+def _plain_tensors(state: Any) -> bool:
+    """Whether every tensor in ``state`` is a plain one (no DTensor shard of FSDP)."""
+    if isinstance(state, dict):
+        return all(_plain_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_plain_tensors(v) for v in state)
+    return not isinstance(state, torch.Tensor) or type(state) in (torch.Tensor, nn.Parameter)
+
+
+def _dcp_stager() -> Any:
+    """DCP's stager into pinned host memory kept between saves, for sharded (DTensor) state;
+    None where this torch has none (its own default stages to host memory per save)."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:

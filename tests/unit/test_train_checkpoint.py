@@ -555,3 +555,26 @@ def test_a_failed_background_save_leaves_the_last_complete_checkpoint_loadable(
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, saved[name]), name
     ckpt.close()
+
+
+def test_the_host_copy_reuses_its_buffers_and_copies_any_python_object():
+    """torch 2.11's own stager failed on a plain object in the state (KeyError: <class 'type'>);
+    HostCopy deep-copies such leaves and copies tensors into buffers kept between saves."""
+    import dataclasses
+
+    from launcher.train.checkpoint import HostCopy
+
+    @dataclasses.dataclass
+    class Leaf:
+        a: int
+
+    weight = torch.randn(3)
+    state = {"model": {"w": weight}, "other": [Leaf(1), (torch.ones(2), b"x")]}
+    stager = HostCopy()
+    first = stager.stage(state)
+    assert torch.equal(first["model"]["w"], weight) and first["model"]["w"] is not weight
+    assert first["other"][0] == Leaf(1) and first["other"][0] is not state["other"][0]
+    weight.add_(1.0)  # training goes on; the next save copies into the same buffer
+    second = stager.stage(state)
+    assert second["model"]["w"] is first["model"]["w"] and torch.equal(second["model"]["w"], weight)
+    stager.close()
