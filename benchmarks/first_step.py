@@ -5,7 +5,8 @@
 
 Each scenario runs ``launch JOB --set train.steps=N`` once and reads the stages from what the
 run recorded: the launcher's own (``summary.json`` ``launcher_timings_s``: Python and imports,
-run dir, preflight, Ray, agents), the gap to the worker's start (torchrun), the worker's
+run dir, preflight, Ray (side by side on one machine: ``preflight+ray`` is their wall), agents),
+the gap to the worker's start (torchrun), the worker's
 (``meta.startup_s``: imports, process group, model, compile cache, optimizer, data, resume) and
 the first step (``first_step``: compilation included, with torch.compile's phases). Scenarios:
 
@@ -16,6 +17,8 @@ the first step (``first_step``: compilation included, with torch.compile's phase
   node    a new node of the job: fresh inductor and Triton caches, the launcher's compile cache
           (a shared folder) filled; Ray started for the run
   head    warm caches, ``launch up`` beforehand: the run attaches to the running head
+  attach  warm caches, a Ray head started beforehand (``ray start --head``; where the launcher's
+          own head cannot run, e.g. without Ray's dashboard packages): the run attaches to it
 
 Writes ``first_step.json`` in --out and prints one table.
 """
@@ -35,8 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_STAGES = ("start", "run dir", "preflight", "ray", "agents")
 
 
-def run_once(job: str, run_dir: Path, env: dict[str, str], overrides: list[str]) -> dict[str, Any]:
+def run_once(
+    job: str, run_dir: Path, env: dict[str, str], overrides: list[str], cluster: Path | None = None
+) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "launcher", "run", job, "--run-dir", str(run_dir)]
+    if cluster is not None:
+        cmd += ["--cluster", str(cluster)]
     for item in overrides:
         cmd += ["--set", item]
     t0 = time.time()
@@ -58,6 +65,9 @@ def stages(run_dir: Path, t0: float) -> dict[str, Any]:
     timings = summary.get("launcher_timings_s", {})
     out: dict[str, Any] = {f"launcher {k}": timings.get(k) for k in LAUNCHER_STAGES}
     launcher_s = sum(v or 0.0 for v in out.values())
+    if "preflight+ray" in timings:  # run side by side: their overlap counts once
+        out["launcher preflight+ray"] = timings["preflight+ray"]
+        launcher_s += timings["preflight+ray"] - timings["preflight"] - timings["ray"]
     startup = dict(meta["startup_s"])
     worker_started = meta["time"] - sum(startup.values())  # the worker process's own start
     out["torchrun start"] = round(worker_started - t0 - launcher_s, 2)
@@ -98,10 +108,20 @@ def main() -> None:
     overrides = [f"train.steps={args.steps}", *args.overrides]
     results: dict[str, Any] = {}
     head_up = False
+    ray_head: subprocess.Popen | None = None
     try:
         for name in args.scenarios.split(","):
             env = {**base_env, **node_env}
             extra: list[str] = []
+            cluster = None
+            if name == "attach":
+                cluster = out / "attach-cluster.yaml"
+                if ray_head is None:
+                    ray_head, port = start_ray_head(out, env)
+                    cluster.write_text(
+                        "nodes: [{name: local, host: localhost}]\n"
+                        f"ray: {{address: '127.0.0.1:{port}'}}\n"
+                    )
             if name == "before":
                 extra = ["train.compile_cache=false"]
             elif name == "node":
@@ -109,15 +129,55 @@ def main() -> None:
             elif name == "head" and not head_up:
                 subprocess.run([sys.executable, "-m", "launcher", "up"], env=base_env, check=True)
                 head_up = True
-            elif name not in ("cold", "warm", "head"):
+            elif name not in ("cold", "warm", "head", "attach"):
                 raise SystemExit(f"unknown scenario {name!r}")
-            results[name] = run_once(args.job, out / name, env, overrides + extra)
+            results[name] = run_once(args.job, out / name, env, overrides + extra, cluster)
             print(name, json.dumps(results[name]), flush=True)
             (out / "first_step.json").write_text(json.dumps(results, indent=2) + "\n")
     finally:
+        if ray_head is not None:  # `ray start --block` stops what it started on SIGTERM
+            ray_head.terminate()
+            ray_head.wait(timeout=60)
         if head_up:
             subprocess.run([sys.executable, "-m", "launcher", "down", "--yes"], env=base_env)
     print_table(results)
+
+
+def start_ray_head(out: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    """``ray start --head --block`` on a free port, waited for until it answers."""
+    from launcher.util import free_port
+
+    port = free_port()
+    log = open(out / "ray-head.log", "wb")  # noqa: SIM115 - open for the head's lifetime
+    env = {**env, "RAY_AUTH_MODE": "token"}
+    head = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--block",
+            "--port",
+            str(port),
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 120
+    probe = [
+        sys.executable,
+        "-c",
+        f"import ray; ray.init(address='127.0.0.1:{port}'); ray.shutdown()",
+    ]
+    while subprocess.run(probe, env=env, capture_output=True).returncode:
+        if head.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"ray start --head failed; see {out / 'ray-head.log'}")
+        time.sleep(1)
+    return head, port
 
 
 def print_table(results: dict[str, Any]) -> None:
