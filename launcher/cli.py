@@ -86,17 +86,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
 def _run(args: argparse.Namespace) -> int:
     with console.reader_may_go() if args.command in WORKING_COMMANDS else contextlib.nullcontext():
         setup_logging(args.debug)  # its handler writes to the sys.stderr of this moment
-        signals.install()
-        try:
-            return int(args.func(args) or 0)
-        except LauncherError as err:
-            if args.debug:
-                log.exception("%s", type(err).__name__)
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            return err.exit_code
-        except KeyboardInterrupt:
-            print("error: interrupted", file=sys.stderr, flush=True)
-            return EXIT_INTERRUPTED
+        with signals.installed():
+            try:
+                return int(args.func(args) or 0)
+            except LauncherError as err:
+                if args.debug:
+                    log.exception("%s", type(err).__name__)
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                return err.exit_code
+            except KeyboardInterrupt:
+                print("error: interrupted", file=sys.stderr, flush=True)
+                return EXIT_INTERRUPTED
 
 
 # -- commands -------------------------------------------------------------------------------

@@ -27,6 +27,23 @@ def install() -> None:
         sys.unraisablehook = _unraisable
 
 
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """:func:`install` for the block; the handlers and hook found before are put back after it
+    (``launcher.cli.main`` called in a process that goes on: a test, a notebook)."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    hook = sys.unraisablehook
+    install()
+    try:
+        yield
+    finally:
+        global _pending
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        sys.unraisablehook = hook
+        _pending = None
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     global _pending
     _pending = signum

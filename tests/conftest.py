@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from netns import NetnsCluster, missing_requirements  # noqa: E402
+from netns import raise_system_exit as netns_sigterm_handler  # noqa: E402
 
 ClusterFactory = Callable[..., NetnsCluster]
 
@@ -98,6 +100,7 @@ def one_process_trainer_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 # -- tiers: a test that starts a process says so with a marker -----------------------------------
 
 PROCESS_MARKERS = ("processes", "ray", "netns", "gpu")
+NETNS_FIXTURES = {"netns_cluster", "netns_cluster_module"}  # a test that uses one is marked netns
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -108,6 +111,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.processes)
+        if NETNS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.netns)
         group = "netns" if item.get_closest_marker("netns") else item.path.name
         item.add_marker(pytest.mark.xdist_group(group))
 
@@ -188,3 +193,75 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 red=True,
             )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- no global state left behind: environment, signal handlers, inductor's config ----------------
+
+GUARDED_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGPIPE,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)  # SIGALRM is pytest-timeout's during each test
+
+
+def _inductor_config() -> dict[str, object] | None:
+    """Inductor's settings where a test has imported it (importing it here costs seconds)."""
+    config = sys.modules.get("torch._inductor.config")
+    return None if config is None else config.get_config_copy()  # type: ignore[attr-defined]
+
+
+# What libraries set in os.environ once per process, and need there afterwards: not a test's doing.
+SET_BY_LIBRARIES = {
+    "RAY_CLIENT_MODE",  # importing ray (ray/_private/client_mode_hook.py)
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",  # inductor's first CPU compile (codecache.py)
+    "TORCHINDUCTOR_CACHE_DIR",  # inductor's cache folder, once chosen (cache_dir_utils.py)
+}
+
+
+def _environment() -> dict[str, str]:
+    """This process's environment but the variable pytest sets for each phase of a test and
+    what libraries set."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k != "PYTEST_CURRENT_TEST" and k not in SET_BY_LIBRARIES
+    }
+
+
+@pytest.fixture(autouse=True)
+def _no_global_state_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that changes this process's environment, signal handlers or inductor's config
+    and leaves it so fails, naming what it changed; the state is put back for the next test.
+    The netns helper's SIGTERM handler (teardown on SIGTERM) is meant to stay."""
+    env = _environment()
+    handlers = {s: signal.getsignal(s) for s in GUARDED_SIGNALS}
+    inductor = _inductor_config()
+    yield
+    changed = []
+    now = _environment()
+    if now != env:
+        keys = sorted(k for k in env.keys() | now.keys() if env.get(k) != now.get(k))
+        changed.append(f"environment variables {', '.join(keys)}")
+        for key in keys:
+            if key in env:
+                os.environ[key] = env[key]
+            else:
+                del os.environ[key]
+    for s, handler in handlers.items():
+        current = signal.getsignal(s)
+        if current is not handler and current is not netns_sigterm_handler:
+            changed.append(f"the {signal.Signals(s).name} handler")
+            signal.signal(s, handler)  # type: ignore[arg-type]
+    after = _inductor_config()
+    if inductor is not None and after is not None and after != inductor:
+        keys = sorted(k for k in inductor if after.get(k) != inductor.get(k))
+        changed.append(f"inductor's config ({', '.join(keys)})")
+        import torch._inductor.config as config
+
+        for key in keys:
+            setattr(config, key, inductor[key])
+    if changed:
+        pytest.fail(f"{request.node.nodeid} left global state behind: {'; '.join(changed)}")

@@ -490,7 +490,8 @@ def test_rays_jobs_client_bypasses_the_proxy_for_a_heads_loopback(jobs_api, list
     port, asked = listener
     api_port, statuses = jobs_api
     statuses["x"] = "RUNNING"
-    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.setenv("no_proxy", "")  # recorded, so that what the launcher sets is undone
+    monkeypatch.delenv("no_proxy")
     monkeypatch.setenv("NO_PROXY", "example.com")
     monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
 
