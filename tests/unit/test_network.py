@@ -157,6 +157,7 @@ def test_master_address_keeps_an_ip_host():
     )
 
 
+@pytest.mark.processes  # `ip -j addr`
 def test_reach_connects_to_a_listener_and_names_what_fails():
     port = free_port()
     listener = Listener(port)

@@ -33,6 +33,7 @@ def test_the_key_follows_what_changes_the_graphs_only():
     assert graph_key(job(activation_checkpointing=True), device=cpu, world_size=1) != base
 
 
+@pytest.mark.processes  # inductor runs the C++ compiler
 def test_rank_0_writes_what_it_compiled_and_a_later_run_loads_it(
     tmp_path: Path, monkeypatch, caplog
 ):
