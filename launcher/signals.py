@@ -1,6 +1,7 @@
 """SIGINT and SIGTERM stop the launch (exit 130), even when Python drops the exception.
 
 The handler remembers the signal, and ``check()`` raises it again at every stage boundary.
+``ctrl_c_spared`` keeps a terminal's Ctrl-C from the processes started within it (Ray's).
 """
 
 from __future__ import annotations
@@ -92,3 +93,26 @@ def keep_handlers() -> Iterator[None]:
         yield
     finally:
         signal.signal = original
+
+
+@contextlib.contextmanager
+def ctrl_c_spared() -> Iterator[None]:
+    """Processes started within the block (in this thread) have SIGINT blocked.
+
+    A terminal's Ctrl-C goes to the whole foreground process group, the embedded Ray's
+    processes included: they must live on, for the launcher to pass the SIGINT to the ranks
+    (whose torchrun unblocks it again, ``agent._prepare_child``). The launcher still gets it
+    at once: a helper thread, SIGINT unblocked there, takes it for Python's handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    done = threading.Event()
+    taker = threading.Thread(target=done.wait, name="sigint-taker", daemon=True)
+    taker.start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        done.set()

@@ -14,7 +14,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
@@ -145,6 +145,26 @@ def setup_logging(debug: bool) -> None:
     if not debug:
         for noisy in ("ray", "paramiko", "fabric", "invoke", "torch"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def divert_logger(name: str, path: Path) -> Callable[[], None]:
+    """Logger ``name``'s records (INFO and up) into the file ``path`` instead of the console,
+    unless debugging; returns what puts the logger back as it was."""
+    logger = logging.getLogger(name)
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        return lambda: None
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
+
+    def restore() -> None:
+        handler.close()
+        logger.handlers, logger.propagate = saved[0], saved[2]
+        logger.setLevel(saved[1])
+
+    return restore
 
 
 def make_private_dir(prefix: str, parent: str | None = None) -> Path:

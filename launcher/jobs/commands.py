@@ -24,6 +24,7 @@ from launcher.errors import PreflightError, UsageError
 from launcher.jobs import state as job_state
 from launcher.jobs.api import ACTIVE, META_KEY, JobsCluster, NoJobs, api_failures, connect
 from launcher.spec import ClusterSpec, JobSpec, nodes_for_job
+from launcher.spec.envforward import forwarded
 from launcher.util import first_line, utc_stamp, write_private
 
 STOP_WAIT_MIN_S = 30  # RAY_JOB_STOP_WAIT_TIME_S: SIGINT, then this long to tear down, then SIGKILL
@@ -103,6 +104,13 @@ def submit(
                                 else None,
                                 "skip_parity": skip_parity,
                                 "run_dir": where,
+                                # What the workers get from this shell, as in a foreground run:
+                                # a head that is this machine runs its node's workers in it.
+                                "shell_env": forwarded(
+                                    os.environ,
+                                    job.launch.env_forward,
+                                    everything=jobs.head_is_local,
+                                ),
                             }
                         )
                         + "\n",
@@ -110,7 +118,7 @@ def submit(
                 except OSError as err:  # an unreadable file in the workdir, a full disk
                     raise _staging_failed(err, code, upload) from err
                 python = sys.executable if jobs.head_is_local else jobs.head.interpreter()
-                stop_wait = max(STOP_WAIT_MIN_S, int(job.launch.stop_grace_s) + 20)
+                stop_wait = max(STOP_WAIT_MIN_S, int(2 * job.launch.stop_grace_s) + 20)
                 # The snapshot has the job's excludes applied: Ray must not drop what a .gitignore in
                 # it lists (as for a foreground run, ray_cluster.open_session).
                 os.environ["RAY_RUNTIME_ENV_IGNORE_GITIGNORE"] = "1"
@@ -482,11 +490,11 @@ class _Follower:
             self._pending += chunk
             *lines, self._pending = self._pending.split("\n")
             for text in lines:
-                if not text.startswith(job_state.MARK):
+                if job_state.shown(text):
                     _out(text)
 
     def flush(self) -> None:
-        if self._pending and not self._pending.startswith(job_state.MARK):
+        if self._pending and job_state.shown(self._pending):
             _out(self._pending)
         self._pending = ""
 

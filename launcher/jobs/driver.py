@@ -127,11 +127,13 @@ class Driver:
                 skip_parity=sub["skip_parity"],
                 session=session,
                 facts=facts,
+                shell_env=sub.get("shell_env") or {},
             ).execute()
         finally:
             if board is not None:
                 _quietly(lambda: _ray_get(board.end.remote(sub["job_id"])))
             session.close()
+            _quietly(lambda: _keep_ray_lines(self.run_dir))
         summary = outcome.summary or {}
         emit(_done(outcome.status, summary, self.run_dir))
         print(f"Run directory: {self.run_dir.root}", flush=True)
@@ -296,6 +298,20 @@ def _final(job: JobSpec, run_dir: RunDir | None, status: Status, reason: str | N
     else:
         summary = json.loads((run_dir.root / "summary.json").read_text())
     emit(_done(status, summary, run_dir))
+
+
+def _keep_ray_lines(run_dir: RunDir) -> None:
+    """Ray's own lines of this driver's log (its stdout: the file Ray writes the job's log to)
+    into the run directory's ``logs/ray.log``; ``launch logs`` leaves them out."""
+    sys.stdout.flush()
+    log_file = Path(os.readlink("/proc/self/fd/1"))
+    if not log_file.is_file():
+        return
+    text = log_file.read_text(encoding="utf-8", errors="replace")
+    kept = [t + "\n" for t in text.split("\n") if job_state.RAY_LINE.match(t)]
+    if kept:
+        with open(run_dir.root / "logs" / "ray.log", "a", encoding="utf-8") as fh:
+            fh.writelines(kept)
 
 
 def _ray_get(ref: Any) -> Any:

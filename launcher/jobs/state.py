@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from typing import Any
 
 MARK = "::launcher-state:: "
@@ -40,9 +41,22 @@ def last_state(logs: str) -> dict[str, Any] | None:
     return None
 
 
+# Ray's own lines in a driver's log: its job manager's (and SDK's) log records, and the
+# entrypoint it runs. The driver keeps them in the run directory's logs/ray.log.
+RAY_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\s+[A-Z]+ \w+\.py:\d+ -- |^Running entrypoint for job "
+)
+
+
+def shown(text: str) -> bool:
+    """Whether a line of a driver's log is the user's to read: no state line, no Ray line."""
+    return not (text.startswith(MARK) or RAY_LINE.match(text))
+
+
 def strip(logs: str) -> str:
-    """The log as a user reads it: without the state lines (lines end at ``\n`` only)."""
-    return "\n".join(t for t in logs.split("\n") if not t.startswith(MARK))
+    """The log as a user reads it: without the state lines and Ray's own (lines end at ``\n``
+    only)."""
+    return "\n".join(t for t in logs.split("\n") if shown(t))
 
 
 def status_of(ray_status: str, state: dict[str, Any] | None) -> str:

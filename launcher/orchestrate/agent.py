@@ -1,7 +1,7 @@
 """NodeAgent: the Ray actor on each node that runs that node's torchrun and reports back.
 
-It splits torchrun's output into per-rank logs, tails the metrics files, and stops torchrun and
-every worker on ``stop()`` or when the agent itself dies (with ``reaper.py``).
+It reads each rank's output from torchrun's per-rank files, tails the metrics files, and stops
+torchrun and every worker on ``stop()`` or when the agent itself dies (with ``reaper.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 import ctypes
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -19,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +32,21 @@ from launcher.orchestrate.stacks import header
 from launcher.preflight.probe import interfaces, route_to
 from launcher.util import free_port, make_private_dir, write_private
 
-RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+# torchrun --log-dir D --redirects 3: each worker's output in D/<id>_<random>/attempt_<n>/<local rank>/
+RANK_FILES = ("*/attempt_*/*/stdout.log", "*/attempt_*/*/stderr.log")
+STREAMS = {"stdout.log": "out", "stderr.log": "err"}
 RANK_TAIL_LINES = 40  # per local rank: a failure's log tail
 TORCHRUN_TAIL_LINES = 200  # torchrun's own lines: its failure report can be long
 REAPER_GRACE_S = 10.0  # after the agent's death: torchrun's own SIGTERM handling, then SIGKILL
 WORKER_SCAN_S = 2.0  # how often the agent notes torchrun's workers (a /proc scan)
 ORPHAN_GRACE_S = 5.0  # workers left by a torchrun that died: SIGTERM, then SIGKILL after this
-# Bounds on what waits for the driver's next poll: a rank that floods its output loses lines
-# (a note says how many), never grows the agent's memory; metrics wait in their files.
-LINE_MAX_BYTES = 64 << 10  # a longer line is cut there
+# Bounds on what waits for the driver's next poll: ranks' output and metrics wait in their
+# files until there is room; torchrun's own lines past the bound are dropped (a note says how
+# many). A line longer than LINE_MAX_BYTES is cut there.
+LINE_MAX_BYTES = 64 << 10
 PENDING_LINES_MAX = 20_000
+PENDING_BYTES_MAX = 16 << 20
+RANK_READ_BYTES = 1 << 20  # per file and pass
 PENDING_RECORDS_MAX = 20_000
 METRICS_READ_BYTES = 4 << 20  # per file and pass
 HOOKS = Path(__file__).resolve().parents[1] / "hooks"  # the workers' sitecustomize (stack dumps)
@@ -64,7 +69,9 @@ class NodeAgent:
         self._node_dir: Path | None = None  # this run's private folder here, for every attempt
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # new output, a record, or a thread ended
-        self._lines: list[tuple[int | None, str]] = []
+        self._lines: list[tuple[int | None, str, str]] = []  # (local rank, stream, text)
+        self._pending_bytes = 0  # of the ranks' lines waiting for the next poll
+        self._log_dirs: set[Path] = set()  # torchrun's log folders of earlier attempts
         self._records: list[tuple[int, dict[str, Any]]] = []
         self._dropped = 0  # output lines dropped since the last poll (PENDING_LINES_MAX)
         self._telemetry: list[dict[str, Any]] = []
@@ -140,6 +147,7 @@ class NodeAgent:
         node_plan = _with_node_dir(node_plan, str(self._node_dir))
         self._plan = node_plan
         self._started_at = time.time()
+        self._log_dirs = set((self._node_dir / "torchrun").glob("*"))  # earlier attempts
         node_dir = self._node_dir
         (node_dir / metrics.SUBDIR).mkdir(exist_ok=True)
         for name, text in files.items():
@@ -148,7 +156,7 @@ class NodeAgent:
         env.update(node_plan["env"])
         if "LAUNCHER_STACKS_DIR" in env:  # the stack-dump hook, found first on the workers' path
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS), env.get("PYTHONPATH")]))
-        self._proc = subprocess.Popen(
+        self._proc = subprocess.Popen(  # its own lines only; the ranks' go to their files
             node_plan["argv"],
             env=env,
             cwd=node_plan["cwd"] or self._home,
@@ -159,7 +167,7 @@ class NodeAgent:
             preexec_fn=_prepare_child,
         )
         self._start_reaper(self._proc.pid)
-        for target in (self._read_output, self._tail_metrics, self._sample_gpus):
+        for target in (self._read_output, self._read_ranks, self._tail_metrics, self._sample_gpus):
             thread = threading.Thread(target=target, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -180,13 +188,15 @@ class NodeAgent:
                 # short slices: a thread that just ended is seen within 50 ms
                 self._changed.wait(min(remaining, 0.05))
             lines, self._lines = self._lines, []
+            self._pending_bytes = 0
             records, self._records = self._records, []
             if self._dropped:
                 lines.append(
                     (
                         None,
+                        "out",
                         f"[launcher: {self._dropped} line(s) of output dropped on node "
-                        f"{self.node}: the ranks wrote faster than they could be passed on]",
+                        f"{self.node}: torchrun wrote faster than they could be passed on]",
                     )
                 )
                 self._dropped = 0
@@ -202,12 +212,21 @@ class NodeAgent:
     def _drained(self) -> bool:
         return self._status() is not None and not any(t.is_alive() for t in self._threads)
 
-    def stop(self, grace_s: float = 5.0) -> ExitStatus | None:
-        """SIGTERM torchrun and every descendant, SIGKILL what is left after ``grace_s``."""
+    def stop(self, grace_s: float = 5.0, first: int = signal.SIGTERM) -> ExitStatus | None:
+        """Stop torchrun and its workers, each signal ``grace_s`` after the one before.
+
+        ``first`` SIGINT (Ctrl-C): to torchrun alone, which sends it to every worker's process
+        group, as a terminal would; then SIGTERM to torchrun and every descendant; then SIGKILL.
+        """
         self._stopping = True
         proc = self._proc
         if proc is None:
             return None
+        if proc.poll() is None and first == signal.SIGINT:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)
         if proc.poll() is None:
             family = [proc.pid, *descendants(proc.pid)]
             signal_all(family, signal.SIGTERM)
@@ -318,6 +337,7 @@ class NodeAgent:
         )
 
     def _read_output(self) -> None:
+        """torchrun's own lines (its workers write to their files, ``_read_ranks``)."""
         assert self._proc is not None and self._proc.stdout is not None
         cut = False  # the rest of a line cut at LINE_MAX_BYTES is skipped
         while raw := self._proc.stdout.readline(LINE_MAX_BYTES):
@@ -329,18 +349,80 @@ class NodeAgent:
             text = raw.decode("utf-8", "replace").rstrip("\n")
             if cut:
                 text += f" [line cut at {LINE_MAX_BYTES} bytes]"
-            match = RANK_PREFIX.match(text)
-            local_rank = int(match.group(1)) if match else None
-            if match:
-                text = match.group(2)
             with self._changed:
                 if len(self._lines) < PENDING_LINES_MAX:
-                    self._lines.append((local_rank, text))
+                    self._lines.append((None, "out", text))
                 else:
                     self._dropped += 1
-                tail = self._tails.setdefault(local_rank, collections.deque(maxlen=RANK_TAIL_LINES))
-                tail.append(text)
+                self._tails[None].append(text)
                 self._changed.notify_all()
+
+    def _read_ranks(self) -> None:
+        """Each rank's stdout and stderr, line by line, from torchrun's per-rank files, until
+        torchrun has exited and every file is read to its end."""
+        assert self._proc is not None and self._node_dir is not None
+        root = self._node_dir / "torchrun"
+        files: dict[Path, _RankFile] = {}
+        while True:
+            done = self._proc.poll() is not None
+            for pattern in RANK_FILES:
+                for path in root.glob(pattern):
+                    run_dir, local_rank = path.parents[2], path.parent.name
+                    if path not in files and run_dir not in self._log_dirs and local_rank.isdigit():
+                        files[path] = _RankFile(path, int(local_rank), STREAMS[path.name])
+            busy = False
+            for rank_file in sorted(files.values(), key=lambda f: (f.local_rank, f.stream)):
+                busy |= self._read_rank_file(rank_file)
+            if done and not busy:
+                for rank_file in files.values():
+                    if rank_file.partial and not rank_file.cut:
+                        self._emit(rank_file, rank_file.partial)
+                    rank_file.partial = b""
+                return
+            if not busy:
+                time.sleep(0.1)
+
+    def _read_rank_file(self, f: _RankFile) -> bool:
+        """Pass on the complete lines added to ``f``; True if it read or waits for room."""
+        with self._lock:
+            full = (
+                len(self._lines) >= PENDING_LINES_MAX // 2
+                or self._pending_bytes >= PENDING_BYTES_MAX
+            )
+        if full:
+            time.sleep(0.05)
+            return True
+        try:
+            with open(f.path, "rb") as fh:
+                fh.seek(f.offset)
+                chunk = fh.read(RANK_READ_BYTES)
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        f.offset += len(chunk)
+        *lines, f.partial = (f.partial + chunk).split(b"\n")
+        for raw in lines:
+            if f.cut:  # the rest of a line already cut
+                f.cut = False
+                continue
+            self._emit(f, raw)
+        if len(f.partial) > LINE_MAX_BYTES:
+            if not f.cut:
+                self._emit(f, f.partial[:LINE_MAX_BYTES], cut=True)
+            f.cut, f.partial = True, b""
+        return True
+
+    def _emit(self, f: _RankFile, raw: bytes, *, cut: bool = False) -> None:
+        text = raw.decode("utf-8", "replace")
+        if cut:
+            text += f" [line cut at {LINE_MAX_BYTES} bytes]"
+        with self._changed:
+            self._lines.append((f.local_rank, f.stream, text))
+            self._pending_bytes += len(raw)
+            tail = self._tails.setdefault(f.local_rank, collections.deque(maxlen=RANK_TAIL_LINES))
+            tail.append(text)
+            self._changed.notify_all()
 
     def _tail_metrics(self) -> None:
         assert self._proc is not None and self._node_dir is not None
@@ -421,6 +503,18 @@ class NodeAgent:
                 self._changed.notify_all()
 
 
+@dataclass
+class _RankFile:
+    """One of torchrun's per-rank files and how far it has been read."""
+
+    path: Path
+    local_rank: int
+    stream: str  # "out" or "err"
+    offset: int = 0
+    partial: bytes = b""  # the start of a line whose end has not been written yet
+    cut: bool = False  # a line past LINE_MAX_BYTES is being skipped to its end
+
+
 def _with_node_dir(node_plan: dict[str, Any], node_dir: str) -> dict[str, Any]:
     """The plan with ``NODE_DIR`` replaced by this node's folder in its argv, env and cwd."""
 
@@ -468,6 +562,7 @@ def _prepare_child() -> None:
     """In torchrun's process (and its reaper's) before exec.
 
     - Get SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``).
+    - SIGINT at its default, so that workers turn it into KeyboardInterrupt.
     - Undo Ray's worker niceness (15 by default): training processes niced to 15 lose CPU
       time to anything else on the node, which starves the GPUs' kernel launches. Allowed
       for root, or where RLIMIT_NICE
@@ -478,3 +573,6 @@ def _prepare_child() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, 0)
+    with contextlib.suppress(OSError):  # SIGINT neither ignored nor blocked, as Ray's may be
+        ctypes.CDLL("libc.so.6", use_errno=True).signal(signal.SIGINT, ctypes.c_void_p(0))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from typing import Any
 
@@ -245,8 +246,9 @@ class AgentGroup:
 
         return ray.get(self.handles[i].errors.remote(), timeout=10)
 
-    def stop(self, grace_s: float) -> list[tuple[int, AgentUpdate]]:
-        """Stop every node's workers; the updates still owed (polls in flight, then a last drain).
+    def stop(self, grace_s: float, first: int = signal.SIGTERM) -> list[tuple[int, AgentUpdate]]:
+        """Stop every node's workers (``NodeAgent.stop``: ``first``, then SIGTERM, then SIGKILL);
+        the updates still owed (polls in flight, then a last drain).
 
         Every agent is asked, a lost one too (it may only have been slow); only the others are
         waited for, so that a dead node's timeouts do not delay the restart or the summary.
@@ -261,8 +263,9 @@ class AgentGroup:
             with contextlib.suppress(Exception):
                 owed.append((i, ray.get(ref, timeout=REACH_TIMEOUT_S)))
         self._pending.clear()
-        stops = [h.stop.remote(grace_s) for h in self.handles]
-        ray.wait([stops[i] for i in live], num_returns=len(live), timeout=grace_s + 15)
+        stops = [h.stop.remote(grace_s, first) for h in self.handles]
+        steps = 2 if first == signal.SIGINT else 1
+        ray.wait([stops[i] for i in live], num_returns=len(live), timeout=steps * grace_s + 15)
         for i in live:
             try:
                 ray.get(stops[i], timeout=0.1)

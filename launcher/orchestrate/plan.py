@@ -20,14 +20,15 @@ from launcher.errors import PreflightError, SpecError
 from launcher.orchestrate.code import CodePlan, describe
 from launcher.preflight import NodeFacts, Route
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
+from launcher.spec.envforward import forwarded
 from launcher.spec.fit import spec_layers
+from launcher.spec.job import NCCLSpec
 from launcher.util import mask_env
 
 DEFAULT_MASTER_PORT = 29500
 PROFILE_SUBDIR = (
     "profile"  # train.profile output: <node dir>/profile on a node, <run dir>/profile/<node> after
 )
-FORWARDED_PREFIXES = ("NCCL_", "TORCH_", "NVSHMEM_")
 STACKS_SUBDIR = "stacks"  # workers' stack dumps and collective traces, on a node and in the run dir
 # NCCL's Flight Recorder: the last collectives of every rank, kept in a bounded ring and dumped
 # when a collective times out (TORCH_NCCL_DEBUG_INFO_TEMP_FILE is set per node in the plan).
@@ -161,7 +162,8 @@ def plan(
     random suffix). Each node's folder is ``NODE_DIR`` here: the agent makes it private on the
     node (``make_node_dir``), so no two runs, and no other user, share it.
     ``run_name`` (default ``run_id``), the run directory's name, is the workers'
-    ``LAUNCHER_RUN_ID``.
+    ``LAUNCHER_RUN_ID``. ``launcher_env`` is the launching shell's environment: all of it
+    reaches this machine's node, what ``launch.env_forward`` matches the others.
 
     ``routes`` (default: the facts' ``route``) say through which interface each node reaches
     the head: with more than one node, the workers' ``GLOO_SOCKET_IFNAME`` (unless the user set
@@ -196,7 +198,8 @@ def plan(
             "--master-addr": master_addr,
             "--master-port": master_port,
             "--max-restarts": 0,  # restarts are the launcher's (see run.py), not torchrun's
-            "--tee": 3,
+            "--rdzv-id": run_id,  # the workers' TORCHELASTIC_RUN_ID
+            "--redirects": 3,  # each rank's stdout and stderr in its own files there
             "--log-dir": f"{node_dir}/torchrun",
         }
         argv = [
@@ -277,9 +280,10 @@ def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
     )
     parts = [head, *([describe(lp.code)] if lp.code else []), "", table]
     for node in lp.nodes:
-        env_rows = [
-            [k, v, node.env_sources.get(k, "")] for k, v in sorted(mask_env(node.env).items())
-        ]
+        env_rows = sorted(
+            [[k, v, node.env_sources.get(k, "")] for k, v in mask_env(node.env).items()]
+            + [[k, "(the node's own)", "node"] for k in NODE_PASSTHROUGH if k not in node.env]
+        )
         where = (
             node.cwd
             or f"the copy of {lp.code.workdir if lp.code else 'the workdir'} Ray makes on the node"
@@ -289,7 +293,7 @@ def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
             f"[{node.name}] command (in {where}; {NODE_DIR}: a private folder made on the node "
             f"for this run, removed at its end):",
             "  " + node.command,
-            f"[{node.name}] worker environment (plus the node's own {', '.join(NODE_PASSTHROUGH[:4])}, ...):",
+            f"[{node.name}] worker environment:",
             tabulate(env_rows, headers=["name", "value", "from"], tablefmt="plain"),
         ]
     return "\n".join(parts)
@@ -380,9 +384,16 @@ def _worker_env(
     if job.backend == "nccl":
         trace = f"{node_dir}/{STACKS_SUBDIR}/nccl_trace_rank_"
         put({**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}, "launcher (hangs)")
-    put({k: v for k, v in launcher_env.items() if k.startswith(FORWARDED_PREFIXES)}, "launcher env")
-    for source, items in spec_layers(job, node):
-        put(items, source)
+    layers = spec_layers(job, node)
+    default_nccl = NCCLSpec().env
+    for source, items in layers:  # a default the job file leaves as it is yields to the shell
+        if source == "job nccl.env" and items == default_nccl:
+            put(items, "job nccl.env (default)")
+    shell = forwarded(launcher_env, job.launch.env_forward, everything=node.is_local)
+    put(shell, "shell" if node.is_local else "shell (launch.env_forward)")
+    for source, items in layers:
+        if not (source == "job nccl.env" and items == default_nccl):
+            put(items, source)
     if route is not None and "GLOO_SOCKET_IFNAME" not in env:
         put({"GLOO_SOCKET_IFNAME": route.interface}, route.source)
     put(

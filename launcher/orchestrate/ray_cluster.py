@@ -488,15 +488,16 @@ def _embedded(
     temp_dir = private_ray_temp()
     watchdog = Watchdog({"mode": "embedded", "temp_dir": temp_dir})
     try:
-        ray.init(
-            address="local",
-            include_dashboard=cluster.ray.dashboard,
-            dashboard_host="127.0.0.1",
-            log_to_driver=False,
-            configure_logging=False,
-            runtime_env=runtime_env or None,
-            _temp_dir=temp_dir,
-        )
+        with signals.ctrl_c_spared():  # a terminal's Ctrl-C: the ranks', not Ray's
+            ray.init(
+                address="local",
+                include_dashboard=cluster.ray.dashboard,
+                dashboard_host="127.0.0.1",
+                log_to_driver=False,
+                configure_logging=False,
+                runtime_env=runtime_env or None,
+                _temp_dir=temp_dir,
+            )
     except BaseException as err:  # Ray raises RuntimeError, ConnectionError, TimeoutError, ...
         with contextlib.suppress(Exception):
             ray.shutdown()

@@ -49,7 +49,8 @@ class AgentUpdate:
     """One poll of a node agent: output lines since the last poll, metrics records, GPU telemetry
     samples, the exit."""
 
-    lines: list[tuple[int | None, str]] = field(default_factory=list)  # (local rank or None, text)
+    # (local rank or None: torchrun's own, stream "out" or "err", text)
+    lines: list[tuple[int | None, str, str]] = field(default_factory=list)
     records: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (global rank, record)
     exit: ExitStatus | None = None
     telemetry: list[dict[str, Any]] = field(default_factory=list)  # one per GPU and sample

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -44,12 +45,14 @@ from launcher.orchestrate.sinks import ReportSinks
 from launcher.orchestrate.watch import Watcher
 from launcher.preflight import NodeFacts, Route, preflight_facts
 from launcher.preflight.network import choose_routes
+from launcher.results.summary import before_training, summarize, write_summary
 from launcher.results.summary import render as render_summary
-from launcher.results.summary import summarize, write_summary
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
-from launcher.util import process_started, unsafe_path
+from launcher.util import divert_logger, process_started, unsafe_path
 
 log = logging.getLogger(__name__)
+
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 @dataclass
@@ -68,6 +71,8 @@ class Launch:
     session: RaySession | None = None
     facts: dict[str, NodeFacts] | None = None
     quiet: bool = False
+    # the launching shell's environment (a detached job's: the submitting shell's)
+    shell_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     agents: AgentGroup | None = field(default=None, init=False)
     plan: LaunchPlan | None = field(default=None, init=False)
     log: RunLog = field(init=False)
@@ -78,6 +83,7 @@ class Launch:
     _first_world: int = field(default=0, init=False)
     _own_session: bool = field(default=False, init=False)
     _workers_started: bool = field(default=False, init=False)  # asked any node to start torchrun
+    _then: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, init=False)
 
     def __post_init__(self) -> None:
         self.log = RunLog(self.run_dir, quiet=self.quiet)
@@ -101,8 +107,13 @@ class Launch:
             if self.facts is None:
                 with self._timed("preflight"):
                     self.facts = self.preflight()
+            # Ray's notices go to the run's logs, not the console: its token-auth notice from
+            # ray.init, everything else once ray.init has cleared the handlers of its logger
+            ray_log = self.run_dir.root / "logs" / "ray.log"
+            self._then.callback(divert_logger(RAY_AUTH_LOGGER, ray_log))
             with self._timed("ray"):
                 self.connect_ray()
+            self._then.callback(divert_logger("ray", ray_log))
             with self._timed("agents"):
                 self.agents = self.place_agents()
             with self._timed("workers"):
@@ -129,7 +140,10 @@ class Launch:
                 f"{reason}. Every worker was stopped; what was recorded is in {self.run_dir}"
             ) from err
         finally:
-            self.finish(outcome)
+            try:
+                self.finish(outcome)
+            finally:
+                self._then.close()
         return outcome
 
     def preflight(self) -> dict[str, NodeFacts] | None:
@@ -291,7 +305,7 @@ class Launch:
             run_name=self.run_dir.name,
             attempt=attempt,
             master_port=port,
-            launcher_env=os.environ,
+            launcher_env=self.shell_env,
             code=self.code,
             nodes=nodes,
             routes=routes,
@@ -396,7 +410,9 @@ class Launch:
             then.callback(self.log.close)
             if self.agents is not None:
                 then.callback(self._close_agents)
-                self._ingest(self.agents.stop(self.job.launch.stop_grace_s))
+                # Ctrl-C reaches the ranks as SIGINT (their KeyboardInterrupt handlers run)
+                first = signal.SIGINT if signals.pending() == signal.SIGINT else signal.SIGTERM
+                self._ingest(self.agents.stop(self.job.launch.stop_grace_s, first))
                 if self.job.records_profile:
                     self._collect(self.agents, PROFILE_SUBDIR)
 
@@ -440,7 +456,11 @@ class Launch:
         write_summary(self.run_dir.root, summary)
         outcome.summary = summary
         if not self.quiet:
-            print(render_summary(summary), flush=True)
+            # before training, the error that follows says why: no empty tables
+            print(
+                render_summary(summary) if last else before_training(summary, reason=False),
+                flush=True,
+            )
             print(
                 "Launcher time: " + " · ".join(f"{k} {v:.1f} s" for k, v in self.timings.items()),
                 flush=True,

@@ -132,6 +132,10 @@ class RunDir:
             self.root / "logs" / node / (f"rank{rank}.log" if rank is not None else "torchrun.log")
         )
 
+    def stderr_log(self, node: str, rank: int) -> Path:
+        """A rank's stderr alone (its lines are in ``rank_log`` too)."""
+        return self.root / "logs" / node / f"rank{rank}.stderr"
+
     def metrics_file(self, rank: int) -> Path:
         return self.root / metrics.SUBDIR / metrics.file_name(rank)
 

@@ -1,11 +1,12 @@
 """What the node agents report, into the run directory and onto the console.
 
-Every output line goes to its rank's log (``logs/<node>/rank<R>.log``; torchrun's own lines to
-``torchrun.log``), every metrics record to ``metrics/rank<R>.jsonl``, GPU telemetry to
-``telemetry/<node>.jsonl``, and both to the job's report sinks (TensorBoard, MLflow) where it
-has them. The console shows rank 0's
-lines, any line that looks like an error and a straggler when one is first named
-(``results.stragglers``), above a progress bar when stderr is a terminal.
+Every output line goes to its rank's log (``logs/<node>/rank<R>.log``, its stderr lines also to
+``rank<R>.stderr``; torchrun's own lines to ``torchrun.log``), every metrics record to
+``metrics/rank<R>.jsonl``, GPU telemetry to ``telemetry/<node>.jsonl``, and both to the job's
+report sinks (TensorBoard, MLflow) where it has them. The console shows rank 0's lines, other
+ranks' lines that look like an error and a straggler when one is first named
+(``results.stragglers``), above a progress bar when stderr is a terminal; torchrun's own lines
+stay in its log.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class RunLog:
         self.quiet = quiet
         self.attempt = 0  # the attempt whose updates come in now
         self.by_attempt: dict[int, dict[int, list[dict[str, Any]]]] = {}  # attempt → rank → records
-        self._files: dict[tuple[str, int | None], TextIO] = {}
+        self._files: dict[tuple[str, int | None, bool], TextIO] = {}  # (node, rank, stderr)
         self._progress: Progress | None = None
         self.stragglers = StragglerWatch({})  # this attempt's
         self.sinks: ReportSinks | None = None
@@ -48,16 +49,17 @@ class RunLog:
 
     def ingest(self, node: NodePlan, update: AgentUpdate) -> None:
         written = set()
-        for local_rank, text in update.lines:
+        for local_rank, stream, text in update.lines:
             known = local_rank is not None and local_rank < node.nproc
             rank = node.rank_of(local_rank) if local_rank is not None and known else None
-            fh = self._file(node.name, rank)
-            fh.write(text + "\n")
-            written.add(fh)
-            if not self.quiet and (rank == 0 or ERROR_LINE.search(text)):
-                self.show(
-                    f"[{node.name}/{'rank' + str(rank) if rank is not None else 'torchrun'}] {text}"
-                )
+            files = [self._file(node.name, rank)]
+            if rank is not None and stream == "err":
+                files.append(self._file(node.name, rank, stderr=True))
+            for fh in files:
+                fh.write(text + "\n")
+                written.add(fh)
+            if not self.quiet and rank is not None and (rank == 0 or ERROR_LINE.search(text)):
+                self.show(f"[{node.name}/rank{rank}] {text}")
         for fh in written:  # only this node's files: the cost stays flat as the job grows
             fh.flush()
         if update.telemetry:
@@ -100,10 +102,14 @@ class RunLog:
             fh.close()
         self._files.clear()
 
-    def _file(self, node: str, rank: int | None) -> TextIO:
-        key = (node, rank)
+    def _file(self, node: str, rank: int | None, *, stderr: bool = False) -> TextIO:
+        key = (node, rank, stderr)
         if key not in self._files:
-            path = self.run_dir.rank_log(node, rank)
+            path = (
+                self.run_dir.stderr_log(node, rank)
+                if stderr and rank is not None
+                else self.run_dir.rank_log(node, rank)
+            )
             path.parent.mkdir(parents=True, exist_ok=True)
             self._files[key] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         return self._files[key]

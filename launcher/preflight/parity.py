@@ -48,6 +48,21 @@ class CheckDef:
     description: str
 
 
+# What gets past a failed check; a mismatch (and any other check) can be relaxed instead.
+CHECK_HINTS = {
+    "gpus_needed": "lower resources.nproc_per_node, use nodes with enough GPUs, or train on "
+    "the CPU (--set resources.device=cpu)",
+    "launcher_importable": "install the launcher in the node's Python (nodes[].python names it)",
+    "user_code_present": "put the workdir where the node sees it, or use entrypoint.sync: auto",
+    "nccl_socket_ifname": "set NCCL_SOCKET_IFNAME to interfaces the nodes have, or leave it unset",
+    "driver_min": "update the node's driver, or install a torch built for an older CUDA",
+}
+RELAX_HINT = (
+    "relax a field's policy in cluster.yaml (parity.policies, e.g. {torch: warn}), or launch "
+    "with --skip-parity"
+)
+
+
 @dataclass(frozen=True)
 class Problem:
     node: str
@@ -328,9 +343,18 @@ class PreflightReport:
         raise PreflightError(
             f"Preflight failed on {len(bad)} of {len(self.nodes)} nodes ({', '.join(bad)}): "
             + "; ".join(self._node_summaries(self.failures, with_errors=True))
-            + ". Fix those nodes, or relax a field's policy in cluster.yaml (parity.policies, "
-            "e.g. {torch: warn}), or launch with --skip-parity; `launch check` shows the full table."
+            + f". {self.hints()}; `launch check` shows the full table."
         )
+
+    def hints(self) -> str:
+        """What can get past this preflight's failures, for the failures it has."""
+        hints = ["Fix those nodes"] if self.errors else []
+        for problem in self.failures:
+            hint = CHECK_HINTS.get(problem.key, RELAX_HINT)
+            if hint not in hints:
+                hints.append(hint)
+        text = "; or ".join(hints) or "Fix those nodes"
+        return text[0].upper() + text[1:]
 
 
 # -- evaluation -----------------------------------------------------------------------------------

@@ -117,7 +117,10 @@ def checkpoint_summary(records: dict[int, list[dict]]) -> dict | None:
 
 
 def render(summary: dict) -> str:
-    """The text report: status line, per-rank, per-node and job tables, stragglers."""
+    """The text report: status line, per-rank, per-node and job tables, stragglers; for a run
+    that stopped before any worker was planned, what stopped it."""
+    if not summary["ranks"]:
+        return before_training(summary) + "\n"
     parts = [_status_lines(summary), ""]
     parts += ["Per rank", _rank_table(summary["ranks"]), ""]
     parts += ["Per node", _node_table(summary["ranks"]), ""]
@@ -138,6 +141,16 @@ def render(summary: dict) -> str:
             + "".join(f"; {d}" for d in found.get("details") or [])
         )
     return "\n".join(parts) + "\n"
+
+
+def before_training(summary: dict, *, reason: bool = True) -> str:
+    """A run that stopped before any worker was planned (a failed preflight, Ctrl-C): no
+    tables, what stopped it."""
+    text = f"job {summary['job']}: {summary['status'].upper()} before any worker started"
+    failure = summary.get("failure") or {}
+    if reason and failure.get("reason"):
+        text += f"\nReason: {failure['reason']}"
+    return text
 
 
 def write_summary(run_dir: Path, summary: dict) -> str:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from launcher.spec.base import EnvDict, Strict
+from launcher.spec.envforward import DEFAULT_ENV_FORWARD, PATTERN
 from launcher.spec.report import ReportSpec
 
 Arch = Literal["bert", "gpt"]
@@ -499,6 +500,10 @@ class LaunchSpec(Strict):
         description="Restart the job this many times after a failure, with fresh torchruns on a new port; the built-in trainer resumes from its last checkpoint.",
     )
     env: EnvDict = Field(default_factory=dict, description="Extra environment for every worker.")
+    env_forward: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_ENV_FORWARD),
+        description="The launching shell's variables that reach workers on the other nodes: name patterns as in a .gitignore (*, ?, [..]; !PATTERN leaves names out; the last match wins). This machine's node gets the whole shell, as under torchrun.",
+    )
     master_port: int | None = Field(
         None,
         ge=1024,
@@ -511,8 +516,21 @@ class LaunchSpec(Strict):
         description="Fail the job when a rank writes no metrics record for this long (a hang watchdog; before a rank's first record, at least 120 s), after writing every rank's Python stack to stacks/rank<R>.txt; null disables it.",
     )
     stop_grace_s: float = Field(
-        5.0, gt=0, le=120, description="Seconds between SIGTERM and SIGKILL when stopping workers."
+        5.0,
+        gt=0,
+        le=120,
+        description="Seconds each stop signal has before the next: on Ctrl-C, SIGINT, then SIGTERM, then SIGKILL; otherwise SIGTERM, then SIGKILL.",
     )
+
+    @model_validator(mode="after")
+    def _patterns(self) -> LaunchSpec:
+        bad = [p for p in self.env_forward if not PATTERN.match(p)]
+        if bad:
+            raise ValueError(
+                f"env_forward pattern(s) {', '.join(map(repr, bad))} are not variable-name "
+                f"patterns; use letters, digits, _, and * ? [..] (a leading ! leaves names out)"
+            )
+        return self
 
 
 DEFAULT_EXCLUDE = (

@@ -1,5 +1,5 @@
-"""The node agent on its own (no Ray): real torchrun, its output split by rank, the structured
-error files of workers wrapped in torchelastic's ``@record``."""
+"""The node agent on its own (no Ray): real torchrun, each rank's output read from its files,
+the structured error files of workers wrapped in torchelastic's ``@record``."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         "2",
         "--max-restarts",
         "0",
-        "--tee",
+        "--redirects",
         "3",
         "--log-dir",
         f"{NODE_DIR}/torchrun",
@@ -82,7 +82,10 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         updates = run_to_exit(agent)
         assert updates[-1].exit.exit_code != 0 and not updates[-1].exit.stopped
         lines = [line for update in updates for line in update.lines]
-        assert (0, "about to fail") in lines and (1, "about to fail") in lines
+        assert (0, "out", "about to fail") in lines and (1, "out", "about to fail") in lines
+        assert any(
+            rank == 1 and stream == "err" and "ValueError" in text for rank, stream, text in lines
+        )
         [error] = agent.errors()
         assert (error.local_rank, error.message) == (1, "ValueError: bad batch at step 3")
         assert "boom.py" in error.traceback and error.timestamp > 0
@@ -129,7 +132,7 @@ argv = [sys.executable, sys.argv[1]]
 agent.start({"run_id": "t-0a1b2c", "cwd": sys.argv[2], "argv": argv, "env": {}}, {})
 print("dir", agent.node_dir(), flush=True)
 while True:
-    for _, line in agent.poll(0.5).lines:
+    for *_, line in agent.poll(0.5).lines:
         print(line, flush=True)
 """
 
@@ -191,7 +194,7 @@ def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_i
         while not pids and time.monotonic() < deadline:
             pids = [
                 int(p)
-                for _, line in agent.poll(0.5).lines
+                for *_, line in agent.poll(0.5).lines
                 if line.startswith("pids ")
                 for p in line.split()[1:]
             ]
@@ -240,7 +243,7 @@ def test_a_rank_that_floods_its_output_is_cut_and_dropped_with_a_note(tmp_path):
         while agent._status() is None or any(t.is_alive() for t in agent._threads):
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        lines = [text for _, text in agent.poll(0).lines]
+        lines = [text for *_, text in agent.poll(0).lines]
         assert len(lines) == PENDING_LINES_MAX + 1
         assert lines[0].endswith(f"[line cut at {LINE_MAX_BYTES} bytes]")
         assert len(lines[0]) < LINE_MAX_BYTES + 100

@@ -233,3 +233,17 @@ def test_down_and_stop_wait_as_long_as_ray_gives_each_job_to_tear_down():
     long = types.SimpleNamespace(runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "140"}})
     assert _stop_wait(long) == 140.0
     assert _stop_wait(types.SimpleNamespace(runtime_env=None)) == STOP_WAIT_MIN_S
+
+
+def test_launch_logs_leaves_out_rays_own_lines():
+    logs = (
+        "2026-12-04 20:56:19,317\tINFO job_manager.py:581 -- Runtime env is setting up.\n"
+        "Running entrypoint for job j-1: exec python -m launcher.jobs.driver submission.json\n"
+        "2026-12-04 20:56:20,001\tINFO sdk.py:12 -- Uploading package\n"
+        "[local/rank0] 2026-12-04 20:56:21,000 INFO mine.py:3 -- the user's own\n"
+        "2026-12-04 20:56:22 a line of the user's\n"
+    )
+    assert state.strip(logs) == (
+        "[local/rank0] 2026-12-04 20:56:21,000 INFO mine.py:3 -- the user's own\n"
+        "2026-12-04 20:56:22 a line of the user's\n"
+    )

@@ -86,7 +86,7 @@ class Agents:
     def silent(self, limit_s: float) -> None:
         return None
 
-    def stop(self, grace_s: float) -> list:
+    def stop(self, grace_s: float, first: int = 15) -> list:
         self._call("stop")
         return []
 

@@ -216,6 +216,20 @@ def test_raise_for_failure_names_every_bad_node(cpu) -> None:
     evaluate(cluster_of(cpu)).raise_for_failure()
 
 
+def test_the_hints_fit_the_failure(cpu) -> None:
+    """A node short of GPUs is told how to ask for fewer, not to relax a policy or skip the
+    check (neither gives it GPUs); a version mismatch may be relaxed or skipped."""
+    with pytest.raises(PreflightError) as short:
+        evaluate(cluster_of(cpu, 1, node0={"request.gpus_needed": 2})).raise_for_failure()
+    assert "needs 2 GPUs, has 0. Lower resources.nproc_per_node" in str(short.value)
+    assert "--set resources.device=cpu" in str(short.value)
+    assert "--skip-parity" not in str(short.value) and "policy" not in str(short.value)
+    with pytest.raises(PreflightError) as mismatch:
+        evaluate(cluster_of(cpu, node2={"packages.torch": "2.12.0"})).raise_for_failure()
+    assert ". Relax a field's policy" in str(mismatch.value)
+    assert "--skip-parity" in str(mismatch.value)
+
+
 def test_save_writes_probes_and_table(cpu, tmp_path) -> None:
     report = evaluate(cluster_of(cpu, 2))
     report.save(tmp_path / "preflight")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -70,7 +71,7 @@ def test_two_node_ranks_master_and_argv():
     assert (b.node_rank, b.ranks) == (1, [4, 5, 6, 7])
     assert a.argv[:3] == ["/venv/bin/python", "-m", "torch.distributed.run"]
     assert b.argv[0] == "python3"  # remote node without a python: python3 on its PATH
-    flags = dict(zip(b.argv[3:19:2], b.argv[4:20:2], strict=True))
+    flags = dict(zip(b.argv[3:21:2], b.argv[4:22:2], strict=True))
     assert flags == {
         "--nnodes": "2",
         "--node-rank": "1",
@@ -78,7 +79,8 @@ def test_two_node_ranks_master_and_argv():
         "--master-addr": "10.0.0.1",
         "--master-port": "29400",
         "--max-restarts": "0",
-        "--tee": "3",
+        "--rdzv-id": "t-1",
+        "--redirects": "3",
         "--log-dir": "{node_dir}/torchrun",
     }
     assert b.argv[-4:] == ["-m", "launcher.train", "--job", "{node_dir}/job.yaml"]
@@ -98,8 +100,9 @@ def test_two_node_ranks_master_and_argv():
 def test_env_layers_and_sources():
     p = make(gpu_job(), two_nodes(NCCL_DEBUG="WARN"))
     a, b = p.nodes
-    # forwarded from the launcher: NCCL_*, TORCH_*, NVSHMEM_* only
-    assert a.env["NCCL_IB_HCA"] == "mlx5" and a.env_sources["NCCL_IB_HCA"] == "launcher env"
+    # another node gets the shell's variables that launch.env_forward matches, no others
+    assert a.env["NCCL_IB_HCA"] == "mlx5"
+    assert a.env_sources["NCCL_IB_HCA"] == "shell (launch.env_forward)"
     assert a.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert a.env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert "HOME" not in a.env and "AWS_SECRET" not in a.env
@@ -191,3 +194,98 @@ def test_render_shows_every_node_command():
     text = render(make(gpu_job(), two_nodes()))
     assert "--node-rank 0" in text and "--node-rank 1" in text
     assert "world size 8" in text
+
+
+SHELL = {
+    "MY_OWN": "1",
+    "HF_HOME": "/data/hf",
+    "WANDB_MODE": "offline",
+    "OMP_NUM_THREADS": "2",
+    "TORCHINDUCTOR_CACHE_DIR": "/c",
+    "HTTPS_PROXY": "http://user:pw@proxy:3128",
+    "no_proxy": "localhost",
+    "SSL_CERT_FILE": "/etc/ca.pem",
+    "PYTHONHASHSEED": "0",
+    "HF_TOKEN": "hf_secret",
+    "CUDA_HOME": "/usr/local/cuda",
+    "CUDA_VISIBLE_DEVICES": "3",
+    "RANK": "7",
+    "MASTER_PORT": "1",
+    "RAY_ADDRESS": "auto",
+    "LAUNCHER_RUN_ID": "x",
+    "PWD": "/somewhere",
+    "PATH": "/my/bin:/usr/bin",
+}
+
+
+def local_and_remote() -> ClusterSpec:
+    return ClusterSpec.model_validate(
+        {"nodes": [{"name": "a", "host": "10.0.0.1"}, {"name": "there", "host": "10.0.0.2"}]}
+    )
+
+
+def this_machine() -> ClusterSpec:
+    return ClusterSpec.model_validate({"nodes": [{"name": "here", "host": socket.gethostname()}]})
+
+
+def cpu_job(**launch) -> JobSpec:
+    return JobSpec.model_validate({"name": "t", "resources": {"device": "cpu"}, "launch": launch})
+
+
+def test_this_machines_node_gets_the_whole_shell_less_what_the_launcher_owns():
+    here = make(cpu_job(), this_machine(), env=SHELL).nodes[0]
+    for name in ("MY_OWN", "HF_HOME", "WANDB_MODE", "PATH", "CUDA_HOME", "HF_TOKEN"):
+        assert here.env[name] == SHELL[name] and here.env_sources[name] == "shell"
+    assert here.env["OMP_NUM_THREADS"] == "2"  # torchrun's default of 1 only where unset
+    for name in ("CUDA_VISIBLE_DEVICES", "RANK", "MASTER_PORT", "RAY_ADDRESS", "PWD"):
+        assert name not in here.env
+    assert (
+        here.env["LAUNCHER_RUN_ID"] == "t-1" and here.env_sources["LAUNCHER_RUN_ID"] == "launcher"
+    )
+
+
+def test_other_nodes_get_what_env_forward_matches():
+    there = make(cpu_job(), local_and_remote(), env=SHELL).nodes[1]
+    forwarded = {k for k, s in there.env_sources.items() if s.startswith("shell")}
+    assert forwarded == {
+        "HF_HOME",
+        "WANDB_MODE",
+        "OMP_NUM_THREADS",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "HTTPS_PROXY",
+        "no_proxy",
+        "SSL_CERT_FILE",
+        "PYTHONHASHSEED",
+        "HF_TOKEN",
+    }  # not MY_OWN, PATH, CUDA_HOME (the node's own) nor anything the launcher owns
+
+
+def test_env_forward_patterns_last_match_wins_and_spec_beats_shell():
+    job = cpu_job(env_forward=["MY_*", "HF_*", "!HF_TOKEN"], env={"HF_HOME": "/spec/hf"})
+    there = make(job, local_and_remote(), env=SHELL).nodes[1]
+    assert there.env["MY_OWN"] == "1" and "HF_TOKEN" not in there.env
+    assert there.env["HF_HOME"] == "/spec/hf" and there.env_sources["HF_HOME"] == "job launch.env"
+    assert "WANDB_MODE" not in there.env
+
+
+def test_a_default_nccl_env_yields_to_the_shell_but_a_written_one_does_not():
+    shell = {"NCCL_DEBUG": "INFO"}
+    assert make(cpu_job(), local_and_remote(), env=shell).nodes[1].env["NCCL_DEBUG"] == "INFO"
+    written = JobSpec.model_validate(
+        {"name": "t", "resources": {"device": "cpu"}, "nccl": {"env": {"NCCL_DEBUG": "TRACE"}}}
+    )
+    assert make(written, local_and_remote(), env=shell).nodes[1].env["NCCL_DEBUG"] == "TRACE"
+
+
+def test_forwarded_secrets_are_masked_in_render_and_json():
+    p = make(cpu_job(), local_and_remote(), env=SHELL)
+    text = render(p)
+    assert "hf_secret" not in text and "pw@" not in text
+    assert "hf_secret" not in json.dumps(p.to_json()) and "pw@" not in json.dumps(p.to_json())
+    assert p.nodes[1].env["HF_TOKEN"] == "hf_secret"  # the workers get the value
+    assert "(the node's own)" in text  # PATH, HOME, ... on the other node: its own
+
+
+def test_env_forward_refuses_what_is_no_name_pattern():
+    with pytest.raises(ValueError, match="env_forward pattern"):
+        cpu_job(env_forward=["HF_*", "A=B"])

@@ -650,3 +650,13 @@ def test_training_holds_the_last_loss_eval_loss_and_skips_also_for_a_failed_run(
         in render(s)
     )
     assert summarize("j", layout(1, 1), {0: []}, status="failed")["training"] is None
+
+
+def test_a_run_stopped_before_any_worker_shows_why_and_no_empty_tables():
+    summary = summarize(
+        "j", [], {}, status="failed", failure={"reason": "Preflight failed: needs 2 GPUs, has 0"}
+    )
+    text = render(summary)
+    assert text == (
+        "job j: FAILED before any worker started\nReason: Preflight failed: needs 2 GPUs, has 0\n"
+    )

@@ -116,7 +116,7 @@ class FakeAgents:
         self.started.append(launch_plan)
         self.files = files
 
-    def stop(self, grace_s: float) -> list:
+    def stop(self, grace_s: float, first: int = 15) -> list:
         self.stops += 1
         return []
 
@@ -141,11 +141,11 @@ def watch(agents: FakeAgents, *, hang_timeout_s=None, clock=None, **launch):
 def test_every_node_exiting_0_is_success_and_every_update_is_handed_on():
     rounds = [
         {
-            0: AgentUpdate(lines=[(0, "hello")], records=[step(0, 5)]),
+            0: AgentUpdate(lines=[(0, "out", "hello")], records=[step(0, 5)]),
             1: AgentUpdate(records=[step(1, 5)]),
         },
         {0: AgentUpdate(exit=ExitStatus(0))},
-        {1: AgentUpdate(lines=[(0, "bye")], exit=ExitStatus(0))},
+        {1: AgentUpdate(lines=[(0, "out", "bye")], exit=ExitStatus(0))},
     ]
     failure, seen = watch(FakeAgents(rounds))
     assert failure is None
@@ -262,7 +262,7 @@ def test_a_signal_is_read_from_the_exit_code():
 def test_a_lost_node_is_named_not_its_echo():
     """Node a's ranks fail with 'Connection reset' because node b is gone: blame b."""
     agents = FakeAgents(
-        [{0: AgentUpdate(lines=[(0, "Connection reset by peer")], exit=ExitStatus(1))}],
+        [{0: AgentUpdate(lines=[(0, "err", "Connection reset by peer")], exit=ExitStatus(1))}],
         unreachable=1,
     )
     failure, _ = watch(agents)

@@ -1,0 +1,275 @@
+"""What a script sees around it is what it would see under torchrun started from this shell:
+the shell's environment, Ctrl-C as KeyboardInterrupt, its own output whole in its rank's log,
+and a console without torchrun's or Ray's tracebacks. Real launches: Ray, torchrun, gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+
+SHELL = {
+    "MY_OWN_SETTING": "from-my-shell",
+    "HF_HOME": "/data/hf-home",
+    "WANDB_MODE": "offline",
+    "OMP_NUM_THREADS": "2",
+    "TORCHINDUCTOR_CACHE_DIR": "/data/inductor",
+    "PYTHONHASHSEED": "7",
+    "HF_TOKEN": "hf_not_a_real_secret",
+}
+FORWARDED = {k: v for k, v in SHELL.items() if k != "MY_OWN_SETTING"}
+
+PRINT_ENV = """
+import json, os
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("ENV " + json.dumps(dict(os.environ)), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def seen_env(run_dir: Path, node: str, rank: int) -> dict[str, str]:
+    """What rank ``rank`` printed of its environment, from its log in the run directory."""
+    log = (run_dir / f"logs/{node}/rank{rank}.log").read_text()
+    return json.loads(next(line[4:] for line in log.splitlines() if line.startswith("ENV ")))
+
+
+def script_job(folder: Path, source: str, *args: str, nproc: int = 2, **extra: object) -> Path:
+    """A job running ``source`` as ``script.py`` with ``args``, on the CPU."""
+    (folder / "script.py").write_text(source)
+    job = {
+        "name": "torchrun-like",
+        "resources": {"nproc_per_node": nproc, "device": "cpu"},
+        "entrypoint": {"script": "script.py", "args": list(args)},
+        **extra,
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def launch_cmd(job: Path, run_dir: Path, *more: str) -> list[str]:
+    return [sys.executable, "-m", "launcher", str(job), "--run-dir", str(run_dir), *more]
+
+
+def test_workers_see_the_shell_here(tmp_path):
+    job = script_job(tmp_path, PRINT_ENV)
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    result = subprocess.run(
+        launch_cmd(job, run_dir, "--skip-parity"),
+        cwd=tmp_path,
+        env={**os.environ, **SHELL},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    for rank in (0, 1):
+        seen = seen_env(run_dir, "local", rank)
+        for name, value in SHELL.items():
+            assert seen.get(name) == value, (rank, name, seen.get(name))
+        assert seen["PATH"] == os.environ["PATH"]  # the shell's, as under torchrun
+        assert seen["TORCHELASTIC_RUN_ID"] == plan["run_id"]
+    sources = plan["nodes"][0]["env_sources"]
+    assert {sources[k] for k in SHELL} == {"shell"}
+    assert plan["nodes"][0]["env"]["HF_TOKEN"] == "****"  # masked in plan.json like any secret
+
+
+@pytest.mark.netns
+def test_forwarded_variables_reach_the_other_node(netns_cluster, tmp_path):
+    cluster = netns_cluster(2)
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    job = script_job(tmp_path, PRINT_ENV, nproc=1)
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    result = subprocess.run(
+        launch_cmd(job, run_dir, "--cluster", str(cluster_file)),
+        cwd=tmp_path,
+        env={**os.environ, **SHELL},
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank, node in enumerate(cluster.node_names):
+        seen = seen_env(run_dir, node, rank)
+        for name, value in FORWARDED.items():
+            assert seen.get(name) == value, (rank, name, seen.get(name))
+        assert "MY_OWN_SETTING" not in seen  # not in launch.env_forward: this machine's alone
+
+
+CATCH_CTRL_C = """
+import sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"ready {rank}", flush=True)
+try:
+    while True:
+        time.sleep(0.1)
+except KeyboardInterrupt:
+    time.sleep(0.5)  # a checkpoint being saved
+    print(f"KeyboardInterrupt handled on rank {rank}", flush=True)
+"""
+NOT_OURS = ("Traceback", "SignalException", "ChildFailedError", "torch.distributed.elastic")
+
+
+def wait_for(path: Path, text: str, proc: subprocess.Popen[str], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (path.is_file() and text in path.read_text()):
+        assert proc.poll() is None, f"launch ended early: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"{text!r} never reached {path}"
+        time.sleep(0.3)
+
+
+def test_ctrl_c_runs_every_ranks_keyboard_interrupt_handler(tmp_path):
+    """SIGINT to the launch's process group, as a terminal's Ctrl-C: each rank gets SIGINT, its
+    handler runs; exit 130, the summary says interrupted, no torchrun or Ray traceback shows."""
+    job = script_job(tmp_path, CATCH_CTRL_C)
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    proc = subprocess.Popen(
+        launch_cmd(job, run_dir, "--skip-parity"),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        for rank in (0, 1):
+            wait_for(run_dir / f"logs/local/rank{rank}.log", f"ready {rank}", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        console, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, console[-3000:]
+    for rank in (0, 1):
+        log = (run_dir / f"logs/local/rank{rank}.log").read_text()
+        assert f"KeyboardInterrupt handled on rank {rank}" in log, log[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert not [bad for bad in NOT_OURS if bad in console], console[-3000:]
+
+
+FAIL_ON_RANK_1 = """
+import time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise ValueError("bad batch on rank 1")
+time.sleep(60)
+"""
+
+
+def test_a_failing_rank_shows_its_own_traceback_and_no_torchruns(tmp_path):
+    job = script_job(tmp_path, FAIL_ON_RANK_1)
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    result = subprocess.run(
+        launch_cmd(job, run_dir, "--skip-parity"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    console = result.stdout + result.stderr
+    assert result.returncode == 4, console[-3000:]
+    assert "ValueError: bad batch on rank 1" in console
+    # the rank's own traceback, as it wrote it (torch marks each line [rank1]:)
+    assert re.search(r"^\[local/rank1\] (\[rank1\]: )?Traceback", console, re.MULTILINE)
+    others = [line for line in console.splitlines() if not line.startswith("[local/rank1]")]
+    assert not [
+        bad
+        for bad in ("SignalException", "ChildFailedError", "torch.distributed.elastic")
+        if any(bad in line for line in others)
+    ], console[-4000:]
+    assert "Token authentication is enabled" not in console
+
+
+LOUD = """
+import os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for i in range(N):
+    tail = "y" * (20_000 + i) if i % 97 == 0 else ""  # now and then a very long line
+    print(f"out rank{rank} line{i} {tail}")
+    if i % 25 == 0:
+        sys.stderr.write(f"progress rank{rank} {i}/{N}\\r")  # a tqdm-like bar: no newline
+        sys.stderr.flush()
+    if i % 1000 == 0:
+        sys.stderr.write(f"\\nerr rank{rank} line{i}\\n")
+sys.stderr.write("\\n")
+dist.barrier()
+"""
+N_LINES = 20_000
+
+
+def expected_logs(rank: int) -> tuple[list[str], str]:
+    """What LOUD writes on ``rank``: its stdout lines, and its stderr as written."""
+    out, err = [], []
+    for i in range(N_LINES):
+        tail = "y" * (20_000 + i) if i % 97 == 0 else ""
+        out.append(f"out rank{rank} line{i} {tail}")
+        if i % 25 == 0:
+            err.append(f"progress rank{rank} {i}/{N_LINES}\r")
+        if i % 1000 == 0:
+            err.append(f"\nerr rank{rank} line{i}\n")
+    return out, "".join(err) + "\n"
+
+
+def test_each_ranks_log_holds_exactly_its_own_lines_in_order(tmp_path):
+    job = script_job(tmp_path, f"N = {N_LINES}\n" + LOUD)
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    result = subprocess.run(
+        launch_cmd(job, run_dir, "--skip-parity"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        out, err = expected_logs(rank)
+        with open(run_dir / f"logs/local/rank{rank}.log", newline="") as fh:
+            lines = fh.read().split("\n")
+        assert [line for line in lines if line.startswith("out ")] == out
+        with open(run_dir / f"logs/local/rank{rank}.stderr", newline="") as fh:
+            assert fh.read() == err
+        other = f"rank{1 - rank} "
+        assert not [line for line in lines if other in line]
+    assert "out rank" not in (run_dir / "logs/local/torchrun.log").read_text()
+
+
+def test_a_launch_that_fails_before_training_prints_the_verdict_and_fitting_hints(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs: the job would start")
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    result = subprocess.run(
+        launch_cmd(ROOT / "jobs/quickstart.yaml", run_dir, "--set", "resources.device=cuda"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    console = result.stdout + result.stderr
+    assert result.returncode == 3, console[-3000:]
+    assert "parity FAILED: local: needs 2 GPUs, has 0" in console
+    assert "job quickstart: FAILED before any worker started" in console
+    assert "--set resources.device=cpu" in result.stderr
+    for unfit in ("Per rank", "rank None", "--skip-parity", "parity.policies", "Traceback"):
+        assert unfit not in console, console[-3000:]
