@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -130,3 +131,33 @@ def test_a_session_made_while_a_dropped_interrupt_waited_is_closed_not_lost(inst
     with pytest.raises(KeyboardInterrupt, match="SIGINT"):
         ray_cluster.open_session(cluster=None, nodes=[])
     assert closed == [False]
+
+
+@pytest.mark.processes
+def test_ctrl_c_spared_blocks_sigint_in_children_but_this_process_still_gets_it():
+    """Ray's processes started within keep a terminal's Ctrl-C blocked; the launcher takes it
+    at once all the same (its helper thread), not only once the block ends."""
+    got: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        with signals.ctrl_c_spared():
+            child = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import signal; print(signal.SIGINT in "
+                    "signal.pthread_sigmask(signal.SIG_BLOCK, []))",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            os.kill(os.getpid(), signal.SIGINT)
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert got == [signal.SIGINT]  # handled inside the block
+        assert child.stdout.strip() == "True"
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.signal(signal.SIGINT, previous)
