@@ -477,3 +477,37 @@ def test_a_foreground_run_attaches_to_the_running_head(jobs, tmp_path):
     assert summary["status"] == "succeeded" and summary["launcher_timings_s"]["ray"] >= 0
     again = jobs.run("up")
     assert again.returncode == 0 and f"pid {pid})" in again.stdout
+
+
+def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path):
+    """As a foreground run: the submitting shell's variables reach the workers (the head is
+    this machine: all of them), and `launch logs` shows the job's lines, not Ray's."""
+    (tmp_path / "env.py").write_text(
+        "import os\n"
+        "print('SEEN', os.environ.get('MY_OWN_SETTING'), os.environ.get('WANDB_MODE'), flush=True)\n"
+    )
+    job = tmp_path / "env.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "env",
+                "resources": {"nproc_per_node": 1, "device": "cpu"},
+                "entrypoint": {"script": "env.py"},
+            }
+        )
+    )
+    saved = dict(jobs.env)
+    jobs.env.update(MY_OWN_SETTING="from-the-submitter", WANDB_MODE="offline")
+    try:
+        result = jobs.run("submit", str(job), "--json", "--skip-parity")
+    finally:
+        jobs.env.clear()
+        jobs.env.update(saved)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    job_id = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
+    state = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED"}, timeout=240)
+    logs = jobs.run("logs", job_id).stdout
+    assert state["status"] == "SUCCEEDED", logs[-3000:]
+    assert "SEEN from-the-submitter offline" in logs
+    assert "job_manager.py" not in logs and "Running entrypoint" not in logs
+    assert "job_manager.py" in (Path(state["run_dir"]) / "logs/ray.log").read_text()
