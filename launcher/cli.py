@@ -148,10 +148,25 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from launcher.orchestrate.run import dry_run
 
     job, cluster = _load(args)
+    cluster_file = args.cluster or ("cluster.yaml" if Path("cluster.yaml").is_file() else None)
+    if cluster.slurm is not None and not args.dry_run:
+        from launcher.jobs import batch
+
+        assert cluster_file is not None  # a slurm: cluster comes from a file
+        batch.submit(
+            job,
+            cluster,
+            job_file=args.job,
+            cluster_file=cluster_file,
+            overrides=list(args.set or []),
+            run_dir=args.run_dir,
+            skip_parity=args.skip_parity,
+            as_json=args.json,
+        )
+        return 0
     if args.dry_run:
         print(dry_run(job, cluster, skip_parity=args.skip_parity))
         return 0
-    cluster_file = args.cluster or ("cluster.yaml" if Path("cluster.yaml").is_file() else None)
     submit(
         job,
         cluster,
@@ -164,15 +179,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from launcher.jobs import batch
     from launcher.jobs.commands import status
 
-    return status(_load_cluster(args), args.job_id, as_json=args.json)
+    cluster = _load_cluster(args)
+    if cluster.slurm is not None:
+        return batch.status(args.job_id, as_json=args.json)
+    return status(cluster, args.job_id, as_json=args.json)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from launcher.jobs import batch
     from launcher.jobs.commands import list_jobs
 
-    return list_jobs(_load_cluster(args), as_json=args.json)
+    cluster = _load_cluster(args)
+    if cluster.slurm is not None:
+        return batch.list_jobs(as_json=args.json)
+    return list_jobs(cluster, as_json=args.json)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -185,7 +208,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
             raise UsageError("--follow streams a job's driver output; leave out --rank and --node")
         print(rank_logs(_run_dir_of(args), rank=args.rank, node=args.node), end="")
         return 0
-    return logs(_load_cluster(args), args.job_id, follow=args.follow)
+    cluster = _load_cluster(args)
+    if cluster.slurm is not None:
+        from launcher.jobs import batch
+
+        return batch.logs(args.job_id, follow=args.follow)
+    return logs(cluster, args.job_id, follow=args.follow)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -206,7 +234,12 @@ def _run_dir_of(args: argparse.Namespace) -> Path:
 def cmd_stop(args: argparse.Namespace) -> int:
     from launcher.jobs.commands import stop
 
-    return stop(_load_cluster(args), args.job_id)
+    cluster = _load_cluster(args)
+    if cluster.slurm is not None:
+        from launcher.jobs import batch
+
+        return batch.stop(args.job_id)
+    return stop(cluster, args.job_id)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:

@@ -23,6 +23,11 @@ from launcher.util import mask_env, utc_stamp, write_private
 log = logging.getLogger(__name__)
 
 DEFAULT_BASE = Path("runs")
+# A Slurm batch job's files in its run directory (launcher.jobs.batch), and the variable its
+# script sets so that the launch inside takes the folder with them in it.
+BATCH_SCRIPT = "launch.sbatch"
+BATCH_OUTPUT = "launch.out"
+BATCH_ENV = "LAUNCHER_BATCH_JOB"
 
 
 class RunDir:
@@ -63,7 +68,7 @@ class RunDir:
         that of two launches given the same new folder at once only one gets it.
         """
         path = Path(path)
-        cls.refuse_used(path)
+        cls.refuse_used(path, batch=bool(os.environ.get(BATCH_ENV)))
         cls._make(path)
         return cls(path)
 
@@ -92,15 +97,17 @@ class RunDir:
             raise
 
     @staticmethod
-    def refuse_used(path: Path) -> None:
-        """UsageError (exit 2) where ``path`` is a file or a folder that holds anything."""
+    def refuse_used(path: Path, *, batch: bool = False) -> None:
+        """UsageError (exit 2) where ``path`` is a file or a folder that holds anything (but a
+        batch job's script and output, for the launch inside that job: ``batch``)."""
         try:
             if path.exists() and not path.is_dir():
                 raise UsageError(
                     f"--run-dir {path} is a file, not a folder; pass --run-dir a new folder "
                     f"(it is made) or an empty one"
                 )
-            used = path.is_dir() and any(path.iterdir())
+            own = {BATCH_SCRIPT, BATCH_OUTPUT} if batch else set()
+            used = path.is_dir() and any(p.name not in own for p in path.iterdir())
         except OSError as err:
             raise UsageError(
                 f"cannot read the run directory {path}: {err.strerror or err}; pass --run-dir "

@@ -152,3 +152,84 @@ def test_no_slurm_commands_is_exit_2(files, tmp_path):
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "no srun" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.fixture
+def shared(slurm, files):
+    """The job and cluster files where the nodes see them too (their /tmp is their own), and a
+    state folder for the launcher's records."""
+    import uuid
+
+    folder = slurm.dir / f"batch-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    for path in files:
+        (folder / path.name).write_text(path.read_text())
+    # The launch runs on a node here, beside its Ray: on a loaded 2-core machine joins are slow.
+    cluster = {"slurm": {"partition": "main"}, "ray": {"join_timeout_s": 180}}
+    (folder / "slurm.yaml").write_text(yaml.safe_dump(cluster))
+    return folder
+
+
+def batch(slurm, shared, *argv: str, timeout=120):  # noqa: ANN001, ANN201
+    env = {k: v for k, v in slurm.env.items() if not k.startswith("SLURM_JOB")}
+    env["LAUNCHER_STATE_DIR"] = str(shared / "state")
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *argv, "--cluster", str(shared / "slurm.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=shared,
+        env=env,
+    )
+
+
+def wait_status(slurm, shared, job_id, wanted, timeout=420):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while True:
+        state = json.loads(batch(slurm, shared, "status", job_id, "--json").stdout)
+        if state["status"] in wanted or time.monotonic() > deadline:
+            return state
+        time.sleep(2)
+
+
+def test_a_submitted_batch_job_runs_on_both_nodes(slurm, shared):
+    run_dir = shared / "run"
+    submitted = batch(
+        slurm, shared, "submit", str(shared / "job.yaml"), "--run-dir", str(run_dir), "--json"
+    )
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    out = json.loads(submitted.stdout.strip().splitlines()[-1])
+    job_id = out["job_id"]
+    assert job_id.isdigit() and out["run_dir"] == str(run_dir)
+    assert (run_dir / "launch.sbatch").is_file()
+    state = wait_status(slurm, shared, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
+    logs = batch(slurm, shared, "logs", job_id).stdout
+    assert state["status"] == "SUCCEEDED", logs[-3000:]
+    assert state["world_size"] == 2 and state["tokens_per_s"] > 0
+    ranks_on_both_nodes(slurm, run_dir)
+    assert "Per rank" in logs
+    listed = json.loads(batch(slurm, shared, "list", "--json").stdout)
+    assert [j["job_id"] for j in listed] == [job_id]
+    assert slurm.queue() == []
+
+
+def test_stop_of_a_batch_job_leaves_nothing_on_the_nodes(slurm, shared):
+    job = yaml.safe_load((shared / "job.yaml").read_text())
+    job["train"].update(steps=100000)
+    (shared / "job.yaml").write_text(yaml.safe_dump(job))
+    submitted = batch(slurm, shared, "submit", str(shared / "job.yaml"), "--json")
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
+    run_dir = Path(json.loads(submitted.stdout.strip().splitlines()[-1])["run_dir"])
+    deadline = time.monotonic() + 300
+    while not list(run_dir.glob("metrics/rank*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(2)  # training has started
+    stopped = batch(slurm, shared, "stop", job_id, timeout=300)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert (
+        json.loads(batch(slurm, shared, "status", job_id, "--json").stdout)["status"] == "STOPPED"
+    )
+    assert slurm.queue() == []
+    for node in slurm.nodes.node_names:
+        left = slurm.nodes.exec(node, "ps -eo args").stdout
+        assert not any(w in left for w in ("raylet", "-m launcher", "torchrun")), left
