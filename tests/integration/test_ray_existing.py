@@ -61,7 +61,6 @@ def test_a_run_and_a_submission_on_a_ray_cluster_started_by_hand(netns_cluster, 
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"].update(nodes=2, nproc_per_node=1)
     job["train"].update(steps=6, warmup_steps=2, log_every=2)
-    job["launch"] = {"env": {"GLOO_SOCKET_IFNAME": "eth0"}}
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     env = {**os.environ, "RAY_AUTH_TOKEN": token}

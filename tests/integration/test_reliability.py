@@ -287,10 +287,7 @@ def test_sigterm_during_a_scaling_study_exits_130_and_keeps_what_was_measured(tm
 def test_lost_node_is_detected_and_named(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     lost = cluster.node_names[1]
-    cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml",
-        nodes={n: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for n in cluster.node_names},
-    )
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     # The nodes' /tmp is their own: the script reaches them in its workdir, through Ray.
     (tmp_path / "code").mkdir()
     shutil.copy(FIXTURES / "fault_train.py", tmp_path / "code/fault_train.py")

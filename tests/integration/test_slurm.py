@@ -33,7 +33,6 @@ def files(tmp_path):
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"].update(nodes=2, nproc_per_node=1)
     job["train"].update(steps=6, warmup_steps=2, log_every=2)
-    job["launch"] = {"env": {"GLOO_SOCKET_IFNAME": "eth0"}}
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     cluster_file = tmp_path / "slurm.yaml"
