@@ -150,6 +150,21 @@ class _Run:
             if r.get("type") == "step" and r.get("measured", True)
         ]
 
+    def busy_telemetry(self) -> list[dict[str, Any]]:
+        """Telemetry samples taken while measured steps ran: start-up and compilation would
+        otherwise read as an idle GPU. Samples without a time are kept."""
+        spans = [
+            (float(r["time"]) - float(r.get("interval_s") or 0.0), float(r["time"]))
+            for r in self.steps()
+            if r.get("time") is not None
+        ]
+        if not spans:
+            return self.telemetry
+        start, end = min(a for a, _ in spans), max(b for _, b in spans)
+        return [
+            s for s in self.telemetry if s.get("time") is None or start <= float(s["time"]) <= end
+        ]
+
     def log_lines(self, pattern: re.Pattern[str]) -> list[str]:
         out = []
         for path in sorted((self.root / "logs").rglob("*.log")):
@@ -245,7 +260,7 @@ def _exposed_comm(run: _Run) -> Finding | None:
 
 
 def _gpu_util(run: _Run) -> float | None:
-    values = [s["util_pct"] for s in run.telemetry if s.get("util_pct") is not None]
+    values = [s["util_pct"] for s in run.busy_telemetry() if s.get("util_pct") is not None]
     values = values or [r["gpu_util_pct"] for r in run.steps() if r.get("gpu_util_pct") is not None]
     return statistics.fmean(values) if values else None
 
@@ -272,14 +287,14 @@ def _gpu_idle(run: _Run) -> Finding | None:
         if host_bound
         else "Low GPU utilisation",
         cost,
-        f"GPU utilisation {util:.0f}% on average (NVML)"
+        f"GPU utilisation {util:.0f}% on average while steps ran (NVML)"
         + (f", beyond the {wait.cost_pct:.0f}% data wait" if wait else ""),
         change,
     )
 
 
 def _clock_capped(run: _Run) -> Finding | None:
-    samples = [s for s in run.telemetry if s.get("clock_limits") is not None]
+    samples = [s for s in run.busy_telemetry() if s.get("clock_limits") is not None]
     if not samples:
         return None
     capped = [s for s in samples if s["clock_limits"]]

@@ -92,3 +92,13 @@ def test_capped_clocks_idle_gpus_and_unused_memory_from_telemetry(tmp_path):
     assert "70% of the maximum SM clock" in kinds["clock_capped"].evidence
     assert "train.micro_batch: 48" in kinds["memory_headroom"].change
     assert kinds["gpu_idle"].title.startswith("Host-bound")
+
+
+def test_gpu_use_is_judged_while_steps_ran_not_during_start_up(tmp_path):
+    busy = {"util_pct": 100.0, "clock_limits": []}
+    idle = {"util_pct": 0.0, "clock_limits": ["power cap"]}
+    telemetry = [{**idle, "time": t} for t in (-30.0, -20.0, -10.0)]
+    telemetry += [{**busy, "time": t} for t in (0.5, 2.5, 4.5)]
+    telemetry += [{**idle, "time": 9.0}]
+    run = make_run(tmp_path / "run", device="cuda", telemetry=telemetry, peak=70.0)
+    assert {f.kind for f in diagnose(run)} == set()
