@@ -29,8 +29,9 @@ from launcher.util import first_line, utc_stamp, write_private
 
 STOP_WAIT_MIN_S = 30  # RAY_JOB_STOP_WAIT_TIME_S: SIGINT, then this long to tear down, then SIGKILL
 POLL_S = 0.5
-RECONNECTS = 5  # broken log streams in a row that bring nothing new, then exit 3
+RECONNECTS = 3  # broken log streams in a row that bring nothing new, then exit 3
 RECONNECT_WAIT_S = 1.0
+RESEND_S = 20.0  # a stream opened again must resend what was printed within this
 
 log = logging.getLogger(__name__)
 
@@ -441,8 +442,8 @@ def _connect_for(cluster: ClusterSpec, job_id: str) -> Iterator[JobsCluster]:
 def _follow(jobs: JobsCluster, job_id: str) -> None:
     """Stream the job's log until the job ends. A stream that breaks off (a WebSocket closed
     with 1006 on a loaded head) is opened again; it starts at the log's beginning, so what was
-    printed already is skipped. Exit 3 when the Jobs API no longer answers, or after
-    ``RECONNECTS`` broken streams in a row that brought nothing new."""
+    printed already is skipped. Exit 3 after ``RECONNECTS`` broken streams in a row that
+    brought nothing new (the Jobs API gone, or a tunnel to it that no longer forwards)."""
     follower = _Follower()
     broken = 0
     while True:
@@ -460,10 +461,6 @@ def _follow(jobs: JobsCluster, job_id: str) -> None:
             )
         log.info("the log stream of job %s broke off (%s); reconnecting", job_id, reason)
         time.sleep(RECONNECT_WAIT_S * broken)
-        try:
-            jobs.job(job_id)  # the Jobs API still answers (guarded: exit 3 where it does not)
-        except PreflightError as err:
-            raise _follow_failed(jobs, job_id, f"{reason}; then {err}") from err
 
 
 def _follow_failed(jobs: JobsCluster, job_id: str, reason: str) -> PreflightError:
@@ -482,7 +479,19 @@ class _Follower:
 
     async def tail(self, client: Any, job_id: str) -> None:
         skip = self.received
-        async for chunk in client.tail_job_logs(job_id):
+        stream = client.tail_job_logs(job_id)
+        while True:
+            try:  # a stream opened again sends what was printed at once: silence is a dead end
+                if skip:
+                    chunk = await asyncio.wait_for(anext(stream), RESEND_S)
+                else:
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise ConnectionError(
+                    f"nothing came within {RESEND_S:g} s of reconnecting"
+                ) from None
             if skip:
                 taken = min(skip, len(chunk))
                 chunk, skip = chunk[taken:], skip - taken

@@ -120,21 +120,33 @@ def test_a_broken_log_stream_is_followed_on_without_repeating_a_line(monkeypatch
 def test_a_stream_that_keeps_breaking_without_news_is_exit_3(monkeypatch, capsys):
     client = Breaking(LOG, breaks=[14] * 20)
     with pytest.raises(
-        PreflightError, match=r"following job job-1 stopped: .*1006.*5 reconnections"
+        PreflightError, match=r"following job job-1 stopped: .*1006.*3 reconnections"
     ):
         _follow(monkeypatch, client)
     assert capsys.readouterr().out == "step 1\nstep 2\n"
     assert client.streams == 1 + commands.RECONNECTS
 
 
-def test_a_jobs_api_gone_ends_following_with_exit_3(monkeypatch, capsys):
-    client = Breaking(LOG, breaks=[7], list_error=requests.ConnectionError("Connection refused"))
-    with pytest.raises(
-        PreflightError, match="following job job-1 stopped: .*1006.*Connection refused"
-    ):
+def test_a_stream_that_says_nothing_once_reopened_is_exit_3(monkeypatch, capsys):
+    """A tunnel whose forwarding died accepts the new connection and says nothing: each
+    reopened stream must resend what was printed within RESEND_S."""
+    import asyncio
+
+    class Silent(Breaking):
+        async def tail_job_logs(self, job_id):
+            self.streams += 1
+            if self.streams == 1:
+                yield "step 1\n"
+                raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+            await asyncio.sleep(3600)
+            yield ""
+
+    monkeypatch.setattr(commands, "RESEND_S", 0.05)
+    client = Silent(LOG, breaks=[])
+    with pytest.raises(PreflightError, match="following job job-1 stopped: .*nothing came within"):
         _follow(monkeypatch, client)
-    assert client.streams == 1
     assert capsys.readouterr().out == "step 1\n"
+    assert client.streams == 1 + commands.RECONNECTS
 
 
 FOLLOWED = """
