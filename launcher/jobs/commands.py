@@ -227,7 +227,7 @@ def _logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
                 _out(f"job {job_id} has ended ({_shown(jobs, details)}); nothing to follow")
             return 0
         try:
-            _follow(jobs, job_id)
+            _follow(cluster, jobs, job_id)
         except KeyboardInterrupt:
             print(
                 f"\nstopped following; job {job_id} goes on (`launch stop {job_id}` stops it)",
@@ -439,17 +439,22 @@ def _connect_for(cluster: ClusterSpec, job_id: str) -> Iterator[JobsCluster]:
         ) from None
 
 
-def _follow(jobs: JobsCluster, job_id: str) -> None:
+def _follow(cluster: ClusterSpec, jobs: JobsCluster, job_id: str) -> None:
     """Stream the job's log until the job ends. A stream that breaks off (a WebSocket closed
     with 1006 on a loaded head) is opened again; it starts at the log's beginning, so what was
-    printed already is skipped. Exit 3 after ``RECONNECTS`` broken streams in a row that
-    brought nothing new (the Jobs API gone, or a tunnel to it that no longer forwards)."""
+    printed already is skipped; each stream after the first has a connection of its own (a new
+    SSH tunnel to a remote head). Exit 3 where the Jobs API no longer answers, or after
+    ``RECONNECTS`` broken streams in a row that brought nothing new."""
     follower = _Follower()
     broken = 0
     while True:
         before = follower.received
         try:
-            asyncio.run(follower.tail(jobs.client, job_id))
+            if before == 0 and broken == 0:
+                asyncio.run(follower.tail(jobs.client, job_id))
+            else:  # a new connection: a tunnel to the head whose forwarding died is not reused
+                with _connect_for(cluster, job_id) as fresh:
+                    asyncio.run(follower.tail(fresh.client, job_id))
             follower.flush()
             return
         except api_failures() as err:
