@@ -292,6 +292,21 @@ class RaySession:
                 )
             time.sleep(0.5)
 
+    def leave_running(self) -> None:
+        """Disconnect and leave the Ray this session started running, for detached jobs: its
+        watchdog stands down (else it stops Ray once this process exits), nothing is stopped."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        with contextlib.suppress(Exception):
+            self._tunnel.close()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
     def close(self, *, keep_ray: bool = False) -> None:
         """Disconnect; stop the Ray this session started (embedded, or bootstrapped unless keep_ray)."""
         if self._closed:

@@ -123,19 +123,17 @@ def tunnel_to(url="http://127.0.0.1:1", error=None):
 def test_the_bootstrap_records_the_addresses_its_ray_start_was_given(monkeypatch):
     """The record of a cluster bootstrapped for detached jobs keeps the address each node's
     `ray start` was given (the session's), which `launch down` matches later, beside the spec."""
-    import ray
-
     started_with = {"node0": "10.0.0.1", "node1": "10.0.0.2"}  # not what the hosts resolve to
-    monkeypatch.setattr(
-        ray_cluster,
-        "open_session",
-        lambda cluster, nodes, code=None: types.SimpleNamespace(node_ips=dict(started_with)),
+    left = []
+    session = types.SimpleNamespace(
+        node_ips=dict(started_with), leave_running=lambda: left.append(True)
     )
-    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_cluster, "open_session", lambda cluster, nodes, code=None: session)
     spec = api._bootstrap(CLUSTER)
     assert (
         records.saved_cluster(CLUSTER) == spec and records.saved_addresses(CLUSTER) == started_with
     )
+    assert left == [True]  # Ray left running, its watchdog stood down
 
 
 def test_a_record_that_cannot_be_read_has_no_addresses(monkeypatch):
