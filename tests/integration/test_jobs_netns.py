@@ -31,10 +31,7 @@ def ended_succeeded(job_id: str, follow_output: str) -> bool:
 
 def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
-    cluster_file = cluster.cluster_yaml(
-        tmp_path / "cluster.yaml",
-        nodes={name: {"env": {"GLOO_SOCKET_IFNAME": "eth0"}} for name in cluster.node_names},
-    )
+    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"]["nproc_per_node"] = 1
     job["train"].update(steps=6, warmup_steps=2, log_every=2, lr_warmup_steps=2)
