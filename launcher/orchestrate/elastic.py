@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from pydantic import ValidationError
 
 from launcher.errors import SpecError
+from launcher.results.rankstats import RankStats
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec
 
 NODE_LOCAL_ROOTS = ("/tmp", "/dev/shm", "/run", "/var/run")  # private to each machine
@@ -112,7 +112,7 @@ def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
 
 
 def with_steps(
-    restarts: list[Restart], by_attempt: dict[int, dict[int, list[dict[str, Any]]]]
+    restarts: list[Restart], by_attempt: dict[int, dict[int, RankStats]]
 ) -> list[Restart]:
     """Each restart with the step it resumed from (the new attempt's ``meta`` record) and the
     steps it lost (the failed attempt's furthest step past that), where the records tell."""
@@ -125,17 +125,11 @@ def with_steps(
     return out
 
 
-def _start_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
-    starts = [r.get("start_step") for rs in records.values() for r in rs if r.get("type") == "meta"]
-    steps = [s for s in starts if isinstance(s, int)]
+def _start_step(ranks: dict[int, RankStats]) -> int | None:
+    steps = [s for stats in ranks.values() for s in stats.start_steps]
     return min(steps) if steps else None
 
 
-def _last_step(records: dict[int, list[dict[str, Any]]]) -> int | None:
-    steps = [
-        r["step"]
-        for rs in records.values()
-        for r in rs
-        if r.get("type") == "step" and isinstance(r.get("step"), int)
-    ]
+def _last_step(ranks: dict[int, RankStats]) -> int | None:
+    steps = [s.last_int_step for s in ranks.values() if s.last_int_step is not None]
     return max(steps) if steps else None

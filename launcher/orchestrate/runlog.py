@@ -2,11 +2,12 @@
 
 Every output line goes to its rank's log (``logs/<node>/rank<R>.log``, its stderr lines also to
 ``rank<R>.stderr``; torchrun's own lines to ``torchrun.log``), every metrics record to
-``metrics/rank<R>.jsonl``, GPU telemetry to ``telemetry/<node>.jsonl``, and both to the job's
-report sinks (TensorBoard, MLflow) where it has them. The console shows rank 0's lines, other
-ranks' lines that look like an error and a straggler when one is first named
-(``results.stragglers``), above a progress bar when stderr is a terminal; torchrun's own lines
-stay in its log.
+``metrics/rank<R>.jsonl`` (only their ``results.rankstats.RankStats`` per rank stays in memory:
+the driver's memory stays flat however long the run), GPU telemetry to ``telemetry/<node>.jsonl``,
+and both to the job's report sinks (TensorBoard, MLflow) where it has them. The console shows
+rank 0's lines, other ranks' lines that look like an error and a straggler when one is first
+named (``results.stragglers``), above a progress bar when stderr is a terminal; torchrun's own
+lines stay in its log.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from launcher.orchestrate.plan import LaunchPlan, NodePlan
 from launcher.orchestrate.records import AgentUpdate
 from launcher.orchestrate.rundir import RunDir
 from launcher.orchestrate.sinks import ReportSinks
+from launcher.results.rankstats import RankStats
 from launcher.results.stragglers import StragglerWatch
 
 ERROR_LINE = re.compile(r"Traceback|Error|Exception|FAILED|Signal \d+", re.IGNORECASE)
@@ -30,7 +32,7 @@ class RunLog:
         self.run_dir = run_dir
         self.quiet = quiet
         self.attempt = 0  # the attempt whose updates come in now
-        self.by_attempt: dict[int, dict[int, list[dict[str, Any]]]] = {}  # attempt → rank → records
+        self.by_attempt: dict[int, dict[int, RankStats]] = {}  # attempt → rank → its records folded
         self._files: dict[tuple[str, int | None, bool], TextIO] = {}  # (node, rank, stderr)
         self._progress: Progress | None = None
         self.stragglers = StragglerWatch({})  # this attempt's
@@ -70,7 +72,10 @@ class RunLog:
             if self.sinks is not None:
                 self.sinks.telemetry(node.name, update.telemetry)
         for rank, record in update.records:
-            self.by_attempt.setdefault(self.attempt, {}).setdefault(rank, []).append(record)
+            ranks = self.by_attempt.setdefault(self.attempt, {})
+            if rank not in ranks:
+                ranks[rank] = RankStats()
+            ranks[rank].add(record)
             with open(self.run_dir.metrics_file(rank), "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
             if self.sinks is not None:

@@ -11,14 +11,15 @@ import io
 import json
 import logging
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
 
 from launcher.errors import UsageError
-from launcher.metrics import gpu_summary, read_records
+from launcher.metrics import read_records
+from launcher.results.rankstats import RankStats
 from launcher.util import percentile, write_atomic
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ DASH = "–"
 def summarize(
     job: str,
     ranks: list[dict],
-    records: dict[int, list[dict]],
+    records: Mapping[int, Iterable[dict] | RankStats],
     *,
     status: str,
     failure: dict | None = None,
@@ -64,13 +65,18 @@ def summarize(
     """Build the ``summary.json`` dict.
 
     ``ranks`` is the plan's layout (``rank``, ``node``, ``host``, ``local_rank``, ``device``);
-    ``records`` maps a rank to its metrics records in file order (missing ranks: no records).
+    ``records`` maps a rank to its metrics records in file order, or to them folded in a
+    ``RankStats`` (missing ranks: no records).
     ``status`` is succeeded, failed or interrupted; ``failure`` names the failed rank.
     """
     if status not in STATUSES:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
+    folded = {
+        rank: recs if isinstance(recs, RankStats) else RankStats(recs)
+        for rank, recs in records.items()
+    }
     rows = [
-        _rank_row(layout, records.get(int(layout["rank"]), []))
+        _rank_row(layout, folded.get(int(layout["rank"])) or RankStats())
         for layout in sorted(ranks, key=lambda r: int(r["rank"]))
     ]
     nodes = list(dict.fromkeys(r["node"] for r in rows))
@@ -81,28 +87,23 @@ def summarize(
         "nodes": len(nodes),
         "ranks": rows,
         "totals": _totals(rows),
-        "training": _training(records),
+        "training": _training(folded),
         "failure": _failure(failure),
-        "checkpoints": checkpoint_summary(records),
+        "checkpoints": checkpoint_summary(folded),
     }
 
 
-def checkpoint_summary(records: dict[int, list[dict]]) -> dict | None:
+def checkpoint_summary(records: Mapping[int, RankStats]) -> dict | None:
     """What checkpoints cost the run: how many completed, the last one's step, and how long
     training was held per checkpoint (the slowest rank's, per step); None without any."""
     held: dict[int, float] = {}
     complete: set[int] = set()
     modes: set[bool] = set()
-    for recs in records.values():
-        for rec in recs:
-            if rec.get("type") == "checkpoint" and rec.get("blocking_s") is not None:
-                step = int(rec["step"])
-                held[step] = max(held.get(step, 0.0), float(rec["blocking_s"]))
-                modes.add(bool(rec.get("async")))
-                if not rec.get("async"):
-                    complete.add(step)
-            elif rec.get("type") == "checkpoint_complete":
-                complete.add(int(rec["step"]))
+    for stats in records.values():
+        for step, blocking_s in stats.held.items():
+            held[step] = max(held.get(step, 0.0), blocking_s)
+        complete |= stats.complete
+        modes |= stats.modes
     if not held:
         return None
     times = list(held.values())
@@ -283,9 +284,9 @@ def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> 
 # -- one rank -------------------------------------------------------------------------------
 
 
-def _rank_row(layout: dict, records: list[dict]) -> dict:
+def _rank_row(layout: dict, stats: RankStats) -> dict:
     row: dict[str, Any] = dict.fromkeys(RANK_KEYS)
-    meta = next((r for r in records if r.get("type") == "meta"), {})
+    meta = stats.meta or {}
     row.update(
         rank=int(layout["rank"]),
         node=layout.get("node"),
@@ -293,9 +294,8 @@ def _rank_row(layout: dict, records: list[dict]) -> dict:
         local_rank=layout.get("local_rank", meta.get("local_rank")),
         device=meta.get("device") or layout.get("device"),
     )
-    final = next((r for r in reversed(records) if r.get("type") == "final"), None)
-    stats = _from_final(final) if final is not None else _from_steps(records, meta)
-    row.update(stats)
+    stats_row = _from_final(stats.final) if stats.final is not None else _from_steps(stats, meta)
+    row.update(stats_row)
     return row
 
 
@@ -314,54 +314,27 @@ def _from_final(final: dict) -> dict:
     }
 
 
-def _from_steps(records: list[dict], meta: dict) -> dict:
+def _from_steps(stats: RankStats, meta: dict) -> dict:
     """Statistics from ``step`` records: measured intervals only, intervals from ``time`` gaps
     where ``interval_s`` is absent (the first such record only starts the clock)."""
-    steps = [r for r in records if r.get("type") == "step"]
-    if not steps:
+    if not stats.steps:
         return {}
-    intervals = []  # (record, interval seconds, optimizer steps in the interval)
-    prev: dict | None = None
-    for rec in steps:
-        if rec.get("interval_s") is not None:
-            span: float | None = float(rec["interval_s"])
-            prev_step = prev.get("step", 0) if prev is not None else 0
-        elif prev is not None and rec.get("time") is not None and prev.get("time") is not None:
-            span = float(rec["time"]) - float(prev["time"])
-            prev_step = prev.get("step", 0)
-        else:
-            span, prev_step = None, 0
-        if span is not None and span > 0 and rec.get("measured", True):
-            intervals.append((rec, span, (rec.get("step") or 0) - (prev_step or 0)))
-        prev = rec
-
-    out: dict[str, Any] = {"steps": max((r.get("step") or 0) for r in steps)}
-    peaks = [r["peak_mem_gib"] for r in steps if r.get("peak_mem_gib") is not None]
-    out["peak_mem_gib"] = max(peaks) if peaks else None
-    if not intervals:
+    out: dict[str, Any] = {"steps": stats.max_step, "peak_mem_gib": stats.peak_mem}
+    if not stats.intervals:
         return out
 
-    seconds = sum(span for _, span, _ in intervals)
-    tokens = sum(rec.get("tokens") or 0 for rec, _, _ in intervals)
-    samples = sum(rec.get("samples") or 0 for rec, _, _ in intervals)
-    out["tokens_per_s"] = tokens / seconds
-    out["samples_per_s"] = samples / seconds
-    gpu = gpu_summary([rec for rec, _, _ in intervals], seconds=seconds, tokens=tokens)
+    seconds = stats.seconds
+    out["tokens_per_s"] = stats.tokens / seconds
+    out["samples_per_s"] = stats.samples / seconds
+    gpu = stats.gpu()
     out.update({k: gpu[k] for k in GPU_KEYS})
 
-    step_ms = [float(t) for rec, _, _ in intervals for t in rec.get("step_times_ms") or ()]
-    if not step_ms:
-        step_ms = [span * 1000.0 / n for _, span, n in intervals if n > 0]
+    step_ms = stats.step_ms.values if stats.step_ms.seen else stats.span_ms.values
     out["step_time_ms_p50"] = percentile(step_ms, 50)
     out["step_time_ms_p95"] = percentile(step_ms, 95)
 
-    waits = [
-        (rec["data_wait_s"], span)
-        for rec, span, _ in intervals
-        if rec.get("data_wait_s") is not None
-    ]
-    if waits:
-        out["data_wait_pct"] = 100.0 * sum(w for w, _ in waits) / sum(s for _, s in waits)
+    if stats.wait_s is not None:
+        out["data_wait_pct"] = 100.0 * stats.wait_s / stats.wait_span_s
 
     flops_per_token = meta.get("flops_per_token")
     if flops_per_token:
@@ -389,25 +362,24 @@ def _totals(rows: list[dict]) -> dict:
     }
 
 
-def _training(records: dict[int, list[dict]]) -> dict | None:
+def _training(records: Mapping[int, RankStats]) -> dict | None:
     """How training went, from the step records of the lowest rank that wrote any (the loss
     and eval loss are means over the ranks, the gradient norm global): the last step logged,
     its loss and gradient norm, the last evaluation and the steps skipped as non-finite."""
     for rank in sorted(records):
-        steps = [r for r in records[rank] if r.get("type") == "step"]
-        if steps:
+        stats = records[rank]
+        if stats.steps:
             break
     else:
         return None
-    last = steps[-1]
-    evals = [r for r in steps if r.get("eval_loss") is not None]
+    last = stats.last_step_rec or {}
     return {
         "step": last.get("step"),
-        "loss": next((r["loss"] for r in reversed(steps) if r.get("loss") is not None), None),
+        "loss": stats.loss,
         "grad_norm": last.get("grad_norm"),
-        "eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "eval_step": evals[-1].get("step") if evals else None,
-        "skipped_steps": sum(r.get("skipped_steps") or 0 for r in steps),
+        "eval_loss": stats.eval[0] if stats.eval else None,
+        "eval_step": stats.eval[1] if stats.eval else None,
+        "skipped_steps": stats.skipped,
     }
 
 
