@@ -18,6 +18,7 @@ from typing import Any
 from launcher.errors import LauncherError, PreflightError, UsageError
 from launcher.jobs import head as heads
 from launcher.jobs import records
+from launcher.jobs import state as job_state
 from launcher.spec import ClusterSpec, NodeSpec
 from launcher.util import first_line, free_port
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 META_KEY = "launcher"  # Ray Job metadata: the launcher's version; marks the launcher's jobs
 ACTIVE = ("PENDING", "RUNNING")
 TUNNEL_READY_S = 5.0
+STATE_TAIL_LINES = 2000  # the end of a driver's log that status reads for its last state line
 
 
 class NoToken(PreflightError):
@@ -82,6 +84,24 @@ class JobsCluster:
         if str(details.status.value) == "PENDING":
             return ""
         return self.client.get_job_logs(details.submission_id)
+
+    def state_log(self, details: Any) -> str:
+        """Enough of the driver's log for its last state line, without downloading all of it:
+        its last ``STATE_TAIL_LINES`` lines (Ray's log API reads them from the end of the file);
+        the whole log only where they hold no state line and the log is longer, or where that
+        API fails."""
+        if str(details.status.value) == "PENDING":
+            return ""
+        node = getattr(details, "driver_node_id", None)
+        if not node:
+            return self.logs(details)
+        try:
+            tail = self.client.tail_log(details.submission_id, node, STATE_TAIL_LINES)
+        except PreflightError:
+            return self.logs(details)
+        if job_state.last_state(tail) is not None or tail.count("\n") < STATE_TAIL_LINES:
+            return tail
+        return self.logs(details)
 
 
 @contextlib.contextmanager
@@ -316,7 +336,7 @@ def _client(url: str, token: str | None) -> Any:
         # which would send the token through http_proxy.
         heads.no_proxy_for_loopback(os.environ)
     try:
-        return _Guarded(JobSubmissionClient(url, headers=headers), url)
+        return _Guarded(JobSubmissionClient(url, headers=headers), url, headers)
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
         raise PreflightError(
             f"cannot reach the Ray Jobs API at {url}: {first_line(err)}. Check that the cluster "
@@ -341,9 +361,31 @@ class _Guarded:
     (exit 3, one paragraph) instead of a traceback. ``tail_job_logs`` (an async generator) is
     handed out as it is: its caller catches ``api_failures()``."""
 
-    def __init__(self, client: Any, url: str):
+    def __init__(self, client: Any, url: str, headers: dict[str, str] | None = None):
         self._client = client
         self._url = url
+        self._headers = headers
+
+    def tail_log(self, job_id: str, node_id: str, lines: int) -> str:
+        """The last ``lines`` lines of a job's driver log on its node (``driver_node_id``),
+        through Ray's log API, which reads them from the end of the file."""
+        import requests
+
+        try:
+            with requests.get(
+                f"{self._url}/api/v0/logs/file",
+                params={"submission_id": job_id, "node_id": node_id, "lines": str(lines)},
+                headers=self._headers,
+                timeout=60,
+            ) as answer:
+                if answer.status_code != 200:
+                    raise RuntimeError(f"HTTP {answer.status_code}: {answer.text.strip()[:200]}")
+                return answer.content.decode("utf-8", "replace")
+        except api_failures() as err:
+            raise PreflightError(
+                f"the Ray log API at {self._url} failed: {first_line(err)}. Check that the "
+                f"cluster's Ray still runs (`launch status`); `--debug` shows the traceback"
+            ) from err
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)

@@ -168,7 +168,7 @@ def status(cluster: ClusterSpec, job_id: str | None, *, as_json: bool) -> int:
         return list_jobs(cluster, as_json=as_json)
     with _connect_for(cluster, job_id) as jobs:
         details = jobs.job(job_id)
-        row = job_state.row(details, jobs.logs(details))
+        row = job_state.row(details, jobs.state_log(details))
     print(json.dumps(job_state.to_json(row)) if as_json else job_state.render_one(row), flush=True)
     return 0
 
@@ -176,7 +176,7 @@ def status(cluster: ClusterSpec, job_id: str | None, *, as_json: bool) -> int:
 def list_jobs(cluster: ClusterSpec, *, as_json: bool) -> int:
     try:
         with connect(cluster) as jobs:
-            rows = [job_state.row(d, jobs.logs(d)) for d in jobs.jobs()]
+            rows = [job_state.row(d, jobs.state_log(d)) for d in jobs.jobs()]
     except NoJobs as none:
         print("[]" if as_json else str(none), flush=True)
         return 0
@@ -267,7 +267,7 @@ def fetch(cluster: ClusterSpec, job_id: str, *, to: Path | None) -> Path:
 
     with _connect_for(cluster, job_id) as jobs:
         details = jobs.job(job_id)
-        row = job_state.row(details, jobs.logs(details))
+        row = job_state.row(details, jobs.state_log(details))
         if row["run_dir"] is None:
             raise UsageError(
                 f"job {job_id} has no run directory to fetch ({row['status']}): {row['no_run_dir']}. "
@@ -538,4 +538,4 @@ def _status(details: Any) -> str:
 
 def _shown(jobs: JobsCluster, details: Any) -> str:
     """The status as ``launch status`` shows it."""
-    return job_state.row(details, jobs.logs(details))["status"]
+    return job_state.row(details, jobs.state_log(details))["status"]
