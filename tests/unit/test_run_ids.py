@@ -556,6 +556,7 @@ def jobs_here(tmp_path, monkeypatch):
             head=spec.nodes[0],
             job=job,
             logs=lambda d: known[d.submission_id][1],
+            state_log=lambda d: known[d.submission_id][1],
         )
 
     monkeypatch.setattr(commands, "connect", connect)
