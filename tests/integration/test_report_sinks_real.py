@@ -15,6 +15,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
@@ -225,11 +226,12 @@ def test_a_sqlite_store_is_written_through_the_mlflow_package(tmp_path):
     from launcher.results.scalars import Point
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run = MlflowRun(uri, experiment="e", run_name="r", params={"train.steps": "3"}, tags={})
-    run.write([Point("job", "loss", 1, 2.5, 100.0), Point("rank1", "loss", 1, 3.0, 100.0)])
-    run.close("failed")
-    assert run.run_id is not None
-    found = MlflowClient(uri).get_run(run.run_id)
+    with mock.patch.dict(os.environ):  # mlflow adds its telemetry session id to the environment
+        run = MlflowRun(uri, experiment="e", run_name="r", params={"train.steps": "3"}, tags={})
+        run.write([Point("job", "loss", 1, 2.5, 100.0), Point("rank1", "loss", 1, 3.0, 100.0)])
+        run.close("failed")
+        assert run.run_id is not None
+        found = MlflowClient(uri).get_run(run.run_id)
     assert found.info.status == "FAILED" and found.info.run_name == "r"
     assert found.data.params == {"train.steps": "3"}
     assert found.data.metrics == {"loss": 2.5, "rank1/loss": 3.0}

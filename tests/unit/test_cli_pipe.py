@@ -109,7 +109,9 @@ def test_a_broken_pipe_of_a_command_that_acts_is_not_hidden_when_stdout_is_close
     monkeypatch.setattr(console, "stdout_to_devnull", lambda: None)
     monkeypatch.setattr(cli, "setup_logging", lambda debug: None)
     monkeypatch.setattr(cli.signals, "install", lambda: None)
-    argv = {"export": ["export", "x", "--out", "y"], "down": ["down"]}.get(command, [command, "x"])
+    argv = {"export": ["export", "x", "--out", "y"], "down": ["down"], "up": ["up"]}.get(
+        command, [command, "x"]
+    )
     with pytest.raises(BrokenPipeError):
         cli.main(argv)
 
