@@ -295,22 +295,15 @@ class RaySession:
     def leave_running(self) -> None:
         """Disconnect and leave the Ray this session started running, for detached jobs: its
         watchdog stands down (else it stops Ray once this process exits), nothing is stopped."""
-        if self._closed:
+        if not self._disconnect():
             return
-        self._closed = True
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        with contextlib.suppress(Exception):
-            self._tunnel.close()
         if self._watchdog is not None:
             self._watchdog.stop()
 
-    def close(self, *, keep_ray: bool = False) -> None:
-        """Disconnect; stop the Ray this session started (embedded, or bootstrapped unless keep_ray)."""
+    def _disconnect(self) -> bool:
+        """Leave Ray and close the tunnel to it, once; False where that was done already."""
         if self._closed:
-            return
+            return False
         self._closed = True
         import ray
 
@@ -318,6 +311,12 @@ class RaySession:
             ray.shutdown()
         with contextlib.suppress(Exception):
             self._tunnel.close()
+        return True
+
+    def close(self, *, keep_ray: bool = False) -> None:
+        """Disconnect; stop the Ray this session started (embedded, or bootstrapped unless keep_ray)."""
+        if not self._disconnect():
+            return
         os.environ.pop("RAY_AUTH_TOKEN", None)
         if self._temp_dir:
             remove_ray_temp(self._temp_dir)

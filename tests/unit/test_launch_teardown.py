@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from fixtures.routes import eth0_routes
 
 from launcher.errors import JobFailed, UsageError
 from launcher.orchestrate.records import AgentUpdate, ExitStatus
@@ -57,19 +58,7 @@ class Agents:
         return 29500
 
     def routes(self, nodes) -> dict:
-        """Every node on its eth0 at its host's address (an IP in these clusters)."""
-        return {
-            n.name: {
-                "route": {
-                    "to": nodes[0].host,
-                    "resolved": nodes[0].host,
-                    "address": n.host,
-                    "interface": "eth0",
-                },
-                "interfaces": {"lo": ["127.0.0.1"], "eth0": [n.host]},
-            }
-            for n in nodes
-        }
+        return eth0_routes(nodes)
 
     def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
         ifnames = [n.env.get("GLOO_SOCKET_IFNAME") for n in launch_plan.nodes]

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from fixtures.routes import eth0_routes
 
 from launcher.cli import main
 from launcher.errors import UsageError
@@ -50,19 +51,7 @@ class Agents:
         return 29500
 
     def routes(self, nodes) -> dict:
-        """Every node on its eth0 at its host's address (an IP in these clusters)."""
-        return {
-            n.name: {
-                "route": {
-                    "to": nodes[0].host,
-                    "resolved": nodes[0].host,
-                    "address": n.host,
-                    "interface": "eth0",
-                },
-                "interfaces": {"lo": ["127.0.0.1"], "eth0": [n.host]},
-            }
-            for n in nodes
-        }
+        return eth0_routes(nodes)
 
     def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
         return {}

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import pytest
 import yaml
+from fixtures.routes import eth0_routes
 
 from launcher.orchestrate.diagnose import rank_failure
 from launcher.orchestrate.plan import plan
@@ -95,19 +96,7 @@ class FakeAgents:
         return next(self.ports)
 
     def routes(self, nodes) -> dict:
-        """Every node on its eth0 at its host's address (an IP in these clusters)."""
-        return {
-            n.name: {
-                "route": {
-                    "to": nodes[0].host,
-                    "resolved": nodes[0].host,
-                    "address": n.host,
-                    "interface": "eth0",
-                },
-                "interfaces": {"lo": ["127.0.0.1"], "eth0": [n.host]},
-            }
-            for n in nodes
-        }
+        return eth0_routes(nodes)
 
     def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
         return {}
