@@ -42,12 +42,6 @@ class FieldDef:
     deep: bool = False
 
 
-@dataclass(frozen=True)
-class CheckDef:
-    key: str
-    description: str
-
-
 # What gets past a failed check; a mismatch (and any other check) can be relaxed instead.
 CHECK_HINTS = {
     "gpus_needed": "lower resources.nproc_per_node, use nodes with enough GPUs, or train on "
@@ -163,21 +157,19 @@ FIELDS: tuple[FieldDef, ...] = (
     FieldDef("clock", "clock skew", "ignore", _skew),
     FieldDef("disk", "free disk (home)", "ignore", _disk),
 )
-CHECKS: tuple[CheckDef, ...] = (
-    CheckDef("deep_probe", "the deep (torch) probe ran"),
-    CheckDef("launcher_importable", "the launcher is importable with the node's python"),
-    CheckDef("user_code_present", "the job's workdir and script exist on the node (sync: false)"),
-    CheckDef("cudnn_working", "cuDNN is available, enabled, loaded and computes where CUDA is"),
-    CheckDef("cudnn_speedup", f"cuDNN is at least {CUDNN_MIN_SPEEDUP}x faster than native kernels"),
-    CheckDef("driver_min", "the driver is new enough for torch's CUDA build"),
-    CheckDef("gpus_needed", "the node has the GPUs the job (or cluster.yaml) asks for"),
-    CheckDef("nccl_socket_ifname", "NCCL_SOCKET_IFNAME names an interface of the node"),
-    CheckDef("route_to_head", "the node has a route to the head that is not loopback"),
-    CheckDef(
-        "clock_skew", f"the clock is within {CLOCK_SKEW_WARN_S:g} s of the launcher's (warns)"
-    ),
-)
-_CHECK_DEFAULTS = {"clock_skew": "warn"}
+# The checks besides the fields, with their default policy (cluster.yaml's parity.policies).
+CHECKS = {
+    "deep_probe": "exact",  # the deep (torch) probe ran
+    "launcher_importable": "exact",  # with the node's python
+    "user_code_present": "exact",  # the workdir and script exist on the node (sync: false)
+    "cudnn_working": "exact",  # available, enabled, loaded and computing where CUDA is
+    "cudnn_speedup": "exact",  # at least CUDNN_MIN_SPEEDUP x faster than native kernels
+    "driver_min": "exact",  # the driver is new enough for torch's CUDA build
+    "gpus_needed": "exact",  # the node has the GPUs the job (or cluster.yaml) asks for
+    "nccl_socket_ifname": "exact",  # NCCL_SOCKET_IFNAME names an interface of the node
+    "route_to_head": "exact",  # a route to the head that is not loopback
+    "clock_skew": "warn",  # within CLOCK_SKEW_WARN_S of the launcher's clock
+}
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -415,7 +407,7 @@ def resolve_policies(overrides: dict[str, str], packages: Sequence[str] = ()) ->
     from launcher.spec.job import KERNEL_PACKAGES
 
     resolved = {f.key: f.policy for f in field_defs(packages)}
-    resolved.update({c.key: _CHECK_DEFAULTS.get(c.key, "exact") for c in CHECKS})
+    resolved.update(CHECKS)
     for key, policy in overrides.items():
         if key not in resolved and key not in KERNEL_PACKAGES:
             close = difflib.get_close_matches(key, list(resolved), n=1)
