@@ -54,17 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signals.install()
     submission = json.loads(Path(args[0]).read_text())
     job = JobSpec.model_validate(submission["job"])
+    run_dir = None  # until claimed: a folder not this job's gets nothing written into it
     try:
-        # One run per run directory, on the head as for a foreground run: the folder this job's
-        # submission marked for it, else a new or empty one; anything else is refused, exit 2.
+        # One run per run directory, as for a foreground run (exit 2 for one not this job's).
         run_dir = claim.take(_on_this_node(submission["run_dir"]), submission["job_id"])
-    except LauncherError as err:  # the folder is not this job's: nothing is written into it
-        print(f"error: {err}", flush=True)
-        _final(
-            job, None, Status.FAILED, reason=str(err)
-        )  # run_dir null: the folder is not this job's
-        return err.exit_code
-    try:
         return Driver(submission, job, run_dir).run()
     except LauncherError as err:
         print(f"error: {err}", flush=True)
