@@ -20,6 +20,7 @@ from pathlib import Path
 __all__ = [
     "MASK",
     "first_line",
+    "accepts",
     "free_port",
     "is_secret",
     "make_private_dir",
@@ -124,15 +125,20 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def free_port() -> int:
-    """A TCP port that is free on every interface of this machine now.
-
-    Bound on all interfaces, so the port also serves a rendezvous other nodes connect to.
-    Another process may take it before it is used; callers that bind it soon after accept
-    that small race, as torchrun's own ``--master-port`` choice does.
-    """
+    """A TCP port free on every interface of this machine now (another process may take it
+    before it is used, a race torchrun's own ``--master-port`` choice accepts too)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def accepts(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether ``host:port`` accepts a TCP connection now (waiting at most 1 s)."""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def setup_logging(debug: bool) -> None:

@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import shlex
-import socket
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from launcher.jobs import head as heads
 from launcher.jobs import records
 from launcher.jobs import state as job_state
 from launcher.spec import ClusterSpec, NodeSpec
-from launcher.util import first_line, free_port
+from launcher.util import accepts, first_line, free_port
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +286,9 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
                 local_host="127.0.0.1",
             ):
                 try:
-                    _wait_listening(local_port)
+                    deadline = time.monotonic() + TUNNEL_READY_S  # the listener is a thread's
+                    while not accepts(local_port) and time.monotonic() < deadline:
+                        time.sleep(0.05)
                     # Nothing on the head's dashboard port: the tunnel's thread dies at the first
                     # connection and its listener stays, so a request without a timeout (Ray's
                     # client) would wait forever. Ask once, with a timeout.
@@ -309,19 +310,6 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
             log.debug("the SSH tunnel to %s: %s", head.name, first_line(err))
     finally:
         runner.close()
-
-
-def _wait_listening(port: int) -> None:
-    """The tunnel's listener starts in a thread: wait until it accepts."""
-    deadline = time.monotonic() + TUNNEL_READY_S
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def _client(url: str, token: str | None) -> Any:

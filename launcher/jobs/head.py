@@ -11,7 +11,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from launcher.errors import PreflightError
 from launcher.jobs.records import UnreadableRecord, local_folder, locked
 from launcher.spec import ClusterSpec, JobSpec, nodes_for_job
-from launcher.util import free_port, write_private
+from launcher.util import accepts, free_port, write_private
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +65,9 @@ class LocalHead:
 def local_head(*, start: bool) -> LocalHead | None:
     """The running local head; with ``start``, one is started when none runs (else None).
 
-    A head whose process lives is never replaced: a busy one may answer late (it is given
-    ``ANSWER_WAIT_S``), and one that does not answer raises PreflightError; ``launch down
-    --yes`` stops it. Only a head whose process is gone (a crash, a reboot) is cleared. The
-    recorded pid is the head only while that process's command line names the head's temp
-    dir: after a reboot the pid may be another process's, which is left alone.
-    """
+    A head whose process lives is never replaced: it gets ``ANSWER_WAIT_S`` to answer, else
+    PreflightError. A head whose process is gone is cleared (``_is_head``: a reused pid is not
+    the head)."""
     folder = local_folder()
     with locked(folder / ".lock"):
         head = _load(folder)
@@ -240,17 +236,11 @@ def _start(folder: Path) -> LocalHead:
         "RAY_AUTH_TOKEN_PATH": str(token_file),
         "RAY_USAGE_STATS_ENABLED": "0",
         NICENESS_ENV: "0",
-        # When an agent's process dies (its driver was killed), the raylet would SIGKILL the
-        # agent's children, torchrun among them, and torchrun's workers (each in a session
-        # of its own) would live on. Without that, torchrun gets the agent's death signal
-        # (PR_SET_PDEATHSIG: SIGTERM) and stops its workers itself.
         KILL_CHILDREN_ENV: "0",
     }
     for name in ("RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # this head's token and address, no one else's
         env.pop(name, None)
-    no_proxy_for_loopback(
-        env
-    )  # its drivers ask its 127.0.0.1 Jobs API (JobSubmissionClient("auto"))
+    no_proxy_for_loopback(env)  # its drivers ask its 127.0.0.1 Jobs API
     argv = [
         sys.executable,
         "-m",
@@ -290,7 +280,7 @@ def _start(folder: Path) -> LocalHead:
     # Ready once the Jobs API answers and the agent listens (else the first submission waits
     # for the agent, ~7 s on 2 cores).
     try:  # until head.json names it, nothing else would stop this head: stop it on any way out
-        while not (head.answers() and _listening(head.agent_port)):
+        while not (head.answers() and accepts(head.agent_port)):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = (folder / "head.log").read_text(errors="replace").strip().splitlines()[-3:]
                 raise PreflightError(
@@ -309,12 +299,9 @@ def _start(folder: Path) -> LocalHead:
 
 
 def _stop(head: LocalHead) -> None:
-    """SIGTERM to ``ray start --block`` (it stops the processes it started), then SIGKILL to
-    whatever of the head is left: its process group and any process under its temp dir.
-
-    Only processes that are the head's are signalled: the recorded pid while its command line
-    names the temp dir, its process group while a process of the head is in it (a stale record's
-    pid may be an unrelated process now, also a session leader)."""
+    """SIGTERM to ``ray start --block``, then SIGKILL to what is left of the head: its process
+    group and any process under its temp dir. A stale record's pid, no longer the head's, is
+    never signalled."""
     if head.pid and _is_head(head):
         with contextlib.suppress(ProcessLookupError):
             os.kill(head.pid, signal.SIGTERM)
@@ -332,14 +319,6 @@ def _stop(head: LocalHead) -> None:
         from launcher.orchestrate.ray_cluster import remove_ray_temp
 
         remove_ray_temp(head.temp_dir)
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def _processes_under(temp_dir: str) -> list[int]:

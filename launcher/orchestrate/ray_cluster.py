@@ -36,7 +36,7 @@ from launcher.remote import (
     tunnel_needed,
 )
 from launcher.spec import ClusterSpec, NodeSpec
-from launcher.util import first_line, make_private_dir
+from launcher.util import accepts, first_line, make_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -175,17 +175,9 @@ class RaySession:
     def _start_ray(self, node: NodeSpec, *, head: bool = False) -> None:
         """``ray start`` on a node over SSH, with this cluster's token in a 0600 file first.
 
-        A node where a Ray that this session did not start already runs is refused before
-        anything is written to it (PreflightError; nothing started, nothing stopped): stopping
-        Ray there would kill that Ray and its jobs, as ``ray stop`` stops every Ray on a node.
-        That is a head whose GCS port answers, or any node with a raylet of another Ray that
-        ``ray stop`` there would stop (this user's; every user's for root).
-
-        The node joins ``_started_on`` (what ``close`` stops) as its ``ray start`` is issued,
-        so also when that fails, times out or is cut short by an interrupt (part of Ray may run
-        there, or the start itself may: ``stop_ray`` kills it before ``ray stop``); it leaves
-        again when ``ray start --head`` reports a Ray already running at its address.
-        """
+        A node where another Ray runs is refused before anything is written (PreflightError):
+        ``ray stop`` would stop that Ray too. The node joins ``_started_on`` (what ``close``
+        stops) before its ``ray start``, which an interrupt may cut short."""
         assert self._cluster is not None and self._token is not None
         cluster, rc = self._cluster, self._cluster.ray
         ip = self.node_ips.get(node.name) or _resolve(node.net_address)
@@ -283,7 +275,7 @@ class RaySession:
                     f"`ray start` on node {node.name!r} (Slurm job {node.slurm_job}) ended with "
                     f"exit code {proc.returncode}: {' | '.join(tail) or 'no output'}"
                 )
-            with contextlib.suppress(OSError), socket.create_connection(wait_for, timeout=1):
+            if accepts(wait_for[1], wait_for[0]):
                 return
             if time.monotonic() > deadline:
                 raise PreflightError(
@@ -305,10 +297,7 @@ class RaySession:
         if self._closed:
             return False
         self._closed = True
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.shutdown()
+        _shutdown()
         with contextlib.suppress(Exception):
             self._tunnel.close()
         return True
@@ -513,8 +502,7 @@ def _embedded(
                 _temp_dir=temp_dir,
             )
     except BaseException as err:  # Ray raises RuntimeError, ConnectionError, TimeoutError, ...
-        with contextlib.suppress(Exception):
-            ray.shutdown()
+        _shutdown()
         remove_ray_temp(temp_dir)
         watchdog.stop()
         if not isinstance(err, Exception):
@@ -568,8 +556,7 @@ def _attach(
         else:
             ips[node.name] = ip
     if missing:
-        with contextlib.suppress(Exception):
-            ray.shutdown()
+        _shutdown()
         known = ", ".join(sorted(n["NodeManagerAddress"] for n in alive))
         raise PreflightError(
             f"the Ray cluster at {address!r} has no node for {', '.join(missing)} (its nodes: "
@@ -664,8 +651,7 @@ def _connect_client(
             log.warning(
                 "Ray Client connect to %s failed (%s); retrying", address, _client_error(err)
             )
-            with contextlib.suppress(Exception):
-                ray.shutdown()
+            _shutdown()
             time.sleep(CLIENT_RETRY_WAIT_S * attempt)
 
 
@@ -726,14 +712,10 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
 def stop_ray(
     cluster: ClusterSpec, nodes: list[NodeSpec], addresses: Mapping[str, str]
 ) -> list[str]:
-    """On every node, in parallel: a ``ray start`` of this cluster still running there killed
-    (``_KILL_START``: one the launcher gave up on would start Ray after the stop), then
-    ``ray stop --force``, the token file and Ray's temp dirs (``NODE_TEMP_PREFIX``) removed. ``nodes[0]`` is the head (whose address
-    tells this cluster's joins from another's on the same port): the session's nodes start in
-    that order, and a cluster file's first node is its head. ``addresses``: the address each
-    node's ``ray start`` was given, by node name; a node without one has its host resolved now.
-    Returns the names of the nodes where that could not be done (unreachable, timed out, stop
-    failed): Ray may still run there."""
+    """On every node in parallel: kill a ``ray start`` of this cluster still running
+    (``_KILL_START``), ``ray stop --force``, remove the token file and Ray's temp dirs.
+    ``nodes[0]`` is the head; ``addresses`` gives each node's ``ray start`` address (else its
+    host is resolved now). Returns the nodes where that failed: Ray may still run there."""
     known = dict(addresses)
 
     def address(node: NodeSpec) -> str:
