@@ -294,24 +294,11 @@ def _rank_row(layout: dict, stats: RankStats) -> dict:
         local_rank=layout.get("local_rank", meta.get("local_rank")),
         device=meta.get("device") or layout.get("device"),
     )
-    stats_row = _from_final(stats.final) if stats.final is not None else _from_steps(stats, meta)
-    row.update(stats_row)
+    if stats.final is not None:  # the rank's own figures, every key after the layout's
+        row.update({k: stats.final.get(k) for k in RANK_KEYS[5:]})
+    else:
+        row.update(_from_steps(stats, meta))
     return row
-
-
-def _from_final(final: dict) -> dict:
-    return {
-        "steps": final.get("steps"),
-        "step_time_ms_p50": final.get("step_time_ms_p50"),
-        "step_time_ms_p95": final.get("step_time_ms_p95"),
-        "samples_per_s": final.get("samples_per_s"),
-        "tokens_per_s": final.get("tokens_per_s"),
-        "tflops": final.get("tflops"),
-        "mfu": final.get("mfu"),
-        "peak_mem_gib": final.get("peak_mem_gib"),
-        "data_wait_pct": final.get("data_wait_pct"),
-        **{k: final.get(k) for k in GPU_KEYS},
-    }
 
 
 def _from_steps(stats: RankStats, meta: dict) -> dict:
