@@ -149,16 +149,6 @@ class RunDir:
     def telemetry_file(self, node: str) -> Path:
         return self.root / telemetry.SUBDIR / f"{node}.jsonl"
 
-    def preflight_facts(self) -> dict[str, dict[str, Any]]:
-        """Each node's preflight facts (``preflight/<node>.json``), where they were recorded."""
-        out = {}
-        for path in sorted(self.preflight.glob("*.json")):
-            with contextlib.suppress(OSError, ValueError):
-                data = json.loads(path.read_text())
-                if isinstance(data, dict):
-                    out[path.stem] = data
-        return out
-
     def write_stacks(self, files: dict[str, bytes]) -> None:
         """``stacks/``: the workers' stack dumps (``rank<R>.txt``) and collective traces."""
         folder = self.root / STACKS_SUBDIR

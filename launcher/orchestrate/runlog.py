@@ -22,7 +22,7 @@ from launcher.orchestrate.records import AgentUpdate
 from launcher.orchestrate.rundir import RunDir
 from launcher.orchestrate.sinks import ReportSinks
 from launcher.results.rankstats import RankStats
-from launcher.results.stragglers import StragglerWatch
+from launcher.results.stragglers import StragglerWatch, preflight_facts
 
 ERROR_LINE = re.compile(r"Traceback|Error|Exception|FAILED|Signal \d+", re.IGNORECASE)
 
@@ -42,7 +42,7 @@ class RunLog:
         """A new attempt: every rank gets its log file, even one that never prints."""
         self.attempt = launch_plan.attempt
         nodes = {r: n.name for n in launch_plan.nodes for r in n.ranks}
-        self.stragglers = StragglerWatch(nodes, self.run_dir.preflight_facts())
+        self.stragglers = StragglerWatch(nodes, preflight_facts(self.run_dir.preflight))
         if self.sinks is not None:
             self.sinks.attempt(launch_plan.world_size)
         for node in launch_plan.nodes:

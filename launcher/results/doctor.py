@@ -20,7 +20,7 @@ import yaml
 
 from launcher.errors import UsageError
 from launcher.metrics import read_records
-from launcher.results.stragglers import node_differences
+from launcher.results.stragglers import node_differences, preflight_facts
 from launcher.results.summary import load_run
 
 # The built-in trainer's MFU on these GPUs (GPT-2 124M, BERT-base; benchmarks/RESULTS.md).
@@ -128,12 +128,7 @@ class _Run:
         self.telemetry = [
             s for p in sorted((root / "telemetry").glob("*.jsonl")) for s in read_records(p)
         ]
-        self.facts: dict[str, dict[str, Any]] = {}
-        for path in sorted((root / "preflight").glob("*.json")):
-            try:
-                self.facts[path.stem] = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
+        self.facts = preflight_facts(root / "preflight")
         self.plan = _json(root / "plan.json") or {}
         try:
             self.job = yaml.safe_load((root / "job.yaml").read_text()) or {}

@@ -9,8 +9,11 @@ mean over its last ``WINDOW`` steps exceeds the median of the other ranks' by mo
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 WINDOW = 20  # steps
@@ -143,6 +146,16 @@ class StragglerWatch:
         if diffs:
             out.append(f"node {node} differs in its preflight facts: " + ", ".join(diffs))
         return out
+
+
+def preflight_facts(folder: Path) -> dict[str, dict[str, Any]]:
+    """Each node's preflight facts (``<folder>/<node>.json``), where they were recorded."""
+    out = {}
+    for path in sorted(folder.glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            if isinstance(data := json.loads(path.read_text()), dict):
+                out[path.stem] = data
+    return out
 
 
 def node_differences(facts: dict[str, dict[str, Any]], node: str, limit: int = 5) -> list[str]:
