@@ -28,7 +28,7 @@ def _ssh(cluster, node: str, command: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30)
 
 
-def test_nodes_are_separate_machines(netns_cluster):
+def test_nodes_are_separate_machines_and_teardown_removes_everything(netns_cluster):
     cluster = netns_cluster(3)
     cluster.exec("node0", "echo secret > /tmp/only-on-node0", check=True)
     for node in cluster.node_names:
@@ -39,9 +39,6 @@ def test_nodes_are_separate_machines(netns_cluster):
         assert ("only-on-node0" in out.stdout) == (node == "node0")
         assert cluster.host(node) in out.stdout
 
-
-def test_teardown_removes_everything(netns_cluster):
-    cluster = netns_cluster(2)
     namespaces = [cluster.namespace(n) for n in cluster.node_names]
     sshd_pids = [p for n in cluster.node_names for p in cluster.pids(n)]
     assert sshd_pids
