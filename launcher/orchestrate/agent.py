@@ -40,9 +40,7 @@ TORCHRUN_TAIL_LINES = 200  # torchrun's own lines: its failure report can be lon
 REAPER_GRACE_S = 10.0  # after the agent's death: torchrun's own SIGTERM handling, then SIGKILL
 WORKER_SCAN_S = 2.0  # how often the agent notes torchrun's workers (a /proc scan)
 ORPHAN_GRACE_S = 5.0  # workers left by a torchrun that died: SIGTERM, then SIGKILL after this
-# Bounds on what waits for the driver's next poll: ranks' output and metrics wait in their
-# files until there is room; torchrun's own lines past the bound are dropped (a note says how
-# many). A line longer than LINE_MAX_BYTES is cut there.
+# Bounds on what waits for the driver's next poll (ranks' output waits in its files).
 LINE_MAX_BYTES = 64 << 10
 PENDING_LINES_MAX = 20_000
 PENDING_BYTES_MAX = 16 << 20
@@ -125,12 +123,8 @@ class NodeAgent:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self, node_plan: dict[str, Any], files: dict[str, str]) -> int:
-        """Write the node's files (mode 0600) into its node dir and start torchrun; returns its pid.
-
-        ``node_plan``: ``run_id``, ``cwd`` (None: the copy of the workdir Ray made here),
-        ``argv`` and ``env``, where ``NODE_DIR`` stands for the node dir: a private folder
-        (0700, ``mkdtemp``) the agent makes at its first start and keeps for its later ones.
-        """
+        """Write the node's files (0600) into its private node dir and start torchrun; returns
+        its pid. ``NODE_DIR`` in ``node_plan``'s argv and env stands for that dir."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(
                 f"torchrun already runs on node {self.node} (pid {self._proc.pid}); stop it first"
@@ -174,11 +168,8 @@ class NodeAgent:
         return self._proc.pid
 
     def poll(self, wait_s: float = 0.0) -> AgentUpdate:
-        """New log lines and metrics records since the last poll, and the exit status if done.
-
-        With ``wait_s`` it is a long poll: it returns as soon as there is something to report
-        (output, a record, the exit), or after ``wait_s`` with nothing.
-        """
+        """New log lines and metrics records since the last poll, and the exit status if done;
+        a long poll of up to ``wait_s`` while there is nothing to report."""
         deadline = time.monotonic() + wait_s
         with self._changed:
             while not (self._lines or self._records or self._drained()):
@@ -213,11 +204,8 @@ class NodeAgent:
         return self._status() is not None and not any(t.is_alive() for t in self._threads)
 
     def stop(self, grace_s: float = 5.0, first: int = signal.SIGTERM) -> ExitStatus | None:
-        """Stop torchrun and its workers, each signal ``grace_s`` after the one before.
-
-        ``first`` SIGINT (Ctrl-C): to torchrun alone, which sends it to every worker's process
-        group, as a terminal would; then SIGTERM to torchrun and every descendant; then SIGKILL.
-        """
+        """Stop torchrun and its workers, each signal ``grace_s`` after the one before: ``first``
+        (SIGINT goes to torchrun alone, which passes it on), then SIGTERM to all, then SIGKILL."""
         self._stopping = True
         proc = self._proc
         if proc is None:
@@ -559,15 +547,9 @@ def _prepare_reaper() -> None:
 
 
 def _prepare_child() -> None:
-    """In torchrun's process (and its reaper's) before exec.
-
-    - Get SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``).
-    - SIGINT at its default, so that workers turn it into KeyboardInterrupt.
-    - Undo Ray's worker niceness (15 by default): training processes niced to 15 lose CPU
-      time to anything else on the node, which starves the GPUs' kernel launches. Allowed
-      for root, or where RLIMIT_NICE
-      permits; otherwise the Ray the launcher starts already runs workers at niceness 0.
-    """
+    """In torchrun's process (and its reaper's) before exec: SIGTERM when the agent dies
+    (``PR_SET_PDEATHSIG``), SIGINT at its default, and Ray's worker niceness undone where
+    allowed (a niced trainer starves the GPUs' kernel launches)."""
     with contextlib.suppress(OSError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

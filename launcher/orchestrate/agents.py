@@ -32,9 +32,7 @@ class AgentGroup:
         self._placement = placement
         self._pending: dict[int, tuple[Any, float]] = {}  # agent → (poll in flight, sent at)
         self._exited: set[int] = set()
-        # Agents taken for lost (a call raised, or no answer): the end of an attempt does not
-        # wait on them. A lost agent's torchrun dies with it (PR_SET_PDEATHSIG, agent.py), and
-        # ``close`` kills every actor, so not waiting leaves nothing running.
+        # Agents taken for lost: not waited for (their torchrun dies with them, PR_SET_PDEATHSIG).
         self._lost: set[int] = set()
 
     @classmethod
@@ -166,12 +164,8 @@ class AgentGroup:
                 ) from err
 
     def poll(self, wait_s: float) -> list[tuple[int, AgentUpdate | BaseException]]:
-        """Long-poll every running agent: waits up to ``2 * wait_s`` for the first answer, then
-        takes every answer that is there by then.
-
-        An agent whose answer carries its exit is not polled again this attempt; an answer
-        that is an exception means the agent (its node) is gone.
-        """
+        """Long-poll every running agent: up to ``2 * wait_s`` for the first answer, then every
+        answer there by then. An exception for an answer means the agent's node is gone."""
         import ray
 
         now = time.monotonic()
@@ -247,12 +241,8 @@ class AgentGroup:
         return ray.get(self.handles[i].errors.remote(), timeout=10)
 
     def stop(self, grace_s: float, first: int = signal.SIGTERM) -> list[tuple[int, AgentUpdate]]:
-        """Stop every node's workers (``NodeAgent.stop``: ``first``, then SIGTERM, then SIGKILL);
-        the updates still owed (polls in flight, then a last drain).
-
-        Every agent is asked, a lost one too (it may only have been slow); only the others are
-        waited for, so that a dead node's timeouts do not delay the restart or the summary.
-        """
+        """Stop every node's workers (``NodeAgent.stop``); returns the updates still owed. A lost
+        agent is asked too but not waited for: a dead node must not delay the summary."""
         import ray
 
         live = [i for i in range(len(self.handles)) if i not in self._lost]

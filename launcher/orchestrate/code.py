@@ -50,11 +50,8 @@ class CodePlan:
 
 
 def plan_code(job: JobSpec, nodes: list[NodeSpec]) -> CodePlan | None:
-    """How a script job's workdir reaches ``nodes``; None for the built-in trainer.
-
-    Raises SpecError (exit 2) for a script outside a workdir that travels and for a workdir
-    over ``SYNC_LIMIT_BYTES`` after excludes, naming its largest folders.
-    """
+    """How a script job's workdir reaches ``nodes``; None for the built-in trainer. SpecError
+    for a script outside a travelling workdir or a workdir over ``SYNC_LIMIT_BYTES``."""
     entry = job.script_entry
     if entry is None:
         return None

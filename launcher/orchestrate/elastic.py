@@ -77,12 +77,8 @@ def check_enough(job: JobSpec, nodes: list[NodeSpec], reason: str) -> None:
 
 
 def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
-    """``job`` (as the first attempt ran it, on ``first_world`` ranks) with the grad_accum that
-    keeps its global batch at ``world`` ranks.
-
-    Script entrypoints are returned unchanged: their batch is theirs (they get the new
-    ``WORLD_SIZE``). Raises RestartRefused where the global batch does not divide.
-    """
+    """``job`` (first run on ``first_world`` ranks) with the grad_accum that keeps its global
+    batch at ``world`` ranks; a script job unchanged. RestartRefused where it does not divide."""
     if not job.uses_builtin or job.train.elastic_batch == "scale":
         return job
     micro = job.train.micro_batch

@@ -152,22 +152,10 @@ def plan(
 ) -> LaunchPlan:
     """Decide every node's ranks, torchrun argv, worker environment and directory. Pure.
 
-    Called once per attempt (``attempt`` 0 is the first run, then one per restart, each on
-    its own ``master_port``): the plan is the record of what ran, never edited afterwards.
-    ``facts`` come from the preflight; without them (``--skip-parity``) GPU counts are the
-    ones cluster.yaml declares. ``code`` is a script job's workdir (``code.plan_code``).
-    ``nodes`` (default: the job's, ``nodes_for_job``) is an elastic restart's node set.
-
-    ``run_id`` is unique to this launch (``RunDir.run_id``: the run directory's name and a
-    random suffix). Each node's folder is ``NODE_DIR`` here: the agent makes it private on the
-    node (``make_node_dir``), so no two runs, and no other user, share it.
-    ``run_name`` (default ``run_id``), the run directory's name, is the workers'
-    ``LAUNCHER_RUN_ID``. ``launcher_env`` is the launching shell's environment: all of it
-    reaches this machine's node, what ``launch.env_forward`` matches the others.
-
-    ``routes`` (default: the facts' ``route``) say through which interface each node reaches
-    the head: with more than one node, the workers' ``GLOO_SOCKET_IFNAME`` (unless the user set
-    it) and the master address (unless cluster.yaml gives an IP or ``address``).
+    One plan per attempt, the record of what ran. ``facts`` come from the preflight (None:
+    cluster.yaml's GPU counts); ``nodes`` is an elastic restart's node set; ``launcher_env``
+    is the launching shell's environment; ``routes`` give each node's interface to the head
+    (``GLOO_SOCKET_IFNAME`` and the master address). Node dirs are ``NODE_DIR`` here.
     """
     run_name = run_id if run_name is None else run_name
     nodes = nodes if nodes is not None else nodes_for_job(cluster, job)
@@ -245,11 +233,8 @@ def plan(
 
 
 def master_address(head: NodeSpec, routes: Mapping[str, Route]) -> tuple[str, str]:
-    """The head's address for torchrun's rendezvous, and where it comes from.
-
-    cluster.yaml's ``address``, or a ``host`` that is an IP, as given; a host name as the other
-    nodes resolve it (``routes``), since the head may resolve its own name to loopback.
-    """
+    """The head's address for torchrun's rendezvous, and where it comes from: cluster.yaml's
+    ``address`` or IP host as given, else as the other nodes reach it (``routes``)."""
     if head.address:
         return head.address, "cluster.yaml (the head's address)"
     if _is_ip(head.host) or not routes:
@@ -303,10 +288,7 @@ def worker_counts(
     job: JobSpec, nodes: list[NodeSpec], facts: Mapping[str, NodeFacts] | None = None
 ) -> dict[str, int]:
     """Workers (torchrun's nproc) per node: the preflight's GPU counts, else cluster.yaml's.
-
-    Raises PreflightError for a node with fewer GPUs than the job asks for, and SpecError
-    where only the preflight could tell (``gpus: auto`` with ``--skip-parity``).
-    """
+    PreflightError for too few GPUs; SpecError for ``gpus: auto`` with ``--skip-parity``."""
     return {node.name: _nproc(job, node, (facts or {}).get(node.name)) for node in nodes}
 
 

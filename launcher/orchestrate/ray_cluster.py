@@ -62,11 +62,8 @@ _PORT_TAKEN = (
     "s.settimeout(3)\n"
     f"sys.exit({PORT_TAKEN_EXIT} if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 0)\n"
 )
-# Run on every node before its token file is written, with this cluster's GCS address (HEAD:PORT):
-# exit 4, naming them on stderr, when raylets of another Ray run there that `ray stop` run there
-# would stop too (this user's; every user's for root). A zombie raylet (state Z, its command line
-# empty: dead, not yet reaped) is no Ray, nor is a raylet whose command line reads empty.
-# Linux (/proc); elsewhere it finds none.
+# Run on every node before its token file is written, with this cluster's HEAD:PORT: exit 4,
+# naming them on stderr, where raylets of another Ray run that `ray stop` would stop too.
 _OTHER_RAY = (
     "import os, sys\n"
     "ours = {'--gcs-address=' + sys.argv[1], '--gcs_address=' + sys.argv[1]}\n"
@@ -94,13 +91,8 @@ _OTHER_RAY = (
     "    print(', '.join(found), file=sys.stderr)\n"
     f"    sys.exit({OTHER_RAY_EXIT})\n"
 )
-# Run on a node before `ray stop`, with the node's address and the head's (as its `ray start` was
-# given them: stop_ray) and this cluster's GCS port:
-# SIGKILL to this user's `ray start` of this cluster bound to that address, a join to HEAD:PORT
-# (`--address`) or, on the head, the head's own start on PORT; a join to another head on the same
-# port, or another Ray's head on this node, is left alone. One the launcher gave up on (Ctrl-C
-# while nodes join, a timeout) runs on there, as closing an SSH connection stops nothing on the
-# node, and could start Ray after the stop. Matched on whole arguments, so never this program.
+# Run on a node before `ray stop`, with its address, the head's and the GCS port: SIGKILL to
+# this user's `ray start` of this cluster there (one given up on would start Ray after the stop).
 _KILL_START = (
     "import os, signal, sys\n"
     "ip, head, port, me = sys.argv[1], sys.argv[2], sys.argv[3], os.getuid()\n"
@@ -336,11 +328,8 @@ class RaySession:
 def open_session(
     cluster: ClusterSpec, nodes: list[NodeSpec], code: CodePlan | None = None
 ) -> RaySession:
-    """Connect to (or start) the Ray that will host one agent per node in ``nodes``.
-
-    With a ``code`` that travels, the session ships its snapshot to every node. SIGINT and
-    SIGTERM during start-up raise KeyboardInterrupt, with a half-started Ray of ours stopped.
-    """
+    """Connect to (or start) the Ray that hosts one agent per node, shipping ``code``'s
+    snapshot where it travels. SIGINT or SIGTERM during start-up stop what was started."""
     check_ray_version()
     snapshot = stage(code) if code is not None and code.travels else None
     runtime_env: dict[str, Any] = {"working_dir": str(snapshot)} if snapshot else {}
@@ -524,9 +513,7 @@ def _embedded(
 def _attach(
     cluster: ClusterSpec, nodes: list[NodeSpec], address: str, runtime_env: dict[str, Any]
 ) -> RaySession:
-    # Ray (>= 2.50) clusters require a token by default; the driver sends the one in
-    # ~/.ray/auth_token (or $RAY_AUTH_TOKEN) only in token mode, read when ray is imported.
-    # A cluster without authentication accepts it too.
+    # Ray sends ~/.ray/auth_token only in token mode; a cluster without authentication ignores it.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
@@ -589,9 +576,7 @@ def _bootstrap(
             log.info(
                 "Joining %d node(s) to Ray: %s", len(others), ", ".join(n.name for n in others)
             )
-            # Interrupted: the joins under way are given up (their runners closed) and get
-            # JOIN_GRACE_S to end; the close() below kills the `ray start`s that run on, on
-            # every node in _started_on, then stops Ray there (stop_ray).
+            # Interrupted: joins under way get JOIN_GRACE_S; close() below stops the rest.
             outcomes = parallel_map(
                 session._start_ray, others, cluster.ssh.max_parallel, grace_s=JOIN_GRACE_S
             )

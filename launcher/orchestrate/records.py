@@ -31,12 +31,8 @@ class ExitStatus:
 
 @dataclass(frozen=True)
 class RankError:
-    """One worker's uncaught exception, from the error file torchrun asks it to write.
-
-    Workers whose entry point is wrapped in torchelastic's ``@record`` (the built-in trainer)
-    write it; a user script that is not wrapped writes none, and its failure is read from
-    torchrun's own report instead.
-    """
+    """One worker's uncaught exception, from the error file torchrun's ``@record`` writes
+    (a script without it writes none: torchrun's own report is read instead)."""
 
     local_rank: int
     message: str

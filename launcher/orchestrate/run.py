@@ -170,11 +170,8 @@ class Launch:
         return agents
 
     def run_attempts(self, agents: AgentGroup) -> Outcome:
-        """Plan, start and watch attempts until one succeeds or a failure may not be restarted.
-
-        Not elastic: a failed rank restarts on the same nodes; a lost node or a hang end the
-        job. Elastic (``JobSpec.elastic``): any failure leaves its node out (``reshape``).
-        """
+        """Plan, start and watch attempts until one succeeds or a failure may not be restarted
+        (elastic jobs leave a failed node out: ``reshape``)."""
         attempt, nodes, job, restarted_after = 0, self.nodes, self.job, None
         while True:
             self.plan = self.start_attempt(agents, attempt, nodes=nodes, job=job)
@@ -284,14 +281,7 @@ class Launch:
         job: JobSpec | None = None,
     ) -> LaunchPlan:
         """Plan attempt ``attempt`` on a fresh port (``launch.master_port`` when set), record it,
-        start torchrun on every node.
-
-        Restarts are the launcher's, not torchrun's: torchrun's own ``--max-restarts`` reuses its
-        rendezvous store, and the restarted workers read the previous attempt's addresses from
-        it (gloo: "connectFullMesh ... Connection refused"; torch 2.13, static and c10d
-        rendezvous alike). A fresh torchrun per attempt has no such state (its store is new, on
-        the same port or not), and restarts every node, not just the one whose worker failed.
-        """
+        start a fresh torchrun on every node (docs/running.md: why not torchrun's restarts)."""
         job = job or self.job
         nodes = nodes or self.nodes
         port = job.launch.master_port or agents.free_port()
@@ -374,13 +364,8 @@ class Launch:
         raise JobFailed(message)
 
     def finish(self, outcome: Outcome) -> None:
-        """Teardown, then the summary and the report sinks' last writes: nothing is left
-        running, everything measured is kept.
-
-        The summary is written also when the teardown failed (a second Ctrl-C, a lost Ray
-        connection, a full disk); a teardown error or a summary that cannot be written is
-        logged, and does not hide what ended the run (a second Ctrl-C still ends it).
-        """
+        """Teardown, then the summary and the report sinks' last writes; the summary is written
+        also when the teardown failed, whose error is logged, not raised over the run's."""
         try:
             with self._timed("teardown"):
                 self.teardown()
@@ -544,12 +529,9 @@ def run(
     skip_parity: bool = False,
     keep_ray: bool = False,
 ) -> Outcome:
-    """``launch JOB.yaml``: raises JobFailed (exit 4) or Interrupted (130) after the summary;
-    PreflightError (exit 3) where the launcher failed (an OSError) before any worker started.
-
-    A workdir that cannot travel raises SpecError (exit 2) before anything is made or started;
-    so does a ``run_dir`` that is not empty (``RunDir.claim``: one run per run directory).
-    """
+    """``launch JOB.yaml``: JobFailed (exit 4) or Interrupted (130) after the summary;
+    PreflightError (3) where the launcher failed before any worker started; SpecError or
+    UsageError (2) for a workdir that cannot travel or a ``run_dir`` that is not empty."""
     code = checked_code(job, cluster)
     where = RunDir.claim(run_dir) if run_dir else RunDir.new(job.name)
     outcome = Launch(

@@ -38,11 +38,8 @@ class RunDir:
 
     @classmethod
     def new(cls, job_name: str, base: Path = DEFAULT_BASE) -> RunDir:
-        """``runs/<job>-<UTC yyyymmdd-HHMMSS>``, with ``-2``, ``-3``, ... where that is taken.
-
-        The folder is made here, atomically: two launches in the same second never share one.
-        UsageError (exit 2) where ``base`` cannot be written.
-        """
+        """``runs/<job>-<UTC yyyymmdd-HHMMSS>`` (``-2``, ``-3``, ... where taken), made atomically;
+        UsageError (exit 2) where ``base`` cannot be written."""
         stem = f"{job_name}-{utc_stamp()}"
         path, n = base / stem, 1
         while True:
@@ -60,13 +57,8 @@ class RunDir:
 
     @classmethod
     def claim(cls, path: Path | str) -> RunDir:
-        """``--run-dir PATH``: a folder that is new, or empty, and this launch's alone.
-
-        A folder that holds anything (an earlier run's logs, metrics and summary, or other
-        files) is refused with UsageError (exit 2) before anything is made or started: this
-        run's records would be mixed into it. The ``logs`` folder is made here, exclusively, so
-        that of two launches given the same new folder at once only one gets it.
-        """
+        """``--run-dir PATH``: a new or empty folder, this launch's alone (its ``logs/`` made
+        exclusively); one that holds anything is UsageError (exit 2) before anything starts."""
         path = Path(path)
         cls.refuse_used(path, batch=bool(os.environ.get(BATCH_ENV)))
         cls._make(path)

@@ -37,18 +37,13 @@ def scale(
     out_dir: Path | None = None,
     skip_parity: bool = False,
 ) -> dict:
-    """Run the study; returns the scaling table. Raises JobFailed (exit 4) if any run failed.
-
-    SIGINT or SIGTERM in any phase raise Interrupted (exit 130) with the points measured so far
-    written to the study directory; the Ray session is opened with the same guard as a run's.
-    """
+    """Run the study; returns the scaling table. JobFailed (exit 4) if any run failed;
+    Interrupted (130) on SIGINT or SIGTERM, with the points measured so far written."""
     if repeat < 1:
         raise UsageError(f"--repeat {repeat}: give 1 or more")
     points = _points(job, cluster, world=world, nodes=nodes)
     base_world = points[0][0] * points[0][1]
-    # Every point's job first: a world size the batch does not split over, or one the job
-    # refuses (refusal_at), is refused (exit 2) before any point runs, not after the smaller
-    # ones did.
+    # Every point's job first: a point the job refuses is exit 2 before any point runs.
     jobs = [_point_job(job, n_nodes, nproc, base_world, mode) for n_nodes, nproc in points]
     out_dir = out_dir or Path("runs") / f"{job.name}-scale-{utc_stamp()}"
     out_dir.mkdir(parents=True, exist_ok=True)
