@@ -38,21 +38,16 @@ COMMANDS = (
     "up",
     "down",
 )
-# Commands that start, submit, stop or write something: a reader of their stdout or stderr that
-# goes away (``launch run job.yaml | head -3``) changes nothing of what they do or of their exit
-# code; what they print from then on is dropped. The others only show something: a closed
-# stdout pipe ends them quietly (``main``).
+# Commands that act: a reader of their output that goes away changes nothing of what they do
+# (what they print from then on is dropped, ``console.ReaderMayGo``).
 WORKING_COMMANDS = frozenset(
     {"run", "submit", "scale", "tokenize", "export", "fetch", "stop", "up", "down"}
 )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; its exit code. Output into a pipe closed early (``launch list | head
-    -1``) ends a command that only shows something quietly: exit 0, or the code it had when only
-    the last flush found the pipe closed. A command of ``WORKING_COMMANDS`` goes on to its end,
-    what it writes to the stream whose reader went dropped (``console.ReaderMayGo``); a
-    BrokenPipeError it raises is another pipe's (SSH, Ray, a child's stdin): a traceback, exit 1."""
+    """Run one command; its exit code. A command that only shows something ends quietly when
+    its stdout's reader goes (``launch list | head -1``); see ``WORKING_COMMANDS``."""
     console.open_closed_streams()
     command = None
     try:

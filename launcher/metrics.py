@@ -52,12 +52,8 @@ def write_record(record: dict[str, Any], path: str | None = None) -> None:
 def report(
     *, step: int, tokens: int = 0, samples: int = 0, loss: float | None = None, **extra: Any
 ) -> None:
-    """For user scripts: record progress since the previous call. A no-op outside the launcher.
-
-    ``tokens`` and ``samples`` count what this rank processed since its previous call;
-    ``compute_s=`` (seconds of this rank's own work since then, not waiting for other ranks)
-    lets the launcher tell a slow rank from one that waits for it.
-    """
+    """For user scripts: this rank's progress since its previous call (``compute_s``: its own
+    work, not waiting for other ranks). A no-op outside the launcher."""
     write_record(
         {
             "type": "step",

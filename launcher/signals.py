@@ -97,13 +97,8 @@ def keep_handlers() -> Iterator[None]:
 
 @contextlib.contextmanager
 def ctrl_c_spared() -> Iterator[None]:
-    """Processes started within the block (in this thread) have SIGINT blocked.
-
-    A terminal's Ctrl-C goes to the whole foreground process group, the embedded Ray's
-    processes included: they must live on, for the launcher to pass the SIGINT to the ranks
-    (whose torchrun unblocks it again, ``agent._prepare_child``). The launcher still gets it
-    at once: a helper thread, SIGINT unblocked there, takes it for Python's handler.
-    """
+    """Processes started within the block (in this thread) have SIGINT blocked: a terminal's
+    Ctrl-C is the ranks' (the launcher passes it on), not the embedded Ray's."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -144,12 +144,9 @@ def _attached(cluster: ClusterSpec) -> Iterator[JobsCluster]:
 
 @contextlib.contextmanager
 def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]:
-    """The bootstrapped cluster's Jobs API through the tunnel. One process at a time looks at
-    the record and bootstraps (two submits at once share one Ray); a submission (``start``) to
-    a Ray started for other nodes than ``cluster``'s is refused (UsageError). Ray is started again only
-    where SSH reached the head and found no launcher token there; a head that SSH cannot
-    reach, or whose Jobs API does not answer, keeps its record (its jobs may run on) and is a
-    PreflightError."""
+    """The bootstrapped cluster's Jobs API through the tunnel, bootstrapped by one process at a
+    time. A submission to a Ray started for other nodes is UsageError; Ray is started again only
+    where the head answers SSH without a launcher token (else PreflightError, record kept)."""
     with contextlib.ExitStack() as stack:
         with records.cluster_lock(cluster):
             saved = records.saved_cluster(cluster)
@@ -243,11 +240,8 @@ def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
 
 @contextlib.contextmanager
 def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str, str | None]]:
-    """A local port forwarded over SSH to the head's 127.0.0.1 dashboard port: (url, token).
-
-    With ``token``, the launcher's token file is read from the head on the same connection.
-    A head whose Jobs API does not answer through the tunnel is a PreflightError.
-    """
+    """A local port forwarded over SSH to the head's 127.0.0.1 dashboard port: (url, token),
+    the token read on the same connection; PreflightError where the Jobs API does not answer."""
     from invoke.exceptions import ThreadException
 
     from launcher.jobs.ssh import NodeError, SSHRunner, paramiko_connection
@@ -289,9 +283,7 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
                     deadline = time.monotonic() + TUNNEL_READY_S  # the listener is a thread's
                     while not accepts(local_port) and time.monotonic() < deadline:
                         time.sleep(0.05)
-                    # Nothing on the head's dashboard port: the tunnel's thread dies at the first
-                    # connection and its listener stays, so a request without a timeout (Ray's
-                    # client) would wait forever. Ask once, with a timeout.
+                    # Ask once with a timeout: Ray's client would wait forever on a dead tunnel.
                     if heads.api_status(url, secret) is None:
                         raise PreflightError(
                             f"Ray's Jobs API on {head.name} (127.0.0.1:{cluster.ray.dashboard_port} there, "
@@ -302,9 +294,7 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
                     inner = err
                     raise
         except ThreadException as err:
-            # fabric raises its tunnel threads' errors when the block ends, over whatever ended
-            # it: that (Ctrl-C, an error of ours) wins; after a block that went well they no
-            # longer matter.
+            # fabric's tunnel-thread errors at the block's end: what ended the block wins.
             if inner is not None:
                 raise inner from None
             log.debug("the SSH tunnel to %s: %s", head.name, first_line(err))

@@ -57,9 +57,8 @@ def submit(
     if run_dir is not None and cluster.all_local:  # the head is this machine: look before anything
         claim.refuse_used(run_dir)
     if cluster.all_local and cluster.ray.address is None:
-        # Ray's client takes ~1.5 s to import: let it load while the preflight's probe runs. Only
-        # for the local head, whose token goes in a header: Ray reads its auth settings when it
-        # is imported, and a bootstrap sets them first.
+        # Import Ray's client (~1.5 s) while the probe runs; not before a bootstrap, which sets
+        # the auth settings Ray reads at import.
         threading.Thread(
             target=importlib.import_module, args=("ray.job_submission",), daemon=True
         ).start()
@@ -76,9 +75,7 @@ def submit(
             release = None
             if jobs.head_is_local:
                 where = str((run_dir or Path("runs") / job_id).resolve())
-                # One run per run directory, as a foreground run (exit 2): marked for this job
-                # now, so a second submission given the same folder while this job waits in the
-                # queue is refused. The driver takes it.
+                # Marked for this job now (a second submission to it is exit 2); the driver takes it.
                 release = claim.mark(Path(where), job_id)
             else:  # a path on the head; relative ones are under its home directory (the driver claims it)
                 where = str(run_dir or Path("runs") / job_id)
@@ -440,11 +437,8 @@ def _connect_for(cluster: ClusterSpec, job_id: str) -> Iterator[JobsCluster]:
 
 
 def _follow(cluster: ClusterSpec, jobs: JobsCluster, job_id: str) -> None:
-    """Stream the job's log until the job ends. A stream that breaks off (a WebSocket closed
-    with 1006 on a loaded head) is opened again; it starts at the log's beginning, so what was
-    printed already is skipped; each stream after the first has a connection of its own (a new
-    SSH tunnel to a remote head). Exit 3 where the Jobs API no longer answers, or after
-    ``RECONNECTS`` broken streams in a row that brought nothing new."""
+    """Stream the job's log until the job ends. A stream that breaks off is opened again on a
+    new connection, skipping what was printed; exit 3 after ``RECONNECTS`` fruitless tries."""
     follower = _Follower()
     broken = 0
     while True:

@@ -73,11 +73,9 @@ def cluster_lock(cluster: ClusterSpec) -> Iterator[None]:
 
 @contextlib.contextmanager
 def jobs_lock(cluster: ClusterSpec) -> Iterator[None]:
-    """The jobs lock of the launcher's Ray for ``cluster`` (none for a Ray it attaches to): held
-    by a submission until Ray has the job and by ``launch down`` from listing the jobs to
-    stopping Ray. A file of its own (``.jobs.lock``), not the head's lock that every command
-    takes briefly (``local_head``, ``cluster_lock``): those are taken inside it, never around
-    it, so ``status`` and ``list`` do not wait for a submission's upload."""
+    """The jobs lock of the launcher's Ray for ``cluster`` (none for an attached Ray): held by a
+    submission until Ray has the job and by ``launch down`` until Ray is stopped. Apart from the
+    head's lock, which is taken inside it: ``status`` does not wait for an upload."""
     if cluster.ray.address is not None:
         yield
     elif cluster.all_local:

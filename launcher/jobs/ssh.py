@@ -34,12 +34,8 @@ def paramiko_connection(runner: SSHRunner) -> Any:
 
 
 def copy_dir(node: NodeSpec, ssh: SSHSpec, source: str, dest: Path) -> None:
-    """Copy the folder ``source`` on ``node`` into ``dest`` (made; existing files replaced).
-
-    On this machine a plain copy; over SSH, a tar stream of the folder, base64 on the
-    runner's text stdout (run directories are logs, metrics and summaries: megabytes). A
-    symlink that leads out of the folder is skipped with a warning, either way.
-    """
+    """Copy the folder ``source`` on ``node`` into ``dest`` (a copy here, a base64 tar stream
+    over SSH); a symlink out of the folder is skipped with a warning."""
     if node.is_local:
         if not Path(source).is_dir():
             raise PreflightError(f"the run directory {source} does not exist on this machine")

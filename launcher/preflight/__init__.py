@@ -65,11 +65,8 @@ def run_preflight(
     deep: bool = True,
     nodes: list[NodeSpec] | None = None,
 ) -> PreflightReport:
-    """Probe ``nodes`` (default: the nodes the job uses, else all) in parallel and judge them.
-
-    Never raises for a bad node (see ``PreflightReport.raise_for_failure``); raises SpecError
-    for an unknown field in ``parity.policies``.
-    """
+    """Probe ``nodes`` (default: the job's, else all) in parallel and judge them; never raises
+    for a bad node (``PreflightReport.raise_for_failure`` does)."""
     targets = list(nodes) if nodes is not None else nodes_for_job(cluster, job)
     packages = parity_packages(cluster, job)
     policies = resolve_policies(dict(cluster.parity.policies), packages)
@@ -205,11 +202,8 @@ def preflight_facts(
     show: bool = True,
     nodes: list[NodeSpec] | None = None,
 ) -> dict[str, NodeFacts] | None:
-    """The preflight (unless skipped) and what the plan needs of it: each node's GPU count.
-
-    Prints the parity table (always when the preflight fails) and raises PreflightError (exit 3)
-    for a failed one; saves the report (or that it was skipped) into ``save_to`` when given.
-    """
+    """The preflight (unless skipped) and each node's GPU count for the plan; prints the parity
+    table, saves it into ``save_to``, and raises PreflightError (exit 3) for a failed one."""
     if skip:
         log.warning(
             "PARITY CHECK SKIPPED (--skip-parity): nodes are not probed; GPU counts come "

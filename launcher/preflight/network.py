@@ -62,13 +62,8 @@ def choose_routes(
     probes: Mapping[str, Mapping[str, Any]], *, origin: str
 ) -> tuple[dict[str, Route], dict[str, str]]:
     """Each node's interface towards the head, and the nodes for which none fits (→ why).
-
-    ``probes``: node → a probe document (``route``, ``interfaces``), the head first; nodes
-    without a ``route`` section are left out. The head's address as the others reach it is what
-    the first other node resolved the head's name to (the head's own view where it is alone).
-    The head binds on the interface holding that address; every other node on the interface of
-    its route there. ``origin`` names who looked (``preflight``, ``agent``), for ``source``.
-    """
+    ``probes`` holds each node's ``route`` and ``interfaces``, the head first; the head binds
+    where the first other node reaches it, every other node on its route there."""
     routed = {n: p for n, p in probes.items() if isinstance(p.get("route"), dict)}
     if not routed:
         return {}, {}

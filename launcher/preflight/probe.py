@@ -159,13 +159,8 @@ def package_versions(names: list[str]) -> dict[str, str | None]:
 
 
 def launcher_info() -> dict[str, Any] | None:
-    """Where ``import launcher`` would load from and a hash of its .py files (without importing it).
-
-    The probe runs as ``python -``, which puts the current directory first on ``sys.path`` (as
-    ``""``): a folder there named ``launcher`` (``/tmp/launcher`` holds the nodes' run folders)
-    would pass for the package as an empty namespace. That entry is left out; a folder named on
-    ``PYTHONPATH`` on purpose still counts.
-    """
+    """Where ``import launcher`` would load from and a hash of its .py files (without importing
+    it). ``python -`` puts the current folder first on ``sys.path``: that entry is left out."""
     saved = sys.path[:]
     if sys.path and sys.path[0] == "":  # the current directory that ``python -`` put first
         del sys.path[0]

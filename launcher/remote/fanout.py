@@ -69,15 +69,8 @@ def parallel_map(
     fn: Callable[[Any], T], items: Sequence[Any], max_parallel: int = 32, *, grace_s: float = 0.0
 ) -> list[T | BaseException]:
     """``fn(item)`` for every item in daemon threads, at most ``max_parallel`` at once: each
-    result or the exception it raised, in item order.
-
-    When the calling thread is interrupted (KeyboardInterrupt, SystemExit, any exception while
-    waiting), items not yet started are skipped, every runner made in these threads is closed
-    (a local command is killed; a remote one is only given up on and keeps running on its
-    node: see ``Runner.close``), the threads get at most ``grace_s`` to finish (to record what
-    they did), and the exception is raised again. The threads are daemons: one still busy
-    holds up neither this call nor the interpreter's exit.
-    """
+    result or the exception it raised, in item order. Interrupted, it starts no more items,
+    closes every runner made in its threads, gives them ``grace_s`` and raises again."""
     items = list(items)
     outcomes: list[Any] = [None] * len(items)
     if not items:

@@ -34,14 +34,9 @@ class RevokedHostKeyError(paramiko.SSHException):
 def load_known_hosts(
     path: Path,
 ) -> tuple[list[paramiko.hostkeys.HostKeyEntry], set[tuple[str, bytes]]]:
-    """``path``'s host keys and its ``@revoked`` keys (as ``(type, blob)``), read as OpenSSH does.
-
-    paramiko's own loader raises on lines OpenSSH writes or tolerates. Here a
-    ``@cert-authority`` line is skipped (host certificates are not supported: list the
-    node's own key), ``@revoked`` keys are refused wherever they turn up, and a line that
-    cannot be parsed is skipped with a warning naming it. A missing file holds no keys; one
-    that cannot be read is a NodeError naming it.
-    """
+    """``path``'s host keys and its ``@revoked`` keys (as ``(type, blob)``), read as OpenSSH does
+    (paramiko's loader raises on lines OpenSSH accepts): ``@cert-authority`` and unparsable
+    lines skipped with a warning; an unreadable file is a NodeError."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -109,11 +104,8 @@ class RefuseUnknownHostKey(paramiko.RejectPolicy):
 
 
 class RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
-    """Accept a new host key and append it to known_hosts (``ssh.accept_unknown_host_keys``).
-
-    Unlike paramiko's AutoAddPolicy + save, which rewrites the whole file from one client's
-    view, this appends one line under a lock, so a parallel fan-out loses no key.
-    """
+    """Accept a new host key and append it to known_hosts (``ssh.accept_unknown_host_keys``),
+    one line under a lock, so a parallel fan-out loses no key."""
 
     _lock = threading.Lock()
 

@@ -44,11 +44,7 @@ EXIT_DRAIN_S = 5.0  # output read after a remote command exited without its chan
 
 
 class SSHRunner(Runner):
-    """A remote node over SSH (fabric/paramiko): key auth only, host keys verified.
-
-    One connection per runner, opened on first use and reused; a runner is meant for one
-    thread (fan-out gives each node its own).
-    """
+    """A remote node over SSH: one connection, opened on first use, for one thread."""
 
     def __init__(self, node: NodeSpec, ssh: SSHSpec):
         self.ssh = ssh
@@ -64,13 +60,8 @@ class SSHRunner(Runner):
         super().__init__(node)
 
     def load_key(self) -> paramiko.PKey | None:
-        """``ssh.key`` read, or None without one; NodeError (authentication failed) naming the
-        file when it is missing, unreadable, encrypted, not a private key, or a key of a type
-        paramiko does not support (DSA, since paramiko 4.0) or that otherwise cannot be loaded.
-
-        Read here, not by paramiko from ``key_filename``: paramiko tries the file as every key
-        type in turn and re-raises the last type's parse error ("Invalid key"), which hides a
-        key the node refused and an unreadable file alike."""
+        """``ssh.key`` read, or None without one; NodeError naming the file and what is wrong
+        with it (paramiko's own reading says "Invalid key" for every problem alike)."""
         if not self.ssh.key:
             return None
         path, shown = self.ssh.key.expanduser(), self.ssh.key
@@ -121,9 +112,7 @@ class SSHRunner(Runner):
         ``pkey`` is ``load_key()``, ``key_files`` the SSH config's IdentityFile for the hop."""
         timeout = self.ssh.connect_timeout_s
         return {
-            # The configured key only, so a wrong key fails plainly instead of silently
-            # succeeding with some other identity. The SSH config's IdentityFile: those and
-            # ssh-agent, as ssh tries them. Neither: ssh-agent, then ~/.ssh/id_*.
+            # ssh.key alone; else the SSH config's IdentityFile and the agent; else as ssh does.
             **({"pkey": pkey} if pkey is not None else {}),
             **(
                 {"key_filename": [str(p) for p in key_files if p.is_file()]}
@@ -145,10 +134,7 @@ class SSHRunner(Runner):
 
     def _client(self, files: tuple[Path, ...] | None = None) -> paramiko.SSHClient:
         """A client that knows the hop's known_hosts ``files`` (default: the node's) and refuses
-        (or records into the first, on opt-in) new keys.
-
-        The files are read as OpenSSH writes them (``load_known_hosts``); one that cannot be
-        read is a NodeError naming it."""
+        (or records into the first, on opt-in) new keys."""
         files = files or self.route.node.known_hosts
         client = paramiko.SSHClient()
         revoked: set[tuple[str, bytes]] = set()
@@ -337,10 +323,8 @@ class SSHRunner(Runner):
             deadline = None if timeout is None else time.monotonic() + timeout
             exited_at = None
             while True:
-                # sshd may report the exit status before the last of the output; the end of the
-                # output is the channel's EOF (read before draining: no data can follow it). A
-                # daemon the command started may keep the output open: then the exit status
-                # and EXIT_DRAIN_S without EOF end the read.
+                # The output ends at the channel's EOF, or EXIT_DRAIN_S after the exit status
+                # (a daemon the command started may hold the output open).
                 eof = chan.eof_received
                 while chan.recv_ready():
                     out += chan.recv(65536)
@@ -386,13 +370,8 @@ class SSHRunner(Runner):
         return f"{self.node.name} ({self.route.node.describe()}{via})"
 
     def close(self) -> None:
-        """Close the connection; a command running on it (in another thread) ends with
-        NodeError, and a connect under way is closed and ends with NodeError too.
-
-        The command on the node is not stopped: sshd does not signal a command without a
-        terminal when its channel closes. It runs on until it ends by itself (a write to its
-        closed output may end it) or, run with a timeout, until its remote ``timeout`` stops it
-        (``remote_command``)."""
+        """Close the connection: a command or connect under way ends with NodeError. The command
+        on the node runs on (sshd does not signal it) until its remote ``timeout``, if any."""
         with self._state:
             self._closed = True
             conn, self._conn = self._conn, None

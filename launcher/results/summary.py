@@ -62,13 +62,8 @@ def summarize(
     status: str,
     failure: dict | None = None,
 ) -> dict:
-    """Build the ``summary.json`` dict.
-
-    ``ranks`` is the plan's layout (``rank``, ``node``, ``host``, ``local_rank``, ``device``);
-    ``records`` maps a rank to its metrics records in file order, or to them folded in a
-    ``RankStats`` (missing ranks: no records).
-    ``status`` is succeeded, failed or interrupted; ``failure`` names the failed rank.
-    """
+    """The ``summary.json`` dict from the plan's rank layout and each rank's records (a list,
+    or folded in a ``RankStats``)."""
     if status not in STATUSES:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
     folded = {
@@ -166,17 +161,10 @@ def write_summary(run_dir: Path, summary: dict) -> str:
 
 
 def load_run(run_dir: Path) -> dict:
-    """Rebuild a run's summary from ``plan.json`` and ``metrics/rank<R>.jsonl``.
-
-    Status and failure come from an existing ``summary.json``, and so do the keys that
-    ``summarize`` does not make (``restarts``, ``launcher_timings_s``: only the launcher that
-    watched the run knew them); without one the run never finished writing it, so it counts
-    as succeeded only when every rank wrote its ``final`` record, else as interrupted. Without ``plan.json`` the rank layout is taken from
-    ``summary.json``, and without metrics either, ``summary.json`` is returned as it is. So is
-    the summary of a run that restarted: its metrics files hold every attempt's records one
-    after another, which only the launcher that watched the attempts told apart (its summary
-    has the last attempt's ranks, ``restarts`` and ``attempts``).
-    """
+    """Rebuild a run's summary from ``plan.json`` and ``metrics/``, keeping what only the
+    launcher knew (status, failure, restarts) from ``summary.json``. Without one, the run
+    succeeded only if every rank wrote its ``final`` record. A run that restarted, or one
+    with nothing to rebuild from, gets its ``summary.json`` as it is."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         what = "not a directory" if run_dir.exists() else "no such directory"

@@ -407,11 +407,8 @@ def bf16_weights_refusal(reasons: list[str]) -> str:
 
 
 def cudnn_fa4_obstacles(*, head_dim: int, half: bool, dropout: float) -> list[str]:
-    """Why cuDNN's forward with FlashAttention-4's backward (``train.attention: cudnn-fa4``)
-    cannot run a model, from what the spec alone tells: the head dimension, whether the
-    attention's inputs are bf16 or fp16 (``half``), attention dropout. Empty where nothing here
-    stands in the way. The job's cross-checks ask with the job's values; the trainer asks again
-    at start and adds the GPU and the package (``launcher.train.attention.choose``)."""
+    """Why ``train.attention: cudnn-fa4`` cannot run a model, from the spec alone (the trainer
+    adds the GPU and the package); empty where nothing stands in the way."""
     reasons = []
     if head_dim % 8 or head_dim > 128:
         reasons.append(
@@ -654,12 +651,8 @@ class JobSpec(Strict):
 
     @property
     def kernel_packages(self) -> list[str]:
-        """Optional packages whose presence changes the kernels the built-in trainer runs, so
-        preflight checks that every node has the same version of each (or none): flash-attn-4
-        where ``train.attention`` may pick FlashAttention-4 (auto, cudnn-fa4); Triton where the
-        trainer's own kernels (``train.kernels: auto``) or bf16 weights (``precision.weights``
-        auto or bf16: without Triton ``auto`` trains fp32 weights, and DDP needs one dtype on
-        every rank) may run; torchao for fp8."""
+        """Optional packages that change the built-in trainer's kernels, so preflight checks
+        every node has the same version of each (or none)."""
         if not self.uses_builtin or self.resources.device != "cuda":
             return []
         wanted = ["flash-attn-4"] if self.train.attention in ("auto", "cudnn-fa4") else []
@@ -796,14 +789,9 @@ class JobSpec(Strict):
 
 
 def refusal_at(job: JobSpec, world_size: int) -> str | None:
-    """Why the built-in trainer would refuse ``job`` on ``world_size`` ranks (or at least that
-    many), as one paragraph; None where the spec finds nothing against it.
-
-    The job's own checks run again (a job changed with ``model_copy``, as an elastic restart's
-    new ``train.grad_accum``, skipped them), then those that need the world size: bf16 weights
-    where FSDP shards the model over the ranks. What needs the machine (the GPU, a package) is
-    the trainer's to find.
-    """
+    """Why the built-in trainer would refuse ``job`` on ``world_size`` ranks, as one paragraph;
+    None where the spec finds nothing. The job's checks run again (``model_copy`` skips them),
+    then those that need the world size."""
     from pydantic import ValidationError
 
     try:
