@@ -11,8 +11,9 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
-from fixtures.launching import assert_none_left, env_of, kill, matching, processes
+from fixtures.launching import assert_none_left, env_of, kill, ours
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_RANK_KEYS = {
@@ -31,6 +32,14 @@ SUMMARY_RANK_KEYS = {
     "peak_mem_gib",
     "data_wait_pct",
 }
+
+
+@pytest.fixture
+def mark(monkeypatch: pytest.MonkeyPatch) -> str:
+    """In the environment of everything the test's launch starts (``fixtures.launching.ours``)."""
+    value = uuid.uuid4().hex
+    monkeypatch.setenv("LAUNCHER_TEST_MARK", value)
+    return value
 
 
 def launch(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -56,8 +65,7 @@ def custom_job(tmp_path: Path, *script_args: str, **extra) -> Path:
     return path
 
 
-def test_quickstart_end_to_end(tmp_path):
-    before = matching()
+def test_quickstart_end_to_end(tmp_path, mark):
     run_dir = tmp_path / f"run-{tmp_path.name}"
     run_dir.mkdir()  # an empty folder is a fine --run-dir
     result = launch(str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT)
@@ -93,7 +101,7 @@ def test_quickstart_end_to_end(tmp_path):
     assert plan["run_id"].startswith(f"{run_dir.name}-") and plan["run_name"] == run_dir.name
     assert plan["nodes"][0]["node_dir"] == "{node_dir}"  # each agent makes its own, private
     assert plan["nodes"][0]["env"]["LAUNCHER_RUN_ID"] == run_dir.name
-    assert_none_left(before, marker=run_dir.name)
+    assert_none_left(mark, run_dir.name)
     # the same --run-dir again: refused (exit 2) before anything starts, the first run untouched
     kept = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     again = launch(
@@ -103,14 +111,13 @@ def test_quickstart_end_to_end(tmp_path):
     assert f"--run-dir {run_dir} is not empty" in again.stderr and "Traceback" not in again.stderr
     assert "Pick a new folder" in again.stderr and again.stderr.count("\n") == 1
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == kept
-    assert_none_left(before, marker=run_dir.name)
+    assert_none_left(mark, run_dir.name)
 
 
-def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_path):
+def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_path, mark):
     """`launch jobs/quickstart.yaml | head -1`: the reader going away changes nothing of the run
     (before: exit 4, "could not write the summary ... Broken pipe"). Exit 0, the run directory in
     full, the console's lines from then on dropped; nothing of the run left running."""
-    before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
     with open(tmp_path / "stderr", "wb") as err:
         proc = subprocess.Popen(
@@ -155,11 +162,10 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
     assert (
         "step 30" in (run_dir / "logs/local/rank0.log").read_text()
     )  # rank 0's lines, the shown ones, kept
-    assert_none_left(before, marker=run_dir.name)
+    assert_none_left(mark, run_dir.name)
 
 
-def test_failing_rank_stops_everything_and_is_named(tmp_path):
-    before = matching()
+def test_failing_rank_stops_everything_and_is_named(tmp_path, mark):
     run_dir = tmp_path / f"run-{tmp_path.name}"
     start = time.monotonic()
     result = launch(
@@ -182,13 +188,12 @@ def test_failing_rank_stops_everything_and_is_named(tmp_path):
     assert "injected failure" in summary["failure"]["log_tail"]
     assert "injected failure" in (run_dir / "logs/local/rank1.log").read_text()
     assert (run_dir / "metrics/rank0.jsonl").stat().st_size > 0
-    assert_none_left(before, marker=run_dir.name)
+    assert_none_left(mark, run_dir.name)
 
 
-def test_a_diverging_quickstart_stops_with_exit_4_naming_the_step(tmp_path):
+def test_a_diverging_quickstart_stops_with_exit_4_naming_the_step(tmp_path, mark):
     """Issue 46's run: the loss went NaN from step 5 and the run exited 0. Now every rank stops
     at the first log step that reads a non-finite step, and the summary says which."""
-    before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
     result = launch(
         str(ROOT / "jobs/quickstart.yaml"),
@@ -210,13 +215,12 @@ def test_a_diverging_quickstart_stops_with_exit_4_naming_the_step(tmp_path):
     logged = [r for r in records if r["type"] == "step"]
     assert logged[-1]["step"] == 5 and logged[-1]["first_nonfinite"]["step"] == step
     assert summary["training"]["step"] == 5
-    assert_none_left(before, marker=run_dir.name)
+    assert_none_left(mark, run_dir.name)
 
 
-def test_torchrun_that_cannot_start_on_a_node_fails_the_job_naming_the_node(tmp_path):
+def test_torchrun_that_cannot_start_on_a_node_fails_the_job_naming_the_node(tmp_path, mark):
     """A node whose interpreter does not exist (the preflight skipped, which would have caught
     it): exit 4 and one paragraph naming the node and the missing file, no traceback."""
-    before = matching()
     run_dir = tmp_path / f"run-{tmp_path.name}"
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(
@@ -247,11 +251,10 @@ def test_torchrun_that_cannot_start_on_a_node_fails_the_job_naming_the_node(tmp_
     assert "Traceback" not in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "torchrun could not be started" in json.dumps(summary)
-    assert_none_left(before, marker=run_dir.name)
+    assert_none_left(mark, run_dir.name)
 
 
-def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
-    before = matching()
+def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path, mark):
     run_dir = tmp_path / f"run-{tmp_path.name}"
     proc = subprocess.Popen(
         [
@@ -274,7 +277,7 @@ def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
         while not (metrics.exists() and metrics.stat().st_size > 0):
             assert time.monotonic() < deadline and proc.poll() is None, "training never started"
             time.sleep(0.5)
-        workers = _workers_of(run_dir.name)
+        workers = _workers_of(mark, run_dir.name)
         assert workers, "no worker process carries this run's LAUNCHER_RUN_ID"
         for pid in workers:  # Ray runs its workers niced (15); training must not be
             assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 0
@@ -289,23 +292,12 @@ def test_sigint_mid_run_exits_130_and_leaves_nothing(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert summary["ranks"][0]["steps"] > 0  # what was measured is kept
-    assert_none_left(before, marker=run_dir.name)
+    assert_none_left(mark, run_dir.name)
 
 
-def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
+def test_attach_mode_leaves_the_running_cluster_running(tmp_path, mark):
     port = 6400 + os.getpid() % 500
-    mark = (
-        uuid.uuid4().hex
-    )  # in the environment of every process of this test's Ray, workers included
-    env = {
-        **os.environ,
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "token",
-        "LAUNCHER_ATTACH_TEST": mark,
-    }
-
-    def ours() -> list[int]:  # only this test's Ray (never `ray stop`: others may run Ray here)
-        return [pid for pid in processes() if env_of(pid).get("LAUNCHER_ATTACH_TEST") == mark]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 
     try:
         started = subprocess.run(
@@ -366,17 +358,16 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path):
             env=env,
         )
         assert status.returncode == 0, "the attached cluster was stopped"
-        alive = processes()
-        assert any("raylet" in alive.get(pid, "") for pid in ours()), (
+        assert any("raylet" in cmd for cmd in ours(mark).values()), (
             "the attached cluster's raylet is gone"
         )
     finally:
-        kill(ours())
+        kill(list(ours(mark)))  # only this test's Ray: never `ray stop`, others may run Ray here
 
 
-def _workers_of(run_id: str) -> list[int]:
+def _workers_of(mark: str, run_id: str) -> list[int]:
     return [
         pid
-        for pid, cmd in matching().items()
+        for pid, cmd in ours(mark, run_id).items()
         if "custom_train.py" in cmd and env_of(pid).get("LAUNCHER_RUN_ID") == run_id
     ]
