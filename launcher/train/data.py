@@ -28,11 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
-    """Data the trainer cannot use: a token file shorter than one sample or holding an id
-    outside the model's vocabulary, text or a tokenizer that cannot be used
-    (``launcher.train.text.TextError`` is this class). Raised while the data are opened, before
-    the first step; the worker prints it as one paragraph and exits 2. ``field``: the job field
-    it names (None: the message says)."""
+    """Data the trainer cannot use, found before the first step (the worker exits 2);
+    ``field``: the job field it names."""
 
     def __init__(self, message: str, *, field: str | None = None):
         super().__init__(message)
@@ -119,12 +116,8 @@ def mask_token_id(vocab_size: int) -> int:
 
 
 def hash_ints(*keys: torch.Tensor | int) -> torch.Tensor:
-    """A 32-bit integer hash of the keys (broadcast together), as int64 in [0, 2^32).
-
-    Each key is folded in with xor and mixed (a murmur-style finaliser). The multipliers are
-    below 2^31 and the state below 2^32, so products never overflow int64. At least one key
-    must be a tensor; the rest may be Python ints.
-    """
+    """A 32-bit integer hash of the keys (broadcast together; one at least a tensor), as
+    int64 in [0, 2^32): xor and a murmur-style finaliser, never overflowing int64."""
     h: torch.Tensor | int = 0x2545F491
     for key in keys:
         h = _mix(h ^ (key & _M32))
@@ -258,21 +251,9 @@ class Batches(abc.ABC):
 
 
 class MadeAhead(Batches):
-    """Batches made ahead, ``steps_ahead`` optimizer steps at a time, in a background thread.
-
-    A chunk holds every micro-batch of this rank for up to 16 steps (at most ``CHUNK_TOKENS``
-    tokens, or one step where a step holds more), made by the ops of one batch applied to all
-    its rows at once: some 150 torch ops whatever its size, as many as one batch takes, and the
-    numbers of ``Batches.batch``.
-    ``batch`` hands out views of it.
-
-    As soon as the training thread takes a chunk, a worker thread (``launcher-data``) starts
-    making the next one and, for a GPU, pins it; taking it over then costs the training thread
-    one asynchronous copy per tensor (pinned memory is not reused by torch's host allocator
-    before its copy is done). A step in neither chunk (the first, the first after
-    ``continue_at``, one asked out of order) is made in the training thread. An error in the
-    worker is raised by the ``batch`` call that needs its chunk. ``close`` stops the worker.
-    """
+    """Batches made ahead, ``steps_ahead`` optimizer steps at a time (a chunk, the numbers of
+    ``Batches.batch``), the next chunk in a worker thread (pinned for a GPU); ``batch`` hands
+    out views. A worker's error is raised by the ``batch`` that needs its chunk."""
 
     CHUNK_TOKENS = 1 << 22
 

@@ -18,15 +18,9 @@ import torch
 def read_interval(
     rows: torch.Tensor, *, first_step: int, has_norm: bool, norm_counts: bool, run: int
 ) -> tuple[dict[str, Any], int]:
-    """The health fields of a record from its interval's rows on the host, and the run of
-    non-finite steps at its end.
-
-    ``rows``: one row per step from ``first_step`` on: the loss (the mean over the ranks) and
-    the gradient norm. A step is non-finite where its loss is, or (``norm_counts``: no loss
-    scaler, which skips overflows itself) its gradient norm. ``loss``, ``grad_norm`` and
-    ``grad_norm_max`` are taken over the finite steps only (None without one). ``run``: the
-    non-finite steps in a row just before this interval.
-    """
+    """The health fields of a record from its interval's (loss, grad norm) rows, over the
+    finite steps only, and the run of non-finite steps at its end (a non-finite norm counts
+    with ``norm_counts``: without a loss scaler)."""
     loss, norm = rows[:, 0].double(), rows[:, 1].double()
     bad = ~torch.isfinite(loss)
     if has_norm and norm_counts:

@@ -191,17 +191,9 @@ class _Interval:
 
 
 class Meter:
-    """Per-rank meter. Call ``start()`` before the first step, ``step_end()`` after every
-    optimizer step, ``flush()`` after the last, ``finish()`` at the end. ``step_end`` returns
-    a log step's record when it reads it (at that step, or with ``read_late`` at the next),
-    else None; ``flush`` the record still unread, if any.
-
-    ``sync`` (``torch.cuda.synchronize`` on GPUs) is called by ``start`` and ``flush`` only;
-    ``reduce_loss`` may be a collective (it is called on the log steps, on every rank).
-    ``also_log(step)``: further log steps (checkpoints, evaluations). ``norm_counts``: a
-    non-finite gradient norm makes a step non-finite (not under a loss scaler); ``skips``:
-    non-finite steps were skipped (``train.on_nonfinite: skip``), counted as ``skipped_steps``.
-    """
+    """Per-rank meter: ``start()``, ``step_end()`` after every optimizer step (a log step's
+    record when read, else None), ``flush()`` after the last, ``finish()``. ``sync`` runs in
+    ``start`` and ``flush`` only; ``reduce_loss`` may be a collective (log steps, every rank)."""
 
     def __init__(
         self,

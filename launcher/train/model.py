@@ -51,14 +51,8 @@ def describe(spec: ModelSpec, n_params: int) -> str:
 
 
 def matmul_params_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> float:
-    """N in FLOPs/token = 6·N + attention: the weights each token multiplies by.
-
-    Per block: QKV and output projections (4·d²) and the MLP (2·d·d_ff). Embedding lookups
-    (word, position, token type) are not matmuls and are not counted. The LM head is a
-    real matmul: GPT multiplies every token by the tied V×d decoder; BERT runs its head
-    (d² transform + V×d decoder) only on the masked fraction ``mask_count/seq_len`` of the
-    tokens, so only that fraction is counted. Biases and norms (elementwise) are ignored.
-    """
+    """N in FLOPs/token = 6·N + attention: the weights each token multiplies by (blocks and
+    the LM head; BERT's head on the masked fraction only; no embeddings, biases or norms)."""
     d = spec.dims()
     per_block = 4 * d["d_model"] ** 2 + 2 * d["d_model"] * d["d_ff"]
     body = d["n_layers"] * per_block
@@ -69,13 +63,8 @@ def matmul_params_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) 
 
 
 def flops_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> float:
-    """Training FLOPs per token (forward + backward = 3× forward), model FLOPs only.
-
-    ``6·N + 12·L·d·S`` with N from ``matmul_params_per_token``. The attention term counts
-    QKᵀ and A·V (2·S·d FLOPs, S·d multiply-adds, each per token per layer; ×3 with the backward). GPT is
-    causal and the flash kernels skip the masked half, so GPT counts half: ``6·L·d·S``.
-    Recomputation under activation checkpointing is not counted (this is MFU, not HFU).
-    """
+    """Training FLOPs per token, model FLOPs only (MFU, not HFU): ``6·N + 12·L·d·S``, GPT's
+    causal attention counted half (``6·L·d·S``)."""
     d = spec.dims()
     attn = 12 * d["n_layers"] * d["d_model"] * seq_len
     if spec.arch == "gpt":
@@ -84,13 +73,8 @@ def flops_per_token(spec: ModelSpec, *, seq_len: int, mask_prob: float) -> float
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` whose output has its input's dtype.
-
-    Autocast runs LayerNorm in fp32 and returns fp32, so without this the hidden states of a
-    bf16 run turn fp32 at the first norm (BERT's residual stream is a norm's output). With it,
-    the statistics are still fp32 and the states stay in the dtype the embeddings give them
-    (``Embeddings.out_dtype``); for fp32 inputs it is ``nn.LayerNorm``.
-    """
+    """``nn.LayerNorm`` whose output has its input's dtype (autocast would return fp32); the
+    statistics are still fp32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x).to(x.dtype)
@@ -138,12 +122,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One Transformer block: post-LN (BERT) or pre-LN (GPT).
-
-    ``checkpoint_activations`` (set by ``parallel.apply_activation_checkpointing``) makes
-    the block recompute its activations in backward; it lives inside ``forward`` so that
-    ``torch.compile`` of the block sees it and parameter names do not change.
-    """
+    """One Transformer block: post-LN (BERT) or pre-LN (GPT). ``checkpoint_activations``
+    recomputes its activations in backward, inside ``forward`` (names unchanged)."""
 
     def __init__(
         self,
@@ -180,11 +160,7 @@ class Block(nn.Module):
 
 class Embeddings(nn.Module):
     """Word + learned position (+ token type 0 for BERT), then LayerNorm for BERT.
-
-    ``out_dtype`` (set by the trainer from ``precision.activations``; None: the weights'
-    dtype) is the dtype of the hidden states from here to the head: bf16 under bf16
-    autocast halves the bytes every elementwise kernel between the matmuls moves.
-    """
+    ``out_dtype`` (``precision.activations``; None: the weights') is the hidden states'."""
 
     def __init__(
         self,

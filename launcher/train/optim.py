@@ -46,13 +46,8 @@ def choose_weights(
 
 
 class MasterWeights:
-    """The fp32 masters of ``params`` and the parameters made bf16 views into one flat buffer.
-
-    ``params`` are trained parameters in fp32 (or any float dtype): their values become the
-    masters, and each ``p.data`` is replaced by a bf16 view (the same ``nn.Parameter`` objects,
-    so modules, optimizers and DDP built afterwards see bf16 weights). Build it before DDP
-    wraps the model, after any pretrained weights are loaded.
-    """
+    """The fp32 masters of ``params`` and each ``p.data`` made a bf16 view into one flat buffer
+    (the same ``nn.Parameter`` objects). Build it after loading weights, before DDP."""
 
     def __init__(self, params: Sequence[nn.Parameter]):
         params = list(params)
@@ -136,18 +131,9 @@ def torch_adamw_settings() -> dict[str, Any]:
 
 
 class MasterAdamW(torch.optim.Optimizer):
-    """AdamW on bf16 parameters whose fp32 masters ``masters`` holds (see the module's doc).
-
-    Param groups, ``lr``, ``betas``, ``eps`` and ``weight_decay`` mean what they mean for
-    ``torch.optim.AdamW``, and the update is its arithmetic in fp32. ``clip_grad_norm_`` before
-    ``step`` folds the clipping into the update. ``state_dict`` holds the moments and the step
-    (the masters are the model's weights in a checkpoint); ``load_state_dict`` copies into the
-    optimizer's own buffers. Its groups carry torch AdamW's settings at their defaults
-    (``torch_adamw_settings``), so a checkpoint loads into either. One step count serves every
-    parameter (the trainer steps them all together): a parameter without a gradient keeps its
-    weight and moments, but unlike torch's AdamW its bias correction later follows the shared
-    count.
-    """
+    """``torch.optim.AdamW``'s arithmetic in fp32 on bf16 parameters whose fp32 masters
+    ``masters`` holds; ``clip_grad_norm_`` before ``step`` folds the clipping into the update.
+    Its state_dict is torch AdamW's format; one step count serves every parameter."""
 
     def __init__(
         self,
@@ -297,12 +283,8 @@ class MasterAdamW(torch.optim.Optimizer):
     # -- tables for the kernels ------------------------------------------------------------
 
     def _gradients(self) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
-        """The gradients' addresses on the device, by tensor index (one table for the norm and
-        every group's update), and per group the indices of the tensors that have a gradient.
-
-        Gradients stay where a replayed CUDA graph (or the caching allocator, step after step)
-        puts them: a table is checked and uploaded when its addresses are new, through pinned
-        memory without the host waiting, and kept for the next steps."""
+        """The gradients' device addresses by tensor index, and per group the indices of the
+        tensors with a gradient; a table is uploaded again only when its addresses change."""
         ptrs = [0] * len(self.masters.params)
         present = []
         for group, indices in zip(self.param_groups, self._group_indices, strict=True):

@@ -73,24 +73,14 @@ def parallelize(
 
 
 def shards_alone(job: JobSpec) -> bool:
-    """Whether FSDP applies to a world of one process.
-
-    One process has nothing to shard or reduce: like DDP there, the model trains unwrapped
-    (FSDP's per-unit hooks and DTensor parameters cost host time that one GPU waits on). The
-    exception is ``parallel.fsdp.cpu_offload``, which one process uses for its memory.
-    """
+    """Whether FSDP applies to a world of one process: only for ``parallel.fsdp.cpu_offload``
+    (else one process trains the model unwrapped, as under DDP)."""
     return job.parallel.strategy == "fsdp" and job.parallel.fsdp.cpu_offload
 
 
 def process_group_backend(job: JobSpec) -> str:
-    """The backend ``init_process_group`` gets: the job's (``JobSpec.backend``), with gloo
-    beside NCCL for CPU tensors where FSDP offloads to the CPU (``parallel.fsdp.cpu_offload``).
-
-    The offloaded gradient shards live on the CPU, so the collectives on them (the gradient
-    norm's all-reduce in ``grad_norm``, ``ShardedGradScaler``'s found-inf all-reduce) run on
-    CPU tensors, which an NCCL-only group refuses ("No backend type associated with device
-    type cpu"). ``cuda:nccl,cpu:gloo`` sends each tensor to the backend of its device.
-    """
+    """The backend ``init_process_group`` gets: the job's, with gloo beside NCCL for the CPU
+    tensors of FSDP's offloaded gradient shards (``parallel.fsdp.cpu_offload``)."""
     backend = job.backend
     if backend == "nccl" and job.parallel.strategy == "fsdp" and job.parallel.fsdp.cpu_offload:
         return "cuda:nccl,cpu:gloo"
@@ -102,14 +92,8 @@ FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and lat
 
 def apply_float8(model: nn.Module, *, recipe: str, layers: str, device: torch.device) -> int:
     """Swap the blocks' linear layers for torchao's float8 training layers; returns how many.
-
-    Only ``blocks.*`` is converted: the embeddings are lookups and the LM head is the tied
-    embedding matrix (``F.linear``, not an ``nn.Linear``), the first and last layers that
-    torchao advises to keep in high precision. ``layers="auto"`` keeps the layers torchao's
-    size filter for ``recipe`` expects to lose time in float8 (the casts cost more than the
-    faster matmul saves on small shapes); ``"all"`` converts every layer whose dims divide by
-    16 (a float8 matmul requirement). Raises SpecError without FP8 hardware or torchao.
-    """
+    ``layers="auto"`` keeps those torchao's size filter expects to lose time; ``"all"``
+    converts every one whose dims divide by 16. SpecError without FP8 hardware or torchao."""
     from launcher.errors import SpecError
 
     field = "precision.dtype"
@@ -167,12 +151,8 @@ def batches_weight_grads(
     job: JobSpec, model: nn.Module, *, device: torch.device, whole: bool
 ) -> bool:
     """Whether the compiled backward batches the blocks' weight gradients over the layers
-    (``train.weight_grads``; ``launcher/train/wgrad.py``). Under ``auto``: where the model
-    compiles as one graph (so that the layers' products meet in one backward) on a CUDA GPU,
-    with bf16 weights (``precision.weights``: the products' bf16 results are then the
-    parameters' gradients, which the pass looks for; fp32 weights take them through a cast)
-    and without activation checkpointing (which would hold every recomputed input to the end
-    of the backward)."""
+    (``train.weight_grads: auto``): one whole-model graph on a CUDA GPU with half-precision
+    weights and no activation checkpointing."""
     half = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
     return (
         job.train.weight_grads == "auto"
@@ -191,27 +171,9 @@ def apply_compile(
     batch_weight_grads: bool = False,
 ) -> None:
     """Compile the embeddings, each block and the head (or, ``whole``, the model), in place
-    (names unchanged).
-
-    Per block: every block has the same shapes, so one compiled graph is reused L times,
-    and DDP's and FSDP's per-block hooks sit between graphs. Whole: one forward and one
-    backward graph for the model, which a single process prefers (fewer launches and graph
-    boundaries, fusion across blocks) at the cost of a longer compilation.
-
-    ``cuda_graphs`` (inductor's reduce-overhead mode) records each compiled forward and
-    backward once and replays it: one launch instead of dozens of kernel launches. DDP's
-    gradient hooks run between the graphs, so the all-reduce still overlaps the backward.
-    The trainer marks each micro-batch's start (``cudagraph_mark_step_begin``).
-
-    Dynamo's DDP optimizer is turned off: it splits every graph compiled under DDP at
-    gradient-bucket boundaries, so that a whole-model graph still overlaps its all-reduce.
-    A block is already the unit of overlap here, and splitting it (a block's parameters
-    exceed a bucket) would double the compiled graphs run per step.
-
-    ``batch_weight_grads`` (whole only) adds ``wgrad.WeightGradBatching`` to the inductor
-    options of this compilation: the backward computes the weight gradients of the layers'
-    same-shaped linears as one batched product each, at its end.
-    """
+    (names unchanged); ``cuda_graphs`` replays them as CUDA graphs, ``batch_weight_grads``
+    adds ``wgrad.WeightGradBatching`` to a whole-model compilation. Dynamo's DDP optimizer
+    is off: a block is already the unit of overlap."""
     torch._dynamo.config.optimize_ddp = False
     options: dict[str, Any] = {"mode": "reduce-overhead"} if cuda_graphs else {}
     if whole:
@@ -323,16 +285,9 @@ def apply_fsdp(
 def gradient_sync(
     model: nn.Module, enabled: bool, *, keep_gathered: bool = False
 ) -> AbstractContextManager:
-    """Skip the gradient all-reduce / reduce-scatter on non-final micro-batches.
-
-    DDP: ``no_sync()`` while accumulating. FSDP2: ``set_requires_gradient_sync`` (gradients
-    stay unsharded and unreduced until the last micro-batch). With ``keep_gathered`` (for
-    jobs whose gathered parameters stay gathered from forward to backward anyway,
-    ``reshard_after_forward: false``, so the peak memory is the same), FSDP2 also keeps them
-    gathered from one micro-batch's backward to the next one's forward
-    (``set_reshard_after_backward``): one all-gather per optimizer step instead of one per
-    micro-batch. Plain modules: nothing to do.
-    """
+    """Skip the gradient all-reduce / reduce-scatter on non-final micro-batches (DDP's
+    ``no_sync``, FSDP2's ``set_requires_gradient_sync``); ``keep_gathered`` also keeps FSDP2's
+    parameters gathered between micro-batches: one all-gather per optimizer step."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -370,12 +325,8 @@ def is_sharded(model: nn.Module) -> bool:
 def clip_grad_norm_(
     parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
-    """Clip gradients to a total norm of ``max_norm``; returns the total norm before clipping.
-
-    Same result as ``torch.nn.utils.clip_grad_norm_``: every gradient multiplied by
-    ``clip_coefficient`` (``max_norm / (norm + 1e-6)`` clamped to 1), with the norm from
-    ``grad_norm`` (FSDP2's sharded gradients handled on their local shards).
-    """
+    """``torch.nn.utils.clip_grad_norm_``'s result, with the norm from ``grad_norm``; returns
+    the total norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
@@ -398,11 +349,8 @@ def clip_grad_norm_(
 def clip_in_fused_optimizer(
     optimizer: torch.optim.Optimizer, parameters: Iterable[nn.Parameter], max_norm: float
 ) -> torch.Tensor:
-    """Clip as ``clip_grad_norm_`` does, inside the next step of a fused Adam/AdamW: its
-    ``grad_scale`` slot (the one ``GradScaler`` unscales through) gets 1 / the coefficient,
-    and the kernel divides every gradient by it as it reads them. No pass over the gradients
-    of its own; not for an optimizer that a ``GradScaler`` drives, which owns that slot.
-    Returns the total norm before clipping."""
+    """Clip as ``clip_grad_norm_`` does, inside the next step of a fused Adam/AdamW (through its
+    ``grad_scale`` slot: not with a ``GradScaler``); returns the total norm before clipping."""
     total = grad_norm(parameters)
     scale = clip_coefficient(total, max_norm).reciprocal()
     optimizer.grad_scale = scale  # type: ignore[attr-defined]  # torch's fused kernel reads it
@@ -416,18 +364,9 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 @torch.no_grad()
 def grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The total norm of all gradients, a 0-d tensor on their device (no host sync).
-
-    FSDP2's sharded gradients are handled on their local shards: one foreach norm over the
-    shards, one all-reduce of a scalar (the sum of the p-th powers, or the max for the
-    inf-norm) over the mesh. Going through DTensor instead costs a sharding propagation and
-    re-wrapping of every gradient for each op, which is host time that grows with the
-    parameter count.
-
-    Gradients that are not DTensors (plain or DDP, already identical on every rank) go to
-    torch's ``get_total_norm``. DTensor gradients sharded other than ``Shard`` on a 1-D mesh
-    (replicas, HSDP) also do, since summing over ranks would count a replicated gradient twice.
-    """
+    """The total norm of all gradients, a 0-d tensor on their device (no host sync). FSDP2's
+    ``Shard`` gradients on a 1-D mesh: a foreach norm of the local shards and one scalar
+    all-reduce; anything else: torch's ``get_total_norm``."""
     from torch.distributed.tensor import DTensor, Shard
 
     grads: list[torch.Tensor] = [p.grad for p in parameters if p.grad is not None]
@@ -444,10 +383,7 @@ def grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> tor
         return total.full_tensor() if isinstance(total, DTensor) else total
     norm_type = float(norm_type)
     local = [g.to_local() for g in grads if isinstance(g, DTensor)]
-    # The local norm in fp32 (torch computes it in the gradients' dtype; with bf16 gradients
-    # fp32 is the more accurate choice and the reduced scalar must share one dtype anyway).
-    # Empty shards (a dim 0 smaller than the world) are left out: 0 is the identity of the
-    # max and of the sum, and the inf-norm kernel rejects empty tensors.
+    # The local norm in fp32; empty shards left out (the inf-norm kernel rejects them).
     nonempty = [t for t in local if t.numel()]
     if nonempty:
         local_norm = torch.nn.utils.get_total_norm(

@@ -133,17 +133,9 @@ def device_events(events: Iterable[dict[str, Any]], device: int | None) -> Itera
 def device_timeline(
     events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None
 ) -> dict[str, float] | None:
-    """Where a recorded step's device time goes, in ms per step, from Chrome-trace events.
-
-    Kernels (and copies, memsets) on every stream of ``device`` (all devices when None) are
-    merged into busy intervals. Communication is any kernel ``kernel_kind`` names so (NCCL's),
-    the rest is compute. ``comm_exposed`` is communication time that no compute overlaps: with
-    DDP, the all-reduce the backward did not hide. ``comm`` also counts a collective's wait
-    for a slower rank, which is why it can differ between ranks. ``idle`` is time with nothing
-    running in the span from the first kernel's start to the last one's end: on a GPU-bound
-    step, gaps between launches; more than that, the device waiting for the host.
-    Returns None when the events hold no device activity (a CPU run).
-    """
+    """Where a recorded step's device time goes, in ms per step, from Chrome-trace events:
+    compute, communication, communication no compute overlaps, and idle; None without device
+    activity."""
     compute: list[tuple[float, float]] = []
     comm: list[tuple[float, float]] = []
     for e in device_events(events, device):
@@ -181,12 +173,8 @@ SHORT_GAP_US = 5.0  # from one kernel to the next in a queue the host keeps full
 def idle_gaps(
     events: Iterable[dict[str, Any]], *, steps: int, device: int | None = None, top: int = 5
 ) -> dict[str, Any] | None:
-    """Where the device sat idle, in ms per step: gaps under ``SHORT_GAP_US`` (one kernel's end
-    to the next one's start, what fewer kernels or programmatic dependent launch would
-    shorten) and longer ones (the device waiting for the host: a synchronisation, a slow
-    launch), with the ``top`` longest and the device activity on either side. Every stream
-    of ``device`` counts as one timeline (a gap is time with nothing running on any).
-    None without device activity."""
+    """Where the device sat idle, in ms per step: gaps under ``SHORT_GAP_US`` and longer ones
+    (waiting for the host), the ``top`` longest with what ran on either side."""
     found = sorted(device_events(events, device), key=lambda e: float(e["ts"]))
     if not found:
         return None

@@ -21,19 +21,9 @@ SCAN_CHUNK = 1 << 22  # token ids per step of a token file's vocabulary check (8
 
 
 class TokenFileBatches(MadeAhead):
-    """Windows of seq_len+1 tokens from a memory-mapped file of token ids (.npy or raw .bin).
-
-    Global sample n (see the module doc) reads window n mod n_windows, i.e. the file is read
-    front to back, each rank taking its own samples of every step (a disjoint shard),
-    wrapping around at the end. Windows start every seq_len tokens and
-    overlap by one (GPT's labels are its inputs shifted by one); ``row_len`` makes them
-    ``row_len`` tokens long, back to back, instead. Made ahead (``MadeAhead``): the rows of
-    several steps are gathered from the file in one indexing op and masked in one go.
-
-    Opening the file checks it (``DataError``, before the first step, the same on every rank):
-    at least one window long, and every id a row of the model's embedding (``check_ids``).
-    ``span``: the part of the file's tokens read, as fractions (``data.val_fraction``).
-    """
+    """Windows of seq_len+1 tokens from a memory-mapped file of token ids (.npy or raw .bin):
+    global sample n reads window n mod n_windows. Opening the file checks it (``check_ids``);
+    ``span`` is the part of its tokens read, as fractions (``data.val_fraction``)."""
 
     def __init__(
         self,
@@ -79,18 +69,8 @@ class TokenFileBatches(MadeAhead):
         return f" (the {which} {100 * (hi - lo):.3g}% of it, data.val_fraction {1 - lo if lo > 0 else 1 - hi:g})"
 
     def check_ids(self) -> None:
-        """DataError unless the file holds at least one sample and every id in it is a row of the
-        model's embedding (0 to vocab_size - 1), found now rather than at the step whose batch
-        holds it (where CUDA's embedding fails with a device-side assert).
-
-        The whole file, every id a window can take, in chunks (``scan_ids``; its cost:
-        ``benchmarks/data_chunk.py --scan``).
-        Under a process group of this world size each rank scans its own slice of the chunks
-        (``scan_slice``: the ranks together read the file once, not once each) and one
-        ``all_gather_object`` of every rank's token count and first bad id gives every rank the
-        same verdict, so every rank raises the same DataError (none waits in a collective for a
-        rank that failed). Skipped where the file's type cannot hold an id outside the
-        vocabulary (``ids_always_fit``: uint16 ids and a vocabulary of 65536 or more)."""
+        """DataError unless the file holds at least one sample and every id in it is below
+        vocab_size. The ranks scan a slice each and share one verdict, so all raise alike."""
         n = self.ids.numel()
         rank, world = self._scan_group()
         bad = None
@@ -229,11 +209,8 @@ def ids_always_fit(dtype: torch.dtype, vocab_size: int, *, low_bits: int | None 
 
 
 def scan_slice(n: int, rank: int, world_size: int, *, chunk: int | None = None) -> tuple[int, int]:
-    """The ids [start, stop) that ``rank`` of ``world_size`` scans of a file of ``n``: a run of
-    whole chunks (of ``chunk`` ids, default ``SCAN_CHUNK``, the last one short), the chunks
-    dealt out in order as evenly as they go, so the ranks' slices cover every id exactly once
-    and each rank reads one contiguous part of the file. A rank left without a chunk (more ranks
-    than chunks) gets an empty slice."""
+    """The ids [start, stop) that ``rank`` of ``world_size`` scans of a file of ``n``: whole
+    chunks dealt out in order, so the ranks' slices cover every id exactly once."""
     chunk = chunk or SCAN_CHUNK
     chunks = -(-n // chunk)
     first, last = rank * chunks // world_size, (rank + 1) * chunks // world_size
@@ -249,20 +226,9 @@ def scan_ids(
     start: int = 0,
     stop: int | None = None,
 ) -> BadIds | None:
-    """The first id of a 1-D (memory-mapped) tensor outside 0..vocab_size - 1, or None where
-    there is none; read ``chunk`` ids at a time (default ``SCAN_CHUNK``), so a file larger than
-    memory is checked in bounded memory. ``start``, ``stop``: scan only ids[start:stop] (a slice
-    of ``scan_slice``; its chunks are those of the whole tensor when ``start`` is a multiple of
-    ``chunk``). ``low_bits``: the tensor is the signed view of unsigned ids (``_SIGNED_VIEWS``),
-    each id its low bits.
-
-    A chunk costs one reduction (aminmax; for uint16 ids in int16 above 2^15, an xor that maps
-    unsigned order onto signed order, then max). The first chunk holding a bad id is searched
-    for where (in the file's type, its bad ids alone widened to int64) and the scan stops there:
-    a wrong vocabulary makes every chunk bad, and widening every chunk, as this did before, took
-    some 18 ns an id, a minute for 3·10^9. A type whose every value fits (``ids_always_fit``) is
-    not read.
-    """
+    """The first id of ids[start:stop] outside 0..vocab_size - 1, or None; one reduction per
+    ``chunk`` ids, in bounded memory. ``low_bits``: the tensor is the signed view of unsigned
+    ids (``_SIGNED_VIEWS``)."""
     chunk = chunk or SCAN_CHUNK
     stop = ids.numel() if stop is None else stop
     if stop <= start or ids_always_fit(ids.dtype, vocab_size, low_bits=low_bits):
