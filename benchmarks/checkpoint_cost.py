@@ -1,13 +1,20 @@
-"""What checkpoints cost a run: training's wait per checkpoint, synchronous against background.
+"""What checkpoints cost a run: training's wait per checkpoint, synchronous against background,
+at one or more intervals and writer thread counts, and what each wait went to.
 
-    python benchmarks/checkpoint_cost.py [--job jobs/gpt.yaml] [--steps 100] [--every 10]
-                                         [--modes none,sync,async] [--out DIR]
+    python benchmarks/checkpoint_cost.py [--job jobs/gpt.yaml] [--steps 150] [--every 10,50]
+                                         [--modes none,sync,async] [--threads 4]
+                                         [--set KEY=VALUE ...] [--out DIR]
 
-Runs ``launch JOB`` once per mode (no checkpoints; ``train.checkpoint.async: false``; ``true``)
-with a checkpoint every ``--every`` steps into a fresh folder, and prints from each run's
-``summary.json``: the wait per checkpoint (mean, max; the slowest rank per checkpoint), how many
-completed, tokens/s over the measured steps and the p50 step time (the steps without a
-checkpoint: their throughput must not fall).
+Runs ``launch run JOB`` once without checkpoints (mode ``none``) and once per interval, mode
+(``train.checkpoint.async: false``; ``true``) and writer thread count
+(``train.checkpoint.write_threads``), each with a checkpoint every ``--every`` steps into a fresh
+folder. From each run's ``summary.json`` it prints a line and, at the end, a table: the wait per
+checkpoint (mean, max and the first one's; the slowest rank per checkpoint), the mean of each
+part of it (``blocking_parts_s_mean``: waiting for the previous save, gathering the state, setup,
+the copy to host memory, the write of a synchronous save, the rest), how long a background save
+took to complete, tokens/s of the whole run and the p50 step time (the steps without a
+checkpoint: their throughput must not fall). ``checkpoint_cost.json`` in ``--out`` is
+rewritten after every run, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,47 +36,101 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--job", default=str(ROOT / "jobs/gpt.yaml"))
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--every", default="10,50", help="checkpoint intervals, comma-separated")
     p.add_argument("--modes", default="none,sync,async")
+    p.add_argument("--threads", default="4", help="write_threads values, comma-separated")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", type=Path, default=Path(f"runs/checkpoint-cost-{int(time.time())}"))
     args = p.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for mode in args.modes.split(","):
-        ckpt = out / f"ckpt-{mode}"
-        sets = [f"train.steps={args.steps}", *args.overrides]
-        if mode != "none":
-            sets += [
-                f"train.checkpoint.dir={ckpt}",
-                f"train.checkpoint.every_steps={args.every}",
-                f"train.checkpoint.async={'true' if mode == 'async' else 'false'}",
-            ]
-        cmd = [sys.executable, "-m", "launcher", "run", args.job, "--run-dir", str(out / mode)]
-        for item in sets:
-            cmd += ["--set", item]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        (out / f"{mode}.log").write_text(proc.stdout + proc.stderr)
+    modes = args.modes.split(",")
+    runs: list[tuple[str, int | None, int | None]] = (
+        [("none", None, None)] if "none" in modes else []
+    )
+    for every in (int(e) for e in args.every.split(",")):
+        for mode in (m for m in modes if m != "none"):
+            runs += [(mode, every, int(t)) for t in args.threads.split(",")]
+    results: dict[str, Any] = {}
+    for mode, every, threads in runs:
+        name = mode if every is None else f"{mode}-every{every}-threads{threads}"
+        results[name] = {"mode": mode, "every": every, "threads": threads}
+        results[name].update(_run(args, out, name, mode, every, threads))
+        print(name, json.dumps(results[name]), flush=True)
+        (out / "checkpoint_cost.json").write_text(json.dumps(results, indent=2) + "\n")
+    print()
+    print(table(results))
+
+
+def _run(
+    args: argparse.Namespace,
+    out: Path,
+    name: str,
+    mode: str,
+    every: int | None,
+    threads: int | None,
+) -> dict[str, Any]:
+    ckpt = out / f"ckpt-{name}"
+    sets = [f"train.steps={args.steps}", *args.overrides]
+    if every is not None:
+        sets += [
+            f"train.checkpoint.dir={ckpt}",
+            f"train.checkpoint.every_steps={every}",
+            f"train.checkpoint.async={'true' if mode == 'async' else 'false'}",
+            f"train.checkpoint.write_threads={threads}",
+        ]
+    cmd = [sys.executable, "-m", "launcher", "run", args.job, "--run-dir", str(out / name)]
+    for item in sets:
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    try:
         if proc.returncode != 0:
-            results[mode] = {"error": proc.stderr.strip()[-600:]}
-            print(mode, results[mode], flush=True)
-            continue
-        summary = json.loads((out / mode / "summary.json").read_text())
+            return {"error": proc.stderr.strip()[-600:]}
+        summary = json.loads((out / name / "summary.json").read_text())
         rank0 = summary["ranks"][0]
-        results[mode] = {
+        saves = max(1, args.steps // every) if every else 1
+        return {
             "checkpoints": summary.get("checkpoints"),
             "tokens_per_s": summary["totals"]["tokens_per_s"],
             "step_time_ms_p50": rank0["step_time_ms_p50"],
             "step_time_ms_p95": rank0["step_time_ms_p95"],
-            "checkpoint_gib": round(_size(ckpt) / 2**30 / max(1, args.steps // args.every), 2)
-            if ckpt.exists()
-            else None,
+            "checkpoint_gib": round(_size(ckpt) / 2**30 / saves, 2) if ckpt.exists() else None,
         }
-        print(mode, json.dumps(results[mode]), flush=True)
+    finally:
         shutil.rmtree(ckpt, ignore_errors=True)
-    (out / "checkpoint_cost.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def table(results: dict[str, Any]) -> str:
+    """The runs as a Markdown table (seconds; the parts are means over the checkpoints)."""
+    head = (
+        "| run | wait mean (max) | first | wait for previous | state | setup | copy | write "
+        "| other | save completes | tokens/s | p50 step |"
+    )
+    lines = [head, "|" + "---|" * 12]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][-80:]!r} |" + " |" * 10)
+            continue
+        c = r.get("checkpoints") or {}
+        parts = c.get("blocking_parts_s_mean") or {}
+
+        def s(value: Any) -> str:
+            return "–" if value is None else f"{value:.2f}"
+
+        wait = f"{s(c.get('blocking_s_mean'))} ({s(c.get('blocking_s_max'))})" if c else "–"
+        cells = [
+            name,
+            wait,
+            s(c.get("first_blocking_s")),
+            *(s(parts.get(k)) for k in ("wait", "state", "setup", "stage", "write", "other")),
+            s(c.get("save_s_mean")),
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['step_time_ms_p50']:.2f} ms",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _size(folder: Path) -> int:

@@ -61,9 +61,12 @@ class RankStats:
         self.loss: Any = None
         self.eval: tuple[Any, Any] | None = None  # (eval_loss, step)
         self.skipped = 0
-        # checkpoints: step → the longest blocking_s, completed steps, async flags seen
+        # checkpoints: step → the longest blocking_s and that record's parts (``<part>_s``),
+        # completed steps, a background save's time from start to complete, async flags seen
         self.held: dict[int, float] = {}
+        self.parts: dict[int, dict[str, float]] = {}
         self.complete: set[int] = set()
+        self.save_s: dict[int, float] = {}
         self.modes: set[bool] = set()
         self._prev: tuple[Any, Any] | None = None  # the previous step record's (step, time)
         for record in records:
@@ -82,12 +85,17 @@ class RankStats:
             self.final = rec
         elif kind == "checkpoint" and rec.get("blocking_s") is not None:
             step = int(rec["step"])
-            self.held[step] = max(self.held.get(step, 0.0), float(rec["blocking_s"]))
+            blocking = float(rec["blocking_s"])
+            if step not in self.held or blocking >= self.held[step]:
+                self.held[step] = max(blocking, 0.0)
+                self.parts[step] = checkpoint_parts(rec)
             self.modes.add(bool(rec.get("async")))
             if not rec.get("async"):
                 self.complete.add(step)
         elif kind == "checkpoint_complete":
             self.complete.add(int(rec["step"]))
+            if isinstance(rec.get("save_s"), (int, float)):
+                self.save_s[int(rec["step"])] = float(rec["save_s"])
 
     def _step(self, rec: dict[str, Any]) -> None:
         self.steps += 1
@@ -160,3 +168,15 @@ class RankStats:
             if energy is not None and self.tokens
             else None,
         }
+
+
+def checkpoint_parts(rec: dict[str, Any]) -> dict[str, float]:
+    """A ``checkpoint`` record's parts of its ``blocking_s``: each ``<part>_s`` number."""
+    return {
+        key[:-2]: float(value)
+        for key, value in rec.items()
+        if key.endswith("_s")
+        and key != "blocking_s"
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    }

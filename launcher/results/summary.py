@@ -90,18 +90,29 @@ def summarize(
 
 def checkpoint_summary(records: Mapping[int, RankStats]) -> dict | None:
     """What checkpoints cost the run: how many completed, the last one's step, and how long
-    training was held per checkpoint (the slowest rank's, per step); None without any."""
+    training was held per checkpoint (the slowest rank's, per step), the first one's, and
+    what that time went to (the mean of each part over the checkpoints whose records have
+    it); a background save's time from its start to complete; None without any."""
     held: dict[int, float] = {}
+    parts: dict[int, dict[str, float]] = {}
     complete: set[int] = set()
     modes: set[bool] = set()
+    saves: list[float] = []
     for stats in records.values():
         for step, blocking_s in stats.held.items():
-            held[step] = max(held.get(step, 0.0), blocking_s)
+            if step not in held or blocking_s > held[step]:
+                held[step] = blocking_s
+                parts[step] = stats.parts.get(step, {})
         complete |= stats.complete
         modes |= stats.modes
+        saves += stats.save_s.values()
     if not held:
         return None
     times = list(held.values())
+    per_part: dict[str, list[float]] = {}
+    for step in sorted(parts):
+        for part, seconds in parts[step].items():
+            per_part.setdefault(part, []).append(seconds)
     return {
         "async": modes == {True},
         "saved": len(complete),
@@ -109,6 +120,12 @@ def checkpoint_summary(records: Mapping[int, RankStats]) -> dict | None:
         "blocking_s_mean": round(statistics.fmean(times), 4),
         "blocking_s_max": round(max(times), 4),
         "blocking_s_total": round(sum(times), 3),
+        "first_blocking_s": round(held[min(held)], 4),
+        "blocking_parts_s_mean": {
+            part: round(statistics.fmean(values), 4) for part, values in per_part.items()
+        },
+        "save_s_mean": round(statistics.fmean(saves), 3) if saves else None,
+        "save_s_max": round(max(saves), 3) if saves else None,
     }
 
 
@@ -130,6 +147,8 @@ def render(summary: dict) -> str:
             f"written {mode}; training held {ckpt['blocking_s_mean']:.2f} s each "
             f"(max {ckpt['blocking_s_max']:.2f} s)"
         )
+        if shares := _checkpoint_parts_line(ckpt):
+            parts.append(shares)
     for found in summary.get("stragglers") or []:  # named while the run went
         parts.append(
             f"Straggler while running: rank {found['rank']} on node {found['node']}, "
@@ -623,3 +642,21 @@ def _read_json(path: Path) -> dict | None:
 
 def _json_text(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
+
+
+def _checkpoint_parts_line(ckpt: dict) -> str | None:
+    """Where a checkpoint's hold went (the parts over 5 ms, in the order they come), what the
+    first one held, and how long a background save took to complete."""
+    shown = [
+        f"{part} {seconds:.2f} s"
+        for part, seconds in (ckpt.get("blocking_parts_s_mean") or {}).items()
+        if seconds >= 0.005
+    ]
+    if not shown:
+        return None
+    line = f"  held by part (mean): {', '.join(shown)}"
+    if ckpt.get("first_blocking_s") is not None:
+        line += f"; the first held {ckpt['first_blocking_s']:.2f} s"
+    if ckpt.get("save_s_mean") is not None:
+        line += f"; a background save completed in {ckpt['save_s_mean']:.2f} s (mean)"
+    return line

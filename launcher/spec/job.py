@@ -201,6 +201,12 @@ class CheckpointSpec(Strict):
         alias="async",
         description="Write checkpoints in the background (DCP async_save): training waits only while the state is copied to host memory. A checkpoint counts once it is complete.",
     )
+    write_threads: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Threads each rank writes its part of a checkpoint with, each to a file of its own (DCP's FileSystemWriter thread_count).",
+    )
 
 
 class ProfileSpec(Strict):

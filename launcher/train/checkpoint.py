@@ -3,6 +3,7 @@ step, data position and RNG state, resumable at another world size.
 
 Saved synchronously, or in the background (``train.checkpoint.async``): the state is copied to
 host memory, written by a thread, and marked complete only once every rank's part is on disk.
+Each save reports how long it held training, by part (``PARTS``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import pickle
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -35,6 +37,11 @@ from launcher.util import unsafe_path, unsafe_reason
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+# What held training at a save, in the ``checkpoint`` record as ``<part>_s``: waiting for the
+# previous background save, gathering the state, first-save setup (the writers' process group,
+# host memory), the copy to host memory (background saves), the write itself (synchronous saves),
+# and the rest (DCP handing the copy to its thread).
+PARTS = ("wait", "state", "setup", "stage", "write", "other")
 # An optimizer's group settings that say how it runs rather than what it computes.
 RUN_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -100,8 +107,12 @@ class Checkpointer:
         self.async_save = spec.async_save and hasattr(dcp, "async_save")
         self.blocking_s: list[float] = []  # the time each save held training, in order
         self._pending: _Pending | None = None
-        self._group: Any = None  # the background writes' own gloo group (created at first save)
+        self._group: Any = None  # the background writes' own gloo group
         self._stager: Any = None  # host memory the state is copied into, kept between saves
+        self._reserving: threading.Thread | None = None  # allocating that memory (``prepare``)
+        if self.async_save and self.root is not None and _distributed():
+            # A collective: every rank builds its Checkpointer at the same point of start-up.
+            self._group = dist.new_group(backend="gloo")
 
     def record(self) -> dict[str, Any]:
         """The ``meta`` record's resume fields: null for a fresh start."""
@@ -138,16 +149,79 @@ class Checkpointer:
 
         With ``async_save`` it returns once the state is in host memory (after the previous
         background save has finished); ``poll``, ``wait`` or the next save mark it complete.
-        The time training was held goes to ``blocking_s`` and a ``checkpoint`` metrics record."""
+        The time training was held goes to ``blocking_s`` and a ``checkpoint`` metrics record,
+        with its parts (``PARTS``)."""
         assert self.root is not None
         started = time.perf_counter()
         self.wait()  # one save in flight: its host copy is reused by this one
+        parts = {"wait": time.perf_counter() - started}
+        mark = time.perf_counter()
         path = step_dir(self.root, step)
         if self.rank == 0:
             if path.exists():  # a leftover from a run that died while saving this step
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         _barrier()
+        state = self._state(step, model, optimizer, scheduler, scaler)
+        parts["state"] = time.perf_counter() - mark
+        if self.async_save:
+            future = self._save_in_background(state, path, parts)
+            self._pending = _Pending(step, path, future, started)
+        else:
+            mark = time.perf_counter()
+            dcp.save(state, storage_writer=self._writer(path))
+            _barrier()
+            self._mark_complete(step, path)
+            _barrier()
+            parts["write"] = time.perf_counter() - mark
+            log.info("checkpoint saved: %s", path)
+        blocking = time.perf_counter() - started
+        parts["other"] = max(0.0, blocking - sum(parts.values()))
+        self.blocking_s.append(blocking)
+        write_record(
+            {
+                "type": "checkpoint",
+                "step": step,
+                "async": self.async_save,
+                "blocking_s": round(blocking, 4),
+                **{f"{part}_s": round(parts[part], 4) for part in PARTS if part in parts},
+            }
+        )
+        return path
+
+    def prepare(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: GradScaler | None = None,
+    ) -> None:
+        """Allocate the host memory background saves copy the state into, on a thread of its
+        own, so that the first save does not wait for it. Call it once the optimizer has state
+        (after the first step); the first save waits for the thread where it is still going."""
+        if not self.async_save or self.root is None or self._stager is not None:
+            return
+        if not optimizer.state:  # torch's get_state_dict would make it with a step of lr 0
+            return
+        state = self._state(0, model, optimizer, scheduler, scaler)
+        if not _plain_tensors(state):  # DCP's stager allocates at its first copy
+            return
+        stager = self._stager = HostCopy()
+        self._reserving = threading.Thread(
+            target=stager.reserve, args=(state,), name="checkpoint-host-memory", daemon=True
+        )
+        self._reserving.start()
+
+    def _state(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: GradScaler | None,
+    ) -> dict[str, Any]:
+        """What a checkpoint of step ``step`` holds: DCP's state dicts (bf16 weights as their
+        fp32 masters) and the train and RNG entries."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         model_sd = substitute_masters(model_sd, getattr(optimizer, "masters", None))
         # Non-tensor leaves are pickled by DCP; each rank's RNG state has its own key.
@@ -161,31 +235,12 @@ class Checkpointer:
         }
         if scaler is not None:
             train["scaler"] = pickle.dumps(scaler.state_dict())
-        state = {
+        return {
             "model": model_sd,
             "optim": optim_sd,
             "train": train,
             "rng": {f"rank{self.rank}": _rng_state()},
         }
-        if self.async_save:
-            self._pending = _Pending(step, path, self._save_in_background(state, path), started)
-        else:
-            dcp.save(state, checkpoint_id=str(path))
-            _barrier()
-            self._mark_complete(step, path)
-            _barrier()
-            log.info("checkpoint saved: %s", path)
-        blocking = time.perf_counter() - started
-        self.blocking_s.append(blocking)
-        write_record(
-            {
-                "type": "checkpoint",
-                "step": step,
-                "async": self.async_save,
-                "blocking_s": round(blocking, 4),
-            }
-        )
-        return path
 
     def poll(self) -> None:
         """Mark a finished background save complete (no collective: call it at any step)."""
@@ -224,20 +279,31 @@ class Checkpointer:
         except CheckpointFailed as err:
             log.error("%s", err)
         finally:
+            if self._reserving is not None:
+                self._reserving.join()
+                self._reserving = None
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
 
-    def _save_in_background(self, state: dict[str, Any], path: Path) -> Future:
+    def _save_in_background(
+        self, state: dict[str, Any], path: Path, parts: dict[str, float]
+    ) -> Future:
         """Copy ``state`` to host memory (pinned on CUDA, reused by later saves) and start the
         write on DCP's thread, over a gloo group of its own: the writer's collectives never
-        interleave with training's on the default group."""
-        distributed = dist.is_available() and dist.is_initialized()
+        interleave with training's on the default group. Adds the setup and copy times to
+        ``parts``."""
+        mark = time.perf_counter()
+        distributed = _distributed()
         if distributed and self._group is None:
             self._group = dist.new_group(backend="gloo")
+        if self._reserving is not None:  # the memory ``prepare`` allocates
+            self._reserving.join()
+            self._reserving = None
         if self._stager is None:
             self._stager = HostCopy() if _plain_tensors(state) else _dcp_stager()
-        kwargs: dict[str, Any] = {"checkpoint_id": str(path)}
+        parts["setup"] = time.perf_counter() - mark
+        kwargs: dict[str, Any] = {"storage_writer": self._writer(path)}
         if distributed:
             kwargs["process_group"] = self._group
         else:
@@ -245,8 +311,14 @@ class Checkpointer:
         if self._stager is not None:
             kwargs["async_stager"] = self._stager
         response: Any = dcp.async_save(state, **kwargs)
+        if isinstance(self._stager, HostCopy):
+            parts["setup"] += self._stager.alloc_s
+            parts["stage"] = self._stager.stage_s - self._stager.alloc_s
         # torch returns an AsyncSaveResponse instead of a future where staging itself is async
         return getattr(response, "upload_completion", response)
+
+    def _writer(self, path: Path) -> dcp.FileSystemWriter:
+        return dcp.FileSystemWriter(str(path), thread_count=self.spec.write_threads)
 
     def _mark_complete(self, step: int, path: Path) -> None:
         if self.rank == 0:
@@ -422,26 +494,62 @@ class HostCopy:
     """DCP's stager protocol for plain tensors: each tensor copied into a host buffer kept
     between saves (pinned for GPU tensors, copied asynchronously, then one sync); everything
     else copied with ``copy.deepcopy``. DCP's own stager of torch 2.11 fails on some Python
-    objects (``KeyError: <class 'type'>``)."""
+    objects (``KeyError: <class 'type'>``). ``reserve`` allocates the buffers ahead of the first
+    copy; ``stage_s`` and ``alloc_s`` say how long the last copy took and how much of it was
+    allocation."""
 
     should_synchronize_after_execute = False
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self.stage_s = 0.0
+        self.alloc_s = 0.0
+
+    def reserve(self, state: Any) -> None:
+        """Allocate (and fault in) a buffer for every tensor of ``state``; copies nothing. A
+        failure is logged: the first ``stage`` allocates what is missing."""
+        try:
+            device = _cuda_device(state)
+            if device is not None:  # a new thread's current device is 0, not this rank's
+                torch.cuda.set_device(device)
+            self._reserve(state, ())
+        except Exception as err:  # a thread of its own: nobody else would see it
+            log.warning("allocating host memory for checkpoints ahead failed: %s", err)
+
+    def _reserve(self, obj: Any, path: tuple) -> None:
+        if isinstance(obj, torch.Tensor):
+            buf = self._buffer(obj, path)
+            if not obj.is_cuda:  # pinned memory is resident already; pageable memory on use
+                buf.zero_()
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                self._reserve(v, (*path, k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                self._reserve(v, (*path, i))
 
     def stage(self, state: Any) -> Any:
+        started = time.perf_counter()
+        self.alloc_s = 0.0
         copied = self._copy(state, ())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
+        self.stage_s = time.perf_counter() - started
         return copied
+
+    def _buffer(self, obj: torch.Tensor, path: tuple) -> torch.Tensor:
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+            started = time.perf_counter()
+            pin = obj.is_cuda
+            buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=pin)
+            self._buffers[path] = buf
+            self.alloc_s += time.perf_counter() - started
+        return buf
 
     def _copy(self, obj: Any, path: tuple) -> Any:
         if isinstance(obj, torch.Tensor):
-            buf = self._buffers.get(path)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                pin = obj.is_cuda
-                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=pin)
-                self._buffers[path] = buf
+            buf = self._buffer(obj, path)
             buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
             return buf
         if isinstance(obj, dict):
@@ -455,6 +563,18 @@ class HostCopy:
 
     def close(self) -> None:
         self._buffers.clear()
+
+
+def _cuda_device(state: Any) -> torch.device | None:
+    """The device of the first CUDA tensor in ``state``, or None."""
+    if isinstance(state, torch.Tensor):
+        return state.device if state.is_cuda else None
+    values = state.values() if isinstance(state, dict) else state
+    if isinstance(state, (dict, list, tuple)):
+        for value in values:
+            if (device := _cuda_device(value)) is not None:
+                return device
+    return None
 
 
 def _plain_tensors(state: Any) -> bool:
@@ -497,6 +617,10 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()

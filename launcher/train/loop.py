@@ -644,7 +644,8 @@ class Trainer:
             on_step(step)
 
     def _first_step_done(self, step: int) -> None:
-        """Record when the first step ended (compilation included): one host sync, once."""
+        """Record when the first step ended (compilation included): one host sync, once; then
+        let the checkpointer allocate its host memory (``Checkpointer.prepare``)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         write_record(
@@ -658,6 +659,9 @@ class Trainer:
         )
         if self.compile_cache is not None:
             self.compile_cache.save()
+        # The optimizer has state now: the host memory of background checkpoints is allocated
+        # beside training instead of at the first save.
+        self.checkpointer.prepare(self.model, self.optimizer, self.scheduler, self.scaler)
 
     def _progress(self, record: dict[str, Any] | None) -> None:
         """Log a record (rank 0) and stop on a non-finite step (every rank reads the same)."""

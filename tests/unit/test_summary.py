@@ -588,8 +588,9 @@ def test_report_command_rejects_bad_format_and_damaged_plan(tmp_path):
 
 
 def test_checkpoints_count_once_complete_and_say_how_long_training_waited(tmp_path):
-    """Per checkpoint the slowest rank's wait counts; a background save counts as saved only
-    with its checkpoint_complete record (step 30's never came: the run ended while it wrote)."""
+    """Per checkpoint the slowest rank's wait counts, and the parts of that rank's record; a
+    background save counts as saved only with its checkpoint_complete record (step 30's never
+    came: the run ended while it wrote)."""
     recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
     for step, waits in ((10, (0.02, 0.05)), (20, (0.04, 0.03)), (30, (0.01, 0.01))):
         for rank, wait in enumerate(waits):
@@ -600,10 +601,15 @@ def test_checkpoints_count_once_complete_and_say_how_long_training_waited(tmp_pa
                     "step": step,
                     "async": True,
                     "blocking_s": wait,
+                    # the first save sets up; later ones wait for the previous one
+                    "wait_s": 0.0 if step == 10 else wait - 0.01,
+                    "setup_s": wait - 0.01 if step == 10 else 0.0,
+                    "stage_s": 0.01,
                 }
             )
     recs[0] += [
-        {"type": "checkpoint_complete", "rank": 0, "step": s, "save_s": 1.5} for s in (10, 20)
+        {"type": "checkpoint_complete", "rank": 0, "step": s, "save_s": t}
+        for s, t in ((10, 1.5), (20, 2.5))
     ]
     s = summarize("gpt", layout(1, 2), recs, status="succeeded")
     assert s["checkpoints"] == {
@@ -613,10 +619,26 @@ def test_checkpoints_count_once_complete_and_say_how_long_training_waited(tmp_pa
         "blocking_s_mean": pytest.approx((0.05 + 0.04 + 0.01) / 3, abs=1e-4),
         "blocking_s_max": 0.05,
         "blocking_s_total": 0.1,
+        "first_blocking_s": 0.05,
+        # step 10: rank 1's parts, step 20: rank 0's, step 30: rank 1's (a tie: the later one)
+        "blocking_parts_s_mean": {
+            "wait": pytest.approx((0.0 + 0.03 + 0.0) / 3, abs=1e-4),
+            "setup": pytest.approx((0.04 + 0.0 + 0.0) / 3, abs=1e-4),
+            "stage": 0.01,
+        },
+        "save_s_mean": 2.0,
+        "save_s_max": 2.5,
     }
-    assert "Checkpoints: 2 complete (last at step 20), written in the background" in write_summary(
-        tmp_path, s
-    )
+    text = write_summary(tmp_path, s)
+    assert "Checkpoints: 2 complete (last at step 20), written in the background" in text
+    assert "wait 0.01 s, setup 0.01 s, stage 0.01 s; the first held 0.05 s" in text
+    assert "a background save completed in 2.00 s (mean)" in text
+    sync = {
+        0: builtin_records(0, step_ms=1.0)
+        + [{"type": "checkpoint", "step": 5, "async": False, "blocking_s": 0.3}]
+    }
+    old_records = summarize("gpt", layout(1, 1), sync, status="succeeded")["checkpoints"]
+    assert old_records["blocking_parts_s_mean"] == {} and old_records["save_s_mean"] is None
     assert (
         summarize("gpt", layout(1, 2), {0: builtin_records(0, step_ms=1.0)}, status="succeeded")[
             "checkpoints"

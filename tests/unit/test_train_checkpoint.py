@@ -491,6 +491,12 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
         (6, False),
     }
     assert all(r["blocking_s"] >= 0 for r in saves)
+    for r in saves:  # the parts of the hold: a copy in the background, the write in the foreground
+        parts = {"wait_s", "state_s", "other_s"} | (
+            {"setup_s", "stage_s"} if r["async"] else {"write_s"}
+        )
+        assert set(r) - {"type", "step", "async", "blocking_s", "rank", "time"} == parts, r
+        assert sum(r[k] for k in parts) == pytest.approx(r["blocking_s"], abs=2e-3), r
     assert sorted(r["step"] for r in records if r["type"] == "checkpoint_complete") == [3, 6, 6]
 
 
@@ -578,3 +584,90 @@ def test_the_host_copy_reuses_its_buffers_and_copies_any_python_object():
     second = stager.stage(state)
     assert second["model"]["w"] is first["model"]["w"] and torch.equal(second["model"]["w"], weight)
     stager.close()
+
+
+def _small_training():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+
+
+def _one_step(model, opt, sched):
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_prepare_allocates_the_host_copy_beside_training_and_the_first_save_reuses_it(
+    tmp_path: Path, monkeypatch
+):
+    """After the first step ``prepare`` allocates a host buffer per tensor on a thread; the
+    first save copies into exactly those buffers (nothing allocated in training's path), its
+    record splits the hold into parts that add up, and the checkpoint loads back."""
+    import launcher.train.checkpoint as checkpoint
+
+    records: list[dict] = []
+    monkeypatch.setattr(checkpoint, "write_record", records.append)
+    ckpt = checkpointer(CheckpointSpec(dir=tmp_path, every_steps=1))
+    model, opt, sched = _small_training()
+    ckpt.prepare(model, opt, sched)  # no optimizer state yet: nothing to size, nothing made
+    assert ckpt._stager is None and not opt.state
+    _one_step(model, opt, sched)
+    ckpt.prepare(model, opt, sched)
+    ckpt._reserving.join()
+    stager = ckpt._stager
+    tensors = len(model.state_dict()) + sum(
+        isinstance(v, torch.Tensor) for state in opt.state.values() for v in state.values()
+    )
+    buffers = dict(stager._buffers)
+    assert len(buffers) == tensors
+    ckpt.save(1, model, opt, sched)
+    assert stager.alloc_s == 0 and all(stager._buffers[k] is b for k, b in buffers.items())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    _one_step(model, opt, sched)  # training goes on while step 1 is written
+    ckpt.close()
+    assert len(list(step_dir(tmp_path, 1).glob("*.distcp"))) == 4  # write_threads' default
+    (rec,) = records[:1]
+    assert rec["type"] == "checkpoint" and rec["async"] is True
+    parts = [rec[f"{part}_s"] for part in ("wait", "state", "setup", "stage", "other")]
+    assert "write_s" not in rec and all(t >= 0 for t in parts)
+    assert sum(parts) == pytest.approx(rec["blocking_s"], abs=2e-3)
+    fresh, fresh_opt, fresh_sched = _small_training()
+    assert (
+        checkpointer(CheckpointSpec(dir=tmp_path)).maybe_resume(fresh, fresh_opt, fresh_sched) == 1
+    )
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+
+def test_a_save_without_prepare_counts_the_allocation_as_setup(tmp_path: Path, monkeypatch):
+    """Unprepared, the first save allocates its host copy itself: that time is the record's
+    setup, not its copy; the second save allocates nothing. Each save is written by
+    ``write_threads`` threads, a file each."""
+    import launcher.train.checkpoint as checkpoint
+
+    records: list[dict] = []
+    monkeypatch.setattr(checkpoint, "write_record", records.append)
+    allocs: list[float] = []
+    real_stage = checkpoint.HostCopy.stage
+
+    def stage(self, state):
+        copied = real_stage(self, state)
+        allocs.append(self.alloc_s)
+        return copied
+
+    monkeypatch.setattr(checkpoint.HostCopy, "stage", stage)
+    ckpt = checkpointer(CheckpointSpec(dir=tmp_path, every_steps=1, write_threads=2))
+    model, opt, sched = _small_training()
+    for step in (1, 2):
+        _one_step(model, opt, sched)
+        ckpt.save(step, model, opt, sched)
+    ckpt.close()
+    first, second = (r for r in records if r["type"] == "checkpoint")
+    assert allocs[0] > 0 and allocs[1] == 0
+    assert first["setup_s"] >= round(allocs[0], 4)
+    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 2)
+    for step in (1, 2):
+        assert len(list(step_dir(tmp_path, step).glob("*.distcp"))) == 2
