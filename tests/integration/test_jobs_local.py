@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,6 +148,8 @@ def jobs(tmp_path_factory):
 
 
 def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     # What any command costs here (a fresh interpreter, the launcher's and Ray's imports, the
     # head's API): the job id must come within a few seconds of that, not after the job starts.
     began = time.monotonic()
@@ -163,6 +166,8 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
             "--json",
             "--skip-parity",
             *QUICK,
+            "--set",
+            "report.tensorboard=true",
         ],
         cwd=jobs.cwd,
         env=jobs.env,
@@ -191,6 +196,10 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     assert set(seen) <= {"PENDING", "RUNNING", "SUCCEEDED"}, seen
     assert done["world_size"] == 2 and done["tokens_per_s"] > 0 and done["failure"] is None
     assert done["run_dir"] == submitted["run_dir"]
+    board = EventAccumulator(str(Path(done["run_dir"]) / "tensorboard" / "job"))  # the driver's
+    board.Reload()
+    assert [e.step for e in board.Scalars("loss")] == [2, 4, 6]
+    assert all(e.value > 0 for e in board.Scalars("tokens_per_s"))
 
     logs = jobs.run("logs", job_id)
     assert logs.returncode == 0
@@ -222,24 +231,37 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     assert report.returncode == 0 and "Per rank" in report.stdout and "SUCCEEDED" in report.stdout
 
 
-def test_a_detached_jobs_driver_writes_its_tensorboard_files(jobs):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    job_id = jobs.submit("--skip-parity", *QUICK, "--set", "report.tensorboard=true")["job_id"]
-    done = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=180)
-    assert done["status"] == "SUCCEEDED", done
-    board = EventAccumulator(str(Path(done["run_dir"]) / "tensorboard" / "job"))
-    board.Reload()
-    assert [e.step for e in board.Scalars("loss")] == [2, 4, 6]
-    assert all(e.value > 0 for e in board.Scalars("tokens_per_s"))
-
-
-def test_stop_tears_down_within_15_s(jobs):
+def test_nobody_else_can_touch_a_running_job_and_stop_tears_it_down_within_15_s(jobs):
+    """While the job runs, user nobody (when we are root) can create no file under the head's
+    temp dir (where Ray unpacks the code its drivers run), the job's node folder or the state
+    dir, and can read none of them (the job driver logs hold rank 0's output)."""
     job_id = jobs.submit(*SLOW)["job_id"]  # with the preflight, as a real submit
-    wait_for(
-        lambda: jobs.status(job_id)["step"], timeout=180, what="the slow job's first step", poll=0.5
-    )
-    assert job_processes(job_id), "no worker of the job found while it runs"
+    try:
+        wait_for(
+            lambda: jobs.status(job_id)["step"],
+            timeout=180,
+            what="the slow job's first step",
+            poll=0.5,
+        )
+        assert job_processes(job_id), "no worker of the job found while it runs"
+        if os.getuid() == 0:  # switching to user nobody needs root
+            temp_dir = Path(jobs.head()["temp_dir"]).parent  # Ray's own (0777) is in there
+            assert temp_dir.stat().st_mode & 0o777 == 0o700
+            assert list(temp_dir.rglob("job-driver-*.log")), "the job's driver log"
+            assert list(temp_dir.rglob("_ray_pkg_*")), "the code Ray unpacked for the driver"
+            node_dirs = {
+                Path(b).parent
+                for cmd in job_processes(job_id).values()
+                for a, b in zip(cmd.split(), cmd.split()[1:], strict=False)
+                if a == "--log-dir"
+            }
+            assert len(node_dirs) == 1, node_dirs
+            state = Path(jobs.env["LAUNCHER_STATE_DIR"])
+            touched = what_nobody_can_touch([temp_dir, *node_dirs, state])
+            assert touched == [], touched
+    except BaseException:
+        jobs.run("stop", job_id, timeout=60)
+        raise
 
     busy = jobs.run("down")  # a running job: down refuses without --yes
     assert busy.returncode == 2 and job_id in busy.stderr
@@ -254,33 +276,6 @@ def test_stop_tears_down_within_15_s(jobs):
     summary = json.loads((Path(state["run_dir"]) / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["ranks"], summary["status"]
     assert "interrupted" in jobs.run("logs", job_id).stdout
-
-
-@pytest.mark.skipif(os.getuid() != 0, reason="switching to user nobody needs root")
-def test_another_user_can_touch_nothing_of_the_head_or_its_jobs(jobs):
-    """User nobody can create no file under the head's temp dir (where Ray unpacks the code its
-    drivers run), the job's node folder or the state dir, and can read none of them (the job
-    driver logs hold rank 0's output)."""
-    job_id = jobs.submit("--skip-parity", *SLOW)["job_id"]
-    try:
-        wait_for(lambda: jobs.status(job_id)["step"], timeout=180, what="a step", poll=0.5)
-        temp_dir = Path(jobs.head()["temp_dir"]).parent  # Ray's own (0777) is in there
-        assert temp_dir.stat().st_mode & 0o777 == 0o700
-        assert list(temp_dir.rglob("job-driver-*.log")), "the job's driver log"
-        assert list(temp_dir.rglob("_ray_pkg_*")), "the code Ray unpacked for the driver"
-        node_dirs = {
-            Path(b).parent
-            for cmd in job_processes(job_id).values()
-            for a, b in zip(cmd.split(), cmd.split()[1:], strict=False)
-            if a == "--log-dir"
-        }
-        assert len(node_dirs) == 1, node_dirs
-        state = Path(jobs.env["LAUNCHER_STATE_DIR"])
-        touched = what_nobody_can_touch([temp_dir, *node_dirs, state])
-        assert touched == [], touched
-    finally:
-        jobs.run("stop", job_id, timeout=60)
-    assert_job_gone(job_id)
 
 
 def test_two_all_cpu_jobs_run_one_after_the_other(jobs):
@@ -511,3 +506,41 @@ def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path):
     assert "SEEN from-the-submitter offline" in logs
     assert "job_manager.py" not in logs and "Running entrypoint" not in logs
     assert "job_manager.py" in (Path(state["run_dir"]) / "logs/ray.log").read_text()
+
+
+def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, tmp_path):
+    """The first submission marks the folder for its job; a second one given the same
+    --run-dir is refused (exit 2, naming the remedy) while the folder is there, also after the
+    first job ended; removed, the folder is the next job's."""
+    folder = tmp_path / "shared"
+
+    def submit():
+        return jobs.run(
+            "submit",
+            str(ROOT / "jobs/quickstart.yaml"),
+            "--json",
+            "--skip-parity",
+            "--run-dir",
+            str(folder),
+        )
+
+    def stop(job_id: str) -> None:
+        assert jobs.run("stop", job_id, timeout=90).returncode == 0
+        assert jobs.status(job_id)["status"] == "STOPPED"
+
+    result = submit()
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    first = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
+    refused = submit()
+    assert refused.returncode == 2, refused.stderr
+    assert f"--run-dir {folder}" in refused.stderr and "remove" in refused.stderr
+    stop(first)
+    assert submit().returncode == 2  # the folder is still there: one run per folder
+    shutil.rmtree(folder)
+    result = submit()
+    assert result.returncode == 0, result.stderr[-2000:]
+    second = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
+    try:
+        assert jobs.status(second)["run_dir"] == str(folder)
+    finally:
+        stop(second)
