@@ -290,7 +290,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from launcher.results import report_command
+    from launcher.results.summary import report_command
 
     code = report_command(args.run_dir, fmt=args.format)
     if args.plot:

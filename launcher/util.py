@@ -17,25 +17,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = [
-    "MASK",
-    "first_line",
-    "accepts",
-    "free_port",
-    "is_secret",
-    "make_private_dir",
-    "mask_env",
-    "mask_urls",
-    "percentile",
-    "private_dir",
-    "setup_logging",
-    "unsafe_path",
-    "unsafe_reason",
-    "utc_stamp",
-    "write_atomic",
-    "write_private",
-]
-
 
 def first_line(err: BaseException) -> str:
     """The first non-empty line of an error's message, for one-paragraph messages and logs.

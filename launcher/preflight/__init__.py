@@ -33,15 +33,6 @@ from launcher.spec.cluster import ClusterSpec, NodeSpec
 from launcher.spec.fit import gpus_needed, nodes_for_job, spec_env
 from launcher.spec.job import JobSpec
 
-__all__ = [
-    "NodeFacts",
-    "PreflightReport",
-    "Route",
-    "check_command",
-    "preflight_facts",
-    "run_preflight",
-]
-
 log = logging.getLogger(__name__)
 
 PROBE_SOURCE = (Path(__file__).parent / "probe.py").read_text()

@@ -11,14 +11,14 @@ import types
 import pytest
 
 from launcher.errors import SpecError, UsageError
-from launcher.results import (
+from launcher.results.scaling import (
     build_table,
     load_scaling,
     render_scaling,
-    report_command,
     scale_job,
     write_scaling,
 )
+from launcher.results.summary import report_command
 from launcher.spec.job import JobSpec
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -11,8 +11,15 @@ import pytest
 
 from launcher.errors import UsageError
 from launcher.metrics import read_records, write_record
-from launcher.results import load_run, render, report_command, summarize, write_summary
-from launcher.results.summary import TRAINING_KEYS, stragglers
+from launcher.results.summary import (
+    TRAINING_KEYS,
+    load_run,
+    render,
+    report_command,
+    stragglers,
+    summarize,
+    write_summary,
+)
 from launcher.util import percentile
 
 SCHEMA_TOP = {
