@@ -243,6 +243,7 @@ class LMHead(nn.Module):
 class LanguageModel(nn.Module):
     """The trunk BERT and GPT share: embeddings, blocks, a head."""
 
+    bert: bool  # post-LN with token types and an MLM head, else pre-LN with a tied LM head
     embed: Embeddings
     blocks: nn.ModuleList
     head: LMHead | MLMHead
@@ -253,16 +254,22 @@ class LanguageModel(nn.Module):
         d_model: int,
         n_heads: int,
         d_ff: int,
-        dropout: float,
-        *,
-        pre_ln: bool,
+        vocab_size: int,
+        max_positions: int,
+        dropout: float = 0.0,
         bias: bool = True,
     ):
         super().__init__()
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, d_ff, dropout, pre_ln=pre_ln, bias=bias)
+            Block(d_model, n_heads, d_ff, dropout, pre_ln=not self.bert, bias=bias)
             for _ in range(n_layers)
         )
+        self.embed = Embeddings(
+            vocab_size, max_positions, d_model, dropout, bert=self.bert, bias=bias
+        )
+        self.head = MLMHead(d_model, vocab_size, bias=bias) if self.bert else LMHead(d_model, bias)
+        # GPT-2 scales the residual projections by 1/sqrt(2·layers).
+        self._init_weights(INIT_STD if self.bert else INIT_STD / math.sqrt(2 * n_layers))
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, mask_pos: torch.Tensor | None = None
@@ -297,39 +304,10 @@ class LanguageModel(nn.Module):
 class BertForMaskedLM(LanguageModel):
     """Post-LN encoder, learned positions and token types, GELU; MLM head on masked tokens."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        vocab_size: int,
-        max_positions: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-    ):
-        super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=False, bias=bias)
-        self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=True, bias=bias)
-        self.head = MLMHead(d_model, vocab_size, bias=bias)
-        self._init_weights(INIT_STD)
+    bert = True
 
 
 class GPT(LanguageModel):
     """Pre-LN causal decoder with learned positions and a tied LM head (GPT-2 shape)."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        vocab_size: int,
-        max_positions: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-    ):
-        super().__init__(n_layers, d_model, n_heads, d_ff, dropout, pre_ln=True, bias=bias)
-        self.embed = Embeddings(vocab_size, max_positions, d_model, dropout, bert=False)
-        self.head = LMHead(d_model, bias=bias)
-        # GPT-2: scale the residual projections by 1/sqrt(2·layers).
-        self._init_weights(INIT_STD / math.sqrt(2 * n_layers))
+    bert = False
