@@ -1,4 +1,4 @@
-"""Drive one job end to end: run dir → preflight → Ray → agents → attempts → summary.
+"""Drive one job end to end: run dir → preflight beside Ray → agents → attempts → summary.
 
 ``Launch.execute()`` runs the stages in order; whatever happens, the teardown stops every
 worker and the run directory keeps the logs, the metrics and a summary.
@@ -45,6 +45,7 @@ from launcher.orchestrate.sinks import ReportSinks
 from launcher.orchestrate.watch import Watcher
 from launcher.preflight import NodeFacts, Route, preflight_facts
 from launcher.preflight.network import choose_routes
+from launcher.remote import Background
 from launcher.results.summary import before_training, summarize, write_summary
 from launcher.results.summary import render as render_summary
 from launcher.spec import ClusterSpec, JobSpec, NodeSpec, nodes_for_job
@@ -53,6 +54,7 @@ from launcher.util import divert_logger, process_started, unsafe_path
 log = logging.getLogger(__name__)
 
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+PREFLIGHT_GRACE_S = 5.0  # interrupted: how long the preflight's stopped probes get to end
 
 
 @dataclass
@@ -104,15 +106,16 @@ class Launch:
                 self.run_dir.prepare(self.job, self.cluster)
                 if self.job.report.tensorboard or self.job.report.mlflow is not None:
                     self.log.sinks = ReportSinks(self.job, self.run_dir)
-            if self.facts is None:
-                with self._timed("preflight"):
-                    self.facts = self.preflight()
             # Ray's notices go to the run's logs, not the console: its token-auth notice from
             # ray.init, everything else once ray.init has cleared the handlers of its logger
             ray_log = self.run_dir.root / "logs" / "ray.log"
             self._then.callback(divert_logger(RAY_AUTH_LOGGER, ray_log))
-            with self._timed("ray"):
-                self.connect_ray()
+            if self.facts is None:
+                with self._timed("preflight+ray"):
+                    self.facts = self.preflight_beside_ray()
+            else:
+                with self._timed("ray"):
+                    self.connect_ray()
             self._then.callback(divert_logger("ray", ray_log))
             with self._timed("agents"):
                 self.agents = self.place_agents()
@@ -145,6 +148,36 @@ class Launch:
             finally:
                 self._then.close()
         return outcome
+
+    def preflight_beside_ray(self) -> dict[str, NodeFacts] | None:
+        """The preflight in a thread while this one connects Ray; the preflight's facts.
+
+        A failed preflight's error wins, raised once Ray's start has ended; interrupted, the
+        preflight's probes are stopped.
+        """
+        self.timings["preflight"] = 0.0
+        preflight = Background(self.preflight, name="preflight")
+        try:
+            with self._timed("ray"):
+                self.connect_ray()
+        except Exception:
+            self._preflight_verdict(preflight)  # its error first, else Ray's
+            raise
+        except BaseException:
+            preflight.cancel(PREFLIGHT_GRACE_S)
+            raise
+        return self._preflight_verdict(preflight)
+
+    def _preflight_verdict(
+        self, preflight: Background[dict[str, NodeFacts] | None]
+    ) -> dict[str, NodeFacts] | None:
+        try:
+            return preflight.result()
+        except BaseException:
+            preflight.cancel(PREFLIGHT_GRACE_S)  # interrupted while waiting for it
+            raise
+        finally:
+            self.timings["preflight"] = preflight.seconds
 
     def preflight(self) -> dict[str, NodeFacts] | None:
         return preflight_facts(

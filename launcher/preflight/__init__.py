@@ -205,6 +205,7 @@ def preflight_facts(
             (save_to / "parity.txt").write_text("skipped (--skip-parity)\n")
         return None
     report = run_preflight(cluster, job, deep=True, nodes=nodes)
+    signals.check()  # interrupted beside Ray's start (its probes killed): no verdict to show
     if save_to is not None:
         report.save(save_to)
     if show or not report.ok:

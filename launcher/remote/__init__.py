@@ -26,7 +26,7 @@ from launcher.remote.base import (
     Runner,
 )
 from launcher.remote.classify import classify_ssh_error
-from launcher.remote.fanout import GroupResult, fan_out, parallel_map
+from launcher.remote.fanout import Background, GroupResult, fan_out, parallel_map
 from launcher.remote.hostkeys import RevokedHostKeyError, UnknownHostKeyError, load_known_hosts
 from launcher.remote.local import LocalRunner
 from launcher.remote.quoting import BASE64_FAILED, REMOTE_TIMEOUT_MARGIN_S, remote_command
@@ -49,6 +49,7 @@ __all__ = [
     "TIMEOUT",
     "UNKNOWN_HOST_KEY",
     "UNREACHABLE",
+    "Background",
     "CommandResult",
     "GroupResult",
     "LocalRunner",

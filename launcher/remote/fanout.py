@@ -3,7 +3,8 @@
 Like fabric's ``GroupResult``: it never stops at the first failure. Interrupted (Ctrl-C in the
 calling thread), it returns at once: nodes not yet started are skipped, the runners its
 threads made are closed (a local command is killed; a remote one runs on until its remote
-``timeout`` stops it) and the interrupt is raised again.
+``timeout`` stops it) and the interrupt is raised again. ``Background`` runs one function
+beside the caller's own work, with the same way to stop it.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ class _Scope:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._runners: list[Runner] = []
+        self._runners: list[Runner | _Scope] = []
         self.cancelled = False
 
-    def add(self, runner: Runner) -> None:
+    def add(self, runner: Runner | _Scope) -> None:
         with self._lock:
             self._runners.append(runner)
             cancelled = self.cancelled
@@ -64,6 +65,10 @@ class _Scope:
             with contextlib.suppress(Exception):
                 runner.close()
 
+    def close(self) -> None:
+        """A fan-out's scope within another's (or a ``Background``'s) is cancelled with it."""
+        self.cancel()
+
 
 def parallel_map(
     fn: Callable[[Any], T], items: Sequence[Any], max_parallel: int = 32, *, grace_s: float = 0.0
@@ -76,6 +81,9 @@ def parallel_map(
     if not items:
         return outcomes
     scope = _Scope()
+    outer: _Scope | None = getattr(fan_out_scope, "scope", None)
+    if outer is not None:  # called within a fan-out's thread or a Background
+        outer.add(scope)
     lock = threading.Lock()
     queue = iter(range(len(items)))
 
@@ -108,3 +116,38 @@ def parallel_map(
                 thread.join(max(0.0, deadline - time.monotonic()))
         raise
     return outcomes
+
+
+class Background(Generic[T]):
+    """``fn()`` in a daemon thread while the caller does other work (the preflight while Ray
+    starts). ``result()`` waits and returns or raises what ``fn`` did; ``cancel()``, for a
+    caller that was interrupted, closes the runners made within it as an interrupted fan-out
+    does and gives it ``grace_s`` to end. ``seconds``: how long ``fn`` ran."""
+
+    def __init__(self, fn: Callable[[], T], name: str) -> None:
+        self.seconds = 0.0
+        self._scope = _Scope()
+        self._outcome: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], T]) -> None:
+        fan_out_scope.scope = self._scope
+        started = time.monotonic()
+        try:
+            self._outcome.append(fn())
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller by result()
+            self._outcome.append(err)
+        finally:
+            self.seconds = time.monotonic() - started
+
+    def result(self) -> T:
+        self._thread.join()
+        outcome = self._outcome[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def cancel(self, grace_s: float) -> None:
+        self._scope.cancel()
+        self._thread.join(grace_s)

@@ -94,6 +94,8 @@ def test_quickstart_end_to_end(tmp_path, mark):
         assert set(row) >= SUMMARY_RANK_KEYS
         assert row["tokens_per_s"] > 0 and row["steps"] == 30 and row["mfu"] is None
     assert summary["totals"]["tokens_per_s"] > 0
+    timings = summary["launcher_timings_s"]  # the preflight ran while Ray started
+    assert timings["preflight+ray"] < timings["preflight"] + timings["ray"] - 0.05, timings
     assert oct((run_dir / "plan.json").stat().st_mode & 0o777) == "0o600"
     # the run id names the nodes' folders: the run dir's name and a suffix of this launch alone;
     # the workers' LAUNCHER_RUN_ID stays the run dir's name
@@ -215,6 +217,39 @@ def test_a_diverging_quickstart_stops_with_exit_4_naming_the_step(tmp_path, mark
     logged = [r for r in records if r["type"] == "step"]
     assert logged[-1]["step"] == 5 and logged[-1]["first_nonfinite"]["step"] == step
     assert summary["training"]["step"] == 5
+    assert_none_left(mark, run_dir.name)
+
+
+def test_a_preflight_that_fails_while_ray_starts_is_exit_3_and_leaves_no_ray(
+    tmp_path, mark, monkeypatch
+):
+    """The probe cannot run (the node's interpreter is missing) while the embedded Ray starts:
+    the preflight's verdict and exit 3, no worker, and the Ray it started is stopped."""
+    monkeypatch.setenv("LAUNCHER_STATE_DIR", str(tmp_path / "state"))  # no head: embedded Ray
+    run_dir = tmp_path / f"run-{tmp_path.name}"
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(
+        yaml.safe_dump(
+            {"nodes": [{"name": "local", "host": "localhost", "python": str(tmp_path / "nopy")}]}
+        )
+    )
+    result = launch(
+        str(custom_job(tmp_path, "--steps", "5")),
+        "--cluster",
+        str(cluster),
+        "--run-dir",
+        str(run_dir),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "nopy cannot run there" in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["ranks"] == []
+    assert not (run_dir / "plan.json").exists()  # no attempt was planned: no worker
+    timings = summary["launcher_timings_s"]
+    assert timings["preflight"] < timings["ray"] <= timings["preflight+ray"]  # Ray was starting
+    assert "agents" not in timings
     assert_none_left(mark, run_dir.name)
 
 
