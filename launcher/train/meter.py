@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from launcher.metrics import gpu_summary, write_record
+from launcher.telemetry import clock_limits
 from launcher.train.health import read_interval
 from launcher.util import percentile
 
@@ -85,14 +86,6 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-# NVML's clock event (throttle) reasons that hold the SM clock below what the load asks for.
-CLOCK_LIMITS = {
-    0x4: "power cap",
-    0x8: "hw slowdown",
-    0x20: "sw thermal",
-    0x40: "hw thermal",
-    0x80: "power brake",
-}
 NO_GPU_SAMPLE: dict[str, Any] = {
     "gpu_util_pct": None,
     "sm_clock_mhz": None,
@@ -100,11 +93,6 @@ NO_GPU_SAMPLE: dict[str, Any] = {
     "clock_limits": None,
     "energy_counter_j": None,
 }
-
-
-def clock_limits(reasons: int) -> list[str]:
-    """The names of the limiting reasons set in an NVML clock-event bit mask."""
-    return [name for bit, name in CLOCK_LIMITS.items() if reasons & bit]
 
 
 class GpuMonitor:

@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
+from launcher.telemetry import clock_limits
 from launcher.train.meter import (
     GpuMonitor,
     Meter,
-    clock_limits,
     final_line,
     peak_tflops,
     progress_line,
