@@ -143,14 +143,9 @@ class Checkpointer:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: GradScaler | None = None,
     ) -> Path:
-        """Save step ``step``'s state (a collective). bf16 weights are saved as the fp32 masters
-        their optimizer (``MasterAdamW``) keeps; fp16's ``scaler`` (the loss scale and its
-        growth tracker) is saved with the step.
-
-        With ``async_save`` it returns once the state is in host memory (after the previous
-        background save has finished); ``poll``, ``wait`` or the next save mark it complete.
-        The time training was held goes to ``blocking_s`` and a ``checkpoint`` metrics record,
-        with its parts (``PARTS``)."""
+        """Save step ``step``'s state (a collective; bf16 weights as their fp32 masters). With
+        ``async_save`` it returns once the state is in host memory; ``poll``, ``wait`` or the
+        next save mark it complete. The hold goes to ``blocking_s`` and a metrics record."""
         assert self.root is not None
         started = time.perf_counter()
         self.wait()  # one save in flight: its host copy is reused by this one
@@ -334,11 +329,8 @@ class Checkpointer:
         scaler: GradScaler | None = None,
     ) -> int:
         """Load the latest complete checkpoint when resume is auto, resharded for this world
-        size, and put the data at the next sample; the step it ends (or 0). ``self.resumed``
-        says where it picked up. With bf16 weights the saved weights load into the fp32
-        masters their optimizer keeps, and the bf16 weights are rounded from them. fp16's
-        ``scaler`` goes on at the saved loss scale (a checkpoint without one, older or not
-        fp16, leaves it at its initial scale)."""
+        size, and put the data at the next sample; the step it ends (or 0). bf16 weights load
+        into their fp32 masters; fp16's ``scaler`` goes on at the saved loss scale."""
         if self.spec.resume != "auto" or self.root is None:
             return 0
         path = self._agreed_checkpoint()
@@ -394,11 +386,8 @@ class Checkpointer:
         return self.resumed.step
 
     def _agreed_checkpoint(self) -> Path | None:
-        """The checkpoint every rank resumes from: the latest complete one that rank 0 sees,
-        told to the others (collectives). Each rank looking for itself could pick another one,
-        or none, where the folder is not one shared filesystem (a node-local folder on several
-        nodes): the ranks that went on into DCP's load then waited for the rest forever. Every
-        rank raises ResumeError when some rank does not see rank 0's choice complete."""
+        """The checkpoint every rank resumes from: the latest complete one rank 0 sees, told to
+        the others; ResumeError on every rank where one does not see it (no shared folder)."""
         assert self.root is not None
         latest = latest_checkpoint(self.root)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -491,12 +480,9 @@ def _cause(err: BaseException) -> str:
 
 
 class HostCopy:
-    """DCP's stager protocol for plain tensors: each tensor copied into a host buffer kept
-    between saves (pinned for GPU tensors, copied asynchronously, then one sync); everything
-    else copied with ``copy.deepcopy``. DCP's own stager of torch 2.11 fails on some Python
-    objects (``KeyError: <class 'type'>``). ``reserve`` allocates the buffers ahead of the first
-    copy; ``stage_s`` and ``alloc_s`` say how long the last copy took and how much of it was
-    allocation."""
+    """DCP's stager protocol: each tensor copied into a host buffer kept between saves (pinned
+    for GPU tensors), everything else deep-copied (torch 2.11's own stager fails on some
+    objects). ``reserve`` allocates ahead; ``stage_s`` and ``alloc_s`` time the last copy."""
 
     should_synchronize_after_execute = False
 

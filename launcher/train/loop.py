@@ -65,10 +65,7 @@ StepCallback = Callable[[int], None]
 
 def train(job: JobSpec, *, on_step: StepCallback | None = None) -> dict[str, Any]:
     """Train ``job`` with the built-in trainer; returns this rank's ``final`` record.
-
-    ``on_step(step)`` is called after every optimizer step (and after that step's checkpoint,
-    when one is due), on every rank.
-    """
+    ``on_step(step)`` runs after every optimizer step (and its checkpoint), on every rank."""
     trainer = Trainer(job)
     try:
         return trainer.train(on_step=on_step)
@@ -242,10 +239,7 @@ class Trainer:
     def build_model(self) -> None:
         job = self.job
         spec, seq_len, mask_prob = job.model, job.data.seq_len, job.data.mask_prob
-        # Weights from a folder go into the plain model before anything wraps it (rank 0 reads,
-        # the others receive). Sharded by FSDP it is built on the meta device, sharded, then filled
-        # from rank 0's copy one tensor at a time, so no rank holds the whole model on its GPU;
-        # with cpu_offload the shards live on the CPU: every rank loads there, then shards.
+        # Weights from a folder go into the model before anything wraps it (docs/trainer.md).
         init = spec.init_from is not None
         offload = self.sharded and job.parallel.fsdp.cpu_offload
         fill_shards = init and self.sharded and not offload  # built on meta, filled after sharding
@@ -285,11 +279,8 @@ class Trainer:
 
             load_pretrained(self.model, spec, device=self.device)
         self.model.train()
-        # A replayed backward graph writes its gradients into memory that the next replay
-        # reuses. Taking them as .grad (what zero_grad(set_to_none=True) leads to) is right when
-        # one backward per step is consumed by the optimizer before the next. Accumulating over
-        # micro-batches instead adds each one into gradients that keep their own memory.
-        # Those gradients are allocated after the resume (allocate_grads).
+        # Accumulating over replayed CUDA graphs needs gradients with memory of their own
+        # (allocate_grads, after the resume); one backward a step can take the graph's.
         self.grads_in_place = job.train.cuda_graphs and job.train.grad_accum > 1
         self.trained_params = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -366,9 +357,7 @@ class Trainer:
 
     def allocate_grads(self) -> None:
         """Give every trained parameter its own gradient memory where the micro-batches are
-        summed into it (``grads_in_place``). Called after the resume: torch's ``get_state_dict``
-        builds a fresh optimizer's state (which the checkpoint's moments load into) only while
-        no parameter has a gradient, and leaves every ``.grad`` None."""
+        summed into it (``grads_in_place``); after the resume, which needs ``.grad`` None."""
         if self.grads_in_place:
             for p in self.trained_params:
                 if p.grad is None:
@@ -470,15 +459,9 @@ class Trainer:
         return self.job.train.grad_accum > 1 and not parallel.needs_backward(self.model, sync)
 
     def backward(self, loss: torch.Tensor, micro: int, sync: bool) -> None:
-        """The micro-batch's backward, its gradients summed into ``.grad``.
-
-        With gradient accumulation, autograd's own accumulation is one add per parameter, each
-        a kernel launch (308 a step for BERT-base's 154 tensors over 2 micro-batches). Where no
-        DDP or FSDP hook needs to see it (``parallel.needs_backward``), the gradients come from
-        ``torch.autograd.grad`` instead and are summed with foreach ops: the first micro-batch's
-        are taken as ``.grad`` (copied into the gradients' own memory when a replayed graph
-        would reuse theirs), the later ones added, a few kernels each. The sums are the same.
-        """
+        """The micro-batch's backward, its gradients summed into ``.grad``: by autograd where a
+        DDP or FSDP hook needs it (``parallel.needs_backward``), else from
+        ``torch.autograd.grad`` summed with foreach ops (a few kernels, not one per tensor)."""
         if not self.by_autograd_grad(sync):
             loss.backward()
             return
@@ -527,24 +510,17 @@ class Trainer:
         return loss
 
     def nonfinite(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-        """Whether this step is skipped (``train.on_nonfinite: skip``), a 0-d bool on the
-        device that every rank agrees on: a non-finite loss on any rank (one all-reduce of a
-        scalar), or a non-finite gradient norm (the same on every rank; not under a loss
-        scaler, which skips overflows itself)."""
+        """Whether this step is skipped (``train.on_nonfinite: skip``), a 0-d bool every rank
+        agrees on: a non-finite loss on any rank, or gradient norm (not under a loss scaler)."""
         bad = ~torch.isfinite(parallel.all_reduce_mean(loss.detach().float()))
         if self.scaler is None:
             bad |= ~torch.isfinite(norm)
         return bad
 
     def clip_gradients(self) -> torch.Tensor:
-        """The gradients' global norm before clipping, a 0-d tensor on the device (no sync),
-        and the gradients clipped to ``train.grad_clip`` (torch's rule) where it is above 0.
-
-        A fused AdamW without a loss scaler gets the clipping folded into its kernel
-        (``parallel.clip_in_fused_optimizer``; ``MasterAdamW.clip_grad_norm_``): one read and
-        write of all gradients less per step. Otherwise the gradients are multiplied in place
-        (``parallel.clip_grad_norm_``).
-        """
+        """The gradients' global norm before clipping (a 0-d tensor, no sync), the gradients
+        clipped to ``train.grad_clip`` where it is above 0: inside a fused AdamW's kernel where
+        there is no loss scaler, else in place."""
         clip = self.job.train.grad_clip
         if isinstance(self.optimizer, MasterAdamW):  # the norm in fp32 (the gradients are bf16)
             return self.optimizer.clip_grad_norm_(clip if clip > 0 else math.inf)
