@@ -96,19 +96,14 @@ class AgentGroup:
     def routes(self, nodes: list[NodeSpec]) -> dict[str, dict[str, Any]]:
         """Each node's route to the head (``nodes[0]``) and its interfaces, as its agent finds
         them (``NodeAgent.route``); a node whose agent fails gets ``{"route": {"error": ...}}``."""
-        import ray
-
         head = nodes[0].net_address
-        refs = [h.route.remote(head) for h in self.handles]
-        ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S)
-        out: dict[str, dict[str, Any]] = {}
-        for ref, node in zip(refs, nodes, strict=True):
-            try:
-                out[node.name] = ray.get(ref, timeout=0.1)
-            except Exception as err:
-                reason = f"its agent did not answer: {_reason(err)}"
-                out[node.name] = {"route": {"to": head, "error": reason}}
-        return out
+        answers = _answers([h.route.remote(head) for h in self.handles], CALL_TIMEOUT_S)
+        return {
+            node.name: answer
+            if not isinstance(answer, Exception)
+            else {"route": {"to": head, "error": f"its agent did not answer: {_reason(answer)}"}}
+            for node, answer in zip(nodes, answers, strict=True)
+        }
 
     def check_reach(self, launch_plan: LaunchPlan, timeout_s: float) -> dict[str, str]:
         """Every node opens a TCP connection to the head's rendezvous port from its workers'
@@ -126,16 +121,14 @@ class AgentGroup:
                 h.reach.remote(master, port, n.env.get("GLOO_SOCKET_IFNAME"), timeout_s)
                 for h, n in zip(self.handles, launch_plan.nodes, strict=True)
             ]
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s + REACH_TIMEOUT_S)
-            failed: dict[str, str] = {}
-            for ref, node in zip(refs, launch_plan.nodes, strict=True):
-                try:
-                    problem = ray.get(ref, timeout=0.1)
-                except Exception as err:
-                    problem = f"its agent did not answer the check: {_reason(err)}"
-                if problem:
-                    failed[node.name] = problem
-            return failed
+            answers = _answers(refs, timeout_s + REACH_TIMEOUT_S)
+            return {
+                node.name: f"its agent did not answer the check: {_reason(problem)}"
+                if isinstance(problem, Exception)
+                else problem
+                for node, problem in zip(launch_plan.nodes, answers, strict=True)
+                if problem
+            }
         finally:
             with contextlib.suppress(Exception):
                 ray.get(head.unlisten.remote(), timeout=CALL_TIMEOUT_S)
@@ -203,31 +196,23 @@ class AgentGroup:
 
     def unreachable(self, exclude: int) -> tuple[int, BaseException] | None:
         """The first other agent that does not answer a trivial call within a few seconds."""
-        import ray
-
         others = [i for i in range(len(self.handles)) if i != exclude]
-        refs = [self.handles[i].hostname.remote() for i in others]
-        ray.wait(refs, num_returns=len(refs), timeout=REACH_TIMEOUT_S)
-        for i, ref in zip(others, refs, strict=True):
-            try:
-                ray.get(ref, timeout=0.1)
-            except Exception as err:
+        answers = _answers([self.handles[i].hostname.remote() for i in others], REACH_TIMEOUT_S)
+        for i, answer in zip(others, answers, strict=True):
+            if isinstance(answer, Exception):
                 self._lost.add(i)
-                return i, err
+                return i, answer
         return None
 
     def stacks(self, wait_s: float = 5.0) -> dict[str, bytes]:
         """Every reachable node's stack dumps and collective traces (``NodeAgent.stacks``), asked
         of all at once; a node that does not answer in time gives none."""
-        import ray
-
         live = [i for i in range(len(self.handles)) if i not in self._lost]
         refs = [self.handles[i].stacks.remote(wait_s) for i in live]
-        ray.wait(refs, num_returns=len(refs), timeout=wait_s + REACH_TIMEOUT_S)
         out: dict[str, bytes] = {}
-        for ref in refs:
-            with contextlib.suppress(Exception):
-                out.update(ray.get(ref, timeout=0.1))
+        for answer in _answers(refs, wait_s + REACH_TIMEOUT_S):
+            if not isinstance(answer, Exception):
+                out.update(answer)
         return out
 
     def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
@@ -254,13 +239,10 @@ class AgentGroup:
                 owed.append((i, ray.get(ref, timeout=REACH_TIMEOUT_S)))
         self._pending.clear()
         stops = [h.stop.remote(grace_s, first) for h in self.handles]
-        steps = 2 if first == signal.SIGINT else 1
-        ray.wait([stops[i] for i in live], num_returns=len(live), timeout=steps * grace_s + 15)
-        for i in live:
-            try:
-                ray.get(stops[i], timeout=0.1)
-            except Exception as err:
-                log.warning("could not confirm that agent %d stopped: %s", i, first_line(err))
+        wait_s = (2 if first == signal.SIGINT else 1) * grace_s + 15
+        for i, answer in zip(live, _answers([stops[i] for i in live], wait_s), strict=True):
+            if isinstance(answer, Exception):
+                log.warning("could not confirm that agent %d stopped: %s", i, first_line(answer))
         for i in live:
             with contextlib.suppress(Exception):
                 owed.append((i, ray.get(self.handles[i].poll.remote(), timeout=10)))
@@ -297,6 +279,20 @@ class AgentGroup:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._placement)
         self.handles, self._placement = [], None
+
+
+def _answers(refs: list[Any], timeout_s: float) -> list[Any]:
+    """Each call's answer, or the exception it raised, after waiting ``timeout_s`` for all."""
+    import ray
+
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref, timeout=0.1))
+        except Exception as err:
+            out.append(err)
+    return out
 
 
 def _reason(err: BaseException) -> str:
