@@ -196,13 +196,9 @@ def torch_build() -> dict[str, Any] | None:
 
 
 def tree_hash(root: Path) -> str:
-    """sha256 over the sorted relative paths and contents of every .py file under ``root``."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
-    for path in files:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
+    """``files_hash`` of every .py file under ``root``."""
+    files = [p for p in root.rglob("*.py") if "__pycache__" not in p.parts]
+    return files_hash(root, [p.relative_to(root).as_posix() for p in files])
 
 
 def user_code_info(workdir: Path, script: str | None, exclude: list[str]) -> dict[str, Any]:
