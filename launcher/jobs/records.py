@@ -86,9 +86,8 @@ def jobs_lock(cluster: ClusterSpec) -> Iterator[None]:
             yield
 
 
-ADDRESSES_KEY = (
-    "ray_start_addresses"  # in a cluster's record, beside its spec: node name -> address
-)
+# in a cluster's record, beside its spec: node name -> address
+ADDRESSES_KEY = "ray_start_addresses"
 
 
 def saved_cluster(cluster: ClusterSpec) -> ClusterSpec | None:

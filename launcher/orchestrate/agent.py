@@ -541,9 +541,8 @@ def _prepare_reaper() -> None:
     reaper sets its handler (an ignored signal stays ignored across exec)."""
     _prepare_child()
     with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).signal(
-            signal.SIGTERM, ctypes.c_void_p(1)
-        )  # SIG_IGN
+        # SIG_IGN
+        ctypes.CDLL("libc.so.6", use_errno=True).signal(signal.SIGTERM, ctypes.c_void_p(1))
 
 
 def _prepare_child() -> None:

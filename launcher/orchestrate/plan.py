@@ -26,9 +26,8 @@ from launcher.spec.job import NCCLSpec
 from launcher.util import mask_env
 
 DEFAULT_MASTER_PORT = 29500
-PROFILE_SUBDIR = (
-    "profile"  # train.profile output: <node dir>/profile on a node, <run dir>/profile/<node> after
-)
+# train.profile output: <node dir>/profile on a node, <run dir>/profile/<node> after
+PROFILE_SUBDIR = "profile"
 STACKS_SUBDIR = "stacks"  # workers' stack dumps and collective traces, on a node and in the run dir
 # NCCL's Flight Recorder: the last collectives of every rank, kept in a bounded ring and dumped
 # when a collective times out (TORCH_NCCL_DEBUG_INFO_TEMP_FILE is set per node in the plan).

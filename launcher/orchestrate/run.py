@@ -133,9 +133,8 @@ class Launch:
             outcome = Outcome(
                 Status.FAILED, self.run_dir.root, Failure(FailureKind.LAUNCHER, reason)
             )
-            if (
-                not self._workers_started
-            ):  # the launch failed before training (exit 3), not the job (4)
+            # the launch failed before training (exit 3), not the job (4)
+            if not self._workers_started:
                 raise PreflightError(
                     f"{reason}. No worker was started; what was recorded is in {self.run_dir}"
                 ) from err
@@ -255,9 +254,8 @@ class Launch:
         elastic.check_enough(self.job, left, failure.reason)
         try:
             world = sum(worker_counts(self.job, left, self.facts).values())
-        except (
-            LauncherError
-        ) as err:  # e.g. a spare admitted without a preflight and no gpus declared
+        # e.g. a spare admitted without a preflight and no gpus declared
+        except LauncherError as err:
             raise RestartRefused(
                 f"{failure.reason}; the nodes left cannot be planned: {err}"
             ) from None
@@ -342,9 +340,8 @@ class Launch:
         self._first_world = self._first_world or launch_plan.world_size
         self._used.update(n.name for n in launch_plan.nodes)
         self.log.open(launch_plan)
-        self._workers_started = (
-            True  # from here on a worker may run (some nodes may start before one fails)
-        )
+        # from here on a worker may run (some nodes may start before one fails)
+        self._workers_started = True
         # job.yaml on the nodes has env values masked: workers get them from the plan's env.
         agents.start(launch_plan, {"job.yaml": spec_yaml(job)})
         log.info(

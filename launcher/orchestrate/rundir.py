@@ -77,9 +77,8 @@ class RunDir:
             for gone in made:  # innermost first
                 with contextlib.suppress(OSError):
                     gone.rmdir()
-            if isinstance(
-                err, FileExistsError
-            ):  # another launch made it between the look and the mkdir
+            # another launch made it between the look and the mkdir
+            if isinstance(err, FileExistsError):
                 raise _taken(path) from err
             if isinstance(err, OSError):
                 raise UsageError(

@@ -17,9 +17,8 @@ from launcher.orchestrate.stacks import blame, describe, main_frames, user_frame
 
 POLL_INTERVAL_S = 0.5
 NODE_SILENCE_S = 30.0  # an agent that answers no poll for this long is a lost node
-STARTUP_S = (
-    120.0  # the hang watchdog's least limit before a rank's first record (imports, rendezvous)
-)
+# the hang watchdog's least limit before a rank's first record (imports, rendezvous)
+STARTUP_S = 120.0
 
 
 class Agents(Tails, Protocol):
@@ -85,9 +84,8 @@ class Watcher:
                 return True, lost_node(nodes[lost[0]], lost[1])
             try:
                 return True, rank_failure(self.agents, i, nodes[i], status)
-            except (
-                Exception
-            ) as err:  # its agent died after reporting the exit: no log to read there
+            # its agent died after reporting the exit: no log to read there
+            except Exception as err:
                 return True, lost_node(nodes[i], err)
         if len(self._exited) == len(nodes):
             return True, None

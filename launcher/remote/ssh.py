@@ -79,9 +79,8 @@ class SSHRunner(Runner):
             ) from None
         except (TypeError, paramiko.PasswordRequiredException):  # cryptography: no password given
             raise NodeError(AUTH_FAILED, ENCRYPTED.format(key=shown)) from None
-        except (
-            paramiko.pkey.UnknownKeyType
-        ) as err:  # e.g. DSA: paramiko 4.0 removed DSSKey (3.x loads it)
+        # e.g. DSA: paramiko 4.0 removed DSSKey (3.x loads it)
+        except paramiko.pkey.UnknownKeyType as err:
             kind = getattr(err.key_type, "__name__", None) or str(err.key_type)
             kind = short(kind.removesuffix("PrivateKey"), 40)
             raise NodeError(

@@ -28,9 +28,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise SpecError(f"cannot read the file ({err.strerror})", source=str(path)) from None
     try:
-        data = yaml.load(
-            text, Loader=_StrictLoader
-        )  # a SafeLoader that also rejects duplicate keys
+        # a SafeLoader that also rejects duplicate keys
+        data = yaml.load(text, Loader=_StrictLoader)
         cycle = _has_cycle(data)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)

@@ -230,9 +230,8 @@ class Batches(abc.ABC):
         pos = self.positions[: self.seq_len]
         # Unique keys (hash in the high bits, position in the low 20) make topk tie-free.
         keys = (self.hash(_SALT_MASK, sample, pos) << 20) | pos
-        if (
-            self.never_mask is not None
-        ):  # below every other key: picked only if nothing else is left
+        # below every other key: picked only if nothing else is left
+        if self.never_mask is not None:
             keys = torch.where(torch.isin(tokens, self.never_mask), keys - (1 << 53), keys)
         mask_pos = keys.topk(self.n_mask, dim=1).indices.sort(dim=1).values
         labels = tokens.gather(1, mask_pos)

@@ -143,9 +143,8 @@ if triton is not None:
         z = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        dz = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32) * _gelu_grad(
-            z, TANH
-        )  # 0 where masked
+        # 0 where masked
+        dz = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32) * _gelu_grad(z, TANH)
         tl.store(DY + offs, dz.to(DY.dtype.element_ty), mask=mask)
         if HAS_BIAS:  # this tile's column sums; the launcher adds the tiles' rows
             tl.store(

@@ -166,9 +166,8 @@ class Trainer:
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         dist.init_process_group(
-            backend=parallel.process_group_backend(
-                job
-            ),  # gloo beside NCCL for CPU-offloaded shards
+            # gloo beside NCCL for CPU-offloaded shards
+            backend=parallel.process_group_backend(job),
             timeout=timedelta(seconds=job.nccl.timeout_s),
             device_id=self.device if self.device.type == "cuda" else None,
         )
@@ -305,9 +304,8 @@ class Trainer:
         betas = (0.9, 0.95) if self.job.model.arch == "gpt" else (0.9, 0.999)
         groups = param_groups(self.model, t.weight_decay)
         self.optimizer: torch.optim.Optimizer
-        if (
-            self.masters is not None
-        ):  # bf16 weights: AdamW on their fp32 masters, one kernel a group
+        # bf16 weights: AdamW on their fp32 masters, one kernel a group
+        if self.masters is not None:
             self.optimizer = MasterAdamW(groups, self.masters, lr=t.lr, betas=betas)
         else:
             self.optimizer = torch.optim.AdamW(
@@ -433,9 +431,8 @@ class Trainer:
         accum = self.job.train.grad_accum
         with self.meter.data_wait():
             batch = self.data.batch(step, micro)
-        if (
-            self.job.train.cuda_graphs
-        ):  # a new replay generation: the last micro-batch's outputs are done
+        # a new replay generation: the last micro-batch's outputs are done
+        if self.job.train.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         sync = self.syncs(step, micro)
         keep = not self.job.parallel.fsdp.reshard_after_forward

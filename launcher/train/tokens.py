@@ -257,9 +257,8 @@ def scan_ids(
         else:
             outside = part < 0
         values = part[outside].to(torch.int64)
-        if (
-            not values.numel()
-        ):  # unsigned ids past the signed range, all inside a vocabulary as large
+        # unsigned ids past the signed range, all inside a vocabulary as large
+        if not values.numel():
             continue
         if low_bits is not None:
             values &= low_bits
