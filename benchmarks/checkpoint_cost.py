@@ -2,19 +2,19 @@
 at one or more intervals and writer thread counts, and what each wait went to.
 
     python benchmarks/checkpoint_cost.py [--job jobs/gpt.yaml] [--steps 150] [--every 10,50]
-                                         [--modes none,sync,async] [--threads 4]
+                                         [--modes none,async,sync] [--threads 4]
                                          [--set KEY=VALUE ...] [--out DIR]
 
-Runs ``launch run JOB`` once without checkpoints (mode ``none``) and once per interval, mode
-(``train.checkpoint.async: false``; ``true``) and writer thread count
-(``train.checkpoint.write_threads``), each with a checkpoint every ``--every`` steps into a fresh
-folder. From each run's ``summary.json`` it prints a line and, at the end, a table: the wait per
-checkpoint (mean, max and the first one's; the slowest rank per checkpoint), the mean of each
-part of it (``blocking_parts_s_mean``: waiting for the previous save, gathering the state, setup,
-the copy to host memory, the write of a synchronous save, the rest), how long a background save
-took to complete, tokens/s of the whole run and the p50 step time (the steps without a
-checkpoint: their throughput must not fall). ``checkpoint_cost.json`` in ``--out`` is
-rewritten after every run, so a run cut short keeps what it measured.
+Runs ``launch run JOB`` once without checkpoints (mode ``none``) and once per mode
+(``train.checkpoint.async: true``; ``false``), interval and writer thread count
+(``train.checkpoint.write_threads``), in the order given, each with a checkpoint every
+``--every`` steps into a fresh folder. From each run's ``summary.json`` it prints a line and, at
+the end, a table: the wait per checkpoint (mean, max and the first one's; the slowest rank per
+checkpoint), the mean of each part of it (``blocking_parts_s_mean``: waiting for the previous
+save, gathering the state, setup, the copy to host memory, the write of a synchronous save, the
+rest), how long a background save took to complete, tokens/s of the whole run and the p50 step
+time (the steps without a checkpoint: their throughput must not fall). ``checkpoint_cost.json``
+in ``--out`` is rewritten after every run, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--job", default=str(ROOT / "jobs/gpt.yaml"))
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--every", default="10,50", help="checkpoint intervals, comma-separated")
-    p.add_argument("--modes", default="none,sync,async")
+    p.add_argument("--modes", default="none,async,sync")
     p.add_argument("--threads", default="4", help="write_threads values, comma-separated")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", type=Path, default=Path(f"runs/checkpoint-cost-{int(time.time())}"))
@@ -49,8 +49,8 @@ def main() -> None:
     runs: list[tuple[str, int | None, int | None]] = (
         [("none", None, None)] if "none" in modes else []
     )
-    for every in (int(e) for e in args.every.split(",")):
-        for mode in (m for m in modes if m != "none"):
+    for mode in (m for m in modes if m != "none"):  # in the order given: the first ones first
+        for every in (int(e) for e in args.every.split(",")):
             runs += [(mode, every, int(t)) for t in args.threads.split(",")]
     results: dict[str, Any] = {}
     for mode, every, threads in runs:
