@@ -85,10 +85,8 @@ class JobsCluster:
         return self.client.get_job_logs(details.submission_id)
 
     def state_log(self, details: Any) -> str:
-        """Enough of the driver's log for its last state line, without downloading all of it:
-        its last ``STATE_TAIL_LINES`` lines (Ray's log API reads them from the end of the file);
-        the whole log only where they hold no state line and the log is longer, or where that
-        API fails."""
+        """Enough of the driver's log for its last state line: its last ``STATE_TAIL_LINES``
+        lines, the whole log only where they hold none (or Ray's log API fails)."""
         if str(details.status.value) == "PENDING":
             return ""
         node = getattr(details, "driver_node_id", None)
@@ -105,10 +103,8 @@ class JobsCluster:
 
 @contextlib.contextmanager
 def connect(cluster: ClusterSpec, *, start: bool = False) -> Iterator[JobsCluster]:
-    """The cluster's Jobs API; ``start`` starts (or bootstraps) the launcher's Ray when none
-    runs, else NoJobs is raised for a cluster without one. With ``start`` (a submission) the
-    launcher's Ray is locked (``records.jobs_lock``) until the block ends: ``launch down`` does
-    not stop it between finding it and handing it the job."""
+    """The cluster's Jobs API; ``start`` starts the launcher's Ray where none runs (else
+    NoJobs) and holds ``records.jobs_lock`` for the block."""
     with records.jobs_lock(cluster) if start else contextlib.nullcontext():
         if cluster.ray.address is not None:
             with _attached(cluster) as jobs:
@@ -183,10 +179,8 @@ RAY_NODE_FIELDS = (
 
 
 def _check_same(saved: ClusterSpec, cluster: ClusterSpec) -> None:
-    """UsageError (exit 2) when the running Ray was started for other nodes (names, addresses,
-    SSH users, interpreters) or Ray settings than the cluster file gives now: a job submitted to
-    it would run on the saved ones. What the nodes' Ray does not depend on (their env, gpus,
-    parity policies, SSH options) may change: the submission carries the cluster file as it is."""
+    """UsageError (exit 2) when the running Ray was started for other nodes (``RAY_NODE_FIELDS``)
+    or Ray settings than the cluster file gives now."""
     differ = [
         f"node {a.name if a.name == b.name else f'{a.name}/{b.name}'}: {key} {getattr(a, key)!r} → {getattr(b, key)!r}"
         for a, b in zip(saved.nodes, cluster.nodes, strict=False)

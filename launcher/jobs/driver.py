@@ -237,10 +237,8 @@ def _on_this_node(run_dir: str) -> Path:
 
 
 def _leave_upload_out() -> None:
-    """The uploaded folder is the driver's alone: the agents and workers must not get it as
-    their working_dir (a script's own workdir is shipped by ``open_session``, and two
-    working_dirs would clash). Ray hands the job's runtime_env to the driver in
-    ``$RAY_JOB_CONFIG_JSON_ENV_VAR`` (that is the variable's name), read by ``ray.init``."""
+    """The uploaded folder is the driver's alone: drop it from the runtime_env Ray hands the
+    driver (``$RAY_JOB_CONFIG_JSON_ENV_VAR``), so the agents do not get it as working_dir."""
     raw = os.environ.get(JOB_CONFIG_ENV)
     if raw:
         config = json.loads(raw)
@@ -278,10 +276,8 @@ def _done(status: Status, summary: dict[str, Any], run_dir: RunDir | None) -> di
 
 
 def _final(job: JobSpec, run_dir: RunDir | None, status: Status, reason: str | None = None) -> None:
-    """A job that ended before ``Launch`` wrote its summary (stopped while waiting, Ray not
-    reachable): a summary with no ranks that says so, and the final state line. ``run_dir``
-    None: the job has no run directory (its folder was refused), the summary is the state
-    line's alone."""
+    """A job that ended before ``Launch`` wrote its summary: a summary with no ranks that says
+    so (none without a run directory), and the final state line."""
     summary = None
     if run_dir is None or not (run_dir.root / "summary.json").is_file():
         failure = {"reason": reason} if reason else None

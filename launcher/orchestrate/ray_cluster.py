@@ -440,10 +440,8 @@ RAY_TEMP_NAME = "ray"  # Ray's temp dir, inside a private parent of its own
 
 
 def private_ray_temp() -> str:
-    """A new temp dir for a Ray this launcher starts on this machine: ``ray`` in a new private
-    parent (0700, ``mkdtemp``). Ray makes its temp dir and the folders in it world-writable
-    (0777) and runs code it unpacks there; the parent keeps every other user out. Short, as
-    Ray's Unix socket paths under it must stay under ~107 characters."""
+    """A new temp dir for a Ray this launcher starts here: ``ray`` in a new private (0700)
+    parent, as Ray makes its own world-writable; short, for Ray's Unix socket paths."""
     parent = make_private_dir(f"launcher-ray-{os.getuid()}-")
     return str(parent / RAY_TEMP_NAME)
 

@@ -537,10 +537,9 @@ class Launch:
 
 
 def checked_code(job: JobSpec, cluster: ClusterSpec) -> CodePlan | None:
-    """What ``run``, ``dry_run`` and ``launch submit`` check before anything: the workdir can travel (exit 2), an
-    elastic job's checkpoints are not private to each machine (exit 2), the checkpoint folder
-    it would resume from is not another user's to change (as this machine sees it; exit 2).
-    The workdir's plan."""
+    """The workdir's plan, after what ``run``, ``dry_run`` and ``launch submit`` check first
+    (exit 2): the workdir can travel, an elastic job's checkpoints are shared, and the folder
+    it would resume from is not another user's to change."""
     nodes = nodes_for_job(cluster, job)
     code = plan_code(job, nodes)
     elastic.check_shared_checkpoints(job, nodes)

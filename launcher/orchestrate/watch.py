@@ -121,9 +121,8 @@ class Watcher:
         if not silent:
             return None
         stacks = self._dump_stacks()
-        # A hung rank stalls the others at their next collective, so several go silent at
-        # once: blame the one outside the collective the others are in, else the one that got
-        # least far (lowest step, then the oldest record).
+        # Several ranks go silent at once: blame the one outside the others' collective, else
+        # the one that got least far.
         found = blame(stacks)
         if found is not None:
             entry = next(e for e in self.plan.ranks() if e["rank"] == found[0])

@@ -399,11 +399,8 @@ def field_defs(packages: Sequence[str]) -> list[FieldDef]:
 
 
 def resolve_policies(overrides: dict[str, str], packages: Sequence[str] = ()) -> dict[str, str]:
-    """Defaults merged with cluster.yaml's ``parity.policies``; an unknown key is a SpecError.
-
-    A kernel package (``KERNEL_PACKAGES``) that this run does not check (a CPU job, a user's
-    script, ``launch check`` without a job) is not unknown: its policy is kept for the runs
-    that do check it."""
+    """Defaults merged with cluster.yaml's ``parity.policies``; an unknown key is a SpecError
+    (a kernel package this run does not check is not unknown)."""
     from launcher.spec.job import KERNEL_PACKAGES
 
     resolved = {f.key: f.policy for f in field_defs(packages)}

@@ -214,11 +214,8 @@ def user_code_info(workdir: Path, script: str | None, exclude: list[str]) -> dic
 
 
 def walk_tree(root: Path, exclude: list[str]) -> list[tuple[str, int]]:
-    """(relative POSIX path, size) of every file under ``root`` that ``exclude`` keeps, sorted.
-
-    Excluded folders are not entered; links to folders are not followed (links to files are
-    read as the files they point to).
-    """
+    """(relative POSIX path, size) of every file under ``root`` that ``exclude`` keeps, sorted;
+    links to folders are not followed."""
     excluded = exclude_matcher(exclude)
     out: list[tuple[str, int]] = []
     for folder, dirs, files in os.walk(root):
@@ -393,11 +390,8 @@ def _interfaces_ioctl() -> dict[str, list[str]]:
 
 
 def route_to(host: str) -> dict[str, Any]:
-    """The interface and address through which this machine reaches ``host`` (IPv4).
-
-    ``resolved``: what ``host`` resolves to here. The kernel picks the source address of a
-    UDP socket connected there (nothing is sent); the interface is the one holding it.
-    """
+    """The interface and address through which this machine reaches ``host`` (IPv4): the source
+    address the kernel picks for a UDP socket connected there (nothing is sent)."""
     resolved = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.connect((resolved, 9))

@@ -119,10 +119,8 @@ def parallel_map(
 
 
 class Background(Generic[T]):
-    """``fn()`` in a daemon thread while the caller does other work (the preflight while Ray
-    starts). ``result()`` waits and returns or raises what ``fn`` did; ``cancel()``, for a
-    caller that was interrupted, closes the runners made within it as an interrupted fan-out
-    does and gives it ``grace_s`` to end. ``seconds``: how long ``fn`` ran."""
+    """``fn()`` in a daemon thread while the caller does other work; ``result()`` returns or
+    raises what it did, ``cancel()`` closes its runners as an interrupted fan-out does."""
 
     def __init__(self, fn: Callable[[], T], name: str) -> None:
         self.seconds = 0.0

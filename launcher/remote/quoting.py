@@ -12,10 +12,8 @@ REMOTE_TIMEOUT_MARGIN_S = 2  # a remote command outliving its timeout by this st
 
 
 def remote_command(script: str, timeout: float | None) -> str:
-    """What an SSH runner sends: ``script`` for sh. With a ``timeout``, under coreutils'
-    ``timeout`` where the node has one that takes ``-k`` (else as it is): closing the channel
-    when the launcher gives up does not stop a remote command, so it stops itself
-    REMOTE_TIMEOUT_MARGIN_S later (SIGTERM to its process group, SIGKILL 5 s after)."""
+    """What an SSH runner sends: ``script`` for sh, under coreutils' ``timeout -k`` where given
+    one (a closed channel stops no remote command: it stops itself)."""
     if timeout is None:
         return for_login_shell(script)
     limit = math.ceil(timeout) + REMOTE_TIMEOUT_MARGIN_S
@@ -26,9 +24,7 @@ def remote_command(script: str, timeout: float | None) -> str:
     return for_login_shell(wrapper)
 
 
-# What a login shell other than sh does not keep as it is inside a single-quoted word: csh and
-# tcsh end the command at a newline ("Unmatched '") and expand history at "!" ("Event not
-# found"), also under -c; fish unescapes \\ and \'.
+# What csh, tcsh or fish change inside a single-quoted word (newline, history "!", fish's \\ \').
 _LOGIN_SHELL_UNSAFE = re.compile(r"[\n\r!\\]")
 
 
@@ -37,10 +33,8 @@ BASE64_FAILED = "launcher: base64 -d failed on this node"
 
 
 def for_login_shell(script: str) -> str:
-    """``sh -c`` running ``script``, as one line that any login shell (sh, bash, csh, tcsh,
-    fish) passes to sh unchanged: quoted as it is where that is safe, else base64-encoded and
-    decoded by sh itself (stdin is left to the script). Where the node cannot decode it (no
-    ``base64``), sh prints BASE64_FAILED on stderr and exits 127 instead of running nothing."""
+    """``sh -c`` running ``script``, as one line that any login shell passes to sh unchanged:
+    quoted where that is safe, else base64-encoded (BASE64_FAILED, exit 127, without base64)."""
     if not script.rstrip("\n"):  # newlines only: nothing to run (and sh's $(...) drops them)
         script = ""
     if _LOGIN_SHELL_UNSAFE.search(script) is None:

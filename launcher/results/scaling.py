@@ -42,14 +42,9 @@ DISAGREE_LIMIT = 0.10  # repeats whose range exceeds this share of their median 
 
 
 def scale_job(job: JobSpec, world: int, base_world: int, mode: str) -> JobSpec:
-    """The job for one point of a study at ``world`` ranks, the base point having ``base_world``.
-
-    weak: unchanged (each rank keeps ``train.micro_batch``; the global batch grows with world).
-    strong: the global batch ``micro_batch x grad_accum x base_world`` is kept. The per-rank
-    share is split by keeping ``grad_accum`` and changing ``micro_batch`` where it divides,
-    else keeping ``micro_batch`` and changing ``grad_accum``, else taking the largest
-    micro-batch up to the current one that divides the share (so memory per step never grows).
-    """
+    """The job for one point of a study at ``world`` ranks (the base point at ``base_world``):
+    weak keeps the job; strong keeps the global batch, changing micro_batch, else grad_accum,
+    never growing the micro-batch."""
     if mode not in MODES:
         raise UsageError(f"--mode {mode!r}: choose weak or strong")
     if world < 1 or base_world < 1:
@@ -81,13 +76,8 @@ def scale_job(job: JobSpec, world: int, base_world: int, mode: str) -> JobSpec:
 
 
 def build_table(points: list[dict], *, job: str, mode: str) -> dict:
-    """The study table (the ``scaling.json`` dict) from measured points.
-
-    Each point: ``nodes``, ``ranks`` (world size), ``global_batch``, ``repeats`` (a list of
-    summary dicts from ``launcher.results.summary.summarize`` or plain tokens/s numbers) and
-    optionally ``run_dir`` / ``run_dirs``. A repeat without a measured tokens/s (a failed run)
-    counts in ``failed_repeats`` and not in the statistics.
-    """
+    """The study table (the ``scaling.json`` dict) from measured points, each with its
+    ``repeats`` (summaries or tokens/s); a repeat without tokens/s counts as failed."""
     if mode not in MODES:
         raise UsageError(f"--mode {mode!r}: choose weak or strong")
     rows: list[dict[str, Any]] = []

@@ -89,10 +89,8 @@ def summarize(
 
 
 def checkpoint_summary(records: Mapping[int, RankStats]) -> dict | None:
-    """What checkpoints cost the run: how many completed, the last one's step, and how long
-    training was held per checkpoint (the slowest rank's, per step), the first one's, and
-    what that time went to (the mean of each part over the checkpoints whose records have
-    it); a background save's time from its start to complete; None without any."""
+    """What checkpoints cost the run: how many completed, the last one's step, how long
+    training was held (the slowest rank's) and by what; None without any."""
     held: dict[int, float] = {}
     parts: dict[int, dict[str, float]] = {}
     complete: set[int] = set()

@@ -386,10 +386,8 @@ class PrecisionSpec(Strict):
 
 
 def bf16_weights_obstacles(*, dtype: str, grad_accum: int, sharded: bool) -> list[str]:
-    """Why bf16 weights with fp32 masters (``precision.weights: bf16``) cannot apply to a run;
-    empty where they can. The job's cross-checks ask with what the spec alone tells (FSDP with
-    CPU offload shards even on one process); the trainer asks again at start with the world
-    size (``launcher.train.optim.choose_weights``)."""
+    """Why ``precision.weights: bf16`` cannot apply to a run (empty where it can); the trainer
+    asks again with the world size."""
     reasons = []
     if dtype != "bf16":
         reasons.append(f"they keep fp32 masters for bf16 training, and precision.dtype is {dtype}")

@@ -93,9 +93,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return out
 
 
-# What PyYAML's safe constructors raise besides YAMLError: a tagged value they cannot read
-# ('!!int 1e3' ValueError, '!!bool maybe' KeyError, '!!timestamp today' AttributeError), and
-# nesting deeper than Python's recursion limit.
+# What PyYAML's safe constructors raise besides YAMLError ('!!int 1e3', deep nesting).
 _YAML_VALUE_ERRORS = (
     ValueError,
     TypeError,

@@ -36,13 +36,9 @@ def choose(
     dropout: float,
     head_dim: int,
 ) -> str:
-    """The attention a job runs: ``requested`` (``train.attention``), with ``auto`` resolved.
-
-    ``auto`` is ``cudnn-fa4`` on a GPU of compute capability 9.0 or above, in bf16 or fp16,
-    without attention dropout, with a head dimension both kernels take (a multiple of 8 up to
-    128), where FlashAttention-4 imports; otherwise torch's own choice (``auto`` stays).
-    ``cudnn-fa4`` asked for where it cannot run raises SpecError naming the reason and the fix.
-    """
+    """The attention a job runs: ``auto`` is ``cudnn-fa4`` where it can run (compute capability
+    9.0+, half precision, no dropout, FlashAttention-4 importable), else torch's choice;
+    ``cudnn-fa4`` asked for where it cannot run is a SpecError."""
     if requested not in ("auto", "cudnn-fa4"):
         return requested
     reasons = []

@@ -284,10 +284,8 @@ class Checkpointer:
     def _save_in_background(
         self, state: dict[str, Any], path: Path, parts: dict[str, float]
     ) -> Future:
-        """Copy ``state`` to host memory (pinned on CUDA, reused by later saves) and start the
-        write on DCP's thread, over a gloo group of its own: the writer's collectives never
-        interleave with training's on the default group. Adds the setup and copy times to
-        ``parts``."""
+        """Copy ``state`` to host memory and start the write on DCP's thread, over a gloo group
+        of its own (apart from training's collectives); the times go to ``parts``."""
         mark = time.perf_counter()
         distributed = _distributed()
         if distributed and self._group is None:
@@ -355,9 +353,7 @@ class Checkpointer:
         if has_rng:
             state["rng"] = {rng_key: b""}
         dcp.load(state, checkpoint_id=str(path))
-        # How the optimizer runs is this run's choice, not the checkpoint's: the groups of a run
-        # with bf16 weights (MasterAdamW) carry hyperparameters only, and torch's load would take
-        # a fused AdamW's missing "fused" for None (foreach, which refuses the folded clipping).
+        # How the optimizer runs (fused or not) is this run's choice, not the checkpoint's.
         flags = [{k: g[k] for k in RUN_FLAGS if k in g} for g in optimizer.param_groups]
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]

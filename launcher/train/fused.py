@@ -11,9 +11,7 @@ try:
 except ImportError:  # CPU-only installs: the reference path below
     triton = None
 
-# Tiles (rows × columns of y) and warps per program, the fastest of a sweep at BERT-base's and
-# GPT-2's fc shapes (``benchmarks/mlp_kernels.py``). A backward tile's column sums are one row
-# of the bias gradient's partial sums: (rows / 32) × d_ff fp32.
+# Tiles (rows × columns of y) and warps per program: the fastest of benchmarks/mlp_kernels.py.
 FWD = {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4}
 BWD = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
 # The loss kernel's chunk of columns and warps (``python benchmarks/loss_kernels.py --sweep``).
@@ -220,9 +218,7 @@ if triton is not None:
             )
             lse = m + tl.log(s)
         else:  # an online max and sum over chunks, then a second pass that reads the row again
-            # L2: the second pass goes backwards, so its first reads are the chunks the first
-            # pass read last, the likeliest still in L2; the first pass asks L2 to keep the
-            # row, the second to drop it, and the gradient is stored streaming.
+            # The second pass goes backwards, reading first what L2 likely still holds.
             m = tl.full([], float("-inf"), tl.float32)
             s = tl.zeros([], tl.float32)
             for start in range(0, N, BLOCK):

@@ -31,10 +31,8 @@ FIELD = "precision.weights"
 def choose_weights(
     requested: str, *, dtype: str, grad_accum: int, sharded: bool, device: torch.device
 ) -> str:
-    """The weights a run trains (``precision.weights``), ``auto`` resolved: ``bf16`` (bf16 weights,
-    fp32 masters in ``MasterAdamW``) for bf16 training with one micro-batch a step, unsharded,
-    on a CUDA GPU with Triton; otherwise ``fp32``. ``bf16`` asked for where it cannot apply
-    raises SpecError with the reason and the fix; on the CPU it runs the torch reference."""
+    """The weights a run trains (``precision.weights``): ``auto`` is ``bf16`` for bf16 training
+    with one micro-batch a step, unsharded, on a CUDA GPU with Triton, else ``fp32``."""
     if requested == "fp32":
         return "fp32"
     reasons = bf16_weights_obstacles(dtype=dtype, grad_accum=grad_accum, sharded=sharded)

@@ -306,10 +306,8 @@ def gradient_sync(
 
 
 def needs_backward(model: nn.Module, sync: bool) -> bool:
-    """Whether a micro-batch's gradients must come from ``loss.backward()``: the hooks that
-    FSDP2 (always) and DDP (on a syncing micro-batch) put on the gradients' accumulation run
-    only there. Otherwise ``torch.autograd.grad`` may take them and the trainer accumulates
-    them itself (``Trainer.backward``)."""
+    """Whether a micro-batch's gradients must come from ``loss.backward()``, for FSDP2's hooks
+    (always) or DDP's (on a syncing micro-batch)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return is_sharded(model) or (sync and isinstance(model, DDP))

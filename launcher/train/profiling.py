@@ -213,10 +213,8 @@ def gaps_text(g: dict[str, Any], name_width: int = 60) -> str:
     return "\n".join(lines)
 
 
-# Kinds of kernels, by name: the first kind with a matching pattern (lower case) wins, so
-# cuDNN's attention kernels (whose names also say wgmma and sm90) are attention, and fused
-# Triton kernels (whose names list every op fused, ``_to_copy`` in most) are named for their
-# most telling op. Kernels that match nothing are "other" (elementwise and reductions).
+# Kinds of kernels, by name: the first kind with a matching (lower-case) pattern wins;
+# kernels that match nothing are "other".
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl",)),
     ("attention", ("fmha", "flash", "sdpa", "attention", "attn", "cudnn::fusion")),

@@ -47,9 +47,7 @@ class TokenFileBatches(MadeAhead):
         self.stride = row_len or self.seq_len
         self.n_windows = (self.ids.numel() - self.row_len) // self.stride + 1
         self._offsets = torch.arange(self.row_len)
-        # Unsigned ids wider than a byte have few kernels in older torch (indexing among the
-        # newer ones): read them through the signed view of their width and take the low bits
-        # back after widening.
+        # Wide unsigned ids through their signed view (older torch lacks their kernels).
         self._low_bits = None
         if self.ids.dtype in _SIGNED_VIEWS:
             view, self._low_bits = _SIGNED_VIEWS[self.ids.dtype]
@@ -200,10 +198,8 @@ class BadIds(NamedTuple):
 
 
 def ids_always_fit(dtype: torch.dtype, vocab_size: int, *, low_bits: int | None = None) -> bool:
-    """Whether every value of the type is an id of the vocabulary, so no scan is needed:
-    unsigned ids (uint8; uint16 or uint32 read through their signed view, ``low_bits``) whose
-    largest value is below ``vocab_size``. Signed ids never fit: a negative one (an ignore-index
-    of -100 written into the file) is outside every vocabulary."""
+    """Whether every value of the type is an id of the vocabulary, so no scan is needed
+    (unsigned types whose largest value is below ``vocab_size``)."""
     largest = low_bits if low_bits is not None else 0xFF if dtype == torch.uint8 else None
     return largest is not None and largest < vocab_size
 
@@ -247,9 +243,7 @@ def scan_ids(
             lo, hi = (int(v) for v in torch.aminmax(part))
             if lo >= 0 and hi < vocab_size:
                 continue
-        # The bad ids, found in the file's own type (an id 2^15..vocab_size-1 of uint16 read as
-        # int16 is negative but valid: bad ones are the negatives from vocab_size - 2^16 up);
-        # only they are widened, not the chunk.
+        # The bad ids, found in the file's own type; only they are widened, not the chunk.
         if vocab_size <= torch.iinfo(part.dtype).max:
             outside = (part >= vocab_size) | (part < 0)
         elif low_bits is not None:
