@@ -430,7 +430,8 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
 ):
     """Two runs of one job, checkpoints every 3 of 6 steps, one written in the background while
     steps 4-6 change the weights. Resumed from step 3, both hold the same weights and AdamW state
-    bit for bit, and both end where the uninterrupted run ended."""
+    bit for bit, and both end where the uninterrupted run ended. The background run has its host
+    copy from step 1 on, before its first save (``Checkpointer.prepare``)."""
     import json
 
     from launcher.train.loop import Trainer
@@ -446,7 +447,13 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
         whole = trainer(job)
         try:
             assert whole.checkpointer.async_save is background
-            whole.train()
+            prepared: dict[int, bool] = {}
+
+            def after(step: int, whole=whole, prepared=prepared) -> None:  # made after step 1
+                prepared[step] = whole.checkpointer._stager is not None
+
+            whole.train(on_step=after)
+            assert prepared[1] is background and prepared[2] is background
         finally:
             whole.close()
         assert latest_checkpoint(tmp_path / mode) == step_dir(tmp_path / mode, 6)
