@@ -5,7 +5,8 @@
 
 Each scenario runs ``launch JOB --set train.steps=N`` once and reads the stages from what the
 run recorded: the launcher's own (``summary.json`` ``launcher_timings_s``: Python and imports,
-run dir, preflight, Ray (side by side on one machine: ``preflight+ray`` is their wall), agents),
+run dir, preflight, Ray, agents; stages run side by side are also recorded together, their wall
+under their names joined by ``+``: ``preflight+ray``, ``preflight+ray+agents`` for a CPU job),
 the gap to the worker's start (torchrun), the worker's
 (``meta.startup_s``: imports, process group, model, compile cache, optimizer, data, resume) and
 the first step (``first_step``: compilation included, with torch.compile's phases). Scenarios:
@@ -65,9 +66,10 @@ def stages(run_dir: Path, t0: float) -> dict[str, Any]:
     timings = summary.get("launcher_timings_s", {})
     out: dict[str, Any] = {f"launcher {k}": timings.get(k) for k in LAUNCHER_STAGES}
     launcher_s = sum(v or 0.0 for v in out.values())
-    if "preflight+ray" in timings:  # run side by side: their overlap counts once
-        out["launcher preflight+ray"] = timings["preflight+ray"]
-        launcher_s += timings["preflight+ray"] - timings["preflight"] - timings["ray"]
+    for key, wall in timings.items():
+        if "+" in key:  # stages run side by side (``preflight+ray``): their wall counts once
+            out[f"launcher {key}"] = wall
+            launcher_s += wall - sum(timings.get(stage, 0.0) for stage in key.split("+"))
     startup = dict(meta["startup_s"])
     worker_started = meta["time"] - sum(startup.values())  # the worker process's own start
     out["torchrun start"] = round(worker_started - t0 - launcher_s, 2)

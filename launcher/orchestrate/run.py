@@ -111,14 +111,14 @@ class Launch:
             ray_log = self.run_dir.root / "logs" / "ray.log"
             self._then.callback(divert_logger(RAY_AUTH_LOGGER, ray_log))
             if self.facts is None:
-                with self._timed("preflight+ray"):
-                    self.facts = self.preflight_beside_ray()
+                beside = "preflight+ray+agents" if self.agents_need_no_facts else "preflight+ray"
+                with self._timed(beside):
+                    self.facts = self.preflight_beside_ray(ray_log)
             else:
-                with self._timed("ray"):
-                    self.connect_ray()
-            self._then.callback(divert_logger("ray", ray_log))
-            with self._timed("agents"):
-                self.agents = self.place_agents()
+                self.connect(ray_log)
+            if self.agents is None:
+                with self._timed("agents"):
+                    self.agents = self.place_agents()
             with self._timed("workers"):
                 outcome = self.run_attempts(self.agents)
         except KeyboardInterrupt:
@@ -148,8 +148,14 @@ class Launch:
                 self._then.close()
         return outcome
 
-    def preflight_beside_ray(self) -> dict[str, NodeFacts] | None:
-        """The preflight in a thread while this one connects Ray; the preflight's facts.
+    @property
+    def agents_need_no_facts(self) -> bool:
+        """A CPU job's agents reserve no GPUs: they can be placed before the preflight's end."""
+        return self.job.resources.device == "cpu"
+
+    def preflight_beside_ray(self, ray_log: Path) -> dict[str, NodeFacts] | None:
+        """The preflight in a thread while this one connects Ray and, where they need no facts,
+        places the agents; the preflight's facts.
 
         A failed preflight's error wins, raised once Ray's start has ended; interrupted, the
         preflight's probes are stopped.
@@ -157,8 +163,10 @@ class Launch:
         self.timings["preflight"] = 0.0
         preflight = Background(self.preflight, name="preflight")
         try:
-            with self._timed("ray"):
-                self.connect_ray()
+            self.connect(ray_log)
+            if self.agents_need_no_facts and not preflight.failed:
+                with self._timed("agents"):
+                    self.agents = self.place_agents()
         except Exception:
             self._preflight_verdict(preflight)  # its error first, else Ray's
             raise
@@ -186,6 +194,11 @@ class Launch:
             save_to=self.run_dir.preflight,
             show=not self.quiet,
         )
+
+    def connect(self, ray_log: Path) -> None:
+        with self._timed("ray"):
+            self.connect_ray()
+        self._then.callback(divert_logger("ray", ray_log))
 
     def connect_ray(self) -> None:
         if self.session is None:

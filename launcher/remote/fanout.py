@@ -139,6 +139,11 @@ class Background(Generic[T]):
         finally:
             self.seconds = time.monotonic() - started
 
+    @property
+    def failed(self) -> bool:
+        """``fn`` has ended with an exception."""
+        return bool(self._outcome) and isinstance(self._outcome[0], BaseException)
+
     def result(self) -> T:
         self._thread.join()
         outcome = self._outcome[0]

@@ -1,6 +1,7 @@
-"""The preflight runs in a thread while Ray connects (``Launch.preflight_beside_ray``): fake
-stages that wait for each other, a failed preflight that wins over Ray, an interrupt that stops
-the preflight's probes. Ray itself is faked; the real run is in test_launch_local."""
+"""The preflight runs in a thread while Ray connects and, on a CPU job, the agents are placed
+(``Launch.preflight_beside_ray``): fake stages that wait for each other, a failed preflight that
+wins over Ray, an interrupt that stops the preflight's probes. Ray and the agents are faked; the
+real run is in test_launch_local."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 import pytest
 from fixtures.launching import processes
 
-from launcher.errors import EXIT_PREFLIGHT, PreflightError
+from launcher.errors import EXIT_PREFLIGHT, JobFailed, PreflightError
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
 from launcher.preflight import NodeFacts
@@ -21,11 +22,11 @@ from launcher.spec.cluster import SSHSpec
 WAIT_S = 30.0  # a stage that waits this long for the other one: they did not overlap
 
 
-def job() -> JobSpec:
+def job(device: str = "cpu") -> JobSpec:
     return JobSpec.model_validate(
         {
             "name": "t",
-            "resources": {"device": "cpu", "nproc_per_node": 1},
+            "resources": {"device": device, "nproc_per_node": 1},
             "precision": {"dtype": "fp32"},
             "train": {"steps": 10, "warmup_steps": 1},
         }
@@ -40,80 +41,152 @@ class Session:
         self.closed = True
 
 
-def launch(tmp_path, monkeypatch, *, preflight, connect) -> tuple[Launch, Session, list[str]]:
-    """A Launch whose preflight and Ray are ``preflight()`` and ``connect()``; the session is
-    made once ``connect`` returns. The agents' placement stops the run (``placed``)."""
-    session = Session()
-    placed: list[str] = []
+class Agents:
+    """Placed agents that never start a worker: the run stops before its first attempt."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def stop(self, grace_s: float, first: int = 15) -> list:
+        return []
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Stages:
+    """What the fake launch did, in order, and with what."""
+
+    def __init__(self) -> None:
+        self.session = Session()
+        self.agents = Agents()
+        self.placed_with: list[object] = []  # the facts known when the agents were placed
+
+
+def launch(
+    tmp_path, monkeypatch, *, preflight, connect, place=lambda: None, device: str = "cpu"
+) -> tuple[Launch, Stages]:
+    """A Launch whose preflight, Ray and agents' placement are ``preflight()``, ``connect()``
+    and ``place()``; the session is made once ``connect`` returns. The first attempt stops the
+    run (PreflightError "stop here")."""
+    stages = Stages()
 
     def connect_ray(self: Launch) -> None:
         connect()
-        self.session, self._own_session = session, True
+        self.session, self._own_session = stages.session, True
 
-    def place_agents(self: Launch):  # noqa: ANN202 - ends the run here
-        placed.append("placed")
-        raise PreflightError("stop here: the agents are not what this test is about")
+    def place_agents(self: Launch) -> Agents:
+        stages.placed_with.append(self.facts)
+        place()
+        return stages.agents
+
+    def run_attempts(self: Launch, agents: Agents):  # noqa: ANN202 - ends the run here
+        raise PreflightError("stop here: the attempts are not what this test is about")
 
     monkeypatch.setattr(Launch, "preflight", lambda self: preflight())
     monkeypatch.setattr(Launch, "connect_ray", connect_ray)
     monkeypatch.setattr(Launch, "place_agents", place_agents)
+    monkeypatch.setattr(Launch, "run_attempts", run_attempts)
     launcher = Launch(
-        job=job(),
+        job=job(device),
         cluster=ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}]}),
         run_dir=RunDir(tmp_path / "run"),
         quiet=True,
     )
-    return launcher, session, placed
+    return launcher, stages
 
 
 def summary(tmp_path) -> dict:
     return json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
-def test_the_preflight_runs_while_ray_connects_and_both_are_timed(tmp_path, monkeypatch):
-    """Each stage waits for the other to have begun: run one after the other, the first would
-    time out. Both then last 0.2 s: the recorded wall of both is less than the sum of their
-    own times."""
-    preflight_began, ray_began = threading.Event(), threading.Event()
+def test_the_preflight_runs_while_ray_connects_and_the_agents_are_placed(tmp_path, monkeypatch):
+    """Each side waits for the other to have begun (run one after the other, the first would
+    time out), then lasts 0.2 s: the recorded wall of the three is less than the sum of their
+    own times. A CPU job's agents are placed before the preflight's facts are in."""
+    preflight_began, placing = threading.Event(), threading.Event()
 
     def preflight() -> dict[str, NodeFacts]:
         preflight_began.set()
-        assert ray_began.wait(WAIT_S), "Ray's start did not begin while the preflight ran"
+        assert placing.wait(WAIT_S), "the agents were not placed while the preflight ran"
         threading.Event().wait(0.2)
         return {"a": NodeFacts(gpus=0)}
 
     def connect() -> None:
-        ray_began.set()
         assert preflight_began.wait(WAIT_S), "the preflight did not begin while Ray started"
-        threading.Event().wait(0.2)
+        threading.Event().wait(0.1)
 
-    launcher, session, placed = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
+    def place() -> None:
+        placing.set()
+        threading.Event().wait(0.1)
+
+    launcher, stages = launch(
+        tmp_path, monkeypatch, preflight=preflight, connect=connect, place=place
+    )
     with pytest.raises(PreflightError, match="stop here"):
         launcher.execute()
-    assert launcher.facts == {"a": NodeFacts(gpus=0)} and placed == ["placed"]
+    assert launcher.facts == {"a": NodeFacts(gpus=0)} and stages.placed_with == [None]
     timings = summary(tmp_path)["launcher_timings_s"]
-    stages = [k for k in timings if k in ("preflight", "ray", "preflight+ray")]
-    assert stages == ["preflight", "ray", "preflight+ray"]
-    assert timings["preflight+ray"] < timings["preflight"] + timings["ray"] - 0.05
-    assert session.closed
+    parts = ("preflight", "ray", "agents")
+    assert [k for k in timings if k in parts or "+" in k] == [*parts, "preflight+ray+agents"]
+    assert timings["preflight+ray+agents"] < sum(timings[k] for k in parts) - 0.05
+    assert stages.session.closed and stages.agents.closed
+
+
+def test_a_gpu_jobs_agents_wait_for_the_preflights_facts(tmp_path, monkeypatch):
+    """They reserve the GPUs the preflight found: placed after it, outside the overlap."""
+    ray_began = threading.Event()
+
+    def preflight() -> dict[str, NodeFacts]:
+        assert ray_began.wait(WAIT_S), "Ray's start did not begin while the preflight ran"
+        threading.Event().wait(0.2)
+        return {"a": NodeFacts(gpus=2)}
+
+    launcher, stages = launch(
+        tmp_path, monkeypatch, preflight=preflight, connect=ray_began.set, device="cuda"
+    )
+    with pytest.raises(PreflightError, match="stop here"):
+        launcher.execute()
+    assert stages.placed_with == [{"a": NodeFacts(gpus=2)}]
+    timings = summary(tmp_path)["launcher_timings_s"]
+    order = [k for k in timings if k in ("preflight", "ray", "agents") or "+" in k]
+    assert order == ["preflight", "ray", "preflight+ray", "agents"]
 
 
 def test_a_failed_preflight_while_ray_starts_is_exit_3_and_ray_is_closed(tmp_path, monkeypatch):
     ray_up = threading.Event()
 
     def preflight() -> None:
+        assert ray_up.wait(WAIT_S)
         raise PreflightError("node a: torch 2.13.0 where the others have 2.11.0")
 
-    def connect() -> None:
-        ray_up.set()
-
-    launcher, session, placed = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
+    launcher, stages = launch(tmp_path, monkeypatch, preflight=preflight, connect=ray_up.set)
     with pytest.raises(PreflightError, match="torch 2.13.0") as err:
         launcher.execute()
     assert err.value.exit_code == EXIT_PREFLIGHT
-    assert ray_up.is_set() and session.closed and placed == []
+    assert stages.session.closed
+    assert not stages.placed_with or stages.agents.closed  # placed meanwhile: closed again
     assert summary(tmp_path)["status"] == "failed"
     assert "torch 2.13.0" in summary(tmp_path)["failure"]["reason"]
+
+
+def test_agents_are_not_placed_once_the_preflight_has_failed(tmp_path, monkeypatch):
+    failed = threading.Event()
+
+    def preflight() -> None:
+        try:
+            raise PreflightError("node a: the driver does not answer")
+        finally:
+            failed.set()
+
+    def connect() -> None:
+        assert failed.wait(WAIT_S)
+        threading.Event().wait(0.1)  # the preflight's thread has ended
+
+    launcher, stages = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
+    with pytest.raises(PreflightError, match="does not answer"):
+        launcher.execute()
+    assert stages.placed_with == [] and stages.session.closed
 
 
 def test_a_failed_preflight_wins_over_rays_own_failure(tmp_path, monkeypatch):
@@ -128,23 +201,42 @@ def test_a_failed_preflight_wins_over_rays_own_failure(tmp_path, monkeypatch):
         ray_failed.set()
         raise PreflightError("could not start the embedded Ray on this machine: no memory")
 
-    launcher, session, placed = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
+    launcher, stages = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
     with pytest.raises(PreflightError, match="the driver does not answer"):
         launcher.execute()
-    assert placed == [] and not session.closed  # no session was made
+    assert stages.placed_with == [] and not stages.session.closed  # no session was made
     assert "the driver does not answer" in summary(tmp_path)["failure"]["reason"]
+
+
+def test_a_failed_preflight_wins_over_a_failed_placement(tmp_path, monkeypatch):
+    placed = threading.Event()
+
+    def preflight() -> None:
+        assert placed.wait(WAIT_S)
+        raise PreflightError("node a: the driver does not answer")
+
+    def place() -> None:
+        placed.set()
+        raise JobFailed("Ray could not place one agent per node")
+
+    launcher, stages = launch(
+        tmp_path, monkeypatch, preflight=preflight, connect=lambda: None, place=place
+    )
+    with pytest.raises(PreflightError, match="the driver does not answer"):
+        launcher.execute()
+    assert stages.session.closed
 
 
 def test_rays_failure_is_the_error_when_the_preflight_passes(tmp_path, monkeypatch):
     def connect() -> None:
         raise PreflightError("could not start the embedded Ray on this machine: no memory")
 
-    launcher, _, placed = launch(
+    launcher, stages = launch(
         tmp_path, monkeypatch, preflight=lambda: {"a": NodeFacts(gpus=0)}, connect=connect
     )
     with pytest.raises(PreflightError, match="embedded Ray"):
         launcher.execute()
-    assert placed == []
+    assert stages.placed_with == []
 
 
 @pytest.mark.processes
@@ -168,9 +260,9 @@ def test_an_interrupt_while_ray_starts_stops_the_preflights_probes(tmp_path, mon
         assert probing.wait(WAIT_S)
         raise KeyboardInterrupt("signal SIGINT")
 
-    launcher, session, placed = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
+    launcher, stages = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
     assert launcher.execute().status.value == "interrupted"
-    assert placed == [] and not session.closed
+    assert stages.placed_with == [] and not stages.session.closed
     assert "was stopped: the runner was closed" in str(outcome["a"])
     assert not [pid for pid, cmd in processes().items() if str(marker) in cmd]
     assert summary(tmp_path)["status"] == "interrupted"
