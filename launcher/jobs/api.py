@@ -19,7 +19,7 @@ from launcher.jobs import head as heads
 from launcher.jobs import records
 from launcher.jobs import state as job_state
 from launcher.spec import ClusterSpec, NodeSpec
-from launcher.util import accepts, first_line, free_port
+from launcher.util import accepts, first_line
 
 log = logging.getLogger(__name__)
 
@@ -236,64 +236,41 @@ def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
 def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str, str | None]]:
     """A local port forwarded over SSH to the head's 127.0.0.1 dashboard port: (url, token),
     the token read on the same connection; PreflightError where the Jobs API does not answer."""
-    from invoke.exceptions import ThreadException
-
-    from launcher.jobs.ssh import NodeError, SSHRunner, paramiko_connection
+    from launcher.jobs.ssh import NodeError, SSHRunner
     from launcher.orchestrate.ray_cluster import TOKEN_FILE
 
     head = cluster.nodes[0]
-    runner = SSHRunner(head, cluster.ssh)
-    try:
+    with contextlib.ExitStack() as stack:
+        runner = SSHRunner(head, cluster.ssh)
+        stack.enter_context(runner)
         try:
-            connection = paramiko_connection(runner)
             result = (
                 runner.run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10)
                 if token
                 else None
             )
-        except NodeError as err:
-            raise PreflightError(
-                f"cannot reach the head node {head.name} ({head.host}) over SSH: {err}"
-            ) from err
-        secret = None
-        if result is not None:
-            if not result.ok or not result.stdout.strip():
+            if result is not None and not (result.ok and result.stdout.strip()):
                 raise NoToken(
                     f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
                     f"is missing): Ray is not running there"
                 )
-            secret = result.stdout.strip()
-        local_port = free_port()
-        url = f"http://127.0.0.1:{local_port}"
-        inner: BaseException | None = None
-        try:
-            with connection.forward_local(
-                local_port,
-                remote_port=cluster.ray.dashboard_port,
-                remote_host="127.0.0.1",
-                local_host="127.0.0.1",
-            ):
-                try:
-                    deadline = time.monotonic() + TUNNEL_READY_S  # the listener is a thread's
-                    while not accepts(local_port) and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    # Ask once with a timeout: Ray's client would wait forever on a dead tunnel.
-                    if heads.api_status(url, secret) is None:
-                        raise PreflightError(
-                            f"Ray's Jobs API on {head.name} (127.0.0.1:{cluster.ray.dashboard_port} there, "
-                            f"through the SSH tunnel) does not answer"
-                        )
-                    yield url, secret
-                except BaseException as err:
-                    inner = err
-                    raise
-        except ThreadException as err:
-            # fabric's tunnel-thread errors at the block's end: what ended the block wins.
-            if inner is not None:
-                raise inner from None
-            log.debug("the SSH tunnel to %s: %s", head.name, first_line(err))
-    finally:
-        runner.close()
+            port = stack.enter_context(runner.forward("127.0.0.1", cluster.ray.dashboard_port))
+        except NodeError as err:
+            raise PreflightError(
+                f"cannot reach the head node {head.name} ({head.host}) over SSH: {err}"
+            ) from err
+        secret = result.stdout.strip() if result is not None else None
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + TUNNEL_READY_S  # the listener is a thread's
+        while not accepts(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Ask once with a timeout: Ray's client would wait forever on a dead tunnel.
+        if heads.api_status(url, secret) is None:
+            raise PreflightError(
+                f"Ray's Jobs API on {head.name} (127.0.0.1:{cluster.ray.dashboard_port} there, "
+                f"through the SSH tunnel) does not answer"
+            )
+        yield url, secret
 
 
 def _client(url: str, token: str | None) -> Any:

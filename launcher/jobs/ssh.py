@@ -1,4 +1,4 @@
-"""What the job commands need of the SSH layer: the tunnel's connection and copying a folder.
+"""What the job commands need of the SSH layer: a runner for the tunnel, and copying a folder.
 
 The runners of ``launcher.remote`` (``LocalRunner`` / ``SSHRunner``: key auth only, verified
 host keys, the cluster's SSH settings) are imported here and nowhere else in ``launcher.jobs``.
@@ -14,23 +14,17 @@ import shutil
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from launcher.errors import PreflightError
 from launcher.jobs.claim import MARKER
 from launcher.remote import NodeError, SSHRunner, runner_for
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
-__all__ = ["NodeError", "SSHRunner", "copy_dir", "paramiko_connection"]
+__all__ = ["NodeError", "SSHRunner", "copy_dir"]
 
 log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 600.0
-
-
-def paramiko_connection(runner: SSHRunner) -> Any:
-    """The runner's open fabric connection (for port forwarding on the same login)."""
-    return runner._connection()
 
 
 def copy_dir(node: NodeSpec, ssh: SSHSpec, source: str, dest: Path) -> None:

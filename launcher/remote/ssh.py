@@ -353,6 +353,7 @@ class SSHRunner(Runner):
         from invoke.exceptions import ThreadException
 
         local_port = free_port()
+        inner: BaseException | None = None
         try:
             with self._connection().forward_local(
                 local_port,
@@ -360,8 +361,15 @@ class SSHRunner(Runner):
                 remote_host=remote_host,
                 local_host="127.0.0.1",
             ):
-                yield local_port
-        except ThreadException as err:  # a tunnel thread's error, raised as the block ends
+                try:
+                    yield local_port
+                except BaseException as err:
+                    inner = err
+                    raise
+        except ThreadException as err:
+            # fabric raises its tunnel threads' errors as the block ends: what ended it wins
+            if inner is not None:
+                raise inner from None
             log.debug("the tunnel to %s: %s", self.describe(), err)
 
     def describe(self) -> str:
