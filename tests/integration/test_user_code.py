@@ -9,6 +9,7 @@ file and writes into an output folder, all by relative paths.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,15 +17,19 @@ import uuid
 from pathlib import Path
 
 from fixtures.user_code import project, rank_lines
+from test_as_under_torchrun import FORWARDED, SHELL, seen_env
 
 
-def launch(*args: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
+def launch(
+    *args: str, cwd: Path, timeout: float = 420, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "launcher", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=cwd,
+        env=env,
     )
 
 
@@ -60,9 +65,12 @@ def test_script_runs_in_its_workdir_here(tmp_path):
     assert code["mode"] == "local" and code["workdir"] == str(workdir)
 
 
-def test_workdir_travels_to_nodes_that_cannot_see_it(netns_cluster, tmp_path):
+def test_workdir_and_forwarded_variables_travel_to_nodes_that_cannot_see_them(
+    netns_cluster, tmp_path
+):
     """The project lies under the launcher's /tmp, which the nodes' private /tmp hides: Ray
-    ships it, and each rank runs in its node's copy."""
+    ships it, and each rank runs in its node's copy. The shell's variables that
+    launch.env_forward names reach the ranks on both nodes; the others stay here."""
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job_file = project(tmp_path)
@@ -73,9 +81,20 @@ def test_workdir_travels_to_nodes_that_cannot_see_it(netns_cluster, tmp_path):
     elsewhere.mkdir()
     run_dir = tmp_path / "run"
     result = launch(
-        str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=elsewhere
+        str(job_file),
+        "--cluster",
+        str(cluster_file),
+        "--run-dir",
+        str(run_dir),
+        cwd=elsewhere,
+        env={**os.environ, **SHELL},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank, node in enumerate(cluster.node_names):
+        seen = seen_env(run_dir, node, rank)
+        for name, value in FORWARDED.items():
+            assert seen.get(name) == value, (rank, name, seen.get(name))
+        assert "MY_OWN_SETTING" not in seen  # not in launch.env_forward: this machine's alone
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 2
