@@ -186,12 +186,9 @@ class Trainer:
         seed = job.train.seed
         random.seed(seed)
         torch.manual_seed(seed)  # same weights on every rank (also seeds every CUDA device)
-        # fp8: torchao's float8 layers take bf16 inputs; everything else runs in bf16.
-        self.autocast_dtype = {
-            "bf16": torch.bfloat16,
-            "fp16": torch.float16,
-            "fp8": torch.bfloat16,
-        }.get(dtype)
+        # The dtype autocast computes in (fp8: bf16 outside float8 matmuls); None for fp32, tf32.
+        compute = parallel.DTYPES[dtype]
+        self.autocast_dtype = None if compute == torch.float32 else compute
         # The hidden states' dtype under autocast (precision.activations); None without autocast.
         bf16_states = self.autocast_dtype == torch.bfloat16 and job.precision.activations == "auto"
         self.activation_dtype = (
