@@ -8,21 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-from fixtures.launching import FIXTURES, Launcher
-
-
-def write_job(tmp_path: Path, entry: dict | str, **extra) -> Path:
-    job = {
-        "name": "diag",
-        "resources": {"nproc_per_node": 2, "device": "cpu"},
-        "precision": {"dtype": "fp32"},
-        "entrypoint": entry,
-        **extra,
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+from fixtures.launching import FIXTURES, Launcher, write_job
 
 
 def doctor(run_dir: Path) -> dict:

@@ -17,19 +17,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import env_of, kill, processes, wait_for, what_nobody_can_touch
+from fixtures.launching import QUICK, env_of, kill, processes, wait_for, what_nobody_can_touch
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = (
-    "--set",
-    "train.steps=6",
-    "--set",
-    "train.warmup_steps=2",
-    "--set",
-    "train.log_every=2",
-    "--set",
-    "train.lr_warmup_steps=2",
-)
 SLOW = (
     "--set",
     "train.steps=100000",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import assert_none_left, env_of, kill, ours
+from fixtures.launching import assert_none_left, env_of, kill, launch, ours
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_RANK_KEYS = {
@@ -40,16 +40,6 @@ def mark(monkeypatch: pytest.MonkeyPatch) -> str:
     value = uuid.uuid4().hex
     monkeypatch.setenv("LAUNCHER_TEST_MARK", value)
     return value
-
-
-def launch(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def custom_job(tmp_path: Path, *script_args: str, **extra) -> Path:

@@ -14,23 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from fixtures.launching import FIXTURES, Launcher, wait_for
+from fixtures.launching import FIXTURES, Launcher, wait_for, write_job
 
 from launcher.metrics import read_records
-
-
-def write_job(tmp_path: Path, entry: dict, **extra) -> Path:
-    job = {
-        "name": "rel",
-        "resources": {"nproc_per_node": 2, "device": "cpu"},
-        "precision": {"dtype": "fp32"},
-        "entrypoint": entry,
-        **extra,
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
 
 
 def fault_job(tmp_path: Path, *args: str, **extra) -> Path:

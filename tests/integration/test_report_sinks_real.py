@@ -19,24 +19,13 @@ from unittest import mock
 
 import pytest
 import yaml
-from fixtures.launching import ROOT, Launcher, wait_for
+from fixtures.launching import QUICK, ROOT, Launcher, wait_for
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from launcher.util import free_port
 
 pytestmark = pytest.mark.ray
-
-QUICK = (
-    "--set",
-    "train.steps=6",
-    "--set",
-    "train.warmup_steps=2",
-    "--set",
-    "train.log_every=2",
-    "--set",
-    "train.lr_warmup_steps=2",
-)
 
 
 @pytest.fixture(scope="module")

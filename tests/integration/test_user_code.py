@@ -11,26 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
+from fixtures.launching import launch
 from fixtures.user_code import project, rank_lines
 from test_as_under_torchrun import FORWARDED, SHELL, seen_env
-
-
-def launch(
-    *args: str, cwd: Path, timeout: float = 420, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env=env,
-    )
 
 
 def test_script_runs_in_its_workdir_here(tmp_path):
