@@ -184,8 +184,9 @@ def test_a_rank_failing_on_every_attempt_exhausts_the_restarts(tmp_path):
 # -- SIGINT / SIGTERM in each phase ------------------------------------------------------------
 
 PHASES = {
-    # phase → (how to know the launcher is in it, what must not have happened yet)
-    "preflight": (lambda run: run.wait_file("job.yaml"), "Starting an embedded Ray"),
+    # phase → (how to know the launcher is in it, what must not have happened yet); the
+    # preflight runs beside Ray's start, so a signal in it lands before any worker starts
+    "preflight": (lambda run: run.wait_file("job.yaml"), "Started 2 worker(s)"),
     "ray-start": (lambda run: run.wait_output("Starting an embedded Ray"), "Started 2 worker(s)"),
     "startup": (lambda run: run.wait_output("Started 2 worker(s)"), None),
     "training": (lambda run: run.wait_file("metrics/rank0.jsonl"), None),
