@@ -9,10 +9,10 @@ setup:
 demo:
     launch jobs/quickstart.yaml
 
-# Add `-n 2 --dist loadgroup` for two workers (a file's tests share one, netns tests one at a time).
-# The whole test suite, as CI runs it (network-namespace tests need root)
+# The whole test suite, as CI runs it (network-namespace tests need root): two workers; a file's
+# tests share one, the network-namespace tests run one at a time
 test *ARGS:
-    python3 -m pytest -q {{ARGS}}
+    python3 -m pytest -q -n 2 --dist loadgroup {{ARGS}}
 
 # Pure logic only: no process, Ray, network namespace or GPU (markers in pyproject.toml)
 test-fast *ARGS:
