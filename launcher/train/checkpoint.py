@@ -288,8 +288,6 @@ class Checkpointer:
         of its own (apart from training's collectives); the times go to ``parts``."""
         mark = time.perf_counter()
         distributed = _distributed()
-        if distributed and self._group is None:
-            self._group = dist.new_group(backend="gloo")
         if self._reserving is not None:  # the memory ``prepare`` allocates
             self._reserving.join()
             self._reserving = None
@@ -386,7 +384,7 @@ class Checkpointer:
         the others; ResumeError on every rank where one does not see it (no shared folder)."""
         assert self.root is not None
         latest = latest_checkpoint(self.root)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not _distributed() or dist.get_world_size() == 1:
             return latest
         chosen = [latest.name if latest is not None else None]
         dist.broadcast_object_list(chosen, src=0)
