@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures.launching import launch as run_launcher
 
 from launcher.jobs import records
 from launcher.util import free_port
@@ -26,14 +27,7 @@ def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         "LAUNCHER_STATE_DIR": str(tmp_path / "state"),
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_launcher(*args, cwd=tmp_path, env=env, timeout=120)
 
 
 def write_record(tmp_path: Path, pid: int) -> Path:

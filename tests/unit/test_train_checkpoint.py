@@ -519,22 +519,11 @@ def test_a_failed_background_save_leaves_the_last_complete_checkpoint_loadable(
 
     from launcher.train.checkpoint import CheckpointFailed
 
-    def build():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-
-    def train_one(model, opt, sched):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        sched.step()
-
     spec = CheckpointSpec(dir=tmp_path, resume="auto", every_steps=1)
     assert spec.async_save
     ckpt = checkpointer(spec)
-    model, opt, sched = build()
-    train_one(model, opt, sched)
+    model, opt, sched = _small_training()
+    _one_step(model, opt, sched)
     ckpt.save(1, model, opt, sched)
     ckpt.wait()
     step1 = step_dir(tmp_path, 1)
@@ -552,16 +541,16 @@ def test_a_failed_background_save_leaves_the_last_complete_checkpoint_loadable(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
-    train_one(model, opt, sched)
+    _one_step(model, opt, sched)
     ckpt.save(2, model, opt, sched)
-    train_one(model, opt, sched)  # training goes on while it is written
+    _one_step(model, opt, sched)  # training goes on while it is written
     with pytest.raises(CheckpointFailed, match=r"step 2 .*No space left.*step_00000001"):
         ckpt.wait()
     step2 = step_dir(tmp_path, 2)
     assert step2.is_dir() and not (step2 / MARKER).exists()
     assert latest_checkpoint(tmp_path) == step1 and digest() == before
     monkeypatch.undo()
-    fresh, fresh_opt, fresh_sched = build()
+    fresh, fresh_opt, fresh_sched = _small_training()
     for p in fresh.parameters():
         p.data.add_(1.0)
     assert checkpointer(spec).maybe_resume(fresh, fresh_opt, fresh_sched) == 1
