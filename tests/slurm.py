@@ -23,6 +23,7 @@ from pathlib import Path
 
 from netns import NetnsCluster
 
+CHECKOUT = Path(__file__).resolve().parents[1]
 REQUIRED = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sinfo", "scontrol")
 CGROUPS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "pids")
 
@@ -32,6 +33,11 @@ def missing_slurm() -> str | None:
     missing = [t for t in REQUIRED if shutil.which(t) is None]
     if missing:
         return f"missing {', '.join(missing)} (apt-get install slurmctld slurmd slurm-client munge)"
+    if Path("/tmp") in CHECKOUT.parents:
+        return (
+            f"the checkout {CHECKOUT} is under /tmp, which the simulated nodes do not share; Slurm "
+            "runs the installed launcher on each node (clone it elsewhere)"
+        )
     return None
 
 
