@@ -218,6 +218,10 @@ SET_BY_LIBRARIES = {
     "RAY_CLIENT_MODE",  # importing ray (ray/_private/client_mode_hook.py)
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",  # inductor's first CPU compile (codecache.py)
     "TORCHINDUCTOR_CACHE_DIR",  # inductor's cache folder, once chosen (cache_dir_utils.py)
+    "TRITON_CACHE_DIR",  # inductor's first GPU kernel (runtime/triton_heuristics.py)
+    "TRITON_PTXAS_PATH",  # inductor's first GPU kernel build (runtime/compile_tasks.py)
+    "KMP_DUPLICATE_LIB_OK",  # importing sklearn (transformers does); inductor's OpenMP builds
+    "KMP_INIT_AT_FORK",  # importing sklearn
 }
 
 
