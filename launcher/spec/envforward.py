@@ -40,6 +40,7 @@ DEFAULT_ENV_FORWARD = (
     "REQUESTS_CA_BUNDLE",
     "CURL_CA_BUNDLE",
     "PYTHONHASHSEED",
+    "LAUNCHER_COMPILE_CACHE",
 )
 # Set by torchrun for each worker, by Ray's GPU assignment, or the launcher's own: a shell's
 # value never reaches a worker.
@@ -64,11 +65,15 @@ OWNED_NAMES = frozenset(
     }
 )
 OWNED_PREFIXES = ("TORCHELASTIC_", "LAUNCHER_", "RAY_")
+# The user's settings among the owned prefixes: the workers read them.
+USER_NAMES = frozenset({"LAUNCHER_COMPILE_CACHE"})
 PATTERN = re.compile(r"^!?[A-Za-z0-9_*?\[\]!-]+$")
 
 
 def owned(name: str) -> bool:
     """A name the launcher (or torchrun, or Ray) sets: never taken from the shell."""
+    if name in USER_NAMES:
+        return False
     return name in OWNED_NAMES or name.startswith(OWNED_PREFIXES)
 
 

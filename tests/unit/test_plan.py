@@ -213,6 +213,7 @@ SHELL = {
     "MASTER_PORT": "1",
     "RAY_ADDRESS": "auto",
     "LAUNCHER_RUN_ID": "x",
+    "LAUNCHER_COMPILE_CACHE": "/shared/compile",
     "PWD": "/somewhere",
     "PATH": "/my/bin:/usr/bin",
 }
@@ -236,6 +237,7 @@ def test_this_machines_node_gets_the_whole_shell_less_what_the_launcher_owns():
     here = make(cpu_job(), this_machine(), env=SHELL).nodes[0]
     for name in ("MY_OWN", "HF_HOME", "WANDB_MODE", "PATH", "CUDA_HOME", "HF_TOKEN"):
         assert here.env[name] == SHELL[name] and here.env_sources[name] == "shell"
+    assert here.env["LAUNCHER_COMPILE_CACHE"] == "/shared/compile"  # the user's, not owned
     assert here.env["OMP_NUM_THREADS"] == "2"  # torchrun's default of 1 only where unset
     for name in ("CUDA_VISIBLE_DEVICES", "RANK", "MASTER_PORT", "RAY_ADDRESS", "PWD"):
         assert name not in here.env
@@ -257,6 +259,7 @@ def test_other_nodes_get_what_env_forward_matches():
         "SSL_CERT_FILE",
         "PYTHONHASHSEED",
         "HF_TOKEN",
+        "LAUNCHER_COMPILE_CACHE",
     }  # not MY_OWN, PATH, CUDA_HOME (the node's own) nor anything the launcher owns
 
 
