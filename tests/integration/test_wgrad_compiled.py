@@ -12,7 +12,7 @@ from launcher.spec.job import ModelSpec
 from launcher.train import wgrad
 from launcher.train.model import build_model
 
-LAYERS = 3
+LAYERS = 2
 
 
 def tiny_gpt(dtype: torch.dtype) -> torch.nn.Module:
