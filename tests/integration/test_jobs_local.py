@@ -221,19 +221,54 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     assert report.returncode == 0 and "Per rank" in report.stdout and "SUCCEEDED" in report.stdout
 
 
-def test_nobody_else_can_touch_a_running_job_and_stop_tears_it_down_within_15_s(jobs):
-    """While the job runs, user nobody (when we are root) can create no file under the head's
-    temp dir (where Ray unpacks the code its drivers run), the job's node folder or the state
-    dir, and can read none of them (the job driver logs hold rank 0's output)."""
-    job_id = jobs.submit(*SLOW)["job_id"]  # with the preflight, as a real submit
+def test_a_running_job_is_private_holds_the_queue_and_stop_tears_it_down_within_15_s(jobs):
+    """One running job serves what needs one (two tests before, merged to start it once):
+    - while it runs, user nobody (when we are root) can create no file under the head's temp dir
+      (where Ray unpacks the code its drivers run), the job's node folder or the state dir, and
+      can read none of them (the job driver logs hold rank 0's output);
+    - its workers take every CPU slot Ray counts on this machine: a second such job waits, held
+      by it; a third queues behind the second and, stopped while it waits, ends STOPPED at once;
+    - ``launch down`` refuses while it runs; ``launch stop`` tears it down within 15 s;
+    - then the second runs to its end, its workers started after the first's summary was
+      written. The first runs until it is stopped, so every check sees it running, however slow
+      the machine."""
+    nproc = ("--set", f"resources.nproc_per_node={os.cpu_count()}")
+    first = jobs.submit(*SLOW, *nproc)["job_id"]  # with the preflight, as a real submit
+    submitted = [first]
     try:
+        second = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
+        submitted.append(second)
         wait_for(
-            lambda: jobs.status(job_id)["step"],
+            lambda: jobs.status(first)["step"],
             timeout=180,
-            what="the slow job's first step",
-            poll=0.5,
+            what="the first job's first step",
+            poll=1.0,
         )
-        assert job_processes(job_id), "no worker of the job found while it runs"
+        assert jobs.status(first)["status"] == "RUNNING"
+
+        def second_waits() -> str | None:
+            reason = jobs.run("status", second).stdout  # its driver may not have said why yet
+            pending = reason.startswith(f"job {second} (quickstart): PENDING")
+            held = pending and f"held by job {first}" in reason and "CPU slot" in reason
+            return reason if held else None
+
+        wait_for(
+            second_waits, timeout=180, what="the second job pending, held by the first", poll=1.0
+        )
+        third = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
+        submitted.append(third)
+        wait_for(
+            lambda: "queued behind job " + second in jobs.run("status", third).stdout,
+            timeout=60,
+            what="the third job queued behind the second",
+            poll=1.0,
+        )
+        assert jobs.run("stop", third, timeout=60).returncode == 0
+        assert jobs.status(third)["status"] == "STOPPED"
+        waited = json.loads((Path(jobs.status(third)["run_dir"]) / "summary.json").read_text())
+        assert waited["status"] == "interrupted" and waited["ranks"] == []
+
+        assert job_processes(first), "no worker of the job found while it runs"
         if os.getuid() == 0:  # switching to user nobody needs root
             temp_dir = Path(jobs.head()["temp_dir"]).parent  # Ray's own (0777) is in there
             assert temp_dir.stat().st_mode & 0o777 == 0o700
@@ -241,7 +276,7 @@ def test_nobody_else_can_touch_a_running_job_and_stop_tears_it_down_within_15_s(
             assert list(temp_dir.rglob("_ray_pkg_*")), "the code Ray unpacked for the driver"
             node_dirs = {
                 Path(b).parent
-                for cmd in job_processes(job_id).values()
+                for cmd in job_processes(first).values()
                 for a, b in zip(cmd.split(), cmd.split()[1:], strict=False)
                 if a == "--log-dir"
             }
@@ -249,76 +284,31 @@ def test_nobody_else_can_touch_a_running_job_and_stop_tears_it_down_within_15_s(
             state = Path(jobs.env["LAUNCHER_STATE_DIR"])
             touched = what_nobody_can_touch([temp_dir, *node_dirs, state])
             assert touched == [], touched
+
+        busy = jobs.run("down")  # a running job: down refuses without --yes
+        assert busy.returncode == 2 and first in busy.stderr
+        assert jobs.status(second)["status"] == "PENDING"  # still held by the first
     except BaseException:
-        jobs.run("stop", job_id, timeout=60)
+        for job_id in submitted:
+            jobs.run("stop", job_id, timeout=60)
         raise
 
-    busy = jobs.run("down")  # a running job: down refuses without --yes
-    assert busy.returncode == 2 and job_id in busy.stderr
-
     started = time.monotonic()
-    stopped = jobs.run("stop", job_id, timeout=60)  # returns once the job has ended
+    stopped = jobs.run("stop", first, timeout=60)  # returns once the job has ended
     took = time.monotonic() - started
     assert stopped.returncode == 0, stopped.stderr
-    state = jobs.status(job_id)
+    state = jobs.status(first)
     assert state["status"] == "STOPPED" and took <= 15.0, (state, took)
-    assert_job_gone(job_id, wait_s=5)
+    assert_job_gone(first, wait_s=5)
     summary = json.loads((Path(state["run_dir"]) / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["ranks"], summary["status"]
-    assert "interrupted" in jobs.run("logs", job_id).stdout
+    assert "interrupted" in jobs.run("logs", first).stdout
 
-
-def test_two_all_cpu_jobs_run_one_after_the_other(jobs):
-    # Each job's workers take every CPU slot Ray counts on this machine. The first runs until it
-    # is stopped, so every check of the queue below sees it running, however slow the machine.
-    nproc = ("--set", f"resources.nproc_per_node={os.cpu_count()}")
-    first = jobs.submit("--skip-parity", *SLOW, *nproc)["job_id"]
-    second = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
-
-    def second_waits() -> str | None:
-        if jobs.status(first)["status"] != "RUNNING" or jobs.status(second)["status"] != "PENDING":
-            return None
-        reason = jobs.run("status", second).stdout  # its driver may not have given its reason yet
-        return reason if f"held by job {first}" in reason and "CPU slot" in reason else None
-
-    wait_for(second_waits, timeout=180, what="the second job pending, held by the first", poll=0.5)
-    # A third one queues behind the second; stopped while it waits, it ends STOPPED at once.
-    third = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
-    wait_for(
-        lambda: "queued behind job " + second in jobs.run("status", third).stdout,
-        timeout=60,
-        what="the third job queued behind the second",
-        poll=0.5,
-    )
-    assert jobs.run("stop", third, timeout=60).returncode == 0
-    assert jobs.status(third)["status"] == "STOPPED"
-    waited = json.loads((Path(jobs.status(third)["run_dir"]) / "summary.json").read_text())
-    assert waited["status"] == "interrupted" and waited["ranks"] == []
-
-    assert jobs.status(second)["status"] == "PENDING"  # still held by the first
-    assert jobs.run("stop", first, timeout=60).returncode == 0
-    assert jobs.status(first)["status"] == "STOPPED"
-    state = jobs.wait_status(second, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=240)
-    assert state["status"] == "SUCCEEDED", state
+    done = jobs.wait_status(second, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=240)
+    assert done["status"] == "SUCCEEDED", done
     one, two = (Path(jobs.status(j)["run_dir"]) for j in (first, second))
     # the second one's workers started after the first one's summary was written
     assert (two / "plan.json").stat().st_mtime >= (one / "summary.json").stat().st_mtime
-
-
-def test_driver_killed_fails_within_30_s_and_leaves_no_worker(jobs):
-    job_id = jobs.submit("--skip-parity", *SLOW)["job_id"]
-    wait_for(
-        lambda: jobs.status(job_id)["step"], timeout=180, what="the slow job's first step", poll=0.5
-    )
-    drivers = [pid for pid, cmd in job_processes(job_id).items() if "launcher.jobs.driver" in cmd]
-    assert len(drivers) == 1, job_processes(job_id)
-    os.kill(drivers[0], signal.SIGKILL)
-    state = jobs.wait_status(
-        job_id, {"FAILED", "STOPPED", "SUCCEEDED"}, timeout=30
-    )  # seen by a poll begun within 30 s
-    assert state["status"] == "FAILED", state
-    assert "exit code -9" in state["failure"]["reason"], state["failure"]
-    assert_job_gone(job_id, wait_s=30)
 
 
 def test_bad_input(jobs, tmp_path):
@@ -501,10 +491,12 @@ def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path):
 def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, tmp_path):
     """The first submission marks the folder for its job; a second one given the same
     --run-dir is refused (exit 2, naming the remedy) while the folder is there, also after the
-    first job ended; removed, the folder is the next job's."""
+    first job ended; removed, the folder is the next job's. The first job ends by its driver
+    being SIGKILLed (a test of its own before, merged to start one job less): it fails within
+    30 s, naming the driver's exit, and leaves no worker."""
     folder = tmp_path / "shared"
 
-    def submit():
+    def submit(*extra: str):
         return jobs.run(
             "submit",
             str(ROOT / "jobs/quickstart.yaml"),
@@ -512,19 +504,37 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, tmp_pat
             "--skip-parity",
             "--run-dir",
             str(folder),
+            *extra,
         )
 
-    def stop(job_id: str) -> None:
-        assert jobs.run("stop", job_id, timeout=90).returncode == 0
-        assert jobs.status(job_id)["status"] == "STOPPED"
-
-    result = submit()
+    result = submit(*SLOW)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     first = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
-    refused = submit()
-    assert refused.returncode == 2, refused.stderr
-    assert f"--run-dir {folder}" in refused.stderr and "remove" in refused.stderr
-    stop(first)
+    try:
+        refused = submit()
+        assert refused.returncode == 2, refused.stderr
+        assert f"--run-dir {folder}" in refused.stderr and "remove" in refused.stderr
+        wait_for(
+            lambda: jobs.status(first)["step"],
+            timeout=180,
+            what="the slow job's first step",
+            poll=1.0,
+        )
+        drivers = [
+            pid for pid, cmd in job_processes(first).items() if "launcher.jobs.driver" in cmd
+        ]
+        assert len(drivers) == 1, job_processes(first)
+    except BaseException:
+        jobs.run("stop", first, timeout=60)
+        raise
+    os.kill(drivers[0], signal.SIGKILL)
+    state = jobs.wait_status(
+        first, {"FAILED", "STOPPED", "SUCCEEDED"}, timeout=30
+    )  # seen by a poll begun within 30 s
+    assert state["status"] == "FAILED", state
+    assert "exit code -9" in state["failure"]["reason"], state["failure"]
+    assert_job_gone(first, wait_s=30)
+
     assert submit().returncode == 2  # the folder is still there: one run per folder
     shutil.rmtree(folder)
     result = submit()
@@ -533,4 +543,5 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, tmp_pat
     try:
         assert jobs.status(second)["run_dir"] == str(folder)
     finally:
-        stop(second)
+        assert jobs.run("stop", second, timeout=90).returncode == 0
+        assert jobs.status(second)["status"] == "STOPPED"
