@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -85,15 +85,14 @@ def test_a_run_and_a_submission_on_a_ray_cluster_started_by_hand(netns_cluster, 
     submitted = launch("submit", str(job_file), "--json")
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
-    deadline = time.monotonic() + 300
-    while True:
-        state = json.loads(launch("status", job_id, "--json").stdout)
-        if state["status"] in ("SUCCEEDED", "FAILED", "STOPPED") or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    # One follower until the job ends, not a status process every few seconds.
+    follow = launch("logs", job_id, "--follow")
+    ended = re.search(rf"job {job_id} (ended: SUCCEEDED|has ended \(SUCCEEDED\))", follow.stdout)
+    assert follow.returncode == 0 and ended, follow.stdout[-3000:] + follow.stderr[-3000:]
+    state = json.loads(launch("status", job_id, "--json").stdout)
     assert state["status"] == "SUCCEEDED" and state["world_size"] == 2, (
         state,
-        launch("logs", job_id).stdout[-3000:],
+        follow.stdout[-3000:],
     )
     # The cluster is the user's: still running, with both nodes.
     alive = cluster.exec(head, "pgrep -c raylet").stdout.strip()
