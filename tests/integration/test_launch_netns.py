@@ -87,13 +87,14 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
     assert "RAY_AUTH_TOKEN=" not in result.stderr + result.stdout
 
 
-def test_a_node_that_cannot_reach_the_master_port_stops_the_launch(netns_cluster, tmp_path):
-    """Before any worker starts, each node connects to the head's rendezvous port from its
-    workers' interface. node1 given loopback as its GLOO_SOCKET_IFNAME, then node1 with no
-    route to that port (a prohibit rule in its namespace; SSH and Ray still pass): each time
-    exit 3 naming node1 and what failed, the check under 15 s, no worker started."""
+def test_nodes_that_cannot_reach_the_master_port_stop_the_launch(netns_cluster, tmp_path):
+    """Before any worker starts, each node, the head too, connects to the head's rendezvous port
+    from its workers' interface. In one launch: node0 given loopback as its GLOO_SOCKET_IFNAME
+    (its gloo peers would get 127.0.0.1), node1 with no route to that port (a prohibit rule in its
+    namespace; SSH and Ray still pass). Exit 3 naming each node and what failed, the check under
+    15 s, no worker started."""
     cluster = netns_cluster(2)
-    bad = cluster.node_names[1]
+    lo_node, blocked_node = cluster.node_names
     port = 29555
     job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
     job["resources"]["nproc_per_node"] = 1
@@ -103,32 +104,28 @@ def test_a_node_that_cannot_reach_the_master_port_stops_the_launch(netns_cluster
     job_file.write_text(yaml.safe_dump(job))
     head = cluster.host(0)
 
-    def launch(name: str, cluster_file: Path, expect: str) -> None:
-        run_dir = tmp_path / name
-        result = subprocess.run(
-            [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]
-            + ["--run-dir", str(run_dir)],
-            capture_output=True,
-            text=True,
-            timeout=420,
-            cwd=tmp_path,
-        )
-        out = result.stdout + result.stderr
-        assert result.returncode == 3, out[-3000:]
-        assert f"node {bad}: {expect}" in out, out[-3000:]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["status"] == "failed" and summary["ranks"] == []
-        assert summary["launcher_timings_s"]["network"] < 15
-        assert not list((run_dir / "logs").glob("*/rank*.log"))
-
-    wrong = cluster.cluster_yaml(
-        tmp_path / "wrong.yaml", nodes={bad: {"env": {"GLOO_SOCKET_IFNAME": "lo"}}}
+    cluster.exec(blocked_node, f"ip rule add ipproto tcp dport {port} prohibit", check=True)
+    cluster_file = cluster.cluster_yaml(
+        tmp_path / "cluster.yaml", nodes={lo_node: {"env": {"GLOO_SOCKET_IFNAME": "lo"}}}
     )
-    launch("wrong-interface", wrong, "GLOO_SOCKET_IFNAME=lo: lo (127.0.0.1) is loopback")
-
-    cluster.exec(bad, f"ip rule add ipproto tcp dport {port} prohibit", check=True)
-    blocked = cluster.cluster_yaml(tmp_path / "cluster.yaml")
-    launch("blocked", blocked, f"cannot connect to {head}:{port} from eth0 ({cluster.host(1)})")
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]
+        + ["--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        cwd=tmp_path,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 3, out[-3000:]
+    assert f"node {lo_node}: GLOO_SOCKET_IFNAME=lo: lo (127.0.0.1) is loopback" in out, out[-3000:]
+    expect = f"cannot connect to {head}:{port} from eth0 ({cluster.host(1)})"
+    assert f"node {blocked_node}: {expect}" in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["ranks"] == []
+    assert summary["launcher_timings_s"]["network"] < 15
+    assert not list((run_dir / "logs").glob("*/rank*.log"))
 
 
 def test_kill_9_of_the_launcher_stops_a_bootstrapped_ray_within_15_s(netns_cluster, tmp_path):
