@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import assert_none_left, env_of, kill, launch, ours
+from fixtures.launching import QUICK, assert_none_left, env_of, kill, launch, ours
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_RANK_KEYS = {
@@ -108,9 +108,10 @@ def test_quickstart_end_to_end(tmp_path, mark):
 
 
 def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_path, mark):
-    """`launch jobs/quickstart.yaml | head -1`: the reader going away changes nothing of the run
-    (before: exit 4, "could not write the summary ... Broken pipe"). Exit 0, the run directory in
-    full, the console's lines from then on dropped; nothing of the run left running."""
+    """`launch jobs/quickstart.yaml | head -1` (six steps): the reader going away changes nothing
+    of the run (before: exit 4, "could not write the summary ... Broken pipe"). Exit 0, the run
+    directory in full, the console's lines from then on dropped; nothing of the run left
+    running."""
     run_dir = tmp_path / f"run-{tmp_path.name}"
     with open(tmp_path / "stderr", "wb") as err:
         proc = subprocess.Popen(
@@ -119,6 +120,7 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
                 "-m",
                 "launcher",
                 str(ROOT / "jobs/quickstart.yaml"),
+                *QUICK,
                 "--run-dir",
                 str(run_dir),
             ],
@@ -151,9 +153,9 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
         assert (run_dir / name).is_file(), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["failure"] is None
-    assert [r["steps"] for r in summary["ranks"]] == [30, 30]
+    assert [r["steps"] for r in summary["ranks"]] == [6, 6]
     assert (
-        "step 30" in (run_dir / "logs/local/rank0.log").read_text()
+        "step 6/6" in (run_dir / "logs/local/rank0.log").read_text()
     )  # rank 0's lines, the shown ones, kept
     assert_none_left(mark, run_dir.name)
 
