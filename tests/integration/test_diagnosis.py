@@ -24,7 +24,7 @@ def doctor(run_dir: Path) -> dict:
 
 def test_a_rank_that_computes_longer_is_named_live_in_the_summary_and_by_doctor(tmp_path):
     run_dir = tmp_path / f"slow-{tmp_path.name}"
-    job = write_job(tmp_path, {"script": str(FIXTURES / "slow_rank.py")})
+    job = write_job(tmp_path, {"script": str(FIXTURES / "slow_rank.py"), "args": ["--steps", "30"]})
     with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
         assert run.wait(timeout=240) == 0, run.output[-3000:]
         out = run.output
