@@ -6,6 +6,7 @@ import contextlib
 import logging
 import select
 import shlex
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -36,7 +37,6 @@ from launcher.remote.hostkeys import (
 from launcher.remote.quoting import ENV_NAME, remote_command
 from launcher.remote.route import route_to
 from launcher.spec.cluster import NodeSpec, SSHSpec
-from launcher.util import free_port
 
 log = logging.getLogger(__name__)
 
@@ -349,28 +349,25 @@ class SSHRunner(Runner):
     @contextlib.contextmanager
     def forward(self, remote_host: str, remote_port: int) -> Iterator[int]:
         """A port on this machine's 127.0.0.1 forwarded over this connection (through the jump
-        hosts) to ``remote_host:remote_port`` as the node sees it; yields the local port."""
-        from invoke.exceptions import ThreadException
-
-        local_port = free_port()
-        inner: BaseException | None = None
+        hosts) to ``remote_host:remote_port`` as the node sees it; yields the local port. A
+        connection the node cannot make is closed at once: its client sees the end, not a wait."""
+        transport = self._connection().client.get_transport()
+        if transport is None or not transport.is_active():
+            raise NodeError(SSH_ERROR, f"the SSH connection to {self.describe()} is closed")
+        listener = socket.create_server(("127.0.0.1", 0))
+        stop = threading.Event()
+        server = threading.Thread(
+            target=_serve_tunnel,
+            args=(listener, transport, (remote_host, remote_port), stop),
+            name=f"ssh-tunnel-{self.node.name}",
+            daemon=True,
+        )
+        server.start()
         try:
-            with self._connection().forward_local(
-                local_port,
-                remote_port=remote_port,
-                remote_host=remote_host,
-                local_host="127.0.0.1",
-            ):
-                try:
-                    yield local_port
-                except BaseException as err:
-                    inner = err
-                    raise
-        except ThreadException as err:
-            # fabric raises its tunnel threads' errors as the block ends: what ended it wins
-            if inner is not None:
-                raise inner from None
-            log.debug("the tunnel to %s: %s", self.describe(), err)
+            yield listener.getsockname()[1]
+        finally:
+            stop.set()
+            server.join(timeout=5)
 
     def describe(self) -> str:
         via = f" via {', '.join(h.name for h in self.route.jumps)}" if self.route.jumps else ""
@@ -396,6 +393,63 @@ class SSHRunner(Runner):
         for client in reversed(jumps):
             with contextlib.suppress(Exception):
                 client.close()
+
+
+def _serve_tunnel(
+    listener: socket.socket,
+    transport: paramiko.Transport,
+    remote: tuple[str, int],
+    stop: threading.Event,
+) -> None:
+    """Accept on ``listener`` until ``stop``; each connection gets a channel to ``remote`` and a
+    thread copying both ways. One the node refuses is closed at once."""
+    pumps: list[threading.Thread] = []
+    listener.settimeout(0.1)
+    try:
+        while not stop.is_set():
+            try:
+                sock, origin = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                chan = transport.open_channel("direct-tcpip", remote, origin, timeout=10)
+            except (paramiko.SSHException, OSError, EOFError) as err:
+                log.debug("tunnel to %s:%d: %s", *remote, err)
+                sock.close()
+                continue
+            pump = threading.Thread(target=_copy_both_ways, args=(sock, chan, stop), daemon=True)
+            pump.start()
+            pumps.append(pump)
+    finally:
+        listener.close()
+        for pump in pumps:
+            pump.join(timeout=2)
+
+
+def _copy_both_ways(sock: socket.socket, chan: paramiko.Channel, stop: threading.Event) -> None:
+    """Copy between a local connection and its channel until either side ends or ``stop``."""
+    try:
+        while not stop.is_set():
+            ready, _, _ = select.select([sock, chan], [], [], 0.1)
+            if sock in ready:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                chan.sendall(data)
+            if chan in ready:
+                data = chan.recv(65536)
+                if not data:
+                    break
+                sock.sendall(data)
+    except (OSError, EOFError, paramiko.SSHException):
+        pass
+    finally:
+        chan.close()
+        sock.close()
 
 
 def _feed(chan: paramiko.Channel, data: bytes) -> None:

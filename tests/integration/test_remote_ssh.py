@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -275,3 +276,22 @@ def test_a_remote_command_past_its_timeout_stops_itself(cluster):
             time.sleep(0.1)
     finally:
         kill(processes(argv))
+
+
+def test_a_tunnel_carries_a_connection_and_ends_one_the_node_refuses_at_once(cluster):
+    """``SSHRunner.forward``: a connection reaches the node's sshd (its banner comes back); one
+    to a port nothing listens on ends at once, and the tunnel serves the next (the jobs API's
+    status call through a tunnel to a dead head says "no answer" without waiting its timeout)."""
+    node = nodes(cluster)[0]
+    with SSHRunner(node, ssh_spec(cluster)) as runner:
+        with (
+            runner.forward(node.host, 22) as port,
+            socket.create_connection(("127.0.0.1", port), timeout=10) as sock,
+        ):
+            assert sock.recv(64).startswith(b"SSH-2.0-")
+        with runner.forward("127.0.0.1", 9) as port:  # nothing listens there on the node
+            for _ in range(2):
+                began = time.monotonic()
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    assert sock.recv(64) == b""
+                assert time.monotonic() - began < 3
