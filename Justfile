@@ -10,7 +10,7 @@ demo:
     launch jobs/quickstart.yaml
 
 # The whole test suite, as CI runs it (network-namespace tests need root): two workers; a file's
-# tests share one, the network-namespace tests run one at a time
+# tests share one
 test *ARGS:
     python3 -m pytest -q -n 2 --dist loadgroup {{ARGS}}
 
