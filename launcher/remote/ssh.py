@@ -423,7 +423,7 @@ def _serve_tunnel(
                 continue
             pump = threading.Thread(target=_copy_both_ways, args=(sock, chan, stop), daemon=True)
             pump.start()
-            pumps.append(pump)
+            pumps = [p for p in pumps if p.is_alive()] + [pump]
     finally:
         listener.close()
         for pump in pumps:

@@ -20,7 +20,8 @@ def plot_run(run_dir: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError(
-            "--plot needs matplotlib: pip install -e '.[plot]' in the launcher's folder; the tables need nothing"
+            "--plot needs matplotlib: pip install -e '.[plot]' in the launcher's folder; "
+            "the tables need nothing"
         ) from None
     summary = load_run(run_dir)
     slow = {s["rank"] for s in summary.get("stragglers") or []}
