@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.launching import launch
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,13 +123,7 @@ time.sleep(60)
 def test_a_failing_rank_shows_its_own_traceback_and_no_torchruns(tmp_path):
     job = script_job(tmp_path, FAIL_ON_RANK_1)
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    result = subprocess.run(
-        launch_cmd(job, run_dir, "--skip-parity"),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = launch(str(job), "--run-dir", str(run_dir), "--skip-parity", cwd=tmp_path, timeout=240)
     console = result.stdout + result.stderr
     assert result.returncode == 4, console[-3000:]
     assert "ValueError: bad batch on rank 1" in console
@@ -183,12 +178,13 @@ def test_workers_see_the_shell_here_and_each_ranks_log_holds_exactly_its_own_lin
     ones, and a progress bar on stderr)."""
     job = script_job(tmp_path, f"N = {N_LINES}\n" + LOUD)
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    result = subprocess.run(
-        launch_cmd(job, run_dir, "--skip-parity"),
+    result = launch(
+        str(job),
+        "--run-dir",
+        str(run_dir),
+        "--skip-parity",
         cwd=tmp_path,
         env={**os.environ, **SHELL},
-        capture_output=True,
-        text=True,
         timeout=400,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -222,11 +218,13 @@ def test_a_launch_that_fails_before_training_prints_the_verdict_and_fitting_hint
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs: the job would start")
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    result = subprocess.run(
-        launch_cmd(ROOT / "jobs/quickstart.yaml", run_dir, "--set", "resources.device=cuda"),
+    result = launch(
+        str(ROOT / "jobs/quickstart.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "resources.device=cuda",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     console = result.stdout + result.stderr

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import yaml
+from fixtures.launching import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,13 +110,8 @@ def test_nodes_that_cannot_reach_the_master_port_stop_the_launch(netns_cluster, 
         tmp_path / "cluster.yaml", nodes={lo_node: {"env": {"GLOO_SOCKET_IFNAME": "lo"}}}
     )
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]
-        + ["--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=420,
-        cwd=tmp_path,
+    result = launch(
+        str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=tmp_path
     )
     out = result.stdout + result.stderr
     assert result.returncode == 3, out[-3000:]
