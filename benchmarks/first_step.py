@@ -79,6 +79,7 @@ def stages(run_dir: Path, t0: float) -> dict[str, Any]:
     out["to first step"] = round(first["time"] - t0, 2)
     out["compile phases"] = first.get("compile_s")
     out["compile cache loaded"] = first.get("compile_cache_loaded")
+    out["compile cache hits"] = first.get("compile_cache_hits")
     return out
 
 

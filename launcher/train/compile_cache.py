@@ -1,6 +1,7 @@
 """Compiled graphs kept between runs: torch's cache artifacts (inductor's FX graphs, AOTAutograd
 and autotuning results) in one file per graph key, loaded by every rank before it compiles and
-written by rank 0 when its run compiled something the file lacked.
+written by rank 0 when its run compiled something the file lacked; and how many of a run's
+graphs came from a cache (``cache_hits``).
 
 The folder is ``$LAUNCHER_COMPILE_CACHE`` (default ``~/.cache/launcher/compile``): on a shared
 home every node of a job, and every later run, reads what one rank wrote.
@@ -120,6 +121,31 @@ class CompileCache:
 def open_cache(job: JobSpec, *, device: torch.device, rank: int, world_size: int) -> CompileCache:
     key = graph_key(job, device=device, world_size=world_size)
     return CompileCache(cache_dir() / f"{job.model.arch}-{key}.bin", rank=rank)
+
+
+def cache_autograd_functions() -> None:
+    """Let AOTAutograd's cache keep graphs that hold a custom ``autograd.Function`` (the fused
+    LM-head loss is one). torch leaves them out by default, and a warm start then traces the
+    forward and backward again. The traced function is part of the graph, so of the cache key."""
+    import torch._functorch.config as config
+
+    if hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
+        config.autograd_cache_allow_custom_autograd_functions = True
+
+
+def cache_hits() -> dict[str, dict[str, int]]:
+    """Graphs compiled so far in this process, by cache and outcome: AOTAutograd's (forward and
+    backward) and inductor's FX graph cache, each ``hit``, ``miss`` or ``bypass``."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, dict[str, int]] = {}
+    for cache, group, prefix in (
+        ("aot_autograd", "aot_autograd", "autograd_cache_"),
+        ("fx_graph", "inductor", "fxgraph_cache_"),
+    ):
+        seen = counters[group]
+        out[cache] = {k: int(seen[prefix + k]) for k in ("hit", "miss", "bypass")}
+    return out
 
 
 def _count(info: Any) -> int:

@@ -31,7 +31,12 @@ from launcher.spec.job import JobSpec, TrainSpec
 from launcher.train import attention, fused, parallel
 from launcher.train.checkpoint import Checkpointer, latest_checkpoint
 from launcher.train.collector import ManualCollector
-from launcher.train.compile_cache import CompileCache, open_cache
+from launcher.train.compile_cache import (
+    CompileCache,
+    cache_autograd_functions,
+    cache_hits,
+    open_cache,
+)
 from launcher.train.data import Batches, build_data, build_val_batches
 from launcher.train.health import stop_reason
 from launcher.train.meter import (
@@ -284,6 +289,8 @@ class Trainer:
         """Hand the job's cached compiled graphs to torch before anything compiles
         (``launcher.train.compile_cache``); they compile on the first step."""
         self.compile_cache: CompileCache | None = None
+        if self.job.train.compile:
+            cache_autograd_functions()
         if self.job.train.compile and self.job.train.compile_cache:
             self.compile_cache = open_cache(
                 self.job, device=self.device, rank=self.rank, world_size=self.world_size
@@ -625,6 +632,7 @@ class Trainer:
                 "compile": self.job.train.compile,
                 "compile_cache_loaded": bool(self.compile_cache and self.compile_cache.loaded),
                 "compile_s": _compile_times(),
+                "compile_cache_hits": cache_hits() if self.job.train.compile else {},
             }
         )
         if self.compile_cache is not None:

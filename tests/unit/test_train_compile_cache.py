@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from launcher.spec.job import JobSpec
-from launcher.train.compile_cache import CompileCache, graph_key, open_cache
+from launcher.train.compile_cache import (
+    CompileCache,
+    cache_autograd_functions,
+    cache_hits,
+    graph_key,
+    open_cache,
+)
+from launcher.train.loss import linear_cross_entropy
 
 
 def job(**train) -> JobSpec:
@@ -70,6 +77,37 @@ def test_rank_0_writes_what_it_compiled_and_a_later_run_loads_it(
         broken.load()
     assert not broken.loaded and "compiling afresh" in caplog.text
     torch._dynamo.reset()
+
+
+@pytest.mark.processes  # inductor runs the C++ compiler
+def test_a_graph_holding_the_fused_loss_comes_from_aot_autograds_cache(tmp_path: Path, monkeypatch):
+    """The LM-head loss is a custom autograd.Function; its graphs are cached all the same, so a
+    warm start skips tracing the forward and backward."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    import torch._functorch.config as config
+
+    monkeypatch.setattr(config, "autograd_cache_allow_custom_autograd_functions", False)
+    cache_autograd_functions()
+    assert config.autograd_cache_allow_custom_autograd_functions
+
+    def step(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = linear_cross_entropy(x, w, None, labels)
+        loss.backward()
+        return loss
+
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    labels = torch.randint(0, 11, (6,))
+    before = cache_hits()["aot_autograd"]
+    torch._dynamo.reset()
+    first = torch.compile(step)(x, w, labels)
+    torch._dynamo.reset()  # as a new process: dynamo traces again, AOTAutograd reads its cache
+    again = torch.compile(step)(x, w, labels)
+    after = cache_hits()["aot_autograd"]
+    torch._dynamo.reset()
+    assert after["bypass"] == before["bypass"]
+    assert after["miss"] - before["miss"] == 1 and after["hit"] - before["hit"] == 1
+    assert torch.equal(first, again)
 
 
 @pytest.mark.parametrize("flag", [True, False])
