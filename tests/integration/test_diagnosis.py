@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fixtures.launching import FIXTURES, Launcher, write_job
+from fixtures.launching import FIXTURES, Launcher, slow_batches, write_job
 
 
 def doctor(run_dir: Path) -> dict:
@@ -43,28 +43,8 @@ def test_a_rank_that_computes_longer_is_named_live_in_the_summary_and_by_doctor(
     assert straggler["title"] == "Straggler: rank 1 on node local"
 
 
-PLANTED = """
-import os
-
-if "LOCAL_RANK" in os.environ:  # a worker: every batch takes 80 ms longer to come
-    import time
-
-    from launcher.train import data
-
-    made = data.MadeAhead.batch
-
-    def batch(self, step, micro=0):
-        time.sleep(0.08)
-        return made(self, step, micro)
-
-    data.MadeAhead.batch = batch
-"""
-
-
 def test_doctor_names_data_loading_first_on_a_builtin_run_that_waits_for_data(tmp_path):
-    plant = tmp_path / "plant"
-    plant.mkdir()
-    (plant / "sitecustomize.py").write_text(PLANTED)
+    plant = slow_batches(tmp_path / "plant", 0.08)
     run_dir = tmp_path / f"wait-{tmp_path.name}"
     job = write_job(
         tmp_path,

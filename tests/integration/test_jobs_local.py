@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import QUICK, env_of, kill, processes, wait_for, what_nobody_can_touch
+from fixtures.launching import (
+    QUICK,
+    env_of,
+    kill,
+    processes,
+    slow_batches,
+    wait_for,
+    what_nobody_can_touch,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOW = (
@@ -137,6 +145,15 @@ def jobs(tmp_path_factory):
         assert not left, f"left running after launch down: {left}"
 
 
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory) -> tuple[str, ...]:
+    """Overrides for a job that runs until stopped. Its batches come 0.5 s late
+    (``slow_batches``): it holds its CPU slots and leaves the CPUs to the tests."""
+    plant = slow_batches(tmp_path_factory.mktemp("slow"), 0.5)
+    path = os.pathsep.join((str(plant), str(ROOT)))
+    return (*SLOW, "--set", f"launch.env.PYTHONPATH={path}")
+
+
 def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -221,7 +238,7 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     assert report.returncode == 0 and "Per rank" in report.stdout and "SUCCEEDED" in report.stdout
 
 
-def test_a_running_job_is_private_holds_the_queue_and_stop_tears_it_down_within_15_s(jobs):
+def test_a_running_job_is_private_holds_the_queue_and_stop_tears_it_down_within_15_s(jobs, slow):
     """One running job serves what needs one (two tests before, merged to start it once):
     - while it runs, user nobody (when we are root) can create no file under the head's temp dir
       (where Ray unpacks the code its drivers run), the job's node folder or the state dir, and
@@ -233,7 +250,7 @@ def test_a_running_job_is_private_holds_the_queue_and_stop_tears_it_down_within_
       written. The first runs until it is stopped, so every check sees it running, however slow
       the machine."""
     nproc = ("--set", f"resources.nproc_per_node={os.cpu_count()}")
-    first = jobs.submit(*SLOW, *nproc)["job_id"]  # with the preflight, as a real submit
+    first = jobs.submit(*slow, *nproc)["job_id"]  # with the preflight, as a real submit
     submitted = [first]
     try:
         second = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
@@ -488,7 +505,7 @@ def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path):
     assert "job_manager.py" in (Path(state["run_dir"]) / "logs/ray.log").read_text()
 
 
-def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, tmp_path):
+def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, slow, tmp_path):
     """The first submission marks the folder for its job; a second one given the same
     --run-dir is refused (exit 2, naming the remedy) while the folder is there, also after the
     first job ended; removed, the folder is the next job's. The first job ends by its driver
@@ -507,7 +524,7 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, tmp_pat
             *extra,
         )
 
-    result = submit(*SLOW)
+    result = submit(*slow)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     first = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
     try:

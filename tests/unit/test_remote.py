@@ -209,6 +209,7 @@ def test_an_interrupted_fan_out_never_holds_up_the_interpreters_exit() -> None:
     script = (
         "import os, signal, threading, time\n"
         "from launcher.remote import fan_out\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # even if inherited ignored
         "from launcher.spec.cluster import NodeSpec\n"
         "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
         "fan_out([NodeSpec(name=f'n{i}', host=f'10.0.0.{i + 1}') for i in range(3)], lambda n: time.sleep(20))\n"
