@@ -12,7 +12,7 @@ demo:
 # The whole test suite, as CI runs it (network-namespace tests need root): two workers; a file's
 # tests share one
 test *ARGS:
-    python3 -m pytest -q -n 2 --dist loadgroup {{ARGS}}
+    python3 -m pytest -q -n 2 --dist loadfile {{ARGS}}
 
 # Pure logic only: no process, Ray, network namespace or GPU (markers in pyproject.toml)
 test-fast *ARGS:

@@ -105,15 +105,14 @@ NETNS_FIXTURES = {"netns_cluster", "netns_cluster_module"}  # a test that uses o
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Integration tests start processes (marked so); under ``pytest-xdist --dist loadgroup``
-    a file's tests share a worker (their module fixtures: one head, one cluster). Simulated
+    """Integration tests start processes (marked so). Under ``pytest-xdist --dist loadfile`` a
+    file's tests share a worker (their module fixtures: one head, one cluster); simulated
     clusters have names and subnets of their own, so two files' clusters may run side by side."""
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.processes)
         if NETNS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.netns)
-        item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture(autouse=True)
