@@ -9,6 +9,8 @@ import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 
+# Where the trainer keeps compiled graphs (launcher.train.compile_cache): the user's to set.
+COMPILE_CACHE_ENV = "LAUNCHER_COMPILE_CACHE"
 DEFAULT_ENV_FORWARD = (
     "HF_*",
     "HUGGINGFACE_*",
@@ -40,7 +42,7 @@ DEFAULT_ENV_FORWARD = (
     "REQUESTS_CA_BUNDLE",
     "CURL_CA_BUNDLE",
     "PYTHONHASHSEED",
-    "LAUNCHER_COMPILE_CACHE",
+    COMPILE_CACHE_ENV,
 )
 # Set by torchrun for each worker, by Ray's GPU assignment, or the launcher's own: a shell's
 # value never reaches a worker.
@@ -66,7 +68,7 @@ OWNED_NAMES = frozenset(
 )
 OWNED_PREFIXES = ("TORCHELASTIC_", "LAUNCHER_", "RAY_")
 # The user's settings among the owned prefixes: the workers read them.
-USER_NAMES = frozenset({"LAUNCHER_COMPILE_CACHE"})
+USER_NAMES = frozenset({COMPILE_CACHE_ENV})
 PATTERN = re.compile(r"^!?[A-Za-z0-9_*?\[\]!-]+$")
 
 

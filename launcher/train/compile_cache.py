@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
+from launcher.spec.envforward import COMPILE_CACHE_ENV
 from launcher.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "LAUNCHER_COMPILE_CACHE"
 DEFAULT_DIR = "~/.cache/launcher/compile"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(ENV_VAR) or DEFAULT_DIR).expanduser()
+    return Path(os.environ.get(COMPILE_CACHE_ENV) or DEFAULT_DIR).expanduser()
 
 
 def graph_key(job: JobSpec, *, device: torch.device, world_size: int) -> str:

@@ -289,9 +289,10 @@ class Trainer:
         """Hand the job's cached compiled graphs to torch before anything compiles
         (``launcher.train.compile_cache``); they compile on the first step."""
         self.compile_cache: CompileCache | None = None
-        if self.job.train.compile:
-            cache_autograd_functions()
-        if self.job.train.compile and self.job.train.compile_cache:
+        if not self.job.train.compile:
+            return
+        cache_autograd_functions()
+        if self.job.train.compile_cache:
             self.compile_cache = open_cache(
                 self.job, device=self.device, rank=self.rank, world_size=self.world_size
             )
