@@ -104,7 +104,7 @@ class Checkpointer:
         self.data = data
         self.elastic_batch = elastic_batch
         self.resumed: Resumed | None = None
-        self.async_save = spec.async_save and hasattr(dcp, "async_save")
+        self.async_save = spec.async_save
         self.blocking_s: list[float] = []  # the time each save held training, in order
         self._pending: _Pending | None = None
         self._group: Any = None  # the background writes' own gloo group
