@@ -17,7 +17,8 @@ from pathlib import Path
 
 from launcher.errors import PreflightError
 from launcher.jobs.claim import MARKER
-from launcher.remote import NodeError, SSHRunner, runner_for
+from launcher.remote import NodeError, runner_for
+from launcher.remote.ssh import SSHRunner
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
 __all__ = ["NodeError", "SSHRunner", "copy_dir"]

@@ -30,7 +30,6 @@ from launcher.remote import (
     CommandResult,
     NodeError,
     SrunRunner,
-    SSHRunner,
     parallel_map,
     runner_for,
     tunnel_needed,
@@ -582,6 +581,8 @@ def _bootstrap(
             if bad:
                 raise bad[0]
         if tunnel_needed(head, cluster.ssh):  # behind a login node: Ray Client over SSH
+            from launcher.remote.ssh import SSHRunner
+
             runner = SSHRunner(head, cluster.ssh)
             session._tunnel.enter_context(runner)
             try:

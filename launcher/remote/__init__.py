@@ -1,7 +1,8 @@
 """Run commands on nodes: one Runner interface for this machine and for SSH, and a fan-out.
 
-``runner_for(node, ssh)`` gives a LocalRunner for this machine, else an SSHRunner, which
-reaches the node as ``~/.ssh/config`` says (aliases, ProxyJump: ``route``). Both run
+``runner_for(node, ssh)`` gives a LocalRunner for this machine, else an SSHRunner
+(``launcher.remote.ssh``, imported only where a node is reached over SSH: it brings fabric and
+paramiko), which reaches the node as ``~/.ssh/config`` says (aliases, ProxyJump: ``route``). Both run
 ``sh`` commands and return a CommandResult, or raise NodeError when the node cannot be reached
 or a command outlives its timeout. ``fan_out`` runs a function on every node in threads and
 keeps every result or exception. Secrets go through ``stdin``, never the command line.
@@ -25,14 +26,11 @@ from launcher.remote.base import (
     NodeError,
     Runner,
 )
-from launcher.remote.classify import classify_ssh_error
 from launcher.remote.fanout import Background, GroupResult, fan_out, parallel_map
-from launcher.remote.hostkeys import RevokedHostKeyError, UnknownHostKeyError, load_known_hosts
 from launcher.remote.local import LocalRunner
 from launcher.remote.quoting import BASE64_FAILED, REMOTE_TIMEOUT_MARGIN_S, remote_command
 from launcher.remote.route import route_to
 from launcher.remote.srun import SrunRunner, expand_nodelist
-from launcher.remote.ssh import SSHRunner
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
 __all__ = [
@@ -54,15 +52,10 @@ __all__ = [
     "GroupResult",
     "LocalRunner",
     "NodeError",
-    "RevokedHostKeyError",
     "Runner",
-    "SSHRunner",
     "SrunRunner",
-    "UnknownHostKeyError",
-    "classify_ssh_error",
     "expand_nodelist",
     "fan_out",
-    "load_known_hosts",
     "parallel_map",
     "remote_command",
     "runner_for",
@@ -75,7 +68,11 @@ def runner_for(node: NodeSpec, ssh_spec: SSHSpec) -> Runner:
     (``NodeSpec.is_local``), else an SSHRunner."""
     if node.slurm_job is not None:
         return SrunRunner(node)
-    return LocalRunner(node) if node.is_local else SSHRunner(node, ssh_spec)
+    if node.is_local:
+        return LocalRunner(node)
+    from launcher.remote.ssh import SSHRunner
+
+    return SSHRunner(node, ssh_spec)
 
 
 def tunnel_needed(node: NodeSpec, ssh_spec: SSHSpec) -> bool:

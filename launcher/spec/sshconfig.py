@@ -11,10 +11,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import paramiko
+from typing import TYPE_CHECKING
 
 from launcher.errors import SpecError
+
+if TYPE_CHECKING:  # imported where a config is read: a run on this machine never needs it
+    import paramiko
 
 MAX_INCLUDE_DEPTH = 16
 _INCLUDE = re.compile(r"^\s*include\s*[= ]\s*(.+?)\s*$", re.IGNORECASE)
@@ -82,6 +84,8 @@ _cache: dict[tuple[Path, int, int], paramiko.SSHConfig] = {}
 
 
 def _parse(path: Path) -> paramiko.SSHConfig:
+    import paramiko
+
     if not path.exists():
         return paramiko.SSHConfig()
     try:

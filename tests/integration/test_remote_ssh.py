@@ -21,7 +21,8 @@ import paramiko
 import pytest
 from fixtures.launching import kill
 
-from launcher.remote import CommandResult, NodeError, SSHRunner, fan_out
+from launcher.remote import CommandResult, NodeError, fan_out
+from launcher.remote.ssh import SSHRunner
 from launcher.spec.cluster import NodeSpec, SSHSpec
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]

@@ -33,12 +33,12 @@ from launcher.remote import (
     CommandResult,
     LocalRunner,
     NodeError,
-    SSHRunner,
-    UnknownHostKeyError,
-    classify_ssh_error,
     fan_out,
     runner_for,
 )
+from launcher.remote.classify import classify_ssh_error
+from launcher.remote.hostkeys import UnknownHostKeyError
+from launcher.remote.ssh import SSHRunner
 from launcher.spec.cluster import ClusterSpec, NodeSpec, SSHSpec
 from launcher.spec.fit import gpus_needed
 from launcher.spec.fit import spec_env as worker_env
