@@ -49,6 +49,19 @@ pytestmark = pytest.mark.timeout(60)
 LOCAL = NodeSpec(name="local", host="localhost")
 
 
+@pytest.mark.processes
+def test_a_run_on_this_machine_imports_no_ssh_library() -> None:
+    """The command, the preflight, the agents and the trainer leave fabric and paramiko out:
+    they slow every start, and only a node reached over SSH needs them."""
+    code = (
+        "import sys, launcher.cli, launcher.jobs.commands, launcher.orchestrate.run, "
+        "launcher.orchestrate.agent, launcher.preflight, launcher.train.__main__\n"
+        "print(sorted(m for m in ('fabric', 'invoke', 'paramiko') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_runner_for_picks_local_or_ssh() -> None:
     assert isinstance(runner_for(LOCAL, SSHSpec()), LocalRunner)
     assert isinstance(runner_for(NodeSpec(name="n", host="10.1.2.3"), SSHSpec()), SSHRunner)
