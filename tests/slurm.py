@@ -79,14 +79,6 @@ class SlurmCluster:
         """The job ids in the queue."""
         return self.run("squeue", "-h", "-o", "%i").stdout.split()
 
-    def drained(self, timeout: float = 30.0) -> list[str]:
-        """The queue once empty, or as it is after ``timeout``: a job whose salloc ended stays
-        in the queue (completing) until slurmctld has heard from every node."""
-        deadline = time.monotonic() + timeout
-        while (queue := self.queue()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        return queue
-
     def close(self) -> None:
         for proc in reversed(self._procs):
             with contextlib.suppress(ProcessLookupError):
