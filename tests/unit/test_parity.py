@@ -110,16 +110,67 @@ def test_tie_goes_to_the_head(cpu) -> None:
     assert [p.node for p in report.failures] == ["node1"]
 
 
-def test_minor_policy_on_python(cpu) -> None:
-    assert evaluate(cluster_of(cpu, node1={"python.version": "3.11.9"})).ok
-    report = evaluate(cluster_of(cpu, node1={"python.version": "3.12.1"}))
-    assert "node1 differs in python (3.12.1 vs 3.11.7)" in report.verdict
+@pytest.mark.parametrize(
+    ("probe", "edits", "ok", "said"),
+    [  # node1 of three edited ("gpu1": node0 of one); ok or not, and what the verdict says
+        ("cpu", {"python.version": "3.11.9"}, True, ""),  # python: minor
+        ("cpu", {"python.version": "3.12.1"}, False, "node1 differs in python (3.12.1 vs 3.11.7)"),
+        ("gpu", {"nvidia.driver": "570.172.08"}, True, ""),  # driver: major
+        ("gpu", {"nvidia.driver": "575.51.03"}, False, "driver (575.51.03 vs 570.124.06)"),
+        (
+            "cpu",
+            {"launcher.hash": "0" * 64},
+            False,
+            "node1 differs in launcher code (000000000000 vs ",
+        ),
+        ("cpu", {"disk.home.free_gib": 3.0, "os.kernel": "5.15.0", "clock_skew_s": 1.5}, True, ""),
+        ("cpu", {"clock_skew_s": -8.25}, True, "node1: clock is -8.2 s off the launcher's"),
+        # checks that are not comparisons
+        (
+            "gpu1",
+            {"nvidia.driver": "470.82.01"},
+            False,
+            "driver 470.82.01 is below 525.60.13, the minimum for torch's CUDA 12.8",
+        ),
+        (
+            "gpu1",
+            {"deep.conv.speedup": 1.01},
+            False,
+            "cuDNN gives no speed-up (1.01x over native kernels)",
+        ),
+        ("gpu1", {"deep.loaded_libs.libcudnn": []}, False, "no libcudnn was loaded"),
+        ("gpu1", {"deep.cudnn.available": False}, False, "cuDNN is not available"),
+        ("cpu1", {}, True, ""),  # the cuDNN checks skip CPU nodes
+        ("gpu1", {"deep.device_count": 4, "request.gpus_needed": 8}, False, "needs 8 GPUs, has 4"),
+        ("cpu1", {"request.gpus_needed": 1}, False, "needs 1 GPU, has 0"),
+        (
+            "cpu1",
+            {"deep": {"error": "timed out after 120 s during import torch"}},
+            False,
+            "deep probe failed: timed out after 120 s during import torch",
+        ),
+        ("gpu1", {"request.nccl_socket_ifname": "ib"}, True, ""),
+        (
+            "gpu1",
+            {"request.nccl_socket_ifname": "enp"},
+            False,
+            "NCCL_SOCKET_IFNAME=enp names no interface here (has docker0, eth0, ib0, lo)",
+        ),
+    ],
+)
+def test_the_verdict_on_one_edited_node(probe, edits, ok, said, cpu, gpu) -> None:
+    base = {"cpu": cpu, "gpu": gpu}[probe[:3]]
+    probes = cluster_of(base, 1, node0=edits) if probe[3:] else cluster_of(base, node1=edits)
+    report = evaluate(probes)
+    assert report.ok is ok and said in report.verdict, report.verdict
 
 
-def test_major_policy_on_driver(gpu) -> None:
-    assert evaluate(cluster_of(gpu, node1={"nvidia.driver": "570.172.08"})).ok
-    report = evaluate(cluster_of(gpu, node1={"nvidia.driver": "575.51.03"}))
-    assert not report.ok and "driver (575.51.03 vs 570.124.06)" in report.verdict
+def test_a_policy_or_a_shallow_check_decides_what_fails(cpu, gpu) -> None:
+    skew = cluster_of(cpu, node2={"clock_skew_s": -8.25})
+    assert evaluate(skew).ok and not evaluate(skew, policies={"clock_skew": "exact"}).ok
+    slow = cluster_of(gpu, 1, node0={"deep.conv.speedup": 1.01})
+    assert evaluate(slow, policies={"cudnn_speedup": "warn"}).ok
+    assert evaluate(cluster_of(cpu, 1, node0={"deep": None}), deep=False).ok
 
 
 def test_warn_policy_reports_but_passes(cpu) -> None:
@@ -144,18 +195,6 @@ def test_listed_packages_are_exact_and_missing_ones_show(cpu) -> None:
         probes[f"node{i}"]["packages"]["parity-fixture"] = version
     report = evaluate(probes, packages=["parity-fixture"])
     assert report.verdict == "parity FAILED: node2 differs in parity-fixture (not installed vs 1.0)"
-
-
-def test_launcher_hash_mismatch(cpu) -> None:
-    report = evaluate(cluster_of(cpu, node1={"launcher.hash": "0" * 64}))
-    assert "node1 differs in launcher code (000000000000 vs " in report.verdict
-
-
-def test_informational_fields_never_fail(cpu) -> None:
-    probes = cluster_of(
-        cpu, node1={"disk.home.free_gib": 3.0, "os.kernel": "5.15.0", "clock_skew_s": 1.5}
-    )
-    assert evaluate(probes).ok
 
 
 def test_unknown_policy_key_is_a_spec_error_with_a_suggestion() -> None:
@@ -263,14 +302,6 @@ def test_a_node_whose_nccl_version_failed_is_a_difference_not_a_crash(gpu) -> No
     )
 
 
-def test_driver_below_the_minimum_for_the_cuda_build(gpu) -> None:
-    probes = cluster_of(gpu, 1, node0={"nvidia.driver": "470.82.01"})
-    report = evaluate(probes)
-    assert (
-        "driver 470.82.01 is below 525.60.13, the minimum for torch's CUDA 12.8" in report.verdict
-    )
-
-
 @pytest.mark.parametrize(
     ("cuda", "minimum"),
     [
@@ -287,49 +318,6 @@ def test_min_driver(cuda, minimum) -> None:
     assert min_driver(cuda) == minimum
 
 
-def test_cudnn_without_speedup_fails(gpu) -> None:
-    report = evaluate(cluster_of(gpu, 1, node0={"deep.conv.speedup": 1.01}))
-    assert "cuDNN gives no speed-up (1.01x over native kernels)" in report.verdict
-    assert evaluate(
-        cluster_of(gpu, 1, node0={"deep.conv.speedup": 1.01}), policies={"cudnn_speedup": "warn"}
-    ).ok
-
-
-def test_cudnn_not_loaded_where_cuda_works(gpu) -> None:
-    report = evaluate(cluster_of(gpu, 1, node0={"deep.loaded_libs.libcudnn": []}))
-    assert "no libcudnn was loaded" in report.verdict
-    report = evaluate(cluster_of(gpu, 1, node0={"deep.cudnn.available": False}))
-    assert "cuDNN is not available" in report.verdict
-
-
-def test_cudnn_checks_skip_cpu_nodes(cpu) -> None:
-    assert evaluate(cluster_of(cpu, 1)).ok
-
-
-def test_not_enough_gpus_for_the_job(gpu, cpu) -> None:
-    report = evaluate(cluster_of(gpu, 1, node0={"deep.device_count": 4, "request.gpus_needed": 8}))
-    assert "needs 8 GPUs, has 4" in report.verdict
-    report = evaluate(cluster_of(cpu, 1, node0={"request.gpus_needed": 1}))
-    assert "needs 1 GPU, has 0" in report.verdict
-
-
-def test_failed_deep_probe_fails_the_node(cpu) -> None:
-    report = evaluate(
-        cluster_of(cpu, 1, node0={"deep": {"error": "timed out after 120 s during import torch"}})
-    )
-    assert "deep probe failed: timed out after 120 s during import torch" in report.verdict
-    assert evaluate(cluster_of(cpu, 1, node0={"deep": None}), deep=False).ok
-
-
-def test_nccl_socket_ifname_must_name_an_interface(gpu) -> None:
-    assert evaluate(cluster_of(gpu, 1, node0={"request.nccl_socket_ifname": "ib"})).ok
-    report = evaluate(cluster_of(gpu, 1, node0={"request.nccl_socket_ifname": "enp"}))
-    assert (
-        "NCCL_SOCKET_IFNAME=enp names no interface here (has docker0, eth0, ib0, lo)"
-        in report.verdict
-    )
-
-
 @pytest.mark.parametrize(
     ("spec", "matches"),
     [
@@ -344,18 +332,6 @@ def test_nccl_socket_ifname_must_name_an_interface(gpu) -> None:
 )
 def test_nccl_ifname_semantics(spec, matches) -> None:
     assert nccl_ifname_matches(spec, {"lo": [], "eth0": [], "docker0": []}) is matches
-
-
-def test_clock_skew_warns(cpu) -> None:
-    report = evaluate(cluster_of(cpu, node2={"clock_skew_s": -8.25}))
-    assert report.ok
-    assert "node2: clock is -8.2 s off the launcher's" in report.verdict
-    assert (
-        evaluate(
-            cluster_of(cpu, node2={"clock_skew_s": -8.25}), policies={"clock_skew": "exact"}
-        ).ok
-        is False
-    )
 
 
 # -- every recorded fixture ----------------------------------------------------------------------
