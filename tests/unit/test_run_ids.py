@@ -26,6 +26,21 @@ def own_state(tmp_path, monkeypatch):
     return tmp_path / "state"
 
 
+@pytest.fixture
+def job_file(tmp_path):
+    """A CPU job file, beside a cluster.yaml naming this machine."""
+    (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n"
+    )
+    return path
+
+
+def went_on(*args, **kwargs):
+    raise AssertionError("the launch or submission went on")
+
+
 def job() -> JobSpec:
     return JobSpec.model_validate(
         {
@@ -95,7 +110,7 @@ def test_a_restart_keeps_the_launchs_run_id(tmp_path):
 
 
 def test_a_run_dir_that_holds_a_run_is_refused_before_anything_starts(
-    tmp_path, monkeypatch, capsys
+    tmp_path, job_file, monkeypatch, capsys
 ):
     """Launching into a folder that holds an earlier run would mix logs, metrics and summaries:
     exit 2, one paragraph naming the folder and the way out, nothing started or written."""
@@ -103,16 +118,8 @@ def test_a_run_dir_that_holds_a_run_is_refused_before_anything_starts(
     (old / "logs").mkdir(parents=True)
     (old / "summary.json").write_text('{"status": "succeeded"}')
     before = sorted(p.relative_to(old) for p in old.rglob("*"))
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(
-        "name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n"
-    )
-
-    def started_anything(*args, **kwargs):
-        raise AssertionError("the launch went on")
-
-    monkeypatch.setattr(run_mod, "preflight_facts", started_anything)
-    monkeypatch.setattr(Launch, "execute", started_anything)
+    monkeypatch.setattr(run_mod, "preflight_facts", went_on)
+    monkeypatch.setattr(Launch, "execute", went_on)
     assert main([str(job_file), "--run-dir", str(old)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
@@ -134,42 +141,6 @@ def test_an_empty_or_new_run_dir_is_taken(tmp_path):
     a_file.write_text("")
     with pytest.raises(UsageError, match="is a file"):
         RunDir.claim(a_file)
-
-
-def test_submit_to_this_machine_refuses_a_run_dir_that_holds_a_run(tmp_path, monkeypatch, capsys):
-    """`launch submit --run-dir` where the head is this machine: the same refusal, before the
-    preflight and before any Ray is asked for."""
-    from launcher.jobs import commands
-
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "summary.json").write_text("{}")
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(
-        "name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n"
-    )
-    (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
-
-    def started_anything(*args, **kwargs):
-        raise AssertionError("the submission went on")
-
-    monkeypatch.setattr("launcher.preflight.preflight_facts", started_anything)
-    monkeypatch.setattr(commands, "connect", started_anything)
-    assert (
-        main(
-            [
-                "submit",
-                str(job_file),
-                "--cluster",
-                str(tmp_path / "cluster.yaml"),
-                "--run-dir",
-                str(old),
-            ]
-        )
-        == 2
-    )
-    err = capsys.readouterr().err
-    assert f"--run-dir {old} is not empty" in err and err.count("\n") == 1
 
 
 def test_a_submissions_marker_gives_the_folder_to_its_own_job_only(tmp_path):
@@ -208,7 +179,7 @@ def test_an_undone_mark_leaves_the_folder_as_it_was(tmp_path):
 
 
 @pytest.fixture
-def local_submit(tmp_path, monkeypatch):
+def local_submit(tmp_path, job_file, monkeypatch):
     """`launch submit` to this machine's head with the preflight and the Jobs API faked: returns
     a function that submits with ``--run-dir`` and gives (exit code, stderr), and the fake client."""
     import contextlib
@@ -216,11 +187,6 @@ def local_submit(tmp_path, monkeypatch):
 
     from launcher.jobs import commands
 
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(
-        "name: q\nresources: {device: cpu, nproc_per_node: 1}\nprecision: {dtype: fp32}\n"
-    )
-    (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
     monkeypatch.setattr("launcher.preflight.preflight_facts", lambda *a, **k: None)
     monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0")  # submit sets it: restored after
     client = types.SimpleNamespace(submitted=[], error=None, status={})  # status: job id -> Ray's
@@ -273,6 +239,22 @@ def local_submit(tmp_path, monkeypatch):
     return submit, client
 
 
+def test_submit_to_this_machine_refuses_a_run_dir_that_holds_a_run(
+    tmp_path, local_submit, monkeypatch, capsys
+):
+    """`launch submit --run-dir` where the head is this machine: the same refusal, before the
+    preflight and before any Ray is asked for."""
+    from launcher.jobs import commands
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "summary.json").write_text("{}")
+    monkeypatch.setattr("launcher.preflight.preflight_facts", went_on)
+    monkeypatch.setattr(commands, "connect", went_on)
+    rc, out = local_submit[0](old, capsys)
+    assert rc == 2 and f"--run-dir {old} is not empty" in out.err and out.err.count("\n") == 1
+
+
 def test_two_queued_submits_to_one_run_dir_the_second_is_refused(tmp_path, local_submit, capsys):
     """Both submissions find the folder new (the first job has not started yet): the first
     reserves it at once, so the second is refused (exit 2), naming the first job."""
@@ -304,9 +286,9 @@ def test_a_submission_that_fails_frees_its_run_dir(tmp_path, local_submit, capsy
     assert submit(tmp_path / "d", capsys)[0] == 0  # submitting again works
 
 
-def driven(tmp_path, monkeypatch, run_dir, job_id="q-1"):
-    """The driver on a submission to ``run_dir`` (Ray and the launch faked): (exit code,
-    its log, the run directory the launch got or None)."""
+def driven(tmp_path, monkeypatch, run_dir, job_id="q-1", fake_run=True):
+    """The driver on a submission to ``run_dir`` (Ray and, with ``fake_run``, the launch
+    faked): (exit code, its log, the run directory the launch got or None)."""
     import io
 
     from launcher import signals
@@ -314,7 +296,8 @@ def driven(tmp_path, monkeypatch, run_dir, job_id="q-1"):
 
     got = []
     monkeypatch.setattr(signals, "install", lambda: None)
-    monkeypatch.setattr(driver.Driver, "run", lambda self: got.append(self.run_dir) or 0)
+    if fake_run:
+        monkeypatch.setattr(driver.Driver, "run", lambda self: got.append(self.run_dir) or 0)
     monkeypatch.setattr("sys.stdout", out := io.StringIO())
     (tmp_path / "submission.json").write_text(
         json.dumps(
@@ -501,7 +484,7 @@ def test_rays_jobs_client_bypasses_the_proxy_for_a_heads_loopback(jobs_api, list
 
 
 @pytest.fixture
-def jobs_here(tmp_path, monkeypatch):
+def jobs_here(tmp_path, job_file, monkeypatch):
     """The job commands against a fake Jobs API of a head on this machine: ``add(job id, Ray
     status, run_dir, log)``, then run ``launch status|fetch``."""
     import contextlib
@@ -509,7 +492,6 @@ def jobs_here(tmp_path, monkeypatch):
 
     from launcher.jobs import commands
 
-    (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
     known: dict[str, tuple] = {}
 
     def add(job_id, status, run_dir, log=""):
@@ -625,9 +607,6 @@ def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_marker(tmp_path, jo
 def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
     """The state lines name the folder the driver took (``starting``, ``done``); a refused one
     is null in the final line (above)."""
-    import io
-
-    from launcher import signals
     from launcher.jobs import driver, state
 
     mine = tmp_path / "mine"
@@ -636,18 +615,10 @@ def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
     def stop_here():
         raise UsageError("stopped here")
 
-    monkeypatch.setattr(signals, "install", lambda: None)
     monkeypatch.setattr(driver, "_leave_upload_out", stop_here)
-    monkeypatch.setattr("sys.stdout", out := io.StringIO())
-    (tmp_path / "submission.json").write_text(
-        json.dumps({"job_id": "q-1", "job": job().model_dump(mode="json"), "run_dir": str(mine)})
-    )
-    assert driver.main([str(tmp_path / "submission.json")]) == 2
-    lines = [
-        json.loads(t[len(state.MARK) :])
-        for t in out.getvalue().splitlines()
-        if t.startswith(state.MARK)
-    ]
+    rc, log, _ = driven(tmp_path, monkeypatch, mine, fake_run=False)
+    assert rc == 2
+    lines = [json.loads(t[len(state.MARK) :]) for t in log.splitlines() if t.startswith(state.MARK)]
     assert [(x["state"], x["run_dir"]) for x in lines] == [
         ("starting", str(mine)),
         ("done", str(mine)),
