@@ -79,18 +79,13 @@ class _Pending:
 @dataclass(frozen=True)
 class Resumed:
     """Where a resumed run picked up: the checkpoint, its step, the global samples used
-    through that step, and the world size and global batch it was written at (None for a
-    checkpoint from before they were recorded)."""
+    through that step, and the world size and global batch it was written at."""
 
     path: Path
     step: int
     samples: int
-    world_size: int | None
-    global_batch: int | None
-
-
-# The data position a checkpoint's "train" entry holds besides the step and the scheduler.
-POSITION = ("samples", "world_size", "global_batch")
+    world_size: int
+    global_batch: int
 
 
 class Checkpointer:
@@ -338,10 +333,9 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         model_sd = substitute_masters(model_sd, getattr(optimizer, "masters", None))
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        # DCP loads tensors in place and replaces the non-tensor leaves of this dict. The data
-        # position came later than the step: an older checkpoint has none.
-        train: dict[str, Any] = {"step": 0, "scheduler": b""}
-        train.update({key: 0 for key in POSITION if f"train.{key}" in saved})
+        # DCP loads tensors in place and replaces the non-tensor leaves of this dict.
+        train: dict[str, Any] = dict.fromkeys(("step", "samples", "world_size", "global_batch"), 0)
+        train["scheduler"] = b""
         has_scaler = scaler is not None and "train.scaler" in saved
         if has_scaler:
             train["scaler"] = b""
@@ -363,8 +357,7 @@ class Checkpointer:
             scaler.load_state_dict(pickle.loads(state["train"]["scaler"]))
         elif scaler is not None:
             log.warning(
-                "%s has no loss scale (written without fp16 or before it was saved); the scaler "
-                "starts at %g",
+                "%s has no loss scale (written without fp16); the scaler starts at %g",
                 path,
                 scaler.get_scale(),
             )
@@ -407,18 +400,11 @@ class Checkpointer:
         """Check the global batch against ``elastic_batch`` and move the data to the next sample."""
         data = self.data
         step = int(train["step"])
-        if "samples" in train:
-            resumed = Resumed(
-                path,
-                step,
-                int(train["samples"]),
-                int(train["world_size"]),
-                int(train["global_batch"]),
-            )
-        else:  # written with this job's global batch, which the data order was then tied to
-            resumed = Resumed(path, step, step * data.global_batch, None, None)
+        resumed = Resumed(
+            path, step, int(train["samples"]), int(train["world_size"]), int(train["global_batch"])
+        )
         old, new = resumed.global_batch, data.global_batch
-        if old is not None and old != new:
+        if old != new:
             if self.elastic_batch == "keep":
                 per_rank = data.micro_batch * data.world_size
                 fix = (
@@ -443,7 +429,7 @@ class Checkpointer:
         data.continue_at(step, resumed.samples)
         was = (
             f", written by {resumed.world_size} ranks"
-            if resumed.world_size not in (None, data.world_size)
+            if resumed.world_size != data.world_size
             else ""
         )
         log.info(
