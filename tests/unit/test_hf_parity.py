@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from fixtures.batching import source
 
 pytest.importorskip(
     "transformers", reason="the parity tests build Hugging Face models (test extra)"
@@ -22,7 +23,6 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from launcher.errors import SpecError  # noqa: E402
 from launcher.spec import load_job  # noqa: E402
 from launcher.spec.hf import FolderError  # noqa: E402
-from launcher.train.data import SyntheticBatches  # noqa: E402
 from launcher.train.hf import hf_state_dict, load_pretrained, save_pretrained  # noqa: E402
 from launcher.train.model import build_model  # noqa: E402
 
@@ -56,18 +56,7 @@ def built_in(tmp_path: Path, folder: Path, **model):
 
 
 def batch(arch: str, seed: int = 3) -> dict[str, torch.Tensor]:
-    data = SyntheticBatches(
-        arch=arch,
-        vocab_size=TINY["vocab_size"],
-        seq_len=SEQ,
-        micro_batch=3,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=seed,
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-    )
+    data = source(arch, vocab=TINY["vocab_size"], seq=SEQ, micro=3, seed=seed)
     return data.batch(1)
 
 

@@ -14,42 +14,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
+from fixtures.batching import source, write_npy
 
 from launcher.train import data as data_module
 from launcher.train import tokens as tokens_module
 from launcher.train.tokens import TokenFileBatches
 from launcher.util import free_port
 
-CPU = torch.device("cpu")
-
-
-def write_npy(path: Path, ids: torch.Tensor, descr: str) -> Path:
-    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
-    header += " " * (-(10 + len(header) + 1) % 64) + "\n"
-    path.write_bytes(
-        b"\x93NUMPY\x01\x00"
-        + len(header).to_bytes(2, "little")
-        + header.encode()
-        + ids.contiguous().numpy().tobytes()
-    )
-    return path
-
 
 def batches(path: Path, vocab: int, *, arch: str = "gpt", seq: int = 16, **kw) -> TokenFileBatches:
-    return TokenFileBatches(
-        path=path,
-        token_dtype="uint16",
-        arch=arch,
-        vocab_size=vocab,
-        seq_len=seq,
-        micro_batch=2,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=1,
-        rank=0,
-        world_size=1,
-        device=CPU,
-        **kw,
+    kw.setdefault("token_dtype", "uint16")
+    return source(
+        arch, cls=TokenFileBatches, path=path, vocab=vocab, seq=seq, micro=2, seed=1, **kw
     )
 
 
@@ -333,20 +309,7 @@ def _split_scan_worker(rank: int, world: int, port: int, paths: list[str], out: 
     aminmax = torch.aminmax
     torch.aminmax = lambda t, *a, **k: seen.append(t.numel()) or aminmax(t, *a, **k)
     try:
-        TokenFileBatches(
-            path=paths[rank],
-            token_dtype="int32",
-            arch="gpt",
-            vocab_size=1000,
-            seq_len=16,
-            micro_batch=2,
-            grad_accum=1,
-            mask_prob=0.15,
-            seed=1,
-            rank=rank,
-            world_size=world,
-            device=CPU,
-        ).close()
+        batches(Path(paths[rank]), 1000, token_dtype="int32", rank=rank, world=world).close()
         result = {"error": None}
     except data_module.DataError as err:
         result = {"error": str(err), "field": err.field}
@@ -434,28 +397,17 @@ def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
         "tokenizer": "/tok",
         "special": {"eos": 3},
     }
-    common = dict(
-        arch="gpt",
-        vocab_size=512,
-        seq_len=16,
-        micro_batch=2,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=1,
-        rank=0,
-        world_size=1,
-        device=CPU,
-    )
+    common = dict(arch="gpt", cls=TextBatches, vocab=512, seq=16, micro=2, seed=1)
     with pytest.raises(
         TextError,
         match=r"the tokenized text .*c.bin \(data.path tokenized with the tokenizer "
         r"/tok, of 60 tokens\) holds token id 600 at position 77",
     ):
-        TextBatches(meta=meta, **common)
+        source(meta=meta, **common)
     with pytest.raises(
         TextError, match="special tokens the ids eos 700, outside the model's vocabulary of 512"
     ):
-        TextBatches(meta={**meta, "special": {"eos": 700}}, **common)
+        source(meta={**meta, "special": {"eos": 700}}, **common)
     assert (
         TextError is data_module.DataError
     )  # what launcher.train.__main__ reports as one paragraph
@@ -486,16 +438,4 @@ def test_a_tokenizer_with_ids_past_its_size_tokenizes_and_is_refused_clearly(tmp
     meta = text.tokenize(spec, "gpt", progress=False)  # 4 tokens, an id of 70000: int32, not uint16
     assert meta["dtype"] == "int32" and meta["vocab_size"] == 4
     with pytest.raises(text.TextError, match="holds token id 70000 at position 4 "):
-        text.TextBatches(
-            meta=meta,
-            arch="gpt",
-            vocab_size=512,
-            seq_len=8,
-            micro_batch=2,
-            grad_accum=1,
-            mask_prob=0.15,
-            seed=1,
-            rank=0,
-            world_size=1,
-            device=CPU,
-        )
+        source("gpt", cls=text.TextBatches, meta=meta, vocab=512, seq=8, micro=2, seed=1)

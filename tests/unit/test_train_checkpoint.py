@@ -8,27 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.batching import source
 
 from launcher.spec.job import CheckpointSpec
 from launcher.train.checkpoint import MARKER, Checkpointer, ResumeError, latest_checkpoint, step_dir
-from launcher.train.data import SyntheticBatches
 
 
 def checkpointer(
     spec: CheckpointSpec, *, world: int = 1, accum: int = 1, elastic_batch: str = "keep"
 ) -> Checkpointer:
-    data = SyntheticBatches(
-        arch="gpt",
-        vocab_size=64,
-        seq_len=8,
-        micro_batch=2,
-        grad_accum=accum,
-        mask_prob=0.15,
-        seed=0,
-        rank=0,
-        world_size=world,
-        device=torch.device("cpu"),
-    )
+    data = source("gpt", vocab=64, seq=8, micro=2, accum=accum, seed=0, world=world)
     return Checkpointer(spec, rank=0, data=data, elastic_batch=elastic_batch)
 
 
@@ -278,18 +267,7 @@ def _resume_worker(
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-        data = SyntheticBatches(
-            arch="gpt",
-            vocab_size=64,
-            seq_len=8,
-            micro_batch=2,
-            grad_accum=1,
-            mask_prob=0.15,
-            seed=0,
-            rank=rank,
-            world_size=world,
-            device=torch.device("cpu"),
-        )
+        data = source("gpt", vocab=64, seq=8, micro=2, seed=0, rank=rank, world=world)
         shared = Checkpointer(
             CheckpointSpec(dir=Path(base, "shared")), rank=rank, data=data, elastic_batch="keep"
         )

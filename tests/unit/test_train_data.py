@@ -9,48 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.batching import source, write_npy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launcher.train.data import (
     Batches,
-    SyntheticBatches,
     global_indices,
     hash_ints,
     mask_token_id,
 )
 from launcher.train.tokens import TokenFileBatches, open_token_file
-
-CPU = torch.device("cpu")
-
-
-def source(
-    arch="bert",
-    *,
-    rank=0,
-    world=1,
-    micro=4,
-    accum=1,
-    seq=32,
-    vocab=1024,
-    seed=3,
-    cls=SyntheticBatches,
-    device=CPU,
-    **kw,
-):
-    return cls(
-        arch=arch,
-        vocab_size=vocab,
-        seq_len=seq,
-        micro_batch=micro,
-        grad_accum=accum,
-        mask_prob=0.15,
-        seed=seed,
-        rank=rank,
-        world_size=world,
-        device=device,
-        **kw,
-    )
 
 
 def step_samples(make, world: int, accum: int, step: int, key: str = "input_ids") -> torch.Tensor:
@@ -133,15 +102,6 @@ def test_mlm_masks_a_fixed_count_with_80_10_10():
     as_mask = (at == mask_token_id(30522)).sum().item() / n
     kept = (at == labels).sum().item() / n
     assert 0.76 < as_mask < 0.84 and 0.07 < kept < 0.14
-
-
-def write_npy(path: Path, ids: torch.Tensor, descr: str) -> None:
-    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
-    header += " " * (-(10 + len(header) + 1) % 64) + "\n"
-    body = bytes(ids.contiguous().view(torch.uint8).tolist())
-    path.write_bytes(
-        b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body
-    )
 
 
 @pytest.mark.parametrize(

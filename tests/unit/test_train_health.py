@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures.batching import source
 
 from launcher.errors import NonFiniteError
 from launcher.metrics import read_records
@@ -99,7 +100,7 @@ def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
 def test_grad_norm_and_eval_loss_match_plain_pytorch(
     arch: str, one_process_trainer_env: Path, monkeypatch
 ):
-    from launcher.train.data import SyntheticBatches, val_seed
+    from launcher.train.data import val_seed
     from launcher.train.loop import Trainer
 
     spec = job(arch, steps=2, grad_clip=0.5, eval_every=2, eval_steps=3)
@@ -123,18 +124,7 @@ def test_grad_norm_and_eval_loss_match_plain_pytorch(
     assert want_norm.item() > 0.5  # clipped, and the record holds the norm before clipping
     assert first["eval_loss"] is None and second["grad_norm"] > 0
     # the held-out batches: a seed stream of their own, the same samples the trainer read
-    ref = SyntheticBatches(
-        arch=arch,
-        vocab_size=256,
-        seq_len=16,
-        micro_batch=2,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=val_seed(spec.train.seed),
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-    )
+    ref = source(arch, vocab=256, seq=16, micro=2, seed=val_seed(spec.train.seed))
     held_out = [ref.batch(i + 1) for i in range(3)]
     ref.close()
     assert len(val) == 3 and all(
