@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from pydantic import ValidationError
 
@@ -30,15 +30,7 @@ class Restart:
     lost_steps: int | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "attempt": self.attempt,
-            "reason": self.reason,
-            "failed_node": self.failed_node,
-            "nodes": self.nodes,
-            "world_size": self.world_size,
-            "resumed_from_step": self.resumed_from_step,
-            "lost_steps": self.lost_steps,
-        }
+        return asdict(self)
 
 
 def check_shared_checkpoints(job: JobSpec, nodes: list[NodeSpec]) -> None:
