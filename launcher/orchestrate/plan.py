@@ -109,13 +109,9 @@ class LaunchPlan:
                 )
         return out
 
-    def to_json(self, *, masked: bool = True) -> dict[str, object]:
-        """plan.json: secrets masked unless asked otherwise."""
-        nodes = []
-        for node in self.nodes:
-            entry = asdict(node)
-            entry["env"] = mask_env(node.env) if masked else dict(node.env)
-            nodes.append(entry)
+    def to_json(self) -> dict[str, object]:
+        """plan.json, secrets masked."""
+        nodes = [{**asdict(node), "env": mask_env(node.env)} for node in self.nodes]
         return {
             "job": self.job,
             "run_id": self.run_id,
