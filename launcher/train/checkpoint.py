@@ -289,13 +289,14 @@ class Checkpointer:
         if self._stager is None:
             self._stager = HostCopy() if _plain_tensors(state) else _dcp_stager()
         parts["setup"] = time.perf_counter() - mark
-        kwargs: dict[str, Any] = {"storage_writer": self._writer(path)}
+        kwargs: dict[str, Any] = {
+            "storage_writer": self._writer(path),
+            "async_stager": self._stager,
+        }
         if distributed:
             kwargs["process_group"] = self._group
         else:
             kwargs["no_dist"] = True
-        if self._stager is not None:
-            kwargs["async_stager"] = self._stager
         response: Any = dcp.async_save(state, **kwargs)
         if isinstance(self._stager, HostCopy):
             parts["setup"] += self._stager.alloc_s
@@ -553,12 +554,9 @@ def _plain_tensors(state: Any) -> bool:
 
 
 def _dcp_stager() -> Any:
-    """DCP's stager into pinned host memory kept between saves, for sharded (DTensor) state;
-    None where this torch has none (its own default stages to host memory per save)."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
-        return None
+    """DCP's stager into pinned host memory kept between saves, for sharded (DTensor) state."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     return DefaultStager(
         StagingOptions(
