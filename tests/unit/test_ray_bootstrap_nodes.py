@@ -180,6 +180,35 @@ def fake_ray(tmp_path, monkeypatch):
         DetachedRunner.procs.clear()
 
 
+def start(*args: str) -> subprocess.Popen[bytes]:
+    """A process whose arguments are those of a `ray start` (it only sleeps)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+            "ray.scripts.scripts",
+            "start",
+            *args,
+        ],
+        start_new_session=True,
+    )
+
+
+def nodes(port: int, n: int = 2) -> ClusterSpec:
+    """The first ``n`` of HOSTS as a cluster whose Ray uses ``port``."""
+    return ClusterSpec.model_validate(
+        {
+            "nodes": [
+                {"name": f"node{i}", "host": host, "python": sys.executable}
+                for i, host in enumerate(HOSTS[:n])
+            ],
+            "ray": {"port": port},
+            "ssh": {"connect_timeout_s": 5},
+        }
+    )
+
+
 def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(
     fake_ray, tmp_path, monkeypatch
 ):
@@ -191,29 +220,8 @@ def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(
     monkeypatch.setattr(
         ray_cluster, "_OTHER_RAY", "pass"
     )  # tested below; a real Ray here must not matter
-    cluster = ClusterSpec.model_validate(
-        {
-            "nodes": [
-                {"name": f"node{i}", "host": host, "python": sys.executable}
-                for i, host in enumerate(HOSTS)
-            ],
-            "ray": {"port": port},
-            "ssh": {"connect_timeout_s": 5},
-        }
-    )
-    other = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ray.scripts.scripts",
-            "start",
-            "--address",
-            f"127.0.0.1:{port + 1}",
-            "--node-ip-address",
-            "127.0.0.2",
-        ],
-        start_new_session=True,
-    )
+    cluster = nodes(port, 3)
+    other = start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2")
     try:
 
         def joining() -> bool:
@@ -266,15 +274,7 @@ def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(
     """A worker's `ray start` finds no Ray running as the head's does: it would start a second
     Ray there, and the teardown's `ray stop` would then stop both. The node is refused first."""
     port = free_port()
-    cluster = ClusterSpec.model_validate(
-        {
-            "nodes": [
-                {"name": f"node{i}", "host": host, "python": sys.executable}
-                for i, host in enumerate(HOSTS[:2])
-            ],
-            "ray": {"port": port},
-        }
-    )
+    cluster = nodes(port)
     started: list[str] = []
     stopped: list[str] = []
     monkeypatch.setattr(
@@ -311,17 +311,18 @@ def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(
         other.wait()
 
 
+def other_ray_check() -> subprocess.CompletedProcess[str]:
+    """The bootstrap's check for another Ray on a node, for a cluster whose GCS is 127.0.0.1:7001."""
+    args = [sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"]
+    return subprocess.run(args, capture_output=True, text=True, timeout=30)
+
+
 def test_the_other_ray_check_names_raylets_of_other_clusters_only(tmp_path):
     """On a node that shares its processes with others (several nodes on one machine), this
     cluster's own raylets are not another Ray."""
     ours, theirs = fake_raylet(tmp_path, "127.0.0.1:7001"), fake_raylet(tmp_path, "127.0.0.5:7001")
     try:
-        result = subprocess.run(
-            [sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        result = other_ray_check()
         assert result.returncode == ray_cluster.OTHER_RAY_EXIT, result
         assert f"raylet pid {theirs.pid} (GCS 127.0.0.5:7001)" in result.stderr
         assert f"raylet pid {ours.pid} " not in result.stderr
@@ -347,46 +348,13 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
             time.sleep(0.02)
         assert stat.read_text().startswith(f"{zombie.pid} (raylet) Z"), stat.read_text()
         assert Path(f"/proc/{zombie.pid}/cmdline").read_bytes() == b""
-        result = subprocess.run(
-            [sys.executable, "-c", ray_cluster._OTHER_RAY, "127.0.0.1:7001"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        result = other_ray_check()
         assert f"raylet pid {zombie.pid} " not in result.stderr, result
         assert result.returncode in (0, ray_cluster.OTHER_RAY_EXIT), (
             result
         )  # a real Ray here may run
     finally:
         zombie.wait()
-
-
-def start(*args: str) -> subprocess.Popen[bytes]:
-    """A process whose arguments are those of a `ray start` (it only sleeps)."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; time.sleep(60)",
-            "ray.scripts.scripts",
-            "start",
-            *args,
-        ],
-        start_new_session=True,
-    )
-
-
-def two_nodes(port: int) -> ClusterSpec:
-    return ClusterSpec.model_validate(
-        {
-            "nodes": [
-                {"name": f"node{i}", "host": host, "python": sys.executable}
-                for i, host in enumerate(HOSTS[:2])
-            ],
-            "ray": {"port": port},
-            "ssh": {"connect_timeout_s": 5},
-        }
-    )
 
 
 STARTED_WITH = {"node0": ADDRESSES[HOSTS[0]], "node1": ADDRESSES[HOSTS[1]]}  # 127.0.0.1, 127.0.0.2
@@ -398,7 +366,7 @@ def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
     another head on the same port, and another Ray's head on a worker, are left alone."""
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
-    cluster = two_nodes(port)
+    cluster = nodes(port)
     ours = {
         "join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
         "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1"),
@@ -472,7 +440,7 @@ def test_the_sessions_teardown_kills_its_ray_start_whatever_the_names_resolve_to
     name that resolves otherwise at teardown (or not at all) still finds them."""
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
-    cluster = two_nodes(port)
+    cluster = nodes(port)
     session = ray_cluster.RaySession(
         mode="bootstrap",
         address=f"ray://127.0.0.1:{port}",
@@ -498,7 +466,7 @@ def test_launch_down_kills_the_ray_start_by_the_addresses_its_record_keeps(
     monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
-    cluster = two_nodes(port)
+    cluster = nodes(port)
     records.save_cluster(cluster, STARTED_WITH)
     assert (
         records.saved_cluster(cluster) == cluster
