@@ -359,39 +359,33 @@ def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes
     assert [p["tokens_per_s"] is None for p in points] == [False, True, False]
 
 
-def test_a_point_the_batch_does_not_split_over_is_refused_before_any_point_runs(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    ("spec", "world", "mode", "refusal"),
+    [
+        (
+            {"train": {"micro_batch": 4, "grad_accum": 1}},
+            "1,2,3",
+            "strong",
+            "does not split over 3 ranks",
+        ),
+        # bf16 weights with FSDP run on one rank (nothing to shard) but not on two
+        (
+            {"precision": {"dtype": "bf16", "weights": "bf16"}, "parallel": {"strategy": "fsdp"}},
+            "1,2",
+            "weak",
+            r"scaling point of 2 rank\(s\).*FSDP shards the weights",
+        ),
+    ],
+)
+def test_a_point_the_job_cannot_run_at_is_refused_before_any_point_runs(
+    tmp_path, monkeypatch, capsys, spec, world, mode, refusal
 ):
-    from launcher.errors import SpecError
-    from launcher.orchestrate import scale as study
-    from launcher.spec import ClusterSpec
+    """A point the job refuses is refused up front (exit 2, one paragraph naming it), before
+    preflight or Ray, through the study and through the command."""
+    import re
 
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("the study started before every point was checked")
+    import yaml
 
-    monkeypatch.setattr(study, "preflight_facts", must_not_run)
-    monkeypatch.setattr(study, "open_session", must_not_run)
-    cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
-    quick = JobSpec.model_validate(
-        {
-            "name": "q",
-            "resources": {"device": "cpu"},
-            "precision": {"dtype": "fp32"},
-            "train": {"micro_batch": 4, "grad_accum": 1},
-        }
-    )
-    with pytest.raises(SpecError, match="does not split over 3 ranks"):
-        study.scale(
-            quick, cluster, world=[1, 2, 3], nodes=None, out_dir=tmp_path / "study", mode="strong"
-        )
-    assert not (tmp_path / "study").exists()
-
-
-def test_a_point_whose_world_size_the_job_refuses_is_refused_before_any_point_runs(
-    tmp_path, monkeypatch, capsys
-):
-    """bf16 weights with FSDP run on one rank (nothing to shard) but not on two: the 2-rank
-    point is refused up front (exit 2, one paragraph naming it), before preflight or Ray."""
     from launcher import cli
     from launcher.errors import EXIT_INVALID_INPUT
     from launcher.orchestrate import scale as study
@@ -404,45 +398,29 @@ def test_a_point_whose_world_size_the_job_refuses_is_refused_before_any_point_ru
     monkeypatch.setattr(study, "open_session", must_not_run)
     monkeypatch.setattr(study, "Launch", must_not_run)
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
-    fsdp = JobSpec.model_validate(
-        {
-            "name": "q",
-            "resources": {"device": "cpu"},
-            "precision": {"dtype": "bf16", "weights": "bf16"},
-            "parallel": {"strategy": "fsdp"},
-        }
-    )
-    with pytest.raises(
-        SpecError, match=r"scaling point of 2 rank\(s\).*FSDP shards the weights"
-    ) as err:
+    quick = {"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}, **spec}
+    points = [int(w) for w in world.split(",")]
+    with pytest.raises(SpecError, match=refusal) as err:
         study.scale(
-            fsdp, cluster, world=[1, 2], nodes=None, out_dir=tmp_path / "study", mode="weak"
+            JobSpec.model_validate(quick),
+            cluster,
+            world=points,
+            nodes=None,
+            out_dir=tmp_path / "study",
+            mode=mode,
         )
     assert err.value.exit_code == EXIT_INVALID_INPUT
     assert "\n" not in str(err.value)
     assert not (tmp_path / "study").exists()
 
     # Through the command: exit 2 and the one paragraph, no traceback.
-    (tmp_path / "job.yaml").write_text(
-        "name: q\nresources: {device: cpu}\n"
-        "precision: {dtype: bf16, weights: bf16}\nparallel: {strategy: fsdp}\n"
-    )
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(quick))
     (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
-    rc = cli.main(
-        [
-            "scale",
-            str(tmp_path / "job.yaml"),
-            "--cluster",
-            str(tmp_path / "cluster.yaml"),
-            "--world",
-            "1,2",
-            "--out",
-            str(tmp_path / "study"),
-        ]
-    )
+    argv = ["--cluster", str(tmp_path / "cluster.yaml"), "--world", world, "--mode", mode]
+    rc = cli.main(["scale", str(tmp_path / "job.yaml"), *argv, "--out", str(tmp_path / "study")])
     stderr = capsys.readouterr().err
     assert rc == EXIT_INVALID_INPUT
-    assert "scaling point of 2 rank(s)" in stderr and "Traceback" not in stderr
+    assert re.search(refusal, stderr) and "Traceback" not in stderr
     assert not (tmp_path / "study").exists()
 
 
