@@ -342,8 +342,8 @@ def failing_round() -> dict:
     return {1: AgentUpdate(exit=ExitStatus(1))}
 
 
-def done_round() -> dict:
-    return {0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}
+def done_round(nodes: int = 2) -> dict:
+    return {i: AgentUpdate(exit=ExitStatus(0)) for i in range(nodes)}
 
 
 def test_a_failed_rank_restarts_every_node_with_a_new_plan(tmp_path):
@@ -423,47 +423,44 @@ class FakeSession:
         self.added.append(node.name)
 
 
-def elastic_run(
-    tmp_path, monkeypatch, job: JobSpec, cluster: ClusterSpec, rounds_per_attempt, session
-):
-    """Run attempts where each attempt's agents are a new FakeAgents with the next script."""
+@pytest.fixture
+def elastic_run(tmp_path, monkeypatch):
+    """Runs attempts of a job on three_nodes_and_a_spare() where each attempt's agents are a new
+    FakeAgents with the next script: (launch, outcome, the nodes of each placement)."""
     from launcher.orchestrate import run as run_mod
 
-    scripts = iter(rounds_per_attempt)
-    placed = []
+    runs = iter(range(10))
 
-    def place(session_, nodes, gpus, name):
-        placed.append([n.name for n in nodes])
-        agents = FakeAgents(next(scripts))
-        placed_agents.append(agents)
-        return agents
+    def run(job: JobSpec, rounds_per_attempt, session):
+        cluster = three_nodes_and_a_spare()
+        scripts = iter(rounds_per_attempt)
+        placed, placed_agents = [], []
 
-    monkeypatch.setattr(run_mod.AgentGroup, "place", staticmethod(place))
-    placed_agents = []
-    run_dir = RunDir(tmp_path / "run")
-    run_dir.prepare(job, cluster)
-    launcher = Launch(job=job, cluster=cluster, run_dir=run_dir, quiet=True, skip_parity=True)
-    launcher.session = session
-    first = FakeAgents(next(scripts))
-    first.close = lambda: None
-    launcher.placed_agents = placed_agents
-    return launcher, launcher.run_attempts(first), placed
+        def place(session_, nodes, gpus, name):
+            placed.append([n.name for n in nodes])
+            placed_agents.append(FakeAgents(next(scripts)))
+            return placed_agents[-1]
+
+        monkeypatch.setattr(run_mod.AgentGroup, "place", staticmethod(place))
+        run_dir = RunDir(tmp_path / f"run{next(runs)}")
+        run_dir.prepare(job, cluster)
+        launcher = Launch(job=job, cluster=cluster, run_dir=run_dir, quiet=True, skip_parity=True)
+        launcher.session = session
+        first = FakeAgents(next(scripts))
+        first.close = lambda: None
+        launcher.placed_agents = placed_agents
+        return launcher, launcher.run_attempts(first), placed
+
+    return run
 
 
 def lost(i: int) -> dict:
     return {i: RuntimeError("actor died")}
 
 
-def test_a_lost_node_is_replaced_by_the_spare(tmp_path, monkeypatch):
+def test_a_lost_node_is_replaced_by_the_spare(elastic_run):
     session = FakeSession()
-    launcher, outcome, placed = elastic_run(
-        tmp_path,
-        monkeypatch,
-        elastic_job(),
-        three_nodes_and_a_spare(),
-        [[lost(2)], [{i: AgentUpdate(exit=ExitStatus(0)) for i in range(3)}]],
-        session,
-    )
+    launcher, outcome, placed = elastic_run(elastic_job(), [[lost(2)], [done_round(3)]], session)
     assert outcome.status is Status.SUCCEEDED
     assert placed == [["n0", "n1", "n3"]] and session.added == ["n3"]
     assert [p.world_size for p in launcher.plans] == [3, 3]
@@ -476,16 +473,10 @@ def test_a_lost_node_is_replaced_by_the_spare(tmp_path, monkeypatch):
     )
 
 
-def test_without_a_spare_the_job_goes_on_smaller_with_the_same_global_batch(tmp_path, monkeypatch):
+def test_without_a_spare_the_job_goes_on_smaller_with_the_same_global_batch(elastic_run):
     session = FakeSession(refuse={"n3"})  # the spare does not join
-    launcher, outcome, placed = elastic_run(
-        tmp_path,
-        monkeypatch,
-        elastic_job(micro_batch=4, grad_accum=2),
-        three_nodes_and_a_spare(),
-        [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
-        session,
-    )
+    job = elastic_job(micro_batch=4, grad_accum=2)
+    launcher, outcome, placed = elastic_run(job, [[lost(2)], [done_round()]], session)
     assert outcome.status is Status.SUCCEEDED and placed == [["n0", "n1"]]
     assert [p.world_size for p in launcher.plans] == [3, 2]
     # 4 x 2 x 3 = 24 samples per step; on 2 ranks of 4: 3 micro-batches
@@ -494,41 +485,24 @@ def test_without_a_spare_the_job_goes_on_smaller_with_the_same_global_batch(tmp_
     assert launcher.restarts[0].world_size == 2
 
 
-def test_a_global_batch_that_does_not_divide_refuses_the_restart(tmp_path, monkeypatch):
-    session = FakeSession(refuse={"n3"})
+def test_a_global_batch_that_does_not_divide_refuses_the_restart(elastic_run):
     job = elastic_job(micro_batch=4, grad_accum=1)  # 12 samples over 2 ranks of 4: no
-    _, outcome, placed = elastic_run(
-        tmp_path, monkeypatch, job, three_nodes_and_a_spare(), [[lost(2)]], session
-    )
+    _, outcome, placed = elastic_run(job, [[lost(2)]], FakeSession(refuse={"n3"}))
     assert outcome.status is Status.FAILED and placed == []
     assert (
         "does not divide" in outcome.failure.reason
         and "elastic_batch: scale" in outcome.failure.reason
     )
     scaled = elastic_job(micro_batch=4, grad_accum=1, elastic_batch="scale")
-    _, outcome, _ = elastic_run(
-        tmp_path / "s",
-        monkeypatch,
-        scaled,
-        three_nodes_and_a_spare(),
-        [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
-        FakeSession(refuse={"n3"}),
-    )
+    _, outcome, _ = elastic_run(scaled, [[lost(2)], [done_round()]], FakeSession(refuse={"n3"}))
     assert outcome.status is Status.SUCCEEDED
 
 
-def test_fewer_than_min_nodes_ends_the_job(tmp_path, monkeypatch):
+def test_fewer_than_min_nodes_ends_the_job(elastic_run):
     job = elastic_job().model_copy(
         update={"resources": elastic_job().resources.model_copy(update={"min_nodes": 3})}
     )
-    _, outcome, placed = elastic_run(
-        tmp_path,
-        monkeypatch,
-        job,
-        three_nodes_and_a_spare(),
-        [[lost(1)]],
-        FakeSession(refuse={"n3"}),
-    )
+    _, outcome, placed = elastic_run(job, [[lost(1)]], FakeSession(refuse={"n3"}))
     assert outcome.status is Status.FAILED and placed == []
     assert "fewer than resources.min_nodes=3" in outcome.failure.reason
 
@@ -572,18 +546,11 @@ def test_a_grad_accum_the_job_cannot_run_with_refuses_the_restart():
         job_for_world(first, 2, 1)
 
 
-def test_an_elastic_restart_keeps_the_failed_attempts_profile_traces(tmp_path, monkeypatch):
+def test_an_elastic_restart_keeps_the_failed_attempts_profile_traces(elastic_run):
     """Closing the failed attempt's agents removes their node dirs: the traces are fetched first."""
-    session = FakeSession(refuse={"n3"})
     job = elastic_job(profile={"start_step": 1, "steps": 1})
-    launcher, outcome, _ = elastic_run(
-        tmp_path,
-        monkeypatch,
-        job,
-        three_nodes_and_a_spare(),
-        [[lost(2)], [{0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}]],
-        session,
-    )
+    session = FakeSession(refuse={"n3"})
+    launcher, outcome, _ = elastic_run(job, [[lost(2)], [done_round()]], session)
     assert outcome.status is Status.SUCCEEDED
     assert sorted(
         p.parent.name for p in (launcher.run_dir.root / "profile").glob("*/trace.json")
