@@ -161,6 +161,11 @@ def builtin_records(
     return recs
 
 
+def ranks_alike(n: int = 2, *, step_ms: float = 100.0, **kw) -> dict[int, list[dict]]:
+    """``n`` ranks' built-in records, every rank at ``step_ms``."""
+    return {r: builtin_records(r, step_ms=step_ms, **kw) for r in range(n)}
+
+
 def user_records(
     rank: int, *, gaps: list[float], tokens: int = 4096, samples: int = 32
 ) -> list[dict]:
@@ -314,7 +319,7 @@ def test_gpu_clock_in_the_tables_and_the_straggler_line():
         in text
     )
     # from final records: the trainer's own figures
-    fin = {r: builtin_records(r, step_ms=100.0, final=True) for r in range(2)}
+    fin = ranks_alike(final=True)
     fin[0][-1] |= {
         "sm_clock_mhz": 1700.0,
         "clock_limited_pct": 90.0,
@@ -330,20 +335,17 @@ def test_gpu_clock_in_the_tables_and_the_straggler_line():
     assert rows[1]["sm_clock_mhz"] is None
 
 
-def test_the_job_table_says_per_gpu_or_per_rank_by_device():
-    recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
-    assert "tokens/s per GPU" in render(summarize("j", layout(1, 2), recs, status="succeeded"))
+def test_the_tables_of_gpu_and_cpu_runs_without_stragglers():
+    """Per GPU and the GPU's clock columns for a CUDA run; per rank and neither for a CPU one."""
+    recs = ranks_alike()
+    text = render(summarize("j", layout(1, 2), recs, status="succeeded"))
+    assert "tokens/s per GPU" in text and "Stragglers: none" in text
     for r in recs.values():
         r[0]["device"] = "cpu"
-    text = render(summarize("j", layout(1, 2, device="cpu"), recs, status="succeeded"))
-    assert "tokens/s per rank" in text and "per GPU" not in text
-
-
-def test_cpu_runs_have_no_clock_columns():
-    recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
     s = summarize("j", layout(1, 2, device="cpu"), recs, status="succeeded")
     assert all(r["sm_clock_mhz"] is None and r["energy_mj_per_token"] is None for r in s["ranks"])
-    assert "SM MHz" not in render(s)
+    text = render(s)
+    assert "tokens/s per rank" in text and "per GPU" not in text and "SM MHz" not in text
 
 
 def test_stragglers_need_two_measured_ranks():
@@ -359,12 +361,6 @@ def test_stragglers_need_two_measured_ranks():
             {"rank": 2, "step_time_ms_p50": 100.0},
         ]
     ) == [1]
-
-
-def test_no_stragglers_line():
-    recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
-    text = render(summarize("j", layout(1, 2), recs, status="succeeded"))
-    assert "Stragglers: none" in text
 
 
 # -- schema and files ------------------------------------------------------------------------
@@ -437,7 +433,7 @@ def test_no_records_at_all_still_summarizes():
 
 
 def test_csv_one_row_per_rank(tmp_path):
-    recs = {r: builtin_records(r, step_ms=100.0) for r in range(3)}
+    recs = ranks_alike(3)
     s = summarize("j", layout(1, 4), recs, status="interrupted")
     write_summary(tmp_path, s)
     rows = list(csv.DictReader(io.StringIO((tmp_path / "summary.csv").read_text())))
@@ -492,7 +488,7 @@ def test_load_run_takes_status_and_failure_from_summary_json(tmp_path):
 def test_load_run_keeps_the_launchers_keys_of_a_run_without_restarts(tmp_path, capsys):
     run = tmp_path / "run"
     ranks = layout(1, 2)
-    write_run(run, "j", ranks, {r: builtin_records(r, step_ms=100.0) for r in range(2)})
+    write_run(run, "j", ranks, ranks_alike())
     saved = summarize("j", ranks, {}, status="succeeded")
     saved["restarts"] = []  # DESIGN.md's summary.json: always there, empty without restarts
     saved["launcher_timings_s"] = {"preflight": 1.5, "train": 12.0}
@@ -511,7 +507,7 @@ def test_load_run_with_only_summary_json_returns_it(tmp_path):
     s = summarize(
         "j",
         layout(1, 2),
-        {r: builtin_records(r, step_ms=100.0) for r in range(2)},
+        ranks_alike(),
         status="succeeded",
     )
     write_summary(tmp_path, s)
@@ -521,11 +517,11 @@ def test_load_run_with_only_summary_json_returns_it(tmp_path):
 def test_load_run_of_a_restarted_run_keeps_the_launchers_summary(tmp_path):
     # node1 lost after attempt 0: attempt 1 runs 2 ranks; the metrics files hold both attempts
     run = tmp_path / "run"
-    write_run(run, "j", layout(2, 2), {r: builtin_records(r, step_ms=100.0) for r in range(4)})
+    write_run(run, "j", layout(2, 2), ranks_alike(4))
     last = summarize(
         "j",
         layout(1, 2),
-        {r: builtin_records(r, step_ms=90.0) for r in range(2)},
+        ranks_alike(step_ms=90.0),
         status="succeeded",
     )
     last["restarts"] = [
@@ -543,9 +539,7 @@ def test_load_run_of_a_restarted_run_keeps_the_launchers_summary(tmp_path):
 
 def test_load_run_all_final_records_counts_as_succeeded(tmp_path):
     run = tmp_path / "run"
-    write_run(
-        run, "j", layout(1, 2), {r: builtin_records(r, step_ms=100.0, final=True) for r in range(2)}
-    )
+    write_run(run, "j", layout(1, 2), ranks_alike(final=True))
     assert load_run(run)["status"] == "succeeded"
 
 
@@ -559,7 +553,7 @@ def test_load_run_torn_last_line_is_skipped(tmp_path):
 
 def test_report_command_formats(tmp_path, capsys):
     run = tmp_path / "run"
-    write_run(run, "j", layout(1, 2), {r: builtin_records(r, step_ms=100.0) for r in range(2)})
+    write_run(run, "j", layout(1, 2), ranks_alike())
     assert report_command(str(run)) == 0
     out = capsys.readouterr().out
     assert "Per rank" in out and "Per node" in out and "tokens/s" in out
@@ -598,7 +592,7 @@ def test_checkpoints_count_once_complete_and_say_how_long_training_waited(tmp_pa
     """Per checkpoint the slowest rank's wait counts, and the parts of that rank's record; a
     background save counts as saved only with its checkpoint_complete record (step 30's never
     came: the run ended while it wrote)."""
-    recs = {r: builtin_records(r, step_ms=100.0) for r in range(2)}
+    recs = ranks_alike()
     for step, waits in ((10, (0.02, 0.05)), (20, (0.04, 0.03)), (30, (0.01, 0.01))):
         for rank, wait in enumerate(waits):
             recs[rank].append(
