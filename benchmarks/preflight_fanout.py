@@ -103,8 +103,9 @@ def ssh_true(cluster: ClusterSpec) -> float:
             runner.run("true", timeout=60)
 
     group = fan_out(cluster.nodes, run_true, cluster.ssh.max_parallel)
-    if group.failed:
-        raise RuntimeError(f"ssh true failed: {group.failed}")
+    failed = {k: v for k, v in group.items() if isinstance(v, BaseException)}
+    if failed:
+        raise RuntimeError(f"ssh true failed: {failed}")
     return time.monotonic() - started
 
 

@@ -26,7 +26,7 @@ from launcher.remote.base import (
     NodeError,
     Runner,
 )
-from launcher.remote.fanout import Background, GroupResult, fan_out, parallel_map
+from launcher.remote.fanout import Background, fan_out, parallel_map
 from launcher.remote.local import LocalRunner
 from launcher.remote.quoting import BASE64_FAILED, REMOTE_TIMEOUT_MARGIN_S, remote_command
 from launcher.remote.route import route_to
@@ -49,7 +49,6 @@ __all__ = [
     "UNREACHABLE",
     "Background",
     "CommandResult",
-    "GroupResult",
     "LocalRunner",
     "NodeError",
     "Runner",

@@ -1,6 +1,6 @@
 """Run a function on every node (or item) in threads, keeping each one's result or exception.
 
-Like fabric's ``GroupResult``: it never stops at the first failure. Interrupted (Ctrl-C in the
+Like fabric's group results: it never stops at the first failure. Interrupted (Ctrl-C in the
 calling thread), it returns at once: nodes not yet started are skipped, the runners its
 threads made are closed (a local command is killed; a remote one runs on until its remote
 ``timeout`` stops it) and the interrupt is raised again. ``Background`` runs one function
@@ -21,25 +21,14 @@ from launcher.spec.cluster import NodeSpec
 T = TypeVar("T")
 
 
-class GroupResult(dict[str, Any], Generic[T]):
-    """Node name → ``fn``'s result or the exception it raised, in node order."""
-
-    @property
-    def succeeded(self) -> dict[str, T]:
-        return {k: v for k, v in self.items() if not isinstance(v, BaseException)}
-
-    @property
-    def failed(self) -> dict[str, BaseException]:
-        return {k: v for k, v in self.items() if isinstance(v, BaseException)}
-
-
 def fan_out(
     nodes: Sequence[NodeSpec], fn: Callable[[NodeSpec], T], max_parallel: int = 32
-) -> GroupResult[T]:
-    """``fn(node)`` for every node, at most ``max_parallel`` at once; every result or exception
-    kept. Interrupted, it stops the nodes' work and re-raises at once (see ``parallel_map``)."""
+) -> dict[str, T | BaseException]:
+    """Node name → ``fn(node)``'s result or the exception it raised, in node order, at most
+    ``max_parallel`` at once. Interrupted, it stops the nodes' work and re-raises at once
+    (see ``parallel_map``)."""
     outcomes = parallel_map(fn, nodes, max_parallel)
-    return GroupResult((node.name, outcome) for node, outcome in zip(nodes, outcomes, strict=True))
+    return {node.name: outcome for node, outcome in zip(nodes, outcomes, strict=True)}
 
 
 class _Scope:
