@@ -283,15 +283,10 @@ _RAW_DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "int64": torch.int6
 def open_token_file(path: Path, token_dtype: str) -> torch.Tensor:
     """A 1-D memory-mapped tensor of token ids (the file is not read into memory)."""
     size = path.stat().st_size
-    offset, dtype = _npy_layout(path) if path.suffix == ".npy" else (0, _RAW_DTYPES[token_dtype])
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = (size - offset) // itemsize
+    offset, dtype = 0, _RAW_DTYPES[token_dtype]
+    if path.suffix == ".npy":  # the job's loader checked its header already
+        offset, descr = npy_layout(path)
+        dtype = _NPY_DTYPES[descr]
+    count = (size - offset) // dtype.itemsize
     raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-    return raw[offset : offset + count * itemsize].view(dtype)
-
-
-def _npy_layout(path: Path) -> tuple[int, torch.dtype]:
-    """Data offset and dtype of a .npy file, read from its header (no numpy needed; the job's
-    loader checked it already, ``launcher.tokenfile.npy_layout``)."""
-    offset, descr = npy_layout(path)
-    return offset, _NPY_DTYPES[descr]
+    return raw[offset : offset + count * dtype.itemsize].view(dtype)
