@@ -100,15 +100,7 @@ def _checkpoint(root: Path, step: int) -> Path:
 
 
 def _available(root: Path) -> str:
-    from launcher.train.checkpoint import MARKER
+    from launcher.train.checkpoint import complete_checkpoints
 
-    steps = (
-        sorted(
-            int(p.name[5:])
-            for p in root.glob("step_*")
-            if (p / MARKER).is_file() and p.name[5:].isdigit()
-        )
-        if root.is_dir()
-        else []
-    )
+    steps = [int(p.name[5:]) for p in complete_checkpoints(root)]
     return f"complete checkpoints: steps {', '.join(map(str, steps))}" if steps else "it holds none"

@@ -50,12 +50,18 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def complete_checkpoints(root: Path | None) -> list[Path]:
+    """The complete checkpoint folders under ``root``, oldest first."""
+    if root is None or not root.is_dir():
+        return []
+    done = [p for p in root.glob("step_*") if (p / MARKER).is_file() and p.name[5:].isdigit()]
+    return sorted(done, key=lambda p: int(p.name[5:]))
+
+
 def latest_checkpoint(root: Path | None) -> Path | None:
     """The newest complete checkpoint folder under ``root``, or None."""
-    if root is None or not root.is_dir():
-        return None
-    done = [p for p in root.glob("step_*") if (p / MARKER).is_file() and p.name[5:].isdigit()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
 
 
 class ResumeError(ValueError):
