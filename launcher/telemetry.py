@@ -1,9 +1,5 @@
-"""GPU telemetry: a node's GPUs sampled through NVML at a fixed low rate for the whole run.
-
-The node agent runs a ``GpuSampler`` beside torchrun, for any entrypoint; each sample is one
-record per GPU (utilisation, SM clock and its maximum, power and its cap, memory, temperature,
-what limits the clock), kept in ``telemetry/<node>.jsonl`` of the run directory. Without NVML
-(no ``nvidia-ml-py``, no driver, no GPU) the sampler samples nothing and says nothing.
+"""GPU telemetry: the node agent samples a node's GPUs through NVML at a low rate for the whole
+run, for any entrypoint, into ``telemetry/<node>.jsonl``. Without NVML it samples nothing.
 """
 
 from __future__ import annotations

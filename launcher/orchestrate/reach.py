@@ -1,9 +1,6 @@
 """The rendezvous check: before any worker starts, each node opens a TCP connection to the
-head's rendezvous port from the interface its workers will bind to (``GLOO_SOCKET_IFNAME``).
-
-The head's agent listens on the port for the moment of the check (``Listener``); every agent
-connects (``reach``). A firewall, a missing route or a wrong interface then fails in seconds
-instead of as a gloo timeout.
+head's rendezvous port from its workers' interface (``GLOO_SOCKET_IFNAME``) while the head's
+agent listens there, so that a firewall or a wrong route fails in seconds.
 """
 
 from __future__ import annotations

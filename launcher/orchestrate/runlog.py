@@ -1,13 +1,7 @@
-"""What the node agents report, into the run directory and onto the console.
-
-Every output line goes to its rank's log (``logs/<node>/rank<R>.log``, its stderr lines also to
-``rank<R>.stderr``; torchrun's own lines to ``torchrun.log``), every metrics record to
-``metrics/rank<R>.jsonl`` (only their ``results.rankstats.RankStats`` per rank stays in memory:
-the driver's memory stays flat however long the run), GPU telemetry to ``telemetry/<node>.jsonl``,
-and both to the job's report sinks (TensorBoard, MLflow) where it has them. The console shows
-rank 0's lines, other ranks' lines that look like an error and a straggler when one is first
-named (``results.stragglers``), above a progress bar when stderr is a terminal; torchrun's own
-lines stay in its log.
+"""What the node agents report, into the run directory (rank logs, metrics, telemetry) and
+the report sinks, and onto the console (rank 0, error lines, stragglers, a progress bar).
+Per rank only a ``RankStats`` stays in memory: the driver's memory stays flat however long
+the run. docs/running.md lists the files.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Workers' Python stacks, as their fault handler dumps them (``launcher/hooks/sitecustomize.py``).
-
-A dump file starts with a header (``pid P signal S main 0x…``) and holds faulthandler's text:
-per thread ``Thread 0x… (most recent call first):`` and ``  File "f", line N in func`` lines.
-``blame`` names the rank a hang waits for: the one whose main thread is not inside the
-collective the others are in.
+"""Workers' Python stacks as their fault handler dumps them (``launcher/hooks/sitecustomize.py``),
+read, and ``blame``: the rank a hang waits for, the one outside the others' collective.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Run commands on nodes: one Runner interface for this machine and for SSH, and a fan-out.
+"""Run commands on nodes: one Runner interface for this machine, SSH and Slurm, and a fan-out.
 
-``runner_for(node, ssh)`` gives a LocalRunner for this machine, else an SSHRunner, which
-reaches the node as ``~/.ssh/config`` says (aliases, ProxyJump: ``route``); it lives in
-``launcher.remote.ssh``, imported only where SSH is used (it brings fabric and paramiko). Both run
-``sh`` commands and return a CommandResult, or raise NodeError when the node cannot be reached
-or a command outlives its timeout. ``fan_out`` runs a function on every node in threads and
-keeps every result or exception. Secrets go through ``stdin``, never the command line.
+``runner_for(node, ssh)`` picks the runner (``launcher.remote.ssh``, which brings fabric and
+paramiko, is imported only where SSH is used). Secrets go through ``stdin``, never the
+command line.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Run a function on every node (or item) in threads, keeping each one's result or exception.
 
-Like fabric's group results: it never stops at the first failure. Interrupted (Ctrl-C in the
-calling thread), it returns at once: nodes not yet started are skipped, the runners its
-threads made are closed (a local command is killed; a remote one runs on until its remote
-``timeout`` stops it) and the interrupt is raised again. ``Background`` runs one function
-beside the caller's own work, with the same way to stop it.
+It never stops at the first failure. Interrupted, it returns at once, closing the runners
+its threads made. ``Background`` runs one function beside the caller's work.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Compiled graphs kept between runs: torch's cache artifacts (inductor's FX graphs, AOTAutograd
-and autotuning results) in one file per graph key, loaded by every rank before it compiles and
-written by rank 0 when its run compiled something the file lacked; and how many of a run's
-graphs came from a cache (``cache_hits``).
-
-The folder is ``$LAUNCHER_COMPILE_CACHE`` (default ``~/.cache/launcher/compile``): on a shared
-home every node of a job, and every later run, reads what one rank wrote.
+"""Compiled graphs kept between runs in ``$LAUNCHER_COMPILE_CACHE``: torch's cache artifacts,
+one file per graph key, loaded by every rank before it compiles and written by rank 0; and
+how many of a run's graphs came from a cache (``cache_hits``).
 """
 
 from __future__ import annotations
