@@ -95,19 +95,9 @@ def test_local_runner_timeout_kills_the_whole_group() -> None:
 
 
 @pytest.mark.processes
-def test_local_runner_runs_the_probe() -> None:
-    result = LocalRunner(LOCAL).run(
-        f"{sys.executable} - --packages pytest", stdin=PROBE_SOURCE, timeout=60
-    )
-    probe = parse_probe_output(result, sys.executable)
-    assert probe["packages"]["pytest"] == pytest.__version__
-    assert probe["deep"] is None and probe["python"]["executable"]
-
-
-@pytest.mark.processes
 def test_every_node_runs_the_launchers_own_probe(monkeypatch) -> None:
-    """The probe's source goes on stdin to ``python -``: no node runs a probe of its own, so
-    the document needs no format version to be read right."""
+    """The probe's source goes on stdin to ``python -`` of a local runner: no node runs a probe
+    of its own, so the document needs no format version to be read right."""
     import launcher.preflight
     import launcher.preflight.probe
 
@@ -119,11 +109,15 @@ def test_every_node_runs_the_launchers_own_probe(monkeypatch) -> None:
             return super().run(command, stdin=stdin, timeout=timeout, env=env)
 
     monkeypatch.setattr(launcher.preflight, "runner_for", lambda node, ssh: Recording(node))
-    cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
+    cluster = ClusterSpec.model_validate(
+        {"nodes": [{"name": "local", "host": "localhost"}], "parity": {"packages": ["pytest"]}}
+    )
     probe = probe_node(cluster.nodes[0], cluster, None, deep=False)
-    assert sent["stdin"] == Path(launcher.preflight.probe.__file__).read_text()
-    assert shlex.split(sent["command"] or "")[1] == "-"
+    assert sent["stdin"] == PROBE_SOURCE == Path(launcher.preflight.probe.__file__).read_text()
+    assert shlex.split(sent["command"] or "")[1:] == ["-", "--packages", "pytest"]
     assert probe["node"] == "local" and "probe_version" not in probe
+    assert probe["packages"]["pytest"] == pytest.__version__
+    assert probe["deep"] is None and probe["python"]["executable"]
 
 
 def test_fan_out_keeps_every_result_and_exception_in_node_order() -> None:
