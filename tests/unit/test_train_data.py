@@ -181,6 +181,11 @@ def test_token_file_errors_name_the_fix(tmp_path: Path):
         )
 
 
+def equals_one_at_a_time(data, step: int, micro: int = 0) -> bool:
+    got, want = data.batch(step, micro), Batches.batch(data, step, micro)
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
 def test_batches_made_ahead_equal_batches_made_one_at_a_time(arch: str):
     ahead = source(arch, rank=1, world=2, accum=3)
@@ -192,9 +197,7 @@ def test_batches_made_ahead_equal_batches_made_one_at_a_time(arch: str):
         (40, 0),
         (41, 1),
     ]:
-        got, want = ahead.batch(step, micro), Batches.batch(ahead, step, micro)
-        assert got.keys() == want.keys()
-        assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
+        assert equals_one_at_a_time(ahead, step, micro), (step, micro)
 
 
 def test_steps_ahead_is_bounded_by_the_chunk_size():
@@ -218,9 +221,7 @@ def test_token_file_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path
     assert ahead.steps_ahead == 16
     # across a chunk boundary and past the file's end (windows wrap around), then a jump back
     for step, micro in [(s, a) for s in range(1, 40) for a in range(2)] + [(3, 1)]:
-        got, want = ahead.batch(step, micro), Batches.batch(ahead, step, micro)
-        assert got.keys() == want.keys()
-        assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
+        assert equals_one_at_a_time(ahead, step, micro), (step, micro)
 
 
 @pytest.mark.parametrize(
@@ -335,11 +336,6 @@ def recording(data):
 
     data._make = make_and_record
     return made
-
-
-def equals_one_at_a_time(data, step: int, micro: int = 0) -> bool:
-    got, want = data.batch(step, micro), Batches.batch(data, step, micro)
-    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
