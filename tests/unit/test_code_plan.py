@@ -234,21 +234,26 @@ def test_a_missing_workdir_or_script_fails_the_node(tmp_path):
     assert "does not exist here" in messages["a"] and "script train.py is missing" in messages["b"]
 
 
-@pytest.mark.processes
-def test_the_probe_reports_the_installed_launcher_not_a_folder_named_launcher(tmp_path):
-    (tmp_path / "launcher").mkdir()  # like /tmp/launcher, the nodes' run folders
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+def run_probe(*args: str, cwd: Path, env: dict[str, str]) -> dict:
+    """The report of the probe run as a node runs it: ``python ARGS`` with its source on stdin."""
     out = subprocess.run(
-        [sys.executable, "-", "--workdir", str(tmp_path)],
+        [sys.executable, *args],
         input=PROBE.read_text(),
         capture_output=True,
         text=True,
-        cwd=tmp_path,
+        cwd=cwd,
         env=env,
         timeout=60,
         check=True,
     )
-    report = json.loads(out.stdout.splitlines()[-1])
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.processes
+def test_the_probe_reports_the_installed_launcher_not_a_folder_named_launcher(tmp_path):
+    (tmp_path / "launcher").mkdir()  # like /tmp/launcher, the nodes' run folders
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    report = run_probe("-", "--workdir", str(tmp_path), cwd=tmp_path, env=env)
     assert report["launcher"]["path"] != str(tmp_path / "launcher")
     assert Path(report["launcher"]["path"], "__init__.py").is_file()
     assert report["user_code"]["exists"] and report["user_code"]["code_files"] == 0
@@ -259,16 +264,5 @@ def test_the_probe_still_finds_a_launcher_named_on_pythonpath_in_the_current_fol
     """A checkout on PYTHONPATH, run from that checkout, as on a machine without an install
     (``-S``: no site-packages, so no installed launcher to fall back on)."""
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(
-        [sys.executable, "-S", "-"],
-        input=PROBE.read_text(),
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=env,
-        timeout=60,
-        check=True,
-    )
-    report = json.loads(out.stdout.splitlines()[-1])
+    report = run_probe("-S", "-", cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert report["launcher"]["path"] == str(root / "launcher")
