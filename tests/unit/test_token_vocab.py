@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 from fixtures.batching import source, write_npy
+from fixtures.tiny_job import tiny_job
 
 from launcher.train import data as data_module
 from launcher.train import tokens as tokens_module
@@ -48,14 +49,7 @@ def test_an_id_outside_the_vocabulary_stops_the_worker_before_any_step(
     job = tmp_path / "job.yaml"
     job.write_text(
         yaml.safe_dump(
-            {
-                "name": "vocab",
-                "model": {"arch": "gpt", "size": "tiny", "vocab_size": 50257},
-                "data": {"source": "tokens", "path": "tokens.npy", "seq_len": 16},
-                "train": {"steps": 2, "warmup_steps": 0, "micro_batch": 2, "compile": False},
-                "precision": {"dtype": "fp32"},
-                "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-            }
+            tiny_job(model={"vocab_size": 50257}, data={"source": "tokens", "path": "tokens.npy"})
         )
     )
 

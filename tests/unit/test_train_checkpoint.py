@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.batching import source
+from fixtures.tiny_job import tiny_job
 
 from launcher.spec.job import CheckpointSpec
 from launcher.train.checkpoint import MARKER, Checkpointer, ResumeError, latest_checkpoint, step_dir
@@ -133,22 +134,12 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
     from launcher.util import free_port
 
     job = JobSpec.model_validate(
-        {
-            "name": "inplace",
-            "model": {"arch": "gpt", "size": "tiny"},
-            "data": {"seq_len": 16},
-            "train": {
-                "steps": 4,
-                "warmup_steps": 0,
-                "micro_batch": 2,
-                "grad_accum": 2,
-                "compile": False,
-                "log_every": 1,
-                "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 2},
-            },
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-        }
+        tiny_job(
+            steps=4,
+            grad_accum=2,
+            log_every=1,
+            checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 2},
+        )
     )
     in_place = job.model_copy(update={"train": job.train.model_copy(update={"cuda_graphs": True})})
 
@@ -382,21 +373,11 @@ def _tiny_job(ckpt: Path, *, background: bool, steps: int = 6):
     from launcher.spec.job import JobSpec
 
     return JobSpec.model_validate(
-        {
-            "name": "async-ckpt",
-            "model": {"arch": "gpt", "size": "tiny"},
-            "data": {"seq_len": 16},
-            "train": {
-                "steps": steps,
-                "warmup_steps": 0,
-                "micro_batch": 2,
-                "compile": False,
-                "log_every": 1,
-                "checkpoint": {"dir": str(ckpt), "every_steps": 3, "async": background},
-            },
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-        }
+        tiny_job(
+            steps=steps,
+            log_every=1,
+            checkpoint={"dir": str(ckpt), "every_steps": 3, "async": background},
+        )
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.batching import source, write_npy
+from fixtures.tiny_job import tiny_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -437,16 +438,7 @@ def test_a_closed_trainer_leaves_no_data_thread_running(one_process_trainer_env:
     from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
 
-    job = JobSpec.model_validate(
-        {
-            "name": "close",
-            "model": {"arch": "bert", "size": "tiny"},
-            "data": {"seq_len": 16},
-            "train": {"steps": 3, "warmup_steps": 0, "micro_batch": 2, "compile": False},
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-        }
-    )
+    job = JobSpec.model_validate(tiny_job("bert", steps=3))
     before = set(threading.enumerate())
     started: set[threading.Thread] = set()
 

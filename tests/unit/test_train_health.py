@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fixtures.batching import source
+from fixtures.tiny_job import tiny_job
 
 from launcher.errors import NonFiniteError
 from launcher.metrics import read_records
@@ -22,21 +23,11 @@ from launcher.train.health import read_interval, stop_reason
 
 def job(arch: str = "gpt", **train) -> JobSpec:
     return JobSpec.model_validate(
-        {
-            "name": "health",
-            "model": {"arch": arch, "size": "tiny", "vocab_size": 256, "dropout": 0.0},
-            "data": {"seq_len": 16},
-            "train": {
-                "steps": 4,
-                "warmup_steps": 0,
-                "micro_batch": 2,
-                "lr": 1e-3,
-                "log_every": 1,
-                **train,
-            },
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-        }
+        tiny_job(
+            arch,
+            model={"vocab_size": 256, "dropout": 0.0},
+            **{"steps": 4, "lr": 1e-3, "log_every": 1, **train},
+        )
     )
 
 

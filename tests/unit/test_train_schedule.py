@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from fixtures.tiny_job import tiny_job
 
 from launcher.spec.job import TrainSpec
 from launcher.train.loop import lr_factor, param_groups
@@ -57,24 +58,7 @@ def test_step_records_carry_the_lr_each_step_used(one_process_trainer_env):
     from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
 
-    job = JobSpec.model_validate(
-        {
-            "name": "lr",
-            "model": {"arch": "gpt", "size": "tiny"},
-            "data": {"seq_len": 16},
-            "train": {
-                "steps": 6,
-                "warmup_steps": 0,
-                "micro_batch": 2,
-                "lr": 1e-3,
-                "lr_warmup_steps": 3,
-                "log_every": 1,
-                "compile": False,
-            },
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-        }
-    )
+    job = JobSpec.model_validate(tiny_job(steps=6, lr=1e-3, lr_warmup_steps=3, log_every=1))
     trainer = Trainer(job)
     used = {
         1: trainer.optimizer.param_groups[0]["lr"]
@@ -109,22 +93,7 @@ def test_train_kernels_sets_every_mlp(one_process_trainer_env, monkeypatch, kern
     from launcher.train.model import MLP
 
     monkeypatch.setattr(fused, "supported", lambda device: supported)
-    job = JobSpec.model_validate(
-        {
-            "name": "k",
-            "model": {"arch": "bert", "size": "tiny"},
-            "data": {"seq_len": 16},
-            "train": {
-                "steps": 1,
-                "warmup_steps": 0,
-                "micro_batch": 2,
-                "compile": False,
-                "kernels": kernels,
-            },
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-        }
-    )
+    job = JobSpec.model_validate(tiny_job("bert", steps=1, kernels=kernels))
     trainer = Trainer(job)
     try:
         mlps = [m for m in trainer.model.modules() if isinstance(m, MLP)]
@@ -146,22 +115,7 @@ def _accumulated_step(
     from launcher.train import loop
 
     monkeypatch.setattr(loop.parallel, "needs_backward", lambda model, sync: by_backward)
-    job = JobSpec.model_validate(
-        {
-            "name": "acc",
-            "model": {"arch": "bert", "size": "tiny"},
-            "data": {"seq_len": 16},
-            "train": {
-                "steps": 2,
-                "warmup_steps": 0,
-                "micro_batch": 2,
-                "grad_accum": 2,
-                "compile": False,
-            },
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 1},
-        }
-    )
+    job = JobSpec.model_validate(tiny_job("bert", grad_accum=2))
     trainer = loop.Trainer(job)
     try:
         unused = torch.nn.Parameter(torch.zeros(3))
