@@ -52,13 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         force=True,
     )
     try:
-        job = load_job(args.job, args.overrides)
-    except LauncherError as err:
-        print(err, file=sys.stderr)
-        return err.exit_code
-    try:
-        trainer = Trainer(job)
-    except LauncherError as err:  # e.g. fp8 asked of a GPU without FP8 tensor cores
+        trainer = Trainer(load_job(args.job, args.overrides))
+    except LauncherError as err:  # a bad job, or e.g. fp8 asked of a GPU without FP8 tensor cores
         print(err, file=sys.stderr)
         return err.exit_code
     except INPUT_ERRORS as err:
