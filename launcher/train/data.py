@@ -138,7 +138,7 @@ def global_index(micro, rank: int, j, *, world_size: int, micro_batch: int):
 
 
 def global_indices(
-    *, step: int, micro: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
+    *, micro: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
 ) -> range:
     """The offsets in the step (``g``) of one rank's micro-batch's samples (see the module doc)."""
     assert 0 <= micro < grad_accum and 0 <= rank < world_size
@@ -195,7 +195,6 @@ class Batches(abc.ABC):
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         """Micro-batch ``micro`` of optimizer step ``step`` (1-based) for this rank."""
         idx = global_indices(
-            step=step,
             micro=micro,
             rank=self.rank,
             world_size=self.world_size,

@@ -37,7 +37,7 @@ def test_global_indices_tile_the_step_without_overlap(world: int, micro: int, ac
         for a in range(accum)
         for r in range(world)
         for i in global_indices(
-            step=1, micro=a, rank=r, world_size=world, micro_batch=micro, grad_accum=accum
+            micro=a, rank=r, world_size=world, micro_batch=micro, grad_accum=accum
         )
     ]
     assert seen == list(range(world * micro * accum))
