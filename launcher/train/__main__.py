@@ -18,11 +18,11 @@ from launcher.errors import LauncherError, SpecError
 from launcher.spec import load_job
 from launcher.spec.hf import FolderError
 from launcher.train.checkpoint import ResumeError
+from launcher.train.data import DataError
 from launcher.train.loop import Trainer
-from launcher.train.text import TextError
 
 # Found at start by the worker, each naming what to change in the job (or its files).
-INPUT_ERRORS = (ResumeError, TextError, FolderError)
+INPUT_ERRORS = (ResumeError, DataError, FolderError)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -28,11 +28,6 @@ SUFFIXES = (".txt", ".jsonl")
 BATCH_CHARS = 1 << 22  # text per encode_batch call (~4 MB): enough to keep every thread busy
 
 
-# Text or a tokenizer that cannot be used (names the data field to fix): the trainer's error for
-# data it cannot use, so that launcher.train.__main__ reports a token file's problems the same way.
-TextError = DataError
-
-
 def prepare(data: DataSpec, arch: str, *, poll_s: float = 0.2) -> dict[str, Any]:
     """The cached token file's metadata for this job, tokenizing first where needed.
 
@@ -81,7 +76,7 @@ def tokenize(data: DataSpec, arch: str, *, progress: bool = True) -> dict[str, A
                 n_docs += sum(ends)
                 bar.update(size)
         if n_tokens == 0:
-            raise TextError(f"data.path {data.path} holds no text (no non-empty document)")
+            raise DataError(f"data.path {data.path} holds no text (no non-empty document)")
         os.replace(tmp, bin_path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -146,7 +141,7 @@ def text_files(path: Path | None) -> list[Path]:
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     if not files:
-        raise TextError(f"data.path {path} holds no .txt or .jsonl file")
+        raise DataError(f"data.path {path} holds no .txt or .jsonl file")
     return files
 
 
@@ -173,12 +168,12 @@ def documents(path: Path, text_field: str) -> Iterator[tuple[str, int, bool]]:
                 try:
                     text = json.loads(line)[text_field]
                 except (ValueError, KeyError, TypeError):
-                    raise TextError(
+                    raise DataError(
                         f"{path} line {number} is not a JSON object with a "
                         f"{text_field!r} string; fix the line or set data.text_field"
                     ) from None
                 if not isinstance(text, str):
-                    raise TextError(f"{path} line {number}: {text_field!r} is not a string")
+                    raise DataError(f"{path} line {number}: {text_field!r} is not a string")
                 yield text, len(line), bool(text)
             return
         lines: list[str] = []
@@ -240,13 +235,13 @@ class TextBatches(TokenFileBatches):
     def __init__(self, *, meta: dict[str, Any], **kwargs: Any):
         bert = kwargs["arch"] == "bert"
         if meta["vocab_size"] > kwargs["vocab_size"]:  # before the ids are checked against it
-            raise TextError(
+            raise DataError(
                 f"the tokenizer has {meta['vocab_size']} tokens, more than the model's vocabulary "
                 f"of {kwargs['vocab_size']}; set model.vocab_size: {meta['vocab_size']} (or more)"
             )
         outside = {role: i for role, i in meta["special"].items() if i >= kwargs["vocab_size"]}
         if outside:  # a tokenizer with gaps in its ids; the file's own ids are checked next
-            raise TextError(
+            raise DataError(
                 f"the tokenizer {meta['tokenizer']} gives its special tokens the ids "
                 f"{', '.join(f'{role} {i}' for role, i in outside.items())}, outside the model's "
                 f"vocabulary of {kwargs['vocab_size']} (ids 0 to {kwargs['vocab_size'] - 1}); set "
@@ -298,7 +293,7 @@ def tokenize_command(job: JobSpec, *, source: str) -> int:
     for field, data in texts:
         try:
             meta = tokenize(data, job.model.arch)
-        except (TextError, FolderError) as err:
+        except (DataError, FolderError) as err:
             raise SpecError(str(err), source=source, field=getattr(err, "field", field)) from None
         print(
             f"{meta['path']}: {meta['tokens']} tokens from {meta['documents']} documents "

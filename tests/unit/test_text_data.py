@@ -75,7 +75,7 @@ def test_documents_are_paragraphs_or_jsonl_lines(tmp_path):
     jsonl.write_text('{"body": "x y"}\n\n{"body": "z", "id": 3}\n')
     assert [d for d, _, end in text.documents(jsonl, "body") if end] == ["x y", "z"]
     jsonl.write_text('{"text": "x"}\n')
-    with pytest.raises(text.TextError, match="line 1 is not a JSON object with a 'body' string"):
+    with pytest.raises(text.DataError, match="line 1 is not a JSON object with a 'body' string"):
         list(text.documents(jsonl, "body"))
 
 

@@ -379,7 +379,8 @@ def test_a_file_shorter_than_one_sample_is_a_data_error(tmp_path: Path):
 def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
     """Text ids exceed the model's vocabulary only for a tokenizer with gaps in its ids (its size,
     checked against the model's, is then below its largest id)."""
-    from launcher.train.text import TextBatches, TextError
+    from launcher.train.__main__ import INPUT_ERRORS
+    from launcher.train.text import TextBatches
 
     ids = torch.arange(200, dtype=torch.int64) % 50
     ids[77] = 600
@@ -393,18 +394,17 @@ def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
     }
     common = dict(arch="gpt", cls=TextBatches, vocab=512, seq=16, micro=2, seed=1)
     with pytest.raises(
-        TextError,
+        data_module.DataError,
         match=r"the tokenized text .*c.bin \(data.path tokenized with the tokenizer "
         r"/tok, of 60 tokens\) holds token id 600 at position 77",
     ):
         source(meta=meta, **common)
     with pytest.raises(
-        TextError, match="special tokens the ids eos 700, outside the model's vocabulary of 512"
+        data_module.DataError,
+        match="special tokens the ids eos 700, outside the model's vocabulary of 512",
     ):
         source(meta={**meta, "special": {"eos": 700}}, **common)
-    assert (
-        TextError is data_module.DataError
-    )  # what launcher.train.__main__ reports as one paragraph
+    assert data_module.DataError in INPUT_ERRORS  # reported as one paragraph, exit 2
 
 
 def test_a_tokenizer_with_ids_past_its_size_tokenizes_and_is_refused_clearly(tmp_path: Path):
@@ -431,5 +431,5 @@ def test_a_tokenizer_with_ids_past_its_size_tokenizes_and_is_refused_clearly(tmp
     )
     meta = text.tokenize(spec, "gpt", progress=False)  # 4 tokens, an id of 70000: int32, not uint16
     assert meta["dtype"] == "int32" and meta["vocab_size"] == 4
-    with pytest.raises(text.TextError, match="holds token id 70000 at position 4 "):
+    with pytest.raises(data_module.DataError, match="holds token id 70000 at position 4 "):
         source("gpt", cls=text.TextBatches, meta=meta, vocab=512, seq=8, micro=2, seed=1)
