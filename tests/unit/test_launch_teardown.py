@@ -8,33 +8,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from fixtures.routes import eth0_routes
+from fixtures.fake_launch import Agents as Reaching
+from fixtures.fake_launch import cpu_job as job
+from fixtures.fake_launch import two_nodes as cluster
 
 from launcher.errors import JobFailed, UsageError
 from launcher.orchestrate.records import AgentUpdate, ExitStatus
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
-from launcher.spec import ClusterSpec, JobSpec
+from launcher.spec import JobSpec
 
 
-def job(**train: object) -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "t",
-            "resources": {"device": "cpu", "nproc_per_node": 1},
-            "precision": {"dtype": "fp32"},
-            "train": {"steps": 10, "warmup_steps": 1, **train},
-        }
-    )
-
-
-def cluster() -> ClusterSpec:
-    return ClusterSpec.model_validate(
-        {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
-    )
-
-
-class Agents:
+class Agents(Reaching):
     """Records what the launch asked; ``fail`` maps a method name to the error it raises."""
 
     def __init__(
@@ -53,12 +38,6 @@ class Agents:
         self.calls.append(name)
         if name in self.fail:
             raise self.fail[name]
-
-    def free_port(self) -> int:
-        return 29500
-
-    def routes(self, nodes) -> dict:
-        return eth0_routes(nodes)
 
     def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
         ifnames = [n.env.get("GLOO_SOCKET_IFNAME") for n in launch_plan.nodes]

@@ -10,41 +10,27 @@ import subprocess
 import sys
 
 import pytest
+from fixtures.fake_launch import Agents, cpu_job
 from fixtures.launching import ours
 
 from launcher.orchestrate.plan import NODE_DIR
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
-from launcher.spec import ClusterSpec, JobSpec
+from launcher.spec import ClusterSpec
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 
 
 def node_argv(run_dir: RunDir) -> list[str]:
     """The command line (after the interpreter) the launch into ``run_dir`` gives node ``a``."""
-    job = JobSpec.model_validate(
-        {
-            "name": "t",
-            "resources": {"device": "cpu", "nproc_per_node": 1},
-            "precision": {"dtype": "fp32"},
-            "train": {"steps": 5, "warmup_steps": 1},
-        }
-    )
+    job = cpu_job()
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "198.18.0.10"}]})
     launch = Launch(job=job, cluster=cluster, run_dir=run_dir, facts={}, quiet=True)
     run_dir.prepare(job, cluster)
-    plans = []
-
-    class Agents:
-        def free_port(self) -> int:
-            return 29500
-
-        def start(self, launch_plan, files) -> None:
-            plans.append(launch_plan)
-
-    launch.start_attempt(Agents(), 0)
+    agents = Agents()
+    launch.start_attempt(agents, 0)
     launch.log.close()
-    (node,) = plans[0].nodes
+    (node,) = agents.plans[0].nodes
     return [a.replace(NODE_DIR, f"/tmp/launcher-{run_dir.run_id}-a-x1y2z3") for a in node.argv]
 
 

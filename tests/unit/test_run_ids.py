@@ -7,7 +7,8 @@ import json
 import os
 
 import pytest
-from fixtures.routes import eth0_routes
+from fixtures.fake_launch import Agents, two_nodes
+from fixtures.fake_launch import cpu_job as job
 
 from launcher.cli import main
 from launcher.errors import UsageError
@@ -16,7 +17,6 @@ from launcher.orchestrate import run as run_mod
 from launcher.orchestrate.plan import NODE_DIR
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
-from launcher.spec import ClusterSpec, JobSpec
 
 
 @pytest.fixture(autouse=True)
@@ -41,43 +41,9 @@ def went_on(*args, **kwargs):
     raise AssertionError("the launch or submission went on")
 
 
-def job() -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "t",
-            "resources": {"device": "cpu", "nproc_per_node": 1},
-            "precision": {"dtype": "fp32"},
-            "train": {"steps": 5, "warmup_steps": 1},
-        }
-    )
-
-
-def cluster() -> ClusterSpec:
-    return ClusterSpec.model_validate(
-        {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
-    )
-
-
-class Agents:
-    def __init__(self) -> None:
-        self.plans: list = []
-
-    def free_port(self) -> int:
-        return 29500
-
-    def routes(self, nodes) -> dict:
-        return eth0_routes(nodes)
-
-    def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
-        return {}
-
-    def start(self, launch_plan, files) -> None:
-        self.plans.append(launch_plan)
-
-
 def started(run_dir: RunDir, attempt: int = 0, launch: Launch | None = None):
     """The plan an attempt of a launch into ``run_dir`` hands to its nodes."""
-    launch = launch or Launch(job=job(), cluster=cluster(), run_dir=run_dir, facts={}, quiet=True)
+    launch = launch or Launch(job=job(), cluster=two_nodes(), run_dir=run_dir, facts={}, quiet=True)
     run_dir.prepare(launch.job, launch.cluster)
     agents = Agents()
     launch.start_attempt(agents, attempt)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import pytest
 import yaml
-from fixtures.routes import eth0_routes
+from fixtures.fake_launch import Agents, cpu_job, two_nodes
 
 from launcher.orchestrate.diagnose import rank_failure
 from launcher.orchestrate.plan import plan
@@ -29,28 +29,14 @@ ROOT_CAUSE = [
 
 
 def job(**launch: object) -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "w",
-            "resources": {"device": "cpu", "nproc_per_node": 1},
-            "precision": {"dtype": "fp32"},
-            "train": {"steps": 10, "warmup_steps": 1},
-            "launch": launch,
-        }
-    )
-
-
-def two_nodes() -> ClusterSpec:
-    return ClusterSpec.model_validate(
-        {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
-    )
+    return cpu_job(launch)
 
 
 def step(rank: int, n: int) -> tuple[int, dict]:
     return rank, {"type": "step", "step": n, "time": float(n), "tokens": 10}
 
 
-class FakeAgents:
+class FakeAgents(Agents):
     """Answers each poll with the next scripted round: {agent: AgentUpdate | exception}."""
 
     def __init__(
@@ -67,7 +53,7 @@ class FakeAgents:
         self._silent = silent
         self.tails = tails or {}
         self.error_files = errors or {}
-        self.started: list = []
+        super().__init__()
         self.stops = 0
         self.ports = iter(range(30000, 30100))
 
@@ -95,14 +81,8 @@ class FakeAgents:
     def free_port(self) -> int:
         return next(self.ports)
 
-    def routes(self, nodes) -> dict:
-        return eth0_routes(nodes)
-
-    def check_reach(self, launch_plan, timeout_s: float) -> dict[str, str]:
-        return {}
-
     def start(self, launch_plan, files) -> None:
-        self.started.append(launch_plan)
+        super().start(launch_plan, files)
         self.files = files
 
     def stop(self, grace_s: float, first: int = 15) -> list:
@@ -350,7 +330,7 @@ def test_a_failed_rank_restarts_every_node_with_a_new_plan(tmp_path):
     agents = FakeAgents([failing_round(), done_round()], tails={(1, None): ROOT_CAUSE})
     outcome, run_dir = attempts(tmp_path, agents, max_restarts=1)
     assert outcome.status is Status.SUCCEEDED and agents.stops == 1
-    assert [p.attempt for p in agents.started] == [0, 1]
+    assert [p.attempt for p in agents.plans] == [0, 1]
     first, second = (json.loads(run_dir.plan_file(a).read_text()) for a in (0, 1))
     assert first["master_port"] != second["master_port"]  # a fresh port per attempt
     assert [n["env"]["LAUNCHER_RESTART_COUNT"] for n in second["nodes"]] == ["1", "1"]
@@ -365,7 +345,7 @@ def test_restarts_run_out(tmp_path):
     )
     outcome, run_dir = attempts(tmp_path, agents, max_restarts=1)
     assert outcome.status is Status.FAILED and outcome.failure.rank == 1
-    assert len(agents.started) == 2 and not run_dir.plan_file(2).exists()
+    assert len(agents.plans) == 2 and not run_dir.plan_file(2).exists()
 
 
 @pytest.mark.parametrize(
@@ -379,7 +359,7 @@ def test_a_lost_node_is_not_restarted(tmp_path, script):
     agents = FakeAgents(script, silent=1)
     outcome, _ = attempts(tmp_path, agents, max_restarts=3)
     assert outcome.status is Status.FAILED and outcome.failure.kind is FailureKind.LOST_NODE
-    assert len(agents.started) == 1
+    assert len(agents.plans) == 1
 
 
 # -- elastic restarts -------------------------------------------------------------------------
