@@ -205,12 +205,16 @@ class Launch:
             self.session = open_session(self.cluster, self.nodes, self.code)
             self._own_session = True
 
-    def place_agents(self) -> AgentGroup:
+    def place_agents(
+        self, nodes: list[NodeSpec] | None = None, job: JobSpec | None = None, suffix: str = ""
+    ) -> AgentGroup:
+        """One agent per node (a placement group of one bundle each); an elastic restart's
+        ``nodes`` and ``job`` get a group of their own (``suffix``)."""
         assert self.session is not None
-        gpus = gpus_per_node(self.job, self.nodes, self.facts)
-        agents = AgentGroup.place(
-            self.session, self.nodes, gpus, name=f"launcher-{self.run_dir.run_id}"
-        )
+        nodes, job = nodes or self.nodes, job or self.job
+        gpus = gpus_per_node(job, nodes, self.facts)
+        name = f"launcher-{self.run_dir.run_id}{suffix}"
+        agents = AgentGroup.place(self.session, nodes, gpus, name=name)
         signals.check()
         return agents
 
@@ -253,7 +257,8 @@ class Launch:
                     return self._failed(replace(failure, reason=str(err)))
                 if self.job.records_profile:  # closing the agents removes their node dirs
                     self._collect(agents, PROFILE_SUBDIR)
-                agents = self.agents = self.replace_agents(agents, nodes, job, attempt)
+                agents.close()
+                agents = self.agents = self.place_agents(nodes, job, f"-{attempt}")
             restarted_after = failure
 
     def reshape(self, failure: Failure, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], JobSpec]:
@@ -302,19 +307,6 @@ class Launch:
             self.facts = {**(self.facts or {}), **facts}
         log.warning("spare node %s (%s) takes the failed node's place", spare.name, spare.host)
         return True
-
-    def replace_agents(
-        self, agents: AgentGroup, nodes: list[NodeSpec], job: JobSpec, attempt: int
-    ) -> AgentGroup:
-        """The agents of the nodes that go on (a new placement group: one bundle per node)."""
-        agents.close()
-        assert self.session is not None
-        return AgentGroup.place(
-            self.session,
-            nodes,
-            gpus_per_node(job, nodes, self.facts),
-            name=f"launcher-{self.run_dir.run_id}-{attempt}",
-        )
 
     def start_attempt(
         self,
