@@ -193,35 +193,15 @@ def logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
     """The driver's output; with ``follow``, streamed until the job ends (Ctrl-C stops
     following only). Output into a pipe that closes early (``| head``) raises BrokenPipeError,
     which ``launcher.cli`` ends quietly (exit 0), not as a failure of the Jobs API."""
-    try:
-        return _logs(cluster, job_id, follow=follow)
-    except _StdoutClosed as closed:
-        raise closed.error from None  # the BrokenPipeError, out of api_failures' reach
-
-
-class _StdoutClosed(Exception):
-    """stdout's reader went away (EPIPE): no error of the Jobs API."""
-
-    def __init__(self, error: BrokenPipeError):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _out(text: str, *, end: str = "\n") -> None:
-    try:
-        sys.stdout.write(text + end)
-        sys.stdout.flush()
-    except BrokenPipeError as err:
-        raise _StdoutClosed(err) from err
-
-
-def _logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
     with _connect_for(cluster, job_id) as jobs:
         details = jobs.job(job_id)
         if not follow or _status(details) not in ACTIVE:
-            _out(job_state.strip(jobs.logs(details)), end="")
+            print(job_state.strip(jobs.logs(details)), end="", flush=True)
             if follow:
-                _out(f"job {job_id} has ended ({_shown(jobs, details)}); nothing to follow")
+                print(
+                    f"job {job_id} has ended ({_shown(jobs, details)}); nothing to follow",
+                    flush=True,
+                )
             return 0
         try:
             _follow(cluster, jobs, job_id)
@@ -232,7 +212,7 @@ def _logs(cluster: ClusterSpec, job_id: str, *, follow: bool) -> int:
                 flush=True,
             )
             return 0
-        _out(f"job {job_id} ended: {_shown(jobs, jobs.job(job_id))}")
+        print(f"job {job_id} ended: {_shown(jobs, jobs.job(job_id))}", flush=True)
     return 0
 
 
@@ -451,6 +431,8 @@ def _follow(cluster: ClusterSpec, jobs: JobsCluster, job_id: str) -> None:
                     asyncio.run(follower.tail(fresh.client, job_id))
             follower.flush()
             return
+        except BrokenPipeError:  # stdout's reader went (``| head``): no failure of the Jobs API
+            raise
         except api_failures() as err:
             broken = 1 if follower.received > before else broken + 1
             reason = first_line(err)
@@ -499,11 +481,11 @@ class _Follower:
             *lines, self._pending = self._pending.split("\n")
             for text in lines:
                 if job_state.shown(text):
-                    _out(text)
+                    print(text, flush=True)
 
     def flush(self) -> None:
         if self._pending and job_state.shown(self._pending):
-            _out(self._pending)
+            print(self._pending, flush=True)
         self._pending = ""
 
 
