@@ -324,21 +324,16 @@ def _stop(head: LocalHead) -> None:
 def _processes_under(temp_dir: str) -> list[int]:
     """Processes whose command line names the head's temp dir (Ray's own, each one); none for
     an unknown ("") temp dir."""
-    needle = temp_dir.encode()
-    found: list[int] = []
-    if not temp_dir:
-        return found
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if needle in fh.read():
-                    found.append(int(entry))
-    return found
+    return [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and int(entry) != os.getpid() and _names(int(entry), temp_dir)
+    ]
 
 
 def _is_head(head: LocalHead) -> bool:
     """The recorded pid runs and is the head: its command line names the head's temp dir."""
-    return _pid_alive(head.pid) and _names(head.pid, head.temp_dir.encode())
+    return _pid_alive(head.pid) and _names(head.pid, head.temp_dir)
 
 
 def _group_is_heads(head: LocalHead) -> bool:
@@ -351,12 +346,11 @@ def _group_is_heads(head: LocalHead) -> bool:
     return False
 
 
-def _names(pid: int, needle: bytes) -> bool:
-    if not needle:
-        return False
+def _names(pid: int, temp_dir: str) -> bool:
+    """The process's command line names ``temp_dir`` (never an unknown "" one)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return needle in fh.read()
+            return bool(temp_dir) and temp_dir.encode() in fh.read()
     except OSError:
         return False
 
