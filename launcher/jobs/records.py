@@ -8,7 +8,6 @@ import contextlib
 import fcntl
 import json
 import os
-import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -146,24 +145,13 @@ def local_folder() -> Path:
     return folder
 
 
-_held = threading.local()  # the lock files this thread holds
-
-
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """One process at a time holds ``path`` (flock): starts or stops a head, two submits at
-    once share one. A thread that holds it already goes on (a second flock of the same file
-    would wait for itself); other threads wait as other processes do."""
-    held: set[str] = _held.__dict__.setdefault("paths", set())
-    key = str(path.resolve())
-    if key in held:
-        yield
-        return
+    """One process (or thread) at a time holds ``path`` (flock): starts or stops a head, two
+    submits at once share one."""
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
-        held.add(key)
         try:
             yield
         finally:
-            held.discard(key)
             fcntl.flock(fh, fcntl.LOCK_UN)
