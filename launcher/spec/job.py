@@ -767,15 +767,9 @@ class JobSpec(Strict):
                     "train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
                     "parameters between graphs (set train.cuda_graphs: false)"
                 )
-        if self.precision.weights == "bf16":  # the world size may be larger than the spec says:
-            # the trainer asks again (and refusal_at, with the world size)
-            reasons = bf16_weights_obstacles(
-                dtype=self.precision.dtype,
-                grad_accum=self.train.grad_accum,
-                sharded=self.fsdp_shards(self.least_world_size),
-            )
-            if reasons:
-                raise ValueError(bf16_weights_refusal(reasons))
+        # The world size may be larger than the spec says: refusal_at and the trainer ask again.
+        if refusal := _bf16_weights_refusal_at(self, self.least_world_size):
+            raise ValueError(refusal)
         if self.uses_builtin and self.train.attention == "cudnn-fa4":
             dims = self.model.dims()
             reasons = cudnn_fa4_obstacles(
@@ -802,12 +796,15 @@ def refusal_at(job: JobSpec, world_size: int) -> str | None:
         job = JobSpec.model_validate(job.model_dump())
     except ValidationError as err:
         return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
-    if job.uses_builtin and job.precision.weights == "bf16":
-        reasons = bf16_weights_obstacles(
-            dtype=job.precision.dtype,
-            grad_accum=job.train.grad_accum,
-            sharded=job.fsdp_shards(world_size),
-        )
-        if reasons:
-            return bf16_weights_refusal(reasons)
-    return None
+    return _bf16_weights_refusal_at(job, world_size) if job.uses_builtin else None
+
+
+def _bf16_weights_refusal_at(job: JobSpec, world_size: int) -> str | None:
+    if job.precision.weights != "bf16":
+        return None
+    reasons = bf16_weights_obstacles(
+        dtype=job.precision.dtype,
+        grad_accum=job.train.grad_accum,
+        sharded=job.fsdp_shards(world_size),
+    )
+    return bf16_weights_refusal(reasons) if reasons else None
