@@ -14,6 +14,7 @@ import yaml
 
 pytest.importorskip("tokenizers", reason="text data needs the tokenizers library (hf extra)")
 
+from fixtures.batching import equals_one_at_a_time, recording  # noqa: E402
 from fixtures.hf_assets import make_assets  # noqa: E402
 
 from launcher.cli import main as cli_main  # noqa: E402
@@ -21,7 +22,7 @@ from launcher.errors import SpecError  # noqa: E402
 from launcher.spec import load_job  # noqa: E402
 from launcher.spec.hf import load_tokenizer  # noqa: E402
 from launcher.train import text  # noqa: E402
-from launcher.train.data import Batches, build_data  # noqa: E402
+from launcher.train.data import build_data  # noqa: E402
 
 SEQ = 32
 
@@ -161,11 +162,7 @@ def test_text_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path, asse
     data = build_data(job(tmp_path, assets), rank=0, world_size=2, device=torch.device("cpu"))
     assert data.steps_ahead == 16
     for step, micro in [(s, a) for s in range(1, 20) for a in range(2)] + [(2, 0)]:
-        got, want = data.batch(step, micro), Batches.batch(data, step, micro)
-        assert all(torch.equal(got[k], want[k]) for k in ("input_ids", "labels", "mask_pos")), (
-            step,
-            micro,
-        )
+        assert equals_one_at_a_time(data, step, micro), (step, micro)
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
@@ -173,17 +170,10 @@ def test_text_chunks_made_by_the_worker_thread_equal_batches_made_one_at_a_time(
     tmp_path, assets, arch
 ):
     data = build_data(job(tmp_path, assets, arch), rank=1, world_size=2, device=torch.device("cpu"))
-    threads, make = [], data._make
-
-    def make_and_record(steps: range):
-        threads.append(threading.current_thread().name)
-        return make(steps)
-
-    data._make = make_and_record
+    made = recording(data)
     for step, micro in [(s, a) for s in range(1, 16 * 3 + 1) for a in range(2)]:
-        got, want = data.batch(step, micro), Batches.batch(data, step, micro)
-        assert got.keys() == want.keys()
-        assert all(torch.equal(got[k], want[k]) for k in got), (step, micro)
+        assert equals_one_at_a_time(data, step, micro), (step, micro)
+    threads = [thread.name for _, thread in made]
     assert threads[0] == "MainThread" and all(t.startswith("launcher-data") for t in threads[1:3])
     data.close()
 

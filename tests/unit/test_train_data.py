@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.batching import source, write_npy
+from fixtures.batching import equals_one_at_a_time, recording, source, write_npy
 from fixtures.tiny_job import tiny_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -182,11 +182,6 @@ def test_token_file_errors_name_the_fix(tmp_path: Path):
         )
 
 
-def equals_one_at_a_time(data, step: int, micro: int = 0) -> bool:
-    got, want = data.batch(step, micro), Batches.batch(data, step, micro)
-    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
-
-
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
 def test_batches_made_ahead_equal_batches_made_one_at_a_time(arch: str):
     ahead = source(arch, rank=1, world=2, accum=3)
@@ -325,18 +320,6 @@ def test_sample_indices_above_two_to_the_32_stay_distinct():
     assert not torch.equal(late.batch(1)["input_ids"], source().batch(1)["input_ids"])
     ahead = late.batch(1)
     assert all(torch.equal(ahead[k], Batches.batch(late, 1)[k]) for k in ahead)
-
-
-def recording(data):
-    """Patch ``data._make`` to record (first step, thread) of every chunk it makes."""
-    made, make = [], data._make
-
-    def make_and_record(steps: range):
-        made.append((steps.start, threading.current_thread()))
-        return make(steps)
-
-    data._make = make_and_record
-    return made
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
