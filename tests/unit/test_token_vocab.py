@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from fixtures.batching import source, write_npy
+from fixtures.batching import source, token_file, write_npy
 from fixtures.tiny_job import tiny_job
 
 from launcher.train import data as data_module
@@ -24,10 +24,7 @@ from launcher.util import free_port
 
 
 def batches(path: Path, vocab: int, *, arch: str = "gpt", seq: int = 16, **kw) -> TokenFileBatches:
-    kw.setdefault("token_dtype", "uint16")
-    return source(
-        arch, cls=TokenFileBatches, path=path, vocab=vocab, seq=seq, micro=2, seed=1, **kw
-    )
+    return token_file(path, arch, vocab=vocab, seq=seq, micro=2, seed=1, **kw)
 
 
 def gpt2_ids(n: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.batching import equals_one_at_a_time, recording, source, write_npy
+from fixtures.batching import equals_one_at_a_time, recording, source, token_file, write_npy
 from fixtures.tiny_job import tiny_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +20,7 @@ from launcher.train.data import (
     hash_ints,
     mask_token_id,
 )
-from launcher.train.tokens import TokenFileBatches, open_token_file
+from launcher.train.tokens import open_token_file
 
 
 def step_samples(make, world: int, accum: int, step: int, key: str = "input_ids") -> torch.Tensor:
@@ -126,16 +126,7 @@ def test_token_windows_are_sharded_by_rank_and_match_one_process(tmp_path: Path)
     write_npy(tmp_path / "t.npy", ids, "<i4")
 
     def make(rank: int, world: int = 2, micro: int = 4):
-        return source(
-            "gpt",
-            rank=rank,
-            world=world,
-            micro=micro,
-            seq=16,
-            cls=TokenFileBatches,
-            path=tmp_path / "t.npy",
-            token_dtype="uint16",
-        )
+        return token_file(tmp_path / "t.npy", rank=rank, world=world, micro=micro)
 
     r0, r1 = make(0).batch(1), make(1).batch(1)
     assert torch.equal(r0["input_ids"][:, 0], torch.tensor([0, 16, 32, 48]))
@@ -148,38 +139,20 @@ def test_token_windows_are_sharded_by_rank_and_match_one_process(tmp_path: Path)
 def test_token_file_errors_name_the_fix(tmp_path: Path):
     write_npy(tmp_path / "short.npy", torch.arange(10, dtype=torch.int32), "<i4")
     with pytest.raises(ValueError, match="shorter seq_len"):
-        source(
-            "gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "short.npy", token_dtype="uint16"
-        )
+        token_file(tmp_path / "short.npy")
     write_npy(tmp_path / "big.npy", torch.full((100,), 5000, dtype=torch.int32), "<i4")
     with pytest.raises(
         ValueError, match="set model.vocab_size: 5001"
     ):  # when opened, before a batch
-        source(
-            "gpt",
-            seq=16,
-            micro=1,
-            cls=TokenFileBatches,
-            path=tmp_path / "big.npy",
-            token_dtype="uint16",
-        )
+        token_file(tmp_path / "big.npy", micro=1)
     padded = torch.arange(100, dtype=torch.int32)
     padded[5] = -1  # padding by a negative id: CUDA's embedding would fail with a device assert
     write_npy(tmp_path / "padded.npy", padded, "<i4")
     with pytest.raises(ValueError, match="token id -1 at position 5 .*token ids run from 0"):
-        source(
-            "gpt",
-            seq=16,
-            micro=1,
-            cls=TokenFileBatches,
-            path=tmp_path / "padded.npy",
-            token_dtype="uint16",
-        )
+        token_file(tmp_path / "padded.npy", micro=1)
     write_npy(tmp_path / "float.npy", torch.zeros(100, dtype=torch.float32), "<f4")
     with pytest.raises(ValueError, match="uint8, uint16, uint32, int32 or int64"):
-        source(
-            "gpt", seq=16, cls=TokenFileBatches, path=tmp_path / "float.npy", token_dtype="uint16"
-        )
+        token_file(tmp_path / "float.npy")
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
@@ -204,16 +177,7 @@ def test_steps_ahead_is_bounded_by_the_chunk_size():
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
 def test_token_file_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path: Path, arch: str):
     write_npy(tmp_path / "t.npy", torch.arange(5_000, dtype=torch.int32) % 1000, "<i4")
-    ahead = source(
-        arch,
-        rank=1,
-        world=2,
-        accum=2,
-        seq=16,
-        cls=TokenFileBatches,
-        path=tmp_path / "t.npy",
-        token_dtype="uint16",
-    )
+    ahead = token_file(tmp_path / "t.npy", arch, rank=1, world=2, accum=2)
     assert ahead.steps_ahead == 16
     # across a chunk boundary and past the file's end (windows wrap around), then a jump back
     for step, micro in [(s, a) for s in range(1, 40) for a in range(2)] + [(3, 1)]:
@@ -230,15 +194,7 @@ def test_unsigned_token_ids_above_the_signed_range_read_back_exactly(
     top = 1 << bits
     ids = (torch.arange(2_000, dtype=torch.int64) * 37 + top // 2 - 100) % top
     write_npy(tmp_path / "t.npy", ids.to(dtype), descr)
-    batches = source(
-        "gpt",
-        seq=16,
-        micro=2,
-        vocab=top,
-        cls=TokenFileBatches,
-        path=tmp_path / "t.npy",
-        token_dtype="uint16",
-    )
+    batches = token_file(tmp_path / "t.npy", micro=2, vocab=top)
     b = batches.batch(1)
     assert torch.equal(b["input_ids"], torch.stack([ids[0:16], ids[16:32]]))
     assert int(ids[:32].max()) >= top // 2  # above the signed type's range
@@ -294,16 +250,7 @@ def test_a_restarted_token_file_reads_on_from_the_next_window(tmp_path: Path):
     write_npy(tmp_path / "t.npy", torch.arange(10_000, dtype=torch.int32) % 1000, "<i4")
 
     def make(world: int, rank: int):
-        return source(
-            "gpt",
-            rank=rank,
-            world=world,
-            micro=2,
-            seq=16,
-            cls=TokenFileBatches,
-            path=tmp_path / "t.npy",
-            token_dtype="uint16",
-        )
+        return token_file(tmp_path / "t.npy", rank=rank, world=world, micro=2)
 
     before = run_samples(lambda rank: make(3, rank), 3, 1, range(1, 3))  # 2 steps of 6 samples
     after = run_samples(
@@ -347,15 +294,7 @@ def test_an_error_in_the_worker_is_raised_by_the_batch_that_needs_its_chunk(tmp_
     ids = torch.arange(2_000, dtype=torch.int32) % 1000
     ids[20 * 16 + 3] = 999_999  # in window 20: step 21's sample with one sample a step
     write_npy(tmp_path / "t.npy", ids, "<i4")
-    data = source(
-        "gpt",
-        seq=16,
-        micro=1,
-        vocab=1 << 20,
-        cls=TokenFileBatches,
-        path=tmp_path / "t.npy",
-        token_dtype="uint16",
-    )
+    data = token_file(tmp_path / "t.npy", micro=1, vocab=1 << 20)
 
     def frame(rows: torch.Tensor) -> torch.Tensor:  # the error: one that making a batch can meet
         if bool((rows == 999_999).any()):
