@@ -4,20 +4,13 @@ doctor`` afterwards."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from fixtures.launching import FIXTURES, Launcher, slow_batches, write_job
+from fixtures.launching import FIXTURES, Launcher, launch, slow_batches, write_job
 
 
 def doctor(run_dir: Path) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "launcher", "doctor", str(run_dir), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = launch("doctor", str(run_dir), "--json", cwd=run_dir, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

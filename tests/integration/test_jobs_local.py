@@ -21,6 +21,7 @@ from fixtures.launching import (
     QUICK,
     env_of,
     kill,
+    launch,
     processes,
     slow_batches,
     wait_for,
@@ -58,14 +59,7 @@ class Jobs:
         }
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "launcher", *args],
-            cwd=self.cwd,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return launch(*args, cwd=self.cwd, env=self.env, timeout=timeout)
 
     def submit(self, *args: str) -> dict:
         result = self.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--json", *args)

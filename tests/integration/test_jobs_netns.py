@@ -14,7 +14,8 @@ import sys
 import uuid
 from pathlib import Path
 
-import yaml
+from fixtures.launching import launch as run_launcher
+from fixtures.launching import quick_job
 from fixtures.user_code import project, rank_lines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,11 +33,7 @@ def ended_succeeded(job_id: str, follow_output: str) -> bool:
 def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
-    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
-    job["resources"]["nproc_per_node"] = 1
-    job["train"].update(steps=6, warmup_steps=2, log_every=2, lr_warmup_steps=2)
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
+    job_file = quick_job(tmp_path)
     env = {
         **os.environ,
         "LAUNCHER_STATE_DIR": str(tmp_path / "state"),
@@ -45,14 +42,8 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
     }
 
     def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "launcher", *args, "--cluster", str(cluster_file)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        cluster = ("--cluster", str(cluster_file))
+        return run_launcher(*args, *cluster, cwd=tmp_path, env=env, timeout=timeout)
 
     head = cluster.node_names[0]
     try:
@@ -85,13 +76,7 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         for rank, node in enumerate(cluster.node_names):
             assert (fetched / f"logs/{node}/rank{rank}.log").stat().st_size > 0
             assert (fetched / f"preflight/{node}.json").is_file()  # the preflight made outside
-        report = subprocess.run(
-            [sys.executable, "-m", "launcher", "report", str(fetched)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        report = run_launcher("report", str(fetched), cwd=tmp_path, env=env, timeout=60)
         assert report.returncode == 0 and "Per node" in report.stdout
 
         # The Jobs API listens on the head's 127.0.0.1 only, and wants the token.

@@ -9,39 +9,17 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-from fixtures.launching import launch
-
-ROOT = Path(__file__).resolve().parents[2]
+from fixtures.launching import launch, quick_job
 
 
 def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
-    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
-    job["resources"]["nproc_per_node"] = 1
-    job["train"].update(
-        steps=8, warmup_steps=2, log_every=2, profile={"start_step": 4, "steps": 2, "ranks": "all"}
-    )
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
+    job_file = quick_job(tmp_path, steps=8, profile={"start_step": 4, "steps": 2, "ranks": "all"})
     run_dir = tmp_path / "run"
 
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            str(job_file),
-            "--cluster",
-            str(cluster_file),
-            "--run-dir",
-            str(run_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=420,
-        cwd=tmp_path,
+    result = launch(
+        str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=tmp_path
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -97,12 +75,7 @@ def test_nodes_that_cannot_reach_the_master_port_stop_the_launch(netns_cluster, 
     cluster = netns_cluster(2)
     lo_node, blocked_node = cluster.node_names
     port = 29555
-    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
-    job["resources"]["nproc_per_node"] = 1
-    job["train"].update(steps=4, warmup_steps=1, log_every=1)
-    job["launch"] = {"master_port": port}
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
+    job_file = quick_job(tmp_path, steps=4, warmup_steps=1, log_every=1)
     head = cluster.host(0)
 
     cluster.exec(blocked_node, f"ip rule add ipproto tcp dport {port} prohibit", check=True)
@@ -111,7 +84,10 @@ def test_nodes_that_cannot_reach_the_master_port_stop_the_launch(netns_cluster, 
     )
     run_dir = tmp_path / "run"
     result = launch(
-        str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=tmp_path
+        str(job_file),
+        *("--set", f"launch.master_port={port}", "--cluster", str(cluster_file)),
+        *("--run-dir", str(run_dir)),
+        cwd=tmp_path,
     )
     out = result.stdout + result.stderr
     assert result.returncode == 3, out[-3000:]
@@ -129,11 +105,7 @@ def test_kill_9_of_the_launcher_stops_a_bootstrapped_ray_within_15_s(netns_clust
     node over SSH, and the agents' reapers end torchrun there; nothing but sshd is left."""
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
-    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
-    job["resources"]["nproc_per_node"] = 1
-    job["train"].update(steps=100000, warmup_steps=2, log_every=1)
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
+    job_file = quick_job(tmp_path, steps=100000, log_every=1)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]

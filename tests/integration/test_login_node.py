@@ -10,14 +10,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
+from fixtures.launching import launch, quick_job
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray]
 
@@ -47,17 +44,6 @@ def _ssh_answers(host: str) -> bool:
         return False
 
 
-def _launch(home: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *args],
-        capture_output=True,
-        text=True,
-        timeout=480,
-        cwd=cwd,
-        env={**os.environ, "HOME": str(home)},
-    )
-
-
 def test_check_and_a_two_node_run_through_a_login_node(netns_cluster, tmp_path):
     cluster = netns_cluster(3, login_node=True)
     home = tmp_path / "home"
@@ -75,17 +61,17 @@ def test_check_and_a_two_node_run_through_a_login_node(netns_cluster, tmp_path):
         )
     )
 
-    check = _launch(home, "check", "--cluster", str(cluster_file), "--json", cwd=tmp_path)
+    env = {**os.environ, "HOME": str(home)}
+    check = launch("check", "--cluster", str(cluster_file), "--json", cwd=tmp_path, env=env)
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]
 
-    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
-    job["resources"].update(nodes=2, nproc_per_node=1)
-    job["train"].update(steps=6, warmup_steps=2, log_every=2)
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
-    run = _launch(
-        home, str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir), cwd=tmp_path
+    run = launch(
+        str(quick_job(tmp_path)),
+        *("--cluster", str(cluster_file), "--run-dir", str(run_dir)),
+        cwd=tmp_path,
+        env=env,
+        timeout=480,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures.launching import launch
 
 from launcher.cli import main
 from launcher.errors import PreflightError
@@ -145,13 +146,7 @@ def test_without_ssh_key_the_agents_identity_is_used(cluster, tmp_path, monkeypa
 
 def test_cli_check(cluster, tmp_path):
     path, _ = write_cluster(cluster, tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "launcher", "check", "--cluster", str(path), "--fast"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    proc = launch("check", "--cluster", str(path), "--fast", cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "parity OK: 3 nodes agree" in proc.stdout
 

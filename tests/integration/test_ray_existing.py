@@ -7,14 +7,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
+from fixtures.launching import launch as run_launcher
+from fixtures.launching import quick_job
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray]
 
@@ -58,22 +54,11 @@ def test_a_run_and_a_submission_on_a_ray_cluster_started_by_hand(netns_cluster, 
         tmp_path / "cluster.yaml",
         ray={"address": f"ray://{ip}:10001", "jobs_address": f"http://{ip}:8265"},
     )
-    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
-    job["resources"].update(nodes=2, nproc_per_node=1)
-    job["train"].update(steps=6, warmup_steps=2, log_every=2)
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
+    job_file = quick_job(tmp_path)
     env = {**os.environ, "RAY_AUTH_TOKEN": token}
 
-    def launch(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "launcher", *args, "--cluster", str(cluster_file)],
-            capture_output=True,
-            text=True,
-            timeout=420,
-            cwd=tmp_path,
-            env=env,
-        )
+    def launch(*args: str):
+        return run_launcher(*args, "--cluster", str(cluster_file), cwd=tmp_path, env=env)
 
     run_dir = tmp_path / "run"
     run = launch(str(job_file), "--run-dir", str(run_dir))

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +22,7 @@ from fixtures.launching import (
     ROOT,
     Launcher,
     env_of,
+    launch,
     ours,
     processes,
     wait_for,
@@ -84,13 +84,7 @@ def test_secrets_masked_everywhere_yet_workers_get_them(tmp_path):
     job_file.chmod(0o600)
 
     # `launch plan`: the env table shows the names, masks the values
-    planned = subprocess.run(
-        [sys.executable, "-m", "launcher", "plan", str(job_file), "--skip-parity"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    planned = launch("plan", str(job_file), "--skip-parity", cwd=tmp_path, timeout=120)
     assert planned.returncode == 0, planned.stderr
     assert secret not in planned.stdout + planned.stderr and password not in planned.stdout
     assert (

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import wait_for
+from fixtures.launching import launch, quick_job, wait_for
 from slurm import SlurmCluster, missing_slurm
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray]
 
@@ -30,27 +27,16 @@ def slurm(netns_cluster_module):
 
 
 @pytest.fixture
+def env(slurm):
+    """The cluster's clients' environment, outside any allocation this process may be in."""
+    return {k: v for k, v in slurm.env.items() if not k.startswith("SLURM_JOB")}
+
+
+@pytest.fixture
 def files(tmp_path):
-    job = yaml.safe_load((ROOT / "jobs/quickstart.yaml").read_text())
-    job["resources"].update(nodes=2, nproc_per_node=1)
-    job["train"].update(steps=6, warmup_steps=2, log_every=2)
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
     cluster_file = tmp_path / "slurm.yaml"
     cluster_file.write_text(yaml.safe_dump({"slurm": {"partition": "main"}}))
-    return job_file, cluster_file
-
-
-def launch(slurm, *argv: str, cwd: Path, prefix=(), timeout=420):  # noqa: ANN001, ANN201
-    env = {k: v for k, v in slurm.env.items() if not k.startswith("SLURM_JOB")}
-    return subprocess.run(
-        [*prefix, sys.executable, "-m", "launcher", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env=env,
-    )
+    return quick_job(tmp_path), cluster_file
 
 
 def ranks_on_both_nodes(slurm, run_dir: Path) -> None:
@@ -59,17 +45,13 @@ def ranks_on_both_nodes(slurm, run_dir: Path) -> None:
     assert {r["node"] for r in summary["ranks"]} == set(slurm.names)
 
 
-def test_inside_an_allocation(slurm, files, tmp_path):
+def test_inside_an_allocation(slurm, env, files, tmp_path):
     job_file, cluster_file = files
     run_dir = tmp_path / "run"
     run = launch(
-        slurm,
-        str(job_file),
-        "--cluster",
-        str(cluster_file),
-        "--run-dir",
-        str(run_dir),
+        *(str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir)),
         cwd=tmp_path,
+        env=env,
         prefix=("salloc", "-N2", "--quiet"),
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -78,17 +60,13 @@ def test_inside_an_allocation(slurm, files, tmp_path):
     wait_for(lambda: slurm.queue() == [], timeout=30, what="salloc's allocation to leave the queue")
 
 
-def test_outside_an_allocation_the_launcher_allocates_and_releases(slurm, files, tmp_path):
+def test_outside_an_allocation_the_launcher_allocates_and_releases(slurm, env, files, tmp_path):
     job_file, cluster_file = files
     run_dir = tmp_path / "run"
     run = launch(
-        slurm,
-        str(job_file),
-        "--cluster",
-        str(cluster_file),
-        "--run-dir",
-        str(run_dir),
+        *(str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir)),
         cwd=tmp_path,
+        env=env,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ranks_on_both_nodes(slurm, run_dir)
@@ -97,14 +75,12 @@ def test_outside_an_allocation_the_launcher_allocates_and_releases(slurm, files,
         assert "raylet" not in slurm.nodes.exec(node, "ps -eo comm").stdout
 
 
-def test_an_allocation_smaller_than_the_job_is_exit_2(slurm, files, tmp_path):
+def test_an_allocation_smaller_than_the_job_is_exit_2(slurm, env, files, tmp_path):
     job_file, cluster_file = files
     run = launch(
-        slurm,
-        str(job_file),
-        "--cluster",
-        str(cluster_file),
+        *(str(job_file), "--cluster", str(cluster_file)),
         cwd=tmp_path,
+        env=env,
         prefix=("salloc", "-N1", "--quiet"),
     )
     assert run.returncode == 2, run.stderr[-2000:]
@@ -113,17 +89,17 @@ def test_an_allocation_smaller_than_the_job_is_exit_2(slurm, files, tmp_path):
     wait_for(lambda: slurm.queue() == [], timeout=30, what="salloc's allocation to leave the queue")
 
 
-def test_an_unknown_partition_is_exit_2_and_queues_nothing(slurm, files, tmp_path):
+def test_an_unknown_partition_is_exit_2_and_queues_nothing(slurm, env, files, tmp_path):
     job_file, cluster_file = files
     cluster_file.write_text(yaml.safe_dump({"slurm": {"partition": "nope"}}))
-    run = launch(slurm, str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
+    run = launch(str(job_file), "--cluster", str(cluster_file), cwd=tmp_path, env=env)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "partition 'nope'" in run.stderr and "main" in run.stderr
     assert slurm.queue() == []
 
 
 def test_an_allocation_that_does_not_start_in_wait_s_is_exit_3_and_cancelled(
-    slurm, files, tmp_path
+    slurm, env, files, tmp_path
 ):
     job_file, cluster_file = files
     cluster_file.write_text(yaml.safe_dump({"slurm": {"partition": "main", "wait_s": 6}}))
@@ -134,7 +110,7 @@ def test_an_allocation_that_does_not_start_in_wait_s_is_exit_3_and_cancelled(
     blocker_id = blocker.stdout.strip()
     try:
         time.sleep(1)
-        run = launch(slurm, str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
+        run = launch(str(job_file), "--cluster", str(cluster_file), cwd=tmp_path, env=env)
         assert run.returncode == 3, run.stderr[-2000:]
         assert "waits for its allocation" in run.stderr and "slurm.wait_s" in run.stderr
         assert slurm.queue() == [blocker_id]
@@ -144,13 +120,12 @@ def test_an_allocation_that_does_not_start_in_wait_s_is_exit_3_and_cancelled(
 
 def test_no_slurm_commands_is_exit_2(files, tmp_path):
     job_file, cluster_file = files
-    run = subprocess.run(
-        [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    path = str(Path(sys.executable).parent)
+    run = launch(
+        *(str(job_file), "--cluster", str(cluster_file)),
         cwd=tmp_path,
-        env={**os.environ, "PATH": str(Path(sys.executable).parent)},
+        env={**os.environ, "PATH": path},
+        timeout=120,
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "no srun" in run.stderr and "Traceback" not in run.stderr
@@ -172,65 +147,56 @@ def shared(slurm, files):
     return folder
 
 
-def batch(slurm, shared, *argv: str, timeout=120):  # noqa: ANN001, ANN201
-    env = {k: v for k, v in slurm.env.items() if not k.startswith("SLURM_JOB")}
-    env["LAUNCHER_STATE_DIR"] = str(shared / "state")
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *argv, "--cluster", str(shared / "slurm.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=shared,
-        env=env,
-    )
+def batch(env, shared, *argv: str, timeout=120):
+    env = {**env, "LAUNCHER_STATE_DIR": str(shared / "state")}
+    cluster = ("--cluster", str(shared / "slurm.yaml"))
+    return launch(*argv, *cluster, cwd=shared, env=env, timeout=timeout)
 
 
-def wait_status(slurm, shared, job_id, wanted, timeout=420):  # noqa: ANN001, ANN201
+def wait_status(env, shared, job_id, wanted, timeout=420):
     deadline = time.monotonic() + timeout
     while True:
-        state = json.loads(batch(slurm, shared, "status", job_id, "--json").stdout)
+        state = json.loads(batch(env, shared, "status", job_id, "--json").stdout)
         if state["status"] in wanted or time.monotonic() > deadline:
             return state
         time.sleep(2)
 
 
-def test_a_submitted_batch_job_runs_on_both_nodes(slurm, shared):
+def test_a_submitted_batch_job_runs_on_both_nodes(slurm, env, shared):
     run_dir = shared / "run"
     submitted = batch(
-        slurm, shared, "submit", str(shared / "job.yaml"), "--run-dir", str(run_dir), "--json"
+        env, shared, "submit", str(shared / "job.yaml"), "--run-dir", str(run_dir), "--json"
     )
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     out = json.loads(submitted.stdout.strip().splitlines()[-1])
     job_id = out["job_id"]
     assert job_id.isdigit() and out["run_dir"] == str(run_dir)
     assert (run_dir / "launch.sbatch").is_file()
-    state = wait_status(slurm, shared, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
-    logs = batch(slurm, shared, "logs", job_id).stdout
+    state = wait_status(env, shared, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
+    logs = batch(env, shared, "logs", job_id).stdout
     assert state["status"] == "SUCCEEDED", logs[-3000:]
     assert state["world_size"] == 2 and state["tokens_per_s"] > 0
     ranks_on_both_nodes(slurm, run_dir)
     assert "Per rank" in logs
-    listed = json.loads(batch(slurm, shared, "list", "--json").stdout)
+    listed = json.loads(batch(env, shared, "list", "--json").stdout)
     assert [j["job_id"] for j in listed] == [job_id]
     assert slurm.queue() == []
 
 
-def test_stop_of_a_batch_job_leaves_nothing_on_the_nodes(slurm, shared):
+def test_stop_of_a_batch_job_leaves_nothing_on_the_nodes(slurm, env, shared):
     job = yaml.safe_load((shared / "job.yaml").read_text())
     job["train"].update(steps=100000)
     (shared / "job.yaml").write_text(yaml.safe_dump(job))
-    submitted = batch(slurm, shared, "submit", str(shared / "job.yaml"), "--json")
+    submitted = batch(env, shared, "submit", str(shared / "job.yaml"), "--json")
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
     run_dir = Path(json.loads(submitted.stdout.strip().splitlines()[-1])["run_dir"])
-    deadline = time.monotonic() + 300
-    while not list(run_dir.glob("metrics/rank*.jsonl")) and time.monotonic() < deadline:
-        time.sleep(2)  # training has started
-    stopped = batch(slurm, shared, "stop", job_id, timeout=300)
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert (
-        json.loads(batch(slurm, shared, "status", job_id, "--json").stdout)["status"] == "STOPPED"
+    wait_for(
+        lambda: list(run_dir.glob("metrics/rank*.jsonl")), timeout=300, what="training", poll=2
     )
+    stopped = batch(env, shared, "stop", job_id, timeout=300)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert json.loads(batch(env, shared, "status", job_id, "--json").stdout)["status"] == "STOPPED"
     assert slurm.queue() == []
     for node in slurm.nodes.node_names:
         left = slurm.nodes.exec(node, "ps -eo args").stdout
