@@ -252,6 +252,18 @@ class NetnsCluster:
         """Every process running in a node's network namespace."""
         return _ns_pids(self.namespace(node))
 
+    def left_running(self) -> dict[str, list[str]]:
+        """Node → the command lines of its processes but sshd (nodes running only sshd left out)."""
+        out = {}
+        for node in self.node_names:
+            cmds = []
+            for pid in self.pids(node):
+                with contextlib.suppress(OSError):
+                    cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
+            if left := [c.decode() for c in cmds if b"sshd" not in c]:
+                out[node] = left
+        return out
+
     def sshd_log(self, node: str) -> str:
         path = self.dir / f"{node}.sshd.log"
         return path.read_text(errors="replace") if path.exists() else ""

@@ -111,12 +111,7 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         down = launch("down", "--yes")
     assert down.returncode == 0, down.stdout + down.stderr
     assert not list((tmp_path / "state/clusters").glob("*.json"))
-    for node in cluster.node_names:
-        left = [
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            for pid in cluster.pids(node)
-        ]
-        assert all("sshd" in cmd for cmd in left), f"left on {node}: {left}"
+    assert not (left := cluster.left_running()), f"left on the nodes: {left}"
 
 
 def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> None:
