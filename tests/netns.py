@@ -55,6 +55,7 @@ STATE_ROOT = Path("/var/tmp")
 DIR_PREFIX = "launcher-netns-"
 LOCK_FILE = STATE_ROOT / "launcher-netns.lock"
 SSHD = "/usr/sbin/sshd"
+READY_TIMEOUT_S = 20.0  # for every node's sshd to answer
 REQUIRED_TOOLS = ("ip", "unshare", "nsenter", "ssh-keygen", SSHD)
 
 _counter = itertools.count()
@@ -84,15 +85,12 @@ class NetnsCluster:
         self,
         n_nodes: int,
         *,
-        node_prefix: str = "node",
-        ready_timeout_s: float = 20.0,
         bare_login: bool = False,
         login_node: bool = False,
     ):
         if not 1 <= n_nodes <= 200:
             raise ValueError(f"n_nodes must be 1..200, not {n_nodes}")
         self.n_nodes = n_nodes
-        self.ready_timeout_s = ready_timeout_s
         # bare_login: hide ~/.bashrc inside the nodes (an empty file is bind-mounted over it), so
         # a login costs no shell start-up work; for benchmarks that want the launcher's own cost.
         self.bare_login = bare_login
@@ -103,7 +101,7 @@ class NetnsCluster:
         self.owner_pid = os.getpid()
         count = next(_counter)
         self.uid = f"{self.owner_pid}-{count}"
-        self.node_names = [f"{node_prefix}{i}" for i in range(n_nodes)]
+        self.node_names = [f"node{i}" for i in range(n_nodes)]
         self.dir = STATE_ROOT / f"{DIR_PREFIX}{self.uid}"
         # Interface names are limited to 15 characters: pid and counter in hex keep them short.
         short = f"{self.owner_pid:x}x{count:x}"
@@ -137,11 +135,6 @@ class NetnsCluster:
     def gateway(self) -> str:
         """The root namespace's (the login node's) address on the bridge."""
         return str(self._addr(1))
-
-    @property
-    def node_hosts(self) -> dict[str, str]:
-        """Node name → address."""
-        return {name: self.host(name) for name in self.node_names}
 
     def unused_host(self) -> str:
         """An address in the subnet with no node behind it (an unreachable host)."""
@@ -345,7 +338,7 @@ class NetnsCluster:
             pub = Path(f"{self.dir / node}_host_ed25519.pub").read_text().split()
             known.append(f"{self.host(node)} {pub[0]} {pub[1]}\n")
         self.known_hosts.write_text("".join(known))
-        deadline = time.monotonic() + self.ready_timeout_s
+        deadline = time.monotonic() + READY_TIMEOUT_S
         for node in self.node_names:
             self._wait_ready(node, deadline)
 
@@ -447,7 +440,7 @@ class NetnsCluster:
                 return
             if time.monotonic() > deadline:
                 raise NetnsError(
-                    f"sshd on {node} did not accept connections within {self.ready_timeout_s} s"
+                    f"sshd on {node} did not accept connections within {READY_TIMEOUT_S} s"
                 )
             time.sleep(0.05)
 
@@ -493,9 +486,8 @@ class NetnsCluster:
 # -- machine-wide helpers -------------------------------------------------------------------------
 
 
-def reap_stale() -> list[str]:
+def reap_stale() -> None:
     """Remove clusters whose owning process is gone (a test session killed by SIGKILL)."""
-    reaped = []
     for ns in _netns_names():
         if not ns.startswith(NS_PREFIX):
             continue
@@ -505,7 +497,6 @@ def reap_stale() -> list[str]:
             continue
         _kill_ns(ns)
         _run(["ip", "netns", "del", ns], check=False)
-        reaped.append(ns)
     live_pids = {
         int(n[len(NS_PREFIX) :].split("-")[0]) for n in _netns_names() if n.startswith(NS_PREFIX)
     }
@@ -516,12 +507,10 @@ def reap_stale() -> list[str]:
                 pid = int(name[3:].split("x")[0], 16)
                 if pid not in live_pids and not _pid_alive(pid):
                     _run(["ip", "link", "del", name], check=False)
-                    reaped.append(name)
     for path in STATE_ROOT.glob(f"{DIR_PREFIX}*"):
         with contextlib.suppress(ValueError):
             if not _pid_alive(int(path.name[len(DIR_PREFIX) :].split("-")[0])):
                 shutil.rmtree(path, ignore_errors=True)
-    return reaped
 
 
 def _free_subnet(
