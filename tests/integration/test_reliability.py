@@ -29,6 +29,10 @@ def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def test_sigkilled_worker_is_named_and_the_job_stops(tmp_path):
     run_dir = tmp_path / f"kill-{tmp_path.name}"
     job = fault_job(tmp_path, "--steps", "100000")
@@ -218,7 +222,8 @@ def interrupt(run: Launcher, sig: signal.Signals, *, what: str) -> str:
         ("ray-start", signal.SIGTERM),
         ("startup", signal.SIGINT),
         ("startup", signal.SIGTERM),
-        ("training", signal.SIGTERM),  # SIGINT in training: test_launch_local.py
+        ("training", signal.SIGINT),
+        ("training", signal.SIGTERM),
     ],
 )
 def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, sig):
@@ -228,6 +233,9 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
     reached, not_yet = PHASES[phase]
     with Launcher(*args, run_dir=run_dir, cwd=tmp_path) as run:
         reached(run)
+        if phase == "training":  # Ray runs its workers niced (15); training must not be
+            niced = {r: nice(int(w["PID"])) for r, w in run.workers().items()}
+            assert niced and not any(niced.values()), niced
         out = interrupt(run, sig, what=f"{sig.name} in {phase}")
     if not_yet:
         assert not_yet not in out, f"the signal came too late to test phase {phase}"
