@@ -3,13 +3,14 @@ the structured error files of workers wrapped in torchelastic's ``@record``."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from fixtures.launching import kill
 
 from launcher.orchestrate.agent import REAPER_GRACE_S, WORKER_SCAN_S, NodeAgent
 from launcher.orchestrate.plan import NODE_DIR
@@ -38,6 +39,11 @@ def main():
 
 main()
 """
+
+
+def start(agent: NodeAgent, cwd: Path, argv: list[str]) -> None:
+    """``agent`` starts ``argv`` in ``cwd`` as a launch's node would."""
+    agent.start({"run_id": "t-0a1b2c", "cwd": str(cwd), "argv": argv, "env": {}}, {})
 
 
 def run_to_exit(agent: NodeAgent, timeout_s: float = 120) -> list:
@@ -96,15 +102,7 @@ def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
         assert node_dir.name.startswith("launcher-t-0a1b2c-local-")
         assert node_dir.stat().st_mode & 0o777 == 0o700 and node_dir.stat().st_uid == os.getuid()
         # A restart's tails are its own: the first attempt's report must not blame the second.
-        agent.start(
-            {
-                "run_id": "t-0a1b2c",
-                "cwd": str(tmp_path),
-                "argv": [sys.executable, "-c", "print('again')"],
-                "env": {},
-            },
-            {},
-        )
+        start(agent, tmp_path, [sys.executable, "-c", "print('again')"])
         assert run_to_exit(agent)[-1].exit.exit_code == 0
         assert agent.tail(None, 200) == ["again"] and agent.tail(1) == []
         assert agent.node_dir() == str(node_dir)  # every attempt of the run: one folder
@@ -167,9 +165,7 @@ def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path)
         assert not node_dir.exists(), "the reaper removes the node folder the agent cannot"
     finally:
         agent.kill()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill(pids)
 
 
 def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_is_reported(
@@ -181,15 +177,7 @@ def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_i
     agent = NodeAgent("local")
     pids: list[int] = []
     try:
-        agent.start(
-            {
-                "run_id": "t-0a1b2c",
-                "cwd": str(tmp_path),
-                "argv": [sys.executable, str(tmp_path / "torchrun.py")],
-                "env": {},
-            },
-            {},
-        )
+        start(agent, tmp_path, [sys.executable, str(tmp_path / "torchrun.py")])
         deadline = time.monotonic() + 60
         while not pids and time.monotonic() < deadline:
             pids = [
@@ -207,9 +195,7 @@ def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_i
     finally:
         agent.stop(1.0)
         agent.cleanup()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill(pids)
 
 
 FLOOD = """
@@ -230,15 +216,7 @@ def test_a_rank_that_floods_its_output_is_cut_and_dropped_with_a_note(tmp_path):
     (tmp_path / "flood.py").write_text(FLOOD)
     agent = NodeAgent("local")
     try:
-        agent.start(
-            {
-                "run_id": "t-0a1b2c",
-                "cwd": str(tmp_path),
-                "argv": [sys.executable, str(tmp_path / "flood.py")],
-                "env": {},
-            },
-            {},
-        )
+        start(agent, tmp_path, [sys.executable, str(tmp_path / "flood.py")])
         deadline = time.monotonic() + 60
         while agent._status() is None or any(t.is_alive() for t in agent._threads):
             assert time.monotonic() < deadline

@@ -19,9 +19,11 @@ import pytest
 import yaml
 from fixtures.launching import (
     QUICK,
+    assert_none_left,
     env_of,
     kill,
     launch,
+    ours,
     processes,
     slow_batches,
     wait_for,
@@ -123,20 +125,12 @@ def jobs(tmp_path_factory):
     finally:
         down = runner.run("down", "--yes", timeout=120)
         head = runner.head() if (root / "state/local/head.json").exists() else None
-        # Ray's per-job watcher (`while kill -s 0 <supervisor>; do sleep 1; ...`) ends within 1 s.
-        deadline = time.monotonic() + 10
-        while (
-            left := {
-                pid: cmd
-                for pid, cmd in processes().items()
-                if env_of(pid).get("LAUNCHER_TEST_MARK") == runner.mark
-            }
-        ) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        kill(list(left))
+        try:  # Ray's per-job watcher (`while kill -s 0 <supervisor>; do sleep 1`) ends within 1 s
+            assert_none_left(runner.mark, wait_s=10)
+        finally:
+            kill(list(ours(runner.mark)))
         assert down.returncode == 0, down.stdout + down.stderr
         assert head is None, f"launch down left its head: {head}"
-        assert not left, f"left running after launch down: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ that nothing the launch started is left running (tests/fixtures/launching.py).""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures.launching import FIXTURES, Launcher, wait_for, write_job
+from fixtures.launching import FIXTURES, Launcher, kill, wait_for, write_job
 
 from launcher.metrics import read_records
 
@@ -301,9 +300,7 @@ def test_lost_node_is_detected_and_named(netns_cluster, tmp_path):
         victims = [pid for pid in cluster.pids(lost) if pid not in keep]
         assert victims, f"nothing runs on {lost}"
         lost_at = time.monotonic()
-        for pid in victims:  # the node's raylet, agent, torchrun and worker die at once
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill(victims)  # the node's raylet, agent, torchrun and worker die at once
         assert run.wait(timeout=180) == 4, run.output[-4000:]
         took = time.monotonic() - lost_at
         out = run.output
