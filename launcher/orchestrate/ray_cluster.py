@@ -678,7 +678,7 @@ def _on_node(
         ) from err
 
 
-def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
+def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> None:
     command = (
         f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
     )
@@ -690,7 +690,6 @@ def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> str:
             f"{result.exit_code}: {' | '.join(tail) or 'no output'}. If Ray already runs there, "
             f"stop it (`ray stop`) or attach to it with ray.address in cluster.yaml"
         )
-    return result.stdout
 
 
 def stop_ray(

@@ -167,10 +167,9 @@ class RunDir:
                 f"({err.filename or self.root}); pass --run-dir a folder you can write"
             ) from err
 
-    def write_plan(self, launch_plan: LaunchPlan) -> Path:
-        path = self.plan_file(launch_plan.attempt)
-        write_private(path, json.dumps(launch_plan.to_json(), indent=2) + "\n")
-        return path
+    def write_plan(self, launch_plan: LaunchPlan) -> None:
+        text = json.dumps(launch_plan.to_json(), indent=2) + "\n"
+        write_private(self.plan_file(launch_plan.attempt), text)
 
 
 def _taken(path: Path) -> UsageError:
