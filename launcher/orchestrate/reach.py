@@ -6,10 +6,10 @@ agent listens there, so that a firewall or a wrong route fails in seconds.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import socket
 import threading
 
+from launcher.preflight.network import is_loopback
 from launcher.preflight.probe import interfaces
 
 __all__ = ["REACH_TIMEOUT_S", "Listener", "reach"]
@@ -66,7 +66,7 @@ def reach(master_addr: str, port: int, ifname: str | None, timeout_s: float) -> 
             )
         if not found[name]:
             return f"interface {name} (GLOO_SOCKET_IFNAME) has no IPv4 address here"
-        if _loopback(found[name][0]) and not _loopback(master_addr):
+        if is_loopback(found[name][0]) and not is_loopback(master_addr):
             return (
                 f"GLOO_SOCKET_IFNAME={ifname}: {name} ({found[name][0]}) is loopback, from "
                 f"which the head at {master_addr} cannot be reached"
@@ -75,13 +75,6 @@ def reach(master_addr: str, port: int, ifname: str | None, timeout_s: float) -> 
         if failed:
             return failed
     return None
-
-
-def _loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:  # a name: connecting tells
-        return False
 
 
 def _connect(
