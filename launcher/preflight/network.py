@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["Route", "choose_routes", "is_loopback", "route_cell"]
@@ -31,13 +31,7 @@ class Route:
     head: str
 
     def to_json(self) -> dict[str, str]:
-        return {
-            "interface": self.interface,
-            "address": self.address,
-            "master_ip": self.master_ip,
-            "source": self.source,
-            "head": self.head,
-        }
+        return asdict(self)
 
 
 def is_loopback(address: str | None) -> bool:
