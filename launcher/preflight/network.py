@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from launcher.preflight.probe import interface_of
+
 __all__ = ["Route", "choose_routes", "is_loopback", "route_cell"]
 
 
@@ -122,11 +124,4 @@ def choose_routes(
 def _holder(address: str, interfaces: Any) -> str | None:
     if not isinstance(interfaces, dict) or "error" in interfaces:
         return None
-    return next(
-        (
-            name
-            for name, addrs in interfaces.items()
-            if isinstance(addrs, list) and address in addrs
-        ),
-        None,
-    )
+    return interface_of(address, {n: a for n, a in interfaces.items() if isinstance(a, list)})
