@@ -97,7 +97,7 @@ class FakeTimer:
         return (b - a) * 1e3
 
 
-def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False, watts=650.0):
+def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False, watts=650.0, start=0):
     clock = FakeClock()
     calls = {"sync": 0, "reduce": 0}
     records: list[dict] = []
@@ -124,6 +124,7 @@ def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False, watts
 
     meter = Meter(
         total_steps=total,
+        start_step=start,
         warmup_steps=warmup,
         log_every=log_every,
         tokens_per_step=1000,
@@ -250,22 +251,7 @@ def test_unknown_peak_gives_null_mfu():
 
 
 def test_resumed_meter_counts_warmup_from_its_first_step():
-    clock = FakeClock()
-    records: list[dict] = []
-    meter = Meter(
-        total_steps=30,
-        start_step=20,
-        warmup_steps=2,
-        log_every=5,
-        tokens_per_step=1,
-        samples_per_step=1,
-        flops_per_token=1.0,
-        peak_tflops=None,
-        timer=FakeTimer(clock),
-        sync=lambda: None,
-        clock=clock,
-        write=records.append,
-    )
+    meter, clock, _, records = make_meter(total=30, start=20, warmup=2, peak=None)
     meter.start()
     for step in range(21, 31):
         clock.now += 0.1
