@@ -87,19 +87,19 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
         opt.clip_grad_norm_(1.0)
         opt.step()
         sched.step()
-    ckpt = checkpointer(CheckpointSpec(dir=tmp_path, resume="auto"))
+    spec = CheckpointSpec(dir=tmp_path, resume="auto")
+    ckpt = checkpointer(spec)
     ckpt.save(3, model, opt, sched)
     ckpt.wait()  # written in the background (train.checkpoint.async)
     masters = {i: opt.masters.master_of(p).clone() for i, p in enumerate(model.parameters())}
     moments = {i: opt.state[p]["exp_avg_sq"].clone() for i, p in enumerate(model.parameters())}
 
-    fp32, fused, fused_sched = build("fp32")
-    assert (
-        checkpointer(CheckpointSpec(dir=tmp_path, resume="auto")).maybe_resume(
-            fp32, fused, fused_sched
-        )
-        == 3
-    )
+    def resumed(weights: str):
+        model, opt, sched = build(weights)
+        assert checkpointer(spec).maybe_resume(model, opt, sched) == 3
+        return model, opt
+
+    fp32, fused = resumed("fp32")
     for i, p in enumerate(fp32.parameters()):
         assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[i])
         assert (
@@ -108,13 +108,7 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
         )
     assert all(g["fused"] is True for g in fused.param_groups)
 
-    bf16, again, again_sched = build("bf16")
-    assert (
-        checkpointer(CheckpointSpec(dir=tmp_path, resume="auto")).maybe_resume(
-            bf16, again, again_sched
-        )
-        == 3
-    )
+    bf16, again = resumed("bf16")
     for i, p in enumerate(bf16.parameters()):
         assert torch.equal(again.masters.master_of(p), masters[i])
         assert torch.equal(p.detach(), masters[i].bfloat16())
