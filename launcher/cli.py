@@ -10,7 +10,7 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from launcher import __version__, console, signals
@@ -19,25 +19,6 @@ from launcher.util import setup_logging
 
 log = logging.getLogger("launcher")
 
-COMMANDS = (
-    "run",
-    "plan",
-    "check",
-    "scale",
-    "report",
-    "doctor",
-    "schema",
-    "export",
-    "tokenize",
-    "submit",
-    "status",
-    "logs",
-    "stop",
-    "list",
-    "fetch",
-    "up",
-    "down",
-)
 # Commands that act: a reader of their output that goes away changes nothing of what they do
 # (what they print from then on is dropped, ``console.ReaderMayGo``).
 WORKING_COMMANDS = frozenset(
@@ -73,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
     """The command line's arguments, or the exit code of a command line that ends here."""
     try:
-        return _parser().parse_args(_with_command(list(sys.argv[1:] if argv is None else argv)))
+        parser, commands = _parser()
+        args = list(sys.argv[1:] if argv is None else argv)
+        return parser.parse_args(_with_command(args, commands))
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_INVALID_INPUT
 
@@ -347,16 +330,17 @@ def _load_cluster(args: argparse.Namespace):  # noqa: ANN202
     return load_cluster(args.cluster)
 
 
-def _with_command(args: list[str]) -> list[str]:
+def _with_command(args: list[str], commands: Collection[str]) -> list[str]:
     """``launch [--debug] JOB.yaml ...`` is ``launch [--debug] run JOB.yaml ...``: ``run`` goes
     before the first argument that is neither an option nor a command."""
     first = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
-    if first is not None and args[first] not in COMMANDS:
+    if first is not None and args[first] not in commands:
         return [*args[:first], "run", *args[first:]]
     return args
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
+    """The parser, and its command names."""
     # --debug before or after the command; the command's copy has no default, so that it does
     # not overwrite a --debug given before the command
     common = argparse.ArgumentParser(add_help=False)
@@ -546,7 +530,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schema", parents=[common], help="JSON Schema of the job or cluster spec")
     p.add_argument("which", choices=("job", "cluster"))
     p.set_defaults(func=cmd_schema)
-    return parser
+    return parser, sub.choices
 
 
 def _int_list(text: str) -> list[int]:

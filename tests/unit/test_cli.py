@@ -113,13 +113,13 @@ def test_entry_points(argv):
     ],
 )
 def test_debug_before_or_after_the_command(argv):
-    from launcher.cli import _parser, _with_command
+    from launcher.cli import _parse
 
-    assert _parser().parse_args(_with_command(argv)).debug is True
+    assert _parse(argv).debug is True
 
 
 @pytest.mark.parametrize("argv", [["run", "j.yaml"], ["j.yaml"], ["status"]])
 def test_no_debug_unless_asked(argv):
-    from launcher.cli import _parser, _with_command
+    from launcher.cli import _parse
 
-    assert _parser().parse_args(_with_command(argv)).debug is False
+    assert _parse(argv).debug is False

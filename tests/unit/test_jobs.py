@@ -214,7 +214,7 @@ def test_jobs_address_needs_an_attached_cluster(tmp_path):
 
 
 def test_job_commands_parse():
-    parser = _parser()
+    parser, _ = _parser()
     args = parser.parse_args(["run", "job.yaml", "--detach", "--json"])
     assert args.detach and args.json
     args = parser.parse_args(
