@@ -18,6 +18,7 @@ from typing import Any
 
 from launcher.errors import PreflightError, UsageError
 from launcher.jobs import records
+from launcher.jobs import state as job_state
 from launcher.orchestrate.rundir import BATCH_ENV, BATCH_OUTPUT, BATCH_SCRIPT, DEFAULT_BASE
 from launcher.orchestrate.slurm import check_partition, request_options, require_commands
 from launcher.spec import ClusterSpec, JobSpec
@@ -138,10 +139,7 @@ def status(job_id: str | None, *, as_json: bool) -> int:
     if job_id is None:
         return list_jobs(as_json=as_json)
     row = state(job_id)
-    if as_json:
-        print(json.dumps({k: v for k, v in row.items() if k != "reason"}), flush=True)
-    else:
-        print(_line(row), flush=True)
+    print(json.dumps(job_state.to_json(row)) if as_json else _line(row), flush=True)
     return 0
 
 
@@ -151,7 +149,7 @@ def list_jobs(*, as_json: bool) -> int:
     ids = sorted((p.stem for p in folder.glob("*.json")), key=_id_order, reverse=True)
     rows = [state(i) for i in ids]
     if as_json:
-        print(json.dumps([{k: v for k, v in r.items() if k != "reason"} for r in rows]))
+        print(json.dumps([job_state.to_json(r) for r in rows]))
     else:
         print("\n".join(_line(r) for r in rows) or "no batch jobs", flush=True)
     return 0

@@ -71,10 +71,7 @@ def row(details: Any, logs: str) -> dict[str, Any]:
     """What ``launch status`` says of one job (``JobDetails`` and its driver's log)."""
     meta = details.metadata or {}
     state = last_state(logs) or {}
-    status = status_of(
-        str(details.status.value if hasattr(details.status, "value") else details.status),
-        state or None,
-    )
+    status = status_of(str(details.status.value), state or None)
     failure = state.get("failure") if state.get("state") == "done" else None
     run_dir, no_run_dir = _run_dir(meta.get("run_dir"), status, state)
     if status == "FAILED" and failure is None:
