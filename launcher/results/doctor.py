@@ -21,7 +21,7 @@ import yaml
 from launcher.errors import UsageError
 from launcher.metrics import read_records
 from launcher.results.stragglers import node_differences, preflight_facts
-from launcher.results.summary import load_run
+from launcher.results.summary import load_run, read_json
 
 # The built-in trainer's MFU on these GPUs (GPT-2 124M, BERT-base; benchmarks/RESULTS.md).
 REFERENCE_MFU = {"H200": 0.47, "H100": 0.47}
@@ -129,7 +129,7 @@ class _Run:
             s for p in sorted((root / "telemetry").glob("*.jsonl")) for s in read_records(p)
         ]
         self.facts = preflight_facts(root / "preflight")
-        self.plan = _json(root / "plan.json") or {}
+        self.plan = read_json(root / "plan.json") or {}
         try:
             self.job = yaml.safe_load((root / "job.yaml").read_text()) or {}
         except (OSError, yaml.YAMLError):
@@ -185,13 +185,6 @@ class _Run:
     @property
     def builtin(self) -> bool:
         return self.job_get("entrypoint", "builtin") == "builtin"
-
-
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _seconds(records: list[dict[str, Any]], key: str) -> float:

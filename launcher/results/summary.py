@@ -186,8 +186,8 @@ def load_run(run_dir: Path) -> dict:
     if not run_dir.is_dir():
         what = "not a directory" if run_dir.exists() else "no such directory"
         raise UsageError(f"{run_dir}: {what}; give a run directory (runs/<job>-<time>/)")
-    plan = _read_json(run_dir / "plan.json")
-    previous = _read_json(run_dir / "summary.json")
+    plan = read_json(run_dir / "plan.json")
+    previous = read_json(run_dir / "summary.json")
     source = plan if plan is not None else previous
     if source is None:
         raise UsageError(
@@ -624,7 +624,8 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return statistics.fmean(known) if known else None
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A run directory's JSON object; None where the file is missing, UsageError where damaged."""
     if not path.is_file():
         return None
     try:
