@@ -73,7 +73,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             if len(parts) > 1 and parts[-2] == "env":
                 value = _env_text(raw)
             else:
-                value = yaml.load(raw, Loader=_SetValueLoader) if raw.strip() else ""
+                value = yaml.load(raw, Loader=_SpecLoader) if raw.strip() else ""
         except _TagError as err:
             raise UsageError(
                 f"--set {_shortened(item)!r}: the value cannot be read: {err.problem}"
@@ -155,10 +155,6 @@ class _SpecLoader(yaml.SafeLoader):
                 f"{node.value!r} is not a valid {tag}; fix the value, or quote it to mean the text",
                 node.start_mark,
             ) from None
-
-
-class _SetValueLoader(_SpecLoader):
-    """The value of one ``--set`` override."""
 
 
 class _StrictLoader(_SpecLoader):
