@@ -315,22 +315,21 @@ def test_the_driver_takes_the_folder_marked_for_its_job_and_no_other(tmp_path, m
 def jobs_api():
     """A local head's Jobs API, its one route this needs: GET /api/jobs/<id> with the token (a
     status ``redirect:URL`` answers 302 to URL)."""
-    port, statuses, _ = _serve(_jobs_api_handler)
-    yield port, statuses
+    for port, statuses, _ in _serve(_jobs_api_handler):
+        yield port, statuses
 
 
 @pytest.fixture
 def listener():
     """Something else listening on 127.0.0.1: what it was asked (method, path, headers), and
     for every request an answer that would free the folder (FAILED)."""
-    port, _, asked = _serve(_listener_handler)
-    yield port, asked
-
-
-_servers: list = []
+    for port, _, asked in _serve(_listener_handler):
+        yield port, asked
 
 
 def _serve(handler_of):
+    """Serves ``handler_of(statuses, asked)`` on 127.0.0.1: yields (port, statuses, asked)
+    once, and stops the server when resumed."""
     import http.server
     import threading
 
@@ -338,15 +337,9 @@ def _serve(handler_of):
     asked: list = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_of(statuses, asked))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    _servers.append(server)
-    return server.server_address[1], statuses, asked
-
-
-@pytest.fixture(autouse=True)
-def _stop_servers():
-    yield
-    while _servers:
-        server = _servers.pop()
+    try:
+        yield server.server_address[1], statuses, asked
+    finally:
         server.shutdown()
         server.server_close()
 
