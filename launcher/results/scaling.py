@@ -11,10 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tabulate import tabulate
-
 from launcher.errors import SpecError, UsageError
-from launcher.results.summary import csv_text
+from launcher.results.summary import DASH, csv_text, grid
 from launcher.spec.job import JobSpec
 from launcher.util import write_atomic
 
@@ -36,7 +34,6 @@ POINT_KEYS = (
     "noisy",
 )
 CSV_KEYS = POINT_KEYS[:8] + ("failed_repeats",)
-DASH = "–"
 SPREAD_LIMIT = 2.0  # a rank's p95 step time above this many times its p50: a noisy measurement
 DISAGREE_LIMIT = 0.10  # repeats whose range exceeds this share of their median disagree
 
@@ -168,13 +165,7 @@ def render_scaling(table: dict) -> str:
                 f"{len(p['repeats'])}/{runs}" if p["failed_repeats"] else str(runs),
             ]
         )
-    grid = tabulate(
-        body,
-        headers=headers,
-        tablefmt="simple",
-        disable_numparse=True,
-        colalign=("right",) * len(headers),
-    )
+    text = grid(body, headers, ("right",) * len(headers))
     base = table.get("base_ranks")
     definition = (
         "speedup / (N/N0), the global batch kept"
@@ -193,7 +184,7 @@ def render_scaling(table: dict) -> str:
             f"{p['ranks']} rank(s): {p['noisy']}" for p in noisy
         )
         note += ". Repeat on a quiet machine with --repeat 3 or more."
-    return f"{table['job']}: {table['mode']} scaling\n\n{grid}\n\n{note}\n"
+    return f"{table['job']}: {table['mode']} scaling\n\n{text}\n\n{note}\n"
 
 
 def write_scaling(out_dir: Path, table: dict) -> str:

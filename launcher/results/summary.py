@@ -262,6 +262,13 @@ def to_csv(summary: dict) -> str:
     return csv_text(summary["ranks"], RANK_KEYS)
 
 
+def grid(body: list[list[Any]], headers: Sequence[str], colalign: Sequence[str]) -> str:
+    """A text table of ``body`` with the values as given (no number re-formatting)."""
+    return tabulate(
+        body, headers=headers, tablefmt="simple", disable_numparse=True, colalign=colalign
+    )
+
+
 def csv_text(rows: Iterable[dict], keys: Sequence[str]) -> str:
     """CSV with ``keys`` as columns, one line per row; missing and null values are empty."""
     buf = io.StringIO()
@@ -488,13 +495,7 @@ def _rank_table(rows: list[dict]) -> str:
         + ([_fmt(r.get("sm_clock_mhz"), 0), _fmt(r.get("clock_limited_pct"), 0)] if clocks else [])
         for r in rows
     ]
-    return tabulate(
-        body,
-        headers=headers,
-        tablefmt="simple",
-        disable_numparse=True,
-        colalign=("right", "left", "left", "left") + ("right",) * (len(headers) - 4),
-    )
+    return grid(body, headers, ("right", "left", "left", "left") + ("right",) * (len(headers) - 4))
 
 
 def node_rows(rows: list[dict]) -> list[dict]:
@@ -552,13 +553,7 @@ def _node_table(rows: list[dict]) -> str:
         ]
         for n in node_rows(rows)
     ]
-    return tabulate(
-        body,
-        headers=headers,
-        tablefmt="simple",
-        disable_numparse=True,
-        colalign=("left", "left") + ("right",) * 8,
-    )
+    return grid(body, headers, ("left", "left") + ("right",) * 8)
 
 
 def _totals_table(summary: dict) -> str:
@@ -572,7 +567,7 @@ def _totals_table(summary: dict) -> str:
         [f"tokens/s per {_worker(summary)}", _fmt(t["tokens_per_s_per_gpu"], thousands=True)],
         ["MFU % (mean of ranks)", _fmt(t["mfu"], pct=True)],
     ]
-    return tabulate(body, tablefmt="simple", disable_numparse=True, colalign=("left", "right"))
+    return grid(body, (), ("left", "right"))
 
 
 def _worker(summary: dict) -> str:
