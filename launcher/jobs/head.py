@@ -182,15 +182,9 @@ def _load(folder: Path) -> LocalHead | None:
     if not path.is_file():
         return None
     try:
-        head = LocalHead(**json.loads(path.read_text()))
+        return LocalHead(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError) as err:
         raise UnreadableRecord(path, err) from err
-    fields = (head.pid, head.gcs_port, head.dashboard_port, head.agent_port)
-    if not all(type(v) is int for v in fields) or not all(
-        isinstance(v, str) for v in (head.temp_dir, head.token_file)
-    ):
-        raise UnreadableRecord(path, ValueError("a field has the wrong type"))
-    return head
 
 
 TEMP_DIR_FILE = "temp_dir"  # in the local folder: the running (or last) head's temp dir
