@@ -9,6 +9,7 @@ import json
 
 import pytest
 from fixtures.fake_launch import Agents as Reaching
+from fixtures.fake_launch import Session
 from fixtures.fake_launch import cpu_job as job
 from fixtures.fake_launch import two_nodes as cluster
 
@@ -64,14 +65,6 @@ class Agents(Reaching):
 
     def close(self) -> None:
         self._call("close")
-
-
-class Session:
-    def __init__(self) -> None:
-        self.closed = False
-
-    def close(self, *, keep_ray: bool = False) -> None:
-        self.closed = True
 
 
 def launch(

@@ -9,6 +9,7 @@ import json
 import threading
 
 import pytest
+from fixtures.fake_launch import Session, cpu_job
 from fixtures.launching import processes
 
 from launcher.errors import EXIT_PREFLIGHT, JobFailed, PreflightError
@@ -16,29 +17,10 @@ from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
 from launcher.preflight import NodeFacts
 from launcher.remote import fan_out, runner_for
-from launcher.spec import ClusterSpec, JobSpec, NodeSpec
+from launcher.spec import ClusterSpec, NodeSpec
 from launcher.spec.cluster import SSHSpec
 
 WAIT_S = 30.0  # a stage that waits this long for the other one: they did not overlap
-
-
-def job(device: str = "cpu") -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "t",
-            "resources": {"device": device, "nproc_per_node": 1},
-            "precision": {"dtype": "fp32"},
-            "train": {"steps": 10, "warmup_steps": 1},
-        }
-    )
-
-
-class Session:
-    def __init__(self) -> None:
-        self.closed = False
-
-    def close(self, *, keep_ray: bool = False) -> None:
-        self.closed = True
 
 
 class Agents:
@@ -88,7 +70,7 @@ def launch(
     monkeypatch.setattr(Launch, "place_agents", place_agents)
     monkeypatch.setattr(Launch, "run_attempts", run_attempts)
     launcher = Launch(
-        job=job(device),
+        job=cpu_job(device=device),
         cluster=ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}]}),
         run_dir=RunDir(tmp_path / "run"),
         quiet=True,
