@@ -221,7 +221,7 @@ def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch):
     monkeypatch.setattr(RunDir, "write_plan", second_write_fails)
     failed = {0: AgentUpdate(exit=ExitStatus(1)), 1: AgentUpdate(exit=ExitStatus(0))}
     agents = RestartingAgents(rounds=[failed])
-    launcher, session = launch(tmp_path, monkeypatch, agents, job_with_restarts())
+    launcher, session = launch(tmp_path, monkeypatch, agents, job({"max_restarts": 1}))
     with pytest.raises(JobFailed, match="No space left on device") as err:
         launcher.execute()
     assert err.value.exit_code == EXIT_JOB_FAILED
@@ -241,18 +241,6 @@ class RestartingAgents(Agents):
 
     def errors(self, i: int) -> list:
         return []
-
-
-def job_with_restarts() -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "t",
-            "resources": {"device": "cpu", "nproc_per_node": 1},
-            "precision": {"dtype": "fp32"},
-            "launch": {"max_restarts": 1},
-            "train": {"steps": 10, "warmup_steps": 1},
-        }
-    )
 
 
 def test_a_node_that_cannot_reach_the_rendezvous_port_is_exit_3_before_any_worker(
