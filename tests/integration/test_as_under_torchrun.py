@@ -10,12 +10,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
-from fixtures.launching import launch
+from fixtures.launching import launch, wait_for, write_job
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,22 +36,10 @@ def seen_env(run_dir: Path, node: str, rank: int) -> dict[str, str]:
     return json.loads(next(line[4:] for line in log.splitlines() if line.startswith("ENV ")))
 
 
-def script_job(folder: Path, source: str, *args: str, nproc: int = 2, **extra: object) -> Path:
-    """A job running ``source`` as ``script.py`` with ``args``, on the CPU."""
+def script_job(folder: Path, source: str) -> Path:
+    """A job running ``source`` as ``script.py`` on two CPU workers."""
     (folder / "script.py").write_text(source)
-    job = {
-        "name": "torchrun-like",
-        "resources": {"nproc_per_node": nproc, "device": "cpu"},
-        "entrypoint": {"script": "script.py", "args": list(args)},
-        **extra,
-    }
-    path = folder / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
-
-
-def launch_cmd(job: Path, run_dir: Path, *more: str) -> list[str]:
-    return [sys.executable, "-m", "launcher", str(job), "--run-dir", str(run_dir), *more]
+    return write_job(folder, {"script": "script.py"})
 
 
 CATCH_CTRL_C = """
@@ -72,21 +58,13 @@ except KeyboardInterrupt:
 NOT_OURS = ("Traceback", "SignalException", "ChildFailedError", "torch.distributed.elastic")
 
 
-def wait_for(path: Path, text: str, proc: subprocess.Popen[str], timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not (path.is_file() and text in path.read_text()):
-        assert proc.poll() is None, f"launch ended early: {proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, f"{text!r} never reached {path}"
-        time.sleep(0.3)
-
-
 def test_ctrl_c_runs_every_ranks_keyboard_interrupt_handler(tmp_path):
     """SIGINT to the launch's process group, as a terminal's Ctrl-C: each rank gets SIGINT, its
     handler runs; exit 130, the summary says interrupted, no torchrun or Ray traceback shows."""
     job = script_job(tmp_path, CATCH_CTRL_C)
     run_dir = tmp_path / f"run-{tmp_path.name}"
     proc = subprocess.Popen(
-        launch_cmd(job, run_dir, "--skip-parity"),
+        [sys.executable, "-m", "launcher", str(job), "--run-dir", str(run_dir), "--skip-parity"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -94,8 +72,16 @@ def test_ctrl_c_runs_every_ranks_keyboard_interrupt_handler(tmp_path):
         start_new_session=True,  # its own process group, as a terminal's foreground job
     )
     try:
-        for rank in (0, 1):
-            wait_for(run_dir / f"logs/local/rank{rank}.log", f"ready {rank}", proc)
+        logs = [run_dir / f"logs/local/rank{rank}.log" for rank in (0, 1)]
+        wait_for(
+            lambda: all(
+                log.is_file() and f"ready {r}" in log.read_text() for r, log in enumerate(logs)
+            ),
+            timeout=180,
+            what="both ranks ready",
+            proc=proc,
+            poll=0.3,
+        )
         os.killpg(proc.pid, signal.SIGINT)
         console, _ = proc.communicate(timeout=90)
     finally:
@@ -130,11 +116,7 @@ def test_a_failing_rank_shows_its_own_traceback_and_no_torchruns(tmp_path):
     # the rank's own traceback, as it wrote it (torch marks each line [rank1]:)
     assert re.search(r"^\[local/rank1\] (\[rank1\]: )?Traceback", console, re.MULTILINE)
     others = [line for line in console.splitlines() if not line.startswith("[local/rank1]")]
-    assert not [
-        bad
-        for bad in ("SignalException", "ChildFailedError", "torch.distributed.elastic")
-        if any(bad in line for line in others)
-    ], console[-4000:]
+    assert not [bad for bad in NOT_OURS[1:] if any(bad in line for line in others)], console[-4000:]
     assert "Token authentication is enabled" not in console
 
 

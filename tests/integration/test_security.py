@@ -27,21 +27,10 @@ from fixtures.launching import (
     processes,
     wait_for,
     what_nobody_can_touch,
+    write_job,
 )
 
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="switching to user nobody needs root")
-
-
-def _cmdlines() -> dict[int, bytes]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    out[int(entry)] = fh.read()
-            except OSError:
-                continue
-    return out
 
 
 def _listening() -> list[tuple[str, int, str]]:
@@ -60,27 +49,17 @@ def _listening() -> list[tuple[str, int, str]]:
 def test_secrets_masked_everywhere_yet_workers_get_them(tmp_path):
     secret = f"tok-{uuid.uuid4().hex}"
     password = f"pw-{uuid.uuid4().hex}"
-    job = {
-        "name": "sec",
-        "resources": {"nproc_per_node": 2, "device": "cpu"},
-        "precision": {"dtype": "fp32"},
-        "launch": {
-            "env": {
-                "MY_API_TOKEN": secret,
-                "DB_PASSWORD": password,
-                "DB_PASSWD": password,
-                "AWS_CREDENTIALS": password,
-                "DATABASE_URL": f"postgres://user:{password}@db/x",
-                "PLAIN_SETTING": "visible-1",
-            }
-        },
-        "entrypoint": {
-            "script": str(FIXTURES / "fault_train.py"),
-            "args": ["--steps", "60", "--step-sleep", "0.1", "--secret-env", "MY_API_TOKEN"],
-        },
+    env = {
+        "MY_API_TOKEN": secret,
+        "DB_PASSWORD": password,
+        "DB_PASSWD": password,
+        "AWS_CREDENTIALS": password,
+        "DATABASE_URL": f"postgres://user:{password}@db/x",
+        "PLAIN_SETTING": "visible-1",
     }
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
+    args = ["--steps", "60", "--step-sleep", "0.1", "--secret-env", "MY_API_TOKEN"]
+    entry = {"script": str(FIXTURES / "fault_train.py"), "args": args}
+    job_file = write_job(tmp_path, entry, launch={"env": env})
     job_file.chmod(0o600)
 
     # `launch plan`: the env table shows the names, masks the values
@@ -103,16 +82,12 @@ def test_secrets_masked_everywhere_yet_workers_get_them(tmp_path):
         )
         # mid-run: the real value is in the workers' environment, on no process's command line
         assert all(w.get("MY_API_TOKEN") == secret for w in workers.values())
-        leaked = {
-            pid: cmd
-            for pid, cmd in _cmdlines().items()
-            if secret.encode() in cmd or password.encode() in cmd
-        }
+        leaked = {pid: cmd for pid, cmd in processes().items() if secret in cmd or password in cmd}
         assert not leaked, f"secret on a command line: {leaked}"
         # Ray's own auth token (in its processes' environment, if any) is on no command line either
         tokens = {env_of(pid).get("RAY_AUTH_TOKEN") for pid in ours(run.mark)} - {None, ""}
         for token in tokens:
-            assert not any(token.encode() in cmd for cmd in _cmdlines().values()), (
+            assert not any(token in cmd for cmd in processes().values()), (
                 "Ray token on a command line"
             )
         # The embedded Ray serves no dashboard (ray.dashboard defaults to false): the dashboard
@@ -166,18 +141,8 @@ def test_secrets_masked_everywhere_yet_workers_get_them(tmp_path):
 
 
 def _slow_job(tmp_path) -> Path:
-    job = {
-        "name": "priv",
-        "resources": {"nproc_per_node": 2, "device": "cpu"},
-        "precision": {"dtype": "fp32"},
-        "entrypoint": {
-            "script": str(FIXTURES / "fault_train.py"),
-            "args": ["--steps", "2000", "--step-sleep", "0.1"],
-        },
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    args = ["--steps", "2000", "--step-sleep", "0.1"]
+    return write_job(tmp_path, {"script": str(FIXTURES / "fault_train.py"), "args": args})
 
 
 def _arg(pids, prefix: str) -> set[str]:
