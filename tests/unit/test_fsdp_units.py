@@ -15,6 +15,21 @@ from launcher.train.parallel import apply_fsdp, parallelize, shards_alone
 from launcher.util import free_port
 
 
+def fsdp_job(fsdp: dict, *, size: str = "mini", vocab: int = 512, device: str = "cpu", **more):
+    """A BERT on synthetic 16-token samples whose blocks FSDP shards with ``fsdp``."""
+    return JobSpec.model_validate(
+        {
+            "name": "fsdp",
+            "model": {"arch": "bert", "size": size, "vocab_size": vocab},
+            "data": {"source": "synthetic", "seq_len": 16},
+            "parallel": {"strategy": "fsdp", "fsdp": fsdp},
+            "precision": {"dtype": "fp32"},
+            "resources": {"device": device},
+            **more,
+        }
+    )
+
+
 @pytest.fixture(scope="module")
 def one_process_group():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -25,16 +40,7 @@ def one_process_group():
 
 @pytest.mark.parametrize(("per_unit", "units"), [(1, 4), (2, 2), (3, 2), (4, 1), (8, 1)])
 def test_blocks_are_grouped_into_units(one_process_group, per_unit: int, units: int):
-    job = JobSpec.model_validate(
-        {
-            "name": "units",
-            "model": {"arch": "bert", "size": "mini", "vocab_size": 512},
-            "data": {"source": "synthetic", "seq_len": 16},
-            "parallel": {"strategy": "fsdp", "fsdp": {"blocks_per_unit": per_unit}},
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu"},
-        }
-    )
+    job = fsdp_job({"blocks_per_unit": per_unit})
     model = build_model(job.model)
     names = [n for n, _ in model.named_parameters()]
     model = apply_fsdp(model, job, device=torch.device("cpu"), world_size=1)
@@ -59,19 +65,8 @@ def test_accumulation_keeps_parameters_gathered_only_when_the_step_does_anyway(
     from launcher.train.data import build_data
     from launcher.train.parallel import gradient_sync
 
-    job = JobSpec.model_validate(
-        {
-            "name": "accum",
-            "model": {"arch": "bert", "size": "mini", "vocab_size": 512},
-            "data": {"source": "synthetic", "seq_len": 16},
-            "train": {"micro_batch": 2, "grad_accum": 2},
-            "parallel": {
-                "strategy": "fsdp",
-                "fsdp": {"reshard_after_forward": reshard_after_forward},
-            },
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": "cpu"},
-        }
+    job = fsdp_job(
+        {"reshard_after_forward": reshard_after_forward}, train={"micro_batch": 2, "grad_accum": 2}
     )
     cpu = torch.device("cpu")
     model = apply_fsdp(build_model(job.model), job, device=cpu, world_size=1)
@@ -94,17 +89,9 @@ def test_fsdp_on_one_process_trains_the_model_unwrapped_unless_it_offloads():
     from torch.distributed.fsdp import FSDPModule
 
     def job(**fsdp) -> JobSpec:
-        return JobSpec.model_validate(
-            {
-                "name": "one",
-                "model": {"arch": "bert", "size": "tiny", "vocab_size": 256},
-                "data": {"source": "synthetic", "seq_len": 16},
-                "parallel": {"strategy": "fsdp", "fsdp": fsdp},
-                "precision": {"dtype": "fp32"},
-                # offloading to the CPU is for GPUs (the spec refuses it on device cpu)
-                "resources": {"device": "cuda" if fsdp.get("cpu_offload") else "cpu"},
-            }
-        )
+        # offloading to the CPU is for GPUs (the spec refuses it on device cpu)
+        device = "cuda" if fsdp.get("cpu_offload") else "cpu"
+        return fsdp_job(fsdp, size="tiny", vocab=256, device=device)
 
     model = build_model(job().model)
     assert parallelize(model, job(), device=torch.device("cpu"), world_size=1) is model
