@@ -96,7 +96,12 @@ def test_corpus_is_large_enough():
     assert len(BAD_CLUSTERS) >= 15
 
 
-def assert_spec_error(err: pytest.ExceptionInfo[SpecError], path: Path) -> None:
+@pytest.mark.parametrize(
+    "path", [*BAD_JOBS, *BAD_CLUSTERS], ids=lambda p: f"{p.parent.name}/{p.stem}"
+)
+def test_bad_input_file(path):
+    with pytest.raises(SpecError) as err:
+        (load_cluster if path in BAD_CLUSTERS else load_job)(path)
     message = str(err.value)
     assert err.value.exit_code == 2
     assert str(path) in message, "the error names the file"
@@ -104,20 +109,6 @@ def assert_spec_error(err: pytest.ExceptionInfo[SpecError], path: Path) -> None:
     assert "Traceback" not in message
     expected = expectation(path)
     assert expected in message, f"expected {expected!r} in: {message}"
-
-
-@pytest.mark.parametrize("path", BAD_JOBS, ids=lambda p: p.stem)
-def test_bad_job_file(path):
-    with pytest.raises(SpecError) as err:
-        load_job(path)
-    assert_spec_error(err, path)
-
-
-@pytest.mark.parametrize("path", BAD_CLUSTERS, ids=lambda p: p.stem)
-def test_bad_cluster_file(path):
-    with pytest.raises(SpecError) as err:
-        load_cluster(path)
-    assert_spec_error(err, path)
 
 
 def test_unknown_keys_suggest_the_intended_key():
