@@ -178,14 +178,12 @@ def node_differences(facts: dict[str, dict[str, Any]], node: str, limit: int = 5
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        out: dict[str, Any] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
+    """Nested facts as ``a.b.0.c`` keys; a list is flattened where it holds a few mappings."""
     if isinstance(data, list) and len(data) <= 16 and all(isinstance(x, dict) for x in data):
-        out = {}
-        for i, v in enumerate(data):
-            out.update(_flatten(v, f"{prefix}{i}."))
-        return out
-    return {prefix.rstrip("."): data}
+        data = dict(enumerate(data))
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): data}
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
