@@ -124,7 +124,9 @@ class Driver:
             ).execute()
         finally:
             if board is not None:
-                _quietly(lambda: _ray_get(board.end.remote(sub["job_id"])))
+                import ray
+
+                _quietly(lambda: ray.get(board.end.remote(sub["job_id"]), timeout=10))
             session.close()
             _quietly(lambda: _keep_ray_lines(self.run_dir))
         summary = outcome.summary or {}
@@ -301,12 +303,6 @@ def _keep_ray_lines(run_dir: RunDir) -> None:
     if kept:
         with open(run_dir.root / "logs" / "ray.log", "a", encoding="utf-8") as fh:
             fh.writelines(kept)
-
-
-def _ray_get(ref: Any) -> Any:
-    import ray
-
-    return ray.get(ref, timeout=10)
 
 
 def _quietly(fn: Any) -> None:
