@@ -4,13 +4,11 @@ from launcher.spec.cluster import ClusterSpec, NodeSpec
 from launcher.spec.fit import check_fits, nodes_for_job
 from launcher.spec.job import JobSpec
 from launcher.spec.loader import load_cluster, load_job
-from launcher.spec.yamlfile import apply_overrides
 
 __all__ = [
     "ClusterSpec",
     "JobSpec",
     "NodeSpec",
-    "apply_overrides",
     "check_fits",
     "load_cluster",
     "load_job",

@@ -17,11 +17,11 @@ from launcher.spec import (
     ClusterSpec,
     JobSpec,
     NodeSpec,
-    apply_overrides,
     check_fits,
     load_cluster,
     load_job,
 )
+from launcher.spec.yamlfile import apply_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
