@@ -210,54 +210,46 @@ def test_other_local_ranks_wait_for_local_rank_0(tmp_path, assets, monkeypatch):
     assert not waiter.is_alive() and found["path"] == made["path"]
 
 
-def test_text_specs_are_checked_when_the_job_loads(tmp_path, assets):
-    with pytest.raises(SpecError, match="needs data.path .* and data.tokenizer"):
-        load_job_text(tmp_path, {"source": "text", "path": str(assets["corpus"])})
-    with pytest.raises(SpecError, match="data.tokenizer 'bert-base-uncased' is not a local folder"):
-        load_job_text(
-            tmp_path,
-            {"source": "text", "path": str(assets["corpus"]), "tokenizer": "bert-base-uncased"},
-        )
-    size = load_tokenizer(assets["bert_tok"]).get_vocab_size()
-    with pytest.raises(
-        SpecError,
-        match=f"{size} tokens, more than the model's vocabulary of 64; "
-        f"set model.vocab_size: {size}",
-    ):
-        load_job_text(
-            tmp_path,
-            {"source": "text", "path": str(assets["corpus"]), "tokenizer": str(assets["bert_tok"])},
-            vocab_size=64,
-        )
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(SpecError, match="neither a .txt or .jsonl file nor a folder holding some"):
-        load_job_text(
-            tmp_path, {"source": "text", "path": str(empty), "tokenizer": str(assets["bert_tok"])}
-        )
-    with pytest.raises(
-        SpecError, match="packing text for GPT needs a eos token, and '<|endoftext|>'"
-    ):
-        load_job_text(
-            tmp_path,
-            {"source": "text", "path": str(assets["corpus"]), "tokenizer": str(assets["bert_tok"])},
-            arch="gpt",
-        )
-
-
-def load_job_text(tmp_path: Path, data: dict, vocab_size: int = 512, arch: str = "bert"):
+@pytest.mark.parametrize(
+    ("path", "tokenizer", "model", "refusal"),
+    [
+        ("corpus", None, {}, "needs data.path .* and data.tokenizer"),
+        (
+            "corpus",
+            "bert-base-uncased",
+            {},
+            "data.tokenizer 'bert-base-uncased' is not a local folder",
+        ),
+        (
+            "corpus",
+            "bert_tok",
+            {"vocab_size": 64},
+            "{size} tokens, more than the model's vocabulary of 64; set model.vocab_size: {size}",
+        ),
+        ("empty", "bert_tok", {}, "neither a .txt or .jsonl file nor a folder holding some"),
+        (
+            "corpus",
+            "bert_tok",
+            {"arch": "gpt"},
+            "packing text for GPT needs a eos token, and '<|endoftext|>'",
+        ),
+    ],
+)
+def test_text_specs_are_checked_when_the_job_loads(
+    tmp_path, assets, path, tokenizer, model, refusal
+):
+    (tmp_path / "empty").mkdir()
+    data = {"source": "text", "seq_len": SEQ, "path": str(assets.get(path, tmp_path / path))}
+    if tokenizer:
+        data["tokenizer"] = str(assets.get(tokenizer, tokenizer))
+    model = {"arch": "bert", "size": "tiny", "vocab_size": 512, **model}
     file = tmp_path / "bad.yaml"
     file.write_text(
-        yaml.safe_dump(
-            {
-                "name": "t",
-                "model": {"arch": arch, "size": "tiny", "vocab_size": vocab_size},
-                "data": {"seq_len": SEQ, **data},
-                "resources": {"device": "cpu"},
-            }
-        )
+        yaml.safe_dump({"name": "t", "model": model, "data": data, "resources": {"device": "cpu"}})
     )
-    return load_job(file)
+    size = load_tokenizer(assets["bert_tok"]).get_vocab_size()
+    with pytest.raises(SpecError, match=refusal.format(size=size)):
+        load_job(file)
 
 
 def test_launch_tokenize_fills_the_cache_and_prints_where(tmp_path, assets, capsys):
