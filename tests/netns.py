@@ -196,26 +196,33 @@ class NetnsCluster:
         }
         return _deep_merge(data, sections)
 
-    def node_python(self) -> Path:
-        """The nodes' interpreter: this one, with a copy of the launcher package first on its path.
+    def node_python(self, interpreter: str = sys.executable, copy: str = "node") -> Path:
+        """``interpreter`` with ``launcher_copy(copy)`` first on its path: what the nodes "have
+        installed". Made once per cluster.
 
         Nodes see their own /tmp, so a checkout (or an editable install) under /tmp is invisible
-        to them, as code on a login node is to a real cluster; the copy under the cluster's folder
-        is what each node "has installed". Made once per cluster.
+        to them, as code on a login node is to a real cluster.
         """
-        wrapper = self.dir / "node-python"
+        wrapper = self.dir / f"{copy}-python-{Path(interpreter).parent.parent.name}"
         if not wrapper.exists():
-            root = self.dir / "node-site"
+            root = self.launcher_copy(copy)
+            wrapper.write_text(
+                f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} exec {interpreter} "$@"\n'
+            )
+            wrapper.chmod(0o755)
+        return wrapper
+
+    def launcher_copy(self, copy: str = "node") -> Path:
+        """A folder under the cluster's holding a copy of the launcher package, made once: its
+        code stays as it was while other work edits the checkout."""
+        root = self.dir / f"{copy}-site"
+        if not root.exists():
             shutil.copytree(
                 Path(__file__).resolve().parents[1] / "launcher",
                 root / "launcher",
                 ignore=shutil.ignore_patterns("__pycache__"),
             )
-            wrapper.write_text(
-                f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} "$@"\n'
-            )
-            wrapper.chmod(0o755)
-        return wrapper
+        return root
 
     def cluster_yaml(self, path: str | os.PathLike[str], **overrides: Any) -> Path:
         """Write :meth:`cluster_dict` (same arguments) as YAML to ``path``; returns the path."""

@@ -8,7 +8,6 @@ wrapper interpreters and packages live under the cluster's folder in /var/tmp (e
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -33,33 +32,9 @@ def cluster(netns_cluster_module):
 
 
 def write_cluster(cluster, tmp_path: Path, *, nodes=None, **overrides):
-    """cluster.yaml whose nodes run a frozen copy of the launcher unless told otherwise.
-
-    The copy keeps the launcher-code hash stable while other work edits the repository.
-    """
-    python = str(frozen_python(cluster, sys.executable))
-    merged = {name: {"python": python} for name in cluster.node_names}
-    for name, extra in (nodes or {}).items():
-        merged.setdefault(name, {"python": python}).update(extra)
-    path = cluster.cluster_yaml(tmp_path / "cluster.yaml", nodes=merged, **overrides)
+    """cluster.yaml and its spec; the nodes run the cluster's copy of the launcher."""
+    path = cluster.cluster_yaml(tmp_path / "cluster.yaml", nodes=nodes, **overrides)
     return path, load_cluster(path)
-
-
-def launcher_copy(cluster, name: str = "frozen") -> Path:
-    """A copy of the launcher package under the cluster's folder (made once)."""
-    root = cluster.dir / f"{name}-launcher"
-    if not root.exists():
-        shutil.copytree(
-            REPO / "launcher", root / "launcher", ignore=shutil.ignore_patterns("__pycache__")
-        )
-    return root
-
-
-def frozen_python(cluster, interpreter: str, copy: str = "frozen") -> Path:
-    """A wrapper that runs ``interpreter`` with a launcher copy first on its path."""
-    root = launcher_copy(cluster, copy)
-    wrapper = cluster.dir / f"python-{copy}-{Path(interpreter).parent.parent.name}"
-    return make_script(wrapper, f'PYTHONPATH={root} exec {interpreter} "$@"')
 
 
 def make_script(path: Path, body: str) -> Path:
@@ -207,9 +182,9 @@ def test_listed_package_differs_on_a_venv_node(cluster, tmp_path, fixture_venvs,
         cluster,
         tmp_path,
         nodes={
-            "node0": {"python": str(frozen_python(cluster, fixture_venvs["1.0"]))},
-            "node1": {"python": str(frozen_python(cluster, fixture_venvs["1.0"]))},
-            "node2": {"python": str(frozen_python(cluster, fixture_venvs["2.0"]))},
+            "node0": {"python": str(cluster.node_python(fixture_venvs["1.0"]))},
+            "node1": {"python": str(cluster.node_python(fixture_venvs["1.0"]))},
+            "node2": {"python": str(cluster.node_python(fixture_venvs["2.0"]))},
         },
         parity={"packages": ["parity-fixture"]},
     )
@@ -226,10 +201,10 @@ def test_listed_package_differs_on_a_venv_node(cluster, tmp_path, fixture_venvs,
 
 
 def test_stale_launcher_code_on_one_node(cluster, tmp_path):
-    stale = launcher_copy(cluster, "stale")
+    stale = cluster.launcher_copy("stale")
     with open(stale / "launcher" / "preflight" / "parity.py", "a") as fh:
         fh.write("\n# an edit that never reached the other nodes\n")
-    wrapper = frozen_python(cluster, sys.executable, "stale")
+    wrapper = cluster.node_python(copy="stale")
     _, spec = write_cluster(cluster, tmp_path, nodes={"node1": {"python": str(wrapper)}})
     report = run_preflight(spec, deep=False)
     assert report.probes["node1"]["launcher"]["path"] == str(stale / "launcher")
