@@ -437,18 +437,13 @@ def _follow(cluster: ClusterSpec, jobs: JobsCluster, job_id: str) -> None:
             broken = 1 if follower.received > before else broken + 1
             reason = first_line(err)
         if broken > RECONNECTS:
-            raise _follow_failed(
-                jobs, job_id, f"{reason}; {RECONNECTS} reconnections brought nothing"
+            raise PreflightError(
+                f"following job {job_id} stopped: the Ray Jobs API at {jobs.url} broke off the log "
+                f"stream ({reason}; {RECONNECTS} reconnections brought nothing); the job may go on "
+                f"(`launch status {job_id}`)"
             )
         log.info("the log stream of job %s broke off (%s); reconnecting", job_id, reason)
         time.sleep(RECONNECT_WAIT_S * broken)
-
-
-def _follow_failed(jobs: JobsCluster, job_id: str, reason: str) -> PreflightError:
-    return PreflightError(
-        f"following job {job_id} stopped: the Ray Jobs API at {jobs.url} broke off the log "
-        f"stream ({reason}); the job may go on (`launch status {job_id}`)"
-    )
 
 
 class _Follower:
