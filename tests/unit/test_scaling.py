@@ -315,14 +315,12 @@ def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes
 ):
     """Pure bookkeeping: Ray, the preflight and the runs are replaced; the second point's run
     raises as Launch.execute does when Ray cannot place its agents."""
+    from fixtures.fake_launch import Session
+
     from launcher.errors import JobFailed
     from launcher.orchestrate import scale as study
     from launcher.orchestrate.records import Status
     from launcher.spec import ClusterSpec
-
-    class Session:
-        def close(self):
-            pass
 
     class FakeLaunch:
         def __init__(self, *, job, run_dir, **_):
