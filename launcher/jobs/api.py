@@ -236,8 +236,9 @@ def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
 def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str, str | None]]:
     """A local port forwarded over SSH to the head's 127.0.0.1 dashboard port: (url, token),
     the token read on the same connection; PreflightError where the Jobs API does not answer."""
-    from launcher.jobs.ssh import NodeError, SSHRunner
     from launcher.orchestrate.ray_cluster import TOKEN_FILE
+    from launcher.remote import NodeError
+    from launcher.remote.ssh import SSHRunner
 
     head = cluster.nodes[0]
     with contextlib.ExitStack() as stack:

@@ -1,8 +1,4 @@
-"""What the job commands need of the SSH layer: a runner for the tunnel, and copying a folder.
-
-The runners of ``launcher.remote`` (``LocalRunner`` / ``SSHRunner``: key auth only, verified
-host keys, the cluster's SSH settings) are imported here and nowhere else in ``launcher.jobs``.
-"""
+"""Copying a job's run directory from its head: a copy here, or a tar stream over SSH."""
 
 from __future__ import annotations
 
@@ -18,10 +14,7 @@ from pathlib import Path
 from launcher.errors import PreflightError
 from launcher.jobs.claim import MARKER
 from launcher.remote import NodeError, runner_for
-from launcher.remote.ssh import SSHRunner
 from launcher.spec.cluster import NodeSpec, SSHSpec
-
-__all__ = ["NodeError", "SSHRunner", "copy_dir"]
 
 log = logging.getLogger(__name__)
 
