@@ -7,17 +7,13 @@ over SSH; the checkpoints in a folder every node sees (/var/tmp: shared, unlike 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
 import uuid
 from pathlib import Path
 
 import pytest
-import yaml
-from fixtures.launching import Launcher, wait_for
+from fixtures.launching import Launcher, kill, wait_for, write_job
 
 from launcher.metrics import read_records
 
@@ -39,11 +35,12 @@ def shared_dir():
 def elastic_job(
     tmp_path: Path, ckpt: Path, *, nodes: int, min_nodes: int, max_restarts: int
 ) -> Path:
-    job = {
-        "name": "elastic",
-        "model": {"arch": "bert", "size": "tiny", "vocab_size": 512, "max_positions": 64},
-        "data": {"source": "synthetic", "seq_len": 32},
-        "train": {
+    return write_job(
+        tmp_path,
+        "builtin",
+        model={"arch": "bert", "size": "tiny", "vocab_size": 512, "max_positions": 64},
+        data={"source": "synthetic", "seq_len": 32},
+        train={
             "steps": STEPS,
             "warmup_steps": 2,
             "micro_batch": 4,
@@ -52,14 +49,10 @@ def elastic_job(
             "log_every": 2,
             "checkpoint": {"dir": str(ckpt), "every_steps": 4},
         },
-        "precision": {"dtype": "fp32"},
-        "cudnn": {"benchmark": False},
-        "resources": {"nodes": nodes, "min_nodes": min_nodes, "nproc_per_node": 1, "device": "cpu"},
-        "launch": {"max_restarts": max_restarts, "stop_grace_s": 2},
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+        cudnn={"benchmark": False},
+        resources={"nodes": nodes, "min_nodes": min_nodes, "nproc_per_node": 1, "device": "cpu"},
+        launch={"max_restarts": max_restarts, "stop_grace_s": 2},
+    )
 
 
 def kill_node_mid_run(cluster, node: str, run: Launcher, rank: int, attempt: int, past: int):
@@ -76,9 +69,7 @@ def kill_node_mid_run(cluster, node: str, run: Launcher, rank: int, attempt: int
         proc=run.proc,
     )
     keep = cluster.sshd_pids(node)
-    for pid in [p for p in cluster.pids(node) if p not in keep]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    kill([p for p in cluster.pids(node) if p not in keep])
 
 
 def attempts(run_dir: Path, rank: int) -> list[list[tuple[int, float]]]:
