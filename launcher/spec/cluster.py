@@ -17,11 +17,6 @@ Policy = Literal["exact", "minor", "major", "warn", "ignore"]
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
-def is_local_host(host: str) -> bool:
-    """True for localhost and this machine's own names: such nodes need no SSH."""
-    return host in LOCAL_HOSTS or host in {socket.gethostname(), socket.getfqdn()}
-
-
 class NodeSpec(Strict):
     name: str = Field(
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
@@ -84,7 +79,8 @@ class NodeSpec(Strict):
 
     @property
     def is_local(self) -> bool:
-        return is_local_host(self.host)
+        """localhost or one of this machine's own names: the node needs no SSH."""
+        return self.host in LOCAL_HOSTS or self.host in {socket.gethostname(), socket.getfqdn()}
 
     @property
     def net_address(self) -> str:
