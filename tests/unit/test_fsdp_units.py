@@ -3,8 +3,6 @@ group: one all-gather, one reduce-scatter), parameter names unchanged (one gloo 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,10 +30,12 @@ def fsdp_job(fsdp: dict, *, size: str = "mini", vocab: int = 512, device: str = 
 
 @pytest.fixture(scope="module")
 def one_process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MASTER_ADDR", "127.0.0.1")
+        env.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(("per_unit", "units"), [(1, 4), (2, 2), (3, 2), (4, 1), (8, 1)])

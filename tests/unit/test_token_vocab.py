@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 from fixtures.batching import source, token_file, write_npy
+from fixtures.ranks import run_ranks
 from fixtures.tiny_job import tiny_job
 
 from launcher.train import data as data_module
 from launcher.train import tokens as tokens_module
 from launcher.train.tokens import TokenFileBatches
-from launcher.util import free_port
 
 
 def batches(path: Path, vocab: int, *, arch: str = "gpt", seq: int = 16, **kw) -> TokenFileBatches:
@@ -291,9 +290,12 @@ def test_the_ranks_slices_cover_every_chunk_once(world: int, n: int):
         ids[at] = at % 50
 
 
-def _split_scan_worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None:
+def _split_scan_worker(
+    rank: int, world: int, port: int, paths: list[str], out: str, chunk: int
+) -> None:
     import torch.distributed as dist
 
+    tokens_module.SCAN_CHUNK = chunk  # this rank's process only
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     seen: list[int] = []
@@ -319,19 +321,14 @@ def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(
     """Two processes of a gloo group each read half the chunks (0-4 and 5-10 of eleven) and
     agree: the file's first bad id (the one a lone process reports), raised by both ranks."""
     chunk, n = 1_000, 10_500
-    monkeypatch.setattr(tokens_module, "SCAN_CHUNK", chunk)  # the forked workers inherit it
     ids = torch.arange(n, dtype=torch.int32) % 1000
     for at in bad_at if isinstance(bad_at, list) else []:
         ids[at] = 5_000 + at
     paths = [str(write_npy(tmp_path / "t.npy", ids, "<i4"))] * 2
     if bad_at == "sizes differ":
         paths[1] = str(write_npy(tmp_path / "other.npy", ids[:9_000], "<i4"))
-    mp.start_processes(
-        _split_scan_worker,
-        args=(2, free_port(), paths, str(tmp_path)),
-        nprocs=2,
-        start_method="fork",
-    )
+    run_ranks(_split_scan_worker, 2, paths, str(tmp_path), chunk)
+    monkeypatch.setattr(tokens_module, "SCAN_CHUNK", chunk)  # for the lone process's scan below
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     if bad_at == "sizes differ":  # (the nodes' data.path would be one path)
         for rank in range(2):

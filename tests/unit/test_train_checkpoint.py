@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.batching import source
+from fixtures.ranks import run_ranks
 from fixtures.tiny_job import tiny_job
 
 from launcher.spec.job import CheckpointSpec
@@ -282,28 +283,7 @@ def _resume_worker(
 
 
 def _resume_in_two_ranks(base: Path, roots: dict[int, list[int]]) -> list[str]:
-    import socket
-    import time
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(
-        _resume_worker, args=(2, port, str(base), roots), nprocs=2, join=False, start_method="fork"
-    )
-    deadline = time.monotonic() + 120
-    try:  # join raises when a rank failed, with its traceback
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            assert time.monotonic() < deadline, (
-                "the ranks did not finish in 120 s (one waits for the other)"
-            )
-    finally:
-        for proc in context.processes:
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
+    run_ranks(_resume_worker, 2, str(base), roots)  # fails when one rank waits for the other
     return [(base / f"outcome{rank}.txt").read_text() for rank in range(2)]
 
 

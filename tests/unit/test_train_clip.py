@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from fixtures.ranks import run_ranks
 from torch import nn
 
 from launcher.train.parallel import clip_grad_norm_
-from launcher.util import free_port
 
 
 def _model() -> nn.Module:
@@ -52,7 +51,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.timeout(120)
 def test_sharded_clip_matches_torch_on_the_full_model(tmp_path: Path):
     out = tmp_path / "clip.pt"
-    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="fork")
+    run_ranks(_worker, 2, str(out))
     for want, got, ref_grads, grads in torch.load(out):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         for g_ref, g in zip(ref_grads, grads, strict=True):

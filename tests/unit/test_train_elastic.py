@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from fixtures.ranks import run_ranks
 
 from launcher.metrics import read_records
 from launcher.spec.job import JobSpec
@@ -110,28 +108,9 @@ def _worker(
 
 
 def run(out: Path, world: int, spec: dict[str, Any], *, stop_at: int | None = None) -> Path:
-    """``world`` real processes, gloo over a free TCP port on 127.0.0.1. Forked, not spawned:
-    a fork inherits the imported torch (seconds per process on a 2-core machine)."""
+    """``world`` real processes, gloo over a free TCP port on 127.0.0.1."""
     out.mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(
-        _worker,
-        args=(world, port, spec, str(out), stop_at),
-        nprocs=world,
-        join=False,
-        start_method="fork",
-    )
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:  # join raises when a rank failed, with its traceback
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            assert time.monotonic() < deadline, f"{world} ranks did not finish in {RUN_TIMEOUT_S} s"
-    finally:
-        for proc in context.processes:  # on failure or timeout: stop the others
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
+    run_ranks(_worker, world, spec, str(out), stop_at, timeout=RUN_TIMEOUT_S)
     return out
 
 
