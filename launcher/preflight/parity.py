@@ -169,6 +169,7 @@ CHECKS = {
     "nccl_socket_ifname": "exact",  # NCCL_SOCKET_IFNAME names an interface of the node
     "route_to_head": "exact",  # a route to the head that is not loopback
     "clock_skew": "warn",  # within CLOCK_SKEW_WARN_S of the launcher's clock
+    "bytecode": "warn",  # torch compiled to bytecode, or Python may write it
 }
 
 
@@ -535,6 +536,18 @@ def _checks(
     skew = probe.get("clock_skew_s")
     if isinstance(skew, int | float) and abs(skew) > CLOCK_SKEW_WARN_S:
         found.append(("clock_skew", f"clock is {skew:+.1f} s off the launcher's"))
+    code = probe.get("bytecode")
+    if isinstance(code, dict) and code.get("cached") is False and code.get("writable") is False:
+        python = _get("python", "executable")(probe) or "python"
+        found.append(
+            (
+                "bytecode",
+                "torch has no compiled bytecode and Python may not write it "
+                "(PYTHONDONTWRITEBYTECODE, or a read-only install): every process compiles "
+                f"torch's source again, seconds per start; compile it once with "
+                f"`{python} -m compileall -q -j 0 {code.get('site')}`",
+            )
+        )
     problems = []
     for key, message in found:
         policy = policies.get(key, "exact")

@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     report["packages"] = _safe(lambda: package_versions([*CORE_PACKAGES, *packages]))
     report["launcher"] = _safe(launcher_info)
     report["torch_build"] = _safe(torch_build)
+    report["bytecode"] = _safe(torch_bytecode)
     report["nvidia"] = _safe(nvidia_info)
     report["interfaces"] = _safe(interfaces)
     report["disk"] = _safe(disk_free)
@@ -193,6 +194,20 @@ def torch_build() -> dict[str, Any] | None:
                 ):
                     out[target.id.strip("_")] = node.value.value
     return out
+
+
+def torch_bytecode() -> dict[str, Any] | None:
+    """Whether Python finds torch compiled to bytecode, or may write it on the first import."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    cached = Path(importlib.util.cache_from_source(spec.origin))
+    folder = next(p for p in (cached.parent, *cached.parents) if p.exists())
+    return {
+        "site": str(Path(spec.origin).parents[1]),
+        "cached": cached.is_file(),
+        "writable": not sys.dont_write_bytecode and os.access(folder, os.W_OK),
+    }
 
 
 def tree_hash(root: Path) -> str:

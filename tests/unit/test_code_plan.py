@@ -266,3 +266,25 @@ def test_the_probe_still_finds_a_launcher_named_on_pythonpath_in_the_current_fol
     root = Path(__file__).resolve().parents[2]
     report = run_probe("-S", "-", cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert report["launcher"]["path"] == str(root / "launcher")
+
+
+@pytest.mark.processes
+def test_the_probe_says_whether_torch_has_bytecode_or_may_write_it(tmp_path):
+    """Without either, every process compiles torch's source again (seconds per start)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
+    site = {"site": str(tmp_path)}
+    assert run_probe("-S", "-", cwd=tmp_path, env=env)["bytecode"] == {
+        **site,
+        "cached": False,
+        "writable": False,
+    }
+    del env["PYTHONDONTWRITEBYTECODE"]
+    assert run_probe("-S", "-", cwd=tmp_path, env=env)["bytecode"] == {
+        **site,
+        "cached": False,
+        "writable": True,
+    }
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp_path / "torch")], check=True)
+    assert run_probe("-S", "-", cwd=tmp_path, env=env)["bytecode"]["cached"]

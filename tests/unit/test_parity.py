@@ -125,6 +125,13 @@ def test_tie_goes_to_the_head(cpu) -> None:
         ),
         ("cpu", {"disk.home.free_gib": 3.0, "os.kernel": "5.15.0", "clock_skew_s": 1.5}, True, ""),
         ("cpu", {"clock_skew_s": -8.25}, True, "node1: clock is -8.2 s off the launcher's"),
+        ("cpu", {"bytecode": {"site": "/s", "cached": False, "writable": True}}, True, ""),
+        (
+            "cpu",
+            {"bytecode": {"site": "/s", "cached": False, "writable": False}},
+            True,
+            "node1: torch has no compiled bytecode and Python may not write it",
+        ),
         # checks that are not comparisons
         (
             "gpu1",
@@ -168,6 +175,9 @@ def test_the_verdict_on_one_edited_node(probe, edits, ok, said, cpu, gpu) -> Non
 def test_a_policy_or_a_shallow_check_decides_what_fails(cpu, gpu) -> None:
     skew = cluster_of(cpu, node2={"clock_skew_s": -8.25})
     assert evaluate(skew).ok and not evaluate(skew, policies={"clock_skew": "exact"}).ok
+    bare = {"bytecode": {"site": "/s", "cached": False, "writable": False}}
+    uncompiled = cluster_of(cpu, node1=bare)
+    assert evaluate(uncompiled).ok and not evaluate(uncompiled, policies={"bytecode": "exact"}).ok
     slow = cluster_of(gpu, 1, node0={"deep.conv.speedup": 1.01})
     assert evaluate(slow, policies={"cudnn_speedup": "warn"}).ok
     assert evaluate(cluster_of(cpu, 1, node0={"deep": None}), deep=False).ok
