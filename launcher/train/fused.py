@@ -100,6 +100,18 @@ if triton is not None:
         return grad
 
     @triton.jit
+    def _tile(Y, B, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's tile of y + bias in fp32 (0 where masked): columns, offsets, mask, z."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None] * N + cols[None, :]
+        z = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        return cols, offs, mask, z
+
+    @triton.jit
     def _fwd_kernel(
         Y,
         B,
@@ -111,13 +123,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None] * N + cols[None, :]
-        z = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        _, offs, mask, z = _tile(Y, B, M, N, HAS_BIAS, BLOCK_M, BLOCK_N)
         tl.store(H + offs, (z * _phi(z, TANH)).to(H.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -134,14 +140,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None] * N + cols[None, :]
-        z = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        # 0 where masked
+        cols, offs, mask, z = _tile(Y, B, M, N, HAS_BIAS, BLOCK_M, BLOCK_N)
         dz = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32) * _gelu_grad(z, TANH)
         tl.store(DY + offs, dz.to(DY.dtype.element_ty), mask=mask)
         if HAS_BIAS:  # this tile's column sums; the launcher adds the tiles' rows
