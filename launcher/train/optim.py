@@ -238,13 +238,13 @@ class MasterAdamW(torch.optim.Optimizer):
                 beta1=beta1,
                 beta2=beta2,
                 eps=float(group["eps"]),
-                bias_correction1=1 - beta1**step,
-                bias_correction2=1 - beta2**step,
+                step_size=float(group["lr"]) / (1 - beta1**step),
+                sqrt_bias_correction2=math.sqrt(1 - beta2**step),
             )
             if self.kernels:
                 if indices:
                     assert grads is not None
-                    _launch_adamw(self, self._blocks(indices), grads, coef, **hyper)
+                    _launch_adamw(self, self._blocks(indices), grads, coef, hyper)
                 continue
             for p in group["params"]:
                 if p.grad is not None:
@@ -261,8 +261,8 @@ class MasterAdamW(torch.optim.Optimizer):
         beta1: float,
         beta2: float,
         eps: float,
-        bias_correction1: float,
-        bias_correction2: float,
+        step_size: float,
+        sqrt_bias_correction2: float,
     ) -> None:
         """``torch.optim.AdamW``'s update of one parameter, on its master, in fp32."""
         assert p.grad is not None
@@ -274,8 +274,8 @@ class MasterAdamW(torch.optim.Optimizer):
         master.mul_(1 - lr * weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-        master.addcdiv_(m, denom, value=-lr / bias_correction1)
+        denom = (v.sqrt() / sqrt_bias_correction2).add_(eps)
+        master.addcdiv_(m, denom, value=-step_size)
         p.copy_(master)
 
     # -- tables for the kernels ------------------------------------------------------------
@@ -349,15 +349,9 @@ def _launch_adamw(
     table: tuple[torch.Tensor, torch.Tensor],
     grads: torch.Tensor,
     coef: torch.Tensor | None,
-    *,
-    lr: float,
-    weight_decay: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    bias_correction1: float,
-    bias_correction2: float,
+    hyper: dict[str, float],
 ) -> None:
+    """The kernel's update of these blocks; ``hyper``: its scalars by name, as ``step`` makes them."""
     masters = opt.masters
     block_tensor, block_first = table
     _adamw_kernel[(block_tensor.numel(),)](
@@ -371,13 +365,7 @@ def _launch_adamw(
         opt.exp_avg_sq,
         masters.flat,
         grads if coef is None else coef,
-        lr,
-        weight_decay,
-        beta1,
-        beta2,
-        eps,
-        lr / bias_correction1,
-        math.sqrt(bias_correction2),
+        **hyper,
         HAS_COEF=coef is not None,
         BLOCK=masters.block,
         num_warps=NUM_WARPS,
