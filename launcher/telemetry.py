@@ -5,9 +5,13 @@ run, for any entrypoint, into ``telemetry/<node>.jsonl``. Without NVML it sample
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 INTERVAL_S = 5.0
 ENV_VAR = "LAUNCHER_TELEMETRY_S"  # in launch.env: seconds between samples, 0 turns it off
@@ -22,74 +26,51 @@ CLOCK_LIMITS = {
 }
 
 
-class GpuSampler:
-    """The GPUs this process may use (``CUDA_VISIBLE_DEVICES``, by index or UUID; all where it
-    is unset), read through NVML."""
+class Nvml:
+    """NVML (nvidia-ml-py), initialised; ``_nvml`` stays None where it is missing or unusable."""
 
     def __init__(self) -> None:
         self._nvml: Any = None
-        self._gpus: list[tuple[int, Any]] = []
         try:
             import pynvml
 
             pynvml.nvmlInit()
-        except Exception:  # NVML missing or unusable: no telemetry
+        except Exception as err:  # NVML missing or unusable: every value stays null
+            log.debug("NVML unavailable: %s", err)
             return
         self._nvml = pynvml
-        try:
-            self._gpus = list(_visible(pynvml))
-        except Exception:
-            self._gpus = []
-        if not self._gpus:
-            self.close()
 
-    @property
-    def available(self) -> bool:
-        return bool(self._gpus)
-
-    def sample(self) -> list[dict[str, Any]]:
-        """One record per GPU now; a value NVML does not give is null."""
-        nvml, now = self._nvml, time.time()
-        if nvml is None:
-            return []
-        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
-        )
-        out = []
-        for index, h in self._gpus:
-            mem = _read(lambda h=h: nvml.nvmlDeviceGetMemoryInfo(h))
-            limits = _read(lambda h=h: reasons(h)) if reasons else None
-            out.append(
-                {
-                    "time": now,
-                    "gpu": index,
-                    "util_pct": _read(lambda h=h: float(nvml.nvmlDeviceGetUtilizationRates(h).gpu)),
-                    "sm_clock_mhz": _read(
-                        lambda h=h: float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
-                    ),
-                    "max_sm_clock_mhz": _read(
-                        lambda h=h: float(nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM))
-                    ),
-                    "power_w": _read(lambda h=h: nvml.nvmlDeviceGetPowerUsage(h) / 1e3),
-                    "power_cap_w": _read(lambda h=h: nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3),
-                    "mem_used_gib": mem.used / 2**30 if mem is not None else None,
-                    "mem_total_gib": mem.total / 2**30 if mem is not None else None,
-                    "temp_c": _read(
-                        lambda h=h: float(
-                            nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
-                        )
-                    ),
-                    "clock_limits": clock_limits(limits) if limits is not None else None,
-                }
-            )
-        return out
+    def read(self, h: Any, *keys: str) -> dict[str, Any]:
+        """``keys`` (of ``READS``) of GPU handle ``h`` now; None for what NVML does not give."""
+        return {key: _read(lambda key=key: READS[key](self._nvml, h)) for key in keys}
 
     def close(self) -> None:
         if self._nvml is not None:
             with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
             self._nvml = None
-        self._gpus = []
+
+
+class GpuSampler(Nvml):
+    """The GPUs this process may use (``CUDA_VISIBLE_DEVICES``, by index or UUID; all where it
+    is unset), read through NVML."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gpus: list[tuple[int, Any]] = _read(lambda: _visible(self._nvml)) or []
+        if not self._gpus:  # no NVML, or no GPU
+            self.close()
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None
+
+    def sample(self) -> list[dict[str, Any]]:
+        """One record per GPU now; a value NVML does not give is null."""
+        if self._nvml is None:
+            return []
+        now = time.time()
+        return [{"time": now, "gpu": index, **self.read(h, *SAMPLED)} for index, h in self._gpus]
 
 
 def clock_limits(reasons: int) -> list[str]:
@@ -108,6 +89,32 @@ def _visible(nvml: Any) -> list[tuple[int, Any]]:
         else:
             out.append((i, nvml.nvmlDeviceGetHandleByUUID(item)))
     return out
+
+
+def _clock_limits(nvml: Any, h: Any) -> list[str]:
+    reasons = (
+        getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    )
+    return clock_limits(int(reasons(h)))
+
+
+# What NVML gives of a GPU's handle ``h``, by name.
+READS: dict[str, Callable[[Any, Any], Any]] = {
+    "util_pct": lambda nvml, h: float(nvml.nvmlDeviceGetUtilizationRates(h).gpu),
+    "sm_clock_mhz": lambda nvml, h: float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)),
+    "max_sm_clock_mhz": lambda nvml, h: float(
+        nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)
+    ),
+    "power_w": lambda nvml, h: nvml.nvmlDeviceGetPowerUsage(h) / 1e3,
+    "power_cap_w": lambda nvml, h: nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3,
+    "mem_used_gib": lambda nvml, h: nvml.nvmlDeviceGetMemoryInfo(h).used / 2**30,
+    "mem_total_gib": lambda nvml, h: nvml.nvmlDeviceGetMemoryInfo(h).total / 2**30,
+    "temp_c": lambda nvml, h: float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
+    "clock_limits": _clock_limits,
+    "energy_counter_j": lambda nvml, h: nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3,
+}
+SAMPLED = [k for k in READS if k != "energy_counter_j"]  # a telemetry record's values
 
 
 def _read(get: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from launcher.metrics import gpu_summary, write_record
-from launcher.telemetry import clock_limits
+from launcher.telemetry import Nvml
 from launcher.train.health import read_interval
 from launcher.util import percentile
 
@@ -95,7 +95,7 @@ NO_GPU_SAMPLE: dict[str, Any] = {
 }
 
 
-class GpuMonitor:
+class GpuMonitor(Nvml):
     """One GPU through NVML: utilisation, SM clock, board power and what limits the clock; every
     value None where NVML (nvidia-ml-py) is not importable or does not answer."""
 
@@ -104,62 +104,34 @@ class GpuMonitor:
         self._handle: Any = None
         if device.type != "cuda":
             return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception as err:  # NVML missing or unusable: every value stays null
-            log.debug("NVML unavailable: %s", err)
+        super().__init__()
+        if self._nvml is None:
             return
         try:
             uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
             if uuid:
-                self._handle = pynvml.nvmlDeviceGetHandleByUUID(
+                self._handle = self._nvml.nvmlDeviceGetHandleByUUID(
                     uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
                 )
             else:
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            self._nvml = pynvml
+                self._handle = self._nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
         except Exception as err:  # NVML runs but does not know this GPU: the values stay null
             log.warning(
                 "NVML does not find %s (%s): no GPU utilisation, clock or power in the records",
                 device,
                 err,
             )
-            with contextlib.suppress(Exception):
-                pynvml.nvmlShutdown()
+            self.close()
 
     def __call__(self) -> dict[str, Any]:
         """``gpu_util_pct``, ``sm_clock_mhz``, ``power_w``, ``clock_limits`` (names) and
         ``energy_counter_j`` (the GPU's energy since the driver loaded) now."""
-        nvml = self._nvml
-        if nvml is None:
+        if self._nvml is None:
             return dict(NO_GPU_SAMPLE)
-        sample = dict(NO_GPU_SAMPLE)
-        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        sample = self.read(
+            self._handle, "util_pct", "sm_clock_mhz", "power_w", "clock_limits", "energy_counter_j"
         )
-        reads = {
-            "gpu_util_pct": lambda: float(nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu),
-            "sm_clock_mhz": lambda: float(
-                nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)
-            ),
-            "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0,
-            "clock_limits": lambda: clock_limits(int(reasons(self._handle))) if reasons else None,
-            "energy_counter_j": lambda: (
-                nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0
-            ),
-        }
-        for key, read in reads.items():
-            with contextlib.suppress(Exception):
-                sample[key] = read()
-        return sample
-
-    def close(self) -> None:
-        if self._nvml is not None:
-            with contextlib.suppress(Exception):
-                self._nvml.nvmlShutdown()
-            self._nvml = None
+        return {"gpu_util_pct": sample.pop("util_pct"), **sample}
 
 
 @dataclasses.dataclass
