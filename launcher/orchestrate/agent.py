@@ -26,7 +26,7 @@ from launcher import metrics, telemetry
 from launcher.orchestrate import reaper
 from launcher.orchestrate.plan import NODE_DIR, NODE_PASSTHROUGH, STACKS_SUBDIR
 from launcher.orchestrate.reach import Listener, reach
-from launcher.orchestrate.reaper import alive, descendants, kill_after, signal_all, started
+from launcher.orchestrate.reaper import descendants, end_noted, kill_after, signal_all, started
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, RankError
 from launcher.orchestrate.stacks import header
 from launcher.preflight.probe import interfaces, route_to
@@ -423,7 +423,8 @@ class NodeAgent:
                 scanned = time.monotonic()
             self._drain_metrics(folder)
             if done:
-                self._end_orphans()
+                # torchrun has exited: end the workers it left
+                end_noted(self._workers, ORPHAN_GRACE_S)
                 return
             time.sleep(0.25)
 
@@ -453,14 +454,6 @@ class NodeAgent:
         for pid in descendants(self._proc.pid):
             if pid not in self._workers and (start := started(pid)) is not None:
                 self._workers[pid] = start
-
-    def _end_orphans(self) -> None:
-        """torchrun has exited: end the workers it left (the same pid and start time, so never
-        a process that took a dead worker's pid)."""
-        left = [pid for pid, start in self._workers.items() if alive(pid) and started(pid) == start]
-        if left:
-            signal_all(left, signal.SIGTERM)
-            kill_after(left[0], ORPHAN_GRACE_S, left)
 
     def _drain_metrics(self, folder: Path) -> None:
         for path in sorted(folder.glob(metrics.FILE_PATTERN)):

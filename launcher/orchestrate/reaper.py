@@ -74,6 +74,17 @@ def kill_after(pid: int, grace_s: float, family: list[int] | None = None) -> Non
     signal_all([p for p in [pid, *descendants(pid), *family] if alive(p)], signal.SIGKILL)
 
 
+def end_noted(noted: dict[int, int], grace_s: float) -> None:
+    """SIGTERM to the noted processes (pid → start time) still running, the same pid and start
+    time (never a process that took a dead one's pid), SIGKILL to those left after ``grace_s``."""
+    left = [pid for pid, start in noted.items() if alive(pid) and started(pid) == start]
+    signal_all(left, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p) for p in left):
+        time.sleep(POLL_S / 2)
+    signal_all([p for p in left if alive(p) and started(p) == noted[p]], signal.SIGKILL)
+
+
 def main(argv: list[str]) -> int:
     pid, grace_s, agent, node_dir = int(argv[0]), float(argv[1]), int(argv[2]), argv[3]
     agent_gone: list[int] = []

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from launcher.orchestrate.reaper import alive, descendants, signal_all, started
+from launcher.orchestrate.reaper import descendants, end_noted, started
 
 SCAN_S = 1.0
 GRACE_S = 3.0
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
                     noted[pid] = start
             scanned = time.monotonic()
     if record.get("mode") == "embedded":
-        _end(noted)
+        end_noted(noted, GRACE_S)
         from launcher.orchestrate.ray_cluster import remove_ray_temp
 
         remove_ray_temp(record["temp_dir"])
@@ -56,17 +56,6 @@ def main(argv: list[str]) -> int:
         nodes = [n for name in record["nodes"] for n in cluster.nodes if n.name == name]
         stop_ray(cluster, nodes, record["addresses"])
     return 0
-
-
-def _end(noted: dict[int, int]) -> None:
-    """SIGTERM to the noted processes still running (the same pid and start time), SIGKILL to
-    those left after ``GRACE_S``."""
-    left = [pid for pid, start in noted.items() if alive(pid) and started(pid) == start]
-    signal_all(left, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and any(alive(p) for p in left):
-        time.sleep(0.1)
-    signal_all([p for p in left if alive(p) and started(p) == noted[p]], signal.SIGKILL)
 
 
 if __name__ == "__main__":
