@@ -32,7 +32,7 @@ FIELD = "model.init_from"
 class FolderError(ValueError):
     """A folder that cannot be used as asked; the loader turns it into a SpecError (exit 2)."""
 
-    def __init__(self, message: str, *, field: str = "model.init_from"):
+    def __init__(self, message: str, *, field: str = FIELD):
         super().__init__(message)
         self.field = field
 
@@ -68,13 +68,12 @@ def read_config(folder: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise FolderError(
             f"{folder} has no {CONFIG}; a Hugging Face model folder holds config.json "
-            f"and model.safetensors (or pytorch_model.bin)",
-            field=FIELD,
+            f"and model.safetensors (or pytorch_model.bin)"
         ) from None
     except (OSError, ValueError) as err:
-        raise FolderError(f"cannot read {path}: {err}", field=FIELD) from None
+        raise FolderError(f"cannot read {path}: {err}") from None
     if not isinstance(config, dict):
-        raise FolderError(f"{path} is not a JSON object", field=FIELD)
+        raise FolderError(f"{path} is not a JSON object")
     return config
 
 
@@ -128,21 +127,18 @@ def shape_from_config(folder: Path) -> tuple[str, dict[str, int]]:
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise FolderError(
                 f"{folder / CONFIG} has activation_function {act!r}; the built-in GPT "
-                f"uses GELU's tanh approximation (gelu_new)",
-                field=FIELD,
+                f"uses GELU's tanh approximation (gelu_new)"
             )
     else:
         raise FolderError(
             f"{folder / CONFIG} has model_type {kind!r}; model.init_from loads BERT "
-            f"(model_type bert) and GPT-2 (model_type gpt2) folders",
-            field=FIELD,
+            f"(model_type bert) and GPT-2 (model_type gpt2) folders"
         )
     for key, want in must.items():
         if key in config and config[key] != want:
             raise FolderError(
                 f"{folder / CONFIG} has {key} {config[key]!r}; the built-in {arch.upper()} "
-                f"has {want!r} and would compute a different function",
-                field=FIELD,
+                f"has {want!r} and would compute a different function"
             )
     dims: dict[str, int] = {}
     for ours, theirs in keys.items():
@@ -157,9 +153,7 @@ def shape_from_config(folder: Path) -> tuple[str, dict[str, int]]:
         if ours == "max_positions" and value is None and arch == "gpt":
             value = config.get("n_ctx")  # older GPT-2 configs
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise FolderError(
-                f"{folder / CONFIG} needs a positive integer {theirs}, has {value!r}", field=FIELD
-            )
+            raise FolderError(f"{folder / CONFIG} needs a positive integer {theirs}, has {value!r}")
         dims[ours] = value
     return arch, dims
 
@@ -178,11 +172,9 @@ def weight_files(folder: Path) -> list[Path]:
         try:
             weight_map = json.loads(path.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise FolderError(f"cannot read the shard index {path}: {err!r}", field=FIELD) from None
+            raise FolderError(f"cannot read the shard index {path}: {err!r}") from None
         return [folder / shard for shard in sorted(set(weight_map.values()))]
-    raise FolderError(
-        f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}", field=FIELD
-    )
+    raise FolderError(f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}")
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
@@ -190,7 +182,7 @@ def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         if not path.is_file():
-            raise FolderError(f"{path} is missing (named by the shard index)", field=FIELD)
+            raise FolderError(f"{path} is missing (named by the shard index)")
         if path.suffix == ".safetensors":
             shapes.update(_safetensors_shapes(path))
         else:
@@ -233,9 +225,7 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
                 )
             header = json.loads(fh.read(length))
     except (OSError, ValueError, struct.error) as err:
-        raise FolderError(
-            f"{path} is not a readable safetensors file: {err}", field=FIELD
-        ) from None
+        raise FolderError(f"{path} is not a readable safetensors file: {err}") from None
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
@@ -392,8 +382,7 @@ def match_tensors(
             f"{folder} does not fit the {arch.upper()} its config.json describes: "
             + "; ".join(problems)
             + ". Check that the folder's weights and config.json "
-            "belong together (a task head such as a classifier is not supported)",
-            field=FIELD,
+            "belong together (a task head such as a classifier is not supported)"
         )
     return Matched(
         source={n: by_name[n] for n in expected},
