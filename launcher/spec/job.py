@@ -35,6 +35,13 @@ ARCH_DEFAULTS: dict[str, dict[str, int]] = {
 # Every optional package that can decide the built-in trainer's kernels (JobSpec.kernel_packages):
 # cluster.yaml may set a parity policy for each, whether or not a run checks it.
 KERNEL_PACKAGES = ("flash-attn-4", "triton", "torchao")
+# precision.dtype values device cpu refuses, and the refusal
+GPU_DTYPES = {
+    "fp16": "fp16 on device cpu is not supported; use bf16 or fp32 (precision.dtype)",
+    "tf32": "tf32 is a GPU matmul mode; on device cpu use fp32 or bf16 (precision.dtype)",
+    "fp8": "fp8 needs GPUs with FP8 tensor cores (compute capability 8.9 or above); "
+    "on device cpu use bf16 or fp32 (precision.dtype)",
+}
 
 
 class ModelSpec(Strict):
@@ -672,41 +679,27 @@ class JobSpec(Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
         dev = self.resources.device
-        if dev == "cpu" and self.precision.dtype == "fp16":
-            raise ValueError(
-                "fp16 on device cpu is not supported; use bf16 or fp32 (precision.dtype)"
-            )
-        if dev == "cpu" and self.precision.dtype == "tf32":
-            raise ValueError(
-                "tf32 is a GPU matmul mode; on device cpu use fp32 or bf16 (precision.dtype)"
-            )
-        if dev == "cpu" and self.precision.dtype == "fp8":
-            raise ValueError(
-                "fp8 needs GPUs with FP8 tensor cores (compute capability 8.9 or above); "
-                "on device cpu use bf16 or fp32 (precision.dtype)"
-            )
-        if dev == "cpu" and self.train.attention not in ("auto", "math"):
-            raise ValueError(
-                f"train.attention {self.train.attention} is a GPU kernel; on device cpu use auto or math"
-            )
-        if (
-            dev == "cpu"
-            and self.parallel.ddp.comm_hook == "bf16"
-            and self.parallel.strategy == "ddp"
-        ):
-            raise ValueError(
-                "parallel.ddp.comm_hook bf16 needs CUDA GPUs and NCCL; on device cpu use fp16 or none"
-            )
-        if dev == "cpu" and self.parallel.strategy == "fsdp" and self.parallel.fsdp.cpu_offload:
-            raise ValueError(
-                "parallel.fsdp.cpu_offload moves the shards from the GPUs to host memory; on device "
-                "cpu they are there already (offloading to the CPU is meaningless): set "
-                "parallel.fsdp.cpu_offload: false"
-            )
-        if dev == "cpu" and self.nccl.backend == "nccl":
-            raise ValueError(
-                "the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto"
-            )
+        if dev == "cpu":
+            if self.precision.dtype in GPU_DTYPES:
+                raise ValueError(GPU_DTYPES[self.precision.dtype])
+            if self.train.attention not in ("auto", "math"):
+                raise ValueError(
+                    f"train.attention {self.train.attention} is a GPU kernel; on device cpu use auto or math"
+                )
+            if self.parallel.ddp.comm_hook == "bf16" and self.parallel.strategy == "ddp":
+                raise ValueError(
+                    "parallel.ddp.comm_hook bf16 needs CUDA GPUs and NCCL; on device cpu use fp16 or none"
+                )
+            if self.parallel.strategy == "fsdp" and self.parallel.fsdp.cpu_offload:
+                raise ValueError(
+                    "parallel.fsdp.cpu_offload moves the shards from the GPUs to host memory; on device "
+                    "cpu they are there already (offloading to the CPU is meaningless): set "
+                    "parallel.fsdp.cpu_offload: false"
+                )
+            if self.nccl.backend == "nccl":
+                raise ValueError(
+                    "the nccl backend needs GPUs; with resources.device cpu set nccl.backend to gloo or auto"
+                )
         if self.uses_builtin:
             max_pos = self.model.dims()["max_positions"]
             if self.data.seq_len > max_pos:
