@@ -83,7 +83,7 @@ def summarize(
         "ranks": rows,
         "totals": _totals(rows),
         "training": _training(folded),
-        "failure": _failure(failure),
+        "failure": None if failure is None else {k: failure.get(k) for k in FAILURE_KEYS},
         "checkpoints": checkpoint_summary(folded),
     }
 
@@ -349,14 +349,12 @@ def _from_steps(stats: RankStats, meta: dict) -> dict:
 
 def _totals(rows: list[dict]) -> dict:
     tokens = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s") is not None]
-    samples = [r["samples_per_s"] for r in rows if r.get("samples_per_s") is not None]
-    mfus = [r["mfu"] for r in rows if r.get("mfu") is not None]
     return {
         "tokens_per_s": sum(tokens) if tokens else None,
-        "samples_per_s": sum(samples) if samples else None,
+        "samples_per_s": _sum(r.get("samples_per_s") for r in rows),
         # Per measured rank: a rank that died before measuring would otherwise dilute it.
         "tokens_per_s_per_gpu": sum(tokens) / len(tokens) if tokens else None,
-        "mfu": statistics.fmean(mfus) if mfus else None,
+        "mfu": _mean(r.get("mfu") for r in rows),
         "straggler_ranks": stragglers(rows),
     }
 
@@ -380,12 +378,6 @@ def _training(records: Mapping[int, RankStats]) -> dict | None:
         "eval_step": stats.eval[1] if stats.eval else None,
         "skipped_steps": stats.skipped,
     }
-
-
-def _failure(failure: dict | None) -> dict | None:
-    if failure is None:
-        return None
-    return {k: failure.get(k) for k in FAILURE_KEYS}
 
 
 # -- text -----------------------------------------------------------------------------------
