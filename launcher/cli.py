@@ -24,6 +24,7 @@ log = logging.getLogger("launcher")
 WORKING_COMMANDS = frozenset(
     {"run", "submit", "scale", "tokenize", "export", "fetch", "stop", "up", "down"}
 )
+CLUSTER_HELP = "cluster spec (default: ./cluster.yaml, else this machine)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -362,9 +363,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
 
     def job_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("job", help="job spec (YAML)")
-        p.add_argument(
-            "--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)"
-        )
+        p.add_argument("--cluster", help=CLUSTER_HELP)
         p.add_argument(
             "--set",
             action="append",
@@ -415,9 +414,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
                 nargs="?" if job_id == "optional" else None,
                 help="the job id `launch submit` printed",
             )
-        p.add_argument(
-            "--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)"
-        )
+        p.add_argument("--cluster", help=CLUSTER_HELP)
         return p
 
     p = jobs_parser("status", "a detached job's state (all jobs without ID)", job_id="optional")
@@ -463,7 +460,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
     p = sub.add_parser(
         "check", parents=[common], help="environment parity table of the cluster's nodes"
     )
-    p.add_argument("--cluster", help="cluster spec (default: ./cluster.yaml, else this machine)")
+    p.add_argument("--cluster", help=CLUSTER_HELP)
     p.add_argument("--job", help="also check what this job needs (GPUs, interfaces)")
     p.add_argument("--fast", action="store_true", help="skip the torch/CUDA/cuDNN/NCCL checks")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
