@@ -64,11 +64,7 @@ def _describe(
     merged: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for p, d in kept:
         merged.setdefault(p, []).append(d)
-    out = []
-    for path, errs in merged.items():
-        dotted = ".".join(path)
-        out.append((dotted, _message(model, path, errs)))
-    return out
+    return [(".".join(path), _message(model, path, errs)) for path, errs in merged.items()]
 
 
 def _field_path(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, ...]:
@@ -82,12 +78,9 @@ def _field_path(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, ...]
                 out[-1] += f"[{part}]"
             current = get_args(current)[0] if get_args(current) else None
         elif _is_model(current):
-            if part in current.model_fields:
-                out.append(part)
-                current = current.model_fields[part].annotation
-            else:
-                out.append(part)  # an unknown key
-                current = None
+            out.append(part)
+            field = current.model_fields.get(part)  # None: an unknown key
+            current = field.annotation if field is not None else None
         elif get_origin(current) is dict:
             out.append(part)
             current = get_args(current)[1]
