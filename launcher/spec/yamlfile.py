@@ -168,20 +168,15 @@ class _StrictLoader(_SpecLoader):
                 continue
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, str):
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"key {key_node.value!r} is read as {type(key).__name__}, not text; quote it",
-                    key_node.start_mark,
+                problem = (
+                    f"key {key_node.value!r} is read as {type(key).__name__}, not text; quote it"
                 )
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"key {key!r} appears twice in the same mapping; keep one",
-                    key_node.start_mark,
-                )
-            seen.add(key)
+            elif key in seen:
+                problem = f"key {key!r} appears twice in the same mapping; keep one"
+            else:
+                seen.add(key)
+                continue
+            raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
 
 
