@@ -184,13 +184,7 @@ class DataSpec(Strict):
 
 
 class CheckpointSpec(Strict):
-    model_config = ConfigDict(
-        frozen=True,
-        extra="forbid",
-        validate_default=True,
-        validate_by_name=True,
-        serialize_by_alias=True,
-    )
+    model_config = ConfigDict(validate_by_name=True, serialize_by_alias=True)  # and Strict's
 
     dir: Path | None = Field(
         None,
