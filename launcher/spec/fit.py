@@ -79,10 +79,7 @@ def gpus_needed(node: NodeSpec, job: JobSpec | None) -> int:
 
 def spec_env(node: NodeSpec, job: JobSpec | None) -> dict[str, str]:
     """The worker environment the specs set (the later layer wins)."""
-    env: dict[str, str] = {}
-    for _, items in spec_layers(job, node):
-        env.update(items)
-    return env
+    return {k: v for _, items in spec_layers(job, node) for k, v in items.items()}
 
 
 def spec_layers(job: JobSpec | None, node: NodeSpec) -> list[tuple[str, Mapping[str, str]]]:
