@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class Strict(BaseModel):
@@ -34,3 +34,4 @@ def _text_only(value: object) -> object:
 
 EnvValue = Annotated[str, BeforeValidator(_text_only)]
 EnvDict = dict[str, EnvValue]
+Port = Annotated[int, Field(ge=1024, le=65535)]  # an unprivileged TCP port

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from launcher.spec.base import EnvDict, Strict
+from launcher.spec.base import EnvDict, Port, Strict
 
 Policy = Literal["exact", "minor", "major", "warn", "ignore"]
 
@@ -125,26 +125,17 @@ class RaySpec(Strict):
         None,
         description="pinned. null: the launcher decides (embedded when every node is local, else bootstrap over SSH); auto, host:port or ray://host:port: attach to a running cluster and never stop it.",
     )
-    port: int = Field(
-        6379,
-        ge=1024,
-        le=65535,
-        description="GCS port when the launcher starts Ray on the head node.",
-    )
-    client_port: int = Field(
+    port: Port = Field(6379, description="GCS port when the launcher starts Ray on the head node.")
+    client_port: Port = Field(
         10001,
-        ge=1024,
-        le=65535,
         description="Ray Client port on the head node; the launcher drives a bootstrapped cluster through it.",
     )
     dashboard: bool = Field(
         False,
         description="Start Ray's dashboard (on the head, bound to localhost). Detached jobs (launch submit) always start it: it serves the Jobs API.",
     )
-    dashboard_port: int = Field(
+    dashboard_port: Port = Field(
         8265,
-        ge=1024,
-        le=65535,
         description="The dashboard and Jobs API port on the head (bound to its 127.0.0.1); detached-job commands reach it through an SSH tunnel to the head.",
     )
     jobs_address: str | None = Field(

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from launcher.spec.base import EnvDict, Strict
+from launcher.spec.base import EnvDict, Port, Strict
 from launcher.spec.envforward import DEFAULT_ENV_FORWARD, PATTERN
 from launcher.spec.report import ReportSpec
 
@@ -506,11 +506,8 @@ class LaunchSpec(Strict):
         default_factory=lambda: list(DEFAULT_ENV_FORWARD),
         description="The launching shell's variables that reach workers on the other nodes: name patterns as in a .gitignore (*, ?, [..]; !PATTERN leaves names out; the last match wins). This machine's node gets the whole shell, as under torchrun.",
     )
-    master_port: int | None = Field(
-        None,
-        ge=1024,
-        le=65535,
-        description="Rendezvous port on the first node; null picks a free one there.",
+    master_port: Port | None = Field(
+        None, description="Rendezvous port on the first node; null picks a free one there."
     )
     hang_timeout_s: float | None = Field(
         None,
