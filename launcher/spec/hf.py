@@ -83,17 +83,15 @@ def shape_from_config(folder: Path) -> tuple[str, dict[str, int]]:
     config = read_config(folder)
     kind = config.get("model_type")
     if kind == "bert":
-        arch, keys = (
-            "bert",
-            {
-                "n_layers": "num_hidden_layers",
-                "d_model": "hidden_size",
-                "n_heads": "num_attention_heads",
-                "d_ff": "intermediate_size",
-                "vocab_size": "vocab_size",
-                "max_positions": "max_position_embeddings",
-            },
-        )
+        arch = "bert"
+        keys = {
+            "n_layers": "num_hidden_layers",
+            "d_model": "hidden_size",
+            "n_heads": "num_attention_heads",
+            "d_ff": "intermediate_size",
+            "vocab_size": "vocab_size",
+            "max_positions": "max_position_embeddings",
+        }
         must = {
             "hidden_act": "gelu",
             "layer_norm_eps": 1e-12,
@@ -104,17 +102,15 @@ def shape_from_config(folder: Path) -> tuple[str, dict[str, int]]:
             "tie_word_embeddings": True,
         }
     elif kind == "gpt2":
-        arch, keys = (
-            "gpt",
-            {
-                "n_layers": "n_layer",
-                "d_model": "n_embd",
-                "n_heads": "n_head",
-                "d_ff": "n_inner",
-                "vocab_size": "vocab_size",
-                "max_positions": "n_positions",
-            },
-        )
+        arch = "gpt"
+        keys = {
+            "n_layers": "n_layer",
+            "d_model": "n_embd",
+            "n_heads": "n_head",
+            "d_ff": "n_inner",
+            "vocab_size": "vocab_size",
+            "max_positions": "n_positions",
+        }
         must = {
             "layer_norm_epsilon": 1e-5,
             "scale_attn_weights": True,
