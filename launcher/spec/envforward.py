@@ -74,9 +74,7 @@ PATTERN = re.compile(r"^!?[A-Za-z0-9_*?\[\]!-]+$")
 
 def owned(name: str) -> bool:
     """A name the launcher (or torchrun, or Ray) sets: never taken from the shell."""
-    if name in USER_NAMES:
-        return False
-    return name in OWNED_NAMES or name.startswith(OWNED_PREFIXES)
+    return name not in USER_NAMES and (name in OWNED_NAMES or name.startswith(OWNED_PREFIXES))
 
 
 def matches(name: str, patterns: Sequence[str]) -> bool:
