@@ -51,9 +51,7 @@ class _Scope:
             with contextlib.suppress(Exception):
                 runner.close()
 
-    def close(self) -> None:
-        """A fan-out's scope within another's (or a ``Background``'s) is cancelled with it."""
-        self.cancel()
+    close = cancel  # a fan-out's scope within another's (or a Background's) is cancelled with it
 
 
 def parallel_map(
