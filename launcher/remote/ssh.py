@@ -212,12 +212,6 @@ class SSHRunner(Runner):
                 raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
             if self._conn is not None and self._conn.is_connected:
                 return self._conn
-            config = fabric.Config(
-                overrides={
-                    # The route (launcher.remote.route) has read the SSH config already.
-                    "load_ssh_configs": False,
-                }
-            )
             hop = self.route.node
             started = time.monotonic()
             self._close_jumps()
@@ -227,7 +221,8 @@ class SSHRunner(Runner):
                 hop.host,
                 user=hop.user,
                 port=hop.port,
-                config=config,
+                # The route (launcher.remote.route) has read the SSH config already.
+                config=fabric.Config(overrides={"load_ssh_configs": False}),
                 connect_timeout=self.ssh.connect_timeout_s,
                 connect_kwargs={
                     **self.connect_kwargs(self.load_key(), key_files),
