@@ -247,15 +247,10 @@ def _exposed_comm(run: _Run) -> Finding | None:
     )
 
 
-def _gpu_util(run: _Run) -> float | None:
+def _gpu_idle(run: _Run) -> Finding | None:
     values = [s["util_pct"] for s in run.busy_telemetry() if s.get("util_pct") is not None]
     values = values or [r["gpu_util_pct"] for r in run.steps() if r.get("gpu_util_pct") is not None]
-    return statistics.fmean(values) if values else None
-
-
-def _gpu_idle(run: _Run) -> Finding | None:
-    util = _gpu_util(run)
-    if util is None or util >= 85:
+    if not values or (util := statistics.fmean(values)) >= 85:
         return None
     wait = _data_wait(run)
     cost = max(0.0, 90 - util - (wait.cost_pct if wait else 0.0))
