@@ -33,18 +33,13 @@ def validate(
             for f, msg in problems
         ]
         count = "" if len(lines) == 1 else f" ({len(lines)} problems)"
+        kind = {"JobSpec": "job spec", "ClusterSpec": "cluster spec"}.get(model.__name__)
         raise SpecError(
-            f"invalid {_kind(model)}{count}: " + "; ".join(lines), source=source
+            f"invalid {kind or model.__name__}{count}: " + "; ".join(lines), source=source
         ) from err
 
 
 # -- internals ------------------------------------------------------------------------------
-
-
-def _kind(model: type[BaseModel]) -> str:
-    return {"JobSpec": "job spec", "ClusterSpec": "cluster spec"}.get(
-        model.__name__, model.__name__
-    )
 
 
 def _describe(
