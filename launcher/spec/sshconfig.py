@@ -42,11 +42,13 @@ def lookup(host: str, config: Path | None) -> HostConfig:
     parsed = _parse(config.expanduser())
     found = parsed.lookup(host)
     port = found.get("port")
+    if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise SpecError(f"Port {port!r} for host {host!r} is not a port", source=str(config))
     jump = found.get("proxyjump", "").strip()
     command = found.get("proxycommand", "").strip()
     return HostConfig(
         hostname=found.get("hostname", host),
-        port=_port(port, config, host) if port else None,
+        port=int(port) if port else None,
         user=found.get("user"),
         identity_files=tuple(Path(p).expanduser() for p in found.get("identityfile", [])),
         known_hosts=tuple(
@@ -72,12 +74,6 @@ def parse_jump(spec: str) -> tuple[str | None, str, int | None]:
     if port is not None and not port.isdigit():
         raise SpecError(f"ProxyJump hop {spec!r}: the port must be a number")
     return user or None, host, int(port) if port else None
-
-
-def _port(value: str, config: Path, host: str) -> int:
-    if not value.isdigit() or not 1 <= int(value) <= 65535:
-        raise SpecError(f"Port {value!r} for host {host!r} is not a port", source=str(config))
-    return int(value)
 
 
 _cache: dict[tuple[Path, int, int], paramiko.SSHConfig] = {}
