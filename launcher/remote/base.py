@@ -87,6 +87,9 @@ class Runner(ABC):
         thread): that ``run`` and every later one raise NodeError. Whether the command itself
         stops depends on the runner: LocalRunner kills it, SSHRunner does not (see its close)."""
 
+    def closed_error(self, how: str = "is closed") -> NodeError:
+        return NodeError(INTERNAL, f"the runner for {self.describe()} {how}")
+
     def __enter__(self) -> Runner:
         return self
 

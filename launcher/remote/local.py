@@ -31,7 +31,7 @@ class LocalRunner(Runner):
     ) -> CommandResult:
         with self._lock:
             if self._closed:
-                raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
+                raise self.closed_error()
             proc = subprocess.Popen(
                 self.argv(command),
                 stdin=subprocess.PIPE,

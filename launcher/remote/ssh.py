@@ -169,7 +169,7 @@ class SSHRunner(Runner):
             with self._state:
                 if self._closed:
                     client.close()
-                    raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
+                    raise self.closed_error()
                 self._jumps.append(client)
             try:
                 client.connect(
@@ -192,9 +192,7 @@ class SSHRunner(Runner):
             except (paramiko.SSHException, OSError, EOFError) as err:
                 self._close_jumps()
                 if self._closed:
-                    raise NodeError(
-                        INTERNAL, f"the runner for {self.describe()} was closed while connecting"
-                    ) from err
+                    raise self.closed_error("was closed while connecting") from err
                 if isinstance(err, paramiko.ChannelException):
                     raise NodeError(
                         UNREACHABLE,
@@ -209,7 +207,7 @@ class SSHRunner(Runner):
     def _connection(self) -> fabric.Connection:
         with self._lock:
             if self._closed:
-                raise NodeError(INTERNAL, f"the runner for {self.describe()} is closed")
+                raise self.closed_error()
             if self._conn is not None and self._conn.is_connected:
                 return self._conn
             hop = self.route.node
@@ -242,9 +240,7 @@ class SSHRunner(Runner):
                 conn.client.close()
                 self._close_jumps()
                 if self._closed:
-                    raise NodeError(
-                        INTERNAL, f"the runner for {self.describe()} was closed while connecting"
-                    ) from err
+                    raise self.closed_error("was closed while connecting") from err
                 raise classify_ssh_error(err, self) from err
             finally:
                 with self._state:
@@ -254,9 +250,7 @@ class SSHRunner(Runner):
                     self._conn = conn
             if self._conn is not conn:  # closed while connecting
                 conn.close()
-                raise NodeError(
-                    INTERNAL, f"the runner for {self.describe()} was closed while connecting"
-                )
+                raise self.closed_error("was closed while connecting")
             log.debug("connected to %s in %.2f s", self.describe(), time.monotonic() - started)
             return conn
 
