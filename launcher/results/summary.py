@@ -171,7 +171,7 @@ def write_summary(run_dir: Path, summary: dict) -> str:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     text = render(summary)
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(run_dir / "summary.json", _json_text(summary))
     (run_dir / "summary.csv").write_text(to_csv(summary))
     (run_dir / "summary.txt").write_text(text)
     return text
@@ -205,7 +205,12 @@ def load_run(run_dir: Path) -> dict:
         {k: r.get(k) for k in ("rank", "node", "host", "local_rank", "device")}
         for r in source.get("ranks", [])
     ]
-    records = load_records(run_dir / "metrics", (int(r["rank"]) for r in layout))
+    records = {
+        rank: read_records(path)
+        if (path := run_dir / "metrics" / f"rank{rank}.jsonl").is_file()
+        else []
+        for rank in (int(r["rank"]) for r in layout)
+    }
     if previous is not None and previous.get("status") in STATUSES:
         status, failure = previous["status"], previous.get("failure")
     else:
@@ -219,15 +224,6 @@ def load_run(run_dir: Path) -> dict:
     )
     # What only the launcher that watched the run knew (restarts, launcher_timings_s) is kept.
     return {**rebuilt, **{k: v for k, v in (previous or {}).items() if k not in rebuilt}}
-
-
-def load_records(metrics_dir: Path, ranks: Iterable[int]) -> dict[int, list[dict]]:
-    """Each rank's records from ``metrics_dir/rank<R>.jsonl``; a missing file is no records."""
-    out: dict[int, list[dict]] = {}
-    for rank in ranks:
-        path = Path(metrics_dir) / f"rank{rank}.jsonl"
-        out[rank] = read_records(path) if path.is_file() else []
-    return out
 
 
 def report_command(path: str, *, fmt: str = "table") -> int:
