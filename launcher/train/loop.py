@@ -37,7 +37,7 @@ from launcher.train.compile_cache import (
     cache_hits,
     open_cache,
 )
-from launcher.train.data import Batches, build_data, build_val_batches
+from launcher.train.data import build_data, build_val_batches
 from launcher.train.health import stop_reason
 from launcher.train.meter import (
     CudaTimer,
@@ -113,7 +113,6 @@ class Trainer:
     def __init__(self, job: JobSpec):
         self.job = job
         self.gpu: GpuMonitor | None = None
-        self.data: Batches  # build_data
         self._contexts = ExitStack()  # process-wide settings held for the trainer's lifetime
         # Seconds per start-up stage, for the meta record; "process" is Python's start and imports.
         started = process_started()
@@ -679,16 +678,13 @@ class Trainer:
             if hasattr(self, "checkpointer"):  # finish a background save still in flight
                 self.checkpointer.close()
         finally:
-            self._release()
-
-    def _release(self) -> None:
-        if hasattr(self, "data"):  # a trainer that failed before build_data has none
-            self.data.close()
-        self._contexts.close()
-        if self.gpu is not None:
-            self.gpu.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            if hasattr(self, "data"):  # a trainer that failed before build_data has none
+                self.data.close()
+            self._contexts.close()
+            if self.gpu is not None:
+                self.gpu.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def _autocast(self):
         if self.autocast_dtype is None:
