@@ -118,16 +118,10 @@ class Checkpointer:
     def record(self) -> dict[str, Any]:
         """The ``meta`` record's resume fields: null for a fresh start."""
         r = self.resumed
-        if r is None:
-            return {
-                "resumed_from_step": None,
-                "resumed_world_size": None,
-                "resumed_global_batch": None,
-            }
         return {
-            "resumed_from_step": r.step,
-            "resumed_world_size": r.world_size,
-            "resumed_global_batch": r.global_batch,
+            "resumed_from_step": None if r is None else r.step,
+            "resumed_world_size": None if r is None else r.world_size,
+            "resumed_global_batch": None if r is None else r.global_batch,
         }
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -434,16 +428,12 @@ class Checkpointer:
                 step,
             )
         data.continue_at(step, resumed.samples)
-        was = (
-            f", written by {resumed.world_size} ranks"
-            if resumed.world_size != data.world_size
-            else ""
-        )
+        was = resumed.world_size != data.world_size
         log.info(
             "resumed from %s (step %d%s); the data go on at sample %d",
             path,
             step,
-            was,
+            f", written by {resumed.world_size} ranks" if was else "",
             resumed.samples,
         )
         return resumed
