@@ -321,19 +321,14 @@ class MadeAhead(Batches):
     def _make(self, steps: range) -> dict[str, torch.Tensor]:
         """Every micro-batch of this rank for ``steps``, on the host: rows ordered by (step,
         micro, sample)."""
-        sample = self._samples_ahead(steps)
-        return self.assemble(self.tokens(sample), sample)
-
-    def _samples_ahead(self, steps: range) -> torch.Tensor:
-        """The global sample index of each row of ``_make``, as a column."""
         m = self.micro_batch
         per_step = self.grad_accum * m
-        row = torch.arange(len(steps) * per_step)
+        row = torch.arange(len(steps) * per_step).unsqueeze(1)  # a column: one sample a row
         micro, j = (row % per_step) // m, row % m
         offset = global_index(micro, self.rank, j, world_size=self.world_size, micro_batch=m)
         # first_sample(steps.start + k) = first_sample(steps.start) + k·G
         sample = self.first_sample(steps.start) + (row // per_step) * self.global_batch + offset
-        return sample.unsqueeze(1)
+        return self.assemble(self.tokens(sample), sample)
 
 
 def _worker_setup(device: torch.device) -> dict:
