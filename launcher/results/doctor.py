@@ -182,10 +182,6 @@ class _Run:
             value = value[part]
         return value
 
-    @property
-    def builtin(self) -> bool:
-        return self.job_get("entrypoint", "builtin") == "builtin"
-
 
 def _seconds(records: list[dict[str, Any]], key: str) -> float:
     return sum(float(r.get(key) or 0.0) for r in records)
@@ -204,7 +200,7 @@ def _data_wait(run: _Run) -> Finding | None:
     if not per_rank or (pct := statistics.fmean(per_rank.values())) < 3:
         return None
     worst = max(per_rank, key=per_rank.__getitem__)
-    if run.builtin:
+    if run.job_get("entrypoint", "builtin") == "builtin":
         source = run.job_get("data.source", "synthetic")
         change = (
             f"data loading feeds the steps too slowly (data.source {source}): put data.path on a "
