@@ -222,11 +222,7 @@ class PreflightReport:
         """One line: ``parity OK: 3 nodes agree`` or ``parity FAILED: <every bad node, why>``."""
         n = len(self.nodes)
         if self.ok:
-            line = (
-                f"parity OK: {n} node{'s' if n != 1 else ''} agree"
-                if n != 1
-                else "parity OK: 1 node checked"
-            )
+            line = f"parity OK: {n} nodes agree" if n != 1 else "parity OK: 1 node checked"
             if self.warnings:
                 line += (
                     " (warnings: "
@@ -251,9 +247,7 @@ class PreflightReport:
                 parts.append("differs in " + ", ".join(diffs))
             parts.extend(checks)
             if parts:
-                out.append(
-                    f"{node} " + "; ".join(parts) if diffs else f"{node}: " + "; ".join(parts)
-                )
+                out.append(f"{node}{'' if diffs else ':'} " + "; ".join(parts))
         return out
 
     def table(self) -> str:
