@@ -456,63 +456,59 @@ def _mark_row(row: Row, problems: list[Problem]) -> None:
 def _checks(
     node: str, probe: dict[str, Any], policies: dict[str, str], deep: bool
 ) -> list[Problem]:
-    found: list[tuple[str, str]] = []
+    problems: list[Problem] = []
+
+    def found(key: str, message: str) -> None:
+        policy = policies.get(key, "exact")
+        if policy != "ignore":
+            problems.append(Problem(node, key, "warn" if policy == "warn" else "fail", message))
+
     request = probe.get("request") or {}
     found_deep = probe.get("deep")
     dp: dict[str, Any] = found_deep if isinstance(found_deep, dict) else {}
     deep_ok = isinstance(found_deep, dict) and "error" not in dp
     if deep and not deep_ok:
         reason = dp.get("error") if isinstance(found_deep, dict) else "no deep section in the probe"
-        found.append(("deep_probe", f"deep probe failed: {reason}"))
+        found("deep_probe", f"deep probe failed: {reason}")
     if probe.get("launcher") is None:
         python = _get("python", "executable")(probe) or "the node's python"
-        found.append(
-            (
-                "launcher_importable",
-                f"the launcher is not importable with {python}; install it there",
-            )
+        found(
+            "launcher_importable", f"the launcher is not importable with {python}; install it there"
         )
     code = probe.get("user_code")
     if isinstance(code, dict):
         if "error" in code:
-            found.append(("user_code_present", f"could not read the workdir: {code['error']}"))
+            found("user_code_present", f"could not read the workdir: {code['error']}")
         elif not code.get("exists"):
-            found.append(
-                (
-                    "user_code_present",
-                    f"workdir {code['workdir']} does not exist here; put the "
-                    f"code on the shared filesystem or use entrypoint.sync: auto",
-                )
+            found(
+                "user_code_present",
+                f"workdir {code['workdir']} does not exist here; put the "
+                f"code on the shared filesystem or use entrypoint.sync: auto",
             )
         elif code.get("script") and not code.get("script_exists"):
-            found.append(
-                (
-                    "user_code_present",
-                    f"script {code['script']} is missing from {code['workdir']} here",
-                )
+            found(
+                "user_code_present",
+                f"script {code['script']} is missing from {code['workdir']} here",
             )
     if deep_ok and dp.get("cuda_available"):
-        found.extend(("cudnn_working", m) for m in _cudnn_problems(dp))
+        for message in _cudnn_problems(dp):
+            found("cudnn_working", message)
         speedup = (dp.get("conv") or {}).get("speedup")
         if isinstance(speedup, int | float) and speedup < CUDNN_MIN_SPEEDUP:
-            found.append(
-                ("cudnn_speedup", f"cuDNN gives no speed-up ({speedup:g}x over native kernels)")
-            )
+            found("cudnn_speedup", f"cuDNN gives no speed-up ({speedup:g}x over native kernels)")
     driver = _get("nvidia", "driver")(probe)
     cuda = (dp.get("cuda_build") if deep_ok else None) or _get("torch_build", "cuda")(probe)
     minimum = min_driver(cuda)
     if driver and minimum and _vtuple(driver) < _vtuple(minimum):
-        found.append(
-            (
-                "driver_min",
-                f"driver {driver} is below {minimum}, the minimum for torch's CUDA {cuda}; "
-                f"update the driver or use a torch built for an older CUDA",
-            )
+        found(
+            "driver_min",
+            f"driver {driver} is below {minimum}, the minimum for torch's CUDA {cuda}; "
+            f"update the driver or use a torch built for an older CUDA",
         )
     needed = request.get("gpus_needed") or 0
     have = gpu_count(probe)
     if needed and have < needed and (deep_ok or not deep):
-        found.append(("gpus_needed", f"needs {needed} GPU{'s' if needed != 1 else ''}, has {have}"))
+        found("gpus_needed", f"needs {needed} GPU{'s' if needed != 1 else ''}, has {have}")
     ifname = request.get("nccl_socket_ifname")
     interfaces = probe.get("interfaces")
     if (
@@ -521,32 +517,23 @@ def _checks(
         and "error" not in interfaces
         and not nccl_ifname_matches(ifname, interfaces)
     ):
-        found.append(
-            (
-                "nccl_socket_ifname",
-                f"NCCL_SOCKET_IFNAME={ifname} names no interface here (has {', '.join(sorted(interfaces))})",
-            )
+        found(
+            "nccl_socket_ifname",
+            f"NCCL_SOCKET_IFNAME={ifname} names no interface here (has {', '.join(sorted(interfaces))})",
         )
     skew = probe.get("clock_skew_s")
     if isinstance(skew, int | float) and abs(skew) > CLOCK_SKEW_WARN_S:
-        found.append(("clock_skew", f"clock is {skew:+.1f} s off the launcher's"))
+        found("clock_skew", f"clock is {skew:+.1f} s off the launcher's")
     code = probe.get("bytecode")
     if isinstance(code, dict) and code.get("cached") is False and code.get("writable") is False:
         python = _get("python", "executable")(probe) or "python"
-        found.append(
-            (
-                "bytecode",
-                "torch has no compiled bytecode and Python may not write it "
-                "(PYTHONDONTWRITEBYTECODE, or a read-only install): every process compiles "
-                f"torch's source again, seconds per start; compile it once with "
-                f"`{python} -m compileall -q -j 0 {code.get('site')}`",
-            )
+        found(
+            "bytecode",
+            "torch has no compiled bytecode and Python may not write it "
+            "(PYTHONDONTWRITEBYTECODE, or a read-only install): every process compiles "
+            f"torch's source again, seconds per start; compile it once with "
+            f"`{python} -m compileall -q -j 0 {code.get('site')}`",
         )
-    problems = []
-    for key, message in found:
-        policy = policies.get(key, "exact")
-        if policy != "ignore":
-            problems.append(Problem(node, key, "warn" if policy == "warn" else "fail", message))
     return problems
 
 
