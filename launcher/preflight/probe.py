@@ -30,6 +30,7 @@ CORE_PACKAGES = ("torch", "ray", "launcher")
 LOADED_LIB_PREFIXES = ("libcudnn", "libnccl", "libcudart")
 NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total", "uuid", "pci.bus_id")
 COMMAND_TIMEOUT_S = 15.0
+TORCH_BUILD_NAMES = ("__version__", "cuda", "hip", "git_version")  # read from torch/version.py
 # What counts as code when the user's working directory is hashed: sources and configs (.json and
 # .yaml included); other files, data among them, are not read.
 CODE_SUFFIXES = (
@@ -186,12 +187,7 @@ def torch_build() -> dict[str, Any] | None:
         if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
-                if isinstance(target, ast.Name) and target.id in (
-                    "__version__",
-                    "cuda",
-                    "hip",
-                    "git_version",
-                ):
+                if isinstance(target, ast.Name) and target.id in TORCH_BUILD_NAMES:
                     out[target.id.strip("_")] = node.value.value
     return out
 
@@ -322,17 +318,16 @@ def nvidia_info() -> dict[str, Any]:
             dict(zip(NVIDIA_SMI_FIELDS, (c.strip() for c in line.split(",")), strict=False))
             for line in proc.stdout.strip().splitlines()
         ]
-        gpus = []
-        for row in rows:
-            gpus.append(
-                {
-                    "index": int(row["index"]),
-                    "name": row["name"],
-                    "memory_mib": _to_int(row.get("memory.total")),
-                    "uuid": row.get("uuid"),
-                    "bus_id": row.get("pci.bus_id"),
-                }
-            )
+        gpus = [
+            {
+                "index": int(row["index"]),
+                "name": row["name"],
+                "memory_mib": _to_int(row.get("memory.total")),
+                "uuid": row.get("uuid"),
+                "bus_id": row.get("pci.bus_id"),
+            }
+            for row in rows
+        ]
         driver = rows[0].get("driver_version") if rows else None
         return {"source": "nvidia-smi", "driver": driver, "gpus": gpus}
     return _nvml_info()
