@@ -195,7 +195,7 @@ class RestStore:
     ``MLFLOW_TRACKING_SERVER_CERT_PATH`` and ``MLFLOW_TRACKING_INSECURE_TLS`` for TLS.
     """
 
-    def __init__(self, tracking_uri: str, timeout_s: float = TIMEOUT_S):
+    def __init__(self, tracking_uri: str):
         parts = urllib.parse.urlsplit(tracking_uri)
         netloc = parts.hostname or ""
         if ":" in netloc:
@@ -203,7 +203,6 @@ class RestStore:
         if parts.port:
             netloc += f":{parts.port}"
         self.base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-        self.timeout_s = timeout_s
         self.headers = {"Content-Type": "application/json"}
         user = os.environ.get("MLFLOW_TRACKING_USERNAME") or urllib.parse.unquote(
             parts.username or ""
@@ -292,9 +291,7 @@ class RestStore:
             data = json.dumps(body).encode()
         request = urllib.request.Request(url, data=data, method=method, headers=self.headers)
         try:
-            with urllib.request.urlopen(
-                request, timeout=self.timeout_s, context=self.context
-            ) as answer:
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=self.context) as answer:
                 raw = answer.read()
         except urllib.error.HTTPError as err:
             text = err.read().decode("utf-8", "replace")[:500]
