@@ -282,22 +282,16 @@ class Checkpointer:
         """Copy ``state`` to host memory and start the write on DCP's thread, over a gloo group
         of its own (apart from training's collectives); the times go to ``parts``."""
         mark = time.perf_counter()
-        distributed = _distributed()
         if self._reserving is not None:  # the memory ``prepare`` allocates
             self._reserving.join()
             self._reserving = None
         if self._stager is None:
             self._stager = HostCopy() if _plain_tensors(state) else _dcp_stager()
         parts["setup"] = time.perf_counter() - mark
-        kwargs: dict[str, Any] = {
-            "storage_writer": self._writer(path),
-            "async_stager": self._stager,
-        }
-        if distributed:
-            kwargs["process_group"] = self._group
-        else:
-            kwargs["no_dist"] = True
-        response: Any = dcp.async_save(state, **kwargs)
+        group = {"process_group": self._group} if _distributed() else {"no_dist": True}
+        response: Any = dcp.async_save(
+            state, storage_writer=self._writer(path), async_stager=self._stager, **group
+        )
         if isinstance(self._stager, HostCopy):
             parts["setup"] += self._stager.alloc_s
             parts["stage"] = self._stager.stage_s - self._stager.alloc_s
