@@ -431,13 +431,8 @@ def _mark_row(row: Row, problems: list[Problem]) -> None:
         return
     keys = {n: version_key(v, row.policy) for n, v in row.values.items()}
     counts = Counter(keys.values())
-    head = next(iter(keys))
-    best = max(counts.values())
-    ref_key = (
-        keys[head]
-        if counts[keys[head]] == best
-        else next(k for k in keys.values() if counts[k] == best)
-    )
+    # the most common key; where tied, the head's (max keeps the first, the head comes first)
+    ref_key = max(keys.values(), key=counts.__getitem__)
     row.reference = next(row.values[n] for n, k in keys.items() if k == ref_key)
     severity = "warn" if row.policy == "warn" else "fail"
     for node, key in keys.items():
