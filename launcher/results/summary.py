@@ -359,11 +359,8 @@ def _training(records: Mapping[int, RankStats]) -> dict | None:
     """How training went, from the step records of the lowest rank that wrote any (the loss
     and eval loss are means over the ranks, the gradient norm global): the last step logged,
     its loss and gradient norm, the last evaluation and the steps skipped as non-finite."""
-    for rank in sorted(records):
-        stats = records[rank]
-        if stats.steps:
-            break
-    else:
+    stats = next((records[rank] for rank in sorted(records) if records[rank].steps), None)
+    if stats is None:
         return None
     last = stats.last_step_rec or {}
     return {
