@@ -124,6 +124,11 @@ def launch(
     return Run(run_dir, proc.returncode, out)
 
 
+def sets(*pairs: str) -> list[str]:
+    """``--set`` before each of ``pairs``."""
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
 def ok(run: Run) -> Run:
     assert run.returncode == 0, f"exit {run.returncode}:\n{run.output[-4000:]}"
     return run
@@ -161,8 +166,8 @@ def fsdp_fp32(base: Path) -> Run:
     """The ddp_fp32 job under FSDP, evaluating every 20 steps (evaluations change no parameter:
     the tests below hold it to ddp_fp32's, and to a resumed run's without evaluations)."""
     job = write_job(base / "fsdp.yaml", "fsdp", base / "ckpt-fsdp")
-    args = ["--params-out", "params.pt", "--set", "parallel.strategy=fsdp"]
-    args += ["--set", "train.eval_every=20", "--set", "train.eval_steps=4"]
+    args = ["--params-out", "params.pt"]
+    args += sets("parallel.strategy=fsdp", "train.eval_every=20", "train.eval_steps=4")
     return ok(launch(base / "fsdp", ["--job", str(job), *args]))
 
 
@@ -190,16 +195,8 @@ def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(base: Path, 
     one = ok(
         launch(
             base / "one",
-            [
-                "--job",
-                str(job),
-                "--params-out",
-                "params.pt",
-                "--set",
-                "train.micro_batch=4",
-                "--set",
-                "train.grad_accum=2",
-            ],
+            ["--job", str(job), "--params-out", "params.pt"]
+            + sets("train.micro_batch=4", "train.grad_accum=2"),
             nproc=None,
         )
     )
@@ -219,18 +216,12 @@ def test_ddp_accumulating_micro_batches_matches_one_batch_per_rank(
     run = ok(
         launch(
             base / name,
-            [
-                "--job",
-                str(job),
-                "--params-out",
-                "params.pt",
-                "--set",
+            ["--job", str(job), "--params-out", "params.pt"]
+            + sets(
                 f"parallel.ddp.static_graph={str(static_graph).lower()}",
-                "--set",
                 "train.micro_batch=2",
-                "--set",
                 "train.grad_accum=2",
-            ],
+            ),
         )
     )
     assert run.records(0, "meta")[0]["grad_accum"] == 2
@@ -272,22 +263,14 @@ def test_fsdp_with_several_blocks_per_unit_accumulating_kept_gathered_matches_dd
     run = ok(
         launch(
             base / "fsdp-units",
-            [
-                "--job",
-                str(job),
-                "--params-out",
-                "params.pt",
-                "--set",
+            ["--job", str(job), "--params-out", "params.pt"]
+            + sets(
                 "parallel.strategy=fsdp",
-                "--set",
                 "parallel.fsdp.blocks_per_unit=2",
-                "--set",
                 "parallel.fsdp.reshard_after_forward=false",
-                "--set",
                 "train.micro_batch=2",
-                "--set",
                 "train.grad_accum=2",
-            ],
+            ),
         )
     )
     assert run.records(0, "meta")[0]["grad_accum"] == 2
@@ -301,26 +284,18 @@ def test_bf16_loss_falls(base: Path, strategy: str):
     job = write_job(
         base / f"bf16-{strategy}.yaml", f"bf16-{strategy}", base / f"ckpt-bf16-{strategy}"
     )
-    extra = [
-        "--set",
+    extra = sets(
         "train.checkpoint.dir=null",
-        "--set",
         "train.checkpoint.every_steps=0",
-        "--set",
         "precision.dtype=bf16",
-        "--set",
         f"parallel.strategy={strategy}",
-        "--set",
         "train.micro_batch=2",
-        "--set",
         "train.grad_accum=2",
-        "--set",
         "train.eval_every=25",
-    ]
-    if strategy == "ddp":
-        extra += ["--set", "parallel.ddp.comm_hook=fp16"]
-    else:
-        extra += ["--set", "train.activation_checkpointing=true"]
+        "parallel.ddp.comm_hook=fp16"
+        if strategy == "ddp"
+        else "train.activation_checkpointing=true",
+    )
     run = ok(launch(base / f"bf16-{strategy}", ["--job", str(job), *extra], module=True))
     assert_loss_falls(run)
     evals = [r["eval_loss"] for r in run.records(1, "step") if r["eval_loss"] is not None]
@@ -515,16 +490,8 @@ def test_quickstart_runs_as_one_process_without_torchrun(base: Path):
     run = ok(
         launch(
             base / "quick",
-            [
-                "--job",
-                str(REPO / "jobs" / "quickstart.yaml"),
-                "--set",
-                "train.steps=4",
-                "--set",
-                "train.warmup_steps=1",
-                "--set",
-                "train.log_every=2",
-            ],
+            ["--job", str(REPO / "jobs" / "quickstart.yaml")]
+            + sets("train.steps=4", "train.warmup_steps=1", "train.log_every=2"),
             nproc=None,
             module=True,
         )
@@ -541,17 +508,8 @@ def test_the_host_bound_benchmark_reports_issue_and_synced_time_per_rank(base: P
     run = ok(
         launch(
             base / "host-bound",
-            [
-                str(REPO / "jobs/quickstart.yaml"),
-                "--warmup",
-                "1",
-                "--probe",
-                "2",
-                "--steps",
-                "2",
-                "--set",
-                "model.n_layers=1",
-            ],
+            [str(REPO / "jobs/quickstart.yaml"), "--warmup", "1", "--probe", "2", "--steps", "2"]
+            + sets("model.n_layers=1"),
             script=REPO / "benchmarks/host_bound.py",
         )
     )
@@ -597,7 +555,7 @@ def test_gpu_nccl_ddp_on_two_gpus_matches_one_gpu(base: Path):
     one = ok(
         launch(
             base / "gpu-one",
-            ["--job", str(job), "--params-out", "params.pt", "--set", "train.micro_batch=16"],
+            ["--job", str(job), "--params-out", "params.pt", *sets("train.micro_batch=16")],
             nproc=1,
         )
     )
@@ -612,16 +570,8 @@ def compiled_one_gpu(base: Path) -> Run:
     return ok(
         launch(
             base / "gpu-compiled-one",
-            [
-                "--job",
-                str(job),
-                "--params-out",
-                "params.pt",
-                "--set",
-                "train.compile=true",
-                "--set",
-                "train.micro_batch=16",
-            ],
+            ["--job", str(job), "--params-out", "params.pt"]
+            + sets("train.compile=true", "train.micro_batch=16"),
             nproc=1,
         )
     )
@@ -632,36 +582,9 @@ def compiled_one_gpu(base: Path) -> Run:
 def test_gpu_cuda_graphs_on_two_gpus_match_compiled_one_gpu(base: Path):
     """Replayed graphs with DDP's hooks between them train the same model as launches."""
     job = gpu_job(base, "gpu-graphs")
-    compiled = ["--set", "train.compile=true"]
-    two = ok(
-        launch(
-            base / "gpu-graphs-two",
-            [
-                "--job",
-                str(job),
-                "--params-out",
-                "params.pt",
-                *compiled,
-                "--set",
-                "train.cuda_graphs=true",
-            ],
-        )
-    )
-    one = ok(
-        launch(
-            base / "gpu-graphs-one",
-            [
-                "--job",
-                str(job),
-                "--params-out",
-                "params.pt",
-                *compiled,
-                "--set",
-                "train.micro_batch=16",
-            ],
-            nproc=1,
-        )
-    )
+    args = ["--job", str(job), "--params-out", "params.pt", *sets("train.compile=true")]
+    two = ok(launch(base / "gpu-graphs-two", args + sets("train.cuda_graphs=true")))
+    one = ok(launch(base / "gpu-graphs-one", args + sets("train.micro_batch=16"), nproc=1))
     assert_loss_falls(two, by=1.0)
     assert_params_close(two.params(), one.params(), atol=5e-4)
 
@@ -677,23 +600,16 @@ def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(
     as one compiled GPU taking the 16 samples at once: no micro-batch's gradients are lost to
     the next replay."""
     job = gpu_job(base, f"gpu-accum-{nproc}")
-    compiled = ["--set", "train.compile=true"]
     accum = ok(
         launch(
             base / f"gpu-accum-graphs-{nproc}",
-            [
-                "--job",
-                str(job),
-                "--params-out",
-                "params.pt",
-                *compiled,
-                "--set",
+            ["--job", str(job), "--params-out", "params.pt"]
+            + sets(
+                "train.compile=true",
                 "train.cuda_graphs=true",
-                "--set",
                 "train.grad_accum=2",
-                "--set",
                 f"train.micro_batch={16 // (2 * nproc)}",
-            ],
+            ),
             nproc=nproc,
         )
     )
@@ -724,18 +640,13 @@ def test_gpu_precisions_run_and_the_loss_falls(
     run = ok(
         launch(
             base / name,
-            [
-                "--job",
-                str(gpu_job(base, name)),
-                "--set",
+            ["--job", str(gpu_job(base, name))]
+            + sets(
                 f"precision.dtype={dtype}",
-                "--set",
                 f"parallel.strategy={strategy}",
-                "--set",
                 f"train.compile={str(bool(compile_)).lower()}",
-                "--set",
                 f"train.cuda_graphs={str(compile_ == 'graphs').lower()}",
-            ],
+            ),
             nproc=min(GPUS, 2),
             module=True,
         )
@@ -789,18 +700,18 @@ def test_gpu_fp8_loss_falls_and_tracks_bf16(base: Path, recipe: str):
     filter) train like bf16: the loss falls, and after 50 steps it is within 2% of bf16's.
     Eager, to keep the test short (the compiled path is what the benchmarks run)."""
 
-    def run(dtype: str, *sets: str) -> Run:
+    def run(dtype: str, *more: str) -> Run:
         name = f"gpu-fp8-{recipe}-{dtype}"
         return ok(
             launch(
                 base / name,
-                ["--job", str(gpu_job(base, name)), "--set", f"precision.dtype={dtype}", *sets],
+                ["--job", str(gpu_job(base, name)), *sets(f"precision.dtype={dtype}", *more)],
                 nproc=1,
                 module=True,
             )
         )
 
-    fp8 = run("fp8", "--set", f"precision.fp8_recipe={recipe}", "--set", "precision.fp8_layers=all")
+    fp8 = run("fp8", f"precision.fp8_recipe={recipe}", "precision.fp8_layers=all")
     bf16 = run("bf16")
     assert fp8.records(0, "meta")[0]["precision"] == "fp8"
     assert "fp8: 16 linear layers in float8" in fp8.output  # 4 blocks x (qkv, proj, fc, proj)
@@ -819,7 +730,7 @@ def test_gpu_fp8_without_fp8_tensor_cores_fails_with_a_clear_error(base: Path):
     name = "gpu-fp8-unsupported"
     run = launch(
         base / name,
-        ["--job", str(gpu_job(base, name)), "--set", "precision.dtype=fp8"],
+        ["--job", str(gpu_job(base, name)), *sets("precision.dtype=fp8")],
         nproc=1,
         module=True,
     )
@@ -838,22 +749,14 @@ def test_gpu_bf16_weights_under_cuda_graphs_track_fp32_weights(base: Path):
         runs[weights] = ok(
             launch(
                 base / f"gpu-weights-{weights}",
-                [
-                    "--job",
-                    str(job),
-                    "--params-out",
-                    "params.pt",
-                    "--set",
+                ["--job", str(job), "--params-out", "params.pt"]
+                + sets(
                     "precision.dtype=bf16",
-                    "--set",
                     f"precision.weights={weights}",
-                    "--set",
                     "train.compile=true",
-                    "--set",
                     "train.cuda_graphs=true",
-                    "--set",
                     "train.micro_batch=16",
-                ],
+                ),
                 nproc=1,
             )
         )
