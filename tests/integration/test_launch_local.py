@@ -12,32 +12,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import (
-    QUICK,
-    assert_none_left,
-    kill,
-    launch,
-    ours,
-    write_job,
-)
+from fixtures.launching import QUICK, assert_none_left, kill, launch, ours, write_job
+
+from launcher.results.summary import RANK_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
-SUMMARY_RANK_KEYS = {
-    "rank",
-    "node",
-    "host",
-    "local_rank",
-    "device",
-    "steps",
-    "step_time_ms_p50",
-    "step_time_ms_p95",
-    "samples_per_s",
-    "tokens_per_s",
-    "tflops",
-    "mfu",
-    "peak_mem_gib",
-    "data_wait_pct",
-}
+RUN_FILES = (  # what every run that got as far as its workers leaves in its run directory
+    "plan.json",
+    "logs/local/rank0.log",
+    "logs/local/rank1.log",
+    "metrics/rank0.jsonl",
+    "metrics/rank1.jsonl",
+    "summary.json",
+    "summary.csv",
+    "summary.txt",
+)
 
 
 @pytest.fixture
@@ -71,16 +60,9 @@ def test_quickstart_end_to_end(tmp_path, mark):
     for name in (
         "job.yaml",
         "cluster.yaml",
-        "plan.json",
         "preflight/parity.txt",
         "preflight/local.json",
-        "logs/local/rank0.log",
-        "logs/local/rank1.log",
-        "metrics/rank0.jsonl",
-        "metrics/rank1.jsonl",
-        "summary.json",
-        "summary.csv",
-        "summary.txt",
+        *RUN_FILES,
     ):
         assert (run_dir / name).is_file(), name
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -88,7 +70,7 @@ def test_quickstart_end_to_end(tmp_path, mark):
     assert summary["failure"] is None
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     for row in summary["ranks"]:
-        assert set(row) >= SUMMARY_RANK_KEYS
+        assert set(row) >= set(RANK_KEYS)  # the names are tests/unit/test_summary.py's
         assert row["tokens_per_s"] > 0 and row["steps"] == 30 and row["mfu"] is None
     assert summary["totals"]["tokens_per_s"] > 0
     timings = summary["launcher_timings_s"]  # the preflight ran while Ray started, agents placed
@@ -147,16 +129,7 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
     stderr = (tmp_path / "stderr").read_text()
     assert code == 0, stderr[-3000:]
     assert "Broken pipe" not in stderr and "could not" not in stderr and "Traceback" not in stderr
-    for name in (
-        "plan.json",
-        "logs/local/rank0.log",
-        "logs/local/rank1.log",
-        "metrics/rank0.jsonl",
-        "metrics/rank1.jsonl",
-        "summary.json",
-        "summary.csv",
-        "summary.txt",
-    ):
+    for name in RUN_FILES:
         assert (run_dir / name).is_file(), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["failure"] is None
@@ -273,24 +246,13 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path, mark):
     port = 6400 + os.getpid() % 500
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 
+    def ray(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "ray.scripts.scripts", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
     try:
-        started = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ray.scripts.scripts",
-                "start",
-                "--head",
-                "--port",
-                str(port),
-                "--include-dashboard=false",
-                "--num-cpus",
-                "3",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
+        started = ray(
+            "start", "--head", "--port", str(port), "--include-dashboard=false", "--num-cpus", "3"
         )
         assert started.returncode == 0, started.stderr
         cluster = tmp_path / "cluster.yaml"
@@ -324,13 +286,7 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path, mark):
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert "Attaching to the running Ray" in result.stderr
-        status = subprocess.run(
-            [sys.executable, "-m", "ray.scripts.scripts", "status", "--address", f"{ip}:{port}"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-        )
+        status = ray("status", "--address", f"{ip}:{port}")
         assert status.returncode == 0, "the attached cluster was stopped"
         assert any("raylet" in cmd for cmd in ours(mark).values()), (
             "the attached cluster's raylet is gone"
