@@ -19,9 +19,10 @@ import torch
 pytest.importorskip("transformers", reason="builds Hugging Face models (test extra)")
 pytest.importorskip("safetensors", reason="Hugging Face folders hold model.safetensors (hf extra)")
 
+from fixtures.batching import source  # noqa: E402
+
 from launcher.spec.hf import check_folder  # noqa: E402
 from launcher.spec.job import ModelSpec  # noqa: E402
-from launcher.train.data import SyntheticBatches  # noqa: E402
 from launcher.train.hf import load_pretrained  # noqa: E402
 from launcher.train.model import build_model  # noqa: E402
 from launcher.util import free_port  # noqa: E402
@@ -51,18 +52,7 @@ def compare(
     load_pretrained(ours, spec, device=dev)
     ours.eval()
     hf = hf.to(dev).eval()
-    data = SyntheticBatches(
-        arch=arch,
-        vocab_size=dims["vocab_size"],
-        seq_len=seq,
-        micro_batch=batch,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=7,
-        rank=0,
-        world_size=1,
-        device=dev,
-    )
+    data = source(arch, vocab=dims["vocab_size"], seq=seq, micro=batch, seed=7, device=dev)
     b = data.batch(1)
     if arch == "bert":
         hf_in = {

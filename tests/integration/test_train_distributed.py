@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.batching import source, write_npy
 
 from launcher.metrics import read_records
 from launcher.orchestrate.reaper import descendants, signal_all
@@ -439,35 +440,12 @@ def test_ddp_bf16_weights_resume_after_a_kill_matches_the_uninterrupted_run(
         assert all(dtypes[k] == torch.float32 for k in names), dtypes
 
 
-def write_npy(path: Path, ids: torch.Tensor) -> None:
-    """A version-1.0 .npy file of int32 ids, written by hand (the header is a Python dict)."""
-    header = f"{{'descr': '<i4', 'fortran_order': False, 'shape': ({ids.numel()},), }}"
-    header += " " * (-(10 + len(header) + 1) % 64) + "\n"
-    body = bytes(ids.to(torch.int32).contiguous().view(torch.uint8).tolist())
-    path.write_bytes(
-        b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body
-    )
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_gpt_on_a_token_file_sharded_by_rank(base: Path, strategy: str):
     """GPT reading a .npy token file (structured ids from the synthetic generator), its last
     10% held out for evaluations, under DDP and FSDP."""
-    from launcher.train.data import SyntheticBatches
-
-    gen = SyntheticBatches(
-        arch="gpt",
-        vocab_size=1024,
-        seq_len=256,
-        micro_batch=64,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=7,
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-    )
-    write_npy(base / "tokens.npy", gen.batch(1)["input_ids"].reshape(-1))
+    ids = source("gpt", seq=256, micro=64, seed=7).batch(1)["input_ids"]
+    write_npy(base / "tokens.npy", ids.reshape(-1).to(torch.int32), "<i4")
     job = base / f"gpt-{strategy}.yaml"
     job.write_text(
         "name: gpt-tokens\n"
