@@ -18,9 +18,9 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
+from fixtures.launching import wait_for
 from netns import NetnsCluster
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ class SlurmCluster:
             ],
             d / "munged.out",
         )
-        _wait(lambda: sock.exists(), 20, "munged's socket")
+        wait_for(sock.exists, timeout=20, what="munged's socket", poll=0.3)
         ctld_port, d_port = _free_port(), _free_port()
         gateway = self.nodes.gateway
         lines = [
@@ -187,7 +187,10 @@ class SlurmCluster:
             states = self.run("sinfo", "-h", "-N", "-o", "%t").stdout.split()
             return len(states) == len(self.names) and all(s == "idle" for s in states)
 
-        _wait(idle, 60, "every slurmd idle", lambda: self._logs())
+        try:
+            wait_for(idle, timeout=60, what="every slurmd idle", poll=0.3)
+        except AssertionError as e:
+            raise RuntimeError(f"{e}\n{self._logs()}") from None
 
     def _logs(self) -> str:
         out = []
@@ -213,11 +216,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _wait(ok, timeout: float, what: str, detail=lambda: "") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}\n{detail()}")
-        time.sleep(0.3)
