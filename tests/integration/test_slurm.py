@@ -45,31 +45,24 @@ def ranks_on_both_nodes(slurm, run_dir: Path) -> None:
     assert {r["node"] for r in summary["ranks"]} == set(slurm.names)
 
 
-def test_inside_an_allocation(slurm, env, files, tmp_path):
+@pytest.mark.parametrize("salloc", [("salloc", "-N2", "--quiet"), ()], ids=["inside", "outside"])
+def test_the_quickstart_inside_an_allocation_or_outside_one(slurm, env, files, tmp_path, salloc):
+    """Outside one the launcher allocates, and releases the allocation with its Ray steps."""
     job_file, cluster_file = files
     run_dir = tmp_path / "run"
     run = launch(
         *(str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir)),
         cwd=tmp_path,
         env=env,
-        prefix=("salloc", "-N2", "--quiet"),
+        prefix=salloc,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ranks_on_both_nodes(slurm, run_dir)
-    # salloc's allocation stays in the queue (completing) until slurmctld hears from every node
-    wait_for(lambda: slurm.queue() == [], timeout=30, what="salloc's allocation to leave the queue")
-
-
-def test_outside_an_allocation_the_launcher_allocates_and_releases(slurm, env, files, tmp_path):
-    job_file, cluster_file = files
-    run_dir = tmp_path / "run"
-    run = launch(
-        *(str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir)),
-        cwd=tmp_path,
-        env=env,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    ranks_on_both_nodes(slurm, run_dir)
+    if salloc:
+        # salloc's allocation stays in the queue (completing) until slurmctld hears from every node
+        what = "salloc's allocation to leave the queue"
+        wait_for(lambda: slurm.queue() == [], timeout=30, what=what)
+        return
     assert slurm.queue() == []
     for node in slurm.nodes.node_names:  # Ray's steps ended with the allocation
         assert "raylet" not in slurm.nodes.exec(node, "ps -eo comm").stdout
