@@ -204,26 +204,34 @@ def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(base: Path, 
     assert_params_close(ddp_fp32.params(), one.params(), atol=1e-4)
 
 
-@pytest.mark.parametrize("static_graph", [False, True])
-def test_ddp_accumulating_micro_batches_matches_one_batch_per_rank(
-    base: Path, ddp_fp32: Run, static_graph: bool
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("ddp-accum-dynamic", ["parallel.ddp.static_graph=false"]),
+        ("ddp-accum-static", ["parallel.ddp.static_graph=true"]),
+        (
+            "fsdp-units",
+            [
+                "parallel.strategy=fsdp",
+                "parallel.fsdp.blocks_per_unit=2",
+                "parallel.fsdp.reshard_after_forward=false",
+            ],
+        ),
+    ],
+)
+def test_accumulating_micro_batches_matches_one_batch_per_rank(
+    base: Path, ddp_fp32: Run, name: str, overrides: list[str]
 ):
-    """DDP over 2 ranks with 2 micro-batches of 2 per step: the first micro-batch's gradients
-    come from ``torch.autograd.grad`` under ``no_sync`` and the second from ``backward`` with
-    DDP's hooks (``Trainer.backward``); with a static graph the first step syncs both. The same
-    training as micro-batches of 4."""
-    name = f"ddp-accum-{'static' if static_graph else 'dynamic'}"
+    """2 ranks with 2 micro-batches of 2 per step: the same training as DDP with micro-batches
+    of 4. Under DDP the first micro-batch's gradients come from ``torch.autograd.grad`` under
+    ``no_sync`` and the second from ``backward`` with DDP's hooks (``Trainer.backward``); with a
+    static graph the first step syncs both. fsdp-units: two blocks in one FSDP unit (one
+    all-gather, one reduce-scatter), the gathered parameters kept from the first backward to the
+    second forward (one all-gather per step)."""
     job = write_job(base / f"{name}.yaml", name, base / f"ckpt-{name}")
+    args = ["--job", str(job), "--params-out", "params.pt"]
     run = ok(
-        launch(
-            base / name,
-            ["--job", str(job), "--params-out", "params.pt"]
-            + sets(
-                f"parallel.ddp.static_graph={str(static_graph).lower()}",
-                "train.micro_batch=2",
-                "train.grad_accum=2",
-            ),
-        )
+        launch(base / name, args + sets(*overrides, "train.micro_batch=2", "train.grad_accum=2"))
     )
     assert run.records(0, "meta")[0]["grad_accum"] == 2
     assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
@@ -252,30 +260,6 @@ def test_health_fields_and_evaluations_under_ddp_and_fsdp(fsdp_fp32: Run, ddp_fp
     final = fsdp_fp32.records(0, "final")[0]
     assert final["eval_loss"] == evals[0][50] and final["eval_step"] == 50
     assert not any(r["eval_loss"] for r in ddp_fp32.records(0, "step"))
-
-
-def test_fsdp_with_several_blocks_per_unit_accumulating_kept_gathered_matches_ddp(
-    base: Path, ddp_fp32: Run
-):
-    """Two blocks in one FSDP unit (one all-gather, one reduce-scatter), two micro-batches per
-    step with the gathered parameters kept from the first backward to the second forward (one
-    all-gather per step): the same training as DDP with micro-batches of 4."""
-    job = write_job(base / "fsdp-units.yaml", "fsdp-units", base / "ckpt-fsdp-units")
-    run = ok(
-        launch(
-            base / "fsdp-units",
-            ["--job", str(job), "--params-out", "params.pt"]
-            + sets(
-                "parallel.strategy=fsdp",
-                "parallel.fsdp.blocks_per_unit=2",
-                "parallel.fsdp.reshard_after_forward=false",
-                "train.micro_batch=2",
-                "train.grad_accum=2",
-            ),
-        )
-    )
-    assert run.records(0, "meta")[0]["grad_accum"] == 2
-    assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
