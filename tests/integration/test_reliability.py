@@ -28,6 +28,22 @@ def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def seconds_to_exit_4(run: Launcher, rank1_says: str, *, what: str) -> float:
+    """From the moment rank 1's log says ``rank1_says`` until the launch exits 4, nothing of it
+    left running."""
+    log1 = run.run_dir / "logs/local/rank1.log"
+
+    def said() -> bool:
+        return log1.is_file() and rank1_says in log1.read_text()
+
+    wait_for(said, timeout=180, what=what, proc=run.proc)
+    start = time.monotonic()
+    assert run.wait(timeout=120) == 4, run.output[-3000:]
+    took = time.monotonic() - start
+    run.assert_nothing_left()
+    return took
+
+
 def nice(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
@@ -51,9 +67,7 @@ def test_sigkilled_worker_is_named_and_the_job_stops(tmp_path):
     failure = summary["failure"]
     assert (failure["rank"], failure["node"], failure["signal"]) == (1, "local", "SIGKILL")
     assert failure["exit_code"] == -9
-    assert (run_dir / "logs/local/rank1.log").is_file() and (
-        run_dir / "logs/local/rank0.log"
-    ).is_file()
+    assert all((run_dir / f"logs/local/rank{r}.log").is_file() for r in (0, 1))
     records = read_records(run_dir / "metrics/rank1.jsonl")
     assert records and records[-1]["type"] == "step"  # the metrics so far are kept
     assert summary["ranks"][1]["steps"] > 0
@@ -73,18 +87,8 @@ def test_hung_rank_is_caught_by_the_watchdog(tmp_path):
         launch={"hang_timeout_s": hang_timeout, "stop_grace_s": 2},
     )
     with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
-        log1 = run.run_dir / "logs/local/rank1.log"
-        wait_for(
-            lambda: log1.is_file() and "hangs after step 20" in log1.read_text(),
-            timeout=180,
-            what="rank 1 to hang",
-            proc=run.proc,
-        )
-        hung_at = time.monotonic()
-        assert run.wait(timeout=120) == 4, run.output[-3000:]
-        took = time.monotonic() - hung_at
+        took = seconds_to_exit_4(run, "hangs after step 20", what="rank 1 to hang")
         out = run.output
-        run.assert_nothing_left()
     assert took < hang_timeout + 20, f"the hang was caught after {took:.0f} s"
     assert (
         "rank 1 on node local made no progress" in out and f"hang_timeout_s={hang_timeout}" in out
@@ -243,9 +247,7 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
     assert (run_dir / "job.yaml").is_file()
     if phase == "training":
         assert summary["ranks"][0]["steps"] > 0
-        assert (run_dir / "logs/local/rank0.log").is_file() and (
-            run_dir / "logs/local/rank1.log"
-        ).is_file()
+        assert all((run_dir / f"logs/local/rank{r}.log").is_file() for r in (0, 1))
         assert (run_dir / "logs/local/torchrun.log").stat().st_size > 0
         assert read_records(run_dir / "metrics/rank0.jsonl")
 
@@ -324,17 +326,7 @@ def test_a_hang_names_the_rank_the_others_wait_for_from_every_ranks_stack(tmp_pa
         launch={"hang_timeout_s": 15, "stop_grace_s": 2},
     )
     with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
-        log1 = run.run_dir / "logs/local/rank1.log"
-        wait_for(
-            lambda: log1.is_file() and "blocks in load_batch" in log1.read_text(),
-            timeout=180,
-            what="rank 1 to block",
-            proc=run.proc,
-        )
-        stalled_at = time.monotonic()
-        assert run.wait(timeout=120) == 4, run.output[-3000:]
-        took = time.monotonic() - stalled_at
-        run.assert_nothing_left()
+        took = seconds_to_exit_4(run, "blocks in load_batch", what="rank 1 to block")
     assert took < 60, f"the hang was reported {took:.0f} s after the stall"
     failure = summary_of(run_dir)["failure"]
     assert (failure["rank"], failure["node"]) == (1, "local"), failure["reason"]
