@@ -25,21 +25,17 @@ from fixtures.launching import (
     launch,
     ours,
     processes,
+    sets,
     slow_batches,
     wait_for,
     what_nobody_can_touch,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-SLOW = (
-    "--set",
-    "train.steps=100000",
-    "--set",
-    "train.warmup_steps=2",
-    "--set",
-    "train.log_every=1",
-    "--set",
-    "train.lr_warmup_steps=2",
+SLOW = tuple(
+    sets(
+        "train.steps=100000", "train.warmup_steps=2", "train.log_every=1", "train.lr_warmup_steps=2"
+    )
 )
 
 
@@ -161,8 +157,7 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
             "--json",
             "--skip-parity",
             *QUICK,
-            "--set",
-            "report.tensorboard=true",
+            *sets("report.tensorboard=true"),
         ],
         cwd=jobs.cwd,
         env=jobs.env,

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.batching import source, write_npy
+from fixtures.launching import sets
 
 from launcher.metrics import read_records
 from launcher.orchestrate.reaper import descendants, signal_all
@@ -123,11 +124,6 @@ def launch(
         proc.wait()
     (run_dir / "output.txt").write_text(out)
     return Run(run_dir, proc.returncode, out)
-
-
-def sets(*pairs: str) -> list[str]:
-    """``--set`` before each of ``pairs``."""
-    return [arg for pair in pairs for arg in ("--set", pair)]
 
 
 def ok(run: Run) -> Run:
