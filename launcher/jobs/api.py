@@ -169,13 +169,8 @@ def _bootstrapped(cluster: ClusterSpec, *, start: bool) -> Iterator[JobsCluster]
         yield JobsCluster("bootstrap", saved, _client(url, token), url)
 
 
-RAY_NODE_FIELDS = (
-    "name",
-    "host",
-    "port",
-    "user",
-    "python",
-)  # what the running Ray was started with
+# what the running Ray was started with
+RAY_NODE_FIELDS = ("name", "host", "port", "user", "python")
 
 
 def _check_same(saved: ClusterSpec, cluster: ClusterSpec) -> None:
