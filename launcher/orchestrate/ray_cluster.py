@@ -354,7 +354,7 @@ def open_session(
 def _open(cluster: ClusterSpec, nodes: list[NodeSpec], runtime_env: dict[str, Any]) -> RaySession:
     address = cluster.ray.address
     if address is not None:
-        return _attach(cluster, nodes, address, runtime_env)
+        return _attach(nodes, address, runtime_env)
     if all(n.is_local for n in nodes):
         return _embedded(cluster, nodes, runtime_env)
     return _bootstrap(cluster, nodes, runtime_env)
@@ -507,9 +507,7 @@ def _embedded(
     )
 
 
-def _attach(
-    cluster: ClusterSpec, nodes: list[NodeSpec], address: str, runtime_env: dict[str, Any]
-) -> RaySession:
+def _attach(nodes: list[NodeSpec], address: str, runtime_env: dict[str, Any]) -> RaySession:
     # Ray sends ~/.ray/auth_token only in token mode; a cluster without authentication ignores it.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray

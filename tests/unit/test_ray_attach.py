@@ -8,7 +8,6 @@ import pytest
 
 from launcher.errors import PreflightError
 from launcher.orchestrate import ray_cluster
-from launcher.spec import ClusterSpec
 
 SERVER_TRACEBACK = (
     "Initialization failure from server:\n"
@@ -51,10 +50,7 @@ def fake_ray(monkeypatch):
 
 
 def _attach(address: str):
-    cluster = ClusterSpec.model_validate(
-        {"nodes": [{"name": "node0", "host": "localhost"}], "ray": {"address": address}}
-    )
-    return ray_cluster._attach(cluster, [], address, {})
+    return ray_cluster._attach([], address, {})
 
 
 def test_a_server_process_that_fails_to_start_is_tried_again(fake_ray):
