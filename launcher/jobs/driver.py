@@ -280,7 +280,6 @@ def _done(status: Status, summary: dict[str, Any], run_dir: RunDir | None) -> di
 def _final(job: JobSpec, run_dir: RunDir | None, status: Status, reason: str | None = None) -> None:
     """A job that ended before ``Launch`` wrote its summary: a summary with no ranks that says
     so (none without a run directory), and the final state line."""
-    summary = None
     if run_dir is None or not (run_dir.root / "summary.json").is_file():
         failure = {"reason": reason} if reason else None
         summary = summarize(job.name, [], {}, status=status.value, failure=failure)
