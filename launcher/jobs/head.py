@@ -365,7 +365,7 @@ def api_status(url: str, token: str | None) -> int | None:
     through a proxy; a redirect is not followed (its 3xx status is returned)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(f"{url}/api/version", headers=headers)
-    try:  # a head's 127.0.0.1 (or the tunnel's): no proxy, no redirect
+    try:
         with _direct().open(request, timeout=5) as response:
             return response.status
     except urllib.error.HTTPError as err:
