@@ -187,14 +187,13 @@ def _run_dir(
             f"in that folder"
         )
     if not state and status in ENDED:
-        return None, (f"the job ended before its driver started; nothing of this job is in {named}")
+        return None, f"the job ended before its driver started; nothing of this job is in {named}"
     return named, None
 
 
 def _per_node(r: dict[str, Any]) -> str:
-    if r["world_size"] and r["nodes"]:
-        return str(r["world_size"] // r["nodes"]) if r["world_size"] % r["nodes"] == 0 else "?"
-    return "?"
+    world, nodes = r["world_size"], r["nodes"]
+    return str(world // nodes) if world and nodes and world % nodes == 0 else "?"
 
 
 def _int(value: Any) -> int | None:
