@@ -58,17 +58,10 @@ class RunDir:
     @classmethod
     def claim(cls, path: Path | str) -> RunDir:
         """``--run-dir PATH``: a new or empty folder, this launch's alone (its ``logs/`` made
-        exclusively); one that holds anything is UsageError (exit 2) before anything starts."""
+        exclusively); one that holds anything, or cannot be made, is UsageError (exit 2) before
+        anything starts. Folders made here are removed again (where still empty) on a failure."""
         path = Path(path)
         cls.refuse_used(path, batch=bool(os.environ.get(BATCH_ENV)))
-        cls._make(path)
-        return cls(path)
-
-    @staticmethod
-    def _make(path: Path) -> None:
-        """The folder and its ``logs/``, the latter exclusively (UsageError, exit 2, where it is
-        there already or cannot be made). Folders this made are removed again (where still
-        empty) when it fails or is interrupted."""
         made = [p for p in (path, *path.parents) if not p.exists()]
         try:
             path.mkdir(parents=True, exist_ok=True)
@@ -86,6 +79,7 @@ class RunDir:
                     f"--run-dir a folder you can write"
                 ) from err
             raise
+        return cls(path)
 
     @staticmethod
     def refuse_used(path: Path, *, batch: bool = False) -> None:
