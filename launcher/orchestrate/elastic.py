@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from launcher.errors import SpecError
 from launcher.results.rankstats import RankStats
-from launcher.spec import ClusterSpec, JobSpec, NodeSpec
+from launcher.spec import JobSpec, NodeSpec
 
 NODE_LOCAL_ROOTS = ("/tmp", "/dev/shm", "/run", "/var/run")  # private to each machine
 
@@ -47,16 +47,6 @@ def check_shared_checkpoints(job: JobSpec, nodes: list[NodeSpec]) -> None:
             source="job",
             field="train.checkpoint.dir",
         )
-
-
-def survivors(current: list[NodeSpec], failed_node: str | None) -> list[NodeSpec]:
-    """The nodes of the failed attempt less the one that failed."""
-    return [n for n in current if n.name != failed_node]
-
-
-def spares(cluster: ClusterSpec, used: set[str]) -> list[NodeSpec]:
-    """cluster.yaml's nodes that no attempt of this job has run on, in file order."""
-    return [n for n in cluster.nodes if n.name not in used]
 
 
 def check_enough(job: JobSpec, nodes: list[NodeSpec], reason: str) -> None:
@@ -114,8 +104,7 @@ def with_steps(
 
 
 def _start_step(ranks: dict[int, RankStats]) -> int | None:
-    steps = [s for stats in ranks.values() for s in stats.start_steps]
-    return min(steps) if steps else None
+    return min((s for stats in ranks.values() for s in stats.start_steps), default=None)
 
 
 def _last_step(ranks: dict[int, RankStats]) -> int | None:

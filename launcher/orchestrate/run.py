@@ -263,8 +263,8 @@ class Launch:
 
     def reshape(self, failure: Failure, nodes: list[NodeSpec]) -> tuple[list[NodeSpec], JobSpec]:
         """The next attempt's nodes (the failed one out, a spare in if one passes) and job."""
-        left = elastic.survivors(nodes, failure.node)
-        for spare in elastic.spares(self.cluster, self._used):
+        left = [n for n in nodes if n.name != failure.node]
+        for spare in [n for n in self.cluster.nodes if n.name not in self._used]:  # file order
             self._used.add(spare.name)
             if self.admit(spare, left):
                 left.append(spare)
