@@ -43,14 +43,12 @@ def rank_failure(agents: Tails, i: int, node: NodePlan, status: ExitStatus) -> F
         _, rank, local_rank, code = _not_an_echo(agents, i, others, root)
     errors = [e for e in agents.errors(i) if e.local_rank < node.nproc]
     first = errors[0] if errors else None  # the structured record wins over the text
-    if first is not None:
-        rank, local_rank = node.rank_of(first.local_rank), first.local_rank
     code = status.exit_code if code is None else code
     signal_name = _signal_name(code) or status.signal
+    how = "exited with " + (f"signal {signal_name}" if signal_name else f"code {code}")
     if first is not None:
+        rank, local_rank = node.rank_of(first.local_rank), first.local_rank
         how = f"raised {first.message}"
-    else:
-        how = "exited with " + (f"signal {signal_name}" if signal_name else f"code {code}")
     tail = (
         agents.tail(i, local_rank, TAIL_LINES) if local_rank is not None else report[-TAIL_LINES:]
     )
@@ -97,9 +95,8 @@ def hung_rank(
     )
 
 
-Entry = tuple[
-    str | None, int, int, int | None
-]  # a failure in torchrun's report: time, rank, local rank, exit code
+# a failure in torchrun's report: time, rank, local rank, exit code
+Entry = tuple[str | None, int, int, int | None]
 
 
 def _report(lines: list[str]) -> tuple[list[Entry], Entry | None]:
