@@ -162,16 +162,9 @@ def plan(
     master_addr, master_source = master_address(nodes[0], routes)
     plans, first_rank = [], 0
     for node_rank, (node, nproc) in enumerate(zip(nodes, counts, strict=True)):
-        node_dir = NODE_DIR
         route = routes.get(node.name)
         env, sources = _worker_env(
-            job,
-            node,
-            launcher_env,
-            run_name=run_name,
-            node_dir=node_dir,
-            attempt=attempt,
-            route=route,
+            job, node, launcher_env, run_name=run_name, attempt=attempt, route=route
         )
         python = node.interpreter(local_python)
         torchrun = {
@@ -183,14 +176,14 @@ def plan(
             "--max-restarts": 0,  # restarts are the launcher's (see run.py), not torchrun's
             "--rdzv-id": run_id,  # the workers' TORCHELASTIC_RUN_ID
             "--redirects": 3,  # each rank's stdout and stderr in its own files there
-            "--log-dir": f"{node_dir}/torchrun",
+            "--log-dir": f"{NODE_DIR}/torchrun",
         }
         argv = [
             python,
             "-m",
             "torch.distributed.run",
             *(str(x) for kv in torchrun.items() for x in kv),
-            *_entry_argv(job, code, node_dir),
+            *_entry_argv(job, code),
         ]
         plans.append(
             NodePlan(
@@ -200,8 +193,8 @@ def plan(
                 nproc=nproc,
                 ranks=list(range(first_rank, first_rank + nproc)),
                 python=python,
-                node_dir=node_dir,
-                cwd=code.cwd() if code else node_dir,
+                node_dir=NODE_DIR,
+                cwd=code.cwd() if code else NODE_DIR,
                 argv=argv,
                 env=env,
                 env_sources=sources,
@@ -332,9 +325,9 @@ def _nproc(job: JobSpec, node: NodeSpec, facts: NodeFacts | None) -> int:
     return want
 
 
-def _entry_argv(job: JobSpec, code: CodePlan | None, node_dir: str) -> list[str]:
+def _entry_argv(job: JobSpec, code: CodePlan | None) -> list[str]:
     if job.script_entry is None:
-        return ["-m", "launcher.train", "--job", f"{node_dir}/job.yaml"]
+        return ["-m", "launcher.train", "--job", f"{NODE_DIR}/job.yaml"]
     if code is None:
         raise ValueError("a script entrypoint needs its CodePlan (code.plan_code)")
     return [code.script, *job.script_entry.args]
@@ -346,9 +339,8 @@ def _worker_env(
     launcher_env: Mapping[str, str],
     *,
     run_name: str,
-    node_dir: str,
     attempt: int,
-    route: Route | None = None,
+    route: Route | None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     env: dict[str, str] = {}
     sources: dict[str, str] = {}
@@ -359,7 +351,7 @@ def _worker_env(
             sources[key] = source
 
     if job.backend == "nccl":
-        trace = f"{node_dir}/{STACKS_SUBDIR}/nccl_trace_rank_"
+        trace = f"{NODE_DIR}/{STACKS_SUBDIR}/nccl_trace_rank_"
         put({**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}, "launcher (hangs)")
     layers = spec_layers(job, node)
     default_nccl = NCCLSpec().env
@@ -378,14 +370,14 @@ def _worker_env(
             "LAUNCHER_RUN_ID": run_name,
             "LAUNCHER_NODE": node.name,
             "LAUNCHER_RESTART_COUNT": str(attempt),
-            metrics.ENV_VAR: f"{node_dir}/{metrics.SUBDIR}/{metrics.file_name('{rank}')}",
-            "LAUNCHER_STACKS_DIR": f"{node_dir}/{STACKS_SUBDIR}",
+            metrics.ENV_VAR: f"{NODE_DIR}/{metrics.SUBDIR}/{metrics.file_name('{rank}')}",
+            "LAUNCHER_STACKS_DIR": f"{NODE_DIR}/{STACKS_SUBDIR}",
             "PYTHONUNBUFFERED": "1",
         },
         "launcher",
     )
     if job.records_profile:
-        put({"LAUNCHER_PROFILE_DIR": f"{node_dir}/{PROFILE_SUBDIR}"}, "launcher (train.profile)")
+        put({"LAUNCHER_PROFILE_DIR": f"{NODE_DIR}/{PROFILE_SUBDIR}"}, "launcher (train.profile)")
     return env, sources
 
 
