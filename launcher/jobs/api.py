@@ -216,8 +216,6 @@ def _bootstrap(cluster: ClusterSpec) -> ClusterSpec:
 
     spec = cluster.model_copy(update={"ray": cluster.ray.model_copy(update={"dashboard": True})})
     session = open_session(spec, list(spec.nodes))
-    # Disconnect only: the cluster stays up for its jobs, and the session's watchdog must not
-    # stop it once this process exits.
     session.leave_running()
     os.environ.pop("RAY_AUTH_TOKEN", None)
     records.save_cluster(spec, session.node_ips)

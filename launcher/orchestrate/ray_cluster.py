@@ -472,7 +472,6 @@ def _embedded(
     # address="local": always a new private instance, never a Ray someone else runs here.
     # Ray runs its workers at niceness 15 unless told otherwise; training must not be niced.
     os.environ.setdefault(NICENESS_ENV, "0")
-    # A dead agent's torchrun gets its death signal and the reaper its chance (see TOKEN_ENV).
     os.environ.setdefault(KILL_CHILDREN_ENV, "0")
     temp_dir = private_ray_temp()
     watchdog = Watchdog({"mode": "embedded", "temp_dir": temp_dir})
