@@ -141,21 +141,6 @@ def stop_local_head(head: LocalHead) -> None:
 # -- requests to the local head's Jobs API ---------------------------------------------------
 
 
-def _direct() -> urllib.request.OpenerDirector:
-    """An opener for the local head's 127.0.0.1 dashboard: plain HTTP, no proxy (whatever
-    http_proxy says), and no redirect followed (urllib's would resend the token wherever it
-    points): a 3xx is an HTTPError."""
-    opener = urllib.request.OpenerDirector()
-    for handler in (
-        urllib.request.ProxyHandler({}),
-        urllib.request.HTTPHandler(),
-        urllib.request.HTTPDefaultErrorHandler(),
-        urllib.request.HTTPErrorProcessor(),
-    ):
-        opener.add_handler(handler)
-    return opener
-
-
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
@@ -362,11 +347,20 @@ def _pid_alive(pid: int) -> bool:
 def api_status(url: str, token: str | None) -> int | None:
     """The HTTP status of a Jobs API's version route at ``url`` (a head's 127.0.0.1, directly or
     through the SSH tunnel), with the token or without (None: nothing answers there). Never
-    through a proxy; a redirect is not followed (its 3xx status is returned)."""
+    through a proxy; a redirect is not followed (urllib's would resend the token wherever it
+    points): its 3xx status is returned."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(f"{url}/api/version", headers=headers)
+    opener = urllib.request.OpenerDirector()  # plain HTTP, and none of the redirect handlers
+    for handler in (
+        urllib.request.ProxyHandler({}),
+        urllib.request.HTTPHandler(),
+        urllib.request.HTTPDefaultErrorHandler(),
+        urllib.request.HTTPErrorProcessor(),
+    ):
+        opener.add_handler(handler)
     try:
-        with _direct().open(request, timeout=5) as response:
+        with opener.open(request, timeout=5) as response:
             return response.status
     except urllib.error.HTTPError as err:
         return err.code
