@@ -329,11 +329,9 @@ class NodeAgent:
         assert self._proc is not None and self._proc.stdout is not None
         cut = False  # the rest of a line cut at LINE_MAX_BYTES is skipped
         while raw := self._proc.stdout.readline(LINE_MAX_BYTES):
-            whole = raw.endswith(b"\n")
-            if cut:
-                cut = not whole
+            was_cut, cut = cut, not raw.endswith(b"\n")
+            if was_cut:
                 continue
-            cut = not whole
             text = raw.decode("utf-8", "replace").rstrip("\n")
             if cut:
                 text += f" [line cut at {LINE_MAX_BYTES} bytes]"
