@@ -142,10 +142,9 @@ class NodeAgent:
         self._plan = node_plan
         self._started_at = time.time()
         self._log_dirs = set((self._node_dir / "torchrun").glob("*"))  # earlier attempts
-        node_dir = self._node_dir
-        (node_dir / metrics.SUBDIR).mkdir(exist_ok=True)
+        (self._node_dir / metrics.SUBDIR).mkdir(exist_ok=True)
         for name, text in files.items():
-            write_private(node_dir / name, text)
+            write_private(self._node_dir / name, text)
         env = {k: os.environ[k] for k in NODE_PASSTHROUGH if k in os.environ}
         env.update(node_plan["env"])
         if "LAUNCHER_STACKS_DIR" in env:  # the stack-dump hook, found first on the workers' path
