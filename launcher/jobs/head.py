@@ -220,29 +220,12 @@ def _start(folder: Path) -> LocalHead:
     for name in ("RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # this head's token and address, no one else's
         env.pop(name, None)
     no_proxy_for_loopback(env)  # its drivers ask its 127.0.0.1 Jobs API
-    argv = [
-        sys.executable,
-        "-m",
-        "ray.scripts.scripts",
-        "start",
-        "--head",
-        "--block",
-        "--port",
-        str(head.gcs_port),
-        "--include-dashboard",
-        "true",
-        "--dashboard-host",
-        "127.0.0.1",
-        "--dashboard-port",
-        str(head.dashboard_port),
-        "--ray-client-server-port",
-        str(free_port()),
-        "--dashboard-agent-listen-port",
-        str(head.agent_port),
-        "--temp-dir",
-        temp_dir,
-        "--disable-usage-stats",
-    ]
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"]
+    argv += ["--port", str(head.gcs_port), "--include-dashboard", "true"]
+    argv += ["--dashboard-host", "127.0.0.1", "--dashboard-port", str(head.dashboard_port)]
+    argv += ["--ray-client-server-port", str(free_port())]
+    argv += ["--dashboard-agent-listen-port", str(head.agent_port)]
+    argv += ["--temp-dir", temp_dir, "--disable-usage-stats"]
     log.info("Starting the launcher's Ray head on this machine for detached jobs")
     with open(folder / "head.log", "wb") as out:
         proc = subprocess.Popen(
