@@ -206,30 +206,15 @@ class RaySession:
                 f"({node.host}): {result.stderr_tail() or f'exit code {result.exit_code}'}"
             )
         if head:
-            args = [
-                "start",
-                "--head",
-                "--port",
-                str(rc.port),
-                "--ray-client-server-port",
-                str(rc.client_port),
-                f"--include-dashboard={'true' if rc.dashboard else 'false'}",
-                "--dashboard-host",
-                "127.0.0.1",
-                "--dashboard-port",
-                str(rc.dashboard_port),
-            ]
+            args = ["start", "--head", "--port", str(rc.port)]
+            args += ["--ray-client-server-port", str(rc.client_port)]
+            args += [f"--include-dashboard={'true' if rc.dashboard else 'false'}"]
+            args += ["--dashboard-host", "127.0.0.1", "--dashboard-port", str(rc.dashboard_port)]
         else:
             args = ["start", "--address", f"{self._head_ip}:{rc.port}"]
         self._started_on.append(node)  # before the start: an interrupt may cut it short anywhere
-        args = [
-            *args,
-            "--node-ip-address",
-            ip,
-            "--temp-dir",
-            f"{temp_dir[0]}/{RAY_TEMP_NAME}",
-            "--disable-usage-stats",
-        ]
+        args += ["--node-ip-address", ip, "--temp-dir", f"{temp_dir[0]}/{RAY_TEMP_NAME}"]
+        args += ["--disable-usage-stats"]
         self._watch_nodes()
         try:
             if node.slurm_job is not None:
