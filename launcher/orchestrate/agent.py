@@ -297,15 +297,9 @@ class NodeAgent:
         if self._reaper is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._reaper.wait(timeout=5)  # the last attempt's: gone with its torchrun
+        args = (pid, REAPER_GRACE_S, os.getpid(), self._node_dir)
         self._reaper = subprocess.Popen(
-            [
-                sys.executable,
-                reaper.__file__,
-                str(pid),
-                str(REAPER_GRACE_S),
-                str(os.getpid()),
-                str(self._node_dir),
-            ],
+            [sys.executable, reaper.__file__, *map(str, args)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
