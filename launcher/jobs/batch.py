@@ -74,14 +74,8 @@ def submit(
         f"export {BATCH_ENV}=1\n"
         f"exec {shlex.join(argv)}\n"
     )
-    sbatch = [
-        "sbatch",
-        "--parsable",
-        f"--output={where / BATCH_OUTPUT}",
-        f"--chdir={where}",
-        *request_options(job, spec, int(job.resources.nodes)),
-        str(script),
-    ]
+    sbatch = ["sbatch", "--parsable", f"--output={where / BATCH_OUTPUT}", f"--chdir={where}"]
+    sbatch += [*request_options(job, spec, int(job.resources.nodes)), str(script)]
     done = subprocess.run(sbatch, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise PreflightError(
