@@ -87,32 +87,25 @@ def submit(
                             snapshot.rename(upload / CODE_DIR)
                         finally:
                             shutil.rmtree(snapshot, ignore_errors=True)  # gone once renamed
-                    write_private(
-                        upload / SUBMISSION_FILE,
-                        json.dumps(
-                            {
-                                "job_id": job_id,
-                                "job": job.model_dump(mode="json"),
-                                # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
-                                "cluster": cluster.model_copy(
-                                    update={"ray": jobs.cluster.ray}
-                                ).model_dump(mode="json"),
-                                "facts": {n: f.gpus for n, f in facts.items()}
-                                if facts is not None
-                                else None,
-                                "skip_parity": skip_parity,
-                                "run_dir": where,
-                                # What the workers get from this shell, as in a foreground run:
-                                # a head that is this machine runs its node's workers in it.
-                                "shell_env": forwarded(
-                                    os.environ,
-                                    job.launch.env_forward,
-                                    everything=jobs.head_is_local,
-                                ),
-                            }
-                        )
-                        + "\n",
-                    )
+                    submission = {
+                        "job_id": job_id,
+                        "job": job.model_dump(mode="json"),
+                        # The nodes' Ray is the running one's (the same, api._check_same); the rest as given now.
+                        "cluster": cluster.model_copy(update={"ray": jobs.cluster.ray}).model_dump(
+                            mode="json"
+                        ),
+                        "facts": {n: f.gpus for n, f in facts.items()}
+                        if facts is not None
+                        else None,
+                        "skip_parity": skip_parity,
+                        "run_dir": where,
+                        # What the workers get from this shell, as in a foreground run:
+                        # a head that is this machine runs its node's workers in it.
+                        "shell_env": forwarded(
+                            os.environ, job.launch.env_forward, everything=jobs.head_is_local
+                        ),
+                    }
+                    write_private(upload / SUBMISSION_FILE, json.dumps(submission) + "\n")
                 except OSError as err:  # an unreadable file in the workdir, a full disk
                     raise _staging_failed(err, code, upload) from err
                 python = sys.executable if jobs.head_is_local else jobs.head.interpreter()
