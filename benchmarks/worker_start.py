@@ -19,15 +19,8 @@ begun = time.perf_counter()
 import torch  # noqa: E402
 
 torch_s = time.perf_counter() - begun
-os.environ.update(
-    RANK="0",
-    LOCAL_RANK="0",
-    WORLD_SIZE="1",
-    LOCAL_WORLD_SIZE="1",
-    MASTER_ADDR="127.0.0.1",
-    MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
-    LAUNCHER_METRICS_FILE=os.environ.get("OUTDIR", "/tmp") + "/rank{rank}.jsonl",
-)
+# Without RANK the trainer makes its own one-process group, as `python -m launcher.train` does.
+os.environ["LAUNCHER_METRICS_FILE"] = os.environ.get("OUTDIR", "/tmp") + "/rank{rank}.jsonl"
 begun = time.perf_counter()
 import launcher.train.__main__  # noqa: E402, F401
 from launcher.spec import load_job  # noqa: E402
