@@ -198,7 +198,7 @@ def torch_bytecode() -> dict[str, Any] | None:
     if spec is None or not spec.origin:
         return None
     cached = Path(importlib.util.cache_from_source(spec.origin))
-    folder = next(p for p in (cached.parent, *cached.parents) if p.exists())
+    folder = next(p for p in cached.parents if p.exists())  # where Python would write it
     return {
         "site": str(Path(spec.origin).parents[1]),
         "cached": cached.is_file(),
