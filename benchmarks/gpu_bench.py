@@ -52,6 +52,7 @@ REF_RUNS: dict[str, tuple[int, list[str]]] = {
     "ours-ddp-ref-2": (2, ["--model", "ours", "--compile"]),
 }
 ALL_RUNS = [*PAIRS, *REF_RUNS, *TRAINER_RUNS]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 
 
 def main() -> None:
@@ -129,24 +130,9 @@ def _summary(rounds: dict[str, list[dict]], planned: int, env: dict) -> dict:
 def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) -> dict:
     """One run of ``name``; a dict with its throughput, or ``error`` / ``skipped``."""
     if name in PAIRS:
-        cmd = [
-            sys.executable,
-            str(ROOT / "benchmarks/trainer_vs_hf.py"),
-            "--device",
-            "cuda",
-            "--size",
-            "base",
-            "--seq",
-            "512",
-            "--micro-batch",
-            "32",
-            "--steps",
-            "40",
-            "--warmup",
-            "15",
-            "--json",
-            *PAIRS[name],
-        ]
+        args = "--device cuda --size base --seq 512 --micro-batch 32 --steps 40 --warmup 15 --json"
+        cmd = [sys.executable, str(ROOT / "benchmarks/trainer_vs_hf.py"), *args.split()]
+        cmd += PAIRS[name]
         res, data = _run_json(cmd, Path(f"{folder}.log"))
         if data is None:
             return {"error": res["tail"]}
@@ -160,16 +146,7 @@ def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) 
     if n > gpus:
         return {"skipped": f"needs {n} GPUs, this machine has {gpus}"}
     if name in REF_RUNS:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(n),
-            str(ROOT / "benchmarks/ddp_ref.py"),
-            *REF_RUNS[name][1],
-        ]
+        cmd = [*TORCHRUN, str(n), str(ROOT / "benchmarks/ddp_ref.py"), *REF_RUNS[name][1]]
         res, data = _run_json(cmd, Path(f"{folder}.log"))
         if data is None:
             return {"error": res["tail"]}
@@ -221,19 +198,7 @@ def _trainer_run(how: str, job: str, n: int, sets: list[str], folder: Path) -> d
             "LAUNCHER_METRICS_FILE": str(metrics / "rank{rank}.jsonl"),
             "LAUNCHER_PROFILE_DIR": str(folder / "profile"),
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(n),
-            "--standalone",
-            "-m",
-            "launcher.train",
-            "--job",
-            str(ROOT / job),
-            *set_args,
-        ]
+        cmd = [*TORCHRUN, str(n), "-m", "launcher.train", "--job", str(ROOT / job), *set_args]
         res = _run(cmd, folder / "torchrun.log", env=env)
         finals = []
         for path in sorted(metrics.glob("rank*.jsonl")):
@@ -253,17 +218,8 @@ def _trainer_run(how: str, job: str, n: int, sets: list[str], folder: Path) -> d
             "wall_s": res["wall_s"],
         }
     run_dir = folder / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "launcher",
-        str(ROOT / job),
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        f"resources.nproc_per_node={n}",
-        *set_args,
-    ]
+    cmd = [sys.executable, "-m", "launcher", str(ROOT / job), "--run-dir", str(run_dir)]
+    cmd += ["--set", f"resources.nproc_per_node={n}", *set_args]
     res = _run(cmd, folder / "launch.log")
     summary_path = run_dir / "summary.json"
     if not res["ok"] or not summary_path.exists():
@@ -326,18 +282,8 @@ def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> s
     rows = []
     for name, r in results.items():
         if "ratio" in r:
-            rows.append(
-                [
-                    name,
-                    "1",
-                    f"{r['ours_tokens_per_s']:,.0f} (HF {r['hf_tokens_per_s']:,.0f})",
-                    "",
-                    "",
-                    "",
-                    "",
-                    _span(r),
-                ]
-            )
+            tps = f"{r['ours_tokens_per_s']:,.0f} (HF {r['hf_tokens_per_s']:,.0f})"
+            rows.append([name, "1", tps, "", "", "", "", _span(r)])
         elif "tokens_per_s" in r:
             rows.append(
                 [
@@ -352,44 +298,16 @@ def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> s
                 ]
             )
         else:
-            rows.append(
-                [
-                    name,
-                    "",
-                    r.get("skipped") or "FAILED: " + r.get("error", "")[-200:],
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                ]
-            )
-    table = tabulate(
-        rows,
-        headers=[
-            "run",
-            "GPUs",
-            "tokens/s",
-            "tokens/s/GPU",
-            "MFU %",
-            "step ms p50",
-            "wall s",
-            "rounds (min-max)",
-        ],
-    )
+            failed = r.get("skipped") or "FAILED: " + r.get("error", "")[-200:]
+            rows.append([name, "", failed, "", "", "", "", ""])
+    headers = "run|GPUs|tokens/s|tokens/s/GPU|MFU %|step ms p50|wall s|rounds (min-max)"
+    table = tabulate(rows, headers=headers.split("|"))
     lines = []
     for k, v in ratios.items():
         if v is None:
             continue
-        per_round = [r[k] for r in by_round if r.get(k) is not None]
-        lines.append(
-            f"{k}: {v:.3f}"
-            + (
-                f" (by round: {', '.join(f'{x:.3f}' for x in per_round)})"
-                if len(by_round) > 1
-                else ""
-            )
-        )
+        per_round = ", ".join(f"{r[k]:.3f}" for r in by_round if r.get(k) is not None)
+        lines.append(f"{k}: {v:.3f}" + (f" (by round: {per_round})" if len(by_round) > 1 else ""))
     return table + "\n\n" + "\n".join(lines)
 
 

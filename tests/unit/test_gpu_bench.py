@@ -11,6 +11,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_bench  # noqa: E402
 
 
+def run(per_gpu: float, gpus: int) -> dict:
+    """One trainer run's result, as gpu_bench records it."""
+    return {
+        "gpus": gpus,
+        "tokens_per_s": per_gpu * gpus,
+        "tokens_per_s_per_gpu": per_gpu,
+        "mfu": 0.3,
+        "step_ms_p50": 27.0,
+        "wall_s": 30.0,
+    }
+
+
 def test_the_median_round_is_reported_with_every_round():
     got = gpu_bench._median_round(
         [{"tokens_per_s": 3.0}, {"tokens_per_s": 1.0}, {"tokens_per_s": 2.0}]
@@ -25,9 +37,6 @@ def test_a_failed_round_is_the_result():
 
 
 def test_ratios_are_per_gpu_and_missing_runs_give_none():
-    def run(per_gpu: float, gpus: int) -> dict:
-        return {"tokens_per_s": per_gpu * gpus, "tokens_per_s_per_gpu": per_gpu}
-
     results = {
         "hf-vs-ours-eager": {"hf_tokens_per_s": 300.0, "ours_tokens_per_s": 450.0, "ratio": 1.5},
         "bert-ddp-launch-1": run(600.0, 1),
@@ -50,16 +59,6 @@ def test_ratios_are_per_gpu_and_missing_runs_give_none():
 
 
 def test_ratios_by_round_pair_the_runs_of_one_round():
-    def run(per_gpu: float, gpus: int) -> dict:
-        return {
-            "gpus": gpus,
-            "tokens_per_s": per_gpu * gpus,
-            "tokens_per_s_per_gpu": per_gpu,
-            "mfu": 0.3,
-            "step_ms_p50": 27.0,
-            "wall_s": 30.0,
-        }
-
     rounds = {  # round 1 of launch-1 stalled: the median rounds would pair 560 (round 1) with 560
         "bert-ddp-launch-1": [run(560.0, 1), run(610.0, 1)],
         "bert-ddp-launch-2": [run(560.0, 2), run(565.0, 2)],
@@ -68,9 +67,8 @@ def test_ratios_by_round_pair_the_runs_of_one_round():
     assert [r["ddp_scaling_efficiency_2gpu"] for r in by_round] == pytest.approx([1.0, 565 / 610])
     medians = {name: gpu_bench._median_round(runs) for name, runs in rounds.items()}
     assert gpu_bench._ratios(medians)["ddp_scaling_efficiency_2gpu"] == pytest.approx(1.0)
-    rounds["bert-ddp-launch-2"][1] = {
-        "error": "boom"
-    }  # a failed run leaves that round's ratio empty
+    # a failed run leaves that round's ratio empty
+    rounds["bert-ddp-launch-2"][1] = {"error": "boom"}
     assert gpu_bench._ratios_by_round(rounds)[1]["ddp_scaling_efficiency_2gpu"] is None
     text = gpu_bench._table(medians, gpu_bench._ratios(medians), by_round)
     assert "ddp_scaling_efficiency_2gpu: 1.000 (by round: 1.000, 0.926)" in text
@@ -79,9 +77,6 @@ def test_ratios_by_round_pair_the_runs_of_one_round():
 def test_a_bench_stopped_part_way_keeps_what_it_measured():
     """results.json after each run: the runs made so far, their ratios, and a round cut short
     paired within itself (round 2 lost its last run here)."""
-
-    def run(per_gpu: float, gpus: int) -> dict:
-        return {"gpus": gpus, "tokens_per_s": per_gpu * gpus, "tokens_per_s_per_gpu": per_gpu}
 
     rounds = {
         "bert-ddp-torchrun-1": [run(660.0, 1)],
