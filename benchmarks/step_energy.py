@@ -193,11 +193,8 @@ def builders(device) -> dict[str, Callable[[], Callable[[], object]]]:
 
     def gemm(k: int, n: int, which: str):
         def build():
-            x, w, dy = (
-                torch.randn(TOKENS, k, **bf16),
-                torch.randn(n, k, **bf16) * 0.02,
-                torch.randn(TOKENS, n, **bf16),
-            )
+            x, dy = torch.randn(TOKENS, k, **bf16), torch.randn(TOKENS, n, **bf16)
+            w = torch.randn(n, k, **bf16) * 0.02
             if which == "forward":
                 a, b = x, w.t()
             elif which == "input grad":
@@ -292,64 +289,31 @@ def table(rows: list[dict], groups: dict, whole: dict | None) -> str:
         ]
         for r in rows
     ]
-    parts = tabulate(
-        body,
-        headers=[
-            "part",
-            "a step",
-            "ms a call",
-            "TFLOP/s",
-            "SM MHz",
-            "W",
-            "mJ a call",
-            "pJ/FLOP",
-            "ms a step",
-            "J a step",
-        ],
-        disable_numparse=True,
-    )
+    headers = "part|a step|ms a call|TFLOP/s|SM MHz|W|mJ a call|pJ/FLOP|ms a step|J a step"
+    parts = tabulate(body, headers=headers.split("|"), disable_numparse=True)
     summed = {
         "ms_per_step": sum(g["ms_per_step"] for g in groups.values()),
         "j_per_step": sum(g["j_per_step"] for g in groups.values()),
     }
+
+    def kind(name: str, g: dict, share: str, watts: str) -> list[str]:
+        return [name, f"{g['ms_per_step']:.2f}", f"{g['j_per_step']:.2f}", share, watts]
+
     kinds = [
-        [
+        kind(
             name,
-            f"{g['ms_per_step']:.2f}",
-            f"{g['j_per_step']:.2f}",
+            g,
             f"{100 * g['share']:.1f}%",
             f"{g['j_per_step'] / (g['ms_per_step'] / 1e3):.0f}" if g["ms_per_step"] else "",
-        ]
+        )
         for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["j_per_step"])
     ]
-    kinds.append(
-        [
-            "sum of the parts",
-            f"{summed['ms_per_step']:.2f}",
-            f"{summed['j_per_step']:.2f}",
-            "100%",
-            f"{summed['j_per_step'] / (summed['ms_per_step'] / 1e3):.0f}",
-        ]
-    )
+    watts = summed["j_per_step"] / (summed["ms_per_step"] / 1e3)
+    kinds.append(kind("sum of the parts", summed, "100%", f"{watts:.0f}"))
     if whole:
-        kinds.append(
-            [
-                "the trainer's step",
-                f"{whole['ms_per_step']:.2f}",
-                f"{whole['j_per_step']:.2f}",
-                "",
-                _f(whole.get("power_w"), ".0f"),
-            ]
-        )
-    return (
-        parts
-        + "\n\n"
-        + tabulate(
-            kinds,
-            headers=["kind", "ms a step", "J a step", "share of J", "W"],
-            disable_numparse=True,
-        )
-    )
+        kinds.append(kind("the trainer's step", whole, "", _f(whole.get("power_w"), ".0f")))
+    headers = ["kind", "ms a step", "J a step", "share of J", "W"]
+    return parts + "\n\n" + tabulate(kinds, headers=headers, disable_numparse=True)
 
 
 def _f(value: float | None, spec: str) -> str:
@@ -410,14 +374,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         if not m["graph"]:
             broken = f"the capture of {part.name!r} failed"
-        row = {
-            "name": part.name,
-            "group": part.group,
-            "count": part.count,
-            **m,
-            **per_step(part, m),
-        }
-        rows.append(row)
+        rows.append({"name": part.name, "group": part.group, "count": part.count, **m})
+        rows[-1].update(per_step(part, m))
         print(
             f"{part.name}: {m['ms']:.4f} ms, {m['mj']:.3f} mJ a call at {m['power_w']:.0f} W, "
             f"{m['sm_clock_mhz']:.0f} MHz{'' if m['graph'] else ' (eager)'}",
