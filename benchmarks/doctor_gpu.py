@@ -20,21 +20,10 @@ from pathlib import Path
 
 
 def launch(job: str, run_dir: Path, telemetry_s: str, steps: int) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "launcher",
-        "run",
-        job,
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "resources.nproc_per_node=1",
-        "--set",
-        f"train.steps={steps}",
-        "--set",
-        f"launch.env.LAUNCHER_TELEMETRY_S={telemetry_s}",
-    ]
+    sets = ["resources.nproc_per_node=1", f"train.steps={steps}"]
+    sets.append(f"launch.env.LAUNCHER_TELEMETRY_S={telemetry_s}")
+    cmd = [sys.executable, "-m", "launcher", "run", job, "--run-dir", str(run_dir)]
+    cmd += [a for s in sets for a in ("--set", s)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())
     return float(summary["totals"]["tokens_per_s"])

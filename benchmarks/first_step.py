@@ -153,19 +153,9 @@ def start_ray_head(out: Path, env: dict[str, str]) -> tuple[subprocess.Popen, in
     port = free_port()
     log = open(out / "ray-head.log", "wb")  # noqa: SIM115 - open for the head's lifetime
     env = {**env, "RAY_AUTH_MODE": "token"}
+    ray_start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"]
     head = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ray.scripts.scripts",
-            "start",
-            "--head",
-            "--block",
-            "--port",
-            str(port),
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-        ],
+        [*ray_start, "--port", str(port), "--include-dashboard=false", "--disable-usage-stats"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

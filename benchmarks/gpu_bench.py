@@ -130,9 +130,24 @@ def _summary(rounds: dict[str, list[dict]], planned: int, env: dict) -> dict:
 def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) -> dict:
     """One run of ``name``; a dict with its throughput, or ``error`` / ``skipped``."""
     if name in PAIRS:
-        args = "--device cuda --size base --seq 512 --micro-batch 32 --steps 40 --warmup 15 --json"
-        cmd = [sys.executable, str(ROOT / "benchmarks/trainer_vs_hf.py"), *args.split()]
-        cmd += PAIRS[name]
+        cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks/trainer_vs_hf.py"),
+            "--device",
+            "cuda",
+            "--size",
+            "base",
+            "--seq",
+            "512",
+            "--micro-batch",
+            "32",
+            "--steps",
+            "40",
+            "--warmup",
+            "15",
+            "--json",
+            *PAIRS[name],
+        ]
         res, data = _run_json(cmd, Path(f"{folder}.log"))
         if data is None:
             return {"error": res["tail"]}
@@ -300,8 +315,17 @@ def _table(results: dict, ratios: dict, by_round: list[dict] | None = None) -> s
         else:
             failed = r.get("skipped") or "FAILED: " + r.get("error", "")[-200:]
             rows.append([name, "", failed, "", "", "", "", ""])
-    headers = "run|GPUs|tokens/s|tokens/s/GPU|MFU %|step ms p50|wall s|rounds (min-max)"
-    table = tabulate(rows, headers=headers.split("|"))
+    headers = [
+        "run",
+        "GPUs",
+        "tokens/s",
+        "tokens/s/GPU",
+        "MFU %",
+        "step ms p50",
+        "wall s",
+        "rounds (min-max)",
+    ]
+    table = tabulate(rows, headers=headers)
     lines = []
     for k, v in ratios.items():
         if v is None:

@@ -41,18 +41,17 @@ def main() -> None:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 
     port = 6500 + os.getpid() % 400
+    ray_start = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--port",
+        str(port),
+    ]
     started = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ray.scripts.scripts",
-            "start",
-            "--head",
-            "--port",
-            str(port),
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-        ],
+        [*ray_start, "--include-dashboard=false", "--disable-usage-stats"],
         capture_output=True,
         text=True,
         env=env,
@@ -78,19 +77,9 @@ def main() -> None:
     def launch(cluster: Path, *extra: str) -> list[str]:
         return [sys.executable, "-m", "launcher", args.job, "--cluster", str(cluster), *extra]
 
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     commands = {
-        "bare torchrun": [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            "launcher.train",
-            "--job",
-            args.job,
-        ],
+        "bare torchrun": [*torchrun, str(nproc), "-m", "launcher.train", "--job", args.job],
         "launch, attach, --skip-parity": launch(attach, "--skip-parity"),
         "launch, attach": launch(attach),
         "launch, embedded, --skip-parity": launch(embedded, "--skip-parity"),
@@ -107,11 +96,8 @@ def main() -> None:
         for i in range(args.repeat):
             for name, cmd in commands.items():
                 if cmd[:3] == [sys.executable, "-m", "launcher"]:
-                    cmd = [
-                        *cmd,
-                        "--run-dir",
-                        str(work / f"{name.replace(' ', '_').replace(',', '')}-{i}"),
-                    ]
+                    run_dir = work / f"{name.replace(' ', '_').replace(',', '')}-{i}"
+                    cmd = [*cmd, "--run-dir", str(run_dir)]
                 start = time.monotonic()
                 proc = subprocess.run(
                     cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900

@@ -289,8 +289,19 @@ def table(rows: list[dict], groups: dict, whole: dict | None) -> str:
         ]
         for r in rows
     ]
-    headers = "part|a step|ms a call|TFLOP/s|SM MHz|W|mJ a call|pJ/FLOP|ms a step|J a step"
-    parts = tabulate(body, headers=headers.split("|"), disable_numparse=True)
+    headers = [
+        "part",
+        "a step",
+        "ms a call",
+        "TFLOP/s",
+        "SM MHz",
+        "W",
+        "mJ a call",
+        "pJ/FLOP",
+        "ms a step",
+        "J a step",
+    ]
+    parts = tabulate(body, headers=headers, disable_numparse=True)
     summed = {
         "ms_per_step": sum(g["ms_per_step"] for g in groups.values()),
         "j_per_step": sum(g["j_per_step"] for g in groups.values()),

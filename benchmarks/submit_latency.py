@@ -32,16 +32,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_STEP = "/rank0] step "
-OVERRIDES = (
-    "--set",
-    "train.steps=4",
-    "--set",
-    "train.warmup_steps=1",
-    "--set",
-    "train.log_every=1",
-    "--set",
-    "train.lr_warmup_steps=1",
-)
+SETS = ("train.steps=4", "train.warmup_steps=1", "train.log_every=1", "train.lr_warmup_steps=1")
+OVERRIDES = tuple(a for s in SETS for a in ("--set", s))
 
 
 def main() -> None:
@@ -146,18 +138,8 @@ def foreground_once(
     start = time.monotonic()
     run_dir = work / f"foreground-{i}-{len(flags)}"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            job,
-            "--cluster",
-            str(cluster),
-            *flags,
-            *OVERRIDES,
-            "--run-dir",
-            str(run_dir),
-        ],
+        [sys.executable, "-m", "launcher", job, "--cluster", str(cluster), *flags, *OVERRIDES]
+        + ["--run-dir", str(run_dir)],
         cwd=work,
         env=env,
         stdout=subprocess.PIPE,
