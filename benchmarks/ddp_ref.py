@@ -26,9 +26,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from trainer_vs_hf import bert_batches, build_hf
 
 from launcher.spec.job import SIZE_PRESETS, ModelSpec
-from launcher.train.data import SyntheticBatches
 from launcher.train.meter import CudaTimer, HostTimer
 from launcher.train.model import build_model
 from launcher.train.parallel import apply_compile
@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--static-graph", action="store_true")
+    p.add_argument("--mask-prob", type=float, default=0.15)
     return p.parse_args()
 
 
@@ -67,12 +68,6 @@ def main() -> None:
         if args.compile:
             apply_compile(model)
     else:
-        import sys
-        from pathlib import Path
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from trainer_vs_hf import build_hf
-
         model = build_hf(spec, dropout=0.0).to(device)
         if args.compile:
             model = torch.compile(model)
@@ -86,24 +81,7 @@ def main() -> None:
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
-    data = SyntheticBatches(
-        arch="bert",
-        vocab_size=spec.dims()["vocab_size"],
-        seq_len=args.seq,
-        micro_batch=args.micro_batch,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=0,
-        rank=rank,
-        world_size=world,
-        device=device,
-    )
-    batches = [data.batch(i + 1) for i in range(4)]
-    data.close()  # no more chunks: the one being made ahead ends in the untimed warm-up
-    for b in batches:
-        b["hf_labels"] = torch.full_like(b["input_ids"], -100).scatter(
-            1, b["mask_pos"], b["labels"]
-        )
+    batches = bert_batches(spec, args, device, rank, world)
 
     def loss_of(b: dict) -> torch.Tensor:
         if args.model == "ours":

@@ -80,6 +80,32 @@ def build_hf(spec: ModelSpec, dropout: float) -> torch.nn.Module:
     return BertForMaskedLM(config)
 
 
+def bert_batches(
+    spec: ModelSpec, args: argparse.Namespace, device: torch.device, rank: int = 0, world: int = 1
+) -> list[dict]:
+    """Four synthetic batches, made up front so data generation is not timed, each with HF's
+    labels too (``hf_labels``: the masked tokens in place, -100 elsewhere)."""
+    data = SyntheticBatches(
+        arch="bert",
+        vocab_size=spec.dims()["vocab_size"],
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        grad_accum=1,
+        mask_prob=args.mask_prob,
+        seed=0,
+        rank=rank,
+        world_size=world,
+        device=device,
+    )
+    batches = [data.batch(i + 1) for i in range(4)]
+    data.close()  # no more chunks: the one being made ahead ends in the untimed warm-up
+    for b in batches:
+        b["hf_labels"] = torch.full_like(b["input_ids"], -100).scatter(
+            1, b["mask_pos"], b["labels"]
+        )
+    return batches
+
+
 def time_steps(
     step: Callable[[int], None], *, warmup: int, steps: int, device: torch.device
 ) -> float:
@@ -128,25 +154,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     spec = ModelSpec(arch="bert", size=args.size, dropout=args.dropout)
-    data = SyntheticBatches(
-        arch="bert",
-        vocab_size=spec.dims()["vocab_size"],
-        seq_len=args.seq,
-        micro_batch=args.micro_batch,
-        grad_accum=1,
-        mask_prob=args.mask_prob,
-        seed=0,
-        rank=0,
-        world_size=1,
-        device=device,
-    )
-    n_batches = 4  # a few distinct batches, made up front so data generation is not timed
-    batches = [data.batch(i + 1) for i in range(n_batches)]
-    data.close()  # no more chunks: the one being made ahead ends in the untimed warm-up
-    for b in batches:  # HF's labels: the masked tokens in place, -100 elsewhere
-        b["hf_labels"] = torch.full_like(b["input_ids"], -100).scatter(
-            1, b["mask_pos"], b["labels"]
-        )
+    batches = bert_batches(spec, args, device)
     tokens = args.steps * args.micro_batch * args.seq
     results: dict[str, dict] = {}
 
@@ -154,7 +162,7 @@ def main() -> None:
         model.train()
         step = make_step(model, loss_fn, device, autocast_dtype)
         seconds = time_steps(
-            lambda i: step(batches[i % n_batches]),
+            lambda i: step(batches[i % len(batches)]),
             warmup=args.warmup,
             steps=args.steps,
             device=device,
