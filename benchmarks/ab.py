@@ -3,22 +3,8 @@
     python benchmarks/ab.py --base REV [--rounds 2] [--out ab.json] [--work DIR] -- COMMAND [ARGS ...]
 
 e.g. ``python benchmarks/ab.py --base main~1 -- python -m launcher.train --job jobs/bert_ddp.yaml``
-or ``... -- launch jobs/bert_ddp.yaml --set train.steps=120``. Machines lent at different times
-differ by several percent, so a change is only measured against its base on the same machine,
-in alternating runs (base, this tree, base, this tree, ...).
-
-REV's tracked files are exported (``git archive``) into a temporary folder; a REV that is a
-folder is taken as the base tree itself (one exported before, e.g. where this tree has no
-``.git``, as on a machine that got a copy of the files). Each run starts in
-its tree's folder with that folder first on ``PYTHONPATH``: the built-in trainer's workers run
-in the run's node folder, not the tree, and find ``launcher`` through ``PYTHONPATH``, so
-without it a base run through ``launch`` would train with this tree's trainer. Before each run
-the tool asks the same environment where ``launcher`` comes from, and records it.
-
-Each run's result is its last ``done: ...`` line (what the trainer and ``launch`` print at the
-end): tokens/s per rank (as printed, 4 significant digits) and MFU. The table gives each round's
-ratio (this tree over the base) and the median of the rounds. The exported tree and every
-run's log stay in ``--work`` (a new temporary folder by default, printed at the end).
+or ``... -- launch jobs/bert_ddp.yaml --set train.steps=120``.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

@@ -3,23 +3,7 @@
     python benchmarks/attention_kernels.py [--out results.json]
     python benchmarks/attention_kernels.py --fa4-bwd-tiles [--out results.json]
 
-Two shapes, one micro-batch each, bf16, q, k and v as the models make them (views of one
-(batch, seq, 3, heads, 64) projection): GPT-2 124M's (16 × 1024, 12 heads, causal) and
-BERT-base's (128 × 512, 12 heads). Kernels: cuDNN's fused attention (torch's choice on an
-H200), torch's own flash attention (FA2), and where the ``flash_attn.cute`` package is
-installed, the trainer's ``cudnn-fa4`` pair (cuDNN's forward, FA4's backward written into the
-packed gradient: ``launcher.train.attention``) and FlashAttention-4's CuTe kernels both ways
-(``torch.nn.attention.activate_flash_attention_impl`` routes torch's flash kernels to them).
-Times are the kernels' own, from the profiler over 20 calls (not the host's launch costs,
-which differ between the kernels' glue); the backward's include the copy that stacks dq, dk
-and dv into the projection's gradient, as in training (the pair has none: its gradient is the
-packed tensor). The outputs and gradients are compared with cuDNN's.
-
-``--fa4-bwd-tiles`` times the ``cudnn-fa4`` pair's backward at GPT-2's shape with each of
-FlashAttention-4's feasible Hopper tilings for head dimension 64 (its own
-``sm90_config_search``: the best-ranked configuration of each tile shape), against the one
-FA4 picks (C++ FA3's, tuned on an H100), each in a process of its own, and compares each
-gradient with cuDNN's.
+How it measures: docs/performance.md, under its name.
 """
 
 import argparse

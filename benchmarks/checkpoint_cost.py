@@ -5,16 +5,7 @@ at one or more intervals and writer thread counts, and what each wait went to.
                                          [--modes none,async,sync] [--threads 4]
                                          [--set KEY=VALUE ...] [--out DIR]
 
-Runs ``launch run JOB`` once without checkpoints (mode ``none``) and once per mode
-(``train.checkpoint.async: true``; ``false``), interval and writer thread count
-(``train.checkpoint.write_threads``), in the order given, each with a checkpoint every
-``--every`` steps into a fresh folder. From each run's ``summary.json`` it prints a line and, at
-the end, a table: the wait per checkpoint (mean, max and the first one's; the slowest rank per
-checkpoint), the mean of each part of it (``blocking_parts_s_mean``: waiting for the previous
-save, gathering the state, setup, the copy to host memory, the write of a synchronous save, the
-rest), how long a background save took to complete, tokens/s of the whole run and the p50 step
-time (the steps without a checkpoint: their throughput must not fall). ``checkpoint_cost.json``
-in ``--out`` is rewritten after every run, so a run cut short keeps what it measured.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""Host time of one chunk of batches (``MadeAhead._make``: ``steps_ahead`` optimizer steps).
-
-The worker thread makes each chunk while the GPU trains on the steps before, so a chunk must
-take well under those steps' GPU time. Times bert-base (micro-batch 64, grad_accum 4, seq 512,
-vocabulary 30522) and GPT-2 124M (micro-batch 16, seq 1024, vocabulary 50304) on synthetic
-data and on a token file (uint16, generated here), with torch on ``--threads`` CPU threads
-(1: what a rank gets under torchrun's OMP_NUM_THREADS=1). Prints one JSON line per case:
-the median and minimum over ``--repeat`` chunks, each of new samples.
+"""Host time of one chunk of batches (``MadeAhead._make``), or with ``--scan`` of the
+vocabulary check a rank runs when it opens a token file.
 
     python benchmarks/data_chunk.py [--threads 1] [--repeat 5]
-
-``--scan N``: instead, the vocabulary check a rank runs when it opens a token file of N uint16
-ids (``TokenFileBatches.check_ids``): the time to open the file (a fresh memory map, the file
-in the page cache; ``--cold`` drops it from the cache first) for GPT-2's vocabulary (ids
-compared in unsigned order), BERT's (a plain min/max), a vocabulary too small for the file
-(every chunk holds a bad id: the scan stops at the first) and one of 2^16 (nothing to scan),
-and with ``--world W`` the share of the slowest of W ranks (``scan_slice``, no collective).
-
     python benchmarks/data_chunk.py --scan 100000000 [--threads 1] [--repeat 7] [--world 8]
+
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

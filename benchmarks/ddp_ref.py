@@ -1,17 +1,9 @@
 """A minimal DDP training loop under torchrun: the reference the trainer's scaling is judged by.
 
-Hugging Face ``BertForMaskedLM`` (``--model hf``, sdpa, the MLM head on every position) or
-this project's BERT (``--model ours``, the head on the masked positions), bf16 autocast,
-fused AdamW, DDP over NCCL, batches made up front. No metering, no clipping, no schedule: just
-forward, backward and the optimizer step, so what it measures is the model and DDP alone.
-Run it at 1 and 2 GPUs to get a scaling efficiency to hold the trainer's against, measured
-on the same machine in the same call (``benchmarks/gpu_bench.py`` does).
-
     torchrun --standalone --nproc-per-node 2 benchmarks/ddp_ref.py --model hf
     torchrun --standalone --nproc-per-node 2 benchmarks/ddp_ref.py --model ours --compile
 
-Rank 0 prints one JSON line: per-GPU tokens/s (the slowest rank's), and the per-step times
-of every rank (CUDA events between steps) as p50, mean and max.
+Rank 0 prints one JSON line. How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

@@ -4,12 +4,7 @@
                                     [--set KEY=VALUE ...] [--out DIR]
 
 Each scenario runs ``launch JOB --set train.steps=N`` once and reads the stages from what the
-run recorded: the launcher's own (``summary.json`` ``launcher_timings_s``: Python and imports,
-run dir, preflight, Ray, agents; stages run side by side are also recorded together, their wall
-under their names joined by ``+``: ``preflight+ray``, ``preflight+ray+agents`` for a CPU job),
-the gap to the worker's start (torchrun), the worker's
-(``meta.startup_s``: imports, process group, model, compile cache, optimizer, data, resume) and
-the first step (``first_step``: compilation included, with torch.compile's phases). Scenarios:
+run recorded (docs/performance.md, "The first step"). Scenarios:
 
   cold    fresh inductor, Triton and launcher compile caches; Ray started for the run
   before  as the launcher ran before the compile cache and head reuse: inductor's on-disk cache

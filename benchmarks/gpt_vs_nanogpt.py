@@ -1,36 +1,12 @@
 """GPT-2 124M: nanoGPT's own ``train.py`` against this trainer through ``launch``, one machine.
 
-Both train the GPT-2 124M shape (12 × 768, vocab 50304, seq 1024, bf16) on the same file of
-uniformly random GPT-2 token ids (uint16, ``--tokens`` of them), with the same tokens per
-optimizer step (``--micro-batch`` × ``--grad-accum`` × 1024), the same causal-LM loss over
-every token, AdamW (β 0.9/0.95, weight decay 0.1, clip 1.0) and the same schedule (6e-4 peak,
-``--lr-warmup`` linear steps, cosine to 6e-5 at the last step).
-
-* nanoGPT: its unmodified ``train.py``, copied with its ``model.py`` and ``configurator.py``
-  from ``--nanogpt`` (default ``../shared/peers/nanogpt``) into a scratch folder beside a
-  ``data/random/{train,val}.bin`` that points at the token file, and run from that folder
-  as its docstring runs one GPU, ``python train.py`` (``--nanogpt-torchrun``: under
-  ``torchrun --standalone --nproc-per-node 1``, which wraps it in DDP), with ``compile=True``
-  and its defaults otherwise (no bias, loss read every iteration), only the shape, batch,
-  schedule and evaluation settings given on its command line (its configurator's
-  ``--key=value``).
-* ours: ``launch JOB`` (default ``jobs/gpt.yaml``) with ``data.source: tokens`` on the file.
-  ``--ours NAME:KEY=VALUE,...`` adds a row with more overrides (e.g.
-  ``--ours cudnn:train.attention=cudnn``); ``--fp8`` adds the FP8 rows.
-
-Throughput: tokens per step × steps over those steps' seconds, after ``--warmup`` steps:
-nanoGPT's printed per-iteration times, summed; ours the trainer's measured interval (the
-wall time between synchronised log steps). MFU = 6·N + 6·L·d·S FLOPs per token (N the
-matmul weights incl. the tied head; docs/performance.md) over 989 TFLOP/s, for both.
-Loss: the mean over the last 20 steps on both sides. The GPU (NVML, sampled every 50 ms by
-this process) over each side's timed steps: mean SM clock, the share of samples held down by
-the power cap, mean power and energy per token from the GPU's energy counter. A GPU at its power
-cap (an H200 at 700 W here) runs each side at the clock its power allows, so the speed ratio is
-then the ratio of energy per token ("per joule").
+Both sides train the same shape on the same random tokens with the same batch, optimizer and
+schedule; ``--ours NAME:KEY=VALUE,...`` adds a row with more overrides, ``--fp8`` the FP8 rows.
 
     python benchmarks/gpt_vs_nanogpt.py [--steps 200] [--fp8] [--out DIR]
 
 Prints one table and writes ``results.json`` under ``--out``.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""The GPU performance comparison in one run (docs/performance.md).
-
-Runs, side by side on this machine's GPUs:
-  * Hugging Face ``BertForMaskedLM`` vs this trainer's BERT, eager and compiled, one process
-    (benchmarks/trainer_vs_hf.py);
-  * a bare DDP loop (benchmarks/ddp_ref.py) with HF's model and ours on 1 and 2 GPUs: the
-    scaling this machine gives without the trainer;
-  * the built-in trainer under bare ``torchrun -m launcher.train`` and under ``launch`` (Ray +
-    agents + metering), BERT-base DDP and FSDP on 1 and 2 GPUs, GPT small and base;
-and prints one table plus the ratios the targets are stated in: ours/HF, DDP and FSDP
-scaling efficiency (per-GPU tokens/s at 2 over 1), launch/torchrun throughput.
+"""The GPU performance comparison in one run: Hugging Face's BERT against ours, a bare DDP
+loop, and the trainer under ``torchrun`` and under ``launch``, with the ratios the targets
+are stated in.
 
     python benchmarks/gpu_bench.py [--steps 200] [--only NAME,...] [--repeat 3] [--out DIR]
 
-On a shared host the same run can differ by 20% from one start to the next; ``--repeat``
-runs every selected run that many times, interleaved, and takes each one's median round; the
-ratios are also given within each round (``ratios_by_round``), where runs ran back to back.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

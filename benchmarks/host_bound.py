@@ -1,22 +1,10 @@
 """Does the trainer's step wait on the host? Host issue time against device time, per rank.
 
-Runs the built-in trainer's optimizer steps (``Trainer.train_step``, nothing else) under
-torchrun and measures on every rank:
-
-* ``issue_ms``: host time to enqueue one step that starts on an idle device (synchronised
-  and barriered before), median of ``--probe`` steps;
-* ``synced_ms``: the same steps until the device has finished them;
-* ``tokens_per_s`` and ``step_ms``: ``--steps`` steps back to back, synchronised at the end;
-* ``peak_mem_gib``: the peak memory of the run (CUDA: allocated by tensors; CPU: peak RSS).
-
-A step whose issue time reaches its synced time is host-bound: the GPU waits for launches,
-and anything else on the host (a second rank, the launcher) takes throughput away. With
-headroom (issue well below synced), the host runs ahead and the GPU sets the pace.
-
     torchrun --standalone --nproc-per-node 2 benchmarks/host_bound.py jobs/bert_ddp.yaml \\
         [--set train.cuda_graphs=false ...]
 
 Rank 0 prints one JSON line: the slowest rank's tokens/s and every rank's figures.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

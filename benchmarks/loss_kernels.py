@@ -2,21 +2,7 @@
 
     python benchmarks/loss_kernels.py [--sweep] [--out results.json]
 
-Two shapes, one micro-batch each, bf16 logits: GPT-2 124M's (16 × 1024 rows × 50304 columns)
-and BERT-base's (the 128 × 77 masked rows of a micro-batch × 30528, 30522 of them classes).
-For each:
-
-- the loss and ``softmax - onehot`` from the logits alone: inductor's compiled
-  ``launcher.train.loss.loss_and_dlogits`` (which writes a new tensor) and
-  ``launcher.train.fused.softmax_xent_`` (which writes over the logits);
-- the whole head step compiled, forward and backward (``linear_cross_entropy``: the product,
-  the loss, the two products of the backward), with ``kernels`` off and on.
-
-Everything is captured as a CUDA graph and replayed (``mlp_kernels.replayed_ms``). GB/s counts
-one read and one write of the logits. ``--sweep`` also times the kernel's configurations:
-the whole row in registers at several warp counts, and chunked rows (two passes over each
-row: an online max and sum, then the gradient), the second pass forwards without cache hints
-or (``L2``) backwards with them.
+How it measures: docs/performance.md, under its name.
 """
 
 import json

@@ -2,17 +2,7 @@
 
     python benchmarks/mlp_kernels.py [--sweep] [--out results.json]
 
-Two shapes, one micro-batch each, bf16: BERT-base's (exact GELU with the fc bias, 128 × 512
-rows × 3072) and GPT-2 124M's (tanh GELU, no bias, 16 × 1024 rows × 3072). For each, the
-forward alone and the forward + backward (the gradient of y, and of the bias where there is
-one) of ``F.gelu(y + b)`` compiled by inductor and of ``launcher.train.fused.bias_gelu``.
-Every variant is captured as a CUDA graph and replayed, so the times are the GPU's, without
-the host's launch costs (training replays graphs too); medians of 7 rounds of 20 replays.
-GB/s counts compulsory traffic: forward, read y and write the activation; backward, read y
-and the incoming gradient and write y's gradient (inductor's backward moves more: it writes
-the activation again).
-
-``--sweep`` also times the kernels' tile configurations (``fused.FWD`` / ``fused.BWD``).
+How it measures: docs/performance.md, under its name.
 """
 
 import argparse

@@ -2,18 +2,7 @@
 
     python benchmarks/optimizer_step.py [--sweep] [--out results.json]
 
-GPT-2 124M's trained tensors (the shapes ``jobs/gpt.yaml`` builds, no biases), two parameter
-groups, clipping at 1.0, as the trainer steps them (eagerly, after the backward):
-
-- ``fp32 weights``: torch's fused AdamW with the clipping folded into its ``grad_scale``
-  (``parallel.clip_in_fused_optimizer``: torch's foreach norm, then the fused kernel), plus
-  the casts plain autocast adds around it: each weight to bf16 in the forward, each bf16
-  weight gradient to fp32 in the backward (one kernel a tensor each);
-- ``bf16 weights``: ``MasterAdamW.clip_grad_norm_`` then ``step`` (``launcher.train.optim``):
-  two Triton launches for the norm and one per parameter group, no casts.
-
-GPU time per step from CUDA events over 50 steps (median of 5 rounds), and the bytes each moves.
-``--sweep`` times the update kernel's block sizes and warp counts.
+How it measures: docs/performance.md, under its name.
 """
 
 import argparse

@@ -1,24 +1,8 @@
 """Wall time of the fast preflight (``launch check --fast``) over 1, 4 and 16 simulated nodes.
 
-Each simulated node is a network namespace with its own sshd (tests/netns.py), so every probe
-pays a real SSH handshake, a login shell and a Python start. A parallel fan-out keeps the wall
-time of 16 nodes close to that of one (target: within 3x); a serial one would be ~16x.
-
     sudo python benchmarks/preflight_fanout.py [--nodes 1,4,16] [--repeat 3] [--cli]
 
-All simulated nodes share this machine's cores: each costs 120-280 ms of CPU (sshd, login
-shell, Python, probe), so on 2 cores 16 nodes are CPU-bound on the *nodes'* side (4.7-6.7x of
-one), while on 32 cores they take 1.7-1.8x (benchmarks/RESULTS.md). The table therefore
-also shows the floor any SSH fan-out pays here (``ssh true`` on every node at once), and
-``--bare-login`` hides ~/.bashrc inside the nodes (a login that runs none).
-
-``--cli`` times ``python -m launcher check --fast`` as a subprocess (adds interpreter start-up
-and imports); the default times ``run_preflight(cluster, deep=False)`` in-process.
-
-CPU accounting per run (in-process mode): the launcher's own CPU time (``getrusage``, all its
-threads) and the whole machine's busy CPU time (``/proc/stat``), each per node. When the
-machine's busy CPU divided by its cores approaches the wall time, the fan-out is bound by the
-CPU the simulated nodes share, not by waiting on one another.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Where the GPT step's energy goes: each kind of work in it, alone, at the power cap.
 
-GPT-2 124M as ``jobs/gpt.yaml`` trains it on one GPU (16 × 1024 tokens a step, bf16 weights
-and hidden states, no biases, cuDNN's attention forward with FlashAttention-4's backward where
-``flash-attn-4`` imports). Each part of the step runs alone: its kernels captured as a CUDA
-graph (eagerly where capture fails), replayed for ``--seconds`` after a second of settling, so
-the GPU sits at the clock its power limit allows for that work. Time per call from the wall
-clock over whole replays, energy per call from NVML's energy counter over the same window.
-Multiplied by the calls a step makes, the parts give each kind's milliseconds and joules a
-step; ``--step-metrics`` (a trainer's ``metrics/rank0.jsonl``, or the file that
-``LAUNCHER_METRICS_FILE`` names) adds the whole step as the trainer ran it, for comparison.
-
     python benchmarks/step_energy.py [--seconds 3] [--only gemm,attention,...] [--step-metrics F] [--out F]
 
-Parts alone run at other clocks than in the step (a product alone draws more power than the
-step's mix, so it runs slower), and the step fuses what runs apart here (the residual adds
-with LayerNorm), so the sum is an estimate; the shares are what it is for.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

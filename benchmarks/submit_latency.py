@@ -1,19 +1,9 @@
 """How long `launch submit` takes to hand back a job id, and to the job's first training step,
 against a foreground `launch` of the same job, both on an already-running Ray.
 
-The Ray is the launcher's own local head for detached jobs (started once, not timed; a
-private state dir, stopped at the end). The foreground run attaches to that same head
-(``ray.address`` = its GCS, its token), so neither side pays for starting Ray. Per repeat,
-alternating, with and without the preflight (``--skip-parity``):
-
-  * submit → id:          `launch submit JOB --json` until it prints the id (it exits then);
-  * submit → first step:  until rank 0's first step line is in the job's log (polled every
-                          0.2 s through the Jobs API);
-  * foreground → first step: `launch JOB` until rank 0's first step line on its stdout.
-
-Medians over ``--repeat``.
-
     python benchmarks/submit_latency.py [--job jobs/quickstart.yaml] [--repeat 3]
+
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

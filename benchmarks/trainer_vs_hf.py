@@ -1,19 +1,10 @@
 """This trainer's BERT step vs Hugging Face ``BertForMaskedLM``, side by side, one process.
 
-Both models get the same shape (random init, no dropout unless --dropout), the same batches
-(the trainer's synthetic data, 15% masked, 80/10/10), AdamW (fused on CUDA) and bf16
-autocast on CUDA (fp32 on the CPU). What is timed is one full optimizer step: forward, loss,
-backward, optimizer step, zero_grad. HF runs with ``attn_implementation="sdpa"`` and
-computes its MLM head on every position (labels -100 where unmasked), as it does in
-practice; ours runs the head on the masked positions only.
-
     pip install -e '.[bench]'
     python benchmarks/trainer_vs_hf.py --size base --seq 512 --micro-batch 32 --compile   # H200
     python benchmarks/trainer_vs_hf.py --device cpu --size tiny --seq 128 --micro-batch 8 --steps 10
 
-Timing: ``--warmup`` untimed steps, then ``--steps`` steps between two device
-synchronisations; tokens/s = steps × micro-batch × seq / seconds. The models run one after
-the other (ours first, then HF), each alone on the device.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

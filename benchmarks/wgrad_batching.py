@@ -1,15 +1,9 @@
 """Weight gradients of GPT-2 124M's block linears: one product per layer, or one batched
 product over the 12 layers (as a backward that deferred them to its end would run them).
 
-Each layer's weight gradient is dYᵀ·X with a long reduction (16 × 1024 tokens) and a small
-output (768 × 768 for the attention's projection), which cuBLAS splits over the reduction.
-Twelve of them batched make one product with 12 times the output tiles; where each layer's
-tensors lie apart (as a backward makes them), stacking them first costs two copies, and
-cuBLAS's pointer-array batched product (``cublasGemmBatchedEx``, one pointer per layer's
-tensor) needs none. Every way is replayed as a CUDA graph at the power cap
-(``step_energy.measure``); time and energy per step, and the pJ/FLOP, per linear:
-
     python benchmarks/wgrad_batching.py [--seconds 3] [--out F]
+
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations
