@@ -19,21 +19,9 @@ pytestmark = pytest.mark.skipif(
 
 def ab(tmp_path: Path, *command: str, base: str = "HEAD") -> dict:
     out = tmp_path / "ab.json"
+    cmd = [sys.executable, str(AB), "--base", base, "--rounds", "1", "--out", str(out)]
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(AB),
-            "--base",
-            base,
-            "--rounds",
-            "1",
-            "--out",
-            str(out),
-            "--work",
-            str(tmp_path / "work"),
-            "--",
-            *command,
-        ],
+        [*cmd, "--work", str(tmp_path / "work"), "--", *command],
         capture_output=True,
         text=True,
         timeout=300,
@@ -74,9 +62,7 @@ def test_the_trainer_in_both_trees_and_its_ratio(tmp_path: Path):
         "train.warmup_steps=1",
     )
     assert [r["returncode"] for r in result["runs"]] == [0, 0]
-    assert all(
-        r["tokens_per_s"] > 0 and r["mfu"] is None for r in result["runs"]
-    )  # no MFU on a CPU
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in result["runs"])  # no CPU MFU
     base, this = result["runs"]
     assert result["median_ratio"] == pytest.approx(this["tokens_per_s"] / base["tokens_per_s"])
 
