@@ -35,3 +35,4 @@ def _text_only(value: object) -> object:
 EnvValue = Annotated[str, BeforeValidator(_text_only)]
 EnvDict = dict[str, EnvValue]
 Port = Annotated[int, Field(ge=1024, le=65535)]  # an unprivileged TCP port
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # job and node names

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from launcher.spec.base import EnvDict, Port, Strict
+from launcher.spec.base import NAME_PATTERN, EnvDict, Port, Strict
 
 Policy = Literal["exact", "minor", "major", "warn", "ignore"]
 
@@ -19,7 +19,7 @@ LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 class NodeSpec(Strict):
     name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        pattern=NAME_PATTERN,
         description="pinned. Node name, unique; names log folders and table columns.",
     )
     host: str = Field(

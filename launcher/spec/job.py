@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from launcher.spec.base import EnvDict, Port, Strict
+from launcher.spec.base import NAME_PATTERN, EnvDict, Port, Strict
 from launcher.spec.envforward import DEFAULT_ENV_FORWARD, PATTERN
 from launcher.spec.report import ReportSpec
 
@@ -580,7 +580,7 @@ class ScriptEntrypoint(Strict):
 
 class JobSpec(Strict):
     name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        pattern=NAME_PATTERN,
         description="pinned. Job name (letters, digits, . _ -); names the run directory.",
     )
     model: ModelSpec = Field(

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from launcher.errors import SpecError
+from launcher.spec.base import NAME_PATTERN
 from launcher.util import MASK, is_secret, mask_urls
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # job and node names
 _MODEL_INPUT = re.compile(r"a valid dictionary or instance of (\w+)")
 
 

@@ -74,7 +74,7 @@ def with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str]) 
 
 def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) -> Path:
     """A folder on this machine (relative to the job file's folder), or the hint that makes it."""
-    folder = value if value.is_absolute() else (base / value).resolve()
+    folder = _absolute(value, base)
     if not folder.is_dir():
         from launcher.spec.hf import not_a_folder
 
@@ -83,6 +83,11 @@ def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) 
         )
         raise SpecError(message, source=str(source), field=field)
     return folder
+
+
+def _absolute(path: Path, base: Path) -> Path:
+    """``path`` as given where it is absolute, else taken from ``base`` (the job file's folder)."""
+    return path if path.is_absolute() else (base / path).resolve()
 
 
 def _assets_hint(field: str, value: Path, looked: Path, source: Path) -> str | None:
@@ -131,8 +136,8 @@ def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
         if job.data.val_path is not None:
             update["val_path"] = _token_file(job, job.data.val_path, "data.val_path", source)
         updates["data"] = job.data.model_copy(update=update)
-    if job.train.checkpoint.dir is not None and not job.train.checkpoint.dir.is_absolute():
-        ckpt_dir = (base / job.train.checkpoint.dir).resolve()
+    if job.train.checkpoint.dir is not None:
+        ckpt_dir = _absolute(job.train.checkpoint.dir, base)
         ckpt = job.train.checkpoint.model_copy(update={"dir": ckpt_dir})
         updates["train"] = job.train.model_copy(update={"checkpoint": ckpt})
     if job.script_entry is not None:
@@ -144,7 +149,7 @@ def resolve_job_paths(job: JobSpec, source: Path) -> JobSpec:
 
 def _token_file(job: JobSpec, path: Path, field: str, source: Path) -> Path:
     """A token file (``data.path``, ``data.val_path``) from the job file's folder, checked."""
-    tokens = path if path.is_absolute() else (source.parent / path).resolve()
+    tokens = _absolute(path, source.parent)
     if not tokens.is_file():
         raise SpecError(
             f"{field} {str(path)!r} does not exist (looked for {tokens}); give the "
@@ -164,7 +169,7 @@ def _token_file(job: JobSpec, path: Path, field: str, source: Path) -> Path:
 def _text(path: Path, field: str, source: Path) -> Path:
     """Text (a .txt/.jsonl file or a folder of them: ``data.path``, ``data.val_path``) from the
     job file's folder, checked."""
-    text = path if path.is_absolute() else (source.parent / path).resolve()
+    text = _absolute(path, source.parent)
     if not (
         text.is_file()
         and text.suffix in (".txt", ".jsonl")
@@ -206,8 +211,8 @@ def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
     update: dict[str, Any] = {"path": text, "tokenizer": tokenizer}
     if data.val_path is not None:
         update["val_path"] = _text(data.val_path, "data.val_path", source)
-    if data.cache_dir is not None and not data.cache_dir.is_absolute():
-        update["cache_dir"] = (base / data.cache_dir).resolve()
+    if data.cache_dir is not None:
+        update["cache_dir"] = _absolute(data.cache_dir, base)
     return data.model_copy(update=update)
 
 

@@ -93,15 +93,9 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return out
 
 
-# What PyYAML's safe constructors raise besides YAMLError ('!!int 1e3', deep nesting).
-_YAML_VALUE_ERRORS = (
-    ValueError,
-    TypeError,
-    KeyError,
-    AttributeError,
-    ArithmeticError,
-    RecursionError,
-)
+# What PyYAML's safe constructors raise besides YAMLError ('!!int 1e3'), and deep nesting's.
+_CONSTRUCT_ERRORS = (ValueError, TypeError, KeyError, AttributeError, ArithmeticError)
+_YAML_VALUE_ERRORS = (*_CONSTRUCT_ERRORS, RecursionError)
 
 
 class _TagError(yaml.constructor.ConstructorError):
@@ -145,7 +139,7 @@ class _SpecLoader(yaml.SafeLoader):
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep=deep)
-        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
+        except _CONSTRUCT_ERRORS:
             if not isinstance(node, yaml.ScalarNode):
                 raise
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
