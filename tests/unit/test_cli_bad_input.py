@@ -10,26 +10,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fixtures.launching import ours
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "jobs/quickstart.yaml")
-
-
-def _marked(mark: str) -> list[int]:
-    """Live processes whose environment carries ``mark`` (a Ray or worker the command started)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if f"LAUNCHER_TEST_MARK={mark}".encode() in fh.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
 
 
 CASES = {
@@ -70,5 +56,5 @@ def test_bad_command_line_exits_2_and_starts_nothing(tmp_path, case):
     assert "Traceback" not in result.stderr
     assert result.stdout == "", result.stdout  # nothing ran: no preflight table, no summary
     assert not run_dir.exists() and not (tmp_path / "runs").exists(), "a run directory was created"
-    assert not _marked(mark), "the command left processes behind"
+    assert not ours(mark), "the command left processes behind"
     assert not list(tmp_path.glob("*/summary.json"))

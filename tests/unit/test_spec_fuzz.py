@@ -94,21 +94,7 @@ documents = st.one_of(
     st.dictionaries(st.sampled_from(KEYS), values, max_size=8),
     st.fixed_dictionaries(
         {"name": st.one_of(st.sampled_from(["job", "a b", "x" * 70]), scalars)},
-        optional={
-            k: values
-            for k in (
-                "model",
-                "data",
-                "train",
-                "parallel",
-                "precision",
-                "cudnn",
-                "nccl",
-                "resources",
-                "launch",
-                "entrypoint",
-            )
-        },
+        optional={k: values for k in JobSpec.model_fields if k not in ("name", "report")},
     ),
     st.fixed_dictionaries(
         {"nodes": st.lists(st.dictionaries(st.sampled_from(KEYS), values, max_size=5), max_size=3)},
