@@ -49,17 +49,9 @@ def time_once(cluster_file: Path, cli: bool) -> tuple[float, float, bool, float,
     own0, busy0 = own_cpu_s(), busy_cpu_s()
     started = time.monotonic()
     if cli:
+        cmd = [sys.executable, "-m", "launcher", "check", "--fast", "--json"]
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "launcher",
-                "check",
-                "--cluster",
-                str(cluster_file),
-                "--fast",
-                "--json",
-            ],
+            [*cmd, "--cluster", str(cluster_file)],
             capture_output=True,
             text=True,
             timeout=300,

@@ -317,20 +317,6 @@ def test_set_typed_values(tmp_path):
     assert job.train.micro_batch == 8  # untouched keys keep the file's value
 
 
-def test_set_dict_fields(tmp_path):
-    job = load_job(
-        write(tmp_path, QUICK),
-        [
-            "launch.env.MY_FLAG=1",
-            "launch.env.OMP_NUM_THREADS=4",
-            "nccl.env.NCCL_DEBUG=INFO",
-            "launch.env.EMPTY=",
-        ],
-    )
-    assert job.launch.env == {"MY_FLAG": "1", "OMP_NUM_THREADS": "4", "EMPTY": ""}
-    assert job.nccl.env["NCCL_DEBUG"] == "INFO"
-
-
 def test_set_value_with_equals_sign_and_list(tmp_path):
     (tmp_path / "train.py").write_text("")
     job = load_job(
