@@ -132,20 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         if ratio is not None:
             ratios.append(ratio)
         rows.append([i, base["tokens_per_s"], base["mfu"], new["tokens_per_s"], new["mfu"], ratio])
-    print(
-        tabulate(
-            rows,
-            headers=[
-                "round",
-                f"{args.base} tokens/s",
-                "MFU",
-                "this tree tokens/s",
-                "MFU",
-                "this tree / base",
-            ],
-            floatfmt=".4g",
-        )
-    )
+    headers = [
+        "round",
+        f"{args.base} tokens/s",
+        "MFU",
+        "this tree tokens/s",
+        "MFU",
+        "this tree / base",
+    ]
+    print(tabulate(rows, headers=headers, floatfmt=".4g"))
     median = statistics.median(ratios) if ratios else None
     print(f"median ratio: {median}; the exported tree and the logs: {work}")
     if args.out:

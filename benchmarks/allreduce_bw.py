@@ -49,20 +49,16 @@ def main() -> None:
         seconds = start.elapsed_time(end) / 1e3 / args.iters
         algbw = n * dtype.itemsize / seconds / 1e9
         if rank == 0:
-            print(
-                json.dumps(
-                    {
-                        "size_mib": size_mb,
-                        "dtype": args.dtype,
-                        "ranks": world,
-                        "time_us": round(seconds * 1e6, 1),
-                        "algbw_gbs": round(algbw, 1),
-                        "busbw_gbs": round(algbw * 2 * (world - 1) / world, 1),
-                        "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
-                    }
-                ),
-                flush=True,
-            )
+            line = {
+                "size_mib": size_mb,
+                "dtype": args.dtype,
+                "ranks": world,
+                "time_us": round(seconds * 1e6, 1),
+                "algbw_gbs": round(algbw, 1),
+                "busbw_gbs": round(algbw * 2 * (world - 1) / world, 1),
+                "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
+            }
+            print(json.dumps(line), flush=True)
     dist.destroy_process_group()
 
 

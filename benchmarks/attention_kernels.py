@@ -244,21 +244,8 @@ def kernels_by_shape() -> dict:
                     f"{row['grad_max_diff']:.1e}",
                 ]
             )
-    print(
-        tabulate(
-            sorted(table, key=lambda r: r[0], reverse=True),
-            headers=[
-                "shape",
-                "kernel",
-                "fwd ms",
-                "TFLOP/s",
-                "bwd ms",
-                "TFLOP/s",
-                "out diff",
-                "grad diff",
-            ],
-        )
-    )
+    headers = ["shape", "kernel", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "out diff", "grad diff"]
+    print(tabulate(sorted(table, key=lambda r: r[0], reverse=True), headers=headers))
     return results
 
 

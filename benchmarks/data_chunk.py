@@ -146,19 +146,15 @@ def main() -> None:
                 ("tokens", TokenFileBatches(path=path, token_dtype="uint16", **common)),
             ):
                 times = chunk_ms(data, args.repeat)
-                print(
-                    json.dumps(
-                        {
-                            "case": name,
-                            "source": source,
-                            "threads": args.threads,
-                            "steps": data.steps_ahead,
-                            "chunk_ms_p50": round(statistics.median(times), 1),
-                            "chunk_ms_min": round(min(times), 1),
-                        }
-                    ),
-                    flush=True,
-                )
+                line = {
+                    "case": name,
+                    "source": source,
+                    "threads": args.threads,
+                    "steps": data.steps_ahead,
+                    "chunk_ms_p50": round(statistics.median(times), 1),
+                    "chunk_ms_min": round(min(times), 1),
+                }
+                print(json.dumps(line), flush=True)
                 data.close()
 
 

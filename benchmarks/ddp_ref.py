@@ -111,17 +111,14 @@ def main() -> None:
     every: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(every, mine)
     if rank == 0:
-        print(
-            json.dumps(
-                {
-                    "model": args.model,
-                    "compile": args.compile,
-                    "gpus": world,
-                    "tokens_per_s_per_gpu": min(r["tokens_per_s"] for r in every),
-                    "ranks": every,
-                }
-            )
-        )
+        line = {
+            "model": args.model,
+            "compile": args.compile,
+            "gpus": world,
+            "tokens_per_s_per_gpu": min(r["tokens_per_s"] for r in every),
+            "ranks": every,
+        }
+        print(json.dumps(line))
     dist.destroy_process_group()
 
 

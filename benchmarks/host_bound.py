@@ -50,17 +50,14 @@ def main() -> None:
         every: list[dict] = [{} for _ in range(trainer.world_size)]
         dist.all_gather_object(every, result)
         if trainer.rank == 0:
-            print(
-                json.dumps(
-                    {
-                        "job": job.name,
-                        "sets": args.sets,
-                        "world_size": trainer.world_size,
-                        "tokens_per_s_per_rank": min(r["tokens_per_s"] for r in every),
-                        "ranks": every,
-                    }
-                )
-            )
+            line = {
+                "job": job.name,
+                "sets": args.sets,
+                "world_size": trainer.world_size,
+                "tokens_per_s_per_rank": min(r["tokens_per_s"] for r in every),
+                "ranks": every,
+            }
+            print(json.dumps(line))
     finally:
         trainer.close()
 

@@ -109,23 +109,19 @@ def main() -> None:
                 f"{r['dlogits_max_diff']:.1e}",
             ]
         )
-    print(
-        tabulate(
-            table,
-            headers=[
-                "shape",
-                "inductor ms",
-                "GB/s",
-                "triton ms",
-                "GB/s",
-                "head step ms (inductor)",
-                "head step ms (triton)",
-                "head peak GiB",
-                "loss diff",
-                "dlogits max diff",
-            ],
-        )
-    )
+    headers = [
+        "shape",
+        "inductor ms",
+        "GB/s",
+        "triton ms",
+        "GB/s",
+        "head step ms (inductor)",
+        "head step ms (triton)",
+        "head peak GiB",
+        "loss diff",
+        "dlogits max diff",
+    ]
+    print(tabulate(table, headers=headers))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

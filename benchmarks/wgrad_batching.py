@@ -96,18 +96,13 @@ def main() -> None:
         f"{total['stacked']:.3f} stacked then batched, {total['pointers']:.3f} batched by pointers"
     )
     if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "gpu": torch.cuda.get_device_name(device),
-                    "torch": torch.__version__,
-                    "rows": rows,
-                    "j_per_step": total,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        doc = {
+            "gpu": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+            "rows": rows,
+            "j_per_step": total,
+        }
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":
