@@ -221,8 +221,7 @@ def with_energy(result: dict, gpu: GpuSampler, t0: float, t1: float, tokens: int
 
 def run_nanogpt(args: argparse.Namespace, tokens: Path, folder: Path, gpu: GpuSampler) -> dict:
     """nanoGPT's train.py from a scratch copy of its folder; throughput from its printed times."""
-    if folder.exists():
-        shutil.rmtree(folder)
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     for name in ("train.py", "model.py", "configurator.py"):
         shutil.copy(args.nanogpt / name, folder / name)
@@ -286,8 +285,7 @@ def run_ours(
     args: argparse.Namespace, tokens: Path, folder: Path, sets: list[str], gpu: GpuSampler
 ) -> dict:
     """``launch JOB`` on the token file; throughput and loss from the run directory."""
-    if folder.exists():
-        shutil.rmtree(folder)
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     run_dir = folder / "run"
     base = [

@@ -40,9 +40,8 @@ def test_ratios_are_against_nanogpt_and_skip_failed_rows():
     }
     r = bench.ratios(results)
     assert set(r) == {"ours"}
-    assert r["ours"]["speed"] == pytest.approx(1.25) and r["ours"][
-        "loss_rel_diff"
-    ] == pytest.approx(0.01)
+    assert r["ours"]["speed"] == pytest.approx(1.25)
+    assert r["ours"]["loss_rel_diff"] == pytest.approx(0.01)
     assert bench.ratios({"ours": {"tokens_per_s": 1.0, "loss": 1.0}}) == {}
     table = bench.table(results)
     assert "FAILED: boom" in table and "1.250x" in table and "+1.00" in table
@@ -80,12 +79,10 @@ def test_the_gpu_window_interpolates_the_energy_counter_at_its_ends():
     ]
     w = sampler.window(0.5, 2.5)
     assert w["energy_j"] == pytest.approx(1400.0) and w["power_w"] == pytest.approx(700.0)
-    assert w["sm_clock_mhz"] == pytest.approx(1650.0) and w["power_capped_pct"] == pytest.approx(
-        100.0
-    )
+    assert w["sm_clock_mhz"] == pytest.approx(1650.0)
+    assert w["power_capped_pct"] == pytest.approx(100.0)
     assert w["samples"] == 2 and w["seconds"] == pytest.approx(2.0)
-    assert (
-        sampler.window(2.5, 3.5)["energy_j"] is None
-    )  # past the last sample: unknown, not guessed
+    # past the last sample: unknown, not guessed
+    assert sampler.window(2.5, 3.5)["energy_j"] is None
     result = bench.with_energy({"tokens_per_s": 1.0}, sampler, 0.5, 2.5, tokens=1_400_000)
     assert result["energy_mj_per_token"] == pytest.approx(1.0)
