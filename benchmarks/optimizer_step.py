@@ -35,8 +35,7 @@ def timed_ms(fn, rounds: int = 5, steps: int = 50) -> float:
 
 def gpt2_model() -> torch.nn.Module:
     with torch.device("cuda"):
-        model = build_model(ModelSpec(arch="gpt", size="base", bias=False))
-    return model
+        return build_model(ModelSpec(arch="gpt", size="base", bias=False))
 
 
 def fill_grads(params, dtype) -> None:
@@ -88,10 +87,8 @@ def bf16_step(model, block: int | None = None, warps: int | None = None) -> tupl
     finally:
         optim.BLOCK, optim.NUM_WARPS = saved
     n = sum(p.numel() for p in model.parameters())
-    return (
-        ms,
-        28 * n + 2 * n,
-    )  # AdamW's 28 B (bf16 gradient and fp32 state in, fp32 state and bf16 weight out), the norm's 2
+    # AdamW's 28 B (bf16 gradient and fp32 state in, fp32 state and bf16 weight out), the norm's 2
+    return ms, 28 * n + 2 * n
 
 
 def main() -> None:
@@ -119,13 +116,8 @@ def main() -> None:
             for warps in (2, 4, 8):
                 ms, nbytes = bf16_step(gpt2_model(), block, warps)
                 out["sweep"].append({"BLOCK": block, "num_warps": warps, "ms": ms})
-                rows.append(
-                    [
-                        f"  MasterAdamW BLOCK={block} warps={warps}",
-                        f"{ms:.3f}",
-                        f"{nbytes / ms / 1e9:.2f}",
-                    ]
-                )
+                label = f"  MasterAdamW BLOCK={block} warps={warps}"
+                rows.append([label, f"{ms:.3f}", f"{nbytes / ms / 1e9:.2f}"])
     print(tabulate(rows, headers=["GPT-2 124M optimizer step", "ms", "TB/s"]))
     if args.out:
         with open(args.out, "w") as fh:

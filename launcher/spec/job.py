@@ -482,11 +482,7 @@ class ResourcesSpec(Strict):
             raise ValueError(f"nodes must be 'all' or a count >= 1, not {self.nodes}")
         if isinstance(self.nproc_per_node, int) and not 1 <= self.nproc_per_node <= 1024:
             raise ValueError(f"nproc_per_node must be 'auto' or 1..1024, not {self.nproc_per_node}")
-        if (
-            isinstance(self.nodes, int)
-            and self.min_nodes is not None
-            and self.min_nodes > self.nodes
-        ):
+        if isinstance(self.nodes, int) and (self.min_nodes or 0) > self.nodes:
             raise ValueError(
                 f"min_nodes {self.min_nodes} is more than the job's {self.nodes} node(s); "
                 f"lower resources.min_nodes or raise resources.nodes"
