@@ -88,7 +88,7 @@ def scan_ms(n: int, *, repeat: int, world: int, cold: bool, threads: int) -> Non
                 except data_module.DataError:
                     verdict = "DataError"
                 times.append(1e3 * (time.perf_counter() - began))
-                if world > 1 and hasattr(data_module, "scan_slice"):
+                if world > 1:
                     if cold:
                         drop_from_page_cache(path)
                     ids = tokens_module.open_token_file(path, "uint16").view(torch.int16)
