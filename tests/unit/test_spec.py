@@ -264,18 +264,6 @@ def test_user_script_job_needs_only_name_entrypoint_resources(tmp_path):
     assert job.backend == "gloo" and job.resources.nproc_per_node == 2
 
 
-def test_profiling_is_for_the_builtin_trainer(tmp_path):
-    (tmp_path / "train.py").write_text("")
-    with pytest.raises(SpecError, match="train.profile works with the built-in trainer only"):
-        load_job(
-            write(
-                tmp_path,
-                "name: mine\nentrypoint: {script: train.py}\n"
-                "train: {profile: {start_step: 3}}\nresources: {device: cpu}\n",
-            )
-        )
-
-
 def test_default_cluster_is_this_machine(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cluster = load_cluster()

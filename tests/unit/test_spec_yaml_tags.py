@@ -11,7 +11,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.errors import SpecError, UsageError
-from launcher.spec import load_cluster, load_job
+from launcher.spec import load_job
 
 DEEP = "[" * 3000 + "]" * 3000
 
@@ -57,14 +57,6 @@ def test_an_unreadable_tagged_value_in_a_job_file_is_a_spec_error(tmp_path, case
     assert str(err.value).startswith(f"{path}: invalid YAML")
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
-
-
-def test_an_unreadable_tagged_value_in_a_cluster_file_is_a_spec_error(tmp_path):
-    path = _write(
-        tmp_path, "nodes:\n  - {name: a, host: localhost, gpus: !!int x}\n", "cluster.yaml"
-    )
-    with pytest.raises(SpecError, match=r"line 2, column 38: 'x' is not a valid !!int"):
-        load_cluster(path)
 
 
 @pytest.mark.parametrize("case", list(BAD_SETS))
