@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from launcher.errors import SpecError
 from launcher.spec.job import SIZE_PRESETS, JobSpec, ScriptEntrypoint
 from launcher.spec.messages import validate
@@ -102,21 +104,14 @@ def _assets_hint(field: str, value: Path, looked: Path, source: Path) -> str | N
     )
 
 
-def refuse_nul_paths(job: JobSpec, source: Path) -> None:
-    """A path with a NUL character is a SpecError naming the field (the OS would refuse it
-    with a ValueError wherever it is first used)."""
-    entry = job.script_entry
-    for field, value in (
-        ("data.path", job.data.path),
-        ("data.val_path", job.data.val_path),
-        ("train.checkpoint.dir", job.train.checkpoint.dir),
-        ("entrypoint.script", entry and entry.script),
-        ("entrypoint.workdir", entry and entry.workdir),
-        ("model.init_from", job.model.init_from),
-        ("data.tokenizer", job.data.tokenizer),
-        ("data.cache_dir", job.data.cache_dir),
-    ):
-        if value is not None and "\x00" in str(value):
+def refuse_nul_paths(spec: BaseModel, source: Path, prefix: str = "") -> None:
+    """A path anywhere in ``spec`` with a NUL character is a SpecError naming the field (the OS
+    would refuse it with a ValueError wherever it is first used)."""
+    for name in type(spec).model_fields:
+        value, field = getattr(spec, name), prefix + name
+        if isinstance(value, BaseModel):
+            refuse_nul_paths(value, source, f"{field}.")
+        elif isinstance(value, Path) and "\x00" in str(value):
             raise SpecError(
                 f"{field} {str(value)!r} contains a NUL character; give a plain path",
                 source=str(source),
