@@ -21,6 +21,7 @@ from launcher.preflight.network import Route, choose_routes, route_cell
 
 FAIL_MARK = "✗"
 WARN_MARK = "!"
+LEGEND = f"{FAIL_MARK} differs from the other nodes or fails a check · {WARN_MARK} warning only"
 CELL_WIDTH = 30
 CLOCK_SKEW_WARN_S = 5.0
 CUDNN_MIN_SPEEDUP = 1.1
@@ -224,11 +225,8 @@ class PreflightReport:
         if self.ok:
             line = f"parity OK: {n} nodes agree" if n != 1 else "parity OK: 1 node checked"
             if self.warnings:
-                line += (
-                    " (warnings: "
-                    + "; ".join(self._node_summaries(self.warnings, with_errors=False))
-                    + ")"
-                )
+                warned = self._node_summaries(self.warnings, with_errors=False)
+                line += f" (warnings: {'; '.join(warned)})"
             return line
         return "parity FAILED: " + "; ".join(self._node_summaries(self.failures, with_errors=True))
 
@@ -283,10 +281,7 @@ class PreflightReport:
             ]
             checks.append("\n".join(lines) or "ok")
         body.append(checks)
-        legend = (
-            f"{FAIL_MARK} differs from the other nodes or fails a check · {WARN_MARK} warning only"
-        )
-        return "\n".join([tabulate(body, headers=headers, tablefmt="simple"), legend, self.verdict])
+        return "\n".join([tabulate(body, headers=headers, tablefmt="simple"), LEGEND, self.verdict])
 
     def to_json(self) -> dict[str, Any]:
         """Everything in the table, machine-readable: cells carry ``value`` and ``mark``."""
@@ -602,11 +597,7 @@ def nccl_ifname_matches(spec: str, interfaces: dict[str, Any]) -> bool:
 
 
 def _vtuple(version: str) -> tuple[int, ...]:
-    out = []
-    for part in str(version).split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits or 0))
-    return tuple(out)
+    return tuple(int("".join(filter(str.isdigit, part)) or 0) for part in str(version).split("."))
 
 
 def _display(value: Any) -> str:

@@ -55,36 +55,17 @@ CODE_SUFFIXES = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="probe", description="Report this node's environment as JSON."
-    )
-    parser.add_argument(
-        "--deep", action="store_true", help="also import torch and exercise CUDA/cuDNN/NCCL"
-    )
-    parser.add_argument(
-        "--packages", default="", help="comma-separated extra packages to report versions of"
-    )
-    parser.add_argument(
-        "--deep-timeout", type=float, default=120.0, help="seconds the deep part may take"
-    )
-    parser.add_argument(
-        "--gpus-needed", type=int, default=0, help="GPUs the job needs on this node (recorded)"
-    )
-    parser.add_argument(
-        "--nccl-socket-ifname", default=None, help="the workers' NCCL_SOCKET_IFNAME (recorded)"
-    )
-    parser.add_argument(
-        "--route-to", default=None, help="the head's address: report the route to it"
-    )
-    parser.add_argument(
-        "--workdir", default=None, help="the user's working directory: report and hash it"
-    )
-    parser.add_argument("--script", default=None, help="the user's script, relative to --workdir")
-    parser.add_argument(
-        "--exclude",
-        default="[]",
-        help="gitignore-style patterns (a JSON list) left out of the hash",
-    )
+    parser = argparse.ArgumentParser(prog="probe", description="This node's environment as JSON.")
+    add = parser.add_argument
+    add("--deep", action="store_true", help="also import torch and exercise CUDA/cuDNN/NCCL")
+    add("--packages", default="", help="comma-separated extra packages to report versions of")
+    add("--deep-timeout", type=float, default=120.0, help="seconds the deep part may take")
+    add("--gpus-needed", type=int, default=0, help="GPUs the job needs on this node (recorded)")
+    add("--nccl-socket-ifname", help="the workers' NCCL_SOCKET_IFNAME (recorded)")
+    add("--route-to", help="the head's address: report the route to it")
+    add("--workdir", help="the user's working directory: report and hash it")
+    add("--script", help="the user's script, relative to --workdir")
+    add("--exclude", default="[]", help="gitignore-style patterns (JSON) left out of the hash")
     args = parser.parse_args(argv)
     started = time.monotonic()
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
@@ -334,16 +315,16 @@ def nvidia_info() -> dict[str, Any]:
 
 
 def _nvml_info() -> dict[str, Any]:
-    if not os.path.exists("/proc/driver/nvidia"):  # no NVIDIA kernel driver loaded: a CPU machine
-        return {"source": None, "driver": None, "gpus": []}
-    try:
-        import pynvml  # nvidia-ml-py, optional
-    except ImportError:
-        return {"source": None, "driver": None, "gpus": []}
+    none: dict[str, Any] = {"source": None, "driver": None, "gpus": []}  # a CPU machine
+    # No NVIDIA kernel driver loaded, or no nvidia-ml-py (optional) to ask it.
+    if not os.path.exists("/proc/driver/nvidia") or importlib.util.find_spec("pynvml") is None:
+        return none
+    import pynvml
+
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError_LibraryNotFound:  # no NVIDIA driver: a CPU machine
-        return {"source": None, "driver": None, "gpus": []}
+    except pynvml.NVMLError_LibraryNotFound:
+        return none
     except pynvml.NVMLError as err:
         return {"source": "nvml", "driver": None, "gpus": [], "error": str(err)}
     try:
@@ -445,16 +426,15 @@ def deep_info(progress: dict[str, str]) -> dict[str, Any]:
     available = torch.cuda.is_available()
     out["cuda_available"] = available
     out["device_count"] = torch.cuda.device_count() if available else 0
-    out["devices"] = []
-    for i in range(out["device_count"]):
-        props = torch.cuda.get_device_properties(i)
-        out["devices"].append(
-            {
-                "name": props.name,
-                "capability": f"{props.major}.{props.minor}",
-                "memory_gib": round(props.total_memory / 2**30, 1),
-            }
-        )
+    props = [torch.cuda.get_device_properties(i) for i in range(out["device_count"])]
+    out["devices"] = [
+        {
+            "name": p.name,
+            "capability": f"{p.major}.{p.minor}",
+            "memory_gib": round(p.total_memory / 2**30, 1),
+        }
+        for p in props
+    ]
     progress["stage"] = "cuDNN"
     cudnn_available = torch.backends.cudnn.is_available()
     out["cudnn"] = {
