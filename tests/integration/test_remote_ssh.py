@@ -7,19 +7,15 @@ put it back, also on failure.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import paramiko
 import pytest
-from fixtures.launching import kill
+from fixtures.launching import kill, processes, sigint_when
 
 from launcher.remote import CommandResult, NodeError, fan_out
 from launcher.remote.ssh import SSHRunner
@@ -47,44 +43,9 @@ def ssh_spec(cluster, **overrides) -> SSHSpec:
     return SSHSpec(**{**fields, **overrides})
 
 
-def processes(argv: list[str]) -> list[int]:
-    """Pids of the processes (any namespace: the nodes share this pid namespace) running ``argv``."""
-    wanted = ("\0".join(argv) + "\0").encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if (entry / "cmdline").read_bytes() == wanted:
-                    found.append(int(entry.name))
-    return found
-
-
-@contextlib.contextmanager
-def sigint_when(ready, timeout: float = 30.0) -> Iterator[list[float]]:
-    """SIGINT to this process once ``ready()`` holds (KeyboardInterrupt in the main thread);
-    yields a list that gets the time it was sent. The watcher and the old handler are undone
-    on leaving."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    sent: list[float] = []
-    stop = threading.Event()
-
-    def watch() -> None:
-        deadline = time.monotonic() + timeout
-        while not stop.is_set() and time.monotonic() < deadline:
-            if ready():
-                sent.append(time.monotonic())
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield sent
-    finally:
-        stop.set()
-        watcher.join(5)
-        signal.signal(signal.SIGINT, previous)
+def running(argv: list[str]) -> list[int]:
+    """Pids of the processes (the nodes share this pid namespace) running ``argv``."""
+    return [pid for pid, cmd in processes().items() if cmd == " ".join(argv)]
 
 
 def test_an_interrupted_fan_out_closes_the_ssh_connections_at_once(cluster):
@@ -100,7 +61,7 @@ def test_an_interrupted_fan_out_closes_the_ssh_connections_at_once(cluster):
     before = set(threading.enumerate())
     try:
         with (
-            sigint_when(lambda: len(processes(argv)) == 3) as sent,
+            sigint_when(lambda: len(running(argv)) == 3) as sent,
             pytest.raises(KeyboardInterrupt),
         ):
             fan_out(nodes(cluster), work)
@@ -111,7 +72,7 @@ def test_an_interrupted_fan_out_closes_the_ssh_connections_at_once(cluster):
             assert time.monotonic() < deadline, "fan-out threads still busy"
             time.sleep(0.05)
     finally:
-        kill(processes(argv))
+        kill(running(argv))
 
 
 def test_a_closed_runner_fails_its_next_command(cluster):
@@ -195,13 +156,11 @@ def test_a_refused_key_of_any_type_is_an_authentication_failure(cluster, tmp_pat
 def test_key_files_that_cannot_be_used_are_named_before_connecting(cluster, tmp_path):
     (tmp_path / "folder").mkdir()
     (tmp_path / "public").write_text(Path(f"{cluster.ssh_key}.pub").read_text())
+    encrypted = keygen(tmp_path / "encrypted", "ed25519", "secret-phrase")
     cases = {
         tmp_path / "missing": "not found",
-        tmp_path
-        / "folder": "cannot read key file",  # root reads any file; a folder cannot be read as one
-        keygen(
-            tmp_path / "encrypted", "ed25519", "secret-phrase"
-        ): "is encrypted; load it into ssh-agent",
+        tmp_path / "folder": "cannot read key file",  # root reads any file, but not a folder
+        encrypted: "is encrypted; load it into ssh-agent",
         tmp_path / "public": "is not a private key",
     }
     for key, fragment in cases.items():
@@ -272,11 +231,11 @@ def test_a_remote_command_past_its_timeout_stops_itself(cluster):
             and "'sleep 41.75' did not finish within 1 s" in info.value.message
         )
         deadline = time.monotonic() + 15
-        while processes(argv):
+        while running(argv):
             assert time.monotonic() < deadline, "the remote command runs on"
             time.sleep(0.1)
     finally:
-        kill(processes(argv))
+        kill(running(argv))
 
 
 def test_a_tunnel_carries_a_connection_and_ends_one_the_node_refuses_at_once(cluster):

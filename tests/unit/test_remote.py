@@ -14,11 +14,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import paramiko
 import pytest
+from fixtures.launching import processes, sigint_when
 
 from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output, probe_node
 from launcher.remote import (
@@ -76,11 +76,8 @@ def test_local_runner_stdin_env_and_exit_code() -> None:
     assert result == CommandResult("from stdin\nhi\n", "oops\n", 5)
     assert not result.ok and result.stderr_tail() == "oops"
     assert runner.run("cat | wc -c").stdout.strip() == "0"  # no stdin: empty, never the terminal
-
-
-@pytest.mark.processes
-def test_local_runner_output_that_is_not_utf8_is_replaced_not_an_error() -> None:
-    result = LocalRunner(LOCAL).run("printf 'caf\\351'; printf 'caf\\351' >&2", stdin="caf\u00e9")
+    # output that is not UTF-8 is replaced, not an error
+    result = runner.run("printf 'caf\\351'; printf 'caf\\351' >&2", stdin="caf\u00e9")
     assert result == CommandResult("caf\ufffd", "caf\ufffd", 0)
 
 
@@ -153,30 +150,6 @@ def test_fan_out_is_parallel_and_bounded() -> None:
     assert time.monotonic() - started < 0.2 * 8 / 2
 
 
-@contextlib.contextmanager
-def sigint_after(seconds: float) -> Iterator[None]:
-    """SIGINT to this process after ``seconds`` (raising KeyboardInterrupt in the main thread,
-    as the launcher's handler does); the timer and the old handler are undone on leaving."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-        signal.signal(signal.SIGINT, previous)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError):  # a zombie is dead
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    return False
-
-
 @pytest.mark.processes
 def test_interrupted_fan_out_returns_at_once_and_kills_the_local_commands(tmp_path: Path) -> None:
     """Ctrl-C during a fan-out: raised at once, not after every node's command ended; the
@@ -187,17 +160,19 @@ def test_interrupted_fan_out_returns_at_once_and_kills_the_local_commands(tmp_pa
         with runner_for(node, SSHSpec()) as runner:
             return runner.run(f"sleep 6 & echo $! > {tmp_path}/{node.name}.pid; wait")
 
+    def started() -> bool:
+        return all((tmp_path / f"{n.name}.pid").is_file() for n in nodes)
+
     before = set(threading.enumerate())
-    started = time.monotonic()
     try:
-        with sigint_after(0.5), pytest.raises(KeyboardInterrupt):
+        with sigint_when(started) as sent, pytest.raises(KeyboardInterrupt):
             fan_out(nodes, work)
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - sent[0] < 1.5
         pids = [int((tmp_path / f"{n.name}.pid").read_text()) for n in nodes]
         deadline = time.monotonic() + 2
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while set(pids) & set(processes()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [pid for pid in pids if _alive(pid)]
+        assert not set(pids) & set(processes())
         deadline = time.monotonic() + 2
         while set(threading.enumerate()) - before and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -247,69 +222,68 @@ def ssh_runner(tmp_path: Path) -> SSHRunner:
     return SSHRunner(node, ssh)
 
 
-def _key() -> paramiko.PKey:
-    return paramiko.RSAKey.generate(1024)
-
-
-def test_host_key_mismatch_is_never_accepted(ssh_runner: SSHRunner) -> None:
-    key, other = _key(), _key()
-    err = classify_ssh_error(
-        paramiko.BadHostKeyException("[10.9.8.7]:2222", key, other), ssh_runner
-    )
-    assert err.kind == HOST_KEY_MISMATCH
-    assert "man-in-the-middle" in err.message and "never accepted" in err.message
-    assert "ssh-keygen -R '[10.9.8.7]:2222'" in err.message
-
-
-def test_unknown_host_key_says_how_to_add_it(ssh_runner: SSHRunner) -> None:
-    err = classify_ssh_error(UnknownHostKeyError("[10.9.8.7]:2222", _key()), ssh_runner)
-    assert err.kind == UNKNOWN_HOST_KEY
-    assert f"ssh-keyscan -p 2222 10.9.8.7 >> {ssh_runner.known_hosts}" in err.message
-    assert "ssh.accept_unknown_host_keys: true" in err.message
-    assert "does not exist" in err.message
-
-
-def test_auth_failure_names_the_key(ssh_runner: SSHRunner) -> None:
-    err = classify_ssh_error(paramiko.AuthenticationException("Authentication failed."), ssh_runner)
-    assert err.kind == AUTH_FAILED
-    assert f"ubuntu@10.9.8.7:2222 did not accept key {ssh_runner.ssh.key}" in err.message
+KEY = paramiko.RSAKey.generate(1024)
 
 
 @pytest.mark.parametrize(
-    ("exc", "fragment"),
+    ("err", "kind", "fragments"),
     [
-        (TimeoutError("timed out"), "no answer from 10.9.8.7:2222 within 3 s"),
+        (  # never accepted
+            paramiko.BadHostKeyException("[10.9.8.7]:2222", KEY, KEY),
+            HOST_KEY_MISMATCH,
+            ["man-in-the-middle", "never accepted", "ssh-keygen -R '[10.9.8.7]:2222'"],
+        ),
+        (  # says how to add it
+            UnknownHostKeyError("[10.9.8.7]:2222", KEY),
+            UNKNOWN_HOST_KEY,
+            [
+                "ssh-keyscan -p 2222 10.9.8.7 >> {known_hosts}",
+                "ssh.accept_unknown_host_keys: true",
+                "does not exist",
+            ],
+        ),
+        (
+            paramiko.AuthenticationException("Authentication failed."),
+            AUTH_FAILED,
+            ["ubuntu@10.9.8.7:2222 did not accept key {key}"],
+        ),
+        (TimeoutError("timed out"), UNREACHABLE, ["no answer from 10.9.8.7:2222 within 3 s"]),
         (
             paramiko.ssh_exception.NoValidConnectionsError(
                 {("10.9.8.7", 2222): ConnectionRefusedError(errno.ECONNREFUSED, "refused")}
             ),
-            "refused the connection on port 2222",
+            UNREACHABLE,
+            ["refused the connection on port 2222"],
         ),
         (
             paramiko.ssh_exception.NoValidConnectionsError(
                 {("10.9.8.7", 2222): OSError(errno.EHOSTUNREACH, "no route")}
             ),
-            "no route to 10.9.8.7:2222",
+            UNREACHABLE,
+            ["no route to 10.9.8.7:2222"],
         ),
         (
             socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
-            "cannot resolve host name",
+            UNREACHABLE,
+            ["cannot resolve host name"],
         ),
     ],
 )
-def test_unreachable_variants(ssh_runner: SSHRunner, exc: BaseException, fragment: str) -> None:
-    err = classify_ssh_error(exc, ssh_runner)
-    assert err.kind == UNREACHABLE
-    assert fragment in err.message
+def test_connect_errors_say_what_to_do(ssh_runner: SSHRunner, err, kind, fragments) -> None:
+    found = classify_ssh_error(err, ssh_runner)
+    assert found.kind == kind
+    for fragment in fragments:
+        assert fragment.format(known_hosts=ssh_runner.known_hosts, key=ssh_runner.ssh.key) in (
+            found.message
+        )
 
 
 def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
-    key = _key()
-    opts = ssh_runner.connect_kwargs(key)
+    opts = ssh_runner.connect_kwargs(KEY)
     assert (
         opts["password"] is None and opts["look_for_keys"] is False and opts["allow_agent"] is False
     )
-    assert opts["pkey"] is key and "key_filename" not in opts  # read by the runner (load_key)
+    assert opts["pkey"] is KEY and "key_filename" not in opts  # read by the runner (load_key)
     assert opts["banner_timeout"] == opts["auth_timeout"] == 3
     agent_runner = SSHRunner(NodeSpec(name="n", host="10.0.0.1"), SSHSpec())
     assert agent_runner.load_key() is None
@@ -369,7 +343,10 @@ def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(
             INTERPRETER_MISSING,
         ),
         (CommandResult("", "bash: /opt/py: Permission denied", 126), INTERPRETER_MISSING),
-        (CommandResult("", "Traceback...\nSyntaxError: invalid syntax", 1), PROBE_CRASHED),
+        (
+            CommandResult("", "Traceback\n  File x\nModuleNotFoundError: No module named 'x'", 1),
+            PROBE_CRASHED,
+        ),
         (CommandResult("hello\n", "", 0), BAD_JSON),
         (CommandResult("{not json\n", "", 0), BAD_JSON),
     ],
@@ -378,20 +355,14 @@ def test_probe_output_failures(result: CommandResult, kind: str) -> None:
     with pytest.raises(NodeError) as info:
         parse_probe_output(result, "/opt/py")
     assert info.value.kind == kind
+    if kind == PROBE_CRASHED:  # the message carries the stderr tail
+        assert "exit 1: Traceback | File x | ModuleNotFoundError: No module" in info.value.message
 
 
 def test_probe_output_tolerates_login_noise() -> None:
     doc = {"hostname": "n1", "time": 1.0}
     out = "Welcome to n1\n" + json.dumps(doc) + "\n"
     assert parse_probe_output(CommandResult(out, "", 0), "python3") == doc
-
-
-def test_crash_message_carries_the_stderr_tail() -> None:
-    with pytest.raises(NodeError, match="exit 1: .*ModuleNotFoundError: No module named 'x'"):
-        parse_probe_output(
-            CommandResult("", "Traceback\n  File x\nModuleNotFoundError: No module named 'x'", 1),
-            "py",
-        )
 
 
 # -- what the specs ask of each node ---------------------------------------------------------
