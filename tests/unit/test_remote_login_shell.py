@@ -28,24 +28,19 @@ SHELLS = [
 
 
 def login_shell(
-    shell: str,
-    command: str,
-    *,
-    stdin: str = "",
-    timeout: float | None = None,
-    home: str | None = None,
+    shell: str, command: str, *, stdin: str = "", timeout: float | None = None, **env: str
 ) -> CommandResult:
-    """``command`` as an SSH runner sends it, run as sshd does with ``shell`` as login shell."""
+    """``command`` as an SSH runner sends it, run as sshd does with ``shell`` as login shell
+    (``env``: variables to set)."""
     sent = remote_command(command, timeout)
     assert "\n" not in sent and "\r" not in sent and "!" not in sent, sent
-    env = {**os.environ, "HOME": home} if home else None
     proc = subprocess.run(
         [shutil.which(shell) or shell, "-c", sent],
         input=stdin,
         capture_output=True,
         text=True,
         timeout=60,
-        env=env,
+        env={**os.environ, **env},
     )
     return CommandResult(proc.stdout, proc.stderr, proc.returncode)
 
@@ -82,7 +77,7 @@ def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monk
 
     def on_node(cluster, node, command, *, stdin=None, timeout):
         ran.append(command)
-        return login_shell(shell, command, stdin=stdin or "", timeout=timeout, home=str(tmp_path))
+        return login_shell(shell, command, stdin=stdin or "", timeout=timeout, HOME=str(tmp_path))
 
     monkeypatch.setattr(ray_cluster, "_on_node", on_node)
     # The check for another Ray (tested in test_ray_bootstrap_nodes.py) scans this machine's
@@ -124,30 +119,19 @@ def test_a_node_without_base64_is_an_error_not_a_silent_success(shell, timeout, 
     for name in ("sh", shell):  # only these on PATH: no base64, no coreutils' timeout
         if not (bin_dir / name).exists():
             (bin_dir / name).symlink_to(os.path.realpath(shutil.which(name) or name))
-    env = {**os.environ, "PATH": str(bin_dir)}
-
-    def run(command: str) -> subprocess.CompletedProcess[str]:
-        sent = remote_command(command, timeout)
-        assert "\n" not in sent and "!" not in sent, sent
-        return subprocess.run(
-            [str(bin_dir / shell), "-c", sent], capture_output=True, text=True, timeout=60, env=env
-        )
-
-    made = tmp_path / "made"
-    result = run(f"echo 'not run!' > {made}\nexit 0")
-    assert result.returncode == 127, result
-    assert "launcher: base64 -d failed on this node" in result.stderr, result
-    assert not made.exists()
-    fake = bin_dir / "base64"  # one that decodes nothing and exits 0
-    fake.write_text(f"#!{os.path.realpath(shutil.which('sh') or 'sh')}\nexit 0\n")
-    fake.chmod(0o755)
-    result = run(f"echo 'not run!' > {made}\nexit 0")
-    assert (
-        result.returncode == 127 and "launcher: base64 -d failed on this node" in result.stderr
-    ), result
-    assert not made.exists()
-    result = run(f"echo plain > {made}; exit 5")  # sent as it is, no base64
-    assert (result.returncode, made.read_text()) == (5, "plain\n"), result
+    made, sh = tmp_path / "made", str(bin_dir / shell)
+    for base64 in ("missing", "decoding nothing and exiting 0"):
+        if base64 != "missing":
+            fake = bin_dir / "base64"
+            fake.write_text(f"#!{os.path.realpath(shutil.which('sh') or 'sh')}\nexit 0\n")
+            fake.chmod(0o755)
+        script = f"echo 'not run!' > {made}\nexit 0"
+        result = login_shell(sh, script, timeout=timeout, PATH=str(bin_dir))
+        assert result.exit_code == 127, (base64, result)
+        assert "launcher: base64 -d failed on this node" in result.stderr, (base64, result)
+        assert not made.exists()
+    result = login_shell(sh, f"echo plain > {made}; exit 5", timeout=timeout, PATH=str(bin_dir))
+    assert (result.exit_code, made.read_text()) == (5, "plain\n"), result  # sent as it is
 
 
 def test_a_script_of_newlines_only_runs_nothing_and_needs_no_base64():
