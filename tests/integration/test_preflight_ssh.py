@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures.launching import launch
 
 from launcher.cli import main
 from launcher.errors import PreflightError
@@ -22,8 +21,6 @@ from launcher.preflight import check_command, run_preflight
 from launcher.spec import load_cluster, load_job
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +32,6 @@ def write_cluster(cluster, tmp_path: Path, *, nodes=None, **overrides):
     """cluster.yaml and its spec; the nodes run the cluster's copy of the launcher."""
     path = cluster.cluster_yaml(tmp_path / "cluster.yaml", nodes=nodes, **overrides)
     return path, load_cluster(path)
-
-
-def make_script(path: Path, body: str) -> Path:
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +48,7 @@ def fixture_venvs(cluster) -> dict[str, str]:
             [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
             check=True,
         )
-        site = (
-            venv
-            / "lib"
-            / f"python{sys.version_info.major}.{sys.version_info.minor}"
-            / "site-packages"
-        )
+        site = venv / f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
         (site / "parity_fixture").mkdir(parents=True)
         (site / "parity_fixture" / "__init__.py").write_text(f'__version__ = "{version}"\n')
         dist = site / f"parity_fixture-{version}.dist-info"
@@ -84,7 +70,7 @@ def test_equal_nodes_agree(cluster, tmp_path, capsys):
     assert all(report.gpus(n) == 0 for n in cluster.node_names)
     report.raise_for_failure()
 
-    assert check_command(str(path), None, fast=True, as_json=False) == 0
+    assert main(["check", "--cluster", str(path), "--fast"]) == 0
     assert "parity OK: 3 nodes agree" in capsys.readouterr().out
     assert check_command(str(path), None, fast=True, as_json=True) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -117,13 +103,6 @@ def test_without_ssh_key_the_agents_identity_is_used(cluster, tmp_path, monkeypa
     finally:
         agent.kill()
         agent.wait(timeout=10)
-
-
-def test_cli_check(cluster, tmp_path):
-    path, _ = write_cluster(cluster, tmp_path)
-    proc = launch("check", "--cluster", str(path), "--fast", cwd=REPO, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "parity OK: 3 nodes agree" in proc.stdout
 
 
 def test_deep_probe_over_ssh_and_the_nccl_interface(cluster, tmp_path):
@@ -214,7 +193,9 @@ def test_stale_launcher_code_on_one_node(cluster, tmp_path):
 
 def test_broken_nodes_are_reported_each_and_the_rest_still_probed(netns_cluster, tmp_path):
     cluster = netns_cluster(4)
-    crash = make_script(cluster.dir / "crashing-python", "echo 'simulated probe crash' >&2; exit 3")
+    crash = cluster.dir / "crashing-python"
+    crash.write_text("#!/bin/sh\necho 'simulated probe crash' >&2; exit 3\n")
+    crash.chmod(0o755)
     cluster.authorized_keys("node1").write_text(Path(f"{cluster.extra_key()}.pub").read_text())
     path, spec = write_cluster(
         cluster,
