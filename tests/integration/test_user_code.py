@@ -14,7 +14,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from fixtures.launching import launch
+from fixtures.launching import launch, sets
 from fixtures.user_code import project, rank_workdirs
 from test_as_under_torchrun import FORWARDED, SHELL, seen_env
 
@@ -26,12 +26,7 @@ def test_script_runs_in_its_workdir_here(tmp_path):
     elsewhere.mkdir()
     run_dir = tmp_path / "run"
     result = launch(
-        str(job_file),
-        "--set",
-        "resources.nproc_per_node=2",
-        "--run-dir",
-        str(run_dir),
-        cwd=elsewhere,
+        str(job_file), *sets("resources.nproc_per_node=2"), "--run-dir", str(run_dir), cwd=elsewhere
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     workdir = job_file.parent
@@ -58,11 +53,7 @@ def test_workdir_and_forwarded_variables_travel_to_nodes_that_cannot_see_them(
     elsewhere.mkdir()
     run_dir = tmp_path / "run"
     result = launch(
-        str(job_file),
-        "--cluster",
-        str(cluster_file),
-        "--run-dir",
-        str(run_dir),
+        *(str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir)),
         cwd=elsewhere,
         env={**os.environ, **SHELL},
     )
@@ -80,23 +71,18 @@ def test_workdir_and_forwarded_variables_travel_to_nodes_that_cannot_see_them(
     assert str(workdir) not in rank_workdirs(run_dir)
     code = json.loads((run_dir / "plan.json").read_text())["code"]
     assert code["mode"] == "ray" and code["script"] == "train.py"
-    assert (
-        code["files"] == 5
-    )  # train, configurator, helper, job.yaml, data/input.txt; not checkpoints/
+    # train, configurator, helper, job.yaml, data/input.txt; not checkpoints/
+    assert code["files"] == 5
     assert not (workdir / "out").exists()  # outputs stay in the node's copy
     for node in cluster.node_names:  # the workdir never existed on the nodes
-        assert (
-            cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
-        )
+        assert cluster.exec(node, f"test -e {workdir} || echo absent").stdout == "absent\n"
 
 
 def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
     """sync: false: a node whose copy of a helper differs stops the launch (exit 3, its cell marked)."""
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
-    shared = (
-        Path("/var/tmp") / f"launcher-shared-{uuid.uuid4().hex[:8]}"
-    )  # every node sees /var/tmp
+    shared = Path("/var/tmp") / f"launcher-shared-{uuid.uuid4().hex[:8]}"  # every node sees it
     try:
         shared.mkdir()
         job_file = project(shared, sync=False)
@@ -107,16 +93,8 @@ def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
         # Only that node sees the stale helper (its mount namespace is its own).
         cluster.exec(odd, f"mount --bind {stale} {helper}", check=True)
 
-        result = launch(
-            "check",
-            "--job",
-            str(job_file),
-            "--cluster",
-            str(cluster_file),
-            "--fast",
-            "--json",
-            cwd=tmp_path,
-        )
+        check = ("check", "--job", str(job_file), "--fast", "--json")
+        result = launch(*check, "--cluster", str(cluster_file), cwd=tmp_path)
         assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
         row = next(f for f in json.loads(result.stdout)["fields"] if f["field"] == "user_code")
         assert {n: c["mark"] for n, c in row["cells"].items()} == {
@@ -144,15 +122,7 @@ def test_shared_workdir_missing_on_a_node(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job_file = project(tmp_path, sync=False)
-    result = launch(
-        "plan",
-        str(job_file),
-        "--cluster",
-        str(cluster_file),
-        "--set",
-        "entrypoint.sync=false",
-        cwd=tmp_path,
-    )
+    result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     for node in cluster.node_names:
         assert node in result.stderr
