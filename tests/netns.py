@@ -1,27 +1,15 @@
 """Simulated multi-node clusters on one machine: network namespaces with a real sshd each.
 
-The root namespace is the "login node" where the launcher runs. Each simulated node gets
+The root namespace is the "login node" where the launcher runs. Node ``i`` gets its own network
+namespace with an ``eth0`` at ``198.18.X.(10+i)`` on a bridge (``198.18.X.1`` in the root
+namespace; X picked per cluster); its own mount, UTS and PID namespaces (hostname = node name,
+private tmpfs ``/tmp``, ``/dev/shm`` and ``/root/.ray``); and a real ``sshd``, root login by key
+only. With ``login_node=True`` the other nodes sit on an inner bridge reachable only through
+node 0 (ProxyJump, tunnels).
 
-* its own network namespace (``lnch-<pid>-<n>-nodeI``) with a veth named ``eth0`` into a
-  bridge in the root namespace; the bridge has ``198.18.X.1/24``, node ``i`` has
-  ``198.18.X.(10+i)`` (198.18.0.0/15 is the benchmarking range, X is picked per cluster);
-* its own mount, UTS and PID namespaces: its hostname is the node name and ``/tmp``, ``/dev/shm``
-  and ``/root/.ray`` are private tmpfs mounts, so nodes share nothing but the network and the
-  read-mostly filesystem, as real machines on a shared home directory would;
-* a real ``sshd`` with a generated host key, root login by key only.
-
-With ``login_node=True`` node 0 is a login node: it joins the bridge and a second, inner
-bridge (``inner_subnet``); the other nodes join only the inner one, so the root namespace
-reaches them only through node 0 (SSH ProxyJump, tunnels).
-
-Keys, sshd configs and ``known_hosts`` live under ``/var/tmp/launcher-netns-<pid>-<n>/`` and
-never under ``/tmp`` (private inside each node). Every name (namespaces, bridge, veths,
-folders, the subnet) is unique per cluster, so parallel test sessions on one machine never
-collide. ``__exit__`` (and a failed ``__enter__``) kills every process in each namespace and
-removes namespaces, veths, the bridge and the folder; clusters left behind by a killed
-process are reaped by the next cluster created on the machine.
-
-Usage::
+Keys, configs and ``known_hosts`` live under ``/var/tmp/launcher-netns-<pid>-<n>/``. Every name
+is unique per cluster, so sessions run side by side; ``close()`` removes everything, and the
+next cluster reaps those a killed process left.
 
     with NetnsCluster(3) as c:
         c.cluster_yaml(tmp_path / "cluster.yaml")
@@ -81,21 +69,12 @@ class NetnsError(RuntimeError):
 class NetnsCluster:
     """``n_nodes`` simulated nodes, each a network namespace running sshd (see the module doc)."""
 
-    def __init__(
-        self,
-        n_nodes: int,
-        *,
-        bare_login: bool = False,
-        login_node: bool = False,
-    ):
+    def __init__(self, n_nodes: int, *, bare_login: bool = False, login_node: bool = False):
         if not 1 <= n_nodes <= 200:
             raise ValueError(f"n_nodes must be 1..200, not {n_nodes}")
-        self.n_nodes = n_nodes
-        # bare_login: hide ~/.bashrc inside the nodes (an empty file is bind-mounted over it), so
-        # a login costs no shell start-up work; for benchmarks that want the launcher's own cost.
+        # bare_login: an empty ~/.bashrc in the nodes, so that a login costs no shell start-up
+        # (for benchmarks that measure the launcher's own cost)
         self.bare_login = bare_login
-        # login_node: node 0 joins the bridge and a second, inner bridge that the root namespace
-        # has no address on; the other nodes join only the inner one (reachable through node 0).
         self.login_node = login_node
         self.inner_subnet: ipaddress.IPv4Network | None = None
         self.owner_pid = os.getpid()
@@ -111,8 +90,7 @@ class NetnsCluster:
         self.subnet: ipaddress.IPv4Network | None = None
         self._sshd: dict[str, subprocess.Popen[bytes]] = {}
         self._created_ns: list[str] = []
-        self._bridge_created = False
-        self._inner_created = False
+        self._bridges: list[str] = []  # those created, deleted by close()
 
     # -- names and addresses ------------------------------------------------------------------
 
@@ -126,10 +104,6 @@ class NetnsCluster:
         if self.login_node and index > 0:
             return str(self._inner_addr(10 + index))
         return str(self._addr(10 + index))
-
-    def inner_host(self, node: str | int) -> str:
-        """A node's address on the inner bridge (``login_node`` clusters)."""
-        return str(self._inner_addr(10 + self._index(node)))
 
     @property
     def gateway(self) -> str:
@@ -172,21 +146,12 @@ class NetnsCluster:
         not a node of this cluster adds a node (give it a ``host``). Other keyword arguments
         are top-level sections (``ssh``, ``ray``, ``parity``) deep-merged into the defaults.
         """
-        entries = {
-            name: {
-                "name": name,
-                "host": self.host(name),
-                "port": 22,
-                "python": str(self.node_python()),
-            }
-            for name in self.node_names
-        }
+        entries = {name: {"name": name, "host": self.host(name)} for name in self.node_names}
         for name, extra in (nodes or {}).items():
-            entries.setdefault(
-                name, {"name": name, "port": 22, "python": str(self.node_python())}
-            ).update(extra)
+            entries.setdefault(name, {"name": name}).update(extra)
+        python = str(self.node_python())
         data: dict[str, Any] = {
-            "nodes": list(entries.values()),
+            "nodes": [{"port": 22, "python": python, **entry} for entry in entries.values()],
             "ssh": {
                 "user": "root",
                 "key": str(self.ssh_key),
@@ -309,15 +274,12 @@ class NetnsCluster:
             left["(exiting)"] = alive
         for ns in self._created_ns:
             _run(["ip", "netns", "del", ns], check=False)
-        if self._bridge_created:
-            _run(["ip", "link", "del", self.bridge], check=False)
-        if self._inner_created:
-            _run(["ip", "link", "del", self.inner_bridge], check=False)
+        for bridge in self._bridges:
+            _run(["ip", "link", "del", bridge], check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
         self._sshd.clear()
         self._created_ns.clear()
-        self._bridge_created = False
-        self._inner_created = False
+        self._bridges.clear()
         _alive.discard(self)
         if left:  # a namespace deleted by name lives on, nameless, while a process is in it
             raise RuntimeError(f"processes outlived SIGKILL in the simulated nodes: {left}")
@@ -330,14 +292,14 @@ class NetnsCluster:
         with _machine_lock():
             self.subnet = _free_subnet(self.owner_pid)
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-            self._bridge_created = True
+            self._bridges.append(self.bridge)
             _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
             _run(["ip", "link", "set", self.bridge, "up"])
             if self.login_node:
                 # No address in the root namespace: only node 0 routes into this subnet.
                 self.inner_subnet = _free_subnet(self.owner_pid + 7919, avoid={self.subnet})
                 _run(["ip", "link", "add", self.inner_bridge, "type", "bridge"])
-                self._inner_created = True
+                self._bridges.append(self.inner_bridge)
                 _run(["ip", "link", "set", self.inner_bridge, "up"])
         known = []
         for i, node in enumerate(self.node_names):
@@ -358,15 +320,12 @@ class NetnsCluster:
         if not self.login_node or i == 0:
             links.append((self.bridge, "eth0", self.host(node), host_veth, node_veth))
         if self.login_node:
-            name = "eth1" if i == 0 else "eth0"
-            links.append(
-                (self.inner_bridge, name, self.inner_host(i), host_veth + "i", node_veth + "i")
-            )
+            name, addr = ("eth1" if i == 0 else "eth0"), str(self._inner_addr(10 + i))
+            links.append((self.inner_bridge, name, addr, host_veth + "i", node_veth + "i"))
         for bridge, name, addr, outside, inside in links:
             _run(["ip", "link", "add", outside, "type", "veth", "peer", "name", inside])
-            _run(
-                ["ip", "link", "set", inside, "netns", ns]
-            )  # deleting the namespace deletes the pair
+            # deleting the namespace deletes the pair
+            _run(["ip", "link", "set", inside, "netns", ns])
             _run(["ip", "link", "set", outside, "master", bridge, "up"])
             _run(["ip", "-n", ns, "link", "set", inside, "name", name])
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", name])
@@ -409,23 +368,9 @@ class NetnsCluster:
             f" && mkdir -p /root/.ray && mount -t tmpfs tmpfs /root/.ray{hide_rc}"
             f" && exec {SSHD} -f {config} -D -e"
         )
-        argv = [
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "unshare",
-            "--mount",
-            "--uts",
-            "--pid",  # a node sees its own processes only (Ray's checks look at every raylet)
-            "--fork",
-            "--mount-proc",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            script,
-        ]
+        # --pid: a node sees its own processes only (Ray's checks look at every raylet)
+        unshare = ["unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc"]
+        argv = ["ip", "netns", "exec", ns, *unshare, "--propagation", "private", "sh", "-c", script]
         with open(self.dir / f"{node}.sshd.log", "wb") as log:
             self._sshd[node] = subprocess.Popen(
                 argv,
@@ -467,15 +412,7 @@ class NetnsCluster:
             "except OSError:\n"
             "    sys.exit(1)\n"
         )
-        argv = [
-            "ip",
-            "netns",
-            "exec",
-            self.namespace(self.node_names[0]),
-            sys.executable,
-            "-c",
-            probe,
-        ]
+        argv = ["ip", "netns", "exec", self.namespace("node0"), sys.executable, "-c", probe]
         return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
 
     def _inner_addr(self, last: int) -> ipaddress.IPv4Address:
@@ -496,28 +433,24 @@ class NetnsCluster:
 def reap_stale() -> None:
     """Remove clusters whose owning process is gone (a test session killed by SIGKILL)."""
     for ns in _netns_names():
-        if not ns.startswith(NS_PREFIX):
-            continue
-        uid = "-".join(ns[len(NS_PREFIX) :].split("-")[:2])
-        pid = int(uid.split("-")[0]) if uid.split("-")[0].isdigit() else None
-        if pid is None or _pid_alive(pid):
-            continue
-        _kill_ns(ns)
-        _run(["ip", "netns", "del", ns], check=False)
-    live_pids = {
-        int(n[len(NS_PREFIX) :].split("-")[0]) for n in _netns_names() if n.startswith(NS_PREFIX)
-    }
+        if ns.startswith(NS_PREFIX) and _gone(ns[len(NS_PREFIX) :].split("-")[0]):
+            _kill_ns(ns)
+            _run(["ip", "netns", "del", ns], check=False)
     for link in json.loads(_run(["ip", "-j", "link", "show", "type", "bridge"]).stdout or "[]"):
         name = link.get("ifname", "")
-        if name.startswith(("lnb", "lni")) and "x" in name:
-            with contextlib.suppress(ValueError):
-                pid = int(name[3:].split("x")[0], 16)
-                if pid not in live_pids and not _pid_alive(pid):
-                    _run(["ip", "link", "del", name], check=False)
+        if name.startswith(("lnb", "lni")) and "x" in name and _gone(name[3:].split("x")[0], 16):
+            _run(["ip", "link", "del", name], check=False)
     for path in STATE_ROOT.glob(f"{DIR_PREFIX}*"):
-        with contextlib.suppress(ValueError):
-            if not _pid_alive(int(path.name[len(DIR_PREFIX) :].split("-")[0])):
-                shutil.rmtree(path, ignore_errors=True)
+        if _gone(path.name[len(DIR_PREFIX) :].split("-")[0]):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _gone(owner: str, base: int = 10) -> bool:
+    """Whether ``owner`` is a pid (in ``base``) of no process."""
+    try:
+        return not os.path.exists(f"/proc/{int(owner, base)}")
+    except ValueError:
+        return False
 
 
 def _free_subnet(
@@ -542,12 +475,9 @@ def _free_subnet(
 @contextlib.contextmanager
 def _machine_lock():
     STATE_ROOT.mkdir(parents=True, exist_ok=True)
-    with open(LOCK_FILE, "a") as fh:
+    with open(LOCK_FILE, "a") as fh:  # closing it releases the lock
         fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        yield
 
 
 def _keygen(path: Path) -> None:
@@ -611,16 +541,6 @@ def _wait_gone(pids: dict[int, str | None], wait_s: float) -> list[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
