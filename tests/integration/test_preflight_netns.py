@@ -10,22 +10,12 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
 
 
 def _ssh(cluster, node: str, command: str) -> subprocess.CompletedProcess[str]:
-    argv = [
-        "ssh",
-        "-i",
-        str(cluster.ssh_key),
-        "-o",
-        f"UserKnownHostsFile={cluster.known_hosts}",
-        "-o",
-        "StrictHostKeyChecking=yes",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        "ConnectTimeout=5",
-        f"root@{cluster.host(node)}",
-        command,
-    ]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    options = [f"UserKnownHostsFile={cluster.known_hosts}", "StrictHostKeyChecking=yes"]
+    options += ["BatchMode=yes", "ConnectTimeout=5"]
+    argv = ["ssh", "-i", str(cluster.ssh_key), *(f"-o{o}" for o in options)]
+    return subprocess.run(
+        [*argv, f"root@{cluster.host(node)}", command], capture_output=True, text=True, timeout=30
+    )
 
 
 def test_nodes_are_separate_machines_and_teardown_removes_everything(netns_cluster):
