@@ -49,16 +49,9 @@ class Route:
 
 def route_to(node: NodeSpec, ssh: SSHSpec) -> Route:
     """The route to ``node`` (a remote one) under ``ssh``; NodeError for a ProxyJump loop."""
-    explicit = node.model_fields_set
     found = sshconfig.lookup(node.host, ssh.config)
-    final = Hop(
-        name=node.host,
-        host=found.hostname,
-        port=node.port if "port" in explicit else found.port or 22,
-        user=node.user or ssh.user or found.user or getpass.getuser(),
-        key_files=found.identity_files,
-        known_hosts=_known_hosts(ssh, found.known_hosts),
-    )
+    port = node.port if "port" in node.model_fields_set else found.port
+    final = _hop(node.host, found, ssh, port, node.user or ssh.user or found.user)
     jumps = _jumps(found.proxy_jump, ssh, seen=(node.host,))
     return Route(jumps, final, None if jumps else found.proxy_command)
 
@@ -75,20 +68,18 @@ def _jumps(specs: tuple[str, ...], ssh: SSHSpec, seen: tuple[str, ...]) -> tuple
             )
         found = sshconfig.lookup(name, ssh.config)
         hops += _jumps(found.proxy_jump, ssh, (*seen, name))
-        hops.append(
-            Hop(
-                name=name,
-                host=found.hostname,
-                port=port or found.port or 22,
-                user=user or found.user or ssh.user or getpass.getuser(),
-                key_files=found.identity_files,
-                known_hosts=_known_hosts(ssh, found.known_hosts),
-            )
-        )
+        hops.append(_hop(name, found, ssh, port or found.port, user or found.user or ssh.user))
     return tuple(hops)
 
 
-def _known_hosts(ssh: SSHSpec, configured: tuple[Path, ...]) -> tuple[Path, ...]:
-    if "known_hosts" in ssh.model_fields_set or not configured:
-        return (ssh.known_hosts.expanduser(),)
-    return configured
+def _hop(
+    name: str, found: sshconfig.HostConfig, ssh: SSHSpec, port: int | None, user: str | None
+) -> Hop:
+    """A hop to ``name`` as the SSH config ``found`` it; OpenSSH's defaults where ``port`` or
+    ``user`` are None; the cluster file's known_hosts where it sets one."""
+    known = found.known_hosts
+    if "known_hosts" in ssh.model_fields_set or not known:
+        known = (ssh.known_hosts.expanduser(),)
+    return Hop(
+        name, found.hostname, port or 22, user or getpass.getuser(), found.identity_files, known
+    )

@@ -17,6 +17,7 @@ from launcher.remote.local import LocalRunner, kill_group
 
 STOP_GRACE_S = 5.0  # srun forwards SIGTERM to the step, then gets SIGKILL
 _GROUP = re.compile(r"\[([^\]]*)\]")
+_ITEM = re.compile(r"(?:[^,\[\s]|\[[^\]]*\])+")  # a host or pattern: commas inside [] stay
 
 
 class SrunRunner(LocalRunner):
@@ -67,7 +68,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm's host list expanded as ``scontrol show hostnames`` does: ``n[1-3,7]`` → n1 n2 n3
     n7, zero padding kept (``gpu[08-10]``), several bracket groups multiplied out."""
     names: list[str] = []
-    for item in _split_top(nodelist):
+    for item in _ITEM.findall(nodelist):
         expanded = [""]
         pos = 0
         for match in _GROUP.finditer(item):
@@ -77,22 +78,6 @@ def expand_nodelist(nodelist: str) -> list[str]:
             pos = match.end()
         names += [e + item[pos:] for e in expanded]
     return names
-
-
-def _split_top(nodelist: str) -> list[str]:
-    """Split at the commas outside brackets."""
-    items, depth, current = [], 0, ""
-    for ch in nodelist.strip():
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += ch
-    if current:
-        items.append(current)
-    return [i.strip() for i in items if i.strip()]
 
 
 def _range(part: str) -> list[str]:
