@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.fake_launch import two_nodes
 
 from launcher.errors import SpecError
 from launcher.orchestrate import code as code_mod
@@ -34,23 +35,9 @@ def tree(root: Path, files: dict[str, str | bytes]) -> Path:
 
 def job_in(folder: Path, **entrypoint: object):
     entry = {"script": "train.py", **entrypoint}
-    (folder / "job.yaml").write_text(
-        json.dumps(
-            {
-                "name": "u",
-                "entrypoint": entry,
-                "resources": {"device": "cpu"},
-                "precision": {"dtype": "fp32"},
-            }
-        )
-    )
+    cpu = {"resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}}
+    (folder / "job.yaml").write_text(json.dumps({"name": "u", "entrypoint": entry, **cpu}))
     return load_job(folder / "job.yaml")
-
-
-def remote_cluster() -> ClusterSpec:
-    return ClusterSpec.model_validate(
-        {"nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]}
-    )
 
 
 # -- excludes ---------------------------------------------------------------------------------
@@ -106,10 +93,10 @@ def test_local_nodes_run_the_script_in_place(tmp_path):
     tree(tmp_path, {"train.py": "print(1)", "helper.py": "V = 1", "data/x.bin": b"\0" * 100})
     job = job_in(tmp_path)
     code = plan_code(job, ClusterSpec.this_machine().nodes)
-    assert (
-        code.mode == "local"
-        and code.cwd() == str(tmp_path)
-        and code.script == str(tmp_path / "train.py")
+    assert (code.mode, code.cwd(), code.script) == (
+        "local",
+        str(tmp_path),
+        str(tmp_path / "train.py"),
     )
     assert code.files == 4 and code.size_bytes == len("print(1)") + len("V = 1") + 100 + len(
         (tmp_path / "job.yaml").read_text()
@@ -119,13 +106,11 @@ def test_local_nodes_run_the_script_in_place(tmp_path):
 def test_remote_nodes_get_a_copy_and_a_relative_script(tmp_path):
     tree(tmp_path, {"src/train.py": "print(1)"})
     job = job_in(tmp_path, script="src/train.py")
-    code = plan_code(job, remote_cluster().nodes)
+    code = plan_code(job, two_nodes().nodes)
     assert (
         code.mode == "ray" and code.travels and code.cwd() is None and code.script == "src/train.py"
     )
-    lp = plan(
-        job, remote_cluster(), None, run_id="r", master_port=29500, launcher_env={}, code=code
-    )
+    lp = plan(job, two_nodes(), None, run_id="r", master_port=29500, launcher_env={}, code=code)
     assert all(n.cwd is None and n.argv[-1] == "src/train.py" for n in lp.nodes)
     assert lp.to_json()["code"]["mode"] == "ray"
     text = render(lp)
@@ -136,7 +121,7 @@ def test_sync_true_copies_even_here_and_false_shares(tmp_path):
     tree(tmp_path, {"train.py": "print(1)"})
     here = ClusterSpec.this_machine().nodes
     assert plan_code(job_in(tmp_path, sync=True), here).mode == "ray"
-    shared = plan_code(job_in(tmp_path, sync=False), remote_cluster().nodes)
+    shared = plan_code(job_in(tmp_path, sync=False), two_nodes().nodes)
     assert shared.mode == "shared" and shared.cwd() == str(tmp_path)
 
 
@@ -144,7 +129,7 @@ def test_script_outside_a_travelling_workdir_is_refused(tmp_path):
     tree(tmp_path, {"code/keep.py": "", "train.py": "print(1)"})
     job = job_in(tmp_path, workdir="code", script="../train.py")
     with pytest.raises(SpecError, match="lies outside entrypoint.workdir"):
-        plan_code(job, remote_cluster().nodes)
+        plan_code(job, two_nodes().nodes)
     assert plan_code(job, ClusterSpec.this_machine().nodes).mode == "local"  # in place it is fine
 
 
@@ -161,11 +146,11 @@ def test_oversized_workdir_names_its_largest_folders(tmp_path, monkeypatch):
     )
     job = job_in(tmp_path)
     with pytest.raises(SpecError) as err:
-        plan_code(job, remote_cluster().nodes)
+        plan_code(job, two_nodes().nodes)
     message = str(err.value)
     assert "entrypoint.workdir" in message and "data/ (0.0 MiB)" in message
     assert message.index("data/") < message.index("assets/") and "sync: false" in message
-    assert plan_code(job_in(tmp_path, exclude=["data/"]), remote_cluster().nodes).files == 3
+    assert plan_code(job_in(tmp_path, exclude=["data/"]), two_nodes().nodes).files == 3
     assert plan_code(job, ClusterSpec.this_machine().nodes).mode == "local"  # nothing travels here
 
 
@@ -189,11 +174,11 @@ def test_stage_copies_exactly_what_travels(tmp_path):
 
 def test_the_code_hash_follows_code_files_only(tmp_path):
     tree(tmp_path, {"train.py": "print(1)", "data/x.txt": "a"})
-    before = plan_code(job_in(tmp_path), remote_cluster().nodes).code_hash
+    before = plan_code(job_in(tmp_path), two_nodes().nodes).code_hash
     (tmp_path / "data/x.txt").write_text("b")
-    assert plan_code(job_in(tmp_path), remote_cluster().nodes).code_hash == before
+    assert plan_code(job_in(tmp_path), two_nodes().nodes).code_hash == before
     (tmp_path / "train.py").write_text("print(2)")
-    assert plan_code(job_in(tmp_path), remote_cluster().nodes).code_hash != before
+    assert plan_code(job_in(tmp_path), two_nodes().nodes).code_hash != before
 
 
 # -- the shared-filesystem check --------------------------------------------------------------
@@ -274,17 +259,13 @@ def test_the_probe_says_whether_torch_has_bytecode_or_may_write_it(tmp_path):
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
-    site = {"site": str(tmp_path)}
-    assert run_probe("-S", "-", cwd=tmp_path, env=env)["bytecode"] == {
-        **site,
-        "cached": False,
-        "writable": False,
-    }
+    site = str(tmp_path)
+
+    def bytecode() -> dict:
+        return run_probe("-S", "-", cwd=tmp_path, env=env)["bytecode"]
+
+    assert bytecode() == {"site": site, "cached": False, "writable": False}
     del env["PYTHONDONTWRITEBYTECODE"]
-    assert run_probe("-S", "-", cwd=tmp_path, env=env)["bytecode"] == {
-        **site,
-        "cached": False,
-        "writable": True,
-    }
+    assert bytecode() == {"site": site, "cached": False, "writable": True}
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp_path / "torch")], check=True)
-    assert run_probe("-S", "-", cwd=tmp_path, env=env)["bytecode"]["cached"]
+    assert bytecode()["cached"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+from fixtures.fake_launch import cpu_job
 
 from launcher.orchestrate.plan import master_address, plan
 from launcher.orchestrate.reach import Listener, reach
@@ -101,12 +102,6 @@ def cluster(head: dict | None = None) -> ClusterSpec:
     )
 
 
-def job(env: dict | None = None) -> JobSpec:
-    return JobSpec.model_validate(
-        {"name": "t", "resources": {"device": "cpu"}, "launch": {"env": env or {}}}
-    )
-
-
 def routed() -> dict[str, NodeFacts]:
     routes, _ = choose_routes({"a": head_probe(), "b": node_probe()}, origin="preflight")
     return {n: NodeFacts(gpus=0, route=r) for n, r in routes.items()}
@@ -117,7 +112,7 @@ def make(job_spec: JobSpec, spec: ClusterSpec, facts=None, **kw):
 
 
 def test_the_plan_sets_gloo_interface_and_master_address_from_the_routes():
-    p = make(job(), cluster(), routed())
+    p = make(cpu_job(), cluster(), routed())
     a, b = p.nodes
     assert a.env["GLOO_SOCKET_IFNAME"] == "eth0" and b.env["GLOO_SOCKET_IFNAME"] == "ens5"
     assert a.env_sources["GLOO_SOCKET_IFNAME"].startswith("preflight: ")
@@ -132,7 +127,8 @@ def test_the_plan_sets_gloo_interface_and_master_address_from_the_routes():
 
 
 def test_what_the_user_set_wins():
-    p = make(job({"GLOO_SOCKET_IFNAME": "bond0"}), cluster({"address": "10.1.1.1"}), routed())
+    job = cpu_job({"env": {"GLOO_SOCKET_IFNAME": "bond0"}})
+    p = make(job, cluster({"address": "10.1.1.1"}), routed())
     assert {n.env["GLOO_SOCKET_IFNAME"] for n in p.nodes} == {"bond0"}
     assert p.nodes[0].env_sources["GLOO_SOCKET_IFNAME"] != "preflight"
     assert p.master_addr == "10.1.1.1" and p.master_addr_source.startswith("cluster.yaml")
@@ -140,9 +136,9 @@ def test_what_the_user_set_wins():
 
 def test_one_node_and_no_routes_change_nothing():
     single = ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}]})
-    p = make(job(), single, {"a": NodeFacts(gpus=0, route=routed()["a"].route)})
+    p = make(cpu_job(), single, {"a": NodeFacts(gpus=0, route=routed()["a"].route)})
     assert "GLOO_SOCKET_IFNAME" not in p.nodes[0].env and p.master_addr == "localhost"
-    p = make(job(), cluster())
+    p = make(cpu_job(), cluster())
     assert "GLOO_SOCKET_IFNAME" not in p.nodes[0].env and p.master_addr == "gpu01"
 
 

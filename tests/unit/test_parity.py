@@ -226,9 +226,8 @@ def test_a_kernel_package_policy_is_known_even_where_this_run_does_not_check_it(
     fp8 = JobSpec.model_validate(
         {"name": "j", "resources": {"device": "cuda"}, "precision": {"dtype": "fp8"}}
     )
-    assert set(fp8.kernel_packages) == set(
-        KERNEL_PACKAGES
-    )  # every package a run may check is listed
+    # every package a run may check is listed
+    assert set(fp8.kernel_packages) == set(KERNEL_PACKAGES)
 
 
 # -- unreachable nodes ---------------------------------------------------------------------------
@@ -283,12 +282,8 @@ def test_save_writes_probes_and_table(cpu, tmp_path) -> None:
     report = evaluate(cluster_of(cpu, 2))
     report.save(tmp_path / "preflight")
     assert json.loads((tmp_path / "preflight" / "node1.json").read_text())["node"] == "node1"
-    assert (
-        (tmp_path / "preflight" / "parity.txt")
-        .read_text()
-        .rstrip()
-        .endswith("parity OK: 2 nodes agree")
-    )
+    table = (tmp_path / "preflight" / "parity.txt").read_text()
+    assert table.rstrip().endswith("parity OK: 2 nodes agree")
 
 
 # -- checks that are not comparisons ---------------------------------------------------------
@@ -350,17 +345,8 @@ def test_nccl_ifname_semantics(spec, matches) -> None:
 @pytest.mark.parametrize("path", ALL_FIXTURES, ids=[p.stem for p in ALL_FIXTURES])
 def test_every_recorded_probe_renders_and_agrees_with_itself(path: Path) -> None:
     probe = json.loads(path.read_text())
-    for key in (
-        "hostname",
-        "python",
-        "packages",
-        "launcher",
-        "nvidia",
-        "interfaces",
-        "deep",
-        "time",
-    ):
-        assert key in probe, f"{path.name} lacks {key}"
+    wanted = {"hostname", "python", "packages", "launcher", "nvidia", "interfaces", "deep", "time"}
+    assert wanted <= set(probe), f"{path.name} lacks {wanted - set(probe)}"
     report = evaluate(cluster_of(probe, 2), deep=probe.get("deep") is not None)
     assert "parity FAILED" not in report.verdict or "deep probe failed" in report.verdict
     table = report.table()
@@ -393,13 +379,8 @@ def test_kernel_packages_join_the_parity_check(gpu) -> None:
         {**base, "precision": {"dtype": "fp8"}, "train": {"attention": "cudnn"}}
     )
     assert parity_packages(cluster, fp8) == ["numpy", "triton", "torchao"]
-    plain = JobSpec.model_validate(
-        {
-            **base,
-            "precision": {"weights": "fp32"},
-            "train": {"attention": "cudnn", "kernels": "torch"},
-        }
-    )
+    train = {"attention": "cudnn", "kernels": "torch"}
+    plain = JobSpec.model_validate({**base, "precision": {"weights": "fp32"}, "train": train})
     assert parity_packages(cluster, plain) == ["numpy"]
     cpu_job = JobSpec.model_validate({**base, "resources": {"device": "cpu"}})
     assert parity_packages(cluster, cpu_job) == ["numpy"]
