@@ -12,6 +12,7 @@ import paramiko
 from launcher.remote.base import SSH_ERROR, NodeError
 
 log = logging.getLogger(__name__)
+NOT_A_KEY_LINE = (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError, IndexError)
 
 
 class UnknownHostKeyError(paramiko.SSHException):
@@ -56,24 +57,13 @@ def load_known_hosts(
         if line.startswith("@"):
             marker, _, line = line.partition(" ")
             line = line.strip()
-            if marker not in ("@revoked", "@cert-authority"):
-                log.warning("%s:%d: unknown marker %s; line skipped", path, lineno, marker)
-                continue
-            if marker == "@cert-authority":
-                log.debug(
-                    "%s:%d: @cert-authority skipped (host certificates are not supported)",
-                    path,
-                    lineno,
-                )
+            if marker != "@revoked":  # @cert-authority too: host certificates are not supported
+                level = logging.DEBUG if marker == "@cert-authority" else logging.WARNING
+                log.log(level, "%s:%d: %s is not supported; line skipped", path, lineno, marker)
                 continue
         try:
             entry = paramiko.hostkeys.HostKeyEntry.from_line(line, lineno)
-        except (
-            paramiko.hostkeys.InvalidHostKey,
-            paramiko.SSHException,
-            ValueError,
-            IndexError,
-        ) as err:
+        except NOT_A_KEY_LINE as err:
             log.warning("%s:%d: not a host key line (%s); skipped", path, lineno, err)
             continue
         if entry is None:  # a key type paramiko does not know, or too few fields

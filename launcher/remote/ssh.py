@@ -49,8 +49,6 @@ class SSHRunner(Runner):
     def __init__(self, node: NodeSpec, ssh: SSHSpec):
         self.ssh = ssh
         self.route = route_to(node, ssh)
-        self.user = self.route.node.user
-        self.known_hosts = self.route.node.known_hosts[0]
         self._jumps: list[paramiko.SSHClient] = []  # the jump hosts' connections, in order
         self._conn: fabric.Connection | None = None
         self._connecting: fabric.Connection | None = None  # closed by close() from another thread

@@ -273,9 +273,7 @@ def test_connect_errors_say_what_to_do(ssh_runner: SSHRunner, err, kind, fragmen
     found = classify_ssh_error(err, ssh_runner)
     assert found.kind == kind
     for fragment in fragments:
-        assert fragment.format(known_hosts=ssh_runner.known_hosts, key=ssh_runner.ssh.key) in (
-            found.message
-        )
+        assert fragment.format(**dict(ssh_runner.ssh)) in found.message
 
 
 def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
