@@ -85,14 +85,9 @@ def one_process_trainer_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
     metrics = tmp_path / "rank{rank}.jsonl"
     monkeypatch.setenv("LAUNCHER_METRICS_FILE", str(metrics))
-    for name, value in dict(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    ).items():
+    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    world.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for name, value in world.items():
         monkeypatch.setenv(name, value)
     return metrics
 
@@ -195,14 +190,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # -- no global state left behind: environment, signal handlers, inductor's config ----------------
 
-GUARDED_SIGNALS = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGPIPE,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)  # SIGALRM is pytest-timeout's during each test
+# SIGALRM is pytest-timeout's during each test
+GUARDED_SIGNALS = [
+    signal.Signals[f"SIG{name}"] for name in ("INT", "TERM", "HUP", "PIPE", "USR1", "USR2")
+]
 
 
 def _inductor_config() -> dict[str, object] | None:
