@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
 from launcher.errors import SpecError
 from launcher.remote import NodeError, tunnel_needed
@@ -93,14 +92,7 @@ def test_a_proxyjump_loop_is_an_error(home: Path) -> None:
 def test_loading_a_cluster_sets_each_alias_address(home: Path, tmp_path: Path) -> None:
     path = tmp_path / "cluster.yaml"
     path.write_text(
-        yaml.safe_dump(
-            {
-                "nodes": [
-                    {"name": "a", "host": "gpu-1"},
-                    {"name": "b", "host": "gpu-2", "address": "10.1.0.12"},
-                ]
-            }
-        )
+        "nodes:\n- {name: a, host: gpu-1}\n- {name: b, host: gpu-2, address: 10.1.0.12}\n"
     )
     cluster = load_cluster(path)
     assert [n.net_address for n in cluster.nodes] == ["10.1.0.11", "10.1.0.12"]

@@ -42,9 +42,8 @@ def test_write_private_is_whole_or_nothing(tmp_path):
     write_private(path, '{"pid": 1}\n')
     with pytest.raises(UnicodeEncodeError):
         write_private(path, '{"pid": 2, "bad": "\ud800"}\n')  # fails mid-write
-    assert path.read_text() == '{"pid": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == [
-        "head.json"
-    ]
+    assert path.read_text() == '{"pid": 1}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["head.json"]
 
 
 def test_utc_stamp_is_now_in_utc():
@@ -73,9 +72,9 @@ def test_write_atomic_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
     target = tmp_path / "summary.json"
     write_atomic(target, '{"status": "running"}\n')
     assert target.read_text() == '{"status": "running"}\n'
-    assert oct(target.stat().st_mode & 0o777) == oct(
-        0o666 & ~_umask()
-    )  # as write_text would make it
+    umask = os.umask(0)
+    os.umask(umask)
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~umask)  # as write_text makes it
 
     def full_disk(*_):
         raise OSError(28, "No space left on device")
@@ -85,9 +84,3 @@ def test_write_atomic_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
         write_atomic(target, '{"status": "succeeded", "totals": ' + "x" * 10_000)
     assert target.read_text() == '{"status": "running"}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
