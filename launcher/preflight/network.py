@@ -15,8 +15,6 @@ from typing import Any
 
 from launcher.preflight.probe import interface_of
 
-__all__ = ["Route", "choose_routes", "is_loopback", "route_cell"]
-
 
 @dataclass(frozen=True)
 class Route:

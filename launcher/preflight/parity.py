@@ -21,6 +21,7 @@ from launcher.preflight.network import Route, choose_routes, route_cell
 
 FAIL_MARK = "✗"
 WARN_MARK = "!"
+MARKS = {"fail": FAIL_MARK, "warn": WARN_MARK}
 LEGEND = f"{FAIL_MARK} differs from the other nodes or fails a check · {WARN_MARK} warning only"
 CELL_WIDTH = 30
 CLOCK_SKEW_WARN_S = 5.0
@@ -240,10 +241,7 @@ class PreflightReport:
             mine = [p for p in problems if p.node == node]
             diffs = [p.message for p in mine if p.key in self.field_keys]
             checks = [p.message for p in mine if p.key not in self.field_keys]
-            parts = []
-            if diffs:
-                parts.append("differs in " + ", ".join(diffs))
-            parts.extend(checks)
+            parts = (["differs in " + ", ".join(diffs)] if diffs else []) + checks
             if parts:
                 out.append(f"{node}{'' if diffs else ':'} " + "; ".join(parts))
         return out
@@ -264,9 +262,8 @@ class PreflightReport:
                     cells.append("")
                     continue
                 text = _display(row.values[node])
-                mark = row.marks.get(node)
-                if mark:
-                    text += f" {FAIL_MARK if mark == 'fail' else WARN_MARK}"
+                if node in row.marks:
+                    text += f" {MARKS[row.marks[node]]}"
                 cells.append(_wrap(text))
             body.append(cells)
         checks = ["checks", ""]
@@ -275,10 +272,7 @@ class PreflightReport:
                 checks.append("")
                 continue
             mine = [p for p in self.problems if p.node == node and p.key not in self.field_keys]
-            lines = [
-                _wrap(f"{FAIL_MARK if p.severity == 'fail' else WARN_MARK} {p.message}")
-                for p in mine
-            ]
+            lines = [_wrap(f"{MARKS[p.severity]} {p.message}") for p in mine]
             checks.append("\n".join(lines) or "ok")
         body.append(checks)
         return "\n".join([tabulate(body, headers=headers, tablefmt="simple"), LEGEND, self.verdict])

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from launcher.remote.ssh import SSHRunner
 
 ENCRYPTED = "key {key} is encrypted; load it into ssh-agent and leave ssh.key unset"
+NO_ROUTE = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
 
 
 def classify_ssh_error(err: BaseException, runner: SSHRunner, hop: Hop | None = None) -> NodeError:
@@ -69,10 +70,6 @@ def classify_ssh_error(err: BaseException, runner: SSHRunner, hop: Hop | None = 
             f"{where} did not accept {offered}; check ssh.key and the user (ssh.user / nodes[].user), "
             f"or add the public key to the node's authorized_keys",
         )
-    if isinstance(err, FileNotFoundError) and ssh.key and str(ssh.key.expanduser()) in str(err):
-        return NodeError(
-            AUTH_FAILED, f"key file {ssh.key} not found; fix ssh.key in the cluster file"
-        )
     if isinstance(err, socket.gaierror):
         return NodeError(
             UNREACHABLE,
@@ -92,11 +89,7 @@ def classify_ssh_error(err: BaseException, runner: SSHRunner, hop: Hop | None = 
             UNREACHABLE,
             f"{host} refused the connection on port {port}: is sshd running, is the port right?",
         )
-    if isinstance(err, OSError) and err.errno in (
-        errno.EHOSTUNREACH,
-        errno.ENETUNREACH,
-        errno.ETIMEDOUT,
-    ):
+    if isinstance(err, OSError) and err.errno in NO_ROUTE:
         return NodeError(
             UNREACHABLE,
             f"no route to {host}:{port} ({os.strerror(err.errno)}): host down or wrong address",
