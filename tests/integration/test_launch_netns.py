@@ -33,11 +33,8 @@ def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
         assert (run_dir / f"metrics/rank{rank}.jsonl").stat().st_size > 0
         assert (run_dir / f"preflight/{node}.json").is_file()
         # train.profile: written in the node's private /tmp, fetched before its workdir went
-        assert (
-            (run_dir / f"profile/{node}/rank{rank}.ops.txt")
-            .read_text()
-            .startswith(f"rank {rank}, steps 4..5:")
-        )
+        ops = (run_dir / f"profile/{node}/rank{rank}.ops.txt").read_text()
+        assert ops.startswith(f"rank {rank}, steps 4..5:")
         assert (run_dir / f"profile/{node}/rank{rank}.trace.json.gz").stat().st_size > 0
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["master_addr"] == cluster.host(cluster.node_names[0])
