@@ -44,6 +44,12 @@ DIR_PREFIX = "launcher-netns-"
 LOCK_FILE = STATE_ROOT / "launcher-netns.lock"
 SSHD = "/usr/sbin/sshd"
 READY_TIMEOUT_S = 20.0  # for every node's sshd to answer
+# root by key only, no PAM, no DNS; room for a fan-out's many connections; errors only
+SSHD_OPTIONS = (
+    "PermitRootLogin prohibit-password\nPubkeyAuthentication yes\nPasswordAuthentication no\n"
+    "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nUseDNS no\nPidFile none\n"
+    "MaxStartups 200\nMaxSessions 100\nLogLevel ERROR\n"
+)
 REQUIRED_TOOLS = ("ip", "unshare", "nsenter", "ssh-keygen", SSHD)
 
 _counter = itertools.count()
@@ -337,26 +343,8 @@ class NetnsCluster:
         self.authorized_keys(node).write_text(Path(f"{self.ssh_key}.pub").read_text())
         config = self.dir / f"{node}.sshd_config"
         config.write_text(
-            "\n".join(
-                [
-                    "Port 22",
-                    f"ListenAddress {self.host(node)}",
-                    f"HostKey {host_key}",
-                    f"AuthorizedKeysFile {self.authorized_keys(node)}",
-                    "PermitRootLogin prohibit-password",
-                    "PubkeyAuthentication yes",
-                    "PasswordAuthentication no",
-                    "KbdInteractiveAuthentication no",
-                    "UsePAM no",
-                    "StrictModes no",
-                    "UseDNS no",
-                    "PidFile none",
-                    "MaxStartups 200",
-                    "MaxSessions 100",
-                    "LogLevel ERROR",
-                    "",
-                ]
-            )
+            f"Port 22\nListenAddress {self.host(node)}\nHostKey {host_key}\n"
+            f"AuthorizedKeysFile {self.authorized_keys(node)}\n{SSHD_OPTIONS}"
         )
         bashrc = Path.home() / ".bashrc"
         hide_rc = ""

@@ -51,15 +51,8 @@ def test_check_and_a_two_node_run_through_a_login_node(netns_cluster, tmp_path):
     assert not _ssh_answers(cluster.host("node1")), "the compute nodes must be out of reach"
     python = str(cluster.node_python())
     cluster_file = tmp_path / "cluster.yaml"
-    cluster_file.write_text(
-        yaml.safe_dump(
-            {
-                "nodes": [
-                    {"name": f"gpu-{i}", "host": f"gpu-{i}", "python": python} for i in range(2)
-                ]
-            }
-        )
-    )
+    nodes = [{"name": f"gpu-{i}", "host": f"gpu-{i}", "python": python} for i in range(2)]
+    cluster_file.write_text(yaml.safe_dump({"nodes": nodes}))
 
     env = {**os.environ, "HOME": str(home)}
     check = launch("check", "--cluster", str(cluster_file), "--json", cwd=tmp_path, env=env)

@@ -34,13 +34,8 @@ def nodes(cluster) -> list[NodeSpec]:
 
 
 def ssh_spec(cluster, **overrides) -> SSHSpec:
-    fields = {
-        "user": "root",
-        "key": cluster.ssh_key,
-        "known_hosts": cluster.known_hosts,
-        "connect_timeout_s": 5,
-    }
-    return SSHSpec(**{**fields, **overrides})
+    fields = {"user": "root", "key": cluster.ssh_key, "known_hosts": cluster.known_hosts}
+    return SSHSpec(**{**fields, "connect_timeout_s": 5, **overrides})
 
 
 def running(argv: list[str]) -> list[int]:
@@ -60,10 +55,7 @@ def test_an_interrupted_fan_out_closes_the_ssh_connections_at_once(cluster):
 
     before = set(threading.enumerate())
     try:
-        with (
-            sigint_when(lambda: len(running(argv)) == 3) as sent,
-            pytest.raises(KeyboardInterrupt),
-        ):
+        with sigint_when(lambda: len(running(argv)) == 3) as sent, pytest.raises(KeyboardInterrupt):
             fan_out(nodes(cluster), work)
         assert sent, "the remote commands never started"
         assert time.monotonic() - sent[0] < 3.0
