@@ -19,11 +19,8 @@ class LauncherError(Exception):
     exit_code = 1
 
     def __init__(self, message: str):
-        super().__init__(message)
+        super().__init__(message)  # str(err) is the message
         self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 class SpecError(LauncherError):

@@ -72,15 +72,12 @@ def run_preflight(
     probes: dict[str, dict[str, Any]] = {}
     for node in targets:
         outcome = group[node.name]
-        if isinstance(outcome, NodeError):
-            probes[node.name] = error_record(node.name, node.host, outcome.kind, outcome.message)
-        elif isinstance(outcome, BaseException):
+        if isinstance(outcome, BaseException) and not isinstance(outcome, NodeError):
             log.debug("probing %s raised", node.name, exc_info=outcome)
-            probes[node.name] = error_record(
-                node.name, node.host, INTERNAL, f"{type(outcome).__name__}: {outcome}"
-            )
-        else:
-            probes[node.name] = outcome
+            outcome = NodeError(INTERNAL, f"{type(outcome).__name__}: {outcome}")
+        if isinstance(outcome, NodeError):
+            outcome = error_record(node.name, node.host, outcome.kind, outcome.message)
+        probes[node.name] = outcome
     log.info("probed %d node(s) in %.2f s", len(targets), time.monotonic() - started)
     return evaluate(probes, packages=packages, policies=policies, deep=deep)
 
@@ -106,18 +103,13 @@ def probe_node(
     args = ["-"]
     if deep:
         args += ["--deep", "--deep-timeout", f"{DEEP_TIMEOUT_S:g}"]
-    packages = parity_packages(cluster, job)
-    if packages:
-        args += ["--packages", ",".join(packages)]
-
-    needed = gpus_needed(node, job)
-    if needed:
-        args += ["--gpus-needed", str(needed)]
-    ifname = spec_env(node, job).get("NCCL_SOCKET_IFNAME")
-    if ifname:
-        args += ["--nccl-socket-ifname", ifname]
-    if route_to:
-        args += ["--route-to", route_to]
+    options = {  # those without a value are left out
+        "--packages": ",".join(parity_packages(cluster, job)),
+        "--gpus-needed": str(gpus_needed(node, job) or ""),
+        "--nccl-socket-ifname": spec_env(node, job).get("NCCL_SOCKET_IFNAME"),
+        "--route-to": route_to,
+    }
+    args += [arg for flag, value in options.items() if value for arg in (flag, value)]
     args += shared_code_args(job)
     command = " ".join(shlex.quote(a) for a in [python, *args])
     timeout = cluster.ssh.connect_timeout_s + COMMAND_MARGIN_S + (DEEP_TIMEOUT_S if deep else 0)
@@ -174,14 +166,8 @@ def shared_code_args(job: JobSpec | None) -> list[str]:
     script = Path(entry.script)
     workdir = Path(entry.workdir) if entry.workdir is not None else script.parent
     relative = script.relative_to(workdir) if script.is_relative_to(workdir) else script
-    return [
-        "--workdir",
-        str(workdir),
-        "--script",
-        str(relative),
-        "--exclude",
-        json.dumps(list(entry.exclude)),
-    ]
+    exclude = json.dumps(list(entry.exclude))
+    return ["--workdir", str(workdir), "--script", str(relative), "--exclude", exclude]
 
 
 def preflight_facts(

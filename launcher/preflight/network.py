@@ -70,8 +70,7 @@ def choose_routes(
         elif node != head and is_loopback(route.get("resolved")):
             problems[node] = (
                 f"the head's name {route.get('to')} resolves to {route['resolved']} (loopback) "
-                f"here; set the head's address: in cluster.yaml to an address the nodes reach "
-                f"it on"
+                "here; set the head's address: in cluster.yaml to an address the nodes reach it on"
             )
     seen = [
         p["route"]["resolved"]
@@ -92,13 +91,8 @@ def choose_routes(
         if node == head:
             holder = _holder(master_ip, probe.get("interfaces"))
             if holder is not None:
-                routes[node] = Route(
-                    holder,
-                    master_ip,
-                    master_ip,
-                    f"{origin}: the head's interface holding {master_ip}",
-                    route.get("to", ""),
-                )
+                why = f"{origin}: the head's interface holding {master_ip}"
+                routes[node] = Route(holder, master_ip, master_ip, why, route.get("to", ""))
                 continue
             if len(routed) > 1 and is_loopback(route.get("address")):
                 problems[node] = (
@@ -109,12 +103,9 @@ def choose_routes(
         if not route.get("interface"):
             problems[node] = f"no interface holds {route.get('address')}, the route's address"
             continue
+        why = f"{origin}: the route from {node} to {master_ip}"
         routes[node] = Route(
-            route["interface"],
-            route["address"],
-            master_ip,
-            f"{origin}: the route from {node} to {master_ip}",
-            route.get("to", ""),
+            route["interface"], route["address"], master_ip, why, route.get("to", "")
         )
     return routes, problems
 

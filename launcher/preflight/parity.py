@@ -494,13 +494,8 @@ def _checks(
     if needed and have < needed and (deep_ok or not deep):
         found("gpus_needed", f"needs {needed} GPU{'s' if needed != 1 else ''}, has {have}")
     ifname = request.get("nccl_socket_ifname")
-    interfaces = probe.get("interfaces")
-    if (
-        ifname
-        and isinstance(interfaces, dict)
-        and "error" not in interfaces
-        and not nccl_ifname_matches(ifname, interfaces)
-    ):
+    interfaces = _get("interfaces")(probe)  # not a dict where the probe failed there
+    if ifname and isinstance(interfaces, dict) and not nccl_ifname_matches(ifname, interfaces):
         found(
             "nccl_socket_ifname",
             f"NCCL_SOCKET_IFNAME={ifname} names no interface here (has {', '.join(sorted(interfaces))})",

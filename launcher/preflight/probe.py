@@ -291,10 +291,8 @@ def nvidia_info() -> dict[str, Any]:
         query = [smi, f"--query-gpu={','.join(NVIDIA_SMI_FIELDS)}", "--format=csv,noheader,nounits"]
         proc = subprocess.run(query, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
         if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [
-                f"exit {proc.returncode}"
-            ]
-            return {"source": "nvidia-smi", "driver": None, "gpus": [], "error": tail[0]}
+            tail = (proc.stderr or proc.stdout).strip().splitlines() or [f"exit {proc.returncode}"]
+            return {"source": "nvidia-smi", "driver": None, "gpus": [], "error": tail[-1]}
         rows = [
             dict(zip(NVIDIA_SMI_FIELDS, (c.strip() for c in line.split(",")), strict=False))
             for line in proc.stdout.strip().splitlines()
@@ -482,19 +480,16 @@ def _time_conv(torch: Any) -> dict[str, Any]:
 
 def loaded_libraries() -> dict[str, list[str]]:
     """The libcudnn/libnccl/libcudart files mapped into this process (from /proc/self/maps)."""
-    found: dict[str, set[str]] = {prefix: set() for prefix in LOADED_LIB_PREFIXES}
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return {prefix: [] for prefix in LOADED_LIB_PREFIXES}
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-        path = fields[5] if len(fields) == 6 else ""
-        base = os.path.basename(path)
-        for prefix in LOADED_LIB_PREFIXES:
-            if base.startswith(prefix):
-                found[prefix].add(path)
-    return {prefix: sorted(paths) for prefix, paths in found.items()}
+        maps = ""
+    # address perms offset dev inode [path]: the last field, where there are six
+    paths = {fields[5] for line in maps.splitlines() if len(fields := line.split(maxsplit=5)) == 6}
+    return {
+        prefix: sorted(p for p in paths if os.path.basename(p).startswith(prefix))
+        for prefix in LOADED_LIB_PREFIXES
+    }
 
 
 def run_with_timeout(

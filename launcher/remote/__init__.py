@@ -11,11 +11,9 @@ from launcher.remote.base import (
     AUTH_FAILED,
     BAD_JSON,
     HOST_KEY_MISMATCH,
-    HOST_KEY_REVOKED,
     INTERNAL,
     INTERPRETER_MISSING,
     PROBE_CRASHED,
-    SSH_ERROR,
     TIMEOUT,
     UNKNOWN_HOST_KEY,
     UNREACHABLE,
@@ -25,7 +23,7 @@ from launcher.remote.base import (
 )
 from launcher.remote.fanout import Background, fan_out, parallel_map
 from launcher.remote.local import LocalRunner
-from launcher.remote.quoting import BASE64_FAILED, REMOTE_TIMEOUT_MARGIN_S, remote_command
+from launcher.remote.quoting import remote_command
 from launcher.remote.route import route_to
 from launcher.remote.srun import SrunRunner, expand_nodelist
 from launcher.spec.cluster import NodeSpec, SSHSpec
@@ -33,14 +31,10 @@ from launcher.spec.cluster import NodeSpec, SSHSpec
 __all__ = [
     "AUTH_FAILED",
     "BAD_JSON",
-    "BASE64_FAILED",
     "HOST_KEY_MISMATCH",
-    "HOST_KEY_REVOKED",
     "INTERNAL",
     "INTERPRETER_MISSING",
     "PROBE_CRASHED",
-    "REMOTE_TIMEOUT_MARGIN_S",
-    "SSH_ERROR",
     "TIMEOUT",
     "UNKNOWN_HOST_KEY",
     "UNREACHABLE",

@@ -72,8 +72,7 @@ def classify_ssh_error(err: BaseException, runner: SSHRunner, hop: Hop | None = 
         )
     if isinstance(err, socket.gaierror):
         return NodeError(
-            UNREACHABLE,
-            f"cannot resolve host name {host!r} ({err.strerror}); check nodes[].host",
+            UNREACHABLE, f"cannot resolve host name {host!r} ({err.strerror}); check nodes[].host"
         )
     if isinstance(err, TimeoutError):
         return NodeError(

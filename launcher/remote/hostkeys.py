@@ -114,13 +114,8 @@ class RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             with os.fdopen(fd, "a") as fh:
                 fh.write(line)
-        log.warning(
-            "accepted new host key for %s (%s %s) into %s",
-            hostname,
-            key.get_name(),
-            key.fingerprint,
-            self.path,
-        )
+        found = f"{key.get_name()} {key.fingerprint}"
+        log.warning("accepted new host key for %s (%s) into %s", hostname, found, self.path)
 
 
 def known_hosts_name(host: str, port: int) -> str:

@@ -274,11 +274,7 @@ class SSHRunner(Runner):
         # csh, tcsh or fish; the command is POSIX sh, so it goes to sh as one quoted word.
         try:
             return self._exec(
-                conn.transport,
-                remote_command(script, timeout),
-                stdin or "",
-                timeout,
-                shown=command,
+                conn.transport, remote_command(script, timeout), stdin or "", timeout, shown=command
             )
         except (paramiko.SSHException, OSError, EOFError) as err:
             closed = self._closed
