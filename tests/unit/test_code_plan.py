@@ -107,9 +107,7 @@ def test_remote_nodes_get_a_copy_and_a_relative_script(tmp_path):
     tree(tmp_path, {"src/train.py": "print(1)"})
     job = job_in(tmp_path, script="src/train.py")
     code = plan_code(job, two_nodes().nodes)
-    assert (
-        code.mode == "ray" and code.travels and code.cwd() is None and code.script == "src/train.py"
-    )
+    assert (code.mode, code.travels, code.cwd(), code.script) == ("ray", True, None, "src/train.py")
     lp = plan(job, two_nodes(), None, run_id="r", master_port=29500, launcher_env={}, code=code)
     assert all(n.cwd is None and n.argv[-1] == "src/train.py" for n in lp.nodes)
     assert lp.to_json()["code"]["mode"] == "ray"

@@ -278,27 +278,23 @@ def test_connect_errors_say_what_to_do(ssh_runner: SSHRunner, err, kind, fragmen
 
 def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
     opts = ssh_runner.connect_kwargs(KEY)
-    assert (
-        opts["password"] is None and opts["look_for_keys"] is False and opts["allow_agent"] is False
-    )
+    assert (opts["password"], opts["look_for_keys"], opts["allow_agent"]) == (None, False, False)
     assert opts["pkey"] is KEY and "key_filename" not in opts  # read by the runner (load_key)
     assert opts["banner_timeout"] == opts["auth_timeout"] == 3
     agent_runner = SSHRunner(NodeSpec(name="n", host="10.0.0.1"), SSHSpec())
     assert agent_runner.load_key() is None
     agent = agent_runner.connect_kwargs(agent_runner.load_key())
-    assert (
-        "pkey" not in agent
-        and "key_filename" not in agent
-        and agent["look_for_keys"]
-        and agent["allow_agent"]
-    )
+    assert not {"pkey", "key_filename"} & agent.keys()
+    assert agent["look_for_keys"] and agent["allow_agent"]
 
 
 @pytest.mark.filterwarnings("ignore:SSH DSA key")
 @pytest.mark.skipif(hasattr(paramiko, "DSSKey"), reason="paramiko < 4.0 reads DSA keys (DSSKey)")
-@pytest.mark.parametrize("form", ["DSA", "OPENSSH"])
+@pytest.mark.parametrize(
+    ("form", "layout"), [("DSA", "TraditionalOpenSSL"), ("OPENSSH", "OpenSSH")]
+)
 def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(
-    ssh_runner: SSHRunner, form: str
+    ssh_runner: SSHRunner, form: str, layout: str
 ) -> None:
     """paramiko >= 4.0 reads no DSA keys (it removed DSSKey): ``PKey.from_path`` raises
     UnknownKeyType (no SSHException), which escaped as a traceback. Refused before any
@@ -306,16 +302,13 @@ def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import dsa
 
-    layout = (
-        serialization.PrivateFormat.TraditionalOpenSSL
-        if form == "DSA"
-        else serialization.PrivateFormat.OpenSSH
-    )
     key = ssh_runner.ssh.key
     assert key is not None
     key.write_bytes(
         dsa.generate_private_key(key_size=1024).private_bytes(
-            serialization.Encoding.PEM, layout, serialization.NoEncryption()
+            serialization.Encoding.PEM,
+            getattr(serialization.PrivateFormat, layout),
+            serialization.NoEncryption(),
         )
     )
     assert key.read_text().startswith(f"-----BEGIN {form} PRIVATE KEY-----")
@@ -323,10 +316,8 @@ def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(
         ssh_runner.run("echo hi", timeout=5)
     assert info.value.kind == AUTH_FAILED
     assert f"key file {key} holds a DSA key" in info.value.message
-    assert (
-        "ed25519, RSA and ECDSA keys only" in info.value.message
-        and "set ssh.key to it" in info.value.message
-    )
+    assert "ed25519, RSA and ECDSA keys only" in info.value.message
+    assert "set ssh.key to it" in info.value.message
 
 
 # -- probe output --------------------------------------------------------------------------
