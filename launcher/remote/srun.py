@@ -24,19 +24,10 @@ class SrunRunner(LocalRunner):
     """Runs each command as a one-task step on ``node`` of job ``node.slurm_job``."""
 
     def argv(self, command: str) -> list[str]:
-        return [*self.step_argv(), "/bin/sh", "-c", command]
-
-    def step_argv(self) -> list[str]:
         """``srun`` pinned to this node of the job, one task, sharing the job's resources."""
-        return [
-            "srun",
-            "--overlap",
-            f"--jobid={self.node.slurm_job}",
-            f"--nodelist={self.node.name}",
-            "--nodes=1",
-            "--ntasks=1",
-            "--quiet",
-        ]
+        pinned = [f"--jobid={self.node.slurm_job}", f"--nodelist={self.node.name}"]
+        step = ["srun", "--overlap", *pinned, "--nodes=1", "--ntasks=1", "--quiet"]
+        return [*step, "/bin/sh", "-c", command]
 
     def spawn(self, command: str, log: str) -> subprocess.Popen[bytes]:
         """``command`` as a step that runs on (a daemon's life, e.g. ``ray start --block``):
