@@ -92,14 +92,12 @@ def test_a_folder_of_another_user_is_not_trusted(tmp_path):
 
 
 def test_a_state_folder_others_may_write_is_refused(tmp_path, monkeypatch, capsys):
-    from launcher.jobs.records import STATE_ENV, state_dir
-
     state = tmp_path / "state"
     state.mkdir()
     state.chmod(0o777)
-    monkeypatch.setenv(STATE_ENV, str(state))
+    monkeypatch.setenv(records.STATE_ENV, str(state))
     with pytest.raises(UnsafePath) as err:
-        state_dir()
+        records.state_dir()
     assert str(state) in str(err.value) and "mode 0777" in str(err.value)
     assert main(["status"]) == 2
     assert "launcher's state folder" in capsys.readouterr().err
