@@ -235,10 +235,6 @@ class NetnsCluster:
                 out[node] = left
         return out
 
-    def sshd_log(self, node: str) -> str:
-        path = self.dir / f"{node}.sshd.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
     # -- lifecycle ------------------------------------------------------------------------------
 
     def __enter__(self) -> NetnsCluster:
@@ -373,9 +369,8 @@ class NetnsCluster:
         proc = self._sshd[node]
         while True:
             if proc.poll() is not None:
-                raise NetnsError(
-                    f"sshd on {node} exited with {proc.returncode}: {self.sshd_log(node)[-2000:]}"
-                )
+                log = (self.dir / f"{node}.sshd.log").read_text(errors="replace")
+                raise NetnsError(f"sshd on {node} exited with {proc.returncode}: {log[-2000:]}")
             if self._banner(node):
                 return
             if time.monotonic() > deadline:

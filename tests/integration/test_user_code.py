@@ -60,8 +60,7 @@ def test_workdir_and_forwarded_variables_travel_to_nodes_that_cannot_see_them(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank, node in enumerate(cluster.node_names):
         seen = seen_env(run_dir, node, rank)
-        for name, value in FORWARDED.items():
-            assert seen.get(name) == value, (rank, name, seen.get(name))
+        assert {name: seen.get(name) for name in FORWARDED} == FORWARDED, rank
         assert "MY_OWN_SETTING" not in seen  # not in launch.env_forward: this machine's alone
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -97,10 +96,8 @@ def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
         result = launch(*check, "--cluster", str(cluster_file), cwd=tmp_path)
         assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
         row = next(f for f in json.loads(result.stdout)["fields"] if f["field"] == "user_code")
-        assert {n: c["mark"] for n, c in row["cells"].items()} == {
-            cluster.node_names[0]: None,
-            odd: "fail",
-        }
+        marks = {n: c["mark"] for n, c in row["cells"].items()}
+        assert marks == {cluster.node_names[0]: None, odd: "fail"}
         result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
         assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
         assert odd in result.stderr and "user code" in result.stderr
