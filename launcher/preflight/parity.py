@@ -325,11 +325,8 @@ class PreflightReport:
     def hints(self) -> str:
         """What can get past this preflight's failures, for the failures it has."""
         hints = ["Fix those nodes"] if self.errors else []
-        for problem in self.failures:
-            hint = CHECK_HINTS.get(problem.key, RELAX_HINT)
-            if hint not in hints:
-                hints.append(hint)
-        text = "; or ".join(hints) or "Fix those nodes"
+        hints += [CHECK_HINTS.get(problem.key, RELAX_HINT) for problem in self.failures]
+        text = "; or ".join(dict.fromkeys(hints)) or "Fix those nodes"
         return text[0].upper() + text[1:]
 
 
