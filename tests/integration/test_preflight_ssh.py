@@ -118,10 +118,8 @@ def test_deep_probe_over_ssh_and_the_nccl_interface(cluster, tmp_path):
     for node in cluster.node_names:
         deep = report.probes[node]["deep"]
         assert deep["cuda_available"] is False and deep["device_count"] == 0, deep
-    assert (
-        report.verdict
-        == "parity FAILED: node2: NCCL_SOCKET_IFNAME=ib names no interface here (has eth0, lo)"
-    )
+    verdict = "parity FAILED: node2: NCCL_SOCKET_IFNAME=ib names no interface here (has eth0, lo)"
+    assert report.verdict == verdict
     report.save(tmp_path / "preflight")
     saved = sorted(p.name for p in (tmp_path / "preflight").iterdir())
     assert saved == [*(f"{node}.json" for node in cluster.node_names), "parity.txt"]
@@ -225,9 +223,8 @@ def test_unknown_host_keys_are_refused_unless_opted_in(cluster, tmp_path):
     _, spec = write_cluster(cluster, tmp_path, ssh={"known_hosts": str(known)})
     report = run_preflight(spec, deep=False)
     assert {e["kind"] for e in report.errors.values()} == {"unknown host key"}
-    assert (
-        f"ssh-keyscan -p 22 {cluster.host('node0')} >> {known}" in report.errors["node0"]["message"]
-    )
+    keyscan = f"ssh-keyscan -p 22 {cluster.host('node0')} >> {known}"
+    assert keyscan in report.errors["node0"]["message"]
 
     _, spec = write_cluster(
         cluster, tmp_path, ssh={"known_hosts": str(known), "accept_unknown_host_keys": True}
