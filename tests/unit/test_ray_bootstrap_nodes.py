@@ -360,6 +360,27 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
 STARTED_WITH = {"node0": ADDRESSES[HOSTS[0]], "node1": ADDRESSES[HOSTS[1]]}  # 127.0.0.1, 127.0.0.2
 
 
+def leftover_starts(port: int) -> dict[str, subprocess.Popen[bytes]]:
+    """This cluster's `ray start`s as the bootstrap issued them, still running: the head's, and a
+    join to it (node1, 127.0.0.2) that hangs."""
+    return {
+        "join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
+        "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1"),
+    }
+
+
+def assert_killed(starts: dict[str, subprocess.Popen[bytes]]) -> None:
+    try:
+        for name, proc in starts.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            assert proc.returncode == -signal.SIGKILL, f"this cluster's {name} was not killed"
+    finally:
+        for proc in starts.values():
+            proc.kill()
+            proc.wait()
+
+
 def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
     """A `ray start` left running on a node is killed before `ray stop` when it is this
     cluster's: a join to this head's address, or the head's own start on the head. A join to
@@ -367,28 +388,18 @@ def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
     cluster = nodes(port)
-    ours = {
-        "join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
-        "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1"),
-    }
-    theirs = {
-        "join to another head": start(
-            "--address", f"127.0.0.9:{port}", "--node-ip-address", "127.0.0.2"
-        ),
-        "another port": start(
-            "--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"
-        ),
-        "head on a worker": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2"),
-    }
+    ours = leftover_starts(port)
+    theirs = [
+        start("--address", f"127.0.0.9:{port}", "--node-ip-address", "127.0.0.2"),
+        start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"),
+        start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2"),
+    ]
     try:
         assert ray_cluster.stop_ray(cluster, list(cluster.nodes), STARTED_WITH) == []
-        for name, proc in ours.items():
-            assert proc.wait(10) == -signal.SIGKILL, f"this cluster's {name} was not killed"
-        assert {name for name, proc in theirs.items() if proc.poll() is not None} == set(), (
-            "another Ray's start was killed"
-        )
+        assert_killed(ours)
+        assert [p.poll() for p in theirs] == [None] * 3, "another Ray's start was killed"
     finally:
-        for proc in (*ours.values(), *theirs.values()):
+        for proc in theirs:
             proc.kill()
             proc.wait()
 
@@ -401,46 +412,20 @@ RESOLVED_LATER = {
 }
 
 
-def leftover_starts(port: int) -> dict[str, subprocess.Popen[bytes]]:
-    """This cluster's `ray start`s as the bootstrap issued them, still running: the head's, and a
-    join to it (node1, 127.0.0.2) that hangs."""
-    return {
-        "join": start(
-            "--address",
-            f"127.0.0.1:{port}",
-            "--node-ip-address",
-            "127.0.0.2",
-            "--disable-usage-stats",
-        ),
-        "head": start(
-            "--head", "--port", str(port), "--node-ip-address", "127.0.0.1", "--disable-usage-stats"
-        ),
-    }
-
-
-def assert_killed(starts: dict[str, subprocess.Popen[bytes]]) -> None:
-    try:
-        for name, proc in starts.items():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            assert proc.returncode == -signal.SIGKILL, (
-                f"this cluster's {name} `ray start` was not killed"
-            )
-    finally:
-        for proc in starts.values():
-            proc.kill()
-            proc.wait()
-
-
 @pytest.mark.parametrize("later", RESOLVED_LATER)
-def test_the_sessions_teardown_kills_its_ray_start_whatever_the_names_resolve_to_by_then(
-    fake_ray, monkeypatch, later
+@pytest.mark.parametrize("by", ["session", "record"])
+def test_the_teardown_kills_its_ray_start_whatever_the_names_resolve_to_by_then(
+    fake_ray, tmp_path, monkeypatch, later, by
 ):
-    """The session's close gives the teardown the addresses its `ray start`s were given, so a
-    name that resolves otherwise at teardown (or not at all) still finds them."""
+    """The session's close gives the teardown the addresses its `ray start`s were given; `launch
+    down` (another process, later) gets them from the cluster's record. Either way a name that
+    resolves otherwise at teardown (or not at all) still finds them."""
+    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
     cluster = nodes(port)
+    records.save_cluster(cluster, STARTED_WITH)
+    assert records.saved_addresses(cluster) == STARTED_WITH
     session = ray_cluster.RaySession(
         mode="bootstrap",
         address=f"ray://127.0.0.1:{port}",
@@ -452,30 +437,9 @@ def test_the_sessions_teardown_kills_its_ray_start_whatever_the_names_resolve_to
     )
     starts = leftover_starts(port)
     monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
-    session.close()
-    assert_killed(starts)
-
-
-@pytest.mark.parametrize("later", RESOLVED_LATER)
-def test_launch_down_kills_the_ray_start_by_the_addresses_its_record_keeps(
-    fake_ray, tmp_path, monkeypatch, later
-):
-    """`launch down` (another process, later) stops a bootstrapped cluster by its record, which
-    keeps the addresses its `ray start`s were given: they are matched, not the names resolved now."""
-
-    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
-    port = free_port()
-    monkeypatch.setenv("FAKE_PORT", str(port))
-    cluster = nodes(port)
-    records.save_cluster(cluster, STARTED_WITH)
-    assert (
-        records.saved_cluster(cluster) == cluster
-        and records.saved_addresses(cluster) == STARTED_WITH
-    )
-    starts = leftover_starts(port)
-    monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
-    # as `launch down` calls it
-    assert (
-        ray_cluster.stop_ray(cluster, list(cluster.nodes), records.saved_addresses(cluster)) == []
-    )
+    if by == "session":
+        session.close()
+    else:  # as `launch down` calls it
+        addresses = records.saved_addresses(cluster)
+        assert ray_cluster.stop_ray(cluster, list(cluster.nodes), addresses) == []
     assert_killed(starts)
