@@ -23,6 +23,8 @@ from pathlib import Path
 from fixtures.launching import wait_for
 from netns import NetnsCluster
 
+from launcher.util import free_port
+
 CHECKOUT = Path(__file__).resolve().parents[1]
 REQUIRED = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sinfo", "scontrol")
 CGROUPS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "pids")
@@ -93,24 +95,15 @@ class SlurmCluster:
         d = self.dir
         for sub in ("state", "spool", "munge"):
             (d / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(d / "munge", 0o700)
-        key, sock = d / "munge/munge.key", d / "munge/socket"
+        munge = d / "munge"
+        os.chmod(munge, 0o700)
+        key, sock = munge / "munge.key", munge / "socket"
         subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
-        self._spawn(
-            [
-                "munged",
-                "-F",
-                "--force",
-                f"--key-file={key}",
-                f"--socket={sock}",
-                f"--pid-file={d / 'munge/pid'}",
-                f"--log-file={d / 'munge/log'}",
-                f"--seed-file={d / 'munge/seed'}",
-            ],
-            d / "munged.out",
-        )
+        argv = ["munged", "-F", "--force", f"--key-file={key}", f"--socket={sock}"]
+        argv += [f"--{n}-file={munge / n}" for n in ("pid", "log", "seed")]
+        self._spawn(argv, d / "munged.out")
         wait_for(sock.exists, timeout=20, what="munged's socket", poll=0.3)
-        ctld_port, d_port = _free_port(), _free_port()
+        ctld_port, d_port = free_port(), free_port()
         gateway = self.nodes.gateway
         lines = [
             f"ClusterName=l{self.nodes.uid.replace('-', 'x')}",
@@ -143,10 +136,10 @@ class SlurmCluster:
             "KillWait=5",
         ]
         cpus = os.cpu_count() or 1
-        for name, node in zip(self.names, self.nodes.node_names, strict=True):
-            lines.append(
-                f"NodeName={name} NodeAddr={self.nodes.host(node)} CPUs={cpus} State=UNKNOWN"
-            )
+        lines += [
+            f"NodeName={name} NodeAddr={self.nodes.host(node)} CPUs={cpus} State=UNKNOWN"
+            for name, node in zip(self.names, self.nodes.node_names, strict=True)
+        ]
         lines.append(
             f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
         )
@@ -154,34 +147,19 @@ class SlurmCluster:
         (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
         env = self.env
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], d / "ctld.out", env=env)
+        hierarchies = [(c, c) for c in CGROUPS] + [("systemd", "none,name=systemd")]
         mounts = " && ".join(
             ["mount -t tmpfs none /sys/fs/cgroup"]
             + [
-                f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {c} cgroup /sys/fs/cgroup/{c}"
-                for c in CGROUPS
-            ]
-            + [
-                "mkdir -p /sys/fs/cgroup/systemd && mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd"
+                f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {o} cgroup /sys/fs/cgroup/{c}"
+                for c, o in hierarchies
             ]
         )
         for name, node in zip(self.names, self.nodes.node_names, strict=True):
             pid = self.nodes.sshd_pids(node)[-1]
-            self._spawn(
-                [
-                    "nsenter",
-                    "-t",
-                    str(pid),
-                    "-n",
-                    "-m",
-                    "-u",
-                    "-p",
-                    "sh",
-                    "-c",
-                    f"{mounts} && exec slurmd -D -f {self.conf} -N {name}",
-                ],
-                d / f"slurmd-{name}.out",
-                env=env,
-            )
+            slurmd = f"{mounts} && exec slurmd -D -f {self.conf} -N {name}"
+            argv = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "-p", "sh", "-c", slurmd]
+            self._spawn(argv, d / f"slurmd-{name}.out", env=env)
 
         def idle() -> bool:
             states = self.run("sinfo", "-h", "-N", "-o", "%t").stdout.split()
@@ -210,9 +188,3 @@ class SlurmCluster:
                     start_new_session=True,
                 )
             )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
