@@ -3,6 +3,7 @@ holds one run. Nothing is started: fake agents record what the launch asked of t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -145,17 +146,19 @@ def test_an_undone_mark_leaves_the_folder_as_it_was(tmp_path):
 
 
 @pytest.fixture
-def local_submit(tmp_path, job_file, monkeypatch):
-    """`launch submit` to this machine's head with the preflight and the Jobs API faked: returns
-    a function that submits with ``--run-dir`` and gives (exit code, stderr), and the fake client."""
-    import contextlib
+def head_here(tmp_path, job_file, monkeypatch):
+    """The job commands against a fake Jobs API of a head on this machine, the preflight faked:
+    ``submit(run_dir, capsys)`` submits with ``--run-dir`` and gives (exit code, captured
+    output); ``add(job id, Ray status, run_dir, log)`` gives ``status`` and ``fetch`` a job;
+    ``client.submitted`` and ``client.error`` (raised by the next submission)."""
     import types
 
     from launcher.jobs import commands
 
     monkeypatch.setattr("launcher.preflight.preflight_facts", lambda *a, **k: None)
     monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0")  # submit sets it: restored after
-    client = types.SimpleNamespace(submitted=[], error=None, status={})  # status: job id -> Ray's
+    client = types.SimpleNamespace(submitted=[], error=None)
+    known: dict[str, tuple] = {}
 
     def submit_job(**kw):
         if client.error is not None:
@@ -164,16 +167,23 @@ def local_submit(tmp_path, job_file, monkeypatch):
 
     client.submit_job = submit_job
 
-    def jobs():  # JobsCluster.jobs: what was submitted, each PENDING unless told
-        return [
-            types.SimpleNamespace(
-                submission_id=kw["submission_id"],
-                status=types.SimpleNamespace(
-                    value=client.status.get(kw["submission_id"], "PENDING")
-                ),
-            )
-            for kw in client.submitted
-        ]
+    def add(job_id, status, run_dir, log=""):
+        meta = {"launcher": "x", "name": "q", "run_dir": str(run_dir), "nodes": "1"}
+        details = types.SimpleNamespace(
+            submission_id=job_id,
+            status=types.SimpleNamespace(value=status),
+            message=None,
+            metadata={**meta, "world_size": "1"},
+            start_time=1,
+            end_time=2,
+            runtime_env={},
+        )
+        known[job_id] = (details, log)
+
+    def job(job_id):
+        if job_id not in known:
+            raise UsageError(f"no job {job_id!r}")
+        return known[job_id][0]
 
     @contextlib.contextmanager
     def connect(spec, *, start=False):
@@ -182,31 +192,23 @@ def local_submit(tmp_path, job_file, monkeypatch):
             cluster=spec,
             client=client,
             head=spec.nodes[0],
-            local_head=None,
-            jobs=jobs,
+            job=job,
+            logs=lambda d: known[d.submission_id][1],
+            state_log=lambda d: known[d.submission_id][1],
         )
 
     monkeypatch.setattr(commands, "connect", connect)
+    flags = ["--cluster", str(tmp_path / "cluster.yaml")]
 
     def submit(run_dir, capsys):
-        rc = main(
-            [
-                "submit",
-                str(job_file),
-                "--cluster",
-                str(tmp_path / "cluster.yaml"),
-                "--run-dir",
-                str(run_dir),
-                "--json",
-            ]
-        )
+        rc = main(["submit", str(job_file), *flags, "--run-dir", str(run_dir), "--json"])
         return rc, capsys.readouterr()
 
-    return submit, client
+    return types.SimpleNamespace(submit=submit, client=client, add=add, flags=flags)
 
 
 def test_submit_to_this_machine_refuses_a_run_dir_that_holds_a_run(
-    tmp_path, local_submit, monkeypatch, capsys
+    tmp_path, head_here, monkeypatch, capsys
 ):
     """`launch submit --run-dir` where the head is this machine: the same refusal, before the
     preflight and before any Ray is asked for."""
@@ -217,14 +219,14 @@ def test_submit_to_this_machine_refuses_a_run_dir_that_holds_a_run(
     (old / "summary.json").write_text("{}")
     monkeypatch.setattr("launcher.preflight.preflight_facts", went_on)
     monkeypatch.setattr(commands, "connect", went_on)
-    rc, out = local_submit[0](old, capsys)
+    rc, out = head_here.submit(old, capsys)
     assert rc == 2 and f"--run-dir {old} is not empty" in out.err and out.err.count("\n") == 1
 
 
-def test_two_queued_submits_to_one_run_dir_the_second_is_refused(tmp_path, local_submit, capsys):
+def test_two_queued_submits_to_one_run_dir_the_second_is_refused(tmp_path, head_here, capsys):
     """Both submissions find the folder new (the first job has not started yet): the first
     reserves it at once, so the second is refused (exit 2), naming the first job."""
-    submit, client = local_submit
+    submit, client = head_here.submit, head_here.client
     run_dir = tmp_path / "shared"
     rc, out = submit(run_dir, capsys)
     assert rc == 0, out.err
@@ -238,10 +240,10 @@ def test_two_queued_submits_to_one_run_dir_the_second_is_refused(tmp_path, local
     )
 
 
-def test_a_submission_that_fails_frees_its_run_dir(tmp_path, local_submit, capsys):
+def test_a_submission_that_fails_frees_its_run_dir(tmp_path, head_here, capsys):
     from launcher.errors import PreflightError
 
-    submit, client = local_submit
+    submit, client = head_here.submit, head_here.client
     client.error = PreflightError(
         "the Ray Jobs API at http://127.0.0.1:1 failed (submit_job): boom"
     )
@@ -264,13 +266,10 @@ def driven(tmp_path, monkeypatch, run_dir, job_id="q-1", fake_run=True):
     monkeypatch.setattr(signals, "install", lambda: None)
     if fake_run:
         monkeypatch.setattr(driver.Driver, "run", lambda self: got.append(self.run_dir) or 0)
-    monkeypatch.setattr("sys.stdout", out := io.StringIO())
-    (tmp_path / "submission.json").write_text(
-        json.dumps(
-            {"job_id": job_id, "job": job().model_dump(mode="json"), "run_dir": str(run_dir)}
-        )
-    )
-    rc = driver.main([str(tmp_path / "submission.json")])
+    submission = {"job_id": job_id, "job": job().model_dump(mode="json"), "run_dir": str(run_dir)}
+    (tmp_path / "submission.json").write_text(json.dumps(submission))
+    with contextlib.redirect_stdout(out := io.StringIO()):
+        rc = driver.main([str(tmp_path / "submission.json")])
     return rc, out.getvalue(), (got[0] if got else None)
 
 
@@ -311,45 +310,16 @@ def test_the_driver_takes_the_folder_marked_for_its_job_and_no_other(tmp_path, m
 # -- requests to a head's 127.0.0.1 ----------------------------------------------------------
 
 
-@pytest.fixture
-def jobs_api():
-    """A local head's Jobs API, its one route this needs: GET /api/jobs/<id> with the token (a
-    status ``redirect:URL`` answers 302 to URL)."""
-    for port, statuses, _ in _serve(_jobs_api_handler):
-        yield port, statuses
-
-
-@pytest.fixture
-def listener():
-    """Something else listening on 127.0.0.1: what it was asked (method, path, headers), and
-    for every request an answer that would free the folder (FAILED)."""
-    for port, _, asked in _serve(_listener_handler):
-        yield port, asked
-
-
-def _serve(handler_of):
-    """Serves ``handler_of(statuses, asked)`` on 127.0.0.1: yields (port, statuses, asked)
-    once, and stops the server when resumed."""
+@contextlib.contextmanager
+def serving(route):
+    """An HTTP server on 127.0.0.1 whose GETs ``route(path, headers)`` answers with (status, JSON
+    body or None, Location or None); yields its port."""
     import http.server
     import threading
 
-    statuses: dict[str, str] = {}
-    asked: list = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_of(statuses, asked))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1], statuses, asked
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _answering():
-    """A quiet request handler with ``answer(code, body, location)``: JSON, length, headers."""
-    import http.server
-
-    class Answering(http.server.BaseHTTPRequestHandler):
-        def answer(self, code, body=None, location=None):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            code, body, location = route(self.path, self.headers)
             data = json.dumps(body).encode() if body is not None else b""
             self.send_response(code)
             if location:
@@ -361,31 +331,47 @@ def _answering():
         def log_message(self, *args):
             pass
 
-    return Answering
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
-def _jobs_api_handler(statuses, asked):
-    class Handler(_answering()):
-        def do_GET(self):  # noqa: N802
-            job_id = self.path.removeprefix("/api/jobs/")
-            if self.headers.get("Authorization") != "Bearer secret":
-                return self.answer(401)
-            if job_id not in statuses:
-                return self.answer(404)
-            if statuses[job_id].startswith("redirect:"):
-                return self.answer(302, location=statuses[job_id].removeprefix("redirect:"))
-            return self.answer(200, {"submission_id": job_id, "status": statuses[job_id]})
+@pytest.fixture
+def jobs_api():
+    """A local head's Jobs API: a GET of a path in ``statuses`` with the token answers that job
+    status (``redirect:URL``: 302 to URL); other paths 404, no token 401."""
+    statuses: dict[str, str] = {}
 
-    return Handler
+    def route(path, headers):
+        if headers.get("Authorization") != "Bearer secret":
+            return 401, None, None
+        status = statuses.get(path)
+        if status is None:
+            return 404, None, None
+        if status.startswith("redirect:"):
+            return 302, None, status.removeprefix("redirect:")
+        return 200, {"submission_id": path, "status": status}, None
+
+    with serving(route) as port:
+        yield port, statuses
 
 
-def _listener_handler(statuses, asked):
-    class Handler(_answering()):
-        def do_GET(self):  # noqa: N802
-            asked.append(("GET", self.path, dict(self.headers)))
-            self.answer(200, {"status": "FAILED", "ray_version": "9.9.9", "version": "9"})
+@pytest.fixture
+def listener():
+    """Something else listening on 127.0.0.1: what it was asked (path, headers), and for every
+    request an answer that would free the folder (FAILED)."""
+    asked: list = []
 
-    return Handler
+    def route(path, headers):
+        asked.append((path, dict(headers)))
+        return 200, {"status": "FAILED", "ray_version": "9.9.9", "version": "9"}, None
+
+    with serving(route) as port:
+        yield port, asked
 
 
 def test_the_head_is_asked_without_a_redirect_or_a_proxy(jobs_api, listener, monkeypatch):
@@ -420,7 +406,7 @@ def test_rays_jobs_client_bypasses_the_proxy_for_a_heads_loopback(jobs_api, list
 
     port, asked = listener
     api_port, statuses = jobs_api
-    statuses["x"] = "RUNNING"
+    statuses["/api/jobs/x"] = "RUNNING"
     monkeypatch.setenv("no_proxy", "")  # recorded, so that what the launcher sets is undone
     monkeypatch.delenv("no_proxy")
     monkeypatch.setenv("NO_PROXY", "example.com")
@@ -442,73 +428,18 @@ def test_rays_jobs_client_bypasses_the_proxy_for_a_heads_loopback(jobs_api, list
 # -- detached jobs' run directories: status and fetch -----------------------------------------
 
 
-@pytest.fixture
-def jobs_here(tmp_path, job_file, monkeypatch):
-    """The job commands against a fake Jobs API of a head on this machine: ``add(job id, Ray
-    status, run_dir, log)``, then run ``launch status|fetch``."""
-    import contextlib
-    import types
-
-    from launcher.jobs import commands
-
-    known: dict[str, tuple] = {}
-
-    def add(job_id, status, run_dir, log=""):
-        known[job_id] = (
-            types.SimpleNamespace(
-                submission_id=job_id,
-                status=types.SimpleNamespace(value=status),
-                message=None,
-                metadata={
-                    "launcher": "x",
-                    "name": "q",
-                    "run_dir": str(run_dir),
-                    "nodes": "1",
-                    "world_size": "1",
-                },
-                start_time=1,
-                end_time=2,
-                runtime_env={},
-            ),
-            log,
-        )
-
-    def job(job_id):
-        if job_id not in known:
-            raise UsageError(f"no job {job_id!r}")
-        return known[job_id][0]
-
-    @contextlib.contextmanager
-    def connect(spec, *, start=False):
-        yield types.SimpleNamespace(
-            head_is_local=True,
-            cluster=spec,
-            head=spec.nodes[0],
-            job=job,
-            logs=lambda d: known[d.submission_id][1],
-            state_log=lambda d: known[d.submission_id][1],
-        )
-
-    monkeypatch.setattr(commands, "connect", connect)
-    return add, ["--cluster", str(tmp_path / "cluster.yaml")]
-
-
 def test_fetch_of_a_job_whose_driver_refused_its_run_dir_copies_nothing(
-    tmp_path, monkeypatch, jobs_here, capsys
+    tmp_path, monkeypatch, head_here, capsys
 ):
     """The folder given at submission held an earlier run: the driver refused it (exit 2). The
     folder is that run's, not the job's: `fetch` copies nothing and says why (exit 2), `status`
     shows no run directory (null in --json)."""
-    add, flags = jobs_here
+    add, flags = head_here.add, head_here.flags
     old = tmp_path / "old"
     old.mkdir()
     (old / "summary.json").write_text('{"status": "succeeded", "job": "someone-else"}')
-    import sys
-
-    console = sys.stdout
     rc, log, _ = driven(tmp_path, monkeypatch, old, job_id="q-1")
     assert rc == 2
-    monkeypatch.setattr("sys.stdout", console)
     add("q-1", "FAILED", old, log)
     dest = tmp_path / "fetched"
     assert main(["fetch", "q-1", *flags, "--to", str(dest)]) == 2
@@ -531,11 +462,11 @@ def test_fetch_of_a_job_whose_driver_refused_its_run_dir_copies_nothing(
 
 
 def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(
-    tmp_path, jobs_here, capsys
+    tmp_path, head_here, capsys
 ):
     """Stopped while Ray had not started its driver: the folder was marked, never this job's,
     and may hold a later run by now (removed and used again)."""
-    add, flags = jobs_here
+    add, flags = head_here.add, head_here.flags
     later = tmp_path / "r"
     later.mkdir()
     (later / "summary.json").write_text("{}")  # a later run's
@@ -547,10 +478,10 @@ def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(
     assert json.loads(capsys.readouterr().out)["run_dir"] is None
 
 
-def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_marker(tmp_path, jobs_here, capsys):
+def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_marker(tmp_path, head_here, capsys):
     from launcher.jobs import state
 
-    add, flags = jobs_here
+    add, flags = head_here.add, head_here.flags
     mine = tmp_path / "mine"
     claim.mark(mine, "q-1")
     (mine / "logs").mkdir()
