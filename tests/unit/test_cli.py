@@ -12,6 +12,7 @@ import pytest
 from launcher.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "jobs/quickstart.yaml")
 
 
 def test_schema_commands_match_the_committed_schemas(capsys):
@@ -40,20 +41,20 @@ def test_every_field_has_a_description():
         walk(schema, schema.get("$defs", {}))
 
 
-def test_bad_job_exits_2_with_one_paragraph(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("text", "argv", "hint"),
+    [
+        ("name: x\ntrain: {stepz: 3}\n", ["plan", "JOB", "--skip-parity"], "did you mean 'steps'"),
+        ("name: x\nmodle: {}\n", ["JOB", "--dry-run"], "did you mean 'model'"),  # = run JOB
+    ],
+)
+def test_bad_job_exits_2_with_one_paragraph(tmp_path, capsys, text, argv, hint):
     job = tmp_path / "j.yaml"
-    job.write_text("name: x\ntrain: {stepz: 3}\n")
-    assert main(["plan", str(job), "--skip-parity"]) == 2
+    job.write_text(text)
+    assert main([str(job) if a == "JOB" else a for a in argv]) == 2
     err = capsys.readouterr().err
-    assert "did you mean 'steps'" in err and "Traceback" not in err
+    assert hint in err and "Traceback" not in err
     assert err.count("\n") == 1
-
-
-def test_job_yaml_is_the_run_command(tmp_path, capsys):
-    job = tmp_path / "j.yaml"
-    job.write_text("name: x\nmodle: {}\n")
-    assert main([str(job), "--dry-run"]) == 2
-    assert "did you mean 'model'" in capsys.readouterr().err
 
 
 def test_usage_errors_exit_2(capsys):
@@ -64,31 +65,14 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_more_nodes_than_the_cluster_exits_2(capsys):
-    assert (
-        main(
-            [
-                "plan",
-                str(ROOT / "jobs/quickstart.yaml"),
-                "--skip-parity",
-                "--set",
-                "resources.nodes=3",
-            ]
-        )
-        == 2
-    )
+    argv = ["plan", QUICKSTART, "--skip-parity", "--set", "resources.nodes=3"]
+    assert main(argv) == 2
     assert "resources.nodes asks for 3 nodes" in capsys.readouterr().err
 
 
 def test_plan_of_the_multinode_example(capsys):
-    rc = main(
-        [
-            "plan",
-            str(ROOT / "jobs/bert_ddp.yaml"),
-            "--cluster",
-            str(ROOT / "examples/cluster-multinode.yaml"),
-            "--skip-parity",
-        ]
-    )
+    cluster = str(ROOT / "examples/cluster-multinode.yaml")
+    rc = main(["plan", str(ROOT / "jobs/bert_ddp.yaml"), "--cluster", cluster, "--skip-parity"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "world size 16" in out and "--node-rank 1" in out and "gpu01.example.internal:" in out
@@ -103,23 +87,19 @@ def test_entry_points(argv):
 
 
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "debug"),
     [
-        ["--debug", "run", "j.yaml"],
-        ["run", "j.yaml", "--debug"],
-        ["--debug", "j.yaml"],
-        ["j.yaml", "--debug"],
-        ["--debug", "status", "--json"],
+        (["--debug", "run", "j.yaml"], True),
+        (["run", "j.yaml", "--debug"], True),
+        (["--debug", "j.yaml"], True),
+        (["j.yaml", "--debug"], True),
+        (["--debug", "status", "--json"], True),
+        (["run", "j.yaml"], False),
+        (["j.yaml"], False),
+        (["status"], False),
     ],
 )
-def test_debug_before_or_after_the_command(argv):
+def test_debug_before_or_after_the_command(argv, debug):
     from launcher.cli import _parse
 
-    assert _parse(argv).debug is True
-
-
-@pytest.mark.parametrize("argv", [["run", "j.yaml"], ["j.yaml"], ["status"]])
-def test_no_debug_unless_asked(argv):
-    from launcher.cli import _parse
-
-    assert _parse(argv).debug is False
+    assert _parse(argv).debug is debug
