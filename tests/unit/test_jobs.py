@@ -37,9 +37,8 @@ def test_a_job_needing_held_gpus_waits_and_names_the_holder():
 
 
 def test_jobs_that_fit_side_by_side_both_run():
-    assert (
-        decide(ticket("b", gpus=4), alive("a", "b"), {"a": ticket("a", gpus=4)}, CAPACITY) is None
-    )
+    started = {"a": ticket("a", gpus=4)}
+    assert decide(ticket("b", gpus=4), alive("a", "b"), started, CAPACITY) is None
 
 
 def test_a_later_small_job_does_not_overtake_a_waiting_big_one():
@@ -146,22 +145,11 @@ def test_row_of_a_waiting_job_carries_the_reason():
 
 def test_row_of_a_finished_job_has_the_summary_figures_and_failure():
     failure = {"rank": 1, "node": "local", "reason": "rank 1 exited with code 1"}
-    logs = state.line(
-        {
-            "state": "done",
-            "status": "failed",
-            "tokens_per_s": 1234.5,
-            "mfu": 0.42,
-            "failure": failure,
-        }
-    )
+    done = {"state": "done", "status": "failed", "tokens_per_s": 1234.5, "mfu": 0.42}
+    logs = state.line({**done, "failure": failure})
     row = state.row(details("FAILED"), logs)
-    assert (row["status"], row["tokens_per_s"], row["mfu"], row["failure"]) == (
-        "FAILED",
-        1234.5,
-        0.42,
-        failure,
-    )
+    assert row["status"] == "FAILED" and row["failure"] == failure
+    assert (row["tokens_per_s"], row["mfu"]) == (1234.5, 0.42)
     text = state.render_one(row)
     assert "1,234 tokens/s" in text and "MFU 42.0%" in text and "failure: rank 1 on local" in text
     assert "1 × 2" in state.render_table([row])
@@ -175,13 +163,10 @@ def test_a_restarted_job_shows_its_attempt():
         details("SUCCEEDED"),
         state.line({"state": "done", "status": "succeeded", "attempt": 1, "world_size": 1}),
     )
-    assert (done["attempt"], done["world_size"]) == (
-        1,
-        1,
-    )  # the last attempt's world, not the first's
-    assert "attempt" not in state.render_one(
-        state.row(details("RUNNING"), state.line({"state": "running"}))
-    )
+    # the last attempt's world, not the first's
+    assert (done["attempt"], done["world_size"]) == (1, 1)
+    first = state.row(details("RUNNING"), state.line({"state": "running"}))
+    assert "attempt" not in state.render_one(first)
 
 
 def test_a_killed_driver_is_failed_with_rays_reason():
