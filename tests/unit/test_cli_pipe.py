@@ -1,9 +1,6 @@
-"""`launch ... | head`: stdout's reader gone is no error of any command (nothing on stderr: no
-traceback, no "Exception ignored ... BrokenPipeError" at exit). A command that only shows
-something ends quietly, exit 0; one that does something (`launch run`) does it whole, exit
-code its own, dropping what it writes to the stream whose reader went (stdout or stderr) and
-only that. A broken pipe that is not its console's is an error as any other; a stdout or
-stderr closed from the start (`2>&-`) changes no exit code."""
+"""`launch ... | head`: a command that only shows something ends quietly (exit 0, nothing on
+stderr); one that acts (`launch run`) runs to its end, dropping only what goes to the stream
+whose reader went. Another pipe's BrokenPipeError is an error; `2>&-` changes no exit code."""
 
 from __future__ import annotations
 
@@ -22,15 +19,14 @@ pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def env_for(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
+
+
 def launch(args: list[str], cwd: Path, stdout) -> subprocess.CompletedProcess[bytes]:
-    env = {**os.environ, "LAUNCHER_STATE_DIR": str(cwd / "state"), "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "launcher", *args]
     return subprocess.run(
-        [sys.executable, "-m", "launcher", *args],
-        stdout=stdout,
-        stderr=subprocess.PIPE,
-        cwd=cwd,
-        env=env,
-        timeout=120,
+        argv, stdout=stdout, stderr=subprocess.PIPE, cwd=cwd, env=env_for(cwd), timeout=120
     )
 
 
@@ -62,18 +58,11 @@ def test_a_pipe_closed_before_the_output_ends_every_command_quietly(args, tmp_pa
 
 def test_head_c_1_of_a_long_output(tmp_path):
     """`launch schema job | head -c 1` through a shell, as a user types it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    shell = subprocess.run(
-        [
-            "bash",
-            "-c",
-            f"set -o pipefail; {sys.executable} -m launcher schema job "
-            f"2>{tmp_path / 'err'} | head -c 1",
-        ],
-        capture_output=True,
-        env=env,
-        timeout=120,
+    command = (
+        f"set -o pipefail; {sys.executable} -m launcher schema job 2>{tmp_path}/err | head -c 1"
     )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    shell = subprocess.run(["bash", "-c", command], capture_output=True, env=env, timeout=120)
     assert shell.returncode == 0 and shell.stdout == b"{"
     assert (tmp_path / "err").read_bytes() == b""
 
@@ -186,8 +175,7 @@ def fake_launch(
     script = tmp_path / "fake_run.py"
     script.write_text(FAKE_RUN)
     argv = argv or ["run", QUICKSTART, "--run-dir", str(tmp_path / "run")]
-    env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
-    return [sys.executable, str(script), outcome, *argv], env
+    return [sys.executable, str(script), outcome, *argv], env_for(tmp_path)
 
 
 class Closed:
@@ -253,8 +241,7 @@ def test_a_run_whose_stderr_reader_goes_drops_stderr_only(tmp_path):
 
 def test_a_run_whose_one_console_pipe_2_to_1_loses_its_reader_runs_to_its_end(tmp_path):
     """`launch run job.yaml 2>&1 | head -1`: what either stream writes after the reader went is
-    lost, to this test as to the user; the exit code and the run directory show the run went on
-    (before ReaderMayGo wrapped stderr too: exit 4, its message lost)."""
+    lost, to this test as to the user; the exit code and the run directory show the run went on."""
     closed = run_closed_early(tmp_path, "succeeded", reader="both", stderr_too=True)
     assert closed.code == 0
     assert closed.first == b"preflight: one node\n"
@@ -272,10 +259,8 @@ def assert_complete(run_dir: Path) -> None:
 def test_a_failed_run_whose_stdout_reader_goes_exits_4_with_its_own_failure(tmp_path):
     closed = run_closed_early(tmp_path, "failed")
     assert closed.code == 4, closed.err.decode()
-    assert (
-        "job 'quickstart' failed: rank 1 on node local raised ValueError: boom"
-        in closed.err.decode()
-    )
+    failed = "job 'quickstart' failed: rank 1 on node local raised ValueError: boom"
+    assert failed in closed.err.decode()
     assert b"Broken pipe" not in closed.err and b"Traceback" not in closed.err
     assert json.loads((tmp_path / "run/summary.json").read_text())["status"] == "failed"
 
@@ -284,14 +269,11 @@ def test_a_summary_that_cannot_be_written_still_says_so_when_stdout_is_closed(tm
     """A real OSError writing summary.json is no closed pipe: its message names the run dir and the error."""
     closed = run_closed_early(tmp_path, "full-disk")
     run_dir = tmp_path / "run"
-    assert (
-        f"could not write the summary into {run_dir}: [Errno 28] No space left on device".encode()
-        in closed.err
-    )
+    said = f"could not write the summary into {run_dir}: [Errno 28] No space left on device"
+    assert said.encode() in closed.err
     assert b"Broken pipe" not in closed.err and b"Traceback" not in closed.err
-    assert (
-        closed.code == 0
-    )  # the run itself succeeded: the summary's failure is reported, not its outcome
+    # the run itself succeeded: the summary's failure is reported, not its outcome
+    assert closed.code == 0
     assert not (run_dir / "summary.json").exists()
 
 
@@ -307,8 +289,8 @@ def test_a_broken_pipe_not_of_the_console_fails_the_run_as_any_oserror_when_stdo
 
 
 def test_a_broken_pipe_not_of_the_console_out_of_a_command_that_acts_is_no_exit_0(tmp_path):
-    """`launch fetch JOB | head -1` whose SSH pipe breaks: not taken for stdout's reader that went
-    (was: exit 0, nothing said); an unexpected error as any other, its traceback, exit 1."""
+    """`launch fetch JOB | head -1` whose SSH pipe breaks: not taken for stdout's reader that
+    went; an unexpected error as any other, its traceback, exit 1."""
     closed = run_closed_early(tmp_path, "fetch-foreign-pipe", argv=["fetch", "job-1"])
     assert closed.first == b"copying job-1's run directory\n"
     assert closed.code == 1, closed.err.decode()
@@ -339,17 +321,15 @@ def closed_from_the_start(
 @pytest.mark.parametrize(
     ("args", "redirect", "expected"),
     [
-        (["run", "/nonexistent.yaml"], "2>&-", 2),  # was 1: ReaderMayGo(None) raised AttributeError
-        (["run", "/nonexistent.yaml"], ">&-", 2),  # was 1: sys.stdout.flush() on None
+        (["run", "/nonexistent.yaml"], "2>&-", 2),
+        (["run", "/nonexistent.yaml"], ">&-", 2),
         (["run", "/nonexistent.yaml"], ">&- 2>&-", 2),
         (["schema", "job"], ">&-", 0),
     ],
 )
 def test_a_console_closed_from_the_start_keeps_the_exit_code(tmp_path, args, redirect, expected):
-    env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
-    closed = closed_from_the_start(
-        tmp_path, redirect, [sys.executable, "-m", "launcher", *args], env
-    )
+    cmd = [sys.executable, "-m", "launcher", *args]
+    closed = closed_from_the_start(tmp_path, redirect, cmd, env_for(tmp_path))
     assert closed.code == expected, closed.err.decode()
     assert b"Traceback" not in closed.err and b"Exception ignored" not in closed.err
     if redirect == ">&-":
