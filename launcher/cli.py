@@ -123,12 +123,15 @@ def _allocated(job, cluster, args: argparse.Namespace):  # noqa: ANN001, ANN202
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from launcher.jobs.commands import submit
+    from launcher.jobs import commands
     from launcher.orchestrate.run import dry_run
 
     job, cluster = _load(args)
+    if args.dry_run:
+        print(dry_run(job, cluster, skip_parity=args.skip_parity))
+        return 0
     cluster_file = args.cluster or ("cluster.yaml" if Path("cluster.yaml").is_file() else None)
-    if cluster.slurm is not None and not args.dry_run:
+    if cluster.slurm is not None:
         from launcher.jobs import batch
 
         assert cluster_file is not None  # a slurm: cluster comes from a file
@@ -143,10 +146,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             as_json=args.json,
         )
         return 0
-    if args.dry_run:
-        print(dry_run(job, cluster, skip_parity=args.skip_parity))
-        return 0
-    submit(
+    commands.submit(
         job,
         cluster,
         cluster_file=cluster_file,
@@ -158,27 +158,25 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from launcher.jobs import batch
-    from launcher.jobs.commands import status
+    from launcher.jobs import batch, commands
 
     cluster = _load_cluster(args)
     if cluster.slurm is not None:
         return batch.status(args.job_id, as_json=args.json)
-    return status(cluster, args.job_id, as_json=args.json)
+    return commands.status(cluster, args.job_id, as_json=args.json)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from launcher.jobs import batch
-    from launcher.jobs.commands import list_jobs
+    from launcher.jobs import batch, commands
 
     cluster = _load_cluster(args)
     if cluster.slurm is not None:
         return batch.list_jobs(as_json=args.json)
-    return list_jobs(cluster, as_json=args.json)
+    return commands.list_jobs(cluster, as_json=args.json)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from launcher.jobs.commands import logs
+    from launcher.jobs import commands
 
     if args.rank is not None or args.node is not None or Path(args.job_id).is_dir():
         from launcher.results.logs import rank_logs
@@ -192,7 +190,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         from launcher.jobs import batch
 
         return batch.logs(args.job_id, follow=args.follow)
-    return logs(cluster, args.job_id, follow=args.follow)
+    return commands.logs(cluster, args.job_id, follow=args.follow)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -211,14 +209,14 @@ def _run_dir_of(args: argparse.Namespace) -> Path:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from launcher.jobs.commands import stop
+    from launcher.jobs import commands
 
     cluster = _load_cluster(args)
     if cluster.slurm is not None:
         from launcher.jobs import batch
 
         return batch.stop(args.job_id)
-    return stop(cluster, args.job_id)
+    return commands.stop(cluster, args.job_id)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -361,6 +359,12 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
     parser.add_argument("--version", action="version", version=f"launch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        """A command's parser; ``cmd_<name>`` runs it (looked up now: tests replace it)."""
+        p = sub.add_parser(name, parents=[common], help=help)
+        p.set_defaults(func=globals()[f"cmd_{name}"])
+        return p
+
     def job_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("job", help="job spec (YAML)")
         p.add_argument("--cluster", help=CLUSTER_HELP)
@@ -377,7 +381,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
             help="skip the preflight parity check (GPU counts from cluster.yaml)",
         )
 
-    p = sub.add_parser("run", parents=[common], help="preflight, then launch the job (the default)")
+    p = command("run", "preflight, then launch the job (the default)")
     job_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
     p.add_argument("--run-dir", type=Path, help="put this run's directory exactly here")
@@ -390,24 +394,18 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
     p.add_argument(
         "--json", action="store_true", help="with --detach: print {job_id, name, cluster, run_dir}"
     )
-    p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser(
-        "submit",
-        parents=[common],
-        help="preflight here, then run the job detached on the cluster's Ray Jobs",
-    )
+    p = command("submit", "preflight here, then run the job detached on the cluster's Ray Jobs")
     job_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan and submit nothing")
     p.add_argument(
         "--run-dir", type=Path, help="the run directory on the head (default runs/<job id>)"
     )
     p.add_argument("--json", action="store_true", help="print {job_id, name, cluster, run_dir}")
-    p.set_defaults(func=cmd_submit)
 
     def jobs_parser(name: str, help: str, *, job_id: str = "required") -> argparse.ArgumentParser:
         """A job command: the job id (``required``, ``optional`` or ``none``) and --cluster."""
-        p = sub.add_parser(name, parents=[common], help=help)
+        p = command(name, help)
         if job_id != "none":
             p.add_argument(
                 "job_id",
@@ -419,10 +417,8 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
 
     p = jobs_parser("status", "a detached job's state (all jobs without ID)", job_id="optional")
     p.add_argument("--json", action="store_true", help="print the state as JSON")
-    p.set_defaults(func=cmd_status)
     p = jobs_parser("list", "the launcher's detached jobs, newest first", job_id="none")
     p.add_argument("--json", action="store_true", help="print the jobs as JSON")
-    p.set_defaults(func=cmd_list)
     p = jobs_parser("logs", "a detached job's driver output")
     p.add_argument(
         "--follow",
@@ -432,41 +428,29 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
     )
     p.add_argument("--rank", type=int, help="that rank's output (ID may be a run directory)")
     p.add_argument("--node", help="that node's ranks' output, each line marked with its rank")
-    p.set_defaults(func=cmd_logs)
     p = jobs_parser("doctor", "what made a run slow, most costly first (ID or a run directory)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.set_defaults(func=cmd_doctor)
-    jobs_parser("stop", "stop a detached job as Ctrl-C stops a foreground run").set_defaults(
-        func=cmd_stop
-    )
+    jobs_parser("stop", "stop a detached job as Ctrl-C stops a foreground run")
     p = jobs_parser("fetch", "copy a detached job's run directory from the head here")
     p.add_argument("--to", type=Path, help="where to put it (default runs/<job id>)")
-    p.set_defaults(func=cmd_fetch)
     jobs_parser(
         "up",
         "start the launcher's Ray on this machine: detached jobs and runs attach",
         job_id="none",
-    ).set_defaults(func=cmd_up)
+    )
     p = jobs_parser("down", "stop the Ray the launcher started for detached jobs", job_id="none")
     p.add_argument("--yes", action="store_true", help="also stop jobs that still run")
-    p.set_defaults(func=cmd_down)
 
-    p = sub.add_parser(
-        "plan", parents=[common], help="preflight and the exact per-node commands; starts nothing"
-    )
+    p = command("plan", "preflight and the exact per-node commands; starts nothing")
     job_args(p)
-    p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser(
-        "check", parents=[common], help="environment parity table of the cluster's nodes"
-    )
+    p = command("check", "environment parity table of the cluster's nodes")
     p.add_argument("--cluster", help=CLUSTER_HELP)
     p.add_argument("--job", help="also check what this job needs (GPUs, interfaces)")
     p.add_argument("--fast", action="store_true", help="skip the torch/CUDA/cuDNN/NCCL checks")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("scale", parents=[common], help="scaling study: one run per point")
+    p = command("scale", "scaling study: one run per point")
     job_args(p)
     p.add_argument("--world", type=_int_list, help="total ranks per point, e.g. 1,2,4,8")
     p.add_argument("--nodes", type=_int_list, help="nodes per point, e.g. 1,2,4")
@@ -480,11 +464,8 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
         "--repeat", type=int, default=1, help="runs per point (median and min are reported)"
     )
     p.add_argument("--out", type=Path, help="study directory (default runs/<job>-scale-<time>)")
-    p.set_defaults(func=cmd_scale)
 
-    p = sub.add_parser(
-        "report", parents=[common], help="re-render a finished run's (or study's) tables"
-    )
+    p = command("report", "re-render a finished run's (or study's) tables")
     p.add_argument("run_dir", help="a run directory or a scaling study directory")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.add_argument(
@@ -492,11 +473,8 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
         action="store_true",
         help="a run: steps.png, loss and tokens/s per rank (plot extra)",
     )
-    p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser(
-        "export", parents=[common], help="a run's checkpoint as a Hugging Face model folder"
-    )
+    p = command("export", "a run's checkpoint as a Hugging Face model folder")
     p.add_argument("run_dir", type=Path, help="the run directory (holds job.yaml)")
     p.add_argument(
         "--step", type=int, help="the checkpoint's step (default: the latest complete one)"
@@ -507,13 +485,8 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
         required=True,
         help="the folder to write config.json and model.safetensors to",
     )
-    p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser(
-        "tokenize",
-        parents=[common],
-        help="tokenize a job's text data into the cache, ahead of a run",
-    )
+    p = command("tokenize", "tokenize a job's text data into the cache, ahead of a run")
     p.add_argument("job", help="job spec (YAML) with data.source text")
     p.add_argument(
         "--set",
@@ -522,11 +495,9 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
         metavar="KEY=VALUE",
         help="override a job field, e.g. --set data.path=more.txt (repeatable)",
     )
-    p.set_defaults(func=cmd_tokenize)
 
-    p = sub.add_parser("schema", parents=[common], help="JSON Schema of the job or cluster spec")
+    p = command("schema", "JSON Schema of the job or cluster spec")
     p.add_argument("which", choices=("job", "cluster"))
-    p.set_defaults(func=cmd_schema)
     return parser, sub.choices
 
 
