@@ -1,9 +1,5 @@
 """``launch submit`` to a ``slurm:`` cluster: an sbatch job that runs the same launch inside
-its allocation, and ``status | logs | stop | list`` on its Slurm job id.
-
-The run directory (on storage the nodes share) holds the batch script ``launch.sbatch``, Slurm's
-output ``launch.out`` and, once the job has run, the run's files. A record per job id in the
-launcher's state folder remembers where that directory is.
+its allocation, and ``status | logs | stop | list`` on its Slurm job id (docs/clusters.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A detached job's run directory: marked by its submission, taken by its driver.
-
-``launch submit`` to a head on this machine makes the folder (new or empty) and writes
-``.launcher-job`` with the job id, created exclusively: a second submission given the same
-``--run-dir`` while the first waits in the queue is refused. The driver takes the folder only
-where that marker names its own job, else only a new or empty one. Anything else is exit 2.
+"""A detached job's run directory: marked by its submission (``.launcher-job``, created
+exclusively), taken by its driver. See docs/jobs.md, "Run directories of detached jobs".
 """
 
 from __future__ import annotations

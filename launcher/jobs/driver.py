@@ -1,8 +1,5 @@
-"""A detached job's driver: the Ray Job's entrypoint on the head node.
-
-``python -m launcher.jobs.driver submission.json`` attaches to the node's Ray, waits its turn
-in the queue, runs the same ``Launch`` as a foreground run and writes the job's state into its
-log.
+"""A detached job's driver, the Ray Job's entrypoint on the head node: attaches to the node's
+Ray, waits its turn in the queue, runs a foreground run's ``Launch``, says its state in its log.
 """
 
 from __future__ import annotations
