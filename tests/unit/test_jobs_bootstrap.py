@@ -110,16 +110,6 @@ def test_a_ray_start_that_failed_midway_is_stopped(monkeypatch):
     assert f"--temp-dir {NODE_TEMP}/ray " in ran[-1]  # never the shared /tmp/ray
 
 
-def tunnel_to(url="http://127.0.0.1:1", error=None):
-    @contextlib.contextmanager
-    def fake(cluster, *, token=False):
-        if error is not None:
-            raise error
-        yield url, "secret"
-
-    return fake
-
-
 def test_the_bootstrap_records_the_addresses_its_ray_start_was_given(monkeypatch):
     """The record of a cluster bootstrapped for detached jobs keeps the address each node's
     `ray start` was given (the session's), which `launch down` matches later, beside the spec."""
@@ -143,15 +133,30 @@ def test_a_record_that_cannot_be_read_has_no_addresses(monkeypatch):
     assert records.saved_addresses(CLUSTER) == {}
 
 
-def stub_bootstrap(monkeypatch, calls):
+def kept_up(monkeypatch, *errors: BaseException | None) -> list[float]:
+    """Stubs the bootstrap (0.3 s long), Ray's client and the SSH tunnel, whose calls raise each
+    of ``errors`` in turn (None: it answers; the last one ever after). Returns when each
+    bootstrap began."""
+    calls: list[float] = []
+    left = list(errors) or [None]
+
     def bootstrap(cluster):
         calls.append(time.monotonic())
         time.sleep(0.3)
         records.save_cluster(cluster)
         return cluster
 
+    @contextlib.contextmanager
+    def tunnel(cluster, *, token=False):
+        error = left.pop(0) if len(left) > 1 else left[0]
+        if error is not None:
+            raise error
+        yield "http://127.0.0.1:1", "secret"
+
     monkeypatch.setattr(api, "_bootstrap", bootstrap)
     monkeypatch.setattr(api, "_client", lambda url, token: object())
+    monkeypatch.setattr(api, "_tunnel", tunnel)
+    return calls
 
 
 @pytest.mark.parametrize(
@@ -163,9 +168,7 @@ def stub_bootstrap(monkeypatch, calls):
 )
 def test_a_head_that_ssh_cannot_reach_keeps_its_record_and_ray(monkeypatch, error):
     records.save_cluster(CLUSTER)
-    calls: list[float] = []
-    stub_bootstrap(monkeypatch, calls)
-    monkeypatch.setattr(api, "_tunnel", tunnel_to(error=error))
+    calls = kept_up(monkeypatch, error)
     with (
         pytest.raises(PreflightError, match="does not answer: .*`launch down --yes`"),
         api.connect(CLUSTER, start=True),
@@ -176,36 +179,18 @@ def test_a_head_that_ssh_cannot_reach_keeps_its_record_and_ray(monkeypatch, erro
 
 def test_a_head_without_the_token_is_bootstrapped_again(monkeypatch):
     records.save_cluster(CLUSTER)
-    calls: list[float] = []
-    stub_bootstrap(monkeypatch, calls)
-    tunnels = iter([api.NoToken("no launcher token on node0"), None])
-
-    @contextlib.contextmanager
-    def tunnel(cluster, *, token=False):
-        error = next(tunnels)
-        if error is not None:
-            raise error
-        yield "http://127.0.0.1:1", "secret"
-
-    monkeypatch.setattr(api, "_tunnel", tunnel)
+    calls = kept_up(monkeypatch, api.NoToken("no launcher token on node0"), None)
     with api.connect(CLUSTER, start=True) as jobs:
         assert jobs.kind == "bootstrap"
     assert len(calls) == 1
-    with pytest.raises(
-        PreflightError, match="does not answer"
-    ):  # without start: never bootstrapped
-        monkeypatch.setattr(
-            api, "_tunnel", tunnel_to(error=api.NoToken("no launcher token on node0"))
-        )
-        with api.connect(CLUSTER):
-            pass
-    assert len(calls) == 1
+    calls = kept_up(monkeypatch, api.NoToken("no launcher token on node0"))
+    with pytest.raises(PreflightError, match="does not answer"), api.connect(CLUSTER):
+        pass  # without start: never bootstrapped
+    assert calls == []
 
 
 def test_two_submits_at_once_bootstrap_once(monkeypatch):
-    calls: list[float] = []
-    stub_bootstrap(monkeypatch, calls)
-    monkeypatch.setattr(api, "_tunnel", tunnel_to())
+    calls = kept_up(monkeypatch)
     errors: list[BaseException] = []
 
     def submit():
@@ -228,9 +213,7 @@ def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
 
     saved = CLUSTER.model_copy(update={"ray": CLUSTER.ray.model_copy(update={"dashboard": True})})
     records.save_cluster(saved)
-    calls: list[float] = []
-    stub_bootstrap(monkeypatch, calls)
-    monkeypatch.setattr(api, "_tunnel", tunnel_to())
+    calls = kept_up(monkeypatch)
     edited = ClusterSpec.model_validate(
         {
             "nodes": [
@@ -301,9 +284,7 @@ def test_down_stops_ray_only_under_the_jobs_it_listed(monkeypatch, capsys):
     from launcher.jobs import commands
 
     records.save_cluster(CLUSTER)
-    calls: list[float] = []
-    stub_bootstrap(monkeypatch, calls)
-    monkeypatch.setattr(api, "_tunnel", tunnel_to())
+    calls = kept_up(monkeypatch)
     rays: list[FakeRay] = []
     stopped_with_ray: list[str] = []
     submitted = threading.Event()
@@ -345,8 +326,7 @@ def test_down_waits_for_a_submission_that_found_ray_before_it(monkeypatch):
     from launcher.jobs import commands
 
     records.save_cluster(CLUSTER)
-    stub_bootstrap(monkeypatch, [])
-    monkeypatch.setattr(api, "_tunnel", tunnel_to())
+    kept_up(monkeypatch)
     ray = FakeRay()
     connected, listed, submitted = threading.Event(), threading.Event(), threading.Event()
     stopped_with_ray: list[str] = []
