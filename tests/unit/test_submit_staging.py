@@ -12,6 +12,7 @@ import types
 
 import pytest
 import yaml
+from fixtures.launching import write_job
 
 from launcher import cli
 from launcher.jobs import commands
@@ -26,16 +27,6 @@ def submission(tmp_path, monkeypatch):
     work.mkdir()
     (work / "train.py").write_text("print('hi')\n")
     (work / "helper.py").write_text("V = 1\n")
-    (work / "job.yaml").write_text(
-        json.dumps(
-            {
-                "name": "u",
-                "entrypoint": {"script": "train.py"},
-                "resources": {"device": "cpu", "nproc_per_node": 1},
-                "precision": {"dtype": "fp32"},
-            }
-        )
-    )
     cluster = {
         "nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]
     }
@@ -55,8 +46,9 @@ def submission(tmp_path, monkeypatch):
         )
 
     monkeypatch.setattr(commands, "connect", connect)
+    job = write_job(work, {"script": "train.py"})
     return types.SimpleNamespace(
-        job=work / "job.yaml", cluster=tmp_path / "cluster.yaml", temp=temp, client=client
+        job=job, cluster=tmp_path / "cluster.yaml", temp=temp, client=client
     )
 
 
@@ -86,16 +78,13 @@ def test_an_oserror_while_staging_the_code_is_exit_3_in_one_paragraph(
     assert error.strerror in err and "Nothing was submitted" in err and "Traceback" not in err
     assert err.count("\n") == 1
     assert submission.client.submitted == []
-    assert (
-        list(submission.temp.iterdir()) == []
-    )  # neither the snapshot nor the upload folder is left
+    # neither the snapshot nor the upload folder is left
+    assert list(submission.temp.iterdir()) == []
 
 
 def test_staging_that_works_submits(submission, capsys):
-    assert (
-        cli.main(["submit", str(submission.job), "--cluster", str(submission.cluster), "--json"])
-        == 0
-    )
+    argv = ["submit", str(submission.job), "--cluster", str(submission.cluster), "--json"]
+    assert cli.main(argv) == 0
     assert len(submission.client.submitted) == 1
-    assert json.loads(capsys.readouterr().out)["name"] == "u"
+    assert json.loads(capsys.readouterr().out)["name"] == "test"
     assert list(submission.temp.iterdir()) == []
