@@ -34,18 +34,11 @@ def write_record(tmp_path: Path, pid: int) -> Path:
     folder = tmp_path / "state/local"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "auth_token").write_text("0" * 64 + "\n")
+    ports = {f"{name}_port": free_port() for name in ("gcs", "dashboard", "agent")}
+    temp_dir, token_file = str(tmp_path / "launcher-ray-gone"), str(folder / "auth_token")
     record = folder / "head.json"
     record.write_text(
-        json.dumps(
-            {
-                "pid": pid,
-                "gcs_port": free_port(),
-                "dashboard_port": free_port(),
-                "agent_port": free_port(),
-                "temp_dir": str(tmp_path / "launcher-ray-gone"),
-                "token_file": str(folder / "auth_token"),
-            }
-        )
+        json.dumps({"pid": pid, **ports, "temp_dir": temp_dir, "token_file": token_file})
     )
     return record
 
@@ -114,10 +107,8 @@ def test_a_corrupt_head_record_is_exit_3_and_down_yes_clears_it(tmp_path, head_p
     for args in (("status",), ("logs", "x"), ("down",)):
         result = launch(tmp_path, *args)
         assert result.returncode == 3, (args, result.stderr[-2000:])
-        assert (
-            f"record {record} cannot be read" in result.stderr
-            and "launch down --yes" in result.stderr
-        )
+        assert f"record {record} cannot be read" in result.stderr
+        assert "launch down --yes" in result.stderr
         assert "Traceback" not in result.stderr
     down = launch(tmp_path, "down", "--yes")
     assert down.returncode == 0, down.stderr[-2000:]
@@ -159,14 +150,12 @@ def test_a_corrupt_cluster_record_is_exit_3_and_down_yes_forgets_it(tmp_path):
         json.dumps({"nodes": [{"name": "node0", "host": "198.18.250.10"}], "from": "v0"})
     )
     status = launch(tmp_path, "status", "--cluster", str(cluster))
-    assert status.returncode == 3 and f"record {record} cannot be read" in status.stderr, (
-        status.stderr[-2000:]
-    )
+    said = status.stderr[-2000:]
+    assert status.returncode == 3 and f"record {record} cannot be read" in status.stderr, said
     assert "Traceback" not in status.stderr
     down = launch(tmp_path, "down", "--yes", "--cluster", str(cluster))
     assert not record.exists()
     # node0 cannot be reached (no such key): down says Ray may still run there, exit 3
-    assert (
-        down.returncode == 3 and "could not reach node0: Ray may still run there" in down.stderr
-    ), down.stderr
+    unreached = "could not reach node0: Ray may still run there"
+    assert down.returncode == 3 and unreached in down.stderr, down.stderr
     assert "Stopped" not in down.stdout

@@ -112,16 +112,6 @@ def takes(lock: Callable[[], contextlib.AbstractContextManager[None]], what: str
     assert finishes(take, what) is True
 
 
-def test_local_status_and_list_answer_while_a_submission_holds_the_jobs_lock(capsys):
-    with held_elsewhere("jobs", LOCAL):
-        takes(lambda: records.locked(records.local_folder() / ".lock"), "taking the head's lock")
-        assert finishes(lambda: heads.local_head(start=False), "finding the local head") is None
-        assert finishes(lambda: commands.list_jobs(LOCAL, as_json=True), "launch list") == 0
-        assert finishes(lambda: commands.status(LOCAL, None, as_json=False), "launch status") == 0
-    out = capsys.readouterr().out
-    assert out.startswith("[]\n") and "no jobs: nothing was submitted" in out
-
-
 def bootstrapped(monkeypatch) -> None:
     """A bootstrapped cluster's record and a Jobs API (through a stubbed tunnel) with no jobs."""
 
@@ -137,14 +127,20 @@ def bootstrapped(monkeypatch) -> None:
     monkeypatch.setattr(api, "_bootstrap", lambda cluster: pytest.fail("bootstrapped again"))
 
 
-def test_bootstrapped_status_and_list_answer_while_a_submission_holds_the_jobs_lock(
-    monkeypatch, capsys
+@pytest.mark.parametrize("cluster", [LOCAL, REMOTE], ids=["local", "bootstrapped"])
+def test_status_and_list_answer_while_a_submission_holds_the_jobs_lock(
+    cluster, monkeypatch, capsys
 ):
-    bootstrapped(monkeypatch)
-    with held_elsewhere("jobs", REMOTE):
-        takes(lambda: records.cluster_lock(REMOTE), "taking the cluster's lock")
-        assert finishes(lambda: commands.list_jobs(REMOTE, as_json=True), "launch list") == 0
-        assert finishes(lambda: commands.status(REMOTE, None, as_json=True), "launch status") == 0
+    if cluster is REMOTE:
+        bootstrapped(monkeypatch)
+    with held_elsewhere("jobs", cluster):
+        if cluster is LOCAL:
+            takes(lambda: records.locked(records.local_folder() / ".lock"), "the head's lock")
+            assert finishes(lambda: heads.local_head(start=False), "finding the head") is None
+        else:
+            takes(lambda: records.cluster_lock(REMOTE), "taking the cluster's lock")
+        assert finishes(lambda: commands.list_jobs(cluster, as_json=True), "launch list") == 0
+        assert finishes(lambda: commands.status(cluster, None, as_json=True), "launch status") == 0
     assert capsys.readouterr().out == "[]\n[]\n"
 
 
