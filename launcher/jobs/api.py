@@ -325,10 +325,7 @@ class _Guarded:
                     raise RuntimeError(f"HTTP {answer.status_code}: {answer.text.strip()[:200]}")
                 return answer.content.decode("utf-8", "replace")
         except api_failures() as err:
-            raise PreflightError(
-                f"the Ray log API at {self._url} failed: {first_line(err)}. Check that the "
-                f"cluster's Ray still runs (`launch status`); `--debug` shows the traceback"
-            ) from err
+            raise self._failed("log API", err) from err
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)
@@ -341,9 +338,12 @@ class _Guarded:
             except LauncherError:
                 raise
             except api_failures() as err:
-                raise PreflightError(
-                    f"the Ray Jobs API at {self._url} failed ({name}): {first_line(err)}. Check that the "
-                    f"cluster's Ray still runs (`launch status`); `--debug` shows the traceback"
-                ) from err
+                raise self._failed("Jobs API", err, f" ({name})") from err
 
         return call
+
+    def _failed(self, what: str, err: BaseException, call: str = "") -> PreflightError:
+        return PreflightError(
+            f"the Ray {what} at {self._url} failed{call}: {first_line(err)}. Check that the "
+            f"cluster's Ray still runs (`launch status`); `--debug` shows the traceback"
+        )

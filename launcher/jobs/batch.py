@@ -105,21 +105,21 @@ def state(job_id: str) -> dict[str, Any]:
         status = SLURM_STATES.get(slurm_state, "RUNNING")
     else:
         reason = None
-        status = SUMMARY_STATES.get(str((summary or {}).get("status")), "FAILED")
+        status = SUMMARY_STATES.get(str(summary.get("status")), "FAILED")
         if record.get("stopped"):
             status = "STOPPED"
-    totals = (summary or {}).get("totals") or {}
-    steps = [r.get("steps") for r in (summary or {}).get("ranks", []) if r.get("steps")]
+    totals = summary.get("totals") or {}
+    steps = [r.get("steps") for r in summary.get("ranks", []) if r.get("steps")]
     return {
         "job_id": job_id,
         "name": record["name"],
         "status": status,
-        "world_size": (summary or {}).get("world_size"),
+        "world_size": summary.get("world_size"),
         "step": max(steps) if steps else None,
         "tokens_per_s": totals.get("tokens_per_s"),
         "mfu": totals.get("mfu"),
         "run_dir": str(run_dir),
-        "failure": (summary or {}).get("failure"),
+        "failure": summary.get("failure"),
         "reason": reason if status == "PENDING" else None,
     }
 
@@ -223,11 +223,12 @@ def _squeue(job_id: str) -> tuple[str, str] | None:
     return slurm_state, reason
 
 
-def _summary(run_dir: Path) -> dict[str, Any] | None:
+def _summary(run_dir: Path) -> dict[str, Any]:
+    """The run's summary; empty while it has none."""
     try:
         return dict(json.loads((run_dir / "summary.json").read_text()))
     except (OSError, ValueError):
-        return None
+        return {}
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -32,7 +32,8 @@ class UnreadableRecord(PreflightError):
 def state_dir() -> Path:
     """The launcher's private state folder (created 0700). UnsafePath (exit 2) where it exists
     and another user owns it or may write it."""
-    path, reason = private_dir(_state_root())
+    default = Path(os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"))
+    path, reason = private_dir(Path(os.environ.get(STATE_ENV) or default / "launcher"))
     if reason:
         raise UnsafePath(
             "the launcher's state folder",
@@ -41,15 +42,6 @@ def state_dir() -> Path:
             f"Remove it (or `chmod 700` it, as its owner), or point ${STATE_ENV} at a folder of yours",
         )
     return path
-
-
-def _state_root() -> Path:
-    return Path(
-        os.environ.get(STATE_ENV)
-        or os.path.join(
-            os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "launcher"
-        )
-    )
 
 
 # -- bootstrapped clusters kept up for their jobs -------------------------------------------------
