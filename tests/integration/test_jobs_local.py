@@ -39,11 +39,15 @@ SLOW = tuple(
 )
 
 
-class Jobs:
-    """``python -m launcher`` against the module's head, from fresh processes each time."""
+ENDED = {"SUCCEEDED", "FAILED", "STOPPED"}
 
-    def __init__(self, state: Path, cwd: Path):
-        self.cwd = cwd
+
+class Jobs:
+    """``python -m launcher`` against the module's head, from fresh processes each time;
+    ``flags`` follow every command."""
+
+    def __init__(self, state: Path, cwd: Path, *flags: str):
+        self.cwd, self.flags = cwd, flags
         self.mark = uuid.uuid4().hex
         self.env = {
             **os.environ,
@@ -57,12 +61,12 @@ class Jobs:
         }
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return launch(*args, cwd=self.cwd, env=self.env, timeout=timeout)
+        return launch(*args, *self.flags, cwd=self.cwd, env=self.env, timeout=timeout)
 
-    def submit(self, *args: str) -> dict:
-        result = self.run("submit", str(ROOT / "jobs/quickstart.yaml"), "--json", *args)
+    def submit(self, *args: str, job: Path = ROOT / "jobs/quickstart.yaml") -> dict:
+        result = self.run("submit", str(job), "--json", *args)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return json.loads(result.stdout.strip().splitlines()[-1])
+        return submitted(result)
 
     def status(self, job_id: str) -> dict:
         result = self.run("status", job_id, "--json")
@@ -83,6 +87,11 @@ class Jobs:
     def head(self) -> dict:
         path = Path(self.env["LAUNCHER_STATE_DIR"]) / "local/head.json"
         return json.loads(path.read_text())
+
+
+def submitted(result: subprocess.CompletedProcess[str]) -> dict:
+    """What ``launch submit --json`` printed: its last line."""
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def job_processes(job_id: str) -> dict[int, str]:
@@ -181,7 +190,7 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     job_id = submitted["job_id"]
 
     seen: list[str] = []
-    done = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=180, seen=seen)
+    done = jobs.wait_status(job_id, ENDED, timeout=180, seen=seen)
     assert done["status"] == "SUCCEEDED", done
     assert set(seen) <= {"PENDING", "RUNNING", "SUCCEEDED"}, seen
     assert done["world_size"] == 2 and done["tokens_per_s"] > 0 and done["failure"] is None
@@ -304,7 +313,7 @@ def test_a_running_job_is_private_holds_the_queue_and_stop_tears_it_down_within_
     assert summary["status"] == "interrupted" and summary["ranks"], summary["status"]
     assert "interrupted" in jobs.run("logs", first).stdout
 
-    done = jobs.wait_status(second, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=240)
+    done = jobs.wait_status(second, ENDED, timeout=240)
     assert done["status"] == "SUCCEEDED", done
     one, two = (Path(jobs.status(j)["run_dir"]) for j in (first, second))
     # the second one's workers started after the first one's summary was written
@@ -367,33 +376,17 @@ def test_attached_cluster_at_its_jobs_address(jobs, tmp_path):
             }
         )
     )
-    attached = Jobs(tmp_path / "no-state", tmp_path)  # no launcher state: nothing of ours is used
+    # no launcher state: nothing of ours is used
+    attached = Jobs(tmp_path / "no-state", tmp_path, "--cluster", str(cluster))
     attached.env["RAY_AUTH_TOKEN_PATH"] = head["token_file"]
-    result = attached.run(
-        "submit",
-        str(ROOT / "jobs/quickstart.yaml"),
-        "--cluster",
-        str(cluster),
-        "--json",
-        "--skip-parity",
-        *QUICK,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    job_id = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
-
-    def ended() -> dict | None:
-        state = json.loads(
-            attached.run("status", job_id, "--cluster", str(cluster), "--json").stdout
-        )
-        return state if state["status"] in ("SUCCEEDED", "FAILED", "STOPPED") else None
-
-    state = wait_for(ended, timeout=180, what="the attached job to end", poll=1.0)
+    job_id = attached.submit("--skip-parity", *QUICK)["job_id"]
+    state = attached.wait_status(job_id, ENDED, timeout=180)
     assert state["status"] == "SUCCEEDED" and state["tokens_per_s"] > 0, state
-    down = attached.run("down", "--cluster", str(cluster))
+    down = attached.run("down")
     assert down.returncode == 0 and "is not the launcher's" in down.stdout
     assert jobs.head()["pid"] == head["pid"]  # used as it is: still running
     del attached.env["RAY_AUTH_TOKEN_PATH"]  # without the token the Jobs API refuses
-    refused = attached.run("status", "--cluster", str(cluster))
+    refused = attached.run("status")
     assert refused.returncode != 0 and job_id not in refused.stdout
 
 
@@ -474,12 +467,10 @@ def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path):
     saved = dict(jobs.env)
     jobs.env.update(MY_OWN_SETTING="from-the-submitter", WANDB_MODE="offline")
     try:
-        result = jobs.run("submit", str(job), "--json", "--skip-parity")
+        job_id = jobs.submit("--skip-parity", job=job)["job_id"]
     finally:
         jobs.env.clear()
         jobs.env.update(saved)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    job_id = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
     state = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED"}, timeout=240)
     logs = jobs.run("logs", job_id).stdout
     assert state["status"] == "SUCCEEDED", logs[-3000:]
@@ -509,7 +500,7 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, slow, t
 
     result = submit(*slow)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    first = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
+    first = submitted(result)["job_id"]
     try:
         refused = submit()
         assert refused.returncode == 2, refused.stderr
@@ -528,9 +519,7 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, slow, t
         jobs.run("stop", first, timeout=60)
         raise
     os.kill(drivers[0], signal.SIGKILL)
-    state = jobs.wait_status(
-        first, {"FAILED", "STOPPED", "SUCCEEDED"}, timeout=30
-    )  # seen by a poll begun within 30 s
+    state = jobs.wait_status(first, ENDED, timeout=30)  # seen by a poll begun within 30 s
     assert state["status"] == "FAILED", state
     assert "exit code -9" in state["failure"]["reason"], state["failure"]
     assert_job_gone(first, wait_s=30)
@@ -539,7 +528,7 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, slow, t
     shutil.rmtree(folder)
     result = submit()
     assert result.returncode == 0, result.stderr[-2000:]
-    second = json.loads(result.stdout.strip().splitlines()[-1])["job_id"]
+    second = submitted(result)["job_id"]
     try:
         assert jobs.status(second)["run_dir"] == str(folder)
     finally:
