@@ -3,6 +3,7 @@ traceback; the launcher's own errors and Ctrl-C pass through as they are."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -83,8 +84,6 @@ class Breaking:
 
 
 def _follow(monkeypatch, client):
-    import contextlib
-
     running = types.SimpleNamespace(
         submission_id="job-1", status=types.SimpleNamespace(value="RUNNING")
     )
@@ -200,77 +199,47 @@ def test_logs_into_a_pipe_closed_early_exit_quietly(status, tmp_path):
     assert out == b"line 0\n" and err == ""
 
 
-class LogServer:
-    """Ray's log API over HTTP for one job's log (the last ``lines`` lines), counting the bytes
-    it sends; ``get_job_logs`` (the whole log) counts too."""
+class LogAPI:
+    """Ray's log API for one job's log (``requests.get`` of its last ``lines`` lines), counting
+    the bytes it sends; ``get_job_logs`` (the whole log) counts too."""
 
     def __init__(self, log: str):
-        import http.server
-        import threading
-        import urllib.parse
+        self.log, self.sent = log, 0
 
-        self.log, self.sent, self.headers = log, 0, []
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                url = urllib.parse.urlsplit(self.path)
-                query = urllib.parse.parse_qs(url.query)
-                server.headers.append(self.headers.get("Authorization"))
-                lines = int(query["lines"][0])
-                assert query["submission_id"] == ["job-1"] and query["node_id"] == ["n1"]
-                body = "".join(server.log.splitlines(keepends=True)[-lines:]).encode()
-                server.sent += len(body)
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+    def get(self, url, *, params, headers, timeout):
+        assert url == "http://127.0.0.1:8265/api/v0/logs/file"
+        assert (params["submission_id"], params["node_id"]) == ("job-1", "n1")
+        assert headers == {"Authorization": "Bearer t"}
+        body = "".join(self.log.splitlines(keepends=True)[-int(params["lines"]) :]).encode()
+        self.sent += len(body)
+        return contextlib.nullcontext(types.SimpleNamespace(status_code=200, content=body))
 
     def get_job_logs(self, job_id):
         self.sent += len(self.log.encode())
         return self.log
 
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(10)
+
+def state_of(log: str, monkeypatch) -> tuple[dict, int]:
+    served = LogAPI(log)
+    monkeypatch.setattr(requests, "get", served.get)
+    client = api._Guarded(served, "http://127.0.0.1:8265", {"Authorization": "Bearer t"})
+    jobs = api.JobsCluster("local", None, client, "http://127.0.0.1:8265")
+    running = types.SimpleNamespace(
+        submission_id="job-1", status=types.SimpleNamespace(value="RUNNING"), driver_node_id="n1"
+    )
+    return api.job_state.last_state(jobs.state_log(running)), served.sent
 
 
-def state_of(log: str) -> tuple[dict, int]:
-    server = LogServer(log)
-    try:
-        client = api._Guarded(server, server.url, {"Authorization": "Bearer t"})
-        jobs = api.JobsCluster("local", None, client, server.url)
-        running = types.SimpleNamespace(
-            submission_id="job-1",
-            status=types.SimpleNamespace(value="RUNNING"),
-            driver_node_id="n1",
-        )
-        state = api.job_state.last_state(jobs.state_log(running))
-        assert server.headers in ([], ["Bearer t"])
-        return state, server.sent
-    finally:
-        server.close()
-
-
-def test_status_reads_the_end_of_a_50_mb_log_not_all_of_it():
+def test_status_reads_the_end_of_a_50_mb_log_not_all_of_it(monkeypatch):
     noise = "rank 0 says something rather long about its step, padded to a line\n"
     state = api.job_state.line({"state": "running", "step": 7}) + "\n"
     big = noise * (50 * 2**20 // len(noise)) + state + noise * 100
     small = noise * api.STATE_TAIL_LINES + state + noise * 100  # 50 MB less
-    big_state, big_sent = state_of(big)
-    small_state, small_sent = state_of(small)
+    big_state, big_sent = state_of(big, monkeypatch)
+    small_state, small_sent = state_of(small, monkeypatch)
     assert big_state == small_state == {"state": "running", "step": 7}
     assert big_sent == small_sent  # the same tail, whatever came before it
     assert big_sent <= api.STATE_TAIL_LINES * len(noise) < len(big) / 300
     # No state line in the tail of a long log: the whole log is read for it.
-    _, sent = state_of(state + noise * 3 * api.STATE_TAIL_LINES)
+    _, sent = state_of(state + noise * 3 * api.STATE_TAIL_LINES, monkeypatch)
     assert sent > 3 * api.STATE_TAIL_LINES * len(noise)

@@ -1,8 +1,5 @@
-"""The two locks of a launcher Ray: ``jobs_lock`` (a submission until Ray has its job, ``launch
-down`` from listing the jobs to stopping Ray) and the head's lock (finding, starting or stopping
-the Ray). ``status``, ``list`` and ``logs`` take only the head's lock, briefly: they answer while
-another process holds the jobs lock (a submit uploading its code, a ``down`` waiting for its
-jobs). The lock is held by a real second process (flock); Ray and SSH are stubbed."""
+"""``status`` and ``list`` answer while another process (flock) holds a launcher Ray's jobs lock,
+which is not its head's lock. Ray and SSH are stubbed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Bootstrapping Ray on several nodes: Ctrl-C while the workers join, and nodes where another
-Ray runs. The nodes are this machine behind a runner that behaves as SSH does (closing it gives
-up on the command, which runs on), and ``ray`` on their PYTHONPATH is a stand-in that records
-what it was asked to do: the launcher's real commands run, no real Ray starts or stops."""
+"""Bootstrapping Ray on several nodes: Ctrl-C while the workers join, nodes where another Ray
+runs, the teardown. The nodes are this machine behind an SSH-like runner, with a stand-in
+``ray`` that records what it was asked: the launcher's real commands run, no Ray starts."""
 
 from __future__ import annotations
 
