@@ -313,13 +313,16 @@ def test_the_driver_takes_the_folder_marked_for_its_job_and_no_other(tmp_path, m
 @contextlib.contextmanager
 def serving(route):
     """An HTTP server on 127.0.0.1 whose GETs ``route(path, headers)`` answers with (status, JSON
-    body or None, Location or None); yields its port."""
+    body or None, Location or None), or bytes sent as they are; yields its port."""
     import http.server
     import threading
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            code, body, location = route(self.path, self.headers)
+            answer = route(self.path, self.headers)
+            if isinstance(answer, bytes):
+                return self.wfile.write(answer)
+            code, body, location = answer
             data = json.dumps(body).encode() if body is not None else b""
             self.send_response(code)
             if location:
@@ -518,29 +521,10 @@ def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
 def test_something_that_is_no_http_server_on_the_heads_port_is_no_answer():
     """Garbage on the dashboard's port (``http.client.HTTPException``, not an OSError) is no
     answer, not a traceback."""
-    import socket
-    import threading
-
     from launcher.jobs import head
 
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(4)
-
-    def serve():
-        conn, _ = server.accept()
-        with conn:
-            conn.recv(4096)
-            conn.sendall(b"not http at all\r\n\r\n")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.getsockname()[1]}"
-    try:
-        assert head.api_status(url, "t") is None
-    finally:
-        thread.join(10)
-        server.close()
+    with serving(lambda path, headers: b"not http at all\r\n\r\n") as port:
+        assert head.api_status(f"http://127.0.0.1:{port}", "t") is None
 
 
 def test_a_release_that_fails_leaves_the_submissions_own_error(monkeypatch):
