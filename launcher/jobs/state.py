@@ -100,24 +100,17 @@ def row(details: Any, logs: str) -> dict[str, Any]:
 
 def render_one(r: dict[str, Any]) -> str:
     """``launch status ID``: a few lines."""
-    lines = [
-        f"job {r['job_id']} ({r['name']}): {r['status']}"
-        + (f" — {r['reason']}" if r["reason"] else "")
-    ]
+    reason = f" — {r['reason']}" if r["reason"] else ""
+    lines = [f"job {r['job_id']} ({r['name']}): {r['status']}{reason}"]
     when = f"started {_clock(r['started'])}"
     if r["ended"]:
         when += f", ended {_clock(r['ended'])} ({_duration(r)})"
     elif r["started"]:
         when += f", {_duration(r)} so far"
     lines.append("  " + when)
-    lines.append(
-        f"  {r['nodes']} node(s), world size {r['world_size']}"
-        + (
-            f", attempt {r['attempt']} (after {r['attempt']} restart(s))"
-            if r.get("attempt")
-            else ""
-        )
-    )
+    n = r.get("attempt")
+    attempt = f", attempt {n} (after {n} restart(s))" if n else ""
+    lines.append(f"  {r['nodes']} node(s), world size {r['world_size']}{attempt}")
     if r["step"] is not None or r["tokens_per_s"] is not None:
         figures = []
         if r["step"] is not None:
@@ -133,11 +126,8 @@ def render_one(r: dict[str, Any]) -> str:
         f = r["failure"]
         where = f"rank {f['rank']} on {f.get('node')}: " if f.get("rank") is not None else ""
         lines.append(f"  failure: {where}{f.get('reason')}")
-    lines.append(
-        f"  run dir: {r['run_dir']}"
-        if r["run_dir"] is not None
-        else f"  run dir: none — {r['no_run_dir']}"
-    )
+    run_dir = r["run_dir"] if r["run_dir"] is not None else f"none — {r['no_run_dir']}"
+    lines.append(f"  run dir: {run_dir}")
     return "\n".join(lines)
 
 
@@ -158,19 +148,17 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in rows
     ]
-    return tabulate(
-        table,
-        headers=[
-            "job id",
-            "name",
-            "status",
-            "nodes × ranks",
-            "tokens/s",
-            "MFU",
-            "started",
-            "duration",
-        ],
-    )
+    headers = [
+        "job id",
+        "name",
+        "status",
+        "nodes × ranks",
+        "tokens/s",
+        "MFU",
+        "started",
+        "duration",
+    ]
+    return tabulate(table, headers=headers)
 
 
 def to_json(r: dict[str, Any]) -> dict[str, Any]:
