@@ -88,17 +88,8 @@ def board() -> Any:
     """The cluster's board (created by the first driver that asks; 0 CPUs, lives with Ray)."""
     import ray
 
-    return (
-        ray.remote(JobBoard)
-        .options(
-            name=BOARD_NAME,
-            namespace=BOARD_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-        )
-        .remote()
-    )
+    options = {"name": BOARD_NAME, "namespace": BOARD_NAMESPACE, "lifetime": "detached"}
+    return ray.remote(JobBoard).options(**options, get_if_exists=True, num_cpus=0).remote()
 
 
 def wait_turn(
