@@ -17,16 +17,19 @@ from launcher.orchestrate import ray_cluster
 from launcher.remote import CommandResult
 from launcher.spec import ClusterSpec
 
-CLUSTER = ClusterSpec.model_validate(
-    {
-        "nodes": [
-            {"name": "node0", "host": "198.18.250.10"},
-            {"name": "node1", "host": "198.18.250.11"},
-        ]
-    }
-)
+
+def two_nodes(first: dict | None = None, second: dict | None = None) -> ClusterSpec:
+    """node0 (198.18.250.10) and node1 (.11), with ``first`` and ``second`` as more of their keys."""
+    hosts = [
+        {"host": "198.18.250.10", **(first or {})},
+        {"host": "198.18.250.11", **(second or {})},
+    ]
+    return ClusterSpec.model_validate(
+        {"nodes": [{"name": f"node{i}", **h} for i, h in enumerate(hosts)]}
+    )
 
 
+CLUSTER = two_nodes()
 NODE_TEMP = "/tmp/launcher-ray-node-0-x1y2z3"
 
 
@@ -214,14 +217,7 @@ def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
     saved = CLUSTER.model_copy(update={"ray": CLUSTER.ray.model_copy(update={"dashboard": True})})
     records.save_cluster(saved)
     calls = kept_up(monkeypatch)
-    edited = ClusterSpec.model_validate(
-        {
-            "nodes": [
-                {"name": "node0", "host": "198.18.250.10"},
-                {"name": "node1", "host": "198.18.250.12"},
-            ]
-        }
-    )
+    edited = two_nodes(second={"host": "198.18.250.12"})
     with (
         pytest.raises(
             UsageError,
@@ -239,14 +235,7 @@ def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
     with api.connect(same, start=True) as jobs:  # SSH settings are not the nodes
         assert jobs.cluster == saved
     # Nor are the workers' env and GPU counts: the submission carries them as given now.
-    retuned = ClusterSpec.model_validate(
-        {
-            "nodes": [
-                {"name": "node0", "host": "198.18.250.10", "gpus": 2},
-                {"name": "node1", "host": "198.18.250.11", "env": {"NCCL_SOCKET_IFNAME": "eth1"}},
-            ]
-        }
-    )
+    retuned = two_nodes({"gpus": 2}, {"env": {"NCCL_SOCKET_IFNAME": "eth1"}})
     with api.connect(retuned, start=True) as jobs:
         assert jobs.cluster == saved
     assert calls == []

@@ -216,34 +216,28 @@ def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(
     of another cluster (another port) on a node is left alone."""
     port = free_port()
     monkeypatch.setenv("FAKE_PORT", str(port))
-    monkeypatch.setattr(
-        ray_cluster, "_OTHER_RAY", "pass"
-    )  # tested below; a real Ray here must not matter
+    # tested below; a real Ray here must not matter
+    monkeypatch.setattr(ray_cluster, "_OTHER_RAY", "pass")
     cluster = nodes(port, 3)
     other = start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2")
+
+    def starts() -> list[dict]:
+        return [e for e in fake_ray() if e["cmd"] == "start" and e["port"] == str(port)]
+
+    def joining() -> bool:
+        return {e["ip"] for e in starts()} >= {"127.0.0.2", "127.0.0.3"}
+
     try:
-
-        def joining() -> bool:
-            return {
-                e["ip"] for e in fake_ray() if e["cmd"] == "start" and e["port"] == str(port)
-            } >= {"127.0.0.2", "127.0.0.3"}
-
         with sigint_when(joining), pytest.raises(KeyboardInterrupt):
             ray_cluster._bootstrap(cluster, list(cluster.nodes), {})
 
         log = fake_ray()
-        starts = {e["ip"] for e in log if e["cmd"] == "start" and e["port"] == str(port)}
-        assert starts == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, log
+        started = {e["ip"] for e in starts()}
+        assert started == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, log
         stops = {e["ip"]: e["running"] for e in log if e["cmd"] == "stop"}
-        assert stops == {ip: [] for ip in starts}, (
-            f"a `ray start` still ran when Ray was stopped: {log}"
-        )
+        assert stops == {ip: [] for ip in started}, f"a `ray start` ran when Ray was stopped: {log}"
         time.sleep(0.3)
-        assert not [
-            e
-            for e in fake_ray()
-            if e["cmd"] == "start" and e["port"] == str(port) and _running(e["pid"])
-        ]
+        assert not [e for e in starts() if _running(e["pid"])]
         assert other.poll() is None, "another cluster's `ray start` was killed"
     finally:
         other.kill()
@@ -301,9 +295,8 @@ def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(
             session._start_ray(cluster.nodes[1])
         session.close()
         assert started == [] and stopped == []
-        assert not (
-            tmp_path / "home/.ray/launcher_auth_token"
-        ).exists()  # that Ray's token file untouched
+        # that Ray's token file untouched
+        assert not (tmp_path / "home/.ray/launcher_auth_token").exists()
         assert other.poll() is None
     finally:
         other.kill()
@@ -337,9 +330,7 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
     script = tmp_path / "raylet"
     script.write_text("#!/bin/sh\nexit 0\n")
     script.chmod(0o755)
-    zombie = subprocess.Popen(
-        [str(script), "--gcs-address=127.0.0.9:7001"]
-    )  # not waited for: a zombie
+    zombie = subprocess.Popen([str(script), "--gcs-address=127.0.0.9:7001"])  # a zombie, unwaited
     try:
         stat = Path(f"/proc/{zombie.pid}/stat")
         deadline = time.monotonic() + 10
@@ -349,9 +340,8 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
         assert Path(f"/proc/{zombie.pid}/cmdline").read_bytes() == b""
         result = other_ray_check()
         assert f"raylet pid {zombie.pid} " not in result.stderr, result
-        assert result.returncode in (0, ray_cluster.OTHER_RAY_EXIT), (
-            result
-        )  # a real Ray here may run
+        # a real Ray here may run
+        assert result.returncode in (0, ray_cluster.OTHER_RAY_EXIT), result
     finally:
         zombie.wait()
 
