@@ -365,16 +365,14 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
         p.set_defaults(func=globals()[f"cmd_{name}"])
         return p
 
+    def sets(p: argparse.ArgumentParser, example: str) -> None:
+        help = f"override a job field, e.g. --set {example} (repeatable)"
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=help)
+
     def job_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("job", help="job spec (YAML)")
         p.add_argument("--cluster", help=CLUSTER_HELP)
-        p.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a job field, e.g. --set train.steps=50 (repeatable)",
-        )
+        sets(p, "train.steps=50")
         p.add_argument(
             "--skip-parity",
             action="store_true",
@@ -488,13 +486,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
 
     p = command("tokenize", "tokenize a job's text data into the cache, ahead of a run")
     p.add_argument("job", help="job spec (YAML) with data.source text")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a job field, e.g. --set data.path=more.txt (repeatable)",
-    )
+    sets(p, "data.path=more.txt")
 
     p = command("schema", "JSON Schema of the job or cluster spec")
     p.add_argument("which", choices=("job", "cluster"))

@@ -173,12 +173,7 @@ def list_jobs(cluster: ClusterSpec, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps([job_state.to_json(r) for r in rows]), flush=True)
     else:
-        print(
-            job_state.render_table(rows)
-            if rows
-            else "no jobs: nothing was submitted on this cluster",
-            flush=True,
-        )
+        print(job_state.render_table(rows) if rows else str(NoJobs()), flush=True)
     return 0
 
 
@@ -480,11 +475,8 @@ class _Follower:
 def _stop_wait(details: Any) -> float:
     """How long Ray gives this job's driver to tear down after SIGINT (set at submission from
     its ``launch.stop_grace_s``) before it sends SIGKILL."""
-    return float(
-        (details.runtime_env or {})
-        .get("env_vars", {})
-        .get("RAY_JOB_STOP_WAIT_TIME_S", STOP_WAIT_MIN_S)
-    )
+    env = (details.runtime_env or {}).get("env_vars", {})
+    return float(env.get("RAY_JOB_STOP_WAIT_TIME_S", STOP_WAIT_MIN_S))
 
 
 def _wait_ended(jobs: JobsCluster, job_id: str, *, timeout_s: float) -> Any:

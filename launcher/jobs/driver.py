@@ -78,11 +78,9 @@ class Driver:
         _leave_upload_out()
         cluster = ClusterSpec.model_validate(sub["cluster"])
         job = _with_shipped_code(self.job, Path.cwd() / CODE_DIR)
-        facts = (
-            {n: NodeFacts(gpus=g) for n, g in sub["facts"].items()}
-            if sub["facts"] is not None
-            else None
-        )
+        facts = None
+        if sub["facts"] is not None:
+            facts = {n: NodeFacts(gpus=g) for n, g in sub["facts"].items()}
         # Attach to the Ray this driver runs on; Ray Jobs sets RAY_ADDRESS for it.
         attached = cluster.model_copy(
             update={"ray": cluster.ray.model_copy(update={"address": "auto"})}
@@ -155,14 +153,8 @@ class StateLog(RunLog):
         news = (self._step, round(sum(self._rates.values()), 1) if self._rates else None)
         if self._step is not None and news != self._said and now - self._said_at >= STATE_EVERY_S:
             self._said_at, self._said = now, news
-            emit(
-                {
-                    "state": "running",
-                    "step": news[0],
-                    "tokens_per_s": news[1],
-                    "attempt": self.attempt,
-                }
-            )
+            step, rate = news
+            emit({"state": "running", "step": step, "tokens_per_s": rate, "attempt": self.attempt})
 
     def open(self, launch_plan: Any) -> None:
         if launch_plan.attempt != self.attempt:  # a restart: other ranks, perhaps fewer
