@@ -66,10 +66,8 @@ def test_a_demand_above_the_capacity_takes_the_whole_node():
     big = Ticket("b", "big", {"10.0.0.1": {"CPU": 64.0}}, NAMES)
     assert decide(big, alive("b"), {}, CAPACITY) is None
     held = {"a": Ticket("a", "one", {"10.0.0.1": {"CPU": 1.0}}, NAMES)}
-    assert (
-        decide(big, alive("a", "b"), held, CAPACITY)
-        == "waiting for 2 CPU slots on node0, held by job a (one)"
-    )
+    reason = decide(big, alive("a", "b"), held, CAPACITY)
+    assert reason == "waiting for 2 CPU slots on node0, held by job a (one)"
 
 
 def test_board_forgets_jobs_that_are_no_longer_alive():

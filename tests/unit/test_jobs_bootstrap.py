@@ -123,9 +123,8 @@ def test_the_bootstrap_records_the_addresses_its_ray_start_was_given(monkeypatch
     )
     monkeypatch.setattr(ray_cluster, "open_session", lambda cluster, nodes, code=None: session)
     spec = api._bootstrap(CLUSTER)
-    assert (
-        records.saved_cluster(CLUSTER) == spec and records.saved_addresses(CLUSTER) == started_with
-    )
+    assert records.saved_cluster(CLUSTER) == spec
+    assert records.saved_addresses(CLUSTER) == started_with
     assert left == [True]  # Ray left running, its watchdog stood down
 
 

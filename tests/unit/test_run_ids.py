@@ -234,10 +234,8 @@ def test_two_queued_submits_to_one_run_dir_the_second_is_refused(tmp_path, head_
     assert (run_dir / ".launcher-job").read_text().strip() == first
     rc, out = submit(run_dir, capsys)
     assert rc == 2 and len(client.submitted) == 1
-    assert (
-        out.err.startswith(f"error: --run-dir {run_dir} is marked for job {first}")
-        and out.err.count("\n") == 1
-    )
+    assert out.err.startswith(f"error: --run-dir {run_dir} is marked for job {first}")
+    assert out.err.count("\n") == 1
 
 
 def test_a_submission_that_fails_frees_its_run_dir(tmp_path, head_here, capsys):
@@ -284,9 +282,8 @@ def test_the_driver_refuses_a_run_dir_that_holds_a_run(tmp_path, monkeypatch):
     (old / "summary.json").write_text('{"status": "succeeded"}')
     rc, log, got = driven(tmp_path, monkeypatch, old)
     assert rc == 2 and got is None
-    assert (
-        f"error: --run-dir {old} is not empty (summary.json)" in log and "Pick a new folder" in log
-    )
+    assert f"error: --run-dir {old} is not empty (summary.json)" in log
+    assert "Pick a new folder" in log
     final = state.last_state(log)
     assert final["state"] == "done" and final["status"] == "failed"
     assert f"--run-dir {old} is not empty" in final["failure"]["reason"]
@@ -447,19 +444,13 @@ def test_fetch_of_a_job_whose_driver_refused_its_run_dir_copies_nothing(
     dest = tmp_path / "fetched"
     assert main(["fetch", "q-1", *flags, "--to", str(dest)]) == 2
     err = capsys.readouterr().err
-    assert (
-        err.startswith(
-            f"error: job q-1 has no run directory to fetch (FAILED): its driver refused {old}"
-        )
-        and "launch logs q-1" in err
-        and err.count("\n") == 1
-    )
+    refused = f"error: job q-1 has no run directory to fetch (FAILED): its driver refused {old}"
+    assert err.startswith(refused) and "launch logs q-1" in err and err.count("\n") == 1
     assert not dest.exists()
     assert main(["status", "q-1", *flags, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert (
-        shown["run_dir"] is None and f"--run-dir {old} is not empty" in shown["failure"]["reason"]
-    )
+    assert shown["run_dir"] is None
+    assert f"--run-dir {old} is not empty" in shown["failure"]["reason"]
     assert main(["status", "q-1", *flags]) == 0
     assert f"run dir: none — its driver refused {old}" in capsys.readouterr().out
 
