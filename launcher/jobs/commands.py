@@ -446,10 +446,7 @@ class _Follower:
         stream = client.tail_job_logs(job_id)
         while True:
             try:  # a stream opened again sends what was printed at once: silence is a dead end
-                if skip:
-                    chunk = await asyncio.wait_for(anext(stream), RESEND_S)
-                else:
-                    chunk = await anext(stream)
+                chunk = await asyncio.wait_for(anext(stream), RESEND_S if skip else None)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
