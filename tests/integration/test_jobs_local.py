@@ -84,6 +84,11 @@ class Jobs:
 
         return wait_for(check, timeout=timeout, what=f"job {job_id} to be {wanted}", poll=0.5)
 
+    def wait_step(self, job_id: str) -> None:
+        """Until the job has taken a step."""
+        what = f"job {job_id}'s first step"
+        wait_for(lambda: self.status(job_id)["step"], timeout=180, what=what, poll=1.0)
+
     def head(self) -> dict:
         path = Path(self.env["LAUNCHER_STATE_DIR"]) / "local/head.json"
         return json.loads(path.read_text())
@@ -156,37 +161,20 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
     assert jobs.run("list", "--json").returncode == 0
     baseline = time.monotonic() - began
     # The submitter is SIGKILLed as soon as it has printed the job id: the job does not need it.
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "submit",
-            str(ROOT / "jobs/quickstart.yaml"),
-            "--json",
-            "--skip-parity",
-            *QUICK,
-            *sets("report.tensorboard=true"),
-        ],
-        cwd=jobs.cwd,
-        env=jobs.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    argv = [sys.executable, "-m", "launcher", "submit", str(ROOT / "jobs/quickstart.yaml")]
+    argv += ["--json", "--skip-parity", *QUICK, *sets("report.tensorboard=true")]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    proc = subprocess.Popen(argv, cwd=jobs.cwd, env=jobs.env, **pipes)
     started = time.monotonic()
     first = proc.stdout.readline()
     took = time.monotonic() - started
     proc.kill()
     proc.wait(timeout=10)
     submitted = json.loads(first)
-    assert (
-        set(submitted) == {"job_id", "name", "cluster", "run_dir"}
-        and submitted["name"] == "quickstart"
-    )
-    assert took < baseline + 5.0, (
-        f"the job id came after {took:.1f} s (a `launch list`: {baseline:.1f} s)"
-    )
+    assert set(submitted) == {"job_id", "name", "cluster", "run_dir"}
+    assert submitted["name"] == "quickstart"
+    late = f"the job id came after {took:.1f} s (a `launch list`: {baseline:.1f} s)"
+    assert took < baseline + 5.0, late
     job_id = submitted["job_id"]
 
     seen: list[str] = []
@@ -202,11 +190,8 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
 
     logs = jobs.run("logs", job_id)
     assert logs.returncode == 0
-    assert (
-        "[local/rank0] step 6/6" in logs.stdout
-        and "Per rank" in logs.stdout
-        and "Job" in logs.stdout
-    )
+    assert "[local/rank0] step 6/6" in logs.stdout and "Per rank" in logs.stdout
+    assert "Job" in logs.stdout
     assert "::launcher-state::" not in logs.stdout
     listed = json.loads(jobs.run("list", "--json").stdout)
     mine = next(r for r in listed if r["job_id"] == job_id)
@@ -231,7 +216,7 @@ def test_submit_follow_fetch_and_report_survive_the_submitter(jobs, tmp_path):
 
 
 def test_a_running_job_is_private_holds_the_queue_and_stop_tears_it_down_within_15_s(jobs, slow):
-    """One running job serves what needs one (two tests before, merged to start it once):
+    """One running job serves what needs one:
     - while it runs, user nobody (when we are root) can create no file under the head's temp dir
       (where Ray unpacks the code its drivers run), the job's node folder or the state dir, and
       can read none of them (the job driver logs hold rank 0's output);
@@ -247,12 +232,7 @@ def test_a_running_job_is_private_holds_the_queue_and_stop_tears_it_down_within_
     try:
         second = jobs.submit("--skip-parity", *QUICK, *nproc)["job_id"]
         submitted.append(second)
-        wait_for(
-            lambda: jobs.status(first)["step"],
-            timeout=180,
-            what="the first job's first step",
-            poll=1.0,
-        )
+        jobs.wait_step(first)
         assert jobs.status(first)["status"] == "RUNNING"
 
         def second_waits() -> str | None:
@@ -327,9 +307,8 @@ def test_bad_input(jobs, tmp_path):
     # no launcher Ray at all (another state dir): status says so and exits 0
     empty = Jobs(tmp_path / "empty-state", tmp_path)
     result = empty.run("status")
-    assert (
-        result.returncode == 0 and "no jobs: nothing was submitted on this cluster" in result.stdout
-    )
+    assert result.returncode == 0
+    assert "no jobs: nothing was submitted on this cluster" in result.stdout
     assert empty.run("logs", "x").returncode == 2
     assert "nothing to stop" in empty.run("down").stdout
     # a failed preflight submits nothing (exit 3): a node with 4 GPUs declared, none found
@@ -483,8 +462,7 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, slow, t
     """The first submission marks the folder for its job; a second one given the same
     --run-dir is refused (exit 2, naming the remedy) while the folder is there, also after the
     first job ended; removed, the folder is the next job's. The first job ends by its driver
-    being SIGKILLed (a test of its own before, merged to start one job less): it fails within
-    30 s, naming the driver's exit, and leaves no worker."""
+    being SIGKILLed: it fails within 30 s, naming the driver's exit, and leaves no worker."""
     folder = tmp_path / "shared"
 
     def submit(*extra: str):
@@ -505,12 +483,7 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, slow, t
         refused = submit()
         assert refused.returncode == 2, refused.stderr
         assert f"--run-dir {folder}" in refused.stderr and "remove" in refused.stderr
-        wait_for(
-            lambda: jobs.status(first)["step"],
-            timeout=180,
-            what="the slow job's first step",
-            poll=1.0,
-        )
+        jobs.wait_step(first)
         drivers = [
             pid for pid, cmd in job_processes(first).items() if "launcher.jobs.driver" in cmd
         ]
