@@ -81,17 +81,10 @@ def test_board_forgets_jobs_that_are_no_longer_alive():
 
 
 def test_state_lines_round_trip_and_stay_out_of_the_logs():
-    logs = "\n".join(
-        [
-            "step 1",
-            state.line({"state": "running", "step": 1}),
-            "step 2",
-            state.line({"state": "done", "status": "succeeded", "tokens_per_s": 9.5}),
-            "bye",
-            "",
-        ]
-    )
-    assert state.last_state(logs) == {"state": "done", "status": "succeeded", "tokens_per_s": 9.5}
+    done = {"state": "done", "status": "succeeded", "tokens_per_s": 9.5}
+    running = state.line({"state": "running", "step": 1})
+    logs = "\n".join(["step 1", running, "step 2", state.line(done), "bye", ""])
+    assert state.last_state(logs) == done
     assert state.strip(logs) == "step 1\nstep 2\nbye\n"
     assert state.last_state("no state here\n") is None
 
@@ -168,13 +161,10 @@ def test_a_restarted_job_shows_its_attempt():
 
 
 def test_a_killed_driver_is_failed_with_rays_reason():
-    message = (
-        "Job entrypoint command failed with exit code -9, last available logs (truncated):\n..."
-    )
+    reason = "Job entrypoint command failed with exit code -9"
+    message = f"{reason}, last available logs (truncated):\n..."
     row = state.row(details("FAILED", message), state.line({"state": "running", "step": 3}))
-    assert row["status"] == "FAILED" and row["failure"] == {
-        "reason": "Job entrypoint command failed with exit code -9"
-    }
+    assert row["status"] == "FAILED" and row["failure"] == {"reason": reason}
 
 
 def test_jobs_address_needs_an_attached_cluster(tmp_path):
