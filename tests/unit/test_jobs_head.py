@@ -134,21 +134,14 @@ def test_a_lost_token_file_is_exit_3_and_down_yes_stops_the_head(tmp_path, head_
 def test_a_corrupt_cluster_record_is_exit_3_and_down_yes_forgets_it(tmp_path):
     import yaml
 
+    nodes = [{"name": "node0", "host": "198.18.250.10"}]
+    ssh = {"key": str(tmp_path / "no-key"), "connect_timeout_s": 1}
     cluster = tmp_path / "cluster.yaml"
-    cluster.write_text(
-        yaml.safe_dump(
-            {
-                "nodes": [{"name": "node0", "host": "198.18.250.10"}],
-                "ssh": {"key": str(tmp_path / "no-key"), "connect_timeout_s": 1},
-            }
-        )
-    )
+    cluster.write_text(yaml.safe_dump({"nodes": nodes, "ssh": ssh}))
     folder = tmp_path / "state/clusters"
     folder.mkdir(parents=True)
     record = folder / "198.18.250.10-6379.json"
-    record.write_text(
-        json.dumps({"nodes": [{"name": "node0", "host": "198.18.250.10"}], "from": "v0"})
-    )
+    record.write_text(json.dumps({"nodes": nodes, "from": "v0"}))  # not a spec of this version
     status = launch(tmp_path, "status", "--cluster", str(cluster))
     said = status.stderr[-2000:]
     assert status.returncode == 3 and f"record {record} cannot be read" in status.stderr, said
