@@ -24,10 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def ended_succeeded(job_id: str, follow_output: str) -> bool:
     """``logs --follow`` saw the job end, or (a short job) found it ended already: either way
     it printed the whole log first."""
-    return (
-        re.search(rf"job {job_id} (ended: SUCCEEDED|has ended \(SUCCEEDED\))", follow_output)
-        is not None
-    )
+    ended = rf"job {job_id} (ended: SUCCEEDED|has ended \(SUCCEEDED\))"
+    return re.search(ended, follow_output) is not None
 
 
 def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
@@ -58,11 +56,8 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         assert f"[{head}/rank0] step 6/6" in follow.stdout and "Per rank" in follow.stdout
         assert ended_succeeded(job_id, follow.stdout), follow.stdout[-3000:]
         state = json.loads(launch("status", job_id, "--json").stdout)
-        assert (
-            state["status"] == "SUCCEEDED"
-            and state["world_size"] == 2
-            and state["tokens_per_s"] > 0
-        )
+        assert state["status"] == "SUCCEEDED" and state["world_size"] == 2
+        assert state["tokens_per_s"] > 0
 
         assert not Path(run_dir).exists()
         fetched = tmp_path / "fetched"
@@ -70,9 +65,8 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
         summary = json.loads((fetched / "summary.json").read_text())
         assert summary["status"] == "succeeded" and summary["nodes"] == 2
-        assert {r["host"] for r in summary["ranks"]} == {
-            cluster.host(n) for n in cluster.node_names
-        }
+        hosts = {cluster.host(n) for n in cluster.node_names}
+        assert {r["host"] for r in summary["ranks"]} == hosts
         for rank, node in enumerate(cluster.node_names):
             assert (fetched / f"logs/{node}/rank{rank}.log").stat().st_size > 0
             assert (fetched / f"preflight/{node}.json").is_file()  # the preflight made outside
@@ -80,25 +74,16 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
         assert report.returncode == 0 and "Per node" in report.stdout
 
         # The Jobs API listens on the head's 127.0.0.1 only, and wants the token.
-        check = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                (
-                    "import sys; from launcher.jobs.api import connect; from launcher.jobs.head import api_status;"
-                    "from launcher.spec import load_cluster\n"
-                    f"with connect(load_cluster({str(cluster_file)!r})) as jobs:\n"
-                    "    print(api_status(jobs.url, None), api_status(jobs.url, '0' * 64))"
-                ),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
+        code = (
+            "from launcher.jobs.api import connect; from launcher.jobs.head import api_status\n"
+            "from launcher.spec import load_cluster\n"
+            f"with connect(load_cluster({str(cluster_file)!r})) as jobs:\n"
+            "    print(api_status(jobs.url, None), api_status(jobs.url, '0' * 64))"
         )
-        assert check.stdout.split()[0] == "401" and check.stdout.split()[1] in ("401", "403"), (
-            check.stderr
-        )
+        argv = [sys.executable, "-c", code]
+        check = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        answers = check.stdout.split()
+        assert answers[:1] == ["401"] and answers[1:] in (["401"], ["403"]), check.stderr
         bound = cluster.exec(head, "ss -ltnH 'sport = :8265'").stdout
         assert bound and all("127.0.0.1:8265" in line for line in bound.splitlines()), bound
         # the token never reached a command line or the launcher's output
@@ -121,9 +106,8 @@ def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> No
     job_file = project(tmp_path)
     workdir = job_file.parent
     (workdir / ".gitignore").write_text("data/\n")  # the job's excludes decide, not a .gitignore
-    submitted = launch(
-        "submit", str(job_file), "--run-dir", f"/tmp/scriptrun-{uuid.uuid4().hex[:8]}", "--json"
-    )
+    run_dir = f"/tmp/scriptrun-{uuid.uuid4().hex[:8]}"
+    submitted = launch("submit", str(job_file), "--run-dir", run_dir, "--json")
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
     follow = launch("logs", job_id, "--follow")
@@ -134,9 +118,7 @@ def submit_a_script_whose_workdir_travels(launch, cluster, tmp_path: Path) -> No
     assert json.loads((fetched / "plan.json").read_text())["code"]["mode"] == "ray"
     assert not (workdir / "out").exists()  # the outputs stay in the nodes' copies
     for node in cluster.node_names:
-        assert (
-            cluster.exec(node, f"test -e {workdir} && echo yes || echo no").stdout.strip() == "no"
-        )
+        assert cluster.exec(node, f"test -e {workdir} || echo no").stdout.strip() == "no"
 
 
 def a_failed_second_start_leaves_ray_running(
@@ -160,15 +142,13 @@ def a_failed_second_start_leaves_ray_running(
     cluster.exec(head, "mv /root/.ray/launcher_auth_token /root/.ray/kept-token", check=True)
     try:
         failed = launch("submit", str(job_file), "--json")
-        assert failed.returncode == 3 and "is in use: a Ray runs there" in failed.stderr, (
-            failed.stderr[-2000:]
-        )
+        said = failed.stderr[-2000:]
+        assert failed.returncode == 3 and "is in use: a Ray runs there" in failed.stderr, said
     finally:
         cluster.exec(head, "mv /root/.ray/kept-token /root/.ray/launcher_auth_token", check=True)
     state = launch("status", job_id, "--json")
-    assert state.returncode == 0 and json.loads(state.stdout)["status"] == "SUCCEEDED", (
-        state.stderr[-2000:]
-    )
+    assert state.returncode == 0, state.stderr[-2000:]
+    assert json.loads(state.stdout)["status"] == "SUCCEEDED"
 
 
 def a_stopped_ray_is_said_not_to_answer(launch, cluster, job_id: str) -> None:
