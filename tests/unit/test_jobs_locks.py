@@ -65,9 +65,8 @@ def held_elsewhere(which: str, cluster: ClusterSpec) -> Iterator[None]:
         text=True,
     )
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "held", (
-            "the holder failed"
-        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "held", "the holder failed"
         yield
     finally:
         assert proc.stdin is not None

@@ -11,7 +11,6 @@ import tempfile
 import types
 
 import pytest
-import yaml
 from fixtures.launching import write_job
 
 from launcher import cli
@@ -27,10 +26,8 @@ def submission(tmp_path, monkeypatch):
     work.mkdir()
     (work / "train.py").write_text("print('hi')\n")
     (work / "helper.py").write_text("V = 1\n")
-    cluster = {
-        "nodes": [{"name": "a", "host": "198.18.0.10"}, {"name": "b", "host": "198.18.0.11"}]
-    }
-    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(cluster))
+    nodes = "[{name: a, host: 198.18.0.10}, {name: b, host: 198.18.0.11}]"
+    (tmp_path / "cluster.yaml").write_text(f"nodes: {nodes}\n")
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
