@@ -50,12 +50,8 @@ def test_the_quickstart_inside_an_allocation_or_outside_one(slurm, env, files, t
     """Outside one the launcher allocates, and releases the allocation with its Ray steps."""
     job_file, cluster_file = files
     run_dir = tmp_path / "run"
-    run = launch(
-        *(str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir)),
-        cwd=tmp_path,
-        env=env,
-        prefix=salloc,
-    )
+    argv = (str(job_file), "--cluster", str(cluster_file), "--run-dir", str(run_dir))
+    run = launch(*argv, cwd=tmp_path, env=env, prefix=salloc)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ranks_on_both_nodes(slurm, run_dir)
     if salloc:
@@ -70,12 +66,8 @@ def test_the_quickstart_inside_an_allocation_or_outside_one(slurm, env, files, t
 
 def test_an_allocation_smaller_than_the_job_is_exit_2(slurm, env, files, tmp_path):
     job_file, cluster_file = files
-    run = launch(
-        *(str(job_file), "--cluster", str(cluster_file)),
-        cwd=tmp_path,
-        env=env,
-        prefix=("salloc", "-N1", "--quiet"),
-    )
+    argv = (str(job_file), "--cluster", str(cluster_file))
+    run = launch(*argv, cwd=tmp_path, env=env, prefix=("salloc", "-N1", "--quiet"))
     assert run.returncode == 2, run.stderr[-2000:]
     assert "asks for 2 nodes" in run.stderr and "has 1" in run.stderr
     # salloc's allocation stays in the queue (completing) until slurmctld hears from every node
@@ -113,13 +105,8 @@ def test_an_allocation_that_does_not_start_in_wait_s_is_exit_3_and_cancelled(
 
 def test_no_slurm_commands_is_exit_2(files, tmp_path):
     job_file, cluster_file = files
-    path = str(Path(sys.executable).parent)
-    run = launch(
-        *(str(job_file), "--cluster", str(cluster_file)),
-        cwd=tmp_path,
-        env={**os.environ, "PATH": path},
-        timeout=120,
-    )
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    run = launch(str(job_file), "--cluster", str(cluster_file), cwd=tmp_path, env=env, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "no srun" in run.stderr and "Traceback" not in run.stderr
 
@@ -182,8 +169,8 @@ def test_stop_of_a_batch_job_leaves_nothing_on_the_nodes(slurm, env, shared):
     (shared / "job.yaml").write_text(yaml.safe_dump(job))
     submitted = batch(env, shared, "submit", str(shared / "job.yaml"), "--json")
     assert submitted.returncode == 0, submitted.stderr[-3000:]
-    job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
-    run_dir = Path(json.loads(submitted.stdout.strip().splitlines()[-1])["run_dir"])
+    out = json.loads(submitted.stdout.strip().splitlines()[-1])
+    job_id, run_dir = out["job_id"], Path(out["run_dir"])
     wait_for(
         lambda: list(run_dir.glob("metrics/rank*.jsonl")), timeout=300, what="training", poll=2
     )
