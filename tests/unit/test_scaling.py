@@ -65,15 +65,17 @@ def test_weak_scaling_keeps_the_job():
         (8, 4, 1, 4, (2, 4)),  # keep grad_accum, shrink micro_batch
         (8, 4, 1, 8, (1, 4)),
         (4, 4, 1, 2, (2, 4)),
-        (
-            6,
-            4,
-            1,
-            8,
-            (3, 1),
-        ),  # 3 per rank: neither ga 4 nor mb 6 divides; largest micro-batch that does
+        # 3 per rank: neither ga 4 nor mb 6 divides; largest micro-batch that does
+        (6, 4, 1, 8, (3, 1)),
         (16, 1, 4, 2, (32, 1)),  # fewer ranks than the base: the micro-batch grows
         (6, 2, 2, 3, (4, 2)),
+        # 12 per rank: ga 5 does not divide; micro_batch 4 kept with ga 3 does
+        (4, 5, 3, 5, (4, 3)),
+        # the micro-batch never grows when splitting: 14 per rank, ga 3 does not divide, mb 7 does
+        (7, 3, 2, 3, (7, 2)),
+        (5, 3, 2, 3, (5, 2)),  # 10 per rank: mb 5 does
+        (4, 3, 3, 2, (6, 3)),  # 18 per rank: ga 3 divides
+        (4, 4, 5, 8, (2, 5)),  # 10 per rank: 4 does not divide; the largest divisor <= 4 is 2
     ],
 )
 def test_strong_scaling_keeps_the_global_batch(mb, ga, base, world, expect):
@@ -81,27 +83,6 @@ def test_strong_scaling_keeps_the_global_batch(mb, ga, base, world, expect):
     assert (scaled.train.micro_batch, scaled.train.grad_accum) == expect
     assert scaled.train.micro_batch * scaled.train.grad_accum * world == mb * ga * base
     assert scaled.name == "bert-ddp" and scaled.train.steps == 50
-
-
-def test_strong_scaling_prefers_grad_accum_over_a_larger_micro_batch():
-    # 12 samples per rank at ga 5 does not divide; micro_batch 4 kept with ga 3 does.
-    scaled = scale_job(job(4, 5), 5, 3, "strong")
-    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (4, 3)
-
-
-def test_strong_scaling_never_grows_the_micro_batch_when_splitting():
-    # 7 x 3 x 2 = 42 over 3 ranks = 14 per rank: ga 3 does not divide 14, mb 7 does: (7, 2).
-    scaled = scale_job(job(7, 3), 3, 2, "strong")
-    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (7, 2)
-    # 5 x 3 x 2 = 30 over 3 = 10 per rank: ga 3 does not divide 10, mb 5 does: (5, 2).
-    scaled = scale_job(job(5, 3), 3, 2, "strong")
-    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (5, 2)
-    # 4 x 3 x 3 = 36 over 2 = 18 per rank: ga 3 divides: (6, 3).
-    scaled = scale_job(job(4, 3), 2, 3, "strong")
-    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (6, 3)
-    # 4 x 4 x 5 = 80 over 8 = 10 per rank: 4 does not divide 10; the largest divisor <= 4 is 2.
-    scaled = scale_job(job(4, 4), 8, 5, "strong")
-    assert (scaled.train.micro_batch, scaled.train.grad_accum) == (2, 5)
 
 
 @pytest.mark.parametrize(
@@ -248,31 +229,23 @@ def test_write_scaling_files_and_valid_png(tmp_path):
     assert float(rows[3]["efficiency"]) == pytest.approx(28_000.0 / 8 / 4_000.0)
 
 
-def test_plot_of_a_study_whose_script_reports_no_tokens(tmp_path):
-    # metrics.report(step=...) without tokens: 0 tokens/s everywhere, so no base and no efficiency
-    table = build_table(
-        [
-            {"nodes": 1, "ranks": r, "global_batch": 8, "repeats": [summary_with(0.0)]}
-            for r in (1, 2)
-        ],
-        job="script",
-        mode="weak",
-    )
-    assert table["base_ranks"] is None and all(p["efficiency"] is None for p in table["points"])
+@pytest.mark.parametrize(
+    ("mode", "repeats"),
+    [
+        # metrics.report(step=...) without tokens: 0 tokens/s, so no base and no efficiency
+        ("weak", [[summary_with(0.0)], [summary_with(0.0)]]),
+        ("strong", [[None], [10.0]]),  # an unmeasured point
+    ],
+)
+def test_plot_of_a_study_with_points_it_cannot_compare(tmp_path, mode, repeats):
+    points = [
+        {"nodes": 1, "ranks": r, "global_batch": 8 * r, "repeats": rep}
+        for r, rep in zip((1, 2), repeats, strict=True)
+    ]
+    table = build_table(points, job="j", mode=mode)
+    if mode == "weak":
+        assert table["base_ranks"] is None and all(p["efficiency"] is None for p in table["points"])
     write_scaling(tmp_path, table)
-    assert (tmp_path / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
-
-
-def test_plot_with_an_unmeasured_point(tmp_path):
-    t = build_table(
-        [
-            {"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": [None]},
-            {"nodes": 1, "ranks": 2, "global_batch": 16, "repeats": [10.0]},
-        ],
-        job="j",
-        mode="strong",
-    )
-    write_scaling(tmp_path, t)
     assert (tmp_path / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
