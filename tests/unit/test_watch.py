@@ -93,18 +93,21 @@ class FakeAgents(Agents):
         return {i: {"trace.json": f"agent {i} of {id(self)}".encode()} for i in range(3)}
 
 
-def watch(agents: FakeAgents, *, hang_timeout_s=None, clock=None, **launch):
-    lp = plan(job(**launch), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
+def two_node_plan():
+    return plan(job(), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
+
+
+def watch(agents: FakeAgents, hang_timeout_s=None, **watcher):
+    """The watch loop's failure over a two-node plan, and every update it handed on."""
     seen = []
-    kwargs = {"clock": clock} if clock else {}
-    watcher = Watcher(
+    failure = Watcher(
         agents,
-        lp,
+        two_node_plan(),
         on_update=lambda node, update: seen.append((node.name, update)),
         hang_timeout_s=hang_timeout_s,
-        **kwargs,
-    )
-    return watcher.run(), seen
+        **watcher,
+    ).run()
+    return failure, seen
 
 
 def test_every_node_exiting_0_is_success_and_every_update_is_handed_on():
@@ -148,9 +151,8 @@ def test_the_structured_error_file_names_the_rank_and_its_exception():
     failure, _ = watch(agents)
     assert (failure.rank, failure.node) == (0, "a")
     assert failure.reason == "rank 0 on node a (198.18.0.10) raised ValueError: bad batch"
-    assert failure.log_tail.endswith(
-        "ValueError: bad batch"
-    )  # the traceback, as the rank's lines hold none
+    # the traceback, as the rank's lines hold none
+    assert failure.log_tail.endswith("ValueError: bad batch")
 
 
 def test_a_non_finite_stop_is_its_own_kind_and_is_not_restarted():
@@ -192,11 +194,8 @@ OWN = ["Traceback (most recent call last):", "RuntimeError: injected failure at 
 @pytest.mark.parametrize(
     ("other_second", "root_tail", "named"),
     [
-        (
-            "52",
-            PEER,
-            1,
-        ),  # the same second, and the root cause's log shows its peer's failure: the other rank
+        # the same second, and the root cause's log shows its peer's failure: the other rank
+        ("52", PEER, 1),
         ("53", PEER, 0),  # a later second: torchrun's order stands
         ("52", OWN, 0),  # the root cause failed on its own: it stands
     ],
@@ -209,8 +208,7 @@ def test_a_rank_failing_on_its_peer_in_the_same_second_is_not_named(other_second
         [{0: AgentUpdate(exit=ExitStatus(1))}],
         tails={(0, None): report, (0, 0): root_tail, (0, 1): OWN},
     )
-    lp = plan(job(), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
-    node = dataclasses.replace(lp.nodes[0], nproc=2, ranks=[0, 1])
+    node = dataclasses.replace(two_node_plan().nodes[0], nproc=2, ranks=[0, 1])
     failure = rank_failure(agents, 0, node, ExitStatus(1))
     assert failure.rank == named
     assert failure.exit_code == (1 if named == 1 else -6)
@@ -222,10 +220,8 @@ def test_a_signal_is_read_from_the_exit_code():
         tails={(1, None): ROOT_CAUSE[:3] + ["  exitcode  : -9 (pid: 1)"]},
     )
     failure, _ = watch(agents)
-    assert (failure.exit_code, failure.signal) == (
-        -9,
-        "SIGKILL",
-    ) and "signal SIGKILL" in failure.reason
+    assert (failure.exit_code, failure.signal) == (-9, "SIGKILL")
+    assert "signal SIGKILL" in failure.reason
 
 
 def test_a_lost_node_is_named_not_its_echo():
@@ -251,18 +247,14 @@ def test_a_failed_ranks_node_lost_before_its_log_is_read_is_a_lost_node():
             raise ConnectionError("the actor died")
 
     failure, _ = watch(Dying([{1: AgentUpdate(exit=ExitStatus(1))}]))
-    assert (failure.kind, failure.node) == (
-        FailureKind.LOST_NODE,
-        "b",
-    ) and "the actor died" in failure.reason
+    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "b")
+    assert "the actor died" in failure.reason
 
 
 def test_a_silent_agent_is_a_lost_node():
     failure, _ = watch(FakeAgents([{0: AgentUpdate(records=[step(0, 1)])}], silent=0))
-    assert (failure.kind, failure.node) == (
-        FailureKind.LOST_NODE,
-        "a",
-    ) and "no answer for 30 s" in failure.reason
+    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "a")
+    assert "no answer for 30 s" in failure.reason
 
 
 def test_the_hang_watchdog_blames_the_rank_that_got_least_far():
@@ -445,12 +437,8 @@ def test_a_lost_node_is_replaced_by_the_spare(elastic_run):
     assert placed == [["n0", "n1", "n3"]] and session.added == ["n3"]
     assert [p.world_size for p in launcher.plans] == [3, 3]
     [restart] = launcher.restarts
-    assert (restart.attempt, restart.failed_node, restart.nodes, restart.world_size) == (
-        1,
-        "n2",
-        ["n0", "n1", "n3"],
-        3,
-    )
+    assert (restart.attempt, restart.failed_node, restart.world_size) == (1, "n2", 3)
+    assert restart.nodes == ["n0", "n1", "n3"]
 
 
 def test_without_a_spare_the_job_goes_on_smaller_with_the_same_global_batch(elastic_run):
@@ -469,10 +457,8 @@ def test_a_global_batch_that_does_not_divide_refuses_the_restart(elastic_run):
     job = elastic_job(micro_batch=4, grad_accum=1)  # 12 samples over 2 ranks of 4: no
     _, outcome, placed = elastic_run(job, [[lost(2)]], FakeSession(refuse={"n3"}))
     assert outcome.status is Status.FAILED and placed == []
-    assert (
-        "does not divide" in outcome.failure.reason
-        and "elastic_batch: scale" in outcome.failure.reason
-    )
+    assert "does not divide" in outcome.failure.reason
+    assert "elastic_batch: scale" in outcome.failure.reason
     scaled = elastic_job(micro_batch=4, grad_accum=1, elastic_batch="scale")
     _, outcome, _ = elastic_run(scaled, [[lost(2)], [done_round()]], FakeSession(refuse={"n3"}))
     assert outcome.status is Status.SUCCEEDED
@@ -557,16 +543,8 @@ def test_the_hang_blames_the_rank_outside_the_collective_from_the_stacks():
     )
     agents.stacks = lambda: {"rank0.txt": waiting.encode(), "rank1.txt": stuck.encode()}
     handed: list = []
-    lp = plan(job(), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
     clock = iter(range(0, 10**6, 10)).__next__
-    failure = Watcher(
-        agents,
-        lp,
-        on_update=lambda node, update: None,
-        hang_timeout_s=25.0,
-        on_stacks=handed.append,
-        clock=clock,
-    ).run()
+    failure, _ = watch(agents, hang_timeout_s=25.0, on_stacks=handed.append, clock=clock)
     assert failure.kind is FailureKind.HANG and (failure.rank, failure.node) == (1, "b")
     assert "not in the all_reduce" in failure.reason
     assert "load_batch (train.py:12) ← main (train.py:29)" in failure.reason
