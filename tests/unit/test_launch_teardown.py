@@ -120,12 +120,8 @@ def test_a_connection_lost_mid_run_and_in_the_teardown_still_closes_everything(
 def test_a_second_interrupt_in_the_teardown_still_closes_the_session_and_writes_the_summary(
     tmp_path, monkeypatch
 ):
-    agents = Agents(
-        fail={
-            "poll": KeyboardInterrupt("signal SIGINT"),
-            "stop": KeyboardInterrupt("signal SIGINT"),
-        }
-    )
+    interrupt = KeyboardInterrupt("signal SIGINT")
+    agents = Agents(fail={"poll": interrupt, "stop": interrupt})
     launcher, session = launch(tmp_path, monkeypatch, agents, job())
     with pytest.raises(KeyboardInterrupt):
         launcher.execute()
@@ -156,10 +152,7 @@ def test_two_launches_in_the_same_second_get_their_own_run_directories(tmp_path,
     from launcher.orchestrate import rundir
 
     monkeypatch.setattr(rundir, "utc_stamp", lambda: "20261202-190000")
-    first, second = (
-        RunDir.new("j", base=tmp_path),
-        RunDir.new("j", base=tmp_path),
-    )  # neither prepared yet
+    first, second = RunDir.new("j", base=tmp_path), RunDir.new("j", base=tmp_path)
     assert (first.name, second.name) == ("j-20261202-190000", "j-20261202-190000-2")
     assert first.root.is_dir() and second.root.is_dir()
     in_the_way = tmp_path / "a-file"
