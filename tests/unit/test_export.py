@@ -42,11 +42,8 @@ def run_dir(tmp_path: Path, steps: tuple[int, ...] = (5, 10), checkpoint: bool =
         torch.manual_seed(step)
         model = build_model(job.model)
         path = step_dir(ckpt, step)
-        dcp.save(
-            {"model": model.state_dict(), "train": {"step": step}},
-            checkpoint_id=str(path),
-            no_dist=True,
-        )
+        state = {"model": model.state_dict(), "train": {"step": step}}
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
         (path / MARKER).write_text(f"{step}\n")
         torch.save(model.state_dict(), tmp_path / f"params{step}.pt")
     out = tmp_path / "run"
@@ -68,12 +65,8 @@ def test_export_writes_the_latest_checkpoint_or_the_step_asked(tmp_path):
             tensors["transformer.h.1.mlp.c_fc.weight"], params["blocks.1.mlp.fc.weight"].t()
         )
         config = json.loads((tmp_path / out / "config.json").read_text())
-        assert (
-            config["model_type"],
-            config["n_layer"],
-            config["n_inner"],
-            config["vocab_size"],
-        ) == ("gpt2", 2, 96, 64)
+        assert config["model_type"] == "gpt2" and config["vocab_size"] == 64
+        assert config["n_layer"] == 2 and config["n_inner"] == 96
     (tmp_path / "new-file").write_text("")  # the mode a new file gets under this umask
     umask_mode = stat.S_IMODE((tmp_path / "new-file").stat().st_mode)
     modes = {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "latest").iterdir()}

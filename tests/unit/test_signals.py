@@ -138,19 +138,12 @@ def test_ctrl_c_spared_blocks_sigint_in_children_but_this_process_still_gets_it(
     """Ray's processes started within keep a terminal's Ctrl-C blocked; the launcher takes it
     at once all the same (its helper thread), not only once the block ends."""
     got: list[int] = []
+    blocked = "import signal as s; print(s.SIGINT in s.pthread_sigmask(s.SIG_BLOCK, []))"
     previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
     try:
         with signals.ctrl_c_spared():
             child = subprocess.run(
-                [
-                    sys.executable,
-                    "-c",
-                    "import signal; print(signal.SIGINT in "
-                    "signal.pthread_sigmask(signal.SIG_BLOCK, []))",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=60,
+                [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60
             )
             os.kill(os.getpid(), signal.SIGINT)
             deadline = time.monotonic() + 5
