@@ -53,7 +53,7 @@ class RankStats:
         self.span_ms = Sample()  # interval / its steps, where no record has step_times_ms
         self.wait_s: float | None = None
         self.wait_span_s = 0.0
-        self.gpu_sums: dict[str, tuple[float, int]] = {}
+        self.clock = (0.0, 0)  # (sum of sm_clock_mhz, records with it)
         self.limits = (0, 0)  # (records with clock_limits, of them limited)
         self.energy: float | None = 0  # None once an interval lacks energy_j
         # training
@@ -141,28 +141,19 @@ class RankStats:
         if rec.get("data_wait_s") is not None:
             self.wait_s = (self.wait_s or 0) + rec["data_wait_s"]
             self.wait_span_s += span
-        for key in ("gpu_util_pct", "sm_clock_mhz"):
-            if rec.get(key) is not None:
-                total, count = self.gpu_sums.get(key, (0, 0))
-                self.gpu_sums[key] = (total + rec[key], count + 1)
+        if rec.get("sm_clock_mhz") is not None:
+            self.clock = (self.clock[0] + rec["sm_clock_mhz"], self.clock[1] + 1)
         if rec.get("clock_limits") is not None:
             self.limits = (self.limits[0] + 1, self.limits[1] + (1 if rec["clock_limits"] else 0))
         energy = rec.get("energy_j")
         self.energy = None if energy is None or self.energy is None else self.energy + energy
 
     def gpu(self) -> dict[str, float | None]:
-        """``metrics.gpu_summary`` of the measured intervals."""
-
-        def mean(key: str) -> float | None:
-            total, count = self.gpu_sums.get(key, (0, 0))
-            return total / count if count else None
-
+        """The summary's GPU columns (``metrics.gpu_summary``'s keys) of the measured intervals."""
         energy = self.energy if self.intervals else None
         return {
-            "gpu_util_pct": mean("gpu_util_pct"),
-            "sm_clock_mhz": mean("sm_clock_mhz"),
+            "sm_clock_mhz": self.clock[0] / self.clock[1] if self.clock[1] else None,
             "clock_limited_pct": 100 * self.limits[1] / self.limits[0] if self.limits[0] else None,
-            "energy_j": energy,
             "power_w": energy / self.seconds if energy is not None and self.seconds > 0 else None,
             "energy_mj_per_token": 1e3 * energy / self.tokens
             if energy is not None and self.tokens

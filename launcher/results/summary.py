@@ -47,7 +47,6 @@ RANK_KEYS = (
     "power_w",
     "energy_mj_per_token",
 )
-GPU_KEYS = RANK_KEYS[-4:]  # from NVML (launcher.metrics.gpu_summary); null without it
 TOTAL_KEYS = ("tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "mfu", "straggler_ranks")
 FAILURE_KEYS = ("rank", "node", "host", "exit_code", "signal", "log_tail", "reason")
 TRAINING_KEYS = ("step", "loss", "grad_norm", "eval_loss", "eval_step", "skipped_steps")
@@ -321,8 +320,7 @@ def _from_steps(stats: RankStats, meta: dict) -> dict:
     seconds = stats.seconds
     out["tokens_per_s"] = stats.tokens / seconds
     out["samples_per_s"] = stats.samples / seconds
-    gpu = stats.gpu()
-    out.update({k: gpu[k] for k in GPU_KEYS})
+    out.update(stats.gpu())  # from NVML; null without it
 
     step_ms = stats.step_ms.values if stats.step_ms.seen else stats.span_ms.values
     out["step_time_ms_p50"] = percentile(step_ms, 50)
