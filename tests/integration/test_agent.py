@@ -59,21 +59,9 @@ def run_to_exit(agent: NodeAgent, timeout_s: float = 120) -> list:
 def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
     script = tmp_path / "boom.py"
     script.write_text(SCRIPT)
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "0",
-        "--redirects",
-        "3",
-        "--log-dir",
-        f"{NODE_DIR}/torchrun",
-        str(script),
-    ]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv += ["--max-restarts", "0", "--redirects", "3", "--log-dir", f"{NODE_DIR}/torchrun"]
+    argv += [str(script)]
     agent = NodeAgent("local")
     try:
         agent.start(
