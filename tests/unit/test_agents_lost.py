@@ -67,9 +67,8 @@ def test_a_lost_agent_is_told_to_stop_but_not_waited_for(calls: Calls):
     calls.awaited.clear()
 
     group.stop(grace_s=2.0)
-    assert {(i, "stop") for i in range(3)} <= set(
-        calls.sent
-    )  # the lost one too: it may only be slow
+    # the lost one too: it may only be slow
+    assert {(i, "stop") for i in range(3)} <= set(calls.sent)
     assert (DEAD, "stop") not in calls.awaited and (DEAD, "poll") not in calls.awaited
     assert {(0, "stop"), (1, "stop"), (0, "poll"), (1, "poll")} <= set(calls.awaited)
 

@@ -43,6 +43,15 @@ def gpu_job(**resources) -> JobSpec:
     )
 
 
+GPU_SHELL = {
+    "NCCL_IB_HCA": "mlx5",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "HOME": "/root",
+    "AWS_SECRET": "x",
+}
+
+
 def make(job: JobSpec, cluster: ClusterSpec, facts=None, env=None, code=None):
     return plan(
         job,
@@ -51,14 +60,7 @@ def make(job: JobSpec, cluster: ClusterSpec, facts=None, env=None, code=None):
         run_id="t-1",
         master_port=29400,
         code=code,
-        launcher_env=env
-        or {
-            "NCCL_IB_HCA": "mlx5",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-            "NVSHMEM_DISABLE_NVLS": "1",
-            "HOME": "/root",
-            "AWS_SECRET": "x",
-        },
+        launcher_env=env or GPU_SHELL,
         local_python="/usr/bin/python3",
     )
 
@@ -84,17 +86,11 @@ def test_two_node_ranks_master_and_argv():
         "--log-dir": "{node_dir}/torchrun",
     }
     assert b.argv[-4:] == ["-m", "launcher.train", "--job", "{node_dir}/job.yaml"]
-    assert (
-        p.max_restarts == 2 and p.to_json()["max_restarts"] == 2
-    )  # the launcher restarts, not torchrun
+    # the launcher restarts, not torchrun
+    assert p.max_restarts == 2 and p.to_json()["max_restarts"] == 2
     assert [r["rank"] for r in p.ranks()] == list(range(8))
-    assert p.ranks()[5] == {
-        "rank": 5,
-        "node": "b",
-        "host": "10.0.0.2",
-        "local_rank": 1,
-        "device": "cuda:1",
-    }
+    five = {"rank": 5, "node": "b", "host": "10.0.0.2", "local_rank": 1, "device": "cuda:1"}
+    assert p.ranks()[5] == five
 
 
 def test_env_layers_and_sources():
@@ -237,9 +233,8 @@ def test_this_machines_node_gets_the_whole_shell_less_what_the_launcher_owns():
     assert here.env["OMP_NUM_THREADS"] == "2"  # torchrun's default of 1 only where unset
     for name in ("CUDA_VISIBLE_DEVICES", "RANK", "MASTER_PORT", "RAY_ADDRESS", "PWD"):
         assert name not in here.env
-    assert (
-        here.env["LAUNCHER_RUN_ID"] == "t-1" and here.env_sources["LAUNCHER_RUN_ID"] == "launcher"
-    )
+    assert here.env["LAUNCHER_RUN_ID"] == "t-1"
+    assert here.env_sources["LAUNCHER_RUN_ID"] == "launcher"
 
 
 def test_other_nodes_get_what_env_forward_matches():

@@ -65,10 +65,8 @@ def test_three_failures_say_what_failed_on_the_server(fake_ray):
     with pytest.raises(PreflightError) as raised:
         _attach("ray://198.18.0.10:10001")
     assert len(fake.inits) == 3
-    assert (
-        "Initialization failure from server: RuntimeError: Proxy failed to Connect to backend!"
-        in str(raised.value)
-    )
+    failed = "RuntimeError: Proxy failed to Connect to backend!"
+    assert f"Initialization failure from server: {failed}" in str(raised.value)
 
 
 @pytest.mark.parametrize(
