@@ -47,7 +47,7 @@ def rank_failure(agents: Tails, i: int, node: NodePlan, status: ExitStatus) -> F
     signal_name = _signal_name(code) or status.signal
     how = "exited with " + (f"signal {signal_name}" if signal_name else f"code {code}")
     if first is not None:
-        rank, local_rank = node.rank_of(first.local_rank), first.local_rank
+        rank, local_rank = node.ranks[first.local_rank], first.local_rank
         how = f"raised {first.message}"
     tail = (
         agents.tail(i, local_rank, TAIL_LINES) if local_rank is not None else report[-TAIL_LINES:]

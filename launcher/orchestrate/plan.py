@@ -68,13 +68,6 @@ class NodePlan:
     is_local: bool = False
     route: dict[str, str] | None = None  # Route.to_json: the interface towards the head, and why
 
-    @property
-    def command(self) -> str:
-        return shlex.join(self.argv)
-
-    def rank_of(self, local_rank: int) -> int:
-        return self.ranks[local_rank]
-
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -265,7 +258,7 @@ def render(launch_plan: LaunchPlan, *, port_note: str = "") -> str:
             "",
             f"[{node.name}] command (in {where}; {NODE_DIR}: a private folder made on the node "
             f"for this run, removed at its end):",
-            "  " + node.command,
+            "  " + shlex.join(node.argv),
             f"[{node.name}] worker environment:",
             tabulate(env_rows, headers=["name", "value", "from"], tablefmt="plain"),
         ]

@@ -47,7 +47,7 @@ class RunLog:
         written = set()
         for local_rank, stream, text in update.lines:
             known = local_rank is not None and local_rank < node.nproc
-            rank = node.rank_of(local_rank) if local_rank is not None and known else None
+            rank = node.ranks[local_rank] if local_rank is not None and known else None
             files = [self._file(node.name, rank)]
             if rank is not None and stream == "err":
                 files.append(self._file(node.name, rank, stderr=True))

@@ -43,8 +43,6 @@ class Watcher:
         hang_timeout_s: float | None,
         on_stacks: Callable[[dict[str, bytes]], None] = lambda files: None,
         clock: Callable[[], float] = time.monotonic,
-        poll_s: float = POLL_INTERVAL_S,
-        silence_s: float = NODE_SILENCE_S,
     ):
         self.agents = agents
         self.plan = launch_plan
@@ -52,8 +50,6 @@ class Watcher:
         self.hang_timeout_s = hang_timeout_s
         self.on_stacks = on_stacks
         self.clock = clock
-        self.poll_s = poll_s
-        self.silence_s = silence_s
         self._started = clock()  # the hang watchdog counts from the workers' start
         self._last_seen: dict[int, float] = {}
         self._last_step: dict[int, tuple[int, float]] = {}
@@ -70,7 +66,7 @@ class Watcher:
     def step(self) -> tuple[bool, Failure | None]:
         """One round: (whether the attempt is over, its failure)."""
         nodes = self.plan.nodes
-        for i, answer in self.agents.poll(self.poll_s):
+        for i, answer in self.agents.poll(POLL_INTERVAL_S):
             if isinstance(answer, BaseException):
                 return True, lost_node(nodes[i], answer)
             self._take(nodes[i], answer)
@@ -89,10 +85,10 @@ class Watcher:
                 return True, lost_node(nodes[i], err)
         if len(self._exited) == len(nodes):
             return True, None
-        silent = self.agents.silent(self.silence_s)
+        silent = self.agents.silent(NODE_SILENCE_S)
         if silent is not None:
             return True, lost_node(
-                nodes[silent], TimeoutError(f"no answer for {self.silence_s:.0f} s")
+                nodes[silent], TimeoutError(f"no answer for {NODE_SILENCE_S:.0f} s")
             )
         hung = self._hung()
         return hung is not None, hung
