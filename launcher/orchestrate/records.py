@@ -7,7 +7,7 @@ summary is written from: ``Failure.to_json()`` is ``summary.json``'s ``failure``
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,15 +80,7 @@ class Failure:
         return self.kind is FailureKind.RANK
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "node": self.node,
-            "host": self.host,
-            "exit_code": self.exit_code,
-            "signal": self.signal,
-            "log_tail": self.log_tail,
-            "reason": self.reason,
-        }
+        return {k: v for k, v in asdict(self).items() if k != "kind"}
 
 
 @dataclass
