@@ -481,32 +481,8 @@ def _rank_table(rows: list[dict]) -> str:
     return grid(body, headers, ("right", "left", "left", "left") + ("right",) * (len(headers) - 4))
 
 
-def node_rows(rows: list[dict]) -> list[dict]:
-    """Per node: throughputs and TFLOP/s summed, step times and MFU averaged, memory max."""
-    out = []
-    for node in dict.fromkeys(r["node"] for r in rows):
-        mine = [r for r in rows if r["node"] == node]
-        out.append(
-            {
-                "node": node,
-                "host": mine[0]["host"],
-                "ranks": len(mine),
-                "ranks_measured": sum(r.get("tokens_per_s") is not None for r in mine),
-                "step_time_ms_p50": _mean(r["step_time_ms_p50"] for r in mine),
-                "samples_per_s": _sum(r["samples_per_s"] for r in mine),
-                "tokens_per_s": _sum(r["tokens_per_s"] for r in mine),
-                "tflops": _sum(r["tflops"] for r in mine),
-                "mfu": _mean(r["mfu"] for r in mine),
-                "peak_mem_gib": max(
-                    (r["peak_mem_gib"] for r in mine if r["peak_mem_gib"] is not None), default=None
-                ),
-                "data_wait_pct": _mean(r["data_wait_pct"] for r in mine),
-            }
-        )
-    return out
-
-
 def _node_table(rows: list[dict]) -> str:
+    """Per node: throughputs and TFLOP/s summed, step times and MFU averaged, memory max."""
     headers = [
         "node",
         "host",
@@ -519,23 +495,25 @@ def _node_table(rows: list[dict]) -> str:
         "max peak mem GiB",
         "mean data wait %",
     ]
-    body = [
-        [
-            n["node"] or DASH,
-            n["host"] or DASH,
-            f"{n['ranks_measured']}/{n['ranks']}"
-            if n["ranks_measured"] != n["ranks"]
-            else str(n["ranks"]),
-            _fmt(n["step_time_ms_p50"]),
-            _fmt(n["samples_per_s"]),
-            _fmt(n["tokens_per_s"], thousands=True),
-            _fmt(n["tflops"], 2),
-            _fmt(n["mfu"], pct=True),
-            _fmt(n["peak_mem_gib"], 2),
-            _fmt(n["data_wait_pct"]),
-        ]
-        for n in node_rows(rows)
-    ]
+    body = []
+    for node in dict.fromkeys(r["node"] for r in rows):
+        mine = [r for r in rows if r["node"] == node]
+        measured = sum(r.get("tokens_per_s") is not None for r in mine)
+        peaks = [r["peak_mem_gib"] for r in mine if r["peak_mem_gib"] is not None]
+        body.append(
+            [
+                node or DASH,
+                mine[0]["host"] or DASH,
+                str(len(mine)) if measured == len(mine) else f"{measured}/{len(mine)}",
+                _fmt(_mean(r["step_time_ms_p50"] for r in mine)),
+                _fmt(_sum(r["samples_per_s"] for r in mine)),
+                _fmt(_sum(r["tokens_per_s"] for r in mine), thousands=True),
+                _fmt(_sum(r["tflops"] for r in mine), 2),
+                _fmt(_mean(r["mfu"] for r in mine), pct=True),
+                _fmt(max(peaks, default=None), 2),
+                _fmt(_mean(r["data_wait_pct"] for r in mine)),
+            ]
+        )
     return grid(body, headers, ("left", "left") + ("right",) * 8)
 
 
