@@ -74,37 +74,31 @@ def test_sigkilled_worker_is_named_and_the_job_stops(tmp_path):
 
 
 def test_hung_rank_is_caught_by_the_watchdog(tmp_path):
-    hang_timeout = 30  # above the workers' start-up (import torch, gloo init) on a loaded 2-core box: the watchdog counts from their start
+    # above the workers' start-up (import torch, gloo init) on a loaded 2-core box: the
+    # watchdog counts from their start
+    hang_timeout = 30
     run_dir = tmp_path / f"hang-{tmp_path.name}"
     job = fault_job(
         tmp_path,
-        "--steps",
-        "100000",
-        "--hang-at",
-        "20",
-        "--hang-rank",
-        "1",
+        *("--steps", "100000", "--hang-at", "20", "--hang-rank", "1"),
         launch={"hang_timeout_s": hang_timeout, "stop_grace_s": 2},
     )
     with Launcher(str(job), "--skip-parity", run_dir=run_dir, cwd=tmp_path) as run:
         took = seconds_to_exit_4(run, "hangs after step 20", what="rank 1 to hang")
         out = run.output
     assert took < hang_timeout + 20, f"the hang was caught after {took:.0f} s"
-    assert (
-        "rank 1 on node local made no progress" in out and f"hang_timeout_s={hang_timeout}" in out
-    )
+    assert "rank 1 on node local made no progress" in out
+    assert f"hang_timeout_s={hang_timeout}" in out
     summary = summary_of(run_dir)
     assert summary["status"] == "failed"
     assert (summary["failure"]["rank"], summary["failure"]["node"]) == (1, "local")
     assert "hangs after step 20" in summary["failure"]["log_tail"]
     assert "hangs after step 20" in (run_dir / "logs/local/rank1.log").read_text()
-    steps1 = [
-        r["step"] for r in read_records(run_dir / "metrics/rank1.jsonl") if r["type"] == "step"
+    last = [
+        [r["step"] for r in read_records(run_dir / f"metrics/rank{k}.jsonl") if r["type"] == "step"]
+        for k in (0, 1)
     ]
-    steps0 = [
-        r["step"] for r in read_records(run_dir / "metrics/rank0.jsonl") if r["type"] == "step"
-    ]
-    assert steps1[-1] == 19 and steps0[-1] == 20
+    assert last[0][-1] == 20 and last[1][-1] == 19
 
 
 def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
@@ -140,19 +134,15 @@ def test_crash_restarts_and_resumes_from_the_checkpoint(tmp_path):
     for rank in (0, 1):
         records = read_records(run_dir / f"metrics/rank{rank}.jsonl")
         metas = [r for r in records if r["type"] == "meta"]
-        assert [m["start_step"] for m in metas] == [0, 10], (
-            metas
-        )  # two attempts, the second resumed
+        # two attempts, the second resumed
+        assert [m["start_step"] for m in metas] == [0, 10], metas
         cut = records.index(metas[1])
         first = [(r["step"], r["loss"]) for r in records[:cut] if r["type"] == "step"]
         second = [(r["step"], r["loss"]) for r in records[cut:] if r["type"] == "step"]
         # Records come every log_every=5 steps and at the end of the 2 warm-up steps of each attempt.
-        assert [s for s, _ in first] == [2, 5, 10], (
-            first
-        )  # the crash at 12 came before step 15's record
-        assert [s for s, _ in second] == [12, 15, 20], (
-            second
-        )  # continues after the checkpoint's step 10
+        # the crash at 12 came before step 15's record; the second continues after step 10
+        assert [s for s, _ in first] == [2, 5, 10], first
+        assert [s for s, _ in second] == [12, 15, 20], second
         finals = [r for r in records if r["type"] == "final"]
         assert len(finals) == 1 and finals[0]["steps"] == 20
         # A continuous loss curve: the resumed attempt goes on from the checkpoint's weights and
@@ -256,16 +246,8 @@ def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, si
 def test_sigterm_during_a_scaling_study_exits_130_and_keeps_what_was_measured(tmp_path, phase):
     study = tmp_path / f"study-{phase}-{tmp_path.name}"
     job = fault_job(tmp_path, "--steps", "100000")
-    with Launcher(
-        "scale",
-        str(job),
-        "--world",
-        "1,2",
-        "--skip-parity",
-        run_dir=study,
-        cwd=tmp_path,
-        dir_flag="--out",
-    ) as run:
+    args = ["scale", str(job), "--world", "1,2", "--skip-parity"]
+    with Launcher(*args, run_dir=study, cwd=tmp_path, dir_flag="--out") as run:
         if phase == "ray-start":
             run.wait_output("Starting an embedded Ray")
         else:
