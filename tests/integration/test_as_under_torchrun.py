@@ -73,15 +73,13 @@ def test_ctrl_c_runs_every_ranks_keyboard_interrupt_handler(tmp_path):
     )
     try:
         logs = [run_dir / f"logs/local/rank{rank}.log" for rank in (0, 1)]
-        wait_for(
-            lambda: all(
+
+        def ready() -> bool:
+            return all(
                 log.is_file() and f"ready {r}" in log.read_text() for r, log in enumerate(logs)
-            ),
-            timeout=180,
-            what="both ranks ready",
-            proc=proc,
-            poll=0.3,
-        )
+            )
+
+        wait_for(ready, timeout=180, what="both ranks ready", proc=proc, poll=0.3)
         os.killpg(proc.pid, signal.SIGINT)
         console, _ = proc.communicate(timeout=90)
     finally:
@@ -160,15 +158,8 @@ def test_workers_see_the_shell_here_and_each_ranks_log_holds_exactly_its_own_lin
     ones, and a progress bar on stderr)."""
     job = script_job(tmp_path, f"N = {N_LINES}\n" + LOUD)
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    result = launch(
-        str(job),
-        "--run-dir",
-        str(run_dir),
-        "--skip-parity",
-        cwd=tmp_path,
-        env={**os.environ, **SHELL},
-        timeout=400,
-    )
+    args = [str(job), "--run-dir", str(run_dir), "--skip-parity"]
+    result = launch(*args, cwd=tmp_path, env={**os.environ, **SHELL}, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     plan = json.loads((run_dir / "plan.json").read_text())
     for rank in (0, 1):
@@ -200,15 +191,8 @@ def test_a_launch_that_fails_before_training_prints_the_verdict_and_fitting_hint
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs: the job would start")
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    result = launch(
-        str(ROOT / "jobs/quickstart.yaml"),
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "resources.device=cuda",
-        cwd=tmp_path,
-        timeout=240,
-    )
+    args = ["--run-dir", str(run_dir), "--set", "resources.device=cuda"]
+    result = launch(str(ROOT / "jobs/quickstart.yaml"), *args, cwd=tmp_path, timeout=240)
     console = result.stdout + result.stderr
     assert result.returncode == 3, console[-3000:]
     assert "parity FAILED: local: needs 2 GPUs, has 0" in console
