@@ -17,16 +17,8 @@ from launcher import signals
 
 @pytest.fixture
 def installed():
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    hook = sys.unraisablehook
-    signals.install()
-    try:
+    with signals.installed():  # puts back this process's handlers and hook after the test
         yield
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-        sys.unraisablehook = hook
-        signals._pending = None
 
 
 def test_a_signal_raises_and_is_remembered(installed):
