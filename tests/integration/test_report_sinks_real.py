@@ -34,23 +34,12 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     with open(root / "server.log", "wb") as out:
+        argv = [sys.executable, "-m", "mlflow", "server"]
+        argv += ["--backend-store-uri", f"sqlite:///{root}/mlflow.db"]
+        argv += ["--default-artifact-root", str(root / "artifacts")]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlflow",
-                "server",
-                "--backend-store-uri",
-                f"sqlite:///{root}/mlflow.db",
-                "--default-artifact-root",
-                str(root / "artifacts"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--workers",
-                "1",
-            ],
+            argv,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -94,21 +83,12 @@ def records(run_dir: Path, rank: int) -> list[dict]:
 def test_the_quick_start_writes_tensorboard_files_and_an_mlflow_run(tmp_path, mlflow_server):
     run_dir = tmp_path / f"quick-{tmp_path.name}"
     experiment = f"quick-{uuid.uuid4().hex[:8]}"
+    settings = ["train.eval_every=4", "train.eval_steps=2", "report.tensorboard=true"]
+    settings += [f"report.mlflow.tracking_uri={mlflow_server}"]
+    settings += [f"report.mlflow.experiment={experiment}"]
+    args = [a for setting in settings for a in ("--set", setting)]
     with Launcher(
-        str(ROOT / "jobs/quickstart.yaml"),
-        *QUICK,
-        "--set",
-        "train.eval_every=4",
-        "--set",
-        "train.eval_steps=2",
-        "--set",
-        "report.tensorboard=true",
-        "--set",
-        f"report.mlflow.tracking_uri={mlflow_server}",
-        "--set",
-        f"report.mlflow.experiment={experiment}",
-        run_dir=run_dir,
-        cwd=tmp_path,
+        str(ROOT / "jobs/quickstart.yaml"), *QUICK, *args, run_dir=run_dir, cwd=tmp_path
     ) as run:
         assert run.wait(timeout=400) == 0, run.output[-3000:]
         out = run.output
@@ -133,9 +113,8 @@ def test_the_quick_start_writes_tensorboard_files_and_an_mlflow_run(tmp_path, ml
     assert job_rate[6] == pytest.approx(rank_rates[0][6] + rank_rates[1][6], rel=1e-5)
     acc = EventAccumulator(str(board / "job"))
     acc.Reload()
-    assert {"step_time_ms", "peak_mem_gib", "data_wait_pct", "lr", "tflops", "grad_norm"} <= set(
-        acc.Tags()["scalars"]
-    )
+    tags = set(acc.Tags()["scalars"])
+    assert {"step_time_ms", "peak_mem_gib", "data_wait_pct", "lr", "tflops", "grad_norm"} <= tags
     evals = [(r["step"], r["eval_loss"]) for r in records(run_dir, 0) if r.get("eval_loss")]
     assert [s for s, _ in evals] == [4, 6]  # every 4 steps and at the last
     assert [s for s, _ in scalars(board / "rank0", "eval_loss")] == [4, 6]
@@ -183,10 +162,7 @@ def test_a_tracking_server_that_is_down_is_a_warning_and_a_scripts_metrics_still
         "name": "down",
         "resources": {"nproc_per_node": 2, "device": "cpu"},
         "entrypoint": {"script": "train.py"},
-        "report": {
-            "tensorboard": True,
-            "mlflow": {"tracking_uri": f"http://127.0.0.1:{port}"},
-        },
+        "report": {"tensorboard": True, "mlflow": {"tracking_uri": f"http://127.0.0.1:{port}"}},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run_dir = tmp_path / f"down-{tmp_path.name}"
