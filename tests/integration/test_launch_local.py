@@ -57,13 +57,9 @@ def test_quickstart_end_to_end(tmp_path, mark):
     result = launch(str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Per rank" in result.stdout
-    for name in (
-        "job.yaml",
-        "cluster.yaml",
-        "preflight/parity.txt",
-        "preflight/local.json",
-        *RUN_FILES,
-    ):
+    for name in ("job.yaml", "cluster.yaml", "preflight/parity.txt", "preflight/local.json"):
+        assert (run_dir / name).is_file(), name
+    for name in RUN_FILES:
         assert (run_dir / name).is_file(), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 2 and summary["nodes"] == 1
@@ -86,9 +82,8 @@ def test_quickstart_end_to_end(tmp_path, mark):
     assert_none_left(mark, run_dir.name)
     # the same --run-dir again: refused (exit 2) before anything starts, the first run untouched
     kept = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    again = launch(
-        str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT, timeout=60
-    )
+    quickstart = str(ROOT / "jobs/quickstart.yaml")
+    again = launch(quickstart, "--run-dir", str(run_dir), cwd=ROOT, timeout=60)
     assert again.returncode == 2, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"--run-dir {run_dir} is not empty" in again.stderr and "Traceback" not in again.stderr
     assert "Pick a new folder" in again.stderr and again.stderr.count("\n") == 1
@@ -103,24 +98,12 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
     running."""
     run_dir = tmp_path / f"run-{tmp_path.name}"
     with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launcher",
-                str(ROOT / "jobs/quickstart.yaml"),
-                *QUICK,
-                "--run-dir",
-                str(run_dir),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=err,
-        )
+        argv = [sys.executable, "-m", "launcher", str(ROOT / "jobs/quickstart.yaml"), *QUICK]
+        argv += ["--run-dir", str(run_dir)]
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
         try:
-            assert (
-                proc.stdout is not None and proc.stdout.readline()
-            )  # the parity table's first line
+            assert proc.stdout is not None
+            assert proc.stdout.readline()  # the parity table's first line
             proc.stdout.close()
             code = proc.wait(timeout=240)
         finally:
@@ -134,9 +117,8 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["failure"] is None
     assert [r["steps"] for r in summary["ranks"]] == [6, 6]
-    assert (
-        "step 6/6" in (run_dir / "logs/local/rank0.log").read_text()
-    )  # rank 0's lines, the shown ones, kept
+    # rank 0's lines, the shown ones, kept
+    assert "step 6/6" in (run_dir / "logs/local/rank0.log").read_text()
     assert_none_left(mark, run_dir.name)
 
 
@@ -152,9 +134,8 @@ def test_failing_rank_stops_everything_and_is_named(tmp_path, mark):
     )
     took = time.monotonic() - start
     assert result.returncode == 4, result.stderr[-3000:]
-    assert (
-        "rank 1 on node local" in result.stderr and "injected failure at step 30" in result.stderr
-    )
+    assert "rank 1 on node local" in result.stderr
+    assert "injected failure at step 30" in result.stderr
     assert took < 60, f"fail-fast took {took:.0f} s"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
@@ -256,24 +237,12 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path, mark):
         )
         assert started.returncode == 0, started.stderr
         cluster = tmp_path / "cluster.yaml"
+        get_ip = "import ray._private.services as s; print(s.get_node_ip_address())"
         ip = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import ray._private.services as s; print(s.get_node_ip_address())",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
+            [sys.executable, "-c", get_ip], capture_output=True, text=True, timeout=60
         ).stdout.strip()
-        cluster.write_text(
-            yaml.safe_dump(
-                {
-                    "nodes": [{"name": "local", "host": "localhost"}],
-                    "ray": {"address": f"{ip}:{port}"},
-                }
-            )
-        )
+        nodes = [{"name": "local", "host": "localhost"}]
+        cluster.write_text(yaml.safe_dump({"nodes": nodes, "ray": {"address": f"{ip}:{port}"}}))
         run_dir = tmp_path / f"run-{tmp_path.name}"
         result = launch(
             str(custom_job(tmp_path, "--steps", "10")),
@@ -288,8 +257,7 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path, mark):
         assert "Attaching to the running Ray" in result.stderr
         status = ray("status", "--address", f"{ip}:{port}")
         assert status.returncode == 0, "the attached cluster was stopped"
-        assert any("raylet" in cmd for cmd in ours(mark).values()), (
-            "the attached cluster's raylet is gone"
-        )
+        raylets = [cmd for cmd in ours(mark).values() if "raylet" in cmd]
+        assert raylets, "the attached cluster's raylet is gone"
     finally:
         kill(list(ours(mark)))  # only this test's Ray: never `ray stop`, others may run Ray here
