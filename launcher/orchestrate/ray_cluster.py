@@ -513,14 +513,8 @@ def _attach(nodes: list[NodeSpec], address: str, runtime_env: dict[str, Any]) ->
             f"is running there (`ray status`); from outside the cluster use ray://HEAD:10001"
         ) from err
     alive = _alive_nodes()
-    ips = {}
-    missing = []
-    for node in nodes:
-        ip = _match(node, alive)
-        if ip is None:
-            missing.append(f"{node.name} ({node.host})")
-        else:
-            ips[node.name] = ip
+    found = {node.name: _match(node, alive) for node in nodes}
+    missing = [f"{n.name} ({n.host})" for n in nodes if found[n.name] is None]
     if missing:
         _shutdown()
         known = ", ".join(sorted(n["NodeManagerAddress"] for n in alive))
@@ -528,6 +522,7 @@ def _attach(nodes: list[NodeSpec], address: str, runtime_env: dict[str, Any]) ->
             f"the Ray cluster at {address!r} has no node for {', '.join(missing)} (its nodes: "
             f"{known}); start Ray there or fix the hosts in cluster.yaml"
         )
+    ips = {name: ip for name, ip in found.items() if ip is not None}
     return RaySession(mode="attach", address=address, node_ips=ips)
 
 
