@@ -197,11 +197,7 @@ class RestStore:
 
     def __init__(self, tracking_uri: str):
         parts = urllib.parse.urlsplit(tracking_uri)
-        netloc = parts.hostname or ""
-        if ":" in netloc:
-            netloc = f"[{netloc}]"
-        if parts.port:
-            netloc += f":{parts.port}"
+        netloc = parts.netloc.rpartition("@")[2]  # a user and password in it go in a header
         self.base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
         self.headers = {"Content-Type": "application/json"}
         user = os.environ.get("MLFLOW_TRACKING_USERNAME") or urllib.parse.unquote(

@@ -3,6 +3,7 @@ checks, the spec as MLflow parameters, an MLflow run whose store fails, event fi
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import logging
 import threading
@@ -14,7 +15,7 @@ import yaml
 from launcher.errors import SpecError
 from launcher.orchestrate.rundir import RunDir
 from launcher.orchestrate.sinks import ReportSinks, spec_params
-from launcher.results.mlflow_run import MlflowRun, Refused, Unreachable
+from launcher.results.mlflow_run import MlflowRun, Refused, RestStore, Unreachable
 from launcher.results.scalars import PENDING_STEPS, Point, Scalars
 from launcher.spec import JobSpec, load_job
 
@@ -237,6 +238,14 @@ def test_mlflow_values_wait_while_the_store_is_down_and_are_sent_when_it_answers
     assert store.metrics[0] == {"key": "loss", "value": 1.0, "timestamp": 100000, "step": 0}
     run.close("interrupted")
     assert store.finished == ["KILLED"]
+
+
+def test_a_servers_credentials_go_in_a_header_not_the_url(monkeypatch):
+    for name in ("TOKEN", "USERNAME", "PASSWORD"):
+        monkeypatch.delenv(f"MLFLOW_TRACKING_{name}", raising=False)
+    store = RestStore("https://me:p%40ss@[::1]:5000/mlflow/")
+    assert store.base == "https://[::1]:5000/mlflow"
+    assert store.headers["Authorization"] == "Basic " + base64.b64encode(b"me:p@ss").decode()
 
 
 def test_mlflow_batches_keep_to_the_servers_limits():
