@@ -22,6 +22,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 from launcher.results.scalars import JOB, RESTART, Point
 from launcher.util import first_line, mask_urls
@@ -200,12 +201,8 @@ class RestStore:
         netloc = parts.netloc.rpartition("@")[2]  # a user and password in it go in a header
         self.base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
         self.headers = {"Content-Type": "application/json"}
-        user = os.environ.get("MLFLOW_TRACKING_USERNAME") or urllib.parse.unquote(
-            parts.username or ""
-        )
-        password = os.environ.get("MLFLOW_TRACKING_PASSWORD") or urllib.parse.unquote(
-            parts.password or ""
-        )
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME") or unquote(parts.username or "")
+        password = os.environ.get("MLFLOW_TRACKING_PASSWORD") or unquote(parts.password or "")
         if token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
             self.headers["Authorization"] = f"Bearer {token}"
         elif user:
@@ -240,43 +237,24 @@ class RestStore:
             return str(found["experiment"]["experiment_id"])
 
     def create_run(self, experiment_id: str, run_name: str, tags: dict[str, str]) -> str:
-        answer = self._call(
-            "POST",
-            "runs/create",
-            {
-                "experiment_id": experiment_id,
-                "run_name": run_name,
-                "start_time": int(time.time() * 1e3),
-                "tags": [{"key": k, "value": v} for k, v in tags.items()],
-            },
-        )
+        start = int(time.time() * 1e3)
+        body = {"experiment_id": experiment_id, "run_name": run_name, "start_time": start}
+        answer = self._call("POST", "runs/create", {**body, "tags": _key_values(tags.items())})
         return str(answer["run"]["info"]["run_id"])
 
     def log_batch(
         self, run_id: str, metrics: list[dict[str, Any]], params: list[tuple[str, str]]
     ) -> None:
-        self._call(
-            "POST",
-            "runs/log-batch",
-            {
-                "run_id": run_id,
-                "metrics": metrics,
-                "params": [{"key": k, "value": v} for k, v in params],
-            },
-        )
+        body = {"run_id": run_id, "metrics": metrics, "params": _key_values(params)}
+        self._call("POST", "runs/log-batch", body)
 
     def finish(self, run_id: str, status: str, tags: dict[str, str]) -> None:
         if tags:
             self._call(
-                "POST",
-                "runs/log-batch",
-                {"run_id": run_id, "tags": [{"key": k, "value": v} for k, v in tags.items()]},
+                "POST", "runs/log-batch", {"run_id": run_id, "tags": _key_values(tags.items())}
             )
-        self._call(
-            "POST",
-            "runs/update",
-            {"run_id": run_id, "status": status, "end_time": int(time.time() * 1e3)},
-        )
+        end = int(time.time() * 1e3)
+        self._call("POST", "runs/update", {"run_id": run_id, "status": status, "end_time": end})
 
     def _call(self, method: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         url = f"{self.base}/api/2.0/mlflow/{endpoint}"
@@ -301,6 +279,11 @@ class RestStore:
             return json.loads(raw or b"{}")
         except ValueError:
             raise Unreachable(f"{endpoint} answered with something other than JSON") from None
+
+
+def _key_values(pairs: Iterable[tuple[str, str]]) -> list[dict[str, str]]:
+    """MLflow's REST form of params and tags."""
+    return [{"key": k, "value": v} for k, v in pairs]
 
 
 class ClientStore:
