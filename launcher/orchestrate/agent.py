@@ -181,14 +181,11 @@ class NodeAgent:
             self._pending_bytes = 0
             records, self._records = self._records, []
             if self._dropped:
-                lines.append(
-                    (
-                        None,
-                        "out",
-                        f"[launcher: {self._dropped} line(s) of output dropped on node "
-                        f"{self.node}: torchrun wrote faster than they could be passed on]",
-                    )
+                note = (
+                    f"[launcher: {self._dropped} line(s) of output dropped on node {self.node}: "
+                    f"torchrun wrote faster than they could be passed on]"
                 )
+                lines.append((None, "out", note))
                 self._dropped = 0
             samples, self._telemetry = self._telemetry, []
         # exited, but output still being drained: report the exit on a later poll
