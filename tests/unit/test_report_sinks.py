@@ -286,12 +286,25 @@ def test_a_refused_run_is_said_once_and_nothing_more_is_tried(caplog):
     assert caplog.text.count("refused the run") == 1
 
 
-def test_report_sinks_write_event_files_from_a_thread(tmp_path):
+def scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
+    """What TensorBoard's own reader finds of ``tag`` in ``folder``: (step, value) pairs."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+@pytest.fixture
+def board_job(tmp_path) -> tuple[JobSpec, RunDir]:
+    """A job that writes TensorBoard files, and its run directory."""
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()
-    job = JobSpec.model_validate({"name": "t", "report": {"tensorboard": True}})
+    return JobSpec.model_validate({"name": "t", "report": {"tensorboard": True}}), run_dir
+
+
+def test_report_sinks_write_event_files_from_a_thread(board_job):
+    job, run_dir = board_job
     sinks = ReportSinks(job, run_dir, flush_s=0.05)
     sinks.attempt(1)
     for step in (1, 2, 3):
@@ -300,17 +313,14 @@ def test_report_sinks_write_event_files_from_a_thread(tmp_path):
         )
     sinks.telemetry("local", [{"time": 12.0, "gpu": 0, "power_w": 300.0}])
     sinks.close("succeeded", timeout_s=30)
-    acc = EventAccumulator(str(run_dir.root / "tensorboard" / "job"))
-    acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 3.0), (2, 1.5), (3, 1.0)]
-    assert [e.value for e in acc.Scalars("tokens_per_s")] == [64.0, 64.0]
-    gpu = EventAccumulator(str(run_dir.root / "tensorboard" / "gpu" / "local" / "0"))
-    gpu.Reload()
-    assert [e.value for e in gpu.Scalars("power_w")] == [300.0]
+    board = run_dir.root / "tensorboard"
+    assert scalars(board / "job", "loss") == [(1, 3.0), (2, 1.5), (3, 1.0)]
+    assert [v for _, v in scalars(board / "job", "tokens_per_s")] == [64.0, 64.0]
+    assert [v for _, v in scalars(board / "gpu/local/0", "power_w")] == [300.0]
 
 
 def test_a_sink_that_cannot_open_is_a_warning_and_records_are_no_longer_kept(
-    tmp_path, monkeypatch, caplog
+    board_job, monkeypatch, caplog
 ):
     import launcher.orchestrate.sinks as sinks_module
 
@@ -318,9 +328,7 @@ def test_a_sink_that_cannot_open_is_a_warning_and_records_are_no_longer_kept(
         raise ModuleNotFoundError("No module named 'tensorboard'")
 
     monkeypatch.setattr(sinks_module, "EventFiles", broken)
-    run_dir = RunDir(tmp_path / "run")
-    run_dir.root.mkdir()
-    job = JobSpec.model_validate({"name": "t", "report": {"tensorboard": True}})
+    job, run_dir = board_job
     with caplog.at_level(logging.WARNING):
         sinks = ReportSinks(job, run_dir, flush_s=0.05)
         sinks._thread.join(10)
@@ -330,7 +338,7 @@ def test_a_sink_that_cannot_open_is_a_warning_and_records_are_no_longer_kept(
     assert not sinks._inbox and not (run_dir.root / "tensorboard").exists()
 
 
-def test_records_beyond_the_backlog_are_left_out_with_one_warning(tmp_path, monkeypatch, caplog):
+def test_records_beyond_the_backlog_are_left_out_with_one_warning(board_job, monkeypatch, caplog):
     import launcher.orchestrate.sinks as sinks_module
 
     monkeypatch.setattr(sinks_module, "BACKLOG", 3)
@@ -342,9 +350,7 @@ def test_records_beyond_the_backlog_are_left_out_with_one_warning(tmp_path, monk
         return real(root)
 
     monkeypatch.setattr(sinks_module, "EventFiles", held)
-    run_dir = RunDir(tmp_path / "run")
-    run_dir.root.mkdir()
-    job = JobSpec.model_validate({"name": "t", "report": {"tensorboard": True}})
+    job, run_dir = board_job
     with caplog.at_level(logging.WARNING):
         sinks = ReportSinks(job, run_dir, flush_s=3600)
         sinks.attempt(1)
@@ -352,11 +358,7 @@ def test_records_beyond_the_backlog_are_left_out_with_one_warning(tmp_path, monk
             sinks.record(0, {"type": "step", "step": step, "loss": 1.0})
         go.set()
         sinks.close("succeeded", timeout_s=30)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir.root / "tensorboard" / "rank0"))
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("loss")] == [1, 2]
+    assert [s for s, _ in scalars(run_dir.root / "tensorboard/rank0", "loss")] == [1, 2]
     assert caplog.text.count("fall behind") == 1
 
 
@@ -383,8 +385,6 @@ def test_launch_plan_run_and_submit_refuse_a_missing_package_with_exit_2(
 def test_a_restart_replaces_the_steps_the_earlier_attempt_recorded_past_its_checkpoint(
     tmp_path,
 ):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from launcher.results.scalars import RESTART
     from launcher.results.tensorboard_files import EventFiles
 
@@ -405,9 +405,7 @@ def test_a_restart_replaces_the_steps_the_earlier_attempt_recorded_past_its_chec
     files = EventFiles(tmp_path)
     files.write(points)
     for series in ("rank0", "job"):
-        acc = EventAccumulator(str(tmp_path / series))
-        acc.Reload()
-        assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(5, 5.0), (10, 4.0), (15, 2.5)]
+        assert scalars(tmp_path / series, "loss") == [(5, 5.0), (10, 4.0), (15, 2.5)]
     store = FakeStore()
     run = MlflowRun("http://h:1", experiment="e", run_name="r", params={}, tags={}, store=store)
     run.write(points)
