@@ -11,7 +11,7 @@ import io
 import json
 import logging
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -442,43 +442,27 @@ def _fmt(value: Any, digits: int = 1, *, pct: bool = False, thousands: bool = Fa
 def _rank_table(rows: list[dict]) -> str:
     """One line per rank; where any rank read its GPU's clock, the SM clock and the share of
     time something (power, heat) held it down, the first thing to see of a slow GPU."""
-    clocks = any(r.get("sm_clock_mhz") is not None for r in rows)
-    headers = [
-        "rank",
-        "node",
-        "host",
-        "device",
-        "steps",
-        "step ms p50",
-        "step ms p95",
-        "samples/s",
-        "tokens/s",
-        "TFLOP/s",
-        "MFU %",
-        "peak mem GiB",
-        "data wait %",
+    columns: list[tuple[str, Callable[[dict], Any]]] = [
+        ("rank", lambda r: r["rank"]),
+        ("node", lambda r: r["node"] or DASH),
+        ("host", lambda r: r["host"] or DASH),
+        ("device", lambda r: r["device"] or DASH),
+        ("steps", lambda r: DASH if r["steps"] is None else r["steps"]),
+        ("step ms p50", lambda r: _fmt(r["step_time_ms_p50"])),
+        ("step ms p95", lambda r: _fmt(r["step_time_ms_p95"])),
+        ("samples/s", lambda r: _fmt(r["samples_per_s"])),
+        ("tokens/s", lambda r: _fmt(r["tokens_per_s"], thousands=True)),
+        ("TFLOP/s", lambda r: _fmt(r["tflops"], 2)),
+        ("MFU %", lambda r: _fmt(r["mfu"], pct=True)),
+        ("peak mem GiB", lambda r: _fmt(r["peak_mem_gib"], 2)),
+        ("data wait %", lambda r: _fmt(r["data_wait_pct"])),
     ]
-    headers += ["SM MHz", "clock limited %"] if clocks else []
-    body = [
-        [
-            r["rank"],
-            r["node"] or DASH,
-            r["host"] or DASH,
-            r["device"] or DASH,
-            DASH if r["steps"] is None else r["steps"],
-            _fmt(r["step_time_ms_p50"]),
-            _fmt(r["step_time_ms_p95"]),
-            _fmt(r["samples_per_s"]),
-            _fmt(r["tokens_per_s"], thousands=True),
-            _fmt(r["tflops"], 2),
-            _fmt(r["mfu"], pct=True),
-            _fmt(r["peak_mem_gib"], 2),
-            _fmt(r["data_wait_pct"]),
-        ]
-        + ([_fmt(r.get("sm_clock_mhz"), 0), _fmt(r.get("clock_limited_pct"), 0)] if clocks else [])
-        for r in rows
-    ]
-    return grid(body, headers, ("right", "left", "left", "left") + ("right",) * (len(headers) - 4))
+    if any(r.get("sm_clock_mhz") is not None for r in rows):
+        columns.append(("SM MHz", lambda r: _fmt(r.get("sm_clock_mhz"), 0)))
+        columns.append(("clock limited %", lambda r: _fmt(r.get("clock_limited_pct"), 0)))
+    body = [[cell(r) for _, cell in columns] for r in rows]
+    align = ("right", "left", "left", "left") + ("right",) * (len(columns) - 4)
+    return grid(body, [h for h, _ in columns], align)
 
 
 def _node_table(rows: list[dict]) -> str:
