@@ -125,13 +125,8 @@ def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_
 def test_failing_rank_stops_everything_and_is_named(tmp_path, mark):
     run_dir = tmp_path / f"run-{tmp_path.name}"
     start = time.monotonic()
-    result = launch(
-        str(custom_job(tmp_path, "--steps", "4000", "--fail-at", "30")),
-        "--skip-parity",
-        "--run-dir",
-        str(run_dir),
-        cwd=tmp_path,
-    )
+    job = custom_job(tmp_path, "--steps", "4000", "--fail-at", "30")
+    result = launch(str(job), "--skip-parity", "--run-dir", str(run_dir), cwd=tmp_path)
     took = time.monotonic() - start
     assert result.returncode == 4, result.stderr[-3000:]
     assert "rank 1 on node local" in result.stderr
@@ -181,14 +176,8 @@ def test_a_preflight_that_fails_while_ray_starts_is_exit_3_and_leaves_no_ray(
     the preflight's verdict and exit 3, no worker, and the Ray it started is stopped."""
     monkeypatch.setenv("LAUNCHER_STATE_DIR", str(tmp_path / "state"))  # no head: embedded Ray
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    result = launch(
-        str(custom_job(tmp_path, "--steps", "5")),
-        "--cluster",
-        str(no_python_here(tmp_path, "nopy")),
-        "--run-dir",
-        str(run_dir),
-        cwd=tmp_path,
-    )
+    job, cluster = custom_job(tmp_path, "--steps", "5"), no_python_here(tmp_path, "nopy")
+    result = launch(str(job), "--cluster", str(cluster), "--run-dir", str(run_dir), cwd=tmp_path)
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     assert "nopy cannot run there" in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
@@ -205,15 +194,9 @@ def test_torchrun_that_cannot_start_on_a_node_fails_the_job_naming_the_node(tmp_
     """A node whose interpreter does not exist (the preflight skipped, which would have caught
     it): exit 4 and one paragraph naming the node and the missing file, no traceback."""
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    result = launch(
-        str(custom_job(tmp_path, "--steps", "5")),
-        "--cluster",
-        str(no_python_here(tmp_path, "no-such-python")),
-        "--skip-parity",
-        "--run-dir",
-        str(run_dir),
-        cwd=tmp_path,
-    )
+    job = custom_job(tmp_path, "--steps", "5")
+    args = ["--cluster", str(no_python_here(tmp_path, "no-such-python")), "--skip-parity"]
+    result = launch(str(job), *args, "--run-dir", str(run_dir), cwd=tmp_path)
     assert result.returncode == 4, result.stderr[-3000:]
     assert "torchrun could not be started on node local" in result.stderr
     assert "no-such-python" in result.stderr
@@ -244,15 +227,9 @@ def test_attach_mode_leaves_the_running_cluster_running(tmp_path, mark):
         nodes = [{"name": "local", "host": "localhost"}]
         cluster.write_text(yaml.safe_dump({"nodes": nodes, "ray": {"address": f"{ip}:{port}"}}))
         run_dir = tmp_path / f"run-{tmp_path.name}"
-        result = launch(
-            str(custom_job(tmp_path, "--steps", "10")),
-            "--cluster",
-            str(cluster),
-            "--skip-parity",
-            "--run-dir",
-            str(run_dir),
-            cwd=tmp_path,
-        )
+        job = custom_job(tmp_path, "--steps", "10")
+        args = ["--cluster", str(cluster), "--skip-parity", "--run-dir", str(run_dir)]
+        result = launch(str(job), *args, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "Attaching to the running Ray" in result.stderr
         status = ray("status", "--address", f"{ip}:{port}")
