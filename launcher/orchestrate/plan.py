@@ -48,7 +48,7 @@ NODE_PASSTHROUGH = (
     "CUDA_VISIBLE_DEVICES",
 )
 # The node's folder for a run, in argv, env and cwd: each node's agent puts there a private
-# folder it makes (``make_node_dir``), as only the node knows its user and temp folder.
+# folder it makes (``NodeAgent.start``), as only the node knows its user and temp folder.
 NODE_DIR = "{node_dir}"
 
 
