@@ -259,13 +259,7 @@ def plot_scaling(table: dict, path: Path) -> Path:
             ax_tp.plot(ranks, [p["tokens_per_s"] for p in points], "o-", label="measured (median)")
         if rated:
             ax_eff.axhline(100.0, linestyle="--", color="grey", label="ideal (100%)")
-            ax_eff.plot(
-                [p["ranks"] for p in rated],
-                [100 * p["efficiency"] for p in rated],
-                "o-",
-                color="tab:orange",
-                label="measured",
-            )
+            ax_eff.plot(*_efficiency(rated), "o-", color="tab:orange", label="measured")
         for ax in (ax_tp, ax_eff):
             ax.set_xlabel("ranks (world size)")
             if ranks:
@@ -283,14 +277,8 @@ def plot_scaling(table: dict, path: Path) -> Path:
         )
         noisy = [p for p in rated if p.get("noisy")]
         if noisy:
-            ax_eff.plot(
-                [p["ranks"] for p in noisy],
-                [100 * p["efficiency"] for p in noisy],
-                "x",
-                color="red",
-                markersize=12,
-                label="noisy: repeat (--repeat)",
-            )
+            label = "noisy: repeat (--repeat)"
+            ax_eff.plot(*_efficiency(noisy), "x", color="red", markersize=12, label=label)
         top = max([110.0] + [105.0 * p["efficiency"] for p in rated])
         ax_eff.set_ylim(0, top)
         fig.tight_layout()
@@ -298,6 +286,11 @@ def plot_scaling(table: dict, path: Path) -> Path:
     finally:
         plt.close(fig)
     return Path(path)
+
+
+def _efficiency(points: list[dict]) -> tuple[list[int], list[float]]:
+    """The plot's x and y of points with an efficiency: ranks, and efficiency in %."""
+    return [p["ranks"] for p in points], [100 * p["efficiency"] for p in points]
 
 
 def _tokens_per_s(repeat: Any) -> float | None:
