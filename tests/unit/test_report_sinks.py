@@ -382,9 +382,7 @@ def test_launch_plan_run_and_submit_refuse_a_missing_package_with_exit_2(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_restart_replaces_the_steps_the_earlier_attempt_recorded_past_its_checkpoint(
-    tmp_path,
-):
+def test_a_restart_replaces_the_steps_the_earlier_attempt_recorded_past_its_checkpoint(tmp_path):
     from launcher.results.scalars import RESTART
     from launcher.results.tensorboard_files import EventFiles
 
