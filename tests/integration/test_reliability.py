@@ -206,19 +206,8 @@ def interrupt(run: Launcher, sig: signal.Signals, *, what: str) -> str:
     return out
 
 
-@pytest.mark.parametrize(
-    ("phase", "sig"),
-    [
-        ("preflight", signal.SIGINT),
-        ("preflight", signal.SIGTERM),
-        ("ray-start", signal.SIGINT),
-        ("ray-start", signal.SIGTERM),
-        ("startup", signal.SIGINT),
-        ("startup", signal.SIGTERM),
-        ("training", signal.SIGINT),
-        ("training", signal.SIGTERM),
-    ],
-)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("phase", list(PHASES))
 def test_signal_in_each_phase_exits_130_and_stops_everything(tmp_path, phase, sig):
     run_dir = tmp_path / f"sig-{phase}-{sig.name}-{tmp_path.name}"
     job = fault_job(tmp_path, "--steps", "100000")
