@@ -126,12 +126,16 @@ def test_report_spec_defaults_off_and_refuses_a_typo(tmp_path):
         load_job(write_job(tmp_path, {"mlflow": {"experiment": "e"}}))
 
 
-def test_a_missing_package_is_one_paragraph_naming_the_extra(tmp_path, monkeypatch):
+def without(monkeypatch, *gone: str) -> None:
+    """The spec loader's package check finds none of ``gone``."""
     real = importlib.util.find_spec
-    gone = {"tensorboard", "mlflow"}
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a)
     )
+
+
+def test_a_missing_package_is_one_paragraph_naming_the_extra(tmp_path, monkeypatch):
+    without(monkeypatch, "tensorboard", "mlflow")
     with pytest.raises(SpecError) as err:
         load_job(write_job(tmp_path, {"tensorboard": True}))
     assert "report.tensorboard" in str(err.value) and "'.[tensorboard]'" in str(err.value)
@@ -368,12 +372,7 @@ def test_launch_plan_run_and_submit_refuse_a_missing_package_with_exit_2(
 ):
     from launcher import cli
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "tensorboard" else real(name, *a),
-    )
+    without(monkeypatch, "tensorboard")
     job = write_job(tmp_path, {"tensorboard": True})
     run_dir = [] if command == "plan" else ["--run-dir", str(tmp_path / "run")]
     assert cli.main([command, str(job), *run_dir]) == 2
