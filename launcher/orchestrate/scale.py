@@ -164,14 +164,11 @@ def _point(
             continue
         if outcome.status is Status.INTERRUPTED:
             raise KeyboardInterrupt
-        if outcome.status is not Status.SUCCEEDED:
-            log.error(
-                "point %d ranks, repeat %d failed: %s",
-                world_size,
-                i,
-                outcome.failure.reason if outcome.failure else "unknown",
-            )
-        entry["repeats"].append(outcome.summary if outcome.status is Status.SUCCEEDED else None)
+        succeeded = outcome.status is Status.SUCCEEDED
+        if not succeeded:
+            reason = outcome.failure.reason if outcome.failure else "unknown"
+            log.error("point %d ranks, repeat %d failed: %s", world_size, i, reason)
+        entry["repeats"].append(outcome.summary if succeeded else None)
     return entry
 
 
