@@ -676,10 +676,9 @@ def stop_ray(
     (``_KILL_START``), ``ray stop --force``, remove the token file and Ray's temp dirs.
     ``nodes[0]`` is the head; ``addresses`` gives each node's ``ray start`` address (else its
     host is resolved now). Returns the nodes where that failed: Ray may still run there."""
-    known = dict(addresses)
 
     def address(node: NodeSpec) -> str:
-        return known.get(node.name) or _resolve(node.net_address)
+        return addresses.get(node.name) or _resolve(node.net_address)
 
     head = shlex.quote(address(nodes[0])) if nodes else ""
 
@@ -701,12 +700,8 @@ def stop_ray(
             log.warning("could not stop Ray on %s (%s): %s", node.name, node.host, first_line(err))
             return node.name
         if not result.ok:
-            log.warning(
-                "`ray stop` failed on %s (%s): %s",
-                node.name,
-                node.host,
-                result.stderr_tail() or f"exit code {result.exit_code}",
-            )
+            why = result.stderr_tail() or f"exit code {result.exit_code}"
+            log.warning("`ray stop` failed on %s (%s): %s", node.name, node.host, why)
             return node.name
         return None
 
