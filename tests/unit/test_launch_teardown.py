@@ -55,6 +55,17 @@ class Agents(Reaching):
     def silent(self, limit_s: float) -> None:
         return None
 
+    # what the watcher asks about a failed rank: every other agent answers, no log lines, no
+    # structured errors (the failure is a plain exit code 1)
+    def unreachable(self, exclude: int) -> None:
+        return None
+
+    def tail(self, i: int, local_rank, lines: int) -> list[str]:
+        return []
+
+    def errors(self, i: int) -> list:
+        return []
+
     def stop(self, grace_s: float, first: int = 15) -> list:
         self._call("stop")
         return []
@@ -213,27 +224,13 @@ def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch):
 
     monkeypatch.setattr(RunDir, "write_plan", second_write_fails)
     failed = {0: AgentUpdate(exit=ExitStatus(1)), 1: AgentUpdate(exit=ExitStatus(0))}
-    agents = RestartingAgents(rounds=[failed])
+    agents = Agents(rounds=[failed])
     launcher, session = launch(tmp_path, monkeypatch, agents, job({"max_restarts": 1}))
     with pytest.raises(JobFailed, match="No space left on device") as err:
         launcher.execute()
     assert err.value.exit_code == EXIT_JOB_FAILED
     assert writes == [0, 1] and agents.calls.count("start") == 1 and session.closed
     assert summary(tmp_path)["status"] == "failed"
-
-
-class RestartingAgents(Agents):
-    """Also answers what the watcher asks about a failed rank: every other agent is reachable,
-    no log lines, no structured errors (the failure is a plain exit code 1)."""
-
-    def unreachable(self, exclude: int) -> None:
-        return None
-
-    def tail(self, i: int, local_rank, lines: int) -> list[str]:
-        return []
-
-    def errors(self, i: int) -> list:
-        return []
 
 
 def test_a_node_that_cannot_reach_the_rendezvous_port_is_exit_3_before_any_worker(
