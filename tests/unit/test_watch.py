@@ -65,11 +65,9 @@ class FakeAgents(Agents):
         return self._silent if not self.rounds else None
 
     def unreachable(self, exclude: int):
-        return (
-            (self._unreachable, ConnectionError("actor died"))
-            if self._unreachable is not None
-            else None
-        )
+        if self._unreachable is not None:
+            return self._unreachable, ConnectionError("actor died")
+        return None
 
     def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
         return self.tails.get((i, local_rank), [])[-n:]
