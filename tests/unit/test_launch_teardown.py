@@ -13,7 +13,14 @@ from fixtures.fake_launch import Session
 from fixtures.fake_launch import cpu_job as job
 from fixtures.fake_launch import two_nodes as cluster
 
-from launcher.errors import JobFailed, UsageError
+from launcher.errors import (
+    EXIT_JOB_FAILED,
+    EXIT_PREFLIGHT,
+    JobFailed,
+    PreflightError,
+    UsageError,
+)
+from launcher.orchestrate import rundir
 from launcher.orchestrate.records import AgentUpdate, ExitStatus
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
@@ -160,8 +167,6 @@ def test_success_still_ends_in_one_teardown(tmp_path, monkeypatch):
 
 
 def test_two_launches_in_the_same_second_get_their_own_run_directories(tmp_path, monkeypatch):
-    from launcher.orchestrate import rundir
-
     monkeypatch.setattr(rundir, "utc_stamp", lambda: "20261202-190000")
     first, second = RunDir.new("j", base=tmp_path), RunDir.new("j", base=tmp_path)
     assert (first.name, second.name) == ("j-20261202-190000", "j-20261202-190000-2")
@@ -175,7 +180,6 @@ def test_two_launches_in_the_same_second_get_their_own_run_directories(tmp_path,
 def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(tmp_path, monkeypatch):
     """A full disk while writing plan.json: no node was asked to start torchrun, so the launch
     failed before training (exit 3), not the job (exit 4); everything is closed, summary written."""
-    from launcher.errors import EXIT_PREFLIGHT, PreflightError
 
     def disk_full(self, launch_plan):
         raise OSError(28, "No space left on device", str(self.root / "plan.json"))
@@ -194,8 +198,6 @@ def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(tmp_path, 
 
 
 def test_an_oserror_while_staging_the_code_on_ray_is_exit_3_with_a_summary(tmp_path, monkeypatch):
-    from launcher.errors import EXIT_PREFLIGHT
-
     def cannot_stage(self):
         raise PermissionError(13, "Permission denied", "/work/train.py")
 
@@ -211,8 +213,6 @@ def test_an_oserror_while_staging_the_code_on_ray_is_exit_3_with_a_summary(tmp_p
 def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch):
     """The first attempt's workers ran (and failed); the restart's plan.json cannot be written:
     a run failure (exit 4), not a launch that failed before training."""
-    from launcher.errors import EXIT_JOB_FAILED
-
     writes = []
     real_write_plan = RunDir.write_plan
 
@@ -238,8 +238,6 @@ def test_a_node_that_cannot_reach_the_rendezvous_port_is_exit_3_before_any_worke
 ):
     """Without preflight facts the agents find each node's interface; the rendezvous check
     runs with it, and a node that fails it stops the launch (exit 3) naming it."""
-    from launcher.errors import EXIT_PREFLIGHT, PreflightError
-
     agents = Agents(refused={"b": "cannot connect to 198.18.0.10:29500 from eth0"})
     launcher, session = launch(tmp_path, monkeypatch, agents, job())
     with pytest.raises(PreflightError, match="node b: cannot connect to 198.18.0.10:29500") as err:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import sys
 import types
 
 import pytest
+import yaml
+from fixtures.fake_launch import Session
 
-from launcher.errors import SpecError, UsageError
+from launcher import cli
+from launcher.errors import EXIT_INVALID_INPUT, JobFailed, SpecError, UsageError
+from launcher.orchestrate import scale as scale_study
+from launcher.orchestrate.records import Status
 from launcher.results.scaling import (
     build_table,
     load_scaling,
@@ -19,6 +25,7 @@ from launcher.results.scaling import (
     write_scaling,
 )
 from launcher.results.summary import report_command
+from launcher.spec import ClusterSpec
 from launcher.spec.job import JobSpec
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -288,12 +295,6 @@ def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes
 ):
     """Pure bookkeeping: Ray, the preflight and the runs are replaced; the second point's run
     raises as Launch.execute does when Ray cannot place its agents."""
-    from fixtures.fake_launch import Session
-
-    from launcher.errors import JobFailed
-    from launcher.orchestrate import scale as study
-    from launcher.orchestrate.records import Status
-    from launcher.spec import ClusterSpec
 
     class FakeLaunch:
         def __init__(self, *, job, run_dir, **_):
@@ -306,16 +307,16 @@ def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes
                 status=Status.SUCCEEDED, failure=None, summary=summary_with(1000.0)
             )
 
-    monkeypatch.setattr(study, "Launch", FakeLaunch)
-    monkeypatch.setattr(study, "open_session", lambda *a, **k: Session())
-    monkeypatch.setattr(study, "preflight_facts", lambda *a, **k: None)
-    monkeypatch.setattr(study, "plan_code", lambda *a, **k: None)
+    monkeypatch.setattr(scale_study, "Launch", FakeLaunch)
+    monkeypatch.setattr(scale_study, "open_session", lambda *a, **k: Session())
+    monkeypatch.setattr(scale_study, "preflight_facts", lambda *a, **k: None)
+    monkeypatch.setattr(scale_study, "plan_code", lambda *a, **k: None)
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
     quick = JobSpec.model_validate(
         {"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}}
     )
     with pytest.raises(JobFailed, match="1 run"):
-        study.scale(
+        scale_study.scale(
             quick,
             cluster,
             world=[1, 2, 4],
@@ -353,26 +354,18 @@ def test_a_point_the_job_cannot_run_at_is_refused_before_any_point_runs(
 ):
     """A point the job refuses is refused up front (exit 2, one paragraph naming it), before
     preflight or Ray, through the study and through the command."""
-    import re
-
-    import yaml
-
-    from launcher import cli
-    from launcher.errors import EXIT_INVALID_INPUT
-    from launcher.orchestrate import scale as study
-    from launcher.spec import ClusterSpec
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the study started before every point was checked")
 
-    monkeypatch.setattr(study, "preflight_facts", must_not_run)
-    monkeypatch.setattr(study, "open_session", must_not_run)
-    monkeypatch.setattr(study, "Launch", must_not_run)
+    monkeypatch.setattr(scale_study, "preflight_facts", must_not_run)
+    monkeypatch.setattr(scale_study, "open_session", must_not_run)
+    monkeypatch.setattr(scale_study, "Launch", must_not_run)
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
     quick = {"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}, **spec}
     points = [int(w) for w in world.split(",")]
     with pytest.raises(SpecError, match=refusal) as err:
-        study.scale(
+        scale_study.scale(
             JobSpec.model_validate(quick),
             cluster,
             world=points,

@@ -12,7 +12,10 @@ import pytest
 import yaml
 from fixtures.fake_launch import Agents, cpu_job, two_nodes
 
+from launcher.errors import PreflightError, SpecError
+from launcher.orchestrate import run as run_mod
 from launcher.orchestrate.diagnose import rank_failure
+from launcher.orchestrate.elastic import RestartRefused, check_shared_checkpoints, job_for_world
 from launcher.orchestrate.plan import plan
 from launcher.orchestrate.records import AgentUpdate, ExitStatus, FailureKind, RankError, Status
 from launcher.orchestrate.run import Launch
@@ -387,8 +390,6 @@ class FakeSession:
 
     def add_node(self, node) -> None:
         if node.name in self.refuse:
-            from launcher.errors import PreflightError
-
             raise PreflightError(f"{node.name} cannot join")
         self.added.append(node.name)
 
@@ -397,8 +398,6 @@ class FakeSession:
 def elastic_run(tmp_path, monkeypatch):
     """Runs attempts of a job on three_nodes_and_a_spare() where each attempt's agents are a new
     FakeAgents with the next script: (launch, outcome, the nodes of each placement)."""
-    from launcher.orchestrate import run as run_mod
-
     runs = iter(range(10))
 
     def run(job: JobSpec, rounds_per_attempt, session):
@@ -472,8 +471,6 @@ def test_fewer_than_min_nodes_ends_the_job(elastic_run):
 
 
 def test_the_new_attempts_job_file_carries_the_raised_grad_accum():
-    from launcher.orchestrate.elastic import job_for_world
-
     first = elastic_job(micro_batch=4, grad_accum=2)
     assert job_for_world(first, 3, 2).train.grad_accum == 3
     assert job_for_world(first, 3, 6).train.grad_accum == 1
@@ -481,9 +478,6 @@ def test_the_new_attempts_job_file_carries_the_raised_grad_accum():
 
 
 def test_an_elastic_job_on_other_machines_needs_shared_checkpoints():
-    from launcher.errors import SpecError
-    from launcher.orchestrate.elastic import check_shared_checkpoints
-
     nodes = three_nodes_and_a_spare().nodes[:3]
     check_shared_checkpoints(elastic_job(), nodes)  # /shared/ckpt
     private = elastic_job(checkpoint={"dir": "/tmp/ckpt", "every_steps": 2})
@@ -494,8 +488,6 @@ def test_an_elastic_job_on_other_machines_needs_shared_checkpoints():
 
 def test_a_grad_accum_the_job_cannot_run_with_refuses_the_restart():
     """bf16 weights need grad_accum 1: keeping the global batch on fewer ranks would raise it."""
-    from launcher.orchestrate.elastic import RestartRefused, job_for_world
-
     first = JobSpec.model_validate(
         {
             **elastic_job().model_dump(),
