@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+import launcher.orchestrate.sinks as sinks_module
+from launcher import cli
 from launcher.errors import SpecError
 from launcher.orchestrate.rundir import RunDir
 from launcher.orchestrate.sinks import ReportSinks, spec_params
 from launcher.results.mlflow_run import MlflowRun, Refused, RestStore, Unreachable
-from launcher.results.scalars import PENDING_STEPS, Point, Scalars
+from launcher.results.scalars import PENDING_STEPS, RESTART, Point, Scalars
+from launcher.results.tensorboard_files import EventFiles
 from launcher.spec import JobSpec, load_job
 
 
@@ -326,8 +329,6 @@ def test_report_sinks_write_event_files_from_a_thread(board_job):
 def test_a_sink_that_cannot_open_is_a_warning_and_records_are_no_longer_kept(
     board_job, monkeypatch, caplog
 ):
-    import launcher.orchestrate.sinks as sinks_module
-
     def broken(root):
         raise ModuleNotFoundError("No module named 'tensorboard'")
 
@@ -343,8 +344,6 @@ def test_a_sink_that_cannot_open_is_a_warning_and_records_are_no_longer_kept(
 
 
 def test_records_beyond_the_backlog_are_left_out_with_one_warning(board_job, monkeypatch, caplog):
-    import launcher.orchestrate.sinks as sinks_module
-
     monkeypatch.setattr(sinks_module, "BACKLOG", 3)
     go = threading.Event()
     real = sinks_module.EventFiles
@@ -370,8 +369,6 @@ def test_records_beyond_the_backlog_are_left_out_with_one_warning(board_job, mon
 def test_launch_plan_run_and_submit_refuse_a_missing_package_with_exit_2(
     tmp_path, monkeypatch, capsys, command
 ):
-    from launcher import cli
-
     without(monkeypatch, "tensorboard")
     job = write_job(tmp_path, {"tensorboard": True})
     run_dir = [] if command == "plan" else ["--run-dir", str(tmp_path / "run")]
@@ -382,9 +379,6 @@ def test_launch_plan_run_and_submit_refuse_a_missing_package_with_exit_2(
 
 
 def test_a_restart_replaces_the_steps_the_earlier_attempt_recorded_past_its_checkpoint(tmp_path):
-    from launcher.results.scalars import RESTART
-    from launcher.results.tensorboard_files import EventFiles
-
     s = Scalars()
     s.attempt(1)
     points = s.record(0, {"type": "meta", "start_step": 0, "time": 1.0})

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from launcher import signals
+from launcher.orchestrate import ray_cluster
 
 
 @pytest.fixture
@@ -106,8 +107,6 @@ def test_keep_handlers_refuses_replacements_only_while_ours_are_installed(instal
 def test_a_session_made_while_a_dropped_interrupt_waited_is_closed_not_lost(installed, monkeypatch):
     """open_session raises the interrupt once the session exists: that session must be closed
     (a bootstrapped Ray on every node), since the caller never gets it."""
-    from launcher.orchestrate import ray_cluster
-
     closed = []
 
     class Session:

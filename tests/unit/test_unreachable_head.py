@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from launcher.cli import main
 from launcher.errors import EXIT_PREFLIGHT, PreflightError
 from launcher.jobs import api, records
 from launcher.orchestrate import ray_cluster
@@ -56,8 +57,6 @@ def test_the_jobs_tunnel_to_an_unreachable_head_is_a_preflight_error_that_names_
 def test_launch_down_yes_forgets_a_bootstrapped_cluster_whose_head_is_gone(
     tmp_path, monkeypatch, capsys
 ):
-    from launcher.cli import main
-
     monkeypatch.setenv("LAUNCHER_STATE_DIR", str(tmp_path / "state"))
     cluster = _ghost_cluster(tmp_path)
     path = tmp_path / "cluster.yaml"
