@@ -23,6 +23,8 @@ from fixtures.launching import QUICK, ROOT, Launcher, wait_for
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from launcher.results.mlflow_run import MlflowRun
+from launcher.results.scalars import Point
 from launcher.util import free_port
 
 pytestmark = pytest.mark.ray
@@ -187,9 +189,6 @@ def test_a_tracking_server_that_is_down_is_a_warning_and_a_scripts_metrics_still
 
 
 def test_a_sqlite_store_is_written_through_the_mlflow_package(tmp_path):
-    from launcher.results.mlflow_run import MlflowRun
-    from launcher.results.scalars import Point
-
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     with mock.patch.dict(os.environ):  # mlflow adds its telemetry session id to the environment
         run = MlflowRun(uri, experiment="e", run_name="r", params={"train.steps": "3"}, tags={})
