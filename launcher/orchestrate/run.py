@@ -438,21 +438,18 @@ class Launch:
 
     def write_summary(self, outcome: Outcome) -> None:
         """summary.{json,csv,txt}: the last attempt's ranks, every restart, each attempt's totals."""
+        status = outcome.status.value
+
+        def summary_of(p: LaunchPlan | None, failure: dict | None = None) -> dict:
+            records = self.log.by_attempt.get(p.attempt, {}) if p else {}
+            ranks = p.ranks() if p else []
+            return summarize(self.job.name, ranks, records, status=status, failure=failure)
+
         # An interruption is no rank's failure: the status says it all.
-        failure = (
-            outcome.failure.to_json()
-            if outcome.failure and outcome.status is Status.FAILED
-            else None
-        )
+        failed = outcome.failure if outcome.status is Status.FAILED else None
+        failure = failed.to_json() if failed else None
         last = self.plans[-1] if self.plans else None
-        records = self.log.by_attempt.get(last.attempt, {}) if last else {}
-        summary = summarize(
-            self.job.name,
-            last.ranks() if last else [],
-            records,
-            status=outcome.status.value,
-            failure=failure,
-        )
+        summary = summary_of(last, failure)
         summary["restarts"] = [
             r.to_json() for r in elastic.with_steps(self.restarts, self.log.by_attempt)
         ]
@@ -462,12 +459,7 @@ class Launch:
                     "attempt": p.attempt,
                     "nodes": [n.name for n in p.nodes],
                     "world_size": p.world_size,
-                    **summarize(
-                        self.job.name,
-                        p.ranks(),
-                        self.log.by_attempt.get(p.attempt, {}),
-                        status=outcome.status.value,
-                    )["totals"],
+                    **summary_of(p)["totals"],
                 }
                 for p in self.plans
             ]
