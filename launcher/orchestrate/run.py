@@ -469,14 +469,9 @@ class Launch:
         outcome.summary = summary
         if not self.quiet:
             # before training, the error that follows says why: no empty tables
-            print(
-                render_summary(summary) if last else before_training(summary, reason=False),
-                flush=True,
-            )
-            print(
-                "Launcher time: " + " · ".join(f"{k} {v:.1f} s" for k, v in self.timings.items()),
-                flush=True,
-            )
+            text = render_summary(summary) if last else before_training(summary, reason=False)
+            times = " · ".join(f"{k} {v:.1f} s" for k, v in self.timings.items())
+            print(f"{text}\nLauncher time: {times}", flush=True)
 
     # -- helpers ------------------------------------------------------------------------------
 
