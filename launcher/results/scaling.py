@@ -19,7 +19,7 @@ from launcher.util import write_atomic
 log = logging.getLogger(__name__)
 
 MODES = ("weak", "strong")
-POINT_KEYS = (
+CSV_KEYS = (  # scaling.csv: a point's keys in scaling.json but repeats, run_dirs, noisy
     "nodes",
     "ranks",
     "global_batch",
@@ -28,12 +28,8 @@ POINT_KEYS = (
     "tokens_per_s_per_rank",
     "speedup",
     "efficiency",
-    "repeats",
     "failed_repeats",
-    "run_dirs",
-    "noisy",
 )
-CSV_KEYS = POINT_KEYS[:8] + ("failed_repeats",)
 SPREAD_LIMIT = 2.0  # a rank's p95 step time above this many times its p50: a noisy measurement
 DISAGREE_LIMIT = 0.10  # repeats whose range exceeds this share of their median disagree
 
