@@ -152,10 +152,9 @@ def expected_logs(rank: int) -> tuple[list[str], str]:
 
 
 def test_workers_see_the_shell_here_and_each_ranks_log_holds_exactly_its_own_lines(tmp_path):
-    """One launch for two checks (two tests before, merged to start Ray and torchrun once):
-    every rank sees the launching shell's environment as under torchrun (its lines ``ENV ...``),
-    and each rank's log holds exactly its own lines, in order (LOUD's ``out ...`` lines, long
-    ones, and a progress bar on stderr)."""
+    """One launch, two checks: every rank sees the launching shell's environment as under
+    torchrun (its lines ``ENV ...``), and each rank's log holds exactly its own lines, in order
+    (LOUD's ``out ...`` lines, long ones, and a progress bar on stderr)."""
     job = script_job(tmp_path, f"N = {N_LINES}\n" + LOUD)
     run_dir = tmp_path / f"run-{tmp_path.name}"
     args = [str(job), "--run-dir", str(run_dir), "--skip-parity"]

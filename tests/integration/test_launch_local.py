@@ -93,9 +93,8 @@ def test_quickstart_end_to_end(tmp_path, mark):
 
 def test_quickstart_whose_stdout_reader_goes_after_one_line_runs_to_its_end(tmp_path, mark):
     """`launch jobs/quickstart.yaml | head -1` (six steps): the reader going away changes nothing
-    of the run (before: exit 4, "could not write the summary ... Broken pipe"). Exit 0, the run
-    directory in full, the console's lines from then on dropped; nothing of the run left
-    running."""
+    of the run. Exit 0, no "Broken pipe", the run directory in full, the console's lines from
+    then on dropped; nothing of the run left running."""
     run_dir = tmp_path / f"run-{tmp_path.name}"
     with open(tmp_path / "stderr", "wb") as err:
         argv = [sys.executable, "-m", "launcher", str(ROOT / "jobs/quickstart.yaml"), *QUICK]
@@ -143,8 +142,8 @@ def test_failing_rank_stops_everything_and_is_named(tmp_path, mark):
 
 
 def test_a_diverging_quickstart_stops_with_exit_4_naming_the_step(tmp_path, mark):
-    """Issue 46's run: the loss went NaN from step 5 and the run exited 0. Now every rank stops
-    at the first log step that reads a non-finite step, and the summary says which."""
+    """A loss that goes NaN by step 5: every rank stops at the first log step that reads a
+    non-finite step, and the summary says which."""
     run_dir = tmp_path / f"run-{tmp_path.name}"
     result = launch(
         str(ROOT / "jobs/quickstart.yaml"),
