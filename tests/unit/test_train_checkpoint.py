@@ -23,6 +23,27 @@ def checkpointer(
     return Checkpointer(spec, rank=0, data=data, elastic_batch=elastic_batch)
 
 
+def save_complete(spec: CheckpointSpec, step: int, *state) -> None:
+    """Save ``state`` (model, optimizer, scheduler[, scaler]) as step ``step``, to completion."""
+    ckpt = checkpointer(spec)
+    ckpt.save(step, *state)
+    ckpt.wait()  # written in the background (train.checkpoint.async)
+
+
+def _small_training():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+
+
+def _one_step(model, opt, sched):
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def test_latest_complete_checkpoint_wins(tmp_path: Path):
     assert latest_checkpoint(None) is None and latest_checkpoint(tmp_path / "absent") is None
     for step, complete in [(10, True), (20, True), (30, False), (100, True)]:
@@ -89,9 +110,7 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
         opt.step()
         sched.step()
     spec = CheckpointSpec(dir=tmp_path, resume="auto")
-    ckpt = checkpointer(spec)
-    ckpt.save(3, model, opt, sched)
-    ckpt.wait()  # written in the background (train.checkpoint.async)
+    save_complete(spec, 3, model, opt, sched)
     masters = {i: opt.masters.master_of(p).clone() for i, p in enumerate(model.parameters())}
     moments = {i: opt.state[p]["exp_avg_sq"].clone() for i, p in enumerate(model.parameters())}
 
@@ -190,18 +209,10 @@ def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
     2^16, skipping steps on overflow while the schedule and data went on); a checkpoint without
     one (older, or not fp16) leaves a scaler at its initial scale, and one with a scaler loads
     into a run without one. GradScaler("cpu") keeps the same state as on CUDA."""
-    from launcher.train.loop import param_groups
 
     def build():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-        opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
-        return (
-            model,
-            opt,
-            torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0),
-            torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10),
-        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10)
+        return (*_small_training(), scaler)
 
     model, opt, sched, scaler = build()
     for step in range(5):
@@ -213,9 +224,7 @@ def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
         sched.step()
     assert scaler.get_scale() == 2.0**14 and scaler._get_growth_tracker() == 3
     spec = CheckpointSpec(dir=tmp_path / "fp16", resume="auto")
-    saved = checkpointer(spec)
-    saved.save(5, model, opt, sched, scaler)
-    saved.wait()
+    save_complete(spec, 5, model, opt, sched, scaler)
 
     model, opt, sched, fresh = build()
     assert checkpointer(spec).maybe_resume(model, opt, sched, fresh) == 5
@@ -225,9 +234,7 @@ def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
     assert checkpointer(spec).maybe_resume(model, opt, sched) == 5  # e.g. bf16 from here on
 
     older = CheckpointSpec(dir=tmp_path / "older", resume="auto")
-    saved = checkpointer(older)
-    saved.save(5, model, opt, sched)
-    saved.wait()
+    save_complete(older, 5, model, opt, sched)
     model, opt, sched, fresh = build()
     assert checkpointer(older).maybe_resume(model, opt, sched, fresh) == 5
     assert fresh.get_scale() == 2.0**16
@@ -311,13 +318,9 @@ def test_a_checkpoint_others_may_change_is_refused_before_anything_is_unpickled(
     from launcher.orchestrate.run import checked_code
     from launcher.spec import ClusterSpec, JobSpec
 
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    model, opt, sched = _small_training()
     spec = CheckpointSpec(dir=tmp_path / "ckpt", resume="auto")
-    saved = checkpointer(spec)
-    saved.save(3, model, opt, sched)
-    saved.wait()
+    save_complete(spec, 3, model, opt, sched)
     assert checkpointer(spec).maybe_resume(model, opt, sched) == 3
     job = JobSpec.model_validate({"name": "t", "train": {"checkpoint": spec.model_dump()}})
     local = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
@@ -343,18 +346,6 @@ def test_a_checkpoint_others_may_change_is_refused_before_anything_is_unpickled(
     checked_code(never, local)  # nothing is resumed: nothing to refuse
 
 
-def _tiny_job(ckpt: Path, *, background: bool, steps: int = 6):
-    from launcher.spec.job import JobSpec
-
-    return JobSpec.model_validate(
-        tiny_job(
-            steps=steps,
-            log_every=1,
-            checkpoint={"dir": str(ckpt), "every_steps": 3, "async": background},
-        )
-    )
-
-
 def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
     one_process_trainer_env: Path, monkeypatch, tmp_path: Path
 ):
@@ -364,6 +355,7 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
     copy from step 1 on, before its first save (``Checkpointer.prepare``)."""
     import json
 
+    from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
     from launcher.util import free_port
 
@@ -373,7 +365,8 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
 
     finals, resumed_state = {}, {}
     for mode, background in (("sync", False), ("async", True)):
-        job = _tiny_job(tmp_path / mode, background=background)
+        checkpoint = {"dir": str(tmp_path / mode), "every_steps": 3, "async": background}
+        job = JobSpec.model_validate(tiny_job(steps=6, log_every=1, checkpoint=checkpoint))
         whole = trainer(job)
         try:
             assert whole.checkpointer.async_save is background
@@ -510,20 +503,6 @@ def test_the_host_copy_reuses_its_buffers_and_copies_any_python_object():
     second = stager.stage(state)
     assert second["model"]["w"] is first["model"]["w"] and torch.equal(second["model"]["w"], weight)
     stager.close()
-
-
-def _small_training():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-
-
-def _one_step(model, opt, sched):
-    model(torch.randn(4, 8)).sum().backward()
-    opt.step()
-    sched.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def test_prepare_allocates_the_host_copy_beside_training_and_the_first_save_reuses_it(
