@@ -26,6 +26,17 @@ def batches(path: Path, vocab: int, *, arch: str = "gpt", seq: int = 16, **kw) -
     return token_file(path, arch, vocab=vocab, seq=seq, micro=2, seed=1, **kw)
 
 
+def reductions(monkeypatch, names=("aminmax", "bitwise_xor")) -> list[int]:
+    """The size of every tensor the scan reduces through ``torch.<name>``, as it runs."""
+    seen: list[int] = []
+    for name in names:
+        op = getattr(torch, name)
+        monkeypatch.setattr(
+            torch, name, lambda t, *a, _op=op, **k: seen.append(t.numel()) or _op(t, *a, **k)
+        )
+    return seen
+
+
 def gpt2_ids(n: int) -> torch.Tensor:
     """uint16 ids spread over GPT-2's 50257 (most above the int16 range)."""
     return ((torch.arange(n, dtype=torch.int64) * 7919) % 50257).to(torch.uint16)
@@ -75,11 +86,7 @@ def test_an_id_outside_the_vocabulary_stops_the_worker_before_any_step(
 def test_an_in_range_file_opens_and_its_batches_come_out(tmp_path: Path, monkeypatch, arch: str):
     ids = gpt2_ids(3_000)
     ids[1234] = 50256  # the last id of the vocabulary, above the int16 range
-    seen: list[int] = []
-    xor = torch.bitwise_xor
-    monkeypatch.setattr(
-        torch, "bitwise_xor", lambda t, *a, **k: seen.append(t.numel()) or xor(t, *a, **k)
-    )
+    seen = reductions(monkeypatch, ["bitwise_xor"])
     data = batches(write_npy(tmp_path / "t.npy", ids, "<u2"), 50257, arch=arch)
     assert sum(seen) == 3_000  # every id checked (in unsigned order: most read negative as int16)
     b = data.batch(1)
@@ -109,13 +116,7 @@ def test_the_scan_is_chunked_and_finds_an_id_in_a_later_chunk(
     ids[at] = bad
     path = write_npy(tmp_path / "t.npy", ids, descr)
     monkeypatch.setattr(tokens_module, "SCAN_CHUNK", chunk, raising=False)
-    seen: list[int] = []  # the size of every tensor the scan reduces
-    for name in ("aminmax", "bitwise_xor"):
-        op = getattr(torch, name)
-        monkeypatch.setattr(
-            torch, name, lambda t, *a, _op=op, **k: seen.append(t.numel()) or _op(t, *a, **k)
-        )
-
+    seen = reductions(monkeypatch)
     with pytest.raises(ValueError) as err:
         batches(path, vocab)
     assert seen == [chunk] * 8  # chunk by chunk, none larger than SCAN_CHUNK, up to the bad id's
@@ -231,12 +232,7 @@ def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(
     ids = (torch.arange(3_000, dtype=torch.int64) * 7919 % 65536).to(dtype)
     ids[17] = -1 if dtype == torch.uint8 else 65535  # the type's largest id, inside the vocabulary
     path = write_npy(tmp_path / "t.npy", ids.to(dtype) if dtype == torch.uint8 else ids, descr)
-    seen: list[int] = []
-    for name in ("aminmax", "bitwise_xor"):
-        op = getattr(torch, name)
-        monkeypatch.setattr(
-            torch, name, lambda t, *a, _op=op, **k: seen.append(t.numel()) or _op(t, *a, **k)
-        )
+    seen = reductions(monkeypatch)
     data = batches(path, vocab)
     assert seen == []
     assert int(data.batch(1)["input_ids"].max()) < vocab
@@ -247,15 +243,8 @@ def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(
             is None
         )
     # Signed ids are read whatever the vocabulary: a negative id fits none.
-    assert tokens_module.scan_ids(torch.tensor([1, -100, 2], dtype=torch.int32), 1 << 31) == (
-        1,
-        -100,
-        1,
-        None,
-        -100,
-        0,
-        3,
-    )
+    negative = tokens_module.scan_ids(torch.tensor([1, -100, 2], dtype=torch.int32), 1 << 31)
+    assert negative == (1, -100, 1, None, -100, 0, 3)
     assert seen
 
 
@@ -338,12 +327,9 @@ def test_two_gloo_ranks_split_the_scan_and_raise_the_same_error(
             )
         return
     assert got[0]["error"] == got[1]["error"]
-    assert got[0]["seen"] == [chunk] * (
-        2 if 1_234 in bad_at else 5
-    )  # rank 0: chunks 0-4, to a bad one
-    assert (
-        got[1]["seen"] == [chunk] * 4 if bad_at else [chunk] * 5 + [500]
-    )  # chunks 5-10, to the bad one
+    # rank 0: chunks 0-4, rank 1: chunks 5-10, each up to a bad one
+    assert got[0]["seen"] == [chunk] * (2 if 1_234 in bad_at else 5)
+    assert got[1]["seen"] == ([chunk] * 4 if bad_at else [chunk] * 5 + [500])
     if not bad_at:
         assert got[0]["error"] is None
         return
