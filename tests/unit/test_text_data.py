@@ -64,6 +64,11 @@ def job(
     return load_job(file)
 
 
+def stream(meta: dict) -> torch.Tensor:
+    """The tokenized text's ids (uint16), widened."""
+    return torch.from_file(meta["path"], size=meta["tokens"], dtype=torch.uint16).long()
+
+
 def test_documents_are_paragraphs_or_jsonl_lines(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("one\ntwo\n\n\nthree\n\nfour")
@@ -139,7 +144,7 @@ def test_bert_samples_are_framed_and_never_mask_specials(tmp_path, assets):
     meta = text.tokenize(j.data, "bert", progress=False)
     data = build_data(j, rank=0, world_size=1, device=torch.device("cpu"))
     cls, sep, mask = (meta["special"][k] for k in ("cls", "sep", "mask"))
-    stream = torch.from_file(meta["path"], size=meta["tokens"], dtype=torch.uint16).long()
+    ids_in_file = stream(meta)
     for step in (1, 2):
         for micro in (0, 1):
             b = data.batch(step, micro)
@@ -151,18 +156,11 @@ def test_bert_samples_are_framed_and_never_mask_specials(tmp_path, assets):
                 original, range(micro * 4, micro * 4 + 4), strict=True
             ):  # window g of step
                 start = ((step - 1) * 8 + g) * (SEQ - 2)
-                assert torch.equal(row[1:-1], stream[start : start + SEQ - 2])
+                assert torch.equal(row[1:-1], ids_in_file[start : start + SEQ - 2])
             assert not torch.isin(labels, torch.tensor([cls])).any()  # [CLS] is never a target
             assert not ((pos == 0) | (pos == SEQ - 1)).any()
             assert (ids.gather(1, pos) == mask).float().mean() > 0.5  # 80% [MASK]
             assert int(ids.max()) < meta["vocab_size"]
-
-
-def test_text_batches_made_ahead_equal_batches_made_one_at_a_time(tmp_path, assets):
-    data = build_data(job(tmp_path, assets), rank=0, world_size=2, device=torch.device("cpu"))
-    assert data.steps_ahead == 16
-    for step, micro in [(s, a) for s in range(1, 20) for a in range(2)] + [(2, 0)]:
-        assert equals_one_at_a_time(data, step, micro), (step, micro)
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
@@ -170,11 +168,13 @@ def test_text_chunks_made_by_the_worker_thread_equal_batches_made_one_at_a_time(
     tmp_path, assets, arch
 ):
     data = build_data(job(tmp_path, assets, arch), rank=1, world_size=2, device=torch.device("cpu"))
+    assert data.steps_ahead == 16
     made = recording(data)
     for step, micro in [(s, a) for s in range(1, 16 * 3 + 1) for a in range(2)]:
         assert equals_one_at_a_time(data, step, micro), (step, micro)
     threads = [thread.name for _, thread in made]
     assert threads[0] == "MainThread" and all(t.startswith("launcher-data") for t in threads[1:3])
+    assert equals_one_at_a_time(data, 2, 0)  # a jump back
     data.close()
 
 
@@ -186,13 +186,13 @@ def test_gpt_windows_shift_by_one_over_eos_separated_text(tmp_path, assets):
         "eos": load_tokenizer(assets["gpt_tok"]).token_to_id("<|endoftext|>")
     }
     data = build_data(j, rank=1, world_size=2, device=torch.device("cpu"))
-    stream = torch.from_file(meta["path"], size=meta["tokens"], dtype=torch.uint16).long()
+    ids = stream(meta)
     b = data.batch(3, 1)
     assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])
     g = 1 * (2 * 4) + 1 * 4  # micro 1, rank 1 of 2, micro-batch 4: global index of row 0
     start = (2 * 16 + g) * SEQ
-    assert torch.equal(b["input_ids"][0], stream[start : start + SEQ])
-    assert (stream == eos).sum() == meta["documents"]
+    assert torch.equal(b["input_ids"][0], ids[start : start + SEQ])
+    assert (ids == eos).sum() == meta["documents"]
 
 
 def test_other_local_ranks_wait_for_local_rank_0(tmp_path, assets, monkeypatch):
@@ -252,27 +252,20 @@ def test_text_specs_are_checked_when_the_job_loads(
         load_job(file)
 
 
-def test_launch_tokenize_fills_the_cache_and_prints_where(tmp_path, assets, capsys):
-    j = job(tmp_path, assets)
-    file = tmp_path / "job.yaml"
-    assert cli_main(["tokenize", str(file)]) == 0
-    bin_path, meta_path = text.cache_paths(j.data, "bert")
-    assert meta_path.is_file() and f"{bin_path}: " in capsys.readouterr().out
-    file.write_text(
-        file.read_text().replace("source: text", "source: synthetic").replace("tokenizer:", "x:")
-    )
-    assert cli_main(["tokenize", str(file)]) == 2
-
-
-def test_launch_tokenize_fills_the_held_out_texts_cache_too(tmp_path, assets, capsys):
+def test_launch_tokenize_fills_the_caches_of_the_text_and_held_out_text(tmp_path, assets, capsys):
     held_out = tmp_path / "val.txt"
     held_out.write_text("One held-out paragraph.\n\nAnd another, a little longer than it.\n" * 20)
     j = job(tmp_path, assets, val_path=str(held_out))
-    assert cli_main(["tokenize", str(tmp_path / "job.yaml")]) == 0
+    file = tmp_path / "job.yaml"
+    assert cli_main(["tokenize", str(file)]) == 0
     out = capsys.readouterr().out
     for data in (j.data, j.data.model_copy(update={"path": held_out})):
         bin_path, meta_path = text.cache_paths(data, "bert")
         assert meta_path.is_file() and f"{bin_path}: " in out
+    synthetic = {**yaml.safe_load(file.read_text()), "data": {"source": "synthetic"}}
+    file.write_text(yaml.safe_dump(synthetic))
+    assert cli_main(["tokenize", str(file)]) == 2
+    assert "launch tokenize works on data.source text" in capsys.readouterr().err
 
 
 def test_text_goes_on_at_the_next_sample_after_a_restart_at_another_world_size(tmp_path, assets):
@@ -303,14 +296,14 @@ def test_held_out_text_is_the_end_of_the_stream_or_a_file_of_its_own(tmp_path, a
 
     j = job(tmp_path, assets, arch="gpt", val_fraction=0.1)
     meta = text.tokenize(j.data, "gpt", progress=False)
-    stream = torch.from_file(meta["path"], size=meta["tokens"], dtype=torch.uint16).long()
+    ids = stream(meta)
     cut = round(0.9 * meta["tokens"])
     cpu = torch.device("cpu")
     trained = build_data(j, rank=0, world_size=1, device=cpu)
     held_out = build_data(j, rank=0, world_size=1, device=cpu, held_out=True)
     try:
         assert trained.ids.numel() == cut and held_out.ids.numel() == meta["tokens"] - cut
-        assert torch.equal(held_out.batch(1)["input_ids"][0], stream[cut : cut + SEQ])
+        assert torch.equal(held_out.batch(1)["input_ids"][0], ids[cut : cut + SEQ])
         assert "data.val_fraction 0.1" in held_out.describe()
         last = trained.n_windows - 1  # the last training window ends before the cut
         assert last * SEQ + SEQ + 1 <= cut
@@ -330,7 +323,4 @@ def test_held_out_text_is_the_end_of_the_stream_or_a_file_of_its_own(tmp_path, a
     )
     other_meta = text.tokenize(k.data.model_copy(update={"path": other}), "gpt", progress=False)
     assert other_meta["path"] != meta["path"] and len(batches) == 2
-    other_stream = torch.from_file(
-        other_meta["path"], size=other_meta["tokens"], dtype=torch.uint16
-    ).long()
-    assert torch.equal(batches[0]["input_ids"][0], other_stream[:SEQ])
+    assert torch.equal(batches[0]["input_ids"][0], stream(other_meta)[:SEQ])
