@@ -141,9 +141,7 @@ def test_token_file_errors_name_the_fix(tmp_path: Path):
     with pytest.raises(ValueError, match="shorter seq_len"):
         token_file(tmp_path / "short.npy")
     write_npy(tmp_path / "big.npy", torch.full((100,), 5000, dtype=torch.int32), "<i4")
-    with pytest.raises(
-        ValueError, match="set model.vocab_size: 5001"
-    ):  # when opened, before a batch
+    with pytest.raises(ValueError, match="set model.vocab_size: 5001"):  # when opened
         token_file(tmp_path / "big.npy", micro=1)
     padded = torch.arange(100, dtype=torch.int32)
     padded[5] = -1  # padding by a negative id: CUDA's embedding would fail with a device assert
@@ -153,20 +151,6 @@ def test_token_file_errors_name_the_fix(tmp_path: Path):
     write_npy(tmp_path / "float.npy", torch.zeros(100, dtype=torch.float32), "<f4")
     with pytest.raises(ValueError, match="uint8, uint16, uint32, int32 or int64"):
         token_file(tmp_path / "float.npy")
-
-
-@pytest.mark.parametrize("arch", ["bert", "gpt"])
-def test_batches_made_ahead_equal_batches_made_one_at_a_time(arch: str):
-    ahead = source(arch, rank=1, world=2, accum=3)
-    assert ahead.steps_ahead == 16
-    # in order across a chunk boundary, then a jump back and a resume-like start mid-way;
-    # Batches.batch is the one-batch path (the step a Python int in the hash)
-    for step, micro in [(s, a) for s in range(1, 19) for a in range(3)] + [
-        (5, 2),
-        (40, 0),
-        (41, 1),
-    ]:
-        assert equals_one_at_a_time(ahead, step, micro), (step, micro)
 
 
 def test_steps_ahead_is_bounded_by_the_chunk_size():
@@ -271,12 +255,16 @@ def test_sample_indices_above_two_to_the_32_stay_distinct():
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
 def test_chunks_made_by_the_worker_thread_equal_batches_made_one_at_a_time(arch: str):
-    data = source(arch, rank=1, world=2, accum=2)
+    """In order across chunk boundaries, then a jump back, one past the next chunk and one
+    within; Batches.batch is the one-batch path (the step a Python int in the hash)."""
+    data = source(arch, rank=1, world=2, accum=3)
+    assert data.steps_ahead == 16
     made = recording(data)
-    assert all(equals_one_at_a_time(data, s, a) for s in range(1, 16 * 4 + 1) for a in range(2))
+    assert all(equals_one_at_a_time(data, s, a) for s in range(1, 16 * 4 + 1) for a in range(3))
     assert [start for start, _ in made[:4]] == [1, 17, 33, 49]
     assert made[0][1] is threading.main_thread()  # the first chunk: nothing was made ahead
     assert {thread.name.split("_")[0] for _, thread in made[1:4]} == {"launcher-data"}
+    assert all(equals_one_at_a_time(data, s, a) for s, a in [(5, 2), (40, 0), (41, 1)])
     data.close()
 
 
