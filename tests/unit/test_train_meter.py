@@ -160,6 +160,14 @@ def run(meter: Meter, clock: FakeClock, steps: range, calls: dict, log_steps: li
         assert rec is None or rec["step"] == read
 
 
+def finished(**kw) -> tuple[dict, list[dict]]:
+    """A 20-step run (``make_meter(**kw)``) finished: its final record and all its records."""
+    meter, clock, calls, records = make_meter(**kw)
+    meter.start()
+    run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
+    return meter.finish(), records
+
+
 @pytest.mark.parametrize("late", [False, True])
 def test_log_records_without_a_sync_in_the_loop(late: bool):
     meter, clock, calls, records = make_meter(late=late)
@@ -179,29 +187,21 @@ def test_log_records_without_a_sync_in_the_loop(late: bool):
     assert records[2]["step_times_ms"] == pytest.approx([100.0] * 5)
     assert records[2]["loss"] == pytest.approx(sum(range(6, 11)) / 5)  # its own steps only
     # the interval between the log steps' marks, and the data wait of its own steps
-    assert records[2]["interval_s"] == pytest.approx(0.5) and records[2][
-        "data_wait_s"
-    ] == pytest.approx(0.05)
-    assert records[0]["interval_s"] == pytest.approx(0.3) and records[4][
-        "interval_s"
-    ] == pytest.approx(0.5)
+    assert records[2]["interval_s"] == pytest.approx(0.5)
+    assert records[2]["data_wait_s"] == pytest.approx(0.05)
+    assert [records[i]["interval_s"] for i in (0, 4)] == pytest.approx([0.3, 0.5])
 
 
 @pytest.mark.parametrize("late", [False, True])
 def test_final_counts_measured_steps_only_and_computes_mfu(late: bool):
-    meter, clock, calls, records = make_meter(late=late)
-    meter.start()
-    run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
-    final = meter.finish()
+    final, records = finished(late=late)
     assert set(final) == FINAL_KEYS and records[-1] is final
     assert final["steps"] == 20 and final["measured_steps"] == 17
     assert final["tokens_per_s"] == pytest.approx(1000 / 0.1)
     assert final["samples_per_s"] == pytest.approx(100)
     assert final["tflops"] == pytest.approx(1e4 * 1e9 / 1e12)  # 10 TFLOP/s
     assert final["mfu"] == pytest.approx(0.1)
-    assert final["step_time_ms_p50"] == pytest.approx(100) and final[
-        "step_time_ms_p95"
-    ] == pytest.approx(100)
+    assert [final["step_time_ms_p50"], final["step_time_ms_p95"]] == pytest.approx([100, 100])
     assert final["data_wait_pct"] == pytest.approx(10)
     assert final["gpu_util_pct"] == 90.0 and final["peak_mem_gib"] == 1.5 and final["loss"] == 18.0
     # measured records' GPU samples: step 5's had no NVML answer, then 1980, 1980, 1755 MHz (power cap)
@@ -216,9 +216,8 @@ def test_final_counts_measured_steps_only_and_computes_mfu(late: bool):
         [650 * 0.2, 650 * 0.5, 650 * 0.5, 650 * (0.4 if late else 0.5)]
     )
     assert [r["power_w"] for r in records[:-1]] == [None, None, 600.0, 600.0, 600.0]
-    assert final["energy_j"] == pytest.approx(650 * seconds) and final["power_w"] == pytest.approx(
-        650 * seconds / 1.7
-    )
+    assert final["energy_j"] == pytest.approx(650 * seconds)
+    assert final["power_w"] == pytest.approx(650 * seconds / 1.7)
     assert final["energy_mj_per_token"] == pytest.approx(1e3 * 650 * seconds / 17_000)
     assert final["sm_clock_mhz"] == pytest.approx((1980 + 1980 + 1755) / 3)
     assert final["clock_limited_pct"] == pytest.approx(100 / 3)
@@ -231,10 +230,7 @@ def test_final_counts_measured_steps_only_and_computes_mfu(late: bool):
 
 
 def test_without_an_energy_counter_energy_is_null():
-    meter, clock, calls, records = make_meter(watts=None)
-    meter.start()
-    run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
-    final = meter.finish()
+    final, records = finished(watts=None)
     assert [r["power_w"] for r in records[:-1]] == [None, None, 600.0, 600.0, 600.0]
     assert all(r["energy_j"] is None for r in records)
     assert final["power_w"] is None and final["energy_mj_per_token"] is None
@@ -242,10 +238,7 @@ def test_without_an_energy_counter_energy_is_null():
 
 
 def test_unknown_peak_gives_null_mfu():
-    meter, clock, calls, _ = make_meter(peak=None)
-    meter.start()
-    run(meter, clock, range(1, 21), calls, log_steps=[3, 5, 10, 15, 20])
-    final = meter.finish()
+    final, _ = finished(peak=None)
     assert final["mfu"] is None and final["tflops"] == pytest.approx(10.0)
     assert "mfu n/a" in final_line(final, world_size=1)
 
@@ -287,9 +280,8 @@ def test_peak_table_and_percentiles():
 
 def test_clock_limits_name_the_limiting_bits_only():
     assert clock_limits(0) == []
-    assert (
-        clock_limits(0x1 | 0x2 | 0x10 | 0x100) == []
-    )  # idle, application clocks, sync boost, display
+    # idle, application clocks, sync boost, display
+    assert clock_limits(0x1 | 0x2 | 0x10 | 0x100) == []
     assert clock_limits(0x4) == ["power cap"]
     assert clock_limits(0x4 | 0x40 | 0x80) == ["power cap", "hw thermal", "power brake"]
 
