@@ -46,9 +46,8 @@ def test_the_chosen_window_is_written_as_a_trace_and_a_table(tmp_path: Path):
     assert "aten::mm" in names and "aten::tanh" in names
     table = (tmp_path / "rank0.ops.txt").read_text()
     assert table.startswith("rank 0, steps 2..4:") and "aten::mm" in table
-    assert (
-        "device timeline" not in table and "kernels by kind" not in table
-    )  # no device activity on the CPU
+    # no device activity on the CPU
+    assert "device timeline" not in table and "kernels by kind" not in table
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.ops.txt", "rank0.trace.json.gz"]
 
 
@@ -69,22 +68,17 @@ def test_a_recording_cut_short_writes_nothing(tmp_path: Path):
     assert run_steps(profiler, 3) == []  # the window ends at step 6: still recording
     profiler.close()
     assert not any(tmp_path.iterdir())
-    assert run_steps(
-        StepProfiler(
-            ProfileSpec(start_step=2, steps=1), rank=0, device=CPU, out_dir=tmp_path / "again"
-        ),
-        2,
-    )  # the profiler is usable again
+    one_step = ProfileSpec(start_step=2, steps=1)
+    again = StepProfiler(one_step, rank=0, device=CPU, out_dir=tmp_path / "again")
+    assert run_steps(again, 2)  # the profiler is usable again
 
 
 def kernel(name: str, start: float, end: float, device: int = 0, cat: str = "kernel") -> dict:
-    return {
-        "cat": cat,
-        "name": name,
-        "ts": start,
-        "dur": end - start,
-        "args": {"device": device, "stream": 7},
-    }
+    args = {"device": device, "stream": 7}
+    return {"cat": cat, "name": name, "ts": start, "dur": end - start, "args": args}
+
+
+HOST_EVENT = {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900}
 
 
 def test_the_device_timeline_splits_compute_communication_and_idle():
@@ -100,7 +94,7 @@ def test_the_device_timeline_splits_compute_communication_and_idle():
         kernel("multi_tensor_apply_kernel", 40, 44),
         kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 42, 50),
         kernel("sm90_gemm", 0, 1000, device=1),
-        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900},
+        HOST_EVENT,
     ]
     t = device_timeline(events, steps=2, device=0)
     assert t is not None
@@ -117,9 +111,7 @@ def test_the_device_timeline_splits_compute_communication_and_idle():
 
 
 def test_a_trace_without_device_activity_has_no_timeline():
-    assert (
-        device_timeline([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1) is None
-    )
+    assert device_timeline([HOST_EVENT], steps=1) is None
     # every device counts when none is named
     t = device_timeline([kernel("a", 0, 4), kernel("b", 2, 6, device=1)], steps=1)
     assert t is not None and t["compute_ms"] == pytest.approx(6e-3) and t["idle_ms"] == 0
@@ -153,10 +145,8 @@ def test_kernels_are_named_for_what_they_do(name: str, kind: str):
 def test_the_breakdown_sums_each_kind_and_ranks_the_busiest_kernels():
     # Two steps (µs): two products of 6 and one of 4, an attention kernel twice, a memset;
     # the other device's kernel and the host event are left out.
-    gemm, attn = (
-        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT",
-        "cudnn_generated_fort_native_sdpa_sm90_flash",
-    )
+    gemm = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"
+    attn = "cudnn_generated_fort_native_sdpa_sm90_flash"
     events = [
         kernel(gemm, 0, 6),
         kernel(gemm, 10, 16),
@@ -165,27 +155,20 @@ def test_the_breakdown_sums_each_kind_and_ranks_the_busiest_kernels():
         kernel(attn, 40, 43),
         kernel("Memset (Unknown)", 50, 51, cat="gpu_memset"),
         kernel(gemm, 0, 500, device=1),
-        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900},
+        HOST_EVENT,
     ]
     b = kernel_breakdown(events, steps=2, device=0, top=2)
     assert b is not None
-    assert b["kinds"] == pytest.approx(
+    assert b["kinds"] == pytest.approx(  # busiest first
         {"matrix products": 8e-3, "attention": 3e-3, "copies, casts, memsets": 0.5e-3}
     )
-    assert list(b["kinds"]) == [
-        "matrix products",
-        "attention",
-        "copies, casts, memsets",
-    ]  # busiest first
+    assert list(b["kinds"]) == ["matrix products", "attention", "copies, casts, memsets"]
     assert b["total_ms"] == pytest.approx(11.5e-3)
     assert [(k["name"], k["launches"]) for k in b["top"]] == [(gemm, 1.0), (attn, 1.0)]
     assert b["top"][0]["ms"] == pytest.approx(6e-3)
     table = breakdown_table(b)
     assert "matrix products" in table and "69.6" in table  # 8 of 11.5
-    assert (
-        kernel_breakdown([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1)
-        is None
-    )
+    assert kernel_breakdown([HOST_EVENT], steps=1) is None
 
 
 class _RecordedOnAGPU:
@@ -213,34 +196,27 @@ def test_a_gpu_profile_writes_the_timeline_and_the_breakdown(tmp_path: Path):
         kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 30),
         kernel("triton_poi_fused__unsafe_view_gelu_5", 30, 40),
     ]
-    assert (
-        profiler._write(_RecordedOnAGPU(events), wall_ms=25.0) == tmp_path / "rank1.trace.json.gz"
-    )
+    written = profiler._write(_RecordedOnAGPU(events), wall_ms=25.0)
+    assert written == tmp_path / "rank1.trace.json.gz"
     text = (tmp_path / "rank1.ops.txt").read_text()
     assert text.startswith("rank 1, steps 3..4: 25.0 ms per step")
     assert "device timeline per step: span 0.02 ms" in text
     kinds = text[text.index("kernels by kind") : text.index("(operator table)")]
-    assert (
-        "matrix products" in kinds and "75.0" in kinds and "activation" in kinds and "25.0" in kinds
-    )
+    assert all(word in kinds for word in ("matrix products", "75.0", "activation", "25.0"))
 
 
 def test_idle_gaps_split_kernel_to_kernel_gaps_from_waits_for_the_host():
     """Two steps on two streams: 2 µs gaps between kernels, one 400 µs wait on the host, and a
     kernel on a second stream that covers a gap of the first (no idle time there)."""
-
-    def k(name, ts, dur, device=0):
-        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"device": device}}
-
     events = [
-        k("a", 0, 10),
-        k("b", 12, 10),
-        k("side", 20, 15),
-        k("c", 35, 10),  # b..c covered by side
-        k("d", 47, 10),
-        k("sync-wait-after", 457, 10),
-        k("e", 469, 10),
-        k("other-gpu", 100, 300, device=1),
+        kernel("a", 0, 10),
+        kernel("b", 12, 22),
+        kernel("side", 20, 35),
+        kernel("c", 35, 45),  # b..c covered by side
+        kernel("d", 47, 57),
+        kernel("sync-wait-after", 457, 467),
+        kernel("e", 469, 479),
+        kernel("other-gpu", 100, 400, device=1),
         {"cat": "cpu_op", "name": "aten::mm", "ts": 60, "dur": 5},
     ]
     g = idle_gaps(events, steps=2, device=0)
