@@ -3,71 +3,46 @@
 from __future__ import annotations
 
 import pytest
+from fixtures.tiny_job import tiny_job
 
 from launcher.spec.job import JobSpec
 from launcher.train.parallel import process_group_backend
 
 
-def job(**over) -> JobSpec:
-    spec = {
-        "name": "pg",
-        "model": {"size": "tiny"},
-        "data": {"seq_len": 16},
-        "train": {"steps": 2, "warmup_steps": 0},
-        "resources": {"device": "cuda"},
-    }
-    for key, value in over.items():
-        section, field = key.split("__", 1)
-        node = spec.setdefault(section, {})
-        *path, leaf = field.split("__")
-        for name in path:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return JobSpec.model_validate(spec)
+def job(strategy: str = "ddp", offload: bool = False, **sections) -> JobSpec:
+    """A tiny job on CUDA, under ``strategy``; ``sections`` replace the job's own."""
+    return JobSpec.model_validate(
+        {
+            "name": "pg",
+            "model": {"size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {"steps": 2, "warmup_steps": 0},
+            "parallel": {"strategy": strategy, "fsdp": {"cpu_offload": offload}},
+            "resources": {"device": "cuda"},
+            **sections,
+        }
+    )
 
 
 @pytest.mark.parametrize(
-    ("over", "backend"),
+    ("strategy", "offload", "sections", "backend"),
     [
-        ({}, "nccl"),
-        ({"parallel__strategy": "fsdp"}, "nccl"),
+        ("ddp", False, {}, "nccl"),
+        ("fsdp", False, {}, "nccl"),
         # the offloaded gradient shards are CPU tensors: their norm's and the fp16 scaler's
         # all-reduces need gloo beside NCCL
-        ({"parallel__strategy": "fsdp", "parallel__fsdp__cpu_offload": True}, "cuda:nccl,cpu:gloo"),
-        (
-            {
-                "parallel__strategy": "fsdp",
-                "parallel__fsdp__cpu_offload": True,
-                "precision__dtype": "fp16",
-            },
-            "cuda:nccl,cpu:gloo",
-        ),
-        (
-            {
-                "parallel__strategy": "fsdp",
-                "parallel__fsdp__cpu_offload": True,
-                "nccl__backend": "nccl",
-            },
-            "cuda:nccl,cpu:gloo",
-        ),
-        # gloo runs CPU tensors already
-        (
-            {
-                "parallel__strategy": "fsdp",
-                "parallel__fsdp__cpu_offload": True,
-                "nccl__backend": "gloo",
-            },
-            "gloo",
-        ),
-        (
-            {"parallel__strategy": "ddp", "parallel__fsdp__cpu_offload": True},
-            "nccl",
-        ),  # read with fsdp only
-        ({"resources__device": "cpu"}, "gloo"),
+        ("fsdp", True, {}, "cuda:nccl,cpu:gloo"),
+        ("fsdp", True, {"precision": {"dtype": "fp16"}}, "cuda:nccl,cpu:gloo"),
+        ("fsdp", True, {"nccl": {"backend": "nccl"}}, "cuda:nccl,cpu:gloo"),
+        ("fsdp", True, {"nccl": {"backend": "gloo"}}, "gloo"),  # gloo runs CPU tensors already
+        ("ddp", True, {}, "nccl"),  # read with fsdp only
+        ("ddp", False, {"resources": {"device": "cpu"}}, "gloo"),
     ],
 )
-def test_process_group_backend_adds_gloo_for_cpu_offloaded_shards(over, backend):
-    assert process_group_backend(job(**over)) == backend
+def test_process_group_backend_adds_gloo_for_cpu_offloaded_shards(
+    strategy, offload, sections, backend
+):
+    assert process_group_backend(job(strategy, offload, **sections)) == backend
 
 
 def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, monkeypatch):
@@ -84,13 +59,7 @@ def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, 
         return "cpu:gloo"
 
     monkeypatch.setattr(parallel, "process_group_backend", backend)
-    cpu = job(
-        resources__device="cpu",
-        resources__nodes=1,
-        resources__nproc_per_node=1,
-        precision__dtype="fp32",
-        train__micro_batch=2,
-    )
+    cpu = JobSpec.model_validate(tiny_job())
     trainer = loop.Trainer(cpu)
     try:
         assert asked == [cpu] and dist.get_backend() == "cpu:gloo"
@@ -104,11 +73,8 @@ def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, 
 # with a newer release goes here, with the floor raised to match.
 TRAINER_TORCH_APIS = [
     ("torch.nn.utils", "get_total_norm", (2, 6)),  # optim: the gradient norm
-    (
-        "torch.distributed.fsdp",
-        "fully_shard",
-        (2, 6),
-    ),  # FSDP2; torch.distributed._composable.fsdp before
+    # FSDP2; torch.distributed._composable.fsdp before
+    ("torch.distributed.fsdp", "fully_shard", (2, 6)),
     ("torch.distributed.fsdp", "MixedPrecisionPolicy", (2, 6)),
     ("torch.distributed.fsdp", "CPUOffloadPolicy", (2, 6)),
 ]
