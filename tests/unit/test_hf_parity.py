@@ -46,9 +46,14 @@ def job_file(tmp_path: Path, model: dict, **extra) -> Path:
     return path
 
 
+def model_spec(tmp_path: Path, **model):
+    """The model spec of a job with ``model``, loaded (so checked) as the launcher loads it."""
+    return load_job(job_file(tmp_path, model)).model
+
+
 def built_in(tmp_path: Path, folder: Path, **model):
     """The job's model spec (shape from config.json) and the built-in model loaded from ``folder``."""
-    spec = load_job(job_file(tmp_path, {"init_from": str(folder), **model})).model
+    spec = model_spec(tmp_path, init_from=str(folder), **model)
     torch.manual_seed(1)
     ours = build_model(spec)
     load_pretrained(ours, spec, device=torch.device("cpu"))
@@ -123,16 +128,12 @@ def test_older_file_layouts_load_the_same_weights(tmp_path):
     old["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
     old["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
     old["pooler.dense.weight"], old["pooler.dense.bias"] = torch.zeros(32, 32), torch.zeros(32)
-    old["cls.seq_relationship.weight"], old["cls.seq_relationship.bias"] = (
-        torch.zeros(2, 32),
-        torch.zeros(2),
-    )
+    old["cls.seq_relationship.weight"] = torch.zeros(2, 32)
+    old["cls.seq_relationship.bias"] = torch.zeros(2)
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / "config.json").write_text((tmp_path / "bert/config.json").read_text())
-    torch.save(
-        old, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False
-    )  # 2018 format
+    torch.save(old, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)  # 2018's
     spec, _ = built_in(tmp_path, legacy)
     assert {k: v.tolist() for k, v in hf_state_dict(legacy, spec).items()} == {
         k: v.tolist() for k, v in new.items()
@@ -197,22 +198,11 @@ def test_an_explicit_shape_that_disagrees_is_refused_naming_both(tmp_path):
         ({"arch": "gpt"}, "model.arch gpt (the folder holds a bert)"),
     ):
         with pytest.raises(SpecError) as err:
-            load_job(job_file(tmp_path, {"init_from": str(tmp_path / "bert"), **model}))
+            model_spec(tmp_path, init_from=str(tmp_path / "bert"), **model)
         assert err.value.exit_code == 2 and expect in str(err.value), str(err.value)
     # Agreeing dims are fine, and a size whose dims are all given explicitly decides nothing.
-    spec = load_job(
-        job_file(
-            tmp_path,
-            {
-                "init_from": str(tmp_path / "bert"),
-                "size": "base",
-                "n_layers": 2,
-                "d_model": 32,
-                "n_heads": 4,
-            },
-        )
-    ).model
-    assert spec.dims()["d_model"] == 32
+    dims = {"size": "base", "n_layers": 2, "d_model": 32, "n_heads": 4}
+    assert model_spec(tmp_path, init_from=str(tmp_path / "bert"), **dims).dims()["d_model"] == 32
 
 
 def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
@@ -223,7 +213,7 @@ def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
     def refused(tensors: dict[str, torch.Tensor]) -> str:
         save_file(tensors, path)
         with pytest.raises(SpecError) as err:
-            load_job(job_file(tmp_path, {"init_from": str(tmp_path / "bert")}))
+            model_spec(tmp_path, init_from=str(tmp_path / "bert"))
         assert err.value.exit_code == 2 and "model.init_from" in str(err.value)
         return str(err.value)
 
@@ -244,7 +234,7 @@ def test_an_untied_decoder_is_refused(tmp_path):
     tensors = load_file(path)
     tensors["cls.predictions.decoder.weight"] = torch.randn(96, 32)
     save_file(tensors, path)
-    spec = load_job(job_file(tmp_path, {"init_from": str(tmp_path / "bert")})).model
+    spec = model_spec(tmp_path, init_from=str(tmp_path / "bert"))
     with pytest.raises(FolderError, match="differs from the word embeddings"):
         hf_state_dict(tmp_path / "bert", spec)
 
@@ -255,13 +245,13 @@ def test_unsupported_configs_are_refused(tmp_path):
     for key, value in (("hidden_act", "relu"), ("layer_norm_eps", 1e-5), ("model_type", "roberta")):
         (tmp_path / "bert/config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(SpecError, match=key) as err:
-            load_job(job_file(tmp_path, {"init_from": str(tmp_path / "bert")}))
+            model_spec(tmp_path, init_from=str(tmp_path / "bert"))
         assert err.value.exit_code == 2
 
 
 def test_a_name_that_is_not_a_local_folder_says_to_download_it_first(tmp_path):
     with pytest.raises(SpecError) as err:
-        load_job(job_file(tmp_path, {"init_from": "bert-base-uncased"}))
+        model_spec(tmp_path, init_from="bert-base-uncased")
     text = str(err.value)
     assert err.value.exit_code == 2 and "is not a local folder" in text
     assert "hf download bert-base-uncased --local-dir" in text and "never downloads" in text
@@ -270,23 +260,17 @@ def test_a_name_that_is_not_a_local_folder_says_to_download_it_first(tmp_path):
 def test_a_model_without_biases_exports_zero_biases_and_the_same_function(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    spec = load_job(
-        job_file(
-            tmp_path,
-            {"arch": "gpt", "size": "tiny", "bias": False, "vocab_size": 96, "max_positions": 40},
-        )
-    ).model
+    spec = model_spec(
+        tmp_path, arch="gpt", size="tiny", bias=False, vocab_size=96, max_positions=40
+    )
     torch.manual_seed(4)
     ours = build_model(spec).eval()
     assert not [n for n, _ in ours.named_parameters() if n.endswith("bias")]
     save_pretrained(ours.state_dict(), spec, tmp_path / "out")
     theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
-    biases = {
-        k: v
-        for k, v in theirs.state_dict().items()
-        if k.endswith(".bias") and ".attn.bias" not in k
-    }
-    assert biases and all(not v.any() for v in biases.values())
+    state = theirs.state_dict()
+    biases = [v for k, v in state.items() if k.endswith(".bias") and ".attn.bias" not in k]
+    assert biases and all(not v.any() for v in biases)
     ids = batch("gpt")["input_ids"][:, :16]
     with torch.no_grad():
         torch.testing.assert_close(
@@ -297,11 +281,9 @@ def test_a_model_without_biases_exports_zero_biases_and_the_same_function(tmp_pa
 def test_weights_from_a_folder_need_biases(tmp_path):
     save_gpt2(tmp_path / "gpt2")
     with pytest.raises(SpecError) as err:
-        load_job(job_file(tmp_path, {"init_from": str(tmp_path / "gpt2"), "bias": False}))
-    assert (
-        err.value.exit_code == 2
-        and "model.bias false (the folder's weights have biases)" in str(err.value)
-    )
+        model_spec(tmp_path, init_from=str(tmp_path / "gpt2"), bias=False)
+    assert err.value.exit_code == 2
+    assert "model.bias false (the folder's weights have biases)" in str(err.value)
 
 
 @pytest.mark.parametrize("content", ["garbage", "more than tensors"])
