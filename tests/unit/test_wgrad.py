@@ -30,17 +30,12 @@ def test_the_pointer_table_holds_the_addresses_exactly():
 def test_cublas_takes_only_aligned_row_major_tensors_of_one_leading_dimension():
     base = torch.empty(4, 64, dtype=torch.bfloat16)
     assert wgrad._row_major([base[:, :32], base[:, 32:]]) == 64
-    assert (
-        wgrad._row_major([base[:, :32], torch.empty(4, 32, dtype=torch.bfloat16)]) is None
-    )  # two lds
+    other = torch.empty(4, 32, dtype=torch.bfloat16)
+    assert wgrad._row_major([base[:, :32], other]) is None  # two lds
     assert wgrad._row_major([base.t()]) is None  # column-major
     assert wgrad._row_major([base[:, 1:33]]) is None  # 2 bytes off
-    assert (
-        wgrad._row_major([torch.empty(1, 64, dtype=torch.bfloat16).expand(4, 64)]) is None
-    )  # rows overlap
-    assert not wgrad._cublas_batched(
-        [base[:, :32]], [base[:, :32]], torch.empty(1, 32, 32)
-    )  # on the CPU
+    assert wgrad._row_major([other[:1].expand(4, 32)]) is None  # rows overlap
+    assert not wgrad._cublas_batched([base[:, :32]], [base[:, :32]], torch.empty(1, 32, 32))  # CPU
 
 
 def job(**train: object) -> JobSpec:
@@ -60,33 +55,16 @@ def job(**train: object) -> JobSpec:
     [
         ({}, torch.bfloat16, "cuda", True, True),
         ({"weight_grads": "per-layer"}, torch.bfloat16, "cuda", True, False),
-        (
-            {},
-            torch.float32,
-            "cuda",
-            True,
-            False,
-        ),  # fp32 weights: each product is cast before it is a gradient
-        (
-            {},
-            torch.bfloat16,
-            "cuda",
-            False,
-            False,
-        ),  # per-block graphs: the layers' products never meet
+        # fp32 weights: each product is cast before it is a gradient
+        ({}, torch.float32, "cuda", True, False),
+        # per-block graphs: the layers' products never meet
+        ({}, torch.bfloat16, "cuda", False, False),
         ({}, torch.bfloat16, "cpu", True, False),
-        (
-            {"activation_checkpointing": True},
-            torch.bfloat16,
-            "cuda",
-            True,
-            False,
-        ),  # would hold every recomputed input
+        # would hold every recomputed input
+        ({"activation_checkpointing": True}, torch.bfloat16, "cuda", True, False),
     ],
 )
 def test_when_the_trainer_batches(spec, weights, device, whole, expected):
     model = torch.nn.Linear(4, 4).to(weights)
-    assert (
-        batches_weight_grads(job(**spec), model, device=torch.device(device), whole=whole)
-        is expected
-    )
+    on = batches_weight_grads(job(**spec), model, device=torch.device(device), whole=whole)
+    assert on is expected
