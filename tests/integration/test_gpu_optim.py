@@ -33,9 +33,8 @@ def grads(step: int):
 def test_kernel_matches_the_reference_and_torch_adamw(clip):
     params, masters, opt = make(kernels=True)
     ref_params, ref_masters, ref_opt = make(kernels=False)
-    fp32 = fp32_params(
-        SHAPES, device="cuda"
-    )  # the same initial values, trained by torch's fused AdamW
+    # the same initial values, trained by torch's fused AdamW
+    fp32 = fp32_params(SHAPES, device="cuda")
     torch_opt = torch.optim.AdamW(groups(fp32), lr=LR, betas=BETAS, fused=True)
     for step in range(1, 6):
         for group in (params, ref_params, fp32):

@@ -51,9 +51,8 @@ def test_tensors_cublas_cannot_take_go_one_by_one():
     odd = [torch.empty(4096, 769, device="cuda", dtype=torch.bfloat16)[:, 1:].copy_(x) for x in xs]
     out = torch.empty(3, 768, 768, device="cuda", dtype=torch.bfloat16)
     assert not wgrad._cublas_batched(dys, odd, out)  # every row 2 bytes off alignment
-    assert not wgrad._cublas_batched(
-        dys, [x.float() for x in xs], out
-    )  # another dtype than the output's
+    # another dtype than the output's
+    assert not wgrad._cublas_batched(dys, [x.float() for x in xs], out)
     assert_products(torch.ops.launcher.batched_wgrad(dys, odd), dys, xs)
 
 

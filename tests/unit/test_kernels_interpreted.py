@@ -1,15 +1,7 @@
 """The Triton kernels (``launcher.train.fused``, ``launcher.train.optim``) run by Triton's
-interpreter on the CPU.
-
-The kernels' GPU tests (tests/integration/test_gpu_fused.py, test_gpu_loss_kernel.py) need a
-GPU; this runs the same kernels' programs on CPU tensors with ``TRITON_INTERPRET=1`` (numpy
-underneath), in a subprocess since the variable must be set before Triton is imported. It
-checks the kernels' logic: tiles and masks at ragged shapes, the padded vocabulary, the
-in-place gradient, the bias gradient's partial sums, and the custom ops inside the LM head's
-autograd step, eager and compiled; for bf16 weights (``launcher.train.optim``), the
-gradients' norm read through a table of their addresses and the AdamW update of the fp32
-masters. fp32 is compared to fp32 rounding; the interpreter's casts to bf16 truncate instead of
-rounding to nearest, so bf16 results are compared to one bf16 step.
+interpreter on CPU tensors (``TRITON_INTERPRET=1``, set in a subprocess before Triton is
+imported): their tiles, masks and custom ops, as the GPU tests check them on a GPU. The
+interpreter truncates casts to bf16, so bf16 results are compared to one bf16 step.
 """
 
 import os
