@@ -74,11 +74,8 @@ def test_models_packed_equal_sdpa(model_cls):
         n_layers=2, d_model=32, n_heads=4, d_ff=64, vocab_size=96, max_positions=16
     ).double()
     ids = torch.randint(0, 96, (2, 16))
-    kwargs = (
-        {"mask_pos": torch.tensor([[1, 5], [2, 9]]), "labels": torch.randint(0, 96, (2, 2))}
-        if model_cls is BertForMaskedLM
-        else {"labels": torch.randint(0, 96, (2, 16))}
-    )
+    bert = {"mask_pos": torch.tensor([[1, 5], [2, 9]]), "labels": torch.randint(0, 96, (2, 2))}
+    kwargs = bert if model_cls is BertForMaskedLM else {"labels": torch.randint(0, 96, (2, 16))}
     grads = []
     for packed in (False, True):
         for m in model.modules():
@@ -115,10 +112,8 @@ def test_choose_on_cpu():
         ({"model": {"dropout": 0.1}}, "model.dropout must be 0"),
         ({"precision": {"dtype": "fp32"}}, "bf16 or fp16 inputs"),
         ({"precision": {"dtype": "tf32"}}, "bf16 or fp16 inputs"),
-        (
-            {"model": {"d_model": 192, "n_heads": 2}},
-            "head dimension (d_model / n_heads) is 96",
-        ),  # 96 fits
+        # 96 fits
+        ({"model": {"d_model": 192, "n_heads": 2}}, "head dimension (d_model / n_heads) is 96"),
         ({"model": {"d_model": 200, "n_heads": 2}}, "head dimension (d_model / n_heads) is 100"),
         ({"model": {"d_model": 512, "n_heads": 2}}, "head dimension (d_model / n_heads) is 256"),
     ],

@@ -32,10 +32,8 @@ def test_linear_warmup_then_cosine_to_the_floor():
 def test_linear_decay_and_constant():
     lin = factors(steps=11, lr_schedule="linear", min_lr_ratio=0.0, warmup_steps=0)
     assert lin == pytest.approx([1 - i / 10 for i in range(11)])
-    assert (
-        factors(steps=20, lr_warmup_steps=4, lr_schedule="constant", warmup_steps=0)[4:]
-        == [1.0] * 16
-    )
+    constant = factors(steps=20, lr_warmup_steps=4, lr_schedule="constant", warmup_steps=0)
+    assert constant[4:] == [1.0] * 16
 
 
 def test_no_warmup_starts_at_the_peak():
@@ -60,20 +58,15 @@ def test_step_records_carry_the_lr_each_step_used(one_process_trainer_env):
 
     job = JobSpec.model_validate(tiny_job(steps=6, lr=1e-3, lr_warmup_steps=3, log_every=1))
     trainer = Trainer(job)
-    used = {
-        1: trainer.optimizer.param_groups[0]["lr"]
-    }  # after step s, the scheduler set step s+1's
+    used = {1: trainer.optimizer.param_groups[0]["lr"]}  # after step s, the scheduler set s+1's
     try:
         trainer.train(
             on_step=lambda step: used.__setitem__(step + 1, trainer.optimizer.param_groups[0]["lr"])
         )
     finally:
         trainer.close()
-    steps = [
-        r
-        for r in read_records(one_process_trainer_env.with_name("rank0.jsonl"))
-        if r["type"] == "step"
-    ]
+    records = read_records(one_process_trainer_env.with_name("rank0.jsonl"))
+    steps = [r for r in records if r["type"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert [r["lr"] for r in steps] == pytest.approx([used[s] for s in range(1, 7)])
     assert steps[0]["lr"] == pytest.approx(1e-3 / 3) and steps[2]["lr"] == pytest.approx(1e-3)
@@ -128,11 +121,8 @@ def _accumulated_step(
             unused.grad = torch.ones(3)
             trainer.train_step(step)
             if not by_backward:  # stale: what it held before the step is gone
-                assert (
-                    unused.grad is None
-                    if not in_place
-                    else torch.equal(unused.grad, torch.zeros(3))
-                )
+                zeroed = unused.grad is not None and torch.equal(unused.grad, torch.zeros(3))
+                assert zeroed if in_place else unused.grad is None
         return {k: v.clone() for k, v in trainer.model.state_dict().items()}, unused.grad
     finally:
         trainer.close()
