@@ -67,11 +67,8 @@ def test_stop_names_the_step_what_and_the_checkpoint_skip_stops_past_its_limit(t
     long = {**record, "nonfinite_in_a_row": 2}
     skipped = stop_reason(long, mode="skip", max_skips=1, checkpoint=None)
     assert skipped is not None and "train.max_nonfinite_skips (1)" in skipped
-    fine = {
-        "step": 5,
-        **read_interval(rows[:1], first_step=5, has_norm=True, norm_counts=True, run=0)[0],
-    }
-    assert stop_reason(fine, mode="stop", max_skips=1, checkpoint=None) is None
+    fine, _ = read_interval(rows[:1], first_step=5, has_norm=True, norm_counts=True, run=0)
+    assert stop_reason({"step": 5, **fine}, mode="stop", max_skips=1, checkpoint=None) is None
 
 
 # -- the trainer, one process on the CPU -----------------------------------------------------
@@ -118,9 +115,8 @@ def test_grad_norm_and_eval_loss_match_plain_pytorch(
     ref = source(arch, vocab=256, seq=16, micro=2, seed=val_seed(spec.train.seed))
     held_out = [ref.batch(i + 1) for i in range(3)]
     ref.close()
-    assert len(val) == 3 and all(
-        torch.equal(a[k], b[k]) for a, b in zip(val, held_out, strict=True) for k in a
-    )
+    assert len(val) == 3
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(val, held_out, strict=True) for k in a)
     assert not torch.equal(held_out[0]["input_ids"], batch["input_ids"])
     trained.eval()
     with torch.no_grad():
@@ -178,9 +174,8 @@ def test_skip_leaves_parameters_and_adamw_state_and_counts(
     for step in (3, 4):  # skipped: nothing changed
         for a, b in zip(snapshots[2]["params"], snapshots[step]["params"], strict=True):
             assert torch.equal(a, b), step
-        assert (
-            snapshots[step]["steps"] == snapshots[2]["steps"] == [2.0] * len(snapshots[2]["steps"])
-        )
+        n = len(snapshots[2]["steps"])
+        assert snapshots[step]["steps"] == snapshots[2]["steps"] == [2.0] * n
     assert not torch.equal(snapshots[5]["params"][0], snapshots[4]["params"][0])
     assert snapshots[5]["steps"][0] == 3.0
     records = steps(one_process_trainer_env)
