@@ -65,9 +65,14 @@ class Run:
         return torch.load(self.dir / "params.pt")
 
 
-def write_job(path: Path, name: str, ckpt: Path) -> Path:
-    path.write_text(TINY_JOB.format(name=name, ckpt=ckpt))
-    return path
+def write_job(base: Path, name: str, *replace: str) -> Path:
+    """TINY_JOB as ``base/NAME.yaml``, checkpoints in ``base/ckpt-NAME``; ``replace``: (old, new)."""
+    text = TINY_JOB.format(name=name, ckpt=base / f"ckpt-{name}")
+    if replace:
+        assert replace[0] in text
+        text = text.replace(*replace)
+    (base / f"{name}.yaml").write_text(text)
+    return base / f"{name}.yaml"
 
 
 def launch(
@@ -131,6 +136,14 @@ def ok(run: Run) -> Run:
     return run
 
 
+def train(base: Path, name: str, *overrides: str, module: bool = False, **kw) -> Run:
+    """TINY_JOB named ``name`` with ``overrides``, run to success in ``base/NAME``; through the
+    harness the final parameters go to params.pt, else through ``-m launcher.train``."""
+    args = ["--job", str(write_job(base, name)), *sets(*overrides)]
+    args += [] if module else ["--params-out", "params.pt"]
+    return ok(launch(base / name, args, module=module, **kw))
+
+
 def assert_loss_falls(run: Run, *, by: float = 0.5) -> None:
     losses = list(run.losses().values())
     assert len(losses) >= 5, losses
@@ -154,18 +167,16 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ddp_fp32(base: Path) -> Run:
     """DDP, 2 ranks × micro-batch 4, fp32, deterministic, checkpoints at 25 and 50."""
-    job = write_job(base / "ddp.yaml", "ddp", base / "ckpt-ddp")
-    return ok(launch(base / "ddp", ["--job", str(job), "--params-out", "params.pt"]))
+    return train(base, "ddp")
 
 
 @pytest.fixture(scope="module")
 def fsdp_fp32(base: Path) -> Run:
     """The ddp_fp32 job under FSDP, evaluating every 20 steps (evaluations change no parameter:
     the tests below hold it to ddp_fp32's, and to a resumed run's without evaluations)."""
-    job = write_job(base / "fsdp.yaml", "fsdp", base / "ckpt-fsdp")
-    args = ["--params-out", "params.pt"]
-    args += sets("parallel.strategy=fsdp", "train.eval_every=20", "train.eval_steps=4")
-    return ok(launch(base / "fsdp", ["--job", str(job), *args]))
+    return train(
+        base, "fsdp", "parallel.strategy=fsdp", "train.eval_every=20", "train.eval_steps=4"
+    )
 
 
 def test_ddp_fp32_loss_falls_and_writes_the_metrics_contract(ddp_fp32: Run):
@@ -188,15 +199,7 @@ def test_ddp_fp32_loss_falls_and_writes_the_metrics_contract(ddp_fp32: Run):
 
 
 def test_ddp_two_ranks_match_one_process_with_the_same_global_batch(base: Path, ddp_fp32: Run):
-    job = write_job(base / "one.yaml", "one", base / "ckpt-one")
-    one = ok(
-        launch(
-            base / "one",
-            ["--job", str(job), "--params-out", "params.pt"]
-            + sets("train.micro_batch=4", "train.grad_accum=2"),
-            nproc=None,
-        )
-    )
+    one = train(base, "one", "train.micro_batch=4", "train.grad_accum=2", nproc=None)
     assert_params_close(ddp_fp32.params(), one.params(), atol=1e-4)
 
 
@@ -224,11 +227,7 @@ def test_accumulating_micro_batches_matches_one_batch_per_rank(
     static graph the first step syncs both. fsdp-units: two blocks in one FSDP unit (one
     all-gather, one reduce-scatter), the gathered parameters kept from the first backward to the
     second forward (one all-gather per step)."""
-    job = write_job(base / f"{name}.yaml", name, base / f"ckpt-{name}")
-    args = ["--job", str(job), "--params-out", "params.pt"]
-    run = ok(
-        launch(base / name, args + sets(*overrides, "train.micro_batch=2", "train.grad_accum=2"))
-    )
+    run = train(base, name, *overrides, "train.micro_batch=2", "train.grad_accum=2")
     assert run.records(0, "meta")[0]["grad_accum"] == 2
     assert_params_close(ddp_fp32.params(), run.params(), atol=1e-4)
 
@@ -262,10 +261,9 @@ def test_health_fields_and_evaluations_under_ddp_and_fsdp(fsdp_fp32: Run, ddp_fp
 def test_bf16_loss_falls(base: Path, strategy: str):
     """bf16 autocast through the real entry point, accumulating 2 micro-batches (DDP's no_sync,
     FSDP's deferred reduce-scatter); DDP also compresses gradients, FSDP also recomputes."""
-    job = write_job(
-        base / f"bf16-{strategy}.yaml", f"bf16-{strategy}", base / f"ckpt-bf16-{strategy}"
-    )
-    extra = sets(
+    run = train(
+        base,
+        f"bf16-{strategy}",
         "train.checkpoint.dir=null",
         "train.checkpoint.every_steps=0",
         "precision.dtype=bf16",
@@ -276,8 +274,8 @@ def test_bf16_loss_falls(base: Path, strategy: str):
         "parallel.ddp.comm_hook=fp16"
         if strategy == "ddp"
         else "train.activation_checkpointing=true",
+        module=True,
     )
-    run = ok(launch(base / f"bf16-{strategy}", ["--job", str(job), *extra], module=True))
     assert_loss_falls(run)
     evals = [r["eval_loss"] for r in run.records(1, "step") if r["eval_loss"] is not None]
     assert len(evals) == 2 and evals[1] < evals[0]
@@ -286,8 +284,9 @@ def test_bf16_loss_falls(base: Path, strategy: str):
 @pytest.fixture(scope="module")
 def killed(base: Path) -> Run:
     """The ddp_fp32 job again, rank 0 SIGKILLed right after step 30 (checkpoint at 25)."""
-    job = write_job(base / "resume-ddp.yaml", "resume-ddp", base / "ckpt-resume-ddp")
-    return launch(base / "killed-ddp", ["--job", str(job), "--kill-at-step", "30"])
+    return launch(
+        base / "killed-ddp", ["--job", str(write_job(base, "resume-ddp")), "--kill-at-step", "30"]
+    )
 
 
 def test_deterministic_mode_gives_bitwise_identical_losses(killed: Run, ddp_fp32: Run):
@@ -327,8 +326,7 @@ def test_ddp_resume_after_a_kill_matches_the_uninterrupted_run(
 
 def test_fsdp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, fsdp_fp32: Run):
     """The same under FSDP: sharded parameters and optimizer state round-trip through DCP."""
-    job = write_job(base / "resume-fsdp.yaml", "resume-fsdp", base / "ckpt-resume-fsdp")
-    job.write_text(job.read_text().replace("resources:", "parallel: {strategy: fsdp}\nresources:"))
+    job = write_job(base, "resume-fsdp", "resources:", "parallel: {strategy: fsdp}\nresources:")
     killed = launch(base / "killed-fsdp", ["--job", str(job), "--kill-at-step", "30"])
     resumed = resume(base, "fsdp", killed)
     assert_params_close(fsdp_fp32.params(), resumed.params(), atol=0.0)
@@ -337,23 +335,11 @@ def test_fsdp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, fsdp
 # -- bf16 weights with fp32 masters (precision.weights: bf16) on the CPU ----------------------
 
 
-def write_weights_job(base: Path, name: str, weights: str) -> Path:
-    """TINY_JOB under bf16 autocast with ``precision.weights`` set; checkpoints in ckpt-NAME."""
-    job = write_job(base / f"{name}.yaml", name, base / f"ckpt-{name}")
-    text = job.read_text()
-    assert "precision: {dtype: fp32}" in text
-    job.write_text(
-        text.replace("precision: {dtype: fp32}", f"precision: {{dtype: bf16, weights: {weights}}}")
-    )
-    return job
-
-
 @pytest.fixture(scope="module")
 def ddp_bf16_weights(base: Path) -> Run:
     """DDP, 2 ranks, bf16 weights (MasterAdamW's torch reference on the CPU, gradients averaged
     in fp32 by the comm hook), deterministic, checkpoints at 25 and 50."""
-    job = write_weights_job(base, "bf16-weights", "bf16")
-    return ok(launch(base / "bf16-weights", ["--job", str(job), "--params-out", "params.pt"]))
+    return train(base, "bf16-weights", "precision.dtype=bf16", "precision.weights=bf16")
 
 
 def test_ddp_bf16_weights_loss_falls_and_the_parameters_out_are_the_fp32_masters(
@@ -374,8 +360,7 @@ def test_ddp_bf16_weights_loss_falls_and_the_parameters_out_are_the_fp32_masters
 
 def test_ddp_bf16_weights_track_fp32_weights(base: Path, ddp_bf16_weights: Run):
     """The same bf16 training with fp32 weights (autocast casting them): the loss ends within 3%."""
-    job = write_weights_job(base, "fp32-weights", "fp32")
-    fp32 = ok(launch(base / "fp32-weights", ["--job", str(job), "--params-out", "params.pt"]))
+    fp32 = train(base, "fp32-weights", "precision.dtype=bf16", "precision.weights=fp32")
     assert fp32.records(0, "meta")[0]["weights"] == "fp32"
     assert sorted(fp32.params()) == sorted(ddp_bf16_weights.params())
     ours, theirs = ddp_bf16_weights.losses()[50], fp32.losses()[50]
@@ -385,7 +370,8 @@ def test_ddp_bf16_weights_track_fp32_weights(base: Path, ddp_bf16_weights: Run):
 @pytest.fixture(scope="module")
 def killed_bf16_weights(base: Path) -> Run:
     """The ddp_bf16_weights job again, rank 0 SIGKILLed right after step 30 (checkpoint at 25)."""
-    job = write_weights_job(base, "resume-bf16-weights", "bf16")
+    precision = ("precision: {dtype: fp32}", "precision: {dtype: bf16, weights: bf16}")
+    job = write_job(base, "resume-bf16-weights", *precision)
     return launch(base / "killed-bf16-weights", ["--job", str(job), "--kill-at-step", "30"])
 
 
@@ -403,10 +389,8 @@ def test_ddp_bf16_weights_resume_after_a_kill_matches_the_uninterrupted_run(
     """The step-25 checkpoint holds the fp32 masters and the moments; resumed from it, step 50
     equals the run never killed, bit for bit (the bf16 weights are rounded from the masters)."""
     first, second = ddp_bf16_weights.losses(), killed_bf16_weights.losses()
-    assert max(second) == 30 and all(first[s] == loss for s, loss in second.items()), (
-        first,
-        second,
-    )
+    assert max(second) == 30
+    assert all(first[s] == loss for s, loss in second.items()), (first, second)
     resumed = resume(base, "bf16-weights", killed_bf16_weights)
     assert resumed.records(0, "meta")[0]["weights"] == "bf16"
     assert_params_close(ddp_bf16_weights.params(), resumed.params(), atol=0.0)
