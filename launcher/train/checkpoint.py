@@ -15,6 +15,7 @@ import pickle
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -466,24 +467,15 @@ class HostCopy:
         """Allocate (and fault in) a buffer for every tensor of ``state``; copies nothing. A
         failure is logged: the first ``stage`` allocates what is missing."""
         try:
-            device = _cuda_device(state)
-            if device is not None:  # a new thread's current device is 0, not this rank's
-                torch.cuda.set_device(device)
-            self._reserve(state, ())
+            cuda = [t.device for _, t in _tensors(state) if t.is_cuda]
+            if cuda:  # a new thread's current device is 0, not this rank's
+                torch.cuda.set_device(cuda[0])
+            for path, tensor in _tensors(state):
+                buf = self._buffer(tensor, path)
+                if not tensor.is_cuda:  # pinned memory is resident already; pageable on use
+                    buf.zero_()
         except Exception as err:  # a thread of its own: nobody else would see it
             log.warning("allocating host memory for checkpoints ahead failed: %s", err)
-
-    def _reserve(self, obj: Any, path: tuple) -> None:
-        if isinstance(obj, torch.Tensor):
-            buf = self._buffer(obj, path)
-            if not obj.is_cuda:  # pinned memory is resident already; pageable memory on use
-                buf.zero_()
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                self._reserve(v, (*path, k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                self._reserve(v, (*path, i))
 
     def stage(self, state: Any) -> Any:
         started = time.perf_counter()
@@ -522,25 +514,21 @@ class HostCopy:
         self._buffers.clear()
 
 
-def _cuda_device(state: Any) -> torch.device | None:
-    """The device of the first CUDA tensor in ``state``, or None."""
-    if isinstance(state, torch.Tensor):
-        return state.device if state.is_cuda else None
-    values = state.values() if isinstance(state, dict) else state
-    if isinstance(state, (dict, list, tuple)):
-        for value in values:
-            if (device := _cuda_device(value)) is not None:
-                return device
-    return None
+def _tensors(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """(path, tensor) for every tensor in nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, (*path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, (*path, i))
 
 
 def _plain_tensors(state: Any) -> bool:
     """Whether every tensor in ``state`` is a plain one (no DTensor shard of FSDP)."""
-    if isinstance(state, dict):
-        return all(_plain_tensors(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return all(_plain_tensors(v) for v in state)
-    return not isinstance(state, torch.Tensor) or type(state) in (torch.Tensor, nn.Parameter)
+    return all(type(t) in (torch.Tensor, nn.Parameter) for _, t in _tensors(state))
 
 
 def _dcp_stager() -> Any:
