@@ -1,9 +1,7 @@
 """Checkpoints with ``torch.distributed.checkpoint``: model, optimizer, scheduler, loss scale,
-step, data position and RNG state, resumable at another world size.
-
-Saved synchronously, or in the background (``train.checkpoint.async``): the state is copied to
-host memory, written by a thread, and marked complete only once every rank's part is on disk.
-Each save reports how long it held training, by part (``PARTS``).
+step, data position and RNG state, resumable at another world size. A background save
+(``train.checkpoint.async``) copies the state to host memory and is marked complete once every
+rank's part is on disk.
 """
 
 from __future__ import annotations

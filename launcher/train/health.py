@@ -1,8 +1,5 @@
-"""Training health: the gradient norm, non-finite losses and gradient norms, skipped steps.
-
-Each step leaves its loss and gradient norm on the device; the meter copies a log interval's
-to the host with its record (``read_interval``), and ``stop_reason`` says whether the run
-stops (the trainer raises ``launcher.errors.NonFiniteError``). Why no host sync per step:
+"""Training health from a log interval's losses and gradient norms (``read_interval``), and
+whether a non-finite step stops the run (``stop_reason``); no host sync per step:
 docs/trainer.md#training-health-and-evaluation.
 """
 

@@ -1,11 +1,7 @@
-"""The training loop, in named stages: init_distributed → configure_runtime → build_model →
-build_optimizer → build_data → (resume) → allocate_grads → train (train_step per step) → close.
-
-``train(job, on_step=...)`` runs it all; ``Trainer`` exposes the stages to a wrapper (a test
-harness that injects a fault at step N or dumps the final parameters).
-
-Host–device synchronisation happens only on log steps (the meter), after the first step, at
-evaluations and at checkpoints.
+"""The training loop in named stages: init_distributed → configure_runtime → build_model →
+build_optimizer → build_data → resume → allocate_grads → train (train_step per step) → close.
+The host waits for the device only on log steps, after the first step, at evaluations and at
+checkpoints.
 """
 
 from __future__ import annotations
@@ -195,11 +191,8 @@ class Trainer:
         self.autocast_dtype = None if compute == torch.float32 else compute
         # The hidden states' dtype under autocast (precision.activations); None without autocast.
         bf16_states = self.autocast_dtype == torch.bfloat16 and job.precision.activations == "auto"
-        self.activation_dtype = (
-            None
-            if self.autocast_dtype is None
-            else (torch.bfloat16 if bf16_states else torch.float32)
-        )
+        states = torch.bfloat16 if bf16_states else torch.float32
+        self.activation_dtype = None if self.autocast_dtype is None else states
         # auto resolved: cudnn-fa4 where FlashAttention-4 can run (launcher.train.attention)
         dims = job.model.dims()
         self.attention = attention.choose(

@@ -86,13 +86,9 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-NO_GPU_SAMPLE: dict[str, Any] = {
-    "gpu_util_pct": None,
-    "sm_clock_mhz": None,
-    "power_w": None,
-    "clock_limits": None,
-    "energy_counter_j": None,
-}
+NO_GPU_SAMPLE: dict[str, Any] = dict.fromkeys(
+    ("gpu_util_pct", "sm_clock_mhz", "power_w", "clock_limits", "energy_counter_j")
+)
 
 
 class GpuMonitor(Nvml):
@@ -208,9 +204,7 @@ class Meter:
         # the final record's: the run's skipped steps, the last gradient norm and evaluation
         self._health: dict[str, Any] = {
             "skipped_steps": 0,
-            "grad_norm": None,
-            "eval_loss": None,
-            "eval_step": None,
+            **dict.fromkeys(("grad_norm", "eval_loss", "eval_step")),
         }
         self._pending: _Interval | None = None
         self._last_logged = start_step

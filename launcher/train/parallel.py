@@ -274,10 +274,7 @@ def apply_fsdp(
         reshard = cfg.reshard_after_forward and i < len(units) - 1
         # A list is one unit: one all-gather, one reduce-scatter and one set of hooks for
         # all its blocks (FSDP's per-unit host work is what a small model's step waits on).
-        if len(unit) > 1:
-            fully_shard(unit, reshard_after_forward=reshard, **policies)
-        else:
-            fully_shard(unit[0], reshard_after_forward=reshard, **policies)
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **policies)
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **policies)
     return model
 
