@@ -62,10 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(spec_error, file=sys.stderr)
         return spec_error.exit_code
-    try:
+    with trainer:
         trainer.train()
-    finally:
-        trainer.close()
     return 0
 
 

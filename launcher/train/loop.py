@@ -67,11 +67,8 @@ StepCallback = Callable[[int], None]
 def train(job: JobSpec, *, on_step: StepCallback | None = None) -> dict[str, Any]:
     """Train ``job`` with the built-in trainer; returns this rank's ``final`` record.
     ``on_step(step)`` runs after every optimizer step (and its checkpoint), on every rank."""
-    trainer = Trainer(job)
-    try:
+    with Trainer(job) as trainer:
         return trainer.train(on_step=on_step)
-    finally:
-        trainer.close()
 
 
 def lr_factor(i: int, spec: TrainSpec) -> float:
@@ -104,7 +101,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 class Trainer:
-    """One rank of a training job. Construction runs every stage up to the first step."""
+    """One rank of a training job. Construction runs every stage up to the first step; ``close``
+    (or leaving a ``with`` block) ends it."""
 
     def __init__(self, job: JobSpec):
         self.job = job
@@ -665,6 +663,12 @@ class Trainer:
             return {k: v.detach().cpu() for k, v in state.items()}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         try:

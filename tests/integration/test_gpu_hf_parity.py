@@ -144,11 +144,8 @@ def test_fsdp_on_the_gpu_loads_the_folder_exactly(tmp_path, monkeypatch, cpu_off
         "MASTER_PORT": str(free_port()),
     }.items():
         monkeypatch.setenv(key, value)
-    trainer = Trainer(job)
-    try:
+    with Trainer(job) as trainer:
         got = trainer.full_state_dict()
-    finally:
-        trainer.close()
     want = hf_state_dict(tmp_path / "bert", job.model)
     assert sorted(got) == sorted(want)
     for key, value in want.items():

@@ -159,8 +159,7 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
 
     def run(spec: JobSpec, *, stop_at: int | None = None) -> Trainer:
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
-        trainer = Trainer(spec)
-        try:
+        with Trainer(spec) as trainer:
             assert trainer.grads_in_place
             assert all(p.grad is not None for p in trainer.trained_params)
             if stop_at is None:
@@ -171,8 +170,6 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
                 trainer.checkpointer.save(
                     stop_at, trainer.model, trainer.optimizer, trainer.scheduler
                 )
-        finally:
-            trainer.close()
         return trainer
 
     first = run(in_place, stop_at=2)
@@ -181,8 +178,7 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
         for i, p in enumerate(first.trained_params)
     }
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    resumed = Trainer(in_place)
-    try:
+    with Trainer(in_place) as resumed:
         assert resumed.start_step == 2
         assert all(p.grad is not None for p in resumed.trained_params)
         assert len(resumed.optimizer.state) == len(saved)
@@ -193,8 +189,6 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
             assert torch.equal(state["exp_avg_sq"], saved[i]["exp_avg_sq"]), i
         resumed.train()
         after_resume = {k: v.clone() for k, v in resumed.model.state_dict().items()}
-    finally:
-        resumed.close()
 
     straight = in_place.model_copy(
         update={"train": in_place.train.model_copy(update={"checkpoint": CheckpointSpec()})}
@@ -367,8 +361,7 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
     for mode, background in (("sync", False), ("async", True)):
         checkpoint = {"dir": str(tmp_path / mode), "every_steps": 3, "async": background}
         job = JobSpec.model_validate(tiny_job(steps=6, log_every=1, checkpoint=checkpoint))
-        whole = trainer(job)
-        try:
+        with trainer(job) as whole:
             assert whole.checkpointer.async_save is background
             prepared: dict[int, bool] = {}
 
@@ -377,12 +370,9 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
 
             whole.train(on_step=after)
             assert prepared[1] is background and prepared[2] is background
-        finally:
-            whole.close()
         assert latest_checkpoint(tmp_path / mode) == step_dir(tmp_path / mode, 6)
         shutil.rmtree(step_dir(tmp_path / mode, 6))  # resume from step 3
-        again = trainer(job)
-        try:
+        with trainer(job) as again:
             assert again.start_step == 3
             resumed_state[mode] = (
                 {k: v.clone() for k, v in again.model.state_dict().items()},
@@ -393,14 +383,10 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
             )
             again.train()
             finals[mode] = {k: v.clone() for k, v in again.model.state_dict().items()}
-        finally:
-            again.close()
         if mode == "sync":
             uninterrupted = {k: v.clone() for k, v in whole.model.state_dict().items()}
-    (sync_model, sync_optim), (async_model, async_optim) = (
-        resumed_state["sync"],
-        resumed_state["async"],
-    )
+    sync_model, sync_optim = resumed_state["sync"]
+    async_model, async_optim = resumed_state["async"]
     assert sync_model.keys() == async_model.keys()
     for name in sync_model:
         assert torch.equal(sync_model[name], async_model[name]), name

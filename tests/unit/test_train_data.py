@@ -359,11 +359,8 @@ def test_a_closed_trainer_leaves_no_data_thread_running(one_process_trainer_env:
             if t.name.startswith("launcher-data") and t not in before
         )
 
-    trainer = Trainer(job)
-    try:
+    with Trainer(job) as trainer:
         trainer.train(on_step=note_data_threads)
-    finally:
-        trainer.close()
     assert started  # step 1 set the worker making steps 17-32
     for thread in started:
         thread.join(5)

@@ -96,15 +96,13 @@ def _worker(
     except ResumeError as err:  # the trainer closed itself
         Path(out, f"error{rank}.txt").write_text(str(err))
         return
-    try:
+    with trainer:
         with contextlib.suppress(Stop):
             trainer.train(on_step=on_step)
         if stop_at is None:
             state = trainer.full_state_dict()
             if rank == 0:
                 torch.save(state, f"{out}/params.pt")
-    finally:
-        trainer.close()
 
 
 def run(out: Path, world: int, spec: dict[str, Any], *, stop_at: int | None = None) -> Path:

@@ -92,15 +92,12 @@ def test_grad_norm_and_eval_loss_match_plain_pytorch(
     from launcher.train.loop import Trainer
 
     spec = job(arch, steps=2, grad_clip=0.5, eval_every=2, eval_steps=3)
-    trainer = Trainer(spec)
-    try:
+    with Trainer(spec) as trainer:
         plain = copy.deepcopy(trainer.model)  # a world of one: the plain model, before any step
         batch = trainer.data.batch(1, 0)
         trainer.train()
         val = trainer.val_batches
         trained = copy.deepcopy(trainer.model)
-    finally:
-        trainer.close()
     loss = reference_loss(plain, batch)
     loss.backward()
     want_norm = torch.linalg.vector_norm(
@@ -151,13 +148,6 @@ def test_skip_leaves_parameters_and_adamw_state_and_counts(
     from launcher.train.loop import Trainer, lr_factor, param_groups
 
     spec = job(steps=5, on_nonfinite="skip", max_nonfinite_skips=2)
-    trainer = Trainer(spec)
-    if fused:
-        groups = param_groups(trainer.model, spec.train.weight_decay)
-        trainer.optimizer = torch.optim.AdamW(groups, lr=spec.train.lr, fused=True)
-        trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            trainer.optimizer, lambda i: lr_factor(i, spec.train)
-        )
     snapshots: dict[int, dict] = {}
 
     def on_step(step: int) -> None:
@@ -166,11 +156,15 @@ def test_skip_leaves_parameters_and_adamw_state_and_counts(
             "steps": [float(s["step"]) for s in trainer.optimizer.state.values()],
         }
 
-    try:
+    with Trainer(spec) as trainer:
+        if fused:
+            groups = param_groups(trainer.model, spec.train.weight_decay)
+            trainer.optimizer = torch.optim.AdamW(groups, lr=spec.train.lr, fused=True)
+            trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                trainer.optimizer, lambda i: lr_factor(i, spec.train)
+            )
         poison(monkeypatch, trainer, {3, 4}, what)
         final = trainer.train(on_step=on_step)
-    finally:
-        trainer.close()
     for step in (3, 4):  # skipped: nothing changed
         for a, b in zip(snapshots[2]["params"], snapshots[step]["params"], strict=True):
             assert torch.equal(a, b), step
@@ -188,13 +182,10 @@ def test_skip_leaves_parameters_and_adamw_state_and_counts(
 def test_too_many_skips_in_a_row_stop(one_process_trainer_env: Path, monkeypatch):
     from launcher.train.loop import Trainer
 
-    trainer = Trainer(job(steps=8, on_nonfinite="skip", max_nonfinite_skips=2))
-    try:
+    with Trainer(job(steps=8, on_nonfinite="skip", max_nonfinite_skips=2)) as trainer:
         poison(monkeypatch, trainer, {2, 3, 4, 5}, "loss")
         with pytest.raises(NonFiniteError, match=r"3 steps in a row up to step 4"):
             trainer.train()
-    finally:
-        trainer.close()
 
 
 def test_a_non_finite_step_stops_before_the_next_checkpoint(
@@ -205,13 +196,12 @@ def test_a_non_finite_step_stops_before_the_next_checkpoint(
     from launcher.train.loop import Trainer
 
     ckpt = tmp_path / "ckpt"
-    trainer = Trainer(job(steps=8, log_every=10, checkpoint={"dir": str(ckpt), "every_steps": 2}))
-    try:
+    with Trainer(
+        job(steps=8, log_every=10, checkpoint={"dir": str(ckpt), "every_steps": 2})
+    ) as trainer:
         poison(monkeypatch, trainer, {3}, "loss")
         with pytest.raises(NonFiniteError) as err:
             trainer.train()
-    finally:
-        trainer.close()
     message = str(err.value)
     assert message.startswith("non-finite at step 3: the loss is nan (train.on_nonfinite: stop")
     assert latest_checkpoint(ckpt) == step_dir(ckpt, 2) and f"is {step_dir(ckpt, 2)}." in message

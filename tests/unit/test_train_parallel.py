@@ -60,11 +60,8 @@ def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, 
 
     monkeypatch.setattr(parallel, "process_group_backend", backend)
     cpu = JobSpec.model_validate(tiny_job())
-    trainer = loop.Trainer(cpu)
-    try:
+    with loop.Trainer(cpu):
         assert asked == [cpu] and dist.get_backend() == "cpu:gloo"
-    finally:
-        trainer.close()
 
 
 # What the trainer calls that an older torch lacks: (module, name, the torch release that made

@@ -57,14 +57,11 @@ def test_step_records_carry_the_lr_each_step_used(one_process_trainer_env):
     from launcher.train.loop import Trainer
 
     job = JobSpec.model_validate(tiny_job(steps=6, lr=1e-3, lr_warmup_steps=3, log_every=1))
-    trainer = Trainer(job)
-    used = {1: trainer.optimizer.param_groups[0]["lr"]}  # after step s, the scheduler set s+1's
-    try:
+    with Trainer(job) as trainer:
+        used = {1: trainer.optimizer.param_groups[0]["lr"]}  # after step s, the scheduler set s+1's
         trainer.train(
             on_step=lambda step: used.__setitem__(step + 1, trainer.optimizer.param_groups[0]["lr"])
         )
-    finally:
-        trainer.close()
     records = read_records(one_process_trainer_env.with_name("rank0.jsonl"))
     steps = [r for r in records if r["type"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
@@ -87,16 +84,13 @@ def test_train_kernels_sets_every_mlp(one_process_trainer_env, monkeypatch, kern
 
     monkeypatch.setattr(fused, "supported", lambda device: supported)
     job = JobSpec.model_validate(tiny_job("bert", steps=1, kernels=kernels))
-    trainer = Trainer(job)
-    try:
+    with Trainer(job) as trainer:
         mlps = [m for m in trainer.model.modules() if isinstance(m, MLP)]
         assert mlps and {m.fused for m in mlps} == {on}
         x = torch.randn(3, 5, mlps[0].fc.in_features)
         torch.testing.assert_close(
             mlps[0](x), mlps[0].proj(torch.nn.functional.gelu(mlps[0].fc(x))), rtol=0, atol=0
         )
-    finally:
-        trainer.close()
 
 
 def _accumulated_step(
@@ -109,8 +103,7 @@ def _accumulated_step(
 
     monkeypatch.setattr(loop.parallel, "needs_backward", lambda model, sync: by_backward)
     job = JobSpec.model_validate(tiny_job("bert", grad_accum=2))
-    trainer = loop.Trainer(job)
-    try:
+    with loop.Trainer(job) as trainer:
         unused = torch.nn.Parameter(torch.zeros(3))
         trainer.trained_params.append(unused)  # not the optimizer's: only its gradient matters
         if in_place:  # what train.cuda_graphs with grad_accum > 1 sets up (graphs need a GPU)
@@ -124,8 +117,6 @@ def _accumulated_step(
                 zeroed = unused.grad is not None and torch.equal(unused.grad, torch.zeros(3))
                 assert zeroed if in_place else unused.grad is None
         return {k: v.clone() for k, v in trainer.model.state_dict().items()}, unused.grad
-    finally:
-        trainer.close()
 
 
 @pytest.mark.parametrize("in_place", [False, True])
