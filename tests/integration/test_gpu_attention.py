@@ -2,12 +2,9 @@
 
     python -m pytest -m gpu tests/integration/test_gpu_attention.py
 
-Needs a GPU of compute capability 9.0 or above and the flash-attn-4 package (each test says
-which it lacks when skipped). The reference is torch's own cuDNN attention, forward and
-backward: the forward is the same kernel (equal bit for bit), the backward another kernel
-from the same log-sum-exp (the gradient agrees to bf16 rounding). The log-sum-exp that cuDNN
-hands over is checked against the scores' own, since FA4's backward depends on its meaning.
-Then GPT blocks with the pair, compiled and replayed as CUDA graphs, against torch's attention.
+Needs compute capability 9.0+ and flash-attn-4. The reference is torch's cuDNN attention: the
+forward is the same kernel (bit for bit), the backward agrees to bf16 rounding; then GPT
+blocks with the pair, compiled and replayed as CUDA graphs.
 """
 
 import pytest

@@ -2,11 +2,8 @@
 
     python -m pytest -m gpu tests/integration/test_gpu_fused.py
 
-fp32: the values and both gradients within fp32 rounding of ``F.gelu(y + b)``'s. bf16: the
-kernels compute in fp32 and round once, so the activation and the gradient are within one bf16
-step of the float64 function of the same bf16 inputs (the gradient, or fp32's absolute error
-where GELU's derivative crosses zero, near -0.75, and its two terms cancel). Eager, and inside a compiled MLP block
-with its gradients.
+fp32 within fp32 rounding of ``F.gelu(y + b)``; bf16 within one bf16 step of the float64
+function of the same inputs. Eager, and inside a compiled MLP block with its gradients.
 """
 
 import math

@@ -3,10 +3,8 @@ Hugging Face folder (random weights, saved here) against transformers' own model
 
     python -m pytest -m gpu tests/integration/test_gpu_hf_parity.py
 
-In bf16 neither model computes the fp32 function exactly, so both are measured against
-Hugging Face in fp32 (TF32 off): the built-in model's error must be within bf16's reach
-(relative error of the logits below 2%, loss within 1%) and no more than twice Hugging Face's
-own bf16 error. In fp32 on the GPU the two agree to 1e-4 (kernels differ from the CPU's).
+Both bf16 models are measured against Hugging Face in fp32: the built-in model's error is
+within bf16's reach and at most twice Hugging Face's own; in fp32 the two agree to 1e-4.
 """
 
 from __future__ import annotations

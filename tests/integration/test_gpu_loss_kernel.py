@@ -2,12 +2,9 @@
 
     python -m pytest -m gpu tests/integration/test_gpu_loss_kernel.py
 
-The kernel computes in fp32 and rounds ``softmax - onehot`` once to the logits' dtype, as the
-reference ``loss_and_dlogits`` does: the loss agrees to fp32 rounding and the gradient to one
-bf16 step (a few elements round the other way where the two fp32 log-sum-exps differ in their
-last bit). Both of the kernel's forms (the row in chunks, the default; the whole row in
-registers), GPT-2's and BERT's vocabularies (BERT's padded), and the head's loss and gradients
-with the kernel against without it, eager and compiled.
+Against ``loss_and_dlogits``: the loss to fp32 rounding, the gradient to one bf16 step; both
+kernel forms, GPT-2's and BERT's vocabularies, and the head with the kernel against without it,
+eager and compiled.
 """
 
 import pytest

@@ -2,11 +2,8 @@
 
     python -m pytest -m gpu tests/integration/test_gpu_optim.py
 
-The Triton update against the torch reference of the same arithmetic and against torch's own
-fused AdamW on fp32 weights given the same gradients (masters within fp32 rounding, bf16
-weights the masters rounded), with clipping and two parameter groups; the gradients' table
-following addresses that change. The trainer with bf16 weights under CUDA graphs:
-tests/integration/test_train_distributed.py.
+The Triton update against the torch reference and torch's fused AdamW on fp32 weights, with
+clipping and two parameter groups; the gradients' table following addresses that change.
 """
 
 import pytest

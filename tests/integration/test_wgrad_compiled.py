@@ -1,6 +1,5 @@
-"""launcher/train/wgrad.py's pass on a compiled GPT's backward, on the CPU (where the op runs
-one torch.mm per layer, as the backward's own products do, so the gradients are bitwise the
-same)."""
+"""launcher/train/wgrad.py's pass on a compiled GPT's backward, on the CPU (the op's per-layer
+torch.mm leaves the gradients bitwise the same)."""
 
 from __future__ import annotations
 
