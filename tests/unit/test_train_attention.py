@@ -1,11 +1,6 @@
-"""The packed attention ops (``launcher.train.attention``) on the CPU, and ``choose``'s rules.
-
-On the CPU the two custom ops run their reference (scores, log-sum-exp, FlashAttention's
-backward formulas from them): these tests check that function and its plumbing (the packed
-layouts in and out, the gradient written into one packed tensor, the autograd registration,
-the fake kernels under ``torch.compile``) against torch's own attention and autograd. The GPU
-kernels themselves (cuDNN's forward, FA4's backward) are checked against torch's cuDNN
-attention in tests/integration/test_gpu_attention.py.
+"""The packed attention ops (``launcher.train.attention``) on the CPU, where they run their
+reference: its packed layouts, autograd registration and fake kernels under ``torch.compile``
+against torch's attention; and ``choose``'s rules. The GPU kernels: test_gpu_attention.py.
 """
 
 import pytest

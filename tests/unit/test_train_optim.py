@@ -1,9 +1,6 @@
 """bf16 weights with fp32 masters (``launcher.train.optim``) on the CPU: the flat buffers, the
-torch reference of the update against ``torch.optim.AdamW``, the optimizer's state round trip,
-the checkpoint's substitution of the masters, ``precision.weights`` resolved and checked.
-
-The Triton kernels run by the interpreter: tests/unit/test_kernels_interpreted.py; on a GPU:
-tests/integration/test_gpu_optim.py; the trainer: tests/integration/test_train_distributed.py.
+torch reference of the update against ``torch.optim.AdamW``, the state round trip, the masters
+in checkpoints, ``precision.weights`` resolved and checked.
 """
 
 from __future__ import annotations
