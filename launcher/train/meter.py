@@ -146,55 +146,35 @@ class _Interval:
     measured: bool
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
 class Meter:
     """Per-rank meter: ``start()``, ``step_end()`` after every optimizer step (a log step's
     record when read, else None), ``flush()`` after the last, ``finish()``. ``sync`` runs in
     ``start`` and ``flush`` only; ``reduce_loss`` may be a collective (log steps, every rank)."""
 
-    def __init__(
-        self,
-        *,
-        total_steps: int,
-        warmup_steps: int,
-        log_every: int,
-        tokens_per_step: int,
-        samples_per_step: int,
-        flops_per_token: float,
-        peak_tflops: float | None,
-        timer: HostTimer | CudaTimer,
-        sync: Callable[[], None],
-        start_step: int = 0,
-        reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-        peak_mem_gib: Callable[[], float | None] = lambda: None,
-        gpu: Callable[[], dict[str, Any]] = lambda: dict(NO_GPU_SAMPLE),
-        lr: Callable[[int], float | None] = lambda step: None,
-        clock: Callable[[], float] = time.perf_counter,
-        write: Callable[[dict[str, Any]], None] = write_record,
-        read_late: bool = False,
-        also_log: Callable[[int], bool] = lambda step: False,
-        norm_counts: bool = True,
-        skips: bool = False,
-    ):
-        self.total_steps = total_steps
-        self.start_step = start_step
-        self.warmup_end = start_step + warmup_steps
-        self.log_every = log_every
-        self.tokens_per_step = tokens_per_step
-        self.samples_per_step = samples_per_step
-        self.flops_per_token = flops_per_token
-        self.peak_tflops = peak_tflops
-        self.timer = timer
-        self.sync = sync
-        self.reduce_loss = reduce_loss
-        self.peak_mem_gib = peak_mem_gib
-        self.gpu = gpu  # -> GpuMonitor's sample (keys of NO_GPU_SAMPLE)
-        self.lr = lr  # step -> the learning rate that optimizer step used
-        self.clock = clock
-        self.write = write
-        self.read_late = read_late
-        self.also_log = also_log
-        self.norm_counts = norm_counts
-        self.skips = skips
+    total_steps: int
+    warmup_steps: int
+    log_every: int
+    tokens_per_step: int
+    samples_per_step: int
+    flops_per_token: float
+    peak_tflops: float | None
+    timer: HostTimer | CudaTimer
+    sync: Callable[[], None]
+    start_step: int = 0
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    peak_mem_gib: Callable[[], float | None] = lambda: None
+    gpu: Callable[[], dict[str, Any]] = lambda: dict(NO_GPU_SAMPLE)  # GpuMonitor's sample
+    lr: Callable[[int], float | None] = lambda step: None  # the LR that optimizer step used
+    clock: Callable[[], float] = time.perf_counter
+    write: Callable[[dict[str, Any]], None] = write_record
+    read_late: bool = False
+    also_log: Callable[[int], bool] = lambda step: False
+    norm_counts: bool = True
+    skips: bool = False
+
+    def __post_init__(self) -> None:
+        self.warmup_end = self.start_step + self.warmup_steps
         self._marks: list[Any] = []
         self._rows: list[torch.Tensor] = []  # this interval's (loss, grad norm) per step
         self._has_norm = False
@@ -207,7 +187,7 @@ class Meter:
             **dict.fromkeys(("grad_norm", "eval_loss", "eval_step")),
         }
         self._pending: _Interval | None = None
-        self._last_logged = start_step
+        self._last_logged = self.start_step
         self._wait_s = 0.0
         self._last_loss: float | None = None
         self._measured = {"steps": 0, "tokens": 0, "samples": 0, "seconds": 0.0, "wait_s": 0.0}
