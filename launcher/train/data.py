@@ -8,6 +8,7 @@ split over ranks and micro-batches.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -146,42 +147,31 @@ def global_indices(
     return range(start, start + micro_batch)
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
 class Batches(abc.ABC):
     """A rank's batches: ``batch(step, micro)`` → dict of ``input_ids``, ``labels`` and,
     for BERT, ``mask_pos`` (the masked positions, ``n_mask`` per sequence, sorted)."""
 
-    def __init__(
-        self,
-        *,
-        arch: str,
-        vocab_size: int,
-        seq_len: int,
-        micro_batch: int,
-        grad_accum: int,
-        mask_prob: float,
-        seed: int,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-    ):
-        self.arch = arch
-        self.vocab_size = vocab_size
-        self.seq_len = seq_len
-        self.micro_batch = micro_batch
-        self.grad_accum = grad_accum
-        self.mask_prob = mask_prob
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
-        self.global_batch = world_size * micro_batch * grad_accum
+    arch: str
+    vocab_size: int
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    mask_prob: float
+    seed: int
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        self.global_batch = self.world_size * self.micro_batch * self.grad_accum
         # The data go on after step start_step at global sample start_sample (continue_at).
         self.start_step = self.start_sample = 0
-        self.n_mask = max(1, min(seq_len, round(mask_prob * seq_len)))
-        self.mask_id = mask_token_id(vocab_size)
-        self.random_vocab = vocab_size  # BERT's random replacements: ids below this
+        self.n_mask = max(1, min(self.seq_len, round(self.mask_prob * self.seq_len)))
+        self.mask_id = mask_token_id(self.vocab_size)
+        self.random_vocab = self.vocab_size  # BERT's random replacements: ids below this
         self.never_mask: torch.Tensor | None = None  # ids never picked for masking ([CLS], [SEP])
-        self.positions = torch.arange(seq_len + 1)
+        self.positions = torch.arange(self.seq_len + 1)
 
     def continue_at(self, step: int, sample: int) -> None:
         """Resume after optimizer step ``step`` at global sample ``sample``: the samples the
