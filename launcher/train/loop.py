@@ -257,11 +257,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(spec, seq_len=seq_len, mask_prob=mask_prob)
         # bf16 weights: fp32 masters taken from the weights as built or loaded, before DDP
         # wraps the model (its buckets take the parameters' dtype).
-        self.masters = (
-            MasterWeights([p for p in model.parameters() if p.requires_grad])
-            if self.weights == "bf16"
-            else None
-        )
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.masters = MasterWeights(trained) if self.weights == "bf16" else None
         self.model = parallel.parallelize(
             model, job, device=self.device, world_size=self.world_size
         )
@@ -715,9 +712,6 @@ def _compile_times() -> dict[str, float]:
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
+            return next(x.split(":", 1)[1].strip() for x in fh if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return "cpu"

@@ -97,13 +97,10 @@ def apply_float8(model: nn.Module, *, recipe: str, layers: str, device: torch.de
     from launcher.errors import SpecError
 
     field = "precision.dtype"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        what = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
-        cap = (
-            ".".join(map(str, torch.cuda.get_device_capability(device)))
-            if device.type == "cuda"
-            else "none"
-        )
+    cuda = device.type == "cuda"
+    if not cuda or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        what = torch.cuda.get_device_name(device) if cuda else "the CPU"
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else "none"
         raise SpecError(
             f"fp8 needs FP8 tensor cores (compute capability 8.9 or above: Ada, Hopper, Blackwell); "
             f"{what} has compute capability {cap}. Set precision.dtype: bf16.",
@@ -213,11 +210,7 @@ def apply_ddp(model: nn.Module, job: JobSpec, *, device: torch.device) -> nn.Mod
     if cfg.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        hook = (
-            default_hooks.bf16_compress_hook
-            if cfg.comm_hook == "bf16"
-            else default_hooks.fp16_compress_hook
-        )
+        hook = getattr(default_hooks, f"{cfg.comm_hook}_compress_hook")  # bf16 or fp16
         ddp.register_comm_hook(state=None, hook=hook)
     elif any(p.dtype == torch.bfloat16 for p in model.parameters()):  # precision.weights bf16
         ddp.register_comm_hook(state=None, hook=allreduce_in_fp32)
