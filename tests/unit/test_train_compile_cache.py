@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.tiny_job import tiny_job
 
 from launcher.spec.job import JobSpec
 from launcher.train.compile_cache import (
@@ -20,14 +21,7 @@ from launcher.train.loss import linear_cross_entropy
 
 
 def job(**train) -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "cache",
-            "model": {"arch": "gpt", "size": "tiny"},
-            "train": {"compile": True, **train},
-            "resources": {"device": "cpu"},
-        }
-    )
+    return JobSpec.model_validate(tiny_job(compile=True, **train))
 
 
 def test_the_key_follows_what_changes_the_graphs_only():
