@@ -17,10 +17,10 @@ from launcher.train.checkpoint import MARKER, Checkpointer, ResumeError, latest_
 
 
 def checkpointer(
-    spec: CheckpointSpec, *, world: int = 1, accum: int = 1, elastic_batch: str = "keep"
+    spec: CheckpointSpec, *, rank: int = 0, world: int = 1, accum: int = 1, elastic_batch="keep"
 ) -> Checkpointer:
-    data = source("gpt", vocab=64, seq=8, micro=2, accum=accum, seed=0, world=world)
-    return Checkpointer(spec, rank=0, data=data, elastic_batch=elastic_batch)
+    data = source("gpt", vocab=64, seq=8, micro=2, accum=accum, seed=0, rank=rank, world=world)
+    return Checkpointer(spec, rank=rank, data=data, elastic_batch=elastic_batch)
 
 
 def save_complete(spec: CheckpointSpec, step: int, *state) -> None:
@@ -239,8 +239,6 @@ def _resume_worker(
 ) -> None:
     """One gloo rank: save steps 2 and 4 to a shared folder, copy into each rank's own folder
     the steps ``roots`` gives it (a node-local view), resume there; the outcome to a file."""
-    import shutil
-
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -248,16 +246,9 @@ def _resume_worker(
         "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
     )
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 4)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        data = source("gpt", vocab=64, seq=8, micro=2, seed=0, rank=rank, world=world)
-        shared = Checkpointer(
-            CheckpointSpec(dir=Path(base, "shared")), rank=rank, data=data, elastic_batch="keep"
-        )
+        model, opt, sched = _small_training()
+        _one_step(model, opt, sched)
+        shared = checkpointer(CheckpointSpec(dir=Path(base, "shared")), rank=rank, world=world)
         for step in (2, 4):
             shared.save(step, model, opt, sched)
         shared.wait()
@@ -268,12 +259,8 @@ def _resume_worker(
                         step_dir(Path(base, "shared"), step), step_dir(Path(base, f"rank{r}"), step)
                     )
         dist.barrier()
-        mine = Checkpointer(
-            CheckpointSpec(dir=Path(base, f"rank{rank}"), resume="auto"),
-            rank=rank,
-            data=data,
-            elastic_batch="keep",
-        )
+        spec = CheckpointSpec(dir=Path(base, f"rank{rank}"), resume="auto")
+        mine = checkpointer(spec, rank=rank, world=world)
         try:
             outcome = str(mine.maybe_resume(model, opt, sched))
         except ResumeError as err:
