@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from fixtures.tiny_job import tiny_job
 
 from launcher.spec.job import JobSpec
 from launcher.train.model import build_model
@@ -13,19 +14,11 @@ from launcher.train.parallel import apply_fsdp, parallelize, shards_alone
 from launcher.util import free_port
 
 
-def fsdp_job(fsdp: dict, *, size: str = "mini", vocab: int = 512, device: str = "cpu", **more):
+def fsdp_job(fsdp: dict, *, size: str = "mini", vocab: int = 512, device: str = "cpu", **train):
     """A BERT on synthetic 16-token samples whose blocks FSDP shards with ``fsdp``."""
-    return JobSpec.model_validate(
-        {
-            "name": "fsdp",
-            "model": {"arch": "bert", "size": size, "vocab_size": vocab},
-            "data": {"source": "synthetic", "seq_len": 16},
-            "parallel": {"strategy": "fsdp", "fsdp": fsdp},
-            "precision": {"dtype": "fp32"},
-            "resources": {"device": device},
-            **more,
-        }
-    )
+    spec = tiny_job("bert", model={"size": size, "vocab_size": vocab}, **train)
+    more = {"parallel": {"strategy": "fsdp", "fsdp": fsdp}, "resources": {"device": device}}
+    return JobSpec.model_validate({**spec, **more})
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +58,7 @@ def test_accumulation_keeps_parameters_gathered_only_when_the_step_does_anyway(
     from launcher.train.data import build_data
     from launcher.train.parallel import gradient_sync
 
-    job = fsdp_job(
-        {"reshard_after_forward": reshard_after_forward}, train={"micro_batch": 2, "grad_accum": 2}
-    )
+    job = fsdp_job({"reshard_after_forward": reshard_after_forward}, grad_accum=2)
     cpu = torch.device("cpu")
     model = apply_fsdp(build_model(job.model), job, device=cpu, world_size=1)
     data = build_data(job, rank=0, world_size=1, device=cpu)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from fixtures.ranks import run_ranks
+from fixtures.tiny_job import tiny_job
 
 from launcher.metrics import read_records
 from launcher.spec.job import JobSpec
@@ -37,32 +38,20 @@ def job(
 ) -> dict[str, Any]:
     """A tiny BERT whose global batch is GLOBAL_BATCH at ``world`` ranks; LR warm-up, cosine
     decay, clipping and weight decay on, so the schedule and AdamW's moments must continue."""
-    return {
-        "name": "elastic",
-        "model": {
-            "arch": "bert",
-            "size": "tiny",
-            "d_model": 32,
-            "vocab_size": 128,
-            "max_positions": 16,
-        },
-        "data": {"source": "synthetic", "seq_len": 16},
-        "train": {
-            "steps": steps,
-            "warmup_steps": 0,
-            "micro_batch": MICRO,
-            "grad_accum": GLOBAL_BATCH // (MICRO * world),
-            "lr": LR,
-            "lr_warmup_steps": 2,
-            "log_every": 1,
-            "checkpoint": {"dir": str(ckpt), "every_steps": every},
-            **train,
-        },
-        "parallel": {"strategy": strategy},
-        "precision": {"dtype": "fp32"},
-        "cudnn": {"benchmark": False},
-        "resources": {"device": "cpu"},
-    }
+    train = {"grad_accum": GLOBAL_BATCH // (MICRO * world), **train}
+    spec = tiny_job(
+        "bert",
+        model={"d_model": 32, "vocab_size": 128, "max_positions": 16},
+        steps=steps,
+        micro_batch=MICRO,
+        lr=LR,
+        lr_warmup_steps=2,
+        log_every=1,
+        checkpoint={"dir": str(ckpt), "every_steps": every},
+        **train,
+    )
+    more = {"parallel": {"strategy": strategy}, "cudnn": {"benchmark": False}}
+    return {**spec, **more, "resources": {"device": "cpu"}}  # the world is the ranks'
 
 
 class Stop(Exception):
