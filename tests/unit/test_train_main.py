@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from fixtures.launching import sets
+from fixtures.tiny_job import tiny_job
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 
@@ -22,9 +25,7 @@ def train(job: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
         if k not in ("RANK", "WORLD_SIZE", "LAUNCHER_METRICS_FILE")
     }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    args = [sys.executable, "-m", "launcher.train", "--job", str(job)]
-    for item in overrides:
-        args += ["--set", item]
+    args = [sys.executable, "-m", "launcher.train", "--job", str(job), *sets(*overrides)]
     return subprocess.run(
         args, capture_output=True, text=True, timeout=300, env=env, cwd=job.parent
     )
@@ -34,11 +35,7 @@ def test_a_checkpoint_it_cannot_resume_from_is_one_paragraph_with_exit_2(tmp_pat
     """A ResumeError (here: a global batch other than the checkpoint's under elastic_batch keep)
     ended as a traceback on every worker; it is printed like a SpecError, naming the job file."""
     job = tmp_path / "job.yaml"
-    job.write_text(
-        "name: resume\nmodel: {arch: gpt, size: tiny}\ndata: {seq_len: 16}\n"
-        f"train: {{steps: 1, warmup_steps: 0, micro_batch: 2, checkpoint: {{dir: {tmp_path / 'ckpt'}}}}}\n"
-        "precision: {dtype: fp32}\nresources: {device: cpu, nodes: 1, nproc_per_node: 1}\n"
-    )
+    job.write_text(yaml.safe_dump(tiny_job(steps=1, checkpoint={"dir": str(tmp_path / "ckpt")})))
     first = train(job)
     assert first.returncode == 0, first.stderr
     refused = train(job, "train.steps=2", "train.grad_accum=2")

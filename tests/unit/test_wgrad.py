@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.tiny_job import tiny_job
 
 from launcher.spec.job import JobSpec
 from launcher.train import wgrad
@@ -39,15 +40,7 @@ def test_cublas_takes_only_aligned_row_major_tensors_of_one_leading_dimension():
 
 
 def job(**train: object) -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "w",
-            "model": {"arch": "gpt", "size": "tiny"},
-            "data": {"source": "synthetic", "seq_len": 16},
-            "precision": {"dtype": "bf16"},
-            "train": train,
-        }
-    )
+    return JobSpec.model_validate({**tiny_job(**train), "precision": {"dtype": "bf16"}})
 
 
 @pytest.mark.parametrize(
