@@ -16,6 +16,7 @@ pytest.importorskip("tokenizers", reason="text data needs the tokenizers library
 
 from fixtures.batching import equals_one_at_a_time, recording  # noqa: E402
 from fixtures.hf_assets import make_assets  # noqa: E402
+from fixtures.tiny_job import tiny_job  # noqa: E402
 
 from launcher.cli import main as cli_main  # noqa: E402
 from launcher.errors import SpecError  # noqa: E402
@@ -44,21 +45,16 @@ def assets(tmp_path_factory) -> dict[str, Path]:
 def job(
     tmp_path: Path, assets: dict[str, Path], arch: str = "bert", path: Path | None = None, **data
 ):
-    spec = {
-        "name": "text",
-        "model": {"arch": arch, "size": "tiny", "vocab_size": 512},
-        "data": {
-            "source": "text",
-            "seq_len": SEQ,
-            "path": str(path or assets["corpus"]),
-            "tokenizer": str(assets["bert_tok" if arch == "bert" else "gpt_tok"]),
-            "cache_dir": str(tmp_path / "cache"),
-            **data,
-        },
-        "train": {"micro_batch": 4, "grad_accum": 2},
-        "resources": {"device": "cpu"},
-        "precision": {"dtype": "fp32"},
+    """A job on ``path`` (the corpus) with its arch's tokenizer, loaded from job.yaml."""
+    data = {
+        "source": "text",
+        "seq_len": SEQ,
+        "path": str(path or assets["corpus"]),
+        "tokenizer": str(assets["bert_tok" if arch == "bert" else "gpt_tok"]),
+        "cache_dir": str(tmp_path / "cache"),
+        **data,
     }
+    spec = tiny_job(arch, model={"vocab_size": 512}, data=data, micro_batch=4, grad_accum=2)
     file = tmp_path / "job.yaml"
     file.write_text(yaml.safe_dump(spec))
     return load_job(file)
