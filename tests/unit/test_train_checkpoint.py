@@ -139,9 +139,8 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
     one_process_trainer_env, monkeypatch, tmp_path: Path
 ):
     """``train.cuda_graphs`` with ``grad_accum`` above 1 keeps every gradient in its own memory
-    (``Trainer.grads_in_place``). Those gradients are allocated after the resume: torch builds a
-    fresh optimizer's state for the checkpoint to load into only while no gradient exists, and a
-    resume before them kept no AdamW step or moments. Graphs need a GPU: the spec's check is
+    (``Trainer.grads_in_place``), allocated after the resume: torch builds a fresh optimizer's
+    state to load into only while no gradient exists. Graphs need a GPU: the spec's check is
     bypassed here (``model_copy``), which on the CPU leaves just the gradients' allocation."""
     from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
@@ -199,10 +198,9 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
 
 
 def test_fp16_loss_scale_is_saved_and_resumed(tmp_path: Path):
-    """fp16's GradScaler goes on at the loss scale and growth tracker it had (it restarted at
-    2^16, skipping steps on overflow while the schedule and data went on); a checkpoint without
-    one (older, or not fp16) leaves a scaler at its initial scale, and one with a scaler loads
-    into a run without one. GradScaler("cpu") keeps the same state as on CUDA."""
+    """fp16's GradScaler goes on at the loss scale and growth tracker it had; a checkpoint without
+    one (not fp16) leaves a scaler at its initial scale, and one with a scaler loads into a run
+    without one. GradScaler("cpu") keeps the same state as on CUDA."""
 
     def build():
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10)
@@ -279,9 +277,7 @@ def _resume_in_two_ranks(base: Path, roots: dict[int, list[int]]) -> list[str]:
 def test_every_rank_resumes_from_the_checkpoint_rank_0_picks(tmp_path: Path):
     """Real gloo ranks whose checkpoint folders differ (a node-local folder on several nodes, or
     a marker one node sees before another): every rank loads rank 0's latest, or every rank
-    refuses with a ResumeError where one does not have it. Each rank picking its own loaded
-    different steps, and a rank that found none started fresh while the others waited in DCP's
-    load for it."""
+    refuses with a ResumeError where one does not have it."""
     newer_elsewhere = _resume_in_two_ranks(tmp_path / "a", {0: [2], 1: [2, 4]})
     assert newer_elsewhere == ["2", "2"]
     missing = _resume_in_two_ranks(tmp_path / "b", {0: [2, 4], 1: [2]})
@@ -456,8 +452,8 @@ def test_a_failed_background_save_leaves_the_last_complete_checkpoint_loadable(
 
 
 def test_the_host_copy_reuses_its_buffers_and_copies_any_python_object():
-    """torch 2.11's own stager failed on a plain object in the state (KeyError: <class 'type'>);
-    HostCopy deep-copies such leaves and copies tensors into buffers kept between saves."""
+    """HostCopy deep-copies plain objects in the state (torch's own stager fails on some) and
+    copies tensors into buffers kept between saves."""
     import dataclasses
 
     from launcher.train.checkpoint import HostCopy

@@ -33,7 +33,7 @@ def train(job: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_checkpoint_it_cannot_resume_from_is_one_paragraph_with_exit_2(tmp_path: Path):
     """A ResumeError (here: a global batch other than the checkpoint's under elastic_batch keep)
-    ended as a traceback on every worker; it is printed like a SpecError, naming the job file."""
+    is printed like a SpecError, naming the job file."""
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(tiny_job(steps=1, checkpoint={"dir": str(tmp_path / "ckpt")})))
     first = train(job)

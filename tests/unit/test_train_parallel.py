@@ -96,8 +96,7 @@ def _declared_torch_specifier():
 
 def test_the_declared_torch_floor_is_the_oldest_torch_with_the_apis_the_trainer_uses():
     """pyproject's torch requirement admits the release that made public everything in
-    TRAINER_TORCH_APIS (2.6) and refuses every torch before it: its one lower bound is that
-    release (it said 2.4; raising it past what the trainer needs fails here too)."""
+    TRAINER_TORCH_APIS and refuses every torch before it: its one lower bound is that release."""
     from packaging.version import Version
 
     spec = _declared_torch_specifier()
