@@ -66,15 +66,9 @@ def test_master_weights_make_the_parameters_bf16_views_and_keep_fp32_masters():
         assert p.data_ptr() == flat.data_ptr() + masters.starts[i] * flat.element_size()
         assert masters.starts[i] % BLOCK == 0
     # each slice padded to whole blocks, nothing overlapping, the buffers no bigger than that
-    for (a, n), b in zip(
-        zip(masters.starts, masters.numels, strict=True), masters.starts[1:], strict=False
-    ):
-        assert b == a + -(-n // BLOCK) * BLOCK
-    assert (
-        flat.numel()
-        == sum(-(-p.numel() // BLOCK) * BLOCK for p in params)
-        == masters.master.numel()
-    )
+    padded = [-(-p.numel() // BLOCK) * BLOCK for p in params]
+    assert masters.starts == [sum(padded[:i]) for i in range(len(padded))]
+    assert flat.numel() == sum(padded) == masters.master.numel()
     # writing a parameter writes the flat buffer (a view, not a copy)
     with torch.no_grad():
         params[1].fill_(3.0)
@@ -371,20 +365,13 @@ def test_refusal_at_knows_the_world_size_and_reruns_the_checks(tmp_path: Path):
     from launcher.spec import ClusterSpec, check_fits
     from launcher.spec.job import refusal_at
 
-    one = load_job(
-        QUICKSTART,
-        [
-            "precision.dtype=bf16",
-            "precision.weights=bf16",
-            "parallel.strategy=fsdp",
-            "resources.nproc_per_node=1",
-        ],
-    )
+    bf16 = ["precision.dtype=bf16", "precision.weights=bf16"]
+    one = load_job(QUICKSTART, [*bf16, "parallel.strategy=fsdp", "resources.nproc_per_node=1"])
     assert refusal_at(one, 1) is None  # one process: FSDP trains it unwrapped
     assert "FSDP shards the weights here" in refusal_at(one, 2)
     more = one.model_copy(update={"train": one.train.model_copy(update={"grad_accum": 2})})
     assert "train.grad_accum is 2" in refusal_at(more, 1)
-    ddp = load_job(QUICKSTART, ["precision.dtype=bf16", "precision.weights=bf16"])
+    ddp = load_job(QUICKSTART, bf16)
     assert refusal_at(ddp, 8) is None
 
     two_nodes = ClusterSpec.model_validate(
