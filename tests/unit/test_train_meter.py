@@ -72,22 +72,17 @@ FINAL_KEYS = {
 
 
 class FakeClock:
-    """Time advances 0.1 s per step (``tick``) and 0.01 s per data fetch."""
+    """The host's clock and the timer's marks: ``now``, which the test moves on."""
 
     def __init__(self):
         self.now = 0.0
+        self.waited: list[float] = []
 
     def __call__(self) -> float:
         return self.now
 
-
-class FakeTimer:
-    def __init__(self, clock: FakeClock):
-        self.clock = clock
-        self.waited: list[float] = []
-
     def mark(self) -> float:
-        return self.clock.now
+        return self.now
 
     def wait(self, mark: float) -> None:
         self.waited.append(mark)
@@ -131,7 +126,7 @@ def make_meter(*, total=20, warmup=3, log_every=5, peak=100.0, late=False, watts
         samples_per_step=10,
         flops_per_token=1e9,
         peak_tflops=peak,
-        timer=FakeTimer(clock),
+        timer=clock,
         sync=sync,
         reduce_loss=reduce,
         peak_mem_gib=lambda: 1.5,
