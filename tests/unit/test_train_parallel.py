@@ -11,17 +11,9 @@ from launcher.train.parallel import process_group_backend
 
 def job(strategy: str = "ddp", offload: bool = False, **sections) -> JobSpec:
     """A tiny job on CUDA, under ``strategy``; ``sections`` replace the job's own."""
-    return JobSpec.model_validate(
-        {
-            "name": "pg",
-            "model": {"size": "tiny"},
-            "data": {"seq_len": 16},
-            "train": {"steps": 2, "warmup_steps": 0},
-            "parallel": {"strategy": strategy, "fsdp": {"cpu_offload": offload}},
-            "resources": {"device": "cuda"},
-            **sections,
-        }
-    )
+    parallel = {"strategy": strategy, "fsdp": {"cpu_offload": offload}}
+    spec = {**tiny_job(), "parallel": parallel, "resources": {"device": "cuda"}}
+    return JobSpec.model_validate({**spec, **sections})
 
 
 @pytest.mark.parametrize(
