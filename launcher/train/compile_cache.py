@@ -5,6 +5,7 @@ how many of a run's graphs came from a cache (``cache_hits``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -60,14 +61,14 @@ def graph_key(job: JobSpec, *, device: torch.device, world_size: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+@dataclasses.dataclass(eq=False)
 class CompileCache:
     """One job's cache file; ``load`` before the first compile, ``save`` after compiling."""
 
-    def __init__(self, path: Path, *, rank: int):
-        self.path = path
-        self.rank = rank
-        self.known = 0  # artifacts the file held when loaded (or last written)
-        self.loaded = False
+    path: Path
+    rank: int
+    known: int = 0  # artifacts the file held when loaded (or last written)
+    loaded: bool = False
 
     def load(self) -> None:
         """Hand the file's artifacts to torch's caches; a missing or unreadable file is a miss."""
