@@ -238,10 +238,8 @@ def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(
     assert int(data.batch(1)["input_ids"].max()) < vocab
     data.close()
     if vocab >= 1 << 16:
-        assert (
-            tokens_module.scan_ids(torch.full((5,), -1, dtype=torch.int16), vocab, low_bits=0xFFFF)
-            is None
-        )
+        top_ids = torch.full((5,), -1, dtype=torch.int16)  # 65535 as uint16
+        assert tokens_module.scan_ids(top_ids, vocab, low_bits=0xFFFF) is None
     # Signed ids are read whatever the vocabulary: a negative id fits none.
     negative = tokens_module.scan_ids(torch.tensor([1, -100, 2], dtype=torch.int32), 1 << 31)
     assert negative == (1, -100, 1, None, -100, 0, 3)

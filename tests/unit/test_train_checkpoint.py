@@ -122,10 +122,8 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
     fp32, fused = resumed("fp32")
     for i, p in enumerate(fp32.parameters()):
         assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[i])
-        assert (
-            torch.equal(fused.state[p]["exp_avg_sq"], moments[i])
-            and float(fused.state[p]["step"]) == 3
-        )
+        assert torch.equal(fused.state[p]["exp_avg_sq"], moments[i])
+        assert float(fused.state[p]["step"]) == 3
     assert all(g["fused"] is True for g in fused.param_groups)
 
     bf16, again = resumed("bf16")
@@ -509,9 +507,8 @@ def test_prepare_allocates_the_host_copy_beside_training_and_the_first_save_reus
     assert "write_s" not in rec and all(t >= 0 for t in parts)
     assert sum(parts) == pytest.approx(rec["blocking_s"], abs=2e-3)
     fresh, fresh_opt, fresh_sched = _small_training()
-    assert (
-        checkpointer(CheckpointSpec(dir=tmp_path)).maybe_resume(fresh, fresh_opt, fresh_sched) == 1
-    )
+    again = checkpointer(CheckpointSpec(dir=tmp_path))
+    assert again.maybe_resume(fresh, fresh_opt, fresh_sched) == 1
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, saved[name]), name
 
