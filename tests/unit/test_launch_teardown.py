@@ -123,28 +123,22 @@ def test_a_profiled_job_whose_torchrun_cannot_start_fails_with_exit_4_and_closes
     assert "could not be started" in summary(tmp_path)["failure"]["reason"]
 
 
-def test_a_connection_lost_mid_run_and_in_the_teardown_still_closes_everything(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    "error, raised, match, status",
+    [
+        (ConnectionError("Ray lost"), JobFailed, "ConnectionError: Ray lost", "failed"),
+        (KeyboardInterrupt("signal SIGINT"), KeyboardInterrupt, "", "interrupted"),
+    ],
+)
+def test_a_lost_connection_or_second_interrupt_in_the_teardown_still_closes_everything(
+    tmp_path, monkeypatch, error, raised, match, status
 ):
-    lost = ConnectionError("Ray Client connection lost")
-    agents = Agents(fail={"poll": lost, "stop": lost})
+    agents = Agents(fail={"poll": error, "stop": error})
     launcher, session = launch(tmp_path, monkeypatch, agents, job())
-    with pytest.raises(JobFailed, match="ConnectionError: Ray Client connection lost"):
+    with pytest.raises(raised, match=match):
         launcher.execute()
     assert agents.calls == ["start", "poll", "stop", "close"] and session.closed
-    assert summary(tmp_path)["status"] == "failed"
-
-
-def test_a_second_interrupt_in_the_teardown_still_closes_the_session_and_writes_the_summary(
-    tmp_path, monkeypatch
-):
-    interrupt = KeyboardInterrupt("signal SIGINT")
-    agents = Agents(fail={"poll": interrupt, "stop": interrupt})
-    launcher, session = launch(tmp_path, monkeypatch, agents, job())
-    with pytest.raises(KeyboardInterrupt):
-        launcher.execute()
-    assert agents.calls == ["start", "poll", "stop", "close"] and session.closed
-    assert summary(tmp_path)["status"] == "interrupted"
+    assert summary(tmp_path)["status"] == status
 
 
 def test_a_run_dir_that_cannot_be_made_is_exit_2_before_anything_starts(tmp_path, monkeypatch):
