@@ -236,26 +236,24 @@ def test_a_lost_node_is_named_not_its_echo():
     assert failure.node == "b" and "node b (198.18.0.11) was lost" in failure.reason
 
 
-def test_an_agent_answering_with_an_exception_is_a_lost_node():
-    failure, _ = watch(FakeAgents([{1: RuntimeError("The actor died unexpectedly")}]))
-    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "b")
-    assert "The actor died unexpectedly" in failure.reason
+class Dying(FakeAgents):
+    def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
+        raise ConnectionError("the actor died")
 
 
-def test_a_failed_ranks_node_lost_before_its_log_is_read_is_a_lost_node():
-    class Dying(FakeAgents):
-        def tail(self, i: int, local_rank: int | None, n: int) -> list[str]:
-            raise ConnectionError("the actor died")
-
-    failure, _ = watch(Dying([{1: AgentUpdate(exit=ExitStatus(1))}]))
-    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "b")
-    assert "the actor died" in failure.reason
-
-
-def test_a_silent_agent_is_a_lost_node():
-    failure, _ = watch(FakeAgents([{0: AgentUpdate(records=[step(0, 1)])}], silent=0))
-    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, "a")
-    assert "no answer for 30 s" in failure.reason
+@pytest.mark.parametrize(
+    "agents, node, said",
+    [
+        (FakeAgents([{1: RuntimeError("The actor died")}]), "b", "The actor died"),
+        # the failed rank's node lost before its log is read
+        (Dying([{1: AgentUpdate(exit=ExitStatus(1))}]), "b", "the actor died"),
+        (FakeAgents([{0: AgentUpdate(records=[step(0, 1)])}], silent=0), "a", "no answer for 30 s"),
+    ],
+)
+def test_an_agent_that_raises_dies_or_falls_silent_is_a_lost_node(agents, node, said):
+    failure, _ = watch(agents)
+    assert (failure.kind, failure.node) == (FailureKind.LOST_NODE, node)
+    assert said in failure.reason
 
 
 def test_the_hang_watchdog_blames_the_rank_that_got_least_far():
