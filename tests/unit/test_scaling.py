@@ -106,9 +106,11 @@ def test_strong_scaling_indivisible_global_batch_is_a_spec_error(mb, ga, base, w
     assert "use world sizes that divide" in msg
 
 
-def test_scale_job_rejects_a_bad_mode_and_world():
+def test_scale_job_and_build_table_reject_a_bad_mode_and_world():
     with pytest.raises(UsageError, match="weak or strong"):
         scale_job(job(), 2, 1, "diagonal")
+    with pytest.raises(UsageError):
+        build_table([], job="j", mode="both")
     with pytest.raises(UsageError, match=">= 1"):
         scale_job(job(), 0, 1, "strong")
 
@@ -169,11 +171,8 @@ def test_failed_repeats_and_points_are_kept_but_not_counted():
     one, two, four = t["points"]
     assert one["tokens_per_s"] is None and one["speedup"] is None and one["failed_repeats"] == 1
     assert t["base_ranks"] == 2  # the smallest point that measured something
-    assert (
-        two["failed_repeats"] == 1
-        and two["repeats"] == [7_000.0]
-        and two["run_dirs"] == ["runs/x-2"]
-    )
+    assert two["failed_repeats"] == 1 and two["repeats"] == [7_000.0]
+    assert two["run_dirs"] == ["runs/x-2"]
     assert four["efficiency"] == pytest.approx((12_000.0 / 4) / (7_000.0 / 2))
     text = render_scaling(t)
     assert "1/2" in text and "–" in text and "relative to N0 = 2 ranks" in text
@@ -185,11 +184,6 @@ def test_nothing_measured():
     )
     assert t["base_ranks"] is None
     assert "nothing to compare" in render_scaling(t)
-
-
-def test_build_table_rejects_a_bad_mode():
-    with pytest.raises(UsageError):
-        build_table([], job="j", mode="both")
 
 
 # -- files -----------------------------------------------------------------------------------
