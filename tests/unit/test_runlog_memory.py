@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tracemalloc
 
-from launcher.orchestrate.plan import NodePlan
+from fixtures.fake_launch import cpu_job, two_nodes
+
+from launcher.orchestrate.plan import NodePlan, plan
 from launcher.orchestrate.records import AgentUpdate
 from launcher.orchestrate.rundir import RunDir
 from launcher.orchestrate.runlog import RunLog
@@ -18,19 +21,9 @@ PAD = "x" * 1200
 
 
 def node() -> NodePlan:
-    return NodePlan(
-        name="n0",
-        host="h",
-        node_rank=0,
-        nproc=2,
-        ranks=[0, 1],
-        python="python",
-        node_dir="/x",
-        cwd=None,
-        argv=[],
-        env={},
-        env_sources={},
-    )
+    """Node a of fake_launch's two nodes, with two ranks."""
+    first = plan(cpu_job(), two_nodes(), None, run_id="r", master_port=1, launcher_env={}).nodes[0]
+    return dataclasses.replace(first, nproc=2, ranks=[0, 1])
 
 
 def step(rank: int, i: int) -> dict:
