@@ -7,6 +7,7 @@ import json
 import pytest
 
 from launcher.errors import UsageError
+from launcher.metrics import write_record
 from launcher.results.runplot import plot_run
 
 
@@ -17,20 +18,9 @@ def test_a_run_plots_loss_and_tokens_per_rank(tmp_path, monkeypatch):
     ]
     (tmp_path / "plan.json").write_text(json.dumps({"ranks": ranks}))
     for r in (0, 1):
-        lines = [
-            {
-                "type": "step",
-                "rank": r,
-                "step": s,
-                "time": s * (1.0 + r),
-                "tokens": 100,
-                "loss": 1 / s,
-            }
-            for s in range(1, 8)
-        ]
-        (tmp_path / f"metrics/rank{r}.jsonl").write_text(
-            "".join(json.dumps(x) + "\n" for x in lines)
-        )
+        for s in range(1, 8):
+            record = dict(type="step", rank=r, step=s, time=s * (1.0 + r), tokens=100, loss=1 / s)
+            write_record(record, str(tmp_path / f"metrics/rank{r}.jsonl"))
     marked = []
     import matplotlib.axes
 
