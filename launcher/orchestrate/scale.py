@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import Interrupted, JobFailed, LauncherError, SpecError, UsageError
-from launcher.orchestrate.code import CodePlan, plan_code
+from launcher.orchestrate.code import plan_code
 from launcher.orchestrate.plan import declared_workers
-from launcher.orchestrate.ray_cluster import RaySession, open_session
+from launcher.orchestrate.ray_cluster import open_session
 from launcher.orchestrate.records import Status
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
-from launcher.preflight import NodeFacts, preflight_facts
+from launcher.preflight import preflight_facts
 from launcher.results.scaling import build_table, scale_job, write_scaling
 from launcher.spec import ClusterSpec, JobSpec
 from launcher.spec.job import refusal_at
@@ -59,19 +59,9 @@ def scale(
         )
         session = open_session(cluster, list(used), code)
         try:
+            launch = {"session": session, "code": code, "facts": facts, "skip_parity": skip_parity}
             for point_job in jobs:
-                measured.append(
-                    _point(
-                        point_job,
-                        cluster,
-                        session,
-                        out_dir=out_dir,
-                        repeat=repeat,
-                        code=code,
-                        facts=facts,
-                        skip_parity=skip_parity,
-                    )
-                )
+                measured.append(_point(point_job, cluster, out_dir, repeat, **launch))
         finally:
             session.close()
     except KeyboardInterrupt:
@@ -111,18 +101,11 @@ def _point_job(job: JobSpec, n_nodes: int, nproc: int, base_world: int, mode: st
 
 
 def _point(
-    point_job: JobSpec,
-    cluster: ClusterSpec,
-    session: RaySession,
-    *,
-    out_dir: Path,
-    repeat: int,
-    code: CodePlan | None,
-    facts: dict[str, NodeFacts] | None,
-    skip_parity: bool,
+    point_job: JobSpec, cluster: ClusterSpec, out_dir: Path, repeat: int, **launch: Any
 ) -> dict:
-    """Every repeat of one point; a failed repeat is None in ``repeats`` (a run that failed, or
-    one the launcher could not start: its run directory says why), and the study goes on."""
+    """Every repeat of one point, run with ``launch`` (Launch's session, code, facts and
+    skip_parity); a failed repeat is None in ``repeats`` (a run that failed, or one the launcher
+    could not start: its run directory says why), and the study goes on."""
     n_nodes, nproc = point_job.resources.nodes, point_job.resources.nproc_per_node
     assert isinstance(n_nodes, int) and isinstance(nproc, int)
     world_size = n_nodes * nproc
@@ -147,14 +130,7 @@ def _point(
         entry["run_dirs"].append(str(run_dir))
         try:
             outcome = Launch(
-                job=point_job,
-                cluster=cluster,
-                run_dir=RunDir(run_dir),
-                session=session,
-                code=code,
-                facts=facts,
-                skip_parity=skip_parity,
-                quiet=True,
+                job=point_job, cluster=cluster, run_dir=RunDir(run_dir), quiet=True, **launch
             ).execute()
         except Interrupted:
             raise KeyboardInterrupt from None
