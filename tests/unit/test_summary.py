@@ -185,7 +185,7 @@ def user_records(
     return recs
 
 
-def write_run(run_dir: Path, job: str, ranks: list[dict], records: dict[int, list[dict]]) -> None:
+def write_run(run_dir: Path, job: str, ranks: list[dict], records: dict[int, list[dict]]) -> Path:
     """A run directory as the launcher leaves it: plan.json and metrics/rank<R>.jsonl."""
     (run_dir / "metrics").mkdir(parents=True)
     plan = {
@@ -206,6 +206,7 @@ def write_run(run_dir: Path, job: str, ranks: list[dict], records: dict[int, lis
         path = run_dir / "metrics" / f"rank{rank}.jsonl"
         for rec in recs:
             write_record(dict(rec), str(path))
+    return run_dir
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -440,10 +441,8 @@ def test_bad_status_is_a_bug():
 
 
 def test_load_run_rebuilds_from_plan_and_metrics(tmp_path):
-    run = tmp_path / "run"
-    ranks = layout(2, 2)
     recs = {r: builtin_records(r, step_ms=100.0 + 10 * (r == 1), final=False) for r in range(4)}
-    write_run(run, "bert-ddp", ranks, recs)
+    run = write_run(tmp_path / "run", "bert-ddp", layout(2, 2), recs)
     s = load_run(run)
     assert_schema(s)
     assert s["job"] == "bert-ddp" and s["world_size"] == 4
@@ -453,9 +452,8 @@ def test_load_run_rebuilds_from_plan_and_metrics(tmp_path):
 
 
 def test_load_run_takes_status_and_failure_from_summary_json(tmp_path):
-    run = tmp_path / "run"
     ranks = layout(1, 2)
-    write_run(run, "j", ranks, {0: builtin_records(0, step_ms=100.0)})
+    run = write_run(tmp_path / "run", "j", ranks, {0: builtin_records(0, step_ms=100.0)})
     failure = {
         "rank": 1,
         "node": "node0",
@@ -473,9 +471,8 @@ def test_load_run_takes_status_and_failure_from_summary_json(tmp_path):
 
 
 def test_load_run_keeps_the_launchers_keys_of_a_run_without_restarts(tmp_path, capsys):
-    run = tmp_path / "run"
     ranks = layout(1, 2)
-    write_run(run, "j", ranks, ranks_alike())
+    run = write_run(tmp_path / "run", "j", ranks, ranks_alike())
     saved = summarize("j", ranks, {}, status="succeeded")
     saved["restarts"] = []  # DESIGN.md's summary.json: always there, empty without restarts
     saved["launcher_timings_s"] = {"preflight": 1.5, "train": 12.0}
@@ -498,8 +495,7 @@ def test_load_run_with_only_summary_json_returns_it(tmp_path):
 
 def test_load_run_of_a_restarted_run_keeps_the_launchers_summary(tmp_path):
     # node1 lost after attempt 0: attempt 1 runs 2 ranks; the metrics files hold both attempts
-    run = tmp_path / "run"
-    write_run(run, "j", layout(2, 2), ranks_alike(4))
+    run = write_run(tmp_path / "run", "j", layout(2, 2), ranks_alike(4))
     last = summarize("j", layout(1, 2), ranks_alike(step_ms=90.0), status="succeeded")
     last["restarts"] = [
         {"attempt": 1, "reason": "node node1 was lost", "nodes": ["node0"], "world_size": 2}
@@ -512,22 +508,19 @@ def test_load_run_of_a_restarted_run_keeps_the_launchers_summary(tmp_path):
 
 
 def test_load_run_all_final_records_counts_as_succeeded(tmp_path):
-    run = tmp_path / "run"
-    write_run(run, "j", layout(1, 2), ranks_alike(final=True))
+    run = write_run(tmp_path / "run", "j", layout(1, 2), ranks_alike(final=True))
     assert load_run(run)["status"] == "succeeded"
 
 
 def test_load_run_torn_last_line_is_skipped(tmp_path):
-    run = tmp_path / "run"
-    write_run(run, "j", layout(1, 1), {0: user_records(0, gaps=[1.0, 1.0])})
+    run = write_run(tmp_path / "run", "j", layout(1, 1), {0: user_records(0, gaps=[1.0, 1.0])})
     with open(run / "metrics" / "rank0.jsonl", "a") as fh:
         fh.write('{"type": "step", "rank": 0, "ti')
     assert load_run(run)["ranks"][0]["tokens_per_s"] == pytest.approx(4096.0)
 
 
 def test_report_command_formats(tmp_path, capsys):
-    run = tmp_path / "run"
-    write_run(run, "j", layout(1, 2), ranks_alike())
+    run = write_run(tmp_path / "run", "j", layout(1, 2), ranks_alike())
     assert report_command(str(run)) == 0
     out = capsys.readouterr().out
     assert "Per rank" in out and "Per node" in out and "tokens/s" in out
