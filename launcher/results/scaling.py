@@ -79,7 +79,6 @@ def build_table(points: list[dict], *, job: str, mode: str) -> dict:
         measured = [v for v in values if v is not None]
         ranks = int(point["ranks"])
         median = statistics.median(measured) if measured else None
-        run_dirs = point.get("run_dirs") or ([point["run_dir"]] if point.get("run_dir") else [])
         rows.append(
             {
                 "nodes": int(point["nodes"]),
@@ -92,7 +91,7 @@ def build_table(points: list[dict], *, job: str, mode: str) -> dict:
                 "efficiency": None,
                 "repeats": measured,
                 "failed_repeats": len(values) - len(measured),
-                "run_dirs": [str(d) for d in run_dirs],
+                "run_dirs": [str(d) for d in point.get("run_dirs", [])],
                 "noisy": noise(point.get("repeats", []), measured),
             }
         )

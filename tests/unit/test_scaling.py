@@ -163,7 +163,7 @@ def test_failed_repeats_and_points_are_kept_but_not_counted():
             "ranks": 2,
             "global_batch": 64,
             "repeats": [summary_with(7_000.0), summary_with(None)],
-            "run_dir": "runs/x-2",
+            "run_dirs": ["runs/x-2"],
         },
         {"nodes": 1, "ranks": 4, "global_batch": 128, "repeats": [12_000.0]},
     ]
