@@ -120,25 +120,24 @@ def test_profiling_gives_each_node_a_profile_folder():
     assert b.env_sources["LAUNCHER_PROFILE_DIR"] == "launcher (train.profile)"
 
 
-def test_secrets_masked_in_json_and_render_but_not_in_the_plan():
+def test_render_shows_every_node_and_masks_secrets_like_json_not_the_plan():
     p = make(gpu_job(), two_nodes())
     assert p.nodes[0].env["WANDB_API_KEY"] == "s3cret"  # the agent gets the real value
-    text = json.dumps(p.to_json()) + render(p)
+    text = render(p)
+    assert "--node-rank 0" in text and "--node-rank 1" in text and "world size 8" in text
+    text += json.dumps(p.to_json())
     assert "s3cret" not in text and MASK in text
 
 
 def test_facts_override_declared_gpus_and_nproc_limits():
     p = make(gpu_job(), two_nodes(), facts={"a": NodeFacts(gpus=8), "b": NodeFacts(gpus=8)})
     assert p.world_size == 16
+    p = make(gpu_job(), two_nodes(), facts={"a": NodeFacts(gpus=2), "b": NodeFacts(gpus=3)})
+    assert [n.ranks for n in p.nodes] == [[0, 1], [2, 3, 4]]  # uneven counts: contiguous ranks
     p = make(gpu_job(nproc_per_node=2), two_nodes())
     assert [n.ranks for n in p.nodes] == [[0, 1], [2, 3]]
     with pytest.raises(PreflightError, match="needs 6 GPU worker"):
         make(gpu_job(nproc_per_node=6), two_nodes())
-
-
-def test_uneven_gpu_counts_give_contiguous_ranks():
-    p = make(gpu_job(), two_nodes(), facts={"a": NodeFacts(gpus=2), "b": NodeFacts(gpus=3)})
-    assert [n.ranks for n in p.nodes] == [[0, 1], [2, 3, 4]]
 
 
 def test_auto_gpus_without_preflight_is_an_input_error():
@@ -180,12 +179,6 @@ def test_script_entrypoint_argv(tmp_path):
     p = make(job, cluster, code=plan_code(job, cluster.nodes))
     assert p.nodes[0].argv[-3:] == [str(script), "--lr", "3e-4"]
     assert p.nodes[0].argv[0] == "/usr/bin/python3"  # a local node runs the launcher's interpreter
-
-
-def test_render_shows_every_node_command():
-    text = render(make(gpu_job(), two_nodes()))
-    assert "--node-rank 0" in text and "--node-rank 1" in text
-    assert "world size 8" in text
 
 
 SHELL = {
