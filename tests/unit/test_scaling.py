@@ -311,14 +311,7 @@ def test_a_point_the_launcher_cannot_start_is_a_failed_repeat_and_the_study_goes
     )
     with pytest.raises(JobFailed, match="1 run"):
         scale_study.scale(
-            quick,
-            cluster,
-            world=[1, 2, 4],
-            nodes=None,
-            out_dir=tmp_path,
-            mode="weak",
-            repeat=1,
-            skip_parity=True,
+            quick, cluster, world=[1, 2, 4], nodes=None, out_dir=tmp_path, mode="weak"
         )
     points = json.loads((tmp_path / "scaling.json").read_text())["points"]
     assert [p["ranks"] for p in points] == [1, 2, 4]
