@@ -362,11 +362,11 @@ def three_nodes_and_a_spare() -> ClusterSpec:
     )
 
 
-def elastic_job(**train: object) -> JobSpec:
+def elastic_job(precision: dict | None = None, **train: object) -> JobSpec:
     return JobSpec.model_validate(
         {
             "name": "e",
-            "precision": {"dtype": "fp32"},
+            "precision": precision or {"dtype": "fp32"},
             "resources": {"device": "cpu", "nproc_per_node": 1, "nodes": 3, "min_nodes": 2},
             "train": {
                 "steps": 10,
@@ -486,13 +486,7 @@ def test_an_elastic_job_on_other_machines_needs_shared_checkpoints():
 
 def test_a_grad_accum_the_job_cannot_run_with_refuses_the_restart():
     """bf16 weights need grad_accum 1: keeping the global batch on fewer ranks would raise it."""
-    first = JobSpec.model_validate(
-        {
-            **elastic_job().model_dump(),
-            "precision": {"dtype": "bf16", "weights": "bf16"},
-            "train": {**elastic_job().train.model_dump(), "micro_batch": 2, "grad_accum": 1},
-        }
-    )
+    first = elastic_job({"dtype": "bf16", "weights": "bf16"}, micro_batch=2, grad_accum=1)
     with pytest.raises(
         RestartRefused,
         match="needs train.grad_accum 2, which the job cannot run with: .*grad_accum",
