@@ -14,6 +14,7 @@ import pytest
 import yaml
 from fixtures.launching import QUICK, assert_none_left, kill, launch, ours, write_job
 
+from launcher.metrics import read_records
 from launcher.results.summary import RANK_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,10 +160,7 @@ def test_a_diverging_quickstart_stops_with_exit_4_naming_the_step(tmp_path, mark
     step = int(reason.split("non-finite at step ")[1].split(":")[0])
     assert 1 <= step <= 5 and "the loss is nan" in reason, reason  # checked at step 5 (log_every)
     assert "no checkpoint was saved before it" in reason and reason in result.stderr
-    records = [
-        json.loads(line) for line in (run_dir / "metrics/rank1.jsonl").read_text().splitlines()
-    ]
-    logged = [r for r in records if r["type"] == "step"]
+    logged = [r for r in read_records(run_dir / "metrics/rank1.jsonl") if r["type"] == "step"]
     assert logged[-1]["step"] == 5 and logged[-1]["first_nonfinite"]["step"] == step
     assert summary["training"]["step"] == 5
     assert_none_left(mark, run_dir.name)
