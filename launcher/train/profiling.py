@@ -153,7 +153,8 @@ def device_timeline(
         "span_ms": span * per_step_ms,
         "compute_ms": _length(compute_u) * per_step_ms,
         "comm_ms": _length(comm_u) * per_step_ms,
-        "comm_exposed_ms": (_length(comm_u) - _overlap(comm_u, compute_u)) * per_step_ms,
+        # communication no compute overlaps: what the union adds to compute alone
+        "comm_exposed_ms": (_length(every) - _length(compute_u)) * per_step_ms,
         "idle_ms": (span - _length(every)) * per_step_ms,
         "kernels": (len(compute) + len(comm)) / steps,
     }
@@ -306,16 +307,3 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(end - start for start, end in intervals)
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total length of the intersection of two sorted, disjoint interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
