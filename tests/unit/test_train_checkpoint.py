@@ -310,12 +310,8 @@ def test_a_checkpoint_others_may_change_is_refused_before_anything_is_unpickled(
             checked_code(job, local)
         assert refused.value.exit_code == 2 and str(loose) in str(refused.value)
         loose.chmod(0o600 if loose.is_file() else 0o700)
-    never = job.model_copy(
-        update={
-            "train": job.train.model_copy(
-                update={"checkpoint": spec.model_copy(update={"resume": "never"})}
-            )
-        }
+    never = JobSpec.model_validate(
+        {"name": "t", "train": {"checkpoint": {**spec.model_dump(), "resume": "never"}}}
     )
     spec.dir.chmod(0o777)
     checked_code(never, local)  # nothing is resumed: nothing to refuse
