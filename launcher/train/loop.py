@@ -35,6 +35,7 @@ from launcher.train.compile_cache import (
 )
 from launcher.train.data import build_data, build_val_batches
 from launcher.train.health import stop_reason
+from launcher.train.hf import load_pretrained
 from launcher.train.meter import (
     CudaTimer,
     GpuMonitor,
@@ -238,8 +239,6 @@ class Trainer:
         with torch.device(where):
             model = build_model(spec)
         if init and not fill_shards:  # a plain module on its device (or on the CPU for offload)
-            from launcher.train.hf import load_pretrained
-
             load_pretrained(
                 model,
                 spec,
@@ -263,8 +262,6 @@ class Trainer:
             model, job, device=self.device, world_size=self.world_size
         )
         if fill_shards:  # sharded on the meta device, filled from rank 0's copy
-            from launcher.train.hf import load_pretrained
-
             load_pretrained(self.model, spec, device=self.device)
         self.model.train()
         # Accumulating over replayed CUDA graphs needs gradients with memory of their own
