@@ -30,12 +30,10 @@ def expected_params(arch: str, L: int, d: int, V: int, P: int, ff: int) -> int:
     return V * d + P * d + L * block + 2 * d  # tied LM head, final LN
 
 
-def test_bert_base_matches_hugging_face():
-    assert meta_params(ModelSpec(arch="bert", size="base")) == HF_BERT_BASE_MLM
-
-
-def test_gpt_base_is_gpt2_124m_with_a_padded_vocab():
-    assert meta_params(ModelSpec(arch="gpt", size="base")) == 124_475_904
+# GPT-2 124M with its vocabulary padded to 50304
+@pytest.mark.parametrize(("arch", "want"), [("bert", HF_BERT_BASE_MLM), ("gpt", 124_475_904)])
+def test_base_presets_match_hugging_face(arch: str, want: int):
+    assert meta_params(ModelSpec(arch=arch, size="base")) == want
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt"])
@@ -119,26 +117,20 @@ def test_flops_per_token_gpt_counts_the_lm_head_and_half_the_attention():
     )
 
 
-def test_compile_is_per_block_and_keeps_each_block_whole_under_ddp():
+@pytest.mark.parametrize(("arch", "whole"), [("bert", False), ("gpt", True)])
+def test_compile_is_per_block_or_the_whole_model_and_dynamos_ddp_optimizer_is_off(
+    arch: str, whole: bool
+):
     """Dynamo's DDP optimizer would split each compiled block at gradient-bucket boundaries."""
     from launcher.train.parallel import apply_compile
 
-    model = build_model(ModelSpec(arch="bert", size="tiny", vocab_size=256))
+    model = build_model(ModelSpec(arch=arch, size="tiny", vocab_size=256))
     with torch._dynamo.config.patch(optimize_ddp=True):
-        apply_compile(model)
+        apply_compile(model, whole=whole)
         assert torch._dynamo.config.optimize_ddp is False
-    compiled = [model.embed, *model.blocks, model.head]
-    assert all(m._compiled_call_impl is not None for m in compiled)
-    assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged
-
-
-def test_compile_scope_model_compiles_the_whole_model_once():
-    from launcher.train.parallel import apply_compile
-
-    model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256))
-    apply_compile(model, whole=True)
-    assert model._compiled_call_impl is not None
-    assert all(m._compiled_call_impl is None for m in [model.embed, *model.blocks, model.head])
+    assert (model._compiled_call_impl is not None) == whole
+    parts = [model.embed, *model.blocks, model.head]
+    assert all((m._compiled_call_impl is not None) != whole for m in parts)
     assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged
 
 
