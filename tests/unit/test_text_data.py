@@ -68,11 +68,8 @@ def stream(meta: dict) -> torch.Tensor:
 def test_documents_are_paragraphs_or_jsonl_lines(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("one\ntwo\n\n\nthree\n\nfour")
-    assert [(d, end) for d, _, end in text.documents(txt, "text")] == [
-        ("one\ntwo", True),
-        ("three", True),
-        ("four", True),
-    ]
+    docs = [(d, end) for d, _, end in text.documents(txt, "text")]
+    assert docs == [("one\ntwo", True), ("three", True), ("four", True)]
     jsonl = tmp_path / "b.jsonl"
     jsonl.write_text('{"body": "x y"}\n\n{"body": "z", "id": 3}\n')
     assert [d for d, _, end in text.documents(jsonl, "body") if end] == ["x y", "z"]
@@ -84,17 +81,14 @@ def test_documents_are_paragraphs_or_jsonl_lines(tmp_path):
 def test_the_stream_is_each_document_then_a_separator(tmp_path, assets):
     j = job(tmp_path, assets)
     meta = text.tokenize(j.data, "bert", progress=False)
-    ids = torch.from_file(meta["path"], size=meta["tokens"], dtype=torch.uint16).tolist()
+    ids = stream(meta).tolist()
     tok = load_tokenizer(assets["bert_tok"])
     sep = meta["special"]["sep"]
     docs = [d for d, _, _ in text.documents(assets["corpus"], "text")]
     want = [i for d in docs for i in [*tok.encode(d, add_special_tokens=False).ids, sep]]
     assert ids == want and meta["documents"] == len(docs) and ids.count(sep) == len(docs)
-    assert meta["special"] == {
-        "cls": tok.token_to_id("[CLS]"),
-        "sep": sep,
-        "mask": tok.token_to_id("[MASK]"),
-    }
+    cls, mask = tok.token_to_id("[CLS]"), tok.token_to_id("[MASK]")
+    assert meta["special"] == {"cls": cls, "sep": sep, "mask": mask}
 
 
 def test_a_long_paragraph_is_tokenized_in_pieces_with_the_same_ids(tmp_path, assets, monkeypatch):
@@ -148,9 +142,7 @@ def test_bert_samples_are_framed_and_never_mask_specials(tmp_path, assets):
             assert ids.shape == (4, SEQ) and pos.shape == (4, data.n_mask)
             original = ids.scatter(1, pos, labels)
             assert (original[:, 0] == cls).all() and (original[:, -1] == sep).all()
-            for row, g in zip(
-                original, range(micro * 4, micro * 4 + 4), strict=True
-            ):  # window g of step
+            for g, row in enumerate(original, start=micro * 4):  # window g of the step
                 start = ((step - 1) * 8 + g) * (SEQ - 2)
                 assert torch.equal(row[1:-1], ids_in_file[start : start + SEQ - 2])
             assert not torch.isin(labels, torch.tensor([cls])).any()  # [CLS] is never a target
@@ -177,10 +169,8 @@ def test_text_chunks_made_by_the_worker_thread_equal_batches_made_one_at_a_time(
 def test_gpt_windows_shift_by_one_over_eos_separated_text(tmp_path, assets):
     j = job(tmp_path, assets, arch="gpt")
     meta = text.tokenize(j.data, "gpt", progress=False)
-    eos = meta["special"]["eos"]
-    assert meta["special"] == {
-        "eos": load_tokenizer(assets["gpt_tok"]).token_to_id("<|endoftext|>")
-    }
+    eos = load_tokenizer(assets["gpt_tok"]).token_to_id("<|endoftext|>")
+    assert meta["special"] == {"eos": eos}
     data = build_data(j, rank=1, world_size=2, device=torch.device("cpu"))
     ids = stream(meta)
     b = data.batch(3, 1)
@@ -311,12 +301,8 @@ def test_held_out_text_is_the_end_of_the_stream_or_a_file_of_its_own(tmp_path, a
         "A held-out paragraph of its own.\n\nAnd a second one, a little longer.\n" * 40
     )
     k = job(tmp_path, assets, arch="gpt", val_path=str(other))
-    batches = build_val_batches(
-        k.model_copy(update={"train": k.train.model_copy(update={"eval_steps": 2})}),
-        rank=0,
-        world_size=1,
-        device=cpu,
-    )
+    k = k.model_copy(update={"train": k.train.model_copy(update={"eval_steps": 2})})
+    batches = build_val_batches(k, rank=0, world_size=1, device=cpu)
     other_meta = text.tokenize(k.data.model_copy(update={"path": other}), "gpt", progress=False)
     assert other_meta["path"] != meta["path"] and len(batches) == 2
     assert torch.equal(batches[0]["input_ids"][0], stream(other_meta)[:SEQ])
