@@ -5,6 +5,7 @@ in checkpoints, ``precision.weights`` resolved and checked.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -28,20 +29,14 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 
 SHAPES = [(37, 5), (2000,), (3, 1030), (7,), (64, 64)]
-
-
-def fp32_params(seed: int = 0) -> list[nn.Parameter]:
-    return cases.fp32_params(SHAPES, seed=seed)
+fp32_params = functools.partial(cases.fp32_params, SHAPES)
+bf16_grads = functools.partial(cases.bf16_grads, SHAPES)
 
 
 def make(seed: int = 0) -> tuple[list[nn.Parameter], MasterWeights, MasterAdamW]:
     params, masters, opt = cases.build(SHAPES, seed=seed)
     assert opt.kernels is False  # the CPU: the torch reference
     return params, masters, opt
-
-
-def bf16_grads(step: int) -> list[torch.Tensor]:
-    return cases.bf16_grads(SHAPES, step)
 
 
 # -- MasterWeights ---------------------------------------------------------------------------
@@ -268,17 +263,10 @@ def test_substitute_masters_puts_the_fp32_masters_in_place_of_the_bf16_weights()
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def choose(
-    requested: str,
-    *,
-    dtype: str = "bf16",
-    grad_accum: int = 1,
-    sharded: bool = False,
-    device: torch.device = CPU,
-) -> str:
-    return choose_weights(
-        requested, dtype=dtype, grad_accum=grad_accum, sharded=sharded, device=device
-    )
+def choose(requested: str, **kw) -> str:
+    """choose_weights for bf16 training, one micro-batch, unsharded, on the CPU unless ``kw``."""
+    kw = {"dtype": "bf16", "grad_accum": 1, "sharded": False, "device": CPU, **kw}
+    return choose_weights(requested, **kw)
 
 
 def test_choose_weights_resolves_auto_and_honours_explicit_choices():
