@@ -151,11 +151,7 @@ def test_three_to_two_ranks_resumes_to_the_uninterrupted_parameters(
     second = run(tmp_path / "attempt1", 2, job(ckpt, world=2, strategy=strategy))
     assert_same_training(uninterrupted, second)
     record = meta(second)
-    assert (record["world_size"], record["grad_accum"], record["global_batch"]) == (
-        2,
-        3,
-        GLOBAL_BATCH,
-    )
+    assert [record[k] for k in ("world_size", "grad_accum", "global_batch")] == [2, 3, GLOBAL_BATCH]
     assert record["start_step"] == record["resumed_from_step"] == CUT
     assert record["resumed_world_size"] == 3 and record["resumed_global_batch"] == GLOBAL_BATCH
     assert record["start_sample"] == CUT * GLOBAL_BATCH
