@@ -68,10 +68,7 @@ def build_data(
 
         assert data.path is not None
         return TokenFileBatches(
-            path=data.path,
-            token_dtype=data.token_dtype,
-            vocab_origin=vocab_origin(job),
-            **common,
+            path=data.path, token_dtype=data.token_dtype, vocab_origin=vocab_origin(job), **common
         )
     if data.source == "text":
         from launcher.train.text import TextBatches, prepare

@@ -220,11 +220,7 @@ def test_a_wrong_vocabulary_stops_the_scan_at_the_first_chunk(tmp_path: Path, mo
 
 @pytest.mark.parametrize(
     ("dtype", "descr", "vocab"),
-    [
-        (torch.uint16, "<u2", 65536),
-        (torch.uint16, "<u2", 100_000),
-        (torch.uint8, "|u1", 256),
-    ],
+    [(torch.uint16, "<u2", 65536), (torch.uint16, "<u2", 100_000), (torch.uint8, "|u1", 256)],
 )
 def test_a_file_whose_type_cannot_hold_a_bad_id_is_not_read(
     tmp_path: Path, monkeypatch, dtype, descr, vocab

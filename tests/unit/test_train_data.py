@@ -14,12 +14,7 @@ from fixtures.tiny_job import tiny_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.train.data import (
-    Batches,
-    global_indices,
-    hash_ints,
-    mask_token_id,
-)
+from launcher.train.data import Batches, global_indices, hash_ints, mask_token_id
 from launcher.train.tokens import open_token_file
 
 

@@ -10,13 +10,7 @@ import pytest
 import torch
 
 from launcher.telemetry import clock_limits
-from launcher.train.meter import (
-    GpuMonitor,
-    Meter,
-    final_line,
-    peak_tflops,
-    progress_line,
-)
+from launcher.train.meter import GpuMonitor, Meter, final_line, peak_tflops, progress_line
 from launcher.util import percentile
 
 STEP_KEYS = {
