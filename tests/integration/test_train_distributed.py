@@ -87,22 +87,9 @@ def launch(
     """Run the trainer (``-m launcher.train``, the harness or another script) under torchrun, or alone."""
     run_dir.mkdir(parents=True, exist_ok=True)
     target = ["-m", "launcher.train"] if module else [str(script)]
-    if nproc is None:
-        cmd = [sys.executable, *target, *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "localhost:0",
-            *target,
-            *args,
-        ]
+    torchrun = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    torchrun += ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0"]
+    cmd = [sys.executable, *(torchrun if nproc is not None else []), *target, *args]
     env = {
         **os.environ,
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -596,9 +583,7 @@ def test_gpu_precisions_run_and_the_loss_falls(
     assert_loss_falls(run, by=1.0)
     final = run.records(0, "final")[0]
     assert final["peak_mem_gib"] > 0 and final["tokens_per_s"] > 0
-    if (
-        importlib.util.find_spec("pynvml") is not None
-    ):  # the GPU's clock and power, read through NVML
+    if importlib.util.find_spec("pynvml") is not None:  # the GPU's clock and power, via NVML
         steps = run.records(0, "step")
         assert all(
             r["sm_clock_mhz"] > 0
@@ -609,11 +594,8 @@ def test_gpu_precisions_run_and_the_loss_falls(
         ), steps
         assert final["sm_clock_mhz"] > 0 and 0 <= final["clock_limited_pct"] <= 100
         # the energy counter (Volta and newer): the measured steps' energy, per token and as power
-        assert (
-            final["energy_j"] > 0
-            and 0 < final["power_w"] < 2000
-            and final["energy_mj_per_token"] > 0
-        )
+        assert final["energy_j"] > 0 and final["energy_mj_per_token"] > 0
+        assert 0 < final["power_w"] < 2000
 
 
 def _has_fp8() -> tuple[bool, str]:
