@@ -324,8 +324,7 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
     steps 4-6 change the weights. Resumed from step 3, both hold the same weights and AdamW state
     bit for bit, and both end where the uninterrupted run ended. The background run has its host
     copy from step 1 on, before its first save (``Checkpointer.prepare``)."""
-    import json
-
+    from launcher.metrics import read_records
     from launcher.spec.job import JobSpec
     from launcher.train.loop import Trainer
     from launcher.util import free_port
@@ -333,6 +332,9 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
     def trainer(job) -> Trainer:
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
         return Trainer(job)
+
+    def cloned(state: dict) -> dict:
+        return {k: v.clone() for k, v in state.items()}
 
     finals, resumed_state = {}, {}
     for mode, background in (("sync", False), ("async", True)):
@@ -351,17 +353,12 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
         shutil.rmtree(step_dir(tmp_path / mode, 6))  # resume from step 3
         with trainer(job) as again:
             assert again.start_step == 3
-            resumed_state[mode] = (
-                {k: v.clone() for k, v in again.model.state_dict().items()},
-                [
-                    {k: v.clone() for k, v in again.optimizer.state[p].items()}
-                    for p in again.trained_params
-                ],
-            )
+            optim = [cloned(again.optimizer.state[p]) for p in again.trained_params]
+            resumed_state[mode] = (cloned(again.model.state_dict()), optim)
             again.train()
-            finals[mode] = {k: v.clone() for k, v in again.model.state_dict().items()}
+            finals[mode] = cloned(again.model.state_dict())
         if mode == "sync":
-            uninterrupted = {k: v.clone() for k, v in whole.model.state_dict().items()}
+            uninterrupted = cloned(whole.model.state_dict())
     sync_model, sync_optim = resumed_state["sync"]
     async_model, async_optim = resumed_state["async"]
     assert sync_model.keys() == async_model.keys()
@@ -372,10 +369,7 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
     for name, value in uninterrupted.items():
         assert torch.equal(finals["sync"][name], value), name
         assert torch.equal(finals["async"][name], value), name
-    records = [
-        json.loads(line)
-        for line in one_process_trainer_env.with_name("rank0.jsonl").read_text().splitlines()
-    ]
+    records = read_records(one_process_trainer_env.with_name("rank0.jsonl"))
     saves = [r for r in records if r["type"] == "checkpoint"]
     assert {(r["step"], r["async"]) for r in saves} >= {
         (3, True),
