@@ -209,13 +209,12 @@ def test_a_restart_that_scales_the_global_batch_repeats_and_skips_no_sample(arch
     source yields sample n at step n + 1)."""
     one = source(arch, micro=1)
     every = torch.cat([one.batch(n + 1)["input_ids"] for n in range(60)])
-    before = run_samples(lambda rank: source(arch, rank=rank, world=3), 3, 1, range(1, 4))
-    after = run_samples(
-        lambda rank: resumed(lambda rank: source(arch, rank=rank, world=2), rank, 3, 36),
-        2,
-        1,
-        range(4, 7),
-    )
+
+    def make(world: int):
+        return lambda rank: source(arch, rank=rank, world=world)
+
+    before = run_samples(make(3), 3, 1, range(1, 4))
+    after = run_samples(lambda rank: resumed(make(2), rank, 3, 36), 2, 1, range(4, 7))
     assert torch.equal(torch.cat([before, after]), every)
 
 
@@ -328,9 +327,8 @@ def test_for_a_gpu_the_worker_sets_the_device_then_pins_the_chunk(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: record("pin", t.is_contiguous()) or t)
     data = source("gpt", device=torch.device("cuda", 1))
     chunk = data._pool.submit(data._made, range(1, 17)).result()
-    assert calls == [("set_device", 1, "launcher-data")] + [("pin", True, "launcher-data")] * len(
-        chunk
-    )
+    pins = [("pin", True, "launcher-data")] * len(chunk)
+    assert calls == [("set_device", 1, "launcher-data"), *pins]
     data.close()
 
 
@@ -343,11 +341,8 @@ def test_a_closed_trainer_leaves_no_data_thread_running(one_process_trainer_env:
     started: set[threading.Thread] = set()
 
     def note_data_threads(step: int) -> None:
-        started.update(
-            t
-            for t in threading.enumerate()
-            if t.name.startswith("launcher-data") and t not in before
-        )
+        new = set(threading.enumerate()) - before
+        started.update(t for t in new if t.name.startswith("launcher-data"))
 
     with Trainer(job) as trainer:
         trainer.train(on_step=note_data_threads)
