@@ -6,6 +6,8 @@ The Triton update against the torch reference and torch's fused AdamW on fp32 we
 clipping and two parameter groups; the gradients' table following addresses that change.
 """
 
+import functools
+
 import pytest
 import torch
 from fixtures.optim_cases import BETAS, LR, bf16_grads, build, fp32_params, groups
@@ -16,14 +18,8 @@ pytestmark = [
 ]
 
 SHAPES = [(50304, 64), (768,), (3, 1030), (2304, 768), (7,)]
-
-
-def make(kernels: bool):
-    return build(SHAPES, device="cuda", kernels=kernels)
-
-
-def grads(step: int):
-    return bf16_grads(SHAPES, step, device="cuda")
+make = functools.partial(build, SHAPES, device="cuda")  # make(kernels=...)
+grads = functools.partial(bf16_grads, SHAPES, device="cuda")  # grads(step)
 
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
