@@ -40,18 +40,13 @@ def test_freezes_at_its_step_then_collects_only_on_log_steps(restore_gc, monkeyp
     assert gc.isenabled()
 
 
-def test_disabled_collector_leaves_gc_alone(restore_gc):
-    gc.enable()
-    c = ManualCollector(enabled=False, freeze_at=1)
+@pytest.mark.parametrize(("gc_on", "enabled"), [(True, False), (False, True)])
+def test_the_collector_leaves_gc_as_it_found_it(restore_gc, gc_on: bool, enabled: bool):
+    """A disabled collector touches nothing; an enabled one keeps an off collector off."""
+    (gc.enable if gc_on else gc.disable)()
+    c = ManualCollector(enabled=enabled, freeze_at=1)
     c.after_step(1, logged=True)
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    if not enabled:
+        assert gc.isenabled() and gc.get_freeze_count() == 0
     c.close()
-    assert gc.isenabled()
-
-
-def test_close_keeps_a_collector_that_was_off_off(restore_gc):
-    gc.disable()
-    c = ManualCollector(enabled=True, freeze_at=1)
-    c.after_step(1, logged=False)
-    c.close()
-    assert not gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled() is gc_on and gc.get_freeze_count() == 0
