@@ -79,12 +79,9 @@ def test_fsdp_on_one_process_trains_the_model_unwrapped_unless_it_offloads():
     """One process has nothing to shard: parallelize leaves the model plain, as DDP does."""
     from torch.distributed.fsdp import FSDPModule
 
-    def job(**fsdp) -> JobSpec:
-        # offloading to the CPU is for GPUs (the spec refuses it on device cpu)
-        device = "cuda" if fsdp.get("cpu_offload") else "cpu"
-        return fsdp_job(fsdp, size="tiny", vocab=256, device=device)
-
-    model = build_model(job().model)
-    assert parallelize(model, job(), device=torch.device("cpu"), world_size=1) is model
-    assert not isinstance(model, FSDPModule) and not shards_alone(job())
-    assert shards_alone(job(cpu_offload=True))
+    job = fsdp_job({}, size="tiny", vocab=256)
+    model = build_model(job.model)
+    assert parallelize(model, job, device=torch.device("cpu"), world_size=1) is model
+    assert not isinstance(model, FSDPModule) and not shards_alone(job)
+    # offloading to the CPU is for GPUs (the spec refuses it on device cpu)
+    assert shards_alone(fsdp_job({"cpu_offload": True}, size="tiny", vocab=256, device="cuda"))
