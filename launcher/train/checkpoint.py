@@ -322,7 +322,8 @@ class Checkpointer:
         if path is None:
             return 0
         # DCP's .metadata and the train state are unpickled: only from what no one else can change
-        if found := _unsafe_folder(self.root) or unsafe_path(path):
+        reason = unsafe_reason(self.root)  # the folder itself, then the checkpoint's files
+        if found := (self.root, reason) if reason else unsafe_path(path):
             raise ResumeError(untrusted_checkpoint(*found))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         model_sd = substitute_masters(model_sd, getattr(optimizer, "masters", None))
@@ -430,11 +431,6 @@ class Checkpointer:
             resumed.samples,
         )
         return resumed
-
-
-def _unsafe_folder(folder: Path) -> tuple[Path, str] | None:
-    reason = unsafe_reason(folder)
-    return (folder, reason) if reason else None
 
 
 def _cause(err: BaseException) -> str:
