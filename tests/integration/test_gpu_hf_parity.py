@@ -23,7 +23,6 @@ from launcher.spec.hf import check_folder  # noqa: E402
 from launcher.spec.job import ModelSpec  # noqa: E402
 from launcher.train.hf import load_pretrained  # noqa: E402
 from launcher.train.model import build_model  # noqa: E402
-from launcher.util import free_port  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,7 +106,7 @@ def test_gpt2_124m_matches_hugging_face_in_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("cpu_offload", [False, True])
-def test_fsdp_on_the_gpu_loads_the_folder_exactly(tmp_path, monkeypatch, cpu_offload):
+def test_fsdp_on_the_gpu_loads_the_folder_exactly(tmp_path, one_process_trainer_env, cpu_offload):
     """The trainer's own path (one rank, NCCL): FSDP from the meta device with the broadcast,
     or, with CPU offload, loaded on the CPU before sharding; the parameters equal the folder's."""
     import yaml
@@ -132,17 +131,7 @@ def test_fsdp_on_the_gpu_loads_the_folder_exactly(tmp_path, monkeypatch, cpu_off
         )
     )
     job = load_job(file)
-    # A world of one in this process, restored afterwards.
-    for key, value in {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }.items():
-        monkeypatch.setenv(key, value)
-    with Trainer(job) as trainer:
+    with Trainer(job) as trainer:  # a world of one in this process (one_process_trainer_env)
         got = trainer.full_state_dict()
     want = hf_state_dict(tmp_path / "bert", job.model)
     assert sorted(got) == sorted(want)
