@@ -144,14 +144,8 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
     from launcher.train.loop import Trainer
     from launcher.util import free_port
 
-    job = JobSpec.model_validate(
-        tiny_job(
-            steps=4,
-            grad_accum=2,
-            log_every=1,
-            checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 2},
-        )
-    )
+    ckpt = {"dir": str(tmp_path / "ckpt"), "every_steps": 2}
+    job = JobSpec.model_validate(tiny_job(steps=4, grad_accum=2, log_every=1, checkpoint=ckpt))
     in_place = job.model_copy(update={"train": job.train.model_copy(update={"cuda_graphs": True})})
 
     def run(spec: JobSpec, *, stop_at: int | None = None) -> Trainer:
