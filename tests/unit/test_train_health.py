@@ -22,12 +22,9 @@ from launcher.train.health import read_interval, stop_reason
 
 
 def job(arch: str = "gpt", **train) -> JobSpec:
+    train = {"steps": 4, "lr": 1e-3, "log_every": 1, **train}
     return JobSpec.model_validate(
-        tiny_job(
-            arch,
-            model={"vocab_size": 256, "dropout": 0.0},
-            **{"steps": 4, "lr": 1e-3, "log_every": 1, **train},
-        )
+        tiny_job(arch, model={"vocab_size": 256, "dropout": 0.0}, **train)
     )
 
 
