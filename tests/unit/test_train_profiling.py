@@ -37,9 +37,8 @@ def run_steps(profiler: StepProfiler, steps: int) -> list[Path]:
 
 
 def test_the_chosen_window_is_written_as_a_trace_and_a_table(tmp_path: Path):
-    profiler = StepProfiler(
-        ProfileSpec(start_step=2, steps=3), rank=0, device=CPU, out_dir=tmp_path
-    )
+    spec = ProfileSpec(start_step=2, steps=3)
+    profiler = StepProfiler(spec, rank=0, device=CPU, out_dir=tmp_path)
     assert run_steps(profiler, 6) == [tmp_path / "rank0.trace.json.gz"]
     trace = json.loads(gzip.decompress((tmp_path / "rank0.trace.json.gz").read_bytes()))
     names = {e.get("name") for e in trace["traceEvents"]}
@@ -62,9 +61,8 @@ def test_only_the_listed_ranks_record(tmp_path: Path):
 
 
 def test_a_recording_cut_short_writes_nothing(tmp_path: Path):
-    profiler = StepProfiler(
-        ProfileSpec(start_step=2, steps=5), rank=0, device=CPU, out_dir=tmp_path
-    )
+    spec = ProfileSpec(start_step=2, steps=5)
+    profiler = StepProfiler(spec, rank=0, device=CPU, out_dir=tmp_path)
     assert run_steps(profiler, 3) == []  # the window ends at step 6: still recording
     profiler.close()
     assert not any(tmp_path.iterdir())
@@ -189,9 +187,8 @@ class _RecordedOnAGPU:
 
 
 def test_a_gpu_profile_writes_the_timeline_and_the_breakdown(tmp_path: Path):
-    profiler = StepProfiler(
-        ProfileSpec(start_step=3, steps=2), rank=1, device=torch.device("cuda", 0), out_dir=tmp_path
-    )
+    spec = ProfileSpec(start_step=3, steps=2)
+    profiler = StepProfiler(spec, rank=1, device=torch.device("cuda", 0), out_dir=tmp_path)
     events = [
         kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 30),
         kernel("triton_poi_fused__unsafe_view_gelu_5", 30, 40),
