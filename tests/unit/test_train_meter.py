@@ -11,7 +11,6 @@ import torch
 
 from launcher.telemetry import clock_limits
 from launcher.train.meter import GpuMonitor, Meter, final_line, peak_tflops, progress_line
-from launcher.util import percentile
 
 STEP_KEYS = {
     "type",
@@ -255,16 +254,13 @@ def test_progress_line():
     assert line == "step 20/200 | loss 7.412 | 310.2k tok/s | 52.1 ms/step | mfu 41.4%"
 
 
-def test_peak_table_and_percentiles():
+def test_peak_table():  # percentile: test_util.py, test_summary.py
     assert peak_tflops("NVIDIA H200", "bf16") == 989.0
     assert peak_tflops("NVIDIA H100 80GB HBM3", "fp16") == 989.0
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
     assert peak_tflops("NVIDIA A10G", "tf32") is None
     assert peak_tflops("Intel(R) Xeon(R)", "fp32") is None
-    assert percentile([], 50) is None
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile([float(i) for i in range(101)], 95) == 95.0
 
 
 def test_clock_limits_name_the_limiting_bits_only():
