@@ -1,6 +1,8 @@
 """Specs: every shipped file validates; every file of the bad-input corpus fails with a
 SpecError (exit 2) whose one-paragraph message names the file and contains the substring
-of its first line (``# expect: ...``); ``--set`` overrides; job-vs-cluster checks."""
+of its first line (``# expect: ...``); ``--set`` overrides; job-vs-cluster checks; env values
+must be text (YAML's ``true``, ``1.10``, ``0022`` are refused with "quote it"); unreadable tagged
+values (``!!int 1e3``) and deep nesting are one-paragraph errors, exit 2."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launcher.cli import main
 from launcher.errors import SpecError, UsageError
 from launcher.spec import (
     ClusterSpec,
@@ -400,3 +403,193 @@ def test_models_are_frozen():
     job = JobSpec(name="j")
     with pytest.raises(Exception, match="frozen"):
         job.name = "k"  # type: ignore[misc]
+
+
+# -- env values are text --------------------------------------------------------------------
+
+
+WRITTEN = {
+    "OMP_PROC_BIND": "true",
+    "APP_VERSION": "1.10",
+    "UMASK": "0022",
+    "T": "1:30",
+    "SWITCH": "off",
+    "HEX": "0x1f",
+    "N": "7",
+    "BIG": "1e3",
+    "DATE": "2024-01-02",
+}
+FLOW = ", ".join(f"{k}: {v}" for k, v in WRITTEN.items())
+
+
+QUOTED_FLOW = ", ".join(f"{k}: '{v}'" for k, v in WRITTEN.items())
+
+
+def test_quoted_env_values_are_their_text(tmp_path):
+    job = load_job(
+        write(tmp_path, f"name: j\nlaunch:\n  env: {{{QUOTED_FLOW}}}\nnccl:\n  env: {{X: INFO}}\n")
+    )
+    assert dict(job.launch.env) == WRITTEN
+    assert job.nccl.env == {"X": "INFO"}
+
+
+@pytest.mark.parametrize("value", ["true", "1.10", "0022", "7", "1:30", "2024-01-02"])
+def test_an_env_value_yaml_reads_as_no_text_is_refused_saying_quote_it(tmp_path, value):
+    with pytest.raises(
+        SpecError, match=r"field 'launch.env.A': YAML read this value as a \w+; quote it"
+    ):
+        load_job(write(tmp_path, f"name: j\nlaunch:\n  env:\n    A: {value}\n"))
+
+
+def test_a_cluster_node_env_value_must_be_text_too(tmp_path):
+    path = write(
+        tmp_path,
+        "nodes:\n  - name: a\n    host: localhost\n    env: {V: '1.10', Q: x y}\n",
+        "cluster.yaml",
+    )
+    assert load_cluster(path).nodes[0].env == {"V": "1.10", "Q": "x y"}
+    path.write_text("nodes:\n  - name: a\n    host: localhost\n    env: {NCCL_IB_DISABLE: 1}\n")
+    with pytest.raises(
+        SpecError,
+        match=r"nodes\[0\].env.NCCL_IB_DISABLE': YAML read this value as a number; quote it",
+    ):
+        load_cluster(path)
+
+
+def test_values_outside_env_are_still_typed(tmp_path):
+    job = load_job(
+        write(
+            tmp_path,
+            "name: j\ntrain: {steps: 0x40, lr: 1.0e-3, compile: off}\nlaunch: {env: {A: '0x10'}}\n",
+        )
+    )
+    assert job.train.steps == 64 and job.train.lr == 1e-3 and job.train.compile is False
+    assert job.launch.env == {"A": "0x10"}
+
+
+@pytest.mark.parametrize("null", ["~", "null", ""])
+def test_a_null_env_value_is_refused_naming_the_field(tmp_path, null):
+    with pytest.raises(SpecError, match=r"field 'launch.env.A': null is not an environment value"):
+        load_job(write(tmp_path, f"name: j\nlaunch:\n  env:\n    A: {null}\n"))
+
+
+def test_set_env_values_are_the_text_given(tmp_path):
+    overrides = [f"launch.env.{k}={v}" for k, v in WRITTEN.items()]
+    overrides += [
+        "launch.env.OPTS=--fast #not a comment",
+        "launch.env.MAP=a: b",
+        "launch.env.QUOTED='1.10'",
+        "launch.env.EMPTY=",
+        "nccl.env.NCCL_DEBUG=INFO",
+    ]
+    job = load_job(write(tmp_path, "name: j\n"), overrides)
+    assert job.launch.env == {
+        **WRITTEN,
+        "OPTS": "--fast #not a comment",
+        "MAP": "a: b",
+        "QUOTED": "1.10",
+        "EMPTY": "",
+    }
+    assert job.nccl.env == {"NCCL_DEBUG": "INFO"}
+
+
+def test_set_of_a_whole_env_mapping_is_yaml_whose_values_must_be_text(tmp_path):
+    job = load_job(write(tmp_path, "name: j\n"), ["launch.env={A: 'true', B: x}"])
+    assert job.launch.env == {"A": "true", "B": "x"}
+    with pytest.raises(
+        SpecError, match=r"launch.env.B': YAML read this value as a number; quote it"
+    ):
+        load_job(write(tmp_path, "name: j\n"), ["launch.env={A: x, B: 1.10}"])
+
+
+@pytest.mark.parametrize("null", ["~", "null"])
+def test_set_of_a_null_env_value_is_refused(tmp_path, null):
+    with pytest.raises(
+        SpecError, match=r"field 'launch.env.A' \(from --set\): null is not an environment value"
+    ):
+        load_job(write(tmp_path, "name: j\n"), [f"launch.env.A={null}"])
+
+
+def test_the_refusal_of_a_secret_never_shows_its_value(tmp_path):
+    with pytest.raises(SpecError) as err:
+        load_job(write(tmp_path, "name: j\nlaunch:\n  env: {DB_PASSWORD: 123456789}\n"))
+    assert "123456789" not in str(err.value)
+
+
+# -- tagged YAML values and deep nesting ----------------------------------------------------
+
+
+DEEP = "[" * 3000 + "]" * 3000
+
+BAD_FILES = {
+    "int": (
+        "name: j\ntrain: {steps: !!int 1e3}\n",
+        "line 2, column 16: '1e3' is not a valid !!int",
+    ),
+    "float": (
+        "name: j\ntrain:\n  lr: !!float 3e-4x\n",
+        "line 3, column 7: '3e-4x' is not a valid !!float",
+    ),
+    "bool": ("name: j\ntrain: {compile: !!bool maybe}\n", "'maybe' is not a valid !!bool"),
+    "timestamp": (
+        "name: !!timestamp today\n",
+        "line 1, column 7: 'today' is not a valid !!timestamp",
+    ),
+    "deep": (f"name: j\ntrain: {DEEP}\n", "nested too deeply"),
+}
+
+BAD_SETS = {
+    "float": ("train.lr=!!float 3e-4x", "'3e-4x' is not a valid !!float"),
+    "timestamp": ("name=!!timestamp today", "'today' is not a valid !!timestamp"),
+    "bool": ("train.compile=!!bool maybe", "'maybe' is not a valid !!bool"),
+    "int": ("train.steps=!!int 1e3", "'1e3' is not a valid !!int"),
+    "deep": (f"train.steps={DEEP}", "nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_an_unreadable_tagged_value_in_a_job_file_is_a_spec_error(tmp_path, case):
+    text, expected = BAD_FILES[case]
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert err.value.exit_code == 2
+    assert str(err.value).startswith(f"{path}: invalid YAML")
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("case", list(BAD_SETS))
+def test_an_unreadable_tagged_set_value_is_a_usage_error(tmp_path, case):
+    override, expected = BAD_SETS[case]
+    with pytest.raises(UsageError) as err:
+        load_job(write(tmp_path, "name: j\n"), [override])
+    assert err.value.exit_code == 2
+    assert str(err.value).startswith("--set '")
+    assert override[:40] in str(err.value)
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400  # a deep value is shortened
+
+
+def test_set_values_that_are_not_yaml_are_still_taken_as_text(tmp_path):
+    job = load_job(write(tmp_path, "name: j\n"), ["name=!!str renamed", "launch.env.A=x: y: z"])
+    assert job.name == "renamed"
+    assert job.launch.env["A"] == "x: y: z"
+
+
+@pytest.mark.parametrize(
+    "case", ["file int", "file bool", "file deep", "set float", "set timestamp", "set deep"]
+)
+def test_the_cli_exits_2_with_one_paragraph(tmp_path, capsys, case):
+    kind, name = case.split()
+    if kind == "file":
+        argv = ["plan", str(write(tmp_path, BAD_FILES[name][0]))]
+        expected = BAD_FILES[name][1]
+    else:
+        argv = ["plan", str(write(tmp_path, "name: j\n")), "--set", BAD_SETS[name][0]]
+        expected = BAD_SETS[name][1]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert "Traceback" not in err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
