@@ -47,8 +47,7 @@ def with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str]) 
         preset = dict(
             zip(("n_layers", "d_model", "n_heads"), SIZE_PRESETS[model.size], strict=True)
         )
-        wrong = [k for k, v in preset.items() if k not in given and v != dims[k]]
-        if wrong:
+        if any(k not in given and v != dims[k] for k, v in preset.items()):
             shape = "x".join(str(dims[k]) for k in preset)
             conflicts.append(
                 f"model.size {model.size} (config.json: {shape} layers x d_model x heads)"
