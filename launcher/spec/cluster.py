@@ -6,15 +6,30 @@ import re
 import socket
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from launcher.spec.base import NAME_PATTERN, EnvDict, Port, Strict
 
 Policy = Literal["exact", "minor", "major", "warn", "ignore"]
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+def _runnable_anywhere(v: str) -> str:
+    """The interpreter is run over SSH, srun, Ray and the node agent without a shell: an absolute
+    path, or a name looked up on the node's PATH. '~' and relative paths would mean something
+    else in each (the shell quoting keeps '~' literal; the agent's cwd is Ray's)."""
+    if v.startswith("/") or "/" not in v and not v.startswith("~"):
+        return v
+    raise ValueError(
+        f"python {v!r}: give an absolute path on the node (e.g. /home/me/venv/bin/python) "
+        f"or a command on its PATH (python3); '~' and relative paths are not expanded"
+    )
+
+
+NodePython = Annotated[str, AfterValidator(_runnable_anywhere)]
 
 
 class NodeSpec(Strict):
@@ -30,7 +45,7 @@ class NodeSpec(Strict):
         22, ge=1, le=65535, description="SSH port; default: the SSH config's Port, else 22."
     )
     user: str | None = Field(None, description="SSH user for this node; default ssh.user.")
-    python: str | None = Field(
+    python: NodePython | None = Field(
         None,
         description="Python interpreter on the node with torch and the launcher installed; default: this interpreter for local nodes, python3 on remote ones.",
     )
@@ -56,19 +71,6 @@ class NodeSpec(Strict):
         if isinstance(v, int) and v < 0:
             raise ValueError(f"gpus must be 'auto' or a count >= 0, not {v}")
         return v
-
-    @field_validator("python")
-    @classmethod
-    def _runnable_anywhere(cls, v: str | None) -> str | None:
-        """The interpreter is run over SSH, by Ray and by the node agent without a shell: an
-        absolute path, or a name looked up on the node's PATH. '~' and relative paths would mean
-        something else in each (the shell quoting keeps '~' literal; the agent's cwd is Ray's)."""
-        if v is None or v.startswith("/") or "/" not in v and not v.startswith("~"):
-            return v
-        raise ValueError(
-            f"python {v!r}: give an absolute path on the node (e.g. /home/me/venv/bin/python) "
-            f"or a command on its PATH (python3); '~' and relative paths are not expanded"
-        )
 
     @field_validator("host", "address")
     @classmethod
@@ -188,17 +190,10 @@ class SlurmSpec(Strict):
     wait_s: float = Field(
         600.0, gt=0, description="Give up when the allocation has not started after this long."
     )
-    python: str | None = Field(
+    python: NodePython | None = Field(
         None,
         description="Python on the nodes with torch and the launcher; default: this interpreter (a shared filesystem).",
     )
-
-    @field_validator("python")
-    @classmethod
-    def _absolute(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith("/") and "/" in v:
-            raise ValueError(f"python {v!r}: give an absolute path or a command on the nodes' PATH")
-        return v
 
 
 class ParitySpec(Strict):

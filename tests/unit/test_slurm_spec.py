@@ -33,6 +33,8 @@ def test_slurm_alone_is_a_cluster_and_with_nodes_is_refused() -> None:
         ClusterSpec.model_validate({"slurm": {}, "nodes": [{"name": "a", "host": "h"}]})
     with pytest.raises(ValidationError, match="needs nodes"):
         ClusterSpec.model_validate({})
+    with pytest.raises(ValidationError, match="'~' and relative paths are not expanded"):
+        ClusterSpec.model_validate({"slurm": {"python": "venv/bin/python"}})
 
 
 def test_salloc_gets_the_jobs_nodes_and_the_specs_options() -> None:
