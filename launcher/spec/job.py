@@ -615,16 +615,6 @@ class JobSpec(Strict):
             return self.nccl.backend
         return "nccl" if self.resources.device == "cuda" else "gloo"
 
-    @property
-    def least_world_size(self) -> int:
-        """The fewest ranks the job's first attempt can run on, from the spec alone: the
-        counts it gives (resources.nodes, nproc_per_node; auto is 1 a node on device cpu), 1
-        for what the cluster decides (nodes all, nproc_per_node auto on GPUs)."""
-        nodes, per_node = self.resources.nodes, self.resources.nproc_per_node
-        return (nodes if isinstance(nodes, int) else 1) * (
-            per_node if isinstance(per_node, int) else 1
-        )
-
     def fsdp_shards(self, world_size: int) -> bool:
         """Whether FSDP shards the model at ``world_size`` ranks: strategy fsdp on more than one
         rank, or with ``parallel.fsdp.cpu_offload`` on any number (one process without it has
@@ -747,8 +737,13 @@ class JobSpec(Strict):
                     "train.cuda_graphs works with strategy ddp; FSDP re-allocates the gathered "
                     "parameters between graphs (set train.cuda_graphs: false)"
                 )
-        # The world size may be larger than the spec says: refusal_at and the trainer ask again.
-        if refusal := _bf16_weights_refusal_at(self, self.least_world_size):
+        # The fewest ranks the spec allows (1 for what the cluster decides); the world size may
+        # be larger: refusal_at and the trainer ask again.
+        nodes, per_node = self.resources.nodes, self.resources.nproc_per_node
+        least = (nodes if isinstance(nodes, int) else 1) * (
+            per_node if isinstance(per_node, int) else 1
+        )
+        if refusal := _bf16_weights_refusal_at(self, least):
             raise ValueError(refusal)
         if self.uses_builtin and self.train.attention == "cudnn-fa4":
             dims = self.model.dims()

@@ -104,9 +104,7 @@ def _unwrap(annotation: Any) -> Any:
         annotation = get_args(annotation)[0]
     args = _union_args(annotation)
     non_none = [a for a in args if a is not type(None)]
-    if args and len(non_none) == 1:
-        return non_none[0]
-    return annotation
+    return non_none[0] if args and len(non_none) == 1 else annotation
 
 
 def _model_at(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] | None:
