@@ -183,7 +183,7 @@ def _text(path: Path, field: str, source: Path) -> Path:
 def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
     """data.source text: the text (a .txt/.jsonl file or a folder of them), the tokenizer folder
     (with tokenizer.json) and the cache folder, taken from the job file's folder."""
-    from launcher.spec.hf import FolderError, check_tokenizer, require
+    from launcher.spec.hf import FolderError, check_tokenizer
 
     data, base = job.data, source.parent
     assert data.path is not None and data.tokenizer is not None
@@ -198,7 +198,6 @@ def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
             field="data.tokenizer",
         )
     try:
-        require("tokenizers", "data.source text", "data.tokenizer")
         check_tokenizer(tokenizer, job.model.arch, job.model.dims()["vocab_size"])
     except FolderError as err:
         raise SpecError(str(err), source=str(source), field=err.field) from None
