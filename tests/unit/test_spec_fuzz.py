@@ -6,7 +6,6 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, get_args
 
 import pytest
 import yaml
@@ -20,21 +19,10 @@ from launcher.spec import ClusterSpec, JobSpec, load_cluster, load_job
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def field_names(model: type[BaseModel], seen: set[type] | None = None) -> set[str]:
+def field_names(model: type[BaseModel]) -> set[str]:
     """Every field name of a model and the models nested in it."""
-    seen = seen if seen is not None else set()
-    if model in seen:
-        return set()
-    seen.add(model)
-    names = set(model.model_fields)
-    for field in model.model_fields.values():
-        stack: list[Any] = [field.annotation]
-        while stack:
-            ann = stack.pop()
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                names |= field_names(ann, seen)
-            stack.extend(get_args(ann))
-    return names
+    schema = model.model_json_schema(by_alias=False)
+    return {k for d in [schema, *schema.get("$defs", {}).values()] for k in d.get("properties", {})}
 
 
 KEYS = sorted(field_names(JobSpec) | field_names(ClusterSpec))
