@@ -412,9 +412,6 @@ WRITTEN = {
     "BIG": "1e3",
     "DATE": "2024-01-02",
 }
-FLOW = ", ".join(f"{k}: {v}" for k, v in WRITTEN.items())
-
-
 QUOTED_FLOW = ", ".join(f"{k}: '{v}'" for k, v in WRITTEN.items())
 
 
