@@ -139,15 +139,11 @@ def shape_from_config(folder: Path) -> tuple[str, dict[str, int]]:
     dims: dict[str, int] = {}
     for ours, theirs in keys.items():
         value = config.get(theirs)
-        if (
-            ours == "d_ff"
-            and value is None
-            and arch == "gpt"
-            and isinstance(config.get("n_embd"), int)
-        ):
-            value = 4 * config["n_embd"]  # GPT-2's n_inner: null means 4 x n_embd
-        if ours == "max_positions" and value is None and arch == "gpt":
-            value = config.get("n_ctx")  # older GPT-2 configs
+        if value is None and arch == "gpt":  # GPT-2's n_inner null: 4 x n_embd; older: n_ctx
+            if ours == "d_ff" and isinstance(config.get("n_embd"), int):
+                value = 4 * config["n_embd"]
+            elif ours == "max_positions":
+                value = config.get("n_ctx")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise FolderError(f"{folder / CONFIG} needs a positive integer {theirs}, has {value!r}")
         dims[ours] = value
