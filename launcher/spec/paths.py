@@ -22,9 +22,7 @@ def with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str]) 
     from launcher.spec.hf import FolderError, check_folder
 
     assert job.model.init_from is not None
-    folder = _local_folder(
-        job.model.init_from, source.parent, "model.init_from", "model weights", source
-    )
+    folder = _local_folder(job.model.init_from, "model.init_from", "model weights", source)
     try:
         arch, dims = check_folder(folder)
     except FolderError as err:
@@ -73,9 +71,9 @@ def with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str]) 
     return validate(JobSpec, data, source=str(source), overrides=overrides)
 
 
-def _local_folder(value: Path, base: Path, field: str, what: str, source: Path) -> Path:
+def _local_folder(value: Path, field: str, what: str, source: Path) -> Path:
     """A folder on this machine (relative to the job file's folder), or the hint that makes it."""
-    folder = _absolute(value, base)
+    folder = _absolute(value, source.parent)
     if not folder.is_dir():
         from launcher.spec.hf import not_a_folder
 
@@ -188,7 +186,7 @@ def _resolve_text_paths(job: JobSpec, source: Path) -> Any:
     data, base = job.data, source.parent
     assert data.path is not None and data.tokenizer is not None
     text = _text(data.path, "data.path", source)
-    tokenizer = _local_folder(data.tokenizer, base, "data.tokenizer", "the tokenizer", source)
+    tokenizer = _local_folder(data.tokenizer, "data.tokenizer", "the tokenizer", source)
     if not (tokenizer / "tokenizer.json").is_file():
         raise SpecError(
             f"data.tokenizer {str(tokenizer)!r} has no tokenizer.json; save the tokenizer with the "
