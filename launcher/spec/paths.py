@@ -28,16 +28,13 @@ def with_pretrained_shape(job: JobSpec, source: Path, overrides: Sequence[str]) 
     except FolderError as err:
         raise SpecError(str(err), source=str(source), field=err.field) from None
     model, given = job.model, job.model.model_fields_set
-    conflicts = (
-        [f"model.arch {model.arch} (the folder holds a {arch})"]
-        if "arch" in given and model.arch != arch
-        else []
-    )
-    conflicts += [
+    conflicts = [
         f"model.{k} {getattr(model, k)} (config.json: {v})"
         for k, v in dims.items()
         if k in given and getattr(model, k) != v
     ]
+    if "arch" in given and model.arch != arch:
+        conflicts.insert(0, f"model.arch {model.arch} (the folder holds a {arch})")
     if not model.bias:
         conflicts.append("model.bias false (the folder's weights have biases)")
     # A size preset decides only the dims the job does not give explicitly.
