@@ -37,27 +37,6 @@ class FolderError(ValueError):
         self.field = field
 
 
-def not_a_folder(field_name: str, given: str, looked: Path, what: str) -> FolderError:
-    """A model or tokenizer path that is not a local folder: nothing is downloaded at run time."""
-    return FolderError(
-        f"{field_name} {given!r} is not a local folder (looked for {looked}). The launcher reads "
-        f"{what} from disk and never downloads at run time: download it first, e.g. "
-        f"`hf download {given} --local-dir models/{Path(given).name}` (pip install huggingface_hub), "
-        f"and set {field_name} to that folder; relative paths are taken from the job file's folder",
-        field=field_name,
-    )
-
-
-def require(module: str, purpose: str, field_name: str) -> None:
-    """A clear error when an optional package of the ``hf`` extra is missing."""
-    if importlib.util.find_spec(module) is None:
-        raise FolderError(
-            f"{purpose} needs the {module!r} package, which is not installed; "
-            f"install the hf extra: {INSTALL_HINT}",
-            field=field_name,
-        )
-
-
 # -- config.json ----------------------------------------------------------------------------
 
 
@@ -393,8 +372,12 @@ def check_folder(folder: Path) -> tuple[str, dict[str, int]]:
     """config.json → (arch, dims), with every tensor's name and shape checked against it."""
     arch, dims = shape_from_config(folder)
     files = weight_files(folder)
-    if any(f.suffix == ".safetensors" for f in files):
-        require("safetensors", f"loading {files[0].name}", FIELD)
+    safetensors = any(f.suffix == ".safetensors" for f in files)
+    if safetensors and importlib.util.find_spec("safetensors") is None:
+        raise FolderError(
+            f"loading {files[0].name} needs the 'safetensors' package, which is not installed; "
+            f"install the hf extra: {INSTALL_HINT}"
+        )
     match_tensors(arch, dims, tensor_shapes(files), folder=folder)
     return arch, dims
 

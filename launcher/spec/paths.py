@@ -72,10 +72,12 @@ def _local_folder(value: Path, field: str, what: str, source: Path) -> Path:
     """A folder on this machine (relative to the job file's folder), or the hint that makes it."""
     folder = _absolute(value, source.parent)
     if not folder.is_dir():
-        from launcher.spec.hf import not_a_folder
-
-        message = _assets_hint(field, value, folder, source) or str(
-            not_a_folder(field, str(value), folder, what)
+        message = _assets_hint(field, value, folder, source) or (
+            f"{field} {str(value)!r} is not a local folder (looked for {folder}). The launcher "
+            f"reads {what} from disk and never downloads at run time: download it first, e.g. "
+            f"`hf download {value} --local-dir models/{value.name}` (pip install "
+            f"huggingface_hub), and set {field} to that folder; relative paths are taken from "
+            f"the job file's folder"
         )
         raise SpecError(message, source=str(source), field=field)
     return folder
