@@ -5,16 +5,11 @@ saved as a Hugging Face folder. Nothing is downloaded.
     python examples/hf_finetune/make_assets.py          # writes examples/hf_finetune/assets/
     launch examples/hf_finetune/job.yaml
 
-- ``assets/text/corpus.txt``: ~300 KB of generated English-like sentences, paragraphs
-  separated by blank lines (each paragraph is one document);
-- ``assets/tokenizer/``: a WordPiece tokenizer trained on it with the ``tokenizers`` library
-  (``tokenizer.json`` and ``tokenizer_config.json`` naming [CLS] [SEP] [MASK]);
-- ``assets/bert-tiny/``: ``config.json`` + ``model.safetensors`` of a randomly initialised
-  2-layer BERT (d_model 64) over that vocabulary, written by the same code as ``launch
-  export``; ``transformers``' ``BertForMaskedLM.from_pretrained`` loads it. Any local
-  ``BertForMaskedLM`` folder (e.g. a downloaded ``bert-base-uncased``) can take its place.
-
-The functions are reused by the tests (a BPE tokenizer for GPT too).
+``assets/text/corpus.txt``: ~300 KB of generated sentences, a blank line between paragraphs
+(documents); ``assets/tokenizer/``: a WordPiece tokenizer trained on it; ``assets/bert-tiny/``:
+a random 2-layer BERT written as ``launch export`` writes one (transformers loads it). Any
+local BertForMaskedLM folder (e.g. a downloaded bert-base-uncased) can take its place. The
+tests reuse these functions (with a BPE tokenizer for GPT).
 """
 
 from __future__ import annotations
