@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import re
 import struct
 from dataclasses import dataclass, field
@@ -165,8 +166,6 @@ def load_bin(path: Path) -> dict[str, Any]:
     """A ``pytorch_model.bin``'s tensors on the CPU (tensors only: ``weights_only``),
     memory-mapped where the file is torch's zip format; files from before it (2018's
     bert-base-uncased) are read whole."""
-    import pickle
-
     import torch
 
     # not a torch file, a truncated one, or one holding more than tensors (weights_only refuses)

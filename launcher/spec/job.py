@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from launcher.spec.base import NAME_PATTERN, EnvDict, Port, Strict
 from launcher.spec.envforward import DEFAULT_ENV_FORWARD, PATTERN
@@ -765,8 +765,6 @@ def refusal_at(job: JobSpec, world_size: int) -> str | None:
     """Why the built-in trainer would refuse ``job`` on ``world_size`` ranks, as one paragraph;
     None where the spec finds nothing. The job's checks run again (``model_copy`` skips them),
     then those that need the world size."""
-    from pydantic import ValidationError
-
     try:
         job = JobSpec.model_validate(job.model_dump())
     except ValidationError as err:
