@@ -22,10 +22,7 @@ def test_the_parts_hold_the_model_flops_mfu_counts():
     assert per_token == pytest.approx(flops_per_token(spec, seq_len=bench.SEQ, mask_prob=0.15))
     assert {p.group for p in parts} == set(bench.GROUPS)
     assert len({p.name for p in parts}) == len(parts)
-
-
-def test_only_keeps_the_named_groups():
-    parts = bench.plan({"gemm"})
+    parts = bench.plan({"gemm"})  # only the named groups
     assert len(parts) == 15 and {p.group for p in parts} == {"gemm"}
     head = [p for p in parts if p.name.startswith("head")]
     assert [p.count for p in head] == [1, 1, 1]
