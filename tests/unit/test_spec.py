@@ -97,6 +97,11 @@ def test_shipped_file_validates(path, tmp_path):
 def test_corpus_is_large_enough():
     assert len(BAD_JOBS) + len(BAD_CLUSTERS) >= 45
     assert len(BAD_CLUSTERS) >= 15
+    did_you_mean = [p for p in [*BAD_JOBS, *BAD_CLUSTERS] if "did you mean" in expectation(p)]
+    assert len(did_you_mean) >= 8  # unknown keys suggest the intended key
+    broken = [p for p in [*BAD_JOBS, *BAD_CLUSTERS] if p.stem.startswith("broken_yaml")]
+    assert len(broken) >= 4
+    assert all(expectation(p).startswith("line ") for p in broken)  # broken YAML: the line
 
 
 @pytest.mark.parametrize(
@@ -112,18 +117,6 @@ def test_bad_input_file(path):
     assert "Traceback" not in message
     expected = expectation(path)
     assert expected in message, f"expected {expected!r} in: {message}"
-
-
-def test_unknown_keys_suggest_the_intended_key():
-    did_you_mean = [p for p in [*BAD_JOBS, *BAD_CLUSTERS] if "did you mean" in expectation(p)]
-    assert len(did_you_mean) >= 8
-
-
-def test_broken_yaml_reports_the_line():
-    broken = [p for p in [*BAD_JOBS, *BAD_CLUSTERS] if p.stem.startswith("broken_yaml")]
-    assert len(broken) >= 4
-    for path in broken:
-        assert expectation(path).startswith("line ")
 
 
 @pytest.mark.parametrize(
