@@ -83,10 +83,10 @@ def main() -> None:
     unknown = only - set(ALL_RUNS)
     if unknown:
         p.error(f"unknown run names {sorted(unknown)}; known: {', '.join(ALL_RUNS)}")
-    gpus = _gpu_count()
     names = [n for n in ALL_RUNS if not only or n in only]
     rounds: dict[str, list[dict]] = {n: [] for n in names}
     env, planned = _env(), len(names) * args.repeat
+    gpus = len(env["gpus"])
     for r in range(args.repeat):
         for name in names if r % 2 == 0 else names[::-1]:
             folder = out / (name if args.repeat == 1 else f"{name}.{r}")
@@ -346,12 +346,6 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> dict:
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     return {"ok": proc.returncode == 0, "stdout": proc.stdout, "tail": tail, "wall_s": wall}
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def _env() -> dict:
