@@ -63,19 +63,14 @@ MASK = "****"
 # A name holding one of these is secret. Wide on purpose: a masked value that was not secret
 # costs a look at the spec; a shown one that was costs a rotated credential.
 SECRET_MARKERS = ("TOKEN", "SECRET", "PASS", "CREDENTIAL", "AUTH", "PRIVATE", "KEY")
-SECRET_WORDS = ("PWD",)  # one of the name's _-separated words (DB_PWD; not the shell's OLDPWD)
-NOT_SECRET = ("PWD",)  # the shell's current directory
 _URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s]*(@)")
 
 
 def is_secret(name: str) -> bool:
-    """Whether a variable's name looks secret (``SECRET_MARKERS``, ``SECRET_WORDS``)."""
+    """Whether a variable's name looks secret: it holds one of ``SECRET_MARKERS``, or ``PWD`` as
+    one of its _-separated words (DB_PWD; not the shell's PWD or OLDPWD)."""
     upper = name.upper()
-    if upper in NOT_SECRET:
-        return False
-    return any(m in upper for m in SECRET_MARKERS) or any(
-        w in upper.split("_") for w in SECRET_WORDS
-    )
+    return any(m in upper for m in SECRET_MARKERS) or (upper != "PWD" and "PWD" in upper.split("_"))
 
 
 def mask_urls(text: str) -> str:
