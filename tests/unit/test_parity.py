@@ -99,15 +99,12 @@ def test_exact_mismatch_marks_the_odd_cell_and_names_it(cpu) -> None:
     assert cells["node0"]["mark"] is None
 
 
-def test_majority_is_the_reference_even_against_the_head(cpu) -> None:
+def test_the_majority_is_the_reference_and_a_tie_goes_to_the_head(cpu) -> None:
     report = evaluate(cluster_of(cpu, node0={"packages.ray": "2.50.0"}))
     assert [p.node for p in report.failures] == ["node0"]
     assert "ray (2.50.0 vs 2.60.0)" in report.verdict
-
-
-def test_tie_goes_to_the_head(cpu) -> None:
-    report = evaluate(cluster_of(cpu, 2, node1={"packages.ray": "2.50.0"}))
-    assert [p.node for p in report.failures] == ["node1"]
+    tie = evaluate(cluster_of(cpu, 2, node1={"packages.ray": "2.50.0"}))
+    assert [p.node for p in tie.failures] == ["node1"]
 
 
 @pytest.mark.parametrize(
@@ -183,20 +180,15 @@ def test_a_policy_or_a_shallow_check_decides_what_fails(cpu, gpu) -> None:
     assert evaluate(cluster_of(cpu, 1, node0={"deep": None}), deep=False).ok
 
 
-def test_warn_policy_reports_but_passes(cpu) -> None:
+def test_warn_policy_reports_but_passes_and_ignore_never_compares(cpu) -> None:
     probes = cluster_of(cpu, node1={"packages.torch": "2.12.0"})
-    report = evaluate(probes, policies={"torch": "warn"})
-    assert report.ok
-    assert "warnings: node1 differs in torch (2.12.0 vs 2.13.0+cpu)" in report.verdict
-    assert f"2.12.0 {WARN_MARK}" in report.table()
-
-
-def test_ignore_policy_never_compares(cpu) -> None:
-    report = evaluate(
-        cluster_of(cpu, node1={"packages.torch": "2.12.0"}), policies={"torch": "ignore"}
-    )
-    assert report.ok and not report.warnings
-    assert f"2.12.0 {FAIL_MARK}" not in report.table()
+    warned = evaluate(probes, policies={"torch": "warn"})
+    assert warned.ok
+    assert "warnings: node1 differs in torch (2.12.0 vs 2.13.0+cpu)" in warned.verdict
+    assert f"2.12.0 {WARN_MARK}" in warned.table()
+    ignored = evaluate(probes, policies={"torch": "ignore"})
+    assert ignored.ok and not ignored.warnings
+    assert f"2.12.0 {FAIL_MARK}" not in ignored.table()
 
 
 def test_listed_packages_are_exact_and_missing_ones_show(cpu) -> None:
