@@ -117,37 +117,28 @@ def test_every_node_runs_the_launchers_own_probe(monkeypatch) -> None:
     assert probe["deep"] is None and probe["python"]["executable"]
 
 
-def test_fan_out_keeps_every_result_and_exception_in_node_order() -> None:
-    nodes = [NodeSpec(name=f"n{i}", host=f"10.0.0.{i + 1}") for i in range(6)]
-
-    def work(node: NodeSpec) -> str:
-        if node.name in ("n1", "n4"):
-            raise NodeError(UNREACHABLE, f"{node.name} is down")
-        time.sleep(0.05 * (6 - int(node.name[1:])))  # finish in reverse order
-        return node.name.upper()
-
-    group = fan_out(nodes, work, max_parallel=3)
-    assert list(group) == [n.name for n in nodes]
-    outcomes = [v.message if isinstance(v, NodeError) else v for v in group.values()]
-    assert outcomes == ["N0", "n1 is down", "N2", "N3", "n4 is down", "N5"]
-
-
-def test_fan_out_is_parallel_and_bounded() -> None:
+def test_fan_out_is_parallel_bounded_and_keeps_every_outcome_in_node_order() -> None:
     nodes = [NodeSpec(name=f"n{i}", host=f"10.0.0.{i + 1}") for i in range(8)]
     lock, running, peak = threading.Lock(), [0], [0]
 
-    def work(node: NodeSpec) -> None:
+    def work(node: NodeSpec) -> str:
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
-        time.sleep(0.2)
+        time.sleep(0.05 * (8 - int(node.name[1:])))  # finish in reverse order
         with lock:
             running[0] -= 1
+        if node.name in ("n1", "n4"):
+            raise NodeError(UNREACHABLE, f"{node.name} is down")
+        return node.name.upper()
 
     started = time.monotonic()
-    fan_out(nodes, work, max_parallel=4)
+    group = fan_out(nodes, work, max_parallel=4)
     assert peak[0] == 4
-    assert time.monotonic() - started < 0.2 * 8 / 2
+    assert time.monotonic() - started < 0.05 * 36 / 2  # one after another: 1.8 s
+    assert list(group) == [n.name for n in nodes]
+    outcomes = [v.message if isinstance(v, NodeError) else v for v in group.values()]
+    assert outcomes == ["N0", "n1 is down", "N2", "N3", "n4 is down", "N5", "N6", "N7"]
 
 
 @pytest.mark.processes
