@@ -424,14 +424,8 @@ def _mark_row(row: Row, problems: list[Problem]) -> None:
     for node, key in keys.items():
         if key != ref_key:
             row.marks[node] = severity
-            problems.append(
-                Problem(
-                    node,
-                    row.field.key,
-                    severity,
-                    f"{row.field.label} ({_display(row.values[node])} vs {_display(row.reference)})",
-                )
-            )
+            shown = f"{_display(row.values[node])} vs {_display(row.reference)}"
+            problems.append(Problem(node, row.field.key, severity, f"{row.field.label} ({shown})"))
 
 
 def _checks(
@@ -587,17 +581,10 @@ def _vtuple(version: str) -> tuple[int, ...]:
 
 
 def _display(value: Any) -> str:
-    if value is None:
-        return "—"
-    if value is True:
-        return "yes"
-    if value is False:
-        return "no"
-    return str(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "—" if value is None else str(value)
 
 
 def _wrap(text: str) -> str:
-    return (
-        "\n".join(textwrap.wrap(text, CELL_WIDTH, break_long_words=True, break_on_hyphens=False))
-        or text
-    )
+    return textwrap.fill(text, CELL_WIDTH, break_on_hyphens=False) or text
