@@ -80,42 +80,32 @@ def refuse_revoked(key: paramiko.PKey | None, revoked: set[tuple[str, bytes]]) -
         raise RevokedHostKeyError(key)
 
 
-class RefuseUnknownHostKey(paramiko.RejectPolicy):
-    """paramiko's RejectPolicy, raising an error that carries the key for a useful message."""
+class HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    """A host key not in known_hosts: refused with an error that carries the key or, given
+    ``record_to`` (``ssh.accept_unknown_host_keys``), accepted and appended there, one line under
+    a lock, so a parallel fan-out loses no key. A ``@revoked`` key is refused either way."""
 
-    def __init__(self, revoked: set[tuple[str, bytes]] | None = None):
-        self.revoked = revoked or set()
+    _lock = threading.Lock()
+
+    def __init__(self, revoked: set[tuple[str, bytes]], record_to: Path | None = None):
+        self.revoked = revoked
+        self.record_to = record_to
 
     def missing_host_key(
         self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
     ) -> None:
         refuse_revoked(key, self.revoked)
-        raise UnknownHostKeyError(hostname, key)
-
-
-class RecordUnknownHostKey(paramiko.MissingHostKeyPolicy):
-    """Accept a new host key and append it to known_hosts (``ssh.accept_unknown_host_keys``),
-    one line under a lock, so a parallel fan-out loses no key."""
-
-    _lock = threading.Lock()
-
-    def __init__(self, path: Path, revoked: set[tuple[str, bytes]] | None = None):
-        self.path = path
-        self.revoked = revoked or set()
-
-    def missing_host_key(
-        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
-    ) -> None:
-        refuse_revoked(key, self.revoked)  # never accepted, not even on opt-in
+        if self.record_to is None:
+            raise UnknownHostKeyError(hostname, key)
         client.get_host_keys().add(hostname, key.get_name(), key)
         line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line()
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self.record_to.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.record_to, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             with os.fdopen(fd, "a") as fh:
                 fh.write(line)
         found = f"{key.get_name()} {key.fingerprint}"
-        log.warning("accepted new host key for %s (%s) into %s", hostname, found, self.path)
+        log.warning("accepted new host key for %s (%s) into %s", hostname, found, self.record_to)
 
 
 def known_hosts_name(host: str, port: int) -> str:

@@ -28,12 +28,7 @@ from launcher.remote.base import (
     short,
 )
 from launcher.remote.classify import ENCRYPTED, classify_ssh_error
-from launcher.remote.hostkeys import (
-    RecordUnknownHostKey,
-    RefuseUnknownHostKey,
-    load_known_hosts,
-    refuse_revoked,
-)
+from launcher.remote.hostkeys import HostKeyPolicy, load_known_hosts, refuse_revoked
 from launcher.remote.quoting import ENV_NAME, remote_command
 from launcher.remote.route import route_to
 from launcher.spec.cluster import NodeSpec, SSHSpec
@@ -141,10 +136,8 @@ class SSHRunner(Runner):
             for entry in known:
                 for name in entry.hostnames:
                     client.get_host_keys().add(name, entry.key.get_name(), entry.key)
-        if self.ssh.accept_unknown_host_keys:
-            client.set_missing_host_key_policy(RecordUnknownHostKey(files[0], revoked))
-        else:
-            client.set_missing_host_key_policy(RefuseUnknownHostKey(revoked))
+        record_to = files[0] if self.ssh.accept_unknown_host_keys else None
+        client.set_missing_host_key_policy(HostKeyPolicy(revoked, record_to))
         self._revoked = revoked
         return client
 
