@@ -119,9 +119,7 @@ def probe_node(
         result = runner.run(command, stdin=PROBE_SOURCE, timeout=timeout)
     received = time.time()
     probe = parse_probe_output(result, python)
-    probe["node"] = node.name
-    probe["host"] = node.host
-    probe["probe_s"] = round(time.monotonic() - started, 3)
+    probe.update(node=node.name, host=node.host, probe_s=round(time.monotonic() - started, 3))
     if isinstance(probe.get("time"), int | float):
         probe["clock_skew_s"] = round(probe["time"] - received, 3)
     return probe
