@@ -1,9 +1,7 @@
 """Secrets and exposure on a real local launch: masked env values, private run records, no
 secret on any command line, workers still get the real value, Ray's dashboard not exposed;
-nothing another user could write or read; nothing left running after ``kill -9``.
-
-SSH host-key verification is covered by tests/integration/test_preflight_ssh.py and
-test_preflight_netns.py (unknown or changed host keys are refused by default)."""
+nothing another user could write or read; nothing left running after ``kill -9``. (SSH host
+keys: test_preflight_ssh.py and test_remote_ssh.py.)"""
 
 from __future__ import annotations
 
