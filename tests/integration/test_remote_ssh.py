@@ -67,16 +67,6 @@ def test_an_interrupted_fan_out_closes_the_ssh_connections_at_once(cluster):
         kill(running(argv))
 
 
-def test_a_closed_runner_fails_its_next_command(cluster):
-    runner = SSHRunner(nodes(cluster)[0], ssh_spec(cluster))
-    try:
-        assert runner.run("echo hi", timeout=30).stdout == "hi\n"
-    finally:
-        runner.close()
-    with pytest.raises(NodeError):
-        runner.run("echo hi", timeout=30)
-
-
 def test_a_known_hosts_file_as_openssh_writes_it_is_read(cluster, tmp_path):
     """Marker lines (@cert-authority, @revoked), a garbled line and bytes that are not UTF-8
     around the nodes' keys: the keys are used, the rest skipped (paramiko raised on each)."""
@@ -209,7 +199,8 @@ def test_commands_run_under_sh_whatever_the_login_shell(cluster):
 
 def test_a_remote_command_past_its_timeout_stops_itself(cluster):
     """Closing the channel does not stop a remote command: one that outlives its timeout is
-    ended on the node soon after (by coreutils' timeout), and its exit code passes through."""
+    ended on the node soon after (by coreutils' timeout), and its exit code passes through. A
+    closed runner fails its next command."""
     argv = ["sleep", "41.75"]
     try:
         with SSHRunner(nodes(cluster)[0], ssh_spec(cluster)) as runner:
@@ -218,6 +209,8 @@ def test_a_remote_command_past_its_timeout_stops_itself(cluster):
             with pytest.raises(NodeError) as info:
                 runner.run(" ".join(argv), timeout=1)
         assert str(info.value) == "timed out: 'sleep 41.75' did not finish within 1 s"
+        with pytest.raises(NodeError, match="is closed"):
+            runner.run("echo hi", timeout=30)
         deadline = time.monotonic() + 15
         while running(argv):
             assert time.monotonic() < deadline, "the remote command runs on"
