@@ -93,14 +93,10 @@ def test_local_nodes_run_the_script_in_place(tmp_path):
     tree(tmp_path, {"train.py": "print(1)", "helper.py": "V = 1", "data/x.bin": b"\0" * 100})
     job = job_in(tmp_path)
     code = plan_code(job, ClusterSpec.this_machine().nodes)
-    assert (code.mode, code.cwd(), code.script) == (
-        "local",
-        str(tmp_path),
-        str(tmp_path / "train.py"),
-    )
-    assert code.files == 4 and code.size_bytes == len("print(1)") + len("V = 1") + 100 + len(
-        (tmp_path / "job.yaml").read_text()
-    )
+    assert (code.mode, code.cwd()) == ("local", str(tmp_path))
+    assert code.script == str(tmp_path / "train.py")
+    job_bytes = len((tmp_path / "job.yaml").read_text())
+    assert code.files == 4 and code.size_bytes == len("print(1)") + len("V = 1") + 100 + job_bytes
 
 
 def test_remote_nodes_get_a_copy_and_a_relative_script(tmp_path):
@@ -161,11 +157,8 @@ def test_stage_copies_exactly_what_travels(tmp_path):
     code = plan_code(job, ClusterSpec.this_machine().nodes)
     snapshot = stage(code)
     try:
-        assert sorted(rel for rel, _ in walk_tree(snapshot, [])) == [
-            "job.yaml",
-            "pkg/m.py",
-            "train.py",
-        ]
+        copied = sorted(rel for rel, _ in walk_tree(snapshot, []))
+        assert copied == ["job.yaml", "pkg/m.py", "train.py"]
     finally:
         shutil.rmtree(snapshot)
 
