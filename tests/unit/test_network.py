@@ -147,10 +147,8 @@ def test_master_address_keeps_an_ip_host():
         {"nodes": [{"name": "a", "host": "10.0.0.1"}, {"name": "b", "host": "10.0.0.2"}]}
     )
     route = Route("eth0", "10.0.0.1", "10.9.9.9", "preflight: x", "10.0.0.1")
-    assert master_address(spec.nodes[0], {"a": route}) == (
-        "10.0.0.1",
-        "cluster.yaml (the head's host)",
-    )
+    expected = ("10.0.0.1", "cluster.yaml (the head's host)")
+    assert master_address(spec.nodes[0], {"a": route}) == expected
 
 
 @pytest.mark.processes  # `ip -j addr`

@@ -52,10 +52,8 @@ def test_scripts_reach_sh_unchanged_under_any_login_shell(shell, timeout):
         "printf '%s\\n' \"$0\" 'a!b' 'back\\slash' \"it's\"\nx=$(cat)\necho \"stdin: $x\"; exit 7"
     )
     result = login_shell(shell, script, stdin="from stdin", timeout=timeout)
-    assert (result.stdout, result.exit_code) == (
-        "sh\na!b\nback\\slash\nit's\nstdin: from stdin\n",
-        7,
-    ), result
+    expected = "sh\na!b\nback\\slash\nit's\nstdin: from stdin\n"
+    assert (result.stdout, result.exit_code) == (expected, 7), result
     # one-line scripts without such characters are sent as they are (readable in ps and logs)
     assert remote_command("echo hi", None) == "sh -c 'echo hi'"
 

@@ -66,10 +66,9 @@ def test_route_merges_the_cluster_file_over_the_config(home: Path) -> None:
     ssh = SSHSpec()
     route = route_to(NodeSpec(name="g", host="gpu-1"), ssh)
     assert route.node.host == "10.1.0.11" and route.node.user == "bob" and route.node.port == 22
-    assert [(h.name, h.host, h.port, h.user) for h in route.jumps] == [
-        ("login", "10.0.0.1", 2200, "alice")
-    ]
-    assert route.jumps[0].known_hosts == (home / "kh/a", home / "kh/b")
+    [login] = route.jumps
+    assert (login.name, login.host, login.port, login.user) == ("login", "10.0.0.1", 2200, "alice")
+    assert login.known_hosts == (home / "kh/a", home / "kh/b")
     assert route.indirect and tunnel_needed(NodeSpec(name="g", host="gpu-1"), ssh)
     # What the cluster file sets wins: user, port and known_hosts.
     explicit = route_to(
