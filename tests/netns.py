@@ -382,11 +382,7 @@ class NetnsCluster:
     def _banner(self, node: str) -> bool:
         """Whether the node's sshd sends its banner (asked from node 0 behind a login node)."""
         if not self.login_node or self._index(node) == 0:
-            try:
-                with socket.create_connection((self.host(node), 22), timeout=1.0) as sock:
-                    return sock.recv(4).startswith(b"SSH-")
-            except OSError:
-                return False
+            return ssh_answers(self.host(node))
         probe = (
             "import socket,sys\n"
             "try:\n"
@@ -411,6 +407,15 @@ class NetnsCluster:
 
 
 # -- machine-wide helpers -------------------------------------------------------------------------
+
+
+def ssh_answers(host: str, timeout: float = 1.0) -> bool:
+    """Whether an sshd answers at ``host`` from here (its banner comes back)."""
+    try:
+        with socket.create_connection((host, 22), timeout=timeout) as sock:
+            return sock.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
 
 
 def reap_stale() -> None:

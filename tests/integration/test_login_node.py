@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import yaml
 from fixtures.launching import launch, quick_job
+from netns import ssh_answers
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray]
 
@@ -33,22 +33,13 @@ def _ssh_config(cluster, home: Path) -> None:
     (home / ".ssh/config").write_text(text)
 
 
-def _ssh_answers(host: str) -> bool:
-    """Whether an sshd answers at ``host`` from here (this machine's default route may lead
-    to something that accepts any connection; what matters is that no sshd answers)."""
-    try:
-        with socket.create_connection((host, 22), timeout=2) as sock:
-            sock.settimeout(2)
-            return sock.recv(4).startswith(b"SSH-")
-    except OSError:
-        return False
-
-
 def test_check_and_a_two_node_run_through_a_login_node(netns_cluster, tmp_path):
     cluster = netns_cluster(3, login_node=True)
     home = tmp_path / "home"
     _ssh_config(cluster, home)
-    assert not _ssh_answers(cluster.host("node1")), "the compute nodes must be out of reach"
+    # this machine's default route may lead to something that accepts any connection: what
+    # matters is that no sshd answers
+    assert not ssh_answers(cluster.host("node1"), 2), "the compute nodes must be out of reach"
     python = str(cluster.node_python())
     cluster_file = tmp_path / "cluster.yaml"
     nodes = [{"name": f"gpu-{i}", "host": f"gpu-{i}", "python": python} for i in range(2)]
