@@ -83,18 +83,12 @@ class SSHRunner(Runner):
                 f"Make one (ssh-keygen -t ed25519), add its public key to the "
                 f"nodes' authorized_keys and set ssh.key to it",
             ) from None
-        except (paramiko.SSHException, ValueError) as err:
+        # paramiko's SSHException, cryptography's UnsupportedAlgorithm, ...: never a traceback
+        except Exception as err:  # noqa: BLE001
             raise NodeError(
                 AUTH_FAILED,
-                f"key file {shown} is not a private key that can be read "
-                f"({type(err).__name__}: {short(str(err), 120)}); fix ssh.key",
-            ) from None
-        except Exception as err:  # noqa: BLE001 - cryptography's UnsupportedAlgorithm, ...: never a traceback
-            raise NodeError(
-                AUTH_FAILED,
-                f"key file {shown} cannot be used ({type(err).__name__}: "
-                f"{short(str(err), 120)}); use an ed25519, RSA or ECDSA key "
-                f"and set ssh.key to it",
+                f"key file {shown} is not a private key that can be used ({type(err).__name__}: "
+                f"{short(str(err), 120)}); use an ed25519, RSA or ECDSA key and set ssh.key to it",
             ) from None
 
     def connect_kwargs(
