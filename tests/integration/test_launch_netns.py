@@ -4,11 +4,9 @@ hostname; Ray bootstrapped over SSH; the launcher outside the nodes, like a logi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
-from fixtures.launching import launch, quick_job
+from fixtures.launching import Launcher, launch, quick_job
 
 
 def test_two_nodes_bootstrapped_over_ssh(netns_cluster, tmp_path):
@@ -98,24 +96,12 @@ def test_kill_9_of_the_launcher_stops_a_bootstrapped_ray_within_15_s(netns_clust
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job_file = quick_job(tmp_path, steps=100000, log_every=1)
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher", str(job_file), "--cluster", str(cluster_file)]
-        + ["--run-dir", str(run_dir), "--skip-parity"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=tmp_path,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "metrics/rank1.jsonl").is_file():
-            assert proc.poll() is None and time.monotonic() < deadline, "no step on node 1"
+    args = (str(job_file), "--cluster", str(cluster_file), "--skip-parity")
+    with Launcher(*args, run_dir=tmp_path / "run", cwd=tmp_path) as run:
+        run.wait_file("metrics/rank1.jsonl", timeout=300)
+        run.proc.kill()
+        run.proc.wait(timeout=10)
+        killed = time.monotonic()
+        while (running := cluster.left_running()) and time.monotonic() < killed + 15:
             time.sleep(0.5)
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-    killed = time.monotonic()
-
-    while (running := cluster.left_running()) and time.monotonic() < killed + 15:
-        time.sleep(0.5)
     assert not running, f"left running 15 s after kill -9 of the launcher: {running}"
