@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     report["deep"] = run_with_timeout(deep_info, args.deep_timeout) if args.deep else None
     report["elapsed_s"] = round(time.monotonic() - started, 3)
     report["time"] = time.time()  # last, so the launcher can measure clock skew on receipt
-    sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
-    sys.stdout.flush()
+    print(json.dumps(report, sort_keys=True), flush=True)
     return 0
 
 
