@@ -56,6 +56,7 @@ def test_scripts_reach_sh_unchanged_under_any_login_shell(shell, timeout):
     assert (result.stdout, result.exit_code) == (expected, 7), result
     # one-line scripts without such characters are sent as they are (readable in ps and logs)
     assert remote_command("echo hi", None) == "sh -c 'echo hi'"
+    assert remote_command("\n\n", None) == "sh -c ''"  # newlines only: nothing to run, no base64
 
 
 @pytest.mark.parametrize("shell", SHELLS)
@@ -130,7 +131,3 @@ def test_a_node_without_base64_is_an_error_not_a_silent_success(shell, timeout, 
         assert not made.exists()
     result = login_shell(sh, f"echo plain > {made}; exit 5", timeout=timeout, PATH=str(bin_dir))
     assert (result.exit_code, made.read_text()) == (5, "plain\n"), result  # sent as it is
-
-
-def test_a_script_of_newlines_only_runs_nothing_and_needs_no_base64():
-    assert remote_command("\n\n", None) == "sh -c ''"
