@@ -11,12 +11,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fixtures.launching import processes, sigint_when
 
 from launcher.errors import PreflightError
 from launcher.jobs import records
@@ -111,42 +110,6 @@ class DetachedRunner(Runner):
         self._closed = True
 
 
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def sigint_when(ready: Callable[[], bool], timeout: float = 30.0) -> Iterator[None]:
-    """SIGINT to this process (KeyboardInterrupt in the main thread) once ``ready()`` holds."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    stop = threading.Event()
-
-    def watch() -> None:
-        deadline = time.monotonic() + timeout
-        while not stop.is_set() and time.monotonic() < deadline:
-            if ready():
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        watcher.join(5)
-        signal.signal(signal.SIGINT, previous)
-
-
 @pytest.fixture
 def fake_ray(tmp_path, monkeypatch):
     """The stand-in ``ray`` on the nodes' PYTHONPATH, HOME (token files) in tmp_path, the nodes'
@@ -174,8 +137,9 @@ def fake_ray(tmp_path, monkeypatch):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         for entry in entries():  # under `timeout`, which puts itself in a group of its own
-            if entry["cmd"] == "start" and _running(entry["pid"]):
-                _kill(entry["pid"])
+            if entry["cmd"] == "start" and entry["pid"] in processes():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(entry["pid"], signal.SIGKILL)
         DetachedRunner.procs.clear()
 
 
@@ -237,7 +201,7 @@ def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(
         stops = {e["ip"]: e["running"] for e in log if e["cmd"] == "stop"}
         assert stops == {ip: [] for ip in started}, f"a `ray start` ran when Ray was stopped: {log}"
         time.sleep(0.3)
-        assert not [e for e in starts() if _running(e["pid"])]
+        assert not [e for e in starts() if e["pid"] in processes()]
         assert other.poll() is None, "another cluster's `ray start` was killed"
     finally:
         other.kill()
