@@ -27,18 +27,21 @@ def alive(*ids: str) -> list[Alive]:
     return [Alive(j, f"name-{j}", 1000 + i) for i, j in enumerate(ids)]
 
 
-def test_first_job_starts_at_once():
-    assert decide(ticket("a"), alive("a"), {}, CAPACITY) is None
+HELD = "waiting for 8 GPUs on node0, held by job a (name-a)"
 
 
-def test_a_job_needing_held_gpus_waits_and_names_the_holder():
-    reason = decide(ticket("b"), alive("a", "b"), {"a": ticket("a")}, CAPACITY)
-    assert reason == "waiting for 8 GPUs on node0, held by job a (name-a)"
-
-
-def test_jobs_that_fit_side_by_side_both_run():
-    started = {"a": ticket("a", gpus=4)}
-    assert decide(ticket("b", gpus=4), alive("a", "b"), started, CAPACITY) is None
+@pytest.mark.parametrize(
+    ("job", "order", "started", "reason"),
+    [
+        (ticket("a"), alive("a"), {}, None),  # the first job starts at once
+        (ticket("b"), alive("a", "b"), {"a": ticket("a")}, HELD),
+        (ticket("b", gpus=4), alive("a", "b"), {"a": ticket("a", gpus=4)}, None),  # side by side
+        (ticket("b"), alive("b"), {"a": ticket("a")}, None),  # a's driver was SIGKILLed
+    ],
+    ids=["first", "held", "side-by-side", "dead-holder"],
+)
+def test_a_job_waits_only_for_gpus_held_by_a_live_job(job, order, started, reason):
+    assert decide(job, order, started, CAPACITY) == reason
 
 
 def test_a_later_small_job_does_not_overtake_a_waiting_big_one():
@@ -55,11 +58,6 @@ def test_order_is_submission_time_not_arrival():
     order = [Alive("c", "name-c", 2000), Alive("b", "name-b", 1000)]
     assert decide(ticket("c", gpus=1), order, {}, CAPACITY).startswith("queued behind job b")
     assert decide(ticket("b", gpus=1), order, {}, CAPACITY) is None
-
-
-def test_a_dead_holder_holds_nothing():
-    # a started, then its driver was SIGKILLed: Ray no longer lists it as alive.
-    assert decide(ticket("b"), alive("b"), {"a": ticket("a")}, CAPACITY) is None
 
 
 def test_a_demand_above_the_capacity_takes_the_whole_node():
