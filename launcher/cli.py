@@ -95,11 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         cluster = attach_to_local_head(cluster, job)
         run(
-            job,
-            cluster,
-            run_dir=args.run_dir,
-            skip_parity=args.skip_parity,
-            keep_ray=args.keep_ray,
+            job, cluster, run_dir=args.run_dir, skip_parity=args.skip_parity, keep_ray=args.keep_ray
         )
     return 0
 
