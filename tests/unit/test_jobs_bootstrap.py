@@ -79,37 +79,30 @@ def test_a_head_whose_gcs_port_answers_is_refused_and_left_running(monkeypatch):
     assert "connect_ex" in ran[0] and "cat > " in ran[0]  # checked before the token file is written
 
 
-def test_ray_start_that_finds_ray_running_stops_nothing(monkeypatch):
+ALREADY_RUNNING = (
+    "ConnectionError: Ray is trying to start at 198.18.250.10:6379, but is already running at "
+    "198.18.250.10:6379. Please specify a different port"
+)
+
+
+@pytest.mark.parametrize(
+    ("node", "stderr", "match", "stopped"),
+    [
+        (0, ALREADY_RUNNING, "already running", []),  # a Ray that runs is never stopped
+        (1, "raylet died", "raylet died", ["node1"]),  # one that failed midway is
+    ],
+)
+def test_a_failed_ray_start_is_stopped_unless_ray_was_running(
+    monkeypatch, node, stderr, match, stopped
+):
     def answers(command):
-        if " start " in command:
-            return CommandResult(
-                "",
-                "ConnectionError: Ray is trying to start at 198.18.250.10:6379, but is "
-                "already running at 198.18.250.10:6379. Please specify a different port",
-                1,
-            )
-        return CommandResult("", "", 0)
+        return CommandResult("", stderr, 1) if " start " in command else CommandResult("", "", 0)
 
-    s, _, stopped = session(monkeypatch, answers)
-    with pytest.raises(PreflightError, match="already running"):
-        s._start_ray(CLUSTER.nodes[0], head=True)
+    s, ran, were_stopped = session(monkeypatch, answers)
+    with pytest.raises(PreflightError, match=match):
+        s._start_ray(CLUSTER.nodes[node], head=node == 0)
     s.close()
-    assert stopped == []
-
-
-def test_a_ray_start_that_failed_midway_is_stopped(monkeypatch):
-    def answers(command):
-        return (
-            CommandResult("", "raylet died", 1)
-            if " start " in command
-            else CommandResult("", "", 0)
-        )
-
-    s, ran, stopped = session(monkeypatch, answers)
-    with pytest.raises(PreflightError, match="raylet died"):
-        s._start_ray(CLUSTER.nodes[1])
-    s.close()
-    assert stopped == ["node1"]
+    assert were_stopped == stopped
     assert f"--temp-dir {NODE_TEMP}/ray " in ran[-1]  # never the shared /tmp/ray
 
 
