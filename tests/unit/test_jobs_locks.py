@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.fake_launch import two_nodes
 
 from launcher.jobs import api, commands, records
 from launcher.jobs import head as heads
@@ -22,14 +23,7 @@ from launcher.spec import ClusterSpec
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 LOCAL = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
-REMOTE = ClusterSpec.model_validate(
-    {
-        "nodes": [
-            {"name": "node0", "host": "198.18.250.10"},
-            {"name": "node1", "host": "198.18.250.11"},
-        ]
-    }
-)
+REMOTE = two_nodes()
 PROMPTLY_S = 10.0
 
 HOLDER = """
