@@ -71,18 +71,6 @@ def test_a_reused_pid_is_not_the_head(tmp_path, unrelated):
     assert unrelated.poll() is None, "launch down signalled a process that was not the head"
 
 
-def test_stop_leaves_a_reused_pid_alone(tmp_path, unrelated, monkeypatch):
-    from launcher.jobs import head as heads
-
-    monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
-    write_record(tmp_path, unrelated.pid)
-    recorded = heads.recorded_local_head()
-    assert recorded is not None and recorded.pid == unrelated.pid
-    heads.stop_local_head(recorded)
-    time.sleep(0.5)
-    assert unrelated.poll() is None
-
-
 @pytest.fixture
 def head_process(tmp_path, monkeypatch):
     """A process whose command line names the head's temp dir, as each of the head's does."""
