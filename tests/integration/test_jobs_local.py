@@ -29,6 +29,7 @@ from fixtures.launching import (
     slow_batches,
     wait_for,
     what_nobody_can_touch,
+    write_job,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -433,15 +434,8 @@ def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path):
         "import os\n"
         "print('SEEN', os.environ.get('MY_OWN_SETTING'), os.environ.get('WANDB_MODE'), flush=True)\n"
     )
-    job = tmp_path / "env.yaml"
-    job.write_text(
-        yaml.safe_dump(
-            {
-                "name": "env",
-                "resources": {"nproc_per_node": 1, "device": "cpu"},
-                "entrypoint": {"script": "env.py"},
-            }
-        )
+    job = write_job(
+        tmp_path, {"script": "env.py"}, resources={"nproc_per_node": 1, "device": "cpu"}
     )
     saved = dict(jobs.env)
     jobs.env.update(MY_OWN_SETTING="from-the-submitter", WANDB_MODE="offline")
@@ -466,15 +460,8 @@ def test_a_run_dir_marked_for_a_job_is_refused_until_it_is_removed(jobs, slow, t
     folder = tmp_path / "shared"
 
     def submit(*extra: str):
-        return jobs.run(
-            "submit",
-            str(ROOT / "jobs/quickstart.yaml"),
-            "--json",
-            "--skip-parity",
-            "--run-dir",
-            str(folder),
-            *extra,
-        )
+        args = ("--json", "--skip-parity", "--run-dir", str(folder), *extra)
+        return jobs.run("submit", str(ROOT / "jobs/quickstart.yaml"), *args)
 
     result = submit(*slow)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
