@@ -12,8 +12,6 @@ from typing import Any
 
 from launcher import signals
 
-BOARD_NAME = "launcher-job-board"
-BOARD_NAMESPACE = "launcher"
 POLL_S = 1.0
 
 
@@ -88,7 +86,7 @@ def board() -> Any:
     """The cluster's board (created by the first driver that asks; 0 CPUs, lives with Ray)."""
     import ray
 
-    options = {"name": BOARD_NAME, "namespace": BOARD_NAMESPACE, "lifetime": "detached"}
+    options = {"name": "launcher-job-board", "namespace": "launcher", "lifetime": "detached"}
     return ray.remote(JobBoard).options(**options, get_if_exists=True, num_cpus=0).remote()
 
 
@@ -98,7 +96,6 @@ def wait_turn(
     alive: Callable[[], list[Alive]],
     capacity: dict[str, dict[str, float]],
     on_wait: Callable[[str], None],
-    poll_s: float = POLL_S,
 ) -> Any:
     """Block until ``me`` may start, calling ``on_wait(reason)`` when the reason changes; then
     record it as started and return the board (``board.end.remote(me.job_id)`` at the end)."""
@@ -117,7 +114,7 @@ def wait_turn(
         if reason != said:
             on_wait(reason)
             said = reason
-        time.sleep(poll_s)
+        time.sleep(POLL_S)
 
 
 def _amount(n: float, resource: str) -> str:
