@@ -294,13 +294,13 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
     try:
         with connect(cluster) as jobs:
             active = [d for d in jobs.jobs() if _status(d) in ACTIVE]
+            ids = ", ".join(d.submission_id for d in active)
             if active and not yes:
                 raise UsageError(
-                    f"{len(active)} job(s) still running: {', '.join(d.submission_id for d in active)}; "
-                    f"stop them first (`launch stop ID`) or pass --yes to stop them and Ray"
+                    f"{len(active)} job(s) still running: {ids}; stop them first (`launch stop ID`) "
+                    f"or pass --yes to stop them and Ray"
                 )
             if active:
-                ids = ", ".join(d.submission_id for d in active)
                 print(
                     f"Stopping {len(active)} job(s) and waiting for them to end: {ids}", flush=True
                 )
