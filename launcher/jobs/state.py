@@ -148,17 +148,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in rows
     ]
-    headers = [
-        "job id",
-        "name",
-        "status",
-        "nodes × ranks",
-        "tokens/s",
-        "MFU",
-        "started",
-        "duration",
-    ]
-    return tabulate(table, headers=headers)
+    head = ["job id", "name", "status", "nodes × ranks", "tokens/s", "MFU", "started", "duration"]
+    return tabulate(table, headers=head)
 
 
 def to_json(r: dict[str, Any]) -> dict[str, Any]:
