@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures.launching import processes, sigint_when
@@ -27,9 +28,8 @@ from launcher.util import free_port
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 HOSTS = [f"198.18.250.{10 + i}" for i in range(3)]
-ADDRESSES = {
-    host: f"127.0.0.{1 + i}" for i, host in enumerate(HOSTS)
-}  # what the launcher resolves them to
+ADDRESSES = {host: f"127.0.0.{1 + i}" for i, host in enumerate(HOSTS)}  # as the launcher resolves
+STARTED_WITH = {"node0": ADDRESSES[HOSTS[0]], "node1": ADDRESSES[HOSTS[1]]}  # 127.0.0.1, 127.0.0.2
 
 # The stand-in for `python -m ray.scripts.scripts`: `start` records itself (a worker's then
 # hangs, as a join to an unresponsive head does); `stop` records which of this node's starts of
@@ -145,17 +145,8 @@ def fake_ray(tmp_path, monkeypatch):
 
 def start(*args: str) -> subprocess.Popen[bytes]:
     """A process whose arguments are those of a `ray start` (it only sleeps)."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; time.sleep(60)",
-            "ray.scripts.scripts",
-            "start",
-            *args,
-        ],
-        start_new_session=True,
-    )
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    return subprocess.Popen([*sleep, "ray.scripts.scripts", "start", *args], start_new_session=True)
 
 
 def nodes(port: int, n: int = 2) -> ClusterSpec:
@@ -169,6 +160,19 @@ def nodes(port: int, n: int = 2) -> ClusterSpec:
             "ray": {"port": port},
             "ssh": {"connect_timeout_s": 5},
         }
+    )
+
+
+def bootstrapped(cluster: ClusterSpec, port: int, **more: Any) -> ray_cluster.RaySession:
+    """A bootstrap session of ``cluster``'s first two nodes, as started at STARTED_WITH."""
+    return ray_cluster.RaySession(
+        mode="bootstrap",
+        address=f"ray://127.0.0.1:{port}",
+        node_ips=dict(STARTED_WITH),
+        _cluster=cluster,
+        _head_ip="127.0.0.1",
+        _token="t" * 64,
+        **more,
     )
 
 
@@ -242,14 +246,7 @@ def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(
         "stop_ray",
         lambda cluster, nodes, addresses=None: stopped.extend(n.name for n in nodes),
     )
-    session = ray_cluster.RaySession(
-        mode="bootstrap",
-        address=f"ray://127.0.0.1:{port}",
-        node_ips={"node0": "127.0.0.1", "node1": "127.0.0.2"},
-        _cluster=cluster,
-        _head_ip="127.0.0.1",
-        _token="t" * 64,
-    )
+    session = bootstrapped(cluster, port)
     other = fake_raylet(tmp_path, f"127.0.0.9:{port}")
     try:
         with pytest.raises(
@@ -308,9 +305,6 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
         assert result.returncode in (0, ray_cluster.OTHER_RAY_EXIT), result
     finally:
         zombie.wait()
-
-
-STARTED_WITH = {"node0": ADDRESSES[HOSTS[0]], "node1": ADDRESSES[HOSTS[1]]}  # 127.0.0.1, 127.0.0.2
 
 
 def leftover_starts(port: int) -> dict[str, subprocess.Popen[bytes]]:
@@ -379,15 +373,7 @@ def test_the_teardown_kills_its_ray_start_whatever_the_names_resolve_to_by_then(
     cluster = nodes(port)
     records.save_cluster(cluster, STARTED_WITH)
     assert records.saved_addresses(cluster) == STARTED_WITH
-    session = ray_cluster.RaySession(
-        mode="bootstrap",
-        address=f"ray://127.0.0.1:{port}",
-        node_ips=dict(STARTED_WITH),
-        _started_on=list(cluster.nodes),
-        _cluster=cluster,
-        _head_ip="127.0.0.1",
-        _token="t" * 64,
-    )
+    session = bootstrapped(cluster, port, _started_on=list(cluster.nodes))
     starts = leftover_starts(port)
     monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
     if by == "session":
