@@ -3,7 +3,10 @@ traceback; the launcher's own errors and Ctrl-C pass through as they are."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import subprocess
+import sys
 import types
 
 import pytest
@@ -122,7 +125,6 @@ def test_a_stream_that_keeps_breaking_without_news_is_exit_3(monkeypatch, capsys
 def test_a_stream_that_says_nothing_once_reopened_is_exit_3(monkeypatch, capsys):
     """A tunnel whose forwarding died accepts the new connection and says nothing: each
     reopened stream must resend what was printed within RESEND_S."""
-    import asyncio
 
     class Silent(Breaking):
         async def tail_job_logs(self, job_id):
@@ -173,9 +175,6 @@ sys.exit(cli.main(["logs", "job-1", "--follow"]))
 def test_logs_into_a_pipe_closed_early_exit_quietly(status, tmp_path):
     """`launch logs ID --follow | head -n 1`: the closed pipe is no failure of the Jobs API (not
     exit 3), and Python says nothing of it at exit either."""
-    import subprocess
-    import sys
-
     script = tmp_path / "followed.py"
     script.write_text(FOLLOWED)
     launch = subprocess.Popen(

@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from launcher.errors import PreflightError
-from launcher.jobs import api, records
+from launcher.errors import PreflightError, UsageError
+from launcher.jobs import api, commands, records
 from launcher.orchestrate import ray_cluster
 from launcher.remote import CommandResult
 from launcher.spec import ClusterSpec
@@ -204,8 +204,6 @@ def test_two_submits_at_once_bootstrap_once(monkeypatch):
 
 
 def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
-    from launcher.errors import UsageError
-
     saved = CLUSTER.model_copy(update={"ray": CLUSTER.ray.model_copy(update={"dashboard": True})})
     records.save_cluster(saved)
     calls = kept_up(monkeypatch)
@@ -262,8 +260,6 @@ class FakeRay:
 def test_down_stops_ray_only_under_the_jobs_it_listed(monkeypatch, capsys):
     """`launch down` (no --yes) lists no running job; a submission that comes while it stops Ray
     must not be stopped with that Ray, unlisted: it waits, and runs on a Ray started again."""
-    from launcher.jobs import commands
-
     records.save_cluster(CLUSTER)
     calls = kept_up(monkeypatch)
     rays: list[FakeRay] = []
@@ -303,9 +299,6 @@ def test_down_stops_ray_only_under_the_jobs_it_listed(monkeypatch, capsys):
 def test_down_waits_for_a_submission_that_found_ray_before_it(monkeypatch):
     """A submission that found the running Ray (connect) and has not handed it the job yet:
     `launch down` (no --yes) waits for it, then lists that job and refuses to stop it."""
-    from launcher.errors import UsageError
-    from launcher.jobs import commands
-
     records.save_cluster(CLUSTER)
     kept_up(monkeypatch)
     ray = FakeRay()

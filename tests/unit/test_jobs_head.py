@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from fixtures.launching import launch as run_launcher
 
+from launcher.jobs import head as heads
 from launcher.jobs import records
 from launcher.util import free_port
 
@@ -74,8 +76,6 @@ def test_a_reused_pid_is_not_the_head(tmp_path, unrelated):
 @pytest.fixture
 def head_process(tmp_path, monkeypatch):
     """A process whose command line names the head's temp dir, as each of the head's does."""
-    from launcher.jobs import head as heads
-
     monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
     temp_dir = heads._new_temp_dir(records.local_folder())  # recorded, as a head's start does
     proc = subprocess.Popen(
@@ -120,8 +120,6 @@ def test_a_lost_token_file_is_exit_3_and_down_yes_stops_the_head(tmp_path, head_
 
 
 def test_a_corrupt_cluster_record_is_exit_3_and_down_yes_forgets_it(tmp_path):
-    import yaml
-
     nodes = [{"name": "node0", "host": "198.18.250.10"}]
     ssh = {"key": str(tmp_path / "no-key"), "connect_timeout_s": 1}
     cluster = tmp_path / "cluster.yaml"

@@ -4,16 +4,23 @@ holds one run. Nothing is started: fake agents record what the launch asked of t
 from __future__ import annotations
 
 import contextlib
+import http.server
+import io
 import json
 import os
+import sys
+import threading
+import types
 
 import pytest
+import requests
 from fixtures.fake_launch import Agents, two_nodes
 from fixtures.fake_launch import cpu_job as job
 
+from launcher import signals
 from launcher.cli import main
-from launcher.errors import UsageError
-from launcher.jobs import claim
+from launcher.errors import PreflightError, UsageError
+from launcher.jobs import api, claim, commands, driver, head, state
 from launcher.orchestrate import run as run_mod
 from launcher.orchestrate.plan import NODE_DIR
 from launcher.orchestrate.run import Launch
@@ -151,10 +158,6 @@ def head_here(tmp_path, job_file, monkeypatch):
     ``submit(run_dir, capsys)`` submits with ``--run-dir`` and gives (exit code, captured
     output); ``add(job id, Ray status, run_dir, log)`` gives ``status`` and ``fetch`` a job;
     ``client.submitted`` and ``client.error`` (raised by the next submission)."""
-    import types
-
-    from launcher.jobs import commands
-
     monkeypatch.setattr("launcher.preflight.preflight_facts", lambda *a, **k: None)
     monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0")  # submit sets it: restored after
     client = types.SimpleNamespace(submitted=[], error=None)
@@ -212,8 +215,6 @@ def test_submit_to_this_machine_refuses_a_run_dir_that_holds_a_run(
 ):
     """`launch submit --run-dir` where the head is this machine: the same refusal, before the
     preflight and before any Ray is asked for."""
-    from launcher.jobs import commands
-
     old = tmp_path / "old"
     old.mkdir()
     (old / "summary.json").write_text("{}")
@@ -239,8 +240,6 @@ def test_two_queued_submits_to_one_run_dir_the_second_is_refused(tmp_path, head_
 
 
 def test_a_submission_that_fails_frees_its_run_dir(tmp_path, head_here, capsys):
-    from launcher.errors import PreflightError
-
     submit, client = head_here.submit, head_here.client
     client.error = PreflightError(
         "the Ray Jobs API at http://127.0.0.1:1 failed (submit_job): boom"
@@ -255,11 +254,6 @@ def test_a_submission_that_fails_frees_its_run_dir(tmp_path, head_here, capsys):
 def driven(tmp_path, monkeypatch, run_dir, job_id="q-1", fake_run=True):
     """The driver on a submission to ``run_dir`` (Ray and, with ``fake_run``, the launch
     faked): (exit code, its log, the run directory the launch got or None)."""
-    import io
-
-    from launcher import signals
-    from launcher.jobs import driver
-
     got = []
     monkeypatch.setattr(signals, "install", lambda: None)
     if fake_run:
@@ -275,8 +269,6 @@ def test_the_driver_refuses_a_run_dir_that_holds_a_run(tmp_path, monkeypatch):
     """A submission to a remote head cannot look at the folder from here: the driver does, on
     the head. The job fails (exit 2) with the refusal in its log and as its failure; the
     folder is left as it was."""
-    from launcher.jobs import state
-
     old = tmp_path / "old"
     old.mkdir()
     (old / "summary.json").write_text('{"status": "succeeded"}')
@@ -311,8 +303,6 @@ def test_the_driver_takes_the_folder_marked_for_its_job_and_no_other(tmp_path, m
 def serving(route):
     """An HTTP server on 127.0.0.1 whose GETs ``route(path, headers)`` answers with (status, JSON
     body or None, Location or None), or bytes sent as they are; yields its port."""
-    import http.server
-    import threading
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
@@ -377,8 +367,6 @@ def listener():
 def test_the_head_is_asked_without_a_redirect_or_a_proxy(jobs_api, listener, monkeypatch):
     """The token goes to the head's 127.0.0.1 only: a redirect (urllib's handler would resend
     the Authorization header) is not followed, and http_proxy is not used."""
-    from launcher.jobs import head
-
     port, asked = listener
     api_port, statuses = jobs_api
     url = f"http://127.0.0.1:{api_port}"
@@ -397,13 +385,6 @@ def test_rays_jobs_client_bypasses_the_proxy_for_a_heads_loopback(jobs_api, list
     """Ray's JobSubmissionClient uses requests, which follows http_proxy: for a head's 127.0.0.1
     (the local head, the SSH tunnel's end) the launcher adds 127.0.0.1 and localhost to
     no_proxy first, keeping what was there."""
-    import sys
-    import types
-
-    import requests
-
-    from launcher.jobs import api
-
     port, asked = listener
     api_port, statuses = jobs_api
     statuses["/api/jobs/x"] = "RUNNING"
@@ -473,8 +454,6 @@ def test_fetch_of_a_job_that_ended_before_its_driver_started_copies_nothing(
 
 
 def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_marker(tmp_path, head_here, capsys):
-    from launcher.jobs import state
-
     add, flags = head_here.add, head_here.flags
     mine = tmp_path / "mine"
     claim.mark(mine, "q-1")
@@ -491,8 +470,6 @@ def test_fetch_of_a_job_with_its_run_dir_copies_it_without_a_marker(tmp_path, he
 def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
     """The state lines name the folder the driver took (``starting``, ``done``); a refused one
     is null in the final line (above)."""
-    from launcher.jobs import driver, state
-
     mine = tmp_path / "mine"
     claim.mark(mine, "q-1")
 
@@ -512,8 +489,6 @@ def test_the_driver_says_which_run_dir_is_its_own(tmp_path, monkeypatch):
 def test_something_that_is_no_http_server_on_the_heads_port_is_no_answer():
     """Garbage on the dashboard's port (``http.client.HTTPException``, not an OSError) is no
     answer, not a traceback."""
-    from launcher.jobs import head
-
     with serving(lambda path, headers: b"not http at all\r\n\r\n") as port:
         assert head.api_status(f"http://127.0.0.1:{port}", "t") is None
 
@@ -521,7 +496,6 @@ def test_something_that_is_no_http_server_on_the_heads_port_is_no_answer():
 def test_a_release_that_fails_leaves_the_submissions_own_error(monkeypatch):
     """A submission that fails before Ray has the job frees its run directory; where freeing it
     fails too, the submission's own error is the one raised."""
-    from launcher.jobs import commands
 
     def release():
         raise PermissionError(13, "Permission denied")
