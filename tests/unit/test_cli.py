@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import main
+from launcher.cli import _parse, main
+from launcher.spec import ClusterSpec, JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "jobs/quickstart.yaml")
@@ -24,8 +25,6 @@ def test_schema_commands_match_the_committed_schemas(capsys):
 
 
 def test_every_field_has_a_description():
-    from launcher.spec import ClusterSpec, JobSpec
-
     def walk(schema, defs, path=""):
         for name, prop in schema.get("properties", {}).items():
             assert prop.get("description"), f"{path}{name} has no description"
@@ -92,6 +91,4 @@ def test_entry_points(argv):
     ],
 )
 def test_debug_before_or_after_the_command(argv, debug):
-    from launcher.cli import _parse
-
     assert _parse(argv).debug is debug

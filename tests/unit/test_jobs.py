@@ -10,6 +10,7 @@ import pytest
 from launcher.cli import _parser
 from launcher.errors import SpecError
 from launcher.jobs import state
+from launcher.jobs.commands import STOP_WAIT_MIN_S, _stop_wait
 from launcher.jobs.queue import Alive, JobBoard, Ticket, decide
 from launcher.spec import load_cluster
 
@@ -199,8 +200,6 @@ def test_job_commands_parse():
 
 
 def test_down_and_stop_wait_as_long_as_ray_gives_each_job_to_tear_down():
-    from launcher.jobs.commands import STOP_WAIT_MIN_S, _stop_wait
-
     long = types.SimpleNamespace(runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "140"}})
     assert _stop_wait(long) == 140.0
     assert _stop_wait(types.SimpleNamespace(runtime_env=None)) == STOP_WAIT_MIN_S
