@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -115,8 +116,6 @@ def test_no_slurm_commands_is_exit_2(files, tmp_path):
 def shared(slurm, files):
     """The job and cluster files where the nodes see them too (their /tmp is their own), and a
     state folder for the launcher's records."""
-    import uuid
-
     folder = slurm.dir / f"batch-{uuid.uuid4().hex[:8]}"
     folder.mkdir()
     for path in files:
