@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import pickle
 import shutil
 import threading
@@ -31,7 +30,7 @@ from launcher.metrics import write_record
 from launcher.spec.job import CheckpointSpec
 from launcher.train.data import Batches
 from launcher.train.optim import substitute_masters
-from launcher.util import unsafe_path, unsafe_reason
+from launcher.util import unsafe_path, unsafe_reason, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -302,9 +301,7 @@ class Checkpointer:
 
     def _mark_complete(self, step: int, path: Path) -> None:
         if self.rank == 0:
-            tmp = path / f".{MARKER}.tmp"
-            tmp.write_text(f"{step}\n")
-            os.replace(tmp, path / MARKER)
+            write_atomic(path / MARKER, f"{step}\n")
 
     def maybe_resume(
         self,
