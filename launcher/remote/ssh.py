@@ -405,16 +405,11 @@ def _copy_both_ways(sock: socket.socket, chan: paramiko.Channel, stop: threading
     try:
         while not stop.is_set():
             ready, _, _ = select.select([sock, chan], [], [], 0.1)
-            if sock in ready:
-                data = sock.recv(65536)
-                if not data:
-                    break
-                chan.sendall(data)
-            if chan in ready:
-                data = chan.recv(65536)
-                if not data:
-                    break
-                sock.sendall(data)
+            for src, dst in ((sock, chan), (chan, sock)):
+                if src in ready:
+                    if not (data := src.recv(65536)):
+                        return
+                    dst.sendall(data)
     except (OSError, EOFError, paramiko.SSHException):
         pass
     finally:
