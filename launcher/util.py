@@ -195,10 +195,9 @@ def unsafe_path(root: str | os.PathLike[str]) -> tuple[Path, str] | None:
 def process_started() -> float | None:
     """This process's start as Unix time (from ``/proc``: to 10 ms), or None off Linux."""
     try:
-        with open("/proc/self/stat", encoding="ascii") as fh:
-            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/uptime", encoding="ascii") as fh:
-            uptime = float(fh.read().split()[0])
+        stat = Path("/proc/self/stat").read_text(encoding="ascii")
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        uptime = float(Path("/proc/uptime").read_text(encoding="ascii").split()[0])
     except (OSError, ValueError, IndexError):
         return None
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
