@@ -10,6 +10,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 from launcher.orchestrate.rundir import RunDir, masked_spec
@@ -41,21 +42,16 @@ class ReportSinks:
         report = job.report
         if report.tensorboard:
             self._open.append(("TensorBoard", lambda: EventFiles(run_dir.root / SUBDIR)))
-        if report.mlflow is not None:
-            spec, params = report.mlflow, spec_params(job)
-            tags = {"launcher.job": job.name, "launcher.run_dir": str(run_dir.root)}
-            self._open.append(
-                (
-                    "MLflow",
-                    lambda: MlflowRun(
-                        spec.tracking_uri,
-                        experiment=spec.experiment or job.name,
-                        run_name=spec.run_name or run_dir.name,
-                        params=params,
-                        tags=tags,
-                    ),
-                )
+        if (spec := report.mlflow) is not None:
+            mlflow = partial(
+                MlflowRun,
+                spec.tracking_uri,
+                experiment=spec.experiment or job.name,
+                run_name=spec.run_name or run_dir.name,
+                params=spec_params(job),
+                tags={"launcher.job": job.name, "launcher.run_dir": str(run_dir.root)},
             )
+            self._open.append(("MLflow", mlflow))
         self.flush_s = flush_s
         self._inbox: deque[tuple[Any, ...]] = deque()
         self._taking = True  # false once no sink is left to write to
