@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
+import attention_kernels as bench
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import attention_kernels as bench  # noqa: E402
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import gpt_vs_nanogpt as bench
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import gpt_vs_nanogpt as bench  # noqa: E402
 
 
 def test_nanogpt_iteration_lines_are_parsed():

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import gpu_bench
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import gpu_bench  # noqa: E402
 
 
 def run(per_gpu: float, gpus: int) -> dict:

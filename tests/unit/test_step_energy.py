@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import step_energy as bench
 
 from launcher.spec.job import ModelSpec
 from launcher.train.model import flops_per_token
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import step_energy as bench  # noqa: E402
 
 
 def test_the_parts_hold_the_model_flops_mfu_counts():

@@ -1,0 +1,6 @@
+"""Unit tests import the benchmarks/ scripts as modules."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
