@@ -133,12 +133,6 @@ def test_a_file_that_cannot_be_read(tmp_path, load, name, said):
     assert err.value.exit_code == 2
 
 
-def test_duplicate_keys_in_nested_mappings(tmp_path):
-    path = write(tmp_path, "name: j\ntrain:\n  steps: 10\n  steps: 20\n")
-    with pytest.raises(SpecError, match=r"line 4, column 3: key 'steps' appears twice"):
-        load_job(path)
-
-
 def test_anchors_and_merge_keys_still_work(tmp_path):
     path = write(
         tmp_path,
