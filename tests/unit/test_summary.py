@@ -209,17 +209,6 @@ def write_run(run_dir: Path, job: str, ranks: list[dict], records: dict[int, lis
     return run_dir
 
 
-# -- statistics ------------------------------------------------------------------------------
-
-
-def test_percentile_interpolates_linearly():
-    assert percentile([], 50) is None
-    assert percentile([5.0], 95) == 5.0
-    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
-    assert percentile(list(range(1, 101)), 95) == pytest.approx(95.05)
-    assert percentile([3, 1, 2], 0) == 1 and percentile([3, 1, 2], 100) == 3
-
-
 def test_builtin_steps_use_measured_intervals_only():
     recs = builtin_records(0, step_ms=100.0, steps=40, warmup=10)
     # Poison the warm-up record: if it counted, tokens/s and p95 would move a lot.

@@ -59,6 +59,8 @@ def test_percentile_interpolates_unsorted_values():
     assert percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
     assert percentile([10.0, 0.0], 25) == pytest.approx(2.5)
     assert percentile([7.0, 3.0, 5.0], 100) == 7.0 and percentile([7.0, 3.0, 5.0], 0) == 3.0
+    assert percentile([5.0], 95) == 5.0
+    assert percentile(list(range(1, 101)), 95) == pytest.approx(95.05)
 
 
 def test_free_port_can_be_bound_on_every_interface():
