@@ -24,28 +24,16 @@ from launcher.util import (
 
 
 @pytest.mark.parametrize(
-    "name",
+    ("name", "secret"),
     [
-        "MY_API_TOKEN",
-        "DB_PASSWORD",
-        "DB_PASSWD",
-        "DB_PASS",
-        "DB_PWD",
-        "AWS_CREDENTIALS",
-        "GCP_CREDENTIAL_FILE",
-        "HF_AUTH",
-        "SSH_PRIVATE",
-        "AWS_SECRET_ACCESS_KEY",
-        "api_key",
+        *[(n, True) for n in ["MY_API_TOKEN", "DB_PASSWORD", "DB_PASSWD", "DB_PASS", "DB_PWD"]],
+        *[(n, True) for n in ["AWS_CREDENTIALS", "GCP_CREDENTIAL_FILE", "HF_AUTH", "SSH_PRIVATE"]],
+        *[(n, True) for n in ["AWS_SECRET_ACCESS_KEY", "api_key"]],
+        *[(n, False) for n in ["PWD", "OLDPWD", "NCCL_DEBUG", "PATH", "LAUNCHER_RUN_ID"]],
     ],
 )
-def test_secret_looking_names(name):
-    assert is_secret(name)
-
-
-@pytest.mark.parametrize("name", ["PWD", "OLDPWD", "NCCL_DEBUG", "PATH", "LAUNCHER_RUN_ID"])
-def test_names_that_are_not_secret(name):
-    assert not is_secret(name)
+def test_secret_looking_names(name, secret):
+    assert is_secret(name) is secret
 
 
 def test_url_passwords_are_masked_in_any_value():
