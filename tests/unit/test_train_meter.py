@@ -254,7 +254,7 @@ def test_progress_line():
     assert line == "step 20/200 | loss 7.412 | 310.2k tok/s | 52.1 ms/step | mfu 41.4%"
 
 
-def test_peak_table():  # percentile: test_util.py, test_summary.py
+def test_peak_table():  # percentile: test_util.py
     assert peak_tflops("NVIDIA H200", "bf16") == 989.0
     assert peak_tflops("NVIDIA H100 80GB HBM3", "fp16") == 989.0
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0

@@ -327,8 +327,6 @@ def test_the_job_spec_takes_bf16_weights_with_bf16_training():
             ],
             "FSDP shards the weights here",
         ),  # even one process
-        # two ranks a node: FSDP shards over them (one process would train unwrapped)
-        (["precision.dtype=bf16", "parallel.strategy=fsdp"], "FSDP shards the weights here"),
     ],
 )
 def test_the_job_spec_refuses_bf16_weights_where_they_cannot_apply(
