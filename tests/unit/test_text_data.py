@@ -199,7 +199,6 @@ def test_other_local_ranks_wait_for_local_rank_0(tmp_path, assets, monkeypatch):
 @pytest.mark.parametrize(
     ("path", "tokenizer", "model", "refusal"),
     [
-        ("corpus", None, {}, "needs data.path .* and data.tokenizer"),
         (
             "corpus",
             "bert-base-uncased",
@@ -226,8 +225,7 @@ def test_text_specs_are_checked_when_the_job_loads(
 ):
     (tmp_path / "empty").mkdir()
     data = {"source": "text", "seq_len": SEQ, "path": str(assets.get(path, tmp_path / path))}
-    if tokenizer:
-        data["tokenizer"] = str(assets.get(tokenizer, tokenizer))
+    data["tokenizer"] = str(assets.get(tokenizer, tokenizer))
     model = {"arch": "bert", "size": "tiny", "vocab_size": 512, **model}
     file = tmp_path / "bad.yaml"
     file.write_text(
