@@ -6,6 +6,7 @@ import json
 import socket
 
 import pytest
+from fixtures.fake_launch import cpu_job
 
 from launcher.errors import PreflightError, SpecError
 from launcher.orchestrate.code import plan_code
@@ -214,10 +215,6 @@ def this_machine() -> ClusterSpec:
     return ClusterSpec.model_validate({"nodes": [{"name": "here", "host": socket.gethostname()}]})
 
 
-def cpu_job(**launch) -> JobSpec:
-    return JobSpec.model_validate({"name": "t", "resources": {"device": "cpu"}, "launch": launch})
-
-
 def test_this_machines_node_gets_the_whole_shell_less_what_the_launcher_owns():
     here = make(cpu_job(), this_machine(), env=SHELL).nodes[0]
     for name in ("MY_OWN", "HF_HOME", "WANDB_MODE", "PATH", "CUDA_HOME", "HF_TOKEN"):
@@ -248,7 +245,7 @@ def test_other_nodes_get_what_env_forward_matches():
 
 
 def test_env_forward_patterns_last_match_wins_and_spec_beats_shell():
-    job = cpu_job(env_forward=["MY_*", "HF_*", "!HF_TOKEN"], env={"HF_HOME": "/spec/hf"})
+    job = cpu_job({"env_forward": ["MY_*", "HF_*", "!HF_TOKEN"], "env": {"HF_HOME": "/spec/hf"}})
     there = make(job, local_and_remote(), env=SHELL).nodes[1]
     assert there.env["MY_OWN"] == "1" and "HF_TOKEN" not in there.env
     assert there.env["HF_HOME"] == "/spec/hf" and there.env_sources["HF_HOME"] == "job launch.env"
@@ -275,4 +272,4 @@ def test_forwarded_secrets_are_masked_in_render_and_json():
 
 def test_env_forward_refuses_what_is_no_name_pattern():
     with pytest.raises(ValueError, match="env_forward pattern"):
-        cpu_job(env_forward=["HF_*", "A=B"])
+        cpu_job({"env_forward": ["HF_*", "A=B"]})
