@@ -31,10 +31,6 @@ ROOT_CAUSE = [
 ]
 
 
-def job(**launch: object) -> JobSpec:
-    return cpu_job(launch)
-
-
 def step(rank: int, n: int) -> tuple[int, dict]:
     return rank, {"type": "step", "step": n, "time": float(n), "tokens": 10}
 
@@ -95,7 +91,7 @@ class FakeAgents(Agents):
 
 
 def two_node_plan():
-    return plan(job(), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
+    return plan(cpu_job(), two_nodes(), None, run_id="r", master_port=29500, launcher_env={})
 
 
 def watch(agents: FakeAgents, hang_timeout_s=None, **watcher):
@@ -304,8 +300,8 @@ def test_no_hang_without_the_watchdog():
 
 def attempts(tmp_path, agents: FakeAgents, **launch):
     run_dir = RunDir(tmp_path / "run")
-    run_dir.prepare(job(**launch), two_nodes())
-    launcher = Launch(job=job(**launch), cluster=two_nodes(), run_dir=run_dir, quiet=True)
+    run_dir.prepare(cpu_job(launch), two_nodes())
+    launcher = Launch(job=cpu_job(launch), cluster=two_nodes(), run_dir=run_dir, quiet=True)
     return launcher.run_attempts(agents), run_dir
 
 
