@@ -1,8 +1,6 @@
-"""The Triton kernels (``launcher.train.fused``, ``launcher.train.optim``) run by Triton's
-interpreter on CPU tensors (``TRITON_INTERPRET=1``, set in a subprocess before Triton is
-imported): their tiles, masks and custom ops, as the GPU tests check them on a GPU. The
-interpreter truncates casts to bf16, so bf16 results are compared to one bf16 step.
-"""
+"""The Triton kernels (``launcher.train.fused``, ``launcher.train.optim``) under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``, set in a subprocess); it truncates casts to bf16, so bf16
+results are compared to one bf16 step."""
 
 import os
 import subprocess

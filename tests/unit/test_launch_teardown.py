@@ -1,7 +1,6 @@
-"""Launch.execute's ending without Ray: fake agents and a fake session whose calls fail where a
-real run's can (a node that cannot start torchrun, a connection lost mid-run and again in the
-teardown). Whatever fails, every agent and the session are closed, summary.json is written and
-the error the user sees is the launcher's one paragraph, with its exit code."""
+"""Launch.execute's ending with fake agents and session failing where a real run's can: every agent
+and the session are closed, summary.json is written, and the error is one paragraph with its exit
+code."""
 
 from __future__ import annotations
 

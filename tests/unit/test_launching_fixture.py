@@ -1,8 +1,6 @@
-"""The integration tests' process finder (``fixtures.launching.ours``) finds a launch's torchrun
-and workers by the node folder their command lines name, as the launcher names it now
-(``<temp>/launcher-<run dir name>-<6 hex>-<node>-<random>``, with the agent's folder put in
-for the plan's ``{node_dir}``), and never another run's whose name only
-begins the same. The command lines are the plan's own; the processes are sleepers."""
+"""The integration tests' process finder (``fixtures.launching.ours``) finds a launch's torchrun and
+workers by the node folder their command lines name, never another run's whose name only begins the
+same (sleepers started with the plan's command lines)."""
 
 from __future__ import annotations
 

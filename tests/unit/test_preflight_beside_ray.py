@@ -1,7 +1,6 @@
-"""The preflight runs in a thread while Ray connects and, on a CPU job, the agents are placed
-(``Launch.preflight_beside_ray``): fake stages that wait for each other, a failed preflight that
-wins over Ray, an interrupt that stops the preflight's probes. Ray and the agents are faked; the
-real run is in test_launch_local."""
+"""The preflight in a thread beside Ray's start and the agents' placement
+(``Launch.preflight_beside_ray``), stages faked: a failed preflight wins over Ray's failure, an
+interrupt stops its probes. The real run: test_launch_local."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Specs: every shipped file validates; every file of the bad-input corpus fails with a
-SpecError (exit 2) whose one-paragraph message names the file and contains the substring
-of its first line (``# expect: ...``); ``--set`` overrides; job-vs-cluster checks; env values
-must be text (YAML's ``true``, ``1.10``, ``0022`` are refused with "quote it"); unreadable tagged
-values (``!!int 1e3``) and deep nesting are one-paragraph errors, exit 2."""
+"""Specs: shipped files validate; each bad-input corpus file fails with a one-paragraph SpecError
+(exit 2) naming the file and holding its ``# expect:`` text; ``--set``; job-vs-cluster checks; env
+values must be text; unreadable tagged values and deep nesting."""
 
 from __future__ import annotations
 

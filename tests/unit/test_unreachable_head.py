@@ -1,8 +1,6 @@
-"""A node that cannot be reached over SSH, where the launcher starts Ray on it or tunnels to its
-Jobs API: a PreflightError naming the node (exit 3), not a NodeError traceback. So a spare that
-fails this way is passed over, a first attempt's node stops the launch with one paragraph, and a
-job command on a cluster whose head is down says so (`launch submit` too: its Ray and jobs may
-run on; `launch down --yes` forgets it and names the nodes it could not stop Ray on)."""
+"""A node unreachable over SSH where Ray starts on it or the Jobs API tunnels to it: a
+PreflightError naming it (exit 3), no NodeError traceback; a spare is passed over; `launch down
+--yes` forgets it, naming the nodes it could not stop Ray on."""
 
 from __future__ import annotations
 
