@@ -70,24 +70,23 @@ def test_three_failures_say_what_failed_on_the_server(fake_ray):
 
 
 @pytest.mark.parametrize(
-    "error",
+    ("address", "error"),
     [
-        ConnectionError("ray client connection timeout"),
-        ConnectionAbortedError(
-            "Initialization failure from server:\nRuntimeError: Failed to create runtime_env for "
-            "Ray client server, it is caused by:\npip install failed"
+        ("ray://198.18.0.10:10001", ConnectionError("ray client connection timeout")),
+        (
+            "ray://198.18.0.10:10001",
+            ConnectionAbortedError(
+                "Initialization failure from server:\nRuntimeError: Failed to create runtime_env"
+                " for Ray client server, it is caused by:\npip install failed"
+            ),
         ),
+        ("198.18.0.10:6379", ConnectionAbortedError(SERVER_TRACEBACK)),  # a Ray node's address
     ],
 )
-def test_an_unreachable_cluster_or_a_bad_runtime_env_is_not_tried_again(fake_ray, error):
+def test_an_unreachable_cluster_a_bad_runtime_env_or_a_nodes_address_is_not_tried_again(
+    fake_ray, address, error
+):
     fake = fake_ray([error])
-    with pytest.raises(PreflightError, match="cannot attach to Ray at 'ray://198.18.0.10:10001'"):
-        _attach("ray://198.18.0.10:10001")
-    assert len(fake.inits) == 1
-
-
-def test_an_address_of_a_ray_node_is_not_tried_again(fake_ray):
-    fake = fake_ray([ConnectionAbortedError(SERVER_TRACEBACK)])
-    with pytest.raises(PreflightError):
-        _attach("198.18.0.10:6379")
+    with pytest.raises(PreflightError, match=f"cannot attach to Ray at '{address}'"):
+        _attach(address)
     assert len(fake.inits) == 1
