@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures import optim_cases as cases
+from fixtures.fake_launch import two_nodes
 from fixtures.optim_cases import BETAS, LR, groups
 from torch import nn
 
@@ -360,13 +361,10 @@ def test_refusal_at_knows_the_world_size_and_reruns_the_checks(tmp_path: Path):
     ddp = load_job(QUICKSTART, bf16)
     assert refusal_at(ddp, 8) is None
 
-    two_nodes = ClusterSpec.model_validate(
-        {"nodes": [{"name": "a", "host": "10.0.0.1"}, {"name": "b", "host": "10.0.0.2"}]}
-    )
     with pytest.raises(
         SpecError, match="on 2 ranks: precision.weights bf16 .*FSDP shards the weights here"
     ) as err:
-        check_fits(one, two_nodes, job_source=str(QUICKSTART))
+        check_fits(one, two_nodes(), job_source=str(QUICKSTART))
     assert err.value.exit_code == 2 and err.value.field == "precision.weights"
-    check_fits(one, ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}]}))
-    check_fits(ddp, two_nodes)
+    check_fits(one, ClusterSpec.this_machine())
+    check_fits(ddp, two_nodes())
