@@ -14,7 +14,7 @@ from launcher.preflight import NodeFacts
 from launcher.preflight.network import Route, choose_routes, is_loopback, route_cell
 from launcher.preflight.parity import evaluate
 from launcher.preflight.probe import interface_of
-from launcher.spec import ClusterSpec, JobSpec
+from launcher.spec import ClusterSpec, JobSpec, NodeSpec
 from launcher.util import free_port
 
 IFACES_HEAD = {"lo": ["127.0.0.1"], "eth0": ["198.18.0.10"], "docker0": ["172.17.0.1"]}
@@ -143,12 +143,9 @@ def test_one_node_and_no_routes_change_nothing():
 
 
 def test_master_address_keeps_an_ip_host():
-    spec = ClusterSpec.model_validate(
-        {"nodes": [{"name": "a", "host": "10.0.0.1"}, {"name": "b", "host": "10.0.0.2"}]}
-    )
     route = Route("eth0", "10.0.0.1", "10.9.9.9", "preflight: x", "10.0.0.1")
     expected = ("10.0.0.1", "cluster.yaml (the head's host)")
-    assert master_address(spec.nodes[0], {"a": route}) == expected
+    assert master_address(NodeSpec(name="a", host="10.0.0.1"), {"a": route}) == expected
 
 
 @pytest.mark.processes  # `ip -j addr`
