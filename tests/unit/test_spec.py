@@ -159,7 +159,8 @@ def test_relative_paths_are_taken_from_the_job_folder(tmp_path, monkeypatch):
     jobs = tmp_path / "jobs"
     jobs.mkdir()
     (jobs / "train.py").write_text("print('hi')\n")
-    (jobs / "tokens.bin").write_bytes(b"\0" * 64)
+    for name in ("tokens.bin", "val.bin"):
+        (jobs / name).write_bytes(b"\0" * 4096)
     monkeypatch.chdir(tmp_path)
     job = load_job(
         write(
@@ -174,14 +175,7 @@ def test_relative_paths_are_taken_from_the_job_folder(tmp_path, monkeypatch):
     assert job.entrypoint.args == ["--fast"]
     assert job.data.path == (jobs / "tokens.bin").resolve()
     assert not job.uses_builtin
-
-
-def test_held_out_token_files_are_taken_from_the_job_folder_and_checked(tmp_path, monkeypatch):
-    jobs = tmp_path / "jobs"
-    jobs.mkdir()
-    for name in ("tokens.bin", "val.bin"):
-        (jobs / name).write_bytes(b"\0" * 4096)
-    monkeypatch.chdir(tmp_path)
+    # held-out token files too, and they are checked
     text = "name: j\ndata: {source: tokens, path: tokens.bin, val_path: VAL, seq_len: 16}\n"
     text += "train: {eval_every: 10}\nresources: {device: cpu}\n"
     job = load_job(write(jobs, text.replace("VAL", "val.bin")))
