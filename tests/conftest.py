@@ -139,11 +139,7 @@ def _no_process_unless_marked(
     monkeypatch.setattr(subprocess.Popen, "_execute_child", recording_execute_child)
     monkeypatch.setattr(os, "fork", recording_fork)
     yield
-    record = os.environ.get("LAUNCHER_RECORD_PROCESSES")
-    if started and record:
-        with open(record, "a") as out:
-            out.write(f"{request.node.nodeid}\t{started[0]}\n")
-    elif started:
+    if started:
         pytest.fail(
             f"started a process ({started[0]}) without a marker: mark the test "
             f"{' / '.join(PROCESS_MARKERS)} (pyproject.toml) or keep it to pure logic"
