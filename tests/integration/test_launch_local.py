@@ -55,13 +55,13 @@ def no_python_here(tmp_path: Path, name: str) -> Path:
 def test_quickstart_end_to_end(tmp_path, mark):
     run_dir = tmp_path / f"run-{tmp_path.name}"
     run_dir.mkdir()  # an empty folder is a fine --run-dir
-    result = launch(str(ROOT / "jobs/quickstart.yaml"), "--run-dir", str(run_dir), cwd=ROOT)
+    quickstart = str(ROOT / "jobs/quickstart.yaml")
+    result = launch(quickstart, "--run-dir", str(run_dir), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Per rank" in result.stdout
-    for name in ("job.yaml", "cluster.yaml", "preflight/parity.txt", "preflight/local.json"):
+    for name in (*RUN_FILES, "job.yaml", "cluster.yaml", "preflight/parity.txt"):
         assert (run_dir / name).is_file(), name
-    for name in RUN_FILES:
-        assert (run_dir / name).is_file(), name
+    assert (run_dir / "preflight/local.json").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["world_size"] == 2 and summary["nodes"] == 1
     assert summary["failure"] is None
@@ -83,7 +83,6 @@ def test_quickstart_end_to_end(tmp_path, mark):
     assert_none_left(mark, run_dir.name)
     # the same --run-dir again: refused (exit 2) before anything starts, the first run untouched
     kept = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    quickstart = str(ROOT / "jobs/quickstart.yaml")
     again = launch(quickstart, "--run-dir", str(run_dir), cwd=ROOT, timeout=60)
     assert again.returncode == 2, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"--run-dir {run_dir} is not empty" in again.stderr and "Traceback" not in again.stderr
