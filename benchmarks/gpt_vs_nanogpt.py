@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from common import add_sets, environment, progress
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 50304  # the model's (GPT-2's 50257 rounded up to a multiple of 64)
 GPT2_TOKENS = 50257  # ids in the file: GPT-2's vocabulary
@@ -82,14 +84,7 @@ def main() -> None:
         help="extra --key=value arguments for nanoGPT (e.g. the "
         "CPU smoke test's --device=cpu --compile=False --n_layer=1)",
     )
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a job override for every row of ours (e.g. resources.device=cpu)",
-    )
+    add_sets(p, "a job override for every row of ours (e.g. resources.device=cpu)")
     p.add_argument(
         "--out", type=Path, default=None, help="folder for results.json, logs and run directories"
     )
@@ -123,11 +118,11 @@ def main() -> None:
 
     if not args.skip_nanogpt:
         results["nanogpt"] = run_nanogpt(args, tokens, out / "nanogpt", gpu)
-        report("nanogpt", results["nanogpt"])
+        progress("nanogpt", results["nanogpt"], 4)
         save()
     for name, sets in rows.items():
         results[name] = run_ours(args, tokens, out / name, [*args.sets, *sets], gpu)
-        report(name, results[name])
+        progress(name, results[name], 4)
         save()
     gpu.close()
     print(table(results))
@@ -396,18 +391,6 @@ def _num(value: float | None, spec: str) -> str:
     return "" if value is None else f"{value:{spec}}"
 
 
-def report(name: str, r: dict) -> None:
-    brief = {
-        k: (round(v, 4) if isinstance(v, float) else v)
-        for k, v in r.items()
-        if k not in ("error", "cmd")
-    }
-    print(
-        f"[{name}] {brief}" + (f"\n  error: {r['error'][-1500:]}" if "error" in r else ""),
-        flush=True,
-    )
-
-
 def run(
     cmd: list[str],
     log: Path,
@@ -447,25 +430,6 @@ def run(
         "lines": lines,
         "tail": tail,
         "wall_s": time.monotonic() - start,
-    }
-
-
-def environment() -> dict:
-    import torch
-
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    try:
-        import torchao
-
-        torchao_version = torchao.__version__
-    except ImportError:
-        torchao_version = None
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpus": gpus,
-        "torchao": torchao_version,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
 

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_sets, environment, progress
+
 ROOT = Path(__file__).resolve().parents[1]
 BERT_DDP, BERT_FSDP, GPT_FSDP = "jobs/bert_ddp.yaml", "jobs/bert_fsdp.yaml", "jobs/gpt_fsdp.yaml"
 
@@ -65,13 +67,9 @@ def main() -> None:
     p.add_argument(
         "--out", type=Path, default=None, help="folder for results.json and run directories"
     )
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a job override for every trainer run, e.g. train.profile.start_step=100 "
+    add_sets(
+        p,
+        "a job override for every trainer run, e.g. train.profile.start_step=100 "
         "(traces land in each run's folder: run/profile/ or profile/)",
     )
     args = p.parse_args()
@@ -85,14 +83,14 @@ def main() -> None:
         p.error(f"unknown run names {sorted(unknown)}; known: {', '.join(ALL_RUNS)}")
     names = [n for n in ALL_RUNS if not only or n in only]
     rounds: dict[str, list[dict]] = {n: [] for n in names}
-    env, planned = _env(), len(names) * args.repeat
+    env, planned = environment(), len(names) * args.repeat
     gpus = len(env["gpus"])
     for r in range(args.repeat):
         for name in names if r % 2 == 0 else names[::-1]:
             folder = out / (name if args.repeat == 1 else f"{name}.{r}")
             result = _one(name, args.steps, gpus, folder, args.sets)
             rounds[name].append(result)
-            _print_progress(name if args.repeat == 1 else f"{name} (round {r + 1})", result)
+            progress(name if args.repeat == 1 else f"{name} (round {r + 1})", result, 1)
             # Rewritten after every run: a bench stopped part-way keeps what it measured.
             summary = _summary(rounds, planned, env)
             (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -346,32 +344,6 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> dict:
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     return {"ok": proc.returncode == 0, "stdout": proc.stdout, "tail": tail, "wall_s": wall}
-
-
-def _env() -> dict:
-    import torch
-
-    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version()))
-        if torch.cuda.is_available()
-        else None,
-        "gpus": names,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-    }
-
-
-def _print_progress(name: str, result: dict) -> None:
-    brief = {
-        k: (round(v, 1) if isinstance(v, float) else v) for k, v in result.items() if k != "error"
-    }
-    print(
-        f"[{name}] {brief}" + (f"\n  error: {result['error'][-800:]}" if "error" in result else ""),
-        flush=True,
-    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch.distributed as dist
+from common import add_sets
 
 from launcher.spec import load_job
 from launcher.train.loop import Trainer
@@ -24,14 +25,7 @@ from launcher.train.meter import peak_memory_gib
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("job", help="a job file (the built-in trainer)")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a job override, as for launch",
-    )
+    add_sets(p, "a job override, as for launch")
     p.add_argument(
         "--warmup", type=int, default=30, help="untimed steps first (compilation, graph recording)"
     )
