@@ -41,15 +41,7 @@ def main() -> None:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 
     port = 6500 + os.getpid() % 400
-    ray_start = [
-        sys.executable,
-        "-m",
-        "ray.scripts.scripts",
-        "start",
-        "--head",
-        "--port",
-        str(port),
-    ]
+    ray_start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}"]
     started = subprocess.run(
         [*ray_start, "--include-dashboard=false", "--disable-usage-stats"],
         capture_output=True,
