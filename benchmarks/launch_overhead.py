@@ -57,14 +57,11 @@ def main() -> None:
         text=True,
         timeout=60,
     ).stdout.strip()
+    local = {"nodes": [{"name": "local", "host": "localhost"}]}
     attach = work / "attach-cluster.yaml"
-    attach.write_text(
-        yaml.safe_dump(
-            {"nodes": [{"name": "local", "host": "localhost"}], "ray": {"address": f"{ip}:{port}"}}
-        )
-    )
+    attach.write_text(yaml.safe_dump({**local, "ray": {"address": f"{ip}:{port}"}}))
     embedded = work / "cluster.yaml"
-    embedded.write_text(yaml.safe_dump({"nodes": [{"name": "local", "host": "localhost"}]}))
+    embedded.write_text(yaml.safe_dump(local))
 
     def launch(cluster: Path, *extra: str) -> list[str]:
         return [sys.executable, "-m", "launcher", args.job, "--cluster", str(cluster), *extra]

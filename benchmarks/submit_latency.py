@@ -49,15 +49,9 @@ def main() -> None:
 
     head = local_head(start=True)
     client = JobSubmissionClient(head.jobs_url, headers={"Authorization": f"Bearer {head.token()}"})
+    local = {"nodes": [{"name": "local", "host": "localhost"}]}
     attach = work / "attach-cluster.yaml"
-    attach.write_text(
-        yaml.safe_dump(
-            {
-                "nodes": [{"name": "local", "host": "localhost"}],
-                "ray": {"address": f"127.0.0.1:{head.gcs_port}"},
-            }
-        )
-    )
+    attach.write_text(yaml.safe_dump({**local, "ray": {"address": f"127.0.0.1:{head.gcs_port}"}}))
     fg_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": head.token_file}
 
     rows: dict[str, list[float]] = {}
