@@ -117,19 +117,16 @@ def test_fsdp_on_the_gpu_loads_the_folder_exactly(tmp_path, one_process_trainer_
     from launcher.train.loop import Trainer
 
     save_bert(tmp_path / "bert")
+    spec = {
+        "name": "gpu-load",
+        "model": {"init_from": str(tmp_path / "bert")},
+        "data": {"seq_len": 16},
+        "train": {"steps": 2, "warmup_steps": 1},
+        "parallel": {"strategy": "fsdp", "fsdp": {"cpu_offload": cpu_offload}},
+        "resources": {"device": "cuda", "nproc_per_node": 1},
+    }
     file = tmp_path / "job.yaml"
-    file.write_text(
-        yaml.safe_dump(
-            {
-                "name": "gpu-load",
-                "model": {"init_from": str(tmp_path / "bert")},
-                "data": {"seq_len": 16},
-                "train": {"steps": 2, "warmup_steps": 1},
-                "parallel": {"strategy": "fsdp", "fsdp": {"cpu_offload": cpu_offload}},
-                "resources": {"device": "cuda", "nproc_per_node": 1},
-            }
-        )
-    )
+    file.write_text(yaml.safe_dump(spec))
     job = load_job(file)
     with Trainer(job) as trainer:  # a world of one in this process (one_process_trainer_env)
         got = trainer.full_state_dict()

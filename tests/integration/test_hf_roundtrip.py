@@ -22,24 +22,17 @@ from launcher.spec import load_job  # noqa: E402
 def test_init_from_then_export_gives_back_the_same_tensors(tmp_path, arch, strategy):
     folder = tmp_path / "hf"
     (save_bert if arch == "bert" else save_gpt2)(folder)
+    spec = {
+        "name": "roundtrip",
+        "model": {"init_from": str(folder)},
+        "data": {"seq_len": 16},
+        "train": {"checkpoint": {"dir": str(tmp_path / "ckpt")}, "steps": 2, "warmup_steps": 1},
+        "parallel": {"strategy": strategy},
+        "precision": {"dtype": "fp32"},
+        "resources": {"device": "cpu", "nproc_per_node": 2},
+    }
     job = tmp_path / "job.yaml"
-    job.write_text(
-        yaml.safe_dump(
-            {
-                "name": "roundtrip",
-                "model": {"init_from": str(folder)},
-                "data": {"seq_len": 16},
-                "train": {
-                    "checkpoint": {"dir": str(tmp_path / "ckpt")},
-                    "steps": 2,
-                    "warmup_steps": 1,
-                },
-                "parallel": {"strategy": strategy},
-                "precision": {"dtype": "fp32"},
-                "resources": {"device": "cpu", "nproc_per_node": 2},
-            }
-        )
-    )
+    job.write_text(yaml.safe_dump(spec))
     run = ok(launch(tmp_path / "run", ["--job", str(job), "--save-untouched"]))
     assert "rank 0 read the folder" in run.output and "rank 1 read the folder" not in run.output
     assert "parameters on meta after loading: True" not in run.output
