@@ -138,7 +138,7 @@ class NetnsCluster:
         """A freshly generated private key that no node accepts."""
         path = self.dir / f"{name}_ed25519"
         if not path.exists():
-            _keygen(path)
+            keygen(path)
         return path
 
     # -- the cluster file ---------------------------------------------------------------------
@@ -289,7 +289,7 @@ class NetnsCluster:
     def _setup(self) -> None:
         reap_stale()
         self.dir.mkdir(mode=0o700, parents=True)
-        _keygen(self.ssh_key)
+        keygen(self.ssh_key)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
         with _machine_lock():
             self.subnet = _free_subnet(self.owner_pid)
@@ -335,7 +335,7 @@ class NetnsCluster:
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
         host_key = self.dir / f"{node}_host_ed25519"
-        _keygen(host_key)
+        keygen(host_key)
         self.authorized_keys(node).write_text(Path(f"{self.ssh_key}.pub").read_text())
         config = self.dir / f"{node}.sshd_config"
         config.write_text(
@@ -468,8 +468,10 @@ def _machine_lock():
         yield
 
 
-def _keygen(path: Path) -> None:
-    _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)])
+def keygen(path: Path, kind: str = "ed25519", passphrase: str = "") -> Path:
+    """A new ``kind`` key pair at ``path`` (and ``path``.pub)."""
+    _run(["ssh-keygen", "-q", "-t", kind, "-N", passphrase, "-C", path.name, "-f", str(path)])
+    return path
 
 
 def _netns_names() -> list[str]:

@@ -8,7 +8,6 @@ put it back, also on failure.
 from __future__ import annotations
 
 import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import paramiko
 import pytest
 from fixtures.launching import kill, processes, sigint_when
+from netns import keygen
 
 from launcher.remote import CommandResult, NodeError, fan_out
 from launcher.remote.ssh import SSHRunner
@@ -105,13 +105,6 @@ def test_an_unreadable_known_hosts_file_is_a_node_error_naming_it(cluster, tmp_p
     ):
         runner.run("echo hi", timeout=30)
     assert f"cannot read the known_hosts file {known}" in info.value.message
-
-
-def keygen(path: Path, kind: str, passphrase: str = "") -> Path:
-    subprocess.run(
-        ["ssh-keygen", "-q", "-t", kind, "-N", passphrase, "-f", str(path)], check=True, timeout=30
-    )
-    return path
 
 
 @pytest.mark.parametrize("kind", ["rsa", "ecdsa"])
