@@ -150,15 +150,10 @@ def test_gpu_job_on_cpu_nodes_and_first_k_nodes(cluster, tmp_path, capsys):
 
 
 def test_listed_package_differs_on_a_venv_node(cluster, tmp_path, fixture_venvs, capsys):
+    versions = {"node0": "1.0", "node1": "1.0", "node2": "2.0"}
+    nodes = {n: {"python": str(cluster.node_python(fixture_venvs[v]))} for n, v in versions.items()}
     path, spec = write_cluster(
-        cluster,
-        tmp_path,
-        nodes={
-            "node0": {"python": str(cluster.node_python(fixture_venvs["1.0"]))},
-            "node1": {"python": str(cluster.node_python(fixture_venvs["1.0"]))},
-            "node2": {"python": str(cluster.node_python(fixture_venvs["2.0"]))},
-        },
-        parity={"packages": ["parity-fixture"]},
+        cluster, tmp_path, nodes=nodes, parity={"packages": ["parity-fixture"]}
     )
     report = run_preflight(spec, deep=False)
     assert report.verdict == "parity FAILED: node2 differs in parity-fixture (2.0 vs 1.0)"
