@@ -156,11 +156,8 @@ def start_ray_head(out: Path, env: dict[str, str]) -> tuple[subprocess.Popen, in
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 120
-    probe = [
-        sys.executable,
-        "-c",
-        f"import ray; ray.init(address='127.0.0.1:{port}'); ray.shutdown()",
-    ]
+    connect = f"import ray; ray.init(address='127.0.0.1:{port}'); ray.shutdown()"
+    probe = [sys.executable, "-c", connect]
     while subprocess.run(probe, env=env, capture_output=True).returncode:
         if head.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"ray start --head failed; see {out / 'ray-head.log'}")

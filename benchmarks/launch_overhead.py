@@ -67,18 +67,16 @@ def main() -> None:
         return [sys.executable, "-m", "launcher", args.job, "--cluster", str(cluster), *extra]
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    ray_alone = (
+        "import ray; ray.init(address='local', include_dashboard=False, log_to_driver=False)"
+    )
     commands = {
         "bare torchrun": [*torchrun, str(nproc), "-m", "launcher.train", "--job", args.job],
         "launch, attach, --skip-parity": launch(attach, "--skip-parity"),
         "launch, attach": launch(attach),
         "launch, embedded, --skip-parity": launch(embedded, "--skip-parity"),
         "launch, embedded": launch(embedded),
-        "Ray start+stop alone": [
-            sys.executable,
-            "-c",
-            "import ray; ray.init(address='local', "
-            "include_dashboard=False, log_to_driver=False); ray.shutdown()",
-        ],
+        "Ray start+stop alone": [sys.executable, "-c", f"{ray_alone}; ray.shutdown()"],
     }
     times: dict[str, list[float]] = {k: [] for k in commands}
     try:
