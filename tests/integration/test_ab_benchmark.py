@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.launching import sets
 
 REPO = Path(__file__).resolve().parents[2]
 AB = REPO / "benchmarks" / "ab.py"
+WHERE = "import launcher; print(launcher.__file__)"
 
 pytestmark = pytest.mark.skipif(
     not (REPO / ".git").exists(), reason="needs a git checkout (the tool exports a revision)"
@@ -33,12 +35,8 @@ def ab(tmp_path: Path, *command: str, base: str = "HEAD") -> dict:
 def test_a_process_started_elsewhere_imports_its_trees_launcher(tmp_path: Path):
     """What the built-in trainer's workers under ``launch`` do: they start in another folder and
     find ``launcher`` through PYTHONPATH, which must name the run's own tree."""
-    result = ab(
-        tmp_path,
-        "sh",
-        "-c",
-        f"cd {tmp_path} && {sys.executable} -c 'import launcher; print(launcher.__file__)'",
-    )
+    script = f"cd {tmp_path} && {sys.executable} -c '{WHERE}'"
+    result = ab(tmp_path, "sh", "-c", script)
     base, this = result["runs"]
     assert (base["tree"], this["tree"]) == ("base", "this tree")
     base_file = Path(base["log"]).read_text().strip()
@@ -49,18 +47,8 @@ def test_a_process_started_elsewhere_imports_its_trees_launcher(tmp_path: Path):
 
 
 def test_the_trainer_in_both_trees_and_its_ratio(tmp_path: Path):
-    result = ab(
-        tmp_path,
-        sys.executable,
-        "-m",
-        "launcher.train",
-        "--job",
-        "jobs/quickstart.yaml",
-        "--set",
-        "train.steps=4",
-        "--set",
-        "train.warmup_steps=1",
-    )
+    train = [sys.executable, "-m", "launcher.train", "--job", "jobs/quickstart.yaml"]
+    result = ab(tmp_path, *train, *sets("train.steps=4", "train.warmup_steps=1"))
     assert [r["returncode"] for r in result["runs"]] == [0, 0]
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in result["runs"])  # no CPU MFU
     base, this = result["runs"]
@@ -73,13 +61,7 @@ def test_a_folder_as_the_base_is_run_as_it_is(tmp_path: Path):
     tree = tmp_path / "base-tree" / "launcher"
     tree.mkdir(parents=True)
     (tree / "__init__.py").write_text("")
-    result = ab(
-        tmp_path,
-        sys.executable,
-        "-c",
-        "import launcher; print(launcher.__file__)",
-        base=str(tree.parent),
-    )
+    result = ab(tmp_path, sys.executable, "-c", WHERE, base=str(tree.parent))
     base, this = result["runs"]
     assert Path(base["log"]).read_text().strip() == str(tree / "__init__.py") == base["launcher"]
     assert Path(this["log"]).read_text().strip() == str(REPO / "launcher" / "__init__.py")
