@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import QUICK, assert_none_left, kill, launch, ours, write_job
+from fixtures.launching import QUICK, assert_none_left, kill, launch, ours, sets, write_job
 
 from launcher.metrics import read_records
 from launcher.results.summary import RANK_KEYS
@@ -145,12 +145,9 @@ def test_a_diverging_quickstart_stops_with_exit_4_naming_the_step(tmp_path, mark
     """A loss that goes NaN by step 5: every rank stops at the first log step that reads a
     non-finite step, and the summary says which."""
     run_dir = tmp_path / f"run-{tmp_path.name}"
-    result = launch(
-        str(ROOT / "jobs/quickstart.yaml"),
-        *("--set", "train.lr=1.0", "--set", "train.weight_decay=1e30"),
-        *("--set", "train.steps=40", "--run-dir", str(run_dir)),
-        cwd=ROOT,
-    )
+    diverging = sets("train.lr=1.0", "train.weight_decay=1e30", "train.steps=40")
+    quickstart = str(ROOT / "jobs/quickstart.yaml")
+    result = launch(quickstart, *diverging, "--run-dir", str(run_dir), cwd=ROOT)
     assert result.returncode == 4, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
