@@ -384,15 +384,11 @@ class NetnsCluster:
         if not self.login_node or self._index(node) == 0:
             return ssh_answers(self.host(node))
         probe = (
-            "import socket,sys\n"
-            "try:\n"
-            f"    s = socket.create_connection(({self.host(node)!r}, 22), timeout=1.0)\n"
-            "    sys.exit(0 if s.recv(4).startswith(b'SSH-') else 1)\n"
-            "except OSError:\n"
-            "    sys.exit(1)\n"
+            f"from netns import ssh_answers; raise SystemExit(not ssh_answers({self.host(node)!r}))"
         )
         argv = ["ip", "netns", "exec", self.namespace("node0"), sys.executable, "-c", probe]
-        return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent)}
+        return subprocess.run(argv, capture_output=True, timeout=30, env=env).returncode == 0
 
     def _inner_addr(self, last: int) -> ipaddress.IPv4Address:
         assert self.inner_subnet is not None, "not a login_node cluster, or not started"
