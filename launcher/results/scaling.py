@@ -255,6 +255,10 @@ def plot_scaling(table: dict, path: Path) -> Path:
         if rated:
             ax_eff.axhline(100.0, linestyle="--", color="grey", label="ideal (100%)")
             ax_eff.plot(*_efficiency(rated), "o-", color="tab:orange", label="measured")
+        noisy = [p for p in rated if p.get("noisy")]
+        if noisy:
+            label = "noisy: repeat (--repeat)"
+            ax_eff.plot(*_efficiency(noisy), "x", color="red", markersize=12, label=label)
         for ax in (ax_tp, ax_eff):
             ax.set_xlabel("ranks (world size)")
             if ranks:
@@ -270,10 +274,6 @@ def plot_scaling(table: dict, path: Path) -> Path:
             if base_ranks
             else "efficiency"
         )
-        noisy = [p for p in rated if p.get("noisy")]
-        if noisy:
-            label = "noisy: repeat (--repeat)"
-            ax_eff.plot(*_efficiency(noisy), "x", color="red", markersize=12, label=label)
         top = max([110.0] + [105.0 * p["efficiency"] for p in rated])
         ax_eff.set_ylim(0, top)
         fig.tight_layout()

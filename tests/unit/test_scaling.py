@@ -20,6 +20,7 @@ from launcher.orchestrate.records import Status
 from launcher.results.scaling import (
     build_table,
     load_scaling,
+    plot_scaling,
     render_scaling,
     scale_job,
     write_scaling,
@@ -228,6 +229,23 @@ def test_write_scaling_files_and_valid_png(tmp_path):
         "efficiency",
     } <= set(rows[0])
     assert float(rows[3]["efficiency"]) == pytest.approx(28_000.0 / 8 / 4_000.0)
+
+
+def test_the_plot_names_noisy_points_in_its_legend(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    t = study(tmp_path)
+    t["points"][1]["noisy"] = "rank 1: p95 step 3.1x its p50"
+    named: list[str] = []
+    legend = matplotlib.axes.Axes.legend
+
+    def spy(self, *args, **kwargs):
+        named.extend(self.get_legend_handles_labels()[1])
+        return legend(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", spy)
+    plot_scaling(t, tmp_path / "scaling.png")
+    assert "noisy: repeat (--repeat)" in named and "ideal (100%)" in named
 
 
 @pytest.mark.parametrize(
