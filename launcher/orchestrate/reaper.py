@@ -64,13 +64,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_gone(pids: list[int], grace_s: float) -> None:
+    """Return once none of ``pids`` is alive, or after ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(POLL_S / 2)
+
+
 def kill_after(pid: int, grace_s: float, family: list[int] | None = None) -> None:
     """Give ``pid`` and its descendants (and ``family``, those seen before: a worker whose
     torchrun has exited is no descendant any more) ``grace_s`` to exit, then SIGKILL every one left."""
     family = family or [pid, *descendants(pid)]
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(p) for p in family):
-        time.sleep(POLL_S / 2)
+    wait_gone(family, grace_s)
     signal_all([p for p in [pid, *descendants(pid), *family] if alive(p)], signal.SIGKILL)
 
 
@@ -79,9 +84,7 @@ def end_noted(noted: dict[int, int], grace_s: float) -> None:
     time (never a process that took a dead one's pid), SIGKILL to those left after ``grace_s``."""
     left = [pid for pid, start in noted.items() if alive(pid) and started(pid) == start]
     signal_all(left, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(p) for p in left):
-        time.sleep(POLL_S / 2)
+    wait_gone(left, grace_s)
     signal_all([p for p in left if alive(p) and started(p) == noted[p]], signal.SIGKILL)
 
 
