@@ -7,6 +7,7 @@ repeat; each run gets its own run directory inside the study directory.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,17 @@ def scale(
         )
         session = open_session(cluster, list(used), code)
         try:
-            launch = {"session": session, "code": code, "facts": facts, "skip_parity": skip_parity}
+            launch = partial(
+                Launch,
+                cluster=cluster,
+                session=session,
+                code=code,
+                facts=facts,
+                skip_parity=skip_parity,
+                quiet=True,
+            )
             for point_job in jobs:
-                measured.append(_point(point_job, cluster, out_dir, repeat, **launch))
+                measured.append(_point(point_job, out_dir, repeat, launch))
         finally:
             session.close()
     except KeyboardInterrupt:
@@ -100,11 +109,9 @@ def _point_job(job: JobSpec, n_nodes: int, nproc: int, base_world: int, mode: st
     return point_job
 
 
-def _point(
-    point_job: JobSpec, cluster: ClusterSpec, out_dir: Path, repeat: int, **launch: Any
-) -> dict:
-    """Every repeat of one point, run with ``launch`` (Launch's session, code, facts and
-    skip_parity); a failed repeat is None in ``repeats`` (a run that failed, or one the launcher
+def _point(point_job: JobSpec, out_dir: Path, repeat: int, launch: partial[Launch]) -> dict:
+    """Every repeat of one point, each a ``launch`` (``Launch`` given all but the job and the
+    run directory); a failed repeat is None in ``repeats`` (a run that failed, or one the launcher
     could not start: its run directory says why), and the study goes on."""
     n_nodes, nproc = point_job.resources.nodes, point_job.resources.nproc_per_node
     assert isinstance(n_nodes, int) and isinstance(nproc, int)
@@ -129,9 +136,7 @@ def _point(
         )
         entry["run_dirs"].append(str(run_dir))
         try:
-            outcome = Launch(
-                job=point_job, cluster=cluster, run_dir=RunDir(run_dir), quiet=True, **launch
-            ).execute()
+            outcome = launch(job=point_job, run_dir=RunDir(run_dir)).execute()
         except Interrupted:
             raise KeyboardInterrupt from None
         except LauncherError as err:  # e.g. Ray could not place this point's agents
