@@ -119,17 +119,13 @@ def _allocated(job, cluster, args: argparse.Namespace):  # noqa: ANN001, ANN202
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from launcher.jobs import commands
-    from launcher.orchestrate.run import dry_run
+    from launcher.jobs import batch, commands
 
-    job, cluster = _load(args)
     if args.dry_run:
-        print(dry_run(job, cluster, skip_parity=args.skip_parity))
-        return 0
+        return cmd_plan(args)
+    job, cluster = _load(args)
     cluster_file = args.cluster or ("cluster.yaml" if Path("cluster.yaml").is_file() else None)
     if cluster.slurm is not None:
-        from launcher.jobs import batch
-
         assert cluster_file is not None  # a slurm: cluster comes from a file
         batch.submit(
             job,
@@ -205,12 +201,10 @@ def _run_dir_of(args: argparse.Namespace) -> Path:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from launcher.jobs import commands
+    from launcher.jobs import batch, commands
 
     cluster = _load_cluster(args)
     if cluster.slurm is not None:
-        from launcher.jobs import batch
-
         return batch.stop(args.job_id)
     return commands.stop(cluster, args.job_id)
 
