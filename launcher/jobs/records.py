@@ -54,27 +54,21 @@ def cluster_record(cluster: ClusterSpec) -> Path:
     return folder / f"{head.host}-{cluster.ray.port}.json"
 
 
-@contextlib.contextmanager
-def cluster_lock(cluster: ClusterSpec) -> Iterator[None]:
+def cluster_lock(cluster: ClusterSpec) -> contextlib.AbstractContextManager[None]:
     """One process at a time reads, bootstraps and saves (or stops and forgets) this cluster's
     record (``clusters/<head host>-<gcs port>.lock``)."""
-    with locked(cluster_record(cluster).with_suffix(".lock")):
-        yield
+    return locked(cluster_record(cluster).with_suffix(".lock"))
 
 
-@contextlib.contextmanager
-def jobs_lock(cluster: ClusterSpec) -> Iterator[None]:
+def jobs_lock(cluster: ClusterSpec) -> contextlib.AbstractContextManager[None]:
     """The jobs lock of the launcher's Ray for ``cluster`` (none for an attached Ray): held by a
     submission until Ray has the job and by ``launch down`` until Ray is stopped. Apart from the
     head's lock, which is taken inside it: ``status`` does not wait for an upload."""
     if cluster.ray.address is not None:
-        yield
-    elif cluster.all_local:
-        with locked(local_folder() / ".jobs.lock"):
-            yield
-    else:
-        with locked(cluster_record(cluster).with_suffix(".jobs.lock")):
-            yield
+        return contextlib.nullcontext()
+    if cluster.all_local:
+        return locked(local_folder() / ".jobs.lock")
+    return locked(cluster_record(cluster).with_suffix(".jobs.lock"))
 
 
 # in a cluster's record, beside its spec: node name -> address
