@@ -243,12 +243,8 @@ def rules(arch: str, dims: dict[str, int]) -> list[Rule]:
         norm("embed.ln", "embeddings.LayerNorm")
         for i in range(dims["n_layers"]):
             p, o = f"encoder.layer.{i}.", f"blocks.{i}."
-            linear(
-                o + "attn.qkv",
-                tuple(p + f"attention.self.{n}" for n in ("query", "key", "value")),
-                d,
-                d,
-            )
+            qkv = tuple(p + f"attention.self.{n}" for n in ("query", "key", "value"))
+            linear(o + "attn.qkv", qkv, d, d)
             linear(o + "attn.proj", p + "attention.output.dense", d, d)
             norm(o + "ln1", p + "attention.output.LayerNorm")
             linear(o + "mlp.fc", p + "intermediate.dense", ff, d)
