@@ -521,8 +521,7 @@ def _prepare_reaper() -> None:
     """In the reaper's process before exec: ``_prepare_child``, and SIGTERM ignored until the
     reaper sets its handler (an ignored signal stays ignored across exec)."""
     _prepare_child()
-    with contextlib.suppress(OSError):
-        # SIG_IGN
+    with contextlib.suppress(OSError):  # SIG_IGN
         ctypes.CDLL("libc.so.6", use_errno=True).signal(signal.SIGTERM, ctypes.c_void_p(1))
 
 
@@ -533,8 +532,7 @@ def _prepare_child() -> None:
     with contextlib.suppress(OSError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.signal(signal.SIGINT, ctypes.c_void_p(0))  # SIG_DFL: Ray's may ignore or block it
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, 0)
-    with contextlib.suppress(OSError):  # SIGINT neither ignored nor blocked, as Ray's may be
-        ctypes.CDLL("libc.so.6", use_errno=True).signal(signal.SIGINT, ctypes.c_void_p(0))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
