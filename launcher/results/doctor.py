@@ -1,11 +1,5 @@
 """``launch doctor RUN_DIR``: what made a run slow, most costly first, each with its evidence and
-the setting to change.
-
-It reads only what the run recorded: ``summary.json``, ``metrics/``, ``telemetry/``,
-``preflight/``, ``plan.json``, ``job.yaml`` and ``logs/``. Each finding carries an estimate of
-the share of the run's time it cost; the gap to the MFU this trainer reaches on the GPU counts
-only what the other findings leave unexplained.
-"""
+the setting to change, from what the run recorded alone (docs/diagnosis.md lists the checks)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""A run's metrics and parameters logged to one MLflow run, in batches.
-
-A tracking server (http, https) is written to through MLflow's REST API with the standard
-library; any other tracking URI (a folder, sqlite:, ...) through the mlflow package (the
-mlflow extra). A store that fails is a warning: values wait for the next flush while the
-server does not answer, and what could not be sent is said at the end.
-"""
+"""A run's metrics and parameters logged to one MLflow run, in batches: a tracking server through
+its REST API, any other store through the mlflow package (docs/diagnosis.md, "MLflow")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""One rank's metrics records folded as they arrive, into what its summary row, the training
-summary, the checkpoint summary and the restart figures need.
-
-The launcher keeps one of these per rank and attempt instead of the records themselves, so its
-memory stays flat however long the run: the step times kept for the percentiles are capped at
-``KEPT`` per rank (past that, an evenly spaced half of them is kept each time the cap is reached).
-"""
+"""One rank's metrics records folded as they arrive, into what its summary row, the training,
+checkpoint and restart summaries need: the launcher's memory stays flat however long the run."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Metrics records as scalar series, for TensorBoard and MLflow: one series per rank, one for
-the job (once every rank has reported a step), one per GPU from the node telemetry.
-
-Each step record gives its numeric fields as they are (loss, lr, grad_norm, eval_loss,
-peak_mem_gib, sm_clock_mhz, power_w, a script's own ``report(..., accuracy=)``) and the rates
-derived from it: tokens_per_s, samples_per_s, step_time_ms, data_wait_pct, tflops, mfu.
-"""
+the job, one per GPU (docs/diagnosis.md, "What is logged")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Stragglers while a run goes: each rank's recent time per step against the other ranks'.
-
-A rank's time per step is its own compute time where its records carry ``compute_s`` (a rank
-that waits for others in an all-reduce is not slow), else its wall time per step. A rank whose
-mean over its last ``WINDOW`` steps exceeds the median of the other ranks' by more than
-``THRESHOLD``, in ``CONFIRM`` of its records in a row, is a straggler.
-"""
+"""Stragglers while a run goes: each rank's recent time per step against the other ranks'
+(docs/diagnosis.md, "Stragglers while the run goes")."""
 
 from __future__ import annotations
 

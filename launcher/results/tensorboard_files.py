@@ -1,10 +1,5 @@
-"""TensorBoard event files of a run: ``tensorboard/<series>/events.out.tfevents.*``, one
-folder (a TensorBoard run) per series, so each chart overlays the job and its ranks.
-
-Written with the ``tensorboard`` package's protobufs and record framing (the tensorboard
-extra), appended in batches without a writer thread per file. A restart is a SessionLog START
-event at the step the series goes on from.
-"""
+"""TensorBoard event files of a run, one folder (a TensorBoard run) per series, written with the
+``tensorboard`` package's protobufs (docs/diagnosis.md, "TensorBoard")."""
 
 from __future__ import annotations
 
