@@ -1,9 +1,5 @@
-"""Loaded by every Python process the launcher's torchrun starts (the agent puts this folder first
-on ``PYTHONPATH``): in a torchrun worker, a fault handler that writes every thread's stack to
-``$LAUNCHER_STACKS_DIR/rank<RANK>.txt`` on a signal (and before SIGTERM ends it), so a hang is
-explained without ptrace or any change to the script. Standard library only; then the
-interpreter's own ``sitecustomize``, if there is one, is loaded as usual.
-"""
+"""Loaded by every Python process the launcher's torchrun starts: in a worker, a fault handler
+that dumps every thread's stack on a signal (docs/diagnosis.md, "Hangs"). Standard library only."""
 
 import os
 import sys

@@ -1,9 +1,5 @@
-"""The nodes of a Slurm allocation as a cluster: the current one, or one asked for and released.
-
-Inside an allocation (``SLURM_JOB_ID`` set) the job runs on its nodes. Outside, the launcher
-asks for one as ``salloc --no-shell`` does, says the job id and its pending reason while it
-waits, and cancels it at the end, on failure and on Ctrl-C.
-"""
+"""The nodes of a Slurm allocation as a cluster: the current one, or one asked for (as
+``salloc --no-shell`` does) and released at the end (docs/clusters.md, "Slurm")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Which interface each node's workers talk on: chosen from the route each node has to the head.
-
-A node reaches the head through one interface; gloo must bind there, not to the address the
-host name resolves to (often loopback). Pure: it reads probes' ``route`` and ``interfaces``.
-
-    routes, problems = choose_routes(probes, origin="preflight")
-"""
+"""Which interface each node's workers talk on, chosen from each node's route to the head
+(docs/clusters.md, "The network the workers use"). Pure: it reads the probes."""
 
 from __future__ import annotations
 

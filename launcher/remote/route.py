@@ -1,9 +1,5 @@
-"""Which SSH hops reach a node: the cluster file and the user's SSH config merged.
-
-The cluster file wins where it sets a value (as ``ssh``'s command line beats its config);
-the SSH config fills the rest; OpenSSH's defaults come last. ``ProxyJump`` hosts are looked
-up in the config in turn, their own ``ProxyJump`` included.
-"""
+"""Which SSH hops reach a node: the cluster file, then the user's SSH config, then OpenSSH's
+defaults (docs/clusters.md, "SSH as users configure it")."""
 
 from __future__ import annotations
 
