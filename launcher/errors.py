@@ -16,11 +16,7 @@ EXIT_INTERRUPTED = 130
 class LauncherError(Exception):
     """Base class: a user-facing failure with an exit code."""
 
-    exit_code = 1
-
-    def __init__(self, message: str):
-        super().__init__(message)  # str(err) is the message
-        self.message = message
+    exit_code = 1  # str(err) is the message
 
 
 class SpecError(LauncherError):
@@ -33,7 +29,6 @@ class SpecError(LauncherError):
         if field:
             where += f", field '{field}'"
         super().__init__(f"{where}: {message}")
-        self.source = source
         self.field = field
 
 

@@ -184,12 +184,8 @@ def _metric_key(key: str) -> str:
 
 
 class RestStore:
-    """A tracking server through MLflow's REST API (``/api/2.0/mlflow/...``).
-
-    Credentials as the mlflow client takes them: ``MLFLOW_TRACKING_TOKEN`` (bearer), or
-    ``MLFLOW_TRACKING_USERNAME`` and ``MLFLOW_TRACKING_PASSWORD`` (or a user in the URI);
-    ``MLFLOW_TRACKING_SERVER_CERT_PATH`` and ``MLFLOW_TRACKING_INSECURE_TLS`` for TLS.
-    """
+    """A tracking server through MLflow's REST API (``/api/2.0/mlflow/...``), with credentials
+    from the environment as the mlflow client reads them (docs/diagnosis.md lists them)."""
 
     def __init__(self, tracking_uri: str):
         parts = urllib.parse.urlsplit(tracking_uri)
