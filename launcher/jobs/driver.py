@@ -244,11 +244,8 @@ def _with_shipped_code(job: JobSpec, shipped: Path) -> JobSpec:
         return job
     workdir = Path(entry.workdir) if entry.workdir is not None else Path(entry.script).parent
     script = shipped / Path(entry.script).relative_to(workdir)
-    return job.model_copy(
-        update={
-            "entrypoint": entry.model_copy(update={"workdir": str(shipped), "script": str(script)})
-        }
-    )
+    moved = entry.model_copy(update={"workdir": str(shipped), "script": str(script)})
+    return job.model_copy(update={"entrypoint": moved})
 
 
 def _done(status: Status, summary: dict[str, Any], run_dir: RunDir | None) -> dict[str, Any]:
