@@ -101,13 +101,11 @@ def state(job_id: str) -> dict[str, Any]:
     queued = _squeue(job_id)
     summary = _summary(run_dir)
     if queued is not None:
-        slurm_state, reason = queued
-        status = SLURM_STATES.get(slurm_state, "RUNNING")
+        status = SLURM_STATES.get(queued[0], "RUNNING")
+    elif record.get("stopped"):
+        status = "STOPPED"
     else:
-        reason = None
         status = SUMMARY_STATES.get(str(summary.get("status")), "FAILED")
-        if record.get("stopped"):
-            status = "STOPPED"
     totals = summary.get("totals") or {}
     steps = [r.get("steps") for r in summary.get("ranks", []) if r.get("steps")]
     return {
@@ -120,7 +118,7 @@ def state(job_id: str) -> dict[str, Any]:
         "mfu": totals.get("mfu"),
         "run_dir": str(run_dir),
         "failure": summary.get("failure"),
-        "reason": reason if status == "PENDING" else None,
+        "reason": queued[1] if queued is not None and status == "PENDING" else None,
     }
 
 
