@@ -321,8 +321,7 @@ def _nproc(job: JobSpec, node: NodeSpec, facts: NodeFacts | None) -> int:
 def _entry_argv(job: JobSpec, code: CodePlan | None) -> list[str]:
     if job.script_entry is None:
         return ["-m", "launcher.train", "--job", f"{NODE_DIR}/job.yaml"]
-    if code is None:
-        raise ValueError("a script entrypoint needs its CodePlan (code.plan_code)")
+    assert code is not None, "a script entrypoint needs its CodePlan (code.plan_code)"
     return [code.script, *job.script_entry.args]
 
 
@@ -339,9 +338,8 @@ def _worker_env(
     sources: dict[str, str] = {}
 
     def put(items: Mapping[str, str], source: str) -> None:
-        for key, value in items.items():
-            env[key] = value
-            sources[key] = source
+        env.update(items)
+        sources.update(dict.fromkeys(items, source))
 
     if job.backend == "nccl":
         trace = f"{NODE_DIR}/{STACKS_SUBDIR}/nccl_trace_rank_"
