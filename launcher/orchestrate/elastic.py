@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from pydantic import ValidationError
-
 from launcher.errors import SpecError
 from launcher.results.rankstats import RankStats
 from launcher.spec import JobSpec, NodeSpec
+from launcher.spec.job import refusal_at
 
 NODE_LOCAL_ROOTS = ("/tmp", "/dev/shm", "/run", "/var/run")  # private to each machine
 
@@ -75,18 +74,15 @@ def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
     accum = global_batch // (micro * world)
     if accum == job.train.grad_accum:
         return job
-    # Validated again: the spec's cross-checks may refuse the new grad_accum (bf16 weights need 1).
-    data = job.model_dump()
-    data["train"]["grad_accum"] = accum
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as err:
-        problem = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+    # Checked again: the spec's cross-checks may refuse the new grad_accum (bf16 weights need 1).
+    resized = job.model_copy(update={"train": job.train.model_copy(update={"grad_accum": accum})})
+    if (problem := refusal_at(resized, world)) is not None:
         raise RestartRefused(
             f"keeping the global batch of {global_batch} samples on {world} ranks needs train.grad_accum "
             f"{accum}, which the job cannot run with: {problem}. Set train.elastic_batch: scale to keep "
             f"grad_accum instead"
-        ) from None
+        )
+    return resized
 
 
 def with_steps(
