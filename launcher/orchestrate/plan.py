@@ -282,16 +282,6 @@ def gpus_per_node(
     return worker_counts(job, nodes, facts)
 
 
-def declared_workers(job: JobSpec, node: NodeSpec) -> int | None:
-    """Workers per node known without probing it, or None where only the preflight can tell."""
-    per_node = job.resources.nproc_per_node
-    if isinstance(per_node, int):
-        return per_node
-    if job.resources.device == "cpu":
-        return 1
-    return node.gpus if isinstance(node.gpus, int) else None
-
-
 # -- internals ------------------------------------------------------------------------------
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from launcher.errors import Interrupted, JobFailed, LauncherError, SpecError, UsageError
 from launcher.orchestrate.code import plan_code
-from launcher.orchestrate.plan import declared_workers
 from launcher.orchestrate.ray_cluster import open_session
 from launcher.orchestrate.records import Status
 from launcher.orchestrate.run import Launch
@@ -21,6 +20,7 @@ from launcher.orchestrate.rundir import RunDir
 from launcher.preflight import preflight_facts
 from launcher.results.scaling import build_table, scale_job, write_scaling
 from launcher.spec import ClusterSpec, JobSpec
+from launcher.spec.fit import declared_workers
 from launcher.spec.job import refusal_at
 from launcher.util import utc_stamp
 

@@ -52,20 +52,22 @@ def check_fits(job: JobSpec, cluster: ClusterSpec, *, job_source: str = "job") -
             )
     if job.uses_builtin:
         # At least this many ranks (nproc_per_node auto: the GPUs a node declares, else 1).
-        per_node = job.resources.nproc_per_node
-        world = sum(
-            per_node
-            if isinstance(per_node, int)
-            else node.gpus
-            if job.resources.device == "cuda" and isinstance(node.gpus, int)
-            else 1
-            for node in nodes
-        )
+        world = sum(declared_workers(job, node) or 1 for node in nodes)
         refusal = refusal_at(job, world)
         if refusal is not None:  # the job's own checks passed: one that needs the world size
             raise SpecError(
                 f"on {world} ranks: {refusal}", source=job_source, field="precision.weights"
             )
+
+
+def declared_workers(job: JobSpec, node: NodeSpec) -> int | None:
+    """Workers per node known without probing it, or None where only the preflight can tell."""
+    per_node = job.resources.nproc_per_node
+    if isinstance(per_node, int):
+        return per_node
+    if job.resources.device == "cpu":
+        return 1
+    return node.gpus if isinstance(node.gpus, int) else None
 
 
 def gpus_needed(node: NodeSpec, job: JobSpec | None) -> int:
