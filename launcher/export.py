@@ -57,12 +57,11 @@ def read_model_state(path: Path) -> dict:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {}
-    for key, meta in metadata.items():
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
-            state[key.removeprefix("model.")] = torch.empty(
-                tuple(meta.size), dtype=meta.properties.dtype
-            )
+    state = {
+        key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
     if not state:
         raise SpecError("the checkpoint holds no model tensors", source=str(path))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is

@@ -82,13 +82,9 @@ def _visible(nvml: Any) -> list[tuple[int, Any]]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(nvml.nvmlDeviceGetCount())]
-    out = []
-    for i, item in enumerate(x.strip() for x in visible.split(",") if x.strip()):
-        if item.isdigit():
-            out.append((i, nvml.nvmlDeviceGetHandleByIndex(int(item))))
-        else:
-            out.append((i, nvml.nvmlDeviceGetHandleByUUID(item)))
-    return out
+    items = [x.strip() for x in visible.split(",") if x.strip()]
+    by_index, by_uuid = nvml.nvmlDeviceGetHandleByIndex, nvml.nvmlDeviceGetHandleByUUID
+    return [(i, by_index(int(x)) if x.isdigit() else by_uuid(x)) for i, x in enumerate(items)]
 
 
 def _clock_limits(nvml: Any, h: Any) -> list[str]:
