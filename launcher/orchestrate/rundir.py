@@ -120,9 +120,8 @@ class RunDir:
 
     def rank_log(self, node: str, rank: int | None) -> Path:
         """A rank's log, or (``rank`` None) the node's torchrun lines."""
-        return (
-            self.root / "logs" / node / (f"rank{rank}.log" if rank is not None else "torchrun.log")
-        )
+        name = f"rank{rank}.log" if rank is not None else "torchrun.log"
+        return self.root / "logs" / node / name
 
     def stderr_log(self, node: str, rank: int) -> Path:
         """A rank's stderr alone (its lines are in ``rank_log`` too)."""

@@ -20,7 +20,6 @@ class UnknownHostKeyError(paramiko.SSHException):
 
     def __init__(self, hostname: str, key: paramiko.PKey):
         super().__init__(f"Server {hostname!r} not found in known_hosts")
-        self.hostname = hostname
         self.key = key
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import UsageError
-from launcher.metrics import read_records
+from launcher.metrics import FILE_PATTERN, rank_of, read_records
 from launcher.results.summary import load_run
 
 
@@ -27,11 +27,10 @@ def plot_run(run_dir: Path) -> Path:
     slow = {s["rank"] for s in summary.get("stragglers") or []}
     slow |= set((summary.get("totals") or {}).get("straggler_ranks") or [])
     series: dict[int, tuple[list[int], list[float | None], list[float]]] = {}
-    for path in sorted((Path(run_dir) / "metrics").glob("rank*.jsonl")):
-        rank = path.stem.removeprefix("rank")
+    for path in sorted((Path(run_dir) / "metrics").glob(FILE_PATTERN)):
         steps = [r for r in read_records(path) if r.get("type") == "step"]
-        if rank.isdigit() and steps:
-            series[int(rank)] = _points(steps)
+        if (rank := rank_of(path.name)) is not None and steps:
+            series[rank] = _points(steps)
     if not series:
         raise UsageError(f"{run_dir} has no step records in metrics/ to plot")
     fig, (ax_loss, ax_tok) = plt.subplots(1, 2, figsize=(12, 4.5))
