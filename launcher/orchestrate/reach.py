@@ -12,8 +12,6 @@ import threading
 from launcher.preflight.network import is_loopback
 from launcher.preflight.probe import interfaces
 
-__all__ = ["REACH_TIMEOUT_S", "Listener", "reach"]
-
 REACH_TIMEOUT_S = 5.0  # per connection; the whole check stays well under 15 s
 
 
