@@ -19,10 +19,8 @@ from pathlib import Path
 
 
 def first_line(err: BaseException) -> str:
-    """The first non-empty line of an error's message, for one-paragraph messages and logs.
-
-    Never raises: an exception without a message (``TimeoutError()``) gives its type's name.
-    """
+    """The first non-empty line of an error's message, for one-paragraph messages and logs;
+    its type's name for an exception without a message (``TimeoutError()``)."""
     for line in str(err).splitlines():
         if line.strip():
             return line.strip()

@@ -201,18 +201,13 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class Rule:
-    """One built-in parameter and the Hugging Face tensor(s) it is made of.
-
-    Several ``hf`` names are concatenated along dim 0 (BERT's query, key and value make the
-    fused QKV). ``transpose``: GPT-2's Conv1D stores its weight as (in, out), nn.Linear as
-    (out, in). ``shape`` is each Hugging Face tensor's shape.
-    """
+    """One built-in parameter and the Hugging Face tensor(s) it is made of."""
 
     ours: str
-    hf: tuple[str, ...]
-    shape: tuple[int, ...]
-    transpose: bool = False
-    head: bool = False
+    hf: tuple[str, ...]  # several: concatenated along dim 0 (BERT's query, key, value: the QKV)
+    shape: tuple[int, ...]  # each Hugging Face tensor's
+    transpose: bool = False  # GPT-2's Conv1D stores (in, out), nn.Linear (out, in)
+    head: bool = False  # part of the MLM head, which a BertModel folder lacks
 
 
 def rules(arch: str, dims: dict[str, int]) -> list[Rule]:
