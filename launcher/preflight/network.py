@@ -13,17 +13,13 @@ from launcher.preflight.probe import interface_of
 
 @dataclass(frozen=True)
 class Route:
-    """Where a node's workers bind: ``interface`` and its ``address``, and why (``source``).
-
-    ``head`` is the head's name or address that was routed to; ``master_ip`` that head's
-    address as the other nodes reach it.
-    """
+    """Where a node's workers bind: ``interface`` and its ``address``, and why (``source``)."""
 
     interface: str
     address: str
-    master_ip: str
+    master_ip: str  # the head's address as the other nodes reach it
     source: str
-    head: str
+    head: str  # the head's name or address that was routed to
 
     def to_json(self) -> dict[str, str]:
         return asdict(self)
