@@ -87,20 +87,17 @@ class LaunchPlan:
 
     def ranks(self) -> list[dict[str, Any]]:
         """The rank layout: one entry per global rank."""
-        out = []
-        for node in self.nodes:
-            for local_rank, rank in enumerate(node.ranks):
-                device = f"cuda:{local_rank}" if self.device == "cuda" else "cpu"
-                out.append(
-                    {
-                        "rank": rank,
-                        "node": node.name,
-                        "host": node.host,
-                        "local_rank": local_rank,
-                        "device": device,
-                    }
-                )
-        return out
+        return [
+            {
+                "rank": rank,
+                "node": node.name,
+                "host": node.host,
+                "local_rank": local_rank,
+                "device": f"cuda:{local_rank}" if self.device == "cuda" else "cpu",
+            }
+            for node in self.nodes
+            for local_rank, rank in enumerate(node.ranks)
+        ]
 
     def to_json(self) -> dict[str, object]:
         """plan.json, secrets masked."""
