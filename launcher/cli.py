@@ -349,6 +349,9 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
     parser.add_argument("--version", action="version", version=f"launch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def flag(p: argparse.ArgumentParser, name: str, help: str) -> None:
+        p.add_argument(name, action="store_true", help=help)
+
     def command(name: str, help: str) -> argparse.ArgumentParser:
         """A command's parser; ``cmd_<name>`` runs it (looked up now: tests replace it)."""
         p = sub.add_parser(name, parents=[common], help=help)
@@ -363,33 +366,23 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
         p.add_argument("job", help="job spec (YAML)")
         p.add_argument("--cluster", help=CLUSTER_HELP)
         sets(p, "train.steps=50")
-        p.add_argument(
-            "--skip-parity",
-            action="store_true",
-            help="skip the preflight parity check (GPU counts from cluster.yaml)",
-        )
+        flag(p, "--skip-parity", "skip the preflight parity check (GPU counts from cluster.yaml)")
 
     p = command("run", "preflight, then launch the job (the default)")
     job_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
+    flag(p, "--dry-run", "print the plan and start nothing")
     p.add_argument("--run-dir", type=Path, help="put this run's directory exactly here")
-    p.add_argument(
-        "--keep-ray", action="store_true", help="leave a Ray cluster the launcher started running"
-    )
-    p.add_argument(
-        "--detach", action="store_true", help="submit it as a detached job (= launch submit)"
-    )
-    p.add_argument(
-        "--json", action="store_true", help="with --detach: print {job_id, name, cluster, run_dir}"
-    )
+    flag(p, "--keep-ray", "leave a Ray cluster the launcher started running")
+    flag(p, "--detach", "submit it as a detached job (= launch submit)")
+    flag(p, "--json", "with --detach: print {job_id, name, cluster, run_dir}")
 
     p = command("submit", "preflight here, then run the job detached on the cluster's Ray Jobs")
     job_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the plan and submit nothing")
+    flag(p, "--dry-run", "print the plan and submit nothing")
     p.add_argument(
         "--run-dir", type=Path, help="the run directory on the head (default runs/<job id>)"
     )
-    p.add_argument("--json", action="store_true", help="print {job_id, name, cluster, run_dir}")
+    flag(p, "--json", "print {job_id, name, cluster, run_dir}")
 
     def jobs_parser(name: str, help: str, *, job_id: str = "required") -> argparse.ArgumentParser:
         """A job command: the job id (``required``, ``optional`` or ``none``) and --cluster."""
@@ -404,9 +397,9 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
         return p
 
     p = jobs_parser("status", "a detached job's state (all jobs without ID)", job_id="optional")
-    p.add_argument("--json", action="store_true", help="print the state as JSON")
+    flag(p, "--json", "print the state as JSON")
     p = jobs_parser("list", "the launcher's detached jobs, newest first", job_id="none")
-    p.add_argument("--json", action="store_true", help="print the jobs as JSON")
+    flag(p, "--json", "print the jobs as JSON")
     p = jobs_parser("logs", "a detached job's driver output")
     p.add_argument(
         "--follow",
@@ -417,7 +410,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
     p.add_argument("--rank", type=int, help="that rank's output (ID may be a run directory)")
     p.add_argument("--node", help="that node's ranks' output, each line marked with its rank")
     p = jobs_parser("doctor", "what made a run slow, most costly first (ID or a run directory)")
-    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    flag(p, "--json", "print the findings as JSON")
     jobs_parser("stop", "stop a detached job as Ctrl-C stops a foreground run")
     p = jobs_parser("fetch", "copy a detached job's run directory from the head here")
     p.add_argument("--to", type=Path, help="where to put it (default runs/<job id>)")
@@ -427,7 +420,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
         job_id="none",
     )
     p = jobs_parser("down", "stop the Ray the launcher started for detached jobs", job_id="none")
-    p.add_argument("--yes", action="store_true", help="also stop jobs that still run")
+    flag(p, "--yes", "also stop jobs that still run")
 
     p = command("plan", "preflight and the exact per-node commands; starts nothing")
     job_args(p)
@@ -435,8 +428,8 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
     p = command("check", "environment parity table of the cluster's nodes")
     p.add_argument("--cluster", help=CLUSTER_HELP)
     p.add_argument("--job", help="also check what this job needs (GPUs, interfaces)")
-    p.add_argument("--fast", action="store_true", help="skip the torch/CUDA/cuDNN/NCCL checks")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    flag(p, "--fast", "skip the torch/CUDA/cuDNN/NCCL checks")
+    flag(p, "--json", "print the report as JSON")
 
     p = command("scale", "scaling study: one run per point")
     job_args(p)
@@ -456,11 +449,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Collection[str]]:
     p = command("report", "re-render a finished run's (or study's) tables")
     p.add_argument("run_dir", help="a run directory or a scaling study directory")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
-    p.add_argument(
-        "--plot",
-        action="store_true",
-        help="a run: steps.png, loss and tokens/s per rank (plot extra)",
-    )
+    flag(p, "--plot", "a run: steps.png, loss and tokens/s per rank (plot extra)")
 
     p = command("export", "a run's checkpoint as a Hugging Face model folder")
     p.add_argument("run_dir", type=Path, help="the run directory (holds job.yaml)")
