@@ -22,15 +22,8 @@ def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (torchrun's workers run in sessions of their own)."""
     children: dict[int, list[int]] = collections.defaultdict(list)
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children[ppid].append(int(entry))
+        if entry.isdigit() and (fields := _stat(entry)):
+            children[int(fields[1])].append(int(entry))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -42,11 +35,8 @@ def descendants(pid: int) -> list[int]:
 def started(pid: int) -> int | None:
     """When ``pid`` started (clock ticks since boot): with the pid, a process's identity (a pid
     alone may have been reused). None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = _stat(pid)
+    return int(fields[19]) if len(fields) > 19 else None
 
 
 def signal_all(pids: list[int], sig: signal.Signals) -> None:
@@ -57,11 +47,18 @@ def signal_all(pids: list[int], sig: signal.Signals) -> None:
 
 def alive(pid: int) -> bool:
     """Running (a zombie is not)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z"
+
+
+def _stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first); none when the
+    process is gone."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
 
 
 def wait_gone(pids: list[int], grace_s: float) -> None:
