@@ -398,11 +398,10 @@ def interface_of(address: str, found: dict[str, list[str]]) -> str | None:
 
 
 def disk_free() -> dict[str, Any]:
-    out = {}
-    for label, path in (("home", os.path.expanduser("~")), ("tmp", tempfile.gettempdir())):
-        usage = shutil.disk_usage(path)
-        out[label] = {"path": path, "free_gib": round(usage.free / 2**30, 1)}
-    return out
+    return {
+        label: {"path": path, "free_gib": round(shutil.disk_usage(path).free / 2**30, 1)}
+        for label, path in (("home", os.path.expanduser("~")), ("tmp", tempfile.gettempdir()))
+    }
 
 
 # -- the deep part (torch) ---------------------------------------------------------------------
