@@ -555,14 +555,8 @@ def run(
     UsageError (2) for a workdir that cannot travel or a ``run_dir`` that is not empty."""
     code = checked_code(job, cluster)
     where = RunDir.claim(run_dir) if run_dir else RunDir.new(job.name)
-    outcome = Launch(
-        job=job,
-        cluster=cluster,
-        run_dir=where,
-        code=code,
-        skip_parity=skip_parity,
-        keep_ray=keep_ray,
-    ).execute()
+    launch = Launch(job, cluster, where, code, skip_parity=skip_parity, keep_ray=keep_ray)
+    outcome = launch.execute()
     print(f"Run directory: {outcome.run_dir}", flush=True)
     if outcome.status is Status.INTERRUPTED:
         raise Interrupted(
