@@ -414,11 +414,8 @@ def _status_lines(summary: dict) -> str:
             lines.append("Last lines of its log:")
             lines += ["  | " + line for line in str(tail).rstrip("\n").splitlines()[-20:]]
     for r in summary.get("restarts") or []:
-        resumed = (
-            ""
-            if r.get("resumed_from_step") is None
-            else f", resumed from step {r['resumed_from_step']}"
-        )
+        step = r.get("resumed_from_step")
+        resumed = "" if step is None else f", resumed from step {step}"
         lost = "" if r.get("lost_steps") is None else f" ({r['lost_steps']} step(s) redone)"
         lines.append(
             f"Restart {r['attempt']}: {r['reason']}; went on with {len(r['nodes'])} node(s) "
