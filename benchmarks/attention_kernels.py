@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import parser, write_json
 from tabulate import tabulate
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -250,9 +251,7 @@ def kernels_by_shape() -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument(
         "--fa4-bwd-tiles",
@@ -265,9 +264,8 @@ def main() -> None:
         default=300.0,
         help="seconds for --fa4-bwd-tiles (compilation included)",
     )
-    p.add_argument(
-        "--fa4-bwd-tiling", help=argparse.SUPPRESS
-    )  # one tiling, in the sweep's child process
+    # one tiling, in the sweep's child process
+    p.add_argument("--fa4-bwd-tiling", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fa4_bwd_tiling:
         Path(args.out).write_text(json.dumps(fa4_bwd_tiling(args.fa4_bwd_tiling)))
@@ -280,9 +278,7 @@ def main() -> None:
         }
     else:
         results = kernels_by_shape()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -14,18 +14,17 @@ import argparse
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from common import launch_run, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--job", default=str(ROOT / "jobs/gpt.yaml"))
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--every", default="10,50", help="checkpoint intervals, comma-separated")
@@ -71,10 +70,7 @@ def _run(
             f"train.checkpoint.async={'true' if mode == 'async' else 'false'}",
             f"train.checkpoint.write_threads={threads}",
         ]
-    cmd = [sys.executable, "-m", "launcher", "run", args.job, "--run-dir", str(out / name)]
-    for item in sets:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(launch_run(args.job, out / name, sets), capture_output=True, text=True)
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
     try:
         if proc.returncode != 0:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from common import parser
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -35,9 +36,7 @@ from launcher.train.model import build_model
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--threads", default="1,2,4")
     p.add_argument("--repeats", type=int, default=3)

@@ -1,9 +1,21 @@
-"""What several benchmarks share: their ``--set`` option, the versions they record, progress."""
+"""What several benchmarks share: their options, the ``launch run`` command, the versions they
+record, progress and JSON output."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose help shows the script's docstring as written."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def add_sets(parser: argparse.ArgumentParser, help: str) -> None:
@@ -11,6 +23,34 @@ def add_sets(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help=help
     )
+
+
+def kernel_bench_args(doc: str, sweep_help: str) -> argparse.Namespace:
+    """--sweep and --out, for a benchmark of the Triton kernels; exits where they cannot run."""
+    import torch
+
+    from launcher.train import fused
+
+    p = parser(doc)
+    p.add_argument("--sweep", action="store_true", help=sweep_help)
+    p.add_argument("--out", help="write the figures as JSON here")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or not fused.available(torch.empty(0, device="cuda")):
+        raise SystemExit("needs a CUDA GPU and Triton")
+    return args
+
+
+def launch_run(job: str | Path, run_dir: Path, sets: Iterable[str], *extra: str) -> list[str]:
+    """The argv of ``launch run JOB --run-dir RUN_DIR EXTRA... --set S...``."""
+    overrides = [a for s in sets for a in ("--set", s)]
+    launch = [sys.executable, "-m", "launcher", "run", str(job), "--run-dir", str(run_dir)]
+    return [*launch, *extra, *overrides]
+
+
+def write_json(path: str | Path | None, doc: dict) -> None:
+    """``doc`` as indented JSON at ``path``, where there is one."""
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=2))
 
 
 def environment() -> dict:

@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+from common import launch_run
+
 
 def launch(job: str, run_dir: Path, telemetry_s: str, steps: int) -> float:
     sets = ["resources.nproc_per_node=1", f"train.steps={steps}"]
     sets.append(f"launch.env.LAUNCHER_TELEMETRY_S={telemetry_s}")
-    cmd = [sys.executable, "-m", "launcher", "run", job, "--run-dir", str(run_dir)]
-    cmd += [a for s in sets for a in ("--set", s)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(launch_run(job, run_dir, sets), check=True, stdout=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())
     return float(summary["totals"]["tokens_per_s"])
 

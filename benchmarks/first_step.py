@@ -21,7 +21,6 @@ Writes ``first_step.json`` in --out and prints one table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import launch_run, parser
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_STAGES = ("start", "run dir", "preflight", "ray", "agents")
 
@@ -37,11 +38,8 @@ LAUNCHER_STAGES = ("start", "run dir", "preflight", "ray", "agents")
 def run_once(
     job: str, run_dir: Path, env: dict[str, str], overrides: list[str], cluster: Path | None = None
 ) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "launcher", "run", job, "--run-dir", str(run_dir)]
-    if cluster is not None:
-        cmd += ["--cluster", str(cluster)]
-    for item in overrides:
-        cmd += ["--set", item]
+    extra = () if cluster is None else ("--cluster", str(cluster))
+    cmd = launch_run(job, run_dir, overrides, *extra)
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.time() - t0
@@ -79,9 +77,7 @@ def stages(run_dir: Path, t0: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--job", default=str(ROOT / "jobs/gpt.yaml"))
     p.add_argument("--scenarios", default="cold,before,warm,node,head")
     p.add_argument("--steps", type=int, default=30)

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import add_sets, environment, progress
+from common import add_sets, environment, parser, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 50304  # the model's (GPT-2's 50257 rounded up to a multiple of 64)
@@ -42,9 +42,7 @@ FP8_ROWS = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps on each side")
     p.add_argument(
         "--warmup", type=int, default=30, help="steps left out of the throughput (compilation)"

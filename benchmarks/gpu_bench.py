@@ -9,7 +9,6 @@ How it measures: docs/performance.md, under its name.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import add_sets, environment, progress
+from common import add_sets, environment, parser, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 BERT_DDP, BERT_FSDP, GPT_FSDP = "jobs/bert_ddp.yaml", "jobs/bert_fsdp.yaml", "jobs/gpt_fsdp.yaml"
@@ -48,9 +47,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument(
         "--steps", type=int, default=200, help="optimizer steps per trainer run (30 are warm-up)"
     )

@@ -12,7 +12,6 @@ each with and without the preflight (``--skip-parity``), plus Ray's own start-up
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,14 +22,13 @@ import time
 from pathlib import Path
 
 import yaml
+from common import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--job", default=str(ROOT / "jobs/quickstart.yaml"))
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()

@@ -5,10 +5,9 @@
 How it measures: docs/performance.md, under its name.
 """
 
-import json
-
 import torch
-from mlp_kernels import kernel_bench_args, replayed_ms
+from common import kernel_bench_args, write_json
+from mlp_kernels import replayed_ms
 from tabulate import tabulate
 
 from launcher.train import fused
@@ -122,9 +121,7 @@ def main() -> None:
         "dlogits max diff",
     ]
     print(tabulate(table, headers=headers))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,10 @@
 How it measures: docs/performance.md, under its name.
 """
 
-import argparse
-import json
 import statistics
 
 import torch
+from common import kernel_bench_args, write_json
 from tabulate import tabulate
 
 from launcher.train import fused
@@ -96,19 +95,6 @@ def measure(rows: int, d_ff: int, approximate: str, bias: bool, sweep: bool) -> 
     return out
 
 
-def kernel_bench_args(doc: str, sweep_help: str) -> argparse.Namespace:
-    """--sweep and --out, for a benchmark of the Triton kernels; exits where they cannot run."""
-    p = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--sweep", action="store_true", help=sweep_help)
-    p.add_argument("--out", help="write the figures as JSON here")
-    args = p.parse_args()
-    if not torch.cuda.is_available() or not fused.available(torch.empty(0, device="cuda")):
-        raise SystemExit("needs a CUDA GPU and Triton")
-    return args
-
-
 def main() -> None:
     args = kernel_bench_args(__doc__, "also time the kernels' tile configurations")
     results, table = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}, []
@@ -136,9 +122,7 @@ def main() -> None:
             table, headers=["shape", "bias + GELU", "fwd ms", "fwd GB/s", "bwd ms", "bwd GB/s"]
         )
     )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

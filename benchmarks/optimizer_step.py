@@ -5,11 +5,10 @@
 How it measures: docs/performance.md, under its name.
 """
 
-import argparse
-import json
 import statistics
 
 import torch
+from common import kernel_bench_args, write_json
 from tabulate import tabulate
 
 from launcher.spec.job import ModelSpec
@@ -92,16 +91,7 @@ def bf16_step(model, block: int | None = None, warps: int | None = None) -> tupl
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--sweep", action="store_true", help="also time the update's block sizes and warps"
-    )
-    p.add_argument("--out", help="write the figures as JSON here")
-    args = p.parse_args()
-    if not torch.cuda.is_available() or optim.triton is None:
-        raise SystemExit("needs a CUDA GPU and Triton")
+    args = kernel_bench_args(__doc__, "also time the update's block sizes and warps")
     rows, out = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name, fn in (
         ("fp32 weights (fused AdamW + casts)", fp32_step),
@@ -119,9 +109,7 @@ def main() -> None:
                 label = f"  MasterAdamW BLOCK={block} warps={warps}"
                 rows.append([label, f"{ms:.3f}", f"{nbytes / ms / 1e9:.2f}"])
     print(tabulate(rows, headers=["GPT-2 124M optimizer step", "ms", "TB/s"]))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=2)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

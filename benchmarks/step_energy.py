@@ -7,13 +7,14 @@ How it measures: docs/performance.md, under its name.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from common import parser
 
 from launcher.metrics import read_records
 
@@ -320,9 +321,7 @@ def _f(value: float | None, spec: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument(
         "--seconds", type=float, default=3.0, help="measured seconds a part (after 1 s settling)"
     )

@@ -8,7 +8,6 @@ How it measures: docs/performance.md, under its name.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 import yaml
+from common import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_STEP = "/rank0] step "
@@ -27,9 +27,7 @@ OVERRIDES = tuple(a for s in SETS for a in ("--set", s))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--job", default=str(ROOT / "jobs/quickstart.yaml"))
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()

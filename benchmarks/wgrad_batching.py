@@ -8,10 +8,10 @@ How it measures: docs/performance.md, under its name.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from common import parser
 from step_energy import LAYERS, LINEARS, TOKENS, measure
 
 from launcher.train import wgrad
@@ -38,9 +38,7 @@ def _check(ran: bool) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
