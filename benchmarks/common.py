@@ -75,6 +75,11 @@ def environment() -> dict:
     }
 
 
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``; empty for None."""
+    return "" if value is None else format(value, spec)
+
+
 def progress(name: str, result: dict, digits: int) -> None:
     """One line for a finished run: its result (floats to ``digits``) and its error's tail."""
     brief = {

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import add_sets, environment, parser, progress
+from common import add_sets, environment, fmt, parser, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 50304  # the model's (GPT-2's 50257 rounded up to a multiple of 64)
@@ -379,14 +379,10 @@ def table(results: dict) -> str:
         lines.append(
             f"{name:<24}{r['tokens_per_s']:>12,.0f}{speed:>12}{100 * r['mfu']:>8.1f}"
             f"{r['step_ms_p50']:>13.2f}{r['loss']:>9.4f}{dloss:>9}"
-            f"{_num(g.get('sm_clock_mhz'), '.0f'):>8}{_num(g.get('power_capped_pct'), '.0f'):>10}"
-            f"{_num(g.get('power_w'), '.0f'):>6}{_num(r.get('energy_mj_per_token'), '.3f'):>10}{per_joule:>8}"
+            f"{fmt(g.get('sm_clock_mhz'), '.0f'):>8}{fmt(g.get('power_capped_pct'), '.0f'):>10}"
+            f"{fmt(g.get('power_w'), '.0f'):>6}{fmt(r.get('energy_mj_per_token'), '.3f'):>10}{per_joule:>8}"
         )
     return "\n".join(lines)
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "" if value is None else f"{value:{spec}}"
 
 
 def run(

@@ -115,22 +115,11 @@ def _summary(rounds: dict[str, list[dict]], planned: int, env: dict) -> dict:
 def _one(name: str, steps: int, gpus: int, folder: Path, extra_sets: list[str]) -> dict:
     """One run of ``name``; a dict with its throughput, or ``error`` / ``skipped``."""
     if name in PAIRS:
+        pair = "--device cuda --size base --seq 512 --micro-batch 32 --steps 40 --warmup 15 --json"
         cmd = [
             sys.executable,
             str(ROOT / "benchmarks/trainer_vs_hf.py"),
-            "--device",
-            "cuda",
-            "--size",
-            "base",
-            "--seq",
-            "512",
-            "--micro-batch",
-            "32",
-            "--steps",
-            "40",
-            "--warmup",
-            "15",
-            "--json",
+            *pair.split(),
             *PAIRS[name],
         ]
         res, data = _run_json(cmd, Path(f"{folder}.log"))

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import parser
+from common import fmt, parser
 
 from launcher.metrics import read_records
 
@@ -268,11 +268,11 @@ def table(rows: list[dict], groups: dict, whole: dict | None) -> str:
             r["name"],
             r["count"],
             f"{r['ms']:.4f}",
-            _f(r.get("tflops"), ".0f"),
-            _f(r.get("sm_clock_mhz"), ".0f"),
-            _f(r.get("power_w"), ".0f"),
-            _f(r.get("mj"), ".3f"),
-            _f(r.get("pj_per_flop"), ".3f"),
+            fmt(r.get("tflops"), ".0f"),
+            fmt(r.get("sm_clock_mhz"), ".0f"),
+            fmt(r.get("power_w"), ".0f"),
+            fmt(r.get("mj"), ".3f"),
+            fmt(r.get("pj_per_flop"), ".3f"),
             f"{r['ms_per_step']:.3f}",
             f"{r['j_per_step']:.3f}",
         ]
@@ -311,13 +311,9 @@ def table(rows: list[dict], groups: dict, whole: dict | None) -> str:
     watts = summed["j_per_step"] / (summed["ms_per_step"] / 1e3)
     kinds.append(kind("sum of the parts", summed, "100%", f"{watts:.0f}"))
     if whole:
-        kinds.append(kind("the trainer's step", whole, "", _f(whole.get("power_w"), ".0f")))
+        kinds.append(kind("the trainer's step", whole, "", fmt(whole.get("power_w"), ".0f")))
     headers = ["kind", "ms a step", "J a step", "share of J", "W"]
     return parts + "\n\n" + tabulate(kinds, headers=headers, disable_numparse=True)
-
-
-def _f(value: float | None, spec: str) -> str:
-    return "" if value is None else format(value, spec)
 
 
 def main() -> None:
