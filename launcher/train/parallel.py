@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -310,15 +309,13 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``'s result, with the norm from ``grad_norm``; returns
-    the total norm before clipping."""
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s result, with the L2 norm from ``grad_norm``;
+    returns the total norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
-    total = grad_norm(params, norm_type)
+    total = grad_norm(params)
     coef = clip_coefficient(total, max_norm)
     local = [_local(p.grad) for p in params if p.grad is not None]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -351,45 +348,37 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The total norm of all gradients, a 0-d tensor on their device (no host sync). FSDP2's
-    ``Shard`` gradients on a 1-D mesh: a foreach norm of the local shards and one scalar
-    all-reduce; anything else: torch's ``get_total_norm``."""
+def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The total L2 norm of all gradients, a 0-d tensor on their device (no host sync).
+    FSDP2's ``Shard`` gradients on a 1-D mesh: a foreach norm of the local shards and one
+    scalar all-reduce; anything else: torch's ``get_total_norm``."""
     from torch.distributed.tensor import DTensor, Shard
 
     grads: list[torch.Tensor] = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     if not isinstance(grads[0], DTensor):
-        return torch.nn.utils.get_total_norm(grads, norm_type)
+        return torch.nn.utils.get_total_norm(grads)
     mesh = grads[0].device_mesh
     if mesh.ndim != 1 or not all(
         isinstance(g, DTensor) and g.device_mesh == mesh and isinstance(g.placements[0], Shard)
         for g in grads
     ):
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        total = torch.nn.utils.get_total_norm(grads)
         return total.full_tensor() if isinstance(total, DTensor) else total
-    norm_type = float(norm_type)
     local = [g.to_local() for g in grads if isinstance(g, DTensor)]
-    # The local norm in fp32; empty shards left out (the inf-norm kernel rejects them).
+    # The local norm in fp32; empty shards left out.
     nonempty = [t for t in local if t.numel()]
     if nonempty:
-        local_norm = torch.nn.utils.get_total_norm(
-            nonempty, norm_type, foreach=_foreach_ok(nonempty)
-        )
+        local_norm = torch.nn.utils.get_total_norm(nonempty, foreach=_foreach_ok(nonempty))
         local_norm = local_norm.to(device=local[0].device, dtype=torch.float32)
     else:
         local_norm = torch.zeros((), device=local[0].device)
     group = mesh.get_group()
-    if math.isinf(norm_type):
-        total = local_norm.clone()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        return total
-    total = local_norm**norm_type
+    total = local_norm.square()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    return total ** (1.0 / norm_type)
+    return total.sqrt()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

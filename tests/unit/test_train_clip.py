@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -31,14 +30,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
         results = []
-        for norm_type, max_norm in [(2.0, 0.05), (2.0, 1e6), (1.0, 0.1), (math.inf, 0.01)]:
+        for max_norm in (0.05, 1e6):
             ref, sharded = _model(), _model()
             fully_shard(sharded[2], mesh=init_device_mesh("cpu", (world,)))
             fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)))
             ref(x).square().sum().backward()
             sharded(x).square().sum().backward()
-            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
-            got = clip_grad_norm_(sharded.parameters(), max_norm, norm_type)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            got = clip_grad_norm_(sharded.parameters(), max_norm)
             grads = [p.grad.full_tensor() for p in sharded.parameters()]
             results.append((want, got, [p.grad for p in ref.parameters()], grads))
         if rank == 0:
