@@ -135,15 +135,6 @@ def global_index(micro, rank: int, j, *, world_size: int, micro_batch: int):
     return micro * (world_size * micro_batch) + rank * micro_batch + j
 
 
-def global_indices(
-    *, micro: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
-) -> range:
-    """The offsets in the step (``g``) of one rank's micro-batch's samples (see the module doc)."""
-    assert 0 <= micro < grad_accum and 0 <= rank < world_size
-    start = global_index(micro, rank, 0, world_size=world_size, micro_batch=micro_batch)
-    return range(start, start + micro_batch)
-
-
 @dataclasses.dataclass(eq=False, kw_only=True)
 class Batches(abc.ABC):
     """A rank's batches: ``batch(step, micro)`` → dict of ``input_ids``, ``labels`` and,
@@ -181,15 +172,12 @@ class Batches(abc.ABC):
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         """Micro-batch ``micro`` of optimizer step ``step`` (1-based) for this rank."""
-        idx = global_indices(
-            micro=micro,
-            rank=self.rank,
-            world_size=self.world_size,
-            micro_batch=self.micro_batch,
-            grad_accum=self.grad_accum,
+        assert 0 <= micro < self.grad_accum
+        m = self.micro_batch
+        first = self.first_sample(step) + global_index(
+            micro, self.rank, 0, world_size=self.world_size, micro_batch=m
         )
-        first = self.first_sample(step)
-        sample = torch.arange(first + idx.start, first + idx.stop).unsqueeze(1)
+        sample = torch.arange(first, first + m).unsqueeze(1)
         batch = self.assemble(self.tokens(sample), sample)
         return {key: value.to(self.device) for key, value in batch.items()}
 
