@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import parser
+from common import host_batches, parser
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -130,18 +130,8 @@ def _first_save(
     records: list[dict[str, Any]] = []
     real = checkpoint.write_record
     checkpoint.write_record = records.append  # type: ignore[assignment]
-    data = SyntheticBatches(
-        arch="gpt",
-        vocab_size=64,
-        seq_len=8,
-        micro_batch=2,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=0,
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-    )
+    fields = dict(arch="gpt", vocab_size=64, seq_len=8, micro_batch=2, grad_accum=1)
+    data = SyntheticBatches(**host_batches(**fields))
     ckpt = checkpoint.Checkpointer(
         CheckpointSpec(dir=folder, every_steps=1), rank=0, data=data, elastic_batch="keep"
     )

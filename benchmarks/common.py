@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -45,6 +46,15 @@ def launch_run(job: str | Path, run_dir: Path, sets: Iterable[str], *extra: str)
     overrides = [a for s in sets for a in ("--set", s)]
     launch = [sys.executable, "-m", "launcher", "run", str(job), "--run-dir", str(run_dir)]
     return [*launch, *extra, *overrides]
+
+
+def host_batches(**fields: Any) -> dict[str, Any]:
+    """The arguments of a ``Batches`` for a world of one on the CPU, seed 0: ``fields`` (the
+    model's and the batch's) over those."""
+    import torch
+
+    one = dict(mask_prob=0.15, seed=0, rank=0, world_size=1, device=torch.device("cpu"))
+    return one | fields
 
 
 def write_json(path: str | Path | None, doc: dict) -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import host_batches
 
 from launcher.train import data as data_module
 from launcher.train import tokens as tokens_module
@@ -58,17 +59,7 @@ def drop_from_page_cache(path: Path) -> None:
 
 def scan_ms(n: int, *, repeat: int, world: int, cold: bool, threads: int) -> None:
     """Time opening a uint16 token file of n ids (its vocabulary check) per SCAN_CASES."""
-    common = dict(
-        arch="gpt",
-        seq_len=1024,
-        micro_batch=1,
-        grad_accum=1,
-        mask_prob=0.15,
-        seed=0,
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-    )
+    common = host_batches(arch="gpt", seq_len=1024, micro_batch=1, grad_accum=1)
     with tempfile.TemporaryDirectory() as tmp:
         for name, (modulo, vocab) in SCAN_CASES.items():
             path = Path(tmp) / f"ids-{modulo}.bin"
@@ -138,9 +129,7 @@ def main() -> None:
         path = Path(tmp) / "tokens.bin"
         (torch.arange(1 << 24) * 7919 % 30000).to(torch.uint16).numpy().tofile(path)
         for name, dims in CASES.items():
-            common = dict(
-                **dims, mask_prob=0.15, seed=0, rank=0, world_size=1, device=torch.device("cpu")
-            )
+            common = host_batches(**dims)
             for source, data in (
                 ("synthetic", SyntheticBatches(**common)),
                 ("tokens", TokenFileBatches(path=path, token_dtype="uint16", **common)),
