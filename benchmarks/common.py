@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,22 @@ def kernel_bench_args(doc: str, sweep_help: str) -> argparse.Namespace:
     if not torch.cuda.is_available() or not fused.available(torch.empty(0, device="cuda")):
         raise SystemExit("needs a CUDA GPU and Triton")
     return args
+
+
+def event_ms(fn: Callable[[], object], rounds: int, calls: int) -> float:
+    """Median GPU ms of one ``fn()``: ``rounds`` rounds of ``calls`` calls between CUDA events."""
+    import torch
+
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def launch_run(job: str | Path, run_dir: Path, sets: Iterable[str], *extra: str) -> list[str]:

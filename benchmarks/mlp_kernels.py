@@ -5,10 +5,8 @@
 How it measures: docs/performance.md, under its name.
 """
 
-import statistics
-
 import torch
-from common import kernel_bench_args, write_json
+from common import event_ms, kernel_bench_args, write_json
 from tabulate import tabulate
 
 from launcher.train import fused
@@ -42,16 +40,7 @@ def replayed_ms(fn, rounds: int = 7, replays: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    return statistics.median(times)
+    return event_ms(graph.replay, rounds, replays)
 
 
 def measure(rows: int, d_ff: int, approximate: str, bias: bool, sweep: bool) -> dict:

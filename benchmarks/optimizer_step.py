@@ -5,10 +5,8 @@
 How it measures: docs/performance.md, under its name.
 """
 
-import statistics
-
 import torch
-from common import kernel_bench_args, write_json
+from common import event_ms, kernel_bench_args, write_json
 from tabulate import tabulate
 
 from launcher.spec.job import ModelSpec
@@ -20,16 +18,7 @@ from launcher.train.model import build_model
 def timed_ms(fn, rounds: int = 5, steps: int = 50) -> float:
     for _ in range(5):
         fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / steps)
-    return statistics.median(times)
+    return event_ms(fn, rounds, steps)
 
 
 def gpt2_model() -> torch.nn.Module:
