@@ -248,34 +248,25 @@ class MasterAdamW(torch.optim.Optimizer):
                 continue
             for p in group["params"]:
                 if p.grad is not None:
-                    self._reference_update(p, coef, **hyper)
+                    self._reference_update(p, coef, hyper)
         return None
 
     def _reference_update(
-        self,
-        p: torch.Tensor,
-        coef: torch.Tensor | None,
-        *,
-        lr: float,
-        weight_decay: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        step_size: float,
-        sqrt_bias_correction2: float,
+        self, p: torch.Tensor, coef: torch.Tensor | None, hyper: dict[str, float]
     ) -> None:
-        """``torch.optim.AdamW``'s update of one parameter, on its master, in fp32."""
+        """``torch.optim.AdamW``'s update of one parameter, on its master, in fp32; ``hyper``:
+        the kernel's scalars by name, as ``step`` makes them."""
         assert p.grad is not None
         g = p.grad.float()
         if coef is not None:
             g = g * coef
         state, master = self.state[p], self.masters.master_of(p)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        master.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / sqrt_bias_correction2).add_(eps)
-        master.addcdiv_(m, denom, value=-step_size)
+        master.mul_(1 - hyper["lr"] * hyper["weight_decay"])
+        m.lerp_(g, 1 - hyper["beta1"])
+        v.mul_(hyper["beta2"]).addcmul_(g, g, value=1 - hyper["beta2"])
+        denom = (v.sqrt() / hyper["sqrt_bias_correction2"]).add_(hyper["eps"])
+        master.addcdiv_(m, denom, value=-hyper["step_size"])
         p.copy_(master)
 
     # -- tables for the kernels ------------------------------------------------------------
