@@ -359,33 +359,22 @@ class Meter:
         self._energy_at = counter
         return gpu
 
-    def throughput(self, tokens: float, seconds: float) -> dict[str, float | None]:
-        """tokens/s, TFLOP/s and MFU for ``tokens`` processed in ``seconds``."""
-        if seconds <= 0:
-            return {"tokens_per_s": None, "tflops": None, "mfu": None}
-        tokens_per_s = tokens / seconds
-        tflops = tokens_per_s * self.flops_per_token / 1e12
-        return {
-            "tokens_per_s": tokens_per_s,
-            "tflops": tflops,
-            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
-        }
-
     def finish(self) -> dict[str, Any]:
         """Write and return the ``final`` record (measured steps only), after ``flush``."""
         self.flush()
         m = self._measured
-        rates = self.throughput(m["tokens"], m["seconds"])
+        rate = m["tokens"] / m["seconds"] if m["seconds"] > 0 else None
+        tflops = None if rate is None else rate * self.flops_per_token / 1e12
         record = {
             "type": "final",
             "steps": self._last_logged,
             "measured_steps": m["steps"],
             "step_time_ms_p50": percentile(self._measured_times, 50),
             "step_time_ms_p95": percentile(self._measured_times, 95),
-            "tokens_per_s": rates["tokens_per_s"],
+            "tokens_per_s": rate,
             "samples_per_s": m["samples"] / m["seconds"] if m["seconds"] > 0 else None,
-            "tflops": rates["tflops"],
-            "mfu": rates["mfu"],
+            "tflops": tflops,
+            "mfu": tflops / self.peak_tflops if tflops is not None and self.peak_tflops else None,
             "peak_mem_gib": self.peak_mem_gib(),
             "data_wait_pct": 100 * m["wait_s"] / m["seconds"] if m["seconds"] > 0 else None,
             **gpu_summary(self._gpu_samples, seconds=m["seconds"], tokens=m["tokens"]),
