@@ -312,12 +312,15 @@ def is_sharded(model: nn.Module) -> bool:
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``'s result, with the L2 norm from ``grad_norm``;
     returns the total norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
     total = grad_norm(params)
     coef = clip_coefficient(total, max_norm)
-    local = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in local:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -379,12 +382,6 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total.sqrt()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _foreach_ok(tensors: list[torch.Tensor]) -> bool:

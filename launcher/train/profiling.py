@@ -20,10 +20,6 @@ from launcher.spec.job import ProfileSpec
 log = logging.getLogger(__name__)
 
 
-def profile_dir() -> Path:
-    return Path(os.environ.get("LAUNCHER_PROFILE_DIR") or "profile")
-
-
 class StepProfiler:
     """Call ``before_step(step)`` and ``after_step(step)`` around every optimizer step."""
 
@@ -34,7 +30,7 @@ class StepProfiler:
         self.first, self.last = spec.start_step, spec.start_step + spec.steps - 1
         self.rank = rank
         self.device = device
-        self.out_dir = out_dir or profile_dir()
+        self.out_dir = out_dir or Path(os.environ.get("LAUNCHER_PROFILE_DIR") or "profile")
         self._prof: Any = None
         self._began = 0.0
 
