@@ -25,7 +25,8 @@ from launcher.train.loop import Trainer
 INPUT_ERRORS = (ResumeError, DataError, FolderError)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+@record
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m launcher.train", description=__doc__.splitlines()[0]
     )
@@ -38,12 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="override a job field, e.g. --set train.steps=50 (repeatable)",
     )
-    return parser.parse_args(argv)
-
-
-@record
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(
         level=logging.INFO if rank0 else logging.WARNING,
