@@ -26,7 +26,7 @@ from launcher.train.model import build_model
 from launcher.train.parallel import apply_compile
 
 
-def parse_args() -> argparse.Namespace:
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["hf", "ours"], default="hf")
     p.add_argument("--size", default="base", choices=list(SIZE_PRESETS))
@@ -40,11 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--mask-prob", type=float, default=0.15)
-    return p.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
+    args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()  # the CPU path (gloo, fp32) is for a smoke run only
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

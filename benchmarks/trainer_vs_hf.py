@@ -24,35 +24,6 @@ from launcher.train.model import build_model, count_params
 from launcher.train.parallel import apply_compile
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="base", choices=list(SIZE_PRESETS))
-    p.add_argument("--seq", type=int, default=512, help="sequence length")
-    p.add_argument("--micro-batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=30, help="timed steps")
-    p.add_argument(
-        "--warmup", type=int, default=10, help="untimed steps first (compilation, allocator)"
-    )
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile this trainer's model (per block, as the trainer does)",
-    )
-    p.add_argument(
-        "--compile-hf", action="store_true", help="also torch.compile the Hugging Face model"
-    )
-    p.add_argument(
-        "--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu"
-    )
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--mask-prob", type=float, default=0.15)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    return p.parse_args()
-
-
 def build_hf(spec: ModelSpec, dropout: float) -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -138,7 +109,32 @@ def make_step(
 
 
 def main() -> None:
-    args = parse_args()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="base", choices=list(SIZE_PRESETS))
+    p.add_argument("--seq", type=int, default=512, help="sequence length")
+    p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=30, help="timed steps")
+    p.add_argument(
+        "--warmup", type=int, default=10, help="untimed steps first (compilation, allocator)"
+    )
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile this trainer's model (per block, as the trainer does)",
+    )
+    p.add_argument(
+        "--compile-hf", action="store_true", help="also torch.compile the Hugging Face model"
+    )
+    p.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu"
+    )
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--mask-prob", type=float, default=0.15)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args()
     device = torch.device(args.device)
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
