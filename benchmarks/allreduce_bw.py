@@ -3,11 +3,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/allreduce_bw.py [--sizes-mb 1,25,100,400]
     NCCL_PROTO=Simple torchrun --standalone --nproc-per-node 2 benchmarks/allreduce_bw.py
 
-For each message size (fp32 by default): ``--warmup`` untimed all-reduces, then ``--iters``
-timed ones between CUDA events; algorithm bandwidth = bytes / time, bus bandwidth = algbw ×
-2(n-1)/n (the link traffic of a ring all-reduce). Rank 0 prints one JSON line per size. Use it
-to check that gradient all-reduces of a DDP job (buckets of ``parallel.ddp.bucket_cap_mb``)
-get the bandwidth the links offer, and to compare NCCL settings (``nccl.env`` in a job).
+Rank 0 prints one JSON line per size. How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

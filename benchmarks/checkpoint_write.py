@@ -1,15 +1,11 @@
-"""A checkpoint of GPT-2 124M's training state (fp32 weights and AdamW moments, 1.39 GiB) on
-this machine, no GPU needed: the write time with DCP's writer threads, DCP's planning time, and
-what the first background save holds training with and without ``Checkpointer.prepare``.
+"""A checkpoint of GPT-2 124M's training state (1.39 GiB) on this machine, no GPU needed: DCP's
+write and planning time, and what the first background save holds training.
 
     python benchmarks/checkpoint_write.py [--dir DIR] [--threads 1,2,4] [--repeats 3]
                                           [--parts] [--out FILE]
 
-``--dir`` must be on the disk checkpoints go to (default: a folder under the system's temp
-folder). Writes with ``--threads`` run in turn, ``--repeats`` rounds; the median is printed.
-``--parts`` then runs the trainer's ``Checkpointer`` from a fresh start, two background saves,
-unprepared and after ``prepare`` (which the trainer calls after its first step), ``--repeats``
-rounds, and prints the saves' ``checkpoint`` records (the hold and its parts) and their medians.
+``--dir`` must be on the disk checkpoints go to. How it measures: docs/performance.md, under
+its name.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
     python benchmarks/doctor_gpu.py [--job jobs/gpt.yaml] [--repeat 3] [--out runs/doctor-gpu]
 
-Runs the job on one GPU through `launch`, alternating telemetry off (``LAUNCHER_TELEMETRY_S=0``)
-and on (the default 5 s, or ``--on-every``), ``--repeat`` times each; prints each run's tokens/s from its
-summary.json, the median ratio on/off (the overhead; the target is under 0.5%), and `launch
-doctor` on the last run with telemetry. Needs a CUDA GPU and nvidia-ml-py (the gpu extra).
+Needs a CUDA GPU and nvidia-ml-py (the gpu extra). How it measures: docs/performance.md, under
+its name.
 """
 
 from __future__ import annotations

@@ -4,11 +4,7 @@ many simulated node agents (no Ray, no torch).
     python benchmarks/driver_cost.py [--nodes 8,64,256] [--ranks-per-node 8] [--rounds 100]
                                      [--tensorboard]
 
-Each round, every node's agent answers one poll with one metrics record and two log lines per
-rank (a built-in run at log_every 1: the most the driver sees) and one telemetry sample per
-GPU. Prints, per job size, the driver's CPU milliseconds per round and per node (with
-``--tensorboard`` also the watch loop's own thread, and the event files written at the end
-included), and its peak RSS growth. What it leaves out: Ray's own cost of carrying the answers.
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

@@ -3,13 +3,7 @@
     python benchmarks/health_cost.py [--job jobs/quickstart.yaml] [--steps 40] [--set K=V ...]
     torchrun --nproc-per-node 2 benchmarks/health_cost.py     # the quickstart's 2 gloo ranks
 
-Builds the job's trainer and times, interleaved over ``--steps`` training steps (medians):
-the step itself (``train_step``), the gradient norm where clipping would not compute it
-(``parallel.grad_norm``), the meter's per-step bookkeeping (``Meter.step_end`` on a step that
-is not a log step, against the one add it replaced), ``on_nonfinite: skip``'s agreement
-(``Trainer.nonfinite``: one scalar all-reduce), and one evaluation of ``train.eval_steps``
-micro-batches (``Trainer.evaluate``). Rank 0 prints one JSON line. Timings are host wall
-times; on a GPU each is bracketed by synchronisations.
+Rank 0 prints one JSON line. How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """What the launcher adds to a job's wall time, against bare torchrun on the same job.
 
-Times, on this machine, the same resolved job (jobs/quickstart.yaml by default):
-  * bare:     ``torchrun --standalone --nproc-per-node N -m launcher.train --job JOB``
-  * embedded: ``launch JOB`` (preflight + a private Ray started and stopped + agents)
-  * attach:   ``launch JOB`` against a Ray started beforehand (``ray.address`` set)
-each with and without the preflight (``--skip-parity``), plus Ray's own start-up
-(``ray.init(address="local")`` then shutdown) measured alone. Alternating repeats; medians.
-
     python benchmarks/launch_overhead.py [--job jobs/quickstart.yaml] [--repeat 3]
+
+How it measures: docs/performance.md, under its name.
 """
 
 from __future__ import annotations
