@@ -176,13 +176,7 @@ def test_the_code_hash_follows_code_files_only(tmp_path):
 
 
 def probe_with(node: str, code: dict) -> dict:
-    return {
-        "node": node,
-        "host": node,
-        "hostname": node,
-        "user_code": code,
-        "launcher": {"hash": "h"},
-    }
+    return dict(node=node, host=node, hostname=node, user_code=code, launcher={"hash": "h"})
 
 
 def test_a_node_whose_code_differs_is_marked(tmp_path):

@@ -77,11 +77,7 @@ def test_a_bench_stopped_part_way_keeps_what_it_measured():
     }
     got = gpu_bench._summary(rounds, planned=8, env={"gpus": []})
     assert (got["runs"], got["runs_planned"], got["complete"]) == (5, 8, False)
-    assert sorted(got["results"]) == [
-        "bert-ddp-launch-1",
-        "bert-ddp-launch-2",
-        "bert-ddp-torchrun-1",
-    ]
+    assert set(got["results"]) == set(rounds) - {"bert-fsdp-launch-1"}
     by_round = got["ratios_by_round"]
     assert [r["ddp_scaling_efficiency_2gpu"] for r in by_round] == pytest.approx(
         [641 / 659, 640 / 661]

@@ -29,26 +29,12 @@ from launcher.train.model import build_model  # noqa: E402
 SEQ = 24
 
 
-def job_file(tmp_path: Path, model: dict, **extra) -> Path:
-    path = tmp_path / "job.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "name": "hf",
-                "model": model,
-                "data": {"seq_len": SEQ},
-                "resources": {"device": "cpu"},
-                "precision": {"dtype": "fp32"},
-                **extra,
-            }
-        )
-    )
-    return path
-
-
 def model_spec(tmp_path: Path, **model):
     """The model spec of a job with ``model``, loaded (so checked) as the launcher loads it."""
-    return load_job(job_file(tmp_path, model)).model
+    cpu = {"resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}}
+    job = {"name": "hf", "model": model, "data": {"seq_len": SEQ}, **cpu}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    return load_job(tmp_path / "job.yaml").model
 
 
 def built_in(tmp_path: Path, folder: Path, **model):

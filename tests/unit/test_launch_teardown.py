@@ -12,13 +12,7 @@ from fixtures.fake_launch import Session
 from fixtures.fake_launch import cpu_job as job
 from fixtures.fake_launch import two_nodes as cluster
 
-from launcher.errors import (
-    EXIT_JOB_FAILED,
-    EXIT_PREFLIGHT,
-    JobFailed,
-    PreflightError,
-    UsageError,
-)
+from launcher.errors import EXIT_JOB_FAILED, EXIT_PREFLIGHT, JobFailed, PreflightError, UsageError
 from launcher.orchestrate import rundir
 from launcher.orchestrate.records import AgentUpdate, ExitStatus
 from launcher.orchestrate.run import Launch
