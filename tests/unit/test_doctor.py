@@ -8,6 +8,8 @@ from pathlib import Path
 
 from launcher.results.doctor import diagnose, doctor_command
 
+STEP = dict(tokens=1000, samples=8, interval_s=1.0, step_times_ms=[100.0] * 10, measured=True)
+
 
 def make_run(
     root: Path,
@@ -33,22 +35,8 @@ def make_run(
     (root / "job.yaml").write_text("name: t\ntrain: {micro_batch: 8}\n")
     for r in (0, 1):
         records = [{"type": "meta", "rank": r, "device_name": "cpu"}]
-        records += [
-            {
-                "type": "step",
-                "rank": r,
-                "step": 10 * i,
-                "time": float(i),
-                "tokens": 1000,
-                "samples": 8,
-                "interval_s": 1.0,
-                "step_times_ms": [100.0] * 10,
-                "data_wait_s": wait_s,
-                "peak_mem_gib": peak,
-                "measured": True,
-            }
-            for i in range(1, 6)
-        ]
+        step = dict(type="step", rank=r, data_wait_s=wait_s, peak_mem_gib=peak, **STEP)
+        records += [{**step, "step": 10 * i, "time": float(i)} for i in range(1, 6)]
         (root / "metrics" / f"rank{r}.jsonl").write_text(
             "".join(json.dumps(x) + "\n" for x in records)
         )
