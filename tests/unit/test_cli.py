@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from fixtures.launching import ROOT
 
 from launcher.cli import _parse, main
 from launcher.spec import ClusterSpec, JobSpec
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_schema_commands_match_the_committed_schemas(capsys):

@@ -7,14 +7,12 @@ import os
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
-from fixtures.launching import ours
+from fixtures.launching import ROOT, ours
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 
-ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "jobs/quickstart.yaml")
 
 

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.launching import ROOT
 
 from launcher import cli, console
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def env_for(tmp_path: Path) -> dict[str, str]:
@@ -54,17 +53,6 @@ def test_a_pipe_closed_before_the_output_ends_every_command_quietly(args, tmp_pa
     assert closed.stderr == reference.stderr
     if args[0] != "plan":
         assert closed.stderr == b""
-
-
-def test_head_c_1_of_a_long_output(tmp_path):
-    """`launch schema job | head -c 1` through a shell, as a user types it."""
-    command = (
-        f"set -o pipefail; {sys.executable} -m launcher schema job 2>{tmp_path}/err | head -c 1"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    shell = subprocess.run(["bash", "-c", command], capture_output=True, env=env, timeout=120)
-    assert shell.returncode == 0 and shell.stdout == b"{"
-    assert (tmp_path / "err").read_bytes() == b""
 
 
 def _raise_broken_pipe(args):

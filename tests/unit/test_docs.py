@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from fixtures.launching import ROOT
 
 
 def test_the_spec_reference_is_generated_from_the_committed_schemas():

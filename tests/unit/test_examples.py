@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
-from fixtures.hf_assets import make_assets
+from fixtures.hf_assets import ROOT, make_assets
 
 from launcher.errors import SpecError
 from launcher.spec import load_job
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_finetune"
+EXAMPLE = ROOT / "examples" / "hf_finetune"
 
 
 def test_the_example_without_its_assets_says_to_run_make_assets(tmp_path):

@@ -105,19 +105,12 @@ def test_status_of(ray_status, last, shown):
     assert state.status_of(ray_status, last) == shown
 
 
-def details(status: str, message: str = "", **meta: str):
+def details(status: str, message: str = ""):
     return types.SimpleNamespace(
         submission_id="job-1",
         status=types.SimpleNamespace(value=status),
         message=message,
-        metadata={
-            "launcher": "0.1.0",
-            "name": "quickstart",
-            "world_size": "2",
-            "nodes": "1",
-            "run_dir": "/runs/job-1",
-            **meta,
-        },
+        metadata={"name": "quickstart", "world_size": "2", "nodes": "1", "run_dir": "/runs/job-1"},
         start_time=1_700_000_000_000,
         end_time=None,
     )

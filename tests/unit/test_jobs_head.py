@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.launching import ROOT
 from fixtures.launching import launch as run_launcher
 
 from launcher.jobs import head as heads
@@ -19,8 +20,6 @@ from launcher.jobs import records
 from launcher.util import free_port
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

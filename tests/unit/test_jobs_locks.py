@@ -10,17 +10,16 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fixtures.fake_launch import two_nodes
+from fixtures.launching import ROOT
 
 from launcher.jobs import api, commands, records
 from launcher.jobs import head as heads
 from launcher.spec import ClusterSpec
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 LOCAL = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
 REMOTE = two_nodes()
