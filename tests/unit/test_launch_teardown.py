@@ -17,7 +17,6 @@ from launcher.orchestrate import rundir
 from launcher.orchestrate.records import AgentUpdate, ExitStatus
 from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
-from launcher.spec import JobSpec
 
 
 class Agents(Reaching):
@@ -78,24 +77,26 @@ class Agents(Reaching):
         self._call("close")
 
 
-def launch(
-    tmp_path, monkeypatch, agents: Agents, job_spec: JobSpec, run_dir=None
-) -> tuple[Launch, Session]:
-    session = Session()
-    launcher = Launch(
-        job=job_spec,
-        cluster=cluster(),
-        run_dir=RunDir(run_dir or tmp_path / "run"),
-        facts={},
-        quiet=True,
-    )
-    monkeypatch.setattr(
-        Launch,
-        "connect_ray",
-        lambda self: (setattr(self, "session", session), setattr(self, "_own_session", True)),
-    )
-    monkeypatch.setattr(Launch, "place_agents", lambda self: agents)
-    return launcher, session
+@pytest.fixture
+def launch(tmp_path, monkeypatch):
+    """``launch(job_spec, run_dir=None, **agents) -> (Launch, Agents, Session)``: a launch of
+    ``job_spec`` (the default job) onto fake agents made with ``agents`` and a fake session."""
+
+    def make(job_spec=None, run_dir=None, **agents_kw) -> tuple[Launch, Agents, Session]:
+        agents, session = Agents(**agents_kw), Session()
+        folder = RunDir(run_dir or tmp_path / "run")
+        launcher = Launch(
+            job=job_spec or job(), cluster=cluster(), run_dir=folder, facts={}, quiet=True
+        )
+
+        def connect_ray(self: Launch) -> None:
+            self.session, self._own_session = session, True
+
+        monkeypatch.setattr(Launch, "connect_ray", connect_ray)
+        monkeypatch.setattr(Launch, "place_agents", lambda self: agents)
+        return launcher, agents, session
+
+    return make
 
 
 def summary(tmp_path) -> dict:
@@ -103,12 +104,10 @@ def summary(tmp_path) -> dict:
 
 
 def test_a_profiled_job_whose_torchrun_cannot_start_fails_with_exit_4_and_closes_everything(
-    tmp_path, monkeypatch
+    tmp_path, launch
 ):
-    agents = Agents(
-        fail={"start": JobFailed("torchrun could not be started on node b: no such file")}
-    )
-    launcher, session = launch(tmp_path, monkeypatch, agents, job(profile={"start_step": 2}))
+    failed = JobFailed("torchrun could not be started on node b: no such file")
+    launcher, agents, session = launch(job(profile={"start_step": 2}), fail={"start": failed})
     with pytest.raises(JobFailed, match="could not be started on node b"):
         launcher.execute()
     assert agents.calls == ["start", "stop", "collect", "close"] and session.closed
@@ -124,30 +123,27 @@ def test_a_profiled_job_whose_torchrun_cannot_start_fails_with_exit_4_and_closes
     ],
 )
 def test_a_lost_connection_or_second_interrupt_in_the_teardown_still_closes_everything(
-    tmp_path, monkeypatch, error, raised, match, status
+    tmp_path, launch, error, raised, match, status
 ):
-    agents = Agents(fail={"poll": error, "stop": error})
-    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    launcher, agents, session = launch(fail={"poll": error, "stop": error})
     with pytest.raises(raised, match=match):
         launcher.execute()
     assert agents.calls == ["start", "poll", "stop", "close"] and session.closed
     assert summary(tmp_path)["status"] == status
 
 
-def test_a_run_dir_that_cannot_be_made_is_exit_2_before_anything_starts(tmp_path, monkeypatch):
+def test_a_run_dir_that_cannot_be_made_is_exit_2_before_anything_starts(tmp_path, launch):
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("")
-    agents = Agents()
-    launcher, session = launch(tmp_path, monkeypatch, agents, job(), run_dir=in_the_way / "run")
+    launcher, agents, session = launch(run_dir=in_the_way / "run")
     with pytest.raises(UsageError, match="cannot write the run directory .*a-file/run"):
         launcher.execute()
     assert agents.calls == [] and not session.closed
 
 
-def test_success_still_ends_in_one_teardown(tmp_path, monkeypatch):
+def test_success_still_ends_in_one_teardown(tmp_path, launch):
     done = {0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))}
-    agents = Agents(rounds=[done])
-    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    launcher, agents, session = launch(rounds=[done])
     assert launcher.execute().status.value == "succeeded"
     assert agents.calls == ["start", "poll", "stop", "close"] and session.closed
     assert summary(tmp_path)["status"] == "succeeded"
@@ -164,7 +160,9 @@ def test_two_launches_in_the_same_second_get_their_own_run_directories(tmp_path,
         RunDir.new("j", base=in_the_way / "runs")
 
 
-def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(tmp_path, monkeypatch):
+def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(
+    tmp_path, monkeypatch, launch
+):
     """A full disk while writing plan.json: no node was asked to start torchrun, so the launch
     failed before training (exit 3), not the job (exit 4); everything is closed, summary written."""
 
@@ -172,8 +170,7 @@ def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(tmp_path, 
         raise OSError(28, "No space left on device", str(self.root / "plan.json"))
 
     monkeypatch.setattr(RunDir, "write_plan", disk_full)
-    agents = Agents()
-    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    launcher, agents, session = launch()
     with pytest.raises(
         PreflightError, match="No space left on device.*No worker was started"
     ) as err:
@@ -184,12 +181,13 @@ def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(tmp_path, 
     assert "No space left on device" in summary(tmp_path)["failure"]["reason"]
 
 
-def test_an_oserror_while_staging_the_code_on_ray_is_exit_3_with_a_summary(tmp_path, monkeypatch):
+def test_an_oserror_while_staging_the_code_on_ray_is_exit_3_with_a_summary(
+    tmp_path, monkeypatch, launch
+):
     def cannot_stage(self):
         raise PermissionError(13, "Permission denied", "/work/train.py")
 
-    agents = Agents()
-    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    launcher, agents, _ = launch()
     monkeypatch.setattr(Launch, "connect_ray", cannot_stage)
     with pytest.raises(Exception, match="Permission denied") as err:
         launcher.execute()
@@ -197,7 +195,7 @@ def test_an_oserror_while_staging_the_code_on_ray_is_exit_3_with_a_summary(tmp_p
     assert agents.calls == [] and summary(tmp_path)["status"] == "failed"
 
 
-def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch):
+def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch, launch):
     """The first attempt's workers ran (and failed); the restart's plan.json cannot be written:
     a run failure (exit 4), not a launch that failed before training."""
     writes = []
@@ -211,8 +209,7 @@ def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch):
 
     monkeypatch.setattr(RunDir, "write_plan", second_write_fails)
     failed = {0: AgentUpdate(exit=ExitStatus(1)), 1: AgentUpdate(exit=ExitStatus(0))}
-    agents = Agents(rounds=[failed])
-    launcher, session = launch(tmp_path, monkeypatch, agents, job({"max_restarts": 1}))
+    launcher, agents, session = launch(job({"max_restarts": 1}), rounds=[failed])
     with pytest.raises(JobFailed, match="No space left on device") as err:
         launcher.execute()
     assert err.value.exit_code == EXIT_JOB_FAILED
@@ -220,13 +217,11 @@ def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch):
     assert summary(tmp_path)["status"] == "failed"
 
 
-def test_a_node_that_cannot_reach_the_rendezvous_port_is_exit_3_before_any_worker(
-    tmp_path, monkeypatch
-):
+def test_a_node_that_cannot_reach_the_rendezvous_port_is_exit_3_before_any_worker(tmp_path, launch):
     """Without preflight facts the agents find each node's interface; the rendezvous check
     runs with it, and a node that fails it stops the launch (exit 3) naming it."""
-    agents = Agents(refused={"b": "cannot connect to 198.18.0.10:29500 from eth0"})
-    launcher, session = launch(tmp_path, monkeypatch, agents, job())
+    refused = {"b": "cannot connect to 198.18.0.10:29500 from eth0"}
+    launcher, agents, session = launch(refused=refused)
     with pytest.raises(PreflightError, match="node b: cannot connect to 198.18.0.10:29500") as err:
         launcher.execute()
     assert err.value.exit_code == EXIT_PREFLIGHT
