@@ -4,12 +4,10 @@ started (no run directory, no process carrying the launch's environment outlives
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
 
 import pytest
-from fixtures.launching import ROOT, ours
+from fixtures.launching import ROOT, launch, ours
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 
@@ -41,14 +39,7 @@ def test_bad_command_line_exits_2_and_starts_nothing(tmp_path, case):
         argv = [*argv, "--run-dir", str(run_dir)]
     mark = uuid.uuid4().hex
     env = {**os.environ, "LAUNCHER_TEST_MARK": mark, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "launcher", *argv],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = launch(*argv, cwd=tmp_path, env=env, timeout=120)
     assert result.returncode == 2, (case, result.returncode, result.stderr[-2000:])
     assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
