@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from fixtures.tiny_job import tiny_job
 
 pytest.importorskip("safetensors", reason="export writes model.safetensors (hf extra)")
 
@@ -21,19 +22,13 @@ from launcher.spec import load_job  # noqa: E402
 from launcher.train.checkpoint import MARKER, step_dir  # noqa: E402
 from launcher.train.model import build_model  # noqa: E402
 
-MODEL = {"arch": "gpt", "size": "tiny", "vocab_size": 64, "max_positions": 32, "d_ff": 96}
+MODEL = {"vocab_size": 64, "max_positions": 32, "d_ff": 96}  # of the tiny GPT
 
 
 def run_dir(tmp_path: Path, steps: tuple[int, ...] = (5, 10), checkpoint: bool = True) -> Path:
     """A run directory whose job saved checkpoints at ``steps`` (different weights each)."""
     ckpt = tmp_path / "ckpt"
-    spec = {
-        "name": "exp",
-        "model": MODEL,
-        "data": {"seq_len": 16},
-        "resources": {"device": "cpu"},
-        "train": {"checkpoint": {"dir": str(ckpt) if checkpoint else None}},
-    }
+    spec = tiny_job(model=MODEL, checkpoint={"dir": str(ckpt) if checkpoint else None})
     tmp_path.mkdir(parents=True, exist_ok=True)
     source = tmp_path / "job-src.yaml"
     source.write_text(yaml.safe_dump(spec))

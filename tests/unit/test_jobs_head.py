@@ -23,11 +23,7 @@ pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 
 
 def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "LAUNCHER_STATE_DIR": str(tmp_path / "state"),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    }
+    env = {**os.environ, "LAUNCHER_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
     return run_launcher(*args, cwd=tmp_path, env=env, timeout=120)
 
 

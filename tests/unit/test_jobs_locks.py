@@ -46,10 +46,7 @@ def state(tmp_path, monkeypatch):
 @contextlib.contextmanager
 def held_elsewhere(which: str, cluster: ClusterSpec) -> Iterator[None]:
     """Another process holds ``which`` lock ("jobs" or "head") of ``cluster``'s Ray."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, which, json.dumps(cluster.model_dump(mode="json"))],
         env=env,
