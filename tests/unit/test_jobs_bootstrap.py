@@ -20,13 +20,9 @@ from launcher.spec import ClusterSpec
 
 def two_nodes(first: dict | None = None, second: dict | None = None) -> ClusterSpec:
     """node0 (198.18.250.10) and node1 (.11), with ``first`` and ``second`` as more of their keys."""
-    hosts = [
-        {"host": "198.18.250.10", **(first or {})},
-        {"host": "198.18.250.11", **(second or {})},
-    ]
-    return ClusterSpec.model_validate(
-        {"nodes": [{"name": f"node{i}", **h} for i, h in enumerate(hosts)]}
-    )
+    more = enumerate([first or {}, second or {}])
+    nodes = [{"name": f"node{i}", "host": f"198.18.250.1{i}", **keys} for i, keys in more]
+    return ClusterSpec.model_validate({"nodes": nodes})
 
 
 CLUSTER = two_nodes()
