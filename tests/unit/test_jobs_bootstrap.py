@@ -8,6 +8,7 @@ import contextlib
 import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -182,21 +183,15 @@ def test_a_head_without_the_token_is_bootstrapped_again(monkeypatch):
 
 def test_two_submits_at_once_bootstrap_once(monkeypatch):
     calls = kept_up(monkeypatch)
-    errors: list[BaseException] = []
 
     def submit():
-        try:
-            with api.connect(CLUSTER, start=True):
-                pass
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        with api.connect(CLUSTER, start=True):
+            pass
 
-    threads = [threading.Thread(target=submit) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert errors == [] and len(calls) == 1
+    with ThreadPoolExecutor(3) as pool:
+        submits = [pool.submit(submit) for _ in range(3)]
+        assert [s.exception(timeout=30) for s in submits] == [None] * 3
+    assert len(calls) == 1
 
 
 def test_a_submit_for_other_nodes_than_the_running_ray_is_refused(monkeypatch):
