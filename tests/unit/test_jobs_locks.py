@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import pytest
@@ -70,22 +71,10 @@ def held_elsewhere(which: str, cluster: ClusterSpec) -> Iterator[None]:
 
 def finishes(fn: Callable[[], Any], what: str) -> Any:
     """``fn()`` returns within PROMPTLY_S (in a thread: a flock wait cannot be interrupted)."""
-    result: list[Any] = []
-    errors: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            result.append(fn())
-        except BaseException as err:  # noqa: BLE001 - raised below
-            errors.append(err)
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(PROMPTLY_S)
-    assert not thread.is_alive(), f"{what} waited for the lock another process holds"
-    if errors:
-        raise errors[0]
-    return result[0] if result else None
+    try:
+        return futures.ThreadPoolExecutor(1).submit(fn).result(timeout=PROMPTLY_S)
+    except futures.TimeoutError:
+        raise AssertionError(f"{what} waited for the lock another process holds") from None
 
 
 def takes(lock: Callable[[], contextlib.AbstractContextManager[None]], what: str) -> None:
