@@ -81,12 +81,9 @@ def _follow(monkeypatch, client):
         return running
 
     jobs = types.SimpleNamespace(client=guarded, url="http://127.0.0.1:8265", job=job)
-
-    @contextlib.contextmanager
-    def connect_for(cluster, job_id):
-        yield jobs
-
-    monkeypatch.setattr(commands, "_connect_for", connect_for)
+    monkeypatch.setattr(
+        commands, "_connect_for", lambda cluster, job_id: contextlib.nullcontext(jobs)
+    )
     monkeypatch.setattr(commands, "_shown", lambda jobs, details: "SUCCEEDED")
     monkeypatch.setattr(commands, "RECONNECT_WAIT_S", 0.0)
     return commands.logs(None, "job-1", follow=True)

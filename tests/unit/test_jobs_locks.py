@@ -89,13 +89,9 @@ def takes(lock: Callable[[], contextlib.AbstractContextManager[None]], what: str
 
 def bootstrapped(monkeypatch) -> None:
     """A bootstrapped cluster's record and a Jobs API (through a stubbed tunnel) with no jobs."""
-
-    @contextlib.contextmanager
-    def tunnel(cluster, *, token=False):
-        yield "http://127.0.0.1:1", "secret"
-
+    tunnel = contextlib.nullcontext(("http://127.0.0.1:1", "secret"))
     records.save_cluster(REMOTE)
-    monkeypatch.setattr(api, "_tunnel", tunnel)
+    monkeypatch.setattr(api, "_tunnel", lambda cluster, *, token=False: tunnel)
     monkeypatch.setattr(
         api, "_client", lambda url, token: type("C", (), {"list_jobs": lambda self: []})()
     )
