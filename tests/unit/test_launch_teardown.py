@@ -5,6 +5,7 @@ code."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import pytest
 from fixtures.fake_launch import Agents as Reaching
@@ -19,20 +20,15 @@ from launcher.orchestrate.run import Launch
 from launcher.orchestrate.rundir import RunDir
 
 
+@dataclass
 class Agents(Reaching):
     """Records what the launch asked; ``fail`` maps a method name to the error it raises."""
 
-    def __init__(
-        self,
-        fail: dict[str, BaseException] | None = None,
-        rounds: list | None = None,
-        refused: dict[str, str] | None = None,
-    ):
-        self.fail = fail or {}
-        self.rounds = rounds or []
-        self.refused = refused or {}  # the rendezvous check's answer: node → what failed
-        self.calls: list[str] = []
-        self.checked: list[tuple[str, int, list]] = []
+    fail: dict[str, BaseException] = field(default_factory=dict)
+    rounds: list = field(default_factory=list)  # what each poll returns
+    refused: dict[str, str] = field(default_factory=dict)  # the reach check's: node → what failed
+    calls: list[str] = field(default_factory=list)
+    checked: list[tuple[str, int, list]] = field(default_factory=list)
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
