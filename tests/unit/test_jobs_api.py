@@ -95,8 +95,7 @@ LOG = "".join(f"step {i}\n" for i in range(1, 9))
 def test_a_broken_log_stream_is_followed_on_without_repeating_a_line(monkeypatch, capsys):
     client = Breaking(LOG, breaks=[10, 10, 33])  # mid-line; no progress once; then on
     assert _follow(monkeypatch, client) == 0
-    out = capsys.readouterr().out
-    assert out == LOG + "job job-1 ended: SUCCEEDED\n"
+    assert capsys.readouterr().out == LOG + "job job-1 ended: SUCCEEDED\n"
     assert client.streams == 4
 
 
@@ -148,11 +147,7 @@ class Client:
 jobs = types.SimpleNamespace(client=Client(), url="http://127.0.0.1:8265", job=lambda job_id: details,
                              logs=lambda d: "".join(f"line {i}\\n" for i in range(LINES)))
 
-@contextlib.contextmanager
-def connect_for(cluster, job_id):
-    yield jobs
-
-commands._connect_for = connect_for
+commands._connect_for = lambda cluster, job_id: contextlib.nullcontext(jobs)
 commands._shown = lambda jobs, details: details.status.value
 sys.exit(cli.main(["logs", "job-1", "--follow"]))
 """
