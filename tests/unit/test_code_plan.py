@@ -175,8 +175,10 @@ def test_the_code_hash_follows_code_files_only(tmp_path):
 # -- the shared-filesystem check --------------------------------------------------------------
 
 
-def probe_with(node: str, code: dict) -> dict:
-    return dict(node=node, host=node, hostname=node, user_code=code, launcher={"hash": "h"})
+def probes(**code: dict) -> dict:
+    """Each node's preflight report, with ``code`` as its ``user_code``."""
+    same = {"launcher": {"hash": "h"}}
+    return {n: dict(node=n, host=n, hostname=n, user_code=c, **same) for n, c in code.items()}
 
 
 def test_a_node_whose_code_differs_is_marked(tmp_path):
@@ -184,10 +186,7 @@ def test_a_node_whose_code_differs_is_marked(tmp_path):
     same = user_code_info(tmp_path, "train.py", list(DEFAULT_EXCLUDE))
     (tmp_path / "train.py").write_text("print(2)")
     other = user_code_info(tmp_path, "train.py", list(DEFAULT_EXCLUDE))
-    report = evaluate(
-        {"a": probe_with("a", same), "b": probe_with("b", same), "c": probe_with("c", other)},
-        deep=False,
-    )
+    report = evaluate(probes(a=same, b=same, c=other), deep=False)
     row = next(r for r in report.rows if r.field.key == "user_code")
     assert row.marks == {"c": "fail"} and not report.ok
     assert [p.node for p in report.failures] == ["c"]
@@ -197,9 +196,7 @@ def test_a_missing_workdir_or_script_fails_the_node(tmp_path):
     tree(tmp_path, {"other.py": ""})
     missing_dir = user_code_info(tmp_path / "nope", "train.py", [])
     missing_script = user_code_info(tmp_path, "train.py", [])
-    report = evaluate(
-        {"a": probe_with("a", missing_dir), "b": probe_with("b", missing_script)}, deep=False
-    )
+    report = evaluate(probes(a=missing_dir, b=missing_script), deep=False)
     messages = {p.node: p.message for p in report.failures if p.key == "user_code_present"}
     assert "does not exist here" in messages["a"] and "script train.py is missing" in messages["b"]
 
