@@ -19,10 +19,8 @@ def run(per_gpu: float, gpus: int) -> dict:
 
 
 def test_the_median_round_is_reported_with_every_round():
-    got = gpu_bench._median_round(
-        [{"tokens_per_s": 3.0}, {"tokens_per_s": 1.0}, {"tokens_per_s": 2.0}]
-    )
-    assert got == {"tokens_per_s": 2.0, "rounds": [3.0, 1.0, 2.0]}
+    rounds = [{"tokens_per_s": t} for t in (3.0, 1.0, 2.0)]
+    assert gpu_bench._median_round(rounds) == {"tokens_per_s": 2.0, "rounds": [3.0, 1.0, 2.0]}
     assert gpu_bench._median_round([{"ratio": 1.7}, {"ratio": 1.5}])["ratio"] == 1.5  # lower middle
     assert gpu_bench._median_round([{"tokens_per_s": 5.0}]) == {"tokens_per_s": 5.0}
     failed = [{"tokens_per_s": 3.0}, {"error": "boom"}]
