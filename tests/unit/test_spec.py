@@ -236,12 +236,9 @@ def test_token_file_problems_are_spec_errors(tmp_path, name, content, expected):
 
 def test_user_script_job_needs_only_name_entrypoint_resources(tmp_path):
     (tmp_path / "train.py").write_text("")
+    text = "name: mine\nentrypoint: {script: train.py}\n"
     job = load_job(
-        write(
-            tmp_path,
-            "name: mine\nentrypoint: {script: train.py}\n"
-            "resources: {nodes: 1, nproc_per_node: 2, device: cpu}\n",
-        )
+        write(tmp_path, text + "resources: {nodes: 1, nproc_per_node: 2, device: cpu}\n")
     )
     assert job.backend == "gloo" and job.resources.nproc_per_node == 2
 
@@ -324,13 +321,10 @@ def test_set_malformed(tmp_path, item):
 # -- job vs cluster --------------------------------------------------------------------------
 
 
-def two_nodes(gpus: int | str = "auto") -> ClusterSpec:
-    return ClusterSpec(
-        nodes=[
-            NodeSpec(name="node0", host="10.0.0.1", gpus=gpus),
-            NodeSpec(name="node1", host="10.0.0.2", gpus=gpus),
-        ]
-    )
+def two_nodes(gpus: int | str = "auto", gpus1: int | str | None = None) -> ClusterSpec:
+    node0 = NodeSpec(name="node0", host="10.0.0.1", gpus=gpus)
+    node1 = NodeSpec(name="node1", host="10.0.0.2", gpus=gpus if gpus1 is None else gpus1)
+    return ClusterSpec(nodes=[node0, node1])
 
 
 def test_job_asking_for_more_nodes_than_the_cluster_has(tmp_path):
@@ -351,19 +345,13 @@ def test_fitting_jobs_pass(tmp_path):
 
 
 def test_a_cuda_job_needs_gpus_on_the_nodes_it_uses(tmp_path):
-    cluster = ClusterSpec(
-        nodes=[
-            NodeSpec(name="node0", host="10.0.0.1", gpus=8),
-            NodeSpec(name="node1", host="10.0.0.2", gpus=0),
-        ]
-    )
+    cluster = two_nodes(8, 0)
     check_fits(load_job(write(tmp_path, "name: g\nresources: {nodes: 1}\n")), cluster)
     with pytest.raises(SpecError) as err:
         check_fits(load_job(write(tmp_path, "name: g\n")), cluster)
     assert err.value.exit_code == 2
-    assert "node 'node1' declares gpus: 0" in str(err.value) and "resources.device" in str(
-        err.value
-    )
+    assert "node 'node1' declares gpus: 0" in str(err.value)
+    assert "resources.device" in str(err.value)
 
 
 def test_models_are_frozen():
@@ -421,12 +409,8 @@ def test_a_cluster_node_env_value_must_be_text_too(tmp_path):
 
 
 def test_values_outside_env_are_still_typed(tmp_path):
-    job = load_job(
-        write(
-            tmp_path,
-            "name: j\ntrain: {steps: 0x40, lr: 1.0e-3, compile: off}\nlaunch: {env: {A: '0x10'}}\n",
-        )
-    )
+    text = "name: j\ntrain: {steps: 0x40, lr: 1.0e-3, compile: off}\nlaunch: {env: {A: '0x10'}}\n"
+    job = load_job(write(tmp_path, text))
     assert job.train.steps == 64 and job.train.lr == 1e-3 and job.train.compile is False
     assert job.launch.env == {"A": "0x10"}
 
