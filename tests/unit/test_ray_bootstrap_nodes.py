@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.launching import processes, sigint_when
+from fixtures.launching import processes, sigint_when, wait_for
 
 from launcher.errors import PreflightError
 from launcher.jobs import records
@@ -220,12 +220,8 @@ def fake_raylet(tmp_path: Path, gcs: str) -> subprocess.Popen[bytes]:
     script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
     script.chmod(0o755)
     proc = subprocess.Popen([str(script), "--node_ip_address=127.0.0.2", f"--gcs-address={gcs}"])
-    deadline = time.monotonic() + 10
-    while (
-        Path(f"/proc/{proc.pid}/comm").read_text().strip() != "raylet"
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.02)
+    comm = Path(f"/proc/{proc.pid}/comm")
+    wait_for(lambda: comm.read_text().strip() == "raylet", timeout=10, what="the raylet", poll=0.02)
     return proc
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
-from fixtures.launching import processes, sigint_when
+from fixtures.launching import processes, sigint_when, wait_for
 
 from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output, probe_node
 from launcher.remote import (
@@ -160,14 +160,8 @@ def test_interrupted_fan_out_returns_at_once_and_kills_the_local_commands(tmp_pa
             fan_out(nodes, work)
         assert time.monotonic() - sent[0] < 1.5
         pids = [int((tmp_path / f"{n.name}.pid").read_text()) for n in nodes]
-        deadline = time.monotonic() + 2
-        while set(pids) & set(processes()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not set(pids) & set(processes())
-        deadline = time.monotonic() + 2
-        while set(threading.enumerate()) - before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not set(threading.enumerate()) - before
+        wait_for(lambda: not set(pids) & set(processes()), timeout=2, what="the commands to die")
+        wait_for(lambda: not set(threading.enumerate()) - before, timeout=2, what="threads to end")
     finally:
         for pid_file in tmp_path.glob("*.pid"):
             with contextlib.suppress(ProcessLookupError, ValueError):

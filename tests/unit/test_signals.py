@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+from fixtures.launching import wait_for
 
 from launcher import signals
 from launcher.orchestrate import ray_cluster
@@ -137,9 +137,7 @@ def test_ctrl_c_spared_blocks_sigint_in_children_but_this_process_still_gets_it(
                 [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60
             )
             os.kill(os.getpid(), signal.SIGINT)
-            deadline = time.monotonic() + 5
-            while not got and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: got, timeout=5, what="the handler", poll=0.01)
             assert got == [signal.SIGINT]  # handled inside the block
         assert child.stdout.strip() == "True"
         assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
