@@ -143,10 +143,24 @@ def fake_ray(tmp_path, monkeypatch):
         DetachedRunner.procs.clear()
 
 
+SPAWNED: list[subprocess.Popen[bytes]] = []  # killed after each test (reap)
+
+
+@pytest.fixture(autouse=True)
+def reap():
+    yield
+    for proc in SPAWNED:
+        proc.kill()
+        proc.wait()
+    SPAWNED.clear()
+
+
 def start(*args: str) -> subprocess.Popen[bytes]:
     """A process whose arguments are those of a `ray start` (it only sleeps)."""
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    return subprocess.Popen([*sleep, "ray.scripts.scripts", "start", *args], start_new_session=True)
+    argv = [*sleep, "ray.scripts.scripts", "start", *args]
+    SPAWNED.append(subprocess.Popen(argv, start_new_session=True))
+    return SPAWNED[-1]
 
 
 def nodes(port: int, n: int = 2) -> ClusterSpec:
@@ -195,21 +209,17 @@ def test_ctrl_c_while_nodes_join_kills_their_ray_start_before_ray_stop(
     def joining() -> bool:
         return {e["ip"] for e in starts()} >= {"127.0.0.2", "127.0.0.3"}
 
-    try:
-        with sigint_when(joining), pytest.raises(KeyboardInterrupt):
-            ray_cluster._bootstrap(cluster, list(cluster.nodes), {})
+    with sigint_when(joining), pytest.raises(KeyboardInterrupt):
+        ray_cluster._bootstrap(cluster, list(cluster.nodes), {})
 
-        log = fake_ray()
-        started = {e["ip"] for e in starts()}
-        assert started == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, log
-        stops = {e["ip"]: e["running"] for e in log if e["cmd"] == "stop"}
-        assert stops == {ip: [] for ip in started}, f"a `ray start` ran when Ray was stopped: {log}"
-        time.sleep(0.3)
-        assert not [e for e in starts() if e["pid"] in processes()]
-        assert other.poll() is None, "another cluster's `ray start` was killed"
-    finally:
-        other.kill()
-        other.wait()
+    log = fake_ray()
+    started = {e["ip"] for e in starts()}
+    assert started == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, log
+    stops = {e["ip"]: e["running"] for e in log if e["cmd"] == "stop"}
+    assert stops == {ip: [] for ip in started}, f"a `ray start` ran when Ray was stopped: {log}"
+    time.sleep(0.3)
+    assert not [e for e in starts() if e["pid"] in processes()]
+    assert other.poll() is None, "another cluster's `ray start` was killed"
 
 
 def fake_raylet(tmp_path: Path, gcs: str) -> subprocess.Popen[bytes]:
@@ -220,6 +230,7 @@ def fake_raylet(tmp_path: Path, gcs: str) -> subprocess.Popen[bytes]:
     script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
     script.chmod(0o755)
     proc = subprocess.Popen([str(script), "--node_ip_address=127.0.0.2", f"--gcs-address={gcs}"])
+    SPAWNED.append(proc)
     comm = Path(f"/proc/{proc.pid}/comm")
     wait_for(lambda: comm.read_text().strip() == "raylet", timeout=10, what="the raylet", poll=0.02)
     return proc
@@ -244,20 +255,16 @@ def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(
     )
     session = bootstrapped(cluster, port)
     other = fake_raylet(tmp_path, f"127.0.0.9:{port}")
-    try:
-        with pytest.raises(
-            PreflightError,
-            match=rf"another Ray runs on node 'node1' .*raylet pid {other.pid} \(GCS 127.0.0.9:{port}\)",
-        ):
-            session._start_ray(cluster.nodes[1])
-        session.close()
-        assert started == [] and stopped == []
-        # that Ray's token file untouched
-        assert not (tmp_path / "home/.ray/launcher_auth_token").exists()
-        assert other.poll() is None
-    finally:
-        other.kill()
-        other.wait()
+    with pytest.raises(
+        PreflightError,
+        match=rf"another Ray runs on node 'node1' .*raylet pid {other.pid} \(GCS 127.0.0.9:{port}\)",
+    ):
+        session._start_ray(cluster.nodes[1])
+    session.close()
+    assert started == [] and stopped == []
+    # that Ray's token file untouched
+    assert not (tmp_path / "home/.ray/launcher_auth_token").exists()
+    assert other.poll() is None
 
 
 def other_ray_check() -> subprocess.CompletedProcess[str]:
@@ -270,15 +277,10 @@ def test_the_other_ray_check_names_raylets_of_other_clusters_only(tmp_path):
     """On a node that shares its processes with others (several nodes on one machine), this
     cluster's own raylets are not another Ray."""
     ours, theirs = fake_raylet(tmp_path, "127.0.0.1:7001"), fake_raylet(tmp_path, "127.0.0.5:7001")
-    try:
-        result = other_ray_check()
-        assert result.returncode == ray_cluster.OTHER_RAY_EXIT, result
-        assert f"raylet pid {theirs.pid} (GCS 127.0.0.5:7001)" in result.stderr
-        assert f"raylet pid {ours.pid} " not in result.stderr
-    finally:
-        for proc in (ours, theirs):
-            proc.kill()
-            proc.wait()
+    result = other_ray_check()
+    assert result.returncode == ray_cluster.OTHER_RAY_EXIT, result
+    assert f"raylet pid {theirs.pid} (GCS 127.0.0.5:7001)" in result.stderr
+    assert f"raylet pid {ours.pid} " not in result.stderr
 
 
 def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
@@ -313,15 +315,10 @@ def leftover_starts(port: int) -> dict[str, subprocess.Popen[bytes]]:
 
 
 def assert_killed(starts: dict[str, subprocess.Popen[bytes]]) -> None:
-    try:
-        for name, proc in starts.items():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            assert proc.returncode == -signal.SIGKILL, f"this cluster's {name} was not killed"
-    finally:
-        for proc in starts.values():
-            proc.kill()
-            proc.wait()
+    for name, proc in starts.items():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        assert proc.returncode == -signal.SIGKILL, f"this cluster's {name} was not killed"
 
 
 def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
@@ -337,14 +334,9 @@ def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
         start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"),
         start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2"),
     ]
-    try:
-        assert ray_cluster.stop_ray(cluster, list(cluster.nodes), STARTED_WITH) == []
-        assert_killed(ours)
-        assert [p.poll() for p in theirs] == [None] * 3, "another Ray's start was killed"
-    finally:
-        for proc in theirs:
-            proc.kill()
-            proc.wait()
+    assert ray_cluster.stop_ray(cluster, list(cluster.nodes), STARTED_WITH) == []
+    assert_killed(ours)
+    assert [p.poll() for p in theirs] == [None] * 3, "another Ray's start was killed"
 
 
 # What the nodes' names resolve to at teardown, unlike at start: other addresses (round-robin
