@@ -33,26 +33,14 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def job(micro_batch: int = 32, grad_accum: int = 1) -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "bert-ddp",
-            "train": {
-                "steps": 50,
-                "warmup_steps": 10,
-                "micro_batch": micro_batch,
-                "grad_accum": grad_accum,
-            },
-        }
-    )
+    train = {"steps": 50, "warmup_steps": 10, "micro_batch": micro_batch, "grad_accum": grad_accum}
+    return JobSpec.model_validate({"name": "bert-ddp", "train": train})
 
 
 def summary_with(tokens_per_s: float | None) -> dict:
     """A repeat as `launch scale` gets it: a summary dict (only totals matter here)."""
-    return {
-        "job": "bert-ddp",
-        "status": "succeeded" if tokens_per_s else "failed",
-        "totals": {"tokens_per_s": tokens_per_s},
-    }
+    status = "succeeded" if tokens_per_s else "failed"
+    return {"job": "bert-ddp", "status": status, "totals": {"tokens_per_s": tokens_per_s}}
 
 
 # -- scale_job -------------------------------------------------------------------------------
@@ -120,13 +108,9 @@ def test_scale_job_and_build_table_reject_a_bad_mode_and_world():
 
 
 def test_weak_efficiency_is_per_rank_throughput_over_the_base():
+    summaries = [summary_with(28_000.0), summary_with(30_000.0), summary_with(29_000.0)]
     points = [
-        {
-            "nodes": 2,
-            "ranks": 8,
-            "global_batch": 256,
-            "repeats": [summary_with(28_000.0), summary_with(30_000.0), summary_with(29_000.0)],
-        },
+        {"nodes": 2, "ranks": 8, "global_batch": 256, "repeats": summaries},
         {"nodes": 1, "ranks": 1, "global_batch": 32, "repeats": [4_000.0, 4_200.0, 3_900.0]},
         {"nodes": 1, "ranks": 4, "global_batch": 128, "repeats": [15_000.0, 16_000.0]},
     ]
@@ -368,29 +352,24 @@ def test_a_point_the_job_cannot_run_at_is_refused_before_any_point_runs(
     monkeypatch.setattr(scale_study, "Launch", must_not_run)
     cluster = ClusterSpec.model_validate({"nodes": [{"name": "local", "host": "localhost"}]})
     quick = {"name": "q", "resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}, **spec}
-    points = [int(w) for w in world.split(",")]
+    points, out = [int(w) for w in world.split(",")], tmp_path / "study"
     with pytest.raises(SpecError, match=refusal) as err:
         scale_study.scale(
-            JobSpec.model_validate(quick),
-            cluster,
-            world=points,
-            nodes=None,
-            out_dir=tmp_path / "study",
-            mode=mode,
+            JobSpec.model_validate(quick), cluster, world=points, nodes=None, out_dir=out, mode=mode
         )
     assert err.value.exit_code == EXIT_INVALID_INPUT
     assert "\n" not in str(err.value)
-    assert not (tmp_path / "study").exists()
+    assert not out.exists()
 
     # Through the command: exit 2 and the one paragraph, no traceback.
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(quick))
     (tmp_path / "cluster.yaml").write_text("nodes: [{name: local, host: localhost}]\n")
     argv = ["--cluster", str(tmp_path / "cluster.yaml"), "--world", world, "--mode", mode]
-    rc = cli.main(["scale", str(tmp_path / "job.yaml"), *argv, "--out", str(tmp_path / "study")])
+    rc = cli.main(["scale", str(tmp_path / "job.yaml"), *argv, "--out", str(out)])
     stderr = capsys.readouterr().err
     assert rc == EXIT_INVALID_INPUT
     assert re.search(refusal, stderr) and "Traceback" not in stderr
-    assert not (tmp_path / "study").exists()
+    assert not out.exists()
 
 
 def test_a_point_whose_step_times_spread_or_whose_repeats_disagree_is_flagged(tmp_path):
