@@ -17,31 +17,15 @@ from launcher.util import MASK
 
 
 def two_nodes(**node_env) -> ClusterSpec:
-    return ClusterSpec.model_validate(
-        {
-            "nodes": [
-                {
-                    "name": "a",
-                    "host": "10.0.0.1",
-                    "gpus": 4,
-                    "python": "/venv/bin/python",
-                    "env": {"NCCL_SOCKET_IFNAME": "eth0", **node_env},
-                },
-                {"name": "b", "host": "10.0.0.2", "gpus": 4},
-            ],
-        }
-    )
+    env = {"NCCL_SOCKET_IFNAME": "eth0", **node_env}
+    a = {"name": "a", "host": "10.0.0.1", "gpus": 4, "python": "/venv/bin/python", "env": env}
+    return ClusterSpec.model_validate({"nodes": [a, {"name": "b", "host": "10.0.0.2", "gpus": 4}]})
 
 
 def gpu_job(**resources) -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": "t",
-            "nccl": {"env": {"NCCL_DEBUG": "INFO"}},
-            "launch": {"max_restarts": 2, "env": {"WANDB_API_KEY": "s3cret", "FOO": "bar"}},
-            "resources": {"device": "cuda", **resources},
-        }
-    )
+    launch = {"max_restarts": 2, "env": {"WANDB_API_KEY": "s3cret", "FOO": "bar"}}
+    job = {"name": "t", "nccl": {"env": {"NCCL_DEBUG": "INFO"}}, "launch": launch}
+    return JobSpec.model_validate({**job, "resources": {"device": "cuda", **resources}})
 
 
 GPU_SHELL = {
@@ -54,16 +38,8 @@ GPU_SHELL = {
 
 
 def make(job: JobSpec, cluster: ClusterSpec, facts=None, env=None, code=None):
-    return plan(
-        job,
-        cluster,
-        facts,
-        run_id="t-1",
-        master_port=29400,
-        code=code,
-        launcher_env=env or GPU_SHELL,
-        local_python="/usr/bin/python3",
-    )
+    fixed = {"run_id": "t-1", "master_port": 29400, "local_python": "/usr/bin/python3"}
+    return plan(job, cluster, facts, code=code, launcher_env=env or GPU_SHELL, **fixed)
 
 
 def test_two_node_ranks_master_and_argv():
@@ -149,12 +125,9 @@ def test_auto_gpus_without_preflight_is_an_input_error():
 
 
 def test_node_subset_and_cpu_workers():
+    resources = {"device": "cpu", "nodes": 1, "nproc_per_node": 3}
     job = JobSpec.model_validate(
-        {
-            "name": "c",
-            "resources": {"device": "cpu", "nodes": 1, "nproc_per_node": 3},
-            "precision": {"dtype": "fp32"},
-        }
+        {"name": "c", "resources": resources, "precision": {"dtype": "fp32"}}
     )
     p = make(job, two_nodes())
     assert len(p.nodes) == 1 and p.world_size == 3 and p.backend == "gloo"
@@ -164,18 +137,9 @@ def test_node_subset_and_cpu_workers():
 def test_script_entrypoint_argv(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    job = JobSpec.model_validate(
-        {
-            "name": "s",
-            "entrypoint": {
-                "script": str(script),
-                "args": ["--lr", "3e-4"],
-                "workdir": str(tmp_path),
-            },
-            "resources": {"device": "cpu"},
-            "precision": {"dtype": "fp32"},
-        }
-    )
+    entry = {"script": str(script), "args": ["--lr", "3e-4"], "workdir": str(tmp_path)}
+    cpu = {"resources": {"device": "cpu"}, "precision": {"dtype": "fp32"}}
+    job = JobSpec.model_validate({"name": "s", "entrypoint": entry, **cpu})
     cluster = ClusterSpec.this_machine()
     p = make(job, cluster, code=plan_code(job, cluster.nodes))
     assert p.nodes[0].argv[-3:] == [str(script), "--lr", "3e-4"]
