@@ -92,13 +92,9 @@ def test_the_preflight_table_shows_the_route_and_fails_a_loopback_node():
 
 
 def cluster(head: dict | None = None) -> ClusterSpec:
+    b = {"name": "b", "host": "gpu02", "env": {"NCCL_SOCKET_IFNAME": "ib0"}}
     return ClusterSpec.model_validate(
-        {
-            "nodes": [
-                {"name": "a", "host": "gpu01", **(head or {})},
-                {"name": "b", "host": "gpu02", "env": {"NCCL_SOCKET_IFNAME": "ib0"}},
-            ]
-        }
+        {"nodes": [{"name": "a", "host": "gpu01", **(head or {})}, b]}
     )
 
 

@@ -165,15 +165,10 @@ def start(*args: str) -> subprocess.Popen[bytes]:
 
 def nodes(port: int, n: int = 2) -> ClusterSpec:
     """The first ``n`` of HOSTS as a cluster whose Ray uses ``port``."""
+    python = sys.executable
+    nodes = [{"name": f"node{i}", "host": h, "python": python} for i, h in enumerate(HOSTS[:n])]
     return ClusterSpec.model_validate(
-        {
-            "nodes": [
-                {"name": f"node{i}", "host": host, "python": sys.executable}
-                for i, host in enumerate(HOSTS[:n])
-            ],
-            "ray": {"port": port},
-            "ssh": {"connect_timeout_s": 5},
-        }
+        {"nodes": nodes, "ray": {"port": port}, "ssh": {"connect_timeout_s": 5}}
     )
 
 

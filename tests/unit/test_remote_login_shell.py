@@ -66,12 +66,8 @@ def test_the_bootstraps_commands_run_under_any_login_shell(shell, tmp_path, monk
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    cluster = ClusterSpec.model_validate(
-        {
-            "nodes": [{"name": "node0", "host": "198.18.250.10", "python": sys.executable}],
-            "ray": {"port": port},
-        }
-    )
+    node = {"name": "node0", "host": "198.18.250.10", "python": sys.executable}
+    cluster = ClusterSpec.model_validate({"nodes": [node], "ray": {"port": port}})
     ran: list[str] = []
 
     def on_node(cluster, node, command, *, stdin=None, timeout):

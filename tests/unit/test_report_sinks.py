@@ -170,13 +170,9 @@ def test_a_relative_mlflow_folder_is_taken_from_the_job_files_folder(tmp_path, g
 
 
 def test_spec_params_are_flat_text_with_secrets_masked():
-    job = JobSpec.model_validate(
-        {
-            "name": "p",
-            "launch": {"env": {"HF_TOKEN": "hf_secret", "MODE": "x"}},
-            "report": {"mlflow": {"tracking_uri": "https://me:pw123@mlflow.example.org"}},
-        }
-    )
+    launch = {"env": {"HF_TOKEN": "hf_secret", "MODE": "x"}}
+    report = {"mlflow": {"tracking_uri": "https://me:pw123@mlflow.example.org"}}
+    job = JobSpec.model_validate({"name": "p", "launch": launch, "report": report})
     params = spec_params(job)
     assert params["name"] == "p" and params["train.steps"] == str(job.train.steps)
     assert params["launch.env.MODE"] == "x" and params["launch.env.HF_TOKEN"] != "hf_secret"

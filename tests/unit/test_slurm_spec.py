@@ -37,17 +37,8 @@ def test_slurm_alone_is_a_cluster_and_with_nodes_is_refused() -> None:
 
 def test_salloc_gets_the_jobs_nodes_and_the_specs_options() -> None:
     job = JobSpec.model_validate({"name": "q", "resources": {"nodes": 2}})
-    spec = ClusterSpec.model_validate(
-        {
-            "slurm": {
-                "partition": "gpu",
-                "time": "1:00:00",
-                "gpus_per_node": 8,
-                "qos": "high",
-                "sbatch_options": ["--exclusive"],
-            }
-        }
-    ).slurm
+    slurm = {"partition": "gpu", "time": "1:00:00", "gpus_per_node": 8, "qos": "high"}
+    spec = ClusterSpec.model_validate({"slurm": {**slurm, "sbatch_options": ["--exclusive"]}}).slurm
     assert spec is not None
     assert request_options(job, spec, 2) == [
         "--nodes=2",

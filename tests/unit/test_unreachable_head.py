@@ -24,12 +24,9 @@ def _closed_port() -> int:
 
 
 def _ghost_cluster(tmp_path) -> ClusterSpec:
-    return ClusterSpec.model_validate(
-        {
-            "nodes": [{"name": "ghost", "host": "127.0.0.2", "port": _closed_port()}],
-            "ssh": {"connect_timeout_s": 3, "known_hosts": str(tmp_path / "known_hosts")},
-        }
-    )
+    node = {"name": "ghost", "host": "127.0.0.2", "port": _closed_port()}
+    ssh = {"connect_timeout_s": 3, "known_hosts": str(tmp_path / "known_hosts")}
+    return ClusterSpec.model_validate({"nodes": [node], "ssh": ssh})
 
 
 def test_starting_ray_on_an_unreachable_node_is_a_preflight_error_that_names_it(tmp_path):

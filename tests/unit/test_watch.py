@@ -359,19 +359,14 @@ def three_nodes_and_a_spare() -> ClusterSpec:
 
 
 def elastic_job(precision: dict | None = None, **train: object) -> JobSpec:
+    checkpoint = {"dir": "/shared/ckpt", "every_steps": 2}
+    train = {"steps": 10, "warmup_steps": 1, "micro_batch": 4, "grad_accum": 2, **train}
     return JobSpec.model_validate(
         {
             "name": "e",
             "precision": precision or {"dtype": "fp32"},
             "resources": {"device": "cpu", "nproc_per_node": 1, "nodes": 3, "min_nodes": 2},
-            "train": {
-                "steps": 10,
-                "warmup_steps": 1,
-                "micro_batch": 4,
-                "grad_accum": 2,
-                "checkpoint": {"dir": "/shared/ckpt", "every_steps": 2},
-                **train,
-            },
+            "train": {"checkpoint": checkpoint, **train},
             "launch": {"max_restarts": 1},
         }
     )
