@@ -2,26 +2,9 @@
 
 from __future__ import annotations
 
+from fixtures.stacks import STUCK, WAITING
+
 from launcher.orchestrate.stacks import blame, collective, header, main_frames
-
-WAITING = """pid 101 signal 41 main 0x00007f0000000001
-Thread 0x00007f0000000002 (most recent call first):
-  File "/usr/lib/python3.11/threading.py", line 320 in wait
-  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
-
-Current thread 0x00007f0000000001 (most recent call first):
-  File "/venv/lib/torch/distributed/distributed_c10d.py", line 2806 in all_reduce
-  File "/venv/lib/torch/distributed/c10d_logger.py", line 81 in wrapper
-  File "/work/train.py", line 30 in main
-  File "/work/train.py", line 34 in <module>
-"""
-
-STUCK = """pid 102 signal 41 main 0x00007f0000000009
-Thread 0x00007f0000000009 (most recent call first):
-  File "/work/train.py", line 18 in load_batch
-  File "/work/train.py", line 29 in main
-  File "/work/train.py", line 34 in <module>
-"""
 
 
 def test_the_header_names_pid_signal_and_main_thread():

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import pytest
 import yaml
 from fixtures.fake_launch import Agents, cpu_job, two_nodes
+from fixtures.stacks import STUCK, WAITING
 
 from launcher.errors import PreflightError, SpecError
 from launcher.orchestrate import run as run_mod
@@ -502,23 +503,11 @@ def test_the_hang_blames_the_rank_outside_the_collective_from_the_stacks():
     dumps are handed on before anything is stopped."""
     rounds = [{0: AgentUpdate(records=[step(0, 5)]), 1: AgentUpdate(records=[step(1, 6)])}]
     agents = FakeAgents(rounds + [{}] * 10)
-    waiting = (
-        "pid 1 signal 41 main 0x0000000000000001\n"
-        "Current thread 0x0000000000000001 (most recent call first):\n"
-        '  File "/v/torch/distributed/distributed_c10d.py", line 9 in all_reduce\n'
-        '  File "/w/train.py", line 30 in main\n'
-    )
-    stuck = (
-        "pid 2 signal 41 main 0x0000000000000002\n"
-        "Thread 0x0000000000000002 (most recent call first):\n"
-        '  File "/w/train.py", line 12 in load_batch\n'
-        '  File "/w/train.py", line 29 in main\n'
-    )
-    agents.stacks = lambda: {"rank0.txt": waiting.encode(), "rank1.txt": stuck.encode()}
+    agents.stacks = lambda: {"rank0.txt": WAITING.encode(), "rank1.txt": STUCK.encode()}
     handed: list = []
     clock = iter(range(0, 10**6, 10)).__next__
     failure, _ = watch(agents, hang_timeout_s=25.0, on_stacks=handed.append, clock=clock)
     assert failure.kind is FailureKind.HANG and (failure.rank, failure.node) == (1, "b")
     assert "not in the all_reduce" in failure.reason
-    assert "load_batch (train.py:12) ← main (train.py:29)" in failure.reason
+    assert "load_batch (train.py:18) ← main (train.py:29)" in failure.reason
     assert handed and set(handed[0]) == {"rank0.txt", "rank1.txt"}
