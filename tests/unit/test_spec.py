@@ -14,14 +14,7 @@ import yaml
 
 from launcher.cli import main
 from launcher.errors import SpecError, UsageError
-from launcher.spec import (
-    ClusterSpec,
-    JobSpec,
-    NodeSpec,
-    check_fits,
-    load_cluster,
-    load_job,
-)
+from launcher.spec import ClusterSpec, JobSpec, NodeSpec, check_fits, load_cluster, load_job
 from launcher.spec.yamlfile import apply_overrides
 
 REPO = Path(__file__).resolve().parents[2]

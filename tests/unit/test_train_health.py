@@ -193,9 +193,8 @@ def test_a_non_finite_step_stops_before_the_next_checkpoint(
     from launcher.train.loop import Trainer
 
     ckpt = tmp_path / "ckpt"
-    with Trainer(
-        job(steps=8, log_every=10, checkpoint={"dir": str(ckpt), "every_steps": 2})
-    ) as trainer:
+    spec = job(steps=8, log_every=10, checkpoint={"dir": str(ckpt), "every_steps": 2})
+    with Trainer(spec) as trainer:
         poison(monkeypatch, trainer, {3}, "loss")
         with pytest.raises(NonFiniteError) as err:
             trainer.train()
