@@ -54,16 +54,8 @@ def test_groups_sum_their_parts_and_share_the_joules():
 
 def test_the_whole_step_comes_from_the_final_record(tmp_path: Path):
     metrics = tmp_path / "rank0.jsonl"
-    records = [
-        {"type": "step", "step": 20},
-        {
-            "type": "final",
-            "tokens_per_s": 16384 / 0.028,
-            "energy_mj_per_token": 1.2,
-            "power_w": 700.0,
-            "sm_clock_mhz": 1660.0,
-        },
-    ]
+    final = {"type": "final", "tokens_per_s": 16384 / 0.028, "energy_mj_per_token": 1.2}
+    records = [{"type": "step", "step": 20}, {**final, "power_w": 700.0, "sm_clock_mhz": 1660.0}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
     whole = bench.whole_step(metrics)
     assert whole["ms_per_step"] == pytest.approx(28.0)
@@ -80,10 +72,8 @@ def test_wgrad_batching_ways_compute_every_layers_weight_gradient():
     import wgrad_batching
 
     layers, tokens, k, n = bench.LAYERS, 16, 8, 4
-    x, dy = (
-        torch.randn(layers, tokens, k, dtype=torch.float64),
-        torch.randn(layers, tokens, n, dtype=torch.float64),
-    )
+    x = torch.randn(layers, tokens, k, dtype=torch.float64)
+    dy = torch.randn(layers, tokens, n, dtype=torch.float64)
     want = torch.stack([dy[i].t() @ x[i] for i in range(layers)])
     names = wgrad_batching._ways(torch, x, dy, torch.empty(layers, n, k, dtype=torch.float64))
     assert set(names) == {"per layer", "batched", "stacked", "pointers"}
