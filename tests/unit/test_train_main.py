@@ -19,11 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def train(job: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LAUNCHER_METRICS_FILE")
-    }
+    drop = ("RANK", "WORLD_SIZE", "LAUNCHER_METRICS_FILE")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     args = [sys.executable, "-m", "launcher.train", "--job", str(job), *sets(*overrides)]
     return subprocess.run(
