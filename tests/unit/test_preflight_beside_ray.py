@@ -44,44 +44,47 @@ class Stages:
         self.placed_with: list[object] = []  # the facts known when the agents were placed
 
 
-def launch(
-    tmp_path, monkeypatch, *, preflight, connect, place=lambda: None, device: str = "cpu"
-) -> tuple[Launch, Stages]:
-    """A Launch whose preflight, Ray and agents' placement are ``preflight()``, ``connect()``
-    and ``place()``; the session is made once ``connect`` returns. The first attempt stops the
-    run (PreflightError "stop here")."""
-    stages = Stages()
+@pytest.fixture
+def launch(tmp_path, monkeypatch):
+    """``launch(preflight=, connect=, place=, device=)``: a Launch whose preflight, Ray and
+    agents' placement are ``preflight()``, ``connect()`` and ``place()``; the session is made
+    once ``connect`` returns. The first attempt stops the run (PreflightError "stop here")."""
 
-    def connect_ray(self: Launch) -> None:
-        connect()
-        self.session, self._own_session = stages.session, True
+    def make(*, preflight, connect, place=lambda: None, device="cpu"):  # (Launch, Stages)
+        stages = Stages()
 
-    def place_agents(self: Launch) -> Agents:
-        stages.placed_with.append(self.facts)
-        place()
-        return stages.agents
+        def connect_ray(self: Launch) -> None:
+            connect()
+            self.session, self._own_session = stages.session, True
 
-    def run_attempts(self: Launch, agents: Agents):  # noqa: ANN202 - ends the run here
-        raise PreflightError("stop here: the attempts are not what this test is about")
+        def place_agents(self: Launch) -> Agents:
+            stages.placed_with.append(self.facts)
+            place()
+            return stages.agents
 
-    monkeypatch.setattr(Launch, "preflight", lambda self: preflight())
-    monkeypatch.setattr(Launch, "connect_ray", connect_ray)
-    monkeypatch.setattr(Launch, "place_agents", place_agents)
-    monkeypatch.setattr(Launch, "run_attempts", run_attempts)
-    launcher = Launch(
-        job=cpu_job(device=device),
-        cluster=ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}]}),
-        run_dir=RunDir(tmp_path / "run"),
-        quiet=True,
-    )
-    return launcher, stages
+        def run_attempts(self: Launch, agents: Agents):  # noqa: ANN202 - ends the run here
+            raise PreflightError("stop here: the attempts are not what this test is about")
+
+        monkeypatch.setattr(Launch, "preflight", lambda self: preflight())
+        monkeypatch.setattr(Launch, "connect_ray", connect_ray)
+        monkeypatch.setattr(Launch, "place_agents", place_agents)
+        monkeypatch.setattr(Launch, "run_attempts", run_attempts)
+        launcher = Launch(
+            job=cpu_job(device=device),
+            cluster=ClusterSpec.model_validate({"nodes": [{"name": "a", "host": "localhost"}]}),
+            run_dir=RunDir(tmp_path / "run"),
+            quiet=True,
+        )
+        return launcher, stages
+
+    return make
 
 
-def summary(tmp_path) -> dict:
-    return json.loads((tmp_path / "run" / "summary.json").read_text())
+def summary(launcher: Launch) -> dict:
+    return json.loads((launcher.run_dir.root / "summary.json").read_text())
 
 
-def test_the_preflight_runs_while_ray_connects_and_the_agents_are_placed(tmp_path, monkeypatch):
+def test_the_preflight_runs_while_ray_connects_and_the_agents_are_placed(launch):
     """Each side waits for the other to have begun (run one after the other, the first would
     time out), then lasts 0.2 s: the recorded wall of the three is less than the sum of their
     own times. A CPU job's agents are placed before the preflight's facts are in."""
@@ -101,20 +104,18 @@ def test_the_preflight_runs_while_ray_connects_and_the_agents_are_placed(tmp_pat
         placing.set()
         threading.Event().wait(0.1)
 
-    launcher, stages = launch(
-        tmp_path, monkeypatch, preflight=preflight, connect=connect, place=place
-    )
+    launcher, stages = launch(preflight=preflight, connect=connect, place=place)
     with pytest.raises(PreflightError, match="stop here"):
         launcher.execute()
     assert launcher.facts == {"a": NodeFacts(gpus=0)} and stages.placed_with == [None]
-    timings = summary(tmp_path)["launcher_timings_s"]
+    timings = summary(launcher)["launcher_timings_s"]
     parts = ("preflight", "ray", "agents")
     assert [k for k in timings if k in parts or "+" in k] == [*parts, "preflight+ray+agents"]
     assert timings["preflight+ray+agents"] < sum(timings[k] for k in parts) - 0.05
     assert stages.session.closed and stages.agents.closed
 
 
-def test_a_gpu_jobs_agents_wait_for_the_preflights_facts(tmp_path, monkeypatch):
+def test_a_gpu_jobs_agents_wait_for_the_preflights_facts(launch):
     """They reserve the GPUs the preflight found: placed after it, outside the overlap."""
     ray_began = threading.Event()
 
@@ -123,35 +124,33 @@ def test_a_gpu_jobs_agents_wait_for_the_preflights_facts(tmp_path, monkeypatch):
         threading.Event().wait(0.2)
         return {"a": NodeFacts(gpus=2)}
 
-    launcher, stages = launch(
-        tmp_path, monkeypatch, preflight=preflight, connect=ray_began.set, device="cuda"
-    )
+    launcher, stages = launch(preflight=preflight, connect=ray_began.set, device="cuda")
     with pytest.raises(PreflightError, match="stop here"):
         launcher.execute()
     assert stages.placed_with == [{"a": NodeFacts(gpus=2)}]
-    timings = summary(tmp_path)["launcher_timings_s"]
+    timings = summary(launcher)["launcher_timings_s"]
     order = [k for k in timings if k in ("preflight", "ray", "agents") or "+" in k]
     assert order == ["preflight", "ray", "preflight+ray", "agents"]
 
 
-def test_a_failed_preflight_while_ray_starts_is_exit_3_and_ray_is_closed(tmp_path, monkeypatch):
+def test_a_failed_preflight_while_ray_starts_is_exit_3_and_ray_is_closed(launch):
     ray_up = threading.Event()
 
     def preflight() -> None:
         assert ray_up.wait(WAIT_S)
         raise PreflightError("node a: torch 2.13.0 where the others have 2.11.0")
 
-    launcher, stages = launch(tmp_path, monkeypatch, preflight=preflight, connect=ray_up.set)
+    launcher, stages = launch(preflight=preflight, connect=ray_up.set)
     with pytest.raises(PreflightError, match="torch 2.13.0") as err:
         launcher.execute()
     assert err.value.exit_code == EXIT_PREFLIGHT
     assert stages.session.closed
     assert not stages.placed_with or stages.agents.closed  # placed meanwhile: closed again
-    assert summary(tmp_path)["status"] == "failed"
-    assert "torch 2.13.0" in summary(tmp_path)["failure"]["reason"]
+    assert summary(launcher)["status"] == "failed"
+    assert "torch 2.13.0" in summary(launcher)["failure"]["reason"]
 
 
-def test_agents_are_not_placed_once_the_preflight_has_failed(tmp_path, monkeypatch):
+def test_agents_are_not_placed_once_the_preflight_has_failed(launch):
     failed = threading.Event()
 
     def preflight() -> None:
@@ -164,13 +163,13 @@ def test_agents_are_not_placed_once_the_preflight_has_failed(tmp_path, monkeypat
         assert failed.wait(WAIT_S)
         threading.Event().wait(0.1)  # the preflight's thread has ended
 
-    launcher, stages = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
+    launcher, stages = launch(preflight=preflight, connect=connect)
     with pytest.raises(PreflightError, match="does not answer"):
         launcher.execute()
     assert stages.placed_with == [] and stages.session.closed
 
 
-def test_a_failed_preflight_wins_over_rays_own_failure(tmp_path, monkeypatch):
+def test_a_failed_preflight_wins_over_rays_own_failure(launch):
     """Ray fails first; the preflight, still running, fails after: its verdict is the error."""
     ray_failed = threading.Event()
 
@@ -182,14 +181,14 @@ def test_a_failed_preflight_wins_over_rays_own_failure(tmp_path, monkeypatch):
         ray_failed.set()
         raise PreflightError("could not start the embedded Ray on this machine: no memory")
 
-    launcher, stages = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
+    launcher, stages = launch(preflight=preflight, connect=connect)
     with pytest.raises(PreflightError, match="the driver does not answer"):
         launcher.execute()
     assert stages.placed_with == [] and not stages.session.closed  # no session was made
-    assert "the driver does not answer" in summary(tmp_path)["failure"]["reason"]
+    assert "the driver does not answer" in summary(launcher)["failure"]["reason"]
 
 
-def test_a_failed_preflight_wins_over_a_failed_placement(tmp_path, monkeypatch):
+def test_a_failed_preflight_wins_over_a_failed_placement(launch):
     placed = threading.Event()
 
     def preflight() -> None:
@@ -200,28 +199,24 @@ def test_a_failed_preflight_wins_over_a_failed_placement(tmp_path, monkeypatch):
         placed.set()
         raise JobFailed("Ray could not place one agent per node")
 
-    launcher, stages = launch(
-        tmp_path, monkeypatch, preflight=preflight, connect=lambda: None, place=place
-    )
+    launcher, stages = launch(preflight=preflight, connect=lambda: None, place=place)
     with pytest.raises(PreflightError, match="the driver does not answer"):
         launcher.execute()
     assert stages.session.closed
 
 
-def test_rays_failure_is_the_error_when_the_preflight_passes(tmp_path, monkeypatch):
+def test_rays_failure_is_the_error_when_the_preflight_passes(launch):
     def connect() -> None:
         raise PreflightError("could not start the embedded Ray on this machine: no memory")
 
-    launcher, stages = launch(
-        tmp_path, monkeypatch, preflight=lambda: {"a": NodeFacts(gpus=0)}, connect=connect
-    )
+    launcher, stages = launch(preflight=lambda: {"a": NodeFacts(gpus=0)}, connect=connect)
     with pytest.raises(PreflightError, match="embedded Ray"):
         launcher.execute()
     assert stages.placed_with == []
 
 
 @pytest.mark.processes
-def test_an_interrupt_while_ray_starts_stops_the_preflights_probes(tmp_path, monkeypatch):
+def test_an_interrupt_while_ray_starts_stops_the_preflights_probes(launch, tmp_path):
     """Ctrl-C during Ray's start: the preflight's command (a real process, started through a
     fan-out as the probes are) is killed, and the run ends interrupted."""
     marker = tmp_path / "probe-ran"
@@ -241,9 +236,9 @@ def test_an_interrupt_while_ray_starts_stops_the_preflights_probes(tmp_path, mon
         assert probing.wait(WAIT_S)
         raise KeyboardInterrupt("signal SIGINT")
 
-    launcher, stages = launch(tmp_path, monkeypatch, preflight=preflight, connect=connect)
+    launcher, stages = launch(preflight=preflight, connect=connect)
     assert launcher.execute().status.value == "interrupted"
     assert stages.placed_with == [] and not stages.session.closed
     assert "was stopped: the runner was closed" in str(outcome["a"])
     assert not [pid for pid, cmd in processes().items() if str(marker) in cmd]
-    assert summary(tmp_path)["status"] == "interrupted"
+    assert summary(launcher)["status"] == "interrupted"
