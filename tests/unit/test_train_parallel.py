@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from fixtures.tiny_job import tiny_job
 
 from launcher.spec.job import JobSpec
 from launcher.train.parallel import process_group_backend
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def job(strategy: str = "ddp", offload: bool = False, **sections) -> JobSpec:
@@ -57,9 +61,7 @@ def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, 
 
 
 # What the trainer calls that an older torch lacks: (module, name, the torch release that made
-# it public). The declared floor must be the newest of these: no older (the trainer would fail
-# on a torch that pip accepts), no newer (users would be refused a torch that works). A new API
-# with a newer release goes here, with the floor raised to match.
+# it public). A new API with a newer release goes here, with pyproject's torch floor raised.
 TRAINER_TORCH_APIS = [
     ("torch.nn.utils", "get_total_norm", (2, 6)),  # optim: the gradient norm
     # FSDP2; torch.distributed._composable.fsdp before
@@ -71,15 +73,12 @@ TRAINER_TORCH_APIS = [
 
 def _declared_torch_specifier():
     """The version specifier of the one ``torch`` requirement in pyproject's dependencies."""
-    from pathlib import Path
-
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     from packaging.requirements import Requirement
 
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
-    torch_reqs = [
-        r for r in map(Requirement, pyproject["project"]["dependencies"]) if r.name == "torch"
-    ]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    requirements = map(Requirement, pyproject["project"]["dependencies"])
+    torch_reqs = [r for r in requirements if r.name == "torch"]
     assert len(torch_reqs) == 1, (
         f"pyproject should declare torch once in [project] dependencies: {torch_reqs}"
     )
@@ -106,15 +105,11 @@ def test_the_trainer_uses_the_apis_the_torch_floor_is_for():
     """TRAINER_TORCH_APIS is no stale list: the trainer calls each of them, and the installed
     torch (which the declared requirement admits) has them."""
     import importlib
-    from pathlib import Path
 
     import torch
     from packaging.version import Version
 
-    source = "\n".join(
-        p.read_text()
-        for p in (Path(__file__).resolve().parents[2] / "launcher" / "train").glob("*.py")
-    )
+    source = "\n".join(p.read_text() for p in (REPO / "launcher" / "train").glob("*.py"))
     for module, name, _ in TRAINER_TORCH_APIS:
         assert name in source, (
             f"the trainer no longer uses {module}.{name}: update TRAINER_TORCH_APIS and the floor"
