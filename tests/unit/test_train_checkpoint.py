@@ -3,17 +3,24 @@ in test_train_elastic)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from fixtures.batching import source
 from fixtures.ranks import run_ranks
 from fixtures.tiny_job import tiny_job
 
-from launcher.spec.job import CheckpointSpec
+from launcher.metrics import read_records
+from launcher.spec.job import CheckpointSpec, JobSpec
 from launcher.train.checkpoint import MARKER, Checkpointer, ResumeError, latest_checkpoint, step_dir
+from launcher.train.loop import Trainer, param_groups
+from launcher.train.optim import MasterAdamW, MasterWeights
+from launcher.util import free_port
 
 
 def checkpointer(
@@ -87,8 +94,6 @@ def test_a_checkpoint_of_bf16_weights_resumes_with_fp32_weights_and_back(tmp_pat
     """DCP in one process: a run with bf16 weights saves its fp32 masters as the model's weights
     and AdamW's moments in torch's format; a run with fp32 weights (torch's fused AdamW) resumes
     from it exactly and stays fused, and so does another run with bf16 weights."""
-    from launcher.train.loop import param_groups
-    from launcher.train.optim import MasterAdamW, MasterWeights
 
     def build(weights: str):
         torch.manual_seed(0)
@@ -140,10 +145,6 @@ def test_a_resume_with_gradients_kept_in_place_keeps_adamw_state(
     (``Trainer.grads_in_place``), allocated after the resume: torch builds a fresh optimizer's
     state to load into only while no gradient exists. Graphs need a GPU: the spec's check is
     bypassed here (``model_copy``), which on the CPU leaves just the gradients' allocation."""
-    from launcher.spec.job import JobSpec
-    from launcher.train.loop import Trainer
-    from launcher.util import free_port
-
     ckpt = {"dir": str(tmp_path / "ckpt"), "every_steps": 2}
     job = JobSpec.model_validate(tiny_job(steps=4, grad_accum=2, log_every=1, checkpoint=ckpt))
     in_place = job.model_copy(update={"train": job.train.model_copy(update={"cuda_graphs": True})})
@@ -229,8 +230,6 @@ def _resume_worker(
 ) -> None:
     """One gloo rank: save steps 2 and 4 to a shared folder, copy into each rank's own folder
     the steps ``roots`` gives it (a node-local view), resume there; the outcome to a file."""
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
@@ -285,7 +284,7 @@ def test_a_checkpoint_others_may_change_is_refused_before_anything_is_unpickled(
     machine sees the folder, by the launcher before anything starts (exit 2)."""
     from launcher.errors import UntrustedCheckpoint
     from launcher.orchestrate.run import checked_code
-    from launcher.spec import ClusterSpec, JobSpec
+    from launcher.spec import ClusterSpec
 
     model, opt, sched = _small_training()
     spec = CheckpointSpec(dir=tmp_path / "ckpt", resume="auto")
@@ -318,10 +317,6 @@ def test_an_async_checkpoint_resumes_bit_identically_to_a_synchronous_one(
     steps 4-6 change the weights. Resumed from step 3, both hold the same weights and AdamW state
     bit for bit, and both end where the uninterrupted run ended. The background run has its host
     copy from step 1 on, before its first save (``Checkpointer.prepare``)."""
-    from launcher.metrics import read_records
-    from launcher.spec.job import JobSpec
-    from launcher.train.loop import Trainer
-    from launcher.util import free_port
 
     def trainer(job) -> Trainer:
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -383,8 +378,6 @@ def test_a_failed_background_save_leaves_the_last_complete_checkpoint_loadable(
     """The writer fails half-way through step 2's files (a full disk): waiting on it raises
     CheckpointFailed naming step 2 and the checkpoint still complete; step 2 never gets its
     marker, step 1's files are untouched, and a resume loads step 1's weights."""
-    import hashlib
-
     from torch.distributed.checkpoint import FileSystemWriter
 
     from launcher.train.checkpoint import CheckpointFailed
@@ -432,8 +425,6 @@ def test_a_failed_background_save_leaves_the_last_complete_checkpoint_loadable(
 def test_the_host_copy_reuses_its_buffers_and_copies_any_python_object():
     """HostCopy deep-copies plain objects in the state (torch's own stager fails on some) and
     copies tensors into buffers kept between saves."""
-    import dataclasses
-
     from launcher.train.checkpoint import HostCopy
 
     @dataclasses.dataclass

@@ -18,7 +18,9 @@ from launcher.errors import NonFiniteError
 from launcher.metrics import read_records
 from launcher.spec.job import JobSpec
 from launcher.train.checkpoint import latest_checkpoint, step_dir
+from launcher.train.data import val_seed
 from launcher.train.health import read_interval, stop_reason
+from launcher.train.loop import Trainer, lr_factor, param_groups
 
 
 def job(arch: str = "gpt", **train) -> JobSpec:
@@ -85,9 +87,6 @@ def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
 def test_grad_norm_and_eval_loss_match_plain_pytorch(
     arch: str, one_process_trainer_env: Path, monkeypatch
 ):
-    from launcher.train.data import val_seed
-    from launcher.train.loop import Trainer
-
     spec = job(arch, steps=2, grad_clip=0.5, eval_every=2, eval_steps=3)
     with Trainer(spec) as trainer:
         plain = copy.deepcopy(trainer.model)  # a world of one: the plain model, before any step
@@ -142,8 +141,6 @@ def test_skip_leaves_parameters_and_adamw_state_and_counts(
 ):
     """Both ways a step is skipped: the flag read on the host (the CPU's AdamW), and the
     device-side mask of a fused AdamW (the GPU's; torch's fused AdamW runs on the CPU too)."""
-    from launcher.train.loop import Trainer, lr_factor, param_groups
-
     spec = job(steps=5, on_nonfinite="skip", max_nonfinite_skips=2)
     snapshots: dict[int, dict] = {}
 
@@ -177,8 +174,6 @@ def test_skip_leaves_parameters_and_adamw_state_and_counts(
 
 
 def test_too_many_skips_in_a_row_stop(one_process_trainer_env: Path, monkeypatch):
-    from launcher.train.loop import Trainer
-
     with Trainer(job(steps=8, on_nonfinite="skip", max_nonfinite_skips=2)) as trainer:
         poison(monkeypatch, trainer, {2, 3, 4, 5}, "loss")
         with pytest.raises(NonFiniteError, match=r"3 steps in a row up to step 4"):
@@ -190,8 +185,6 @@ def test_a_non_finite_step_stops_before_the_next_checkpoint(
 ):
     """Records every 10 steps, checkpoints every 2: the checkpoint at step 4 reads the record of
     steps 3 and 4 first, and step 3's NaN stops the run there, naming step 2's checkpoint."""
-    from launcher.train.loop import Trainer
-
     ckpt = tmp_path / "ckpt"
     spec = job(steps=8, log_every=10, checkpoint={"dir": str(ckpt), "every_steps": 2})
     with Trainer(spec) as trainer:

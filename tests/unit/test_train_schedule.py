@@ -9,8 +9,11 @@ import pytest
 import torch
 from fixtures.tiny_job import tiny_job
 
-from launcher.spec.job import TrainSpec
-from launcher.train.loop import lr_factor, param_groups
+from launcher.metrics import read_records
+from launcher.spec.job import JobSpec, TrainSpec
+from launcher.train import fused, loop
+from launcher.train.loop import Trainer, lr_factor, param_groups
+from launcher.train.model import MLP
 
 
 def factors(**kw) -> list[float]:
@@ -48,10 +51,6 @@ def test_no_weight_decay_on_biases_and_norms():
 
 def test_step_records_carry_the_lr_each_step_used(one_process_trainer_env):
     """``lr`` in a step record is what the optimizer used for that step (read back from it)."""
-    from launcher.metrics import read_records
-    from launcher.spec.job import JobSpec
-    from launcher.train.loop import Trainer
-
     job = JobSpec.model_validate(tiny_job(steps=6, lr=1e-3, lr_warmup_steps=3, log_every=1))
     with Trainer(job) as trainer:
         used = {1: trainer.optimizer.param_groups[0]["lr"]}  # after step s, the scheduler set s+1's
@@ -73,11 +72,6 @@ def test_train_kernels_sets_every_mlp(one_process_trainer_env, monkeypatch, kern
     """``train.kernels`` reaches every block's MLP (``MLP.fused``) where the device supports the
     kernels (``fused.supported``, stood in for: this machine has no GPU); the MLP still computes
     the plain fc, GELU, proj on the CPU, where the kernels do not run."""
-    from launcher.spec.job import JobSpec
-    from launcher.train import fused
-    from launcher.train.loop import Trainer
-    from launcher.train.model import MLP
-
     monkeypatch.setattr(fused, "supported", lambda device: supported)
     job = JobSpec.model_validate(tiny_job("bert", steps=1, kernels=kernels))
     with Trainer(job) as trainer:
@@ -94,9 +88,6 @@ def _accumulated_step(
 ) -> tuple[dict, torch.Tensor | None]:
     """Two optimizer steps of a tiny BERT over 2 micro-batches; the parameters after them and
     the gradient of a trained parameter that no micro-batch uses (stale before each step)."""
-    from launcher.spec.job import JobSpec
-    from launcher.train import loop
-
     monkeypatch.setattr(loop.parallel, "needs_backward", lambda model, sync: by_backward)
     job = JobSpec.model_validate(tiny_job("bert", grad_accum=2))
     with loop.Trainer(job) as trainer:
