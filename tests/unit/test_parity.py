@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from launcher.errors import EXIT_PREFLIGHT, PreflightError, SpecError
+from launcher.preflight import parity_packages
 from launcher.preflight.parity import (
     FAIL_MARK,
     WARN_MARK,
@@ -20,6 +21,8 @@ from launcher.preflight.parity import (
     resolve_policies,
     version_key,
 )
+from launcher.spec import ClusterSpec, JobSpec
+from launcher.spec.job import KERNEL_PACKAGES
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "probes"
 ALL_FIXTURES = sorted(FIXTURES.glob("*.json"))
@@ -212,8 +215,6 @@ def test_a_kernel_package_policy_is_known_even_where_this_run_does_not_check_it(
     assert resolve_policies({"triton": "warn"}, ["triton"])["triton"] == "warn"
     with pytest.raises(SpecError, match="not a policy"):
         resolve_policies({"torchao": "loose"})
-    from launcher.spec.job import KERNEL_PACKAGES, JobSpec
-
     fp8 = JobSpec.model_validate(
         {"name": "j", "resources": {"device": "cuda"}, "precision": {"dtype": "fp8"}}
     )
@@ -355,9 +356,6 @@ def test_kernel_packages_join_the_parity_check(gpu) -> None:
     """A GPU job whose attention may pick FlashAttention-4, whose kernels or weights may need
     Triton (and an fp8 one, torchao) has those packages compared on every node without
     cluster.yaml listing them; a CPU job does not."""
-    from launcher.preflight import parity_packages
-    from launcher.spec import ClusterSpec, JobSpec
-
     cluster = ClusterSpec.model_validate(
         {"nodes": [{"name": "a", "host": "localhost"}], "parity": {"packages": ["numpy"]}}
     )

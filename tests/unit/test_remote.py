@@ -18,8 +18,11 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import dsa
 from fixtures.launching import processes, sigint_when, wait_for
 
+import launcher.preflight.probe
 from launcher.preflight import PROBE_SOURCE, nodes_for_job, parse_probe_output, probe_node
 from launcher.remote import (
     AUTH_FAILED,
@@ -95,9 +98,6 @@ def test_local_runner_timeout_kills_the_whole_group() -> None:
 def test_every_node_runs_the_launchers_own_probe(monkeypatch) -> None:
     """The probe's source goes on stdin to ``python -`` of a local runner: no node runs a probe
     of its own, so the document needs no format version to be read right."""
-    import launcher.preflight
-    import launcher.preflight.probe
-
     sent: dict[str, str | None] = {}
 
     class Recording(LocalRunner):
@@ -284,9 +284,6 @@ def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(
     """paramiko >= 4.0 reads no DSA keys (it removed DSSKey): ``PKey.from_path`` raises
     UnknownKeyType (no SSHException), which escaped as a traceback. Refused before any
     connection is made."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import dsa
-
     key = ssh_runner.ssh.key
     assert key is not None
     key.write_bytes(

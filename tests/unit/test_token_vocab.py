@@ -12,13 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
 from fixtures.batching import source, token_file, write_npy
 from fixtures.ranks import run_ranks
 from fixtures.tiny_job import tiny_job
 
+from launcher.spec.job import DataSpec
+from launcher.train import __main__ as entry
 from launcher.train import data as data_module
+from launcher.train import text
 from launcher.train import tokens as tokens_module
+from launcher.train.loop import Trainer
 from launcher.train.tokens import TokenFileBatches
 
 
@@ -47,9 +52,6 @@ def test_an_id_outside_the_vocabulary_stops_the_worker_before_any_step(
 ):
     """Through the trainer's entry point: exit 2, one paragraph naming file, id, position and
     vocabulary, and no step run."""
-    from launcher.train import __main__ as entry
-    from launcher.train.loop import Trainer
-
     ids = gpt2_ids(5_000)
     ids[3210] = 50300  # a GPT-2 vocabulary padded to 50304 by the writer, say
     tokens = write_npy(tmp_path / "tokens.npy", ids, "<u2")
@@ -276,8 +278,6 @@ def test_the_ranks_slices_cover_every_chunk_once(world: int, n: int):
 def _split_scan_worker(
     rank: int, world: int, port: int, paths: list[str], out: str, chunk: int
 ) -> None:
-    import torch.distributed as dist
-
     tokens_module.SCAN_CHUNK = chunk  # this rank's process only
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -354,9 +354,6 @@ def test_a_file_shorter_than_one_sample_is_a_data_error(tmp_path: Path):
 def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
     """Text ids exceed the model's vocabulary only for a tokenizer with gaps in its ids (its size,
     checked against the model's, is then below its largest id)."""
-    from launcher.train.__main__ import INPUT_ERRORS
-    from launcher.train.text import TextBatches
-
     ids = torch.arange(200, dtype=torch.int64) % 50
     ids[77] = 600
     (tmp_path / "c.bin").write_bytes(ids.to(torch.int32).numpy().tobytes())
@@ -367,7 +364,7 @@ def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
         "tokenizer": "/tok",
         "special": {"eos": 3},
     }
-    common = dict(arch="gpt", cls=TextBatches, vocab=512, seq=16, micro=2, seed=1)
+    common = dict(arch="gpt", cls=text.TextBatches, vocab=512, seq=16, micro=2, seed=1)
     with pytest.raises(
         data_module.DataError,
         match=r"the tokenized text .*c.bin \(data.path tokenized with the tokenizer "
@@ -379,14 +376,11 @@ def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
         match="special tokens the ids eos 700, outside the model's vocabulary of 512",
     ):
         source(meta={**meta, "special": {"eos": 700}}, **common)
-    assert data_module.DataError in INPUT_ERRORS  # reported as one paragraph, exit 2
+    assert data_module.DataError in entry.INPUT_ERRORS  # reported as one paragraph, exit 2
 
 
 def test_a_tokenizer_with_ids_past_its_size_tokenizes_and_is_refused_clearly(tmp_path: Path):
     tokenizers = pytest.importorskip("tokenizers")
-    from launcher.spec.job import DataSpec
-    from launcher.train import text
-
     folder = tmp_path / "tok"
     folder.mkdir()
     tok = tokenizers.Tokenizer(

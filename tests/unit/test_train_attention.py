@@ -5,8 +5,10 @@ against torch's attention; and ``choose``'s rules. The GPU kernels: test_gpu_att
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from launcher.errors import SpecError
+from launcher.spec.job import JobSpec
 from launcher.train import attention
 from launcher.train.model import GPT, BertForMaskedLM
 
@@ -116,10 +118,6 @@ def test_choose_on_cpu():
 def test_the_job_spec_refuses_cudnn_fa4_where_the_job_alone_rules_it_out(over, expected):
     """Dropout, fp32/tf32 and the head dimension are known before any worker starts: an explicit
     cudnn-fa4 is refused there (exit 2) in the words ``choose`` uses; ``auto`` falls back."""
-    from pydantic import ValidationError
-
-    from launcher.spec.job import JobSpec
-
     spec = {
         "name": "fa4",
         "model": {"arch": "gpt", "size": "tiny"},

@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 from fixtures.ranks import run_ranks
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
-from launcher.train.parallel import clip_grad_norm_
+from launcher.train.parallel import clip_grad_norm_, clip_in_fused_optimizer
 
 
 def _model() -> nn.Module:
@@ -25,9 +27,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
         results = []
         for max_norm in (0.05, 1e6):
@@ -72,8 +71,6 @@ def _clipped_adamw_steps(fold: bool | None, max_norm: float = 0.5) -> list[torch
     """Five fused AdamW steps on a loss large enough to clip; ``fold``: the clipping handed to
     the optimizer as its grad_scale (the trainer's way), False: gradients multiplied in place,
     None: no clipping."""
-    from launcher.train.parallel import clip_in_fused_optimizer
-
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     for i in range(5):

@@ -14,7 +14,9 @@ from fixtures.tiny_job import tiny_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from launcher.spec.job import JobSpec
 from launcher.train.data import Batches, global_index, hash_ints, mask_token_id
+from launcher.train.loop import Trainer
 from launcher.train.tokens import open_token_file
 
 
@@ -331,9 +333,6 @@ def test_for_a_gpu_the_worker_sets_the_device_then_pins_the_chunk(monkeypatch):
 
 
 def test_a_closed_trainer_leaves_no_data_thread_running(one_process_trainer_env: Path):
-    from launcher.spec.job import JobSpec
-    from launcher.train.loop import Trainer
-
     job = JobSpec.model_validate(tiny_job("bert", steps=3))
     before = set(threading.enumerate())
     started: set[threading.Thread] = set()

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from fixtures.tiny_job import tiny_job
 
-from launcher.spec.job import SIZE_PRESETS, ModelSpec
+from launcher.errors import SpecError
+from launcher.spec.job import SIZE_PRESETS, JobSpec, ModelSpec
+from launcher.train import parallel
 from launcher.train.model import (
     build_model,
     count_params,
+    describe,
     flops_per_token,
     mask_count,
     matmul_params_per_token,
 )
+from launcher.train.parallel import apply_compile, apply_float8
 
 HF_BERT_BASE_MLM = 109_514_298  # BertForMaskedLM, bert-base-uncased config, tied decoder, no pooler
 
@@ -122,8 +128,6 @@ def test_compile_is_per_block_or_the_whole_model_and_dynamos_ddp_optimizer_is_of
     arch: str, whole: bool
 ):
     """Dynamo's DDP optimizer would split each compiled block at gradient-bucket boundaries."""
-    from launcher.train.parallel import apply_compile
-
     model = build_model(ModelSpec(arch=arch, size="tiny", vocab_size=256))
     with torch._dynamo.config.patch(optimize_ddp=True):
         apply_compile(model, whole=whole)
@@ -147,9 +151,6 @@ def test_compile_is_per_block_or_the_whole_model_and_dynamos_ddp_optimizer_is_of
 def test_compile_scope_auto_is_the_whole_model_for_one_process(
     monkeypatch, scope, world, strategy, whole
 ):
-    from launcher.spec.job import JobSpec
-    from launcher.train import parallel
-
     seen = {}
     monkeypatch.setattr(parallel, "apply_compile", lambda model, **kw: seen.update(kw))
     monkeypatch.setattr(parallel, "apply_ddp", lambda model, job, device: model)
@@ -163,11 +164,6 @@ def test_compile_scope_auto_is_the_whole_model_for_one_process(
 
 
 def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
-    import sys
-
-    from launcher.errors import SpecError
-    from launcher.train.parallel import apply_float8
-
     model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256))
     with pytest.raises(
         SpecError, match=r"precision.dtype.*FP8 tensor cores.*the CPU has compute capability none"
@@ -209,8 +205,6 @@ def test_bf16_hidden_states_stay_bf16_and_give_the_fp32_states_loss(arch: str):
 
 
 def test_the_banner_names_a_preset_or_the_dims_and_a_small_count():
-    from launcher.train.model import describe
-
     assert describe(ModelSpec(arch="bert", size="tiny"), 4_400_000) == "bert tiny, 4.4M params"
     custom = ModelSpec(arch="bert", n_layers=2, d_model=64, n_heads=2, vocab_size=1024)
     assert describe(custom, 120_300) == "bert 2x64, 120.3K params"

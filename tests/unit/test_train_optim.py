@@ -16,7 +16,8 @@ from fixtures.optim_cases import BETAS, LR, groups
 from torch import nn
 
 from launcher.errors import SpecError
-from launcher.spec import load_job
+from launcher.spec import ClusterSpec, check_fits, load_job
+from launcher.spec.job import refusal_at
 from launcher.train import optim
 from launcher.train.optim import (
     BLOCK,
@@ -349,9 +350,6 @@ def test_refusal_at_knows_the_world_size_and_reruns_the_checks(tmp_path: Path):
     """``refusal_at(job, world)``: the spec's checks again (a job changed with model_copy, as an
     elastic restart's new grad_accum, skipped them) and FSDP's sharding of bf16 weights over
     the ranks, which the spec alone cannot know with nodes all or nproc_per_node auto."""
-    from launcher.spec import ClusterSpec, check_fits
-    from launcher.spec.job import refusal_at
-
     bf16 = ["precision.dtype=bf16", "precision.weights=bf16"]
     one = load_job(QUICKSTART, [*bf16, "parallel.strategy=fsdp", "resources.nproc_per_node=1"])
     assert refusal_at(one, 1) is None  # one process: FSDP trains it unwrapped

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from fixtures.tiny_job import tiny_job
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from launcher.spec.job import JobSpec
+from launcher.train import loop, parallel
 from launcher.train.parallel import process_group_backend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,10 +50,6 @@ def test_process_group_backend_adds_gloo_for_cpu_offloaded_shards(
 def test_the_trainer_joins_the_group_with_that_backend(one_process_trainer_env, monkeypatch):
     """``Trainer.init_distributed`` takes the backend from ``process_group_backend`` (a
     mixed string here, which gloo-only CPU torch can run)."""
-    import torch.distributed as dist
-
-    from launcher.train import loop, parallel
-
     asked = []
 
     def backend(spec: JobSpec) -> str:
@@ -74,8 +76,6 @@ TRAINER_TORCH_APIS = [
 def _declared_torch_specifier():
     """The version specifier of the one ``torch`` requirement in pyproject's dependencies."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    from packaging.requirements import Requirement
-
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     requirements = map(Requirement, pyproject["project"]["dependencies"])
     torch_reqs = [r for r in requirements if r.name == "torch"]
@@ -88,8 +88,6 @@ def _declared_torch_specifier():
 def test_the_declared_torch_floor_is_the_oldest_torch_with_the_apis_the_trainer_uses():
     """pyproject's torch requirement admits the release that made public everything in
     TRAINER_TORCH_APIS and refuses every torch before it: its one lower bound is that release."""
-    from packaging.version import Version
-
     spec = _declared_torch_specifier()
     major, minor = max(release for _, _, release in TRAINER_TORCH_APIS)
     needed = Version(f"{major}.{minor}")
@@ -104,11 +102,6 @@ def test_the_declared_torch_floor_is_the_oldest_torch_with_the_apis_the_trainer_
 def test_the_trainer_uses_the_apis_the_torch_floor_is_for():
     """TRAINER_TORCH_APIS is no stale list: the trainer calls each of them, and the installed
     torch (which the declared requirement admits) has them."""
-    import importlib
-
-    import torch
-    from packaging.version import Version
-
     source = "\n".join(p.read_text() for p in (REPO / "launcher" / "train").glob("*.py"))
     for module, name, _ in TRAINER_TORCH_APIS:
         assert name in source, (
