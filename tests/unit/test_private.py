@@ -9,6 +9,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.errors import UnsafePath
+from launcher.jobs import head as heads
 from launcher.jobs import records
 from launcher.orchestrate.ray_cluster import remove_ray_temp
 from launcher.util import (
@@ -91,8 +92,6 @@ def test_a_state_folder_others_may_write_is_refused(tmp_path, monkeypatch, capsy
 
 
 def test_the_local_heads_temp_dir_is_new_private_and_recorded(tmp_path, monkeypatch):
-    from launcher.jobs import head as heads
-
     monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
     folder = records.local_folder()
     assert heads._temp_dir(folder) == ""  # none known yet: nothing is signalled by it

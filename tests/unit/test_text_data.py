@@ -23,7 +23,7 @@ from launcher.errors import SpecError  # noqa: E402
 from launcher.spec import load_job  # noqa: E402
 from launcher.spec.hf import load_tokenizer  # noqa: E402
 from launcher.train import text  # noqa: E402
-from launcher.train.data import build_data  # noqa: E402
+from launcher.train.data import build_data, build_val_batches  # noqa: E402
 
 SEQ = 32
 
@@ -276,8 +276,6 @@ def test_text_goes_on_at_the_next_sample_after_a_restart_at_another_world_size(t
 def test_held_out_text_is_the_end_of_the_stream_or_a_file_of_its_own(tmp_path, assets):
     """data.val_fraction: training reads the first 90% of the tokenized text, evaluations the
     last 10%; data.val_path: evaluations read another text, tokenized into its own cache file."""
-    from launcher.train.data import build_val_batches
-
     j = job(tmp_path, assets, arch="gpt", val_fraction=0.1)
     meta = text.tokenize(j.data, "gpt", progress=False)
     ids = stream(meta)
