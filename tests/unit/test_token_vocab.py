@@ -55,12 +55,9 @@ def test_an_id_outside_the_vocabulary_stops_the_worker_before_any_step(
     ids = gpt2_ids(5_000)
     ids[3210] = 50300  # a GPT-2 vocabulary padded to 50304 by the writer, say
     tokens = write_npy(tmp_path / "tokens.npy", ids, "<u2")
+    spec = tiny_job(model={"vocab_size": 50257}, data={"source": "tokens", "path": "tokens.npy"})
     job = tmp_path / "job.yaml"
-    job.write_text(
-        yaml.safe_dump(
-            tiny_job(model={"vocab_size": 50257}, data={"source": "tokens", "path": "tokens.npy"})
-        )
-    )
+    job.write_text(yaml.safe_dump(spec))
 
     def no_step(self, step: int):
         raise AssertionError(f"step {step} ran: the bad id was not found before the first step")
