@@ -250,10 +250,8 @@ def test_a_node_where_another_ray_runs_is_refused_and_that_ray_left_alone(
     )
     session = bootstrapped(cluster, port)
     other = fake_raylet(tmp_path, f"127.0.0.9:{port}")
-    with pytest.raises(
-        PreflightError,
-        match=rf"another Ray runs on node 'node1' .*raylet pid {other.pid} \(GCS 127.0.0.9:{port}\)",
-    ):
+    pattern = rf"another Ray runs on node 'node1' .*raylet pid {other.pid} \(GCS 127.0.0.9:{port}\)"
+    with pytest.raises(PreflightError, match=pattern):
         session._start_ray(cluster.nodes[1])
     session.close()
     assert started == [] and stopped == []

@@ -380,9 +380,8 @@ def test_quoted_env_values_are_their_text(tmp_path):
 
 @pytest.mark.parametrize("value", ["true", "1.10", "0022", "7", "1:30", "2024-01-02"])
 def test_an_env_value_yaml_reads_as_no_text_is_refused_saying_quote_it(tmp_path, value):
-    with pytest.raises(
-        SpecError, match=r"field 'launch.env.A': YAML read this value as a \w+; quote it"
-    ):
+    pattern = r"field 'launch.env.A': YAML read this value as a \w+; quote it"
+    with pytest.raises(SpecError, match=pattern):
         load_job(write(tmp_path, f"name: j\nlaunch:\n  env:\n    A: {value}\n"))
 
 
@@ -394,10 +393,8 @@ def test_a_cluster_node_env_value_must_be_text_too(tmp_path):
     )
     assert load_cluster(path).nodes[0].env == {"V": "1.10", "Q": "x y"}
     path.write_text("nodes:\n  - name: a\n    host: localhost\n    env: {NCCL_IB_DISABLE: 1}\n")
-    with pytest.raises(
-        SpecError,
-        match=r"nodes\[0\].env.NCCL_IB_DISABLE': YAML read this value as a number; quote it",
-    ):
+    pattern = r"nodes\[0\].env.NCCL_IB_DISABLE': YAML read this value as a number; quote it"
+    with pytest.raises(SpecError, match=pattern):
         load_cluster(path)
 
 
@@ -413,10 +410,8 @@ def test_a_null_env_value_is_refused_naming_the_field(tmp_path, null):
     with pytest.raises(SpecError, match=r"field 'launch.env.A': null is not an environment value"):
         load_job(write(tmp_path, f"name: j\nlaunch:\n  env:\n    A: {null}\n"))
     if null:  # --set launch.env.A= is the empty text
-        with pytest.raises(
-            SpecError,
-            match=r"field 'launch.env.A' \(from --set\): null is not an environment value",
-        ):
+        pattern = r"field 'launch.env.A' \(from --set\): null is not an environment value"
+        with pytest.raises(SpecError, match=pattern):
             load_job(write(tmp_path, "name: j\n"), [f"launch.env.A={null}"])
 
 
@@ -443,9 +438,8 @@ def test_set_env_values_are_the_text_given(tmp_path):
 def test_set_of_a_whole_env_mapping_is_yaml_whose_values_must_be_text(tmp_path):
     job = load_job(write(tmp_path, "name: j\n"), ["launch.env={A: 'true', B: x}"])
     assert job.launch.env == {"A": "true", "B": "x"}
-    with pytest.raises(
-        SpecError, match=r"launch.env.B': YAML read this value as a number; quote it"
-    ):
+    pattern = r"launch.env.B': YAML read this value as a number; quote it"
+    with pytest.raises(SpecError, match=pattern):
         load_job(write(tmp_path, "name: j\n"), ["launch.env={A: x, B: 1.10}"])
 
 

@@ -368,10 +368,8 @@ def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
         r"/tok, of 60 tokens\) holds token id 600 at position 77",
     ):
         source(meta=meta, **common)
-    with pytest.raises(
-        data_module.DataError,
-        match="special tokens the ids eos 700, outside the model's vocabulary of 512",
-    ):
+    pattern = "special tokens the ids eos 700, outside the model's vocabulary of 512"
+    with pytest.raises(data_module.DataError, match=pattern):
         source(meta={**meta, "special": {"eos": 700}}, **common)
     assert data_module.DataError in entry.INPUT_ERRORS  # reported as one paragraph, exit 2
 

@@ -79,9 +79,8 @@ def test_resume_puts_the_data_at_the_next_sample_and_checks_the_global_batch(tmp
     resumed = keep._continue_data(tmp_path, written)
     assert (resumed.step, resumed.samples, resumed.world_size) == (5, 60, 3)
     assert keep.data.first_sample(6) == 60 and keep.data.first_sample(7) == 72
-    with pytest.raises(
-        ResumeError, match=r"global batch of 12 samples \(3 ranks\).*train.grad_accum: 6"
-    ):
+    pattern = r"global batch of 12 samples \(3 ranks\).*train.grad_accum: 6"
+    with pytest.raises(ResumeError, match=pattern):
         checkpointer(CheckpointSpec(dir=tmp_path), world=1)._continue_data(tmp_path, written)
     with pytest.raises(ResumeError, match="whose product with the world size equals it"):
         checkpointer(CheckpointSpec(dir=tmp_path), world=5)._continue_data(tmp_path, written)

@@ -165,9 +165,8 @@ def test_compile_scope_auto_is_the_whole_model_for_one_process(
 
 def test_fp8_without_fp8_tensor_cores_or_torchao_is_a_spec_error(monkeypatch):
     model = build_model(ModelSpec(arch="gpt", size="tiny", vocab_size=256))
-    with pytest.raises(
-        SpecError, match=r"precision.dtype.*FP8 tensor cores.*the CPU has compute capability none"
-    ):
+    pattern = r"precision.dtype.*FP8 tensor cores.*the CPU has compute capability none"
+    with pytest.raises(SpecError, match=pattern):
         apply_float8(model, recipe="tensorwise", layers="all", device=torch.device("cpu"))
     # An H100 without torchao installed: the error names the package and the way out.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

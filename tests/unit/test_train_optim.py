@@ -359,9 +359,8 @@ def test_refusal_at_knows_the_world_size_and_reruns_the_checks(tmp_path: Path):
     ddp = load_job(QUICKSTART, bf16)
     assert refusal_at(ddp, 8) is None
 
-    with pytest.raises(
-        SpecError, match="on 2 ranks: precision.weights bf16 .*FSDP shards the weights here"
-    ) as err:
+    pattern = "on 2 ranks: precision.weights bf16 .*FSDP shards the weights here"
+    with pytest.raises(SpecError, match=pattern) as err:
         check_fits(one, two_nodes(), job_source=str(QUICKSTART))
     assert err.value.exit_code == 2 and err.value.field == "precision.weights"
     check_fits(one, ClusterSpec.this_machine())

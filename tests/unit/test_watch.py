@@ -479,10 +479,8 @@ def test_an_elastic_job_on_other_machines_needs_shared_checkpoints():
 def test_a_grad_accum_the_job_cannot_run_with_refuses_the_restart():
     """bf16 weights need grad_accum 1: keeping the global batch on fewer ranks would raise it."""
     first = elastic_job({"dtype": "bf16", "weights": "bf16"}, micro_batch=2, grad_accum=1)
-    with pytest.raises(
-        RestartRefused,
-        match="needs train.grad_accum 2, which the job cannot run with: .*grad_accum",
-    ):
+    pattern = "needs train.grad_accum 2, which the job cannot run with: .*grad_accum"
+    with pytest.raises(RestartRefused, match=pattern):
         job_for_world(first, 2, 1)
 
 
