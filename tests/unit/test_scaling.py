@@ -164,9 +164,8 @@ def test_failed_repeats_and_points_are_kept_but_not_counted():
 
 
 def test_nothing_measured():
-    t = build_table(
-        [{"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": []}], job="j", mode="weak"
-    )
+    point = {"nodes": 1, "ranks": 1, "global_batch": 8, "repeats": []}
+    t = build_table([point], job="j", mode="weak")
     assert t["base_ranks"] is None
     assert "nothing to compare" in render_scaling(t)
 

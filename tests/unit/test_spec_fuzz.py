@@ -182,7 +182,6 @@ def test_any_text_loads_or_fails_cleanly(workdir, text):
 @given(overrides=set_items)
 def test_overrides_on_a_valid_job_load_or_fail_cleanly(workdir, overrides):
     path = workdir / "valid.yaml"
-    path.write_text(
-        "name: j\nresources: {device: cpu}\nprecision: {dtype: fp32}\n", encoding="utf-8"
-    )
+    text = "name: j\nresources: {device: cpu}\nprecision: {dtype: fp32}\n"
+    path.write_text(text, encoding="utf-8")
     load_both(path, overrides)

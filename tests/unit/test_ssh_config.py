@@ -90,9 +90,8 @@ def test_a_proxyjump_loop_is_an_error(home: Path) -> None:
 
 def test_loading_a_cluster_sets_each_alias_address(home: Path, tmp_path: Path) -> None:
     path = tmp_path / "cluster.yaml"
-    path.write_text(
-        "nodes:\n- {name: a, host: gpu-1}\n- {name: b, host: gpu-2, address: 10.1.0.12}\n"
-    )
+    nodes = "- {name: a, host: gpu-1}\n- {name: b, host: gpu-2, address: 10.1.0.12}\n"
+    path.write_text(f"nodes:\n{nodes}")
     cluster = load_cluster(path)
     assert [n.net_address for n in cluster.nodes] == ["10.1.0.11", "10.1.0.12"]
     assert cluster.nodes[0].host == "gpu-1"  # SSH still goes by the alias

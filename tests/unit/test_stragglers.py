@@ -54,9 +54,8 @@ def test_what_differs_on_the_slow_node_among_its_preflight_facts():
     assert node_differences(facts, "c") == ["driver 535.2 vs 550.1"]
     assert node_differences(facts, "a") == []
     watch = StragglerWatch({0: "a", 1: "b", 2: "c"}, facts)
-    (_, found), *_ = feed(
-        watch, 20, {0: {"compute_s": 0.1}, 1: {"compute_s": 0.1}, 2: {"compute_s": 0.2}}
-    )
+    per_rank = {0: {"compute_s": 0.1}, 1: {"compute_s": 0.1}, 2: {"compute_s": 0.2}}
+    (_, found), *_ = feed(watch, 20, per_rank)
     assert "node c differs in its preflight facts: driver 535.2 vs 550.1" in found.line()
 
 

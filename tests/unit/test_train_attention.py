@@ -57,9 +57,8 @@ def test_compiled_matches_eager():
         return attention.packed_attention(x * 1.0, True)
 
     want = torch.autograd.grad(f(qkv), qkv, dout)[0]
-    got = torch.autograd.grad(
-        torch.compile(f, backend="aot_eager", fullgraph=True)(qkv), qkv, dout
-    )[0]
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(qkv), qkv, dout)[0]
     torch.testing.assert_close(got, want)
 
 

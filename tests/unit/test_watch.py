@@ -255,10 +255,8 @@ def test_an_agent_that_raises_dies_or_falls_silent_is_a_lost_node(agents, node, 
 
 def test_the_hang_watchdog_blames_the_rank_that_got_least_far():
     """Both ranks go quiet (rank 1 hangs, rank 0 waits for it in a collective): rank 1 got least far."""
-    rounds = [{0: AgentUpdate(records=[step(0, 8)]), 1: AgentUpdate(records=[step(1, 5)])}] + [
-        {}
-    ] * 10
-    agents = FakeAgents(rounds, tails={(1, 0): ["step 5", "sleeping"]})
+    rounds = [{0: AgentUpdate(records=[step(0, 8)]), 1: AgentUpdate(records=[step(1, 5)])}]
+    agents = FakeAgents(rounds + [{}] * 10, tails={(1, 0): ["step 5", "sleeping"]})
     now = [0.0]
     poll = agents.poll
 
