@@ -44,11 +44,8 @@ def test_url_passwords_are_masked_in_any_value():
     assert both == f"a http://u:{MASK}@h and s3://k:{MASK}@b/p"
     for kept in ("https://host:8443/a@b", "https://user@host/x", "plain:text@x", "/a/b:c@d"):
         assert mask_urls(kept) == kept
-    assert mask_env({"DATABASE_URL": "mysql://u:pw@h/db", "DB_PASSWD": "x", "N": "1"}) == {
-        "DATABASE_URL": f"mysql://u:{MASK}@h/db",
-        "DB_PASSWD": MASK,
-        "N": "1",
-    }
+    env = {"DATABASE_URL": "mysql://u:pw@h/db", "DB_PASSWD": "x", "N": "1"}
+    assert mask_env(env) == {"DATABASE_URL": f"mysql://u:{MASK}@h/db", "DB_PASSWD": MASK, "N": "1"}
 
 
 def test_private_folders(tmp_path):

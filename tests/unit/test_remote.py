@@ -347,11 +347,8 @@ def test_nodes_gpus_and_env_for_a_job() -> None:
             NodeSpec(name="c", host="10.0.0.3"),
         ]
     )
-    job = JobSpec(
-        name="j",
-        resources={"nodes": 2, "nproc_per_node": 4, "device": "cuda"},
-        launch={"env": {"NCCL_SOCKET_IFNAME": "eth0"}},
-    )
+    resources = {"nodes": 2, "nproc_per_node": 4, "device": "cuda"}
+    job = JobSpec(name="j", resources=resources, launch={"env": {"NCCL_SOCKET_IFNAME": "eth0"}})
     assert [n.name for n in nodes_for_job(cluster, job)] == ["a", "b"]
     assert [n.name for n in nodes_for_job(cluster, None)] == ["a", "b", "c"]
     assert gpus_needed(cluster.nodes[0], job) == 8

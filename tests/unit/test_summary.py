@@ -368,14 +368,8 @@ def test_summary_json_keys_exactly_per_schema(tmp_path):
 def test_failed_run_with_missing_ranks(tmp_path):
     ranks = layout(2, 2)
     recs = {0: builtin_records(0, step_ms=100.0), 1: builtin_records(1, step_ms=101.0)}
-    failure = {
-        "rank": 2,
-        "node": "node1",
-        "host": "10.0.0.2",
-        "exit_code": 1,
-        "signal": None,
-        "log_tail": "Traceback (most recent call last):\nRuntimeError: CUDA out of memory",
-    }
+    tail = "Traceback (most recent call last):\nRuntimeError: CUDA out of memory"
+    failure = dict(rank=2, node="node1", host="10.0.0.2", exit_code=1, signal=None, log_tail=tail)
     s = summarize("bert-ddp", ranks, recs, status="failed", failure=failure)
     assert_schema(s)
     assert [r["rank"] for r in s["ranks"]] == [0, 1, 2, 3]
@@ -443,15 +437,9 @@ def test_load_run_rebuilds_from_plan_and_metrics(tmp_path):
 def test_load_run_takes_status_and_failure_from_summary_json(tmp_path):
     ranks = layout(1, 2)
     run = write_run(tmp_path / "run", "j", ranks, {0: builtin_records(0, step_ms=100.0)})
-    failure = {
-        "rank": 1,
-        "node": "node0",
-        "host": "10.0.0.1",
-        "exit_code": None,
-        "signal": "SIGKILL",
-        "log_tail": "killed",
-        "reason": "rank 1 on node node0 (10.0.0.1) exited with signal SIGKILL",
-    }
+    reason = "rank 1 on node node0 (10.0.0.1) exited with signal SIGKILL"
+    failure = dict(rank=1, node="node0", host="10.0.0.1", exit_code=None, signal="SIGKILL")
+    failure |= {"log_tail": "killed", "reason": reason}
     write_summary(run, summarize("j", ranks, {}, status="failed", failure=failure))
     s = load_run(run)
     assert s["status"] == "failed" and s["failure"] == failure

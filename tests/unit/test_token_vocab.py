@@ -354,13 +354,8 @@ def test_tokenized_text_is_checked_the_same_way(tmp_path: Path):
     ids = torch.arange(200, dtype=torch.int64) % 50
     ids[77] = 600
     (tmp_path / "c.bin").write_bytes(ids.to(torch.int32).numpy().tobytes())
-    meta = {
-        "path": str(tmp_path / "c.bin"),
-        "dtype": "int32",
-        "vocab_size": 60,
-        "tokenizer": "/tok",
-        "special": {"eos": 3},
-    }
+    path = str(tmp_path / "c.bin")
+    meta = dict(path=path, dtype="int32", vocab_size=60, tokenizer="/tok", special={"eos": 3})
     common = dict(arch="gpt", cls=text.TextBatches, vocab=512, seq=16, micro=2, seed=1)
     with pytest.raises(
         data_module.DataError,

@@ -285,12 +285,7 @@ def test_a_node_that_finished_is_not_hung_while_another_works_on():
 
 
 def test_no_hang_without_the_watchdog():
-    rounds = [
-        {0: AgentUpdate(records=[step(0, 1)])},
-        {},
-        {},
-        {0: AgentUpdate(exit=ExitStatus(0)), 1: AgentUpdate(exit=ExitStatus(0))},
-    ]
+    rounds = [{0: AgentUpdate(records=[step(0, 1)])}, {}, {}, done_round()]
     assert watch(FakeAgents(rounds), clock=iter(range(0, 10**6, 1000)).__next__)[0] is None
 
 
