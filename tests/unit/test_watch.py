@@ -36,6 +36,14 @@ def step(rank: int, n: int) -> tuple[int, dict]:
     return rank, {"type": "step", "step": n, "time": float(n), "tokens": 10}
 
 
+def failing_round(node: int = 1) -> dict:
+    return {node: AgentUpdate(exit=ExitStatus(1))}
+
+
+def done_round(nodes: int = 2) -> dict:
+    return {i: AgentUpdate(exit=ExitStatus(0)) for i in range(nodes)}
+
+
 class FakeAgents(Agents):
     """Answers each poll with the next scripted round: {agent: AgentUpdate | exception}."""
 
@@ -123,11 +131,8 @@ def test_every_node_exiting_0_is_success_and_every_update_is_handed_on():
 
 
 def test_a_failed_rank_is_named_from_torchruns_root_cause():
-    agents = FakeAgents(
-        [{1: AgentUpdate(exit=ExitStatus(1))}],
-        tails={(1, None): ["noise", *ROOT_CAUSE], (1, 0): ["Traceback", "RuntimeError: x"]},
-    )
-    failure, _ = watch(agents)
+    tails = {(1, None): ["noise", *ROOT_CAUSE], (1, 0): ["Traceback", "RuntimeError: x"]}
+    failure, _ = watch(FakeAgents([failing_round()], tails=tails))
     assert failure.kind is FailureKind.RANK and failure.restartable
     assert (failure.rank, failure.node, failure.exit_code, failure.signal) == (1, "b", 1, None)
     assert failure.reason == "rank 1 on node b (198.18.0.11) exited with code 1"
@@ -141,12 +146,8 @@ def test_the_structured_error_file_names_the_rank_and_its_exception():
         traceback="Traceback ...\nValueError: bad batch",
         timestamp=1.0,
     )
-    agents = FakeAgents(
-        [{0: AgentUpdate(exit=ExitStatus(1))}],
-        errors={0: [error]},
-        tails={(0, 0): ["step 3", "[rank0]: something went wrong"]},
-    )
-    failure, _ = watch(agents)
+    tails = {(0, 0): ["step 3", "[rank0]: something went wrong"]}
+    failure, _ = watch(FakeAgents([failing_round(0)], errors={0: [error]}, tails=tails))
     assert (failure.rank, failure.node) == (0, "a")
     assert failure.reason == "rank 0 on node a (198.18.0.10) raised ValueError: bad batch"
     # the traceback, as the rank's lines hold none
@@ -157,8 +158,7 @@ def test_a_non_finite_stop_is_its_own_kind_and_is_not_restarted():
     """The built-in trainer's NonFiniteError: a restart from the last checkpoint would train the
     same steps into the same NaN, so launch.max_restarts does not apply."""
     error = RankError(local_rank=0, message="NonFiniteError: non-finite at step 5: the loss is nan")
-    agents = FakeAgents([{0: AgentUpdate(exit=ExitStatus(1))}], errors={0: [error]})
-    failure, _ = watch(agents)
+    failure, _ = watch(FakeAgents([failing_round(0)], errors={0: [error]}))
     assert failure.kind is FailureKind.NONFINITE and not failure.restartable
     assert failure.reason.endswith("raised NonFiniteError: non-finite at step 5: the loss is nan")
 
@@ -203,8 +203,7 @@ def test_a_rank_failing_on_its_peer_in_the_same_second_is_not_named(other_second
     broken connection that rank 1's crash left."""
     report = torchrun_report([(other_second, 1, 1)], root=("52", 0, -6))
     agents = FakeAgents(
-        [{0: AgentUpdate(exit=ExitStatus(1))}],
-        tails={(0, None): report, (0, 0): root_tail, (0, 1): OWN},
+        [failing_round(0)], tails={(0, None): report, (0, 0): root_tail, (0, 1): OWN}
     )
     node = dataclasses.replace(two_node_plan().nodes[0], nproc=2, ranks=[0, 1])
     failure = rank_failure(agents, 0, node, ExitStatus(1))
@@ -213,11 +212,8 @@ def test_a_rank_failing_on_its_peer_in_the_same_second_is_not_named(other_second
 
 
 def test_a_signal_is_read_from_the_exit_code():
-    agents = FakeAgents(
-        [{1: AgentUpdate(exit=ExitStatus(1))}],
-        tails={(1, None): ROOT_CAUSE[:3] + ["  exitcode  : -9 (pid: 1)"]},
-    )
-    failure, _ = watch(agents)
+    tails = {(1, None): ROOT_CAUSE[:3] + ["  exitcode  : -9 (pid: 1)"]}
+    failure, _ = watch(FakeAgents([failing_round()], tails=tails))
     assert (failure.exit_code, failure.signal) == (-9, "SIGKILL")
     assert "signal SIGKILL" in failure.reason
 
@@ -243,7 +239,7 @@ class Dying(FakeAgents):
     [
         (FakeAgents([{1: RuntimeError("The actor died")}]), "b", "The actor died"),
         # the failed rank's node lost before its log is read
-        (Dying([{1: AgentUpdate(exit=ExitStatus(1))}]), "b", "the actor died"),
+        (Dying([failing_round()]), "b", "the actor died"),
         (FakeAgents([{0: AgentUpdate(records=[step(0, 1)])}], silent=0), "a", "no answer for 30 s"),
     ],
 )
@@ -299,14 +295,6 @@ def attempts(tmp_path, agents: FakeAgents, **launch):
     return launcher.run_attempts(agents), run_dir
 
 
-def failing_round() -> dict:
-    return {1: AgentUpdate(exit=ExitStatus(1))}
-
-
-def done_round(nodes: int = 2) -> dict:
-    return {i: AgentUpdate(exit=ExitStatus(0)) for i in range(nodes)}
-
-
 def test_a_failed_rank_restarts_every_node_with_a_new_plan(tmp_path):
     agents = FakeAgents([failing_round(), done_round()], tails={(1, None): ROOT_CAUSE})
     outcome, run_dir = attempts(tmp_path, agents, max_restarts=1)
@@ -321,9 +309,8 @@ def test_a_failed_rank_restarts_every_node_with_a_new_plan(tmp_path):
 
 
 def test_restarts_run_out(tmp_path):
-    agents = FakeAgents(
-        [failing_round(), failing_round(), done_round()], tails={(1, None): ROOT_CAUSE}
-    )
+    rounds = [failing_round(), failing_round(), done_round()]
+    agents = FakeAgents(rounds, tails={(1, None): ROOT_CAUSE})
     outcome, run_dir = attempts(tmp_path, agents, max_restarts=1)
     assert outcome.status is Status.FAILED and outcome.failure.rank == 1
     assert len(agents.plans) == 2 and not run_dir.plan_file(2).exists()
