@@ -42,11 +42,7 @@ def test_groups_sum_their_parts_and_share_the_joules():
         {"group": "loss", "ms_per_step": 1.0, "j_per_step": 0.5},
     ]
     groups = bench.by_group(rows)
-    assert groups["gemm"] == {
-        "ms_per_step": 12.0,
-        "j_per_step": 7.5,
-        "share": pytest.approx(0.9375),
-    }
+    assert groups["gemm"] == dict(ms_per_step=12.0, j_per_step=7.5, share=pytest.approx(0.9375))
     assert groups["loss"]["share"] == pytest.approx(0.0625)
     text = bench.table([], groups, None)
     assert "sum of the parts" in text and "93.8%" in text

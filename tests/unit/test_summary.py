@@ -307,12 +307,9 @@ def test_gpu_clock_in_the_tables_and_the_straggler_line():
     )
     # from final records: the trainer's own figures
     fin = ranks_alike(final=True)
-    fin[0][-1] |= {
-        "sm_clock_mhz": 1700.0,
-        "clock_limited_pct": 90.0,
-        "power_w": 690.0,
-        "energy_mj_per_token": 1.2,
-    }
+    fin[0][-1] |= dict(
+        sm_clock_mhz=1700.0, clock_limited_pct=90.0, power_w=690.0, energy_mj_per_token=1.2
+    )
     rows = summarize("j", layout(1, 2), fin, status="succeeded")["ranks"]
     assert rows[0]["sm_clock_mhz"] == 1700.0 and rows[0]["clock_limited_pct"] == 90.0
     assert rows[0]["power_w"] == 690.0 and rows[0]["energy_mj_per_token"] == 1.2
