@@ -48,18 +48,14 @@ def test_each_visible_gpu_gives_one_record(monkeypatch):
     assert first["clock_limits"] == ["power cap"] and first["temp_c"] is None
 
 
-def test_every_gpu_where_none_is_named(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(3))
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert len(GpuSampler().sample()) == 3
-
-
-@pytest.mark.parametrize("visible", ["", None])
-def test_no_nvml_or_no_gpu_samples_nothing(monkeypatch, visible):
+@pytest.mark.parametrize(("nvml", "visible", "count"), [(3, None, 3), (4, "", 0), (None, None, 0)])
+def test_every_gpu_where_none_is_named_and_none_without_nvml_or_a_visible_gpu(
+    monkeypatch, nvml, visible, count
+):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(nvml) if nvml else None)  # None: no import
     if visible is None:
-        monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
-        monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     sampler = GpuSampler()
-    assert not sampler.available and sampler.sample() == []
+    assert sampler.available is (count > 0) and len(sampler.sample()) == count
