@@ -21,14 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BAD_JOBS = sorted((HERE / "bad_inputs" / "jobs").glob("*.yaml"))
 BAD_CLUSTERS = sorted((HERE / "bad_inputs" / "clusters").glob("*.yaml"))
-SHIPPED = sorted(
-    [
-        *REPO.glob("jobs/*.yaml"),
-        *REPO.glob("examples/**/*.yaml"),
-        *REPO.glob("examples/**/*.yml"),
-        *REPO.glob("cluster.yaml"),
-    ]
-)
+SHIPPED_GLOBS = ("jobs/*.yaml", "examples/**/*.yaml", "examples/**/*.yml", "cluster.yaml")
+SHIPPED = sorted(path for pattern in SHIPPED_GLOBS for path in REPO.glob(pattern))
 
 
 def is_cluster_file(path: Path) -> bool:
@@ -66,12 +60,8 @@ def test_shipped_file_validates(path, tmp_path):
         # make them in a copy, as a user following the example would.
         copy = tmp_path / path.parent.name
         shutil.copytree(path.parent, copy, ignore=shutil.ignore_patterns("assets", "__pycache__"))
-        subprocess.run(
-            [sys.executable, str(copy / "make_assets.py")],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
+        script = copy / "make_assets.py"
+        subprocess.run([sys.executable, str(script)], check=True, capture_output=True, timeout=120)
         path = copy / path.name
     if is_cluster_file(path):
         cluster = load_cluster(path)
