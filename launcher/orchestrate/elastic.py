@@ -79,7 +79,7 @@ def job_for_world(job: JobSpec, first_world: int, world: int) -> JobSpec:
     if (problem := refusal_at(resized, world)) is not None:
         raise RestartRefused(
             f"keeping the global batch of {global_batch} samples on {world} ranks needs train.grad_accum "
-            f"{accum}, which the job cannot run with: {problem}. Set train.elastic_batch: scale to keep "
+            f"{accum}, which the job cannot run with: {problem.rstrip('.')}. Set train.elastic_batch: scale to keep "
             f"grad_accum instead"
         )
     return resized
