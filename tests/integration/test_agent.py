@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from fixtures.launching import kill
 
 from launcher.orchestrate.agent import REAPER_GRACE_S, WORKER_SCAN_S, NodeAgent
@@ -41,9 +43,20 @@ main()
 """
 
 
-def start(agent: NodeAgent, cwd: Path, argv: list[str]) -> None:
+@pytest.fixture
+def agent() -> Iterator[NodeAgent]:
+    agent = NodeAgent("local")
+    try:
+        yield agent
+    finally:
+        agent.stop(1.0)
+        agent.cleanup()
+
+
+def start(agent: NodeAgent, cwd: Path, argv: list[str], env=None, files=None) -> None:
     """``agent`` starts ``argv`` in ``cwd`` as a launch's node would."""
-    agent.start({"run_id": "t-0a1b2c", "cwd": str(cwd), "argv": argv, "env": {}}, {})
+    plan = {"run_id": "t-0a1b2c", "cwd": str(cwd), "argv": argv, "env": env or {}}
+    agent.start(plan, files or {})
 
 
 def run_to_exit(agent: NodeAgent, timeout_s: float = 120) -> list:
@@ -56,47 +69,35 @@ def run_to_exit(agent: NodeAgent, timeout_s: float = 120) -> list:
     raise AssertionError("torchrun did not exit")
 
 
-def test_the_agent_reads_the_error_file_of_a_recorded_worker(tmp_path):
+def test_the_agent_reads_the_error_file_of_a_recorded_worker(agent, tmp_path):
     script = tmp_path / "boom.py"
     script.write_text(SCRIPT)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv += ["--max-restarts", "0", "--redirects", "3", "--log-dir", f"{NODE_DIR}/torchrun"]
-    argv += [str(script)]
-    agent = NodeAgent("local")
-    try:
-        agent.start(
-            {
-                "run_id": "t-0a1b2c",
-                "cwd": str(tmp_path),
-                "argv": argv,
-                "env": {"PYTHONUNBUFFERED": "1", "SAID_DIR": str(tmp_path)},
-            },
-            {"job.yaml": "name: x\n"},
-        )
-        updates = run_to_exit(agent)
-        assert updates[-1].exit.exit_code != 0 and not updates[-1].exit.stopped
-        lines = [line for update in updates for line in update.lines]
-        assert (0, "out", "about to fail") in lines and (1, "out", "about to fail") in lines
-        assert any(
-            rank == 1 and stream == "err" and "ValueError" in text for rank, stream, text in lines
-        )
-        [error] = agent.errors()
-        assert (error.local_rank, error.message) == (1, "ValueError: bad batch at step 3")
-        assert "boom.py" in error.traceback and error.timestamp > 0
-        assert any("Root Cause" in line for line in agent.tail(None, 200))
-        node_dir = Path(agent.node_dir())
-        assert (node_dir / "job.yaml").stat().st_mode & 0o777 == 0o600
-        # the node's folder: private to this user, named after the run, made by mkdtemp
-        assert node_dir.name.startswith("launcher-t-0a1b2c-local-")
-        assert node_dir.stat().st_mode & 0o777 == 0o700 and node_dir.stat().st_uid == os.getuid()
-        # A restart's tails are its own: the first attempt's report must not blame the second.
-        start(agent, tmp_path, [sys.executable, "-c", "print('again')"])
-        assert run_to_exit(agent)[-1].exit.exit_code == 0
-        assert agent.tail(None, 200) == ["again"] and agent.tail(1) == []
-        assert agent.node_dir() == str(node_dir)  # every attempt of the run: one folder
-    finally:
-        agent.stop(1.0)
-        agent.cleanup()
+    env = {"PYTHONUNBUFFERED": "1", "SAID_DIR": str(tmp_path)}
+    start(agent, tmp_path, [*argv, str(script)], env, {"job.yaml": "name: x\n"})
+    updates = run_to_exit(agent)
+    assert updates[-1].exit.exit_code != 0 and not updates[-1].exit.stopped
+    lines = [line for update in updates for line in update.lines]
+    assert (0, "out", "about to fail") in lines and (1, "out", "about to fail") in lines
+    assert any(
+        rank == 1 and stream == "err" and "ValueError" in text for rank, stream, text in lines
+    )
+    [error] = agent.errors()
+    assert (error.local_rank, error.message) == (1, "ValueError: bad batch at step 3")
+    assert "boom.py" in error.traceback and error.timestamp > 0
+    assert any("Root Cause" in line for line in agent.tail(None, 200))
+    node_dir = Path(agent.node_dir())
+    assert (node_dir / "job.yaml").stat().st_mode & 0o777 == 0o600
+    # the node's folder: private to this user, named after the run, made by mkdtemp
+    assert node_dir.name.startswith("launcher-t-0a1b2c-local-")
+    assert node_dir.stat().st_mode & 0o777 == 0o700 and node_dir.stat().st_uid == os.getuid()
+    # A restart's tails are its own: the first attempt's report must not blame the second.
+    start(agent, tmp_path, [sys.executable, "-c", "print('again')"])
+    assert run_to_exit(agent)[-1].exit.exit_code == 0
+    assert agent.tail(None, 200) == ["again"] and agent.tail(1) == []
+    assert agent.node_dir() == str(node_dir)  # every attempt of the run: one folder
+    agent.cleanup()
     assert not node_dir.exists()
 
 
@@ -157,12 +158,11 @@ def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path)
 
 
 def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_is_reported(
-    tmp_path,
+    agent, tmp_path
 ):
     """torchrun dies first (the OOM killer, kill -9); its worker, in a session of its own and
     ignoring SIGTERM, would go on holding the GPU into the next attempt."""
     (tmp_path / "torchrun.py").write_text(HUNG_TORCHRUN)
-    agent = NodeAgent("local")
     pids: list[int] = []
     try:
         start(agent, tmp_path, [sys.executable, str(tmp_path / "torchrun.py")])
@@ -181,8 +181,6 @@ def test_the_workers_of_a_torchrun_killed_by_sigkill_are_ended_before_its_exit_i
         assert updates[-1].exit.signal == "SIGKILL"
         assert not alive(worker), "the exit was reported with torchrun's worker still running"
     finally:
-        agent.stop(1.0)
-        agent.cleanup()
         kill(pids)
 
 
@@ -196,26 +194,21 @@ out.flush()
 """
 
 
-def test_a_rank_that_floods_its_output_is_cut_and_dropped_with_a_note(tmp_path):
+def test_a_rank_that_floods_its_output_is_cut_and_dropped_with_a_note(agent, tmp_path):
     """Nobody polls while a process writes a 1 MiB line and 60,000 more: the agent keeps at most
     PENDING_LINES_MAX of them (and a note of how many it dropped), the long line cut."""
     from launcher.orchestrate.agent import LINE_MAX_BYTES, PENDING_LINES_MAX
 
     (tmp_path / "flood.py").write_text(FLOOD)
-    agent = NodeAgent("local")
-    try:
-        start(agent, tmp_path, [sys.executable, str(tmp_path / "flood.py")])
-        deadline = time.monotonic() + 60
-        while agent._status() is None or any(t.is_alive() for t in agent._threads):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        lines = [text for *_, text in agent.poll(0).lines]
-        assert len(lines) == PENDING_LINES_MAX + 1
-        assert lines[0].endswith(f"[line cut at {LINE_MAX_BYTES} bytes]")
-        assert len(lines[0]) < LINE_MAX_BYTES + 100
-        assert lines[1] == "line 0"
-        dropped = 60001 - PENDING_LINES_MAX
-        assert lines[-1].startswith(f"[launcher: {dropped} line(s) of output dropped on node local")
-    finally:
-        agent.stop(1.0)
-        agent.cleanup()
+    start(agent, tmp_path, [sys.executable, str(tmp_path / "flood.py")])
+    deadline = time.monotonic() + 60
+    while not agent._drained():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    lines = [text for *_, text in agent.poll(0).lines]
+    assert len(lines) == PENDING_LINES_MAX + 1
+    assert lines[0].endswith(f"[line cut at {LINE_MAX_BYTES} bytes]")
+    assert len(lines[0]) < LINE_MAX_BYTES + 100
+    assert lines[1] == "line 0"
+    dropped = 60001 - PENDING_LINES_MAX
+    assert lines[-1].startswith(f"[launcher: {dropped} line(s) of output dropped on node local")
