@@ -77,8 +77,9 @@ def test_workdir_and_forwarded_variables_travel_to_nodes_that_cannot_see_them(
         assert cluster.exec(node, f"test -e {workdir} || echo absent").stdout == "absent\n"
 
 
-def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
-    """sync: false: a node whose copy of a helper differs stops the launch (exit 3, its cell marked)."""
+def test_shared_workdir_is_hashed_on_every_node_and_must_exist_there(netns_cluster, tmp_path):
+    """sync: false: a node whose copy of a helper differs stops the launch (exit 3, its cell
+    marked); so does a workdir under the launcher's /tmp, which the nodes do not have."""
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     shared = Path("/var/tmp") / f"launcher-shared-{uuid.uuid4().hex[:8]}"  # every node sees it
@@ -112,12 +113,6 @@ def test_shared_workdir_is_hashed_on_every_node(netns_cluster, tmp_path):
         assert "✗" not in row
     finally:
         shutil.rmtree(shared, ignore_errors=True)
-
-
-def test_shared_workdir_missing_on_a_node(netns_cluster, tmp_path):
-    """sync: false with the workdir under the launcher's /tmp: the nodes do not have it (exit 3)."""
-    cluster = netns_cluster(2)
-    cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job_file = project(tmp_path, sync=False)
     result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
