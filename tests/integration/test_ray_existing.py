@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import pytest
 from fixtures.launching import launch as run_launcher
 from fixtures.launching import quick_job
+from test_jobs_netns import ended_succeeded
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray]
 
@@ -72,13 +72,10 @@ def test_a_run_and_a_submission_on_a_ray_cluster_started_by_hand(netns_cluster, 
     job_id = json.loads(submitted.stdout.strip().splitlines()[-1])["job_id"]
     # One follower until the job ends, not a status process every few seconds.
     follow = launch("logs", job_id, "--follow")
-    ended = re.search(rf"job {job_id} (ended: SUCCEEDED|has ended \(SUCCEEDED\))", follow.stdout)
+    ended = ended_succeeded(job_id, follow.stdout)
     assert follow.returncode == 0 and ended, follow.stdout[-3000:] + follow.stderr[-3000:]
     state = json.loads(launch("status", job_id, "--json").stdout)
-    assert state["status"] == "SUCCEEDED" and state["world_size"] == 2, (
-        state,
-        follow.stdout[-3000:],
-    )
+    assert state["status"] == "SUCCEEDED" and state["world_size"] == 2, state
     # The cluster is the user's: still running, with both nodes.
     alive = cluster.exec(head, "pgrep -c raylet").stdout.strip()
     assert alive == "1" and cluster.exec(other, "pgrep -c raylet").stdout.strip() == "1"
