@@ -23,6 +23,8 @@ from fixtures.launching import (
     env_of,
     kill,
     launch,
+    launcher_env,
+    node_dirs,
     ours,
     processes,
     sets,
@@ -50,16 +52,7 @@ class Jobs:
     def __init__(self, state: Path, cwd: Path, *flags: str):
         self.cwd, self.flags = cwd, flags
         self.mark = uuid.uuid4().hex
-        self.env = {
-            **os.environ,
-            "LAUNCHER_STATE_DIR": str(state),
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "PYTHONUNBUFFERED": "1",
-            "LAUNCHER_TEST_MARK": self.mark,
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
-            ),
-        }
+        self.env = launcher_env(self.mark, LAUNCHER_STATE_DIR=str(state))
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return launch(*args, *self.flags, cwd=self.cwd, env=self.env, timeout=timeout)
@@ -264,15 +257,9 @@ def test_a_running_job_is_private_holds_the_queue_and_stop_tears_it_down_within_
             assert temp_dir.stat().st_mode & 0o777 == 0o700
             assert list(temp_dir.rglob("job-driver-*.log")), "the job's driver log"
             assert list(temp_dir.rglob("_ray_pkg_*")), "the code Ray unpacked for the driver"
-            node_dirs = {
-                Path(b).parent
-                for cmd in job_processes(first).values()
-                for a, b in zip(cmd.split(), cmd.split()[1:], strict=False)
-                if a == "--log-dir"
-            }
-            assert len(node_dirs) == 1, node_dirs
+            [node_dir] = node_dirs(job_processes(first))
             state = Path(jobs.env["LAUNCHER_STATE_DIR"])
-            touched = what_nobody_can_touch([temp_dir, *node_dirs, state])
+            touched = what_nobody_can_touch([temp_dir, node_dir, state])
             assert touched == [], touched
 
         busy = jobs.run("down")  # a running job: down refuses without --yes
@@ -427,7 +414,7 @@ def test_a_foreground_run_attaches_to_the_running_head(jobs, tmp_path):
     assert again.returncode == 0 and f"pid {pid})" in again.stdout
 
 
-def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path):
+def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path, monkeypatch):
     """As a foreground run: the submitting shell's variables reach the workers (the head is
     this machine: all of them), and `launch logs` shows the job's lines, not Ray's."""
     (tmp_path / "env.py").write_text(
@@ -437,13 +424,9 @@ def test_a_detached_job_gets_the_submitting_shells_environment(jobs, tmp_path):
     job = write_job(
         tmp_path, {"script": "env.py"}, resources={"nproc_per_node": 1, "device": "cpu"}
     )
-    saved = dict(jobs.env)
-    jobs.env.update(MY_OWN_SETTING="from-the-submitter", WANDB_MODE="offline")
-    try:
-        job_id = jobs.submit("--skip-parity", job=job)["job_id"]
-    finally:
-        jobs.env.clear()
-        jobs.env.update(saved)
+    monkeypatch.setitem(jobs.env, "MY_OWN_SETTING", "from-the-submitter")  # this test's alone
+    monkeypatch.setitem(jobs.env, "WANDB_MODE", "offline")
+    job_id = jobs.submit("--skip-parity", job=job)["job_id"]
     state = jobs.wait_status(job_id, {"SUCCEEDED", "FAILED"}, timeout=240)
     logs = jobs.run("logs", job_id).stdout
     assert state["status"] == "SUCCEEDED", logs[-3000:]

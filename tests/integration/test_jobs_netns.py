@@ -15,10 +15,8 @@ import uuid
 from pathlib import Path
 
 from fixtures.launching import launch as run_launcher
-from fixtures.launching import quick_job
+from fixtures.launching import launcher_env, quick_job
 from fixtures.user_code import project, rank_workdirs
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def ended_succeeded(job_id: str, follow_output: str) -> bool:
@@ -32,12 +30,7 @@ def test_submit_follow_fetch_on_two_nodes(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
     job_file = quick_job(tmp_path)
-    env = {
-        **os.environ,
-        "LAUNCHER_STATE_DIR": str(tmp_path / "state"),
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    }
+    env = launcher_env(uuid.uuid4().hex, LAUNCHER_STATE_DIR=str(tmp_path / "state"))
 
     def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         cluster = ("--cluster", str(cluster_file))

@@ -21,6 +21,7 @@ from fixtures.launching import (
     Launcher,
     env_of,
     launch,
+    node_dirs,
     ours,
     processes,
     wait_for,
@@ -130,15 +131,6 @@ def _arg(pids, prefix: str) -> set[str]:
     return {a[len(prefix) :] for cmd in pids.values() for a in cmd.split() if a.startswith(prefix)}
 
 
-def _node_dirs(pids) -> set[Path]:
-    """The node folders that torchrun's ``--log-dir <node dir>/torchrun`` names."""
-    out = set()
-    for cmd in pids.values():
-        parts = cmd.split()
-        out |= {Path(b).parent for a, b in zip(parts, parts[1:], strict=False) if a == "--log-dir"}
-    return out
-
-
 @pytest.mark.parametrize("victim", ["launch", "agent"])
 def test_kill_9_leaves_nothing_running_within_15_s(tmp_path, victim):
     """SIGKILL to a foreground ``launch`` (embedded Ray) mid-run, or to its node's agent: no
@@ -152,7 +144,7 @@ def test_kill_9_leaves_nothing_running_within_15_s(tmp_path, victim):
         assert [p for p, cmd in pids.items() if "raylet" in cmd], pids
         assert len(_workers(run.run_id)) >= 3, pids  # torchrun and its two workers
         [session] = _arg(pids, "--session_dir=")
-        [node_dir] = _node_dirs(pids)
+        [node_dir] = node_dirs(pids)
         temp_dir = Path(session).parent.parent  # Ray's own (0777) is in there
         assert temp_dir.stat().st_mode & 0o777 == 0o700 and temp_dir.name.startswith("launcher-ray")
         assert node_dir.stat().st_mode & 0o777 == 0o700
