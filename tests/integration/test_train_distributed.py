@@ -276,16 +276,14 @@ def killed(base: Path) -> Run:
     )
 
 
-def test_deterministic_mode_gives_bitwise_identical_losses(killed: Run, ddp_fp32: Run):
-    """Two deterministic runs of one job (one later killed) log the same losses, bit for bit."""
-    first, second = ddp_fp32.losses(), killed.losses()
-    assert max(second) == 30 and {2, 5, 10, 15, 20, 25, 30} <= set(second)
-    assert all(first[s] == loss for s, loss in second.items()), (first, second)
-
-
-def resume(base: Path, strategy: str, killed: Run) -> Run:
-    ckpt = base / f"ckpt-resume-{strategy}"
+def resume(base: Path, strategy: str, killed: Run, reference: Run) -> Run:
+    """Resume ``killed`` (SIGKILLed after step 30) from its step-25 checkpoint: its losses up to
+    30, the resumed run's after 30 and its step-50 parameters are ``reference``'s, bit for bit."""
     assert killed.returncode != 0, killed.output[-2000:]
+    first, second = reference.losses(), killed.losses()
+    assert max(second) == 30
+    assert all(first[s] == loss for s, loss in second.items()), (first, second)
+    ckpt = base / f"ckpt-resume-{strategy}"
     assert (ckpt / "step_00000025" / "COMPLETE").is_file()
     assert not (ckpt / "step_00000050").exists()
     resumed = ok(
@@ -297,26 +295,26 @@ def resume(base: Path, strategy: str, killed: Run) -> Run:
     assert "resumed from" in resumed.output and "steps 26..50" in resumed.output
     assert resumed.records(0, "meta")[0]["start_step"] == 25
     assert (ckpt / "step_00000050" / "COMPLETE").is_file()
+    assert_params_close(reference.params(), resumed.params(), atol=0.0)
+    after = {s: loss for s, loss in resumed.losses().items() if s > 30}  # logged steps line up
+    assert set(after) == {35, 40, 45, 50} and all(first[s] == loss for s, loss in after.items())
     return resumed
 
 
 def test_ddp_resume_after_a_kill_matches_the_uninterrupted_run(
     base: Path, killed: Run, ddp_fp32: Run
 ):
-    """Resume from the step-25 checkpoint: step 50 equals the run never killed, bit for bit."""
-    resumed = resume(base, "ddp", killed)
-    assert_params_close(ddp_fp32.params(), resumed.params(), atol=0.0)
-    reference = ddp_fp32.losses()  # logged intervals line up again after step 30
-    after = {s: loss for s, loss in resumed.losses().items() if s > 30}
-    assert set(after) == {35, 40, 45, 50} and all(reference[s] == loss for s, loss in after.items())
+    """Two deterministic runs of one job (one killed) log the same losses, bit for bit; resumed
+    from the step-25 checkpoint, step 50 equals the run never killed, bit for bit."""
+    assert {2, 5, 10, 15, 20, 25, 30} <= set(killed.losses())
+    resume(base, "ddp", killed, ddp_fp32)
 
 
 def test_fsdp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, fsdp_fp32: Run):
     """The same under FSDP: sharded parameters and optimizer state round-trip through DCP."""
     job = write_job(base, "resume-fsdp", "resources:", "parallel: {strategy: fsdp}\nresources:")
     killed = launch(base / "killed-fsdp", ["--job", str(job), "--kill-at-step", "30"])
-    resumed = resume(base, "fsdp", killed)
-    assert_params_close(fsdp_fp32.params(), resumed.params(), atol=0.0)
+    resume(base, "fsdp", killed, fsdp_fp32)
 
 
 # -- bf16 weights with fp32 masters (precision.weights: bf16) on the CPU ----------------------
@@ -375,14 +373,8 @@ def test_ddp_bf16_weights_resume_after_a_kill_matches_the_uninterrupted_run(
 ):
     """The step-25 checkpoint holds the fp32 masters and the moments; resumed from it, step 50
     equals the run never killed, bit for bit (the bf16 weights are rounded from the masters)."""
-    first, second = ddp_bf16_weights.losses(), killed_bf16_weights.losses()
-    assert max(second) == 30
-    assert all(first[s] == loss for s, loss in second.items()), (first, second)
-    resumed = resume(base, "bf16-weights", killed_bf16_weights)
+    resumed = resume(base, "bf16-weights", killed_bf16_weights, ddp_bf16_weights)
     assert resumed.records(0, "meta")[0]["weights"] == "bf16"
-    assert_params_close(ddp_bf16_weights.params(), resumed.params(), atol=0.0)
-    after = {s: loss for s, loss in resumed.losses().items() if s > 30}
-    assert set(after) == {35, 40, 45, 50} and all(first[s] == loss for s, loss in after.items())
     ckpt = base / "ckpt-resume-bf16-weights"
     for step in (25, 50):
         dtypes = model_dtypes(ckpt / f"step_{step:08d}")
