@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,17 @@ def netns_cluster() -> Iterator[ClusterFactory]:
 def netns_cluster_module() -> Iterator[ClusterFactory]:
     """Like ``netns_cluster`` but shared by a test module (clusters live until its end)."""
     yield from _factory()
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A fresh folder under /var/tmp, which every simulated node sees (their /tmp is their own)."""
+    path = Path("/var/tmp") / f"launcher-shared-{os.urandom(4).hex()}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

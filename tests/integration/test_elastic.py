@@ -8,8 +8,6 @@ over SSH; the checkpoints in a folder every node sees (/var/tmp: shared, unlike 
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,16 +18,6 @@ from launcher.metrics import read_records
 STEPS = 16  # attempt 0 dies past step 8, attempt 1 past 12: the last runs 13-16
 # A 4-node cluster, Ray bootstrapped over SSH, three attempts: minutes on a 2-core machine.
 pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture
-def shared_dir():
-    path = Path("/var/tmp") / f"launcher-elastic-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def elastic_job(

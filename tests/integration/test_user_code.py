@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
-from pathlib import Path
 
 from fixtures.launching import launch, sets
 from fixtures.user_code import project, rank_workdirs
@@ -77,42 +74,40 @@ def test_workdir_and_forwarded_variables_travel_to_nodes_that_cannot_see_them(
         assert cluster.exec(node, f"test -e {workdir} || echo absent").stdout == "absent\n"
 
 
-def test_shared_workdir_is_hashed_on_every_node_and_must_exist_there(netns_cluster, tmp_path):
+def test_shared_workdir_is_hashed_on_every_node_and_must_exist_there(
+    netns_cluster, tmp_path, shared_dir
+):
     """sync: false: a node whose copy of a helper differs stops the launch (exit 3, its cell
     marked); so does a workdir under the launcher's /tmp, which the nodes do not have."""
     cluster = netns_cluster(2)
     cluster_file = cluster.cluster_yaml(tmp_path / "cluster.yaml")
-    shared = Path("/var/tmp") / f"launcher-shared-{uuid.uuid4().hex[:8]}"  # every node sees it
-    try:
-        shared.mkdir()
-        job_file = project(shared, sync=False)
-        helper = job_file.parent / "helper.py"
-        stale = shared / "helper-stale.py"
-        stale.write_text('VALUE = "helper-v0"\n')
-        odd = cluster.node_names[1]
-        # Only that node sees the stale helper (its mount namespace is its own).
-        cluster.exec(odd, f"mount --bind {stale} {helper}", check=True)
+    job_file = project(shared_dir, sync=False)
+    helper = job_file.parent / "helper.py"
+    stale = shared_dir / "helper-stale.py"
+    stale.write_text('VALUE = "helper-v0"\n')
+    odd = cluster.node_names[1]
+    # Only that node sees the stale helper (its mount namespace is its own).
+    cluster.exec(odd, f"mount --bind {stale} {helper}", check=True)
 
-        check = ("check", "--job", str(job_file), "--fast", "--json")
-        result = launch(*check, "--cluster", str(cluster_file), cwd=tmp_path)
-        assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
-        row = next(f for f in json.loads(result.stdout)["fields"] if f["field"] == "user_code")
-        marks = {n: c["mark"] for n, c in row["cells"].items()}
-        assert marks == {cluster.node_names[0]: None, odd: "fail"}
-        result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
-        assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
-        assert odd in result.stderr and "user code" in result.stderr
+    check = ("check", "--job", str(job_file), "--fast", "--json")
+    result = launch(*check, "--cluster", str(cluster_file), cwd=tmp_path)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    row = next(f for f in json.loads(result.stdout)["fields"] if f["field"] == "user_code")
+    marks = {n: c["mark"] for n, c in row["cells"].items()}
+    assert marks == {cluster.node_names[0]: None, odd: "fail"}
+    result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert odd in result.stderr and "user code" in result.stderr
 
-        cluster.exec(odd, f"umount {helper}", check=True)
-        result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        assert "the same path on every node" in result.stdout
-        row = next(
-            line for line in result.stdout.splitlines() if line.startswith("user code (workdir)")
-        )
-        assert "✗" not in row
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)
+    cluster.exec(odd, f"umount {helper}", check=True)
+    result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "the same path on every node" in result.stdout
+    row = next(
+        line for line in result.stdout.splitlines() if line.startswith("user code (workdir)")
+    )
+    assert "✗" not in row
+
     job_file = project(tmp_path, sync=False)
     result = launch("plan", str(job_file), "--cluster", str(cluster_file), cwd=tmp_path)
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
