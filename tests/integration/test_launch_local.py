@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -122,6 +123,13 @@ def test_failing_rank_stops_everything_and_is_named(tmp_path, mark):
     assert "rank 1 on node local" in result.stderr
     assert "injected failure at step 30" in result.stderr
     assert took < 60, f"fail-fast took {took:.0f} s"
+    # the rank's own traceback, as it wrote it (torch marks each line [rank1]:); not torchrun's
+    console = result.stdout + result.stderr
+    assert re.search(r"^\[local/rank1\] (\[rank1\]: )?Traceback", console, re.MULTILINE)
+    others = [line for line in console.splitlines() if not line.startswith("[local/rank1]")]
+    noise = ("SignalException", "ChildFailedError", "torch.distributed.elastic")
+    assert not [bad for bad in noise if any(bad in line for line in others)], console[-4000:]
+    assert "Token authentication is enabled" not in console
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert summary["failure"]["rank"] == 1 and summary["failure"]["node"] == "local"
@@ -159,16 +167,18 @@ def test_a_node_without_its_python_is_exit_3_with_the_preflight_and_4_without(
     """The node's interpreter is missing. The probe cannot run while the embedded Ray starts:
     the preflight's verdict and exit 3, no worker, and the Ray it started is stopped. With the
     preflight skipped, torchrun cannot start: exit 4 and one paragraph naming the node and the
-    missing file. No traceback either way."""
+    missing file. No traceback either way, no table of ranks that never ran."""
     monkeypatch.setenv("LAUNCHER_STATE_DIR", str(tmp_path / "state"))  # no head: embedded Ray
     run_dir = tmp_path / f"run-{tmp_path.name}"
     job, cluster = custom_job(tmp_path, "--steps", "5"), tmp_path / "cluster.yaml"
     node = {"name": "local", "host": "localhost", "python": str(tmp_path / "nopy")}  # none there
     cluster.write_text(yaml.safe_dump({"nodes": [node]}))
     result = launch(str(job), "--cluster", str(cluster), "--run-dir", str(run_dir), cwd=tmp_path)
-    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "nopy cannot run there" in result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
+    console = result.stdout + result.stderr
+    assert result.returncode == 3, console[-3000:]
+    assert "nopy cannot run there" in console and "FAILED before any worker started" in console
+    for unfit in ("Per rank", "rank None", "Traceback"):
+        assert unfit not in console, console[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["ranks"] == []
     assert not (run_dir / "plan.json").exists()  # no attempt was planned: no worker
