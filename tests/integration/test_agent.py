@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.launching import kill
+from fixtures.launching import kill, wait_for
 
 from launcher.orchestrate.agent import REAPER_GRACE_S, WORKER_SCAN_S, NodeAgent
 from launcher.orchestrate.plan import NODE_DIR
@@ -146,10 +146,8 @@ def test_a_dead_agents_torchrun_is_killed_even_when_it_ignores_sigterm(tmp_path)
         agent.wait(timeout=10)
         time.sleep(2)
         assert all(alive(p) for p in pids), "the grace period: torchrun may still shut down itself"
-        deadline = time.monotonic() + REAPER_GRACE_S + 10
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in pids if alive(p)], "torchrun or its worker outlived the agent"
+        what = "the reaper to kill torchrun and its worker"
+        wait_for(lambda: not any(alive(p) for p in pids), timeout=REAPER_GRACE_S + 10, what=what)
         time.sleep(1)
         assert not node_dir.exists(), "the reaper removes the node folder the agent cannot"
     finally:
@@ -201,10 +199,7 @@ def test_a_rank_that_floods_its_output_is_cut_and_dropped_with_a_note(agent, tmp
 
     (tmp_path / "flood.py").write_text(FLOOD)
     start(agent, tmp_path, [sys.executable, str(tmp_path / "flood.py")])
-    deadline = time.monotonic() + 60
-    while not agent._drained():
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(agent._drained, timeout=60, what="the flood's end and its readers'")
     lines = [text for *_, text in agent.poll(0).lines]
     assert len(lines) == PENDING_LINES_MAX + 1
     assert lines[0].endswith(f"[line cut at {LINE_MAX_BYTES} bytes]")

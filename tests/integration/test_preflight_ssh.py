@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures.launching import wait_for
 
 from launcher.cli import main
 from launcher.errors import PreflightError
@@ -85,9 +86,7 @@ def test_without_ssh_key_the_agents_identity_is_used(cluster, tmp_path, monkeypa
         ["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        deadline = time.monotonic() + 10
-        while not sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(sock.exists, timeout=10, what="ssh-agent's socket")
         subprocess.run(
             ["ssh-add", str(cluster.ssh_key)],
             env={"SSH_AUTH_SOCK": str(sock), "PATH": "/usr/bin:/bin"},

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
-from fixtures.launching import kill, processes, sigint_when
+from fixtures.launching import kill, processes, sigint_when, wait_for
 from netns import keygen
 
 from launcher.remote import CommandResult, NodeError, fan_out
@@ -168,10 +168,7 @@ def test_failed_connects_leave_no_transport_behind(cluster, tmp_path):
         for spec in specs:
             with SSHRunner(nodes(cluster)[0], spec) as runner, pytest.raises(NodeError):
                 runner.run("echo hi", timeout=30)
-    deadline = time.monotonic() + 5
-    while len(transports()) > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(transports()) == before
+    wait_for(lambda: len(transports()) == before, timeout=5, what="no transport left", poll=0.05)
 
 
 def test_commands_run_under_sh_whatever_the_login_shell(cluster):
@@ -204,10 +201,7 @@ def test_a_remote_command_past_its_timeout_stops_itself(cluster):
         assert str(info.value) == "timed out: 'sleep 41.75' did not finish within 1 s"
         with pytest.raises(NodeError, match="is closed"):
             runner.run("echo hi", timeout=30)
-        deadline = time.monotonic() + 15
-        while running(argv):
-            assert time.monotonic() < deadline, "the remote command runs on"
-            time.sleep(0.1)
+        wait_for(lambda: not running(argv), timeout=15, what="the remote command to end")
     finally:
         kill(running(argv))
 
