@@ -116,13 +116,7 @@ def assert_job_gone(job_id: str, wait_s: float = 20.0) -> None:
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("jobs")
     runner = Jobs(root / "state", root)
-    started = subprocess.run(
-        [sys.executable, "-c", "from launcher.jobs.head import local_head; local_head(start=True)"],
-        env=runner.env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    started = runner.run("up", timeout=180)
     try:
         assert started.returncode == 0, started.stderr[-3000:]
         yield runner
