@@ -225,7 +225,7 @@ class ClusterSpec(Strict):
     )
 
     @model_validator(mode="after")
-    def _nodes_or_slurm(self) -> ClusterSpec:
+    def _checks(self) -> ClusterSpec:
         if self.slurm is not None and self.nodes:
             raise ValueError(
                 "slurm: and nodes: are given together; a cluster is either a list of nodes "
@@ -233,10 +233,6 @@ class ClusterSpec(Strict):
             )
         if self.slurm is None and not self.nodes:
             raise ValueError("the cluster needs nodes: (at least one) or slurm:")
-        return self
-
-    @model_validator(mode="after")
-    def _unique(self) -> ClusterSpec:
         for attr in ("name", "host"):
             seen: dict[str, int] = {}
             for i, node in enumerate(self.nodes):
@@ -251,10 +247,6 @@ class ClusterSpec(Strict):
                         f"nodes[{i}] repeats {attr} {value!r} of nodes[{seen[value]}]; each node needs its own {attr}"
                     )
                 seen[value] = i
-        return self
-
-    @model_validator(mode="after")
-    def _jobs_address_needs_attach(self) -> ClusterSpec:
         if self.ray.jobs_address is not None and self.ray.address is None:
             raise ValueError(
                 "ray.jobs_address is for a cluster the launcher attaches to: set ray.address too "

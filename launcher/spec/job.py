@@ -6,6 +6,7 @@ names and meaning. Cross-field checks live in ``JobSpec._cross_checks`` and each
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -96,9 +97,7 @@ class ModelSpec(Strict):
         """The resolved shape: preset, arch defaults, then explicit overrides."""
         layers, d_model, heads = SIZE_PRESETS[self.size]
         out = {"n_layers": layers, "d_model": d_model, "n_heads": heads, **ARCH_DEFAULTS[self.arch]}
-        for key in ("n_layers", "d_model", "n_heads", "vocab_size", "max_positions"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+        out |= {key: value for key in out if (value := getattr(self, key)) is not None}
         out["d_ff"] = self.d_ff if self.d_ff is not None else 4 * out["d_model"]
         return out
 
@@ -739,10 +738,8 @@ class JobSpec(Strict):
                 )
         # The fewest ranks the spec allows (1 for what the cluster decides); the world size may
         # be larger: refusal_at and the trainer ask again.
-        nodes, per_node = self.resources.nodes, self.resources.nproc_per_node
-        least = (nodes if isinstance(nodes, int) else 1) * (
-            per_node if isinstance(per_node, int) else 1
-        )
+        counts = (self.resources.nodes, self.resources.nproc_per_node)
+        least = math.prod(n for n in counts if isinstance(n, int))
         if refusal := _bf16_weights_refusal_at(self, least):
             raise ValueError(refusal)
         if self.uses_builtin and self.train.attention == "cudnn-fa4":
