@@ -440,50 +440,42 @@ def test_the_refusal_of_a_secret_never_shows_its_value(tmp_path):
 
 DEEP = "[" * 3000 + "]" * 3000
 
-BAD_FILES = {
-    "int": (
-        "name: j\ntrain: {steps: !!int 1e3}\n",
-        "line 2, column 16: '1e3' is not a valid !!int",
-    ),
+TAGGED = {  # case: (job file, where its error points, the same value as --set, what is said)
+    "int": ("name: j\ntrain: {steps: !!int 1e3}\n", "line 2, column 16: ", "train.steps=!!int 1e3"),
     "float": (
         "name: j\ntrain:\n  lr: !!float 3e-4x\n",
-        "line 3, column 7: '3e-4x' is not a valid !!float",
+        "line 3, column 7: ",
+        "train.lr=!!float 3e-4x",
     ),
-    "bool": ("name: j\ntrain: {compile: !!bool maybe}\n", "'maybe' is not a valid !!bool"),
-    "timestamp": (
-        "name: !!timestamp today\n",
-        "line 1, column 7: 'today' is not a valid !!timestamp",
-    ),
-    "deep": (f"name: j\ntrain: {DEEP}\n", "nested too deeply"),
+    "bool": ("name: j\ntrain: {compile: !!bool maybe}\n", "", "train.compile=!!bool maybe"),
+    "timestamp": ("name: !!timestamp today\n", "line 1, column 7: ", "name=!!timestamp today"),
+    "deep": (f"name: j\ntrain: {DEEP}\n", "", f"train.steps={DEEP}"),
 }
-
-BAD_SETS = {
-    "float": ("train.lr=!!float 3e-4x", "'3e-4x' is not a valid !!float"),
-    "timestamp": ("name=!!timestamp today", "'today' is not a valid !!timestamp"),
-    "bool": ("train.compile=!!bool maybe", "'maybe' is not a valid !!bool"),
-    "int": ("train.steps=!!int 1e3", "'1e3' is not a valid !!int"),
-    "deep": (f"train.steps={DEEP}", "nested too deeply"),
+SAID = {
+    "int": "'1e3' is not a valid !!int",
+    "float": "'3e-4x' is not a valid !!float",
+    "bool": "'maybe' is not a valid !!bool",
+    "timestamp": "'today' is not a valid !!timestamp",
+    "deep": "nested too deeply",
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_FILES))
-def test_an_unreadable_tagged_value_in_a_job_file_is_a_spec_error(tmp_path, capsys, case):
-    text, expected = BAD_FILES[case]
+@pytest.mark.parametrize("case", list(TAGGED))
+def test_an_unreadable_tagged_value_is_refused_in_one_paragraph(tmp_path, capsys, case):
+    """In a job file: a SpecError naming the line; in --set: a UsageError quoting the item."""
+    text, where, override = TAGGED[case]
+    expected = SAID[case]
     path = write(tmp_path, text)
     with pytest.raises(SpecError) as err:
         load_job(path)
     assert err.value.exit_code == 2
     assert str(err.value).startswith(f"{path}: invalid YAML")
-    assert expected in str(err.value)
+    assert where + expected in str(err.value)
     assert "\n" not in str(err.value)
     assert main(["plan", str(path)]) == 2  # the CLI: one paragraph, no traceback
     cli = capsys.readouterr().err
     assert cli.startswith("error: ") and cli.count("\n") == 1 and expected in cli, cli
 
-
-@pytest.mark.parametrize("case", list(BAD_SETS))
-def test_an_unreadable_tagged_set_value_is_a_usage_error(tmp_path, capsys, case):
-    override, expected = BAD_SETS[case]
     path = write(tmp_path, "name: j\n")
     with pytest.raises(UsageError) as err:
         load_job(path, [override])
@@ -492,7 +484,7 @@ def test_an_unreadable_tagged_set_value_is_a_usage_error(tmp_path, capsys, case)
     assert override[:40] in str(err.value)
     assert expected in str(err.value)
     assert "\n" not in str(err.value) and len(str(err.value)) < 400  # a deep value is shortened
-    assert main(["plan", str(path), "--set", override]) == 2  # the CLI: one paragraph
+    assert main(["plan", str(path), "--set", override]) == 2
     cli = capsys.readouterr().err
     assert cli.startswith("error: ") and cli.count("\n") == 1 and expected in cli, cli
 
