@@ -315,18 +315,13 @@ def match_tensors(
         for n in expected
         if n not in by_name
     ]
+    with_tied = {**expected, TIED[arch]: (dims["vocab_size"], dims["d_model"])}
     wrong = [
         f"{by_name[n]} is {list(shapes[by_name[n]])}, config.json implies {list(want)}"
-        for n, want in expected.items()
+        for n, want in with_tied.items()
         if n in by_name and tuple(shapes[by_name[n]]) != want
     ]
-    tied = by_name.get(TIED[arch])
-    if tied is not None and tuple(shapes[tied]) != (dims["vocab_size"], dims["d_model"]):
-        wrong.append(
-            f"{tied} is {list(shapes[tied])}, config.json implies "
-            f"{[dims['vocab_size'], dims['d_model']]}"
-        )
-    known = set(expected) | {TIED[arch], BERT_BIAS_ALIAS if arch == "bert" else ""}
+    known = set(with_tied) | {BERT_BIAS_ALIAS if arch == "bert" else ""}
     ignored = sorted(n for n in by_name if n not in known and IGNORED[arch].match(n))
     extra = sorted(by_name[n] for n in by_name if n not in known and n not in ignored)
     problems = []
@@ -348,7 +343,7 @@ def match_tensors(
     return Matched(
         source={n: by_name[n] for n in expected},
         fresh_head=fresh_head,
-        tied=tied,
+        tied=by_name.get(TIED[arch]),
         ignored=[by_name[n] for n in ignored],
     )
 
