@@ -25,34 +25,22 @@ def field_names(model: type[BaseModel]) -> set[str]:
     return {k for d in [schema, *schema.get("$defs", {}).values()] for k in d.get("properties", {})}
 
 
+def enum_words(node: object) -> set[str]:
+    """Every word a schema allows as a value (its Literal fields' choices)."""
+    if isinstance(node, dict):
+        found = {v for v in [*node.get("enum", []), node.get("const")] if isinstance(v, str)}
+        return found.union(*map(enum_words, node.values()))
+    return set().union(*map(enum_words, node)) if isinstance(node, list) else set()
+
+
 KEYS = sorted(field_names(JobSpec) | field_names(ClusterSpec))
-WORDS = [
-    "bert",
-    "gpt",
-    "tiny",
-    "base",
-    "large",
-    "cpu",
-    "cuda",
-    "auto",
-    "all",
-    "ddp",
-    "fsdp",
-    "fp32",
-    "bf16",
-    "fp16",
-    "tf32",
-    "nccl",
-    "gloo",
-    "synthetic",
-    "tokens",
-    "builtin",
+WORDS = sorted(
+    enum_words(JobSpec.model_json_schema()) | enum_words(ClusterSpec.model_json_schema())
+) + [
     "localhost",
     "10.0.0.1",
     "ray://head:10001",
     "head:6379",
-    "exact",
-    "minor",
     "node0",
     "train.py",
     "~/.ssh/id_ed25519",
