@@ -319,7 +319,6 @@ def test_job_asking_for_more_nodes_than_the_cluster_has(tmp_path):
 
 def test_fitting_jobs_pass(tmp_path):
     check_fits(load_job(write(tmp_path, QUICK), ["resources.nodes=2"]), two_nodes(gpus=0))
-    check_fits(load_job(write(tmp_path, "name: g\nresources: {nodes: 1}\n")), two_nodes(gpus=8))
     check_fits(load_job(write(tmp_path, "name: g\n")), two_nodes())  # gpus: auto, asked later
 
 
