@@ -704,13 +704,8 @@ class JobSpec(Strict):
                 "restarts from its last checkpoint: set train.checkpoint.dir to a folder every "
                 "node sees, and train.checkpoint.every_steps"
             )
-        if (
-            self.uses_builtin
-            and self.train.eval_every
-            and self.data.source != "synthetic"
-            and self.data.val_path is None
-            and not self.data.val_fraction
-        ):
+        held_out = self.data.source == "synthetic" or self.data.val_path or self.data.val_fraction
+        if self.uses_builtin and self.train.eval_every and not held_out:
             raise ValueError(
                 f"train.eval_every needs held-out data for source {self.data.source}: set "
                 f"data.val_path (a file like data.path) or data.val_fraction (e.g. 0.01: the "
