@@ -234,19 +234,17 @@ class ClusterSpec(Strict):
         if self.slurm is None and not self.nodes:
             raise ValueError("the cluster needs nodes: (at least one) or slurm:")
         for attr in ("name", "host"):
-            seen: dict[str, int] = {}
-            for i, node in enumerate(self.nodes):
-                value = getattr(node, attr)
-                if attr == "host" and node.is_local and len(self.nodes) > 1:
+            values = [getattr(node, attr) for node in self.nodes]
+            for i, value in enumerate(values):
+                if attr == "host" and self.nodes[i].is_local and len(values) > 1:
                     raise ValueError(
                         f"nodes[{i}] host {value!r} is this machine; a multi-node cluster needs "
                         f"addresses the other nodes can reach (use this machine's IP)"
                     )
-                if value in seen:
+                if (first := values.index(value)) < i:
                     raise ValueError(
-                        f"nodes[{i}] repeats {attr} {value!r} of nodes[{seen[value]}]; each node needs its own {attr}"
+                        f"nodes[{i}] repeats {attr} {value!r} of nodes[{first}]; each node needs its own {attr}"
                     )
-                seen[value] = i
         if self.ray.jobs_address is not None and self.ray.address is None:
             raise ValueError(
                 "ray.jobs_address is for a cluster the launcher attaches to: set ray.address too "
