@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from launcher.errors import PreflightError
@@ -36,12 +36,12 @@ ANSWER_WAIT_S = 30.0  # a head busy starting jobs on 2 cores can take seconds to
 class LocalHead:
     """The launcher's Ray head on this machine."""
 
-    pid: int  # `ray start --head --block`: the head's processes end with it
-    gcs_port: int
-    dashboard_port: int
-    agent_port: int  # the head's dashboard agent: Ray Jobs hands every submission to it
     temp_dir: str
     token_file: str
+    pid: int = 0  # `ray start --head --block`: the head's processes end with it (0: unknown)
+    gcs_port: int = 0
+    dashboard_port: int = 0
+    agent_port: int = 0  # the head's dashboard agent: Ray Jobs hands every submission to it
 
     @property
     def jobs_url(self) -> str:
@@ -119,14 +119,7 @@ def recorded_local_head() -> LocalHead | None:
     try:
         return _load(folder)
     except UnreadableRecord:
-        return LocalHead(
-            pid=0,
-            gcs_port=0,
-            dashboard_port=0,
-            agent_port=0,
-            temp_dir=_temp_dir(folder),
-            token_file=str(folder / "auth_token"),
-        )
+        return LocalHead(_temp_dir(folder), str(folder / "auth_token"))
 
 
 def stop_local_head(head: LocalHead) -> None:
@@ -201,14 +194,8 @@ def _start(folder: Path) -> LocalHead:
     token_file = folder / "auth_token"
     write_private(token_file, secrets.token_hex(32) + "\n")
     temp_dir = _new_temp_dir(folder)
-    head = LocalHead(
-        pid=0,
-        gcs_port=free_port(),
-        dashboard_port=free_port(),
-        agent_port=free_port(),
-        temp_dir=temp_dir,
-        token_file=str(token_file),
-    )
+    ports = {f"{name}_port": free_port() for name in ("gcs", "dashboard", "agent")}
+    head = LocalHead(temp_dir, str(token_file), **ports)
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
@@ -237,7 +224,7 @@ def _start(folder: Path) -> LocalHead:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    head = LocalHead(**{**asdict(head), "pid": proc.pid})
+    head = replace(head, pid=proc.pid)
     deadline = time.monotonic() + START_TIMEOUT_S
     # Ready once the Jobs API answers and the agent listens (else the first submission waits
     # for the agent, ~7 s on 2 cores).

@@ -33,25 +33,8 @@ COMMAND_TIMEOUT_S = 15.0
 TORCH_BUILD_NAMES = ("__version__", "cuda", "hip", "git_version")  # read from torch/version.py
 # What counts as code when the user's working directory is hashed: sources and configs (.json and
 # .yaml included); other files, data among them, are not read.
-CODE_SUFFIXES = (
-    ".py",
-    ".pyi",
-    ".pyx",
-    ".pxd",
-    ".sh",
-    ".yaml",
-    ".yml",
-    ".toml",
-    ".json",
-    ".cfg",
-    ".ini",
-    ".c",
-    ".cc",
-    ".cpp",
-    ".cu",
-    ".h",
-    ".hpp",
-)
+SOURCE_SUFFIXES = (".py", ".pyi", ".pyx", ".pxd", ".sh", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp")
+CODE_SUFFIXES = (*SOURCE_SUFFIXES, ".yaml", ".yml", ".toml", ".json", ".cfg", ".ini")
 
 
 def main(argv: list[str] | None = None) -> int:
