@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # One run per run directory, as for a foreground run (exit 2 for one not this job's).
         run_dir = claim.take(_on_this_node(submission["run_dir"]), submission["job_id"])
-        return Driver(submission, job, run_dir).run()
+        return drive(submission, job, run_dir)
     except LauncherError as err:
         print(f"error: {err}", flush=True)
         _final(job, run_dir, Status.FAILED, reason=str(err))
@@ -66,68 +66,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-@dataclass
-class Driver:
-    submission: dict[str, Any]
-    job: JobSpec
-    run_dir: RunDir
-
-    def run(self) -> int:
-        sub = self.submission
-        emit({"state": "starting", "run_dir": str(self.run_dir.root)})
-        _leave_upload_out()
-        cluster = ClusterSpec.model_validate(sub["cluster"])
-        job = _with_shipped_code(self.job, Path.cwd() / CODE_DIR)
-        facts = None
-        if sub["facts"] is not None:
-            facts = {n: NodeFacts(gpus=g) for n, g in sub["facts"].items()}
-        # Attach to the Ray this driver runs on; Ray Jobs sets RAY_ADDRESS for it.
-        attached = cluster.model_copy(
-            update={"ray": cluster.ray.model_copy(update={"address": "auto"})}
+def drive(sub: dict[str, Any], job: JobSpec, run_dir: RunDir) -> int:
+    """The job in ``run_dir`` (claimed): its turn in the queue, then a foreground run's launch."""
+    emit({"state": "starting", "run_dir": str(run_dir.root)})
+    _leave_upload_out()
+    cluster = ClusterSpec.model_validate(sub["cluster"])
+    job = _with_shipped_code(job, Path.cwd() / CODE_DIR)
+    given = sub["facts"]
+    facts = None if given is None else {n: NodeFacts(gpus=g) for n, g in given.items()}
+    # Attach to the Ray this driver runs on; Ray Jobs sets RAY_ADDRESS for it.
+    attached = cluster.model_copy(
+        update={"ray": cluster.ray.model_copy(update={"address": "auto"})}
+    )
+    nodes = nodes_for_job(cluster, job)
+    code = plan_code(job, nodes)
+    run_dir.prepare(job, cluster)
+    if Path("preflight").is_dir():
+        shutil.copytree("preflight", run_dir.preflight, dirs_exist_ok=True)
+    print(
+        f"Job {sub['job_id']}: run directory {run_dir.root} on {os.uname().nodename}",
+        flush=True,
+    )
+    session = open_session(attached, nodes, code)
+    board = None
+    try:
+        ticket = queue.Ticket(
+            job_id=sub["job_id"],
+            name=job.name,
+            demand=_demand(job, nodes, facts, session.node_ips),
+            node_names={ip: name for name, ip in session.node_ips.items()},
         )
-        nodes = nodes_for_job(cluster, job)
-        code = plan_code(job, nodes)
-        self.run_dir.prepare(job, cluster)
-        if Path("preflight").is_dir():
-            shutil.copytree("preflight", self.run_dir.preflight, dirs_exist_ok=True)
-        print(
-            f"Job {sub['job_id']}: run directory {self.run_dir.root} on {os.uname().nodename}",
-            flush=True,
-        )
-        session = open_session(attached, nodes, code)
-        board = None
-        try:
-            ticket = queue.Ticket(
-                job_id=sub["job_id"],
-                name=job.name,
-                demand=_demand(job, nodes, facts, session.node_ips),
-                node_names={ip: name for name, ip in session.node_ips.items()},
-            )
-            board = queue.wait_turn(
-                ticket, alive=_alive_jobs, capacity=_capacity(), on_wait=_waiting
-            )
-            emit({"state": "running", "step": None, "tokens_per_s": None})
-            outcome = DetachedLaunch(
-                job=job,
-                cluster=cluster,
-                run_dir=self.run_dir,
-                code=code,
-                skip_parity=sub["skip_parity"],
-                session=session,
-                facts=facts,
-                shell_env=sub.get("shell_env") or {},
-            ).execute()
-        finally:
-            if board is not None:
-                import ray
+        board = queue.wait_turn(ticket, alive=_alive_jobs, capacity=_capacity(), on_wait=_waiting)
+        emit({"state": "running", "step": None, "tokens_per_s": None})
+        outcome = DetachedLaunch(
+            job=job,
+            cluster=cluster,
+            run_dir=run_dir,
+            code=code,
+            skip_parity=sub["skip_parity"],
+            session=session,
+            facts=facts,
+            shell_env=sub.get("shell_env") or {},
+        ).execute()
+    finally:
+        if board is not None:
+            import ray
 
-                _quietly(lambda: ray.get(board.end.remote(sub["job_id"]), timeout=10))
-            session.close()
-            _quietly(lambda: _keep_ray_lines(self.run_dir))
-        summary = outcome.summary or {}
-        emit(_done(outcome.status, summary, self.run_dir))
-        print(f"Run directory: {self.run_dir.root}", flush=True)
-        return EXIT_CODES[outcome.status]
+            _quietly(lambda: ray.get(board.end.remote(sub["job_id"]), timeout=10))
+        session.close()
+        _quietly(lambda: _keep_ray_lines(run_dir))
+    emit(_done(outcome.status, outcome.summary or {}, run_dir))
+    print(f"Run directory: {run_dir.root}", flush=True)
+    return EXIT_CODES[outcome.status]
 
 
 class StateLog(RunLog):

@@ -257,7 +257,7 @@ def driven(tmp_path, monkeypatch, run_dir, job_id="q-1", fake_run=True):
     got = []
     monkeypatch.setattr(signals, "install", lambda: None)
     if fake_run:
-        monkeypatch.setattr(driver.Driver, "run", lambda self: got.append(self.run_dir) or 0)
+        monkeypatch.setattr(driver, "drive", lambda sub, job, run_dir: got.append(run_dir) or 0)
     submission = {"job_id": job_id, "job": job().model_dump(mode="json"), "run_dir": str(run_dir)}
     (tmp_path / "submission.json").write_text(json.dumps(submission))
     with contextlib.redirect_stdout(out := io.StringIO()):
