@@ -83,10 +83,7 @@ def drive(sub: dict[str, Any], job: JobSpec, run_dir: RunDir) -> int:
     run_dir.prepare(job, cluster)
     if Path("preflight").is_dir():
         shutil.copytree("preflight", run_dir.preflight, dirs_exist_ok=True)
-    print(
-        f"Job {sub['job_id']}: run directory {run_dir.root} on {os.uname().nodename}",
-        flush=True,
-    )
+    print(f"Job {sub['job_id']}: run directory {run_dir.root} on {os.uname().nodename}", flush=True)
     session = open_session(attached, nodes, code)
     board = None
     try:
