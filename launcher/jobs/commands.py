@@ -308,7 +308,7 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
                 jobs.client.stop_job(details.submission_id)
             for details in active:
                 _wait_ended(jobs, details.submission_id, timeout_s=_stop_wait(details) + 15)
-            kind, spec, local = jobs.kind, jobs.cluster, jobs.local_head
+            spec, local = jobs.cluster, jobs.local_head  # local: the launcher's head here
     except NoJobs:
         print("no Ray started by the launcher for this cluster; nothing to stop", flush=True)
         return 0
@@ -319,10 +319,10 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
         from launcher.jobs.records import UnreadableRecord, saved_cluster
 
         if cluster.all_local:
-            kind, spec, local = "local", cluster, recorded_local_head()
+            spec, local = cluster, recorded_local_head()
             found = local is not None
         else:
-            kind, local = "bootstrap", None
+            local = None
             try:
                 saved = saved_cluster(cluster)
             except UnreadableRecord:  # its nodes unknown: cluster.yaml's, whose head it is
@@ -331,10 +331,9 @@ def _down(cluster: ClusterSpec, *, yes: bool) -> int:
             spec = saved or cluster
         if not (yes and found):
             raise
-    if kind == "local":
+    if local is not None:
         from launcher.jobs.head import stop_local_head
 
-        assert local is not None
         print("Stopping the launcher's Ray head on this machine ...", flush=True)
         stop_local_head(local)
         print("Stopped the launcher's Ray head on this machine", flush=True)
