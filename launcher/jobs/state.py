@@ -54,8 +54,7 @@ def shown(text: str) -> bool:
 
 
 def strip(logs: str) -> str:
-    """The log as a user reads it: without the state lines and Ray's own (lines end at ``\n``
-    only)."""
+    """The log as a user reads it: no state lines, no Ray lines (lines end at ``\n`` only)."""
     return "\n".join(t for t in logs.split("\n") if shown(t))
 
 

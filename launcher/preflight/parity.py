@@ -443,8 +443,7 @@ def _checks(
     dp: dict[str, Any] = found_deep if isinstance(found_deep, dict) else {}
     deep_ok = isinstance(found_deep, dict) and "error" not in dp
     if deep and not deep_ok:
-        reason = dp.get("error") if isinstance(found_deep, dict) else "no deep section in the probe"
-        found("deep_probe", f"deep probe failed: {reason}")
+        found("deep_probe", f"deep probe failed: {dp.get('error', 'no deep section in the probe')}")
     if probe.get("launcher") is None:
         python = _get("python", "executable")(probe) or "the node's python"
         found(
