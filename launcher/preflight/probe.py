@@ -215,13 +215,8 @@ def files_hash(root: Path, relpaths: list[str]) -> str:
 
 
 def exclude_matcher(patterns: list[str]) -> Callable[[str, bool], bool]:
-    """``excluded(relative_posix_path, is_dir)`` for gitignore-style ``patterns``.
-
-    As in .gitignore: a pattern without a slash matches a name at any depth (``__pycache__``,
-    ``*.pt``); one with a slash is anchored at the root (``data/raw``, ``/build``); a trailing
-    slash matches folders only (``runs/``); ``*`` and ``?`` stay within a name, ``**`` crosses
-    folders (``**/cache``, ``logs/**``). A file inside an excluded folder is excluded with it.
-    """
+    """``excluded(relative_posix_path, is_dir)`` for gitignore-style ``patterns``, as
+    docs/running.md ("Excludes") describes them."""
     compiled = []
     for pattern in patterns:
         dir_only = pattern.endswith("/")
@@ -236,29 +231,21 @@ def exclude_matcher(patterns: list[str]) -> Callable[[str, bool], bool]:
     return excluded
 
 
+# A glob's wildcards as regexes, the longest first: ``**`` crosses folders, ``*`` and ``?`` do not.
+GLOB_REGEX = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+
+
 def _glob_regex(glob: str) -> str:
     out, i = [], 0
     while i < len(glob):
-        if glob.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif glob.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif glob[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif glob[i] == "?":
-            out.append("[^/]")
-            i += 1
+        token = next((t for t in GLOB_REGEX if glob.startswith(t, i)), None)
+        if token is not None:
+            out.append(GLOB_REGEX[token])
+            i += len(token)
         elif glob[i] == "[" and "]" in glob[i + 1 :]:
             end = glob.index("]", i + 1)
-            inner = glob[i + 1 : end]
-            out.append(
-                "["
-                + ("^" + inner[1:] if inner.startswith("!") else inner).replace("\\", "\\\\")
-                + "]"
-            )
+            inner = re.sub("^!", "^", glob[i + 1 : end])  # [!ab]: not a or b
+            out.append("[" + inner.replace("\\", "\\\\") + "]")
             i = end + 1
         else:
             out.append(re.escape(glob[i]))
