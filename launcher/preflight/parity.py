@@ -26,9 +26,9 @@ LEGEND = f"{FAIL_MARK} differs from the other nodes or fails a check · {WARN_MA
 CELL_WIDTH = 30
 CLOCK_SKEW_WARN_S = 5.0
 CUDNN_MIN_SPEEDUP = 1.1
-# Minimum NVIDIA driver per CUDA major version of the torch build (NVIDIA's
-# minor-version-compatibility floors: CUDA 11.1-11.8, 12.x and 13.x).
-MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+# Minimum NVIDIA driver for the torch build's CUDA, by major.minor, else by major (NVIDIA's
+# minor-version-compatibility floors).
+MIN_DRIVER = {"11.0": "450.36.06", "11": "450.80.02", "12": "525.60.13", "13": "580.65.06"}
 NOT_INSTALLED = "not installed"
 POLICIES = ("exact", "minor", "major", "warn", "ignore")
 
@@ -548,15 +548,8 @@ def gpu_count(probe: dict[str, Any]) -> int:
 
 def min_driver(cuda: str | None) -> str | None:
     """The minimum driver for a CUDA version (``12.8`` → ``525.60.13``); None when unknown."""
-    if not cuda:
-        return None
-    try:
-        major, minor = (int(x) for x in str(cuda).split(".")[:2])
-    except ValueError:
-        return None
-    if major == 11 and minor == 0:
-        return "450.36.06"
-    return MIN_DRIVER.get(major)
+    parts = str(cuda).split(".")
+    return MIN_DRIVER.get(".".join(parts[:2])) or MIN_DRIVER.get(parts[0])
 
 
 def nccl_ifname_matches(spec: str, interfaces: dict[str, Any]) -> bool:
