@@ -12,6 +12,7 @@ import logging
 import shlex
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,7 @@ def run_preflight(
     started = time.monotonic()
 
     head = targets[0].net_address if len(targets) > 1 else None
-
-    def probe(node: NodeSpec) -> dict[str, Any]:
-        return probe_node(node, cluster, job, deep=deep, route_to=head)
-
+    probe = partial(probe_node, cluster=cluster, job=job, deep=deep, route_to=head)
     group = fan_out(targets, probe, max_parallel=cluster.ssh.max_parallel)
     probes: dict[str, dict[str, Any]] = {}
     for node in targets:

@@ -555,10 +555,8 @@ def min_driver(cuda: str | None) -> str | None:
 def nccl_ifname_matches(spec: str, interfaces: dict[str, Any]) -> bool:
     """NCCL_SOCKET_IFNAME semantics: comma-separated prefixes, ``=`` exact, ``^`` excludes."""
     exclude = spec.startswith("^")
-    body = spec[1:] if exclude else spec
-    exact = body.startswith("=")
-    body = body[1:] if exact else body
-    patterns = [p for p in body.split(",") if p]
+    exact = spec.removeprefix("^").startswith("=")
+    patterns = [p for p in spec.removeprefix("^").removeprefix("=").split(",") if p]
 
     def hit(name: str) -> bool:
         return any(name == p if exact else name.startswith(p) for p in patterns)
