@@ -110,15 +110,9 @@ def render_one(r: dict[str, Any]) -> str:
     n = r.get("attempt")
     attempt = f", attempt {n} (after {n} restart(s))" if n else ""
     lines.append(f"  {r['nodes']} node(s), world size {r['world_size']}{attempt}")
+    figures = {"step {}": r["step"], "{:,.0f} tokens/s": r["tokens_per_s"], "MFU {:.1%}": r["mfu"]}
     if r["step"] is not None or r["tokens_per_s"] is not None:
-        figures = []
-        if r["step"] is not None:
-            figures.append(f"step {r['step']}")
-        if r["tokens_per_s"] is not None:
-            figures.append(f"{r['tokens_per_s']:,.0f} tokens/s")
-        if r["mfu"] is not None:
-            figures.append(f"MFU {100 * r['mfu']:.1f}%")
-        lines.append("  " + ", ".join(figures))
+        lines.append("  " + ", ".join(f.format(v) for f, v in figures.items() if v is not None))
     if r["summary"]:
         lines.append(f"  summary: {r['summary']}")
     if r["failure"]:
