@@ -238,16 +238,14 @@ def _tunnel(cluster: ClusterSpec, *, token: bool = False) -> Iterator[tuple[str,
         runner = SSHRunner(head, cluster.ssh)
         stack.enter_context(runner)
         try:
-            result = (
-                runner.run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10)
-                if token
-                else None
-            )
-            if result is not None and not (result.ok and result.stdout.strip()):
-                raise NoToken(
-                    f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
-                    f"is missing): Ray is not running there"
-                )
+            result = None
+            if token:
+                result = runner.run(f"cat {TOKEN_FILE}", timeout=cluster.ssh.connect_timeout_s + 10)
+                if not (result.ok and result.stdout.strip()):
+                    raise NoToken(
+                        f"no launcher token on {head.name} ({shlex.quote(TOKEN_FILE)} "
+                        f"is missing): Ray is not running there"
+                    )
             port = stack.enter_context(runner.forward("127.0.0.1", cluster.ray.dashboard_port))
         except NodeError as err:
             raise PreflightError(
