@@ -63,17 +63,12 @@ def choose_routes(
                 f"the head's name {route.get('to')} resolves to {route['resolved']} (loopback) "
                 "here; set the head's address: in cluster.yaml to an address the nodes reach it on"
             )
-    seen = [
-        p["route"]["resolved"]
-        for n, p in routed.items()
-        if n != head and n not in problems and p["route"].get("resolved")
-    ]
-    head_probe = routed.get(head)
-    if not seen and head_probe is not None and head not in problems:
-        seen = [head_probe["route"].get("resolved")]
-    if not seen or seen[0] is None:
+    # The head's address as the first other node resolves it, else as the head itself does.
+    resolved = {n: p["route"].get("resolved") for n, p in routed.items() if n not in problems}
+    own = resolved.pop(head, None)
+    master_ip = next((a for a in resolved.values() if a), own)
+    if not master_ip:
         return {}, problems
-    master_ip = seen[0]
     routes: dict[str, Route] = {}
     for node, probe in routed.items():
         if node in problems:
