@@ -77,8 +77,7 @@ class JobBoard:
 
     def started(self, alive: list[str]) -> dict[str, Ticket]:
         """The started tickets, forgetting those of jobs that are no longer alive."""
-        for job_id in [j for j in self._started if j not in alive]:
-            del self._started[job_id]
+        self._started = {j: t for j, t in self._started.items() if j in alive}
         return dict(self._started)
 
 
