@@ -29,6 +29,10 @@ def alive(*ids: str) -> list[Alive]:
 
 
 HELD = "waiting for 8 GPUs on node0, held by job a (name-a)"
+BEHIND_B = "queued behind job b (name-b), submitted earlier and not started yet"
+ARRIVED = [Alive("c", "name-c", 2000), Alive("b", "name-b", 1000)]  # c joined the queue first
+BIG = Ticket("b", "big", {"10.0.0.1": {"CPU": 64.0}}, NAMES)  # more than the node has: all of it
+ONE = {"a": Ticket("a", "one", {"10.0.0.1": {"CPU": 1.0}}, NAMES)}
 
 
 @pytest.mark.parametrize(
@@ -38,35 +42,19 @@ HELD = "waiting for 8 GPUs on node0, held by job a (name-a)"
         (ticket("b"), alive("a", "b"), {"a": ticket("a")}, HELD),
         (ticket("b", gpus=4), alive("a", "b"), {"a": ticket("a", gpus=4)}, None),  # side by side
         (ticket("b"), alive("b"), {"a": ticket("a")}, None),  # a's driver was SIGKILLed
+        (ticket("b"), alive("a", "b", "c"), {"a": ticket("a", gpus=4)}, HELD),
+        # a later small job does not overtake a waiting big one
+        (ticket("c", gpus=1), alive("a", "b", "c"), {"a": ticket("a", gpus=4)}, BEHIND_B),
+        # the order is submission time, not arrival
+        (ticket("c", gpus=1), ARRIVED, {}, BEHIND_B),
+        (ticket("b", gpus=1), ARRIVED, {}, None),
+        (BIG, alive("b"), {}, None),
+        (BIG, alive("a", "b"), ONE, "waiting for 2 CPU slots on node0, held by job a (one)"),
     ],
-    ids=["first", "held", "side-by-side", "dead-holder"],
+    ids=["first", "held", "share", "dead", "big", "small", "order", "earlier", "whole", "held-all"],
 )
 def test_a_job_waits_only_for_gpus_held_by_a_live_job(job, order, started, reason):
     assert decide(job, order, started, CAPACITY) == reason
-
-
-def test_a_later_small_job_does_not_overtake_a_waiting_big_one():
-    started = {"a": ticket("a", gpus=4)}
-    assert decide(ticket("b"), alive("a", "b", "c"), started, CAPACITY).startswith(
-        "waiting for 8 GPUs"
-    )
-    reason = decide(ticket("c", gpus=1), alive("a", "b", "c"), started, CAPACITY)
-    assert reason == "queued behind job b (name-b), submitted earlier and not started yet"
-
-
-def test_order_is_submission_time_not_arrival():
-    # c joined the queue first but b was submitted earlier: c waits for b to start.
-    order = [Alive("c", "name-c", 2000), Alive("b", "name-b", 1000)]
-    assert decide(ticket("c", gpus=1), order, {}, CAPACITY).startswith("queued behind job b")
-    assert decide(ticket("b", gpus=1), order, {}, CAPACITY) is None
-
-
-def test_a_demand_above_the_capacity_takes_the_whole_node():
-    big = Ticket("b", "big", {"10.0.0.1": {"CPU": 64.0}}, NAMES)
-    assert decide(big, alive("b"), {}, CAPACITY) is None
-    held = {"a": Ticket("a", "one", {"10.0.0.1": {"CPU": 1.0}}, NAMES)}
-    reason = decide(big, alive("a", "b"), held, CAPACITY)
-    assert reason == "waiting for 2 CPU slots on node0, held by job a (one)"
 
 
 def test_board_forgets_jobs_that_are_no_longer_alive():
