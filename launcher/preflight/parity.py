@@ -84,7 +84,7 @@ def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
     def extract(probe: dict[str, Any]) -> Any:
         value: Any = probe
         for part in path:
-            if not isinstance(value, dict) or "error" in value and part != "error":
+            if not isinstance(value, dict) or "error" in value:
                 return None
             value = value.get(part)
         if isinstance(value, dict) and "error" in value:
@@ -105,12 +105,8 @@ def _package(name: str) -> Callable[[dict[str, Any]], Any]:
 
 
 def _gpu_models(probe: dict[str, Any]) -> str | None:
-    deep = probe.get("deep")
-    if isinstance(deep, dict) and deep.get("devices"):
-        names = [d["name"] for d in deep["devices"]]
-    else:
-        names = [g["name"] for g in (_get("nvidia", "gpus")(probe) or [])]
-    return " + ".join(sorted(set(names))) or None
+    gpus = _get("deep", "devices")(probe) or _get("nvidia", "gpus")(probe) or []
+    return " + ".join(sorted({gpu["name"] for gpu in gpus})) or None
 
 
 def _launcher_hash(probe: dict[str, Any]) -> str | None:
