@@ -533,9 +533,8 @@ def error_record(node: str, host: str, kind: str, message: str) -> dict[str, Any
 
 
 def gpu_count(probe: dict[str, Any]) -> int:
-    """GPUs usable on the node: torch's count after a deep probe, else nvidia-smi's; 0 if unknown."""
-    if is_error_record(probe):
-        return 0
+    """GPUs usable on the node: torch's count after a deep probe, else nvidia-smi's; 0 if unknown
+    (an error record included)."""
     dp = probe.get("deep")
     if isinstance(dp, dict) and "error" not in dp:
         return int(dp.get("device_count") or 0)
