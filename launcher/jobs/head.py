@@ -119,7 +119,7 @@ def recorded_local_head() -> LocalHead | None:
     try:
         return _load(folder)
     except UnreadableRecord:
-        return LocalHead(_temp_dir(folder), str(folder / "auth_token"))
+        return LocalHead(temp_dir=_temp_dir(folder), token_file=str(folder / "auth_token"))
 
 
 def stop_local_head(head: LocalHead) -> None:
@@ -195,7 +195,7 @@ def _start(folder: Path) -> LocalHead:
     write_private(token_file, secrets.token_hex(32) + "\n")
     temp_dir = _new_temp_dir(folder)
     ports = {f"{name}_port": free_port() for name in ("gcs", "dashboard", "agent")}
-    head = LocalHead(temp_dir, str(token_file), **ports)
+    head = LocalHead(temp_dir=temp_dir, token_file=str(token_file), **ports)
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
