@@ -254,22 +254,14 @@ class PreflightReport:
         for row in self.rows:
             cells = [row.field.label, row.policy]
             for node in self.nodes:
-                if node not in row.values:
-                    cells.append("")
-                    continue
-                text = _display(row.values[node])
-                if node in row.marks:
-                    text += f" {MARKS[row.marks[node]]}"
-                cells.append(_wrap(text))
+                mark = f" {MARKS[row.marks[node]]}" if node in row.marks else ""
+                cells.append(_wrap(_display(row.values[node]) + mark) if node in row.values else "")
             body.append(cells)
         checks = ["checks", ""]
         for node in self.nodes:
-            if node in self.errors:
-                checks.append("")
-                continue
             mine = [p for p in self.problems if p.node == node and p.key not in self.field_keys]
-            lines = [_wrap(f"{MARKS[p.severity]} {p.message}") for p in mine]
-            checks.append("\n".join(lines) or "ok")
+            lines = "\n".join(_wrap(f"{MARKS[p.severity]} {p.message}") for p in mine) or "ok"
+            checks.append("" if node in self.errors else lines)
         body.append(checks)
         return "\n".join([tabulate(body, headers=headers, tablefmt="simple"), LEGEND, self.verdict])
 
