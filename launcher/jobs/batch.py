@@ -22,14 +22,7 @@ from launcher.util import utc_stamp, write_private
 
 POLL_S = 1.0
 STOP_WAIT_S = 120.0  # after SIGINT, how long the launch inside gets to stop and summarize
-SLURM_STATES = {  # squeue's job states as the Ray Jobs ones
-    "PENDING": "PENDING",
-    "CONFIGURING": "PENDING",
-    "REQUEUED": "PENDING",
-    "RUNNING": "RUNNING",
-    "COMPLETING": "RUNNING",
-    "SUSPENDED": "RUNNING",
-}
+SLURM_PENDING = ("PENDING", "CONFIGURING", "REQUEUED")  # squeue's states Ray Jobs calls PENDING
 SUMMARY_STATES = {"succeeded": "SUCCEEDED", "failed": "FAILED", "interrupted": "STOPPED"}
 
 
@@ -101,7 +94,7 @@ def state(job_id: str) -> dict[str, Any]:
     queued = _squeue(job_id)
     summary = _summary(run_dir)
     if queued is not None:
-        status = SLURM_STATES.get(queued[0], "RUNNING")
+        status = "PENDING" if queued[0] in SLURM_PENDING else "RUNNING"
     elif record.get("stopped"):
         status = "STOPPED"
     else:
