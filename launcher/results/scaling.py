@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import SpecError, UsageError
-from launcher.results.summary import DASH, csv_text, grid
+from launcher.results.summary import DASH, Column, csv_text, text_table
 from launcher.spec.job import JobSpec
 from launcher.util import write_atomic
 
@@ -132,35 +132,27 @@ def noise(repeats: list[Any], measured: list[float]) -> str | None:
 
 def render_scaling(table: dict) -> str:
     """The study as a text table, with the definitions under it."""
-    headers = [
-        "nodes",
-        "ranks",
-        "global batch",
-        "tokens/s (median)",
-        "tokens/s (min)",
-        "tokens/s per rank",
-        "speedup",
-        "efficiency %",
-        "repeats",
-    ]
-    body = []
-    for p in table["points"]:
+
+    def efficiency(p: dict) -> str:
+        pct = DASH if p["efficiency"] is None else f"{100 * p['efficiency']:.1f}"
+        return pct + (" *" if p.get("noisy") else "")
+
+    def repeats(p: dict) -> str:
         runs = len(p["repeats"]) + p["failed_repeats"]
-        body.append(
-            [
-                p["nodes"],
-                p["ranks"],
-                DASH if p["global_batch"] is None else p["global_batch"],
-                _num(p["tokens_per_s"]),
-                _num(p["tokens_per_s_min"]),
-                _num(p["tokens_per_s_per_rank"]),
-                DASH if p["speedup"] is None else f"{p['speedup']:.2f}x",
-                (DASH if p["efficiency"] is None else f"{100 * p['efficiency']:.1f}")
-                + (" *" if p.get("noisy") else ""),
-                f"{len(p['repeats'])}/{runs}" if p["failed_repeats"] else str(runs),
-            ]
-        )
-    text = grid(body, headers, ("right",) * len(headers))
+        return f"{len(p['repeats'])}/{runs}" if p["failed_repeats"] else str(runs)
+
+    columns: list[Column] = [
+        ("nodes", lambda p: p["nodes"]),
+        ("ranks", lambda p: p["ranks"]),
+        ("global batch", lambda p: DASH if p["global_batch"] is None else p["global_batch"]),
+        ("tokens/s (median)", lambda p: _num(p["tokens_per_s"])),
+        ("tokens/s (min)", lambda p: _num(p["tokens_per_s_min"])),
+        ("tokens/s per rank", lambda p: _num(p["tokens_per_s_per_rank"])),
+        ("speedup", lambda p: DASH if p["speedup"] is None else f"{p['speedup']:.2f}x"),
+        ("efficiency %", efficiency),
+        ("repeats", repeats),
+    ]
+    text = text_table(columns, table["points"], ("right",) * len(columns))
     base = table.get("base_ranks")
     definition = (
         "speedup / (N/N0), the global batch kept"

@@ -264,6 +264,15 @@ def grid(body: list[list[Any]], headers: Sequence[str], colalign: Sequence[str])
     )
 
 
+Column = tuple[str, Callable[[Any], Any]]
+
+
+def text_table(columns: Sequence[Column], items: Iterable[Any], colalign: Sequence[str]) -> str:
+    """A text table with a line per item: each column's header, and its cell of an item."""
+    body = [[cell(item) for _, cell in columns] for item in items]
+    return grid(body, [header for header, _ in columns], colalign)
+
+
 def csv_text(rows: Iterable[dict], keys: Sequence[str]) -> str:
     """CSV with ``keys`` as columns, one line per row; missing and null values are empty."""
     buf = io.StringIO()
@@ -276,16 +285,21 @@ def csv_text(rows: Iterable[dict], keys: Sequence[str]) -> str:
 
 def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> list[int]:
     """Ranks whose p50 step time exceeds the median of all ranks' p50 by more than threshold."""
-    known = [r["step_time_ms_p50"] for r in rows if r.get("step_time_ms_p50") is not None]
-    if len(known) < 2:
+    median = _median_p50(rows)
+    if median is None:
         return []
-    median = statistics.median(known)
     return [
         int(r["rank"])
         for r in rows
         if r.get("step_time_ms_p50") is not None
         and r["step_time_ms_p50"] > median * (1 + threshold)
     ]
+
+
+def _median_p50(rows: Sequence[dict]) -> float | None:
+    """The median of the ranks' p50 step times; None with fewer than two measured."""
+    known = [r["step_time_ms_p50"] for r in rows if r.get("step_time_ms_p50") is not None]
+    return statistics.median(known) if len(known) >= 2 else None
 
 
 # -- one rank -------------------------------------------------------------------------------
@@ -342,13 +356,12 @@ def _from_steps(stats: RankStats, meta: dict) -> dict:
 
 
 def _totals(rows: list[dict]) -> dict:
-    tokens = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s") is not None]
     return {
-        "tokens_per_s": sum(tokens) if tokens else None,
-        "samples_per_s": _sum(r.get("samples_per_s") for r in rows),
+        "tokens_per_s": _agg(sum, rows, "tokens_per_s"),
+        "samples_per_s": _agg(sum, rows, "samples_per_s"),
         # Per measured rank: a rank that died before measuring would otherwise dilute it.
-        "tokens_per_s_per_gpu": sum(tokens) / len(tokens) if tokens else None,
-        "mfu": _mean(r.get("mfu") for r in rows),
+        "tokens_per_s_per_gpu": _agg(statistics.fmean, rows, "tokens_per_s"),
+        "mfu": _agg(statistics.fmean, rows, "mfu"),
         "straggler_ranks": stragglers(rows),
     }
 
@@ -457,45 +470,32 @@ def _rank_table(rows: list[dict]) -> str:
     if any(r.get("sm_clock_mhz") is not None for r in rows):
         columns.append(("SM MHz", lambda r: _fmt(r.get("sm_clock_mhz"), 0)))
         columns.append(("clock limited %", lambda r: _fmt(r.get("clock_limited_pct"), 0)))
-    body = [[cell(r) for _, cell in columns] for r in rows]
-    align = ("right", "left", "left", "left") + ("right",) * (len(columns) - 4)
-    return grid(body, [h for h, _ in columns], align)
+    return text_table(
+        columns, rows, ("right", "left", "left", "left") + ("right",) * (len(columns) - 4)
+    )
 
 
 def _node_table(rows: list[dict]) -> str:
     """Per node: throughputs and TFLOP/s summed, step times and MFU averaged, memory max."""
-    headers = [
-        "node",
-        "host",
-        "ranks",
-        "mean step ms p50",
-        "samples/s",
-        "tokens/s",
-        "TFLOP/s",
-        "mean MFU %",
-        "max peak mem GiB",
-        "mean data wait %",
-    ]
-    body = []
-    for node in dict.fromkeys(r["node"] for r in rows):
-        mine = [r for r in rows if r["node"] == node]
+
+    def ranks(mine: list[dict]) -> str:
         measured = sum(r.get("tokens_per_s") is not None for r in mine)
-        peaks = [r["peak_mem_gib"] for r in mine if r["peak_mem_gib"] is not None]
-        body.append(
-            [
-                node or DASH,
-                mine[0]["host"] or DASH,
-                str(len(mine)) if measured == len(mine) else f"{measured}/{len(mine)}",
-                _fmt(_mean(r["step_time_ms_p50"] for r in mine)),
-                _fmt(_sum(r["samples_per_s"] for r in mine)),
-                _fmt(_sum(r["tokens_per_s"] for r in mine), thousands=True),
-                _fmt(_sum(r["tflops"] for r in mine), 2),
-                _fmt(_mean(r["mfu"] for r in mine), pct=True),
-                _fmt(max(peaks, default=None), 2),
-                _fmt(_mean(r["data_wait_pct"] for r in mine)),
-            ]
-        )
-    return grid(body, headers, ("left", "left") + ("right",) * 8)
+        return str(len(mine)) if measured == len(mine) else f"{measured}/{len(mine)}"
+
+    columns: list[Column] = [
+        ("node", lambda m: m[0]["node"] or DASH),
+        ("host", lambda m: m[0]["host"] or DASH),
+        ("ranks", ranks),
+        ("mean step ms p50", lambda m: _fmt(_agg(statistics.fmean, m, "step_time_ms_p50"))),
+        ("samples/s", lambda m: _fmt(_agg(sum, m, "samples_per_s"))),
+        ("tokens/s", lambda m: _fmt(_agg(sum, m, "tokens_per_s"), thousands=True)),
+        ("TFLOP/s", lambda m: _fmt(_agg(sum, m, "tflops"), 2)),
+        ("mean MFU %", lambda m: _fmt(_agg(statistics.fmean, m, "mfu"), pct=True)),
+        ("max peak mem GiB", lambda m: _fmt(_agg(max, m, "peak_mem_gib"), 2)),
+        ("mean data wait %", lambda m: _fmt(_agg(statistics.fmean, m, "data_wait_pct"))),
+    ]
+    nodes = [[r for r in rows if r["node"] == n] for n in dict.fromkeys(r["node"] for r in rows)]
+    return text_table(columns, nodes, ("left", "left") + ("right",) * 8)
 
 
 def _totals_table(summary: dict) -> str:
@@ -520,10 +520,9 @@ def _worker(summary: dict) -> str:
 
 def _straggler_line(summary: dict) -> str:
     rows = summary["ranks"]
-    known = [r["step_time_ms_p50"] for r in rows if r.get("step_time_ms_p50") is not None]
-    if len(known) < 2:
+    median = _median_p50(rows)
+    if median is None:
         return "Stragglers: not assessed (fewer than two ranks measured step times)."
-    median = statistics.median(known)
     slow = [r for r in rows if r["rank"] in set(summary["totals"]["straggler_ranks"])]
     if not slow:
         return (
@@ -551,14 +550,10 @@ def _straggler_line(summary: dict) -> str:
     )
 
 
-def _sum(values: Iterable[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) if known else None
-
-
-def _mean(values: Iterable[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.fmean(known) if known else None
+def _agg(fn: Callable[[list[float]], float], rows: Iterable[dict], key: str) -> float | None:
+    """``fn`` of the rows' known values of ``key``; None where no row has one."""
+    known = [r[key] for r in rows if r.get(key) is not None]
+    return fn(known) if known else None
 
 
 def read_json(path: Path) -> dict | None:
