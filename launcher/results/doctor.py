@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from launcher.errors import UsageError
-from launcher.metrics import read_records
+from launcher.metrics import FILE_PATTERN, rank_of, read_records
 from launcher.results.stragglers import node_differences, preflight_facts
 from launcher.results.summary import load_run, read_json
 
@@ -115,10 +115,9 @@ class _Run:
         self.root = root
         self.summary = load_run(root)
         self.records: dict[int, list[dict[str, Any]]] = {}
-        for path in sorted((root / "metrics").glob("rank*.jsonl")):
-            rank = path.stem.removeprefix("rank")
-            if rank.isdigit():
-                self.records[int(rank)] = read_records(path)
+        for path in sorted((root / "metrics").glob(FILE_PATTERN)):
+            if (rank := rank_of(path.name)) is not None:
+                self.records[rank] = read_records(path)
         self.telemetry = [
             s for p in sorted((root / "telemetry").glob("*.jsonl")) for s in read_records(p)
         ]

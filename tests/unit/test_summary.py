@@ -186,22 +186,10 @@ def user_records(
 
 
 def write_run(run_dir: Path, job: str, ranks: list[dict], records: dict[int, list[dict]]) -> Path:
-    """A run directory as the launcher leaves it: plan.json and metrics/rank<R>.jsonl."""
+    """A run directory as the launcher leaves it: plan.json (the keys a report reads) and
+    metrics/rank<R>.jsonl."""
     (run_dir / "metrics").mkdir(parents=True)
-    plan = {
-        "job": job,
-        "world_size": len(ranks),
-        "master_addr": "10.0.0.1",
-        "master_port": 29500,
-        "backend": "nccl",
-        "device": "cuda",
-        "nodes": [
-            {"name": n, "host": "h", "node_rank": i, "nproc": 2, "ranks": [], "argv": [], "env": {}}
-            for i, n in enumerate(dict.fromkeys(r["node"] for r in ranks))
-        ],
-        "ranks": ranks,
-    }
-    (run_dir / "plan.json").write_text(json.dumps(plan))
+    (run_dir / "plan.json").write_text(json.dumps({"job": job, "ranks": ranks}))
     for rank, recs in records.items():
         path = run_dir / "metrics" / f"rank{rank}.jsonl"
         for rec in recs:
