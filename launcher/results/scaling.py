@@ -121,12 +121,10 @@ def noise(repeats: list[Any], measured: list[float]) -> str | None:
     ]
     if spreads and max(spreads) > SPREAD_LIMIT:
         why.append(f"p95 step time {max(spreads):.1f}x p50")
-    if (
-        len(measured) > 1
-        and (spread := (max(measured) - min(measured)) / statistics.median(measured))
-        > DISAGREE_LIMIT
-    ):
-        why.append(f"repeats differ by {100 * spread:.0f}%")
+    if len(measured) > 1:
+        spread = (max(measured) - min(measured)) / statistics.median(measured)
+        if spread > DISAGREE_LIMIT:
+            why.append(f"repeats differ by {100 * spread:.0f}%")
     return "; ".join(why) or None
 
 

@@ -239,16 +239,14 @@ def report_command(path: str, *, fmt: str = "table") -> int:
             f"or a scaling study directory"
         )
     if (run_dir / "scaling.json").is_file():
-        table = scaling.load_scaling(run_dir)
+        data = scaling.load_scaling(run_dir)
         if not (run_dir / "scaling.png").is_file():
-            scaling.draw_plot(run_dir, table)  # a study run before the plot extra was installed
-        out = {"table": scaling.render_scaling, "json": _json_text, "csv": scaling.to_csv}[fmt](
-            table
-        )
+            scaling.draw_plot(run_dir, data)  # a study run before the plot extra was installed
+        show = {"table": scaling.render_scaling, "json": _json_text, "csv": scaling.to_csv}
     else:
-        summary = load_run(run_dir)
-        out = {"table": render, "json": _json_text, "csv": to_csv}[fmt](summary)
-    print(out, end="")
+        data = load_run(run_dir)
+        show = {"table": render, "json": _json_text, "csv": to_csv}
+    print(show[fmt](data), end="")
     return 0
 
 
