@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import unquote
 
 from launcher.results.scalars import JOB, RESTART, Point
@@ -42,18 +42,6 @@ class Refused(Exception):
     """The store answered no (4xx, a bad value): trying again sends the same no."""
 
 
-class Store(Protocol):
-    def experiment_id(self, name: str) -> str: ...
-
-    def create_run(self, experiment_id: str, run_name: str, tags: dict[str, str]) -> str: ...
-
-    def log_batch(
-        self, run_id: str, metrics: list[dict[str, Any]], params: list[tuple[str, str]]
-    ) -> None: ...
-
-    def finish(self, run_id: str, status: str, tags: dict[str, str]) -> None: ...
-
-
 class MlflowRun:
     """One MLflow run, made at the first flush, fed by ``write`` and ended by ``close``."""
 
@@ -65,7 +53,7 @@ class MlflowRun:
         run_name: str,
         params: dict[str, str],
         tags: dict[str, str],
-        store: Store | None = None,
+        store: RestStore | ClientStore | None = None,
     ):
         self.where = mask_urls(tracking_uri)
         self.store = store or (
