@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import SpecError, UsageError
-from launcher.results.summary import DASH, Column, csv_text, text_table
+from launcher.results.summary import DASH, Column, csv_text, read_json, text_table
 from launcher.spec.job import JobSpec
 from launcher.util import write_atomic
 
@@ -201,17 +201,10 @@ def draw_plot(study_dir: Path, table: dict) -> Path | None:
 def load_scaling(study_dir: Path) -> dict:
     """A study's table from its ``scaling.json``."""
     path = Path(study_dir) / "scaling.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(
-            f"{study_dir}: no scaling.json; give a directory made by 'launch scale'"
-        ) from None
-    except json.JSONDecodeError as err:
-        raise UsageError(
-            f"{path}: not valid JSON (line {err.lineno}); the study directory is damaged"
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("points"), list):
+    data = read_json(path, "study")
+    if data is None:
+        raise UsageError(f"{study_dir}: no scaling.json; give a directory made by 'launch scale'")
+    if not isinstance(data.get("points"), list):
         raise UsageError(f"{path}: not a scaling table (expected an object with 'points')")
     return data
 

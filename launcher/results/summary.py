@@ -554,18 +554,19 @@ def _agg(fn: Callable[[list[float]], float], rows: Iterable[dict], key: str) -> 
     return fn(known) if known else None
 
 
-def read_json(path: Path) -> dict | None:
-    """A run directory's JSON object; None where the file is missing, UsageError where damaged."""
+def read_json(path: Path, what: str = "run") -> dict | None:
+    """A run (or study) directory's JSON object; None where the file is missing, UsageError
+    where damaged."""
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UsageError(
-            f"{path}: not valid JSON (line {err.lineno}); the run directory is damaged"
+            f"{path}: not valid JSON (line {err.lineno}); the {what} directory is damaged"
         ) from None
     if not isinstance(data, dict):
-        raise UsageError(f"{path}: expected a JSON object; the run directory is damaged")
+        raise UsageError(f"{path}: expected a JSON object; the {what} directory is damaged")
     return data
 
 

@@ -279,9 +279,17 @@ def test_report_draws_the_plot_a_study_lacks(tmp_path, monkeypatch, caplog, caps
     assert "weak scaling" in capsys.readouterr().out
 
 
-def test_damaged_scaling_json(tmp_path):
-    (tmp_path / "scaling.json").write_text("[1, 2]")
-    with pytest.raises(UsageError, match="not a scaling table"):
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("[1, 2]", "expected a JSON object; the study directory is damaged"),
+        ("{not json", "not valid JSON"),
+        ('{"points": 3}', "not a scaling table"),
+    ],
+)
+def test_damaged_scaling_json(tmp_path, text, error):
+    (tmp_path / "scaling.json").write_text(text)
+    with pytest.raises(UsageError, match=error):
         report_command(str(tmp_path))
 
 
