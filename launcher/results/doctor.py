@@ -15,7 +15,7 @@ import yaml
 from launcher.errors import UsageError
 from launcher.metrics import FILE_PATTERN, rank_of, read_records
 from launcher.results.stragglers import node_differences, preflight_facts
-from launcher.results.summary import load_run, read_json
+from launcher.results.summary import load_run, median_p50, read_json
 
 # The built-in trainer's MFU on these GPUs (GPT-2 124M, BERT-base; benchmarks/RESULTS.md).
 REFERENCE_MFU = {"H200": 0.47, "H100": 0.47}
@@ -313,11 +313,10 @@ def _straggler(run: _Run) -> Finding | None:
         rank, node = worst["rank"], worst["node"]
         detail = f"{slower:.0f}% slower than the other ranks' median ({worst['from']})"
     else:
-        rows = [r for r in run.summary.get("ranks", []) if r.get("step_time_ms_p50")]
+        rows = run.summary.get("ranks", [])
         named = set((run.summary.get("totals") or {}).get("straggler_ranks") or [])
-        if len(rows) < 2 or not named:
+        if (median := median_p50(rows)) is None or not named:
             return None
-        median = statistics.median(r["step_time_ms_p50"] for r in rows)
         row = max((r for r in rows if r["rank"] in named), key=lambda r: r["step_time_ms_p50"])
         slower = 100 * (row["step_time_ms_p50"] / median - 1)
         if slower < 10:

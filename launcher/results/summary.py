@@ -200,10 +200,7 @@ def load_run(run_dir: Path) -> dict:
         or previous.get("attempts")
     ):
         return previous
-    layout = [
-        {k: r.get(k) for k in ("rank", "node", "host", "local_rank", "device")}
-        for r in source.get("ranks", [])
-    ]
+    layout = source.get("ranks", [])
     records = {
         rank: read_records(path)
         if (path := run_dir / "metrics" / f"rank{rank}.jsonl").is_file()
@@ -213,10 +210,7 @@ def load_run(run_dir: Path) -> dict:
     if previous is not None and previous.get("status") in STATUSES:
         status, failure = previous["status"], previous.get("failure")
     else:
-        done = all(
-            any(rec.get("type") == "final" for rec in records.get(int(r["rank"]), []))
-            for r in layout
-        )
+        done = all(any(r.get("type") == "final" for r in recs) for recs in records.values())
         status, failure = ("succeeded" if layout and done else "interrupted"), None
     rebuilt = summarize(
         str(source.get("job", run_dir.name)), layout, records, status=status, failure=failure
@@ -283,7 +277,7 @@ def csv_text(rows: Iterable[dict], keys: Sequence[str]) -> str:
 
 def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> list[int]:
     """Ranks whose p50 step time exceeds the median of all ranks' p50 by more than threshold."""
-    median = _median_p50(rows)
+    median = median_p50(rows)
     if median is None:
         return []
     return [
@@ -294,7 +288,7 @@ def stragglers(rows: Sequence[dict], threshold: float = STRAGGLER_THRESHOLD) -> 
     ]
 
 
-def _median_p50(rows: Sequence[dict]) -> float | None:
+def median_p50(rows: Sequence[dict]) -> float | None:
     """The median of the ranks' p50 step times; None with fewer than two measured."""
     known = [r["step_time_ms_p50"] for r in rows if r.get("step_time_ms_p50") is not None]
     return statistics.median(known) if len(known) >= 2 else None
@@ -518,7 +512,7 @@ def _worker(summary: dict) -> str:
 
 def _straggler_line(summary: dict) -> str:
     rows = summary["ranks"]
-    median = _median_p50(rows)
+    median = median_p50(rows)
     if median is None:
         return "Stragglers: not assessed (fewer than two ranks measured step times)."
     slow = [r for r in rows if r["rank"] in set(summary["totals"]["straggler_ranks"])]
