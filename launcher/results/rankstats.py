@@ -63,7 +63,7 @@ class RankStats:
         self.complete: set[int] = set()
         self.save_s: dict[int, float] = {}
         self.modes: set[bool] = set()
-        self._prev: tuple[Any, Any] | None = None  # the previous step record's (step, time)
+        self._prev: tuple[Any, Any] = (0, None)  # the previous step record's (step, time)
         for record in records:
             self.add(record)
 
@@ -110,18 +110,12 @@ class RankStats:
             self.eval = (rec["eval_loss"], rec.get("step"))
         self.skipped += rec.get("skipped_steps") or 0
 
-        prev = self._prev
-        span: float | None
-        if rec.get("interval_s") is not None:
-            span = float(rec["interval_s"])
-            prev_step = prev[0] if prev is not None else 0
-        elif prev is not None and rec.get("time") is not None and prev[1] is not None:
-            span = float(rec["time"]) - float(prev[1])
-            prev_step = prev[0]
-        else:
-            span, prev_step = None, 0
+        prev_step, prev_time = self._prev
+        span = rec.get("interval_s")
+        if span is None and rec.get("time") is not None and prev_time is not None:
+            span = float(rec["time"]) - float(prev_time)
         if span is not None and span > 0 and rec.get("measured", True):
-            self._interval(rec, span, (rec.get("step") or 0) - (prev_step or 0))
+            self._interval(rec, float(span), (rec.get("step") or 0) - (prev_step or 0))
         self._prev = (rec.get("step", 0), rec.get("time"))
 
     def _interval(self, rec: dict[str, Any], span: float, n: int) -> None:
