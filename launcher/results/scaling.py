@@ -59,9 +59,7 @@ def scale_job(job: JobSpec, world: int, base_world: int, mode: str) -> JobSpec:
     share = global_batch // world
     if share % ga == 0:
         new_mb, new_ga = share // ga, ga
-    elif share % mb == 0:
-        new_mb, new_ga = mb, share // mb
-    else:
+    else:  # the largest micro-batch up to the current one that divides the share
         new_mb = max(d for d in range(1, min(mb, share) + 1) if share % d == 0)
         new_ga = share // new_mb
     train = job.train.model_copy(update={"micro_batch": new_mb, "grad_accum": new_ga})
