@@ -51,7 +51,7 @@ class Finding:
 
 def diagnose(run_dir: Path) -> list[Finding]:
     """The run's findings, most costly first; empty for a clean run."""
-    run = _Run(Path(run_dir))
+    run = _Run(run_dir)
     found = [
         f
         for check in (

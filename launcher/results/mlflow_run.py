@@ -146,7 +146,6 @@ class MlflowRun:
                     self.where,
                     err,
                 )
-                self._metrics.clear()
                 return
         while self._params:
             self._batch([], self._params[:MAX_PARAMS])

@@ -167,7 +167,6 @@ def before_training(summary: dict, *, reason: bool = True) -> str:
 
 def write_summary(run_dir: Path, summary: dict) -> str:
     """Write ``summary.json``, ``summary.csv`` and ``summary.txt``; return the text."""
-    run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     text = render(summary)
     write_atomic(run_dir / "summary.json", _json_text(summary))
@@ -181,7 +180,6 @@ def load_run(run_dir: Path) -> dict:
     launcher knew (status, failure, restarts) from ``summary.json``. Without one, the run
     succeeded only if every rank wrote its ``final`` record. A run that restarted, or one
     with nothing to rebuild from, gets its ``summary.json`` as it is."""
-    run_dir = Path(run_dir)
     if not run_dir.is_dir():
         what = "not a directory" if run_dir.exists() else "no such directory"
         raise UsageError(f"{run_dir}: {what}; give a run directory (runs/<job>-<time>/)")
