@@ -161,8 +161,7 @@ def render_scaling(table: dict) -> str:
     )
     if base is None:
         note = "No point measured a throughput; nothing to compare."
-    noisy = [p for p in table["points"] if p.get("noisy")]
-    if noisy:
+    if noisy := [p for p in table["points"] if p.get("noisy")]:
         note += "\n* noise, not scaling: " + "; ".join(
             f"{p['ranks']} rank(s): {p['noisy']}" for p in noisy
         )
@@ -236,8 +235,7 @@ def plot_scaling(table: dict, path: Path) -> Path:
         if rated:
             ax_eff.axhline(100.0, linestyle="--", color="grey", label="ideal (100%)")
             ax_eff.plot(*_efficiency(rated), "o-", color="tab:orange", label="measured")
-        noisy = [p for p in rated if p.get("noisy")]
-        if noisy:
+        if noisy := [p for p in rated if p.get("noisy")]:
             label = "noisy: repeat (--repeat)"
             ax_eff.plot(*_efficiency(noisy), "x", color="red", markersize=12, label=label)
         for ax in (ax_tp, ax_eff):

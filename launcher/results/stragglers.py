@@ -137,8 +137,7 @@ class StragglerWatch:
         others = [c for r, c in self._clock.items() if r != rank]
         if rank in self._clock and others:
             out.append(f"SM clock {self._clock[rank]:.0f} vs {statistics.median(others):.0f} MHz")
-        diffs = node_differences(self.facts, node)
-        if diffs:
+        if diffs := node_differences(self.facts, node):
             out.append(f"node {node} differs in its preflight facts: " + ", ".join(diffs))
         return out
 

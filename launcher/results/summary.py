@@ -136,8 +136,7 @@ def render(summary: dict) -> str:
     parts += ["Per node", _node_table(summary["ranks"]), ""]
     parts += ["Job", _totals_table(summary), ""]
     parts.append(_straggler_line(summary))
-    ckpt = summary.get("checkpoints")
-    if ckpt:
+    if ckpt := summary.get("checkpoints"):
         mode = "in the background" if ckpt["async"] else "synchronously"
         parts.append(
             f"Checkpoints: {ckpt['saved']} complete (last at step {ckpt['last_complete_step']}), "
@@ -320,10 +319,8 @@ def _from_steps(stats: RankStats, meta: dict) -> dict:
     out: dict[str, Any] = {"steps": stats.max_step, "peak_mem_gib": stats.peak_mem}
     if not stats.intervals:
         return out
-
-    seconds = stats.seconds
-    out["tokens_per_s"] = stats.tokens / seconds
-    out["samples_per_s"] = stats.samples / seconds
+    out["tokens_per_s"] = stats.tokens / stats.seconds
+    out["samples_per_s"] = stats.samples / stats.seconds
     out.update(stats.gpu())  # from NVML; null without it
 
     step_ms = stats.step_ms.values if stats.step_ms.seen else stats.span_ms.values
@@ -333,11 +330,9 @@ def _from_steps(stats: RankStats, meta: dict) -> dict:
     if stats.wait_s is not None:
         out["data_wait_pct"] = 100.0 * stats.wait_s / stats.wait_span_s
 
-    flops_per_token = meta.get("flops_per_token")
-    if flops_per_token:
+    if flops_per_token := meta.get("flops_per_token"):
         out["tflops"] = out["tokens_per_s"] * float(flops_per_token) / 1e12
-        peak = meta.get("peak_tflops")
-        if peak:
+        if peak := meta.get("peak_tflops"):
             out["mfu"] = out["tflops"] / float(peak)
     return out
 
@@ -401,8 +396,7 @@ def _status_lines(summary: dict) -> str:
             "Partial results: the tables show what was measured before the run stopped; "
             f"'{DASH}' marks what no record reported."
         )
-    failure = summary.get("failure")
-    if failure:
+    if failure := summary.get("failure"):
         how = []
         if failure.get("exit_code") is not None:
             how.append(f"exit code {failure['exit_code']}")
@@ -412,8 +406,7 @@ def _status_lines(summary: dict) -> str:
         lines.append(f"First failure: {where}" + (f", {', '.join(how)}" if how else ""))
         if failure.get("reason"):
             lines.append(f"Reason: {failure['reason']}")
-        tail = failure.get("log_tail")
-        if tail:
+        if tail := failure.get("log_tail"):
             lines.append("Last lines of its log:")
             lines += ["  | " + line for line in str(tail).rstrip("\n").splitlines()[-20:]]
     for r in summary.get("restarts") or []:
