@@ -137,14 +137,7 @@ def render(summary: dict) -> str:
     parts += ["Job", _totals_table(summary), ""]
     parts.append(_straggler_line(summary))
     if ckpt := summary.get("checkpoints"):
-        mode = "in the background" if ckpt["async"] else "synchronously"
-        parts.append(
-            f"Checkpoints: {ckpt['saved']} complete (last at step {ckpt['last_complete_step']}), "
-            f"written {mode}; training held {ckpt['blocking_s_mean']:.2f} s each "
-            f"(max {ckpt['blocking_s_max']:.2f} s)"
-        )
-        if shares := _checkpoint_parts_line(ckpt):
-            parts.append(shares)
+        parts += _checkpoint_lines(ckpt)
     for found in summary.get("stragglers") or []:  # named while the run went
         parts.append(
             f"Straggler while running: rank {found['rank']} on node {found['node']}, "
@@ -559,19 +552,25 @@ def _json_text(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def _checkpoint_parts_line(ckpt: dict) -> str | None:
-    """Where a checkpoint's hold went (the parts over 5 ms, in the order they come), what the
-    first one held, and how long a background save took to complete."""
+def _checkpoint_lines(ckpt: dict) -> list[str]:
+    """How long checkpoints held training; where the hold went (the parts over 5 ms, in the
+    order they come), what the first one held, and how long a background save took."""
+    mode = "in the background" if ckpt["async"] else "synchronously"
+    held = (
+        f"Checkpoints: {ckpt['saved']} complete (last at step {ckpt['last_complete_step']}), "
+        f"written {mode}; training held {ckpt['blocking_s_mean']:.2f} s each "
+        f"(max {ckpt['blocking_s_max']:.2f} s)"
+    )
     shown = [
         f"{part} {seconds:.2f} s"
         for part, seconds in (ckpt.get("blocking_parts_s_mean") or {}).items()
         if seconds >= 0.005
     ]
     if not shown:
-        return None
+        return [held]
     line = f"  held by part (mean): {', '.join(shown)}"
     if ckpt.get("first_blocking_s") is not None:
         line += f"; the first held {ckpt['first_blocking_s']:.2f} s"
     if ckpt.get("save_s_mean") is not None:
         line += f"; a background save completed in {ckpt['save_s_mean']:.2f} s (mean)"
-    return line
+    return [held, line]
