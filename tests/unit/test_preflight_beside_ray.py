@@ -169,40 +169,32 @@ def test_agents_are_not_placed_once_the_preflight_has_failed(launch):
     assert stages.placed_with == [] and stages.session.closed
 
 
-def test_a_failed_preflight_wins_over_rays_own_failure(launch):
-    """Ray fails first; the preflight, still running, fails after: its verdict is the error."""
-    ray_failed = threading.Event()
+@pytest.mark.parametrize("fails", ["ray", "placement"])
+def test_a_failed_preflight_wins_over_a_failure_of_ray_or_the_placement(launch, fails):
+    """Ray's start or the placement fails first; the preflight, still running, fails after: its
+    verdict is the error."""
+    failed = threading.Event()
 
     def preflight() -> None:
-        assert ray_failed.wait(WAIT_S)
+        assert failed.wait(WAIT_S)
         raise PreflightError("node a: the driver does not answer")
 
     def connect() -> None:
-        ray_failed.set()
-        raise PreflightError("could not start the embedded Ray on this machine: no memory")
-
-    launcher, stages = launch(preflight=preflight, connect=connect)
-    with pytest.raises(PreflightError, match="the driver does not answer"):
-        launcher.execute()
-    assert stages.placed_with == [] and not stages.session.closed  # no session was made
-    assert "the driver does not answer" in summary(launcher)["failure"]["reason"]
-
-
-def test_a_failed_preflight_wins_over_a_failed_placement(launch):
-    placed = threading.Event()
-
-    def preflight() -> None:
-        assert placed.wait(WAIT_S)
-        raise PreflightError("node a: the driver does not answer")
+        if fails == "ray":
+            failed.set()
+            raise PreflightError("could not start the embedded Ray on this machine: no memory")
 
     def place() -> None:
-        placed.set()
+        failed.set()
         raise JobFailed("Ray could not place one agent per node")
 
-    launcher, stages = launch(preflight=preflight, connect=lambda: None, place=place)
+    launcher, stages = launch(preflight=preflight, connect=connect, place=place)
     with pytest.raises(PreflightError, match="the driver does not answer"):
         launcher.execute()
-    assert stages.session.closed
+    placed = fails == "placement"
+    assert stages.placed_with == ([None] if placed else [])
+    assert stages.session.closed == placed  # closed where it was made
+    assert "the driver does not answer" in summary(launcher)["failure"]["reason"]
 
 
 def test_rays_failure_is_the_error_when_the_preflight_passes(launch):
