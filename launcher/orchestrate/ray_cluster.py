@@ -237,11 +237,7 @@ class RaySession:
         runner = SrunRunner(node)
         fd, log_path = tempfile.mkstemp(prefix=f"launcher-ray-{node.name}-", suffix=".log")
         os.close(fd)
-        command = (
-            f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts "
-            f"{shlex.join([*args, '--block'])}"
-        )
-        proc = runner.spawn(command, log_path)
+        proc = runner.spawn(_ray_command(node, [*args, "--block"]), log_path)
         self._steps.append((runner, proc, log_path))
         deadline = time.monotonic() + self._cluster.ray.join_timeout_s
         while wait_for is not None:
@@ -655,10 +651,12 @@ def _on_node(
         ) from err
 
 
+def _ray_command(node: NodeSpec, args: list[str]) -> str:
+    return f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
+
+
 def _ray_cli(cluster: ClusterSpec, node: NodeSpec, args: list[str]) -> None:
-    command = (
-        f"{TOKEN_ENV}{shlex.quote(node.interpreter())} -m ray.scripts.scripts {shlex.join(args)}"
-    )
+    command = _ray_command(node, args)
     result = _on_node(cluster, node, command, timeout=cluster.ssh.connect_timeout_s + 90)
     if result.exit_code != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
