@@ -285,10 +285,8 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
     zombie = subprocess.Popen([str(script), "--gcs-address=127.0.0.9:7001"])  # a zombie, unwaited
     try:
         stat = Path(f"/proc/{zombie.pid}/stat")
-        deadline = time.monotonic() + 10
-        while stat.read_text().rpartition(")")[2].split()[0] != "Z" and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert stat.read_text().startswith(f"{zombie.pid} (raylet) Z"), stat.read_text()
+        what = f"{zombie.pid} (raylet) Z"  # exited, not reaped
+        wait_for(lambda: stat.read_text().startswith(what), timeout=10, what=what, poll=0.02)
         assert Path(f"/proc/{zombie.pid}/cmdline").read_bytes() == b""
         result = other_ray_check()
         assert f"raylet pid {zombie.pid} " not in result.stderr, result
