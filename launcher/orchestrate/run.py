@@ -426,10 +426,10 @@ class Launch:
         """
         with contextlib.ExitStack() as then:
             if self._own_session and self.session is not None:
-                then.callback(self._close_session)
+                then.callback(self.session.close, keep_ray=self.keep_ray)
             then.callback(self.log.close)
             if self.agents is not None:
-                then.callback(self._close_agents)
+                then.callback(self.agents.close)
                 # Ctrl-C reaches the ranks as SIGINT (their KeyboardInterrupt handlers run)
                 first = signal.SIGINT if signals.pending() == signal.SIGINT else signal.SIGTERM
                 self._ingest(self.agents.stop(self.job.launch.stop_grace_s, first))
@@ -496,16 +496,6 @@ class Launch:
             ).run()
         finally:
             self.log.stop_progress()
-
-    def _close_agents(self) -> None:
-        if self.agents is not None:
-            agents, self.agents = self.agents, None
-            agents.close()
-
-    def _close_session(self) -> None:
-        if self.session is not None:
-            session, self.session = self.session, None
-            session.close(keep_ray=self.keep_ray)
 
     def _failed(self, failure: Failure) -> Outcome:
         log.error("%s; stopping every worker", failure.reason)
