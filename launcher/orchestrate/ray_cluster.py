@@ -490,19 +490,10 @@ def _embedded(
 def _attach(nodes: list[NodeSpec], address: str, runtime_env: dict[str, Any]) -> RaySession:
     # Ray sends ~/.ray/auth_token only in token mode; a cluster without authentication ignores it.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
-    import ray
-
     log.info("Attaching to the running Ray at %s", address)
     try:
-        if address.startswith("ray://"):
-            _connect_client(address, runtime_env, retry=_server_side, configure_logging=False)
-        else:
-            ray.init(
-                address=address,
-                log_to_driver=False,
-                configure_logging=False,
-                runtime_env=runtime_env or None,
-            )
+        retry = _server_side if address.startswith("ray://") else lambda err: False
+        _connect(address, runtime_env, retry=retry, configure_logging=False)
     except Exception as err:  # Ray raises ConnectionError, RuntimeError, ...
         raise PreflightError(
             f"cannot attach to Ray at {address!r}: {_client_error(err)}. Check that the cluster "
@@ -569,7 +560,7 @@ def _bootstrap(
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = token
         try:
-            _connect_client(session.address, runtime_env)
+            _connect(session.address, runtime_env)
         except Exception as err:
             raise PreflightError(
                 f"Ray started on the nodes but the launcher cannot reach it at {session.address}: "
@@ -586,15 +577,15 @@ def _bootstrap(
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _connect_client(
+def _connect(
     address: str,
     runtime_env: dict[str, Any],
     attempts: int = 3,
     retry: Callable[[Exception], bool] = lambda err: True,
     **init: Any,
 ) -> None:
-    """Ray Client connect, retried where ``retry`` says: the head's client server starts a
-    server process per connection, which can die or miss Ray's 30 s channel timeout while the
+    """``ray.init`` at ``address``, retried where ``retry`` says: a head's Ray Client server starts
+    a server process per connection, which can die or miss Ray's 30 s channel timeout while the
     head is starting or loaded."""
     import ray
 
