@@ -368,6 +368,4 @@ def _is_ip(host: str) -> bool:
 
 
 def _span(ranks: list[int]) -> str:
-    if not ranks:
-        return "-"
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
