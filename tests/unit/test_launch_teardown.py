@@ -156,39 +156,30 @@ def test_two_launches_in_the_same_second_get_their_own_run_directories(tmp_path,
         RunDir.new("j", base=in_the_way / "runs")
 
 
+@pytest.mark.parametrize(
+    ("cls", "method", "error", "calls"),
+    [  # a full disk while writing plan.json; the code that cannot be staged on Ray
+        (RunDir, "write_plan", OSError(28, "No space left on device"), ["stop", "close"]),
+        (Launch, "connect_ray", PermissionError(13, "Permission denied", "/work/train.py"), []),
+    ],
+)
 def test_an_oserror_before_any_worker_starts_is_exit_3_with_a_summary(
-    tmp_path, monkeypatch, launch
+    tmp_path, monkeypatch, launch, cls, method, error, calls
 ):
-    """A full disk while writing plan.json: no node was asked to start torchrun, so the launch
-    failed before training (exit 3), not the job (exit 4); everything is closed, summary written."""
+    """No node was asked to start torchrun, so the launch failed before training (exit 3), not
+    the job (exit 4); what was opened is closed, the summary written."""
 
-    def disk_full(self, launch_plan):
-        raise OSError(28, "No space left on device", str(self.root / "plan.json"))
+    def fail(*args):
+        raise error
 
-    monkeypatch.setattr(RunDir, "write_plan", disk_full)
     launcher, agents, session = launch()
-    with pytest.raises(
-        PreflightError, match="No space left on device.*No worker was started"
-    ) as err:
+    monkeypatch.setattr(cls, method, fail)
+    with pytest.raises(PreflightError, match=f"{error.strerror}.*No worker was started") as err:
         launcher.execute()
     assert err.value.exit_code == EXIT_PREFLIGHT
-    assert "start" not in agents.calls and agents.calls[-1] == "close" and session.closed
+    assert agents.calls == calls and session.closed == bool(calls)  # no session: nothing placed
     assert summary(tmp_path)["status"] == "failed"
-    assert "No space left on device" in summary(tmp_path)["failure"]["reason"]
-
-
-def test_an_oserror_while_staging_the_code_on_ray_is_exit_3_with_a_summary(
-    tmp_path, monkeypatch, launch
-):
-    def cannot_stage(self):
-        raise PermissionError(13, "Permission denied", "/work/train.py")
-
-    launcher, agents, _ = launch()
-    monkeypatch.setattr(Launch, "connect_ray", cannot_stage)
-    with pytest.raises(Exception, match="Permission denied") as err:
-        launcher.execute()
-    assert err.value.exit_code == EXIT_PREFLIGHT
-    assert agents.calls == [] and summary(tmp_path)["status"] == "failed"
+    assert error.strerror in summary(tmp_path)["failure"]["reason"]
 
 
 def test_an_oserror_after_workers_started_stays_exit_4(tmp_path, monkeypatch, launch):
