@@ -186,13 +186,16 @@ class Launch:
         finally:
             self.timings["preflight"] = preflight.seconds
 
-    def preflight(self) -> dict[str, NodeFacts] | None:
+    def preflight(self, nodes: list[NodeSpec] | None = None) -> dict[str, NodeFacts] | None:
+        """The preflight of the job's nodes, saved in the run directory, or of ``nodes`` (the
+        nodes left and a spare), not saved."""
         return preflight_facts(
             self.job,
             self.cluster,
             skip=self.skip_parity,
-            save_to=self.run_dir.preflight,
+            save_to=None if nodes else self.run_dir.preflight,
             show=not self.quiet,
+            nodes=nodes,
         )
 
     def connect(self, ray_log: Path) -> None:
@@ -291,13 +294,7 @@ class Launch:
     def admit(self, spare: NodeSpec, nodes: list[NodeSpec]) -> bool:
         """A spare joins when it passes the preflight beside ``nodes`` and joins this Ray."""
         try:
-            facts = preflight_facts(
-                self.job,
-                self.cluster,
-                skip=self.skip_parity,
-                show=not self.quiet,
-                nodes=[*nodes, spare],
-            )
+            facts = self.preflight([*nodes, spare])
             assert self.session is not None
             self.session.add_node(spare)
         except LauncherError as err:
