@@ -89,10 +89,7 @@ def test_env_layers_and_sources():
 
 
 def test_profiling_gives_each_node_a_profile_folder():
-    job = JobSpec.model_validate(
-        {"name": "t", "train": {"profile": {"start_step": 5}}, "resources": {"device": "cuda"}}
-    )
-    a, b = make(job, two_nodes()).nodes
+    a, b = make(cpu_job(profile={"start_step": 5}), two_nodes()).nodes
     assert a.env["LAUNCHER_PROFILE_DIR"] == "{node_dir}/profile"
     assert b.env_sources["LAUNCHER_PROFILE_DIR"] == "launcher (train.profile)"
 
