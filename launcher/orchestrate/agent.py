@@ -50,11 +50,6 @@ METRICS_READ_BYTES = 4 << 20  # per file and pass
 HOOKS = Path(__file__).resolve().parents[1] / "hooks"  # the workers' sitecustomize (stack dumps)
 
 
-def _fresh_tails() -> dict[int | None, collections.deque[str]]:
-    """Per local rank (None: torchrun's own lines), the last lines of one attempt."""
-    return {None: collections.deque(maxlen=TORCHRUN_TAIL_LINES)}
-
-
 class NodeAgent:
     """One per node, created by the driver inside that node's placement-group bundle."""
 
@@ -73,7 +68,8 @@ class NodeAgent:
         self._records: list[tuple[int, dict[str, Any]]] = []
         self._dropped = 0  # output lines dropped since the last poll (PENDING_LINES_MAX)
         self._telemetry: list[dict[str, Any]] = []
-        self._tails = _fresh_tails()
+        # per local rank (None: torchrun's own lines), the last lines of this attempt
+        self._tails: dict[int | None, collections.deque[str]] = {}
         self._offsets: dict[Path, int] = {}
         self._stopping = False
         self._started_at = 0.0
@@ -135,7 +131,7 @@ class NodeAgent:
         self._stopping = False
         self._workers = {}
         with self._lock:  # a failure's tail is this attempt's, not the previous one's
-            self._tails = _fresh_tails()
+            self._tails = {None: collections.deque(maxlen=TORCHRUN_TAIL_LINES)}
         if self._node_dir is None:
             self._node_dir = make_private_dir(f"launcher-{node_plan['run_id']}-{self.node}-")
         node_plan = _with_node_dir(node_plan, str(self._node_dir))
