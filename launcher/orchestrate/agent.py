@@ -220,9 +220,9 @@ class NodeAgent:
         """Every worker's Python stacks now, and any collective trace: the files of
         ``<node dir>/stacks`` after signalling each live worker whose fault handler is installed
         (its header names the signal), once their dumps have stopped growing."""
-        if self._proc is None or self._plan is None:
+        if self._proc is None or self._node_dir is None:
             return {}
-        folder = Path(self._plan["node_dir"]) / STACKS_SUBDIR
+        folder = self._node_dir / STACKS_SUBDIR
         family = set(descendants(self._proc.pid)) if self._proc.poll() is None else set()
         sizes: dict[Path, int] = {}
         for path in folder.glob("rank*.txt"):
@@ -488,7 +488,6 @@ def _with_node_dir(node_plan: dict[str, Any], node_dir: str) -> dict[str, Any]:
 
     return {
         **node_plan,
-        "node_dir": node_dir,
         "cwd": put(node_plan["cwd"]) if node_plan.get("cwd") else None,
         "argv": [put(a) for a in node_plan["argv"]],
         "env": {k: put(v) for k, v in node_plan["env"].items()},
