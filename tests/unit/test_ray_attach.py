@@ -49,13 +49,9 @@ def fake_ray(monkeypatch):
     return make
 
 
-def _attach(address: str):
-    return ray_cluster._attach([], address, {})
-
-
 def test_a_server_process_that_fails_to_start_is_tried_again(fake_ray):
     fake = fake_ray([ConnectionAbortedError(SERVER_TRACEBACK)])
-    session = _attach("ray://198.18.0.10:10001")
+    session = ray_cluster._attach([], "ray://198.18.0.10:10001", {})
     assert session.mode == "attach" and len(fake.inits) == 2 and fake.shutdowns == 1
     assert fake.inits[-1]["address"] == "ray://198.18.0.10:10001"
 
@@ -63,7 +59,7 @@ def test_a_server_process_that_fails_to_start_is_tried_again(fake_ray):
 def test_three_failures_say_what_failed_on_the_server(fake_ray):
     fake = fake_ray([ConnectionAbortedError(SERVER_TRACEBACK)] * 3)
     with pytest.raises(PreflightError) as raised:
-        _attach("ray://198.18.0.10:10001")
+        ray_cluster._attach([], "ray://198.18.0.10:10001", {})
     assert len(fake.inits) == 3
     failed = "RuntimeError: Proxy failed to Connect to backend!"
     assert f"Initialization failure from server: {failed}" in str(raised.value)
@@ -88,5 +84,5 @@ def test_an_unreachable_cluster_a_bad_runtime_env_or_a_nodes_address_is_not_trie
 ):
     fake = fake_ray([error])
     with pytest.raises(PreflightError, match=f"cannot attach to Ray at '{address}'"):
-        _attach(address)
+        ray_cluster._attach([], address, {})
     assert len(fake.inits) == 1
