@@ -404,8 +404,7 @@ def check_ray_version() -> None:
         version = importlib.metadata.version("ray")
     except importlib.metadata.PackageNotFoundError:
         return  # the import that follows says it is missing
-    parts = [int(p) for p in re.findall(r"\d+", version)[:2]]
-    if tuple(parts) < RAY_FLOOR:
+    if tuple(int(p) for p in re.findall(r"\d+", version)[:2]) < RAY_FLOOR:
         floor = ".".join(map(str, RAY_FLOOR))
         raise PreflightError(
             f"Ray {version} is installed here, but the launcher needs Ray {floor} or later: it "

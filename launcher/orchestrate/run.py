@@ -568,14 +568,13 @@ def dry_run(job: JobSpec, cluster: ClusterSpec, *, skip_parity: bool = False) ->
     """
     code = checked_code(job, cluster)
     facts = preflight_facts(job, cluster, skip=skip_parity)
-    port = job.launch.master_port or DEFAULT_MASTER_PORT
     launch_plan = plan(
         job,
         cluster,
         facts,
         run_id=f"{job.name}-<timestamp>-<id>",
         run_name=f"{job.name}-<timestamp>",
-        master_port=port,
+        master_port=job.launch.master_port or DEFAULT_MASTER_PORT,
         launcher_env=os.environ,
         code=code,
     )
