@@ -296,40 +296,6 @@ def test_the_other_ray_check_passes_over_a_zombie_raylet(tmp_path):
         zombie.wait()
 
 
-def leftover_starts(port: int) -> dict[str, subprocess.Popen[bytes]]:
-    """This cluster's `ray start`s as the bootstrap issued them, still running: the head's, and a
-    join to it (node1, 127.0.0.2) that hangs."""
-    return {
-        "join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
-        "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1"),
-    }
-
-
-def assert_killed(starts: dict[str, subprocess.Popen[bytes]]) -> None:
-    for name, proc in starts.items():
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        assert proc.returncode == -signal.SIGKILL, f"this cluster's {name} was not killed"
-
-
-def test_the_teardown_kills_this_clusters_ray_start_only(fake_ray, monkeypatch):
-    """A `ray start` left running on a node is killed before `ray stop` when it is this
-    cluster's: a join to this head's address, or the head's own start on the head. A join to
-    another head on the same port, and another Ray's head on a worker, are left alone."""
-    port = free_port()
-    monkeypatch.setenv("FAKE_PORT", str(port))
-    cluster = nodes(port)
-    ours = leftover_starts(port)
-    theirs = [
-        start("--address", f"127.0.0.9:{port}", "--node-ip-address", "127.0.0.2"),
-        start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"),
-        start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2"),
-    ]
-    assert ray_cluster.stop_ray(cluster, list(cluster.nodes), STARTED_WITH) == []
-    assert_killed(ours)
-    assert [p.poll() for p in theirs] == [None] * 3, "another Ray's start was killed"
-
-
 # What the nodes' names resolve to at teardown, unlike at start: other addresses (round-robin
 # DNS, an edited /etc/hosts), or the name itself (the lookup failed; _resolve falls back to it).
 RESOLVED_LATER = {
@@ -340,11 +306,14 @@ RESOLVED_LATER = {
 
 @pytest.mark.parametrize("later", RESOLVED_LATER)
 @pytest.mark.parametrize("by", ["session", "record"])
-def test_the_teardown_kills_its_ray_start_whatever_the_names_resolve_to_by_then(
+def test_the_teardown_kills_this_clusters_ray_start_only_whatever_the_names_resolve_to(
     fake_ray, tmp_path, monkeypatch, later, by
 ):
-    """The session's close gives the teardown the addresses its `ray start`s were given; `launch
-    down` (another process, later) gets them from the cluster's record. Either way a name that
+    """A `ray start` left running on a node is killed before `ray stop` when it is this
+    cluster's: a join to this head's address, or the head's own start on the head. A join to
+    another head on the same port, and another Ray's head on a worker, are left alone. The
+    session's close gives the teardown the addresses its `ray start`s were given; `launch down`
+    (another process, later) gets them from the cluster's record. Either way a name that
     resolves otherwise at teardown (or not at all) still finds them."""
     monkeypatch.setenv(records.STATE_ENV, str(tmp_path / "state"))
     port = free_port()
@@ -353,11 +322,23 @@ def test_the_teardown_kills_its_ray_start_whatever_the_names_resolve_to_by_then(
     records.save_cluster(cluster, STARTED_WITH)
     assert records.saved_addresses(cluster) == STARTED_WITH
     session = bootstrapped(cluster, port, _started_on=list(cluster.nodes))
-    starts = leftover_starts(port)
+    ours = {  # as the bootstrap issued them: the head's, and a join to it that hangs
+        "join": start("--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.2"),
+        "head": start("--head", "--port", str(port), "--node-ip-address", "127.0.0.1"),
+    }
+    theirs = [
+        start("--address", f"127.0.0.9:{port}", "--node-ip-address", "127.0.0.2"),
+        start("--address", f"127.0.0.1:{port + 1}", "--node-ip-address", "127.0.0.2"),
+        start("--head", "--port", str(port), "--node-ip-address", "127.0.0.2"),
+    ]
     monkeypatch.setattr(ray_cluster, "_resolve", RESOLVED_LATER[later])
     if by == "session":
         session.close()
     else:  # as `launch down` calls it
         addresses = records.saved_addresses(cluster)
         assert ray_cluster.stop_ray(cluster, list(cluster.nodes), addresses) == []
-    assert_killed(starts)
+    for name, proc in ours.items():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        assert proc.returncode == -signal.SIGKILL, f"this cluster's {name} was not killed"
+    assert [p.poll() for p in theirs] == [None] * 3, "another Ray's start was killed"
