@@ -332,14 +332,13 @@ def _worker_env(
         trace = f"{NODE_DIR}/{STACKS_SUBDIR}/nccl_trace_rank_"
         put({**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}, "launcher (hangs)")
     layers = spec_layers(job, node)
-    default_nccl = NCCLSpec().env
-    for source, items in layers:  # a default the job file leaves as it is yields to the shell
-        if source == "job nccl.env" and items == default_nccl:
-            put(items, "job nccl.env (default)")
+    default = ("job nccl.env", NCCLSpec().env)
+    if default in layers:  # a default the job file leaves as it is yields to the shell
+        put(default[1], "job nccl.env (default)")
     shell = forwarded(launcher_env, job.launch.env_forward, everything=node.is_local)
     put(shell, "shell" if node.is_local else "shell (launch.env_forward)")
     for source, items in layers:
-        if not (source == "job nccl.env" and items == default_nccl):
+        if (source, items) != default:
             put(items, source)
     if route is not None and "GLOO_SOCKET_IFNAME" not in env:
         put({"GLOO_SOCKET_IFNAME": route.interface}, route.source)
