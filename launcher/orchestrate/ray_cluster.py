@@ -363,10 +363,10 @@ def _signals_kept():  # noqa: ANN202 - a context manager
 
 
 class Watchdog:
-    """``watchdog.py`` beside this process: stops the Ray of ``record`` should the launcher be
-    killed; ``update`` replaces the record, ``stop`` ends the watchdog (the session closed)."""
+    """``watchdog.py`` beside this process: stops the Ray of the last ``update``'s record should
+    the launcher be killed; ``stop`` ends the watchdog (the session closed)."""
 
-    def __init__(self, record: dict[str, Any] | None):
+    def __init__(self) -> None:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "launcher.orchestrate.watchdog", str(os.getpid())],
             stdin=subprocess.PIPE,
@@ -375,8 +375,6 @@ class Watchdog:
             cwd="/",  # `-m` puts the current folder on sys.path: one no one else may write
             start_new_session=True,  # Ctrl-C to the terminal's process group is not for it
         )
-        if record is not None:
-            self.update(record)
 
     def update(self, record: dict[str, Any]) -> None:
         assert self._proc.stdin is not None
@@ -452,7 +450,8 @@ def _embedded(
     os.environ.setdefault(NICENESS_ENV, "0")
     os.environ.setdefault(KILL_CHILDREN_ENV, "0")
     temp_dir = private_ray_temp()
-    watchdog = Watchdog({"mode": "embedded", "temp_dir": temp_dir})
+    watchdog = Watchdog()
+    watchdog.update({"mode": "embedded", "temp_dir": temp_dir})
     try:
         with signals.ctrl_c_spared():  # a terminal's Ctrl-C: the ranks', not Ray's
             ray.init(
@@ -524,7 +523,7 @@ def _bootstrap(
         _cluster=cluster,
         _head_ip=ips[head.name],
         _token=token,
-        _watchdog=Watchdog(None),
+        _watchdog=Watchdog(),
     )
     try:
         log.info("Starting Ray head on %s (%s)", head.name, head.host)
