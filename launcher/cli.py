@@ -125,26 +125,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return cmd_plan(args)
     job, cluster = _load(args)
     cluster_file = args.cluster or ("cluster.yaml" if Path("cluster.yaml").is_file() else None)
-    if cluster.slurm is not None:
-        assert cluster_file is not None  # a slurm: cluster comes from a file
-        batch.submit(
-            job,
-            cluster,
-            job_file=args.job,
-            cluster_file=cluster_file,
-            overrides=list(args.set or []),
-            run_dir=args.run_dir,
-            skip_parity=args.skip_parity,
-            as_json=args.json,
-        )
+    common = {"run_dir": args.run_dir, "skip_parity": args.skip_parity, "as_json": args.json}
+    if cluster.slurm is None:
+        commands.submit(job, cluster, cluster_file=cluster_file, **common)
         return 0
-    commands.submit(
-        job,
-        cluster,
-        cluster_file=cluster_file,
-        run_dir=args.run_dir,
-        skip_parity=args.skip_parity,
-        as_json=args.json,
+    assert cluster_file is not None  # a slurm: cluster comes from a file
+    overrides = list(args.set or [])
+    batch.submit(
+        job, cluster, job_file=args.job, cluster_file=cluster_file, overrides=overrides, **common
     )
     return 0
 
