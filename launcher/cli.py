@@ -42,13 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         if command in WORKING_COMMANDS or not console.stdout_reader_gone():
             raise  # not stdout's: not ours to hide
-        console.stdout_to_devnull()
+        console.to_devnull(sys.stdout)
         return 0
     try:
         if sys.stdout is not None:
             sys.stdout.flush()  # here, not at exit: a closed pipe is then still ours to handle
     except BrokenPipeError:  # the command has ended; the last of its output had no reader
-        console.stdout_to_devnull()
+        console.to_devnull(sys.stdout)
     return code
 
 

@@ -31,9 +31,12 @@ def open_closed_streams() -> None:
             setattr(sys, name, stream)
 
 
-def stdout_to_devnull() -> None:
-    """The recipe: stdout's descriptor to /dev/null, so the flush at exit does not fail again."""
-    _to_devnull(sys.stdout)
+def to_devnull(stream: TextIO) -> None:
+    """The recipe: ``stream``'s descriptor to /dev/null, so the flush at exit does not fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def stdout_reader_gone() -> bool:
@@ -76,7 +79,7 @@ class ReaderMayGo:
 
     def _drop(self) -> None:
         self.reader_gone = True
-        _to_devnull(self.stream)
+        to_devnull(self.stream)
         with contextlib.suppress(OSError, ValueError):
             self.stream.flush()  # what the broken write left in the buffer, to /dev/null
 
@@ -90,13 +93,6 @@ def reader_may_go() -> Iterator[None]:
         yield
     finally:
         sys.stdout, sys.stderr = saved
-
-
-def _to_devnull(stream: TextIO) -> None:
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
 
 
 def _is_open(fd: int) -> bool:

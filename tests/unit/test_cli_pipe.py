@@ -71,7 +71,7 @@ def test_a_broken_pipe_is_hidden_only_when_a_command_that_shows_lost_its_reader(
     another's, even when stdout's reader happens to have gone as well."""
     monkeypatch.setattr(cli, f"cmd_{command}", _raise_broken_pipe)
     monkeypatch.setattr(console, "stdout_reader_gone", lambda: reader_gone)
-    monkeypatch.setattr(console, "stdout_to_devnull", lambda: None)  # pytest's stdout stays
+    monkeypatch.setattr(console, "to_devnull", lambda stream: None)  # pytest's stdout stays
     monkeypatch.setattr(cli, "setup_logging", lambda debug: None)
     monkeypatch.setattr(cli.signals, "install", lambda: None)
     special = {"schema": ["schema", "job"], "export": ["export", "x", "--out", "y"]}
