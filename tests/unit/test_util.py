@@ -26,7 +26,7 @@ def test_first_line(err, expected):
     assert first_line(err) == expected
 
 
-def test_write_private_is_owner_only_also_over_a_wider_file(tmp_path):
+def test_write_private_is_owner_only_even_over_a_wider_file_write_atomic_uses_the_umask(tmp_path):
     path = tmp_path / "job.yaml"
     write_private(path, "secret: 1\n")
     assert path.read_text() == "secret: 1\n"
@@ -35,15 +35,29 @@ def test_write_private_is_owner_only_also_over_a_wider_file(tmp_path):
     write_private(path, "short\n")
     assert path.read_text() == "short\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    write_atomic(tmp_path / "summary.json", "{}\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "summary.json").stat().st_mode) == 0o666 & ~umask
 
 
-def test_write_private_is_whole_or_nothing(tmp_path):
-    path = tmp_path / "head.json"
-    write_private(path, '{"pid": 1}\n')
+@pytest.mark.parametrize("write", [write_private, write_atomic])
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch, write):
+    path = tmp_path / "summary.json"
+    write(path, '{"status": "running"}\n')
     with pytest.raises(UnicodeEncodeError):
-        write_private(path, '{"pid": 2, "bad": "\ud800"}\n')  # fails mid-write
-    assert path.read_text() == '{"pid": 1}\n'
-    assert [p.name for p in tmp_path.iterdir()] == ["head.json"]
+        write(path, '{"status": 2, "bad": "\ud800"}\n')  # fails mid-write
+    assert path.read_text() == '{"status": "running"}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+    def full_disk(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write(path, '{"status": "succeeded", "totals": ' + "x" * 10_000)
+    assert path.read_text() == '{"status": "running"}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
 def test_utc_stamp_is_now_in_utc():
@@ -68,21 +82,3 @@ def test_free_port_can_be_bound_on_every_interface():
     assert 0 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", port))
-
-
-def test_write_atomic_leaves_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
-    target = tmp_path / "summary.json"
-    write_atomic(target, '{"status": "running"}\n')
-    assert target.read_text() == '{"status": "running"}\n'
-    umask = os.umask(0)
-    os.umask(umask)
-    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~umask)  # as write_text makes it
-
-    def full_disk(*_):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(OSError, match="No space"):
-        write_atomic(target, '{"status": "succeeded", "totals": ' + "x" * 10_000)
-    assert target.read_text() == '{"status": "running"}\n'
-    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left
