@@ -156,7 +156,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from launcher.jobs import commands
+    from launcher.jobs import batch, commands
 
     if args.rank is not None or args.node is not None or Path(args.job_id).is_dir():
         from launcher.results.logs import rank_logs
@@ -167,8 +167,6 @@ def cmd_logs(args: argparse.Namespace) -> int:
         return 0
     cluster = _load_cluster(args)
     if cluster.slurm is not None:
-        from launcher.jobs import batch
-
         return batch.logs(args.job_id, follow=args.follow)
     return commands.logs(cluster, args.job_id, follow=args.follow)
 
