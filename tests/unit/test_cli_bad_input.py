@@ -3,11 +3,10 @@ started (no run directory, no process carrying the launch's environment outlives
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
-from fixtures.launching import ROOT, launch, ours
+from fixtures.launching import ROOT, launch, launcher_env, ours
 
 pytestmark = pytest.mark.processes  # starts processes: not in `just test-fast`
 
@@ -38,8 +37,7 @@ def test_bad_command_line_exits_2_and_starts_nothing(tmp_path, case):
     if argv[0] not in ("scale", "report"):
         argv = [*argv, "--run-dir", str(run_dir)]
     mark = uuid.uuid4().hex
-    env = {**os.environ, "LAUNCHER_TEST_MARK": mark, "PYTHONPATH": str(ROOT)}
-    result = launch(*argv, cwd=tmp_path, env=env, timeout=120)
+    result = launch(*argv, cwd=tmp_path, env=launcher_env(mark), timeout=120)
     assert result.returncode == 2, (case, result.returncode, result.stderr[-2000:])
     assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
