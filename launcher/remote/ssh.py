@@ -118,10 +118,9 @@ class SSHRunner(Runner):
             "compress": False,
         }
 
-    def _client(self, files: tuple[Path, ...] | None = None) -> paramiko.SSHClient:
-        """A client that knows the hop's known_hosts ``files`` (default: the node's) and refuses
-        (or records into the first, on opt-in) new keys."""
-        files = files or self.route.node.known_hosts
+    def _client(self, files: tuple[Path, ...]) -> paramiko.SSHClient:
+        """A client that knows a hop's known_hosts ``files`` and refuses (or records into the
+        first, on opt-in) new keys."""
         client = paramiko.SSHClient()
         revoked: set[tuple[str, bytes]] = set()
         for path in files:
@@ -212,7 +211,7 @@ class SSHRunner(Runner):
                     **({"sock": sock} if sock is not None else {}),
                 },
             )
-            conn.client = self._client()
+            conn.client = self._client(hop.known_hosts)
             with self._state:
                 self._connecting = conn
             try:
