@@ -55,7 +55,6 @@ class ReaderMayGo:
 
     def __init__(self, stream: TextIO):
         self.stream = stream
-        self.reader_gone = False
 
     def write(self, text: str) -> int:
         try:
@@ -78,7 +77,6 @@ class ReaderMayGo:
         return getattr(self.stream, name)
 
     def _drop(self) -> None:
-        self.reader_gone = True
         to_devnull(self.stream)
         with contextlib.suppress(OSError, ValueError):
             self.stream.flush()  # what the broken write left in the buffer, to /dev/null
