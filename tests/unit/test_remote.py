@@ -281,9 +281,8 @@ def test_ssh_options_are_key_only(ssh_runner: SSHRunner) -> None:
 def test_a_dsa_key_file_is_an_authentication_failure_that_says_which_keys_work(
     ssh_runner: SSHRunner, form: str, layout: str
 ) -> None:
-    """paramiko >= 4.0 reads no DSA keys (it removed DSSKey): ``PKey.from_path`` raises
-    UnknownKeyType (no SSHException), which escaped as a traceback. Refused before any
-    connection is made."""
+    """paramiko >= 4.0 reads no DSA keys: ``PKey.from_path`` raises UnknownKeyType, no
+    SSHException. Refused before any connection is made."""
     key = ssh_runner.ssh.key
     assert key is not None
     key.write_bytes(
