@@ -65,9 +65,9 @@ class Run:
         return torch.load(self.dir / "params.pt")
 
 
-def write_job(base: Path, name: str, *replace: str) -> Path:
-    """TINY_JOB as ``base/NAME.yaml``, checkpoints in ``base/ckpt-NAME``; ``replace``: (old, new)."""
-    text = TINY_JOB.format(name=name, ckpt=base / f"ckpt-{name}")
+def write_job(base: Path, name: str, *replace: str, template: str = TINY_JOB) -> Path:
+    """``template`` as base/NAME.yaml, checkpoints in base/ckpt-NAME; ``replace``: old, new."""
+    text = template.format(name=name, ckpt=base / f"ckpt-{name}")
     if replace:
         assert replace[0] in text
         text = text.replace(*replace)
@@ -123,10 +123,12 @@ def ok(run: Run) -> Run:
     return run
 
 
-def train(base: Path, name: str, *overrides: str, module: bool = False, **kw) -> Run:
-    """TINY_JOB named ``name`` with ``overrides``, run to success in ``base/NAME``; through the
-    harness the final parameters go to params.pt, else through ``-m launcher.train``."""
-    args = ["--job", str(write_job(base, name)), *sets(*overrides)]
+def train(
+    base: Path, name: str, *overrides: str, module: bool = False, template: str = TINY_JOB, **kw
+) -> Run:
+    """``template`` (TINY_JOB) named ``name`` with ``overrides``, run to success in ``base/NAME``;
+    through the harness the final parameters go to params.pt, else through ``-m launcher.train``."""
+    args = ["--job", str(write_job(base, name, template=template)), *sets(*overrides)]
     args += [] if module else ["--params-out", "params.pt"]
     return ok(launch(base / name, args, module=module, **kw))
 
@@ -244,8 +246,11 @@ def test_health_fields_and_evaluations_under_ddp_and_fsdp(fsdp_fp32: Run, ddp_fp
     assert not any(r["eval_loss"] for r in ddp_fp32.records(0, "step"))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_bf16_loss_falls(base: Path, strategy: str):
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [("ddp", "parallel.ddp.comm_hook=fp16"), ("fsdp", "train.activation_checkpointing=true")],
+)
+def test_bf16_loss_falls(base: Path, strategy: str, extra: str):
     """bf16 autocast through the real entry point, accumulating 2 micro-batches (DDP's no_sync,
     FSDP's deferred reduce-scatter); DDP also compresses gradients, FSDP also recomputes."""
     run = train(
@@ -258,9 +263,7 @@ def test_bf16_loss_falls(base: Path, strategy: str):
         "train.micro_batch=2",
         "train.grad_accum=2",
         "train.eval_every=25",
-        "parallel.ddp.comm_hook=fp16"
-        if strategy == "ddp"
-        else "train.activation_checkpointing=true",
+        extra,
         module=True,
     )
     assert_loss_falls(run)
@@ -268,30 +271,21 @@ def test_bf16_loss_falls(base: Path, strategy: str):
     assert len(evals) == 2 and evals[1] < evals[0]
 
 
-@pytest.fixture(scope="module")
-def killed(base: Path) -> Run:
-    """The ddp_fp32 job again, rank 0 SIGKILLed right after step 30 (checkpoint at 25)."""
-    return launch(
-        base / "killed-ddp", ["--job", str(write_job(base, "resume-ddp")), "--kill-at-step", "30"]
-    )
-
-
-def resume(base: Path, strategy: str, killed: Run, reference: Run) -> Run:
-    """Resume ``killed`` (SIGKILLed after step 30) from its step-25 checkpoint: its losses up to
-    30, the resumed run's after 30 and its step-50 parameters are ``reference``'s, bit for bit."""
+def resume(base: Path, strategy: str, reference: Run, *replace: str) -> Run:
+    """``reference``'s job (TINY_JOB with ``replace``) again, rank 0 SIGKILLed right after step 30,
+    then resumed from its step-25 checkpoint: its losses up to 30 (deterministic runs), the
+    resumed run's after 30 and its step-50 parameters are ``reference``'s, bit for bit."""
+    job = write_job(base, f"resume-{strategy}", *replace)
+    killed = launch(base / f"killed-{strategy}", ["--job", str(job), "--kill-at-step", "30"])
     assert killed.returncode != 0, killed.output[-2000:]
     first, second = reference.losses(), killed.losses()
-    assert max(second) == 30
+    assert max(second) == 30 and {2, 5, 10, 15, 20, 25, 30} <= set(second)
     assert all(first[s] == loss for s, loss in second.items()), (first, second)
     ckpt = base / f"ckpt-resume-{strategy}"
     assert (ckpt / "step_00000025" / "COMPLETE").is_file()
     assert not (ckpt / "step_00000050").exists()
-    resumed = ok(
-        launch(
-            base / f"resumed-{strategy}",
-            ["--job", str(base / f"resume-{strategy}.yaml"), "--params-out", "params.pt"],
-        )
-    )
+    args = ["--job", str(job), "--params-out", "params.pt"]
+    resumed = ok(launch(base / f"resumed-{strategy}", args))
     assert "resumed from" in resumed.output and "steps 26..50" in resumed.output
     assert resumed.records(0, "meta")[0]["start_step"] == 25
     assert (ckpt / "step_00000050" / "COMPLETE").is_file()
@@ -301,20 +295,13 @@ def resume(base: Path, strategy: str, killed: Run, reference: Run) -> Run:
     return resumed
 
 
-def test_ddp_resume_after_a_kill_matches_the_uninterrupted_run(
-    base: Path, killed: Run, ddp_fp32: Run
-):
-    """Two deterministic runs of one job (one killed) log the same losses, bit for bit; resumed
-    from the step-25 checkpoint, step 50 equals the run never killed, bit for bit."""
-    assert {2, 5, 10, 15, 20, 25, 30} <= set(killed.losses())
-    resume(base, "ddp", killed, ddp_fp32)
+def test_ddp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, ddp_fp32: Run):
+    resume(base, "ddp", ddp_fp32)
 
 
 def test_fsdp_resume_after_a_kill_matches_the_uninterrupted_run(base: Path, fsdp_fp32: Run):
     """The same under FSDP: sharded parameters and optimizer state round-trip through DCP."""
-    job = write_job(base, "resume-fsdp", "resources:", "parallel: {strategy: fsdp}\nresources:")
-    killed = launch(base / "killed-fsdp", ["--job", str(job), "--kill-at-step", "30"])
-    resume(base, "fsdp", killed, fsdp_fp32)
+    resume(base, "fsdp", fsdp_fp32, "resources:", "parallel: {strategy: fsdp}\nresources:")
 
 
 # -- bf16 weights with fp32 masters (precision.weights: bf16) on the CPU ----------------------
@@ -352,14 +339,6 @@ def test_ddp_bf16_weights_track_fp32_weights(base: Path, ddp_bf16_weights: Run):
     assert abs(ours - theirs) <= 0.03 * theirs, (ddp_bf16_weights.losses(), fp32.losses())
 
 
-@pytest.fixture(scope="module")
-def killed_bf16_weights(base: Path) -> Run:
-    """The ddp_bf16_weights job again, rank 0 SIGKILLed right after step 30 (checkpoint at 25)."""
-    precision = ("precision: {dtype: fp32}", "precision: {dtype: bf16, weights: bf16}")
-    job = write_job(base, "resume-bf16-weights", *precision)
-    return launch(base / "killed-bf16-weights", ["--job", str(job), "--kill-at-step", "30"])
-
-
 def model_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
     """The model entries' dtypes in a DCP checkpoint's metadata (keys ``model.<name>``)."""
     import torch.distributed.checkpoint as dcp
@@ -369,16 +348,16 @@ def model_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
 
 
 def test_ddp_bf16_weights_resume_after_a_kill_matches_the_uninterrupted_run(
-    base: Path, killed_bf16_weights: Run, ddp_bf16_weights: Run
+    base: Path, ddp_bf16_weights: Run
 ):
     """The step-25 checkpoint holds the fp32 masters and the moments; resumed from it, step 50
     equals the run never killed, bit for bit (the bf16 weights are rounded from the masters)."""
-    resumed = resume(base, "bf16-weights", killed_bf16_weights, ddp_bf16_weights)
+    precision = ("precision: {dtype: fp32}", "precision: {dtype: bf16, weights: bf16}")
+    resumed = resume(base, "bf16-weights", ddp_bf16_weights, *precision)
     assert resumed.records(0, "meta")[0]["weights"] == "bf16"
-    ckpt = base / "ckpt-resume-bf16-weights"
+    names = {f"model.{k}" for k in ddp_bf16_weights.params()}
     for step in (25, 50):
-        dtypes = model_dtypes(ckpt / f"step_{step:08d}")
-        names = {f"model.{k}" for k in ddp_bf16_weights.params()}
+        dtypes = model_dtypes(base / "ckpt-resume-bf16-weights" / f"step_{step:08d}")
         assert names <= set(dtypes), (sorted(names - set(dtypes)), sorted(dtypes))
         assert all(dtypes[k] == torch.float32 for k in names), dtypes
 
@@ -408,15 +387,9 @@ def test_gpt_on_a_token_file_sharded_by_rank(base: Path, strategy: str):
 
 
 def test_quickstart_runs_as_one_process_without_torchrun(base: Path):
-    run = ok(
-        launch(
-            base / "quick",
-            ["--job", str(REPO / "jobs" / "quickstart.yaml")]
-            + sets("train.steps=4", "train.warmup_steps=1", "train.log_every=2"),
-            nproc=None,
-            module=True,
-        )
-    )
+    args = ["--job", str(REPO / "jobs" / "quickstart.yaml")]
+    args += sets("train.steps=4", "train.warmup_steps=1", "train.log_every=2")
+    run = ok(launch(base / "quick", args, nproc=None, module=True))
     assert "world 1" in run.output and "step 4/4" in run.output and "done: 4 steps" in run.output
     records = run.records()
     assert [r["type"] for r in records] == ["meta", "first_step", "step", "step", "step", "final"]
@@ -426,14 +399,9 @@ def test_quickstart_runs_as_one_process_without_torchrun(base: Path):
 
 
 def test_the_host_bound_benchmark_reports_issue_and_synced_time_per_rank(base: Path):
-    run = ok(
-        launch(
-            base / "host-bound",
-            [str(REPO / "jobs/quickstart.yaml"), "--warmup", "1", "--probe", "2", "--steps", "2"]
-            + sets("model.n_layers=1"),
-            script=REPO / "benchmarks/host_bound.py",
-        )
-    )
+    args = [str(REPO / "jobs/quickstart.yaml"), "--warmup", "1", "--probe", "2", "--steps", "2"]
+    script = REPO / "benchmarks/host_bound.py"
+    run = ok(launch(base / "host-bound", args + sets("model.n_layers=1"), script=script))
     [line] = [x for x in run.output.splitlines() if x.startswith('{"job"')]
     result = json.loads(line)
     assert result["world_size"] == 2 and [r["rank"] for r in result["ranks"]] == [0, 1]
@@ -461,25 +429,12 @@ resources: {{nodes: all, nproc_per_node: 1, device: cuda}}
 """
 
 
-def gpu_job(base: Path, name: str) -> Path:
-    path = base / f"{name}.yaml"
-    path.write_text(GPU_JOB.format(name=name))
-    return path
-
-
 @pytest.mark.gpu
 @needs_gpus[2]
 def test_gpu_nccl_ddp_on_two_gpus_matches_one_gpu(base: Path):
-    job = gpu_job(base, "gpu-ddp")
-    two = ok(launch(base / "gpu-two", ["--job", str(job), "--params-out", "params.pt"]))
+    two = train(base, "gpu-two", template=GPU_JOB)
     assert two.records(1, "meta")[0]["device"] == "cuda:1"
-    one = ok(
-        launch(
-            base / "gpu-one",
-            ["--job", str(job), "--params-out", "params.pt", *sets("train.micro_batch=16")],
-            nproc=1,
-        )
-    )
+    one = train(base, "gpu-one", "train.micro_batch=16", template=GPU_JOB, nproc=1)
     assert_params_close(two.params(), one.params(), atol=2e-4)
 
 
@@ -487,56 +442,38 @@ def test_gpu_nccl_ddp_on_two_gpus_matches_one_gpu(base: Path):
 def compiled_one_gpu(base: Path) -> Run:
     """The GPU job compiled, one GPU, one micro-batch of 16 per step, kernels launched one by one:
     the reference the CUDA-graph runs must reproduce."""
-    job = gpu_job(base, "gpu-compiled-one")
-    return ok(
-        launch(
-            base / "gpu-compiled-one",
-            ["--job", str(job), "--params-out", "params.pt"]
-            + sets("train.compile=true", "train.micro_batch=16"),
-            nproc=1,
-        )
-    )
-
-
-@pytest.mark.gpu
-@needs_gpus[2]
-def test_gpu_cuda_graphs_on_two_gpus_match_compiled_one_gpu(base: Path):
-    """Replayed graphs with DDP's hooks between them train the same model as launches."""
-    job = gpu_job(base, "gpu-graphs")
-    args = ["--job", str(job), "--params-out", "params.pt", *sets("train.compile=true")]
-    two = ok(launch(base / "gpu-graphs-two", args + sets("train.cuda_graphs=true")))
-    one = ok(launch(base / "gpu-graphs-one", args + sets("train.micro_batch=16"), nproc=1))
-    assert_loss_falls(two, by=1.0)
-    assert_params_close(two.params(), one.params(), atol=5e-4)
+    overrides = ("train.compile=true", "train.micro_batch=16")
+    return train(base, "gpu-compiled-one", *overrides, template=GPU_JOB, nproc=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "nproc", [pytest.param(1, marks=needs_gpus[1]), pytest.param(2, marks=needs_gpus[2])]
+    ("nproc", "accum"),
+    [
+        pytest.param(2, 1, marks=needs_gpus[2]),
+        pytest.param(1, 2, marks=needs_gpus[1]),
+        pytest.param(2, 2, marks=needs_gpus[2]),
+    ],
 )
-def test_gpu_cuda_graphs_accumulating_micro_batches_match_one_batch(
-    base: Path, nproc: int, compiled_one_gpu: Run
+def test_gpu_cuda_graphs_match_compiled_one_gpu(
+    base: Path, nproc: int, accum: int, compiled_one_gpu: Run
 ):
-    """Graphs replayed twice per step (grad_accum 2; under DDP with 2 GPUs) train the same model
-    as one compiled GPU taking the 16 samples at once: no micro-batch's gradients are lost to
-    the next replay."""
-    job = gpu_job(base, f"gpu-accum-{nproc}")
-    accum = ok(
-        launch(
-            base / f"gpu-accum-graphs-{nproc}",
-            ["--job", str(job), "--params-out", "params.pt"]
-            + sets(
-                "train.compile=true",
-                "train.cuda_graphs=true",
-                "train.grad_accum=2",
-                f"train.micro_batch={16 // (2 * nproc)}",
-            ),
-            nproc=nproc,
-        )
+    """Replayed graphs (with DDP's hooks between them on 2 GPUs; replayed twice per step with
+    grad_accum 2) train the same model as one compiled GPU taking the 16 samples at once,
+    kernels launched one by one: no micro-batch's gradients are lost to the next replay."""
+    graphs = train(
+        base,
+        f"gpu-graphs-{nproc}-{accum}",
+        "train.compile=true",
+        "train.cuda_graphs=true",
+        f"train.grad_accum={accum}",
+        f"train.micro_batch={16 // (accum * nproc)}",
+        template=GPU_JOB,
+        nproc=nproc,
     )
-    assert accum.records(0, "meta")[0]["grad_accum"] == 2
-    assert_loss_falls(accum, by=1.0)
-    assert_params_close(accum.params(), compiled_one_gpu.params(), atol=5e-4)
+    assert graphs.records(0, "meta")[0]["grad_accum"] == accum
+    assert_loss_falls(graphs, by=1.0)
+    assert_params_close(graphs.params(), compiled_one_gpu.params(), atol=5e-4)
 
 
 @pytest.mark.gpu
@@ -557,20 +494,16 @@ def test_gpu_precisions_run_and_the_loss_falls(
     base: Path, dtype: str, strategy: str, compile_: bool | str
 ):
     """compile_ "graphs": compiled and replayed as CUDA graphs."""
-    name = f"gpu-{dtype}-{strategy}-{compile_}"
-    run = ok(
-        launch(
-            base / name,
-            ["--job", str(gpu_job(base, name))]
-            + sets(
-                f"precision.dtype={dtype}",
-                f"parallel.strategy={strategy}",
-                f"train.compile={str(bool(compile_)).lower()}",
-                f"train.cuda_graphs={str(compile_ == 'graphs').lower()}",
-            ),
-            nproc=min(GPUS, 2),
-            module=True,
-        )
+    run = train(
+        base,
+        f"gpu-{dtype}-{strategy}-{compile_}",
+        f"precision.dtype={dtype}",
+        f"parallel.strategy={strategy}",
+        f"train.compile={str(bool(compile_)).lower()}",
+        f"train.cuda_graphs={str(compile_ == 'graphs').lower()}",
+        template=GPU_JOB,
+        nproc=min(GPUS, 2),
+        module=True,
     )
     assert_loss_falls(run, by=1.0)
     final = run.records(0, "final")[0]
@@ -590,26 +523,24 @@ def test_gpu_precisions_run_and_the_loss_falls(
         assert 0 < final["power_w"] < 2000
 
 
-def _has_fp8() -> tuple[bool, str]:
+def fp8_missing() -> str:
+    """Why FP8 training cannot run here ("" where it can)."""
     if not GPUS:
-        return False, "needs a CUDA GPU"
+        return "needs a CUDA GPU"
     if torch.cuda.get_device_capability(0) < (8, 9):
-        return (
-            False,
-            f"{torch.cuda.get_device_name(0)} has no FP8 tensor cores (compute capability below 8.9)",
-        )
+        return f"{torch.cuda.get_device_name(0)} has no FP8 tensor cores (compute capability below 8.9)"
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
-        return False, "needs torchao (pip install -e '.[fp8]')"
-    return True, ""
+        return "needs torchao (pip install -e '.[fp8]')"
+    return ""
 
 
-FP8_OK, FP8_WHY = _has_fp8()
+FP8_MISSING = fp8_missing()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not FP8_OK, reason=FP8_WHY or "fp8 available")
+@pytest.mark.skipif(bool(FP8_MISSING), reason=FP8_MISSING or "fp8 available")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_gpu_fp8_loss_falls_and_tracks_bf16(base: Path, recipe: str):
     """torchao's float8 layers (every block linear: the mini model is below torchao's size
@@ -617,15 +548,8 @@ def test_gpu_fp8_loss_falls_and_tracks_bf16(base: Path, recipe: str):
     Eager, to keep the test short (the compiled path is what the benchmarks run)."""
 
     def run(dtype: str, *more: str) -> Run:
-        name = f"gpu-fp8-{recipe}-{dtype}"
-        return ok(
-            launch(
-                base / name,
-                ["--job", str(gpu_job(base, name)), *sets(f"precision.dtype={dtype}", *more)],
-                nproc=1,
-                module=True,
-            )
-        )
+        name, more = f"gpu-fp8-{recipe}-{dtype}", (f"precision.dtype={dtype}", *more)
+        return train(base, name, *more, template=GPU_JOB, nproc=1, module=True)
 
     fp8 = run("fp8", f"precision.fp8_recipe={recipe}", "precision.fp8_layers=all")
     bf16 = run("bf16")
@@ -643,13 +567,9 @@ def test_gpu_fp8_loss_falls_and_tracks_bf16(base: Path, recipe: str):
     reason="this GPU has FP8 tensor cores; the error is for GPUs without them",
 )
 def test_gpu_fp8_without_fp8_tensor_cores_fails_with_a_clear_error(base: Path):
-    name = "gpu-fp8-unsupported"
-    run = launch(
-        base / name,
-        ["--job", str(gpu_job(base, name)), *sets("precision.dtype=fp8")],
-        nproc=1,
-        module=True,
-    )
+    job = write_job(base, "gpu-fp8-unsupported", template=GPU_JOB)
+    args = ["--job", str(job), *sets("precision.dtype=fp8")]
+    run = launch(base / "gpu-fp8-unsupported", args, nproc=1, module=True)
     assert run.returncode == 2
     assert "fp8 needs FP8 tensor cores (compute capability 8.9 or above" in run.output
 
@@ -661,20 +581,16 @@ def test_gpu_bf16_weights_under_cuda_graphs_track_fp32_weights(base: Path):
     train the compiled GPU job as fp32 weights do: the loss falls and ends within 2%."""
     runs = {}
     for weights in ("bf16", "fp32"):
-        job = gpu_job(base, f"gpu-weights-{weights}")
-        runs[weights] = ok(
-            launch(
-                base / f"gpu-weights-{weights}",
-                ["--job", str(job), "--params-out", "params.pt"]
-                + sets(
-                    "precision.dtype=bf16",
-                    f"precision.weights={weights}",
-                    "train.compile=true",
-                    "train.cuda_graphs=true",
-                    "train.micro_batch=16",
-                ),
-                nproc=1,
-            )
+        runs[weights] = train(
+            base,
+            f"gpu-weights-{weights}",
+            "precision.dtype=bf16",
+            f"precision.weights={weights}",
+            "train.compile=true",
+            "train.cuda_graphs=true",
+            "train.micro_batch=16",
+            template=GPU_JOB,
+            nproc=1,
         )
         assert runs[weights].records(0, "meta")[0]["weights"] == weights
     assert_loss_falls(runs["bf16"], by=1.0)
