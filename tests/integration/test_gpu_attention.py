@@ -10,6 +10,7 @@ blocks with the pair, compiled and replayed as CUDA graphs.
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures.numerics import rel_err
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from launcher.train import attention
@@ -28,11 +29,6 @@ def _needs_fa4():
         )
     if attention.fa4_import_error() is not None:
         pytest.skip(f"flash-attn-4 is not installed ({attention.fa4_import_error()})")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm())
 
 
 def test_cudnn_log_sum_exp_is_the_scaled_scores():
@@ -65,15 +61,15 @@ def test_pair_matches_cudnn_both_ways(shape):
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         ref = attention.sdpa_attention(qkv, causal)
         (ref_grad,) = torch.autograd.grad(ref, qkv, dout)
-    assert _rel(out, ref) < 1e-3  # the same cuDNN kernel (its plan may differ)
+    assert rel_err(out, ref) < 1e-3  # the same cuDNN kernel (its plan may differ)
     assert grad.is_contiguous() and grad.shape == qkv.shape
     assert torch.isfinite(grad).all()
     for i, name in enumerate("qkv"):  # each of dq, dk, dv to bf16 rounding of cuDNN's
-        assert _rel(grad[:, :, i], ref_grad[:, :, i]) < 1e-2, name
+        assert rel_err(grad[:, :, i], ref_grad[:, :, i]) < 1e-2, name
     # and closer to an fp32 reference than bf16's own rounding error
     q32 = qkv.detach().float().requires_grad_()
     (grad32,) = torch.autograd.grad(attention.sdpa_attention(q32, causal), q32, dout.float())
-    assert _rel(grad, grad32) < 1e-2
+    assert rel_err(grad, grad32) < 1e-2
 
 
 def test_gpt_blocks_compiled_with_cuda_graphs():

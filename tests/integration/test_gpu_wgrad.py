@@ -86,9 +86,8 @@ def test_the_compiled_backward_batches_and_its_gradients_agree():
     reference.compile()
     g = torch.Generator(device="cuda").manual_seed(1)
     ids, labels = (torch.randint(0, 512, (8, 128), device="cuda", generator=g) for _ in range(2))
-    with torch._inductor.config.patch(
-        force_disable_caches=True
-    ):  # a cached graph would skip the pass
+    # a cached graph would skip the pass
+    with torch._inductor.config.patch(force_disable_caches=True):
         for m in (model, reference):
             m(ids, labels).backward()
     assert batching.groups == 4
