@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from fixtures.batching import source, write_npy
 from fixtures.launching import sets
 
@@ -230,10 +231,9 @@ def test_health_fields_and_evaluations_under_ddp_and_fsdp(fsdp_fp32: Run, ddp_fp
     """grad_norm in every record (the same on both ranks: the norm of the whole gradient),
     eval_loss at 20, 40 and the last step (the same on both ranks: a mean over them), falling."""
     for run in (ddp_fp32, fsdp_fp32):
-        for rank in (0, 1):
-            steps = run.records(rank, "step")
-            assert all(r["grad_norm"] > 0 and r["nonfinite_steps"] == 0 for r in steps)
-        norms = [[r["grad_norm"] for r in run.records(rank, "step")] for rank in (0, 1)]
+        steps = [run.records(rank, "step") for rank in (0, 1)]
+        assert all(r["grad_norm"] > 0 and r["nonfinite_steps"] == 0 for r in steps[0] + steps[1])
+        norms = [[r["grad_norm"] for r in ranks_steps] for ranks_steps in steps]
         assert norms[0] == pytest.approx(norms[1], rel=1e-6)
     evals = [
         {r["step"]: r["eval_loss"] for r in fsdp_fp32.records(rank, "step") if r["eval_loss"]}
@@ -339,14 +339,6 @@ def test_ddp_bf16_weights_track_fp32_weights(base: Path, ddp_bf16_weights: Run):
     assert abs(ours - theirs) <= 0.03 * theirs, (ddp_bf16_weights.losses(), fp32.losses())
 
 
-def model_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
-    """The model entries' dtypes in a DCP checkpoint's metadata (keys ``model.<name>``)."""
-    import torch.distributed.checkpoint as dcp
-
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    return {k: v.properties.dtype for k, v in saved.items() if k.startswith("model.")}
-
-
 def test_ddp_bf16_weights_resume_after_a_kill_matches_the_uninterrupted_run(
     base: Path, ddp_bf16_weights: Run
 ):
@@ -357,9 +349,11 @@ def test_ddp_bf16_weights_resume_after_a_kill_matches_the_uninterrupted_run(
     assert resumed.records(0, "meta")[0]["weights"] == "bf16"
     names = {f"model.{k}" for k in ddp_bf16_weights.params()}
     for step in (25, 50):
-        dtypes = model_dtypes(base / "ckpt-resume-bf16-weights" / f"step_{step:08d}")
-        assert names <= set(dtypes), (sorted(names - set(dtypes)), sorted(dtypes))
-        assert all(dtypes[k] == torch.float32 for k in names), dtypes
+        path = base / "ckpt-resume-bf16-weights" / f"step_{step:08d}"
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        assert names <= set(saved), (sorted(names - set(saved)), sorted(saved))
+        dtypes = {k: saved[k].properties.dtype for k in names}
+        assert all(d == torch.float32 for d in dtypes.values()), dtypes
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
