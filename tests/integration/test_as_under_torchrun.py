@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.launching import launch, wait_for, write_job
+from fixtures.launching import TORCHRUN_NOISE, launch, wait_for, write_job
 
 pytestmark = pytest.mark.ray
 
@@ -53,7 +53,7 @@ except KeyboardInterrupt:
     time.sleep(0.5)  # a checkpoint being saved
     print(f"KeyboardInterrupt handled on rank {rank}", flush=True)
 """
-NOT_OURS = ("Traceback", "SignalException", "ChildFailedError", "torch.distributed.elastic")
+NOT_OURS = ("Traceback", *TORCHRUN_NOISE)
 
 
 def test_ctrl_c_runs_every_ranks_keyboard_interrupt_handler(tmp_path):

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.launching import QUICK, assert_none_left, launch, sets, write_job
+from fixtures.launching import (
+    QUICK,
+    TORCHRUN_NOISE,
+    assert_none_left,
+    launch,
+    sets,
+    write_job,
+)
 
 from launcher.metrics import read_records
 from launcher.results.summary import RANK_KEYS
@@ -127,8 +134,9 @@ def test_failing_rank_stops_everything_and_is_named(tmp_path, mark):
     console = result.stdout + result.stderr
     assert re.search(r"^\[local/rank1\] (\[rank1\]: )?Traceback", console, re.MULTILINE)
     others = [line for line in console.splitlines() if not line.startswith("[local/rank1]")]
-    noise = ("SignalException", "ChildFailedError", "torch.distributed.elastic")
-    assert not [bad for bad in noise if any(bad in line for line in others)], console[-4000:]
+    assert not [bad for bad in TORCHRUN_NOISE if any(bad in line for line in others)], console[
+        -4000:
+    ]
     assert "Token authentication is enabled" not in console
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
